@@ -1,0 +1,11 @@
+# encore_add_kernel_family(<family> <sources...>): a static CUDA library encore_kernels_<family>
+# compiled for CMAKE_CUDA_ARCHITECTURES (90a by default) with the project's device flags.
+function(encore_add_kernel_family family)
+  set(target encore_kernels_${family})
+  add_library(${target} STATIC ${ARGN})
+  target_link_libraries(${target} PUBLIC encore_core)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>
+    $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${ENCORE_PTXAS_VERBOSE}>>:-Xptxas=-v,--warn-on-spills>)
+  set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
+endfunction()

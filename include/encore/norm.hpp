@@ -1,0 +1,65 @@
+// encore norm family: RMSNorm and fused residual-add + RMSNorm over [rows, hidden].
+//
+//   rms_norm:      y[r,:] = x[r,:] * rsqrt(mean(x[r,:]^2) + eps) * (w + weight_offset)
+//   add_rms_norm:  h = x + residual (rounded to the dtype, written to h);  y = rms_norm(h)
+//
+// Tensors are 2-D [rows, hidden] with a unit last stride and any row stride (>= hidden); x, y,
+// residual and h share one dtype (bf16, fp16 or fp32) and weight has that dtype too, shape [hidden].
+// Math is fp32. h may alias x or residual (each element is read before it is written, by the same
+// thread); y must not overlap the inputs. Data pointers must be aligned to the element size; when
+// every pointer is 16-byte aligned and hidden and the row strides are multiples of 16 bytes the
+// CUDA backend moves 16 bytes per access, otherwise it takes an element-wise path (same results).
+//
+// Contract (design.md): validate -> workspace_bytes -> run. run neither allocates nor
+// synchronizes; the backend is chosen by the tensors' device (all tensors on one device).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+
+namespace encore {
+
+struct RmsNormOptions {
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;  // 1.0 for models storing (w - 1), e.g. Gemma
+};
+
+struct RmsNormArgs {
+  TensorView x;       // [rows, hidden]
+  TensorView weight;  // [hidden]
+  TensorView y;       // [rows, hidden], output
+};
+
+struct AddRmsNormArgs {
+  TensorView x;         // [rows, hidden]
+  TensorView residual;  // [rows, hidden]
+  TensorView weight;    // [hidden]
+  TensorView y;         // [rows, hidden], output: normalized
+  TensorView h;         // [rows, hidden], output: x + residual (may alias x or residual)
+};
+
+Status validate(const RmsNormArgs& args, const RmsNormOptions& opts);
+size_t workspace_bytes(const RmsNormArgs& args, const RmsNormOptions& opts);
+Status run(const RmsNormArgs& args, const RmsNormOptions& opts, void* workspace = nullptr,
+           Stream stream = nullptr);
+
+Status validate(const AddRmsNormArgs& args, const RmsNormOptions& opts);
+size_t workspace_bytes(const AddRmsNormArgs& args, const RmsNormOptions& opts);
+Status run(const AddRmsNormArgs& args, const RmsNormOptions& opts, void* workspace = nullptr,
+           Stream stream = nullptr);
+
+// How the CUDA backend splits the work (exposed for benchmarks, tests and `encore bench`).
+struct RmsNormLaunchPlan {
+  int vec_elems = 1;         // elements per access (16 bytes / element size, or 1)
+  int warps_per_row = 1;     // warps cooperating on one row
+  int rows_per_block = 1;    // rows handled by one block
+  int vecs_per_thread = 0;   // register-cached accesses per thread; 0 = streaming (re-read)
+  long long grid = 0;        // blocks
+};
+// Plan for `rows` x `hidden` elements of `dtype` on a device with `sm_count` multiprocessors;
+// `vectorized`: whether 16-byte packs are allowed (alignment, hidden and strides permitting).
+RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, int sm_count);
+
+}  // namespace encore

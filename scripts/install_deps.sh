@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs everything encore needs on a fresh Debian machine (idempotent).
+#  - Debian packages: GoogleTest, ccache, ninja (apt-get)
+#  - Python packages: nanobind, numpy, pytest (pip)
+#  - CUTLASS 4.2 headers: the nvidia-cutlass==4.2.0.0 wheel, downloaded without its Python
+#    dependencies and unpacked into .deps/cutlass (git-ignored). Nothing third-party is committed.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+need_apt=()
+[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+command -v ccache >/dev/null || need_apt+=(ccache)
+command -v ninja  >/dev/null || need_apt+=(ninja-build)
+command -v cmake  >/dev/null || need_apt+=(cmake)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
+fi
+
+py=${PYTHON:-python3}
+if ! "$py" -c "import nanobind, numpy, pytest" 2>/dev/null; then
+  "$py" -m pip install -q "nanobind>=2.0" numpy pytest
+fi
+
+cut="$root/.deps/cutlass"
+if [ ! -f "$cut/cutlass_library/source/include/cutlass/version.h" ]; then
+  tmp=$(mktemp -d)
+  "$py" -m pip download -q --no-deps "nvidia-cutlass==4.2.0.0" -d "$tmp"
+  mkdir -p "$cut"
+  "$py" - "$tmp" "$cut" <<'PY'
+import sys, zipfile, glob
+whl = glob.glob(sys.argv[1] + "/nvidia_cutlass-*.whl")[0]
+keep = ("cutlass_library/source/include/", "cutlass_library/source/tools/util/include/")
+with zipfile.ZipFile(whl) as z:
+    for n in z.namelist():
+        if n.startswith(keep):
+            z.extract(n, sys.argv[2])
+PY
+  rm -rf "$tmp"
+fi
+echo "dependencies ready; CUTLASS at $cut/cutlass_library/source"

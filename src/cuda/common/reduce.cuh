@@ -1,0 +1,26 @@
+// Warp and block reductions (butterfly shuffles; shared memory across the warps of one team).
+#pragma once
+
+namespace encore::cuda {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Sum over a team of `num_warps` consecutive warps. `scratch` holds one float per warp of the block;
+// `team_warp0` is the index of the team's first warp. Every thread of the block must call this
+// (it contains __syncthreads) when num_warps > 1.
+__device__ __forceinline__ float team_sum(float v, int num_warps, float* scratch, int team_warp0) {
+  v = warp_sum(v);
+  if (num_warps == 1) return v;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < num_warps; ++w) total += scratch[team_warp0 + w];
+  return total;
+}
+
+}  // namespace encore::cuda

@@ -1,0 +1,79 @@
+// Instantiations and launch of rms_norm_kernel: T in {bf16, fp16, fp32}, vectorized (16-byte packs)
+// or element-wise, kCached in {0 (streaming), 1, 2, 4, 8}. The plan (src/norm/rms_norm.cpp) picks one.
+#include <cuda_runtime.h>
+
+#include "cuda/norm/rms_norm_kernel.cuh"
+#include "cuda/norm/rms_norm_launch.hpp"
+
+namespace encore::cuda {
+namespace {
+
+template <typename T>
+using KernelFn = void (*)(RmsNormParams<T>);
+
+// Index of kCached in the table below: 0 -> 0, 1 -> 1, 2 -> 2, 4 -> 3, 8 -> 4.
+constexpr int cached_slot(int cached) { return cached == 0 ? 0 : cached == 1 ? 1 : cached == 2 ? 2 : cached == 4 ? 3 : 4; }
+
+template <typename T, int kVec>
+KernelFn<T> pick(int cached) {
+  constexpr KernelFn<T> table[] = {rms_norm_kernel<T, kVec, 0>, rms_norm_kernel<T, kVec, 1>, rms_norm_kernel<T, kVec, 2>,
+                                   rms_norm_kernel<T, kVec, 4>, rms_norm_kernel<T, kVec, 8>};
+  return table[cached_slot(cached)];
+}
+
+template <typename T>
+Status launch_typed(const norm::RmsNormProblem& p, const RmsNormLaunchPlan& plan, cudaStream_t stream) {
+  RmsNormParams<T> k{};
+  k.x = static_cast<const T*>(p.x);
+  k.x_stride = p.x_stride;
+  k.residual = static_cast<const T*>(p.residual);
+  k.residual_stride = p.residual_stride;
+  k.weight = static_cast<const T*>(p.weight);
+  k.y = static_cast<T*>(p.y);
+  k.y_stride = p.y_stride;
+  k.h = static_cast<T*>(p.h);
+  k.h_stride = p.h_stride;
+  k.rows = p.rows;
+  k.hidden = int(p.hidden);
+  k.warps_per_row = plan.warps_per_row;
+  k.rows_per_block = plan.rows_per_block;
+  k.eps = p.eps;
+  k.weight_offset = p.weight_offset;
+
+  constexpr int kPackElems = 16 / int(sizeof(T));
+  if (plan.vec_elems != 1 && plan.vec_elems != kPackElems)
+    return Status::internal("rms_norm plan: vec_elems " + std::to_string(plan.vec_elems) + " not instantiated");
+  KernelFn<T> fn = plan.vec_elems == 1 ? pick<T, 1>(plan.vecs_per_thread) : pick<T, kPackElems>(plan.vecs_per_thread);
+  const int threads = 32 * plan.warps_per_row * plan.rows_per_block;
+  if (threads > kRmsNormMaxThreads) return Status::internal("rms_norm plan: block of " + std::to_string(threads) + " threads");
+
+  fn<<<dim3(unsigned(plan.grid)), dim3(threads), 0, stream>>>(k);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status::cuda_error(std::string("rms_norm launch: ") + cudaGetErrorString(e));
+  return Status::ok();
+}
+
+Status launch_on_device(const norm::RmsNormProblem& p, const RmsNormLaunchPlan& plan, cudaStream_t s) {
+  switch (p.dtype) {
+    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, plan, s);
+    case DType::kFP16: return launch_typed<__half>(p, plan, s);
+    case DType::kFP32: return launch_typed<float>(p, plan, s);
+    default: return Status::internal(std::string("rms_norm: no CUDA kernel for dtype ") + dtype_name(p.dtype));
+  }
+}
+
+}  // namespace
+
+Status launch_rms_norm(const norm::RmsNormProblem& p, const RmsNormLaunchPlan& plan, Stream stream) {
+  // Launch on the tensors' device, restoring the caller's current device afterwards.
+  int current = 0;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) return Status::cuda_error(std::string("cudaGetDevice: ") + cudaGetErrorString(e));
+  if (current != p.device_index && (e = cudaSetDevice(p.device_index)) != cudaSuccess)
+    return Status::cuda_error(std::string("cudaSetDevice: ") + cudaGetErrorString(e));
+  Status st = launch_on_device(p, plan, static_cast<cudaStream_t>(stream));
+  if (current != p.device_index) cudaSetDevice(current);
+  return st;
+}
+
+}  // namespace encore::cuda

@@ -1,0 +1,170 @@
+// Norm family dispatch: validate -> problem + plan -> CPU reference or CUDA kernel.
+#include <algorithm>
+#include <cmath>
+
+#include "core/checks.hpp"
+#include "encore/core/device_info.hpp"
+#include "encore/norm.hpp"
+#include "norm/rms_norm_problem.hpp"
+#include "reference/norm_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "cuda/norm/rms_norm_launch.hpp"
+#endif
+
+namespace encore {
+namespace {
+
+constexpr int kMaxWarpsPerRow = 16;   // 512 threads: the kernel's block limit
+constexpr int kTargetPacksPerThread = 8;
+constexpr int kMaxCachedPacks = 8;
+constexpr int kWarpsPerBlock = 8;     // for many rows: several rows per block
+
+// Two views are either the same view (exact alias) or disjoint in memory.
+Status same_or_disjoint(const char* a_name, const TensorView& a, const char* b_name, const TensorView& b) {
+  if (a.data == b.data && a.strides == b.strides && a.shape == b.shape) return Status::ok();
+  Status st = checks::no_overlap(a_name, a, b_name, b);
+  if (!st) return Status::invalid(st.message() + " (outputs may alias an input only exactly: same pointer and strides)");
+  return st;
+}
+
+Status validate_common(const TensorView& x, const TensorView& weight, const RmsNormOptions& opts) {
+  ENCORE_RETURN_IF_ERROR(checks::present("x", x));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("x", x, 2, "[rows, hidden]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("x", x, {DType::kBF16, DType::kFP16, DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("x", x));
+  ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("x", x));
+  if (x.shape[1] > (int64_t(1) << 30)) return Status::unsupported("x: hidden size " + std::to_string(x.shape[1]) + " exceeds 2^30");
+  ENCORE_RETURN_IF_ERROR(checks::present("weight", weight));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("weight", weight, 1, "[hidden]"));
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals("weight", weight, 0, x.shape[1], "x's hidden size"));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("weight", weight));
+  ENCORE_RETURN_IF_ERROR(checks::same_dtype("weight", weight, "x", x));
+  ENCORE_RETURN_IF_ERROR(checks::same_device("weight", weight, "x", x));
+  if (!(opts.eps >= 0.0f) || !std::isfinite(opts.eps)) return Status::invalid("eps: must be finite and >= 0, got " + std::to_string(opts.eps));
+  if (!std::isfinite(opts.weight_offset)) return Status::invalid("weight_offset: must be finite");
+  return Status::ok();
+}
+
+// A [rows, hidden] tensor matching x in shape, dtype and device.
+Status validate_like_x(const char* name, const TensorView& t, const TensorView& x) {
+  ENCORE_RETURN_IF_ERROR(checks::present(name, t));
+  ENCORE_RETURN_IF_ERROR(checks::ndim(name, t, 2, "[rows, hidden]"));
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals(name, t, 0, x.shape[0], "x's rows"));
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals(name, t, 1, x.shape[1], "x's hidden size"));
+  ENCORE_RETURN_IF_ERROR(checks::same_dtype(name, t, "x", x));
+  ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "x", x));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, t));
+  ENCORE_RETURN_IF_ERROR(checks::rows_disjoint(name, t));
+  return Status::ok();
+}
+
+norm::RmsNormProblem make_problem(const TensorView& x, const TensorView* residual, const TensorView& weight,
+                                  const TensorView& y, const TensorView* h, const RmsNormOptions& opts) {
+  norm::RmsNormProblem p;
+  p.x = x.data;
+  p.x_stride = x.strides[0];
+  if (residual) {
+    p.residual = residual->data;
+    p.residual_stride = residual->strides[0];
+    p.h = h->data;
+    p.h_stride = h->strides[0];
+  }
+  p.weight = weight.data;
+  p.y = y.data;
+  p.y_stride = y.strides[0];
+  p.rows = x.shape[0];
+  p.hidden = x.shape[1];
+  p.dtype = x.dtype;
+  p.eps = opts.eps;
+  p.weight_offset = opts.weight_offset;
+  p.device_index = x.device.index;
+  return p;
+}
+
+// 16-byte packs are possible when every pointer is 16-byte aligned and hidden and every row stride
+// are whole packs.
+bool can_vectorize(const norm::RmsNormProblem& p) {
+  const int64_t pack = 16 / int64_t(dtype_size(p.dtype));
+  auto ok_ptr = [](const void* ptr) { return ptr == nullptr || checks::aligned(ptr, 16); };
+  auto ok_stride = [&](int64_t s) { return p.rows == 1 || s % pack == 0; };
+  return p.hidden % pack == 0 && ok_ptr(p.x) && ok_ptr(p.residual) && ok_ptr(p.weight) && ok_ptr(p.y) && ok_ptr(p.h) &&
+         ok_stride(p.x_stride) && ok_stride(p.y_stride) && (!p.residual || (ok_stride(p.residual_stride) && ok_stride(p.h_stride)));
+}
+
+Status execute(const norm::RmsNormProblem& p, Device device, Stream stream) {
+  if (!device.is_cuda()) {
+    reference::rms_norm(p);
+    return Status::ok();
+  }
+#ifdef ENCORE_WITH_CUDA
+  const DeviceInfo* info = nullptr;
+  ENCORE_RETURN_IF_ERROR(get_device_info(device.index, &info));
+  RmsNormLaunchPlan plan = plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), info->sm_count);
+  return cuda::launch_rms_norm(p, plan, stream);
+#else
+  (void)stream;
+  return Status::unsupported("x: tensors are on " + device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+}
+
+}  // namespace
+
+RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, int sm_count) {
+  RmsNormLaunchPlan plan;
+  plan.vec_elems = vectorized ? int(16 / dtype_size(dtype)) : 1;
+  const int64_t packs = (hidden + plan.vec_elems - 1) / plan.vec_elems;
+  // Fewest warps per row that keep each thread at <= kTargetPacksPerThread packs.
+  int wpr = 1;
+  while (wpr < kMaxWarpsPerRow && packs > int64_t(32) * wpr * kTargetPacksPerThread) wpr *= 2;
+  // Too few rows to fill the GPU with one block per row: more warps per row shorten each row's latency.
+  while (wpr < kMaxWarpsPerRow && rows * wpr < sm_count && packs > int64_t(32) * wpr * 2) wpr *= 2;
+  plan.warps_per_row = wpr;
+  const int64_t per_thread = (packs + 32 * wpr - 1) / (32 * wpr);
+  int cached = 1;
+  while (cached < per_thread) cached *= 2;
+  plan.vecs_per_thread = cached <= kMaxCachedPacks ? cached : 0;
+  // Many rows: pack several rows into a block of kWarpsPerBlock warps; few rows: one row per block
+  // so the rows spread over all multiprocessors.
+  plan.rows_per_block = rows >= int64_t(sm_count) * 4 ? std::max(1, kWarpsPerBlock / wpr) : 1;
+  plan.grid = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
+  return plan;
+}
+
+Status validate(const RmsNormArgs& a, const RmsNormOptions& opts) {
+  ENCORE_RETURN_IF_ERROR(validate_common(a.x, a.weight, opts));
+  ENCORE_RETURN_IF_ERROR(validate_like_x("y", a.y, a.x));
+  ENCORE_RETURN_IF_ERROR(same_or_disjoint("y", a.y, "x", a.x));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("y", a.y, "weight", a.weight));
+  return Status::ok();
+}
+
+size_t workspace_bytes(const RmsNormArgs&, const RmsNormOptions&) { return 0; }
+
+Status run(const RmsNormArgs& a, const RmsNormOptions& opts, void*, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, opts));
+  return execute(make_problem(a.x, nullptr, a.weight, a.y, nullptr, opts), a.x.device, stream);
+}
+
+Status validate(const AddRmsNormArgs& a, const RmsNormOptions& opts) {
+  ENCORE_RETURN_IF_ERROR(validate_common(a.x, a.weight, opts));
+  ENCORE_RETURN_IF_ERROR(validate_like_x("residual", a.residual, a.x));
+  ENCORE_RETURN_IF_ERROR(validate_like_x("y", a.y, a.x));
+  ENCORE_RETURN_IF_ERROR(validate_like_x("h", a.h, a.x));
+  ENCORE_RETURN_IF_ERROR(same_or_disjoint("h", a.h, "x", a.x));
+  ENCORE_RETURN_IF_ERROR(same_or_disjoint("h", a.h, "residual", a.residual));
+  ENCORE_RETURN_IF_ERROR(same_or_disjoint("y", a.y, "x", a.x));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("y", a.y, "residual", a.residual));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("y", a.y, "h", a.h));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("y", a.y, "weight", a.weight));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("h", a.h, "weight", a.weight));
+  return Status::ok();
+}
+
+size_t workspace_bytes(const AddRmsNormArgs&, const RmsNormOptions&) { return 0; }
+
+Status run(const AddRmsNormArgs& a, const RmsNormOptions& opts, void*, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, opts));
+  return execute(make_problem(a.x, &a.residual, a.weight, a.y, &a.h, opts), a.x.device, stream);
+}
+
+}  // namespace encore

@@ -1,0 +1,10 @@
+// CPU references for the norm family (no CUDA). fp32 element math, fp64 accumulation of sums.
+#pragma once
+#include "norm/rms_norm_problem.hpp"
+
+namespace encore::reference {
+
+// y = h * rsqrt(mean(h^2) + eps) * (w + offset), h = x (+ residual, rounded to dtype and stored).
+void rms_norm(const norm::RmsNormProblem& p);
+
+}  // namespace encore::reference

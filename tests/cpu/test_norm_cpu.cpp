@@ -1,0 +1,206 @@
+// CPU backend of the norm family: results against an fp64 oracle, aliasing, and bad inputs.
+#include <gtest/gtest.h>
+
+#include "encore/norm.hpp"
+#include "tests/common/compare.hpp"
+
+namespace encore::test {
+namespace {
+
+// fp64 oracle of y (and h) for one problem, written independently of src/reference.
+void oracle(const HostTensor& x, const HostTensor* res, const HostTensor& w, const RmsNormOptions& o,
+            HostTensor& y_ref, HostTensor* h_ref) {
+  for (int64_t r = 0; r < x.rows; ++r) {
+    std::vector<double> h(size_t(x.cols));
+    double ss = 0;
+    for (int64_t c = 0; c < x.cols; ++c) {
+      double v = x.get(r, c);
+      if (res) {
+        h_ref->set(r, c, double(float(v) + float(res->get(r, c))));  // rounds to the dtype
+        v = h_ref->get(r, c);
+      }
+      h[size_t(c)] = v;
+      ss += v * v;
+    }
+    double rstd = 1.0 / std::sqrt(ss / double(x.cols) + o.eps);
+    for (int64_t c = 0; c < x.cols; ++c) y_ref.set(r, c, h[size_t(c)] * rstd * (w.get(0, c) + o.weight_offset));
+  }
+}
+
+struct Case {
+  DType dtype;
+  int64_t rows, hidden, stride;
+  bool add;
+  float offset;
+};
+
+class NormCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(NormCpu, MatchesFp64Oracle) {
+  const Case c = GetParam();
+  auto rng = make_rng(uint64_t(c.rows * 131 + c.hidden));
+  HostTensor x(c.dtype, c.rows, c.hidden, c.stride), res(c.dtype, c.rows, c.hidden), y(c.dtype, c.rows, c.hidden, c.stride),
+      h(c.dtype, c.rows, c.hidden), w = HostTensor::vector(c.dtype, c.hidden);
+  x.fill_normal(rng, 0.0, 2.0);
+  res.fill_normal(rng);
+  w.fill_normal(rng, 1.0, 0.5);
+  y.poison();
+  h.poison();
+  RmsNormOptions o{1e-5f, c.offset};
+  HostTensor y_ref(c.dtype, c.rows, c.hidden), h_ref(c.dtype, c.rows, c.hidden);
+  if (c.add) {
+    AddRmsNormArgs a{x.view(), res.view(), w.view(), y.view(), h.view()};
+    ASSERT_TRUE(run(a, o)) << run(a, o).to_string();
+    oracle(x, &res, w, o, y_ref, &h_ref);
+    ENCORE_EXPECT_CLOSE(h, h_ref, c.dtype, "h");
+  } else {
+    RmsNormArgs a{x.view(), w.view(), y.view()};
+    Status st = run(a, o);
+    ASSERT_TRUE(st) << st.to_string();
+    oracle(x, nullptr, w, o, y_ref, nullptr);
+  }
+  ENCORE_EXPECT_CLOSE(y, y_ref, c.dtype, "y");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, NormCpu,
+    ::testing::Values(Case{DType::kFP32, 1, 1, 0, false, 0.f}, Case{DType::kFP32, 3, 7, 9, true, 0.f},
+                      Case{DType::kBF16, 5, 4096, 0, true, 0.f}, Case{DType::kBF16, 17, 1000, 1003, false, 1.f},
+                      Case{DType::kFP16, 9, 129, 0, true, 1.f}, Case{DType::kFP16, 2, 8192, 8200, false, 0.f}),
+    [](const auto& info) {
+      const Case& c = info.param;
+      return std::string(dtype_name(c.dtype)) + "_" + std::to_string(c.rows) + "x" + std::to_string(c.hidden) +
+             (c.stride ? "_s" + std::to_string(c.stride) : "") + (c.add ? "_add" : "") + (c.offset != 0 ? "_off" : "");
+    });
+
+TEST(NormCpu, UnitWeightRowsHaveUnitRms) {
+  auto rng = make_rng(7);
+  HostTensor x(DType::kFP32, 4, 333), y(DType::kFP32, 4, 333), w = HostTensor::vector(DType::kFP32, 333);
+  x.fill_normal(rng, 3.0, 5.0);
+  w.fill_uniform(rng, 1.0, 1.0);
+  ASSERT_TRUE(run(RmsNormArgs{x.view(), w.view(), y.view()}, RmsNormOptions{0.f, 0.f}));
+  for (int64_t r = 0; r < 4; ++r) {
+    double ss = 0;
+    for (int64_t c = 0; c < 333; ++c) ss += y.get(r, c) * y.get(r, c);
+    EXPECT_NEAR(std::sqrt(ss / 333), 1.0, 1e-5);
+  }
+}
+
+TEST(NormCpu, HMayAliasResidualOrX) {
+  auto rng = make_rng(11);
+  const int64_t R = 6, H = 200;
+  HostTensor x(DType::kBF16, R, H), res(DType::kBF16, R, H), w = HostTensor::vector(DType::kBF16, H);
+  x.fill_normal(rng);
+  res.fill_normal(rng);
+  w.fill_normal(rng, 1.0, 0.3);
+  HostTensor y0(DType::kBF16, R, H), h0(DType::kBF16, R, H);
+  ASSERT_TRUE(run(AddRmsNormArgs{x.view(), res.view(), w.view(), y0.view(), h0.view()}, {}));
+  for (int alias = 0; alias < 2; ++alias) {
+    HostTensor xa = x, ra = res, y(DType::kBF16, R, H);
+    HostTensor& target = alias == 0 ? ra : xa;
+    ASSERT_TRUE(run(AddRmsNormArgs{xa.view(), ra.view(), w.view(), y.view(), target.view()}, {}));
+    ENCORE_EXPECT_CLOSE(target, h0, DType::kBF16, "aliased h");
+    ENCORE_EXPECT_CLOSE(y, y0, DType::kBF16, "y with aliased h");
+  }
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+struct BadInput : ::testing::Test {
+  HostTensor x{DType::kBF16, 4, 64}, res{DType::kBF16, 4, 64}, y{DType::kBF16, 4, 64}, h{DType::kBF16, 4, 64};
+  HostTensor w = HostTensor::vector(DType::kBF16, 64);
+  RmsNormArgs plain() { return {x.view(), w.view(), y.view()}; }
+  AddRmsNormArgs add() { return {x.view(), res.view(), w.view(), y.view(), h.view()}; }
+};
+
+void expect_error(const Status& st, const std::string& needle) {
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find(needle), std::string::npos) << "message: " << st.message() << "\nexpected to contain: " << needle;
+}
+
+TEST_F(BadInput, WrongDtype) {
+  auto a = plain();
+  a.x.dtype = DType::kInt32;
+  expect_error(validate(a, {}), "x: dtype must be one of");
+  auto b = plain();
+  b.weight.dtype = DType::kFP32;
+  expect_error(run(b, {}), "weight: dtype fp32 must match x's dtype bf16");
+  auto c = add();
+  c.residual.dtype = DType::kFP16;
+  expect_error(run(c, {}), "residual: dtype");
+}
+
+TEST_F(BadInput, MismatchedShapes) {
+  auto a = plain();
+  a.weight.shape[0] = 63;
+  expect_error(run(a, {}), "weight: dimension 0 is 63 but must equal x's hidden size (64)");
+  auto b = add();
+  b.y.shape[0] = 3;
+  expect_error(run(b, {}), "y: dimension 0 is 3 but must equal x's rows (4)");
+  auto c = add();
+  c.h.shape[1] = 65;
+  expect_error(run(c, {}), "h: dimension 1");
+  auto d = plain();
+  d.x = TensorView::contiguous(x.bytes.data(), DType::kBF16, {2, 2, 64});
+  expect_error(run(d, {}), "x: expected 2 dimensions [rows, hidden]");
+}
+
+TEST_F(BadInput, NonContiguousLastDim) {
+  auto a = plain();
+  a.x.strides = {128, 2};
+  a.x.shape = {4, 32};
+  a.weight.shape[0] = 32;
+  a.y.shape = {4, 32};
+  expect_error(run(a, {}), "x: last dimension must be contiguous");
+  auto b = plain();
+  b.y.strides[0] = 10;  // rows overlap
+  expect_error(run(b, {}), "y: row stride 10 is smaller than the row length 64");
+}
+
+TEST_F(BadInput, NullAndMisalignedData) {
+  auto a = plain();
+  a.x.data = nullptr;
+  expect_error(run(a, {}), "x: data pointer is null");
+  auto b = add();
+  b.residual.data = static_cast<char*>(b.residual.data) + 1;
+  expect_error(run(b, {}), "residual: data pointer is not aligned to its element size");
+  auto c = plain();
+  c.weight.data = nullptr;
+  expect_error(run(c, {}), "weight: data pointer is null");
+}
+
+TEST_F(BadInput, EmptyTensor) {
+  auto a = plain();
+  a.x.shape[0] = 0;
+  expect_error(run(a, {}), "x: empty tensor [0, 64]");
+  auto b = plain();
+  b.x.shape[1] = 0;
+  expect_error(run(b, {}), "x: empty tensor [4, 0]");
+  auto c = plain();
+  c.y = TensorView{};
+  expect_error(run(c, {}), "y: tensor is missing");
+}
+
+TEST_F(BadInput, Overlap) {
+  auto a = plain();
+  a.y.data = static_cast<char*>(a.x.data) + 2 * 64;  // y starts at x's second row
+  expect_error(run(a, {}), "y: memory overlaps x");
+  auto b = add();
+  b.y = b.h;
+  expect_error(run(b, {}), "y: memory overlaps h");
+}
+
+TEST_F(BadInput, BadOptions) {
+  expect_error(run(plain(), RmsNormOptions{-1.f, 0.f}), "eps: must be finite and >= 0");
+  expect_error(run(plain(), RmsNormOptions{NAN, 0.f}), "eps: must be finite and >= 0");
+  expect_error(run(plain(), RmsNormOptions{1e-6f, INFINITY}), "weight_offset: must be finite");
+}
+
+TEST_F(BadInput, MixedDevices) {
+  auto a = plain();
+  a.weight.device = Device{DeviceType::kCUDA, 0};
+  expect_error(run(a, {}), "weight: on cuda:0 but x is on cpu");
+}
+
+}  // namespace
+}  // namespace encore::test
