@@ -11,7 +11,6 @@ need_apt=()
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
 command -v ccache >/dev/null || need_apt+=(ccache)
 command -v ninja  >/dev/null || need_apt+=(ninja-build)
-command -v cmake  >/dev/null || need_apt+=(cmake)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
   $SUDO apt-get update -qq
@@ -21,6 +20,17 @@ fi
 py=${PYTHON:-python3}
 if ! "$py" -c "import nanobind, numpy, pytest" 2>/dev/null; then
   "$py" -m pip install -q "nanobind>=2.0" numpy pytest
+fi
+# CMake >= 3.28 knows nvcc 13's C++20 dialect flag (Debian 12 ships 3.25): take it from PyPI.
+cmake_ok=$("$py" - <<'PY'
+import shutil, subprocess, re
+exe = shutil.which("cmake")
+v = re.search(r"(\d+)\.(\d+)", subprocess.run([exe, "--version"], capture_output=True, text=True).stdout) if exe else None
+print(1 if v and (int(v[1]), int(v[2])) >= (3, 28) else 0)
+PY
+)
+if [ "$cmake_ok" != 1 ]; then
+  "$py" -m pip install -q "cmake>=3.28,<4"
 fi
 
 cut="$root/.deps/cutlass"

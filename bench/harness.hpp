@@ -1,0 +1,67 @@
+// Benchmark harness: CUDA-event timing of back-to-back launch batches (median of samples after a
+// warm-up), input rotation so the working set exceeds L2, the copy-bandwidth and cuBLAS-GEMM
+// ceilings measured in the same run, and the environment (GPU, clocks, commit) for the JSON.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <functional>
+#include <string>
+
+namespace encore::bench {
+
+struct TimeOptions {
+  int warmup = 10;
+  int samples = 25;          // events-timed graph replays; the median is reported
+  double min_batch_us = 300; // each batch runs at least this long
+  int max_batch = 10000;
+};
+
+struct Timing {
+  double median_us = 0, min_us = 0, max_us = 0;
+  int batch = 0, samples = 0;
+};
+
+// Times `launch(i)` (i = 0, 1, 2, ... for rotating inputs) on `stream` (not the legacy default
+// stream): a batch of consecutive launches is captured in a CUDA graph so host overhead and launch
+// gaps stay out of device time; per-launch time = replay time / batch. The batch holds at least
+// `min_launches` launches (pass the rotation's set count so every replay cycles through all sets).
+Timing time_launches(const std::function<void(long long)>& launch, cudaStream_t stream, const TimeOptions& opts,
+                     long long min_launches = 1);
+
+struct Ceilings {
+  double copy_gbps = 0;    // cudaMemcpyAsync device-to-device, bytes read + written
+  double copy_bytes = 0;
+  double gemm_tflops = 0;  // cuBLAS bf16 GEMM (fp32 accumulate) on random data
+  int gemm_m = 0, gemm_n = 0, gemm_k = 0;
+};
+Ceilings measure_ceilings(cudaStream_t stream, const TimeOptions& opts);
+
+struct Environment {
+  std::string gpu, driver, commit, cuda_runtime;
+  int sm_count = 0;
+  double l2_mb = 0;
+  std::string sm_clock_mhz, mem_clock_mhz, max_sm_clock_mhz;  // from nvidia-smi, "" when unavailable
+  std::string timestamp;
+};
+Environment read_environment();
+
+// Fills n elements at p with pseudo-random values in [-1, 1).
+enum class FillKind { kBF16, kFP16, kFP32 };
+void fill_random(void* p, size_t n, FillKind kind, unsigned long long seed, cudaStream_t stream);
+
+// Device arena split into `sets` copies of a `set_bytes` working set, with sets * set_bytes >= 3 x L2
+// (at most 8192 sets), filled with random values of `kind`.
+struct Rotation {
+  void* base = nullptr;
+  size_t set_bytes = 0;
+  long long sets = 1;
+  char* set(long long i) const { return static_cast<char*>(base) + size_t(i % sets) * set_bytes; }
+};
+Rotation make_rotation(size_t set_bytes, size_t l2_bytes, FillKind kind);
+void free_rotation(Rotation& r);
+
+// Aborts with a message on a CUDA error (benchmarks are not library code).
+void check_cuda(cudaError_t e, const char* what);
+
+}  // namespace encore::bench

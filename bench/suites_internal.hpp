@@ -1,0 +1,12 @@
+// Suite functions called by run_suites; each appends its records to the report.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "bench/harness.hpp"
+#include "bench/report.hpp"
+
+namespace encore::bench {
+
+void run_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+
+}  // namespace encore::bench

@@ -1,0 +1,81 @@
+"""encore: fused transformer kernels for NVIDIA Hopper with a CPU reference backend.
+
+Arrays are exchanged through DLPack: numpy arrays (CPU backend) and torch tensors (CPU backend, or
+the CUDA backend for CUDA tensors). Outputs are allocated with the caller's framework; CUDA work
+runs on torch's current stream unless ``stream`` is given. Invalid arguments raise ``ValueError``
+with encore's message, other failures ``RuntimeError``.
+"""
+from __future__ import annotations
+
+from . import _encore
+
+__all__ = ["rms_norm", "add_rms_norm", "built_with_cuda", "cuda_device_count"]
+
+built_with_cuda = _encore.built_with_cuda
+cuda_device_count = _encore.cuda_device_count
+
+
+def _is_torch(a) -> bool:
+    return type(a).__module__.startswith("torch")
+
+
+def _rows(a, name):
+    """View `a` as [rows, hidden] (leading dimensions flattened)."""
+    if getattr(a, "ndim", 0) < 1:
+        raise ValueError(f"{name}: expected at least 1 dimension [..., hidden]")
+    return a.reshape(-1, a.shape[-1])
+
+
+def _empty_like(a):
+    if _is_torch(a):
+        import torch
+
+        return torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    import numpy as np
+
+    return np.empty(a.shape, dtype=a.dtype)
+
+
+def _stream_for(a, stream):
+    if stream is not None:
+        return int(stream)
+    if _is_torch(a) and a.is_cuda:
+        import torch
+
+        return torch.cuda.current_stream(a.device).cuda_stream
+    return 0
+
+
+def _no_autograd(*tensors):
+    if any(_is_torch(t) and t.requires_grad for t in tensors):
+        import torch
+
+        if torch.is_grad_enabled():
+            raise RuntimeError("encore: autograd is not wired for this op yet; call it under torch.no_grad()")
+
+
+def rms_norm(x, weight, eps: float = 1e-6, weight_offset: float = 0.0, stream=None):
+    """y = x * rsqrt(mean(x**2, -1) + eps) * (weight + weight_offset), over the last dimension.
+
+    x: [..., hidden] (bf16, fp16 or fp32; last dimension contiguous); weight: [hidden], same dtype.
+    Returns y with x's shape and dtype.
+    """
+    _no_autograd(x, weight)
+    x2 = _rows(x, "x")
+    y = _empty_like(x2)
+    _encore.rms_norm_out(x2, weight, y, float(eps), float(weight_offset), _stream_for(x, stream))
+    return y.reshape(x.shape)
+
+
+def add_rms_norm(x, residual, weight, eps: float = 1e-6, weight_offset: float = 0.0, h_out=None, stream=None):
+    """h = x + residual; y = rms_norm(h). Returns (y, h).
+
+    h is rounded to the dtype before the normalization. Pass ``h_out=residual`` (or ``x``) to update
+    the residual stream in place.
+    """
+    _no_autograd(x, residual, weight)
+    x2, r2 = _rows(x, "x"), _rows(residual, "residual")
+    y = _empty_like(x2)
+    h = _empty_like(x2) if h_out is None else _rows(h_out, "h_out")
+    _encore.add_rms_norm_out(x2, r2, weight, y, h, float(eps), float(weight_offset), _stream_for(x, stream))
+    return y.reshape(x.shape), (h.reshape(x.shape) if h_out is None else h_out)

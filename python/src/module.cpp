@@ -1,0 +1,84 @@
+// encore._encore: one converter (DLPack ndarray -> TensorView) and one line per op. Outputs are
+// allocated by the Python caller; streams arrive as integers. Status errors become ValueError
+// (invalid argument) or RuntimeError (anything else) carrying the C++ message.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "encore/core/device_info.hpp"
+#include "encore/norm.hpp"
+
+namespace nb = nanobind;
+using namespace encore;
+
+namespace {
+
+using Array = nb::ndarray<>;  // any dtype, device and strides
+
+DType to_dtype(const nb::dlpack::dtype& t, const char* name) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = C(t.code);
+  if (t.lanes == 1) {
+    if (code == C::Bfloat && t.bits == 16) return DType::kBF16;
+    if (code == C::Float && t.bits == 16) return DType::kFP16;
+    if (code == C::Float && t.bits == 32) return DType::kFP32;
+    if (code == C::Float && t.bits == 64) return DType::kFP64;
+    if (code == C::Int && t.bits == 32) return DType::kInt32;
+    if (code == C::Int && t.bits == 64) return DType::kInt64;
+  }
+  throw nb::value_error((std::string(name) + ": unsupported array dtype (code " + std::to_string(t.code) + ", " +
+                         std::to_string(t.bits) + " bits)").c_str());
+}
+
+TensorView to_view(const Array& a, const char* name) {
+  if (a.ndim() > size_t(TensorView::kMaxDims))
+    throw nb::value_error((std::string(name) + ": more than 6 dimensions").c_str());
+  TensorView v;
+  v.data = a.data();
+  v.dtype = to_dtype(a.dtype(), name);
+  const int dev = a.device_type();
+  if (dev == nb::device::cpu::value) v.device = {DeviceType::kCPU, 0};
+  else if (dev == nb::device::cuda::value) v.device = {DeviceType::kCUDA, int(a.device_id())};
+  else throw nb::value_error((std::string(name) + ": arrays must live on the CPU or a CUDA device").c_str());
+  v.ndim = int(a.ndim());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = int64_t(a.shape(i));
+    v.strides[i] = int64_t(a.stride(i));
+  }
+  return v;
+}
+
+void raise_if_error(const Status& st) {
+  if (st.is_ok()) return;
+  if (st.code() == StatusCode::kInvalidArgument) throw nb::value_error(st.message().c_str());
+  throw std::runtime_error(st.to_string());
+}
+
+Stream as_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
+
+}  // namespace
+
+NB_MODULE(_encore, m) {
+  m.doc() = "encore: fused transformer kernels (CPU reference backend + CUDA sm_90a)";
+  m.def("built_with_cuda", &built_with_cuda);
+  m.def("cuda_device_count", &cuda_device_count);
+
+  m.def("rms_norm_out",
+        [](Array x, Array weight, Array y, float eps, float weight_offset, uintptr_t stream) {
+          RmsNormArgs a{to_view(x, "x"), to_view(weight, "weight"), to_view(y, "y")};
+          raise_if_error(run(a, RmsNormOptions{eps, weight_offset}, nullptr, as_stream(stream)));
+        },
+        nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("eps"), nb::arg("weight_offset"), nb::arg("stream"));
+
+  m.def("add_rms_norm_out",
+        [](Array x, Array residual, Array weight, Array y, Array h, float eps, float weight_offset, uintptr_t stream) {
+          AddRmsNormArgs a{to_view(x, "x"), to_view(residual, "residual"), to_view(weight, "weight"), to_view(y, "y"),
+                           to_view(h, "h")};
+          raise_if_error(run(a, RmsNormOptions{eps, weight_offset}, nullptr, as_stream(stream)));
+        },
+        nb::arg("x"), nb::arg("residual"), nb::arg("weight"), nb::arg("y"), nb::arg("h"), nb::arg("eps"),
+        nb::arg("weight_offset"), nb::arg("stream"));
+}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU workflow (H100/H200, CUDA 13, PyTorch, no network). Run from the repository root.
+#   - binaries: uses .gpubin/ when carried (built on a CPU machine by scripts/stage_gpu.sh), else
+#     builds build-cuda here (needs GoogleTest for the tests);
+#   - runs the gpu test suite, `encore check`, compute-sanitizer on a subset, a SASS check,
+#     the Python tests against CUDA tensors (the module is built here: it must match this Python),
+#     and `encore bench`;
+#   - writes logs and the benchmark JSON to $OUT (default ./gpu-out).
+# Needs carried: .deps/cutlass (CUTLASS headers, from scripts/install_deps.sh) and optionally .gpubin.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+OUT=${OUT:-$root/gpu-out}
+mkdir -p "$OUT"
+log="$OUT/gpu_run.log"
+: >"$log"
+say() { echo "== $*" | tee -a "$log"; }
+fails=0
+step() {  # step NAME CMD...: runs, logs, counts failures
+  local name=$1; shift
+  say "$name"
+  if "$@" 2>&1 | tee -a "$log"; then say "$name: ok"; else say "$name: FAILED"; fails=$((fails + 1)); fi
+}
+suites=${ENCORE_BENCH_SUITES:-norm}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee -a "$log"
+
+if [ -x .gpubin/encore ]; then
+  bin=.gpubin
+else
+  say "no carried .gpubin: building build-cuda here"
+  cmake -S . -B build-cuda -G Ninja -DENCORE_CUDA=ON -DCMAKE_BUILD_TYPE=Release >>"$log" 2>&1 && cmake --build build-cuda -j >>"$log" 2>&1 || { say "build FAILED"; exit 1; }
+  mkdir -p .gpubin
+  cp build-cuda/apps/encore/encore .gpubin/
+  [ -x build-cuda/tests/encore_tests_gpu ] && cp build-cuda/tests/encore_tests_gpu build-cuda/tests/encore_tests_cpu .gpubin/
+  bin=.gpubin
+fi
+
+step "encore info" "$bin/encore" info
+[ -x "$bin/encore_tests_gpu" ] && step "gpu tests (ctest -L gpu equivalent)" "$bin/encore_tests_gpu" --gtest_brief=1
+[ -x "$bin/encore_tests_cpu" ] && step "cpu tests" "$bin/encore_tests_cpu" --gtest_brief=1
+step "encore check" "$bin/encore" check
+if command -v compute-sanitizer >/dev/null && [ -x "$bin/encore_tests_gpu" ]; then
+  step "compute-sanitizer memcheck" compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/encore_tests_gpu" \
+    --gtest_filter='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream' --gtest_brief=1
+  step "compute-sanitizer racecheck" compute-sanitizer --tool racecheck --error-exitcode 1 "$bin/encore_tests_gpu" \
+    --gtest_filter='NormGpu.RunsOnRequestedStream' --gtest_brief=1
+fi
+if command -v cuobjdump >/dev/null; then
+  cuobjdump --dump-sass "$bin/encore" >"$OUT/sass.txt" 2>&1
+  say "SASS: $(grep -c 'Function :' "$OUT/sass.txt") kernels; 128-bit global loads $(grep -c 'LDG.E.128' "$OUT/sass.txt"), stores $(grep -c 'STG.E.128' "$OUT/sass.txt"), local-memory ops $(grep -cE 'LDL|STL' "$OUT/sass.txt")"
+  gzip -f "$OUT/sass.txt"
+fi
+
+# Python module for this machine's Python, then the Python tests (CUDA tensors included).
+if python3 -c "import nanobind" 2>/dev/null; then
+  if cmake -S . -B build-py -G Ninja -DENCORE_CUDA=ON -DENCORE_BUILD_PYTHON=ON -DENCORE_BUILD_TESTS=OFF \
+       -DENCORE_BUILD_BENCH=OFF -DENCORE_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release >>"$log" 2>&1 &&
+     cmake --build build-py -j >>"$log" 2>&1; then
+    step "pytest (CPU and CUDA)" env PYTHONPATH="$root/build-py/python" python3 -m pytest -q -rs tests/python
+  else
+    say "python module build FAILED (see log)"; fails=$((fails + 1))
+  fi
+fi
+
+step "encore bench" "$bin/encore" bench $suites --out "$OUT/bench_${suites// /_}.json"
+say "done: $fails failed step(s)"
+exit $fails

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# All tests, from a fresh clone: installs dependencies, builds the CPU-only configuration and (when
+# nvcc is present) the CUDA configuration for sm_90a, runs every ctest suite of both (GPU tests skip
+# cleanly without a device) and the Python tests on the CPU backend.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+./scripts/install_deps.sh
+export PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"  # pip's cmake
+
+./scripts/build.sh cpu
+(cd build-cpu && ctest --output-on-failure -j 2)
+if command -v nvcc >/dev/null; then
+  ./scripts/build.sh cuda
+  (cd build-cuda && ctest --output-on-failure -j 2)
+else
+  echo "nvcc not found: CUDA configuration not built"
+fi
+PYTHONPATH="$root/build-cpu/python" python3 -m pytest -q tests/python

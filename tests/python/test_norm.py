@@ -1,0 +1,121 @@
+"""encore's Python binding on the CPU backend (numpy, and torch CPU tensors when torch is present),
+plus CUDA tensors when a GPU is visible."""
+import numpy as np
+import pytest
+
+import encore
+
+
+def ref_rms_norm(x, w, eps, off):
+    x64 = x.astype(np.float64)
+    r = 1.0 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps)
+    return x64 * r * (w.astype(np.float64) + off)
+
+
+TOL = {np.float32: 1e-5, np.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 129), (64, 4096)])
+def test_rms_norm_numpy(dtype, shape):
+    rng = np.random.default_rng()
+    x = rng.standard_normal(shape).astype(dtype)
+    w = (1 + 0.5 * rng.standard_normal(shape[-1])).astype(dtype)
+    y = encore.rms_norm(x, w, eps=1e-5, weight_offset=0.5)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    ref = ref_rms_norm(x, w, 1e-5, 0.5)
+    err = np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref)
+    assert np.isfinite(y).all() and err < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_add_rms_norm_numpy(dtype):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((9, 300)).astype(dtype)
+    r = rng.standard_normal((9, 300)).astype(dtype)
+    w = rng.standard_normal(300).astype(dtype)
+    y, h = encore.add_rms_norm(x, r, w)
+    h_ref = (x.astype(np.float32) + r.astype(np.float32)).astype(dtype)
+    np.testing.assert_array_equal(h, h_ref)
+    ref = ref_rms_norm(h_ref, w, 1e-6, 0.0)
+    assert np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref) < TOL[dtype]
+
+
+def test_add_rms_norm_in_place_residual():
+    rng = np.random.default_rng()
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    r = rng.standard_normal((4, 64)).astype(np.float32)
+    w = np.ones(64, np.float32)
+    expected = x + r
+    y, h = encore.add_rms_norm(x, r, w, h_out=r)
+    assert h is r
+    np.testing.assert_array_equal(r, expected)
+
+
+def test_strided_rows_numpy():
+    rng = np.random.default_rng()
+    big = rng.standard_normal((10, 80)).astype(np.float32)
+    x = big[:, :64]  # row stride 80
+    w = np.ones(64, np.float32)
+    y = encore.rms_norm(x, w)
+    ref = ref_rms_norm(x, w, 1e-6, 0.0)
+    assert np.abs(y - ref).max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: (np.ones((4, 8), np.int32), np.ones(8, np.int32)), "x: dtype must be one of"),
+        (lambda: (np.ones((4, 8), np.float32), np.ones(7, np.float32)), "weight: dimension 0 is 7"),
+        (lambda: (np.ones((4, 8), np.float32), np.ones(8, np.float16)), "weight: dtype fp16 must match"),
+        (lambda: (np.ones((4, 16), np.float32)[:, ::2], np.ones(8, np.float32)), "x: last dimension must be contiguous"),
+        (lambda: (np.ones((0, 8), np.float32), np.ones(8, np.float32)), "x: empty tensor"),
+    ],
+)
+def test_bad_input_raises_value_error(make, match):
+    x, w = make()
+    with pytest.raises(ValueError, match=match):
+        encore.rms_norm(x, w)
+
+
+def test_negative_eps_raises():
+    with pytest.raises(ValueError, match="eps"):
+        encore.rms_norm(np.ones((2, 8), np.float32), np.ones(8, np.float32), eps=-1.0)
+
+
+try:
+    import torch  # noqa: F811
+except ImportError:  # torch is optional on the CPU machines
+    torch = None
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_torch_cpu_bf16():
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    w = torch.randn(256, dtype=torch.bfloat16)
+    y = encore.rms_norm(x, w)
+    ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)) * w.double()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 8e-3
+
+
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available() or not encore.built_with_cuda(),
+                    reason="needs torch with CUDA and a CUDA build of encore")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_torch_cuda_matches_cpu(dtype):
+    dt = getattr(torch, dtype)
+    x = torch.randn(37, 4096, dtype=dt, device="cuda")
+    r = torch.randn(37, 4096, dtype=dt, device="cuda")
+    w = torch.randn(4096, dtype=dt, device="cuda")
+    y, h = encore.add_rms_norm(x, r, w)
+    y_cpu, h_cpu = encore.add_rms_norm(x.cpu(), r.cpu(), w.cpu())
+    assert torch.isfinite(y).all()
+    assert torch.equal(h.cpu(), h_cpu)
+    tol = {"bfloat16": 8e-3, "float16": 1e-3, "float32": 1e-5}[dtype]
+    assert ((y.cpu().double() - y_cpu.double()).norm() / y_cpu.double().norm()).item() < tol
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_torch_autograd_refused():
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="autograd"):
+        encore.rms_norm(x, torch.ones(8))
