@@ -40,6 +40,20 @@ __global__ void fill_kernel(T* p, size_t n, unsigned long long seed) {
   }
 }
 
+// dst = src, 16 bytes per access, 4 accesses in flight per thread, grid-stride.
+__global__ void copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+    dst[i] = a;
+    dst[i + stride] = b;
+    dst[i + 2 * stride] = c;
+    dst[i + 3 * stride] = d;
+  }
+  for (; i < n; i += stride) dst[i] = src[i];
+}
+
 }  // namespace
 
 void fill_random(void* p, size_t n, FillKind kind, unsigned long long seed, cudaStream_t stream) {
@@ -93,6 +107,15 @@ Timing time_launches(const std::function<void(long long)>& launch, cudaStream_t 
   long long batch = (long long)(o.min_batch_us / rough) + 1;
   batch = std::clamp<long long>(std::max(batch, min_launches), 1, o.max_batch);
 
+  std::vector<double> per_launch;
+  if (!o.use_graph) {
+    for (int s = 0; s < o.samples; ++s) {
+      check_cuda(cudaEventRecord(e0, stream), "cudaEventRecord");
+      for (long long i = 0; i < batch; ++i) launch(it++);
+      check_cuda(cudaEventRecord(e1, stream), "cudaEventRecord");
+      per_launch.push_back(elapsed_us() / double(batch));
+    }
+  } else {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
@@ -102,16 +125,16 @@ Timing time_launches(const std::function<void(long long)>& launch, cudaStream_t 
   check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");  // warm replay
   check_cuda(cudaStreamSynchronize(stream), "graph warm-up");
 
-  std::vector<double> per_launch;
   for (int s = 0; s < o.samples; ++s) {
     check_cuda(cudaEventRecord(e0, stream), "cudaEventRecord");
     check_cuda(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
     check_cuda(cudaEventRecord(e1, stream), "cudaEventRecord");
     per_launch.push_back(elapsed_us() / double(batch));
   }
-  check_cuda(cudaGetLastError(), "timed launches");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  }
+  check_cuda(cudaGetLastError(), "timed launches");
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   std::sort(per_launch.begin(), per_launch.end());
@@ -136,11 +159,20 @@ Ceilings measure_ceilings(cudaStream_t stream, const TimeOptions& o) {
   co.min_batch_us = 0;
   co.warmup = 3;
   co.samples = std::min(o.samples, 10);
+  co.use_graph = false;
   Timing tc = time_launches([&](long long i) {
     check_cuda(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, stream), "memcpy");
   }, stream, co);
   c.copy_bytes = 2.0 * double(bytes);
-  c.copy_gbps = c.copy_bytes / (tc.median_us * 1e-6) / 1e9;
+  c.memcpy_gbps = c.copy_bytes / (tc.median_us * 1e-6) / 1e9;
+  const DeviceInfo* info = nullptr;
+  const int sms = get_device_info(0, &info) ? info->sm_count : 132;
+  Timing tk = time_launches([&](long long i) {
+    copy_kernel<<<sms * 4, 512, 0, stream>>>(static_cast<const uint4*>(i % 2 ? b : a), static_cast<uint4*>(i % 2 ? a : b),
+                                            bytes / 16);
+  }, stream, co);
+  c.copy_kernel_gbps = c.copy_bytes / (tk.median_us * 1e-6) / 1e9;
+  c.copy_gbps = std::max(c.memcpy_gbps, c.copy_kernel_gbps);
   cudaFree(a);
   cudaFree(b);
 

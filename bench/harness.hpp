@@ -15,6 +15,7 @@ struct TimeOptions {
   int samples = 25;          // events-timed graph replays; the median is reported
   double min_batch_us = 300; // each batch runs at least this long
   int max_batch = 10000;
+  bool use_graph = true;     // false: time direct launches (a memcpy in a graph may run on a copy engine)
 };
 
 struct Timing {
@@ -30,7 +31,9 @@ Timing time_launches(const std::function<void(long long)>& launch, cudaStream_t 
                      long long min_launches = 1);
 
 struct Ceilings {
-  double copy_gbps = 0;    // cudaMemcpyAsync device-to-device, bytes read + written
+  double copy_gbps = 0;         // the better of the two copies below, bytes read + written
+  double memcpy_gbps = 0;       // cudaMemcpyAsync device-to-device
+  double copy_kernel_gbps = 0;  // a 16-byte-per-thread copy kernel
   double copy_bytes = 0;
   double gemm_tflops = 0;  // cuBLAS bf16 GEMM (fp32 accumulate) on random data
   int gemm_m = 0, gemm_n = 0, gemm_k = 0;

@@ -16,7 +16,8 @@ double Record::metric(const std::string& key) const {
 void Report::print_table() const {
   std::printf("\nGPU %s (%d SMs), driver %s, SM clock %s MHz (max %s), commit %s\n", env.gpu.c_str(), env.sm_count,
               env.driver.c_str(), env.sm_clock_mhz.c_str(), env.max_sm_clock_mhz.c_str(), env.commit.c_str());
-  std::printf("ceilings: copy %.0f GB/s, cuBLAS bf16 GEMM %dx%dx%d %.0f TFLOP/s\n", ceilings.copy_gbps, ceilings.gemm_m,
+  std::printf("ceilings: copy %.0f GB/s (memcpy %.0f, copy kernel %.0f), cuBLAS bf16 GEMM %dx%dx%d %.0f TFLOP/s\n", ceilings.copy_gbps, ceilings.memcpy_gbps,
+              ceilings.copy_kernel_gbps, ceilings.gemm_m,
               ceilings.gemm_n, ceilings.gemm_k, ceilings.gemm_tflops);
   std::string suite;
   for (const Record& r : records) {
@@ -62,7 +63,8 @@ bool Report::write_json(const std::string& path) const {
     << quote(env.cuda_runtime) << ", \"sm_clock_mhz\": " << quote(env.sm_clock_mhz) << ", \"mem_clock_mhz\": "
     << quote(env.mem_clock_mhz) << ", \"max_sm_clock_mhz\": " << quote(env.max_sm_clock_mhz) << ", \"commit\": "
     << quote(env.commit) << ", \"timestamp\": " << quote(env.timestamp) << "},\n";
-  f << "  \"ceilings\": {\"copy_gbps\": " << num(ceilings.copy_gbps) << ", \"copy_bytes\": " << num(ceilings.copy_bytes)
+  f << "  \"ceilings\": {\"copy_gbps\": " << num(ceilings.copy_gbps) << ", \"memcpy_gbps\": " << num(ceilings.memcpy_gbps)
+    << ", \"copy_kernel_gbps\": " << num(ceilings.copy_kernel_gbps) << ", \"copy_bytes\": " << num(ceilings.copy_bytes)
     << ", \"gemm_tflops\": " << num(ceilings.gemm_tflops) << ", \"gemm_shape\": [" << ceilings.gemm_m << ", "
     << ceilings.gemm_n << ", " << ceilings.gemm_k << "]},\n";
   f << "  \"records\": [\n";

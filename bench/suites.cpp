@@ -39,7 +39,8 @@ int run_suites(const BenchOptions& opts) {
   std::printf("encore bench: measuring ceilings on %s ...\n", report.env.gpu.c_str());
   std::fflush(stdout);
   report.ceilings = measure_ceilings(stream, topts);
-  std::printf("  copy %.0f GB/s, cuBLAS bf16 GEMM %.0f TFLOP/s\n", report.ceilings.copy_gbps, report.ceilings.gemm_tflops);
+  std::printf("  copy %.0f GB/s (memcpy %.0f, copy kernel %.0f), cuBLAS bf16 GEMM %.0f TFLOP/s\n", report.ceilings.copy_gbps,
+              report.ceilings.memcpy_gbps, report.ceilings.copy_kernel_gbps, report.ceilings.gemm_tflops);
   for (const auto& n : names) {
     std::printf("suite %s\n", n.c_str());
     suites.at(n)(report, topts, stream);

@@ -15,7 +15,7 @@ namespace encore {
 namespace {
 
 constexpr int kMaxWarpsPerRow = 16;   // 512 threads: the kernel's block limit
-constexpr int kTargetPacksPerThread = 8;
+constexpr int kTargetPacksPerThread = 4;  // 8 bf16 packs of h + 8 of residual spill at 128 registers
 constexpr int kMaxCachedPacks = 8;
 constexpr int kWarpsPerBlock = 8;     // for many rows: several rows per block
 

@@ -1,5 +1,6 @@
-// Instantiations and launch of rms_norm_kernel: T in {bf16, fp16, fp32}, vectorized (16-byte packs)
-// or element-wise, kCached in {0 (streaming), 1, 2, 4, 8}. The plan (src/norm/rms_norm.cpp) picks one.
+// Instantiations and launch of rms_norm_kernel: T in {bf16, fp16, fp32} x {16-byte packs, element-wise}
+// x kCached in {0 (streaming), 1, 2, 4, 8} x {plain, residual add}. The plan (src/norm/rms_norm.cpp)
+// picks one.
 #include <cuda_runtime.h>
 
 #include "cuda/norm/rms_norm_kernel.cuh"
@@ -14,11 +15,18 @@ using KernelFn = void (*)(RmsNormParams<T>);
 // Index of kCached in the table below: 0 -> 0, 1 -> 1, 2 -> 2, 4 -> 3, 8 -> 4.
 constexpr int cached_slot(int cached) { return cached == 0 ? 0 : cached == 1 ? 1 : cached == 2 ? 2 : cached == 4 ? 3 : 4; }
 
-template <typename T, int kVec>
+template <typename T, int kVec, bool kAdd>
 KernelFn<T> pick(int cached) {
-  constexpr KernelFn<T> table[] = {rms_norm_kernel<T, kVec, 0>, rms_norm_kernel<T, kVec, 1>, rms_norm_kernel<T, kVec, 2>,
-                                   rms_norm_kernel<T, kVec, 4>, rms_norm_kernel<T, kVec, 8>};
+  constexpr KernelFn<T> table[] = {rms_norm_kernel<T, kVec, 0, kAdd>, rms_norm_kernel<T, kVec, 1, kAdd>,
+                                   rms_norm_kernel<T, kVec, 2, kAdd>, rms_norm_kernel<T, kVec, 4, kAdd>,
+                                   rms_norm_kernel<T, kVec, 8, kAdd>};
   return table[cached_slot(cached)];
+}
+
+template <typename T, bool kAdd>
+KernelFn<T> pick(int vec_elems, int cached) {
+  constexpr int kPackElems = 16 / int(sizeof(T));
+  return vec_elems == 1 ? pick<T, 1, kAdd>(cached) : pick<T, kPackElems, kAdd>(cached);
 }
 
 template <typename T>
@@ -43,7 +51,8 @@ Status launch_typed(const norm::RmsNormProblem& p, const RmsNormLaunchPlan& plan
   constexpr int kPackElems = 16 / int(sizeof(T));
   if (plan.vec_elems != 1 && plan.vec_elems != kPackElems)
     return Status::internal("rms_norm plan: vec_elems " + std::to_string(plan.vec_elems) + " not instantiated");
-  KernelFn<T> fn = plan.vec_elems == 1 ? pick<T, 1>(plan.vecs_per_thread) : pick<T, kPackElems>(plan.vecs_per_thread);
+  KernelFn<T> fn = p.residual ? pick<T, true>(plan.vec_elems, plan.vecs_per_thread)
+                              : pick<T, false>(plan.vec_elems, plan.vecs_per_thread);
   const int threads = 32 * plan.warps_per_row * plan.rows_per_block;
   if (threads > kRmsNormMaxThreads) return Status::internal("rms_norm plan: block of " + std::to_string(threads) + " threads");
 

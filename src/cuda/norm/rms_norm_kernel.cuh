@@ -7,7 +7,8 @@
 //   vectorized, else 1 element), pack j of the row going to thread j % team_size (coalesced).
 // kCached > 0: each thread keeps its kCached packs of h in registers between the reduction and the
 //   output (one read, one write per element). kCached == 0: streaming, h is re-read for the output
-//   (for rows too long to cache; the re-read mostly hits L1/L2).
+//   (for rows too long to cache; the re-read mostly hits L1/L2), 4 packs per thread at a time.
+// kAdd: residual add (reads residual, writes h) or plain RMSNorm.
 // Aliasing: h may be x or residual and y may be x — each element is read, then written, by one thread.
 // Constraints (checked in validate / plan): kVec > 1 needs 16-byte aligned pointers and hidden and
 //   row strides that are multiples of kVec; block size <= 512.
@@ -65,8 +66,13 @@ __device__ __forceinline__ Pack<T, kVec> normalize(const Pack<T, kVec>& hv, cons
   return out;
 }
 
-template <typename T, int kVec, int kCached>
+// Loads of later packs must not wait behind stores of earlier ones (h and y may alias inputs, so
+// the compiler keeps program order between them): every phase loads all of its packs first, then
+// computes and stores.
+template <typename T, int kVec, int kCached, bool kAdd>
 __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormParams<T> p) {
+  constexpr int kBatch = kCached > 0 ? kCached : 4;  // packs per thread held at once
+  using P = Pack<T, kVec>;
   __shared__ float scratch[kRmsNormMaxThreads / 32];
   const int team_size = 32 * p.warps_per_row;
   const int team = threadIdx.x / team_size;
@@ -76,60 +82,63 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
   const int num_packs = valid ? p.hidden / kVec : 0;
 
   const T* x = p.x + row * p.x_stride;
-  const T* res = p.residual ? p.residual + row * p.residual_stride : nullptr;
-  T* h = p.h ? p.h + row * p.h_stride : nullptr;
+  const T* res = kAdd ? p.residual + row * p.residual_stride : nullptr;
+  T* h = kAdd ? p.h + row * p.h_stride : nullptr;
   T* y = p.y + row * p.y_stride;
 
+  // Phase 1 over packs [j0, j0 + kBatch * team_size): load x (+ residual), form h, store h, sum h^2.
+  P hv[kBatch];
   float sumsq = 0.f;
-  Pack<T, kVec> cache[kCached > 0 ? kCached : 1];
-  if constexpr (kCached > 0) {
+  auto load_h = [&](int j0) {
+    P rv[kAdd ? kBatch : 1];
 #pragma unroll
-    for (int i = 0; i < kCached; ++i) {
-      const int j = tid + i * team_size;
-      if (j < num_packs) cache[i] = load_pack<T, kVec>(x + j * kVec);
-    }
-    if (res) {
-#pragma unroll
-      for (int i = 0; i < kCached; ++i) {
-        const int j = tid + i * team_size;
-        if (j < num_packs) {
-          cache[i] = add_rounded(cache[i], load_pack<T, kVec>(res + j * kVec));
-          store_pack(h + j * kVec, cache[i]);
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kCached; ++i) {
-      if (tid + i * team_size < num_packs) sumsq += pack_sumsq(cache[i]);
-    }
-  } else {
-    for (int j = tid; j < num_packs; j += team_size) {
-      Pack<T, kVec> v = load_pack<T, kVec>(x + j * kVec);
-      if (res) {
-        v = add_rounded(v, load_pack<T, kVec>(res + j * kVec));
-        store_pack(h + j * kVec, v);
-      }
-      sumsq += pack_sumsq(v);
-    }
-  }
-
-  sumsq = team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row);
-  const float rstd = rsqrtf(sumsq / float(p.hidden) + p.eps);
-
-  if constexpr (kCached > 0) {
-#pragma unroll
-    for (int i = 0; i < kCached; ++i) {
-      const int j = tid + i * team_size;
+    for (int i = 0; i < kBatch; ++i) {
+      const int j = j0 + tid + i * team_size;
       if (j < num_packs) {
-        store_pack(y + j * kVec, normalize(cache[i], load_pack<T, kVec>(p.weight + j * kVec), rstd, p.weight_offset));
+        hv[i] = load_pack<T, kVec>(x + j * kVec);
+        if constexpr (kAdd) rv[i] = load_pack<T, kVec>(res + j * kVec);
       }
     }
-  } else {
-    const T* src = h ? h : x;  // h was written by this same thread above
-    for (int j = tid; j < num_packs; j += team_size) {
-      store_pack(y + j * kVec, normalize(load_pack<T, kVec>(src + j * kVec), load_pack<T, kVec>(p.weight + j * kVec),
-                                         rstd, p.weight_offset));
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int j = j0 + tid + i * team_size;
+      if (j < num_packs) {
+        if constexpr (kAdd) {
+          hv[i] = add_rounded(hv[i], rv[i]);
+          store_pack(h + j * kVec, hv[i]);
+        }
+        sumsq += pack_sumsq(hv[i]);
+      }
     }
+  };
+  // Phase 2 over the same range: y = h * rstd * (w + offset), h from registers or re-read from src.
+  auto store_y = [&](int j0, float rstd, const T* src) {
+    P wv[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int j = j0 + tid + i * team_size;
+      if (j < num_packs) {
+        wv[i] = load_pack<T, kVec>(p.weight + j * kVec);
+        if (src) hv[i] = load_pack<T, kVec>(src + j * kVec);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int j = j0 + tid + i * team_size;
+      if (j < num_packs) store_pack(y + j * kVec, normalize(hv[i], wv[i], rstd, p.weight_offset));
+    }
+  };
+
+  if constexpr (kCached > 0) {
+    load_h(0);
+    const float rstd = rsqrtf(team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row) / float(p.hidden) + p.eps);
+    store_y(0, rstd, nullptr);
+  } else {
+    const int step = kBatch * team_size;
+    for (int j0 = 0; j0 < num_packs; j0 += step) load_h(j0);
+    const float rstd = rsqrtf(team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row) / float(p.hidden) + p.eps);
+    const T* src = kAdd ? h : x;  // h was written by this same thread above
+    for (int j0 = 0; j0 < num_packs; j0 += step) store_y(j0, rstd, src);
   }
 }
 
