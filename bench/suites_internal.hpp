@@ -8,5 +8,6 @@
 namespace encore::bench {
 
 void run_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 
 }  // namespace encore::bench

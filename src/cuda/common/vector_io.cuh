@@ -33,4 +33,25 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, kN>& v) {
   *reinterpret_cast<Pack<T, kN>*>(p) = v;
 }
 
+// Streaming variants for data touched once: loads marked evict-first (ld.global.cs), stores
+// streaming (st.global.cs), so single-use rows do not push reused data (weights) out of L2.
+template <typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> load_pack_once(const T* p) {
+  if constexpr (sizeof(Pack<T, kN>) == 16) {
+    uint4 u = __ldcs(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Pack<T, kN>*>(&u);
+  } else {
+    return load_pack<T, kN>(p);
+  }
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void store_pack_once(T* p, const Pack<T, kN>& v) {
+  if constexpr (sizeof(Pack<T, kN>) == 16) {
+    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+  } else {
+    store_pack(p, v);
+  }
+}
+
 }  // namespace encore::cuda

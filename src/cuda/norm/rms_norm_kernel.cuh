@@ -95,8 +95,9 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
     for (int i = 0; i < kBatch; ++i) {
       const int j = j0 + tid + i * team_size;
       if (j < num_packs) {
-        hv[i] = load_pack<T, kVec>(x + j * kVec);
-        if constexpr (kAdd) rv[i] = load_pack<T, kVec>(res + j * kVec);
+        // Cached rows are read once: evict-first. Streamed rows are re-read: default caching.
+        hv[i] = kCached > 0 ? load_pack_once<T, kVec>(x + j * kVec) : load_pack<T, kVec>(x + j * kVec);
+        if constexpr (kAdd) rv[i] = load_pack_once<T, kVec>(res + j * kVec);
       }
     }
 #pragma unroll
@@ -105,7 +106,8 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
       if (j < num_packs) {
         if constexpr (kAdd) {
           hv[i] = add_rounded(hv[i], rv[i]);
-          store_pack(h + j * kVec, hv[i]);
+          if constexpr (kCached > 0) store_pack_once(h + j * kVec, hv[i]);
+          else store_pack(h + j * kVec, hv[i]);  // re-read below: keep it in L2
         }
         sumsq += pack_sumsq(hv[i]);
       }
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
       const int j = j0 + tid + i * team_size;
-      if (j < num_packs) store_pack(y + j * kVec, normalize(hv[i], wv[i], rstd, p.weight_offset));
+      if (j < num_packs) store_pack_once(y + j * kVec, normalize(hv[i], wv[i], rstd, p.weight_offset));
     }
   };
 
