@@ -46,7 +46,7 @@ void run_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t strea
 
         const double bytes = double(tensor_bytes) * tensors + double(hidden) * 2;
         const double gbps = bytes / (t.median_us * 1e-6) / 1e9;
-        RmsNormLaunchPlan plan = plan_rms_norm(rows, hidden, DType::kBF16, true, info->sm_count);
+        RmsNormLaunchPlan plan = plan_rms_norm(rows, hidden, DType::kBF16, true, add, info->sm_count);
         Record r;
         r.suite = "norm";
         r.name = add ? "add_rms_norm" : "rms_norm";

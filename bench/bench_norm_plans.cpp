@@ -25,7 +25,7 @@ void run_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t
       const size_t slot = (size_t(rows * hidden) * 2 + 255) / 256 * 256;
       const int tensors = add ? 4 : 2;
       Rotation rot = make_rotation(slot * tensors, info->l2_bytes, FillKind::kBF16);
-      const RmsNormLaunchPlan chosen = plan_rms_norm(rows, hidden, DType::kBF16, true, info->sm_count);
+      const RmsNormLaunchPlan chosen = plan_rms_norm(rows, hidden, DType::kBF16, true, add, info->sm_count);
       const int64_t packs = hidden / 8;
       for (int wpr = 1; wpr <= 16; wpr *= 2) {
         for (int rpb = 1; rpb * wpr <= 16; rpb *= 2) {

@@ -59,7 +59,8 @@ struct RmsNormLaunchPlan {
   long long grid = 0;        // blocks
 };
 // Plan for `rows` x `hidden` elements of `dtype` on a device with `sm_count` multiprocessors;
-// `vectorized`: whether 16-byte packs are allowed (alignment, hidden and strides permitting).
-RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, int sm_count);
+// `vectorized`: whether 16-byte packs are allowed (alignment, hidden and strides permitting);
+// `add`: the residual-add variant.
+RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, bool add, int sm_count);
 
 }  // namespace encore

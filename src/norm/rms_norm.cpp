@@ -14,10 +14,14 @@
 namespace encore {
 namespace {
 
-constexpr int kMaxWarpsPerRow = 16;   // 512 threads: the kernel's block limit
-constexpr int kTargetPacksPerThread = 4;  // 8 bf16 packs of h + 8 of residual spill at 128 registers
+// Launch-plan constants, from the norm_plans sweep on an H200 (docs/norm.md): one row per block
+// always won; plain RMSNorm runs best with 8 cached packs per thread, add-RMSNorm (twice the loads
+// per pack) with 1; rows that cannot fill the GPU get more warps each, down to 2 packs per thread.
+constexpr int kMaxWarpsPerRow = 16;  // 512 threads: the kernel's block limit
+constexpr int kTargetPacksPlain = 8;
+constexpr int kTargetPacksAdd = 1;
+constexpr int kSmallBatchPacks = 2;
 constexpr int kMaxCachedPacks = 8;
-constexpr int kWarpsPerBlock = 8;     // for many rows: several rows per block
 
 // Two views are either the same view (exact alias) or disjoint in memory.
 Status same_or_disjoint(const char* a_name, const TensorView& a, const char* b_name, const TensorView& b) {
@@ -99,7 +103,7 @@ Status execute(const norm::RmsNormProblem& p, Device device, Stream stream) {
 #ifdef ENCORE_WITH_CUDA
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(device.index, &info));
-  RmsNormLaunchPlan plan = plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), info->sm_count);
+  RmsNormLaunchPlan plan = plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
   return cuda::launch_rms_norm(p, plan, stream);
 #else
   (void)stream;
@@ -109,24 +113,23 @@ Status execute(const norm::RmsNormProblem& p, Device device, Stream stream) {
 
 }  // namespace
 
-RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, int sm_count) {
+RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, bool add, int sm_count) {
   RmsNormLaunchPlan plan;
   plan.vec_elems = vectorized ? int(16 / dtype_size(dtype)) : 1;
   const int64_t packs = (hidden + plan.vec_elems - 1) / plan.vec_elems;
-  // Fewest warps per row that keep each thread at <= kTargetPacksPerThread packs.
+  const int64_t target = add ? kTargetPacksAdd : kTargetPacksPlain;
+  // Fewest warps per row that keep each thread at <= target packs.
   int wpr = 1;
-  while (wpr < kMaxWarpsPerRow && packs > int64_t(32) * wpr * kTargetPacksPerThread) wpr *= 2;
-  // Too few rows to fill the GPU with one block per row: more warps per row shorten each row's latency.
-  while (wpr < kMaxWarpsPerRow && rows * wpr < sm_count && packs > int64_t(32) * wpr * 2) wpr *= 2;
+  while (wpr < kMaxWarpsPerRow && packs > int64_t(32) * wpr * target) wpr *= 2;
+  // Too few rows to give every SM ~4 row-teams: more warps per row shorten each row's latency.
+  while (wpr < kMaxWarpsPerRow && rows * wpr < int64_t(4) * sm_count && packs > int64_t(32) * wpr * kSmallBatchPacks) wpr *= 2;
   plan.warps_per_row = wpr;
   const int64_t per_thread = (packs + 32 * wpr - 1) / (32 * wpr);
   int cached = 1;
   while (cached < per_thread) cached *= 2;
   plan.vecs_per_thread = cached <= kMaxCachedPacks ? cached : 0;
-  // Many rows: pack several rows into a block of kWarpsPerBlock warps; few rows: one row per block
-  // so the rows spread over all multiprocessors.
-  plan.rows_per_block = rows >= int64_t(sm_count) * 4 ? std::max(1, kWarpsPerBlock / wpr) : 1;
-  plan.grid = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
+  plan.rows_per_block = 1;
+  plan.grid = rows;
   return plan;
 }
 

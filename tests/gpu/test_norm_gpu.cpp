@@ -79,8 +79,8 @@ void run_case(const GpuCase& c, std::set<std::tuple<int, int, int>>* variants) {
 
   if (variants) {
     const bool vec = c.elem_offset == 0 && c.hidden % int64_t(16 / esz) == 0 && (c.stride == 0 || c.stride % int64_t(16 / esz) == 0);
-    RmsNormLaunchPlan plan = plan_rms_norm(c.rows, c.hidden, c.dtype, vec, info->sm_count);
-    variants->insert({int(c.dtype), plan.vec_elems, plan.vecs_per_thread});
+    RmsNormLaunchPlan plan = plan_rms_norm(c.rows, c.hidden, c.dtype, vec, c.add, info->sm_count);
+    variants->insert({int(c.dtype) * 2 + int(c.add), plan.vec_elems, plan.vecs_per_thread});
   }
 }
 
@@ -93,24 +93,27 @@ class NormGpu : public ::testing::Test {
 
 TEST_F(NormGpu, MatchesCpuOnEveryVariant) {
   std::set<std::tuple<int, int, int>> variants;
-  const int64_t hiddens[] = {1, 7, 64, 100, 300, 1000, 4096, 4104, 8192, 12288, 20000, 40000, 140000};
+  const int64_t hiddens[] = {1, 7, 64, 100, 300, 1000, 1500, 4096, 4104, 8192, 12288, 20000, 40000, 140000};
   const int64_t rows_list[] = {1, 3, 64, 1000};
   for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     for (int64_t hid : hiddens) {
-      for (int64_t rows : rows_list) {
-        if (rows * hid > int64_t(8) << 20) continue;  // keep the CPU side quick
-        for (bool add : {false, true}) run_case({t, rows, hid, 0, add, 0, false}, &variants);
+      for (bool add : {false, true}) {
+        for (int64_t rows : rows_list) {
+          if (rows * hid <= int64_t(8) << 20) run_case({t, rows, hid, 0, add, 0, false}, &variants);  // CPU side quick
+        }
+        run_case({t, 5, hid, hid + 8, add, 0, false}, &variants);   // strided rows
+        run_case({t, 33, hid, hid + 3, add, 1, false}, &variants);  // element-aligned only
       }
-      run_case({t, 5, hid, hid + 8, true, 0, false}, &variants);   // strided rows
-      run_case({t, 33, hid, hid + 3, false, 1, false}, &variants);  // element-aligned only
     }
   }
-  // Every instantiated kernel (dtype x {16-byte, element} x cached {0,1,2,4,8}) was exercised.
+  // Every instantiated kernel (dtype x {16-byte, element} x cached {0,1,2,4,8} x {plain, add}) ran.
   for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32}) {
-    for (int vec : {1, int(16 / dtype_size(t))}) {
-      for (int cached : {0, 1, 2, 4, 8}) {
-        EXPECT_TRUE(variants.count({int(t), vec, cached}))
-            << "variant not covered: " << dtype_name(t) << " vec " << vec << " cached " << cached;
+    for (int add = 0; add < 2; ++add) {
+      for (int vec : {1, int(16 / dtype_size(t))}) {
+        for (int cached : {0, 1, 2, 4, 8}) {
+          EXPECT_TRUE(variants.count({int(t) * 2 + add, vec, cached}))
+              << "variant not covered: " << dtype_name(t) << (add ? " add" : " plain") << " vec " << vec << " cached " << cached;
+        }
       }
     }
   }
