@@ -66,10 +66,10 @@ void fill_random(void* p, size_t n, FillKind kind, unsigned long long seed, cuda
   check_cuda(cudaGetLastError(), "fill_random");
 }
 
-Rotation make_rotation(size_t set_bytes, size_t l2_bytes, FillKind kind) {
+Rotation make_rotation(size_t set_bytes, size_t l2_bytes, FillKind kind, bool flush) {
   Rotation r;
   r.set_bytes = (set_bytes + 255) / 256 * 256;
-  r.sets = std::clamp<long long>((3 * (long long)l2_bytes + (long long)r.set_bytes - 1) / (long long)r.set_bytes, 1, 8192);
+  r.sets = flush ? std::clamp<long long>((3 * (long long)l2_bytes + (long long)r.set_bytes - 1) / (long long)r.set_bytes, 1, 8192) : 1;
   check_cuda(cudaMalloc(&r.base, r.set_bytes * size_t(r.sets)), "cudaMalloc (rotation arena)");
   const size_t elem = kind == FillKind::kFP32 ? 4 : 2;
   fill_random(r.base, r.set_bytes * size_t(r.sets) / elem, kind, 12345, nullptr);

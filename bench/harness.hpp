@@ -61,7 +61,8 @@ struct Rotation {
   long long sets = 1;
   char* set(long long i) const { return static_cast<char*>(base) + size_t(i % sets) * set_bytes; }
 };
-Rotation make_rotation(size_t set_bytes, size_t l2_bytes, FillKind kind);
+// flush = false: one set (repeated launches find their inputs in L2: 'warm' numbers).
+Rotation make_rotation(size_t set_bytes, size_t l2_bytes, FillKind kind, bool flush = true);
 void free_rotation(Rotation& r);
 
 // Aborts with a message on a CUDA error (benchmarks are not library code).

@@ -12,6 +12,8 @@ int run_suites(const BenchOptions& opts) {
   const std::map<std::string, std::function<void(Report&, const TimeOptions&, cudaStream_t)>> suites = {
       {"norm", run_norm_suite},
       {"norm_plans", run_norm_plans_suite},
+      {"qk_norm", run_qk_norm_suite},
+      {"qk_norm_plans", run_qk_norm_plans_suite},
   };
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "encore bench: no CUDA device: benchmarks need a GPU (try `encore check`)\n");

@@ -64,5 +64,15 @@ if python3 -c "import nanobind" 2>/dev/null; then
 fi
 
 step "encore bench" "$bin/encore" bench $suites --out "$OUT/bench_${suites// /_}.json"
+
+# Peers (torch.compile, Liger) measured the same way, when ENCORE_PEERS=1; Liger travels as a wheel
+# in .whl (see docs/gpu_workflow.md).
+if [ "${ENCORE_PEERS:-0}" = 1 ]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$log" 2>&1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  step "peers: qk_norm" env PYTHONUNBUFFERED=1 python3 bench/peers/qk_norm_peers.py "$OUT/qk_norm_peers.json"
+fi
 say "done: $fails failed step(s)"
 exit $fails

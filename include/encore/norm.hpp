@@ -50,6 +50,38 @@ size_t workspace_bytes(const AddRmsNormArgs& args, const RmsNormOptions& opts);
 Status run(const AddRmsNormArgs& args, const RmsNormOptions& opts, void* workspace = nullptr,
            Stream stream = nullptr);
 
+// ---- QK-norm -----------------------------------------------------------------------------------
+// Per-head RMSNorm of the Q and K heads of a fused QKV buffer, in place, one launch:
+//   for each token t and head j < num_q_heads + num_kv_heads (Q heads, then K heads):
+//     u = qkv[t, j*D : (j+1)*D];  u <- u * rsqrt(mean(u^2) + eps) * (w + weight_offset)
+//   with w = q_weight for Q heads and k_weight for K heads. V heads are not touched.
+// qkv: [tokens, (num_q_heads + 2*num_kv_heads) * head_dim], bf16 or fp16, unit last stride, any
+// token stride that keeps rows 16-byte aligned (a multiple of 8 elements); head_dim 64, 128 or 256.
+struct QkNormOptions {
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 128;
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;  // 1.0 for (1 + w) weights
+};
+
+struct QkNormArgs {
+  TensorView qkv;       // [tokens, (Hq + 2*Hkv) * head_dim], normalized in place
+  TensorView q_weight;  // [head_dim]
+  TensorView k_weight;  // [head_dim]
+};
+
+Status validate(const QkNormArgs& args, const QkNormOptions& opts);
+size_t workspace_bytes(const QkNormArgs& args, const QkNormOptions& opts);
+Status run(const QkNormArgs& args, const QkNormOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
+
+struct QkNormLaunchPlan {
+  int threads = 128;         // per block
+  int heads_per_thread = 1;  // heads each lane group normalizes (loads of all issued together)
+  long long grid = 0;
+};
+QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim, DType dtype, int sm_count);
+
 // How the CUDA backend splits the work (exposed for benchmarks, tests and `encore bench`).
 struct RmsNormLaunchPlan {
   int vec_elems = 1;         // elements per access (16 bytes / element size, or 1)

@@ -81,4 +81,13 @@ NB_MODULE(_encore, m) {
         },
         nb::arg("x"), nb::arg("residual"), nb::arg("weight"), nb::arg("y"), nb::arg("h"), nb::arg("eps"),
         nb::arg("weight_offset"), nb::arg("stream"));
+
+  m.def("qk_norm_",
+        [](Array qkv, Array q_weight, Array k_weight, int num_q_heads, int num_kv_heads, int head_dim, float eps,
+           float weight_offset, uintptr_t stream) {
+          QkNormArgs a{to_view(qkv, "qkv"), to_view(q_weight, "q_weight"), to_view(k_weight, "k_weight")};
+          raise_if_error(run(a, QkNormOptions{num_q_heads, num_kv_heads, head_dim, eps, weight_offset}, nullptr, as_stream(stream)));
+        },
+        nb::arg("qkv"), nb::arg("q_weight"), nb::arg("k_weight"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"),
+        nb::arg("head_dim"), nb::arg("eps"), nb::arg("weight_offset"), nb::arg("stream"));
 }

@@ -39,4 +39,26 @@ void rms_norm(const norm::RmsNormProblem& p) {
   }
 }
 
+void qk_norm(const norm::QkNormProblem& p) {
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const int64_t d = p.head_dim;
+  std::vector<double> u(static_cast<size_t>(d));
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    for (int j = 0; j < heads; ++j) {
+      const int64_t base = t * p.token_stride + j * d;
+      const void* w = j < p.num_q_heads ? p.q_weight : p.k_weight;
+      double ss = 0.0;
+      for (int64_t c = 0; c < d; ++c) {
+        u[size_t(c)] = load_as_double(p.qkv, p.dtype, base + c);
+        ss += u[size_t(c)] * u[size_t(c)];
+      }
+      const double rstd = 1.0 / std::sqrt(ss / double(d) + double(p.eps));
+      for (int64_t c = 0; c < d; ++c) {
+        const double wc = load_as_double(w, p.dtype, c) + double(p.weight_offset);
+        store_from_double(p.qkv, p.dtype, base + c, u[size_t(c)] * rstd * wc);
+      }
+    }
+  }
+}
+
 }  // namespace encore::reference

@@ -119,3 +119,49 @@ def test_torch_autograd_refused():
     x = torch.randn(2, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="autograd"):
         encore.rms_norm(x, torch.ones(8))
+
+
+def ref_qk_norm(qkv, wq, wk, hq, hkv, d, eps, off):
+    out = qkv.astype(np.float64).copy()
+    T = qkv.shape[0]
+    heads = out[:, : (hq + hkv) * d].reshape(T, hq + hkv, d)
+    r = 1.0 / np.sqrt((heads * heads).mean(-1, keepdims=True) + eps)
+    w = np.concatenate([np.broadcast_to(wq, (hq, d)), np.broadcast_to(wk, (hkv, d))]).astype(np.float64) + off
+    out[:, : (hq + hkv) * d] = (heads * r * w).reshape(T, -1)
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_qk_norm_numpy_in_place(d):
+    rng = np.random.default_rng()
+    hq, hkv, T = 4, 2, 5
+    qkv = rng.standard_normal((T, (hq + 2 * hkv) * d)).astype(np.float16)
+    wq = (1 + 0.3 * rng.standard_normal(d)).astype(np.float16)
+    wk = (1 + 0.3 * rng.standard_normal(d)).astype(np.float16)
+    ref = ref_qk_norm(qkv, wq, wk, hq, hkv, d, 1e-6, 1.0)
+    v_before = qkv[:, (hq + hkv) * d:].copy()
+    out = encore.qk_norm_(qkv, wq, wk, hq, hkv, d, weight_offset=1.0)
+    assert out is qkv
+    np.testing.assert_array_equal(qkv[:, (hq + hkv) * d:], v_before)
+    err = np.linalg.norm(qkv.astype(np.float64) - ref) / np.linalg.norm(ref)
+    assert err < 1e-3
+
+
+def test_qk_norm_bad_head_dim():
+    qkv = np.zeros((2, 4 * 96), np.float16)
+    with pytest.raises(ValueError, match="head_dim: must be 64, 128 or 256"):
+        encore.qk_norm_(qkv, np.ones(96, np.float16), np.ones(96, np.float16), 2, 1, 96)
+
+
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available() or not encore.built_with_cuda(),
+                    reason="needs torch with CUDA and a CUDA build of encore")
+def test_qk_norm_torch_cuda_matches_cpu():
+    hq, hkv, d, T = 32, 8, 128, 77
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, dtype=torch.bfloat16, device="cuda")
+    wq = torch.rand(d, dtype=torch.bfloat16, device="cuda") + 0.5
+    wk = torch.rand(d, dtype=torch.bfloat16, device="cuda") + 0.5
+    cpu = qkv.cpu()
+    encore.qk_norm_(qkv, wq, wk, hq, hkv, d)
+    encore.qk_norm_(cpu, wq.cpu(), wk.cpu(), hq, hkv, d)
+    assert torch.isfinite(qkv).all()
+    assert ((qkv.cpu().double() - cpu.double()).norm() / cpu.double().norm()).item() < 8e-3

@@ -3,9 +3,20 @@
 
 namespace encore::cuda {
 
-__device__ __forceinline__ float warp_sum(float v) {
+
+// Sum / max over aligned groups of kLanes consecutive lanes (kLanes a power of two <= 32). Every
+// lane of the warp must call these (the shuffles use the full mask).
+template <int kLanes>
+__device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  for (int off = kLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+template <int kLanes>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
 
@@ -13,7 +24,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // `team_warp0` is the index of the team's first warp. Every thread of the block must call this
 // (it contains __syncthreads) when num_warps > 1.
 __device__ __forceinline__ float team_sum(float v, int num_warps, float* scratch, int team_warp0) {
-  v = warp_sum(v);
+  v = group_sum<32>(v);
   if (num_warps == 1) return v;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) scratch[warp] = v;

@@ -33,6 +33,15 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, kN>& v) {
   *reinterpret_cast<Pack<T, kN>*>(p) = v;
 }
 
+// Sum of squares of a pack's elements, in fp32.
+template <typename T, int kN>
+__device__ __forceinline__ float pack_sumsq(const Pack<T, kN>& a) {
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < kN; ++e) s += to_float(a.v[e]) * to_float(a.v[e]);
+  return s;
+}
+
 // Streaming variants for data touched once: loads marked evict-first (ld.global.cs), stores
 // streaming (st.global.cs), so single-use rows do not push reused data (weights) out of L2.
 template <typename T, int kN>

@@ -3,6 +3,7 @@
 // picks one.
 #include <cuda_runtime.h>
 
+#include "cuda/common/device_guard.hpp"
 #include "cuda/norm/rms_norm_kernel.cuh"
 #include "cuda/norm/rms_norm_launch.hpp"
 
@@ -74,15 +75,9 @@ Status launch_on_device(const norm::RmsNormProblem& p, const RmsNormLaunchPlan& 
 }  // namespace
 
 Status launch_rms_norm(const norm::RmsNormProblem& p, const RmsNormLaunchPlan& plan, Stream stream) {
-  // Launch on the tensors' device, restoring the caller's current device afterwards.
-  int current = 0;
-  cudaError_t e = cudaGetDevice(&current);
-  if (e != cudaSuccess) return Status::cuda_error(std::string("cudaGetDevice: ") + cudaGetErrorString(e));
-  if (current != p.device_index && (e = cudaSetDevice(p.device_index)) != cudaSuccess)
-    return Status::cuda_error(std::string("cudaSetDevice: ") + cudaGetErrorString(e));
-  Status st = launch_on_device(p, plan, static_cast<cudaStream_t>(stream));
-  if (current != p.device_index) cudaSetDevice(current);
-  return st;
+  DeviceGuard guard;  // launch on the tensors' device
+  ENCORE_RETURN_IF_ERROR(guard.set(p.device_index));
+  return launch_on_device(p, plan, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace encore::cuda

@@ -50,14 +50,6 @@ __device__ __forceinline__ Pack<T, kVec> add_rounded(const Pack<T, kVec>& a, con
 }
 
 template <typename T, int kVec>
-__device__ __forceinline__ float pack_sumsq(const Pack<T, kVec>& a) {
-  float s = 0.f;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) s += to_float(a.v[e]) * to_float(a.v[e]);
-  return s;
-}
-
-template <typename T, int kVec>
 __device__ __forceinline__ Pack<T, kVec> normalize(const Pack<T, kVec>& hv, const Pack<T, kVec>& wv,
                                                    float rstd, float offset) {
   Pack<T, kVec> out;

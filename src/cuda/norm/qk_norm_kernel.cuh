@@ -1,0 +1,83 @@
+// QK-norm: per-head RMSNorm of the Q and K heads of a fused QKV buffer, in place.
+//
+// Math:   u = qkv[t, j*D:(j+1)*D] for j < Hq + Hkv;  u <- u * rsqrt(mean(u^2) + eps) * (w_j + offset),
+//         w_j = q_weight (j < Hq) or k_weight. V heads untouched.
+// Shapes: qkv [tokens, (Hq + 2*Hkv) * D] with token stride (elements, multiple of 8); T bf16/fp16.
+// Mapping: a head is owned by a group of kLanes = D * sizeof(T) / 16 lanes (8, 16, 32 for D = 64,
+//   128, 256), each lane one 16-byte pack; a warp holds 32 / kLanes heads; the sum of squares is a
+//   butterfly over the group. Heads are numbered g = t * (Hq + Hkv) + j, so consecutive groups touch
+//   consecutive memory within a token. Each group handles kHeadsPerThread heads g0 + i * G
+//   (G = groups in the grid), all loaded before any is stored, in a grid-stride loop.
+// Specializations: T, D, kOffset (weight_offset != 0), kHeadsPerThread (1 decode, 2/4 prefill).
+// Constraints (validate): 16-byte aligned qkv rows and weights, D in {64, 128, 256}.
+#pragma once
+#include <cstdint>
+
+#include "cuda/common/reduce.cuh"
+#include "cuda/common/vector_io.cuh"
+
+namespace encore::cuda {
+
+template <typename T>
+struct QkNormParams {
+  T* qkv;
+  int64_t token_stride;
+  const T* q_weight;
+  const T* k_weight;
+  int64_t num_heads_total;  // tokens * (Hq + Hkv)
+  int heads_per_token;      // Hq + Hkv
+  int num_q_heads;
+  float eps;
+  float weight_offset;
+};
+
+template <typename T, int kHeadDim, bool kOffset, int kHeadsPerThread>
+__global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kLanes = kHeadDim / kVec;
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "head_dim must give 1-32 lanes");
+  using P = Pack<T, kVec>;
+
+  const int lane = threadIdx.x % kLanes;
+  const int64_t groups_in_grid = int64_t(gridDim.x) * (blockDim.x / kLanes);
+  const int64_t group0 = int64_t(blockIdx.x) * (blockDim.x / kLanes) + threadIdx.x / kLanes;
+  const P wq = load_pack<T, kVec>(p.q_weight + lane * kVec);
+  const P wk = load_pack<T, kVec>(p.k_weight + lane * kVec);
+
+  for (int64_t base = group0; base < p.num_heads_total; base += groups_in_grid * kHeadsPerThread) {
+    P v[kHeadsPerThread];
+    T* ptr[kHeadsPerThread];
+    bool is_q[kHeadsPerThread];
+#pragma unroll
+    for (int i = 0; i < kHeadsPerThread; ++i) {
+      const int64_t g = base + i * groups_in_grid;
+      ptr[i] = nullptr;
+      if (g < p.num_heads_total) {
+        const int64_t t = g / p.heads_per_token;
+        const int j = int(g - t * p.heads_per_token);
+        is_q[i] = j < p.num_q_heads;
+        ptr[i] = p.qkv + t * p.token_stride + int64_t(j) * kHeadDim + lane * kVec;
+        v[i] = load_pack_once<T, kVec>(ptr[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kHeadsPerThread; ++i) {
+      // Every lane joins the shuffles, also for heads past the end (their sums are discarded).
+      const float ss = group_sum<kLanes>(ptr[i] ? pack_sumsq(v[i]) : 0.f);
+      if (ptr[i]) {
+        const float rstd = rsqrtf(ss / float(kHeadDim) + p.eps);
+        const P& w = is_q[i] ? wq : wk;
+        P out;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          float wf = to_float(w.v[e]);
+          if constexpr (kOffset) wf += p.weight_offset;
+          out.v[e] = from_float<T>(to_float(v[i].v[e]) * rstd * wf);
+        }
+        store_pack_once(ptr[i], out);
+      }
+    }
+  }
+}
+
+}  // namespace encore::cuda

@@ -1,0 +1,105 @@
+// QK-norm dispatch: validate -> problem + plan -> CPU reference or CUDA kernel.
+#include <cmath>
+
+#include "core/checks.hpp"
+#include "encore/core/device_info.hpp"
+#include "encore/norm.hpp"
+#include "norm/qk_norm_problem.hpp"
+#include "reference/norm_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "cuda/norm/qk_norm_launch.hpp"
+#endif
+
+namespace encore {
+namespace {
+
+Status validate_weight(const char* name, const TensorView& w, const TensorView& qkv, int head_dim) {
+  ENCORE_RETURN_IF_ERROR(checks::present(name, w));
+  ENCORE_RETURN_IF_ERROR(checks::ndim(name, w, 1, "[head_dim]"));
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals(name, w, 0, head_dim, "head_dim"));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, w));
+  ENCORE_RETURN_IF_ERROR(checks::same_dtype(name, w, "qkv", qkv));
+  ENCORE_RETURN_IF_ERROR(checks::same_device(name, w, "qkv", qkv));
+  if (!checks::aligned(w.data, 16)) return Status::invalid(std::string(name) + ": data pointer must be 16-byte aligned");
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap(name, w, "qkv", qkv));
+  return Status::ok();
+}
+
+}  // namespace
+
+QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim, DType dtype, int sm_count) {
+  QkNormLaunchPlan plan;
+  const int lanes = int(int64_t(head_dim) * int64_t(dtype_size(dtype)) / 16);
+  const int64_t heads = tokens * heads_per_token;
+  const int64_t threads_needed = heads * lanes;
+  if (threads_needed >= int64_t(sm_count) * 2048) {
+    plan.threads = 256;
+    plan.heads_per_thread = 4;
+  } else if (threads_needed >= int64_t(sm_count) * 512) {
+    plan.threads = 256;
+    plan.heads_per_thread = 2;
+  } else {
+    plan.threads = 128;
+    plan.heads_per_thread = 1;
+  }
+  const int64_t groups_per_block = plan.threads / lanes;
+  plan.grid = (heads + groups_per_block * plan.heads_per_thread - 1) / (groups_per_block * plan.heads_per_thread);
+  return plan;
+}
+
+Status validate(const QkNormArgs& a, const QkNormOptions& o) {
+  if (o.head_dim != 64 && o.head_dim != 128 && o.head_dim != 256)
+    return Status::invalid("head_dim: must be 64, 128 or 256, got " + std::to_string(o.head_dim));
+  if (o.num_q_heads < 1) return Status::invalid("num_q_heads: must be >= 1, got " + std::to_string(o.num_q_heads));
+  if (o.num_kv_heads < 1) return Status::invalid("num_kv_heads: must be >= 1, got " + std::to_string(o.num_kv_heads));
+  if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
+  if (!std::isfinite(o.weight_offset)) return Status::invalid("weight_offset: must be finite");
+  ENCORE_RETURN_IF_ERROR(checks::present("qkv", a.qkv));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("qkv", a.qkv, 2, "[tokens, (num_q_heads + 2*num_kv_heads) * head_dim]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("qkv", a.qkv, {DType::kBF16, DType::kFP16}));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("qkv", a.qkv));
+  const int64_t width = int64_t(o.num_q_heads + 2 * o.num_kv_heads) * o.head_dim;
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals("qkv", a.qkv, 1, width, "(num_q_heads + 2*num_kv_heads) * head_dim"));
+  ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("qkv", a.qkv));
+  if (!checks::aligned(a.qkv.data, 16)) return Status::invalid("qkv: data pointer must be 16-byte aligned");
+  if (a.qkv.shape[0] > 1 && (a.qkv.strides[0] * int64_t(a.qkv.element_size())) % 16 != 0)
+    return Status::invalid("qkv: token stride " + std::to_string(a.qkv.strides[0]) +
+                           " must be a multiple of 16 bytes (8 elements) so every head is 16-byte aligned");
+  ENCORE_RETURN_IF_ERROR(validate_weight("q_weight", a.q_weight, a.qkv, o.head_dim));
+  ENCORE_RETURN_IF_ERROR(validate_weight("k_weight", a.k_weight, a.qkv, o.head_dim));
+  return Status::ok();
+}
+
+size_t workspace_bytes(const QkNormArgs&, const QkNormOptions&) { return 0; }
+
+Status run(const QkNormArgs& a, const QkNormOptions& o, void*, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, o));
+  norm::QkNormProblem p;
+  p.qkv = a.qkv.data;
+  p.token_stride = a.qkv.strides[0];
+  p.q_weight = a.q_weight.data;
+  p.k_weight = a.k_weight.data;
+  p.tokens = a.qkv.shape[0];
+  p.num_q_heads = o.num_q_heads;
+  p.num_kv_heads = o.num_kv_heads;
+  p.head_dim = o.head_dim;
+  p.dtype = a.qkv.dtype;
+  p.eps = o.eps;
+  p.weight_offset = o.weight_offset;
+  p.device_index = a.qkv.device.index;
+  if (!a.qkv.device.is_cuda()) {
+    reference::qk_norm(p);
+    return Status::ok();
+  }
+#ifdef ENCORE_WITH_CUDA
+  const DeviceInfo* info = nullptr;
+  ENCORE_RETURN_IF_ERROR(get_device_info(a.qkv.device.index, &info));
+  return cuda::launch_qk_norm(p, plan_qk_norm(p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype, info->sm_count),
+                              stream);
+#else
+  (void)stream;
+  return Status::unsupported("qkv: on " + a.qkv.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+}
+
+}  // namespace encore
