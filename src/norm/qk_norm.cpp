@@ -65,6 +65,8 @@ Status validate(const QkNormArgs& a, const QkNormOptions& o) {
   if (a.qkv.shape[0] > 1 && (a.qkv.strides[0] * int64_t(a.qkv.element_size())) % 16 != 0)
     return Status::invalid("qkv: token stride " + std::to_string(a.qkv.strides[0]) +
                            " must be a multiple of 16 bytes (8 elements) so every head is 16-byte aligned");
+  if (a.qkv.shape[0] * int64_t(o.num_q_heads + o.num_kv_heads) >= (int64_t(1) << 31))
+    return Status::unsupported("qkv: tokens * (num_q_heads + num_kv_heads) must be < 2^31");
   ENCORE_RETURN_IF_ERROR(validate_weight("q_weight", a.q_weight, a.qkv, o.head_dim));
   ENCORE_RETURN_IF_ERROR(validate_weight("k_weight", a.k_weight, a.qkv, o.head_dim));
   return Status::ok();

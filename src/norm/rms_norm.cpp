@@ -22,6 +22,7 @@ constexpr int kTargetPacksPlain = 8;
 constexpr int kTargetPacksAdd = 1;
 constexpr int kSmallBatchPacks = 2;
 constexpr int kMaxCachedPacks = 8;
+constexpr int kShortRowsPerBlock = 8;
 
 // Two views are either the same view (exact alias) or disjoint in memory.
 Status same_or_disjoint(const char* a_name, const TensorView& a, const char* b_name, const TensorView& b) {
@@ -128,8 +129,10 @@ RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool 
   int cached = 1;
   while (cached < per_thread) cached *= 2;
   plan.vecs_per_thread = cached <= kMaxCachedPacks ? cached : 0;
-  plan.rows_per_block = 1;
-  plan.grid = rows;
+  // Short rows (one pack per lane or less, e.g. per-head norms over [tokens * heads, 128]): a
+  // one-warp block per row caps an SM at 32 blocks = half occupancy; pack 8 rows per block.
+  plan.rows_per_block = (wpr == 1 && packs <= 32 && rows >= int64_t(8) * sm_count) ? kShortRowsPerBlock : 1;
+  plan.grid = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
   return plan;
 }
 

@@ -34,8 +34,8 @@ Status launch_typed(const norm::QkNormProblem& p, const QkNormLaunchPlan& plan, 
   k.token_stride = p.token_stride;
   k.q_weight = static_cast<const T*>(p.q_weight);
   k.k_weight = static_cast<const T*>(p.k_weight);
-  k.heads_per_token = p.num_q_heads + p.num_kv_heads;
-  k.num_heads_total = p.tokens * k.heads_per_token;
+  k.heads_per_token = uint32_t(p.num_q_heads + p.num_kv_heads);
+  k.num_heads_total = uint32_t(p.tokens * k.heads_per_token);
   k.num_q_heads = p.num_q_heads;
   k.eps = p.eps;
   k.weight_offset = p.weight_offset;

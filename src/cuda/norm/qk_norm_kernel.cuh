@@ -24,8 +24,8 @@ struct QkNormParams {
   int64_t token_stride;
   const T* q_weight;
   const T* k_weight;
-  int64_t num_heads_total;  // tokens * (Hq + Hkv)
-  int heads_per_token;      // Hq + Hkv
+  uint32_t num_heads_total;  // tokens * (Hq + Hkv) < 2^31 (validate)
+  uint32_t heads_per_token;  // Hq + Hkv
   int num_q_heads;
   float eps;
   float weight_offset;
@@ -38,25 +38,27 @@ __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "head_dim must give 1-32 lanes");
   using P = Pack<T, kVec>;
 
+  // 32-bit head indices: a 64-bit division per head made the kernel instruction-bound (74% of copy
+  // bandwidth at 65536 tokens).
   const int lane = threadIdx.x % kLanes;
-  const int64_t groups_in_grid = int64_t(gridDim.x) * (blockDim.x / kLanes);
-  const int64_t group0 = int64_t(blockIdx.x) * (blockDim.x / kLanes) + threadIdx.x / kLanes;
+  const uint32_t groups_in_grid = gridDim.x * (blockDim.x / kLanes);
+  const uint32_t group0 = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
   const P wq = load_pack<T, kVec>(p.q_weight + lane * kVec);
   const P wk = load_pack<T, kVec>(p.k_weight + lane * kVec);
 
-  for (int64_t base = group0; base < p.num_heads_total; base += groups_in_grid * kHeadsPerThread) {
+  for (uint32_t base = group0; base < p.num_heads_total; base += groups_in_grid * kHeadsPerThread) {
     P v[kHeadsPerThread];
     T* ptr[kHeadsPerThread];
     bool is_q[kHeadsPerThread];
 #pragma unroll
     for (int i = 0; i < kHeadsPerThread; ++i) {
-      const int64_t g = base + i * groups_in_grid;
+      const uint32_t g = base + i * groups_in_grid;
       ptr[i] = nullptr;
       if (g < p.num_heads_total) {
-        const int64_t t = g / p.heads_per_token;
-        const int j = int(g - t * p.heads_per_token);
-        is_q[i] = j < p.num_q_heads;
-        ptr[i] = p.qkv + t * p.token_stride + int64_t(j) * kHeadDim + lane * kVec;
+        const uint32_t t = g / p.heads_per_token;
+        const uint32_t j = g - t * p.heads_per_token;
+        is_q[i] = j < uint32_t(p.num_q_heads);
+        ptr[i] = p.qkv + int64_t(t) * p.token_stride + j * kHeadDim + lane * kVec;
         v[i] = load_pack_once<T, kVec>(ptr[i]);
       }
     }
