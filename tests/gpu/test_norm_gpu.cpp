@@ -130,6 +130,15 @@ TEST_F(NormGpu, LargeBatchSizes) {
   for (int64_t hid : {2048, 4096, 8192}) run_case({DType::kBF16, 8192, hid, 0, true, 0, false}, nullptr);
 }
 
+TEST_F(NormGpu, ShortRowsManyPerBlock) {
+  // Rows of <= 32 packs with many rows: 8 rows per block, row count not a multiple of 8.
+  for (bool add : {false, true}) {
+    run_case({DType::kBF16, 8193, 128, 0, add, 0, false}, nullptr);
+    run_case({DType::kFP32, 5001, 100, 0, add, 0, false}, nullptr);
+    run_case({DType::kFP16, 2000, 64, 72, add, 0, false}, nullptr);
+  }
+}
+
 TEST_F(NormGpu, RunsOnRequestedStream) {
   cudaStream_t s;
   ENCORE_ASSERT_CUDA(cudaStreamCreate(&s));
