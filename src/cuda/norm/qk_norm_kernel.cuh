@@ -68,11 +68,12 @@ __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
       const float ss = group_sum<kLanes>(ptr[i] ? pack_sumsq(v[i]) : 0.f);
       if (ptr[i]) {
         const float rstd = rsqrtf(ss / float(kHeadDim) + p.eps);
-        const P& w = is_q[i] ? wq : wk;
+        // Select weight values, not a reference to one of two register packs (that put the packs
+        // in local memory).
         P out;
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          float wf = to_float(w.v[e]);
+          float wf = to_float(is_q[i] ? wq.v[e] : wk.v[e]);
           if constexpr (kOffset) wf += p.weight_offset;
           out.v[e] = from_float<T>(to_float(v[i].v[e]) * rstd * wf);
         }
