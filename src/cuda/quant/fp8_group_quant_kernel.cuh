@@ -1,0 +1,81 @@
+// FP8 e4m3 per-token-group quantization (groups of 128 along the row).
+//
+// Math:   s = fp8_group_scale(max |x[m, group]|);  q = e4m3_rn_satfinite(x / s);  scales[m, g] = s.
+// Shapes: x [M, K] T in {bf16, fp16, fp32} (row stride multiple of 16 bytes); q [M, K] e4m3 (row
+//         stride multiple of 16); scales fp32 at m * stride_m + g * stride_g (row- or column-major).
+// Mapping: a group of 128 elements is owned by kLanes = 128 / (16 / sizeof(T)) lanes (16 for
+//   bf16/fp16, 32 for fp32), each lane one 16-byte pack; amax is a butterfly max over the lanes;
+//   each lane writes its 8 (or 4) fp8 bytes, the group's first lane the scale. kGroupsPerThread
+//   groups per lane group are loaded before any is written (memory-level parallelism), in a
+//   grid-stride loop over g = m * (K / 128) + group.
+// Constraints (validate): K % 128 == 0, M * K / 128 < 2^31, 16-byte aligned x and q rows.
+#pragma once
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "cuda/common/reduce.cuh"
+#include "cuda/common/vector_io.cuh"
+#include "quant/fp8_scale.hpp"
+
+namespace encore::cuda {
+
+template <typename T>
+struct Fp8QuantParams {
+  const T* x;
+  int64_t x_stride;
+  uint8_t* q;
+  int64_t q_stride;
+  float* scales;
+  int64_t scale_stride_m, scale_stride_g;
+  uint32_t groups_per_row;
+  uint32_t num_groups;  // M * groups_per_row
+  bool power_of_two;
+  float eps;
+};
+
+constexpr int kFp8GroupSize = 128;
+
+template <typename T, int kGroupsPerThread>
+__global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> p) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kLanes = kFp8GroupSize / kVec;
+  using P = Pack<T, kVec>;
+  using Q = Pack<uint8_t, kVec>;
+  const int lane = threadIdx.x % kLanes;
+  const uint32_t groups_in_grid = gridDim.x * (blockDim.x / kLanes);
+  const uint32_t group0 = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
+
+  for (uint32_t base = group0; base < p.num_groups; base += groups_in_grid * kGroupsPerThread) {
+    P v[kGroupsPerThread];
+    uint32_t m[kGroupsPerThread], gi[kGroupsPerThread];
+#pragma unroll
+    for (int i = 0; i < kGroupsPerThread; ++i) {
+      const uint32_t g = base + i * groups_in_grid;
+      m[i] = g / p.groups_per_row;
+      gi[i] = g - m[i] * p.groups_per_row;
+      if (g < p.num_groups) v[i] = load_pack_once<T, kVec>(p.x + int64_t(m[i]) * p.x_stride + gi[i] * kFp8GroupSize + lane * kVec);
+    }
+#pragma unroll
+    for (int i = 0; i < kGroupsPerThread; ++i) {
+      const bool valid = base + i * groups_in_grid < p.num_groups;
+      float amax = 0.f;
+      if (valid) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(to_float(v[i].v[e])));
+      }
+      amax = group_max<kLanes>(amax);  // all lanes join the shuffles
+      if (!valid) continue;
+      const float s = quant::fp8_group_scale(amax, p.power_of_two, p.eps);
+      Q out;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        out.v[e] = uint8_t(__nv_cvt_float_to_fp8(__fdiv_rn(to_float(v[i].v[e]), s), __NV_SATFINITE, __NV_E4M3));
+      }
+      store_pack(p.q + int64_t(m[i]) * p.q_stride + gi[i] * kFp8GroupSize + lane * kVec, out);
+      if (lane == 0) p.scales[int64_t(m[i]) * p.scale_stride_m + int64_t(gi[i]) * p.scale_stride_g] = s;
+    }
+  }
+}
+
+}  // namespace encore::cuda

@@ -1,0 +1,27 @@
+// The FP8 e4m3 group scale, one definition for the CPU reference and the CUDA kernel so their
+// scales (and so their quantized values) agree bit for bit.
+#pragma once
+#include <cmath>
+
+#ifdef __CUDACC__
+#define ENCORE_HOST_DEVICE __host__ __device__
+#else
+#define ENCORE_HOST_DEVICE
+#endif
+
+namespace encore::quant {
+
+constexpr float kE4m3Max = 448.0f;
+
+// amax / 448 (amax floored at eps), or the smallest power of two >= that (exact, via frexp).
+ENCORE_HOST_DEVICE inline float fp8_group_scale(float amax, bool power_of_two, float eps) {
+  float s = fmaxf(amax, eps) / kE4m3Max;
+  if (power_of_two) {
+    int e;
+    const float f = frexpf(s, &e);  // s = f * 2^e, f in [0.5, 1); s == 2^(e-1) iff f == 0.5
+    s = ldexpf(1.0f, f == 0.5f ? e - 1 : e);
+  }
+  return s;
+}
+
+}  // namespace encore::quant
