@@ -12,5 +12,6 @@ void run_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t
 void run_qk_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_qk_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_quant_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_decode_path_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 
 }  // namespace encore::bench

@@ -42,7 +42,7 @@ step "encore info" "$bin/encore" info
 step "encore check" "$bin/encore" check
 if command -v compute-sanitizer >/dev/null && [ -x "$bin/encore_tests_gpu" ]; then
   step "compute-sanitizer memcheck" compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/encore_tests_gpu" \
-    --gtest_filter='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream' --gtest_brief=1
+    --gtest_filter='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:QuantGpu.EveryKernelVariant:QkNormGpu.EveryKernelVariant' --gtest_brief=1
   step "compute-sanitizer racecheck" compute-sanitizer --tool racecheck --error-exitcode 1 "$bin/encore_tests_gpu" \
     --gtest_filter='NormGpu.RunsOnRequestedStream' --gtest_brief=1
 fi

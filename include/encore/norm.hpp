@@ -21,9 +21,21 @@
 
 namespace encore {
 
+// How the CUDA backend covers the rows. kAuto is kRowPerBlock (docs/norm.md has the measurement
+// that decided it). The split-row paths spread each row over many blocks for decode batches
+// (rows <= 16, 16-byte aligned rows); they need a workspace (workspace_bytes) and, for
+// kSplitRowBarrier, initialize_workspace once before the first run.
+enum class RmsNormPath {
+  kAuto,
+  kRowPerBlock,        // a team of warps per row (the default kernel)
+  kSplitRowTwoLaunch,  // partial sums of squares, then a second launch that finishes
+  kSplitRowBarrier,    // one cooperative launch with a grid barrier between the two phases
+};
+
 struct RmsNormOptions {
   float eps = 1e-6f;
   float weight_offset = 0.0f;  // 1.0 for models storing (w - 1), e.g. Gemma
+  RmsNormPath path = RmsNormPath::kAuto;
 };
 
 struct RmsNormArgs {
@@ -45,10 +57,15 @@ size_t workspace_bytes(const RmsNormArgs& args, const RmsNormOptions& opts);
 Status run(const RmsNormArgs& args, const RmsNormOptions& opts, void* workspace = nullptr,
            Stream stream = nullptr);
 
+// Zeroes the grid-barrier state in a workspace (kSplitRowBarrier; a no-op otherwise). Once per
+// workspace: every run leaves the state zero again.
+Status initialize_workspace(const RmsNormArgs& args, const RmsNormOptions& opts, void* workspace, Stream stream = nullptr);
+
 Status validate(const AddRmsNormArgs& args, const RmsNormOptions& opts);
 size_t workspace_bytes(const AddRmsNormArgs& args, const RmsNormOptions& opts);
 Status run(const AddRmsNormArgs& args, const RmsNormOptions& opts, void* workspace = nullptr,
            Stream stream = nullptr);
+Status initialize_workspace(const AddRmsNormArgs& args, const RmsNormOptions& opts, void* workspace, Stream stream = nullptr);
 
 // ---- QK-norm -----------------------------------------------------------------------------------
 // Per-head RMSNorm of the Q and K heads of a fused QKV buffer, in place, one launch:

@@ -96,19 +96,52 @@ bool can_vectorize(const norm::RmsNormProblem& p) {
          ok_stride(p.x_stride) && ok_stride(p.y_stride) && (!p.residual || (ok_stride(p.residual_stride) && ok_stride(p.h_stride)));
 }
 
-Status execute(const norm::RmsNormProblem& p, Device device, Stream stream) {
+bool is_split(RmsNormPath path) {
+  return path == RmsNormPath::kSplitRowTwoLaunch || path == RmsNormPath::kSplitRowBarrier;
+}
+
+// The split-row paths' extra constraints (CUDA tensors only; the CPU backend ignores the path).
+Status validate_path(const norm::RmsNormProblem& p, Device device, const RmsNormOptions& opts) {
+  if (!is_split(opts.path) || !device.is_cuda()) return Status::ok();
+  if (p.rows > norm::kSplitRowMaxRows)
+    return Status::invalid("x: the split-row paths take at most " + std::to_string(norm::kSplitRowMaxRows) + " rows, got " +
+                           std::to_string(p.rows));
+  if (!can_vectorize(p))
+    return Status::invalid("x: the split-row paths need 16-byte aligned pointers and rows (hidden and row strides multiples of 16 bytes)");
+  return Status::ok();
+}
+
+Status execute(const norm::RmsNormProblem& p, Device device, const RmsNormOptions& opts, void* workspace, Stream stream) {
   if (!device.is_cuda()) {
     reference::rms_norm(p);
     return Status::ok();
   }
 #ifdef ENCORE_WITH_CUDA
+  if (is_split(opts.path)) {
+    if (workspace == nullptr || !checks::aligned(workspace, 16))
+      return Status::invalid("workspace: the split-row paths need a 16-byte aligned workspace of workspace_bytes() bytes");
+    return cuda::launch_rms_norm_split(p, opts.path == RmsNormPath::kSplitRowBarrier, workspace, stream);
+  }
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(device.index, &info));
   RmsNormLaunchPlan plan = plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
   return cuda::launch_rms_norm(p, plan, stream);
 #else
   (void)stream;
+  (void)workspace;
+  (void)opts;
   return Status::unsupported("x: tensors are on " + device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+}
+
+Status init_workspace(Device device, const RmsNormOptions& opts, void* workspace, Stream stream) {
+  if (opts.path != RmsNormPath::kSplitRowBarrier || !device.is_cuda()) return Status::ok();
+  if (workspace == nullptr) return Status::invalid("workspace: null; kSplitRowBarrier needs workspace_bytes() bytes");
+#ifdef ENCORE_WITH_CUDA
+  return cuda::zero_split_barrier(workspace, device.index, stream);
+#else
+  (void)stream;
+  return Status::unsupported("workspace: encore was built without CUDA");
 #endif
 }
 
@@ -141,14 +174,20 @@ Status validate(const RmsNormArgs& a, const RmsNormOptions& opts) {
   ENCORE_RETURN_IF_ERROR(validate_like_x("y", a.y, a.x));
   ENCORE_RETURN_IF_ERROR(same_or_disjoint("y", a.y, "x", a.x));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("y", a.y, "weight", a.weight));
-  return Status::ok();
+  return validate_path(make_problem(a.x, nullptr, a.weight, a.y, nullptr, opts), a.x.device, opts);
 }
 
-size_t workspace_bytes(const RmsNormArgs&, const RmsNormOptions&) { return 0; }
+size_t workspace_bytes(const RmsNormArgs& a, const RmsNormOptions& opts) {
+  return is_split(opts.path) ? norm::split_row_workspace_bytes(a.x.shape[0], a.x.shape[1], a.x.dtype) : 0;
+}
 
-Status run(const RmsNormArgs& a, const RmsNormOptions& opts, void*, Stream stream) {
+Status run(const RmsNormArgs& a, const RmsNormOptions& opts, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, opts));
-  return execute(make_problem(a.x, nullptr, a.weight, a.y, nullptr, opts), a.x.device, stream);
+  return execute(make_problem(a.x, nullptr, a.weight, a.y, nullptr, opts), a.x.device, opts, workspace, stream);
+}
+
+Status initialize_workspace(const RmsNormArgs& a, const RmsNormOptions& opts, void* workspace, Stream stream) {
+  return init_workspace(a.x.device, opts, workspace, stream);
 }
 
 Status validate(const AddRmsNormArgs& a, const RmsNormOptions& opts) {
@@ -163,14 +202,20 @@ Status validate(const AddRmsNormArgs& a, const RmsNormOptions& opts) {
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("y", a.y, "h", a.h));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("y", a.y, "weight", a.weight));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("h", a.h, "weight", a.weight));
-  return Status::ok();
+  return validate_path(make_problem(a.x, &a.residual, a.weight, a.y, &a.h, opts), a.x.device, opts);
 }
 
-size_t workspace_bytes(const AddRmsNormArgs&, const RmsNormOptions&) { return 0; }
+size_t workspace_bytes(const AddRmsNormArgs& a, const RmsNormOptions& opts) {
+  return is_split(opts.path) ? norm::split_row_workspace_bytes(a.x.shape[0], a.x.shape[1], a.x.dtype) : 0;
+}
 
-Status run(const AddRmsNormArgs& a, const RmsNormOptions& opts, void*, Stream stream) {
+Status run(const AddRmsNormArgs& a, const RmsNormOptions& opts, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, opts));
-  return execute(make_problem(a.x, &a.residual, a.weight, a.y, &a.h, opts), a.x.device, stream);
+  return execute(make_problem(a.x, &a.residual, a.weight, a.y, &a.h, opts), a.x.device, opts, workspace, stream);
+}
+
+Status initialize_workspace(const AddRmsNormArgs& a, const RmsNormOptions& opts, void* workspace, Stream stream) {
+  return init_workspace(a.x.device, opts, workspace, stream);
 }
 
 }  // namespace encore

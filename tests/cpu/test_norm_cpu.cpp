@@ -204,3 +204,31 @@ TEST_F(BadInput, MixedDevices) {
 
 }  // namespace
 }  // namespace encore::test
+
+namespace encore::test {
+namespace {
+
+// The split-row paths' constraints are checked in validate (no device memory is touched).
+TEST(NormSplitRowValidate, RowsAlignmentAndWorkspace) {
+  const Device gpu{DeviceType::kCUDA, 0};
+  alignas(16) static uint16_t buf[128 * 4096];
+  auto view = [&](int64_t rows, int64_t hidden, int64_t off = 0) {
+    return TensorView::contiguous(buf + off, DType::kBF16, {rows, hidden}, gpu);
+  };
+  const TensorView w = TensorView::contiguous(buf + 100 * 4096, DType::kBF16, {4096}, gpu);
+  RmsNormOptions o{1e-6f, 0.f, RmsNormPath::kSplitRowBarrier};
+  RmsNormArgs a{view(17, 4096), w, view(17, 4096, 40 * 4096)};
+  Status st = validate(a, o);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("x: the split-row paths take at most 16 rows, got 17"), std::string::npos) << st.message();
+  RmsNormArgs b{TensorView::contiguous(buf + 1, DType::kBF16, {2, 4096}, gpu), w, view(2, 4096, 60 * 4096)};
+  st = validate(b, o);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("16-byte aligned"), std::string::npos) << st.message();
+  RmsNormArgs c{view(4, 4096), w, view(4, 4096, 70 * 4096)};
+  EXPECT_EQ(workspace_bytes(c, o), size_t(16 + 4 * 8 * 4));  // 4096 bf16 = 512 packs = 8 slices of 64
+  EXPECT_EQ(workspace_bytes(c, RmsNormOptions{}), size_t(0));
+}
+
+}  // namespace
+}  // namespace encore::test

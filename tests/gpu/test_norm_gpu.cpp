@@ -169,3 +169,58 @@ TEST_F(NormGpu, RejectsHostTensorMixedWithDevice) {
 
 }  // namespace
 }  // namespace encore::test
+
+namespace encore::test {
+namespace {
+
+// Split-row decode paths (two launches; one cooperative launch with a grid barrier) against the
+// CPU backend; each case runs twice on one workspace (the barrier state must reset itself).
+TEST_F(NormGpu, SplitRowPaths) {
+  for (RmsNormPath path : {RmsNormPath::kSplitRowTwoLaunch, RmsNormPath::kSplitRowBarrier}) {
+    for (DType t : {DType::kBF16, DType::kFP32}) {
+      for (int64_t rows : {1, 3, 16}) {
+        for (int64_t hidden : {64, 4096, 8192, 20000}) {
+          for (bool add : {false, true}) {
+            SCOPED_TRACE(std::string(path == RmsNormPath::kSplitRowBarrier ? "barrier " : "two-launch ") + dtype_name(t) +
+                         " " + std::to_string(rows) + "x" + std::to_string(hidden) + (add ? " add" : ""));
+            auto rng = make_rng(uint64_t(rows * 7 + hidden));
+            HostTensor x(t, rows, hidden), r(t, rows, hidden), w = HostTensor::vector(t, hidden), y(t, rows, hidden), h(t, rows, hidden);
+            x.fill_normal(rng, 0.5, 2.0);
+            r.fill_normal(rng);
+            w.fill_normal(rng, 1.0, 0.5);
+            const RmsNormOptions o{1e-6f, 0.f, path};
+            HostTensor y_cpu = y, h_cpu = h;
+            if (add) ASSERT_TRUE(run(AddRmsNormArgs{x.view(), r.view(), w.view(), y_cpu.view(), h_cpu.view()}, o));
+            else ASSERT_TRUE(run(RmsNormArgs{x.view(), w.view(), y_cpu.view()}, o));
+            DeviceBuffer dx(x.storage_bytes()), dr(r.storage_bytes()), dw(w.storage_bytes()), dy(y.storage_bytes()), dh(h.storage_bytes());
+            const AddRmsNormArgs aa{to_device(x, dx), to_device(r, dr), to_device(w, dw), y.view(dy.ptr, Device{DeviceType::kCUDA, 0}),
+                                    h.view(dh.ptr, Device{DeviceType::kCUDA, 0})};
+            const RmsNormArgs pa{aa.x, aa.weight, aa.y};
+            const size_t ws = add ? workspace_bytes(aa, o) : workspace_bytes(pa, o);
+            DeviceBuffer dws(ws);
+            ASSERT_TRUE(add ? initialize_workspace(aa, o, dws.ptr) : initialize_workspace(pa, o, dws.ptr));
+            for (int rep = 0; rep < 2; ++rep) {
+              y.poison();
+              h.poison();
+              to_device(y, dy);
+              to_device(h, dh);
+              Status st = add ? run(aa, o, dws.ptr) : run(pa, o, dws.ptr);
+              ASSERT_TRUE(st) << st.to_string();
+              ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+              HostTensor y_gpu = y, h_gpu = h;
+              from_device(y_gpu, dy);
+              ENCORE_EXPECT_CLOSE(y_gpu, y_cpu, t, "y");
+              if (add) {
+                from_device(h_gpu, dh);
+                ENCORE_EXPECT_CLOSE(h_gpu, h_cpu, t, "h");
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace encore::test

@@ -9,4 +9,8 @@ namespace encore::cuda {
 
 Status launch_rms_norm(const norm::RmsNormProblem& p, const RmsNormLaunchPlan& plan, Stream stream);
 
+// Split-row paths (src/cuda/norm/rms_norm_split.cu); workspace layout in norm/rms_norm_problem.hpp.
+Status launch_rms_norm_split(const norm::RmsNormProblem& p, bool barrier, void* workspace, Stream stream);
+Status zero_split_barrier(void* workspace, int device_index, Stream stream);
+
 }  // namespace encore::cuda
