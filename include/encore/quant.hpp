@@ -4,7 +4,7 @@
 //     amax  = max(max_k |x[m, g*G + k]|, eps)
 //     s     = amax / 448                        (448 = largest finite e4m3 value)
 //     s     = 2^ceil(log2(s))  if power_of_two_scales (exact, via frexp)
-//     q[m, g*G + k] = e4m3(x / s)               (IEEE division, round to nearest even, saturating)
+//     q[m, g*G + k] = e4m3(x * (1/s))           (1/s rounded once; round to nearest even, saturating)
 //     scales[m, g]  = s                         (fp32)
 //   Dequantization: x' = float(q) * s.
 //

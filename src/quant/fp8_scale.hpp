@@ -24,4 +24,8 @@ ENCORE_HOST_DEVICE inline float fp8_group_scale(float amax, bool power_of_two, f
   return s;
 }
 
+// 1 / s, rounded once (IEEE division); values are quantized as x * (1 / s), exactly x / s when s
+// is a power of two. One division per group instead of one per element.
+ENCORE_HOST_DEVICE inline float fp8_inverse_scale(float s) { return 1.0f / s; }
+
 }  // namespace encore::quant

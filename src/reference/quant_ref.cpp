@@ -48,9 +48,10 @@ void fp8_group_quant(const quant::Fp8QuantProblem& p) {
       for (int64_t k = 0; k < p.group_size; ++k)
         amax = std::max(amax, std::fabs(float(load_as_double(p.x, p.dtype, m * p.x_stride + c0 + k))));
       const float s = quant::fp8_group_scale(amax, p.power_of_two, p.eps);
+      const float inv = quant::fp8_inverse_scale(s);
       for (int64_t k = 0; k < p.group_size; ++k) {
         const float v = float(load_as_double(p.x, p.dtype, m * p.x_stride + c0 + k));
-        p.q[m * p.q_stride + c0 + k] = float_to_e4m3(v / s);
+        p.q[m * p.q_stride + c0 + k] = float_to_e4m3(v * inv);
       }
       p.scales[m * p.scale_stride_m + g * p.scale_stride_g] = s;
     }

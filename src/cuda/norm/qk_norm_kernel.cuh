@@ -6,8 +6,8 @@
 // Mapping: a head is owned by a group of kLanes = D * sizeof(T) / 16 lanes (8, 16, 32 for D = 64,
 //   128, 256), each lane one 16-byte pack; a warp holds 32 / kLanes heads; the sum of squares is a
 //   butterfly over the group. Heads are numbered g = t * (Hq + Hkv) + j, so consecutive groups touch
-//   consecutive memory within a token. Each group handles kHeadsPerThread heads g0 + i * G
-//   (G = groups in the grid), all loaded before any is stored, in a grid-stride loop.
+//   consecutive memory within a token. Each group handles kHeadsPerThread consecutive heads, all
+//   loaded before any is stored, in a grid-stride loop over chunks of kHeadsPerThread heads.
 // Specializations: T, D, kOffset (weight_offset != 0), kHeadsPerThread (1 decode, 2/4 prefill).
 // Constraints (validate): 16-byte aligned qkv rows and weights, D in {64, 128, 256}.
 #pragma once
@@ -38,28 +38,32 @@ __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "head_dim must give 1-32 lanes");
   using P = Pack<T, kVec>;
 
-  // 32-bit head indices: a 64-bit division per head made the kernel instruction-bound (74% of copy
-  // bandwidth at 65536 tokens).
+  // A lane group takes kHeadsPerThread consecutive heads (one 32-bit division per chunk, then the
+  // head index steps): per-head index math, not memory, had bounded the kernel (74% of copy).
   const int lane = threadIdx.x % kLanes;
   const uint32_t groups_in_grid = gridDim.x * (blockDim.x / kLanes);
   const uint32_t group0 = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
   const P wq = load_pack<T, kVec>(p.q_weight + lane * kVec);
   const P wk = load_pack<T, kVec>(p.k_weight + lane * kVec);
 
-  for (uint32_t base = group0; base < p.num_heads_total; base += groups_in_grid * kHeadsPerThread) {
+  for (uint32_t chunk = group0; chunk < (p.num_heads_total + kHeadsPerThread - 1) / kHeadsPerThread; chunk += groups_in_grid) {
+    const uint32_t g0 = chunk * kHeadsPerThread;
+    uint32_t t = g0 / p.heads_per_token;
+    uint32_t j = g0 - t * p.heads_per_token;
     P v[kHeadsPerThread];
     T* ptr[kHeadsPerThread];
     bool is_q[kHeadsPerThread];
 #pragma unroll
     for (int i = 0; i < kHeadsPerThread; ++i) {
-      const uint32_t g = base + i * groups_in_grid;
       ptr[i] = nullptr;
-      if (g < p.num_heads_total) {
-        const uint32_t t = g / p.heads_per_token;
-        const uint32_t j = g - t * p.heads_per_token;
-        is_q[i] = j < uint32_t(p.num_q_heads);
+      is_q[i] = j < uint32_t(p.num_q_heads);
+      if (g0 + i < p.num_heads_total) {
         ptr[i] = p.qkv + int64_t(t) * p.token_stride + j * kHeadDim + lane * kVec;
         v[i] = load_pack_once<T, kVec>(ptr[i]);
+      }
+      if (++j == p.heads_per_token) {
+        j = 0;
+        ++t;
       }
     }
 #pragma unroll

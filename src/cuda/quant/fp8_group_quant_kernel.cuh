@@ -1,13 +1,13 @@
 // FP8 e4m3 per-token-group quantization (groups of 128 along the row).
 //
-// Math:   s = fp8_group_scale(max |x[m, group]|);  q = e4m3_rn_satfinite(x / s);  scales[m, g] = s.
+// Math:   s = fp8_group_scale(max |x[m, group]|);  q = e4m3_rn_satfinite(x * (1 / s));  scales[m, g] = s.
 // Shapes: x [M, K] T in {bf16, fp16, fp32} (row stride multiple of 16 bytes); q [M, K] e4m3 (row
 //         stride multiple of 16); scales fp32 at m * stride_m + g * stride_g (row- or column-major).
 // Mapping: a group of 128 elements is owned by kLanes = 128 / (16 / sizeof(T)) lanes (16 for
 //   bf16/fp16, 32 for fp32), each lane one 16-byte pack; amax is a butterfly max over the lanes;
 //   each lane writes its 8 (or 4) fp8 bytes, the group's first lane the scale. kGroupsPerThread
-//   groups per lane group are loaded before any is written (memory-level parallelism), in a
-//   grid-stride loop over g = m * (K / 128) + group.
+//   consecutive groups per lane group are loaded before any is written (memory-level parallelism),
+//   in a grid-stride loop over chunks of groups g = m * (K / 128) + group.
 // Constraints (validate): K % 128 == 0, M * K / 128 < 2^31, 16-byte aligned x and q rows.
 #pragma once
 #include <cuda_fp8.h>
@@ -45,20 +45,30 @@ __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> 
   const int lane = threadIdx.x % kLanes;
   const uint32_t groups_in_grid = gridDim.x * (blockDim.x / kLanes);
   const uint32_t group0 = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
+  const uint32_t num_chunks = (p.num_groups + kGroupsPerThread - 1) / kGroupsPerThread;
 
-  for (uint32_t base = group0; base < p.num_groups; base += groups_in_grid * kGroupsPerThread) {
+  for (uint32_t chunk = group0; chunk < num_chunks; chunk += groups_in_grid) {
+    // kGroupsPerThread consecutive groups: one division per chunk, then the group index steps.
+    const uint32_t g0 = chunk * kGroupsPerThread;
+    uint32_t m = g0 / p.groups_per_row;
+    uint32_t gi = g0 - m * p.groups_per_row;
     P v[kGroupsPerThread];
-    uint32_t m[kGroupsPerThread], gi[kGroupsPerThread];
+    int64_t x_off[kGroupsPerThread];
+    uint32_t mi[kGroupsPerThread], gii[kGroupsPerThread];
 #pragma unroll
     for (int i = 0; i < kGroupsPerThread; ++i) {
-      const uint32_t g = base + i * groups_in_grid;
-      m[i] = g / p.groups_per_row;
-      gi[i] = g - m[i] * p.groups_per_row;
-      if (g < p.num_groups) v[i] = load_pack_once<T, kVec>(p.x + int64_t(m[i]) * p.x_stride + gi[i] * kFp8GroupSize + lane * kVec);
+      mi[i] = m;
+      gii[i] = gi;
+      x_off[i] = int64_t(m) * p.x_stride + gi * kFp8GroupSize + lane * kVec;
+      if (g0 + i < p.num_groups) v[i] = load_pack_once<T, kVec>(p.x + x_off[i]);
+      if (++gi == p.groups_per_row) {
+        gi = 0;
+        ++m;
+      }
     }
 #pragma unroll
     for (int i = 0; i < kGroupsPerThread; ++i) {
-      const bool valid = base + i * groups_in_grid < p.num_groups;
+      const bool valid = g0 + i < p.num_groups;
       float amax = 0.f;
       if (valid) {
 #pragma unroll
@@ -67,13 +77,18 @@ __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> 
       amax = group_max<kLanes>(amax);  // all lanes join the shuffles
       if (!valid) continue;
       const float s = quant::fp8_group_scale(amax, p.power_of_two, p.eps);
+      const float inv = quant::fp8_inverse_scale(s);
       Q out;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        out.v[e] = uint8_t(__nv_cvt_float_to_fp8(__fdiv_rn(to_float(v[i].v[e]), s), __NV_SATFINITE, __NV_E4M3));
+      for (int e = 0; e < kVec; e += 2) {
+        // cvt.rn.satfinite.e4m3x2.f32: two values per instruction; .x lands in the low byte.
+        const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fmul_rn(to_float(v[i].v[e]), inv), __fmul_rn(to_float(v[i].v[e + 1]), inv)), __NV_SATFINITE, __NV_E4M3);
+        out.v[e] = uint8_t(two & 0xff);
+        out.v[e + 1] = uint8_t(two >> 8);
       }
-      store_pack(p.q + int64_t(m[i]) * p.q_stride + gi[i] * kFp8GroupSize + lane * kVec, out);
-      if (lane == 0) p.scales[int64_t(m[i]) * p.scale_stride_m + int64_t(gi[i]) * p.scale_stride_g] = s;
+      store_pack(p.q + int64_t(mi[i]) * p.q_stride + gii[i] * kFp8GroupSize + lane * kVec, out);
+      if (lane == 0) p.scales[int64_t(mi[i]) * p.scale_stride_m + int64_t(gii[i]) * p.scale_stride_g] = s;
     }
   }
 }
