@@ -4,7 +4,9 @@
 #     builds build-cuda here (needs GoogleTest for the tests);
 #   - runs the gpu test suite, `encore check`, compute-sanitizer on a subset, a SASS check,
 #     the Python tests against CUDA tensors (the module is built here: it must match this Python),
-#     and `encore bench`;
+#     and `encore bench` (suites from ENCORE_BENCH_SUITES, default norm);
+#   - ENCORE_SKIP_TESTS=1 keeps only info, check and bench; ENCORE_SKIP_BENCH=1 drops the bench;
+#     ENCORE_PEERS=1 adds the torch.compile / Liger QK-norm peers (Liger carried as a wheel in .whl);
 #   - writes logs and the benchmark JSON to $OUT (default ./gpu-out).
 # Needs carried: .deps/cutlass (CUTLASS headers, from scripts/install_deps.sh) and optionally .gpubin.
 set -uo pipefail
@@ -40,7 +42,9 @@ step "encore info" "$bin/encore" info
 if [ "${ENCORE_SKIP_TESTS:-0}" != 1 ]; then
 [ -x "$bin/encore_tests_gpu" ] && step "gpu tests (ctest -L gpu equivalent)" "$bin/encore_tests_gpu" --gtest_brief=1
 [ -x "$bin/encore_tests_cpu" ] && step "cpu tests" "$bin/encore_tests_cpu" --gtest_brief=1
+fi  # ENCORE_SKIP_TESTS
 step "encore check" "$bin/encore" check
+if [ "${ENCORE_SKIP_TESTS:-0}" != 1 ]; then
 if command -v compute-sanitizer >/dev/null && [ -x "$bin/encore_tests_gpu" ]; then
   step "compute-sanitizer memcheck" compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/encore_tests_gpu" \
     --gtest_filter='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:QuantGpu.EveryKernelVariant:QkNormGpu.EveryKernelVariant' --gtest_brief=1
@@ -66,7 +70,7 @@ if [ "${ENCORE_SKIP_TESTS:-0}" != 1 ] && python3 -c "import nanobind" 2>/dev/nul
   fi
 fi
 
-step "encore bench" "$bin/encore" bench $suites --out "$OUT/bench_${suites// /_}.json"
+[ "${ENCORE_SKIP_BENCH:-0}" = 1 ] || step "encore bench" "$bin/encore" bench $suites --out "$OUT/bench_${suites// /_}.json"
 
 # Peers (torch.compile, Liger) measured the same way, when ENCORE_PEERS=1; Liger travels as a wheel
 # in .whl (see docs/gpu_workflow.md).

@@ -16,12 +16,7 @@ namespace {
 
 using test::HostTensor;
 
-struct Row {
-  std::string op, shape, dtype, mode;
-  double rel_rms = 0;
-  bool pass = false;
-  std::string note;
-};
+using Row = CheckRow;
 
 struct NormShape {
   int64_t rows, hidden;
@@ -87,7 +82,7 @@ Row check_norm_cpu_properties(bool add, DType t, NormShape s, std::mt19937_64& r
       }
     }
   }
-  row.rel_rms = worst;
+  row.error = worst;
   row.pass = worst <= test::tolerance_for(t).rel_rms;
   row.note = "row RMS of y vs 1";
   return row;
@@ -112,12 +107,12 @@ Row check_norm_gpu(bool add, DType t, NormShape s, std::mt19937_64& rng) {
   }
   auto tol = test::tolerance_for(t);
   auto cy = test::compare(y_gpu, y_cpu, tol);
-  row.rel_rms = cy.rel_rms;
+  row.error = cy.rel_rms;
   row.pass = test::compare_ok(cy, tol);
   if (add) {
     auto ch = test::compare(h_gpu, h_cpu, tol);
     row.pass = row.pass && test::compare_ok(ch, tol);
-    row.rel_rms = std::max(row.rel_rms, ch.rel_rms);
+    row.error = std::max(row.error, ch.rel_rms);
   }
   if (!row.pass) row.note = cy.first_bad;
   return row;
@@ -139,13 +134,15 @@ int run_check(bool force_cpu) {
   for (bool add : {false, true})
     for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32})
       for (NormShape s : shapes) rows.push_back(gpu ? check_norm_gpu(add, t, s, rng) : check_norm_cpu_properties(add, t, s, rng));
+  for (auto& r : check_qk_norm(gpu, rng)) rows.push_back(r);
+  for (auto& r : check_fp8_group_quant(gpu, rng)) rows.push_back(r);
 
-  std::printf("%-14s %-10s %-6s %-11s %-10s %s\n", "op", "shape", "dtype", "mode", "error", "result");
+  std::printf("%-16s %-12s %-6s %-11s %-10s %s\n", "op", "shape", "dtype", "mode", "error", "result");
   int failed = 0;
   for (const Row& r : rows) {
     failed += !r.pass;
-    std::printf("%-14s %-10s %-6s %-11s %-10.3g %s%s%s\n", r.op.c_str(), r.shape.c_str(), r.dtype.c_str(), r.mode.c_str(),
-                r.rel_rms, r.pass ? "PASS" : "FAIL", r.note.empty() ? "" : "  ", r.note.c_str());
+    std::printf("%-16s %-12s %-6s %-11s %-10.3g %s%s%s\n", r.op.c_str(), r.shape.c_str(), r.dtype.c_str(), r.mode.c_str(),
+                r.error, r.pass ? "PASS" : "FAIL", r.note.empty() ? "" : "  ", r.note.c_str());
   }
   std::printf("check: %zu passed, %d failed\n", rows.size() - size_t(failed), failed);
   return failed ? 1 : 0;
