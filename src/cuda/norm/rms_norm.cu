@@ -32,22 +32,9 @@ KernelFn<T> pick(int vec_elems, int cached) {
 
 template <typename T>
 Status launch_typed(const norm::RmsNormProblem& p, const RmsNormLaunchPlan& plan, cudaStream_t stream) {
-  RmsNormParams<T> k{};
-  k.x = static_cast<const T*>(p.x);
-  k.x_stride = p.x_stride;
-  k.residual = static_cast<const T*>(p.residual);
-  k.residual_stride = p.residual_stride;
-  k.weight = static_cast<const T*>(p.weight);
-  k.y = static_cast<T*>(p.y);
-  k.y_stride = p.y_stride;
-  k.h = static_cast<T*>(p.h);
-  k.h_stride = p.h_stride;
-  k.rows = p.rows;
-  k.hidden = int(p.hidden);
+  RmsNormParams<T> k = make_rms_norm_params<T>(p);
   k.warps_per_row = plan.warps_per_row;
   k.rows_per_block = plan.rows_per_block;
-  k.eps = p.eps;
-  k.weight_offset = p.weight_offset;
 
   constexpr int kPackElems = 16 / int(sizeof(T));
   if (plan.vec_elems != 1 && plan.vec_elems != kPackElems)

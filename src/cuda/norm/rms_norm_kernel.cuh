@@ -17,6 +17,7 @@
 
 #include "cuda/common/reduce.cuh"
 #include "cuda/common/vector_io.cuh"
+#include "norm/rms_norm_problem.hpp"
 
 namespace encore::cuda {
 
@@ -40,6 +41,28 @@ struct RmsNormParams {
 };
 
 constexpr int kRmsNormMaxThreads = 512;
+
+// Kernel parameters from a validated problem (the launch plan's fields are set by the caller).
+template <typename T>
+inline RmsNormParams<T> make_rms_norm_params(const norm::RmsNormProblem& p) {
+  RmsNormParams<T> k{};
+  k.x = static_cast<const T*>(p.x);
+  k.x_stride = p.x_stride;
+  k.residual = static_cast<const T*>(p.residual);
+  k.residual_stride = p.residual_stride;
+  k.weight = static_cast<const T*>(p.weight);
+  k.y = static_cast<T*>(p.y);
+  k.y_stride = p.y_stride;
+  k.h = static_cast<T*>(p.h);
+  k.h_stride = p.h_stride;
+  k.rows = p.rows;
+  k.hidden = int(p.hidden);
+  k.warps_per_row = 1;
+  k.rows_per_block = 1;
+  k.eps = p.eps;
+  k.weight_offset = p.weight_offset;
+  return k;
+}
 
 template <typename T, int kVec>
 __device__ __forceinline__ Pack<T, kVec> add_rounded(const Pack<T, kVec>& a, const Pack<T, kVec>& b) {

@@ -11,20 +11,7 @@ namespace {
 
 template <typename T, bool kAdd>
 Status launch_typed(const norm::RmsNormProblem& p, bool barrier, void* workspace, cudaStream_t stream) {
-  RmsNormParams<T> k{};
-  k.x = static_cast<const T*>(p.x);
-  k.x_stride = p.x_stride;
-  k.residual = static_cast<const T*>(p.residual);
-  k.residual_stride = p.residual_stride;
-  k.weight = static_cast<const T*>(p.weight);
-  k.y = static_cast<T*>(p.y);
-  k.y_stride = p.y_stride;
-  k.h = static_cast<T*>(p.h);
-  k.h_stride = p.h_stride;
-  k.rows = p.rows;
-  k.hidden = int(p.hidden);
-  k.eps = p.eps;
-  k.weight_offset = p.weight_offset;
+  const RmsNormParams<T> k = make_rms_norm_params<T>(p);
   auto* state = static_cast<GridBarrierState*>(workspace);
   float* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + norm::kSplitRowBarrierBytes);
   const unsigned slices = unsigned(norm::split_row_slices(p.hidden, p.dtype));
