@@ -1,0 +1,65 @@
+// encore KDA family: Kimi Delta Attention (per-channel gated delta rule), following the widely
+// used chunk_kda contract (../shared/docs/math-kda.md §3).
+//
+//   per sequence and head, state S_t in R^{K x V}:
+//     Sbar_t = Diag(exp g_t) S_{t-1};  e_t = v_t - Sbar_t^T k_t;  S_t = Sbar_t + beta_t k_t e_t^T
+//     o_t = scale * S_t^T q_t        (the updated state: token t sees its own write)
+//
+// Tensors: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V] fp32;
+// cu_seqlens [N + 1] int32/int64 (varlen, B = 1); o [B, T, H, V]; final_state [N, H, K, V] fp32.
+// g is the log-decay (natural log, <= 0), or, with use_gate_in_kernel, the raw gate x:
+//   softplus:     g = -exp(A_log[h]) * softplus(x + dt_bias[h, k])
+//   lower bound:  g = lower_bound * sigmoid(exp(A_log[h]) * (x + dt_bias[h, k]))   (A_log optional)
+// use_qk_l2norm: q and k are divided by sqrt(sum_k x^2 + 1e-6) per head first.
+//
+// Backends: the CPU reference (fp64 arithmetic on any float input; fp64 tensors are accepted too,
+// for finite-difference tests). The CUDA forward is not implemented yet: CUDA tensors get a clear
+// error.
+#pragma once
+#include <cstddef>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+
+namespace encore {
+
+struct KdaOptions {
+  double scale = 0.0;               // <= 0: K^-1/2
+  bool output_final_state = false;
+  bool use_qk_l2norm = false;
+  bool use_gate_in_kernel = false;
+  bool use_lower_bound = false;     // with use_gate_in_kernel: the lower-bound gate
+  double lower_bound = -5.0;        // in [-5, 0)
+};
+
+struct KdaForwardArgs {
+  TensorView q, k, v, g, beta;
+  TensorView initial_state;  // optional
+  TensorView A_log;          // [H] fp32; required for the softplus gate, optional for the lower bound
+  TensorView dt_bias;        // optional [H * K] fp32
+  TensorView cu_seqlens;     // optional [N + 1]
+  TensorView o;              // output [B, T, H, V]
+  TensorView final_state;    // output [N, H, K, V] when output_final_state
+};
+
+Status validate(const KdaForwardArgs& args, const KdaOptions& opts);
+size_t workspace_bytes(const KdaForwardArgs& args, const KdaOptions& opts);
+Status run(const KdaForwardArgs& args, const KdaOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
+
+// Gradients of loss = sum(o * d_o) + sum(final_state * d_final_state), CPU backend (token-level
+// backpropagation through time). dg is with respect to the g that was passed in (raw gate with
+// use_gate_in_kernel); dq, dk with respect to q, k before the L2 norm.
+struct KdaBackwardArgs {
+  KdaForwardArgs fwd;          // the forward's inputs (its o and final_state are not read)
+  TensorView d_o;              // [B, T, H, V]
+  TensorView d_final_state;    // optional [N, H, K, V]
+  TensorView dq, dk, dv, dg, dbeta;  // outputs, shaped like q, k, v, g, beta
+  TensorView dh0;              // output [N, H, K, V] when initial_state is given (optional)
+  TensorView dA_log;           // output [H] when A_log is given (optional)
+  TensorView ddt_bias;         // output [H * K] when dt_bias is given (optional)
+};
+
+Status validate(const KdaBackwardArgs& args, const KdaOptions& opts);
+Status run(const KdaBackwardArgs& args, const KdaOptions& opts);
+
+}  // namespace encore

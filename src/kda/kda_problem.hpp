@@ -1,0 +1,27 @@
+// Internal: a validated KDA problem (sizes, sequences, resolved options) shared by the backends.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "encore/kda.hpp"
+
+namespace encore::kda {
+
+constexpr int kChunk = 64;          // chunk length of the chunked algorithm
+constexpr int64_t kMaxHeadDim = 256;
+
+struct Sequence {
+  int64_t batch = 0, begin = 0, end = 0;  // tokens [begin, end) of batch row `batch`
+};
+
+struct KdaProblem {
+  int64_t B = 0, T = 0, H = 0, K = 0, V = 0;
+  double scale = 0.0;  // resolved
+  KdaOptions opts;
+  std::vector<Sequence> seqs;  // N sequences, in order
+};
+
+// Validates the forward's arguments and fills `out`.
+Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* out);
+
+}  // namespace encore::kda
