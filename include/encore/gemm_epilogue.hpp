@@ -1,0 +1,90 @@
+// encore GEMM-epilogue family (forward): D = epilogue(A · Wᵀ), the memory-bound glue of a LLaMA
+// block computed on the fp32 accumulator (../shared/docs/math-coda.md). A [M, K], W [N, K]
+// (weights stored out x in), acc = A · Wᵀ [M, N] in fp32; then one epilogue program:
+//
+//   kResidualSqsumAux  y = acc + C;  D = y;  aux = y ⊙ gamma;  partials[m, t] = Σ_{n in tile t} y²
+//   kRowScale          D = r[m] · acc
+//   kSwiglu            z = r[m] · acc (r optional);  D = z;  aux[m, j] = silu(z[m, 2j]) · z[m, 2j+1]
+//                      (gate/up columns interleaved: see interleave_gate_up)
+//   kRope              z = r[m] · acc (r optional);  for each column pair (2j, 2j+1), θ = 2π·pos[m]·f_j:
+//                      D[2j] = z[2j]·cosθ − z[2j+1]·sinθ;  D[2j+1] = z[2j+1]·cosθ + z[2j]·sinθ
+//                      (rotation by +θ, the Hugging Face LLaMA sign; f_j = 0 leaves a pair alone)
+//   kQkvHeadSqsum      D = acc;  partials[m, h] = Σ_{n in head h} acc²
+//   kLse               z = r[m] · acc (r optional);  D = z (optional);  partials[m, t] = log Σ_{n in tile t} e^z
+//                      (−inf for a tile with no column);  target_logit[m] = z[m, target[m]] (optional)
+//   kScalarScale       D = alpha[0] · acc  (alpha read from memory: graph-safe)
+//
+// Finishers: rms_final_reduce (r from the sum-of-squares partials), lse_finish (per-row log-sum-exp
+// and cross-entropy loss from the LSE partials). Statistics are fp32; D and aux take A's dtype
+// (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
+// produces the same layout [M, ceil(N / partial_tile_n)].
+//
+// Backends: the CPU reference (fp64 accumulation). The CUDA (CUTLASS Sm90) kernels are not
+// implemented yet: CUDA tensors get a clear error.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+
+namespace encore {
+
+enum class Epilogue : uint8_t { kResidualSqsumAux, kRowScale, kSwiglu, kRope, kQkvHeadSqsum, kLse, kScalarScale };
+const char* epilogue_name(Epilogue e);
+
+struct GemmEpilogueOptions {
+  Epilogue epilogue = Epilogue::kRowScale;
+  int partial_tile_n = 128;  // kResidualSqsumAux, kLse
+  int head_dim = 128;        // kQkvHeadSqsum
+  int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
+};
+
+struct GemmEpilogueArgs {
+  TensorView a;             // [M, K]
+  TensorView w;             // [N, K]
+  TensorView d;             // [M, N] (optional for kLse)
+  TensorView aux;           // [M, N] (kResidualSqsumAux) or [M, N/2] (kSwiglu)
+  TensorView c;             // [M, N] residual (kResidualSqsumAux)
+  TensorView gamma;         // [N] (kResidualSqsumAux)
+  TensorView row_scale;     // [M] fp32 r (kRowScale; optional for kSwiglu, kRope, kLse)
+  TensorView pos;           // [M] int32 positions (kRope)
+  TensorView freq;          // [N] fp32: frequency of pair j in turns per position as hi + lo = freq[2j] + freq[2j+1]
+  TensorView alpha;         // [1] fp32 (kScalarScale)
+  TensorView partials;      // fp32 [M, tiles] (kResidualSqsumAux, kLse) or [M, N / head_dim] (kQkvHeadSqsum)
+  TensorView target;        // [M] int32 (kLse, optional)
+  TensorView target_logit;  // [M] fp32 (kLse with target)
+};
+
+Status validate(const GemmEpilogueArgs& args, const GemmEpilogueOptions& opts);
+size_t workspace_bytes(const GemmEpilogueArgs& args, const GemmEpilogueOptions& opts);
+Status run(const GemmEpilogueArgs& args, const GemmEpilogueOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
+
+// r[m] = rsqrt(Σ_t partials[m, t] / hidden + eps), summed in tile order (deterministic).
+struct RmsFinalReduceArgs {
+  TensorView partials;  // [M, tiles] fp32
+  TensorView r;         // [M] fp32, output
+};
+Status run(const RmsFinalReduceArgs& args, int64_t hidden, float eps, Stream stream = nullptr);
+
+// lse[m] = log Σ_t exp(partials[m, t]); with target: loss[m] = lse[m] − target_logit[m] (0 when
+// target[m] == ignore_index).
+struct LseFinishArgs {
+  TensorView partials;      // [M, tiles] fp32
+  TensorView lse;           // [M] fp32, output
+  TensorView target;        // [M] int32 (optional)
+  TensorView target_logit;  // [M] fp32 (with target)
+  TensorView loss;          // [M] fp32, output (with target)
+};
+Status run(const LseFinishArgs& args, int ignore_index = -100, Stream stream = nullptr);
+
+// out[2j] = gate[j], out[2j+1] = up[j] (rows of [F, K] weights; out [2F, K]); CPU tensors.
+Status interleave_gate_up(const TensorView& gate, const TensorView& up, const TensorView& out);
+
+// RoPE frequencies for kRope over N = num_heads * head_dim columns whose first `rotary_heads`
+// heads rotate (Q and K, rotate-half partners permuted to adjacent columns) and the rest (V) do
+// not: pair j of a rotary head, i = j mod (head_dim/2), turns f_i = base^(−2i/head_dim) / 2π,
+// stored as an fp32 (hi, lo) pair. freq: [N] fp32, CPU tensor.
+Status rope_freq_turns(int num_heads, int rotary_heads, int head_dim, double base, const TensorView& freq);
+
+}  // namespace encore

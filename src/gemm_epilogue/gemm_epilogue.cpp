@@ -1,0 +1,237 @@
+// GEMM-epilogue family dispatch: validate -> CPU reference (CUDA kernels not implemented yet);
+// finishers and host-side helpers.
+#include <cmath>
+
+#include "core/checks.hpp"
+#include "encore/gemm_epilogue.hpp"
+#include "reference/gemm_epilogue_ref.hpp"
+
+namespace encore {
+namespace {
+
+const std::initializer_list<DType> kIo = {DType::kBF16, DType::kFP16, DType::kFP32};
+
+Status matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* layout, const TensorView& ref,
+              std::initializer_list<DType> dtypes) {
+  ENCORE_RETURN_IF_ERROR(checks::present(name, t));
+  ENCORE_RETURN_IF_ERROR(checks::ndim(name, t, 2, layout));
+  if (t.shape[0] != rows || t.shape[1] != cols)
+    return Status::invalid(std::string(name) + ": expected " + layout + " = [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                           "], got " + t.shape_string());
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, dtypes));
+  ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "a", ref));
+  return Status::ok();
+}
+
+Status vector(const char* name, const TensorView& t, int64_t len, const char* layout, const TensorView& ref,
+              std::initializer_list<DType> dtypes) {
+  ENCORE_RETURN_IF_ERROR(checks::present(name, t));
+  ENCORE_RETURN_IF_ERROR(checks::ndim(name, t, 1, layout));
+  if (t.shape[0] != len)
+    return Status::invalid(std::string(name) + ": expected " + layout + " = [" + std::to_string(len) + "], got " + t.shape_string());
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, dtypes));
+  ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "a", ref));
+  return Status::ok();
+}
+
+Status unused(const char* name, const TensorView& t, Epilogue e) {
+  if (t.defined()) return Status::invalid(std::string(name) + ": not used by the " + epilogue_name(e) + " epilogue");
+  return Status::ok();
+}
+
+Status cpu_only(const TensorView& a) {
+  if (a.device.is_cuda())
+    return Status::unsupported("a: on " + a.device.to_string() + ": the CUDA GEMM-epilogue kernels are not implemented yet (CPU backend only)");
+  return Status::ok();
+}
+
+int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
+
+}  // namespace
+
+const char* epilogue_name(Epilogue e) {
+  switch (e) {
+    case Epilogue::kResidualSqsumAux: return "residual_sqsum_aux";
+    case Epilogue::kRowScale: return "row_scale";
+    case Epilogue::kSwiglu: return "swiglu";
+    case Epilogue::kRope: return "rope";
+    case Epilogue::kQkvHeadSqsum: return "qkv_head_sqsum";
+    case Epilogue::kLse: return "lse";
+    case Epilogue::kScalarScale: return "scalar_scale";
+  }
+  return "unknown";
+}
+
+Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
+  ENCORE_RETURN_IF_ERROR(checks::present("a", a.a));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("a", a.a, 2, "[M, K]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("a", a.a, kIo));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("a", a.a));
+  const int64_t M = a.a.shape[0], K = a.a.shape[1];
+  ENCORE_RETURN_IF_ERROR(checks::present("w", a.w));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("w", a.w, 2, "[N, K]"));
+  if (a.w.shape[1] != K) return Status::invalid("w: expected [N, K] with K = " + std::to_string(K) + " (a's columns), got " + a.w.shape_string());
+  ENCORE_RETURN_IF_ERROR(checks::same_dtype("w", a.w, "a", a.a));
+  ENCORE_RETURN_IF_ERROR(checks::same_device("w", a.w, "a", a.a));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("w", a.w));
+  const int64_t N = a.w.shape[0];
+  const Epilogue e = o.epilogue;
+  const std::initializer_list<DType> out_types = {a.a.dtype, DType::kFP32};
+  const std::initializer_list<DType> f32 = {DType::kFP32};
+
+  const bool needs_d = e != Epilogue::kLse;
+  if (needs_d || a.d.defined()) {
+    ENCORE_RETURN_IF_ERROR(matrix("d", a.d, M, N, "[M, N]", a.a, out_types));
+    ENCORE_RETURN_IF_ERROR(checks::no_overlap("d", a.d, "a", a.a));
+    ENCORE_RETURN_IF_ERROR(checks::no_overlap("d", a.d, "w", a.w));
+  }
+  const bool pairs = e == Epilogue::kSwiglu || e == Epilogue::kRope;
+  if (pairs && N % 2 != 0) return Status::invalid("w: N = " + std::to_string(N) + " must be even for the " + epilogue_name(e) + " epilogue (column pairs)");
+
+  // Per-epilogue operands; every operand an epilogue does not read must be absent.
+  const bool uses_aux = e == Epilogue::kResidualSqsumAux || e == Epilogue::kSwiglu;
+  const bool uses_r = e == Epilogue::kRowScale || e == Epilogue::kSwiglu || e == Epilogue::kRope || e == Epilogue::kLse;
+  const bool uses_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse || e == Epilogue::kQkvHeadSqsum;
+  if (!uses_aux) ENCORE_RETURN_IF_ERROR(unused("aux", a.aux, e));
+  if (e != Epilogue::kResidualSqsumAux) {
+    ENCORE_RETURN_IF_ERROR(unused("c", a.c, e));
+    ENCORE_RETURN_IF_ERROR(unused("gamma", a.gamma, e));
+  }
+  if (!uses_r) ENCORE_RETURN_IF_ERROR(unused("row_scale", a.row_scale, e));
+  if (e != Epilogue::kRope) {
+    ENCORE_RETURN_IF_ERROR(unused("pos", a.pos, e));
+    ENCORE_RETURN_IF_ERROR(unused("freq", a.freq, e));
+  }
+  if (e != Epilogue::kScalarScale) ENCORE_RETURN_IF_ERROR(unused("alpha", a.alpha, e));
+  if (!uses_partials) ENCORE_RETURN_IF_ERROR(unused("partials", a.partials, e));
+  if (e != Epilogue::kLse) {
+    ENCORE_RETURN_IF_ERROR(unused("target", a.target, e));
+    ENCORE_RETURN_IF_ERROR(unused("target_logit", a.target_logit, e));
+  }
+
+  if (uses_aux) {
+    const int64_t aux_n = e == Epilogue::kSwiglu ? N / 2 : N;
+    ENCORE_RETURN_IF_ERROR(matrix("aux", a.aux, M, aux_n, e == Epilogue::kSwiglu ? "[M, N / 2]" : "[M, N]", a.a, out_types));
+    ENCORE_RETURN_IF_ERROR(checks::no_overlap("aux", a.aux, "d", a.d));
+  }
+  if (e == Epilogue::kResidualSqsumAux) {
+    ENCORE_RETURN_IF_ERROR(matrix("c", a.c, M, N, "[M, N]", a.a, kIo));
+    ENCORE_RETURN_IF_ERROR(vector("gamma", a.gamma, N, "[N]", a.a, kIo));
+  }
+  if (e == Epilogue::kRowScale || (uses_r && a.row_scale.defined()))
+    ENCORE_RETURN_IF_ERROR(vector("row_scale", a.row_scale, M, "[M]", a.a, f32));
+  if (e == Epilogue::kRope) {
+    ENCORE_RETURN_IF_ERROR(vector("pos", a.pos, M, "[M]", a.a, {DType::kInt32}));
+    ENCORE_RETURN_IF_ERROR(vector("freq", a.freq, N, "[N] (hi, lo) pairs", a.a, f32));
+  }
+  if (e == Epilogue::kScalarScale) ENCORE_RETURN_IF_ERROR(vector("alpha", a.alpha, 1, "[1]", a.a, f32));
+  if (uses_partials) {
+    int64_t tiles = 0;
+    if (e == Epilogue::kQkvHeadSqsum) {
+      if (o.head_dim <= 0 || N % o.head_dim != 0)
+        return Status::invalid("head_dim: " + std::to_string(o.head_dim) + " must be positive and divide N = " + std::to_string(N));
+      tiles = N / o.head_dim;
+    } else {
+      if (o.partial_tile_n <= 0) return Status::invalid("partial_tile_n: must be positive, got " + std::to_string(o.partial_tile_n));
+      tiles = ceil_div(N, o.partial_tile_n);
+    }
+    ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, tiles, "[M, tiles]", a.a, f32));
+  }
+  if (e == Epilogue::kLse && a.target.defined()) {
+    ENCORE_RETURN_IF_ERROR(vector("target", a.target, M, "[M]", a.a, {DType::kInt32}));
+    ENCORE_RETURN_IF_ERROR(vector("target_logit", a.target_logit, M, "[M]", a.a, f32));
+  } else if (e == Epilogue::kLse && a.target_logit.defined()) {
+    return Status::invalid("target_logit: needs target");
+  }
+  return Status::ok();
+}
+
+size_t workspace_bytes(const GemmEpilogueArgs&, const GemmEpilogueOptions&) { return 0; }
+
+Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, void*, Stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, o));
+  ENCORE_RETURN_IF_ERROR(cpu_only(a.a));
+  if (o.epilogue == Epilogue::kLse && a.target.defined()) {  // host data: check the targets
+    const int64_t N = a.w.shape[0];
+    for (int64_t m = 0; m < a.a.shape[0]; ++m) {
+      const int32_t t = static_cast<const int32_t*>(a.target.data)[m * a.target.strides[0]];
+      if (t != o.ignore_index && (t < 0 || t >= N))
+        return Status::invalid("target: row " + std::to_string(m) + " has target " + std::to_string(t) + ", outside [0, " + std::to_string(N) +
+                               ") and not ignore_index (" + std::to_string(o.ignore_index) + ")");
+    }
+  }
+  reference::gemm_epilogue(a, o);
+  return Status::ok();
+}
+
+Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[M, tiles]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("r", a.r, a.partials.shape[0], "[M]", a.partials, {DType::kFP32}));
+  if (hidden <= 0) return Status::invalid("hidden: must be positive, got " + std::to_string(hidden));
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) return Status::invalid("eps: must be finite and >= 0");
+  ENCORE_RETURN_IF_ERROR(cpu_only(a.partials));
+  reference::rms_final_reduce(a, hidden, eps);
+  return Status::ok();
+}
+
+Status run(const LseFinishArgs& a, int ignore_index, Stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[M, tiles]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
+  const int64_t M = a.partials.shape[0];
+  ENCORE_RETURN_IF_ERROR(vector("lse", a.lse, M, "[M]", a.partials, {DType::kFP32}));
+  if (a.target.defined()) {
+    ENCORE_RETURN_IF_ERROR(vector("target", a.target, M, "[M]", a.partials, {DType::kInt32}));
+    ENCORE_RETURN_IF_ERROR(vector("target_logit", a.target_logit, M, "[M]", a.partials, {DType::kFP32}));
+    ENCORE_RETURN_IF_ERROR(vector("loss", a.loss, M, "[M]", a.partials, {DType::kFP32}));
+  } else if (a.loss.defined() || a.target_logit.defined()) {
+    return Status::invalid("loss: needs target and target_logit");
+  }
+  ENCORE_RETURN_IF_ERROR(cpu_only(a.partials));
+  reference::lse_finish(a, ignore_index);
+  return Status::ok();
+}
+
+Status interleave_gate_up(const TensorView& gate, const TensorView& up, const TensorView& out) {
+  ENCORE_RETURN_IF_ERROR(checks::present("gate", gate));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("gate", gate, 2, "[F, K]"));
+  const int64_t F = gate.shape[0], K = gate.shape[1];
+  ENCORE_RETURN_IF_ERROR(matrix("up", up, F, K, "[F, K]", gate, {gate.dtype}));
+  ENCORE_RETURN_IF_ERROR(matrix("out", out, 2 * F, K, "[2F, K]", gate, {gate.dtype}));
+  if (gate.device.is_cuda()) return Status::unsupported("gate: interleave_gate_up takes CPU tensors");
+  for (int64_t f = 0; f < F; ++f)
+    for (int64_t k = 0; k < K; ++k) {
+      store_from_double(out.data, out.dtype, (2 * f) * out.strides[0] + k * out.strides[1],
+                        load_as_double(gate.data, gate.dtype, f * gate.strides[0] + k * gate.strides[1]));
+      store_from_double(out.data, out.dtype, (2 * f + 1) * out.strides[0] + k * out.strides[1],
+                        load_as_double(up.data, up.dtype, f * up.strides[0] + k * up.strides[1]));
+    }
+  return Status::ok();
+}
+
+Status rope_freq_turns(int num_heads, int rotary_heads, int head_dim, double base, const TensorView& freq) {
+  if (num_heads < 1 || rotary_heads < 0 || rotary_heads > num_heads)
+    return Status::invalid("rotary_heads: must lie in [0, num_heads], with num_heads >= 1");
+  if (head_dim < 2 || head_dim % 2 != 0) return Status::invalid("head_dim: must be even and >= 2, got " + std::to_string(head_dim));
+  if (!(base > 1.0)) return Status::invalid("base: must be > 1");
+  ENCORE_RETURN_IF_ERROR(checks::present("freq", freq));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("freq", freq, 1, "[num_heads * head_dim]"));
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals("freq", freq, 0, int64_t(num_heads) * head_dim, "num_heads * head_dim"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("freq", freq, {DType::kFP32}));
+  if (freq.device.is_cuda()) return Status::unsupported("freq: rope_freq_turns fills a CPU tensor");
+  auto* f = static_cast<float*>(freq.data);
+  const int pairs_per_head = head_dim / 2;
+  for (int h = 0; h < num_heads; ++h)
+    for (int i = 0; i < pairs_per_head; ++i) {
+      const double turns = h < rotary_heads ? std::pow(base, -2.0 * i / head_dim) / 6.283185307179586 : 0.0;
+      const float hi = float(turns), lo = float(turns - double(hi));
+      const int64_t j = int64_t(h) * pairs_per_head + i;
+      f[(2 * j) * freq.strides[0]] = hi;
+      f[(2 * j + 1) * freq.strides[0]] = lo;
+    }
+  return Status::ok();
+}
+
+}  // namespace encore
