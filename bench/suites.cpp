@@ -16,6 +16,7 @@ int run_suites(const BenchOptions& opts) {
       {"qk_norm_plans", run_qk_norm_plans_suite},
       {"quant", run_quant_suite},
       {"decode_path", run_decode_path_suite},
+      {"gemm_epilogue", run_gemm_epilogue_suite},
   };
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "encore bench: no CUDA device: benchmarks need a GPU (try `encore check`)\n");

@@ -53,7 +53,7 @@ if command -v compute-sanitizer >/dev/null && [ -x "$bin/encore_tests_gpu" ]; th
 fi
 if command -v cuobjdump >/dev/null; then
   cuobjdump --dump-sass "$bin/encore" >"$OUT/sass.txt" 2>&1
-  say "SASS: $(grep -c 'Function :' "$OUT/sass.txt") kernels; 128-bit global loads $(grep -c 'LDG.E.128' "$OUT/sass.txt"), stores $(grep -c 'STG.E.128' "$OUT/sass.txt"), local-memory ops $(grep -cE 'LDL|STL' "$OUT/sass.txt")"
+  say "SASS: $(grep -c 'Function :' "$OUT/sass.txt") kernels; 128-bit global loads $(grep -c 'LDG.E.128' "$OUT/sass.txt"), stores $(grep -c 'STG.E.128' "$OUT/sass.txt"), local-memory ops $(grep -cE 'LDL|STL' "$OUT/sass.txt"), HGMMA $(grep -c 'HGMMA' "$OUT/sass.txt")"
   gzip -f "$OUT/sass.txt"
 fi
 

@@ -19,8 +19,9 @@
 // (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
 // produces the same layout [M, ceil(N / partial_tile_n)].
 //
-// Backends: the CPU reference (fp64 accumulation). The CUDA (CUTLASS Sm90) kernels are not
-// implemented yet: CUDA tensors get a clear error.
+// Backends: the CPU reference (fp64 accumulation) for every epilogue. CUDA (CUTLASS Sm90 TMA + WGMMA
+// mainloop, bf16/fp16, D in A's dtype, K and N multiples of 8): kRowScale and kScalarScale so far;
+// the other epilogues and the finishers refuse CUDA tensors with a clear error.
 #pragma once
 #include <cstddef>
 #include <cstdint>

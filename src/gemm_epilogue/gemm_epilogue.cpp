@@ -3,8 +3,12 @@
 #include <cmath>
 
 #include "core/checks.hpp"
+#include "encore/core/device_info.hpp"
 #include "encore/gemm_epilogue.hpp"
 #include "reference/gemm_epilogue_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "cuda/gemm_epilogue/gemm_epilogue_launch.hpp"
+#endif
 
 namespace encore {
 namespace {
@@ -42,6 +46,28 @@ Status unused(const char* name, const TensorView& t, Epilogue e) {
 Status cpu_only(const TensorView& a) {
   if (a.device.is_cuda())
     return Status::unsupported("a: on " + a.device.to_string() + ": the CUDA GEMM-epilogue kernels are not implemented yet (CPU backend only)");
+  return Status::ok();
+}
+
+bool has_cuda_kernel(Epilogue e) { return e == Epilogue::kRowScale || e == Epilogue::kScalarScale; }
+
+// TMA needs 16-byte aligned rows: K and N multiples of 8 elements (bf16/fp16), aligned pointers and
+// row strides; D in A's dtype.
+Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
+  if (!has_cuda_kernel(o.epilogue))
+    return Status::unsupported(std::string("a: on ") + a.a.device.to_string() + ": the " + epilogue_name(o.epilogue) +
+                               " epilogue has no CUDA kernel yet (CPU backend only; CUDA has row_scale and scalar_scale)");
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("a", a.a, {DType::kBF16, DType::kFP16}));
+  ENCORE_RETURN_IF_ERROR(checks::same_dtype("d", a.d, "a", a.a));
+  const int64_t M = a.a.shape[0], K = a.a.shape[1], N = a.w.shape[0];
+  if (K % 8 != 0) return Status::unsupported("a: K = " + std::to_string(K) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
+  if (N % 8 != 0) return Status::unsupported("w: N = " + std::to_string(N) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
+  if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31) || K >= (int64_t(1) << 31)) return Status::unsupported("a: M, N, K must be < 2^31");
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"a", &a.a}, {"w", &a.w}, {"d", &a.d}}) {
+    if (!checks::aligned(t->data, 16) || (t->shape[0] > 1 && t->strides[0] % 8 != 0))
+      return Status::invalid(std::string(name) + ": data pointer and row stride must be 16-byte aligned on CUDA");
+  }
+  ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("d", a.d));
   return Status::ok();
 }
 
@@ -148,9 +174,34 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
 
 size_t workspace_bytes(const GemmEpilogueArgs&, const GemmEpilogueOptions&) { return 0; }
 
-Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, void*, Stream) {
+Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
-  ENCORE_RETURN_IF_ERROR(cpu_only(a.a));
+  if (a.a.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(validate_cuda(a, o));
+#ifdef ENCORE_WITH_CUDA
+    const DeviceInfo* info = nullptr;
+    ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &info));
+    cuda::GemmProblem p;
+    p.a = a.a.data;
+    p.lda = a.a.strides[0];
+    p.w = a.w.data;
+    p.ldw = a.w.strides[0];
+    p.d = a.d.data;
+    p.ldd = a.d.strides[0];
+    p.M = int(a.a.shape[0]);
+    p.N = int(a.w.shape[0]);
+    p.K = int(a.a.shape[1]);
+    p.dtype = a.a.dtype;
+    p.row_scale = a.row_scale.defined() ? static_cast<const float*>(a.row_scale.data) : nullptr;
+    p.alpha = a.alpha.defined() ? static_cast<const float*>(a.alpha.data) : nullptr;
+    p.device = a.a.device.index;
+    p.sm_count = info->sm_count;
+    return o.epilogue == Epilogue::kRowScale ? cuda::launch_gemm_row_scale(p, stream) : cuda::launch_gemm_scalar_scale(p, stream);
+#else
+    (void)stream;
+    return Status::unsupported("a: on " + a.a.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+  }
   if (o.epilogue == Epilogue::kLse && a.target.defined()) {  // host data: check the targets
     const int64_t N = a.w.shape[0];
     for (int64_t m = 0; m < a.a.shape[0]; ++m) {

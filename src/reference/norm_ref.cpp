@@ -16,7 +16,7 @@ float round_to(DType t, float v) {
 }  // namespace
 
 void rms_norm(const norm::RmsNormProblem& p) {
-  std::vector<float> h(size_t(p.hidden));
+  std::vector<float> h(static_cast<size_t>(p.hidden));
   for (int64_t r = 0; r < p.rows; ++r) {
     double sumsq = 0.0;
     for (int64_t c = 0; c < p.hidden; ++c) {

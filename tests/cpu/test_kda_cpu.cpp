@@ -299,7 +299,7 @@ TEST_F(KdaBad, Shapes) {
 }
 
 TEST_F(KdaBad, HeadDims) {
-  std::vector<double> big(size_t(10 * 2 * 300));
+  std::vector<double> big(static_cast<size_t>(10 * 2 * 300));
   auto a = kc.args();
   a.q = a.k = a.g = TensorView::contiguous(big.data(), DType::kFP64, {1, 10, 2, 300});
   expect_error(a, kc.opts, "q: head dim K = 300 exceeds 256");

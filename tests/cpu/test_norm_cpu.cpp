@@ -11,7 +11,7 @@ namespace {
 void oracle(const HostTensor& x, const HostTensor* res, const HostTensor& w, const RmsNormOptions& o,
             HostTensor& y_ref, HostTensor* h_ref) {
   for (int64_t r = 0; r < x.rows; ++r) {
-    std::vector<double> h(size_t(x.cols));
+    std::vector<double> h(static_cast<size_t>(x.cols));
     double ss = 0;
     for (int64_t c = 0; c < x.cols; ++c) {
       double v = x.get(r, c);

@@ -1,0 +1,103 @@
+// The fixed Hopper GEMM mainloop of the GEMM-epilogue family, parameterized by an epilogue visitor
+// tree (EVT) and a tile configuration.
+//
+// Math:    acc = A · Wᵀ in fp32 (A [M, K] row-major, W [N, K] row-major = K-major B), then D = EVT(acc)
+//          stored row-major [M, N] (no C operand unless the EVT fetches it).
+// Mainloop: CUTLASS 3.x Sm90 TMA + WGMMA, warp-specialized, persistent (cooperative or ping-pong
+//          schedule per TileConfig), stages = what shared memory leaves after the epilogue.
+// Constraints (validated by the dispatch): bf16/fp16 A and W, K and N multiples of 8 (16-byte TMA
+//          rows), 16-byte aligned base pointers and row strides. M is free (TMA masks the tail).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "encore/core/status.hpp"
+
+namespace encore::cuda::sm90 {
+
+using namespace cute;
+
+// A tile configuration: CTA tile, cluster, and the matching kernel/epilogue schedules.
+template <int kTileM, int kTileN, int kTileK, int kClusterM, int kClusterN, bool kCooperative>
+struct TileConfig {
+  using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
+  using ClusterShape = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
+  using KernelSchedule = cute::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using EpilogueSchedule = cute::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                               cutlass::epilogue::TmaWarpSpecialized>;
+};
+
+// GEMM with epilogue `Evt` (built from TileShape, so it is a template of it) for element type T.
+template <class T, class Config, template <class TileShape> class Evt>
+struct Sm90Gemm {
+  using ElementD = T;
+  static constexpr int kAlign = 16 / sizeof(T);
+  using Fusion = Evt<typename Config::TileShape>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape, typename Config::ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, cutlass::layout::RowMajor, kAlign,       // no C operand
+      ElementD, cutlass::layout::RowMajor, kAlign,
+      typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      T, cutlass::layout::RowMajor, kAlign,          // A [M, K]
+      T, cutlass::layout::ColumnMajor, kAlign,       // B = Wᵀ: W [N, K] is K-major
+      float, typename Config::TileShape, typename Config::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Config::KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  using StrideC = typename Kernel::StrideC;
+  using StrideD = typename Kernel::StrideD;
+
+  // Arguments for A [M, K] (row stride lda), W [N, K] (row stride ldw), D [M, N] (row stride ldd).
+  static typename Gemm::Arguments arguments(int M, int N, int K, const T* a, int64_t lda, const T* w, int64_t ldw, T* d,
+                                            int64_t ldd, typename Fusion::Arguments fusion, int device, int sm_count) {
+    StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, make_shape(M, K, 1));
+    StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, make_shape(N, K, 1));
+    StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(M, N, 1));
+    get<0>(sa) = lda;  // row strides may exceed the packed ones
+    get<0>(sb) = ldw;
+    get<0>(sd) = ldd;
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = device;
+    hw.sm_count = sm_count;
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {M, N, K, 1},
+                                  {a, sa, w, sb},
+                                  {fusion, nullptr, StrideC{}, d, sd},
+                                  hw};
+    return args;
+  }
+};
+
+// can_implement -> initialize -> run on `stream`; the kernels used here need no workspace.
+template <class G>
+Status run_gemm(const typename G::Gemm::Arguments& args, cudaStream_t stream, const char* name) {
+  typename G::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return Status::unsupported(std::string(name) + ": CUTLASS cannot implement this problem (alignment or shape)");
+  if (G::Gemm::get_workspace_size(args) != 0) return Status::internal(std::string(name) + ": kernel unexpectedly needs a workspace");
+  if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)
+    return Status::cuda_error(std::string(name) + ": initialize failed: " + cudaGetErrorString(cudaGetLastError()));
+  if (gemm.run(stream) != cutlass::Status::kSuccess)
+    return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(cudaGetLastError()));
+  return Status::ok();
+}
+
+}  // namespace encore::cuda::sm90
