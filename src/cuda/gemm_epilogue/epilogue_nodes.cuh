@@ -7,6 +7,7 @@
 #include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cuda/gemm_epilogue/gemm_epilogue_launch.hpp"
 
 namespace encore::cuda::sm90 {
 
@@ -20,6 +21,10 @@ struct RowScale {
   using Evt = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, T, float, kRound>,
                               fusion::Sm90ColBroadcast<0, TileShape, float, float, cute::Stride<cute::_1, cute::_0, int64_t>>,
                               fusion::Sm90AccFetch>;
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem& p) {
+    return {{p.row_scale, 0.0f, {}}, {}, {}};  // {ColBroadcast {ptr, null default, stride}, AccFetch, multiplies}
+  }
 };
 
 // D = alpha[0] · acc, alpha read from device memory (graph-safe)
@@ -28,6 +33,10 @@ struct ScalarScale {
   template <class TileShape>
   using Evt = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, T, float, kRound>, fusion::Sm90ScalarBroadcast<float>,
                               fusion::Sm90AccFetch>;
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem& p) {
+    return {{{}, {p.alpha}, {}}, {}, {}};  // {ScalarBroadcast {values, device pointers, strides}, AccFetch, multiplies}
+  }
 };
 
 }  // namespace encore::cuda::sm90

@@ -18,6 +18,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cuda/gemm_epilogue/gemm_epilogue_launch.hpp"
 #include "encore/core/status.hpp"
 
 namespace encore::cuda::sm90 {
@@ -98,6 +99,24 @@ Status run_gemm(const typename G::Gemm::Arguments& args, cudaStream_t stream, co
   if (gemm.run(stream) != cutlass::Status::kSuccess)
     return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(cudaGetLastError()));
   return Status::ok();
+}
+
+// Launches the GEMM with epilogue family `Family` (Family<T>::Evt<TileShape> the EVT,
+// Family<T>::arguments<Fusion>(problem) its arguments) on `Config`, for the problem's dtype.
+template <template <class> class Family, class Config, class T>
+Status launch_typed(const GemmProblem& p, cudaStream_t stream, const char* name) {
+  using G = Sm90Gemm<T, Config, Family<T>::template Evt>;
+  auto args = G::arguments(p.M, p.N, p.K, static_cast<const T*>(p.a), p.lda, static_cast<const T*>(p.w), p.ldw, static_cast<T*>(p.d),
+                           p.ldd, Family<T>::template arguments<typename G::Fusion>(p), p.device, p.sm_count);
+  return run_gemm<G>(args, stream, name);
+}
+
+template <template <class> class Family, class Config>
+Status launch_family(const GemmProblem& p, Stream stream, const char* name) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::kBF16) return launch_typed<Family, Config, cutlass::bfloat16_t>(p, s, name);
+  if (p.dtype == DType::kFP16) return launch_typed<Family, Config, cutlass::half_t>(p, s, name);
+  return Status::unsupported(std::string("a: ") + name + " on CUDA takes bf16 or fp16, got " + dtype_name(p.dtype));
 }
 
 }  // namespace encore::cuda::sm90
