@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from . import _encore
 
-__all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "built_with_cuda", "cuda_device_count"]
+__all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group_dequant", "built_with_cuda",
+           "cuda_device_count"]
 
 built_with_cuda = _encore.built_with_cuda
 cuda_device_count = _encore.cuda_device_count
@@ -95,3 +96,53 @@ def qk_norm_(qkv, q_weight, k_weight, num_q_heads: int, num_kv_heads: int, head_
     _encore.qk_norm_(qkv, q_weight, k_weight, int(num_q_heads), int(num_kv_heads), int(head_dim), float(eps),
                      float(weight_offset), _stream_for(qkv, stream))
     return qkv
+
+
+def _empty(like, shape, kind):
+    """An uninitialized array of `shape` on `like`'s framework and device; kind: "f32" or "u8"."""
+    if _is_torch(like):
+        import torch
+
+        return torch.empty(shape, dtype=torch.float32 if kind == "f32" else torch.uint8, device=like.device)
+    import numpy as np
+
+    return np.empty(shape, dtype=np.float32 if kind == "f32" else np.uint8)
+
+
+def fp8_group_quant(x, column_major_scales: bool = False, power_of_two_scales: bool = False, eps: float = 1e-10,
+                    stream=None):
+    """FP8 e4m3 per-token-group quantization, groups of 128 along the last dimension.
+
+    x: [M, K] (bf16, fp16 or fp32; K a multiple of 128). Returns (q, scales): q [M, K] as
+    torch.float8_e4m3fn for torch inputs, or the raw e4m3 bytes as a uint8 numpy array; scales
+    [M, K // 128] float32 with s = max|x_group| / 448 (or the next power of two), q = e4m3(x / s).
+    column_major_scales: the scales' storage is [K // 128, M] (returned as its transposed view).
+    """
+    _no_autograd(x)
+    if getattr(x, "ndim", 0) != 2:
+        raise ValueError("x: expected 2 dimensions [M, K]")
+    m, k = x.shape
+    q = _empty(x, (m, k), "u8")
+    if column_major_scales:
+        s = _empty(x, (k // 128, m), "f32")
+        scales = s.T
+    else:
+        scales = _empty(x, (m, k // 128), "f32")
+    _encore.fp8_group_quant_out(x, q, scales, bool(power_of_two_scales), float(eps), _stream_for(x, stream))
+    if _is_torch(x):
+        import torch
+
+        q = q.view(torch.float8_e4m3fn)
+    return q, scales
+
+
+def fp8_group_dequant(q, scales):
+    """The inverse on the CPU backend: float32 [M, K] = float(q) * scale of the element's group."""
+    if _is_torch(q):
+        import torch
+
+        q = q.view(torch.uint8) if q.dtype != torch.uint8 else q
+    m, k = q.shape
+    out = _empty(q, (m, k), "f32")
+    _encore.fp8_group_dequant_out(q, scales, out)
+    return out

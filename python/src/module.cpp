@@ -10,6 +10,7 @@
 
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
+#include "encore/quant.hpp"
 
 namespace nb = nanobind;
 using namespace encore;
@@ -33,12 +34,12 @@ DType to_dtype(const nb::dlpack::dtype& t, const char* name) {
                          std::to_string(t.bits) + " bits)").c_str());
 }
 
-TensorView to_view(const Array& a, const char* name) {
+// Data, device, shape and strides; the dtype is left to the caller.
+TensorView to_view_raw(const Array& a, const char* name) {
   if (a.ndim() > size_t(TensorView::kMaxDims))
     throw nb::value_error((std::string(name) + ": more than 6 dimensions").c_str());
   TensorView v;
   v.data = a.data();
-  v.dtype = to_dtype(a.dtype(), name);
   const int dev = a.device_type();
   if (dev == nb::device::cpu::value) v.device = {DeviceType::kCPU, 0};
   else if (dev == nb::device::cuda::value) v.device = {DeviceType::kCUDA, int(a.device_id())};
@@ -48,6 +49,24 @@ TensorView to_view(const Array& a, const char* name) {
     v.shape[i] = int64_t(a.shape(i));
     v.strides[i] = int64_t(a.stride(i));
   }
+  return v;
+}
+
+TensorView to_view(const Array& a, const char* name) {
+  TensorView v = to_view_raw(a, name);
+  v.dtype = to_dtype(a.dtype(), name);
+  return v;
+}
+
+// An fp8 e4m3 tensor arrives as raw bytes (uint8 / int8 arrays: numpy has no fp8 dtype, and the
+// Python side passes torch float8 tensors as uint8 views).
+TensorView to_fp8_view(const Array& a, const char* name) {
+  const auto t = a.dtype();
+  using C = nb::dlpack::dtype_code;
+  if (!((C(t.code) == C::UInt || C(t.code) == C::Int) && t.bits == 8 && t.lanes == 1))
+    throw nb::value_error((std::string(name) + ": expected the fp8 e4m3 bytes as a uint8 array").c_str());
+  TensorView v = to_view_raw(a, name);
+  v.dtype = DType::kFP8E4M3;
   return v;
 }
 
@@ -90,4 +109,20 @@ NB_MODULE(_encore, m) {
         },
         nb::arg("qkv"), nb::arg("q_weight"), nb::arg("k_weight"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"),
         nb::arg("head_dim"), nb::arg("eps"), nb::arg("weight_offset"), nb::arg("stream"));
+
+  m.def("fp8_group_quant_out",
+        [](Array x, Array q, Array scales, bool power_of_two, float eps, uintptr_t stream) {
+          Fp8GroupQuantOptions o;
+          o.power_of_two_scales = power_of_two;
+          o.eps = eps;
+          raise_if_error(run(Fp8GroupQuantArgs{to_view(x, "x"), to_fp8_view(q, "q"), to_view(scales, "scales")}, o, nullptr,
+                             as_stream(stream)));
+        },
+        nb::arg("x"), nb::arg("q"), nb::arg("scales"), nb::arg("power_of_two"), nb::arg("eps"), nb::arg("stream"));
+
+  m.def("fp8_group_dequant_out",
+        [](Array q, Array scales, Array x) {
+          raise_if_error(run(Fp8GroupDequantArgs{to_fp8_view(q, "q"), to_view(scales, "scales"), to_view(x, "x")}, Fp8GroupQuantOptions{}));
+        },
+        nb::arg("q"), nb::arg("scales"), nb::arg("x"));
 }
