@@ -1,4 +1,5 @@
 #include "check.hpp"
+#include "device_copy.hpp"
 
 #include <cstdio>
 #include <string>
@@ -7,9 +8,6 @@
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
 #include "testing/compare.hpp"
-#ifdef ENCORE_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
 
 namespace encore::app {
 namespace {
@@ -29,29 +27,16 @@ Status run_norm_on(bool add, bool on_gpu, const HostTensor& x, const HostTensor&
     if (add) return run(AddRmsNormArgs{x.view(), r.view(), w.view(), y.view(), h.view()}, o);
     return run(RmsNormArgs{x.view(), w.view(), y.view()}, o);
   }
-#ifdef ENCORE_WITH_CUDA
-  const HostTensor* hosts[] = {&x, &r, &w, &y, &h};
-  void* dev[5] = {};
-  Status st;
-  for (int i = 0; i < 5 && st.is_ok(); ++i) {
-    if (cudaMalloc(&dev[i], hosts[i]->storage_bytes()) != cudaSuccess) st = Status::cuda_error("cudaMalloc failed");
-    else cudaMemcpy(dev[i], hosts[i]->bytes.data(), hosts[i]->storage_bytes(), cudaMemcpyHostToDevice);
-  }
+  DeviceCopy dx(x.bytes.data(), x.storage_bytes()), dr(r.bytes.data(), r.storage_bytes()), dw(w.bytes.data(), w.storage_bytes()),
+      dy(y.bytes.data(), y.storage_bytes()), dh(h.bytes.data(), h.storage_bytes());
+  if (!dx.get() || !dr.get() || !dw.get() || !dy.get() || !dh.get()) return Status::cuda_error("device copies failed (no CUDA device?)");
   const Device d{DeviceType::kCUDA, 0};
-  if (st.is_ok()) {
-    st = add ? run(AddRmsNormArgs{x.view(dev[0], d), r.view(dev[1], d), w.view(dev[2], d), y.view(dev[3], d), h.view(dev[4], d)}, o)
-             : run(RmsNormArgs{x.view(dev[0], d), w.view(dev[2], d), y.view(dev[3], d)}, o);
-  }
-  if (st.is_ok() && cudaDeviceSynchronize() != cudaSuccess) st = Status::cuda_error(cudaGetErrorString(cudaGetLastError()));
-  if (st.is_ok()) {
-    cudaMemcpy(y.bytes.data(), dev[3], y.storage_bytes(), cudaMemcpyDeviceToHost);
-    cudaMemcpy(h.bytes.data(), dev[4], h.storage_bytes(), cudaMemcpyDeviceToHost);
-  }
-  for (void* p : dev) if (p) cudaFree(p);
+  Status st = add ? run(AddRmsNormArgs{x.view(dx.get(), d), r.view(dr.get(), d), w.view(dw.get(), d), y.view(dy.get(), d),
+                                       h.view(dh.get(), d)}, o)
+                  : run(RmsNormArgs{x.view(dx.get(), d), w.view(dw.get(), d), y.view(dy.get(), d)}, o);
+  if (st) st = dy.download(y.bytes.data());
+  if (st) st = dh.download(h.bytes.data());
   return st;
-#else
-  return Status::unsupported("built without CUDA");
-#endif
 }
 
 // Without a GPU: with unit weight every output row has RMS 1 (eps = 0), and h = x + residual.

@@ -38,33 +38,24 @@ Status cpu_only(const TensorView& q) {
   return Status::ok();
 }
 
-// Writes a dense [.., C] fp64 array into a strided 4-D (or 3-/1-D) view.
-void store_dense(const TensorView& t, const std::vector<double>& src) {
-  int64_t idx[4] = {0, 0, 0, 0};
-  const int64_t total = t.numel();
-  for (int64_t i = 0; i < total; ++i) {
-    int64_t rem = i, off = 0;
-    for (int d = t.ndim - 1; d >= 0; --d) {
-      idx[d] = rem % t.shape[d];
-      rem /= t.shape[d];
-      off += idx[d] * t.strides[d];
-    }
-    store_from_double(t.data, t.dtype, off, src[size_t(i)]);
+// Element offset of the i-th element (row-major order over the shape) of a strided view.
+int64_t strided_offset(const TensorView& t, int64_t i) {
+  int64_t off = 0;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    off += (i % t.shape[d]) * t.strides[d];
+    i /= t.shape[d];
   }
+  return off;
+}
+
+// Writes a dense row-major fp64 array into a strided view / reads one from it.
+void store_dense(const TensorView& t, const std::vector<double>& src) {
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data, t.dtype, strided_offset(t, i), src[size_t(i)]);
 }
 
 std::vector<double> load_dense(const TensorView& t) {
-  std::vector<double> out(size_t(t.numel()));
-  int64_t idx[4] = {0, 0, 0, 0};
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    int64_t rem = i, off = 0;
-    for (int d = t.ndim - 1; d >= 0; --d) {
-      idx[d] = rem % t.shape[d];
-      rem /= t.shape[d];
-      off += idx[d] * t.strides[d];
-    }
-    out[size_t(i)] = load_as_double(t.data, t.dtype, off);
-  }
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) out[size_t(i)] = load_as_double(t.data, t.dtype, strided_offset(t, i));
   return out;
 }
 

@@ -86,21 +86,23 @@ double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-struct ChunkCase {
+// One named problem for the parameterized suites.
+struct ShapeCase {
   const char* name;
   int64_t B, T, H, K, V;
   std::vector<int64_t> cu;
   Gate gate;
   bool h0, l2;
+  KdaCase make() const { return KdaCase{B, T, H, K, V, cu, gate, h0, l2}; }
 };
 
-void PrintTo(const ChunkCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const ShapeCase& c, std::ostream* os) { *os << c.name; }
 
-class KdaChunked : public ::testing::TestWithParam<ChunkCase> {};
+class KdaChunked : public ::testing::TestWithParam<ShapeCase> {};
 
 TEST_P(KdaChunked, EqualsRecurrence) {
-  const ChunkCase& c = GetParam();
-  KdaCase kc{c.B, c.T, c.H, c.K, c.V, c.cu, c.gate, c.h0, c.l2};
+  const ShapeCase& c = GetParam();
+  KdaCase kc = c.make();
   kc.fill(uint64_t(c.T));
   if (c.gate == Gate::kPrecomputed) {
     std::mt19937_64 rng(5);
@@ -126,28 +128,19 @@ TEST_P(KdaChunked, EqualsRecurrence) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, KdaChunked,
-    ::testing::Values(ChunkCase{"fixed_B2_T130", 2, 130, 2, 8, 6, {}, Gate::kPrecomputed, true, false},
-                      ChunkCase{"varlen_short_segments", 1, 171, 2, 8, 8, {0, 15, 100, 100, 171}, Gate::kSoftplusBias, true, true},
-                      ChunkCase{"varlen_1_63_64_65", 1, 193, 1, 6, 5, {0, 1, 64, 128, 193}, Gate::kLowerBound, false, true},
-                      ChunkCase{"softplus_no_bias_T64", 1, 64, 3, 4, 7, {}, Gate::kSoftplus, false, false}),
+    ::testing::Values(ShapeCase{"fixed_B2_T130", 2, 130, 2, 8, 6, {}, Gate::kPrecomputed, true, false},
+                      ShapeCase{"varlen_short_segments", 1, 171, 2, 8, 8, {0, 15, 100, 100, 171}, Gate::kSoftplusBias, true, true},
+                      ShapeCase{"varlen_1_63_64_65", 1, 193, 1, 6, 5, {0, 1, 64, 128, 193}, Gate::kLowerBound, false, true},
+                      ShapeCase{"softplus_no_bias_T64", 1, 64, 3, 4, 7, {}, Gate::kSoftplus, false, false}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Central finite differences of loss = sum(o * d_o) + sum(final * d_final) against the backward.
-struct GradCase {
-  const char* name;
-  int64_t B, T, H, K, V;
-  std::vector<int64_t> cu;
-  Gate gate;
-  bool h0, l2;
-};
 
-void PrintTo(const GradCase& c, std::ostream* os) { *os << c.name; }
-
-class KdaBackward : public ::testing::TestWithParam<GradCase> {};
+class KdaBackward : public ::testing::TestWithParam<ShapeCase> {};
 
 TEST_P(KdaBackward, MatchesFiniteDifferences) {
-  const GradCase& c = GetParam();
-  KdaCase kc{c.B, c.T, c.H, c.K, c.V, c.cu, c.gate, c.h0, c.l2};
+  const ShapeCase& c = GetParam();
+  KdaCase kc = c.make();
   kc.fill(uint64_t(c.T * 7 + c.K));
   std::mt19937_64 rng(11);
   std::normal_distribution<double> nd;
@@ -211,10 +204,10 @@ TEST_P(KdaBackward, MatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, KdaBackward,
-    ::testing::Values(GradCase{"precomputed_h0_l2", 2, 5, 2, 3, 2, {}, Gate::kPrecomputed, true, true},
-                      GradCase{"varlen_softplus_bias", 1, 7, 2, 3, 2, {0, 3, 3, 7}, Gate::kSoftplusBias, true, false},
-                      GradCase{"softplus_no_bias_l2", 1, 4, 1, 4, 3, {}, Gate::kSoftplus, false, true},
-                      GradCase{"lower_bound", 1, 6, 2, 2, 3, {0, 2, 6}, Gate::kLowerBound, true, true}),
+    ::testing::Values(ShapeCase{"precomputed_h0_l2", 2, 5, 2, 3, 2, {}, Gate::kPrecomputed, true, true},
+                      ShapeCase{"varlen_softplus_bias", 1, 7, 2, 3, 2, {0, 3, 3, 7}, Gate::kSoftplusBias, true, false},
+                      ShapeCase{"softplus_no_bias_l2", 1, 4, 1, 4, 3, {}, Gate::kSoftplus, false, true},
+                      ShapeCase{"lower_bound", 1, 6, 2, 2, 3, {0, 2, 6}, Gate::kLowerBound, true, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The public forward on bf16 inputs writes bf16 o and fp32 final state close to the fp64 reference.
@@ -318,7 +311,6 @@ TEST_F(KdaBad, CudaTensorsAreRefusedClearly) {
   auto a = kc.args();
   for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.initial_state, &a.o, &a.final_state}) t->device = Device{DeviceType::kCUDA, 0};
   a.cu_seqlens = TensorView{};
-  KdaCase fixed{1, 10, 2, 4, 4, {}, Gate::kPrecomputed, true, false};
   expect_error(a, kc.opts, "initial_state: expected shape [N, H, K, V] = [1, 2, 4, 4]");  // N changes without cu_seqlens
   a.initial_state.shape[0] = 1;
   a.final_state.shape[0] = 1;

@@ -1,0 +1,47 @@
+// `encore check` helper: a device copy of a host buffer for the duration of one check (CUDA
+// builds; without CUDA get() is null and download() reports it).
+#pragma once
+#include <cstddef>
+
+#include "encore/core/status.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace encore::app {
+
+class DeviceCopy {
+ public:
+  explicit DeviceCopy(const void* host, size_t bytes) : bytes_(bytes) {
+#ifdef ENCORE_WITH_CUDA
+    if (cudaMalloc(&ptr_, bytes) == cudaSuccess) cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice);
+    else ptr_ = nullptr;
+#else
+    (void)host;
+#endif
+  }
+  DeviceCopy(const DeviceCopy&) = delete;
+  DeviceCopy& operator=(const DeviceCopy&) = delete;
+  ~DeviceCopy() {
+#ifdef ENCORE_WITH_CUDA
+    if (ptr_) cudaFree(ptr_);
+#endif
+  }
+  void* get() const { return ptr_; }
+  Status download(void* host) const {
+#ifdef ENCORE_WITH_CUDA
+    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost) != cudaSuccess)
+      return Status::cuda_error(cudaGetErrorString(cudaGetLastError()));
+    return Status::ok();
+#else
+    (void)host;
+    return Status::unsupported("built without CUDA");
+#endif
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace encore::app
