@@ -19,9 +19,14 @@
 // (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
 // produces the same layout [M, ceil(N / partial_tile_n)].
 //
-// Backends: the CPU reference (fp64 accumulation) for every epilogue. CUDA (CUTLASS Sm90 TMA + WGMMA
-// mainloop, bf16/fp16, D in A's dtype, K and N multiples of 8): kRowScale and kScalarScale so far;
-// the other epilogues and the finishers refuse CUDA tensors with a clear error.
+// Backends: the CPU reference (fp64 accumulation) for every epilogue and finisher. CUDA: every
+// epilogue and both finishers, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
+// (src/cuda/gemm_epilogue), with these limits (refused with a clear error otherwise):
+//   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K and N multiples of 8; 16-byte aligned
+//   matrix rows; contiguous vectors; partial_tile_n = 256 (kResidualSqsumAux, kLse) and
+//   head_dim = 128 (kQkvHeadSqsum). Tails in M and N are masked. kRope positions must lie in
+//   [0, 2^24). kLse targets are device data and cannot be checked before the launch: a target
+//   outside [0, N) other than ignore_index yields target_logit = NaN (the CPU backend refuses it).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -36,7 +41,7 @@ const char* epilogue_name(Epilogue e);
 
 struct GemmEpilogueOptions {
   Epilogue epilogue = Epilogue::kRowScale;
-  int partial_tile_n = 128;  // kResidualSqsumAux, kLse
+  int partial_tile_n = 256;  // kResidualSqsumAux, kLse (CUDA: 256)
   int head_dim = 128;        // kQkvHeadSqsum
   int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
 };

@@ -1,14 +1,12 @@
-// GEMM-epilogue family dispatch: validate -> CPU reference (CUDA kernels not implemented yet);
+// GEMM-epilogue family dispatch: validate -> CUDA kernel (src/cuda/gemm_epilogue) or CPU reference;
 // finishers and host-side helpers.
 #include <cmath>
 
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/gemm_epilogue.hpp"
+#include "cuda/gemm_epilogue/gemm_epilogue_launch.hpp"  // host-only declarations
 #include "reference/gemm_epilogue_ref.hpp"
-#ifdef ENCORE_WITH_CUDA
-#include "cuda/gemm_epilogue/gemm_epilogue_launch.hpp"
-#endif
 
 namespace encore {
 namespace {
@@ -43,32 +41,99 @@ Status unused(const char* name, const TensorView& t, Epilogue e) {
   return Status::ok();
 }
 
-Status cpu_only(const TensorView& a) {
-  if (a.device.is_cuda())
-    return Status::unsupported("a: on " + a.device.to_string() + ": the CUDA GEMM-epilogue kernels are not implemented yet (CPU backend only)");
+// 16-byte aligned data and row stride (TMA rows and vector stores).
+Status tma_rows(const char* name, const TensorView& t) {
+  if (!t.defined()) return Status::ok();
+  const int64_t esize = int64_t(dtype_size(t.dtype));
+  if (!checks::aligned(t.data, 16) || (t.shape[0] > 1 && (t.strides[0] * esize) % 16 != 0))
+    return Status::invalid(std::string(name) + ": data pointer and row stride must be 16-byte aligned on CUDA");
   return Status::ok();
 }
 
-bool has_cuda_kernel(Epilogue e) { return e == Epilogue::kRowScale || e == Epilogue::kScalarScale; }
+Status contiguous_vector(const char* name, const TensorView& t) {
+  if (t.defined() && t.shape[0] > 1 && t.strides[0] != 1)
+    return Status::invalid(std::string(name) + ": must be contiguous (stride 1) on CUDA, got stride " + std::to_string(t.strides[0]));
+  return Status::ok();
+}
 
-// TMA needs 16-byte aligned rows: K and N multiples of 8 elements (bf16/fp16), aligned pointers and
-// row strides; D in A's dtype.
+// What the CUDA kernels accept beyond validate(): bf16/fp16 with every matrix and γ in a's dtype,
+// K and N multiples of 8 (16-byte TMA rows), 16-byte aligned rows, contiguous vectors, the
+// partials' tile width fixed by the kernel's tile (256; head_dim 128).
 Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
-  if (!has_cuda_kernel(o.epilogue))
-    return Status::unsupported(std::string("a: on ") + a.a.device.to_string() + ": the " + epilogue_name(o.epilogue) +
-                               " epilogue has no CUDA kernel yet (CPU backend only; CUDA has row_scale and scalar_scale)");
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("a", a.a, {DType::kBF16, DType::kFP16}));
-  ENCORE_RETURN_IF_ERROR(checks::same_dtype("d", a.d, "a", a.a));
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"gamma", &a.gamma}})
+    if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::same_dtype(name, *t, "a", a.a));
   const int64_t M = a.a.shape[0], K = a.a.shape[1], N = a.w.shape[0];
   if (K % 8 != 0) return Status::unsupported("a: K = " + std::to_string(K) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
   if (N % 8 != 0) return Status::unsupported("w: N = " + std::to_string(N) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
   if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31) || K >= (int64_t(1) << 31)) return Status::unsupported("a: M, N, K must be < 2^31");
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"a", &a.a}, {"w", &a.w}, {"d", &a.d}}) {
-    if (!checks::aligned(t->data, 16) || (t->shape[0] > 1 && t->strides[0] % 8 != 0))
-      return Status::invalid(std::string(name) + ": data pointer and row stride must be 16-byte aligned on CUDA");
-  }
-  ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("d", a.d));
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"a", &a.a}, {"w", &a.w}, {"d", &a.d}, {"c", &a.c}})
+    ENCORE_RETURN_IF_ERROR(tma_rows(name, *t));
+  if (o.epilogue == Epilogue::kResidualSqsumAux) ENCORE_RETURN_IF_ERROR(tma_rows("aux", a.aux));  // vector stores (SwiGLU's are scalar)
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"gamma", &a.gamma}, {"row_scale", &a.row_scale}, {"pos", &a.pos},
+                         {"freq", &a.freq}, {"target", &a.target}, {"target_logit", &a.target_logit}})
+    ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+  if (a.freq.defined() && !checks::aligned(a.freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
+  if (a.partials.defined()) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
+  if ((o.epilogue == Epilogue::kResidualSqsumAux || o.epilogue == Epilogue::kLse) && o.partial_tile_n != cuda::kPartialTileN)
+    return Status::unsupported("partial_tile_n: the CUDA " + std::string(epilogue_name(o.epilogue)) + " kernel writes partials per " +
+                               std::to_string(cuda::kPartialTileN) + "-column tile; got " + std::to_string(o.partial_tile_n));
+  if (o.epilogue == Epilogue::kQkvHeadSqsum && o.head_dim != cuda::kHeadSqsumDim)
+    return Status::unsupported("head_dim: the CUDA qkv_head_sqsum kernel takes head_dim " + std::to_string(cuda::kHeadSqsumDim) + ", got " +
+                               std::to_string(o.head_dim));
+  if (a.d.defined()) ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("d", a.d));
+  if (a.aux.defined()) ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("aux", a.aux));
   return Status::ok();
+}
+
+#ifdef ENCORE_WITH_CUDA
+cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, int sm_count) {
+  cuda::GemmProblem p;
+  p.a = a.a.data;
+  p.lda = a.a.strides[0];
+  p.w = a.w.data;
+  p.ldw = a.w.strides[0];
+  p.d = a.d.data;
+  p.ldd = a.d.defined() ? a.d.strides[0] : 0;
+  p.M = int(a.a.shape[0]);
+  p.N = int(a.w.shape[0]);
+  p.K = int(a.a.shape[1]);
+  p.dtype = a.a.dtype;
+  p.c = a.c.data;
+  p.ldc = a.c.defined() ? a.c.strides[0] : 0;
+  p.aux = a.aux.data;
+  p.ld_aux = a.aux.defined() ? a.aux.strides[0] : 0;
+  p.gamma = a.gamma.data;
+  p.row_scale = static_cast<const float*>(a.row_scale.data);
+  p.alpha = static_cast<const float*>(a.alpha.data);
+  p.partials = static_cast<float*>(a.partials.data);
+  p.ld_partials = a.partials.defined() ? a.partials.strides[0] : 0;
+  p.pos = static_cast<const int32_t*>(a.pos.data);
+  p.freq = static_cast<const float*>(a.freq.data);
+  p.target = static_cast<const int32_t*>(a.target.data);
+  p.target_logit = static_cast<float*>(a.target_logit.data);
+  p.ignore_index = o.ignore_index;
+  p.device = a.a.device.index;
+  p.sm_count = sm_count;
+  return p;
+}
+
+Status launch(const cuda::GemmProblem& p, Epilogue e, Stream stream) {
+  switch (e) {
+    case Epilogue::kResidualSqsumAux: return cuda::launch_gemm_residual_sqsum_aux(p, stream);
+    case Epilogue::kRowScale: return cuda::launch_gemm_row_scale(p, stream);
+    case Epilogue::kSwiglu: return cuda::launch_gemm_swiglu(p, stream);
+    case Epilogue::kRope: return cuda::launch_gemm_rope(p, stream);
+    case Epilogue::kQkvHeadSqsum: return cuda::launch_gemm_qkv_head_sqsum(p, stream);
+    case Epilogue::kLse: return cuda::launch_gemm_lse(p, stream);
+    case Epilogue::kScalarScale: return cuda::launch_gemm_scalar_scale(p, stream);
+  }
+  return Status::internal("gemm_epilogue: unknown epilogue");
+}
+#endif
+
+Status no_cuda(const TensorView& t) {
+  return Status::unsupported("a: on " + t.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
 }
 
 int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
@@ -181,25 +246,10 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, void*, Strea
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* info = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &info));
-    cuda::GemmProblem p;
-    p.a = a.a.data;
-    p.lda = a.a.strides[0];
-    p.w = a.w.data;
-    p.ldw = a.w.strides[0];
-    p.d = a.d.data;
-    p.ldd = a.d.strides[0];
-    p.M = int(a.a.shape[0]);
-    p.N = int(a.w.shape[0]);
-    p.K = int(a.a.shape[1]);
-    p.dtype = a.a.dtype;
-    p.row_scale = a.row_scale.defined() ? static_cast<const float*>(a.row_scale.data) : nullptr;
-    p.alpha = a.alpha.defined() ? static_cast<const float*>(a.alpha.data) : nullptr;
-    p.device = a.a.device.index;
-    p.sm_count = info->sm_count;
-    return o.epilogue == Epilogue::kRowScale ? cuda::launch_gemm_row_scale(p, stream) : cuda::launch_gemm_scalar_scale(p, stream);
+    return launch(make_problem(a, o, info->sm_count), o.epilogue, stream);
 #else
     (void)stream;
-    return Status::unsupported("a: on " + a.a.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+    return no_cuda(a.a);
 #endif
   }
   if (o.epilogue == Epilogue::kLse && a.target.defined()) {  // host data: check the targets
@@ -215,19 +265,29 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, void*, Strea
   return Status::ok();
 }
 
-Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream) {
+Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream stream) {
   ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
   ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[M, tiles]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
   ENCORE_RETURN_IF_ERROR(vector("r", a.r, a.partials.shape[0], "[M]", a.partials, {DType::kFP32}));
   if (hidden <= 0) return Status::invalid("hidden: must be positive, got " + std::to_string(hidden));
   if (!(eps >= 0.0f) || !std::isfinite(eps)) return Status::invalid("eps: must be finite and >= 0");
-  ENCORE_RETURN_IF_ERROR(cpu_only(a.partials));
+  if (a.partials.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
+    ENCORE_RETURN_IF_ERROR(contiguous_vector("r", a.r));
+#ifdef ENCORE_WITH_CUDA
+    return cuda::launch_rms_final_reduce(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(a.partials.shape[0]),
+                                         int(a.partials.shape[1]), static_cast<float*>(a.r.data), hidden, eps, stream);
+#else
+    (void)stream;
+    return no_cuda(a.partials);
+#endif
+  }
   reference::rms_final_reduce(a, hidden, eps);
   return Status::ok();
 }
 
-Status run(const LseFinishArgs& a, int ignore_index, Stream) {
+Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
   ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
   ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[M, tiles]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
@@ -240,7 +300,20 @@ Status run(const LseFinishArgs& a, int ignore_index, Stream) {
   } else if (a.loss.defined() || a.target_logit.defined()) {
     return Status::invalid("loss: needs target and target_logit");
   }
-  ENCORE_RETURN_IF_ERROR(cpu_only(a.partials));
+  if (a.partials.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"lse", &a.lse}, {"target", &a.target}, {"target_logit", &a.target_logit},
+                           {"loss", &a.loss}})
+      ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+#ifdef ENCORE_WITH_CUDA
+    return cuda::launch_lse_finish(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(a.partials.shape[0]),
+                                   int(a.partials.shape[1]), static_cast<float*>(a.lse.data), static_cast<const int32_t*>(a.target.data),
+                                   static_cast<const float*>(a.target_logit.data), static_cast<float*>(a.loss.data), ignore_index, stream);
+#else
+    (void)stream;
+    return no_cuda(a.partials);
+#endif
+  }
   reference::lse_finish(a, ignore_index);
   return Status::ok();
 }

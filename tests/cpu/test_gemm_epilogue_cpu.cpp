@@ -303,17 +303,37 @@ TEST_F(GemmBad, OddPairsAndTargets) {
   expect_error(l, GemmEpilogueOptions{Epilogue::kLse}, "target: row 1 has target 10, outside [0, 10)");
 }
 
-TEST_F(GemmBad, CudaNotYetForMostEpilogues) {
-  HostTensor part(DType::kFP32, 4, 2);
+// Limits of the CUDA kernels that are checked before any device access (so testable without a GPU).
+TEST_F(GemmBad, CudaTileLimits) {
+  HostTensor a16(DType::kBF16, 4, 16), w16(DType::kBF16, 16, 16), d16(DType::kBF16, 4, 16), heads(DType::kFP32, 4, 2),
+      c16(DType::kBF16, 4, 16), aux16(DType::kBF16, 4, 16), gamma(DType::kBF16, 16, 1), tiles(DType::kFP32, 4, 1), c32(DType::kFP32, 4, 16);
+  const Device gpu{DeviceType::kCUDA, 0};
   GemmEpilogueArgs g;
-  g.a = a.view();
-  g.w = w.view();
-  g.d = d.view();
-  g.partials = part.view();
-  for (TensorView* t : {&g.a, &g.w, &g.d, &g.partials}) t->device = Device{DeviceType::kCUDA, 0};
+  g.a = a16.view();
+  g.w = w16.view();
+  g.d = d16.view();
+  g.partials = heads.view();
+  for (TensorView* t : {&g.a, &g.w, &g.d, &g.partials}) t->device = gpu;
   GemmEpilogueOptions o{Epilogue::kQkvHeadSqsum};
-  o.head_dim = 5;
-  expect_error(g, o, "the qkv_head_sqsum epilogue has no CUDA kernel yet");
+  o.head_dim = 8;
+  expect_error(g, o, "head_dim: the CUDA qkv_head_sqsum kernel takes head_dim 128, got 8");
+
+  GemmEpilogueArgs r;
+  r.a = a16.view();
+  r.w = w16.view();
+  r.d = d16.view();
+  r.c = c16.view();
+  r.aux = aux16.view();
+  r.gamma = TensorView::contiguous(gamma.view().data, DType::kBF16, {16});
+  r.partials = tiles.view();
+  for (TensorView* t : {&r.a, &r.w, &r.d, &r.c, &r.aux, &r.gamma, &r.partials}) t->device = gpu;
+  GemmEpilogueOptions ro{Epilogue::kResidualSqsumAux};
+  ro.partial_tile_n = 128;
+  expect_error(r, ro, "partial_tile_n: the CUDA residual_sqsum_aux kernel writes partials per 256-column tile; got 128");
+  ro.partial_tile_n = 256;
+  r.c = c32.view();
+  r.c.device = gpu;
+  expect_error(r, ro, "c: dtype fp32 must match a's dtype bf16");
 }
 
 TEST_F(GemmBad, CudaTmaAlignment) {

@@ -1,9 +1,12 @@
-// CUDA GEMM-epilogue kernels (CUTLASS Sm90) against the CPU backend: row_scale and scalar_scale,
-// bf16 and fp16, M tails (1, 77, 300), N and K not multiples of the tile, padded row strides,
-// poisoned outputs.
+// CUDA GEMM-epilogue kernels (CUTLASS Sm90 + encore's EVT nodes) against the CPU backend, for every
+// epilogue and both finishers: bf16 and fp16, M tails (1, 77, 300), N and K not multiples of the
+// tile, padded row strides, every output poisoned (NaN) before the run on both backends, fresh
+// random inputs each run. bf16/fp16 outputs use the dtype's tolerance; fp32 statistics (partials,
+// target logits, r, lse, loss) a fp32 one (the GPU accumulates in fp32, the CPU in fp64).
 #include <gtest/gtest.h>
 
-#include <cstring>
+#include <cmath>
+#include <memory>
 
 #include "encore/gemm_epilogue.hpp"
 #include "tests/common/compare.hpp"
@@ -12,6 +15,8 @@
 namespace encore::test {
 namespace {
 
+constexpr Tolerance kStatTol{2e-5, 2e-5, 2e-5};
+
 class GemmEpilogueGpu : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -19,55 +24,233 @@ class GemmEpilogueGpu : public ::testing::Test {
   }
 };
 
-void run_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_t K, int64_t pad) {
-  SCOPED_TRACE(std::string(epilogue_name(e)) + " " + dtype_name(t) + " M" + std::to_string(M) + " N" + std::to_string(N) + " K" +
-               std::to_string(K) + " pad" + std::to_string(pad));
-  auto rng = make_rng(uint64_t(M * 31 + N + K));
-  HostTensor a(t, M, K, K + pad), w(t, N, K, K + pad), d(t, M, N, N + pad);
-  a.fill_normal(rng);
-  w.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(K)));
-  d.poison();
-  std::vector<float> r(static_cast<size_t>(M)), alpha = {-1.25f};
-  for (auto& x : r) x = 0.25f + float(rng() % 1000) / 500.0f;
-  DeviceBuffer da(a.storage_bytes()), dw(w.storage_bytes()), dd(d.storage_bytes()), dr(r.size() * 4), dal(4);
-  ASSERT_TRUE(da.ptr && dw.ptr && dd.ptr && dr.ptr && dal.ptr);
-  ENCORE_ASSERT_CUDA(cudaMemcpy(dr.ptr, r.data(), r.size() * 4, cudaMemcpyHostToDevice));
-  ENCORE_ASSERT_CUDA(cudaMemcpy(dal.ptr, alpha.data(), 4, cudaMemcpyHostToDevice));
-  const Device gpu{DeviceType::kCUDA, 0};
-  GemmEpilogueArgs g;
-  g.a = to_device(a, da);
-  g.w = to_device(w, dw);
-  g.d = to_device(d, dd);  // poisoned on the device too
-  GemmEpilogueArgs c;
-  c.a = a.view();
-  c.w = w.view();
-  HostTensor d_cpu = d;
-  c.d = d_cpu.view();
-  if (e == Epilogue::kRowScale) {
-    g.row_scale = TensorView::contiguous(dr.ptr, DType::kFP32, {M}, gpu);
-    c.row_scale = TensorView::contiguous(r.data(), DType::kFP32, {M});
-  } else {
-    g.alpha = TensorView::contiguous(dal.ptr, DType::kFP32, {1}, gpu);
-    c.alpha = TensorView::contiguous(alpha.data(), DType::kFP32, {1});
+// One operand on both backends: the host tensor (the CPU run reads/writes it), a copy of its
+// initial contents on the device, and the CPU result kept apart for the comparison.
+struct Operand {
+  HostTensor host;
+  std::unique_ptr<DeviceBuffer> dev;
+  TensorView cpu_view, gpu_view;
+  void init(HostTensor h) {
+    host = std::move(h);
+    dev = std::make_unique<DeviceBuffer>(host.storage_bytes());
+    gpu_view = to_device(host, *dev);
+    cpu_view = host.view();
   }
-  Status st = run(g, GemmEpilogueOptions{e});
-  ASSERT_TRUE(st) << st.to_string();
-  ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
-  ASSERT_TRUE(run(c, GemmEpilogueOptions{e}));
-  HostTensor d_gpu = d;
-  from_device(d_gpu, dd);
-  ENCORE_EXPECT_CLOSE(d_gpu, d_cpu, t, "d");
+  HostTensor fetch() const {
+    HostTensor out = host;
+    from_device(out, *dev);
+    return out;
+  }
+};
+
+struct Case {
+  Epilogue e;
+  DType t;
+  int64_t M, N, K, pad;
+  bool with_row_scale = true, with_d = true, with_target = true;
+};
+
+std::string describe(const Case& c) {
+  return std::string(epilogue_name(c.e)) + " " + dtype_name(c.t) + " M" + std::to_string(c.M) + " N" + std::to_string(c.N) + " K" +
+         std::to_string(c.K) + " pad" + std::to_string(c.pad) + (c.with_row_scale ? "" : " no-r") + (c.with_d ? "" : " no-d") +
+         (c.with_target ? "" : " no-target");
 }
 
-TEST_F(GemmEpilogueGpu, RowScaleAndScalarScale) {
-  for (Epilogue e : {Epilogue::kRowScale, Epilogue::kScalarScale}) {
-    for (DType t : {DType::kBF16, DType::kFP16}) {
-      run_gemm_case(e, t, 1, 8, 8, 0);
-      run_gemm_case(e, t, 77, 136, 72, 8);
-      run_gemm_case(e, t, 300, 520, 1000, 0);
-      run_gemm_case(e, t, 512, 256, 256, 16);
-    }
+void run_case(const Case& c) {
+  SCOPED_TRACE(describe(c));
+  auto rng = make_rng(uint64_t(c.M * 31 + c.N * 7 + c.K) + uint64_t(c.e));
+  const int64_t M = c.M, N = c.N, K = c.K;
+  const Epilogue e = c.e;
+  GemmEpilogueOptions o{e};
+  Operand a, w, d, aux, res, gamma, r, pos, freq, alpha, partials, target, target_logit;
+  GemmEpilogueArgs g, h;
+  auto bind = [&](Operand& op, HostTensor ht, TensorView GemmEpilogueArgs::*field) {
+    op.init(std::move(ht));
+    g.*field = op.gpu_view;
+    h.*field = op.cpu_view;
+  };
+  HostTensor ha(c.t, M, K, K + c.pad), hw(c.t, N, K, K + c.pad);
+  ha.fill_normal(rng);
+  hw.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(K)));
+  bind(a, ha, &GemmEpilogueArgs::a);
+  bind(w, hw, &GemmEpilogueArgs::w);
+  if (c.with_d) {
+    HostTensor hd(c.t, M, N, N + c.pad);
+    hd.poison();
+    bind(d, hd, &GemmEpilogueArgs::d);
   }
+  const bool uses_r = e == Epilogue::kRowScale || ((e == Epilogue::kSwiglu || e == Epilogue::kRope || e == Epilogue::kLse) && c.with_row_scale);
+  if (uses_r) {
+    HostTensor hr = HostTensor::vector(DType::kFP32, M);
+    hr.fill_uniform(rng, 0.25, 2.25);
+    bind(r, hr, &GemmEpilogueArgs::row_scale);
+  }
+  auto tiles = [&](int64_t width) { return (N + width - 1) / width; };
+  switch (e) {
+    case Epilogue::kResidualSqsumAux: {
+      HostTensor hc(c.t, M, N, N + c.pad), hg = HostTensor::vector(c.t, N), hx(c.t, M, N, N + c.pad), hp(DType::kFP32, M, tiles(256), tiles(256) + 3);
+      hc.fill_normal(rng);
+      hg.fill_normal(rng, 1.0, 0.2);
+      hx.poison();
+      hp.poison();
+      bind(res, hc, &GemmEpilogueArgs::c);
+      bind(gamma, hg, &GemmEpilogueArgs::gamma);
+      bind(aux, hx, &GemmEpilogueArgs::aux);
+      bind(partials, hp, &GemmEpilogueArgs::partials);
+      break;
+    }
+    case Epilogue::kSwiglu: {
+      HostTensor hx(c.t, M, N / 2, N / 2 + c.pad);
+      hx.poison();
+      bind(aux, hx, &GemmEpilogueArgs::aux);
+      break;
+    }
+    case Epilogue::kRope: {
+      HostTensor hp = HostTensor::vector(DType::kInt32, M), hf = HostTensor::vector(DType::kFP32, N);
+      for (int64_t m = 0; m < M; ++m) hp.set(0, m, double(int64_t(rng() % 200000)));  // large positions: exact phase reduction
+      const int head_dim = N % 128 == 0 ? 128 : 8;
+      const int heads = int(N / head_dim);
+      ASSERT_TRUE(rope_freq_turns(heads, std::max(1, heads * 2 / 3), head_dim, 500000.0, hf.view()));
+      bind(pos, hp, &GemmEpilogueArgs::pos);
+      bind(freq, hf, &GemmEpilogueArgs::freq);
+      break;
+    }
+    case Epilogue::kQkvHeadSqsum: {
+      o.head_dim = 128;
+      HostTensor hp(DType::kFP32, M, N / 128);
+      hp.poison();
+      bind(partials, hp, &GemmEpilogueArgs::partials);
+      break;
+    }
+    case Epilogue::kLse: {
+      HostTensor hp(DType::kFP32, M, tiles(256));
+      hp.poison();
+      bind(partials, hp, &GemmEpilogueArgs::partials);
+      if (c.with_target) {
+        HostTensor ht = HostTensor::vector(DType::kInt32, M), hl = HostTensor::vector(DType::kFP32, M);
+        for (int64_t m = 0; m < M; ++m) ht.set(0, m, m % 7 == 3 ? double(o.ignore_index) : double(int64_t(rng() % uint64_t(N))));
+        hl.poison();
+        bind(target, ht, &GemmEpilogueArgs::target);
+        bind(target_logit, hl, &GemmEpilogueArgs::target_logit);
+      }
+      break;
+    }
+    case Epilogue::kScalarScale: {
+      HostTensor hs = HostTensor::vector(DType::kFP32, 1);
+      hs.set(0, 0, -1.25);
+      bind(alpha, hs, &GemmEpilogueArgs::alpha);
+      break;
+    }
+    case Epilogue::kRowScale: break;
+  }
+  Status st = run(g, o);
+  ASSERT_TRUE(st) << st.to_string();
+  ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+  Status sc = run(h, o);
+  ASSERT_TRUE(sc) << sc.to_string();
+  if (c.with_d) ENCORE_EXPECT_CLOSE(d.fetch(), d.host, c.t, "d");
+  if (aux.dev) ENCORE_EXPECT_CLOSE(aux.fetch(), aux.host, c.t, "aux");
+  if (partials.dev) {
+    auto res_ = compare(partials.fetch(), partials.host, kStatTol);
+    EXPECT_TRUE(compare_ok(res_, kStatTol)) << "partials: rel_rms=" << res_.rel_rms << " bad=" << res_.bad << " " << res_.first_bad;
+  }
+  if (target_logit.dev) {
+    auto res_ = compare(target_logit.fetch(), target_logit.host, kStatTol);
+    EXPECT_TRUE(compare_ok(res_, kStatTol)) << "target_logit: rel_rms=" << res_.rel_rms << " bad=" << res_.bad << " " << res_.first_bad;
+  }
+}
+
+const int64_t kShapes[][4] = {{1, 256, 64, 0}, {77, 136, 72, 8}, {300, 520, 1000, 0}, {512, 768, 256, 16}};
+
+TEST_F(GemmEpilogueGpu, RowScaleAndScalarScale) {
+  for (Epilogue e : {Epilogue::kRowScale, Epilogue::kScalarScale})
+    for (DType t : {DType::kBF16, DType::kFP16})
+      for (const auto& s : kShapes) run_case({e, t, s[0], s[1], s[2], s[3]});
+}
+
+TEST_F(GemmEpilogueGpu, ResidualSqsumAux) {
+  for (DType t : {DType::kBF16, DType::kFP16})
+    for (const auto& s : kShapes) run_case({Epilogue::kResidualSqsumAux, t, s[0], s[1], s[2], s[3]});
+}
+
+TEST_F(GemmEpilogueGpu, SwigluWithAndWithoutRowScale) {
+  for (DType t : {DType::kBF16, DType::kFP16})
+    for (const auto& s : kShapes) {
+      run_case({Epilogue::kSwiglu, t, s[0], s[1], s[2], s[3]});
+      run_case({Epilogue::kSwiglu, t, s[0], s[1], s[2], s[3], false});
+    }
+}
+
+TEST_F(GemmEpilogueGpu, Rope) {
+  for (DType t : {DType::kBF16, DType::kFP16})
+    for (const auto& s : kShapes) {
+      run_case({Epilogue::kRope, t, s[0], s[1], s[2], s[3]});
+      run_case({Epilogue::kRope, t, s[0], s[1], s[2], s[3], false});
+    }
+}
+
+TEST_F(GemmEpilogueGpu, QkvHeadSqsum) {
+  for (DType t : {DType::kBF16, DType::kFP16}) {
+    run_case({Epilogue::kQkvHeadSqsum, t, 1, 128, 64, 0});
+    run_case({Epilogue::kQkvHeadSqsum, t, 300, 640, 1000, 8});
+    run_case({Epilogue::kQkvHeadSqsum, t, 513, 768, 256, 0});
+  }
+}
+
+TEST_F(GemmEpilogueGpu, LseVariants) {
+  for (DType t : {DType::kBF16, DType::kFP16})
+    for (const auto& s : kShapes) {
+      run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3]});
+      run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3], false, false, false});
+    }
+  run_case({Epilogue::kLse, DType::kBF16, 200, 4104, 128, 0, true, false, true});  // many tiles, ragged last tile
+}
+
+// Finishers on device data against the CPU ones over the same partials.
+TEST_F(GemmEpilogueGpu, Finishers) {
+  auto rng = make_rng(5);
+  const int64_t M = 333, T = 17;
+  HostTensor parts(DType::kFP32, M, T, T + 5);
+  parts.fill_uniform(rng, 0.0, 40.0);
+  for (int64_t t = 0; t < T; ++t) parts.set(5, t, -INFINITY);  // an all -inf row: lse -inf
+  HostTensor target = HostTensor::vector(DType::kInt32, M), logit = HostTensor::vector(DType::kFP32, M);
+  for (int64_t m = 0; m < M; ++m) {
+    target.set(0, m, m % 5 == 0 ? -100.0 : double(m % 11));
+    logit.set(0, m, double(m % 13) * 0.5);
+  }
+  HostTensor r = HostTensor::vector(DType::kFP32, M), lse = r, loss = r;
+  r.poison();
+  lse.poison();
+  loss.poison();
+  DeviceBuffer dp(parts.storage_bytes()), dt(target.storage_bytes()), dl(logit.storage_bytes()), dr(r.storage_bytes()),
+      dlse(lse.storage_bytes()), dloss(loss.storage_bytes());
+  RmsFinalReduceArgs g1{to_device(parts, dp), to_device(r, dr)};
+  ASSERT_TRUE(run(g1, 4096, 1e-5f));
+  HostTensor r_cpu = r;
+  ASSERT_TRUE(run(RmsFinalReduceArgs{parts.view(), r_cpu.view()}, 4096, 1e-5f));
+  HostTensor r_gpu = r;
+  from_device(r_gpu, dr);
+  // row 5 is -inf: r = rsqrt(-inf) = NaN on both; compare the others
+  r_gpu.set(0, 5, 0.0);
+  r_cpu.set(0, 5, 0.0);
+  ENCORE_EXPECT_CLOSE(r_gpu, r_cpu, DType::kFP32, "r");
+
+  LseFinishArgs g2{g1.partials, to_device(lse, dlse), to_device(target, dt), to_device(logit, dl), to_device(loss, dloss)};
+  ASSERT_TRUE(run(g2));
+  HostTensor lse_cpu = lse, loss_cpu = loss;
+  ASSERT_TRUE(run(LseFinishArgs{parts.view(), lse_cpu.view(), target.view(), logit.view(), loss_cpu.view()}));
+  ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+  HostTensor lse_gpu = lse, loss_gpu = loss;
+  from_device(lse_gpu, dlse);
+  from_device(loss_gpu, dloss);
+  EXPECT_TRUE(std::isinf(lse_gpu.get(0, 5)) && lse_gpu.get(0, 5) < 0);
+  lse_gpu.set(0, 5, 0.0);
+  lse_cpu.set(0, 5, 0.0);
+  loss_gpu.set(0, 5, 0.0);
+  loss_cpu.set(0, 5, 0.0);
+  auto r1 = compare(lse_gpu, lse_cpu, kStatTol), r2 = compare(loss_gpu, loss_cpu, kStatTol);
+  EXPECT_TRUE(compare_ok(r1, kStatTol)) << "lse " << r1.first_bad << " rel_rms " << r1.rel_rms;
+  EXPECT_TRUE(compare_ok(r2, kStatTol)) << "loss " << r2.first_bad << " rel_rms " << r2.rel_rms;
 }
 
 TEST_F(GemmEpilogueGpu, RefusesUnalignedShapes) {

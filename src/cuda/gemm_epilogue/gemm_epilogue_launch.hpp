@@ -1,4 +1,5 @@
-// Host entry of the CUDA GEMM-epilogue kernels (no CUDA or CUTLASS types).
+// Host entry of the CUDA GEMM-epilogue kernels (no CUDA or CUTLASS types). One launcher per
+// catalogue entry (src/cuda/gemm_epilogue/sm90_<name>.cu); the dispatch has validated the problem.
 #pragma once
 #include <cstdint>
 
@@ -7,24 +8,49 @@
 
 namespace encore::cuda {
 
+// Column width of the partials the CUDA kernels write for kResidualSqsumAux and kLse (= the CTA
+// tile N of their tile configuration), and the head width of kQkvHeadSqsum.
+constexpr int kPartialTileN = 256;
+constexpr int kHeadSqsumDim = 128;
+
 struct GemmProblem {
   const void* a = nullptr;
   int64_t lda = 0;
   const void* w = nullptr;
   int64_t ldw = 0;
-  void* d = nullptr;
+  void* d = nullptr;  // null: D not written (kLse only)
   int64_t ldd = 0;
   int M = 0, N = 0, K = 0;
   DType dtype = DType::kBF16;
-  const float* row_scale = nullptr;  // kRowScale
-  const float* alpha = nullptr;      // kScalarScale (device pointer)
+  const void* c = nullptr;  // residual (kResidualSqsumAux)
+  int64_t ldc = 0;
+  void* aux = nullptr;  // kResidualSqsumAux [M, N], kSwiglu [M, N/2]
+  int64_t ld_aux = 0;
+  const void* gamma = nullptr;       // [N], contiguous
+  const float* row_scale = nullptr;  // [M] contiguous, null = 1
+  const float* alpha = nullptr;      // [1] (device pointer)
+  float* partials = nullptr;         // [M, tiles] fp32
+  int64_t ld_partials = 0;
+  const int32_t* pos = nullptr;   // [M] contiguous (kRope)
+  const float* freq = nullptr;    // [N] contiguous (kRope)
+  const int32_t* target = nullptr;  // [M] contiguous (kLse, optional)
+  float* target_logit = nullptr;    // [M] contiguous
+  int ignore_index = -100;
   int device = 0;
   int sm_count = 0;
 };
 
-// D = r[m] · (A · Wᵀ)  (src/cuda/gemm_epilogue/sm90_row_scale.cu)
 Status launch_gemm_row_scale(const GemmProblem& p, Stream stream);
-// D = alpha[0] · (A · Wᵀ)  (src/cuda/gemm_epilogue/sm90_scalar_scale.cu)
 Status launch_gemm_scalar_scale(const GemmProblem& p, Stream stream);
+Status launch_gemm_residual_sqsum_aux(const GemmProblem& p, Stream stream);
+Status launch_gemm_swiglu(const GemmProblem& p, Stream stream);
+Status launch_gemm_rope(const GemmProblem& p, Stream stream);
+Status launch_gemm_qkv_head_sqsum(const GemmProblem& p, Stream stream);
+Status launch_gemm_lse(const GemmProblem& p, Stream stream);  // D written iff p.d
+
+// Finishers (src/cuda/gemm_epilogue/finishers.cu); contiguous fp32 vectors, partials row stride ld.
+Status launch_rms_final_reduce(const float* partials, int64_t ld, int M, int tiles, float* r, int64_t hidden, float eps, Stream stream);
+Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, float* lse, const int32_t* target, const float* target_logit,
+                         float* loss, int ignore_index, Stream stream);
 
 }  // namespace encore::cuda

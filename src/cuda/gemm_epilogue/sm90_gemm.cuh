@@ -36,17 +36,19 @@ struct TileConfig {
                                                cutlass::epilogue::TmaWarpSpecialized>;
 };
 
-// GEMM with epilogue `Evt` (built from TileShape, so it is a template of it) for element type T.
-template <class T, class Config, template <class TileShape> class Evt>
+// GEMM for element type T with epilogue program `Program` (its Evt<TileShape>, ElementC and
+// ElementD; void C = no source tile, void D = no output tile).
+template <class T, class Config, class Program>
 struct Sm90Gemm {
-  using ElementD = T;
+  using ElementC = typename Program::ElementC;
+  using ElementD = typename Program::ElementD;
   static constexpr int kAlign = 16 / sizeof(T);
-  using Fusion = Evt<typename Config::TileShape>;
+  using Fusion = typename Program::template Evt<typename Config::TileShape>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape, typename Config::ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor, kAlign,       // no C operand
+      ElementC, cutlass::layout::RowMajor, kAlign,   // source tile (void: none)
       ElementD, cutlass::layout::RowMajor, kAlign,
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
 
@@ -66,22 +68,26 @@ struct Sm90Gemm {
   using StrideC = typename Kernel::StrideC;
   using StrideD = typename Kernel::StrideD;
 
-  // Arguments for A [M, K] (row stride lda), W [N, K] (row stride ldw), D [M, N] (row stride ldd).
-  static typename Gemm::Arguments arguments(int M, int N, int K, const T* a, int64_t lda, const T* w, int64_t ldw, T* d,
-                                            int64_t ldd, typename Fusion::Arguments fusion, int device, int sm_count) {
+  // Arguments for A [M, K] (row stride lda), W [N, K] (ldw), C and D [M, N] (ldc, ldd).
+  static typename Gemm::Arguments arguments(const GemmProblem& p, typename Fusion::Arguments fusion) {
+    const int M = p.M, N = p.N, K = p.K;
     StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, make_shape(M, K, 1));
     StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, make_shape(N, K, 1));
+    StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, make_shape(M, N, 1));
     StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(M, N, 1));
-    get<0>(sa) = lda;  // row strides may exceed the packed ones
-    get<0>(sb) = ldw;
-    get<0>(sd) = ldd;
+    get<0>(sa) = p.lda;  // row strides may exceed the packed ones
+    get<0>(sb) = p.ldw;
+    if constexpr (!cute::is_void_v<ElementC>) get<0>(sc) = p.ldc;
+    if constexpr (!cute::is_void_v<ElementD>) get<0>(sd) = p.ldd;
     cutlass::KernelHardwareInfo hw;
-    hw.device_id = device;
-    hw.sm_count = sm_count;
+    hw.device_id = p.device;
+    hw.sm_count = p.sm_count;
+    using PtrC = cute::conditional_t<cute::is_void_v<ElementC>, const void*, const ElementC*>;
+    using PtrD = cute::conditional_t<cute::is_void_v<ElementD>, void*, ElementD*>;
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                   {M, N, K, 1},
-                                  {a, sa, w, sb},
-                                  {fusion, nullptr, StrideC{}, d, sd},
+                                  {static_cast<const T*>(p.a), sa, static_cast<const T*>(p.w), sb},
+                                  {fusion, static_cast<PtrC>(p.c), sc, static_cast<PtrD>(p.d), sd},
                                   hw};
     return args;
   }
@@ -101,14 +107,12 @@ Status run_gemm(const typename G::Gemm::Arguments& args, cudaStream_t stream, co
   return Status::ok();
 }
 
-// Launches the GEMM with epilogue family `Family` (Family<T>::Evt<TileShape> the EVT,
-// Family<T>::arguments<Fusion>(problem) its arguments) on `Config`, for the problem's dtype.
+// Launches the GEMM with epilogue program Family<T> (see epilogue_programs.cuh) on `Config`, for
+// the problem's dtype.
 template <template <class> class Family, class Config, class T>
 Status launch_typed(const GemmProblem& p, cudaStream_t stream, const char* name) {
-  using G = Sm90Gemm<T, Config, Family<T>::template Evt>;
-  auto args = G::arguments(p.M, p.N, p.K, static_cast<const T*>(p.a), p.lda, static_cast<const T*>(p.w), p.ldw, static_cast<T*>(p.d),
-                           p.ldd, Family<T>::template arguments<typename G::Fusion>(p), p.device, p.sm_count);
-  return run_gemm<G>(args, stream, name);
+  using G = Sm90Gemm<T, Config, Family<T>>;
+  return run_gemm<G>(G::arguments(p, Family<T>::template arguments<typename G::Fusion>(p)), stream, name);
 }
 
 template <template <class> class Family, class Config>

@@ -1,5 +1,5 @@
 // gemm_row_scale: D = r[m] · (A · Wᵀ); bf16/fp16, cooperative 128x256x64, cluster 2x1.
-#include "cuda/gemm_epilogue/epilogue_nodes.cuh"
+#include "cuda/gemm_epilogue/epilogue_programs.cuh"
 #include "cuda/gemm_epilogue/sm90_gemm.cuh"
 
 namespace encore::cuda {

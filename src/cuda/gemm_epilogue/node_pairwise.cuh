@@ -1,0 +1,120 @@
+// encore's pairwise EVT nodes (primitive 1, pairwise form, of math-coda.md §6) over adjacent
+// accumulator columns (2j, 2j+1). In the WGMMA accumulator layout every thread holds columns in
+// aligned pairs, so fragment elements (2i, 2i+1) are one pair; the GPU tests check it against the
+// CPU reference.
+//
+//   SwigluAuxStore<T>  passes z through; stores aux[m, j] = silu(z[m, 2j]) · z[m, 2j+1] (T, row
+//                      stride ld): the half-width SwiGLU output next to the kept pre-activation.
+//   RopeRotate         rotates each pair by θ = 2π·pos[m]·f_j: (a, b) → (a·cosθ − b·sinθ, b·cosθ + a·sinθ),
+//                      f_j = freq[2j] + freq[2j+1] (fp32 hi + lo, turns per position); pairs with
+//                      f_j = 0 pass through. The phase is reduced to [−1/2, 1/2] turns exactly
+//                      (pos·hi split into its rounded product and error by fma) before sincospi, so
+//                      large positions keep full fp32 accuracy.
+#pragma once
+#include "cuda/gemm_epilogue/node_support.cuh"
+
+namespace encore::cuda::sm90::nodes {
+
+template <class T>
+struct SwigluAuxArgs {
+  T* aux = nullptr;
+  int64_t ld = 0;
+};
+
+template <class T>
+struct SwigluAuxStore : NodeBase<SwigluAuxArgs<T>> {
+  using NodeBase<SwigluAuxArgs<T>>::NodeBase;
+
+  template <class CTensor, class Residue, class Origin>
+  struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE Callbacks(CTensor c, Residue r, Origin o, SwigluAuxArgs<T> const& p) : coord(c), residue(r), origin(o), params(p) {}
+    CTensor coord;
+    Residue residue;
+    Origin origin;
+    SwigluAuxArgs<T> const& params;
+
+    template <class ElementAcc, class ElementIn, int kFrag>
+    CUTLASS_DEVICE Array<ElementIn, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
+                                                 Array<ElementIn, kFrag> const& in) {
+      static_assert(kFrag % 2 == 0, "pairwise nodes need whole column pairs per fragment");
+      Tensor c_mn = coord(_, _, _, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kFrag; i += 2) {
+        auto c = c_mn(epi_v * kFrag + i);
+        if (!elem_less(c, residue)) continue;  // N is even, so column 2j+1 is inside too
+        const float g = float(in[i]), u = float(in[i + 1]);
+        const float silu = __fdividef(g, 1.0f + __expf(-g));
+        const int64_t m = get<0>(origin) + int(get<0>(c)), n = get<1>(origin) + int(get<1>(c));
+        params.aux[m * params.ld + n / 2] = T(silu * u);
+      }
+      return in;
+    }
+  };
+
+  template <bool kRefSrc, class... A>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<A...> const& args) {
+    auto origin = thread_origin(args);
+    return Callbacks<decltype(args.tCcD), decltype(args.residue_tCcD), decltype(origin)>(args.tCcD, args.residue_tCcD, origin,
+                                                                                         this->params);
+  }
+};
+
+struct RopeArgs {
+  const int32_t* pos = nullptr;  // [M]
+  const float* freq = nullptr;   // [N]: (hi, lo) per pair
+};
+
+struct RopeRotate : NodeBase<RopeArgs> {
+  using NodeBase<RopeArgs>::NodeBase;
+
+  template <class PTensor, class CTensor, class Residue, class Origin>
+  struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE Callbacks(PTensor p, CTensor c, Residue r, Origin o, RopeArgs const& a)
+        : pos(p), coord(c), residue(r), origin(o), params(a) {}
+    PTensor pos;  // per-row positions
+    CTensor coord;
+    Residue residue;
+    Origin origin;
+    RopeArgs const& params;
+
+    template <class ElementAcc, class ElementIn, int kFrag>
+    CUTLASS_DEVICE Array<float, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
+                                             Array<ElementIn, kFrag> const& in) {
+      static_assert(kFrag % 2 == 0, "pairwise nodes need whole column pairs per fragment");
+      Tensor c_mn = coord(_, _, _, epi_m, epi_n);
+      Tensor p_mn = pos(_, _, _, epi_m, epi_n);
+      Array<float, kFrag> out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kFrag; i += 2) {
+        const int v = epi_v * kFrag + i;
+        const float a = float(in[i]), b = float(in[i + 1]);
+        out[i] = a;
+        out[i + 1] = b;
+        auto c = c_mn(v);
+        if (!elem_less(c, residue)) continue;
+        const int n = get<1>(origin) + int(get<1>(c));
+        const float2 f = __ldg(reinterpret_cast<const float2*>(params.freq + n));
+        if (f.x == 0.0f && f.y == 0.0f) continue;
+        const float p = float(p_mn(v));
+        const float prod = p * f.x, err = fmaf(p, f.x, -prod);  // p·hi = prod + err exactly (|p| < 2^24)
+        const float turns = (prod - rintf(prod)) + fmaf(p, f.y, err);
+        float s, co;
+        sincospif(2.0f * turns, &s, &co);
+        out[i] = a * co - b * s;
+        out[i + 1] = b * co + a * s;
+      }
+      return out;
+    }
+  };
+
+  template <bool kRefSrc, class... A>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<A...> const& args) {
+    auto pos = make_row_registers<int, kRefSrc>(args);
+    load_row_ints(pos, this->params.pos, 1, args);
+    auto origin = thread_origin(args);
+    return Callbacks<decltype(pos), decltype(args.tCcD), decltype(args.residue_tCcD), decltype(origin)>(pos, args.tCcD, args.residue_tCcD,
+                                                                                                        origin, this->params);
+  }
+};
+
+}  // namespace encore::cuda::sm90::nodes

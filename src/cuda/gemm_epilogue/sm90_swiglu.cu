@@ -1,0 +1,11 @@
+// gemm_swiglu: z = r[m]·(A·Wᵀ) → D = z, aux[m, j] = silu(z[2j])·z[2j+1]; bf16/fp16, cooperative 128x256x64, cluster 2x1.
+#include "cuda/gemm_epilogue/epilogue_programs.cuh"
+#include "cuda/gemm_epilogue/sm90_gemm.cuh"
+
+namespace encore::cuda {
+
+Status launch_gemm_swiglu(const GemmProblem& p, Stream stream) {
+  return sm90::launch_family<sm90::Swiglu, sm90::TileConfig<128, 256, 64, 2, 1, true>>(p, stream, "gemm_swiglu");
+}
+
+}  // namespace encore::cuda
