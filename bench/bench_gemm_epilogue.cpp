@@ -1,67 +1,245 @@
-// Suite "gemm_epilogue": the CUTLASS Sm90 row-scale GEMM (D = r[m] · A·Wᵀ, bf16) against cuBLAS's
-// plain GEMM of the same shape in the same run (the speed of light of a fused epilogue), at the
-// LLaMA-3 8B/1B block shapes of anchors.md. Inputs rotate so the working set exceeds L2.
+// Suite "gemm_epilogue": every CUDA GEMM-epilogue kernel against cuBLAS's plain GEMM of the same
+// shape in the same run (the speed of light of a fused epilogue), and the GEMM-residual-RMSNorm-GEMM
+// forward chain of anchors.md (residual_sqsum_aux -> rms_final_reduce -> row_scale) against the two
+// cuBLAS GEMMs alone and against the unfused path (cuBLAS GEMM, encore add_rms_norm, cuBLAS GEMM),
+// at the LLaMA 1B / 8B / 70B sizes with M = 8192 tokens, bf16; the LM head (vocab 128256) for LSE.
+// Weights are [N, K] (out x in); inputs rotate so the working set exceeds L2.
 #include <cublas_v2.h>
 
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "bench/suites_internal.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/gemm_epilogue.hpp"
+#include "encore/norm.hpp"
 
 namespace encore::bench {
+namespace {
+
+const Device kDev{DeviceType::kCUDA, 0};
+constexpr DType kT = DType::kBF16;
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+// One rotation set: every operand any epilogue reads or writes, at fixed offsets.
+struct Layout {
+  int64_t M = 0, N = 0, K = 0;
+  size_t a = 0, w = 0, d = 0, c = 0, aux = 0, gamma = 0, r = 0, partials = 0, pos = 0, freq = 0, target = 0, logit = 0, bytes = 0;
+  int64_t tiles = 0;
+  Layout(int64_t m, int64_t n, int64_t k, bool with_c_aux) : M(m), N(n), K(k) {
+    tiles = (N + 127) / 128;
+    size_t off = 0;
+    auto take = [&](size_t bytes) { size_t at = off; off = align256(off + bytes); return at; };
+    a = take(size_t(M * K) * 2);
+    w = take(size_t(N * K) * 2);
+    d = take(size_t(M * N) * 2);  // also cuBLAS's output
+    c = with_c_aux ? take(size_t(M * N) * 2) : 0;
+    aux = with_c_aux ? take(size_t(M * N) * 2) : 0;
+    gamma = take(size_t(N) * 2);
+    r = take(size_t(M) * 4);
+    partials = take(size_t(M * tiles) * 4);
+    pos = take(size_t(M) * 4);
+    freq = take(size_t(N) * 4);
+    target = take(size_t(M) * 4);
+    logit = take(size_t(M) * 4);
+    bytes = off;
+  }
+};
+
+// Valid values for the operands that random bits would break (r, positions, frequencies, targets).
+void fill_valid(const Rotation& rot, const Layout& L) {
+  std::vector<float> ones(size_t(L.M), 1.0f), freq(size_t(L.N));
+  std::vector<int32_t> pos(size_t(L.M)), target(size_t(L.M));
+  for (int64_t m = 0; m < L.M; ++m) {
+    pos[size_t(m)] = int32_t(m % 8192);
+    target[size_t(m)] = int32_t((m * 7919) % L.N);
+  }
+  const int heads = int(L.N / 128);
+  if (!rope_freq_turns(heads, heads * 2 / 3, 128, 500000.0, TensorView::contiguous(freq.data(), DType::kFP32, {L.N}))) freq.assign(freq.size(), 0.0f);
+  for (long long i = 0; i < rot.sets; ++i) {
+    char* b = rot.set(i);
+    check_cuda(cudaMemcpy(b + L.r, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice), "r");
+    check_cuda(cudaMemcpy(b + L.pos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice), "pos");
+    check_cuda(cudaMemcpy(b + L.freq, freq.data(), freq.size() * 4, cudaMemcpyHostToDevice), "freq");
+    check_cuda(cudaMemcpy(b + L.target, target.data(), target.size() * 4, cudaMemcpyHostToDevice), "target");
+  }
+}
+
+TensorView mat(char* b, size_t off, int64_t r, int64_t c, DType t = kT) { return TensorView::contiguous(b + off, t, {r, c}, kDev); }
+TensorView vec(char* b, size_t off, int64_t n, DType t) { return TensorView::contiguous(b + off, t, {n}, kDev); }
+
+// The arguments of epilogue `e` over set `b` (A [M, K], W [N, K]).
+GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d) {
+  const int64_t M = L.M, N = L.N, K = L.K;
+  GemmEpilogueArgs g;
+  g.a = mat(b, L.a, M, K);
+  g.w = mat(b, L.w, N, K);
+  if (store_d) g.d = mat(b, L.d, M, N);
+  switch (e) {
+    case Epilogue::kResidualSqsumAux:
+      g.c = mat(b, L.c, M, N);
+      g.aux = mat(b, L.aux, M, N);
+      g.gamma = vec(b, L.gamma, N, kT);
+      g.partials = mat(b, L.partials, M, (N + 255) / 256, DType::kFP32);
+      break;
+    case Epilogue::kSwiglu:
+      g.row_scale = vec(b, L.r, M, DType::kFP32);
+      g.aux = mat(b, L.aux, M, N / 2);
+      break;
+    case Epilogue::kRope:
+      g.row_scale = vec(b, L.r, M, DType::kFP32);
+      g.pos = vec(b, L.pos, M, DType::kInt32);
+      g.freq = vec(b, L.freq, N, DType::kFP32);
+      break;
+    case Epilogue::kQkvHeadSqsum: g.partials = mat(b, L.partials, M, N / 128, DType::kFP32); break;
+    case Epilogue::kLse:
+      g.row_scale = vec(b, L.r, M, DType::kFP32);
+      g.partials = mat(b, L.partials, M, (N + 255) / 256, DType::kFP32);
+      g.target = vec(b, L.target, M, DType::kInt32);
+      g.target_logit = vec(b, L.logit, M, DType::kFP32);
+      break;
+    case Epilogue::kRowScale: g.row_scale = vec(b, L.r, M, DType::kFP32); break;
+    case Epilogue::kScalarScale: g.alpha = vec(b, L.r, 1, DType::kFP32); break;
+  }
+  return g;
+}
+
+void must(const Status& st, const char* what) {
+  if (!st) {
+    std::fprintf(stderr, "encore bench: gemm_epilogue: %s: %s\n", what, st.to_string().c_str());
+    std::exit(3);
+  }
+}
+
+// cuBLAS D [M, N] = A [M, K] · W [N, K]ᵀ, bf16 in/out, fp32 accumulate.
+void cublas_gemm(cublasHandle_t h, const void* a, const void* w, void* d, int M, int N, int K) {
+  const float one = 1.f, zero = 0.f;
+  cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, CUDA_R_16BF, K, a, CUDA_R_16BF, K, &zero, d, CUDA_R_16BF, N,
+               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+struct Ctx {
+  Report& report;
+  const TimeOptions& topts;
+  cudaStream_t stream;
+  cublasHandle_t handle;
+  size_t l2;
+};
+
+Record record(const std::string& name, const std::string& size, int64_t M, int64_t N, int64_t K) {
+  Record r;
+  r.suite = "gemm_epilogue";
+  r.name = name;
+  r.params = {{"dtype", "bf16"}, {"size", size}, {"M", std::to_string(M)}, {"N", std::to_string(N)}, {"K", std::to_string(K)}};
+  return r;
+}
+
+void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, bool store_d = true) {
+  Layout L(M, N, K, e == Epilogue::kResidualSqsumAux || e == Epilogue::kSwiglu);
+  Rotation rot = make_rotation(L.bytes, x.l2, FillKind::kBF16);
+  fill_valid(rot, L);
+  GemmEpilogueOptions o{e};
+  Timing te = time_launches([&](long long i) { must(run(make_args(e, rot.set(i), L, store_d), o, nullptr, x.stream), epilogue_name(e)); },
+                            x.stream, x.topts, rot.sets);
+  Timing tc = time_launches([&](long long i) {
+    char* b = rot.set(i);
+    cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K));
+  }, x.stream, x.topts, rot.sets);
+  free_rotation(rot);
+  const double flops = 2.0 * double(M) * double(N) * double(K);
+  std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d");
+  Record r = record(name, size, M, N, K);
+  r.params.push_back({"tile", e == Epilogue::kQkvHeadSqsum ? "128x128x64_c2x1_cooperative" : "128x256x64_c2x1_cooperative"});
+  r.metrics = {{"time_us", te.median_us}, {"cublas_gemm_us", tc.median_us}, {"ratio_vs_cublas", te.median_us / tc.median_us},
+               {"tflops", flops / (te.median_us * 1e-6) / 1e12}};
+  x.report.records.push_back(r);
+  std::printf("  %-28s %-4s %6lld x %6lld x %6lld: %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)  %.0f TFLOP/s\n", name.c_str(), size.c_str(),
+              (long long)M, (long long)N, (long long)K, te.median_us, tc.median_us, te.median_us / tc.median_us, flops / (te.median_us * 1e-6) / 1e12);
+  std::fflush(stdout);
+}
+
+// h = a·Woᵀ + res;  z = rmsnorm(h)·γ · Wupᵀ  (Wo [D, D], Wup [2F, D]).
+void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F) {
+  const int64_t N2 = 2 * F;
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t at = off; off = align256(off + bytes); return at; };
+  const size_t a = take(size_t(M * D) * 2), wo = take(size_t(D * D) * 2), res = take(size_t(M * D) * 2), gamma = take(size_t(D) * 2),
+               h = take(size_t(M * D) * 2), aux = take(size_t(M * D) * 2), parts = take(size_t(M * ((D + 255) / 256)) * 4),
+               r = take(size_t(M) * 4), wup = take(size_t(N2 * D) * 2), z = take(size_t(M * N2) * 2), tmp = take(size_t(M * D) * 2);
+  Rotation rot = make_rotation(off, x.l2, FillKind::kBF16);
+  const int64_t tiles = (D + 255) / 256;
+  Timing fused = time_launches([&](long long i) {
+    char* b = rot.set(i);
+    GemmEpilogueArgs g1;
+    g1.a = mat(b, a, M, D);
+    g1.w = mat(b, wo, D, D);
+    g1.d = mat(b, h, M, D);
+    g1.c = mat(b, res, M, D);
+    g1.aux = mat(b, aux, M, D);
+    g1.gamma = vec(b, gamma, D, kT);
+    g1.partials = mat(b, parts, M, tiles, DType::kFP32);
+    must(run(g1, GemmEpilogueOptions{Epilogue::kResidualSqsumAux}, nullptr, x.stream), "residual_sqsum_aux");
+    must(run(RmsFinalReduceArgs{g1.partials, vec(b, r, M, DType::kFP32)}, D, 1e-6f, x.stream), "rms_final_reduce");
+    GemmEpilogueArgs g2;
+    g2.a = g1.aux;
+    g2.w = mat(b, wup, N2, D);
+    g2.d = mat(b, z, M, N2);
+    g2.row_scale = vec(b, r, M, DType::kFP32);
+    must(run(g2, GemmEpilogueOptions{Epilogue::kRowScale}, nullptr, x.stream), "row_scale");
+  }, x.stream, x.topts, rot.sets);
+  Timing gemms = time_launches([&](long long i) {
+    char* b = rot.set(i);
+    cublas_gemm(x.handle, b + a, b + wo, b + h, int(M), int(D), int(D));
+    cublas_gemm(x.handle, b + aux, b + wup, b + z, int(M), int(N2), int(D));
+  }, x.stream, x.topts, rot.sets);
+  Timing unfused = time_launches([&](long long i) {
+    char* b = rot.set(i);
+    cublas_gemm(x.handle, b + a, b + wo, b + tmp, int(M), int(D), int(D));
+    AddRmsNormArgs n{mat(b, tmp, M, D), mat(b, res, M, D), vec(b, gamma, D, kT), mat(b, aux, M, D), mat(b, h, M, D)};
+    must(run(n, RmsNormOptions{}, nullptr, x.stream), "add_rms_norm");
+    cublas_gemm(x.handle, b + aux, b + wup, b + z, int(M), int(N2), int(D));
+  }, x.stream, x.topts, rot.sets);
+  free_rotation(rot);
+  Record rec = record("chain_gemm_residual_rmsnorm_gemm_fwd", size, M, N2, D);
+  rec.params.push_back({"F", std::to_string(F)});
+  rec.metrics = {{"time_us", fused.median_us}, {"cublas_gemms_us", gemms.median_us}, {"unfused_us", unfused.median_us},
+                 {"ratio_vs_gemms", fused.median_us / gemms.median_us}, {"speedup_vs_unfused", unfused.median_us / fused.median_us}};
+  x.report.records.push_back(rec);
+  std::printf("  chain grg fwd %-4s D %5lld F %5lld: fused %9.1f us, cuBLAS GEMMs alone %9.1f us (%.3fx), unfused cuBLAS+add_rms_norm %9.1f us (%.3fx faster)\n",
+              size.c_str(), (long long)D, (long long)F, fused.median_us, gemms.median_us, fused.median_us / gemms.median_us, unfused.median_us,
+              unfused.median_us / fused.median_us);
+  std::fflush(stdout);
+}
+
+}  // namespace
 
 void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
   const DeviceInfo* info = nullptr;
   if (!get_device_info(0, &info)) return;
-  const Device dev{DeviceType::kCUDA, 0};
   cublasHandle_t handle;
   if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) return;
   cublasSetStream(handle, stream);
-  const int shapes[][3] = {{8192, 4096, 4096}, {8192, 28672, 4096}, {8192, 4096, 14336}, {8192, 2048, 2048}, {8192, 16384, 2048}};
-  for (const auto& s : shapes) {
-    const int M = s[0], N = s[1], K = s[2];
-    const size_t a_bytes = size_t(M) * K * 2, w_bytes = size_t(N) * K * 2, d_bytes = size_t(M) * N * 2;
-    const size_t w_off = (a_bytes + 255) / 256 * 256, d_off = w_off + (w_bytes + 255) / 256 * 256, r_off = d_off + (d_bytes + 255) / 256 * 256;
-    Rotation rot = make_rotation(r_off + size_t(M) * 4, info->l2_bytes, FillKind::kBF16);
-    // r must be finite fp32: overwrite each set's r slot with ones.
-    std::vector<float> ones(size_t(M), 1.0f);
-    for (long long i = 0; i < rot.sets; ++i) check_cuda(cudaMemcpy(rot.set(i) + r_off, ones.data(), size_t(M) * 4, cudaMemcpyHostToDevice), "r");
-    Timing te = time_launches([&](long long i) {
-      char* b = rot.set(i);
-      GemmEpilogueArgs g;
-      g.a = TensorView::contiguous(b, DType::kBF16, {M, K}, dev);
-      g.w = TensorView::contiguous(b + w_off, DType::kBF16, {N, K}, dev);
-      g.d = TensorView::contiguous(b + d_off, DType::kBF16, {M, N}, dev);
-      g.row_scale = TensorView::contiguous(b + r_off, DType::kFP32, {M}, dev);
-      Status st = run(g, GemmEpilogueOptions{Epilogue::kRowScale}, nullptr, stream);
-      if (!st) {
-        std::fprintf(stderr, "encore bench: gemm_epilogue: %s\n", st.to_string().c_str());
-        std::exit(3);
-      }
-    }, stream, topts, rot.sets);
-    const float alpha = 1.f, beta = 0.f;
-    Timing tc = time_launches([&](long long i) {
-      char* b = rot.set(i);
-      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, b + w_off, CUDA_R_16BF, K, b, CUDA_R_16BF, K, &beta, b + d_off,
-                   CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    }, stream, topts, rot.sets);
-    free_rotation(rot);
-    const double flops = 2.0 * M * N * double(K);
-    Record r;
-    r.suite = "gemm_epilogue";
-    r.name = "gemm_row_scale";
-    r.params = {{"dtype", "bf16"}, {"M", std::to_string(M)}, {"N", std::to_string(N)}, {"K", std::to_string(K)},
-                {"tile", "128x256x64_c2x1_cooperative"}};
-    r.metrics = {{"time_us", te.median_us}, {"cublas_gemm_us", tc.median_us}, {"ratio_vs_cublas", te.median_us / tc.median_us},
-                 {"tflops", flops / (te.median_us * 1e-6) / 1e12}};
-    report.records.push_back(r);
-    std::printf("  gemm_row_scale %5d x %5d x %5d: %8.1f us (cuBLAS GEMM %8.1f us, %.3fx)  %.0f TFLOP/s\n", M, N, K, te.median_us,
-                tc.median_us, te.median_us / tc.median_us, flops / (te.median_us * 1e-6) / 1e12);
-    std::fflush(stdout);
+  Ctx x{report, topts, stream, handle, info->l2_bytes};
+  const int64_t M = 8192;
+  struct Size { const char* name; int64_t D, F, q_heads, kv_heads; };
+  const Size sizes[] = {{"1B", 2048, 8192, 32, 8}, {"8B", 4096, 14336, 32, 8}, {"70B", 8192, 28672, 64, 8}};
+  for (const Size& s : sizes) {
+    const int64_t qkv = (s.q_heads + 2 * s.kv_heads) * 128;
+    kernel_vs_cublas(x, Epilogue::kResidualSqsumAux, s.name, M, s.D, s.D);
+    kernel_vs_cublas(x, Epilogue::kRowScale, s.name, M, 2 * s.F, s.D);
+    kernel_vs_cublas(x, Epilogue::kSwiglu, s.name, M, 2 * s.F, s.D);
+    kernel_vs_cublas(x, Epilogue::kScalarScale, s.name, M, s.D, s.F);
+    kernel_vs_cublas(x, Epilogue::kRope, s.name, M, qkv, s.D);
+    kernel_vs_cublas(x, Epilogue::kQkvHeadSqsum, s.name, M, qkv, s.D);
+    chain_grg(x, s.name, M, s.D, s.F);
   }
+  kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false);
+  kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/true);
+  kernel_vs_cublas(x, Epilogue::kResidualSqsumAux, "8B", 16384, 4096, 4096);
+  kernel_vs_cublas(x, Epilogue::kRowScale, "8B", 16384, 2 * 14336, 4096);
   cublasDestroy(handle);
 }
 

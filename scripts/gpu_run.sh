@@ -6,6 +6,8 @@
 #     the Python tests against CUDA tensors (the module is built here: it must match this Python),
 #     and `encore bench` (suites from ENCORE_BENCH_SUITES, default norm);
 #   - ENCORE_SKIP_TESTS=1 keeps only info, check and bench; ENCORE_SKIP_BENCH=1 drops the bench;
+#     ENCORE_SKIP_PYTEST=1 skips building the Python module here and its tests;
+#     ENCORE_SHARED_PEERS="section ..." runs those sections of the shared bench_peers.py;
 #     ENCORE_PEERS=1 adds the torch.compile / Liger QK-norm peers (Liger carried as a wheel in .whl);
 #   - writes logs and the benchmark JSON to $OUT (default ./gpu-out).
 # Needs carried: .deps/cutlass (CUTLASS headers, from scripts/install_deps.sh) and optionally .gpubin.
@@ -47,7 +49,7 @@ step "encore check" "$bin/encore" check
 if [ "${ENCORE_SKIP_TESTS:-0}" != 1 ]; then
 if command -v compute-sanitizer >/dev/null && [ -x "$bin/encore_tests_gpu" ]; then
   step "compute-sanitizer memcheck" compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/encore_tests_gpu" \
-    --gtest_filter='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:QuantGpu.EveryKernelVariant:QkNormGpu.EveryKernelVariant' --gtest_brief=1
+    --gtest_filter='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:QuantGpu.EveryKernelVariant:QkNormGpu.EveryKernelVariant:GemmEpilogueGpu.*' --gtest_brief=1
   step "compute-sanitizer racecheck" compute-sanitizer --tool racecheck --error-exitcode 1 "$bin/encore_tests_gpu" \
     --gtest_filter='NormGpu.RunsOnRequestedStream' --gtest_brief=1
 fi
@@ -60,7 +62,7 @@ fi
 fi  # ENCORE_SKIP_TESTS
 
 # Python module for this machine's Python, then the Python tests (CUDA tensors included).
-if [ "${ENCORE_SKIP_TESTS:-0}" != 1 ] && python3 -c "import nanobind" 2>/dev/null; then
+if [ "${ENCORE_SKIP_TESTS:-0}" != 1 ] && [ "${ENCORE_SKIP_PYTEST:-0}" != 1 ] && python3 -c "import nanobind" 2>/dev/null; then
   if cmake -S . -B build-py -G Ninja -DENCORE_CUDA=ON -DENCORE_BUILD_PYTHON=ON -DENCORE_BUILD_TESTS=OFF \
        -DENCORE_BUILD_BENCH=OFF -DENCORE_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release >>"$log" 2>&1 &&
      cmake --build build-py -j >>"$log" 2>&1; then
@@ -80,6 +82,11 @@ if [ "${ENCORE_PEERS:-0}" = 1 ]; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   step "peers: qk_norm" env PYTHONUNBUFFERED=1 python3 bench/peers/qk_norm_peers.py "$OUT/qk_norm_peers.json"
+fi
+# The shared peer script (../shared/docs/bench_peers.py, copied into the carried .whl/ by
+# scripts/stage_gpu.sh) for the sections named in ENCORE_SHARED_PEERS; writes $OUT/anchors.json.
+if [ -n "${ENCORE_SHARED_PEERS:-}" ] && [ -f .whl/bench_peers.py ]; then
+  step "peers: shared bench_peers.py ($ENCORE_SHARED_PEERS)" env OUT="$OUT" PYTHONUNBUFFERED=1 python3 .whl/bench_peers.py $ENCORE_SHARED_PEERS
 fi
 say "done: $fails failed step(s)"
 exit $fails

@@ -7,4 +7,6 @@ cd "$root"
 ./scripts/build.sh cuda
 mkdir -p .gpubin
 cp build-cuda/apps/encore/encore build-cuda/tests/encore_tests_gpu build-cuda/tests/encore_tests_cpu .gpubin/
+# The shared peer script travels in .whl/ (ignored) for ENCORE_SHARED_PEERS runs.
+if [ -f ../shared/docs/bench_peers.py ]; then mkdir -p .whl && cp ../shared/docs/bench_peers.py .whl/; fi
 du -sh .gpubin .deps
