@@ -2,11 +2,12 @@
 // shape in the same run (the speed of light of a fused epilogue), and the GEMM-residual-RMSNorm-GEMM
 // forward chain of anchors.md (residual_sqsum_aux -> rms_final_reduce -> row_scale) against the two
 // cuBLAS GEMMs alone and against the unfused path (cuBLAS GEMM, encore add_rms_norm, cuBLAS GEMM),
-// at the LLaMA 1B / 8B / 70B sizes with M = 8192 tokens, bf16; the LM head (vocab 128256) for LSE.
+// on each tile configuration, at the LLaMA 1B / 8B / 70B sizes with M = 8192 tokens, bf16; the LM head (vocab 128256) for LSE.
 // Weights are [N, K] (out x in); inputs rotate so the working set exceeds L2.
 #include <cublas_v2.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -72,7 +73,7 @@ TensorView mat(char* b, size_t off, int64_t r, int64_t c, DType t = kT) { return
 TensorView vec(char* b, size_t off, int64_t n, DType t) { return TensorView::contiguous(b + off, t, {n}, kDev); }
 
 // The arguments of epilogue `e` over set `b` (A [M, K], W [N, K]).
-GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d) {
+GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d, int partial_tile_n) {
   const int64_t M = L.M, N = L.N, K = L.K;
   GemmEpilogueArgs g;
   g.a = mat(b, L.a, M, K);
@@ -83,7 +84,7 @@ GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d) {
       g.c = mat(b, L.c, M, N);
       g.aux = mat(b, L.aux, M, N);
       g.gamma = vec(b, L.gamma, N, kT);
-      g.partials = mat(b, L.partials, M, (N + 255) / 256, DType::kFP32);
+      g.partials = mat(b, L.partials, M, (N + partial_tile_n - 1) / partial_tile_n, DType::kFP32);
       break;
     case Epilogue::kSwiglu:
       g.row_scale = vec(b, L.r, M, DType::kFP32);
@@ -97,7 +98,7 @@ GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d) {
     case Epilogue::kQkvHeadSqsum: g.partials = mat(b, L.partials, M, N / 128, DType::kFP32); break;
     case Epilogue::kLse:
       g.row_scale = vec(b, L.r, M, DType::kFP32);
-      g.partials = mat(b, L.partials, M, (N + 255) / 256, DType::kFP32);
+      g.partials = mat(b, L.partials, M, (N + partial_tile_n - 1) / partial_tile_n, DType::kFP32);
       g.target = vec(b, L.target, M, DType::kInt32);
       g.target_logit = vec(b, L.logit, M, DType::kFP32);
       break;
@@ -105,6 +106,12 @@ GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d) {
     case Epilogue::kScalarScale: g.alpha = vec(b, L.r, 1, DType::kFP32); break;
   }
   return g;
+}
+
+// ENCORE_BENCH_FILTER: run only the cases whose "<name> <tile> <size>" contains it (profiling).
+bool selected(const std::string& key) {
+  const char* f = std::getenv("ENCORE_BENCH_FILTER");
+  return f == nullptr || key.find(f) != std::string::npos;
 }
 
 void must(const Status& st, const char* what) {
@@ -137,40 +144,60 @@ Record record(const std::string& name, const std::string& size, int64_t M, int64
   return r;
 }
 
+// Times epilogue e on each tile it has (the cuBLAS GEMM once, in the same run).
 void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, bool store_d = true) {
+  const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
+  std::vector<GemmEpilogueOptions> variants;
+  for (GemmTile t : {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128}) {
+    GemmEpilogueOptions o{e};
+    if (by_partials) o.partial_tile_n = t == GemmTile::kCooperative128x256 ? 256 : 128;
+    else if (e != Epilogue::kQkvHeadSqsum) o.tile = t;
+    else if (t == GemmTile::kCooperative128x256) continue;
+    const std::string key = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + " " + gemm_tile_name(t) + " " + size;
+    if (selected(key)) variants.push_back(o);
+  }
+  if (variants.empty()) return;
   Layout L(M, N, K, e == Epilogue::kResidualSqsumAux || e == Epilogue::kSwiglu);
   Rotation rot = make_rotation(L.bytes, x.l2, FillKind::kBF16);
   fill_valid(rot, L);
-  GemmEpilogueOptions o{e};
-  Timing te = time_launches([&](long long i) { must(run(make_args(e, rot.set(i), L, store_d), o, nullptr, x.stream), epilogue_name(e)); },
-                            x.stream, x.topts, rot.sets);
   Timing tc = time_launches([&](long long i) {
     char* b = rot.set(i);
     cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K));
   }, x.stream, x.topts, rot.sets);
+  for (const GemmEpilogueOptions& o : variants) {
+    Timing te = time_launches([&](long long i) {
+      must(run(make_args(e, rot.set(i), L, store_d, o.partial_tile_n), o, nullptr, x.stream), epilogue_name(e));
+    }, x.stream, x.topts, rot.sets);
+    const GemmTile tile = by_partials ? (o.partial_tile_n == 256 ? GemmTile::kCooperative128x256 : GemmTile::kPingpong128x128)
+                                      : (e == Epilogue::kQkvHeadSqsum ? GemmTile::kPingpong128x128 : o.tile);
+    const double flops = 2.0 * double(M) * double(N) * double(K);
+    std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d");
+    Record r = record(name, size, M, N, K);
+    r.params.push_back({"tile", gemm_tile_name(tile)});
+    r.metrics = {{"time_us", te.median_us}, {"cublas_gemm_us", tc.median_us}, {"ratio_vs_cublas", te.median_us / tc.median_us},
+                 {"tflops", flops / (te.median_us * 1e-6) / 1e12}};
+    x.report.records.push_back(r);
+    std::printf("  %-24s %-19s %-4s %6lld x %6lld x %6lld: %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)  %.0f TFLOP/s\n", name.c_str(),
+                gemm_tile_name(tile), size.c_str(), (long long)M, (long long)N, (long long)K, te.median_us, tc.median_us,
+                te.median_us / tc.median_us, flops / (te.median_us * 1e-6) / 1e12);
+    std::fflush(stdout);
+  }
   free_rotation(rot);
-  const double flops = 2.0 * double(M) * double(N) * double(K);
-  std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d");
-  Record r = record(name, size, M, N, K);
-  r.params.push_back({"tile", e == Epilogue::kQkvHeadSqsum ? "128x128x64_c2x1_cooperative" : "128x256x64_c2x1_cooperative"});
-  r.metrics = {{"time_us", te.median_us}, {"cublas_gemm_us", tc.median_us}, {"ratio_vs_cublas", te.median_us / tc.median_us},
-               {"tflops", flops / (te.median_us * 1e-6) / 1e12}};
-  x.report.records.push_back(r);
-  std::printf("  %-28s %-4s %6lld x %6lld x %6lld: %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)  %.0f TFLOP/s\n", name.c_str(), size.c_str(),
-              (long long)M, (long long)N, (long long)K, te.median_us, tc.median_us, te.median_us / tc.median_us, flops / (te.median_us * 1e-6) / 1e12);
-  std::fflush(stdout);
 }
 
 // h = a·Woᵀ + res;  z = rmsnorm(h)·γ · Wupᵀ  (Wo [D, D], Wup [2F, D]).
-void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F) {
+void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F, int partial_tile_n) {
+  if (!selected("chain_grg " + std::to_string(partial_tile_n) + " " + size)) return;
   const int64_t N2 = 2 * F;
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t at = off; off = align256(off + bytes); return at; };
   const size_t a = take(size_t(M * D) * 2), wo = take(size_t(D * D) * 2), res = take(size_t(M * D) * 2), gamma = take(size_t(D) * 2),
-               h = take(size_t(M * D) * 2), aux = take(size_t(M * D) * 2), parts = take(size_t(M * ((D + 255) / 256)) * 4),
+               h = take(size_t(M * D) * 2), aux = take(size_t(M * D) * 2), parts = take(size_t(M * ((D + 127) / 128)) * 4),
                r = take(size_t(M) * 4), wup = take(size_t(N2 * D) * 2), z = take(size_t(M * N2) * 2), tmp = take(size_t(M * D) * 2);
   Rotation rot = make_rotation(off, x.l2, FillKind::kBF16);
-  const int64_t tiles = (D + 255) / 256;
+  const int64_t tiles = (D + partial_tile_n - 1) / partial_tile_n;
+  GemmEpilogueOptions o1{Epilogue::kResidualSqsumAux};
+  o1.partial_tile_n = partial_tile_n;
   Timing fused = time_launches([&](long long i) {
     char* b = rot.set(i);
     GemmEpilogueArgs g1;
@@ -181,7 +208,7 @@ void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F)
     g1.aux = mat(b, aux, M, D);
     g1.gamma = vec(b, gamma, D, kT);
     g1.partials = mat(b, parts, M, tiles, DType::kFP32);
-    must(run(g1, GemmEpilogueOptions{Epilogue::kResidualSqsumAux}, nullptr, x.stream), "residual_sqsum_aux");
+    must(run(g1, o1, nullptr, x.stream), "residual_sqsum_aux");
     must(run(RmsFinalReduceArgs{g1.partials, vec(b, r, M, DType::kFP32)}, D, 1e-6f, x.stream), "rms_final_reduce");
     GemmEpilogueArgs g2;
     g2.a = g1.aux;
@@ -205,11 +232,12 @@ void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F)
   free_rotation(rot);
   Record rec = record("chain_gemm_residual_rmsnorm_gemm_fwd", size, M, N2, D);
   rec.params.push_back({"F", std::to_string(F)});
+  rec.params.push_back({"partial_tile_n", std::to_string(partial_tile_n)});
   rec.metrics = {{"time_us", fused.median_us}, {"cublas_gemms_us", gemms.median_us}, {"unfused_us", unfused.median_us},
                  {"ratio_vs_gemms", fused.median_us / gemms.median_us}, {"speedup_vs_unfused", unfused.median_us / fused.median_us}};
   x.report.records.push_back(rec);
-  std::printf("  chain grg fwd %-4s D %5lld F %5lld: fused %9.1f us, cuBLAS GEMMs alone %9.1f us (%.3fx), unfused cuBLAS+add_rms_norm %9.1f us (%.3fx faster)\n",
-              size.c_str(), (long long)D, (long long)F, fused.median_us, gemms.median_us, fused.median_us / gemms.median_us, unfused.median_us,
+  std::printf("  chain grg fwd (partials %d) %-4s D %5lld F %5lld: fused %9.1f us, cuBLAS GEMMs alone %9.1f us (%.3fx), unfused cuBLAS+add_rms_norm %9.1f us (%.3fx faster)\n",
+              partial_tile_n, size.c_str(), (long long)D, (long long)F, fused.median_us, gemms.median_us, fused.median_us / gemms.median_us, unfused.median_us,
               unfused.median_us / fused.median_us);
   std::fflush(stdout);
 }
@@ -234,7 +262,8 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
     kernel_vs_cublas(x, Epilogue::kScalarScale, s.name, M, s.D, s.F);
     kernel_vs_cublas(x, Epilogue::kRope, s.name, M, qkv, s.D);
     kernel_vs_cublas(x, Epilogue::kQkvHeadSqsum, s.name, M, qkv, s.D);
-    chain_grg(x, s.name, M, s.D, s.F);
+    chain_grg(x, s.name, M, s.D, s.F, 128);
+    chain_grg(x, s.name, M, s.D, s.F, 256);
   }
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false);
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/true);

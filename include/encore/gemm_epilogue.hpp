@@ -23,7 +23,7 @@
 // epilogue and both finishers, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
 // (src/cuda/gemm_epilogue), with these limits (refused with a clear error otherwise):
 //   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K and N multiples of 8; 16-byte aligned
-//   matrix rows; contiguous vectors; partial_tile_n = 256 (kResidualSqsumAux, kLse) and
+//   matrix rows; contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse) and
 //   head_dim = 128 (kQkvHeadSqsum). Tails in M and N are masked. kRope positions must lie in
 //   [0, 2^24). kLse targets are device data and cannot be checked before the launch: a target
 //   outside [0, N) other than ignore_index yields target_logit = NaN (the CPU backend refuses it).
@@ -39,11 +39,20 @@ namespace encore {
 enum class Epilogue : uint8_t { kResidualSqsumAux, kRowScale, kSwiglu, kRope, kQkvHeadSqsum, kLse, kScalarScale };
 const char* epilogue_name(Epilogue e);
 
+// CUDA tile configuration: cooperative 128x256x64 (two warpgroups share each tile) or ping-pong
+// 128x128x64 (a warpgroup's epilogue overlaps the other's mainloop); kAuto picks by epilogue and
+// shape (docs/gemm_epilogue.md). For kResidualSqsumAux and kLse the partials' column tile is the
+// tile N, so partial_tile_n picks the tile (256: cooperative, 128: ping-pong); kQkvHeadSqsum runs
+// ping-pong 128x128. Ignored by the CPU backend.
+enum class GemmTile : uint8_t { kAuto, kCooperative128x256, kPingpong128x128 };
+const char* gemm_tile_name(GemmTile t);
+
 struct GemmEpilogueOptions {
   Epilogue epilogue = Epilogue::kRowScale;
-  int partial_tile_n = 256;  // kResidualSqsumAux, kLse (CUDA: 256)
+  int partial_tile_n = 128;  // kResidualSqsumAux, kLse (CUDA: 128 or 256, the tile N)
   int head_dim = 128;        // kQkvHeadSqsum
   int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
+  GemmTile tile = GemmTile::kAuto;
 };
 
 struct GemmEpilogueArgs {

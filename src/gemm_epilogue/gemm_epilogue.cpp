@@ -56,9 +56,42 @@ Status contiguous_vector(const char* name, const TensorView& t) {
   return Status::ok();
 }
 
+// The CUDA tile for these options: fixed by the partials' column tile for kResidualSqsumAux and kLse,
+// ping-pong 128x128 for kQkvHeadSqsum, else the requested one or, for kAuto, the measured choice
+// (docs/gemm_epilogue.md): ping-pong, whose overlapped epilogue wins wherever the epilogue does
+// more than scale, and cooperative 128x256 for the plain scales on wide problems.
+Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, GemmTile* tile) {
+  const Epilogue e = o.epilogue;
+  GemmTile fixed = GemmTile::kAuto;
+  if (e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse) {
+    if (o.partial_tile_n == 256) fixed = GemmTile::kCooperative128x256;
+    else if (o.partial_tile_n == 128) fixed = GemmTile::kPingpong128x128;
+    else
+      return Status::unsupported("partial_tile_n: the CUDA " + std::string(epilogue_name(e)) +
+                                 " kernels write partials per tile N, 128 or 256; got " + std::to_string(o.partial_tile_n));
+  } else if (e == Epilogue::kQkvHeadSqsum) {
+    fixed = GemmTile::kPingpong128x128;
+  }
+  if (fixed != GemmTile::kAuto) {
+    if (o.tile != GemmTile::kAuto && o.tile != fixed)
+      return Status::unsupported(std::string("tile: ") + gemm_tile_name(o.tile) + " conflicts with the " + epilogue_name(e) +
+                                 " kernel's tile " + gemm_tile_name(fixed) + " (set by partial_tile_n / head_dim)");
+    *tile = fixed;
+    return Status::ok();
+  }
+  if (o.tile != GemmTile::kAuto) {
+    *tile = o.tile;
+    return Status::ok();
+  }
+  const bool plain_scale = e == Epilogue::kRowScale || e == Epilogue::kScalarScale;
+  const int64_t M = a.a.shape[0], N = a.w.shape[0];
+  *tile = plain_scale && N >= 8192 && M >= 2048 ? GemmTile::kCooperative128x256 : GemmTile::kPingpong128x128;
+  return Status::ok();
+}
+
 // What the CUDA kernels accept beyond validate(): bf16/fp16 with every matrix and γ in a's dtype,
 // K and N multiples of 8 (16-byte TMA rows), 16-byte aligned rows, contiguous vectors, the
-// partials' tile width fixed by the kernel's tile (256; head_dim 128).
+// partials' tile width fixed by the kernel's tile (see resolve_tile).
 Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("a", a.a, {DType::kBF16, DType::kFP16}));
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"gamma", &a.gamma}})
@@ -75,15 +108,13 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
     ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
   if (a.freq.defined() && !checks::aligned(a.freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
   if (a.partials.defined()) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
-  if ((o.epilogue == Epilogue::kResidualSqsumAux || o.epilogue == Epilogue::kLse) && o.partial_tile_n != cuda::kPartialTileN)
-    return Status::unsupported("partial_tile_n: the CUDA " + std::string(epilogue_name(o.epilogue)) + " kernel writes partials per " +
-                               std::to_string(cuda::kPartialTileN) + "-column tile; got " + std::to_string(o.partial_tile_n));
   if (o.epilogue == Epilogue::kQkvHeadSqsum && o.head_dim != cuda::kHeadSqsumDim)
     return Status::unsupported("head_dim: the CUDA qkv_head_sqsum kernel takes head_dim " + std::to_string(cuda::kHeadSqsumDim) + ", got " +
                                std::to_string(o.head_dim));
   if (a.d.defined()) ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("d", a.d));
   if (a.aux.defined()) ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("aux", a.aux));
-  return Status::ok();
+  GemmTile tile = GemmTile::kAuto;
+  return resolve_tile(a, o, &tile);
 }
 
 #ifdef ENCORE_WITH_CUDA
@@ -118,17 +149,19 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   return p;
 }
 
-Status launch(const cuda::GemmProblem& p, Epilogue e, Stream stream) {
+// The launcher of (epilogue, tile); tile is resolved (never kAuto).
+cuda::GemmLauncher launcher(Epilogue e, GemmTile t) {
+  const bool coop = t == GemmTile::kCooperative128x256;
   switch (e) {
-    case Epilogue::kResidualSqsumAux: return cuda::launch_gemm_residual_sqsum_aux(p, stream);
-    case Epilogue::kRowScale: return cuda::launch_gemm_row_scale(p, stream);
-    case Epilogue::kSwiglu: return cuda::launch_gemm_swiglu(p, stream);
-    case Epilogue::kRope: return cuda::launch_gemm_rope(p, stream);
-    case Epilogue::kQkvHeadSqsum: return cuda::launch_gemm_qkv_head_sqsum(p, stream);
-    case Epilogue::kLse: return cuda::launch_gemm_lse(p, stream);
-    case Epilogue::kScalarScale: return cuda::launch_gemm_scalar_scale(p, stream);
+    case Epilogue::kResidualSqsumAux: return coop ? cuda::launch_residual_sqsum_aux_coop256 : cuda::launch_residual_sqsum_aux_pp128;
+    case Epilogue::kRowScale: return coop ? cuda::launch_row_scale_coop256 : cuda::launch_row_scale_pp128;
+    case Epilogue::kSwiglu: return coop ? cuda::launch_swiglu_coop256 : cuda::launch_swiglu_pp128;
+    case Epilogue::kRope: return coop ? cuda::launch_rope_coop256 : cuda::launch_rope_pp128;
+    case Epilogue::kQkvHeadSqsum: return cuda::launch_qkv_head_sqsum_pp128;
+    case Epilogue::kLse: return coop ? cuda::launch_lse_coop256 : cuda::launch_lse_pp128;
+    case Epilogue::kScalarScale: return coop ? cuda::launch_scalar_scale_coop256 : cuda::launch_scalar_scale_pp128;
   }
-  return Status::internal("gemm_epilogue: unknown epilogue");
+  return nullptr;
 }
 #endif
 
@@ -139,6 +172,15 @@ Status no_cuda(const TensorView& t) {
 int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 }  // namespace
+
+const char* gemm_tile_name(GemmTile t) {
+  switch (t) {
+    case GemmTile::kAuto: return "auto";
+    case GemmTile::kCooperative128x256: return "cooperative_128x256";
+    case GemmTile::kPingpong128x128: return "pingpong_128x128";
+  }
+  return "unknown";
+}
 
 const char* epilogue_name(Epilogue e) {
   switch (e) {
@@ -246,7 +288,9 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, void*, Strea
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* info = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &info));
-    return launch(make_problem(a, o, info->sm_count), o.epilogue, stream);
+    GemmTile tile = GemmTile::kAuto;
+    ENCORE_RETURN_IF_ERROR(resolve_tile(a, o, &tile));
+    return launcher(o.epilogue, tile)(make_problem(a, o, info->sm_count), stream);
 #else
     (void)stream;
     return no_cuda(a.a);

@@ -307,6 +307,7 @@ TEST_F(GemmBad, OddPairsAndTargets) {
 TEST_F(GemmBad, CudaTileLimits) {
   HostTensor a16(DType::kBF16, 4, 16), w16(DType::kBF16, 16, 16), d16(DType::kBF16, 4, 16), heads(DType::kFP32, 4, 2),
       c16(DType::kBF16, 4, 16), aux16(DType::kBF16, 4, 16), gamma(DType::kBF16, 16, 1), tiles(DType::kFP32, 4, 1), c32(DType::kFP32, 4, 16);
+  // partials [4, 1] fit every partial_tile_n >= 16
   const Device gpu{DeviceType::kCUDA, 0};
   GemmEpilogueArgs g;
   g.a = a16.view();
@@ -328,9 +329,12 @@ TEST_F(GemmBad, CudaTileLimits) {
   r.partials = tiles.view();
   for (TensorView* t : {&r.a, &r.w, &r.d, &r.c, &r.aux, &r.gamma, &r.partials}) t->device = gpu;
   GemmEpilogueOptions ro{Epilogue::kResidualSqsumAux};
-  ro.partial_tile_n = 128;
-  expect_error(r, ro, "partial_tile_n: the CUDA residual_sqsum_aux kernel writes partials per 256-column tile; got 128");
+  ro.partial_tile_n = 64;
+  expect_error(r, ro, "partial_tile_n: the CUDA residual_sqsum_aux kernels write partials per tile N, 128 or 256; got 64");
   ro.partial_tile_n = 256;
+  ro.tile = GemmTile::kPingpong128x128;
+  expect_error(r, ro, "tile: pingpong_128x128 conflicts with the residual_sqsum_aux kernel's tile cooperative_128x256");
+  ro.tile = GemmTile::kAuto;
   r.c = c32.view();
   r.c.device = gpu;
   expect_error(r, ro, "c: dtype fp32 must match a's dtype bf16");

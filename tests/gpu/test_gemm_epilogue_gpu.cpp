@@ -48,12 +48,13 @@ struct Case {
   DType t;
   int64_t M, N, K, pad;
   bool with_row_scale = true, with_d = true, with_target = true;
+  GemmTile tile = GemmTile::kAuto;  // for residual_sqsum_aux / lse: cooperative = partial_tile_n 256
 };
 
 std::string describe(const Case& c) {
   return std::string(epilogue_name(c.e)) + " " + dtype_name(c.t) + " M" + std::to_string(c.M) + " N" + std::to_string(c.N) + " K" +
          std::to_string(c.K) + " pad" + std::to_string(c.pad) + (c.with_row_scale ? "" : " no-r") + (c.with_d ? "" : " no-d") +
-         (c.with_target ? "" : " no-target");
+         (c.with_target ? "" : " no-target") + " tile " + gemm_tile_name(c.tile);
 }
 
 void run_case(const Case& c) {
@@ -62,6 +63,10 @@ void run_case(const Case& c) {
   const int64_t M = c.M, N = c.N, K = c.K;
   const Epilogue e = c.e;
   GemmEpilogueOptions o{e};
+  if (e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse)
+    o.partial_tile_n = c.tile == GemmTile::kCooperative128x256 ? 256 : 128;
+  else
+    o.tile = c.tile;
   Operand a, w, d, aux, res, gamma, r, pos, freq, alpha, partials, target, target_logit;
   GemmEpilogueArgs g, h;
   auto bind = [&](Operand& op, HostTensor ht, TensorView GemmEpilogueArgs::*field) {
@@ -88,7 +93,7 @@ void run_case(const Case& c) {
   auto tiles = [&](int64_t width) { return (N + width - 1) / width; };
   switch (e) {
     case Epilogue::kResidualSqsumAux: {
-      HostTensor hc(c.t, M, N, N + c.pad), hg = HostTensor::vector(c.t, N), hx(c.t, M, N, N + c.pad), hp(DType::kFP32, M, tiles(256), tiles(256) + 3);
+      HostTensor hc(c.t, M, N, N + c.pad), hg = HostTensor::vector(c.t, N), hx(c.t, M, N, N + c.pad), hp(DType::kFP32, M, tiles(o.partial_tile_n), tiles(o.partial_tile_n) + 3);
       hc.fill_normal(rng);
       hg.fill_normal(rng, 1.0, 0.2);
       hx.poison();
@@ -123,7 +128,7 @@ void run_case(const Case& c) {
       break;
     }
     case Epilogue::kLse: {
-      HostTensor hp(DType::kFP32, M, tiles(256));
+      HostTensor hp(DType::kFP32, M, tiles(o.partial_tile_n));
       hp.poison();
       bind(partials, hp, &GemmEpilogueArgs::partials);
       if (c.with_target) {
@@ -162,31 +167,37 @@ void run_case(const Case& c) {
 
 const int64_t kShapes[][4] = {{1, 256, 64, 0}, {77, 136, 72, 8}, {300, 520, 1000, 0}, {512, 768, 256, 16}};
 
+const GemmTile kTiles[] = {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128};
+
 TEST_F(GemmEpilogueGpu, RowScaleAndScalarScale) {
-  for (Epilogue e : {Epilogue::kRowScale, Epilogue::kScalarScale})
-    for (DType t : {DType::kBF16, DType::kFP16})
-      for (const auto& s : kShapes) run_case({e, t, s[0], s[1], s[2], s[3]});
+  for (GemmTile tile : kTiles)
+    for (Epilogue e : {Epilogue::kRowScale, Epilogue::kScalarScale})
+      for (DType t : {DType::kBF16, DType::kFP16})
+        for (const auto& s : kShapes) run_case({e, t, s[0], s[1], s[2], s[3], true, true, true, tile});
 }
 
 TEST_F(GemmEpilogueGpu, ResidualSqsumAux) {
-  for (DType t : {DType::kBF16, DType::kFP16})
-    for (const auto& s : kShapes) run_case({Epilogue::kResidualSqsumAux, t, s[0], s[1], s[2], s[3]});
+  for (GemmTile tile : kTiles)
+    for (DType t : {DType::kBF16, DType::kFP16})
+      for (const auto& s : kShapes) run_case({Epilogue::kResidualSqsumAux, t, s[0], s[1], s[2], s[3], true, true, true, tile});
 }
 
 TEST_F(GemmEpilogueGpu, SwigluWithAndWithoutRowScale) {
-  for (DType t : {DType::kBF16, DType::kFP16})
-    for (const auto& s : kShapes) {
-      run_case({Epilogue::kSwiglu, t, s[0], s[1], s[2], s[3]});
-      run_case({Epilogue::kSwiglu, t, s[0], s[1], s[2], s[3], false});
-    }
+  for (GemmTile tile : kTiles)
+    for (DType t : {DType::kBF16, DType::kFP16})
+      for (const auto& s : kShapes) {
+        run_case({Epilogue::kSwiglu, t, s[0], s[1], s[2], s[3], true, true, true, tile});
+        run_case({Epilogue::kSwiglu, t, s[0], s[1], s[2], s[3], false, true, true, tile});
+      }
 }
 
 TEST_F(GemmEpilogueGpu, Rope) {
-  for (DType t : {DType::kBF16, DType::kFP16})
-    for (const auto& s : kShapes) {
-      run_case({Epilogue::kRope, t, s[0], s[1], s[2], s[3]});
-      run_case({Epilogue::kRope, t, s[0], s[1], s[2], s[3], false});
-    }
+  for (GemmTile tile : kTiles)
+    for (DType t : {DType::kBF16, DType::kFP16})
+      for (const auto& s : kShapes) {
+        run_case({Epilogue::kRope, t, s[0], s[1], s[2], s[3], true, true, true, tile});
+        run_case({Epilogue::kRope, t, s[0], s[1], s[2], s[3], false, true, true, tile});
+      }
 }
 
 TEST_F(GemmEpilogueGpu, QkvHeadSqsum) {
@@ -198,12 +209,19 @@ TEST_F(GemmEpilogueGpu, QkvHeadSqsum) {
 }
 
 TEST_F(GemmEpilogueGpu, LseVariants) {
-  for (DType t : {DType::kBF16, DType::kFP16})
-    for (const auto& s : kShapes) {
-      run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3]});
-      run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3], false, false, false});
-    }
-  run_case({Epilogue::kLse, DType::kBF16, 200, 4104, 128, 0, true, false, true});  // many tiles, ragged last tile
+  for (GemmTile tile : kTiles) {
+    for (DType t : {DType::kBF16, DType::kFP16})
+      for (const auto& s : kShapes) {
+        run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3], true, true, true, tile});
+        run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3], false, false, false, tile});
+      }
+    run_case({Epilogue::kLse, DType::kBF16, 200, 4104, 128, 0, true, false, true, tile});  // many tiles, ragged last tile
+  }
+}
+
+// The tile kAuto picks must run too (it is what users get).
+TEST_F(GemmEpilogueGpu, AutoTile) {
+  for (Epilogue e : {Epilogue::kRowScale, Epilogue::kSwiglu, Epilogue::kRope}) run_case({e, DType::kBF16, 2048, 8192, 16, 0});
 }
 
 // Finishers on device data against the CPU ones over the same partials.

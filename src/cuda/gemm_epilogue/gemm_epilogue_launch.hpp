@@ -8,9 +8,7 @@
 
 namespace encore::cuda {
 
-// Column width of the partials the CUDA kernels write for kResidualSqsumAux and kLse (= the CTA
-// tile N of their tile configuration), and the head width of kQkvHeadSqsum.
-constexpr int kPartialTileN = 256;
+// The head width of kQkvHeadSqsum on CUDA (= its tile N).
 constexpr int kHeadSqsumDim = 128;
 
 struct GemmProblem {
@@ -40,13 +38,23 @@ struct GemmProblem {
   int sm_count = 0;
 };
 
-Status launch_gemm_row_scale(const GemmProblem& p, Stream stream);
-Status launch_gemm_scalar_scale(const GemmProblem& p, Stream stream);
-Status launch_gemm_residual_sqsum_aux(const GemmProblem& p, Stream stream);
-Status launch_gemm_swiglu(const GemmProblem& p, Stream stream);
-Status launch_gemm_rope(const GemmProblem& p, Stream stream);
-Status launch_gemm_qkv_head_sqsum(const GemmProblem& p, Stream stream);
-Status launch_gemm_lse(const GemmProblem& p, Stream stream);  // D written iff p.d
+// One launcher per (epilogue, tile) pair, each in its own translation unit
+// src/cuda/gemm_epilogue/sm90_<epilogue>_<tile>.cu: coop256 = cooperative 128x256x64, pp128 =
+// ping-pong 128x128x64 (both cluster 2x1). The partials of residual_sqsum_aux and lse are per tile N.
+using GemmLauncher = Status (*)(const GemmProblem& p, Stream stream);
+Status launch_row_scale_coop256(const GemmProblem& p, Stream stream);
+Status launch_row_scale_pp128(const GemmProblem& p, Stream stream);
+Status launch_scalar_scale_coop256(const GemmProblem& p, Stream stream);
+Status launch_scalar_scale_pp128(const GemmProblem& p, Stream stream);
+Status launch_residual_sqsum_aux_coop256(const GemmProblem& p, Stream stream);
+Status launch_residual_sqsum_aux_pp128(const GemmProblem& p, Stream stream);
+Status launch_swiglu_coop256(const GemmProblem& p, Stream stream);
+Status launch_swiglu_pp128(const GemmProblem& p, Stream stream);
+Status launch_rope_coop256(const GemmProblem& p, Stream stream);
+Status launch_rope_pp128(const GemmProblem& p, Stream stream);
+Status launch_qkv_head_sqsum_pp128(const GemmProblem& p, Stream stream);
+Status launch_lse_coop256(const GemmProblem& p, Stream stream);  // D written iff p.d
+Status launch_lse_pp128(const GemmProblem& p, Stream stream);
 
 // Finishers (src/cuda/gemm_epilogue/finishers.cu); contiguous fp32 vectors, partials row stride ld.
 Status launch_rms_final_reduce(const float* partials, int64_t ld, int M, int tiles, float* r, int64_t hidden, float eps, Stream stream);

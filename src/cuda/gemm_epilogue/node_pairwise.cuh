@@ -83,21 +83,22 @@ struct RopeRotate : NodeBase<RopeArgs> {
       static_assert(kFrag % 2 == 0, "pairwise nodes need whole column pairs per fragment");
       Tensor c_mn = coord(_, _, _, epi_m, epi_n);
       Tensor p_mn = pos(_, _, _, epi_m, epi_n);
+      // Loads first (all of them, so they overlap), then the rotations; f = 0 rotates by exactly 0.
+      float2 f[kFrag / 2];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kFrag; i += 2) {
+        auto c = c_mn(epi_v * kFrag + i);
+        const int n = elem_less(c, residue) ? get<1>(origin) + int(get<1>(c)) : 0;
+        f[i / 2] = __ldg(reinterpret_cast<const float2*>(params.freq + n));
+      }
       Array<float, kFrag> out;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kFrag; i += 2) {
-        const int v = epi_v * kFrag + i;
         const float a = float(in[i]), b = float(in[i + 1]);
-        out[i] = a;
-        out[i + 1] = b;
-        auto c = c_mn(v);
-        if (!elem_less(c, residue)) continue;
-        const int n = get<1>(origin) + int(get<1>(c));
-        const float2 f = __ldg(reinterpret_cast<const float2*>(params.freq + n));
-        if (f.x == 0.0f && f.y == 0.0f) continue;
-        const float p = float(p_mn(v));
-        const float prod = p * f.x, err = fmaf(p, f.x, -prod);  // p·hi = prod + err exactly (|p| < 2^24)
-        const float turns = (prod - rintf(prod)) + fmaf(p, f.y, err);
+        const float p = float(p_mn(epi_v * kFrag + i));
+        const float hi = f[i / 2].x, lo = f[i / 2].y;
+        const float prod = p * hi, err = fmaf(p, hi, -prod);  // p·hi = prod + err exactly (|p| < 2^24)
+        const float turns = (prod - rintf(prod)) + fmaf(p, lo, err);
         float s, co;
         sincospif(2.0f * turns, &s, &co);
         out[i] = a * co - b * s;
