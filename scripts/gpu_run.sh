@@ -83,6 +83,10 @@ if [ "${ENCORE_PEERS:-0}" = 1 ]; then
   fi
   step "peers: qk_norm" env PYTHONUNBUFFERED=1 python3 bench/peers/qk_norm_peers.py "$OUT/qk_norm_peers.json"
 fi
+# torch.compile / eager / cuBLAS of the LLaMA shifted block (ENCORE_BLOCK_PEERS=1).
+if [ "${ENCORE_BLOCK_PEERS:-0}" = 1 ]; then
+  step "peers: llama block" env PYTHONUNBUFFERED=1 python3 bench/peers/block_peers.py "$OUT/block_peers.json"
+fi
 # The shared peer script (../shared/docs/bench_peers.py, copied into the carried .whl/ by
 # scripts/stage_gpu.sh) for the sections named in ENCORE_SHARED_PEERS; writes $OUT/anchors.json.
 if [ -n "${ENCORE_SHARED_PEERS:-}" ] && [ -f .whl/bench_peers.py ]; then

@@ -17,7 +17,8 @@
 // Finishers: rms_final_reduce (r from the sum-of-squares partials), lse_finish (per-row log-sum-exp
 // and cross-entropy loss from the LSE partials). Statistics are fp32; D and aux take A's dtype
 // (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
-// produces the same layout [M, ceil(N / partial_tile_n)].
+// produces the same layout [M, ceil(N / partial_tile_n)]; 0 (the default) means
+// gemm_partial_tile_n(epilogue, M, N, K), the width of the fastest CUDA tile for the shape.
 //
 // Backends: the CPU reference (fp64 accumulation) for every epilogue and finisher. CUDA: every
 // epilogue and both finishers, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
@@ -47,9 +48,15 @@ const char* epilogue_name(Epilogue e);
 enum class GemmTile : uint8_t { kAuto, kCooperative128x256, kPingpong128x128 };
 const char* gemm_tile_name(GemmTile t);
 
+// The partials' column tile that partial_tile_n = 0 stands for: 128 (ping-pong tile) or 256
+// (cooperative tile) by shape for kResidualSqsumAux and kLse; 0 for the other epilogues. Size the
+// partials [M, ceil(N / it)].
+int gemm_partial_tile_n(Epilogue e, int64_t M, int64_t N, int64_t K);
+
 struct GemmEpilogueOptions {
   Epilogue epilogue = Epilogue::kRowScale;
-  int partial_tile_n = 128;  // kResidualSqsumAux, kLse (CUDA: 128 or 256, the tile N)
+  int partial_tile_n = 0;    // kResidualSqsumAux, kLse: 0 = gemm_partial_tile_n(...); CUDA: 128 or 256
+
   int head_dim = 128;        // kQkvHeadSqsum
   int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
   GemmTile tile = GemmTile::kAuto;

@@ -56,10 +56,14 @@ Status contiguous_vector(const char* name, const TensorView& t) {
   return Status::ok();
 }
 
-// The CUDA tile for these options: fixed by the partials' column tile for kResidualSqsumAux and kLse,
-// ping-pong 128x128 for kQkvHeadSqsum, else the requested one or, for kAuto, the measured choice
-// (docs/gemm_epilogue.md): ping-pong, whose overlapped epilogue wins wherever the epilogue does
-// more than scale, and cooperative 128x256 for the plain scales on wide problems.
+// Measured on the H200 (docs/gemm_epilogue.md, bench/results/*gemm_epilogue*): ping-pong 128x128,
+// whose epilogue overlaps the other warpgroup's mainloop, wins for short K and narrow N; the
+// cooperative 128x256 tile's higher mainloop efficiency wins for long K and wide N.
+bool pingpong_preferred(int64_t N, int64_t K) { return K <= 2048 || (K <= 4096 && N <= 8192) || N <= 2048; }
+
+// The CUDA tile for these options (partial_tile_n resolved): fixed by the partials' column tile
+// for kResidualSqsumAux and kLse, ping-pong 128x128 for kQkvHeadSqsum, else the requested one or,
+// for kAuto, pingpong_preferred.
 Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, GemmTile* tile) {
   const Epilogue e = o.epilogue;
   GemmTile fixed = GemmTile::kAuto;
@@ -83,9 +87,7 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Gem
     *tile = o.tile;
     return Status::ok();
   }
-  const bool plain_scale = e == Epilogue::kRowScale || e == Epilogue::kScalarScale;
-  const int64_t M = a.a.shape[0], N = a.w.shape[0];
-  *tile = plain_scale && N >= 8192 && M >= 2048 ? GemmTile::kCooperative128x256 : GemmTile::kPingpong128x128;
+  *tile = pingpong_preferred(a.w.shape[0], a.a.shape[1]) ? GemmTile::kPingpong128x128 : GemmTile::kCooperative128x256;
   return Status::ok();
 }
 
@@ -113,8 +115,10 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
                                std::to_string(o.head_dim));
   if (a.d.defined()) ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("d", a.d));
   if (a.aux.defined()) ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("aux", a.aux));
+  GemmEpilogueOptions r = o;
+  if (r.partial_tile_n == 0) r.partial_tile_n = gemm_partial_tile_n(r.epilogue, M, N, K);
   GemmTile tile = GemmTile::kAuto;
-  return resolve_tile(a, o, &tile);
+  return resolve_tile(a, r, &tile);
 }
 
 #ifdef ENCORE_WITH_CUDA
@@ -172,6 +176,11 @@ Status no_cuda(const TensorView& t) {
 int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 }  // namespace
+
+int gemm_partial_tile_n(Epilogue e, int64_t, int64_t N, int64_t K) {
+  if (e != Epilogue::kResidualSqsumAux && e != Epilogue::kLse) return 0;
+  return pingpong_preferred(N, K) ? 128 : 256;
+}
 
 const char* gemm_tile_name(GemmTile t) {
   switch (t) {
@@ -265,8 +274,8 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
         return Status::invalid("head_dim: " + std::to_string(o.head_dim) + " must be positive and divide N = " + std::to_string(N));
       tiles = N / o.head_dim;
     } else {
-      if (o.partial_tile_n <= 0) return Status::invalid("partial_tile_n: must be positive, got " + std::to_string(o.partial_tile_n));
-      tiles = ceil_div(N, o.partial_tile_n);
+      if (o.partial_tile_n < 0) return Status::invalid("partial_tile_n: must be positive or 0 (auto), got " + std::to_string(o.partial_tile_n));
+      tiles = ceil_div(N, o.partial_tile_n > 0 ? o.partial_tile_n : gemm_partial_tile_n(e, M, N, K));
     }
     ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, tiles, "[M, tiles]", a.a, f32));
   }
@@ -281,8 +290,10 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
 
 size_t workspace_bytes(const GemmEpilogueArgs&, const GemmEpilogueOptions&) { return 0; }
 
-Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, void*, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(validate(a, o));
+Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, opts));
+  GemmEpilogueOptions o = opts;  // partial_tile_n resolved: every backend writes the same layout
+  if (o.partial_tile_n == 0) o.partial_tile_n = gemm_partial_tile_n(o.epilogue, a.a.shape[0], a.w.shape[0], a.a.shape[1]);
   if (a.a.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, o));
 #ifdef ENCORE_WITH_CUDA

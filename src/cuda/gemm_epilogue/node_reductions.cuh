@@ -12,6 +12,7 @@
 // Partials are fp32 [M, ceil(N / CTA_N)] with row stride ld; every (row, tile) with a column
 // inside the problem is written exactly once per launch, in a fixed order (deterministic).
 #pragma once
+#include <cfloat>
 #include <cmath>
 
 #include "cuda/gemm_epilogue/node_support.cuh"
@@ -23,6 +24,7 @@ struct PartialsArgs {
   int64_t ld = 0;
 };
 
+// Fn of RowPartials must map 0 to 0 (elements outside the problem are 0 and not masked).
 struct Square {
   CUTLASS_DEVICE float operator()(float x) const { return x * x; }
 };
@@ -44,12 +46,12 @@ struct RowPartials : NodeBase<PartialsArgs> {
     template <class ElementAcc, class ElementIn, int kFrag>
     CUTLASS_DEVICE Array<ElementIn, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
                                                  Array<ElementIn, kFrag> const& in) {
+      // No bounds check: outside the problem the inputs are exactly 0 (TMA zero-fills A, W and C)
+      // and Fn(0) = 0.
       Tensor acc_mn = acc(_, _, _, epi_m, epi_n);
-      Tensor c_mn = coord(_, _, _, epi_m, epi_n);
       Fn fn;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kFrag; ++i)
-        if (elem_less(c_mn(epi_v * kFrag + i), residue)) acc_mn(epi_v * kFrag + i) += fn(float(in[i]));
+      for (int i = 0; i < kFrag; ++i) acc_mn(epi_v * kFrag + i) += fn(float(in[i]));
       return in;
     }
 
@@ -82,60 +84,84 @@ struct OnlineLseArgs {
   int ignore_index = -100;
 };
 
+// Per epilogue subtile: visit() stashes x·log2e (−inf outside the problem), raises the row maxima
+// and selects target logits; reduce() rescales the row sums to the new maxima once per row and adds
+// 2^(x·log2e − max) per element (one FFMA-free ex2 and an add). State is base-2; end() combines
+// the quad and writes ln Σ.
 struct OnlineLse : NodeBase<OnlineLseArgs> {
   using NodeBase<OnlineLseArgs>::NodeBase;
   static constexpr float kLog2e = 1.4426950408889634f;
   static constexpr float kLn2 = 0.6931471805599453f;
 
-  template <class RTensor, class GTensor, class TTensor, class CTensor, class Residue, class Origin>
+  template <class RTensor, class ITensor, class GTensor, class CTensor, class Residue, class Origin>
   struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE Callbacks(RTensor mx_, RTensor sum_, GTensor g, TTensor t, CTensor c, Residue res, Origin o, int n_total,
-                             OnlineLseArgs const& p)
-        : mx(mx_), sum(sum_), gmem(g), target(t), coord(c), residue(res), origin(o), N(n_total), params(p) {
+    static constexpr int kSub = kSubtileElems<CTensor>;
+    CUTLASS_DEVICE Callbacks(RTensor mx_, RTensor sum_, RTensor prev_, ITensor t_rel_, GTensor g, CTensor c, Residue res, Origin o,
+                             bool full_, int n_total, OnlineLseArgs const& p)
+        : mx(mx_), sum(sum_), prev(prev_), t_rel(t_rel_), gmem(g), coord(c), residue(res), origin(o), full(full_), N(n_total),
+          partials(p.partials), target(p.target), target_logit(p.target_logit), ignore_index(p.ignore_index) {
       fill(mx, -INFINITY);
       fill(sum, 0.0f);
     }
-    RTensor mx, sum;   // running max and Σ 2^(x·log2e − max), base-2 scaled, per row
+    RTensor mx, sum, prev;  // per row: running max (base 2), Σ 2^(x2 − max), max before this subtile
+    ITensor t_rel;          // per row: target column − this thread's first column (out of reach when no target)
     GTensor gmem;
-    TTensor target;    // per-row target (one part per tile)
     CTensor coord;
     Residue residue;
     Origin origin;
+    bool full;
     int N;
-    OnlineLseArgs const& params;
+    float* partials;
+    const int32_t* target;
+    float* target_logit;
+    int ignore_index;
+    float xs[kSub];
+
+    CUTLASS_DEVICE void begin_loop(int, int) { copy(mx, prev); }
+
+    template <bool kFull, class In, class Mx, class T, class C>
+    CUTLASS_DEVICE void stash(In const& in, int v0, Mx& mx_mn, T const& t_mn, C const& c_mn) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < int(In::kElements); ++i) {
+        const int v = v0 + i;
+        const float x = float(in[i]);
+        const bool inside = kFull || elem_less(c_mn(v), residue);
+        const float x2 = inside ? x * kLog2e : -INFINITY;
+        xs[v] = x2;
+        mx_mn(v) = fmaxf(mx_mn(v), x2);
+        if (int(get<1>(c_mn(v))) == t_mn(v) && inside) target_logit[get<0>(origin) + int(get<0>(c_mn(v)))] = x;
+      }
+    }
 
     template <class ElementAcc, class ElementIn, int kFrag>
     CUTLASS_DEVICE Array<ElementIn, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
                                                  Array<ElementIn, kFrag> const& in) {
       Tensor mx_mn = mx(_, _, _, epi_m, epi_n);
-      Tensor sum_mn = sum(_, _, _, epi_m, epi_n);
-      Tensor t_mn = target(_, _, _, epi_m, epi_n);
+      Tensor t_mn = t_rel(_, _, _, epi_m, epi_n);
       Tensor c_mn = coord(_, _, _, epi_m, epi_n);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kFrag; ++i) {
-        const int v = epi_v * kFrag + i;
-        if (!elem_less(c_mn(v), residue)) continue;
-        const float x = float(in[i]);
-        // One exp2 per element: the smaller of (x, max) is exponentiated against the larger.
-        const float x2 = x * kLog2e, m = mx_mn(v);
-        const float e = exp2f(-fabsf(x2 - m));
-        const bool grows = x2 > m;
-        sum_mn(v) = grows ? fmaf(sum_mn(v), (m == -INFINITY ? 0.0f : e), 1.0f) : sum_mn(v) + e;
-        mx_mn(v) = grows ? x2 : m;
-        if (params.target != nullptr) {
-          const int n = get<1>(origin) + int(get<1>(c_mn(v)));
-          const int t = t_mn(v);
-          const int64_t row = get<0>(origin) + int(get<0>(c_mn(v)));
-          if (n == t) params.target_logit[row] = x;
-          else if (n == 0 && (t < 0 || t >= N)) params.target_logit[row] = t == params.ignore_index ? 0.0f : NAN;
-        }
-      }
+      if (full) stash<true>(in, epi_v * kFrag, mx_mn, t_mn, c_mn);
+      else stash<false>(in, epi_v * kFrag, mx_mn, t_mn, c_mn);
       return in;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
+      // Rows with no element inside yet keep max −inf: use 0 as their base (their terms are 0).
+      Tensor m_flt = filter_zeros(mx), p_flt = filter_zeros(prev), s_flt = filter_zeros(sum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(m_flt); ++i) {
+        if (m_flt(i) == -INFINITY) m_flt(i) = -FLT_MAX;  // finite: 2^(−inf − base) = 0, 2^(base − base) = 1
+        s_flt(i) *= fast_exp2(p_flt(i) - m_flt(i));
+      }
+      Tensor mx_mn = mx(_, _, _, epi_m, epi_n), sum_mn = sum(_, _, _, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < kSub; ++v) sum_mn(v) += fast_exp2(xs[v] - mx_mn(v));
     }
 
     CUTLASS_DEVICE void end() {
       Tensor m_flt = filter_zeros(mx);
       Tensor s_flt = filter_zeros(sum);
+      Tensor t_flt = filter_zeros(t_rel);
       Tensor g_flt = filter_zeros(gmem);
       Tensor c_flt = filter_zeros(coord, mx.stride());
       const bool leader = quad_leader();
@@ -146,12 +172,16 @@ struct OnlineLse : NodeBase<OnlineLseArgs> {
         for (int lane_mask = 1; lane_mask <= 2; lane_mask <<= 1) {
           const float mo = __shfl_xor_sync(0xffffffffu, m, lane_mask), so = __shfl_xor_sync(0xffffffffu, s, lane_mask);
           const float mn = fmaxf(m, mo);
-          if (mn != -INFINITY) {
-            s = s * exp2f(m - mn) + so * exp2f(mo - mn);
-            m = mn;
-          }
+          s = s * fast_exp2(m - mn) + so * fast_exp2(mo - mn);
+          m = mn;
         }
-        if (leader && elem_less(c_flt(i), residue)) g_flt(i) = (m + log2f(s)) * kLn2;
+        if (!leader || !elem_less(c_flt(i), residue)) continue;
+        g_flt(i) = (m + __log2f(s)) * kLn2;
+        // Rows whose target is not a column: 0 for ignore_index, NaN otherwise (written once, by
+        // the leader of the tile holding column 0).
+        const int t = t_flt(i) + get<1>(origin);
+        if (target != nullptr && get<1>(origin) == 0 && (t < 0 || t >= N))
+          target_logit[get<0>(origin) + int(get<0>(c_flt(i)))] = t == ignore_index ? 0.0f : NAN;
       }
     }
   };
@@ -160,13 +190,16 @@ struct OnlineLse : NodeBase<OnlineLseArgs> {
   CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<A...> const& args) {
     auto mx = make_row_registers<float, kRefSrc>(args);
     auto sum = make_row_registers<float, kRefSrc>(args);
+    auto prev = make_row_registers<float, kRefSrc>(args);
     auto g = make_row_gmem<kRefSrc>(this->params.partials, this->params.ld, args);
-    auto t = make_row_registers<int, kRefSrc>(args);
-    if (this->params.target != nullptr) load_row_ints(t, this->params.target, 1, args);
     auto origin = thread_origin(args);
+    auto t_rel = make_row_registers<int, kRefSrc>(args);
+    const int32_t* target = this->params.target;
+    const int n0 = get<1>(origin);
+    fill_rows(t_rel, args, -(1 << 30), [&](int m) { return target != nullptr ? __ldg(target + m) - n0 : -(1 << 30); });
     auto [M, N, K, L] = args.problem_shape_mnkl;
-    return Callbacks<decltype(mx), decltype(g), decltype(t), decltype(args.tCcD), decltype(args.residue_tCcD), decltype(origin)>(
-        mx, sum, g, t, args.tCcD, args.residue_tCcD, origin, int(N), this->params);
+    return Callbacks<decltype(mx), decltype(t_rel), decltype(g), decltype(args.tCcD), decltype(args.residue_tCcD), decltype(origin)>(
+        mx, sum, prev, t_rel, g, args.tCcD, args.residue_tCcD, origin, full_tile(args), int(N), this->params);
   }
 };
 

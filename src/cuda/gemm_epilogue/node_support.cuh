@@ -16,6 +16,8 @@
 // holds that row in this tile; so a row's value is complete after reducing over the quad (shuffle
 // xor 1 and 2), and lane 4r stores it. The GPU tests check every partial against the CPU.
 #pragma once
+#include <utility>
+
 #include "cute/tensor.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 
@@ -94,6 +96,24 @@ CUTLASS_DEVICE auto make_row_gmem(T* ptr, int64_t ld, StoreArgs const& args) {
   return fusion::sm90_partition_for_epilogue<kRefSrc>(g, args.epi_tile, args.tiled_copy, args.thread_idx);
 }
 
+// True when the whole CTA tile lies inside the problem (no element needs a bounds check).
+template <class StoreArgs>
+CUTLASS_DEVICE bool full_tile(StoreArgs const& args) {
+  using TileShape = decltype(args.tile_shape_mnk);
+  return int(get<0>(args.residue_cD)) >= int(size<0>(TileShape{})) && int(get<1>(args.residue_cD)) >= int(size<1>(TileShape{}));
+}
+
+// Elements per thread in one epilogue subtile.
+template <class CTensor>
+constexpr int kSubtileElems = decltype(size(take<0, 3>(shape(std::declval<CTensor>()))))::value;
+
+// 2^x with the hardware approximation (flush-to-zero; 2^-inf = 0).
+CUTLASS_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Sum over the 4 lanes of a quad (the lanes that share an accumulator row).
 CUTLASS_DEVICE float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -102,10 +122,10 @@ CUTLASS_DEVICE float quad_sum(float v) {
 }
 CUTLASS_DEVICE bool quad_leader() { return (threadIdx.x & 3) == 0; }
 
-// Loads one int32 per accumulator row into `regs` (a one-part register tensor from
-// make_row_registers<int>): regs[row] = ptr[m * stride] for rows inside the problem.
-template <class RTensor, class StoreArgs>
-CUTLASS_DEVICE void load_row_ints(RTensor& regs, const int32_t* ptr, int64_t stride, StoreArgs const& args) {
+// Fills one value per accumulator row: regs[row] = fn(m) for rows m inside the problem, `outside`
+// for the others.
+template <class RTensor, class StoreArgs, class Fn>
+CUTLASS_DEVICE void fill_rows(RTensor& regs, StoreArgs const& args, typename RTensor::value_type outside, Fn fn) {
   auto origin = thread_origin(args);
   auto [M, N, K, L] = args.problem_shape_mnkl;
   Tensor r_flt = filter_zeros(regs);
@@ -113,7 +133,7 @@ CUTLASS_DEVICE void load_row_ints(RTensor& regs, const int32_t* ptr, int64_t str
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(r_flt); ++i) {
     const int m = get<0>(origin) + int(get<0>(c_flt(i)));
-    r_flt(i) = m < int(M) ? __ldg(ptr + int64_t(m) * stride) : 0;
+    r_flt(i) = m < int(M) ? fn(m) : outside;
   }
 }
 

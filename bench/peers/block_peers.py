@@ -1,0 +1,68 @@
+"""LLaMA shifted-block forward peers for `encore bench gemm_epilogue` (llama_block_forward): the
+textbook block in PyTorch bf16 (x1 = y0 @ w0.T + x0; z1 = rmsnorm(x1)*g0 @ w1.T; y1 = silu(gate)*up;
+x2 = y1 @ w2.T + x1; qkv = RoPE(rmsnorm(x2)*g1 @ w3.T), interleaved gate/up and RoPE pairs as in
+encore), eager, torch.compile, and its four matmuls alone (cuBLAS), at LLaMA 1B/8B/70B sizes with
+M = 8192 and 16384. Timing: triton.testing.do_bench (median, L2 flushed between reps), like
+../shared/docs/bench_peers.py. Usage: python3 bench/peers/block_peers.py OUT.json"""
+import json
+import math
+import sys
+
+import torch
+from triton.testing import do_bench
+
+dev, bf = "cuda", torch.bfloat16
+SIZES = {"1B": (2048, 8192, 32, 8, 64), "8B": (4096, 14336, 32, 8, 128), "70B": (8192, 28672, 64, 8, 128)}
+
+
+def rmsnorm(h, w, eps=1e-5):
+    hf = h.float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(h.dtype)
+
+
+def block(y0, x0, w0, w1, w2, w3, g0, g1, cos, sin):
+    x1 = y0 @ w0.t() + x0
+    z1 = rmsnorm(x1, g0) @ w1.t()
+    y1 = torch.nn.functional.silu(z1[:, 0::2]) * z1[:, 1::2]
+    x2 = y1 @ w2.t() + x1
+    q = rmsnorm(x2, g1) @ w3.t()
+    a, b = q[:, 0::2].float(), q[:, 1::2].float()
+    qkv = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(1).to(q.dtype)
+    return x1, x2, z1, qkv
+
+
+def main(out):
+    res = {}
+    for name, (d, F, hq, hkv, hd) in SIZES.items():
+        n = (hq + 2 * hkv) * hd
+        for M in (8192, 16384):
+            t = lambda *s, scale=1.0: (torch.randn(*s, device=dev, dtype=bf) * scale)
+            y0, x0 = t(M, d), t(M, d)
+            w0, w1, w2, w3 = t(d, d, scale=d ** -0.5), t(2 * F, d, scale=d ** -0.5), t(d, F, scale=F ** -0.5), t(n, d, scale=d ** -0.5)
+            g0, g1 = t(d) * 0.2 + 1, t(d) * 0.2 + 1
+            pos = torch.arange(M, device=dev).float() % 8192
+            inv = 500000.0 ** (-torch.arange(0, hd, 2, device=dev).float() / hd)
+            ang = pos[:, None] * inv.repeat((hq + hkv))[None, :]
+            ang = torch.cat((ang, torch.zeros(M, hkv * hd // 2, device=dev)), dim=1)
+            cos, sin = ang.cos(), ang.sin()
+            args = (y0, x0, w0, w1, w2, w3, g0, g1, cos, sin)
+            comp = torch.compile(block)
+            comp(*args)
+            key = f"{name}_M{M}"
+            res[f"block_{key}_eager_ms"] = do_bench(lambda: block(*args), warmup=10, rep=100, return_mode="median")
+            res[f"block_{key}_compile_ms"] = do_bench(lambda: comp(*args), warmup=10, rep=100, return_mode="median")
+            y1 = t(M, F)
+            res[f"block_{key}_gemms_only_ms"] = do_bench(lambda: (y0 @ w0.t(), x0 @ w1.t(), y1 @ w2.t(), x0 @ w3.t()), warmup=10, rep=100,
+                                                         return_mode="median")
+            for k in ("eager", "compile", "gemms_only"):
+                print(f"block_{key}_{k}_ms {res[f'block_{key}_{k}_ms']:.4f}", flush=True)
+            del args, comp, y0, x0, w0, w1, w2, w3, y1, cos, sin, ang
+            torch.cuda.empty_cache()
+    res["gpu"] = torch.cuda.get_device_name(0)
+    res["torch"] = torch.__version__
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "block_peers.json")

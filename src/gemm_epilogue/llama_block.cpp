@@ -1,0 +1,140 @@
+// LLaMA shifted-block forward: four GEMM-epilogue runs and two finishers over views of the
+// workspace (llama_block.hpp). Backend-agnostic: each step dispatches on the tensors' device, so the
+// CPU backend runs the same schedule on the CPU references.
+#include "encore/llama_block.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "core/checks.hpp"
+#include "encore/gemm_epilogue.hpp"
+
+namespace encore {
+namespace {
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+struct Steps {
+  GemmEpilogueArgs g[4];
+  GemmEpilogueOptions o[4];
+  RmsFinalReduceArgs f[2];
+  int64_t d = 0;
+  size_t bytes = 0;  // workspace
+};
+
+// The six steps over a workspace at `ws` (any 256-aligned address for validation and sizing).
+Steps plan(const LlamaBlockArgs& a, char* ws) {
+  Steps s;
+  const int64_t M = a.y0.shape[0], d = a.y0.shape[1], F = a.w2.defined() && a.w2.ndim == 2 ? a.w2.shape[1] : 0;
+  const DType t = a.y0.dtype;
+  const Device dev = a.y0.device;
+  const size_t es = dtype_size(t);
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    char* p = ws + off;
+    off = align256(off + bytes);
+    return p;
+  };
+  const int ptn1 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, d);
+  const int ptn2 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, F);
+  TensorView h1 = TensorView::contiguous(take(size_t(M * d) * es), t, {M, d}, dev);
+  TensorView y1 = TensorView::contiguous(take(size_t(M * F) * es), t, {M, F}, dev);
+  TensorView h2 = TensorView::contiguous(take(size_t(M * d) * es), t, {M, d}, dev);
+  TensorView p1 = TensorView::contiguous(take(size_t(M * ((d + ptn1 - 1) / ptn1)) * 4), DType::kFP32, {M, (d + ptn1 - 1) / ptn1}, dev);
+  TensorView p2 = TensorView::contiguous(take(size_t(M * ((d + ptn2 - 1) / ptn2)) * 4), DType::kFP32, {M, (d + ptn2 - 1) / ptn2}, dev);
+  s.bytes = off;
+  s.d = d;
+  // 1: x1 = y0·w0ᵀ + x0, h1 = x1 ⊙ γ0, partials of Σ x1²
+  s.g[0].a = a.y0;
+  s.g[0].w = a.w0;
+  s.g[0].c = a.x0;
+  s.g[0].d = a.x1;
+  s.g[0].aux = h1;
+  s.g[0].gamma = a.gamma0;
+  s.g[0].partials = p1;
+  s.o[0] = GemmEpilogueOptions{Epilogue::kResidualSqsumAux};
+  s.o[0].partial_tile_n = ptn1;
+  s.f[0] = RmsFinalReduceArgs{p1, a.r1};
+  // 2: z1 = r1 ⊙ (h1·w1ᵀ), y1 = swiglu(z1)
+  s.g[1].a = h1;
+  s.g[1].w = a.w1;
+  s.g[1].d = a.z1;
+  s.g[1].aux = y1;
+  s.g[1].row_scale = a.r1;
+  s.o[1] = GemmEpilogueOptions{Epilogue::kSwiglu};
+  // 3: x2 = y1·w2ᵀ + x1, h2 = x2 ⊙ γ1, partials of Σ x2²
+  s.g[2].a = y1;
+  s.g[2].w = a.w2;
+  s.g[2].c = a.x1;
+  s.g[2].d = a.x2;
+  s.g[2].aux = h2;
+  s.g[2].gamma = a.gamma1;
+  s.g[2].partials = p2;
+  s.o[2] = GemmEpilogueOptions{Epilogue::kResidualSqsumAux};
+  s.o[2].partial_tile_n = ptn2;
+  s.f[1] = RmsFinalReduceArgs{p2, a.r2};
+  // 4: qkv = RoPE(r2 ⊙ (h2·w3ᵀ))
+  s.g[3].a = h2;
+  s.g[3].w = a.w3;
+  s.g[3].d = a.qkv;
+  s.g[3].row_scale = a.r2;
+  s.g[3].pos = a.pos;
+  s.g[3].freq = a.freq;
+  s.o[3] = GemmEpilogueOptions{Epilogue::kRope};
+  return s;
+}
+
+const char* kStepNames[4] = {"step 1 (o-proj + residual + sqsum)", "step 2 (gate/up + SwiGLU)", "step 3 (down-proj + residual + sqsum)",
+                             "step 4 (QKV + RoPE)"};
+
+Status in_step(int i, Status st) {
+  if (st) return st;
+  return Status(st.code(), std::string("llama_block ") + kStepNames[i] + ": " + st.message());
+}
+
+}  // namespace
+
+Status validate(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
+  ENCORE_RETURN_IF_ERROR(checks::present("y0", a.y0));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("y0", a.y0, 2, "[M, d]"));
+  ENCORE_RETURN_IF_ERROR(checks::present("w2", a.w2));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("w2", a.w2, 2, "[d, F]"));
+  ENCORE_RETURN_IF_ERROR(checks::present("w0", a.w0));
+  if (a.w0.ndim != 2 || a.w0.shape[0] != a.y0.shape[1])
+    return Status::invalid("w0: expected [d, d] with d = " + std::to_string(a.y0.shape[1]) + " (y0's columns), got " + a.w0.shape_string());
+  if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
+  // Shapes, dtypes, devices and overlaps of every step, on a placeholder workspace address.
+  Steps s = plan(a, reinterpret_cast<char*>(uintptr_t(1) << 12));
+  for (int i = 0; i < 4; ++i) ENCORE_RETURN_IF_ERROR(in_step(i, validate(s.g[i], s.o[i])));
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"r1", &a.r1}, {"r2", &a.r2}}) {
+    ENCORE_RETURN_IF_ERROR(checks::present(name, *t));
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kFP32}));
+  }
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("x1", a.x1, "x0", a.x0));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("x2", a.x2, "x1", a.x1));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("r2", a.r2, "r1", a.r1));
+  if (a.z1.defined() && a.w1.defined() && a.w1.shape[0] != 2 * a.w2.shape[1])
+    return Status::invalid("w1: expected [2F, d] with F = " + std::to_string(a.w2.shape[1]) + " (w2's columns), got " + a.w1.shape_string());
+  return Status::ok();
+}
+
+size_t workspace_bytes(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
+  if (!validate(a, o)) return 0;
+  return plan(a, nullptr).bytes;
+}
+
+Status run(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, o));
+  if (workspace == nullptr) return Status::invalid("workspace: needs workspace_bytes(args, opts) bytes, got a null pointer");
+  if (!checks::aligned(workspace, 256)) return Status::invalid("workspace: must be 256-byte aligned");
+  Steps s = plan(a, static_cast<char*>(workspace));
+  ENCORE_RETURN_IF_ERROR(in_step(0, run(s.g[0], s.o[0], nullptr, stream)));
+  ENCORE_RETURN_IF_ERROR(in_step(0, run(s.f[0], s.d, o.eps, stream)));
+  ENCORE_RETURN_IF_ERROR(in_step(1, run(s.g[1], s.o[1], nullptr, stream)));
+  ENCORE_RETURN_IF_ERROR(in_step(2, run(s.g[2], s.o[2], nullptr, stream)));
+  ENCORE_RETURN_IF_ERROR(in_step(2, run(s.f[1], s.d, o.eps, stream)));
+  return in_step(3, run(s.g[3], s.o[3], nullptr, stream));
+}
+
+}  // namespace encore
