@@ -163,8 +163,10 @@ Record record(const std::string& name, const std::string& size, int64_t M, int64
   return r;
 }
 
-// Times epilogue e on each tile it has (the cuBLAS GEMM once, in the same run).
-void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, bool store_d = true) {
+// Times epilogue e on each tile it has (the cuBLAS GEMM once, in the same run); with `swizzles`,
+// each tile at each of those scheduler swizzles.
+void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, bool store_d = true,
+                      std::vector<int> swizzles = {0}) {
   const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
   std::vector<GemmEpilogueOptions> variants;
   for (GemmTile t : {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128}) {
@@ -173,7 +175,10 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
     else if (e != Epilogue::kQkvHeadSqsum) o.tile = t;
     else if (t == GemmTile::kCooperative128x256) continue;
     const std::string key = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + " " + gemm_tile_name(t) + " " + size;
-    if (selected(key)) variants.push_back(o);
+    for (int z : swizzles) {
+      o.swizzle = z;
+      if (selected(key + (z ? " swizzle" + std::to_string(z) : ""))) variants.push_back(o);
+    }
   }
   if (variants.empty()) return;
   Layout L(M, N, K, e == Epilogue::kResidualSqsumAux || e == Epilogue::kSwiglu);
@@ -198,11 +203,13 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
     std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d");
     Record r = record(name, size, M, N, K);
     r.params.push_back({"tile", gemm_tile_name(tile)});
+    const std::string swz = o.swizzle ? std::to_string(o.swizzle) : "auto";
+    r.params.push_back({"swizzle", swz});
     r.metrics = {{"time_us", te.median_us}, {"cublas_gemm_us", tc.median_us}, {"ratio_vs_cublas", te.median_us / tc.median_us},
                  {"tflops", flops / (te.median_us * 1e-6) / 1e12}};
     x.report.records.push_back(r);
-    std::printf("  %-24s %-19s %-4s %6lld x %6lld x %6lld: %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)  %.0f TFLOP/s\n", name.c_str(),
-                gemm_tile_name(tile), size.c_str(), (long long)M, (long long)N, (long long)K, te.median_us, tc.median_us,
+    std::printf("  %-24s %-19s s:%-4s %-4s %6lld x %6lld x %6lld: %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)  %.0f TFLOP/s\n", name.c_str(),
+                gemm_tile_name(tile), swz.c_str(), size.c_str(), (long long)M, (long long)N, (long long)K, te.median_us, tc.median_us,
                 te.median_us / tc.median_us, flops / (te.median_us * 1e-6) / 1e12);
     std::fflush(stdout);
   }
@@ -342,6 +349,9 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
     chain_grg(x, s.name, M, s.D, s.F, 128);
     chain_grg(x, s.name, M, s.D, s.F, 256);
   }
+  // Scheduler swizzle sweep on the widest GEMMs (selected with ENCORE_BENCH_FILTER=swizzle).
+  if (std::getenv("ENCORE_BENCH_FILTER") && std::string(std::getenv("ENCORE_BENCH_FILTER")).find("swizzle") != std::string::npos)
+    for (Epilogue e : {Epilogue::kRowScale, Epilogue::kSwiglu}) kernel_vs_cublas(x, e, "8B", M, 2 * 14336, 4096, true, {1, 2, 4, 8});
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false);
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/true);
   kernel_vs_cublas(x, Epilogue::kResidualSqsumAux, "8B", 16384, 4096, 4096);

@@ -60,6 +60,7 @@ struct GemmEpilogueOptions {
   int head_dim = 128;        // kQkvHeadSqsum
   int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
   GemmTile tile = GemmTile::kAuto;
+  int swizzle = 0;  // CUDA tile-scheduler swizzle (1, 2, 4 or 8 tiles); 0 = auto
 };
 
 struct GemmEpilogueArgs {

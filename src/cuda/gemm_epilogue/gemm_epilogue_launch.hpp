@@ -34,6 +34,7 @@ struct GemmProblem {
   const int32_t* target = nullptr;  // [M] contiguous (kLse, optional)
   float* target_logit = nullptr;    // [M] contiguous
   int ignore_index = -100;
+  int swizzle = 1;  // persistent tile scheduler: tiles per swizzle group (1, 2, 4, 8)
   int device = 0;
   int sm_count = 0;
 };

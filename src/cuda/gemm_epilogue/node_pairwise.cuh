@@ -5,7 +5,8 @@
 //
 //   SwigluAuxStore<T>  passes z through; stores aux[m, j] = silu(z[m, 2j]) · z[m, 2j+1] (T, row
 //                      stride ld): the half-width SwiGLU output next to the kept pre-activation.
-//                      Row offsets are computed once per tile; interior tiles skip bounds checks.
+//                      Stores go out as one 8-byte store per lane and subtile row after a 4x4
+//                      transpose over the quad; aux needs 8-byte aligned rows.
 //   RopeRotate         rotates each pair by θ = 2π·pos[m]·f_j: (a, b) → (a·cosθ − b·sinθ, b·cosθ + a·sinθ),
 //                      f_j = freq[2j] + freq[2j+1] (fp32 hi + lo, turns per position); pairs with
 //                      f_j = 0 pass through. The phase is reduced to [−1/2, 1/2] turns exactly
@@ -28,46 +29,78 @@ struct SwigluAuxStore : NodeBase<SwigluAuxArgs<T>> {
 
   template <class OTensor, class CTensor, class Residue>
   struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE Callbacks(OTensor o, T* b, CTensor c, Residue r, bool f) : row_off(o), base(b), coord(c), residue(r), full(f) {}
+    static constexpr int kPairs = kSubtileElems<CTensor> / 2;
+    CUTLASS_DEVICE Callbacks(OTensor o, T* b, CTensor c, Residue r, int m_left, int n_left, bool f)
+        : row_off(o), base(b), coord(c), residue(r), rows_left(m_left), cols_left(n_left), full(f) {}
     OTensor row_off;  // per row: m · ld
-    T* base;          // aux + (this thread's first column) / 2
+    T* base;          // aux + (the quad's first column) / 2
     CTensor coord;
     Residue residue;
+    int rows_left;    // M − this thread's first row
+    int cols_left;    // N − the quad's first column
     bool full;
-
-    template <bool kFull, class In, class O, class C>
-    CUTLASS_DEVICE void store(In const& in, int v0, O const& o_mn, C const& c_mn) {
-      static_assert(int(In::kElements) % 2 == 0, "pairwise nodes need whole column pairs per fragment");
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < int(In::kElements); i += 2) {
-        auto c = c_mn(v0 + i);
-        if (!kFull && !elem_less(c, residue)) continue;  // N is even, so column 2j+1 is inside too
-        const float g = float(in[i]), u = float(in[i + 1]);
-        const float silu = __fdividef(g, 1.0f + fast_exp2(-1.4426950408889634f * g));
-        base[o_mn(v0 + i) + int(get<1>(c)) / 2] = T(silu * u);
-      }
-    }
+    float out[kPairs];  // silu(gate)·up of this subtile's pairs
 
     template <class ElementAcc, class ElementIn, int kFrag>
-    CUTLASS_DEVICE Array<ElementIn, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
-                                                 Array<ElementIn, kFrag> const& in) {
-      Tensor o_mn = row_off(_, _, _, epi_m, epi_n);
-      Tensor c_mn = coord(_, _, _, epi_m, epi_n);
-      if (full) store<true>(in, epi_v * kFrag, o_mn, c_mn);
-      else store<false>(in, epi_v * kFrag, o_mn, c_mn);
+    CUTLASS_DEVICE Array<ElementIn, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int, int, Array<ElementIn, kFrag> const& in) {
+      static_assert(kFrag % 2 == 0, "pairwise nodes need whole column pairs per fragment");
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kFrag; i += 2) {
+        const float g = float(in[i]), u = float(in[i + 1]);
+        out[(epi_v * kFrag + i) / 2] = __fdividef(g, 1.0f + fast_exp2(-1.4426950408889634f * g)) * u;
+      }
       return in;
+    }
+
+    // Per subtile row: the quad holds 4 groups of 8 columns, lane q the pair (2q, 2q+1) of each, so
+    // the 4 outputs of group G are spread over the quad. A 4x4 transpose over the quad (two xor
+    // shuffle stages) gives lane q all of group q: one 8-byte store of 4 consecutive outputs.
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
+      Tensor c_mn = coord(_, _, _, epi_m, epi_n);
+      Tensor o_mn = row_off(_, _, _, epi_m, epi_n);
+      const int q = threadIdx.x & 3;
+      const bool b0 = q & 1, b1 = q & 2;
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < kPairs; ++p) {
+        const int dm = int(get<0>(c_mn(2 * p))), dn = int(get<1>(c_mn(2 * p)));
+        if (dn % 32 != 0) continue;  // not group 0 of a subtile row
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        CUTLASS_PRAGMA_UNROLL
+        for (int p2 = 0; p2 < kPairs; ++p2) {
+          const int dm2 = int(get<0>(c_mn(2 * p2))), dn2 = int(get<1>(c_mn(2 * p2)));
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < 4; ++g)
+            if (dm2 == dm && dn2 == dn + 8 * g) v[g] = out[p2];
+        }
+        // stage 1 (xor 1): keep the groups whose bit 0 is q's
+        const float k0 = b0 ? v[1] : v[0], k1 = b0 ? v[3] : v[2];
+        const float r0 = __shfl_xor_sync(0xffffffffu, b0 ? v[0] : v[1], 1), r1 = __shfl_xor_sync(0xffffffffu, b0 ? v[2] : v[3], 1);
+        // stage 2 (xor 2): keep group q; values of lanes q, q^1 (a0, a1) and q^2, q^3 (c0, c1)
+        const float a0 = b1 ? k1 : k0, a1 = b1 ? r1 : r0;
+        const float c0 = __shfl_xor_sync(0xffffffffu, b1 ? k0 : k1, 2), c1 = __shfl_xor_sync(0xffffffffu, b1 ? r0 : r1, 2);
+        auto pick = [&](int x) { return x == 0 ? a0 : x == 1 ? a1 : x == 2 ? c0 : c1; };
+        Array<T, 4> packed;
+        CUTLASS_PRAGMA_UNROLL
+        for (int s = 0; s < 4; ++s) packed[s] = T(pick(s ^ q));
+        const bool inside = full || (dm < rows_left && dn + 8 * q < cols_left);
+        if (inside) *reinterpret_cast<uint2*>(base + o_mn(2 * p) + dn / 2 + 4 * q) = reinterpret_cast<uint2 const&>(packed);
+      }
     }
   };
 
   template <bool kRefSrc, class... A>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<A...> const& args) {
+    static_assert(decltype(size<1>(args.epi_tile))::value == 32, "SwigluAuxStore packs 4 groups of 8 columns per subtile row");
     auto origin = thread_origin(args);
+    auto [M, N, K, L] = args.problem_shape_mnkl;
     auto row_off = make_row_registers<int64_t, kRefSrc>(args);
     const int64_t ld = this->params.ld;
     fill_rows(row_off, args, int64_t(0), [&](int m) { return int64_t(m) * ld; });
-    T* base = this->params.aux + get<1>(origin) / 2;
-    return Callbacks<decltype(row_off), decltype(args.tCcD), decltype(args.residue_tCcD)>(row_off, base, args.tCcD, args.residue_tCcD,
-                                                                                          full_tile(args));
+    const int quad_n = get<1>(origin) - 2 * int(threadIdx.x & 3);
+    T* base = this->params.aux + quad_n / 2;
+    return Callbacks<decltype(row_off), decltype(args.tCcD), decltype(args.residue_tCcD)>(
+        row_off, base, args.tCcD, args.residue_tCcD, int(M) - get<0>(origin), int(N) - quad_n, full_tile(args));
   }
 };
 

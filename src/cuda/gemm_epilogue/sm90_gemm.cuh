@@ -93,6 +93,7 @@ struct Sm90Gemm {
                                   {static_cast<const T*>(p.a), sa, static_cast<const T*>(p.w), sb},
                                   {fusion, static_cast<PtrC>(p.c), sc, static_cast<PtrD>(p.d), sd},
                                   hw};
+    args.scheduler.max_swizzle_size = p.swizzle;
     return args;
   }
 };
