@@ -1,9 +1,6 @@
 // Instantiations and launch of fp8_group_quant_kernel: T in {bf16, fp16, fp32} x groups per thread
-// {1, 4}; the plan takes 4 once the grid would hold more than ~2048 threads per SM, and then caps the
-// grid at one resident wave (the kernel's grid-stride loop covers the rest).
+// {1, 4}; the plan takes 4 once the grid would hold more than ~2048 threads per SM.
 #include <cuda_runtime.h>
-
-#include <algorithm>
 
 #include "cuda/common/device_guard.hpp"
 #include "cuda/quant/fp8_group_quant_kernel.cuh"
@@ -42,9 +39,6 @@ Fp8QuantLaunchPlan plan_fp8_group_quant(int64_t num_groups, DType dtype, int sm_
   plan.groups_per_thread = num_groups * lanes >= int64_t(sm_count) * 2048 ? 4 : 1;
   const int64_t per_block = int64_t(plan.threads / lanes) * plan.groups_per_thread;
   plan.grid = (num_groups + per_block - 1) / per_block;
-  // Large problems: one resident wave of blocks walking the grid-stride loop, so no partial last
-  // wave (4096 x 7168 bf16 was 3.4 waves of 256-thread blocks).
-  if (plan.groups_per_thread == 4) plan.grid = std::min<int64_t>(plan.grid, int64_t(sm_count) * (2048 / plan.threads));
   return plan;
 }
 
