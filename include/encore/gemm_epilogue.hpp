@@ -48,9 +48,9 @@ const char* epilogue_name(Epilogue e);
 enum class GemmTile : uint8_t { kAuto, kCooperative128x256, kPingpong128x128 };
 const char* gemm_tile_name(GemmTile t);
 
-// The partials' column tile that partial_tile_n = 0 stands for: 128 (ping-pong tile) or 256
-// (cooperative tile) by shape for kResidualSqsumAux and kLse; 0 for the other epilogues. Size the
-// partials [M, ceil(N / it)].
+// The partials' column tile that partial_tile_n = 0 stands for: 128 (the ping-pong tile, measured
+// fastest for both partials epilogues) for kResidualSqsumAux and kLse; 0 for the other epilogues.
+// Size the partials [M, ceil(N / it)].
 int gemm_partial_tile_n(Epilogue e, int64_t M, int64_t N, int64_t K);
 
 struct GemmEpilogueOptions {
