@@ -23,6 +23,20 @@ struct Steps {
   size_t bytes = 0;  // workspace
 };
 
+// x = a·wᵀ + c (written to d), h = x ⊙ γ (aux), partials of Σ x² per 128 columns.
+void residual_step(GemmEpilogueArgs& g, GemmEpilogueOptions& o, const TensorView& a, const TensorView& w, const TensorView& c,
+                   const TensorView& d, const TensorView& aux, const TensorView& gamma, const TensorView& partials, int partial_tile_n) {
+  g.a = a;
+  g.w = w;
+  g.c = c;
+  g.d = d;
+  g.aux = aux;
+  g.gamma = gamma;
+  g.partials = partials;
+  o = GemmEpilogueOptions{Epilogue::kResidualSqsumAux};
+  o.partial_tile_n = partial_tile_n;
+}
+
 // The six steps over a workspace at `ws` (any 256-aligned address for validation and sizing).
 Steps plan(const LlamaBlockArgs& a, char* ws) {
   Steps s;
@@ -46,15 +60,7 @@ Steps plan(const LlamaBlockArgs& a, char* ws) {
   s.bytes = off;
   s.d = d;
   // 1: x1 = y0·w0ᵀ + x0, h1 = x1 ⊙ γ0, partials of Σ x1²
-  s.g[0].a = a.y0;
-  s.g[0].w = a.w0;
-  s.g[0].c = a.x0;
-  s.g[0].d = a.x1;
-  s.g[0].aux = h1;
-  s.g[0].gamma = a.gamma0;
-  s.g[0].partials = p1;
-  s.o[0] = GemmEpilogueOptions{Epilogue::kResidualSqsumAux};
-  s.o[0].partial_tile_n = ptn1;
+  residual_step(s.g[0], s.o[0], a.y0, a.w0, a.x0, a.x1, h1, a.gamma0, p1, ptn1);
   s.f[0] = RmsFinalReduceArgs{p1, a.r1};
   // 2: z1 = r1 ⊙ (h1·w1ᵀ), y1 = swiglu(z1)
   s.g[1].a = h1;
@@ -64,15 +70,7 @@ Steps plan(const LlamaBlockArgs& a, char* ws) {
   s.g[1].row_scale = a.r1;
   s.o[1] = GemmEpilogueOptions{Epilogue::kSwiglu};
   // 3: x2 = y1·w2ᵀ + x1, h2 = x2 ⊙ γ1, partials of Σ x2²
-  s.g[2].a = y1;
-  s.g[2].w = a.w2;
-  s.g[2].c = a.x1;
-  s.g[2].d = a.x2;
-  s.g[2].aux = h2;
-  s.g[2].gamma = a.gamma1;
-  s.g[2].partials = p2;
-  s.o[2] = GemmEpilogueOptions{Epilogue::kResidualSqsumAux};
-  s.o[2].partial_tile_n = ptn2;
+  residual_step(s.g[2], s.o[2], y1, a.w2, a.x1, a.x2, h2, a.gamma1, p2, ptn2);
   s.f[1] = RmsFinalReduceArgs{p2, a.r2};
   // 4: qkv = RoPE(r2 ⊙ (h2·w3ᵀ))
   s.g[3].a = h2;
