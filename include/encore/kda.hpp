@@ -13,8 +13,10 @@
 // use_qk_l2norm: q and k are divided by sqrt(sum_k x^2 + 1e-6) per head first.
 //
 // Backends: the CPU reference (fp64 arithmetic on any float input; fp64 tensors are accepted too,
-// for finite-difference tests). The CUDA forward is not implemented yet: CUDA tensors get a clear
-// error.
+// for finite-difference tests). CUDA forward (src/cuda/kda/kda_forward.cu, a first fp32 SIMT
+// version): bf16/fp32 q, k, v, g, beta, o; K, V <= 128; fp32 contiguous initial/final state,
+// A_log, dt_bias; cu_seqlens on the host (<= 1024 sequences), as for the CPU backend; needs
+// workspace_bytes(args, opts) bytes of device workspace. The backward is CPU only.
 #pragma once
 #include <cstddef>
 

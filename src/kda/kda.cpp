@@ -1,8 +1,14 @@
-// KDA dispatch: validate -> CPU reference (the CUDA forward is not implemented yet).
+// KDA dispatch: validate -> CUDA forward (src/cuda/kda) or the CPU reference.
+#include <memory>
+#include <utility>
+
 #include "core/checks.hpp"
 #include "encore/kda.hpp"
 #include "kda/kda_problem.hpp"
 #include "reference/kda_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "cuda/kda/kda_launch.hpp"
+#endif
 
 namespace encore {
 namespace {
@@ -34,7 +40,37 @@ Status validate_state(const char* name, const TensorView& t, const kda::KdaProbl
 
 Status cpu_only(const TensorView& q) {
   if (q.device.is_cuda())
-    return Status::unsupported("q: on " + q.device.to_string() + ": the CUDA KDA kernels are not implemented yet (CPU backend only)");
+    return Status::unsupported("q: on " + q.device.to_string() + ": the CUDA KDA backward is not implemented yet (CPU backend only)");
+  return Status::ok();
+}
+
+int64_t chunk_count(const kda::KdaProblem& p) {
+  int64_t c = 0;
+  for (const auto& s : p.seqs) c += (s.end - s.begin + kda::kChunk - 1) / kda::kChunk;
+  return c;
+}
+
+// What the CUDA forward takes beyond validate().
+Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
+  constexpr int64_t kMaxDim = 128, kMaxSeqs = 1024;
+  if (p.K > kMaxDim || p.V > kMaxDim)
+    return Status::unsupported("q: the CUDA KDA forward takes K, V <= " + std::to_string(kMaxDim) + ", got K = " + std::to_string(p.K) +
+                               ", V = " + std::to_string(p.V));
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
+                         {"o", &a.o}})
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP32}));
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"initial_state", &a.initial_state}, {"final_state", &a.final_state},
+                         {"A_log", &a.A_log}, {"dt_bias", &a.dt_bias}}) {
+    if (!t->defined()) continue;
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kFP32}));
+    if (!t->is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous on CUDA");
+    ENCORE_RETURN_IF_ERROR(checks::same_device(name, *t, "q", a.q));
+  }
+  ENCORE_RETURN_IF_ERROR(checks::same_device("o", a.o, "q", a.q));
+  if (int64_t(p.seqs.size()) > kMaxSeqs)
+    return Status::unsupported("cu_seqlens: the CUDA KDA forward takes at most " + std::to_string(kMaxSeqs) + " sequences per call, got " +
+                               std::to_string(p.seqs.size()));
+  if (p.T >= (int64_t(1) << 31)) return Status::unsupported("q: T must be < 2^31");
   return Status::ok();
 }
 
@@ -76,13 +112,78 @@ Status validate(const KdaForwardArgs& a, const KdaOptions& o) {
   return Status::ok();
 }
 
-size_t workspace_bytes(const KdaForwardArgs&, const KdaOptions&) { return 0; }
+size_t workspace_bytes(const KdaForwardArgs& a, const KdaOptions& o) {
+  kda::KdaProblem p;
+  if (!a.q.defined() || !a.q.device.is_cuda() || !kda::make_problem(a, o, &p)) return 0;
+#ifdef ENCORE_WITH_CUDA
+  return cuda::kda_forward_workspace_bytes(chunk_count(p), p.H, p.K, p.V);
+#else
+  return 0;
+#endif
+}
 
-Status run(const KdaForwardArgs& a, const KdaOptions& o, void*, Stream) {
+Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
-  ENCORE_RETURN_IF_ERROR(cpu_only(a.q));
   kda::KdaProblem p;
   ENCORE_RETURN_IF_ERROR(kda::make_problem(a, o, &p));
+  if (a.q.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(validate_cuda(a, p));
+#ifdef ENCORE_WITH_CUDA
+    if (workspace == nullptr && chunk_count(p) > 0)
+      return Status::invalid("workspace: the CUDA KDA forward needs workspace_bytes(args, opts) bytes, got a null pointer");
+    if (!checks::aligned(workspace, 16)) return Status::invalid("workspace: must be 16-byte aligned");
+    auto cp = std::make_unique<cuda::KdaCudaProblem>();
+    cp->B = int(p.B);
+    cp->T = int(p.T);
+    cp->H = int(p.H);
+    cp->K = int(p.K);
+    cp->V = int(p.V);
+    cp->N = int(p.seqs.size());
+    cp->scale = float(p.scale);
+    cp->l2norm = o.use_qk_l2norm;
+    cp->gate_in_kernel = o.use_gate_in_kernel;
+    cp->lower_bound_gate = o.use_lower_bound;
+    cp->lower_bound = float(o.lower_bound);
+    auto tensor = [](const TensorView& t) {
+      cuda::KdaTensor k;
+      k.data = t.data;
+      k.dtype = t.dtype;
+      k.sb = t.strides[0];
+      k.st = t.strides[1];
+      k.sh = t.strides[2];
+      return k;
+    };
+    cp->q = tensor(a.q);
+    cp->k = tensor(a.k);
+    cp->v = tensor(a.v);
+    cp->g = tensor(a.g);
+    cp->beta = tensor(a.beta);
+    cp->A_log = static_cast<const float*>(a.A_log.data);
+    cp->dt_bias = static_cast<const float*>(a.dt_bias.data);
+    cp->h0 = static_cast<const float*>(a.initial_state.data);
+    cp->o = a.o.data;
+    cp->o_dtype = a.o.dtype;
+    cp->o_sb = a.o.strides[0];
+    cp->o_st = a.o.strides[1];
+    cp->o_sh = a.o.strides[2];
+    cp->final_state = o.output_final_state ? static_cast<float*>(a.final_state.data) : nullptr;
+    cp->varlen = a.cu_seqlens.defined();
+    int32_t chunk = 0;
+    for (size_t n = 0; n < p.seqs.size(); ++n) {
+      cp->seq_begin[n] = int32_t(p.seqs[n].begin);
+      cp->seq_end[n] = int32_t(p.seqs[n].end);
+      cp->chunk_start[n] = chunk;
+      chunk += int32_t((p.seqs[n].end - p.seqs[n].begin + kda::kChunk - 1) / kda::kChunk);
+    }
+    cp->chunk_start[p.seqs.size()] = chunk;
+    cp->device = a.q.device.index;
+    return cuda::launch_kda_forward(*cp, workspace, stream);
+#else
+    (void)workspace;
+    (void)stream;
+    return Status::unsupported("q: on " + a.q.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+  }
   const reference::KdaInputs in = reference::kda_prepare(p, a);
   std::vector<double> out, final_state;
   reference::kda_recurrent_forward(p, in, out, final_state);

@@ -1,0 +1,46 @@
+// Host entry of the CUDA KDA forward (no CUDA types). The dispatch (src/kda/kda.cpp) has validated
+// the problem; sequences come from host-side cu_seqlens (or the fixed-length batch) and travel to
+// the kernels as launch parameters, so a launch reads no host memory and never synchronizes.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+
+namespace encore::cuda {
+
+constexpr int kKdaMaxSeqs = 1024;    // sequences per launch (the table is a launch parameter)
+constexpr int kKdaMaxHeadDim = 128;  // K and V on CUDA
+
+struct KdaTensor {  // [B, T, H, C] (or [B, T, H] with C = 1): element strides; dtype bf16 or fp32
+  const void* data = nullptr;
+  DType dtype = DType::kFP32;
+  int64_t sb = 0, st = 0, sh = 0;
+};
+
+struct KdaCudaProblem {
+  int B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
+  float scale = 1.0f;
+  bool l2norm = false, gate_in_kernel = false, lower_bound_gate = false;
+  float lower_bound = -5.0f;
+  KdaTensor q, k, v, g, beta;
+  const float* A_log = nullptr;    // [H] fp32 or null
+  const float* dt_bias = nullptr;  // [H * K] fp32 or null
+  const float* h0 = nullptr;       // [N, H, K, V] fp32 contiguous or null
+  void* o = nullptr;               // [B, T, H, V], dtype o_dtype, strides like KdaTensor
+  DType o_dtype = DType::kFP32;
+  int64_t o_sb = 0, o_st = 0, o_sh = 0;
+  float* final_state = nullptr;    // [N, H, K, V] fp32 contiguous or null
+  bool varlen = false;             // sequence n is in batch row 0 (varlen) or n (fixed length)
+  int32_t seq_begin[kKdaMaxSeqs];  // tokens [begin, end) of sequence n
+  int32_t seq_end[kKdaMaxSeqs];
+  int32_t chunk_start[kKdaMaxSeqs + 1];  // first chunk slot of sequence n; [N] = total chunks
+  int device = 0;
+};
+
+// Workspace of the forward: per (chunk, head) Qg, Kg, W [64, K], U [64, V], Aqk [64, 64], gC [K] in fp32.
+size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V);
+Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream stream);
+
+}  // namespace encore::cuda
