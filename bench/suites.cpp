@@ -17,6 +17,7 @@ int run_suites(const BenchOptions& opts) {
       {"quant", run_quant_suite},
       {"decode_path", run_decode_path_suite},
       {"gemm_epilogue", run_gemm_epilogue_suite},
+      {"kda", run_kda_suite},
   };
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "encore bench: no CUDA device: benchmarks need a GPU (try `encore check`)\n");

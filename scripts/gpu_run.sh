@@ -83,6 +83,11 @@ if [ "${ENCORE_PEERS:-0}" = 1 ]; then
   fi
   step "peers: qk_norm" env PYTHONUNBUFFERED=1 python3 bench/peers/qk_norm_peers.py "$OUT/qk_norm_peers.json"
 fi
+# fla chunk_kda forward (ENCORE_KDA_PEERS=1; fla-core carried as a wheel in .whl).
+if [ "${ENCORE_KDA_PEERS:-0}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$log" 2>&1
+  step "peers: fla chunk_kda" env PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py "$OUT/kda_peers.json"
+fi
 # torch.compile / eager / cuBLAS of the LLaMA shifted block (ENCORE_BLOCK_PEERS=1).
 if [ "${ENCORE_BLOCK_PEERS:-0}" = 1 ]; then
   step "peers: llama block" env PYTHONUNBUFFERED=1 python3 bench/peers/block_peers.py "$OUT/block_peers.json"

@@ -1,0 +1,58 @@
+"""fla chunk_kda forward (the peer of `encore bench kda`): bf16, H 16, K = V = 128, in-kernel
+softplus gate with dt_bias, q/k L2 norm, at the standard varlen configuration (seq_lens 1800, 1500,
+2000, 1200, 800) and fixed B 1 / B 4, T 8192. Device time = the sum of the CUDA kernel times per
+call from torch.profiler (as ../shared/docs/bench_peers.py section kda_fla_gpu_time), wall time from
+triton's do_bench. Needs fla-core (carried as a wheel in .whl). Usage: kda_peers.py OUT.json"""
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+from fla.ops.kda import chunk_kda
+
+dev, bf = "cuda", torch.bfloat16
+H, K, V = 16, 128, 128
+CONFIGS = {"varlen_std": (1, [1800, 1500, 2000, 1200, 800]), "fixed_B1_T8192": (1, None), "fixed_B4_T8192": (4, None)}
+
+
+def main(out):
+    res = {}
+    for name, (B, lens) in CONFIGS.items():
+        T = sum(lens) if lens else 8192
+        q, k = torch.randn(B, T, H, K, device=dev, dtype=bf), torch.randn(B, T, H, K, device=dev, dtype=bf)
+        v, g = torch.randn(B, T, H, V, device=dev, dtype=bf), torch.randn(B, T, H, K, device=dev, dtype=bf)
+        beta = torch.randn(B, T, H, device=dev, dtype=bf).sigmoid()
+        A_log = torch.randn(H, device=dev, dtype=torch.float32)
+        dt_bias = torch.randn(H * K, device=dev, dtype=torch.float32)
+        kw = {}
+        if lens:
+            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.long)
+            kw = {"cu_seqlens": cu.to(dev), "cu_seqlens_cpu": cu}
+
+        def fwd():
+            return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                             output_final_state=True, **kw)[0]
+        with torch.no_grad():
+            for _ in range(3):
+                fwd()
+            torch.cuda.synchronize()
+            res[f"kda_fla_{name}_fwd_wall_ms"] = do_bench(fwd, warmup=10, rep=100, return_mode="median")
+            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                for _ in range(5):
+                    fwd()
+                torch.cuda.synchronize()
+        res[f"kda_fla_{name}_fwd_gpu_kernel_ms"] = sum(e.device_time_total for e in p.key_averages()) / 5 / 1e3
+        res[f"kda_fla_{name}_fwd_kernels"] = sum(e.count for e in p.key_averages()) / 5
+        for key in (f"kda_fla_{name}_fwd_wall_ms", f"kda_fla_{name}_fwd_gpu_kernel_ms", f"kda_fla_{name}_fwd_kernels"):
+            print(f"{key} {res[key]:.4f}", flush=True)
+        del q, k, v, g, beta
+        torch.cuda.empty_cache()
+    res["gpu"] = torch.cuda.get_device_name(0)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "kda_peers.json")
