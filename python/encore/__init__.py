@@ -8,51 +8,18 @@ with encore's message, other failures ``RuntimeError``.
 from __future__ import annotations
 
 from . import _encore
+from ._util import _empty, _empty_like, _is_torch, _no_autograd, _rows, _stream_for
+from .gemm import (gemm_lse, gemm_qkv_head_sqsum, gemm_residual_rms_partial, gemm_rope, gemm_row_scale, gemm_scalar_scale,
+                   gemm_swiglu, interleave_gate_up, llama_block_forward, lse_finish, rms_final_reduce, rope_freq_turns)
+from .kda import kda_forward
 
 __all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group_dequant", "built_with_cuda",
-           "cuda_device_count"]
+           "cuda_device_count", "gemm_row_scale", "gemm_scalar_scale", "gemm_residual_rms_partial", "rms_final_reduce",
+           "gemm_swiglu", "gemm_rope", "gemm_qkv_head_sqsum", "gemm_lse", "lse_finish", "rope_freq_turns",
+           "interleave_gate_up", "llama_block_forward", "kda_forward"]
 
 built_with_cuda = _encore.built_with_cuda
 cuda_device_count = _encore.cuda_device_count
-
-
-def _is_torch(a) -> bool:
-    return type(a).__module__.startswith("torch")
-
-
-def _rows(a, name):
-    """View `a` as [rows, hidden] (leading dimensions flattened)."""
-    if getattr(a, "ndim", 0) < 1:
-        raise ValueError(f"{name}: expected at least 1 dimension [..., hidden]")
-    return a.reshape(-1, a.shape[-1])
-
-
-def _empty_like(a):
-    if _is_torch(a):
-        import torch
-
-        return torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    import numpy as np
-
-    return np.empty(a.shape, dtype=a.dtype)
-
-
-def _stream_for(a, stream):
-    if stream is not None:
-        return int(stream)
-    if _is_torch(a) and a.is_cuda:
-        import torch
-
-        return torch.cuda.current_stream(a.device).cuda_stream
-    return 0
-
-
-def _no_autograd(*tensors):
-    if any(_is_torch(t) and t.requires_grad for t in tensors):
-        import torch
-
-        if torch.is_grad_enabled():
-            raise RuntimeError("encore: autograd is not wired for this op yet; call it under torch.no_grad()")
 
 
 def rms_norm(x, weight, eps: float = 1e-6, weight_offset: float = 0.0, stream=None):
@@ -96,17 +63,6 @@ def qk_norm_(qkv, q_weight, k_weight, num_q_heads: int, num_kv_heads: int, head_
     _encore.qk_norm_(qkv, q_weight, k_weight, int(num_q_heads), int(num_kv_heads), int(head_dim), float(eps),
                      float(weight_offset), _stream_for(qkv, stream))
     return qkv
-
-
-def _empty(like, shape, kind):
-    """An uninitialized array of `shape` on `like`'s framework and device; kind: "f32" or "u8"."""
-    if _is_torch(like):
-        import torch
-
-        return torch.empty(shape, dtype=torch.float32 if kind == "f32" else torch.uint8, device=like.device)
-    import numpy as np
-
-    return np.empty(shape, dtype=np.float32 if kind == "f32" else np.uint8)
 
 
 def fp8_group_quant(x, column_major_scales: bool = False, power_of_two_scales: bool = False, eps: float = 1e-10,

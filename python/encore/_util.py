@@ -1,0 +1,61 @@
+"""Helpers shared by the encore Python wrappers: framework detection, output allocation on the
+caller's framework and device, the CUDA stream, and the no-autograd guard."""
+from __future__ import annotations
+
+
+def _is_torch(a) -> bool:
+    return type(a).__module__.startswith("torch")
+
+
+def _rows(a, name):
+    """View `a` as [rows, hidden] (leading dimensions flattened)."""
+    if getattr(a, "ndim", 0) < 1:
+        raise ValueError(f"{name}: expected at least 1 dimension [..., hidden]")
+    return a.reshape(-1, a.shape[-1])
+
+
+def _empty_like(a):
+    if _is_torch(a):
+        import torch
+
+        return torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    import numpy as np
+
+    return np.empty(a.shape, dtype=a.dtype)
+
+
+def _stream_for(a, stream):
+    if stream is not None:
+        return int(stream)
+    if _is_torch(a) and a.is_cuda:
+        import torch
+
+        return torch.cuda.current_stream(a.device).cuda_stream
+    return 0
+
+
+def _no_autograd(*tensors):
+    if any(_is_torch(t) and t.requires_grad for t in tensors):
+        import torch
+
+        if torch.is_grad_enabled():
+            raise RuntimeError("encore: autograd is not wired for this op yet; call it under torch.no_grad()")
+
+
+
+_KINDS = {"f32": ("float32", "float32"), "u8": ("uint8", "uint8"), "i32": ("int32", "int32")}
+
+
+def _empty(like, shape, kind):
+    """An uninitialized array of `shape` on `like`'s framework and device; kind: "f32", "u8", "i32"
+    or "like" (like's dtype)."""
+    if _is_torch(like):
+        import torch
+
+        dtype = like.dtype if kind == "like" else getattr(torch, _KINDS[kind][0])
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    import numpy as np
+
+    return np.empty(shape, dtype=like.dtype if kind == "like" else getattr(np, _KINDS[kind][1]))
+
+

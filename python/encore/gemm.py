@@ -1,0 +1,156 @@
+"""GEMM-epilogue programs and the LLaMA shifted-block forward (include/encore/gemm_epilogue.hpp,
+include/encore/llama_block.hpp): ``D = epilogue(a @ w.T)`` with a [M, K] and weights w [N, K].
+
+CPU backend for numpy / CPU torch arrays (fp64 reference), CUDA (CUTLASS Sm90) for CUDA torch
+tensors: bf16/fp16, K and N multiples of 8. Outputs are allocated here in a's dtype (statistics
+fp32). Inference only (no autograd).
+"""
+from __future__ import annotations
+
+from . import _encore
+from ._util import _empty, _is_torch, _no_autograd, _stream_for
+
+# encore::Epilogue and encore::GemmTile values
+_RESIDUAL, _ROW_SCALE, _SWIGLU, _ROPE, _HEAD_SQSUM, _LSE, _SCALAR = range(7)
+_TILES = {"auto": 0, "cooperative_128x256": 1, "pingpong_128x128": 2}
+
+
+def _run(epilogue, a, w, *, d=None, aux=None, c=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None,
+         partials=None, target=None, target_logit=None, partial_tile_n=0, head_dim=128, ignore_index=-100, tile="auto",
+         stream=None):
+    _no_autograd(a, w, c, gamma)
+    if tile not in _TILES:
+        raise ValueError(f"tile: one of {sorted(_TILES)}, got {tile!r}")
+    _encore.gemm_epilogue_out(epilogue, a, w, d, aux, c, gamma, row_scale, pos, freq, alpha, partials, target, target_logit,
+                              int(partial_tile_n), int(head_dim), int(ignore_index), _TILES[tile], _stream_for(a, stream))
+
+
+def _mn(a, w):
+    if getattr(a, "ndim", 0) != 2 or getattr(w, "ndim", 0) != 2:
+        raise ValueError("a, w: expected a [M, K] and w [N, K]")
+    return a.shape[0], w.shape[0]
+
+
+def _tiles(epilogue, a, w, partial_tile_n):
+    m, n = _mn(a, w)
+    t = partial_tile_n or _encore.gemm_partial_tile_n(epilogue, m, n, a.shape[1])
+    return (n + t - 1) // t, t
+
+
+def gemm_row_scale(a, w, r, tile="auto", stream=None):
+    """D = r[:, None] * (a @ w.T); r [M] float32 (RMSNorm applied after the GEMM)."""
+    m, n = _mn(a, w)
+    d = _empty(a, (m, n), "like")
+    _run(_ROW_SCALE, a, w, d=d, row_scale=r, tile=tile, stream=stream)
+    return d
+
+
+def gemm_scalar_scale(a, w, alpha, tile="auto", stream=None):
+    """D = alpha[0] * (a @ w.T); alpha [1] float32, read from (device) memory."""
+    m, n = _mn(a, w)
+    d = _empty(a, (m, n), "like")
+    _run(_SCALAR, a, w, d=d, alpha=alpha, tile=tile, stream=stream)
+    return d
+
+
+def gemm_residual_rms_partial(a, w, residual, gamma, partial_tile_n=0, stream=None):
+    """y = a @ w.T + residual. Returns (y, aux = y * gamma, partials [M, tiles] float32 of sum(y**2)
+    per partial_tile_n columns (0: gemm_partial_tile_n)); finish with rms_final_reduce."""
+    m, n = _mn(a, w)
+    tiles, t = _tiles(_RESIDUAL, a, w, partial_tile_n)
+    d, aux, p = _empty(a, (m, n), "like"), _empty(a, (m, n), "like"), _empty(a, (m, tiles), "f32")
+    _run(_RESIDUAL, a, w, d=d, aux=aux, c=residual, gamma=gamma, partials=p, partial_tile_n=t, stream=stream)
+    return d, aux, p
+
+
+def rms_final_reduce(partials, hidden: int, eps: float = 1e-6, stream=None):
+    """r = rsqrt(partials.sum(1) / hidden + eps) as float32 [M] (tiles summed in order)."""
+    r = _empty(partials, (partials.shape[0],), "f32")
+    _encore.rms_final_reduce_out(partials, r, int(hidden), float(eps), _stream_for(partials, stream))
+    return r
+
+
+def gemm_swiglu(a, w, r=None, tile="auto", stream=None):
+    """z = r[:, None] * (a @ w.T) over interleaved gate/up columns (see interleave_gate_up).
+    Returns (z [M, N], silu(z[:, 0::2]) * z[:, 1::2] [M, N // 2])."""
+    m, n = _mn(a, w)
+    z, y = _empty(a, (m, n), "like"), _empty(a, (m, n // 2), "like")
+    _run(_SWIGLU, a, w, d=z, aux=y, row_scale=r, tile=tile, stream=stream)
+    return z, y
+
+
+def gemm_rope(a, w, pos, freq, r=None, tile="auto", stream=None):
+    """RoPE(r[:, None] * (a @ w.T)): column pairs (2j, 2j+1) rotated by 2*pi*pos[m]*f_j, f_j =
+    freq[2j] + freq[2j+1] (see rope_freq_turns); pos [M] int32."""
+    m, n = _mn(a, w)
+    d = _empty(a, (m, n), "like")
+    _run(_ROPE, a, w, d=d, row_scale=r, pos=pos, freq=freq, tile=tile, stream=stream)
+    return d
+
+
+def gemm_qkv_head_sqsum(a, w, head_dim: int = 128, stream=None):
+    """D = a @ w.T and partials [M, N // head_dim] float32 of sum(D**2) per head."""
+    m, n = _mn(a, w)
+    d, p = _empty(a, (m, n), "like"), _empty(a, (m, n // head_dim), "f32")
+    _run(_HEAD_SQSUM, a, w, d=d, partials=p, head_dim=head_dim, stream=stream)
+    return d, p
+
+
+def gemm_lse(a, w, r=None, target=None, store_logits=False, ignore_index=-100, partial_tile_n=0, stream=None):
+    """z = r[:, None] * (a @ w.T). Returns (partials [M, tiles] float32 of log-sum-exp per tile,
+    logits z or None, target_logit [M] float32 = z[m, target[m]] or None); finish with lse_finish."""
+    m, n = _mn(a, w)
+    tiles, t = _tiles(_LSE, a, w, partial_tile_n)
+    p = _empty(a, (m, tiles), "f32")
+    d = _empty(a, (m, n), "like") if store_logits else None
+    tl = _empty(a, (m,), "f32") if target is not None else None
+    _run(_LSE, a, w, d=d, row_scale=r, partials=p, target=target, target_logit=tl, partial_tile_n=t, ignore_index=ignore_index,
+         stream=stream)
+    return p, d, tl
+
+
+def lse_finish(partials, target=None, target_logit=None, ignore_index=-100, stream=None):
+    """lse [M] = logsumexp over the tiles; with target: loss [M] = lse - target_logit (0 for
+    ignore_index). Returns lse, or (lse, loss)."""
+    m = partials.shape[0]
+    lse = _empty(partials, (m,), "f32")
+    loss = _empty(partials, (m,), "f32") if target is not None else None
+    _encore.lse_finish_out(partials, lse, target, target_logit, loss, int(ignore_index), _stream_for(partials, stream))
+    return lse if loss is None else (lse, loss)
+
+
+def rope_freq_turns(num_heads: int, rotary_heads: int, head_dim: int, base: float = 10000.0):
+    """RoPE frequencies for gemm_rope as a float32 numpy array [num_heads * head_dim] of (hi, lo)
+    pairs; heads past rotary_heads (V) get 0 (no rotation)."""
+    import numpy as np
+
+    f = np.empty(num_heads * head_dim, dtype=np.float32)
+    _encore.rope_freq_turns_out(int(num_heads), int(rotary_heads), int(head_dim), float(base), f)
+    return f
+
+
+def interleave_gate_up(gate, up):
+    """[2F, K] weights with rows 2j = gate[j], 2j+1 = up[j] (CPU arrays), for gemm_swiglu."""
+    out = _empty(gate, (2 * gate.shape[0], gate.shape[1]), "like")
+    _encore.interleave_gate_up_out(gate, up, out)
+    return out
+
+
+def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: float = 1e-5, stream=None):
+    """The shifted LLaMA block: x1 = y0 @ w0.T + x0; z1 = rmsnorm(x1)*gamma0 @ w1.T (gate/up
+    interleaved); x2 = swiglu(z1) @ w2.T + x1; qkv = RoPE(rmsnorm(x2)*gamma1 @ w3.T).
+    Returns (x1, x2, z1, qkv, r1, r2) - what the backward saves."""
+    _no_autograd(y0, x0, w0, w1, w2, w3)
+    m, d, f2, nq = y0.shape[0], y0.shape[1], w1.shape[0], w3.shape[0]
+    x1, x2, z1, qkv = _empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, nq), "like")
+    r1, r2 = _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32")
+    args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2)
+    nbytes = _encore.llama_block_workspace_bytes(*args, float(eps))
+    ws = _empty(y0, (nbytes + 256,), "u8")
+    ws = ws[(-_address(ws)) % 256:][:nbytes] if nbytes else ws
+    _encore.llama_block_forward_out(*args, float(eps), ws, _stream_for(y0, stream))
+    return x1, x2, z1, qkv, r1, r2
+
+
+def _address(a):
+    return a.data_ptr() if _is_torch(a) else a.ctypes.data

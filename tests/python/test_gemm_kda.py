@@ -1,0 +1,140 @@
+"""The GEMM-epilogue, LLaMA-block and KDA wrappers on the CPU backend (numpy, fp32) against numpy
+references, bad input, and the same ops on CUDA tensors when a GPU and torch are present."""
+import numpy as np
+import pytest
+
+import encore
+
+rng = np.random.default_rng()
+
+
+def randn(*shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def rel(a, b):
+    return np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def rope_ref(z, pos, freq):
+    f = freq[0::2].astype(np.float64) + freq[1::2].astype(np.float64)
+    th = 2 * np.pi * pos[:, None].astype(np.float64) * f[None, :]
+    a, b = z[:, 0::2], z[:, 1::2]
+    out = np.empty_like(z)
+    out[:, 0::2] = a * np.cos(th) - b * np.sin(th)
+    out[:, 1::2] = b * np.cos(th) + a * np.sin(th)
+    return out
+
+
+def test_scales_and_residual_partials():
+    a, w = randn(37, 24), randn(40, 24, scale=0.2)
+    r, alpha = (0.5 + rng.random(37)).astype(np.float32), np.array([-1.5], np.float32)
+    acc = a.astype(np.float64) @ w.T.astype(np.float64)
+    assert rel(encore.gemm_row_scale(a, w, r), r[:, None] * acc) < 1e-6
+    assert rel(encore.gemm_scalar_scale(a, w, alpha), -1.5 * acc) < 1e-6
+    res, gamma = randn(37, 40), randn(40)
+    y, aux, parts = encore.gemm_residual_rms_partial(a, w, res, gamma)
+    y_ref = acc + res
+    assert rel(y, y_ref) < 1e-6 and rel(aux, y_ref * gamma) < 1e-6
+    r2 = encore.rms_final_reduce(parts, 40, eps=1e-6)
+    assert rel(r2, 1 / np.sqrt((y_ref ** 2).mean(1) + 1e-6)) < 1e-6
+
+
+def test_swiglu_rope_heads_lse():
+    a, w = randn(20, 32), randn(64, 32, scale=0.2)
+    acc = a.astype(np.float64) @ w.T.astype(np.float64)
+    z, y = encore.gemm_swiglu(a, w)
+    g, u = acc[:, 0::2], acc[:, 1::2]
+    assert rel(z, acc) < 1e-6 and rel(y, g / (1 + np.exp(-g)) * u) < 1e-6
+    pos = rng.integers(0, 100000, 20).astype(np.int32)
+    freq = encore.rope_freq_turns(4, 3, 16, 10000.0)
+    assert rel(encore.gemm_rope(a, w, pos, freq), rope_ref(acc, pos, freq)) < 1e-5
+    d, heads = encore.gemm_qkv_head_sqsum(a, w, head_dim=16)
+    assert rel(heads, (acc ** 2).reshape(20, 4, 16).sum(-1)) < 1e-6
+    target = rng.integers(0, 64, 20).astype(np.int32)
+    target[3] = -100
+    parts, logits, tl = encore.gemm_lse(a, w, target=target, store_logits=True)
+    lse, loss = encore.lse_finish(parts, target, tl)
+    lse_ref = np.log(np.exp(acc).sum(1))
+    assert rel(lse, lse_ref) < 1e-6 and rel(logits, acc) < 1e-6
+    loss_ref = lse_ref - acc[np.arange(20), np.clip(target, 0, 63)]
+    loss_ref[3] = 0.0
+    assert rel(loss, loss_ref) < 1e-5
+
+
+def test_llama_block_matches_textbook():
+    m, d, f, heads, hd = 9, 32, 48, 4, 8
+    y0, x0 = randn(m, d), randn(m, d)
+    w0, w1, w2, w3 = randn(d, d, scale=0.2), randn(2 * f, d, scale=0.2), randn(d, f, scale=0.2), randn(heads * hd, d, scale=0.2)
+    g0, g1 = 1 + randn(d, scale=0.1), 1 + randn(d, scale=0.1)
+    pos = np.arange(m, dtype=np.int32) * 7
+    freq = encore.rope_freq_turns(heads, 3, hd, 10000.0)
+    x1, x2, z1, qkv, r1, r2 = encore.llama_block_forward(y0, x0, w0, w1, w2, w3, g0, g1, pos, freq, eps=1e-5)
+    X0 = y0.astype(np.float64) @ w0.T + x0
+
+    def rms(x, g):
+        return x / np.sqrt((x * x).mean(1, keepdims=True) + 1e-5) * g
+
+    Z1 = rms(X0, g0) @ w1.T
+    Y1 = Z1[:, 0::2] / (1 + np.exp(-Z1[:, 0::2])) * Z1[:, 1::2]
+    X2 = Y1 @ w2.T + X0
+    Q = rope_ref(rms(X2, g1) @ w3.T, pos, freq)
+    for out, ref in ((x1, X0), (x2, X2), (z1, Z1), (qkv, Q)):
+        assert rel(out, ref) < 2e-5
+
+
+def kda_ref(q, k, v, g, beta, scale):
+    b, t, h, kd = q.shape
+    o = np.zeros(v.shape)
+    fin = np.zeros((b, h, kd, v.shape[3]))
+    for bi in range(b):
+        for hi in range(h):
+            s = np.zeros((kd, v.shape[3]))
+            for ti in range(t):
+                s = np.exp(g[bi, ti, hi])[:, None] * s
+                e = v[bi, ti, hi] - s.T @ k[bi, ti, hi]
+                s = s + beta[bi, ti, hi] * np.outer(k[bi, ti, hi], e)
+                o[bi, ti, hi] = scale * s.T @ q[bi, ti, hi]
+            fin[bi, hi] = s
+    return o, fin
+
+
+def test_kda_forward_numpy():
+    b, t, h, kd, vd = 2, 70, 2, 8, 6
+    q, k, v = randn(b, t, h, kd), randn(b, t, h, kd, scale=0.4), randn(b, t, h, vd)
+    g = np.log(1 / (1 + np.exp(-randn(b, t, h, kd)))).astype(np.float32) / 4
+    beta = (0.1 + 0.8 * rng.random((b, t, h))).astype(np.float32)
+    o, fin = encore.kda_forward(q, k, v, g, beta, output_final_state=True)
+    o_ref, fin_ref = kda_ref(q.astype(np.float64), k, v, g, beta, kd ** -0.5)
+    assert rel(o, o_ref) < 1e-5 and rel(fin, fin_ref) < 1e-5
+
+
+def test_bad_inputs_raise_value_error():
+    a, w = randn(4, 16), randn(8, 12)
+    with pytest.raises(ValueError, match="w: expected"):
+        encore.gemm_row_scale(a, w, np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="tile"):
+        encore.gemm_row_scale(a, randn(8, 16), np.ones(4, np.float32), tile="huge")
+    q = randn(1, 5, 1, 4)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        encore.kda_forward(q, q, q, q * 0, randn(1, 5, 1), cu_seqlens=np.array([0, 3, 4], np.int64))
+
+
+@pytest.mark.skipif(not (encore.built_with_cuda() and encore.cuda_device_count() > 0), reason="needs a CUDA device")
+def test_cuda_gemm_and_kda_match_cpu():
+    torch = pytest.importorskip("torch")
+    dev = "cuda"
+    a, w = torch.randn(300, 256, device=dev, dtype=torch.bfloat16), (torch.randn(512, 256, device=dev) * 0.06).bfloat16()
+    r = torch.rand(300, device=dev) + 0.5
+    d = encore.gemm_row_scale(a, w, r)
+    ref = r[:, None] * (a.float() @ w.float().T)
+    assert ((d.float() - ref).norm() / ref.norm()).item() < 8e-3
+    z, y = encore.gemm_swiglu(a, w)
+    z_cpu, y_cpu = encore.gemm_swiglu(a.cpu(), w.cpu())
+    assert ((y.cpu().float() - y_cpu.float()).norm() / y_cpu.float().norm()).item() < 1e-2
+    args = [torch.randn(1, 200, 2, 64), torch.randn(1, 200, 2, 64) * 0.3, torch.randn(1, 200, 2, 64),
+            -torch.rand(1, 200, 2, 64) * 0.1, torch.rand(1, 200, 2)]
+    o, fin = encore.kda_forward(*[t.to(dev) for t in args], output_final_state=True)
+    o_cpu, fin_cpu = encore.kda_forward(*args, output_final_state=True)
+    assert ((o.cpu() - o_cpu).norm() / o_cpu.norm()).item() < 5e-3
+    assert ((fin.cpu() - fin_cpu).norm() / fin_cpu.norm()).item() < 5e-3
