@@ -121,6 +121,7 @@ int run_check(bool force_cpu) {
       for (NormShape s : shapes) rows.push_back(gpu ? check_norm_gpu(add, t, s, rng) : check_norm_cpu_properties(add, t, s, rng));
   for (auto& r : check_qk_norm(gpu, rng)) rows.push_back(r);
   for (auto& r : check_fp8_group_quant(gpu, rng)) rows.push_back(r);
+  for (auto& r : check_gemm_kda(gpu, rng)) rows.push_back(r);
 
   std::printf("%-16s %-12s %-6s %-11s %-10s %s\n", "op", "shape", "dtype", "mode", "error", "result");
   int failed = 0;

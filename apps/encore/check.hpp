@@ -20,5 +20,7 @@ int run_check(bool force_cpu);
 // Rows for the QK-norm and FP8 group-quantization ops (check_ops.cpp).
 std::vector<CheckRow> check_qk_norm(bool gpu, std::mt19937_64& rng);
 std::vector<CheckRow> check_fp8_group_quant(bool gpu, std::mt19937_64& rng);
+// Rows for the GEMM epilogues and the KDA forward (check_gemm_kda.cpp).
+std::vector<CheckRow> check_gemm_kda(bool gpu, std::mt19937_64& rng);
 
 }  // namespace encore::app

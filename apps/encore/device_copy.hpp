@@ -14,8 +14,8 @@ class DeviceCopy {
  public:
   explicit DeviceCopy(const void* host, size_t bytes) : bytes_(bytes) {
 #ifdef ENCORE_WITH_CUDA
-    if (cudaMalloc(&ptr_, bytes) == cudaSuccess) cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice);
-    else ptr_ = nullptr;
+    if (cudaMalloc(&ptr_, bytes) != cudaSuccess) ptr_ = nullptr;
+    else if (host != nullptr) cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice);  // null host: uninitialized (workspace)
 #else
     (void)host;
 #endif

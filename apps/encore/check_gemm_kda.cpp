@@ -1,0 +1,178 @@
+// `encore check` rows for the GEMM epilogues and the KDA forward. With a GPU: the CUDA result
+// against the CPU backend (outputs within the dtype tolerance, statistics within 2e-5, KDA within
+// 5e-3 relative RMS). Without one: properties of the CPU result (row_scale equals a direct double
+// GEMM times r; KDA over a sequence equals two halves chained through the final state).
+#include <cmath>
+#include <vector>
+
+#include "check.hpp"
+#include "device_copy.hpp"
+#include "encore/gemm_epilogue.hpp"
+#include "encore/kda.hpp"
+#include "testing/compare.hpp"
+
+namespace encore::app {
+namespace {
+
+using test::HostTensor;
+const Device kGpu{DeviceType::kCUDA, 0};
+constexpr test::Tolerance kStatTol{2e-5, 2e-5, 2e-5};
+
+// Runs epilogue e over (a, w) on the CPU and, with a GPU, on CUDA; compares d and the partials.
+CheckRow gemm_row(bool gpu, Epilogue e, DType t, int64_t M, int64_t N, int64_t K, std::mt19937_64& rng) {
+  CheckRow row{std::string("gemm_") + epilogue_name(e), std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K),
+               dtype_name(t), gpu ? "gpu vs cpu" : "cpu"};
+  HostTensor a(t, M, K), w(t, N, K), d(t, M, N), r = HostTensor::vector(DType::kFP32, M);
+  a.fill_normal(rng);
+  w.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(K)));
+  r.fill_uniform(rng, 0.5, 1.5);
+  d.poison();
+  const int64_t tiles = e == Epilogue::kLse ? (N + 127) / 128 : 0;
+  HostTensor parts(DType::kFP32, M, std::max<int64_t>(tiles, 1));
+  parts.poison();
+  auto args = [&](HostTensor& dd, HostTensor& pp, const std::vector<void*>& dev) {
+    const bool on_gpu = !dev.empty();
+    const Device where = on_gpu ? kGpu : Device{};
+    GemmEpilogueArgs g;
+    g.a = a.view(on_gpu ? dev[0] : a.bytes.data(), where);
+    g.w = w.view(on_gpu ? dev[1] : w.bytes.data(), where);
+    g.d = dd.view(on_gpu ? dev[2] : dd.bytes.data(), where);
+    g.row_scale = r.view(on_gpu ? dev[3] : r.bytes.data(), where);
+    if (e == Epilogue::kLse) g.partials = pp.view(on_gpu ? dev[4] : pp.bytes.data(), where);
+    return g;
+  };
+  GemmEpilogueOptions o{e};
+  HostTensor d_cpu = d, p_cpu = parts;
+  Status st = run(args(d_cpu, p_cpu, {}), o);
+  if (st && gpu) {
+    HostTensor d_gpu = d, p_gpu = parts;
+    DeviceCopy da(a.bytes.data(), a.storage_bytes()), dw(w.bytes.data(), w.storage_bytes()), dd(d.bytes.data(), d.storage_bytes()),
+        dr(r.bytes.data(), r.storage_bytes()), dp(parts.bytes.data(), parts.storage_bytes());
+    st = run(args(d_gpu, p_gpu, {da.get(), dw.get(), dd.get(), dr.get(), dp.get()}), o);
+    if (st) st = dd.download(d_gpu.bytes.data());
+    if (st) st = dp.download(p_gpu.bytes.data());
+    if (st) {
+      const auto tol = test::tolerance_for(t);
+      const auto cd = test::compare(d_gpu, d_cpu, tol);
+      row.error = cd.rel_rms;
+      row.pass = test::compare_ok(cd, tol);
+      row.note = cd.first_bad;
+      if (e == Epilogue::kLse) {
+        const auto cp = test::compare(p_gpu, p_cpu, kStatTol);
+        row.error = std::max(row.error, cp.rel_rms);
+        row.pass = row.pass && test::compare_ok(cp, kStatTol);
+        if (!cp.first_bad.empty()) row.note = "partials " + cp.first_bad;
+      }
+    }
+  } else if (st) {
+    // d = r ⊙ (a·wᵀ) against a direct double GEMM (the logits of lse are d as well).
+    double num = 0, den = 0;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double s = 0;
+        for (int64_t k = 0; k < K; ++k) s += a.get(m, k) * w.get(n, k);
+        const double ref = s * r.get(0, m);
+        num += (d_cpu.get(m, n) - ref) * (d_cpu.get(m, n) - ref);
+        den += ref * ref;
+      }
+    row.error = std::sqrt(num / std::max(den, 1e-300));
+    row.pass = std::isfinite(row.error) && row.error <= test::tolerance_for(t).rel_rms;
+    row.note = "d vs direct GEMM";
+  }
+  if (!st) row.note = st.to_string();
+  return row;
+}
+
+// KDA forward (precomputed gates) of one [1, T, H, 64] problem.
+struct KdaData {
+  int64_t T, H, D = 64;
+  HostTensor q, k, v, g, beta;
+  KdaData(int64_t t, int64_t h, DType dt, std::mt19937_64& rng)
+      : T(t), H(h), q(dt, T * H, D), k(dt, T * H, D), v(dt, T * H, D), g(DType::kFP32, T * H, D), beta(dt, T * H, 1) {
+    q.fill_normal(rng);
+    k.fill_normal(rng, 0.0, 0.3);
+    v.fill_normal(rng);
+    g.fill_uniform(rng, -0.2, 0.0);
+    beta.fill_uniform(rng, 0.1, 0.9);
+  }
+  static TensorView t4(const HostTensor& h, void* p, Device dev, int64_t T, int64_t H, int64_t D) {
+    return TensorView::contiguous(p, h.dtype, {1, T, H, D}, dev);
+  }
+};
+
+Status kda_run(const KdaData& x, const std::vector<void*>& dev, void* o, void* fin, const void* h0, int64_t t0, int64_t T,
+               void* workspace) {
+  const bool on_gpu = !dev.empty();
+  const Device where = on_gpu ? kGpu : Device{};
+  const int64_t H = x.H, D = x.D;
+  auto at = [&](const HostTensor& h, int i, int64_t width) {
+    char* base = on_gpu ? static_cast<char*>(dev[size_t(i)]) : reinterpret_cast<char*>(const_cast<unsigned char*>(h.bytes.data()));
+    return base + size_t(t0 * H * width) * dtype_size(h.dtype);
+  };
+  KdaForwardArgs a;
+  a.q = TensorView::contiguous(at(x.q, 0, D), x.q.dtype, {1, T, H, D}, where);
+  a.k = TensorView::contiguous(at(x.k, 1, D), x.k.dtype, {1, T, H, D}, where);
+  a.v = TensorView::contiguous(at(x.v, 2, D), x.v.dtype, {1, T, H, D}, where);
+  a.g = TensorView::contiguous(at(x.g, 3, D), DType::kFP32, {1, T, H, D}, where);
+  a.beta = TensorView::contiguous(at(x.beta, 4, 1), x.beta.dtype, {1, T, H}, where);
+  a.o = TensorView::contiguous(o, DType::kFP32, {1, T, H, D}, where);
+  a.final_state = TensorView::contiguous(fin, DType::kFP32, {1, H, D, D}, where);
+  if (h0) a.initial_state = TensorView::contiguous(const_cast<void*>(h0), DType::kFP32, {1, H, D, D}, where);
+  KdaOptions opts;
+  opts.output_final_state = true;
+  return run(a, opts, workspace);
+}
+
+CheckRow kda_row(bool gpu, DType t, int64_t T, int64_t H, std::mt19937_64& rng) {
+  CheckRow row{"kda_forward", std::to_string(T) + "x" + std::to_string(H) + "x64", dtype_name(t), gpu ? "gpu vs cpu" : "cpu"};
+  KdaData x(T, H, t, rng);
+  const size_t on = size_t(T * H * 64), fn = size_t(H * 64 * 64);
+  std::vector<float> o(on, NAN), fin(fn, NAN);
+  Status st = kda_run(x, {}, o.data(), fin.data(), nullptr, 0, T, nullptr);
+  double err = 0;
+  auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+      den += double(b[i]) * b[i];
+    }
+    return std::isfinite(num) ? std::sqrt(num / std::max(den, 1e-300)) : INFINITY;
+  };
+  if (st && gpu) {
+    DeviceCopy dq(x.q.bytes.data(), x.q.storage_bytes()), dk(x.k.bytes.data(), x.k.storage_bytes()), dv(x.v.bytes.data(), x.v.storage_bytes()),
+        dg(x.g.bytes.data(), x.g.storage_bytes()), db(x.beta.bytes.data(), x.beta.storage_bytes()), dout(o.data(), on * 4),
+        dfin(fin.data(), fn * 4), ws(nullptr, size_t(64) << 20);
+    std::vector<float> og(on, NAN), fg(fn, NAN);
+    st = kda_run(x, {dq.get(), dk.get(), dv.get(), dg.get(), db.get()}, dout.get(), dfin.get(), nullptr, 0, T, ws.get());
+    if (st) st = dout.download(og.data());
+    if (st) st = dfin.download(fg.data());
+    err = std::max(rel(og, o), rel(fg, fin));
+    row.note = "rel-RMS of o and the final state";
+  } else if (st) {
+    // Two halves chained through the state equal the whole sequence.
+    const int64_t half = T / 2;
+    std::vector<float> o2(on, NAN), f1(fn, NAN), f2(fn, NAN);
+    st = kda_run(x, {}, o2.data(), f1.data(), nullptr, 0, half, nullptr);
+    if (st) st = kda_run(x, {}, o2.data() + size_t(half * H * 64), f2.data(), f1.data(), half, T - half, nullptr);
+    err = std::max(rel(o2, o), rel(f2, fin));
+    row.note = "two chained halves vs whole";
+  }
+  row.error = err;
+  row.pass = st.is_ok() && err <= (gpu ? 5e-3 : 1e-5);
+  if (!st) row.note = st.to_string();
+  return row;
+}
+
+}  // namespace
+
+std::vector<CheckRow> check_gemm_kda(bool gpu, std::mt19937_64& rng) {
+  std::vector<CheckRow> rows;
+  for (DType t : {DType::kBF16, DType::kFP16}) {
+    rows.push_back(gemm_row(gpu, Epilogue::kRowScale, t, 77, 136, 72, rng));
+    rows.push_back(gemm_row(gpu, Epilogue::kLse, t, 130, 520, 64, rng));
+  }
+  for (DType t : {DType::kFP32, DType::kBF16}) rows.push_back(kda_row(gpu, t, 150, 2, rng));
+  return rows;
+}
+
+}  // namespace encore::app
