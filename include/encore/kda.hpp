@@ -34,6 +34,18 @@ struct KdaOptions {
   double lower_bound = -5.0;        // in [-5, 0)
 };
 
+// What the forward saves for the three-kernel backward (math-kda.md §5), all optional:
+//   G    [B, T, H, K] fp32: the chunk-local inclusive cumsum of the activated gate, in log2;
+//   Aqk  [B, T, H, 64]: row t holds Aqk[t, j] for the rows j of t's chunk (scale included, 0 for j > t);
+//   Akk  [B, T, H, 64]: the rows of A = (I + L)^-1 (unit lower triangular);
+//   h    [NT, H, K, V]: the chunk-start states, chunks of all sequences in order (NT =
+//        kda_chunk_count); given = the saved-h mode, absent = the rematerialize mode.
+// Aqk, Akk, h take bf16 or fp32 (or fp64 with fp64 inputs). CPU backend only for now.
+struct KdaResiduals {
+  TensorView G, Aqk, Akk, h;
+  bool any() const { return G.defined() || Aqk.defined() || Akk.defined() || h.defined(); }
+};
+
 struct KdaForwardArgs {
   TensorView q, k, v, g, beta;
   TensorView initial_state;  // optional
@@ -42,7 +54,11 @@ struct KdaForwardArgs {
   TensorView cu_seqlens;     // optional [N + 1]
   TensorView o;              // output [B, T, H, V]
   TensorView final_state;    // output [N, H, K, V] when output_final_state
+  KdaResiduals residuals;    // optional outputs for the backward
 };
+
+// Chunks of 64 rows over all sequences (each sequence starts a new chunk): NT of KdaResiduals::h.
+Status kda_chunk_count(const KdaForwardArgs& args, const KdaOptions& opts, int64_t* chunks);
 
 Status validate(const KdaForwardArgs& args, const KdaOptions& opts);
 size_t workspace_bytes(const KdaForwardArgs& args, const KdaOptions& opts);

@@ -1,5 +1,7 @@
 // KDA dispatch: validate -> CUDA forward (src/cuda/kda) or the CPU reference.
+#include <algorithm>
 #include <memory>
+#include <vector>
 #include <utility>
 
 #include "core/checks.hpp"
@@ -50,6 +52,31 @@ int64_t chunk_count(const kda::KdaProblem& p) {
   return c;
 }
 
+// The optional residual outputs: shapes, dtypes, devices.
+Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {
+  const KdaResiduals& r = a.residuals;
+  auto check = [&](const char* name, const TensorView& t, std::initializer_list<int64_t> shape, const char* layout,
+                   std::initializer_list<DType> dtypes) -> Status {
+    if (!t.defined()) return Status::ok();
+    ENCORE_RETURN_IF_ERROR(checks::present(name, t));
+    std::vector<int64_t> want(shape);
+    if (t.ndim != int(want.size()) || !std::equal(want.begin(), want.end(), t.shape.begin())) {
+      std::string w = "[";
+      for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
+      return Status::invalid(std::string(name) + ": expected " + layout + " = " + w + "], got " + t.shape_string());
+    }
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, dtypes));
+    ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "q", a.q));
+    return Status::ok();
+  };
+  const std::initializer_list<DType> lo = {DType::kBF16, DType::kFP32, DType::kFP64};
+  ENCORE_RETURN_IF_ERROR(check("residuals.G", r.G, {p.B, p.T, p.H, p.K}, "[B, T, H, K]", {DType::kFP32, DType::kFP64}));
+  ENCORE_RETURN_IF_ERROR(check("residuals.Aqk", r.Aqk, {p.B, p.T, p.H, kda::kChunk}, "[B, T, H, 64]", lo));
+  ENCORE_RETURN_IF_ERROR(check("residuals.Akk", r.Akk, {p.B, p.T, p.H, kda::kChunk}, "[B, T, H, 64]", lo));
+  ENCORE_RETURN_IF_ERROR(check("residuals.h", r.h, {chunk_count(p), p.H, p.K, p.V}, "[NT, H, K, V]", lo));
+  return Status::ok();
+}
+
 // What the CUDA forward takes beyond validate().
 Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
   constexpr int64_t kMaxDim = 128, kMaxSeqs = 1024;
@@ -71,6 +98,7 @@ Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
     return Status::unsupported("cu_seqlens: the CUDA KDA forward takes at most " + std::to_string(kMaxSeqs) + " sequences per call, got " +
                                std::to_string(p.seqs.size()));
   if (p.T >= (int64_t(1) << 31)) return Status::unsupported("q: T must be < 2^31");
+  if (a.residuals.any()) return Status::unsupported("residuals: the CUDA KDA forward does not save residuals yet (CPU backend only)");
   return Status::ok();
 }
 
@@ -109,6 +137,13 @@ Status validate(const KdaForwardArgs& a, const KdaOptions& o) {
   } else if (a.final_state.defined()) {
     return Status::invalid("final_state: given but output_final_state is false");
   }
+  return validate_residuals(a, p);
+}
+
+Status kda_chunk_count(const KdaForwardArgs& a, const KdaOptions& o, int64_t* chunks) {
+  kda::KdaProblem p;
+  ENCORE_RETURN_IF_ERROR(kda::make_problem(a, o, &p));
+  *chunks = chunk_count(p);
   return Status::ok();
 }
 
@@ -186,7 +221,17 @@ Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream
   }
   const reference::KdaInputs in = reference::kda_prepare(p, a);
   std::vector<double> out, final_state;
-  reference::kda_recurrent_forward(p, in, out, final_state);
+  if (a.residuals.any()) {  // the chunked reference exposes them (equal to the recurrence to ~1e-12)
+    reference::KdaChunkTrace trace;
+    reference::kda_chunked_forward(p, in, out, final_state, &trace);
+    const KdaResiduals& r = a.residuals;
+    if (r.G.defined()) store_dense(r.G, trace.G);
+    if (r.Aqk.defined()) store_dense(r.Aqk, trace.Aqk);
+    if (r.Akk.defined()) store_dense(r.Akk, trace.A);
+    if (r.h.defined()) store_dense(r.h, trace.h);
+  } else {
+    reference::kda_recurrent_forward(p, in, out, final_state);
+  }
   store_dense(a.o, out);
   if (o.output_final_state) store_dense(a.final_state, final_state);
   return Status::ok();

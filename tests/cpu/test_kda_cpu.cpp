@@ -173,6 +173,43 @@ TEST(KdaForward, Bf16InputsMatchFp64Reference) {
   EXPECT_LT(rel_err(f_d, kc.fin), 5e-2);
 }
 
+// The public forward's residual outputs equal the chunked reference's intermediates (G, Aqk, A, h)
+// and o / final state still equal the recurrence.
+TEST(KdaForward, ResidualsForTheBackward) {
+  KdaCase kc{1, 150, 2, 16, 8, {0, 70, 71, 150}, Gate::kSoftplusBias, true, true};
+  kc.fill(5);
+  KdaForwardArgs a = kc.args();
+  int64_t nt = 0;
+  ASSERT_TRUE(kda_chunk_count(a, kc.opts, &nt));
+  EXPECT_EQ(nt, 2 + 1 + 2);  // 70, 1 and 79 tokens
+  std::vector<double> G(kc.q.size(), NAN), Aqk(size_t(150 * 2 * 64), NAN), Akk(Aqk.size(), NAN), h(size_t(nt * 2 * 16 * 8), NAN);
+  a.residuals.G = TensorView::contiguous(G.data(), DType::kFP64, {1, 150, 2, 16});
+  a.residuals.Aqk = TensorView::contiguous(Aqk.data(), DType::kFP64, {1, 150, 2, 64});
+  a.residuals.Akk = TensorView::contiguous(Akk.data(), DType::kFP64, {1, 150, 2, 64});
+  a.residuals.h = TensorView::contiguous(h.data(), DType::kFP64, {nt, 2, 16, 8});
+  Status st = run(a, kc.opts);
+  ASSERT_TRUE(st) << st.to_string();
+  kda::KdaProblem p;
+  ASSERT_TRUE(kda::make_problem(a, kc.opts, &p));
+  const reference::KdaInputs in = reference::kda_prepare(p, a);
+  std::vector<double> o_rec, f_rec, o_chk, f_chk;
+  reference::kda_recurrent_forward(p, in, o_rec, f_rec);
+  reference::KdaChunkTrace trace;
+  reference::kda_chunked_forward(p, in, o_chk, f_chk, &trace);
+  EXPECT_EQ(G, trace.G);
+  EXPECT_EQ(Aqk, trace.Aqk);
+  EXPECT_EQ(Akk, trace.A);
+  EXPECT_EQ(h, trace.h);
+  EXPECT_LT(rel_err(kc.o, o_rec), 1e-10);
+  EXPECT_LT(rel_err(kc.fin, f_rec), 1e-10);
+  // A is unit lower triangular on the valid rows: A[t, t mod 64] = 1.
+  EXPECT_EQ(Akk[size_t((3 * 2 + 1) * 64 + 3)], 1.0);
+  // Wrong residual shapes are refused by name.
+  a.residuals.h = TensorView::contiguous(h.data(), DType::kFP64, {nt - 1, 2, 16, 8});
+  st = run(a, kc.opts);
+  EXPECT_NE(st.message().find("residuals.h: expected [NT, H, K, V] = [5, 2, 16, 8]"), std::string::npos) << st.message();
+}
+
 // ---- bad input -------------------------------------------------------------------------------
 
 struct KdaBad : ::testing::Test {
