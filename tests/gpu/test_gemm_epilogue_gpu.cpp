@@ -224,6 +224,52 @@ TEST_F(GemmEpilogueGpu, AutoTile) {
   for (Epilogue e : {Epilogue::kRowScale, Epilogue::kSwiglu, Epilogue::kRope}) run_case({e, DType::kBF16, 2048, 8192, 16, 0});
 }
 
+// Reductions are deterministic (math-coda.md §9): two launches on the same inputs give bitwise equal
+// partials, outputs and target logits.
+TEST_F(GemmEpilogueGpu, PartialsAreDeterministic) {
+  auto rng = make_rng(11);
+  const int64_t M = 300, N = 1000, K = 512;
+  HostTensor a(DType::kBF16, M, K), w(DType::kBF16, N, K), c(DType::kBF16, M, N), gamma = HostTensor::vector(DType::kBF16, N);
+  a.fill_normal(rng);
+  w.fill_normal(rng, 0.0, 0.05);
+  c.fill_normal(rng);
+  gamma.fill_normal(rng, 1.0, 0.1);
+  HostTensor target = HostTensor::vector(DType::kInt32, M);
+  for (int64_t m = 0; m < M; ++m) target.set(0, m, double(m % N));
+  DeviceBuffer da(a.storage_bytes()), dw(w.storage_bytes()), dc(c.storage_bytes()), dg(gamma.storage_bytes()), dt(target.storage_bytes());
+  const TensorView va = to_device(a, da), vw = to_device(w, dw), vc = to_device(c, dc), vg = to_device(gamma, dg), vt = to_device(target, dt);
+  for (Epilogue e : {Epilogue::kResidualSqsumAux, Epilogue::kLse}) {
+    SCOPED_TRACE(epilogue_name(e));
+    HostTensor d(DType::kBF16, M, N), aux(DType::kBF16, M, N), parts(DType::kFP32, M, (N + 127) / 128),
+        logit = HostTensor::vector(DType::kFP32, M);
+    std::vector<HostTensor> runs;
+    for (int rep = 0; rep < 2; ++rep) {
+      DeviceBuffer dd(d.storage_bytes()), dx(aux.storage_bytes()), dp(parts.storage_bytes()), dl(logit.storage_bytes());
+      GemmEpilogueArgs g;
+      g.a = va;
+      g.w = vw;
+      g.d = to_device(d, dd);
+      g.partials = to_device(parts, dp);
+      if (e == Epilogue::kResidualSqsumAux) {
+        g.c = vc;
+        g.gamma = vg;
+        g.aux = to_device(aux, dx);
+      } else {
+        g.target = vt;
+        g.target_logit = to_device(logit, dl);
+      }
+      ASSERT_TRUE(run(g, GemmEpilogueOptions{e}));
+      ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+      for (auto [h, b] : {std::pair<HostTensor*, DeviceBuffer*>{&d, &dd}, {&parts, &dp}, {&logit, &dl}}) {
+        HostTensor out = *h;
+        from_device(out, *b);
+        runs.push_back(out);
+      }
+    }
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(runs[i].bytes, runs[i + 3].bytes) << "output " << i << " differs between launches";
+  }
+}
+
 // Finishers on device data against the CPU ones over the same partials.
 TEST_F(GemmEpilogueGpu, Finishers) {
   auto rng = make_rng(5);
