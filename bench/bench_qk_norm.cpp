@@ -17,7 +17,7 @@ namespace {
 
 constexpr int kHeadDim = 128;
 const int kHeadConfigs[][2] = {{32, 8}, {64, 4}};
-const int64_t kTokens[] = {1, 16, 64, 256, 4096, 16384, 65536};
+const int64_t kTokens[] = {1, 16, 64, 256, 4096, 8192, 16384, 65536};
 
 void fail(const Status& st) {
   std::fprintf(stderr, "encore bench: qk_norm: %s\n", st.to_string().c_str());

@@ -63,7 +63,7 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": []}
     heads = ((32, 8), (64, 4)) if os.environ.get("ENCORE_PEERS_QUICK") != "1" else ((32, 8),)
     for hq, hk in heads:
-        for T in (1, 16, 64, 256, 4096, 16384, 65536):
+        for T in (1, 16, 64, 256, 4096, 8192, 16384, 65536):
             width = (hq + 2 * hk) * D
             set_bytes = T * width * 2
             for flush in ((True, False) if os.environ.get("ENCORE_PEERS_QUICK") != "1" else (True,)):
