@@ -101,6 +101,26 @@ struct LseFinishArgs {
 };
 Status run(const LseFinishArgs& args, int ignore_index = -100, Stream stream = nullptr);
 
+// QK-norm + RoPE finish after kQkvHeadSqsum (models with QK-norm), in place on
+// qkv [M, (num_q_heads + 2 * num_kv_heads) * head_dim] (head order Q, K, V):
+//   each Q / K head h of row m:  x ← x · rsqrt(partials[m, h] / head_dim + eps) · w  (w = q_weight for
+//   Q heads, k_weight for K heads), then the RoPE of kRope over its column pairs with pos[m] and freq
+//   (rope_freq_turns layout over all N columns); V heads are untouched. partials: the kQkvHeadSqsum
+//   output [M, heads] (only the Q and K heads are read). CPU backend (CUDA: not yet).
+struct QkNormRopeArgs {
+  TensorView qkv;       // [M, N] bf16 / fp16 / fp32, in place
+  TensorView partials;  // [M, N / head_dim] fp32
+  TensorView q_weight;  // [head_dim], qkv's dtype or fp32
+  TensorView k_weight;  // [head_dim]
+  TensorView pos;       // [M] int32
+  TensorView freq;      // [N] fp32
+};
+struct QkNormRopeOptions {
+  int num_q_heads = 0, num_kv_heads = 0, head_dim = 128;
+  float eps = 1e-6f;
+};
+Status run(const QkNormRopeArgs& args, const QkNormRopeOptions& opts, Stream stream = nullptr);
+
 // out[2j] = gate[j], out[2j+1] = up[j] (rows of [F, K] weights; out [2F, K]); CPU tensors.
 Status interleave_gate_up(const TensorView& gate, const TensorView& up, const TensorView& out);
 

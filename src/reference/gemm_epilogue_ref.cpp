@@ -157,4 +157,19 @@ void lse_finish(const LseFinishArgs& a, int ignore_index) {
   }
 }
 
+void qk_norm_rope(const QkNormRopeArgs& a, const QkNormRopeOptions& o) {
+  const int64_t M = a.qkv.shape[0], N = a.qkv.shape[1], D = o.head_dim, qk_heads = o.num_q_heads + o.num_kv_heads;
+  std::vector<double> row(static_cast<size_t>(N));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) row[size_t(n)] = at2(a.qkv, m, n);
+    for (int64_t h = 0; h < qk_heads; ++h) {  // row-vector load (per-head statistic) + elementwise
+      const double r = 1.0 / std::sqrt(at2(a.partials, m, h) / double(D) + double(o.eps));
+      const TensorView& w = h < o.num_q_heads ? a.q_weight : a.k_weight;
+      for (int64_t e = 0; e < D; ++e) row[size_t(h * D + e)] *= r * at1(w, e);
+    }
+    rope_pairs(row, int64_t(at1(a.pos, m)), a.freq);  // pairwise (V heads have frequency 0)
+    for (int64_t n = 0; n < qk_heads * D; ++n) put2(a.qkv, m, n, row[size_t(n)]);
+  }
+}
+
 }  // namespace encore::reference

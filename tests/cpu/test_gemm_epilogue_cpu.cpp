@@ -245,6 +245,62 @@ TEST(GemmEpilogueCpu, RowScaleScalarScaleHeadSqsum) {
   ENCORE_EXPECT_CLOSE(heads, rh, DType::kFP32, "qkv_head_sqsum partials");
 }
 
+// gemm_qkv_head_sqsum + the QK-norm + RoPE finish equals per-head RMSNorm of the exact GEMM output
+// followed by RoPE (Q and K heads), V heads untouched.
+TEST(GemmEpilogueCpu, QkvHeadSqsumThenQkNormRope) {
+  auto rng = make_rng(23);
+  const int hq = 4, hkv = 2, hd = 16, heads = hq + 2 * hkv, N = heads * hd;
+  const int64_t M = 11, K = 24;
+  HostTensor a(DType::kFP32, M, K), w(DType::kFP32, N, K), qkv(DType::kFP32, M, N), part = f32(M, heads);
+  a.fill_normal(rng);
+  w.fill_normal(rng, 0.0, 0.3);
+  std::vector<float> qw(hd), kw(hd), f(static_cast<size_t>(N));
+  for (int e = 0; e < hd; ++e) qw[size_t(e)] = 1.0f + 0.1f * float(e % 5), kw[size_t(e)] = 0.7f + 0.05f * float(e % 3);
+  std::vector<int32_t> pos(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) pos[size_t(m)] = int32_t(m * 977);
+  ASSERT_TRUE(rope_freq_turns(heads, hq + hkv, hd, 1000000.0, vec_view(f)));
+  GemmEpilogueArgs g;
+  g.a = a.view();
+  g.w = w.view();
+  g.d = qkv.view();
+  g.partials = part.view();
+  GemmEpilogueOptions o{Epilogue::kQkvHeadSqsum};
+  o.head_dim = hd;
+  ASSERT_TRUE(run(g, o));
+  QkNormRopeArgs f_args{qkv.view(), part.view(), vec_view(qw), vec_view(kw), TensorView::contiguous(pos.data(), DType::kInt32, {M}),
+                        vec_view(f)};
+  Status st = run(f_args, QkNormRopeOptions{hq, hkv, hd, 1e-6f});
+  ASSERT_TRUE(st) << st.to_string();
+  double worst = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    std::vector<double> row(static_cast<size_t>(N));
+    for (int n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += a.get(m, k) * w.get(n, k);
+      row[size_t(n)] = s;
+    }
+    for (int h = 0; h < hq + hkv; ++h) {
+      double ss = 0;
+      for (int e = 0; e < hd; ++e) ss += row[size_t(h * hd + e)] * row[size_t(h * hd + e)];
+      const double r = 1.0 / std::sqrt(ss / hd + 1e-6);
+      for (int e = 0; e < hd; ++e) row[size_t(h * hd + e)] *= r * (h < hq ? qw[size_t(e)] : kw[size_t(e)]);
+      for (int j = 0; j < hd / 2; ++j) {
+        const int c = h * hd + 2 * j;
+        const double th = 2 * 3.141592653589793 * pos[size_t(m)] * (double(f[size_t(c)]) + double(f[size_t(c + 1)]));
+        const double x = row[size_t(c)], y = row[size_t(c + 1)];
+        row[size_t(c)] = x * std::cos(th) - y * std::sin(th);
+        row[size_t(c + 1)] = y * std::cos(th) + x * std::sin(th);
+      }
+    }
+    for (int n = 0; n < N; ++n) worst = std::max(worst, std::fabs(qkv.get(m, n) - row[size_t(n)]));
+  }
+  EXPECT_LT(worst, 2e-5);
+  QkNormRopeArgs bad = f_args;
+  HostTensor short_part = f32(M, heads - 1);
+  bad.partials = short_part.view();
+  EXPECT_FALSE(run(bad, QkNormRopeOptions{hq, hkv, hd, 1e-6f}).is_ok());
+}
+
 // ---- bad input -------------------------------------------------------------------------------
 
 struct GemmBad : ::testing::Test {
