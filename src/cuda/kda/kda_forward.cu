@@ -8,8 +8,10 @@
 //     A = (I + L)^-1 by forward substitution,  W = A (β k ⊙ 2^G),  U = A (β v),
 //     Qg = s q ⊙ 2^G,  Kg = k ⊙ 2^(gC − G),  gC = G of the last row (padding rows have g = 0).
 //   kda_state_kernel   grid (N, H, V / 32), 256 threads, the serial pass of one sequence and head
-//     over its chunks on a 32-column slice of the state S [K, V] (fp32, shared memory):
-//     Vnew = U − W S;  O = Qg S + Aqk Vnew;  S = 2^gC ⊙ S + Kgᵀ Vnew;  o and the final state out.
+//     over its chunks on a 32-column slice of the state S [K, V] (fp32, shared memory); each step
+//     stages the chunk's W, Qg, Kg, Aqk, U slice and 2^gC in shared memory, then
+//     Vnew = U − W S;  O = Qg S + Aqk Vnew;  S = 2^gC ⊙ S + Kgᵀ Vnew  (8 rows per thread);
+//     o and the final state out.
 //
 // Constraints (dispatch): K, V <= 128, bf16 or fp32 inputs, <= 1024 sequences; sequences start new
 // chunks (varlen alignment, §9). Not yet: tensor cores, the saved residuals (Aqk, A, h) for the
@@ -196,6 +198,10 @@ __global__ void __launch_bounds__(kThreads) kda_chunk_kernel(const __grid_consta
   }
 }
 
+// Rows per thread in the state kernel: thread (r0, column) owns rows r0, r0 + 8, ... of a chunk.
+constexpr int kRowStep = kThreads / kVSlice;  // 8
+constexpr int kRowsPerThread = kC / kRowStep;  // 8
+
 __global__ void __launch_bounds__(kThreads) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, const float* ws) {
   const int n = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * kVSlice, tid = threadIdx.x;
   const int K = p.K, V = p.V, b = p.varlen ? 0 : n;
@@ -204,46 +210,90 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const __grid_consta
   const bool col = vc < V;
   const ChunkLayout L{K, V};
   extern __shared__ float smem[];
-  float* S = smem;                   // [K][32]
-  float* Vn = S + K * kVSlice;       // [64][32]
+  float* S = smem;                    // [K][32] state slice
+  float* Vn = S + K * kVSlice;        // [64][32]
+  float* Wt = Vn + kC * kVSlice;      // [64][K]
+  float* Qt = Wt + kC * K;            // [64][K]
+  float* Kt = Qt + kC * K;            // [64][K]
+  float* At = Kt + kC * K;            // [64][64] Aqk (zeros above the diagonal)
+  float* Ut = At + kC * kC;           // [64][32] U slice
+  float* gC = Ut + kC * kVSlice;      // [K]
   for (int idx = tid; idx < K * kVSlice; idx += kThreads) {
     const int c = idx / kVSlice, v = v0 + idx % kVSlice;
     S[idx] = (p.h0 && v < V) ? p.h0[((int64_t(n) * p.H + h) * K + c) * V + v] : 0.f;
   }
-  __syncthreads();
   const int begin = p.seq_begin[n], end = p.seq_end[n];
   for (int slot = p.chunk_start[n]; slot < p.chunk_start[n + 1]; ++slot) {
     const float* in = ws + (int64_t(slot) * p.H + h) * L.size();
     const int t0 = begin + (slot - p.chunk_start[n]) * kC;
     const int rows = min(kC, end - t0);
-    // Vnew = U − W S (rows r0, r0 + 8, ...)
-    for (int i = r0; i < kC; i += kThreads / kVSlice) {
-      float s = col ? in[L.u() + i * V + vc] : 0.f;
-      const float* w = in + L.w() + i * K;
-      for (int c = 0; c < K; ++c) s -= w[c] * S[c * kVSlice + vl];
-      Vn[i * kVSlice + vl] = s;
+    // Stage the chunk's operands in shared memory (coalesced); the previous step's reads are done.
+    for (int idx = tid; idx < kC * K; idx += kThreads) {
+      Wt[idx] = in[L.w() + idx];
+      Qt[idx] = in[L.qg() + idx];
+      Kt[idx] = in[L.kg() + idx];
     }
+    for (int idx = tid; idx < kC * kC; idx += kThreads) At[idx] = in[L.aqk() + idx];
+    for (int idx = tid; idx < kC * kVSlice; idx += kThreads) {
+      const int i = idx / kVSlice, v = v0 + idx % kVSlice;
+      Ut[idx] = v < V ? in[L.u() + i * V + v] : 0.f;
+    }
+    for (int idx = tid; idx < K; idx += kThreads) gC[idx] = exp2f(in[L.gc() + idx]);
     __syncthreads();
-    // O = Qg S + Aqk Vnew
-    for (int i = r0; i < rows; i += kThreads / kVSlice) {
-      float s = 0.f;
-      const float* qg = in + L.qg() + i * K;
-      for (int c = 0; c < K; ++c) s += qg[c] * S[c * kVSlice + vl];
-      const float* a = in + L.aqk() + i * kC;
-      for (int j = 0; j <= i; ++j) s += a[j] * Vn[j * kVSlice + vl];
-      if (col) {
-        const int64_t off = int64_t(b) * p.o_sb + int64_t(t0 + i) * p.o_st + int64_t(h) * p.o_sh + vc;
-        if (p.o_dtype == DType::kBF16) static_cast<__nv_bfloat16*>(p.o)[off] = __float2bfloat16(s);
-        else static_cast<float*>(p.o)[off] = s;
+    // Vnew = U − W S and O = Qg S, rows r0 + 8k (independent accumulators).
+    float vn[kRowsPerThread], o[kRowsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      vn[k] = Ut[(r0 + k * kRowStep) * kVSlice + vl];
+      o[k] = 0.f;
+    }
+    for (int c = 0; c < K; ++c) {
+      const float sv = S[c * kVSlice + vl];
+#pragma unroll
+      for (int k = 0; k < kRowsPerThread; ++k) {
+        vn[k] -= Wt[(r0 + k * kRowStep) * K + c] * sv;
+        o[k] += Qt[(r0 + k * kRowStep) * K + c] * sv;
       }
     }
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) Vn[(r0 + k * kRowStep) * kVSlice + vl] = vn[k];
     __syncthreads();
-    // S = 2^gC ⊙ S + Kgᵀ Vnew
-    for (int c = r0; c < K; c += kThreads / kVSlice) {
-      float s = S[c * kVSlice + vl] * exp2f(in[L.gc() + c]);
-      const float* kg = in + L.kg() + c;
-      for (int j = 0; j < kC; ++j) s += kg[j * K] * Vn[j * kVSlice + vl];
-      S[c * kVSlice + vl] = s;
+    // O += Aqk Vnew; write o.
+    for (int j = 0; j < kC; ++j) {
+      const float x = Vn[j * kVSlice + vl];
+#pragma unroll
+      for (int k = 0; k < kRowsPerThread; ++k) o[k] += At[(r0 + k * kRowStep) * kC + j] * x;
+    }
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const int i = r0 + k * kRowStep;
+      if (col && i < rows) {
+        const int64_t off = int64_t(b) * p.o_sb + int64_t(t0 + i) * p.o_st + int64_t(h) * p.o_sh + vc;
+        if (p.o_dtype == DType::kBF16) static_cast<__nv_bfloat16*>(p.o)[off] = __float2bfloat16(o[k]);
+        else static_cast<float*>(p.o)[off] = o[k];
+      }
+    }
+    // S = 2^gC ⊙ S + Kgᵀ Vnew, state rows c = r0 + 8k.
+    for (int c0 = r0; c0 < K; c0 += kRowStep * kRowsPerThread) {
+      float acc[kRowsPerThread];
+#pragma unroll
+      for (int k = 0; k < kRowsPerThread; ++k) {
+        const int c = c0 + k * kRowStep;
+        acc[k] = c < K ? S[c * kVSlice + vl] * gC[c] : 0.f;
+      }
+      for (int j = 0; j < kC; ++j) {
+        const float x = Vn[j * kVSlice + vl];
+#pragma unroll
+        for (int k = 0; k < kRowsPerThread; ++k) {
+          const int c = c0 + k * kRowStep;
+          if (c < K) acc[k] += Kt[j * K + c] * x;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kRowsPerThread; ++k) {
+        const int c = c0 + k * kRowStep;
+        if (c < K) S[c * kVSlice + vl] = acc[k];
+      }
     }
     __syncthreads();
   }
@@ -273,7 +323,7 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   if (chunks == 0) return Status::ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t smem1 = sizeof(float) * size_t(3 * kC * (p.K + 1) + kC * (p.V + 1) + 2 * kC * (kC + 1) + 3 * kC);
-  const size_t smem2 = sizeof(float) * size_t(p.K * kVSlice + kC * kVSlice);
+  const size_t smem2 = sizeof(float) * size_t(p.K * kVSlice + 2 * kC * kVSlice + 3 * kC * p.K + kC * kC + p.K);
   if (cudaFuncSetAttribute(kda_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem1)) != cudaSuccess)
     return launched("shared memory for the chunk kernel");
   if (cudaFuncSetAttribute(kda_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem2)) != cudaSuccess)
