@@ -382,7 +382,7 @@ Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
   return Status::ok();
 }
 
-Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream) {
+Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream stream) {
   ENCORE_RETURN_IF_ERROR(checks::present("qkv", a.qkv));
   ENCORE_RETURN_IF_ERROR(checks::ndim("qkv", a.qkv, 2, "[M, N]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("qkv", a.qkv, kIo));
@@ -400,8 +400,38 @@ Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream) {
   ENCORE_RETURN_IF_ERROR(vector("freq", a.freq, N, "[N] (hi, lo) pairs", a.qkv, {DType::kFP32}));
   if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("qkv", a.qkv, "partials", a.partials));
-  if (a.qkv.device.is_cuda())
-    return Status::unsupported("qkv: on " + a.qkv.device.to_string() + ": the QK-norm + RoPE finish has no CUDA kernel yet (CPU backend only)");
+  if (a.qkv.device.is_cuda()) {
+    if (a.q_weight.dtype != a.k_weight.dtype) return Status::invalid("k_weight: dtype must match q_weight's on CUDA");
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q_weight", &a.q_weight}, {"k_weight", &a.k_weight}, {"pos", &a.pos},
+                           {"freq", &a.freq}})
+      ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+    if (!checks::aligned(a.freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("qkv", a.qkv));
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
+    if (M >= (int64_t(1) << 31)) return Status::unsupported("qkv: M must be < 2^31");
+#ifdef ENCORE_WITH_CUDA
+    cuda::QkNormRopeProblem p;
+    p.qkv = a.qkv.data;
+    p.ld_qkv = a.qkv.strides[0];
+    p.dtype = a.qkv.dtype;
+    p.partials = static_cast<const float*>(a.partials.data);
+    p.ld_partials = a.partials.strides[0];
+    p.q_weight = a.q_weight.data;
+    p.k_weight = a.k_weight.data;
+    p.weight_fp32 = a.q_weight.dtype == DType::kFP32;
+    p.pos = static_cast<const int32_t*>(a.pos.data);
+    p.freq = static_cast<const float*>(a.freq.data);
+    p.M = int(M);
+    p.num_q_heads = o.num_q_heads;
+    p.qk_heads = o.num_q_heads + o.num_kv_heads;
+    p.head_dim = o.head_dim;
+    p.eps = o.eps;
+    return cuda::launch_qk_norm_rope(p, stream);
+#else
+    (void)stream;
+    return no_cuda(a.qkv);
+#endif
+  }
   reference::qk_norm_rope(a, o);
   return Status::ok();
 }

@@ -270,6 +270,36 @@ TEST_F(GemmEpilogueGpu, PartialsAreDeterministic) {
   }
 }
 
+// QK-norm + RoPE finish on CUDA against the CPU backend on the same qkv and partials.
+TEST_F(GemmEpilogueGpu, QkNormRopeFinish) {
+  auto rng = make_rng(31);
+  for (DType t : {DType::kBF16, DType::kFP16}) {
+    SCOPED_TRACE(dtype_name(t));
+    const int hq = 8, hkv = 2, hd = 128, heads = hq + 2 * hkv;
+    const int64_t M = 77, N = int64_t(heads) * hd;
+    HostTensor qkv(t, M, N, N + 8), part(DType::kFP32, M, heads), qw = HostTensor::vector(t, hd), kw = HostTensor::vector(t, hd);
+    HostTensor pos = HostTensor::vector(DType::kInt32, M), freq = HostTensor::vector(DType::kFP32, N);
+    qkv.fill_normal(rng);
+    part.fill_uniform(rng, 10.0, 300.0);
+    qw.fill_normal(rng, 1.0, 0.2);
+    kw.fill_normal(rng, 1.0, 0.2);
+    for (int64_t m = 0; m < M; ++m) pos.set(0, m, double(int64_t(rng() % 100000)));
+    ASSERT_TRUE(rope_freq_turns(heads, hq + hkv, hd, 1000000.0, freq.view()));
+    DeviceBuffer dq(qkv.storage_bytes()), dp(part.storage_bytes()), dqw(qw.storage_bytes()), dkw(kw.storage_bytes()), dpos(pos.storage_bytes()),
+        df(freq.storage_bytes());
+    QkNormRopeArgs g{to_device(qkv, dq), to_device(part, dp), to_device(qw, dqw), to_device(kw, dkw), to_device(pos, dpos), to_device(freq, df)};
+    const QkNormRopeOptions o{hq, hkv, hd, 1e-6f};
+    Status st = run(g, o);
+    ASSERT_TRUE(st) << st.to_string();
+    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+    HostTensor cpu = qkv;
+    ASSERT_TRUE(run(QkNormRopeArgs{cpu.view(), part.view(), qw.view(), kw.view(), pos.view(), freq.view()}, o));
+    HostTensor gpu = qkv;
+    from_device(gpu, dq);
+    ENCORE_EXPECT_CLOSE(gpu, cpu, t, "qkv");
+  }
+}
+
 // Finishers on device data against the CPU ones over the same partials.
 TEST_F(GemmEpilogueGpu, Finishers) {
   auto rng = make_rng(5);

@@ -57,6 +57,23 @@ Status launch_qkv_head_sqsum_pp128(const GemmProblem& p, Stream stream);
 Status launch_lse_coop256(const GemmProblem& p, Stream stream);  // D written iff p.d
 Status launch_lse_pp128(const GemmProblem& p, Stream stream);
 
+// QK-norm + RoPE finish (src/cuda/gemm_epilogue/qk_norm_rope.cu); validated by the dispatch.
+struct QkNormRopeProblem {
+  void* qkv = nullptr;
+  int64_t ld_qkv = 0;
+  DType dtype = DType::kBF16;
+  const float* partials = nullptr;
+  int64_t ld_partials = 0;
+  const void* q_weight = nullptr;  // contiguous, qkv's dtype or fp32 (weight_fp32)
+  const void* k_weight = nullptr;
+  bool weight_fp32 = false;
+  const int32_t* pos = nullptr;  // contiguous
+  const float* freq = nullptr;   // contiguous, 8-byte aligned
+  int M = 0, num_q_heads = 0, qk_heads = 0, head_dim = 0;
+  float eps = 1e-6f;
+};
+Status launch_qk_norm_rope(const QkNormRopeProblem& p, Stream stream);
+
 // Finishers (src/cuda/gemm_epilogue/finishers.cu); contiguous fp32 vectors, partials row stride ld.
 Status launch_rms_final_reduce(const float* partials, int64_t ld, int M, int tiles, float* r, int64_t hidden, float eps, Stream stream);
 Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, float* lse, const int32_t* target, const float* target_logit,
