@@ -15,16 +15,17 @@
 //   kScalarScale       D = alpha[0] · acc  (alpha read from memory: graph-safe)
 //
 // Finishers: rms_final_reduce (r from the sum-of-squares partials), lse_finish (per-row log-sum-exp
-// and cross-entropy loss from the LSE partials). Statistics are fp32; D and aux take A's dtype
+// and cross-entropy loss from the LSE partials), and the QK-norm + RoPE finish after kQkvHeadSqsum
+// (QkNormRopeArgs, CPU backend only so far). Statistics are fp32; D and aux take A's dtype
 // (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
 // produces the same layout [M, ceil(N / partial_tile_n)]; 0 (the default) means
 // gemm_partial_tile_n(epilogue, M, N, K), the width of the fastest CUDA tile for the shape.
 //
 // Backends: the CPU reference (fp64 accumulation) for every epilogue and finisher. CUDA: every
-// epilogue and both finishers, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
+// epilogue, rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
 // (src/cuda/gemm_epilogue), with these limits (refused with a clear error otherwise):
 //   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K and N multiples of 8; 16-byte aligned
-//   matrix rows; contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse) and
+//   matrix rows (SwiGLU aux: 8-byte); contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse) and
 //   head_dim = 128 (kQkvHeadSqsum). Tails in M and N are masked. kRope positions must lie in
 //   [0, 2^24). kLse targets are device data and cannot be checked before the launch: a target
 //   outside [0, N) other than ignore_index yields target_logit = NaN (the CPU backend refuses it).

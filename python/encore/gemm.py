@@ -96,6 +96,17 @@ def gemm_qkv_head_sqsum(a, w, head_dim: int = 128, stream=None):
     return d, p
 
 
+def qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, num_q_heads: int, num_kv_heads: int, head_dim: int = 128,
+                  eps: float = 1e-6, stream=None):
+    """In place after gemm_qkv_head_sqsum: per-head RMSNorm of the Q and K heads from their sums of
+    squares (partials), times q_weight / k_weight, then RoPE of their column pairs; returns qkv.
+    CPU backend (CUDA: not yet)."""
+    _no_autograd(qkv)
+    _encore.qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, int(num_q_heads), int(num_kv_heads), int(head_dim),
+                          float(eps), _stream_for(qkv, stream))
+    return qkv
+
+
 def gemm_lse(a, w, r=None, target=None, store_logits=False, ignore_index=-100, partial_tile_n=0, stream=None):
     """z = r[:, None] * (a @ w.T). Returns (partials [M, tiles] float32 of log-sum-exp per tile,
     logits z or None, target_logit [M] float32 = z[m, target[m]] or None); finish with lse_finish."""

@@ -172,6 +172,15 @@ NB_MODULE(_encore, m) {
         },
         nb::arg("partials"), nb::arg("lse"), nb::arg("target").none(), nb::arg("target_logit").none(), nb::arg("loss").none(),
         nb::arg("ignore_index"), nb::arg("stream"));
+  m.def("qk_norm_rope_",
+        [](Array qkv, Array partials, Array q_weight, Array k_weight, Array pos, Array freq, int num_q_heads, int num_kv_heads,
+           int head_dim, float eps, uintptr_t stream) {
+          QkNormRopeArgs a{to_view(qkv, "qkv"), to_view(partials, "partials"), to_view(q_weight, "q_weight"), to_view(k_weight, "k_weight"),
+                           to_view(pos, "pos"), to_view(freq, "freq")};
+          raise_if_error(run(a, QkNormRopeOptions{num_q_heads, num_kv_heads, head_dim, eps}, as_stream(stream)));
+        },
+        nb::arg("qkv"), nb::arg("partials"), nb::arg("q_weight"), nb::arg("k_weight"), nb::arg("pos"), nb::arg("freq"),
+        nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("eps"), nb::arg("stream"));
   m.def("rope_freq_turns_out",
         [](int num_heads, int rotary_heads, int head_dim, double base, Array freq) {
           raise_if_error(rope_freq_turns(num_heads, rotary_heads, head_dim, base, to_view(freq, "freq")));

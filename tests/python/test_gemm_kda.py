@@ -62,6 +62,24 @@ def test_swiglu_rope_heads_lse():
     assert rel(loss, loss_ref) < 1e-5
 
 
+def test_qkv_head_sqsum_then_qk_norm_rope():
+    hq, hkv, hd = 2, 1, 8
+    n = (hq + 2 * hkv) * hd
+    a, w = randn(6, 16), randn(n, 16, scale=0.3)
+    qkv, parts = encore.gemm_qkv_head_sqsum(a, w, head_dim=hd)
+    qw, kw = 1 + randn(hd, scale=0.1), 1 + randn(hd, scale=0.1)
+    pos = np.arange(6, dtype=np.int32) * 11
+    freq = encore.rope_freq_turns(hq + 2 * hkv, hq + hkv, hd, 10000.0)
+    encore.qk_norm_rope_(qkv, parts, qw, kw, pos, freq, hq, hkv, hd)
+    acc = (a.astype(np.float64) @ w.T.astype(np.float64)).reshape(6, -1, hd)
+    ref = acc.copy()
+    ref[:, :hq + hkv] /= np.sqrt((acc[:, :hq + hkv] ** 2).mean(-1, keepdims=True) + 1e-6)
+    ref[:, :hq] *= qw
+    ref[:, hq:hq + hkv] *= kw
+    ref = rope_ref(ref.reshape(6, n), pos, freq)
+    assert rel(qkv, ref) < 1e-5
+
+
 def test_llama_block_matches_textbook():
     m, d, f, heads, hd = 9, 32, 48, 4, 8
     y0, x0 = randn(m, d), randn(m, d)
