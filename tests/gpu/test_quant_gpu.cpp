@@ -98,10 +98,12 @@ TEST_F(QuantGpu, HostPlanLayoutsAndDtypes) {
 
 TEST_F(QuantGpu, EveryKernelVariant) {
   for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32}) {
-    for (int g : {1, 4}) {
+    for (int g : {1, 2, 4, 8}) {
       for (long long grid : {2LL, 5000LL}) {
-        cuda::Fp8QuantLaunchPlan plan{256, g, grid};
-        run_quant_case(t, 333, 1280, 0, true, false, &plan);
+        for (int threads : {128, 512}) {
+          cuda::Fp8QuantLaunchPlan plan{threads, g, grid};
+          run_quant_case(t, 333, 1280, 0, true, false, &plan);
+        }
       }
     }
   }

@@ -1,5 +1,6 @@
 // Instantiations and launch of fp8_group_quant_kernel: T in {bf16, fp16, fp32} x groups per thread
-// {1, 4}; the plan takes 4 once the grid would hold more than ~2048 threads per SM.
+// {1, 2, 4, 8} (2 and 8 for the quant_plans sweep); the plan takes 4 once the grid would hold more
+// than ~2048 threads per SM.
 #include <cuda_runtime.h>
 
 #include "cuda/common/device_guard.hpp"
@@ -23,7 +24,10 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& p
   k.num_groups = uint32_t(p.rows) * k.groups_per_row;
   k.power_of_two = p.power_of_two;
   k.eps = p.eps;
-  void (*fn)(Fp8QuantParams<T>) = plan.groups_per_thread == 4 ? fp8_group_quant_kernel<T, 4> : fp8_group_quant_kernel<T, 1>;
+  void (*fn)(Fp8QuantParams<T>) = fp8_group_quant_kernel<T, 1>;
+  if (plan.groups_per_thread == 2) fn = fp8_group_quant_kernel<T, 2>;
+  if (plan.groups_per_thread == 4) fn = fp8_group_quant_kernel<T, 4>;
+  if (plan.groups_per_thread == 8) fn = fp8_group_quant_kernel<T, 8>;
   fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string("fp8_group_quant launch: ") + cudaGetErrorString(e));
