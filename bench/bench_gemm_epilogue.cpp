@@ -2,7 +2,8 @@
 // shape in the same run (the speed of light of a fused epilogue), and the GEMM-residual-RMSNorm-GEMM
 // forward chain of anchors.md (residual_sqsum_aux -> rms_final_reduce -> row_scale) against the two
 // cuBLAS GEMMs alone and against the unfused path (cuBLAS GEMM, encore add_rms_norm, cuBLAS GEMM),
-// on each tile configuration, at the LLaMA 1B / 8B / 70B sizes with M = 8192 tokens, bf16; the LM head (vocab 128256) for LSE.
+// on each tile configuration, at the LLaMA 1B / 8B / 70B sizes with M = 8192 and 16384 tokens, bf16;
+// the LM head (vocab 128256) for LSE; and the shifted block forward against its four cuBLAS GEMMs.
 // Weights are [N, K] (out x in); inputs rotate so the working set exceeds L2.
 #include <cublas_v2.h>
 
