@@ -26,6 +26,8 @@ step() {  # step NAME CMD...: runs, logs, counts failures
   if "$@" 2>&1 | tee -a "$log"; then say "$name: ok"; else say "$name: FAILED"; fails=$((fails + 1)); fi
 }
 suites=${ENCORE_BENCH_SUITES:-norm}
+# The build's commit for the JSON: ENCORE_COMMIT, else the one stage_gpu.sh recorded.
+if [ -z "${ENCORE_COMMIT:-}" ] && [ -f .gpubin/COMMIT ]; then export ENCORE_COMMIT=$(cat .gpubin/COMMIT); fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee -a "$log"
 

@@ -6,6 +6,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 ./scripts/build.sh cuda
 mkdir -p .gpubin
+# The commit the binaries are built from (the GPU machine's copy has no .git): gpu_run.sh stamps it
+# into the bench JSON; "+dirty" when the tree had uncommitted changes.
+{ git rev-parse --short=12 HEAD 2>/dev/null || echo unknown; } | tr -d '\n' >.gpubin/COMMIT
+git diff --quiet HEAD 2>/dev/null || echo -n "+dirty" >>.gpubin/COMMIT
 cp build-cuda/apps/encore/encore build-cuda/tests/encore_tests_gpu build-cuda/tests/encore_tests_cpu .gpubin/
 # The shared peer script travels in .whl/ (ignored) for ENCORE_SHARED_PEERS runs.
 if [ -f ../shared/docs/bench_peers.py ]; then mkdir -p .whl && cp ../shared/docs/bench_peers.py .whl/; fi

@@ -2,7 +2,8 @@
 //   encore info                 build options, kernel families, the GPU (or "no CUDA device")
 //   encore check [--cpu]        every op: GPU vs CPU backend on small random shapes (pass/fail table)
 //   encore bench [suite] [--out FILE.json] [--quick]
-//                               benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path; all by default): table + JSON
+//                               benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,
+//                               gemm_epilogue, kda; all by default): table + JSON
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -22,7 +23,8 @@ int usage(int code) {
       "  info                         build options, kernel families, GPU\n"
       "  check [--cpu]                run every op against the CPU backend (pass/fail table)\n"
       "  bench [suite ...] [--out FILE] [--quick]\n"
-      "                               run benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path); write JSON to FILE\n");
+      "                               run benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,\n"
+      "                               gemm_epilogue, kda); write JSON to FILE\n");
   return code;
 }
 
@@ -30,7 +32,8 @@ int info() {
   std::printf("encore %s (commit %s)\n", "0.1.0", ENCORE_GIT_COMMIT);
   std::printf("  CUDA backend:    %s\n", encore::built_with_cuda() ? "yes (sm_90a)" : "no (ENCORE_CUDA=OFF)");
   if (encore::built_with_cuda()) std::printf("  CUTLASS:         %s\n", ENCORE_CUTLASS_VERSION_STR);
-  std::printf("  kernel families: norm (rms_norm, add_rms_norm, qk_norm), quant (fp8_group_quant)\n");
+  std::printf("  kernel families: norm (rms_norm, add_rms_norm, qk_norm), quant (fp8_group_quant),\n"
+              "                   gemm_epilogue (7 epilogues x 2 tiles, finishers, llama_block forward), kda (forward)\n");
 #ifdef ENCORE_WITH_BENCH
   std::printf("  benchmarks:      yes\n");
 #else
