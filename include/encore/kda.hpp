@@ -40,7 +40,7 @@ struct KdaOptions {
 //   Akk  [B, T, H, 64]: the rows of A = (I + L)^-1 (unit lower triangular);
 //   h    [NT, H, K, V]: the chunk-start states, chunks of all sequences in order (NT =
 //        kda_chunk_count); given = the saved-h mode, absent = the rematerialize mode.
-// Aqk, Akk, h take bf16 or fp32 (or fp64 with fp64 inputs). CPU backend only for now.
+// Aqk, Akk, h take bf16 or fp32 (or fp64 on the CPU backend); on CUDA contiguous and in one dtype.
 struct KdaResiduals {
   TensorView G, Aqk, Akk, h;
   bool any() const { return G.defined() || Aqk.defined() || Akk.defined() || h.defined(); }

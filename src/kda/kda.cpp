@@ -98,7 +98,20 @@ Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
     return Status::unsupported("cu_seqlens: the CUDA KDA forward takes at most " + std::to_string(kMaxSeqs) + " sequences per call, got " +
                                std::to_string(p.seqs.size()));
   if (p.T >= (int64_t(1) << 31)) return Status::unsupported("q: T must be < 2^31");
-  if (a.residuals.any()) return Status::unsupported("residuals: the CUDA KDA forward does not save residuals yet (CPU backend only)");
+  const KdaResiduals& r = a.residuals;
+  DType res_dtype = DType::kFP32;
+  bool first = true;
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"residuals.Aqk", &r.Aqk}, {"residuals.Akk", &r.Akk}, {"residuals.h", &r.h}}) {
+    if (!t->defined()) continue;
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP32}));
+    if (!first && t->dtype != res_dtype) return Status::invalid(std::string(name) + ": the CUDA forward writes Aqk, Akk and h in one dtype");
+    res_dtype = t->dtype;
+    first = false;
+  }
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"residuals.G", &r.G}, {"residuals.Aqk", &r.Aqk}, {"residuals.Akk", &r.Akk},
+                         {"residuals.h", &r.h}})
+    if (t->defined() && !t->is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous on CUDA");
+  if (r.G.defined()) ENCORE_RETURN_IF_ERROR(checks::dtype_in("residuals.G", r.G, {DType::kFP32}));
   return Status::ok();
 }
 
@@ -203,6 +216,12 @@ Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream
     cp->o_sh = a.o.strides[2];
     cp->final_state = o.output_final_state ? static_cast<float*>(a.final_state.data) : nullptr;
     cp->varlen = a.cu_seqlens.defined();
+    cp->res_G = static_cast<float*>(a.residuals.G.data);
+    cp->res_Aqk = a.residuals.Aqk.data;
+    cp->res_Akk = a.residuals.Akk.data;
+    cp->res_h = a.residuals.h.data;
+    for (const TensorView* t : {&a.residuals.Aqk, &a.residuals.Akk, &a.residuals.h})
+      if (t->defined()) cp->res_dtype = t->dtype;
     int32_t chunk = 0;
     for (size_t n = 0; n < p.seqs.size(); ++n) {
       cp->seq_begin[n] = int32_t(p.seqs[n].begin);

@@ -5,6 +5,7 @@
 // norm, bf16 and fp32. Outputs poisoned; relative RMS of o and the final state <= 5e-3, no NaN.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "encore/kda.hpp"
@@ -38,7 +39,7 @@ struct DeviceVec {
   }
 };
 
-void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0) {
+void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0, bool residuals = false) {
   SCOPED_TRACE(std::string(label) + " " + dtype_name(dt));
   c.fill(uint64_t(c.T * 7 + c.K));
   if (extreme_gate != 0.0)
@@ -62,6 +63,17 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0)
   if (!c.dt_bias.empty())
     a.dt_bias = (dt_bias = std::make_unique<DeviceVec>(c.dt_bias, DType::kFP32, std::initializer_list<int64_t>{H * K}))->view;
   if (!c.cu.empty()) a.cu_seqlens = TensorView::contiguous(c.cu.data(), DType::kInt64, {int64_t(c.cu.size())});
+  int64_t nt = 0;
+  ASSERT_TRUE(kda_chunk_count(a, c.opts, &nt));
+  const size_t nG = size_t(B * T * H * K), nA = size_t(B * T * H * 64), nH = size_t(nt * H * K * V);
+  std::vector<double> G_init(nG, NAN), A_init(nA, NAN), H_init(nH, NAN);
+  std::unique_ptr<DeviceVec> rG, rAqk, rAkk, rh;
+  if (residuals) {
+    a.residuals.G = (rG = std::make_unique<DeviceVec>(G_init, DType::kFP32, std::initializer_list<int64_t>{B, T, H, K}))->view;
+    a.residuals.Aqk = (rAqk = std::make_unique<DeviceVec>(A_init, DType::kFP32, std::initializer_list<int64_t>{B, T, H, 64}))->view;
+    a.residuals.Akk = (rAkk = std::make_unique<DeviceVec>(A_init, DType::kFP32, std::initializer_list<int64_t>{B, T, H, 64}))->view;
+    a.residuals.h = (rh = std::make_unique<DeviceVec>(H_init, DType::kFP32, std::initializer_list<int64_t>{nt, H, K, V}))->view;
+  }
   const size_t ws_bytes = workspace_bytes(a, c.opts);
   DeviceBuffer ws(std::max<size_t>(ws_bytes, 16));
   Status st = run(a, c.opts, ws.ptr);
@@ -69,7 +81,20 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0)
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
   // CPU reference on the rounded inputs.
   KdaForwardArgs r = c.args();
+  std::vector<double> G_cpu(nG, NAN), Aqk_cpu(nA, NAN), Akk_cpu(nA, NAN), h_cpu(nH, NAN);
+  if (residuals) {
+    r.residuals.G = TensorView::contiguous(G_cpu.data(), DType::kFP64, {B, T, H, K});
+    r.residuals.Aqk = TensorView::contiguous(Aqk_cpu.data(), DType::kFP64, {B, T, H, 64});
+    r.residuals.Akk = TensorView::contiguous(Akk_cpu.data(), DType::kFP64, {B, T, H, 64});
+    r.residuals.h = TensorView::contiguous(h_cpu.data(), DType::kFP64, {nt, H, K, V});
+  }
   ASSERT_TRUE(run(r, c.opts)) << "cpu";
+  if (residuals) {
+    const double eG = rel_err(rG->fetch(nG), G_cpu), eq = rel_err(rAqk->fetch(nA), Aqk_cpu), ea = rel_err(rAkk->fetch(nA), Akk_cpu),
+                 eh = rel_err(rh->fetch(nH), h_cpu);
+    std::printf("  kda residuals %-18s %-4s G %.2e Aqk %.2e Akk %.2e h %.2e\n", label, dtype_name(dt), eG, eq, ea, eh);
+    EXPECT_LE(std::max({eG, eq, ea, eh}), 1e-4) << "residuals";
+  }
   const std::vector<double> o_gpu = o.fetch(c.o.size()), fin_gpu = fin.fetch(c.fin.size());
   const double eo = rel_err(o_gpu, c.o), ef = rel_err(fin_gpu, c.fin);
   std::printf("  kda %-28s %-4s o rel-rms %.2e  final state %.2e\n", label, dtype_name(dt), eo, ef);
@@ -92,6 +117,7 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
     run_case(KdaCase{1, 300, 2, 128, 128, {0, 100, 300}, Gate::kSoftplusBias, false, true}, dt, "varlen softplus+dt_bias");
     run_case(KdaCase{1, 300, 2, 128, 128, {0, 37, 300}, Gate::kLowerBound, true, false}, dt, "varlen lower bound -5");
     run_case(KdaCase{2, 160, 2, 128, 128, {}, Gate::kPrecomputed, true, false}, dt, "extreme gates -1000", -1000.0);
+    run_case(KdaCase{1, 300, 2, 64, 64, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, "varlen with residuals", 0.0, true);
   }
 }
 

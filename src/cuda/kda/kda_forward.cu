@@ -43,6 +43,11 @@ struct ChunkLayout {  // floats per (chunk, head) in the workspace
   __host__ __device__ int64_t size() const { return gc() + K; }
 };
 
+__device__ __forceinline__ void store(void* base, DType dt, int64_t off, float x) {
+  if (dt == DType::kBF16) static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16(x);
+  else static_cast<float*>(base)[off] = x;
+}
+
 __device__ __forceinline__ float load(const KdaTensor& t, int b, int tok, int h, int c) {
   const int64_t off = int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh + c;
   return t.dtype == DType::kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(t.data)[off]) : static_cast<const float*>(t.data)[off];
@@ -165,6 +170,21 @@ __global__ void __launch_bounds__(kThreads) kda_chunk_kernel(const __grid_consta
     }
     __syncthreads();
   }
+  // Residuals: G, Aqk and A rows of the valid tokens, [B, T, H, 64 | K] contiguous.
+  if (p.res_G || p.res_Aqk || p.res_Akk) {
+    const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
+    for (int idx = tid; idx < rows * kC; idx += kThreads) {
+      const int i = idx / kC, j = idx % kC;
+      const int64_t off = (tok0 + int64_t(i) * p.H) * kC + j;
+      if (p.res_Aqk) store(p.res_Aqk, p.res_dtype, off, out[L.aqk() + i * kC + j]);
+      if (p.res_Akk) store(p.res_Akk, p.res_dtype, off, As[i * (kC + 1) + j]);
+    }
+    if (p.res_G)
+      for (int idx = tid; idx < rows * K; idx += kThreads) {
+        const int i = idx / K, c = idx % K;
+        p.res_G[(tok0 + int64_t(i) * p.H) * K + c] = Gs[i * KP + c];
+      }
+  }
   // gC, Qg, Kg; then k <- β k 2^G and v <- β v for W and U.
   const float* Glast = Gs + (kC - 1) * KP;
   for (int idx = tid; idx < kC * K; idx += kThreads) {
@@ -227,6 +247,11 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const __grid_consta
     const float* in = ws + (int64_t(slot) * p.H + h) * L.size();
     const int t0 = begin + (slot - p.chunk_start[n]) * kC;
     const int rows = min(kC, end - t0);
+    if (p.res_h)  // the chunk-start state slice
+      for (int idx = tid; idx < K * kVSlice; idx += kThreads) {
+        const int c = idx / kVSlice, v = v0 + idx % kVSlice;
+        if (v < V) store(p.res_h, p.res_dtype, ((int64_t(slot) * p.H + h) * K + c) * V + v, S[idx]);
+      }
     // Stage the chunk's operands in shared memory (coalesced); the previous step's reads are done.
     for (int idx = tid; idx < kC * K; idx += kThreads) {
       Wt[idx] = in[L.w() + idx];

@@ -32,6 +32,13 @@ struct KdaCudaProblem {
   DType o_dtype = DType::kFP32;
   int64_t o_sb = 0, o_st = 0, o_sh = 0;
   float* final_state = nullptr;    // [N, H, K, V] fp32 contiguous or null
+  // Residuals for the backward (contiguous; null = not saved): G fp32 [B, T, H, K]; Aqk, Akk
+  // [B, T, H, 64] and h [NT, H, K, V] in res_dtype (bf16 or fp32).
+  float* res_G = nullptr;
+  void* res_Aqk = nullptr;
+  void* res_Akk = nullptr;
+  void* res_h = nullptr;
+  DType res_dtype = DType::kFP32;
   bool varlen = false;             // sequence n is in batch row 0 (varlen) or n (fixed length)
   int32_t seq_begin[kKdaMaxSeqs];  // tokens [begin, end) of sequence n
   int32_t seq_end[kKdaMaxSeqs];
