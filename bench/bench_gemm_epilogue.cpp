@@ -170,11 +170,18 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
                       std::vector<int> swizzles = {0}) {
   const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
   std::vector<GemmEpilogueOptions> variants;
-  for (GemmTile t : {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128}) {
+  const bool has_pp64 = e == Epilogue::kRowScale || e == Epilogue::kSwiglu || by_partials;
+  for (GemmTile t : {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128, GemmTile::kPingpong64x256}) {
     GemmEpilogueOptions o{e};
-    if (by_partials) o.partial_tile_n = t == GemmTile::kCooperative128x256 ? 256 : 128;
-    else if (e != Epilogue::kQkvHeadSqsum) o.tile = t;
-    else if (t == GemmTile::kCooperative128x256) continue;
+    if (t == GemmTile::kPingpong64x256 && !has_pp64) continue;
+    if (by_partials) {
+      o.partial_tile_n = t == GemmTile::kPingpong128x128 ? 128 : 256;
+      if (t == GemmTile::kPingpong64x256) o.tile = t;
+    } else if (e != Epilogue::kQkvHeadSqsum) {
+      o.tile = t;
+    } else if (t == GemmTile::kCooperative128x256) {
+      continue;
+    }
     const std::string key = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + " " + gemm_tile_name(t) + " " + size;
     for (int z : swizzles) {
       o.swizzle = z;
@@ -198,7 +205,9 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   for (size_t vi = 0; vi < variants.size(); ++vi) {
     const GemmEpilogueOptions& o = variants[vi];
     struct { double median_us; } te{times[vi + 1]};
-    const GemmTile tile = by_partials ? (o.partial_tile_n == 256 ? GemmTile::kCooperative128x256 : GemmTile::kPingpong128x128)
+    const GemmTile tile = by_partials ? (o.tile == GemmTile::kPingpong64x256 ? o.tile
+                                         : o.partial_tile_n == 256             ? GemmTile::kCooperative128x256
+                                                                               : GemmTile::kPingpong128x128)
                                       : (e == Epilogue::kQkvHeadSqsum ? GemmTile::kPingpong128x128 : o.tile);
     const double flops = 2.0 * double(M) * double(N) * double(K);
     std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d");

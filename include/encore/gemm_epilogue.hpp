@@ -46,7 +46,10 @@ const char* epilogue_name(Epilogue e);
 // shape (docs/gemm_epilogue.md). For kResidualSqsumAux and kLse the partials' column tile is the
 // tile N, so partial_tile_n picks the tile (256: cooperative, 128: ping-pong); kQkvHeadSqsum runs
 // ping-pong 128x128. Ignored by the CPU backend.
-enum class GemmTile : uint8_t { kAuto, kCooperative128x256, kPingpong128x128 };
+// kPingpong64x256 (ping-pong with 64x256 tiles: the epilogue overlap of ping-pong with the wide
+// tile's operand reuse) exists for row_scale, swiglu, residual_sqsum_aux and lse (partials per 256
+// columns); it is chosen explicitly only, while its measurements decide on kAuto.
+enum class GemmTile : uint8_t { kAuto, kCooperative128x256, kPingpong128x128, kPingpong64x256 };
 const char* gemm_tile_name(GemmTile t);
 
 // The partials' column tile that partial_tile_n = 0 stands for: 128 (the ping-pong tile, measured

@@ -12,7 +12,7 @@ from ._util import _empty, _is_torch, _no_autograd, _stream_for
 
 # encore::Epilogue and encore::GemmTile values
 _RESIDUAL, _ROW_SCALE, _SWIGLU, _ROPE, _HEAD_SQSUM, _LSE, _SCALAR = range(7)
-_TILES = {"auto": 0, "cooperative_128x256": 1, "pingpong_128x128": 2}
+_TILES = {"auto": 0, "cooperative_128x256": 1, "pingpong_128x128": 2, "pingpong_64x256": 3}
 
 
 def _run(epilogue, a, w, *, d=None, aux=None, c=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None,

@@ -67,8 +67,12 @@ bool pingpong_preferred(int64_t N, int64_t K) { return K <= 2048 || (K <= 4096 &
 Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, GemmTile* tile) {
   const Epilogue e = o.epilogue;
   GemmTile fixed = GemmTile::kAuto;
+  const bool has_pp64 = e == Epilogue::kRowScale || e == Epilogue::kSwiglu || e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
+  if (o.tile == GemmTile::kPingpong64x256 && !has_pp64)
+    return Status::unsupported(std::string("tile: pingpong_64x256 exists for row_scale, swiglu, residual_sqsum_aux and lse, not ") +
+                               epilogue_name(e));
   if (e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse) {
-    if (o.partial_tile_n == 256) fixed = GemmTile::kCooperative128x256;
+    if (o.partial_tile_n == 256) fixed = o.tile == GemmTile::kPingpong64x256 ? GemmTile::kPingpong64x256 : GemmTile::kCooperative128x256;
     else if (o.partial_tile_n == 128) fixed = GemmTile::kPingpong128x128;
     else
       return Status::unsupported("partial_tile_n: the CUDA " + std::string(epilogue_name(e)) +
@@ -163,6 +167,15 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
 // The launcher of (epilogue, tile); tile is resolved (never kAuto).
 cuda::GemmLauncher launcher(Epilogue e, GemmTile t) {
   const bool coop = t == GemmTile::kCooperative128x256;
+  if (t == GemmTile::kPingpong64x256) {
+    switch (e) {
+      case Epilogue::kRowScale: return cuda::launch_row_scale_pp64;
+      case Epilogue::kSwiglu: return cuda::launch_swiglu_pp64;
+      case Epilogue::kResidualSqsumAux: return cuda::launch_residual_sqsum_aux_pp64;
+      case Epilogue::kLse: return cuda::launch_lse_pp64;
+      default: return nullptr;  // refused by resolve_tile
+    }
+  }
   switch (e) {
     case Epilogue::kResidualSqsumAux: return coop ? cuda::launch_residual_sqsum_aux_coop256 : cuda::launch_residual_sqsum_aux_pp128;
     case Epilogue::kRowScale: return coop ? cuda::launch_row_scale_coop256 : cuda::launch_row_scale_pp128;
@@ -196,6 +209,7 @@ const char* gemm_tile_name(GemmTile t) {
     case GemmTile::kAuto: return "auto";
     case GemmTile::kCooperative128x256: return "cooperative_128x256";
     case GemmTile::kPingpong128x128: return "pingpong_128x128";
+    case GemmTile::kPingpong64x256: return "pingpong_64x256";
   }
   return "unknown";
 }

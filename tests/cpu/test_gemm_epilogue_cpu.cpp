@@ -374,6 +374,18 @@ TEST_F(GemmBad, CudaTileLimits) {
   GemmEpilogueOptions o{Epilogue::kQkvHeadSqsum};
   o.head_dim = 8;
   expect_error(g, o, "head_dim: the CUDA qkv_head_sqsum kernel takes head_dim 128, got 8");
+  {
+    std::vector<float> alpha = {1.0f};
+    GemmEpilogueArgs s{};
+    s.a = g.a;
+    s.w = g.w;
+    s.d = g.d;
+    s.alpha = vec_view(alpha);
+    s.alpha.device = gpu;
+    GemmEpilogueOptions so{Epilogue::kScalarScale};
+    so.tile = GemmTile::kPingpong64x256;
+    expect_error(s, so, "tile: pingpong_64x256 exists for row_scale, swiglu, residual_sqsum_aux and lse, not scalar_scale");
+  }
 
   GemmEpilogueArgs r;
   r.a = a16.view();

@@ -63,10 +63,12 @@ void run_case(const Case& c) {
   const int64_t M = c.M, N = c.N, K = c.K;
   const Epilogue e = c.e;
   GemmEpilogueOptions o{e};
-  if (e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse)
-    o.partial_tile_n = c.tile == GemmTile::kCooperative128x256 ? 256 : 128;
-  else
+  if (e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse) {
+    o.partial_tile_n = c.tile == GemmTile::kCooperative128x256 || c.tile == GemmTile::kPingpong64x256 ? 256 : 128;
+    if (c.tile == GemmTile::kPingpong64x256) o.tile = c.tile;
+  } else {
     o.tile = c.tile;
+  }
   Operand a, w, d, aux, res, gamma, r, pos, freq, alpha, partials, target, target_logit;
   GemmEpilogueArgs g, h;
   auto bind = [&](Operand& op, HostTensor ht, TensorView GemmEpilogueArgs::*field) {
@@ -217,6 +219,19 @@ TEST_F(GemmEpilogueGpu, LseVariants) {
       }
     run_case({Epilogue::kLse, DType::kBF16, 200, 4104, 128, 0, true, false, true, tile});  // many tiles, ragged last tile
   }
+}
+
+// The ping-pong 64x256 tile, on the epilogues that have it.
+TEST_F(GemmEpilogueGpu, Pingpong64x256) {
+  const GemmTile t64 = GemmTile::kPingpong64x256;
+  for (DType t : {DType::kBF16, DType::kFP16})
+    for (const auto& s : kShapes) {
+      run_case({Epilogue::kRowScale, t, s[0], s[1], s[2], s[3], true, true, true, t64});
+      run_case({Epilogue::kSwiglu, t, s[0], s[1], s[2], s[3], true, true, true, t64});
+      run_case({Epilogue::kResidualSqsumAux, t, s[0], s[1], s[2], s[3], true, true, true, t64});
+      run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3], true, true, true, t64});
+      run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3], false, false, false, t64});
+    }
 }
 
 // The tile kAuto picks must run too (it is what users get).

@@ -56,6 +56,11 @@ Status launch_rope_pp128(const GemmProblem& p, Stream stream);
 Status launch_qkv_head_sqsum_pp128(const GemmProblem& p, Stream stream);
 Status launch_lse_coop256(const GemmProblem& p, Stream stream);  // D written iff p.d
 Status launch_lse_pp128(const GemmProblem& p, Stream stream);
+// ping-pong 64x256x64 (pp64), for the epilogues that most need both overlap and operand reuse
+Status launch_row_scale_pp64(const GemmProblem& p, Stream stream);
+Status launch_swiglu_pp64(const GemmProblem& p, Stream stream);
+Status launch_residual_sqsum_aux_pp64(const GemmProblem& p, Stream stream);
+Status launch_lse_pp64(const GemmProblem& p, Stream stream);
 
 // QK-norm + RoPE finish (src/cuda/gemm_epilogue/qk_norm_rope.cu); validated by the dispatch.
 struct QkNormRopeProblem {

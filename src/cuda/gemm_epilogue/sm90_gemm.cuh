@@ -39,6 +39,7 @@ struct TileConfig {
 // The tile configurations encore ships (GemmTile in the public API).
 using Cooperative128x256 = TileConfig<128, 256, 64, 2, 1, true>;  // 2 consumer warpgroups share a tile
 using Pingpong128x128 = TileConfig<128, 128, 64, 2, 1, false>;    // one warpgroup's epilogue overlaps the other's mainloop
+using Pingpong64x256 = TileConfig<64, 256, 64, 2, 1, false>;      // ping-pong on the wide tile
 
 // GEMM for element type T with epilogue program `Program` (its Evt<TileShape>, ElementC and
 // ElementD; void C = no source tile, void D = no output tile).
