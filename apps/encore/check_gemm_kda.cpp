@@ -2,6 +2,7 @@
 // against the CPU backend (outputs within the dtype tolerance, statistics within 2e-5, KDA within
 // 5e-3 relative RMS). Without one: properties of the CPU result (row_scale equals a direct double
 // GEMM times r; KDA over a sequence equals two halves chained through the final state).
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -95,13 +96,11 @@ struct KdaData {
     g.fill_uniform(rng, -0.2, 0.0);
     beta.fill_uniform(rng, 0.1, 0.9);
   }
-  static TensorView t4(const HostTensor& h, void* p, Device dev, int64_t T, int64_t H, int64_t D) {
-    return TensorView::contiguous(p, h.dtype, {1, T, H, D}, dev);
-  }
 };
 
-Status kda_run(const KdaData& x, const std::vector<void*>& dev, void* o, void* fin, const void* h0, int64_t t0, int64_t T,
-               void* workspace) {
+// One forward over tokens [t0, t0 + T) (host arrays, or their device copies in `dev`); the CUDA
+// workspace is sized by workspace_bytes.
+Status kda_run(const KdaData& x, const std::vector<void*>& dev, void* o, void* fin, const void* h0, int64_t t0, int64_t T) {
   const bool on_gpu = !dev.empty();
   const Device where = on_gpu ? kGpu : Device{};
   const int64_t H = x.H, D = x.D;
@@ -120,7 +119,9 @@ Status kda_run(const KdaData& x, const std::vector<void*>& dev, void* o, void* f
   if (h0) a.initial_state = TensorView::contiguous(const_cast<void*>(h0), DType::kFP32, {1, H, D, D}, where);
   KdaOptions opts;
   opts.output_final_state = true;
-  return run(a, opts, workspace);
+  if (!on_gpu) return run(a, opts);
+  DeviceCopy ws(nullptr, std::max<size_t>(workspace_bytes(a, opts), 16));
+  return run(a, opts, ws.get());
 }
 
 CheckRow kda_row(bool gpu, DType t, int64_t T, int64_t H, std::mt19937_64& rng) {
@@ -128,7 +129,7 @@ CheckRow kda_row(bool gpu, DType t, int64_t T, int64_t H, std::mt19937_64& rng) 
   KdaData x(T, H, t, rng);
   const size_t on = size_t(T * H * 64), fn = size_t(H * 64 * 64);
   std::vector<float> o(on, NAN), fin(fn, NAN);
-  Status st = kda_run(x, {}, o.data(), fin.data(), nullptr, 0, T, nullptr);
+  Status st = kda_run(x, {}, o.data(), fin.data(), nullptr, 0, T);
   double err = 0;
   auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
     double num = 0, den = 0;
@@ -141,9 +142,9 @@ CheckRow kda_row(bool gpu, DType t, int64_t T, int64_t H, std::mt19937_64& rng) 
   if (st && gpu) {
     DeviceCopy dq(x.q.bytes.data(), x.q.storage_bytes()), dk(x.k.bytes.data(), x.k.storage_bytes()), dv(x.v.bytes.data(), x.v.storage_bytes()),
         dg(x.g.bytes.data(), x.g.storage_bytes()), db(x.beta.bytes.data(), x.beta.storage_bytes()), dout(o.data(), on * 4),
-        dfin(fin.data(), fn * 4), ws(nullptr, size_t(64) << 20);
+        dfin(fin.data(), fn * 4);
     std::vector<float> og(on, NAN), fg(fn, NAN);
-    st = kda_run(x, {dq.get(), dk.get(), dv.get(), dg.get(), db.get()}, dout.get(), dfin.get(), nullptr, 0, T, ws.get());
+    st = kda_run(x, {dq.get(), dk.get(), dv.get(), dg.get(), db.get()}, dout.get(), dfin.get(), nullptr, 0, T);
     if (st) st = dout.download(og.data());
     if (st) st = dfin.download(fg.data());
     err = std::max(rel(og, o), rel(fg, fin));
@@ -152,8 +153,8 @@ CheckRow kda_row(bool gpu, DType t, int64_t T, int64_t H, std::mt19937_64& rng) 
     // Two halves chained through the state equal the whole sequence.
     const int64_t half = T / 2;
     std::vector<float> o2(on, NAN), f1(fn, NAN), f2(fn, NAN);
-    st = kda_run(x, {}, o2.data(), f1.data(), nullptr, 0, half, nullptr);
-    if (st) st = kda_run(x, {}, o2.data() + size_t(half * H * 64), f2.data(), f1.data(), half, T - half, nullptr);
+    st = kda_run(x, {}, o2.data(), f1.data(), nullptr, 0, half);
+    if (st) st = kda_run(x, {}, o2.data() + size_t(half * H * 64), f2.data(), f1.data(), half, T - half);
     err = std::max(rel(o2, o), rel(f2, fin));
     row.note = "two chained halves vs whole";
   }

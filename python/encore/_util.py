@@ -15,13 +15,7 @@ def _rows(a, name):
 
 
 def _empty_like(a):
-    if _is_torch(a):
-        import torch
-
-        return torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    import numpy as np
-
-    return np.empty(a.shape, dtype=a.dtype)
+    return _empty(a, a.shape, "like")
 
 
 def _stream_for(a, stream):
@@ -42,8 +36,7 @@ def _no_autograd(*tensors):
             raise RuntimeError("encore: autograd is not wired for this op yet; call it under torch.no_grad()")
 
 
-
-_KINDS = {"f32": ("float32", "float32"), "u8": ("uint8", "uint8"), "i32": ("int32", "int32")}
+_KINDS = {"f32": "float32", "u8": "uint8", "i32": "int32"}  # the same names in torch and numpy
 
 
 def _empty(like, shape, kind):
@@ -52,10 +45,10 @@ def _empty(like, shape, kind):
     if _is_torch(like):
         import torch
 
-        dtype = like.dtype if kind == "like" else getattr(torch, _KINDS[kind][0])
+        dtype = like.dtype if kind == "like" else getattr(torch, _KINDS[kind])
         return torch.empty(shape, dtype=dtype, device=like.device)
     import numpy as np
 
-    return np.empty(shape, dtype=like.dtype if kind == "like" else getattr(np, _KINDS[kind][1]))
+    return np.empty(shape, dtype=like.dtype if kind == "like" else getattr(np, _KINDS[kind]))
 
 

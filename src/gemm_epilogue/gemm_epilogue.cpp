@@ -98,7 +98,8 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Gem
 // What the CUDA kernels accept beyond validate(): bf16/fp16 with every matrix and γ in a's dtype,
 // K and N multiples of 8 (16-byte TMA rows), 16-byte aligned rows, contiguous vectors, the
 // partials' tile width fixed by the kernel's tile (see resolve_tile).
-Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
+// `o` has partial_tile_n resolved; hands back the tile the kernel runs on.
+Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, GemmTile* tile) {
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("a", a.a, {DType::kBF16, DType::kFP16}));
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"gamma", &a.gamma}})
     if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::same_dtype(name, *t, "a", a.a));
@@ -123,10 +124,7 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
                                std::to_string(o.head_dim));
   if (a.d.defined()) ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("d", a.d));
   if (a.aux.defined()) ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("aux", a.aux));
-  GemmEpilogueOptions r = o;
-  if (r.partial_tile_n == 0) r.partial_tile_n = gemm_partial_tile_n(r.epilogue, M, N, K);
-  GemmTile tile = GemmTile::kAuto;
-  return resolve_tile(a, r, &tile);
+  return resolve_tile(a, o, tile);
 }
 
 #ifdef ENCORE_WITH_CUDA
@@ -318,15 +316,15 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
   GemmEpilogueOptions o = opts;  // partial_tile_n resolved: every backend writes the same layout
   if (o.partial_tile_n == 0) o.partial_tile_n = gemm_partial_tile_n(o.epilogue, a.a.shape[0], a.w.shape[0], a.a.shape[1]);
   if (a.a.device.is_cuda()) {
-    ENCORE_RETURN_IF_ERROR(validate_cuda(a, o));
+    GemmTile tile = GemmTile::kAuto;
+    ENCORE_RETURN_IF_ERROR(validate_cuda(a, o, &tile));
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* info = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &info));
-    GemmTile tile = GemmTile::kAuto;
-    ENCORE_RETURN_IF_ERROR(resolve_tile(a, o, &tile));
     return launcher(o.epilogue, tile)(make_problem(a, o, info->sm_count), stream);
 #else
     (void)stream;
+    (void)tile;
     return no_cuda(a.a);
 #endif
   }

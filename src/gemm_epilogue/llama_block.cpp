@@ -112,8 +112,6 @@ Status validate(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("x1", a.x1, "x0", a.x0));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("x2", a.x2, "x1", a.x1));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("r2", a.r2, "r1", a.r1));
-  if (a.z1.defined() && a.w1.defined() && a.w1.shape[0] != 2 * a.w2.shape[1])
-    return Status::invalid("w1: expected [2F, d] with F = " + std::to_string(a.w2.shape[1]) + " (w2's columns), got " + a.w1.shape_string());
   return Status::ok();
 }
 

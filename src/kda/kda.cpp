@@ -1,16 +1,13 @@
 // KDA dispatch: validate -> CUDA forward (src/cuda/kda) or the CPU reference.
 #include <algorithm>
-#include <memory>
 #include <vector>
 #include <utility>
 
 #include "core/checks.hpp"
 #include "encore/kda.hpp"
 #include "kda/kda_problem.hpp"
+#include "cuda/kda/kda_launch.hpp"  // host-only declarations and limits
 #include "reference/kda_ref.hpp"
-#ifdef ENCORE_WITH_CUDA
-#include "cuda/kda/kda_launch.hpp"
-#endif
 
 namespace encore {
 namespace {
@@ -46,9 +43,11 @@ Status cpu_only(const TensorView& q) {
   return Status::ok();
 }
 
+int64_t seq_chunks(const kda::Sequence& s) { return (s.end - s.begin + kda::kChunk - 1) / kda::kChunk; }
+
 int64_t chunk_count(const kda::KdaProblem& p) {
   int64_t c = 0;
-  for (const auto& s : p.seqs) c += (s.end - s.begin + kda::kChunk - 1) / kda::kChunk;
+  for (const auto& s : p.seqs) c += seq_chunks(s);
   return c;
 }
 
@@ -79,7 +78,7 @@ Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {
 
 // What the CUDA forward takes beyond validate().
 Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
-  constexpr int64_t kMaxDim = 128, kMaxSeqs = 1024;
+  constexpr int64_t kMaxDim = cuda::kKdaMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
   if (p.K > kMaxDim || p.V > kMaxDim)
     return Status::unsupported("q: the CUDA KDA forward takes K, V <= " + std::to_string(kMaxDim) + ", got K = " + std::to_string(p.K) +
                                ", V = " + std::to_string(p.V));
@@ -136,10 +135,9 @@ std::vector<double> load_dense(const TensorView& t) {
   return out;
 }
 
-}  // namespace
-
-Status validate(const KdaForwardArgs& a, const KdaOptions& o) {
-  kda::KdaProblem p;
+// validate() that also hands back the problem (run needs it; built once per call).
+Status validate_forward(const KdaForwardArgs& a, const KdaOptions& o, kda::KdaProblem* out) {
+  kda::KdaProblem& p = *out;
   ENCORE_RETURN_IF_ERROR(kda::make_problem(a, o, &p));
   ENCORE_RETURN_IF_ERROR(validate_like("o", a.o, a.v, "v", kFloat));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("o", a.o, "q", a.q));
@@ -151,6 +149,61 @@ Status validate(const KdaForwardArgs& a, const KdaOptions& o) {
     return Status::invalid("final_state: given but output_final_state is false");
   }
   return validate_residuals(a, p);
+}
+
+#ifdef ENCORE_WITH_CUDA
+// The launch parameters of the CUDA forward (sequences and their first chunk slots by value).
+void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaProblem& p, cuda::KdaCudaProblem& cp) {
+  cp.B = int(p.B);
+  cp.T = int(p.T);
+  cp.H = int(p.H);
+  cp.K = int(p.K);
+  cp.V = int(p.V);
+  cp.N = int(p.seqs.size());
+  cp.scale = float(p.scale);
+  cp.l2norm = o.use_qk_l2norm;
+  cp.gate_in_kernel = o.use_gate_in_kernel;
+  cp.lower_bound_gate = o.use_lower_bound;
+  cp.lower_bound = float(o.lower_bound);
+  auto tensor = [](const TensorView& t) { return cuda::KdaTensor{t.data, t.dtype, t.strides[0], t.strides[1], t.strides[2]}; };
+  cp.q = tensor(a.q);
+  cp.k = tensor(a.k);
+  cp.v = tensor(a.v);
+  cp.g = tensor(a.g);
+  cp.beta = tensor(a.beta);
+  cp.A_log = static_cast<const float*>(a.A_log.data);
+  cp.dt_bias = static_cast<const float*>(a.dt_bias.data);
+  cp.h0 = static_cast<const float*>(a.initial_state.data);
+  cp.o = a.o.data;
+  cp.o_dtype = a.o.dtype;
+  cp.o_sb = a.o.strides[0];
+  cp.o_st = a.o.strides[1];
+  cp.o_sh = a.o.strides[2];
+  cp.final_state = o.output_final_state ? static_cast<float*>(a.final_state.data) : nullptr;
+  cp.varlen = a.cu_seqlens.defined();
+  cp.res_G = static_cast<float*>(a.residuals.G.data);
+  cp.res_Aqk = a.residuals.Aqk.data;
+  cp.res_Akk = a.residuals.Akk.data;
+  cp.res_h = a.residuals.h.data;
+  for (const TensorView* t : {&a.residuals.Aqk, &a.residuals.Akk, &a.residuals.h})
+    if (t->defined()) cp.res_dtype = t->dtype;
+  int32_t chunk = 0;
+  for (size_t n = 0; n < p.seqs.size(); ++n) {
+    cp.seq_begin[n] = int32_t(p.seqs[n].begin);
+    cp.seq_end[n] = int32_t(p.seqs[n].end);
+    cp.chunk_start[n] = chunk;
+    chunk += int32_t(seq_chunks(p.seqs[n]));
+  }
+  cp.chunk_start[p.seqs.size()] = chunk;
+  cp.device = a.q.device.index;
+}
+#endif
+
+}  // namespace
+
+Status validate(const KdaForwardArgs& a, const KdaOptions& o) {
+  kda::KdaProblem p;
+  return validate_forward(a, o, &p);
 }
 
 Status kda_chunk_count(const KdaForwardArgs& a, const KdaOptions& o, int64_t* chunks) {
@@ -171,67 +224,17 @@ size_t workspace_bytes(const KdaForwardArgs& a, const KdaOptions& o) {
 }
 
 Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(validate(a, o));
   kda::KdaProblem p;
-  ENCORE_RETURN_IF_ERROR(kda::make_problem(a, o, &p));
+  ENCORE_RETURN_IF_ERROR(validate_forward(a, o, &p));
   if (a.q.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, p));
 #ifdef ENCORE_WITH_CUDA
     if (workspace == nullptr && chunk_count(p) > 0)
       return Status::invalid("workspace: the CUDA KDA forward needs workspace_bytes(args, opts) bytes, got a null pointer");
     if (!checks::aligned(workspace, 16)) return Status::invalid("workspace: must be 16-byte aligned");
-    auto cp = std::make_unique<cuda::KdaCudaProblem>();
-    cp->B = int(p.B);
-    cp->T = int(p.T);
-    cp->H = int(p.H);
-    cp->K = int(p.K);
-    cp->V = int(p.V);
-    cp->N = int(p.seqs.size());
-    cp->scale = float(p.scale);
-    cp->l2norm = o.use_qk_l2norm;
-    cp->gate_in_kernel = o.use_gate_in_kernel;
-    cp->lower_bound_gate = o.use_lower_bound;
-    cp->lower_bound = float(o.lower_bound);
-    auto tensor = [](const TensorView& t) {
-      cuda::KdaTensor k;
-      k.data = t.data;
-      k.dtype = t.dtype;
-      k.sb = t.strides[0];
-      k.st = t.strides[1];
-      k.sh = t.strides[2];
-      return k;
-    };
-    cp->q = tensor(a.q);
-    cp->k = tensor(a.k);
-    cp->v = tensor(a.v);
-    cp->g = tensor(a.g);
-    cp->beta = tensor(a.beta);
-    cp->A_log = static_cast<const float*>(a.A_log.data);
-    cp->dt_bias = static_cast<const float*>(a.dt_bias.data);
-    cp->h0 = static_cast<const float*>(a.initial_state.data);
-    cp->o = a.o.data;
-    cp->o_dtype = a.o.dtype;
-    cp->o_sb = a.o.strides[0];
-    cp->o_st = a.o.strides[1];
-    cp->o_sh = a.o.strides[2];
-    cp->final_state = o.output_final_state ? static_cast<float*>(a.final_state.data) : nullptr;
-    cp->varlen = a.cu_seqlens.defined();
-    cp->res_G = static_cast<float*>(a.residuals.G.data);
-    cp->res_Aqk = a.residuals.Aqk.data;
-    cp->res_Akk = a.residuals.Akk.data;
-    cp->res_h = a.residuals.h.data;
-    for (const TensorView* t : {&a.residuals.Aqk, &a.residuals.Akk, &a.residuals.h})
-      if (t->defined()) cp->res_dtype = t->dtype;
-    int32_t chunk = 0;
-    for (size_t n = 0; n < p.seqs.size(); ++n) {
-      cp->seq_begin[n] = int32_t(p.seqs[n].begin);
-      cp->seq_end[n] = int32_t(p.seqs[n].end);
-      cp->chunk_start[n] = chunk;
-      chunk += int32_t((p.seqs[n].end - p.seqs[n].begin + kda::kChunk - 1) / kda::kChunk);
-    }
-    cp->chunk_start[p.seqs.size()] = chunk;
-    cp->device = a.q.device.index;
-    return cuda::launch_kda_forward(*cp, workspace, stream);
+    cuda::KdaCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
+    fill_cuda_problem(a, o, p, cp);
+    return cuda::launch_kda_forward(cp, workspace, stream);
 #else
     (void)workspace;
     (void)stream;

@@ -59,7 +59,7 @@ struct SwigluAuxStore : NodeBase<SwigluAuxArgs<T>> {
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
       Tensor c_mn = coord(_, _, _, epi_m, epi_n);
       Tensor o_mn = row_off(_, _, _, epi_m, epi_n);
-      const int q = threadIdx.x & 3;
+      const int q = quad_lane();
       const bool b0 = q & 1, b1 = q & 2;
       CUTLASS_PRAGMA_UNROLL
       for (int p = 0; p < kPairs; ++p) {
@@ -97,7 +97,7 @@ struct SwigluAuxStore : NodeBase<SwigluAuxArgs<T>> {
     auto row_off = make_row_registers<int64_t, kRefSrc>(args);
     const int64_t ld = this->params.ld;
     fill_rows(row_off, args, int64_t(0), [&](int m) { return int64_t(m) * ld; });
-    const int quad_n = get<1>(origin) - 2 * int(threadIdx.x & 3);
+    const int quad_n = get<1>(origin) - 2 * quad_lane();
     T* base = this->params.aux + quad_n / 2;
     return Callbacks<decltype(row_off), decltype(args.tCcD), decltype(args.residue_tCcD)>(
         row_off, base, args.tCcD, args.residue_tCcD, int(M) - get<0>(origin), int(N) - quad_n, full_tile(args));

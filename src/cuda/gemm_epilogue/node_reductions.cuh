@@ -99,7 +99,7 @@ struct OnlineLse : NodeBase<OnlineLseArgs> {
     CUTLASS_DEVICE Callbacks(RTensor mx_, RTensor sum_, RTensor prev_, ITensor t_rel_, GTensor g, CTensor c, Residue res, Origin o,
                              bool full_, int n_total, OnlineLseArgs const& p)
         : mx(mx_), sum(sum_), prev(prev_), t_rel(t_rel_), gmem(g), coord(c), residue(res), origin(o), full(full_), N(n_total),
-          partials(p.partials), target(p.target), target_logit(p.target_logit), ignore_index(p.ignore_index) {
+          target(p.target), target_logit(p.target_logit), ignore_index(p.ignore_index) {
       fill(mx, -INFINITY);
       fill(sum, 0.0f);
     }
@@ -111,7 +111,6 @@ struct OnlineLse : NodeBase<OnlineLseArgs> {
     Origin origin;
     bool full;
     int N;
-    float* partials;
     const int32_t* target;
     float* target_logit;
     int ignore_index;

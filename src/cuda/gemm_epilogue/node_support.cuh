@@ -120,7 +120,8 @@ CUTLASS_DEVICE float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 2);
   return v;
 }
-CUTLASS_DEVICE bool quad_leader() { return (threadIdx.x & 3) == 0; }
+CUTLASS_DEVICE int quad_lane() { return int(threadIdx.x & 3); }  // position in the quad
+CUTLASS_DEVICE bool quad_leader() { return quad_lane() == 0; }
 
 // Fills one value per accumulator row: regs[row] = fn(m) for rows m inside the problem, `outside`
 // for the others.
