@@ -17,6 +17,7 @@ struct KdaCase {
   std::vector<int64_t> cu;  // empty: fixed length
   Gate gate = Gate::kPrecomputed;
   bool h0 = false, l2 = false, final_state = true;
+  double k_sd = 0;  // key standard deviation; 0: 3.0 with the L2 norm (large keys), else 0.4
   std::vector<double> q, k, v, g, beta, init, A_log, dt_bias, o, fin;
   KdaOptions opts;
 
@@ -31,7 +32,7 @@ struct KdaCase {
     };
     const size_t nk = size_t(B * T * H * K), nv = size_t(B * T * H * V);
     randn(q, nk, 1.0);
-    randn(k, nk, l2 ? 3.0 : 0.4);
+    randn(k, nk, k_sd > 0 ? k_sd : (l2 ? 3.0 : 0.4));
     randn(v, nv, 1.0);
     beta.resize(size_t(B * T * H));
     for (auto& e : beta) e = 0.1 + 0.8 * ud(rng);

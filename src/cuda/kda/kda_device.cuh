@@ -1,0 +1,107 @@
+// Device helpers shared by the two KDA forward kernels (kda_chunk.cu, kda_state.cu): the per
+// (chunk, head) workspace layout that connects them, input loads, and the warp-level bf16 tensor-core
+// product on shared-memory tiles.
+//
+// Workspace, per (chunk slot, head), bytes, every part 16-byte aligned; head dims padded to 128 with
+// zeros so the state kernel copies fixed-size rows:
+//   W    bf16 [64][128]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
+//   Qg   bf16 [64][128]   s q ⊙ 2^G
+//   KgT  bf16 [128][64]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
+//   Aqk  bf16 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
+//   U    fp32 [64][128]   A (β v)                          (cols = value channels)
+//   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kda/kda_launch.hpp"
+
+namespace encore::cuda::kda {
+
+constexpr int kC = 64;    // chunk rows
+constexpr int kD = 128;   // padded head dim (K, V <= 128 on CUDA)
+constexpr int kLd = kD + 8;  // bf16 row stride of [*, 128] shared tiles: conflict-free mma fragments
+constexpr int kLdC = kC + 8; // bf16 row stride of [*, 64] shared tiles
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct WsLayout {  // byte offsets inside one (chunk, head) record
+  static constexpr int64_t kW = 0;
+  static constexpr int64_t kQg = kW + int64_t(kC) * kD * 2;
+  static constexpr int64_t kKgT = kQg + int64_t(kC) * kD * 2;
+  static constexpr int64_t kAqk = kKgT + int64_t(kD) * kC * 2;
+  static constexpr int64_t kU = kAqk + int64_t(kC) * kC * 2;
+  static constexpr int64_t kDC = kU + int64_t(kC) * kD * 4;
+  static constexpr int64_t kBytes = kDC + kD * 4;
+};
+static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0, "16-byte parts");
+
+__device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
+  return static_cast<unsigned char*>(ws) + (int64_t(slot) * H + h) * WsLayout::kBytes;
+}
+
+__device__ __forceinline__ float load(const KdaTensor& t, int b, int tok, int h, int c) {
+  const int64_t off = int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh + c;
+  return t.dtype == DType::kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(t.data)[off])
+                                 : static_cast<const float*>(t.data)[off];
+}
+
+__device__ __forceinline__ void store(void* base, DType dt, int64_t off, float x) {
+  if (dt == DType::kBF16) static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16(x);
+  else static_cast<float*>(base)[off] = x;
+}
+
+// ---- mma.sync m16n8k16, bf16 inputs, fp32 accumulators ----------------------------------------
+// Fragment ownership, lane = 4 g + t:
+//   A 16x16 row-major: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B 16x8 (k x n):    b0 (k 2t..2t+1, n g)  b1 (k 2t+8.., n g)
+//   C 16x8:            c0 c1 (g, 2t..2t+1)   c2 c3 (g+8, 2t..2t+1)
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address / lower k)
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// acc[n] (a 16 x 8 tile) += A · Bᵀ over `ksteps` steps of 16: A = 16 rows at `a` (row stride lda),
+// B = 8 NT rows at `b` (row stride ldb), both bf16 in shared memory with k contiguous.
+template <int NT>
+__device__ __forceinline__ void warp_mma_nt(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
+                                            int ldb, int ksteps) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int ks = 0; ks < ksteps; ++ks) {
+    const int k = ks * 16 + 2 * t;
+    const uint32_t af[4] = {ld_pair(a + g * lda + k), ld_pair(a + (g + 8) * lda + k), ld_pair(a + g * lda + k + 8),
+                            ld_pair(a + (g + 8) * lda + k + 8)};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const __nv_bfloat16* bp = b + (n * 8 + g) * ldb + k;
+      const uint32_t bf[2] = {ld_pair(bp), ld_pair(bp + 8)};
+      mma_bf16(acc[n], af, bf);
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+}
+
+}  // namespace encore::cuda::kda
+
+namespace encore::cuda::kda {
+
+// The two kernels of the forward, launched in order on `stream` by launch_kda_forward.
+cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream);
+cudaError_t launch_state_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream);
+
+}  // namespace encore::cuda::kda
