@@ -4,10 +4,12 @@
 //
 //   gate activation (precomputed log-decay, in-kernel softplus with optional dt_bias, or the lower
 //   bound gate), optional q/k L2 norm, chunk-local cumulative gate G in log2 (fp32);
-//   Aqk_ij = s Σ_c q_ic k_jc 2^(G_ic − G_jc) (j <= i),  L_ij = β_i Σ_c k_ic k_jc 2^(G_ic − G_jc) (j < i):
-//     blocks below the diagonal on tensor cores with the 16-row sub-block reference r = 16 (i / 16):
-//     (q_i ⊙ 2^(G_i − G_r)) · (k_j ⊙ 2^(G_r − G_j)), both factors <= 1 since j < r <= i;
-//     the four diagonal 16 x 16 blocks with per-pair factors in fp32 (no exponent can overflow);
+//   Aqk_ij = s Σ_c q_ic k_jc 2^(G_ic − G_jc) (j <= i),  L_ij = β_i Σ_c k_ic k_jc 2^(G_ic − G_jc) (j < i),
+//     on tensor cores with the 16-row sub-block reference r = 16 (i / 16):
+//     (q_i ⊙ 2^(G_i − G_r)) · (k_j ⊙ 2^(G_r − G_j)); below the diagonal blocks both factors are <= 1
+//     (j < r <= i); inside a diagonal block 2^(G_r − G_j) >= 1 for j > r, so a block whose decay span
+//     max (G_r − G_j) exceeds 100 (log2) takes per-pair factors in fp32 instead (no overflow for
+//     any gate; rare: e.g. gates of -1000);
 //   A = (I + L)^-1: diagonal blocks by forward substitution (one warp each), then block rows
 //     A_{s,s'} = −A_ss Σ_{s' <= m < s} L_{s,m} A_{m,s'} (fp32);
 //   W = A (β k ⊙ 2^G) and U = A (β v) on tensor cores (bf16 operands, fp32 accumulation);
@@ -29,20 +31,26 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kQ = 0;                      // fp32 [64][129] q (L2-normed)
   static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][129] k (L2-normed)
   static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][129] gate, then cumulative log2 gate G
-  static constexpr int kVbT = kG + kC * kLdF * 4;   // bf16 [128][72] (β v)ᵀ
-  static constexpr int kQr = kVbT + kD * kLdC * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
-  static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)
-  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later A bf16 [64][72]
+  static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)
+  static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
+  static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
+  static constexpr int kAbf = kQr + kD * kLdC * 2;
+  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later (β v)ᵀ [128][72]
   static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L
-  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk, then A = (I + L)^-1
-  static constexpr int kT = kAq + kC * kLdS * 4;    // fp32 [16][65] block-row temporary of the inverse
+  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk
+  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1
+  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [16][65] block-row temporary of the inverse | [4][128] gate sums
   static constexpr int kBeta = kT + 16 * kLdS * 4;  // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k
-  static constexpr int kBytes = kRn + 2 * kC * 4;
+  static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: diagonal block s may use the tensor-core form
+  static constexpr int kBytes = kSafe + 16;
 };
-static_assert(ChunkSmem::kVbT % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSmem::kKref % 16 == 0, "aligned bf16 tiles");
-static_assert(kWarps == 16, "step 6 maps 16 warps");
-static_assert(2 * kC * kLd >= kD * kLdC && 96 * kLd >= kC * kLdC, "aliased tiles fit");
+static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSmem::kAbf % 16 == 0 && ChunkSmem::kKref % 16 == 0,
+              "aligned bf16 tiles");
+static_assert(kWarps == 16, "steps 1, 3, 4 and 6 map 16 warps");
+static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
+static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
+constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a diagonal block
 
 // Row offset of reference s's block of k rows inside kref: s = 1 -> 0, 2 -> 16, 3 -> 48.
 __device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
@@ -58,7 +66,7 @@ __device__ int find_seq(const KdaCudaProblem& p, int slot) {
   return lo;
 }
 
-__global__ void __launch_bounds__(kThreads) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
+__global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
   const int slot = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g8 = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
   const int n = find_seq(p, slot);
@@ -70,48 +78,55 @@ __global__ void __launch_bounds__(kThreads) kda_chunk_kernel(const __grid_consta
   float* qs = reinterpret_cast<float*>(smem + ChunkSmem::kQ);
   float* ks = reinterpret_cast<float*>(smem + ChunkSmem::kK);
   float* Gs = reinterpret_cast<float*>(smem + ChunkSmem::kG);
-  auto* vbT = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kVbT);
+  auto* kinv = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kKinv);
   auto* qr = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kQr);
   auto* kr = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kKr);
   auto* kref = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kKref);
-  auto* kbT = qr;     // after the intra-chunk products
-  auto* Abf = kref;   // after the intra-chunk products
+  auto* kbT = qr;                                                          // after step 3
+  auto* Abf = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kAbf);   // after step 3
+  auto* vbT = kref;                                                        // after step 3
   float* Ls = reinterpret_cast<float*>(smem + ChunkSmem::kL);
   float* Aq = reinterpret_cast<float*>(smem + ChunkSmem::kAq);
-  float* As = Aq;     // after Aqk is written out
+  float* As = reinterpret_cast<float*>(smem + ChunkSmem::kAs);
   float* Ts = reinterpret_cast<float*>(smem + ChunkSmem::kT);
   float* bs = reinterpret_cast<float*>(smem + ChunkSmem::kBeta);
   float* rn = reinterpret_cast<float*>(smem + ChunkSmem::kRn);
+  int* safe = reinterpret_cast<int*>(smem + ChunkSmem::kSafe);
   unsigned char* rec = ws_record(ws, slot, p.H, h);
 
-  // 1. Inputs over the padded [64][128] tile: q, k, the gate in log2; beta; then (β v)ᵀ.
-#pragma unroll 4
-  for (int idx = tid; idx < kC * kD; idx += kThreads) {
-    const int i = idx / kD, c = idx % kD;
-    float q = 0.f, k = 0.f, g = 0.f;
-    if (i < rows && c < K) {
-      q = load(p.q, b, t0 + i, h, c);
-      k = load(p.k, b, t0 + i, h, c);
-      float x = load(p.g, b, t0 + i, h, c);
-      if (p.gate_in_kernel) {
-        if (p.dt_bias) x += p.dt_bias[h * K + c];
-        const float ea = p.A_log ? expf(p.A_log[h]) : 1.0f;
-        x = p.lower_bound_gate ? p.lower_bound / (1.0f + expf(-ea * x)) : -ea * (x > 20.f ? x : log1pf(expf(x)));
-      }
-      g = x * kLog2e;
+  // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β; v stays
+  //    in registers until its tile is free (step 4).
+  const float ea = (p.gate_in_kernel && p.A_log) ? expf(p.A_log[h]) : 1.0f;
+  constexpr int kTasks = kC * kD / 8 / kThreads;
+  float vreg[kTasks][8];
+#pragma unroll
+  for (int r = 0; r < kTasks; ++r) {
+    const int task = tid + r * kThreads, i = task / (kD / 8), c0 = (task % (kD / 8)) * 8;
+    float q[8], k[8], g[8];
+    if (i < rows) {
+      load8(p.q, b, t0 + i, h, c0, K, q);
+      load8(p.k, b, t0 + i, h, c0, K, k);
+      load8(p.g, b, t0 + i, h, c0, K, g);
+      load8(p.v, b, t0 + i, h, c0, V, vreg[r]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = k[e] = g[e] = vreg[r][e] = 0.f;
     }
-    qs[i * kLdF + c] = q;
-    ks[i * kLdF + c] = k;
-    Gs[i * kLdF + c] = g;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int c = c0 + e;
+      float x = g[e];
+      if (p.gate_in_kernel && i < rows && c < K) {
+        if (p.dt_bias) x += p.dt_bias[h * K + c];
+        x = p.lower_bound_gate ? p.lower_bound / (1.0f + __expf(-ea * x)) : -ea * (x > 20.f ? x : __logf(1.0f + __expf(x)));
+      }
+      qs[i * kLdF + c] = q[e];
+      ks[i * kLdF + c] = k[e];
+      Gs[i * kLdF + c] = x * kLog2e;
+    }
   }
   if (tid < kC) bs[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
   __syncthreads();
-#pragma unroll 4
-  for (int idx = tid; idx < kC * kD; idx += kThreads) {
-    const int i = idx / kD, c = idx % kD;
-    const float v = (i < rows && c < V) ? load(p.v, b, t0 + i, h, c) : 0.f;
-    vbT[c * kLdC + i] = __float2bfloat16(bs[i] * v);
-  }
   if (p.l2norm) {  // one warp per row
     for (int i = warp; i < kC; i += kWarps) {
       float sq = 0.f, sk = 0.f;
@@ -129,33 +144,41 @@ __global__ void __launch_bounds__(kThreads) kda_chunk_kernel(const __grid_consta
       }
     }
   }
-  if (tid < kD) {  // cumulative gate, one thread per channel
+  const int gc = tid % kD, gseg = tid / kD;  // cumulative gate: channel, 16-row segment
+  {
     float acc = 0.f;
-    for (int i = 0; i < kC; ++i) {
-      acc += Gs[i * kLdF + tid];
-      Gs[i * kLdF + tid] = acc;
+    for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) {
+      acc += Gs[i * kLdF + gc];
+      Gs[i * kLdF + gc] = acc;
     }
+    Ts[gseg * kD + gc] = acc;  // segment total
   }
   __syncthreads();
-  if (p.l2norm) {
+  {
+    float off = 0.f;
+    for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
+    for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) Gs[i * kLdF + gc] += off;
+  }
+  if (p.l2norm)
     for (int idx = tid; idx < kC * kD; idx += kThreads) {
       const int i = idx / kD, c = idx % kD;
       qs[i * kLdF + c] *= rn[i];
       ks[i * kLdF + c] *= rn[kC + i];
     }
-    __syncthreads();
-  }
+  __syncthreads();
 
-  // 2. Operands of the products below the diagonal blocks, and the state kernel's Qg, KgT, dC.
+  // 2. Operands of the intra-chunk products (reference r = first row of each 16-row block), the
+  //    state kernel's Qg, KgT, dC, and whether each diagonal block's decay span allows the tensor cores.
   auto* Qg = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kQg);
   auto* KgT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKgT);
   auto* dC = reinterpret_cast<float*>(rec + WsLayout::kDC);
   for (int idx = tid; idx < kC * kD; idx += kThreads) {
     const int i = idx / kD, c = idx % kD;
-    const float G = Gs[i * kLdF + c], f = exp2f(G - Gs[(i & ~15) * kLdF + c]);
-    const float q = qs[i * kLdF + c];
+    const float G = Gs[i * kLdF + c], d = G - Gs[(i & ~15) * kLdF + c], f = exp2f(d);
+    const float q = qs[i * kLdF + c], k = ks[i * kLdF + c];
     qr[i * kLd + c] = __float2bfloat16(q * f);
-    kr[i * kLd + c] = __float2bfloat16(ks[i * kLdF + c] * f);
+    kr[i * kLd + c] = __float2bfloat16(k * f);
+    kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * exp2f(-d) : 0.f);
     Qg[idx] = __float2bfloat16(p.scale * q * exp2f(G));
   }
   for (int idx = tid; idx < 96 * kD; idx += kThreads) {
@@ -168,45 +191,51 @@ __global__ void __launch_bounds__(kThreads) kda_chunk_kernel(const __grid_consta
     KgT[idx] = __float2bfloat16(ks[j * kLdF + c] * exp2f(Gs[(kC - 1) * kLdF + c] - Gs[j * kLdF + c]));
   }
   if (tid < kD) dC[tid] = exp2f(Gs[(kC - 1) * kLdF + tid]);
+  if (warp >= 4 && warp < 8) {  // span of diagonal block warp − 4
+    const int r = 16 * (warp - 4);
+    float span = 0.f;
+    for (int e = lane; e < 16 * kD; e += 32) span = fmaxf(span, Gs[r * kLdF + e % kD] - Gs[(r + e / kD) * kLdF + e % kD]);
+    for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
+    if (lane == 0) safe[warp - 4] = span <= kMaxDiagSpan;
+  }
   __syncthreads();
 
-  // 3. Aqk and L: six blocks below the diagonal per matrix on tensor cores (warp per block) ...
-  for (int task = warp; task < 12; task += kWarps) {
-    const bool is_l = task >= 6;
-    const int pair = task % 6;  // (s, s') = (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
-    const int s = pair < 1 ? 1 : (pair < 3 ? 2 : 3), sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
+  // 3. Aqk and L, one 16 x 16 block per task: the 4 diagonal blocks of each (tasks 0-7), then the 6
+  //    blocks below the diagonal of each (tasks 8-19); zeros above the diagonal blocks.
+  for (int task = warp; task < 20; task += kWarps) {
+    const bool diag = task < 8, is_l = diag ? task >= 4 : task >= 14;
+    int s, sp;
+    if (diag) {
+      s = sp = task % 4;
+    } else {
+      const int pair = (task - 8) % 6;  // (s, s') = (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
+      s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);
+      sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
+    }
+    const float* fs = is_l ? bs : nullptr;
+    if (diag && !safe[s]) {  // per-pair factors in fp32, lane per entry
+      for (int e = lane; e < 256; e += 32) {
+        const int i = 16 * s + e / 16, j = 16 * s + e % 16;
+        float acc = 0.f;
+        if (j <= i)
+          for (int c = 0; c < K; ++c) acc += (is_l ? ks : qs)[i * kLdF + c] * ks[j * kLdF + c] * exp2f(Gs[i * kLdF + c] - Gs[j * kLdF + c]);
+        const bool keep = is_l ? j < i : j <= i;
+        (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (fs ? fs[i] : p.scale) * acc : 0.f;
+      }
+      continue;
+    }
     float acc[2][4];
     zero(acc);
-    warp_mma_nt<2>(acc, (is_l ? kr : qr) + 16 * s * kLd, kLd, kref + (kref_row(s) + 16 * sp) * kLd, kLd, kD / 16);
+    const __nv_bfloat16* B = diag ? kinv + 16 * s * kLd : kref + (kref_row(s) + 16 * sp) * kLd;
+    warp_mma_nt<2>(acc, (is_l ? kr : qr) + 16 * s * kLd, kLd, B, kLd, kD / 16);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = 16 * s + g8 + 8 * hh, j = 16 * sp + 8 * nt + 2 * t4;
-        const float f = is_l ? bs[i] : p.scale;
-        float* dst = (is_l ? Ls : Aq) + i * kLdS + j;
-        dst[0] = f * acc[nt][2 * hh];
-        dst[1] = f * acc[nt][2 * hh + 1];
+      for (int q = 0; q < 4; ++q) {
+        const int i = 16 * s + g8 + 8 * (q / 2), j = 16 * sp + 8 * nt + 2 * t4 + q % 2;
+        const bool keep = !diag || (is_l ? j < i : j <= i);
+        (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (fs ? fs[i] : p.scale) * acc[nt][q] : 0.f;
       }
-  }
-  // ... the diagonal blocks with per-pair factors (fp32; one thread per pair j <= i of the 4 x 136),
-  // zeros above the diagonal blocks.
-  for (int e = tid; e < 4 * 136; e += kThreads) {
-    const int blk = e / 136, r = e % 136;
-    int il = int((sqrtf(8.f * r + 1.f) - 1.f) * 0.5f);
-    if ((il + 1) * (il + 2) / 2 <= r) ++il;  // guard the float square root
-    if (il * (il + 1) / 2 > r) --il;
-    const int i = 16 * blk + il, j = 16 * blk + r - il * (il + 1) / 2;
-    float aqk = 0.f, l = 0.f;
-#pragma unroll 8
-    for (int c = 0; c < K; ++c) {
-      const float kj = ks[j * kLdF + c] * exp2f(Gs[i * kLdF + c] - Gs[j * kLdF + c]);
-      aqk += qs[i * kLdF + c] * kj;
-      l += ks[i * kLdF + c] * kj;
-    }
-    Aq[i * kLdS + j] = p.scale * aqk;
-    Ls[i * kLdS + j] = j < i ? bs[i] * l : 0.f;
-    if (j < i) Aq[j * kLdS + i] = Ls[j * kLdS + i] = 0.f;  // the mirrored entry above the diagonal
   }
   for (int e = tid; e < kC * kC; e += kThreads) {
     const int i = e / kC, j = e % kC;
@@ -214,24 +243,35 @@ __global__ void __launch_bounds__(kThreads) kda_chunk_kernel(const __grid_consta
   }
   __syncthreads();
 
-  // 4. Aqk out (workspace bf16, residual), G residual, and (β k ⊙ 2^G)ᵀ for W.
-  auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
-  for (int e = tid; e < kC * kC; e += kThreads) Aqk_ws[e] = __float2bfloat16(Aq[(e / kC) * kLdS + e % kC]);
-  const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
-  if (p.res_Aqk)
-    for (int e = tid; e < rows * kC; e += kThreads)
-      store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
-  if (p.res_G)
-    for (int e = tid; e < rows * K; e += kThreads) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
-  for (int idx = tid; idx < kD * kC; idx += kThreads) {
-    const int c = idx / kC, j = idx % kC;
-    kbT[c * kLdC + j] = __float2bfloat16(bs[j] * ks[j * kLdF + c] * exp2f(Gs[j * kLdF + c]));
+  // 4. Every thread: its (β v)ᵀ entries. Warps 0-11: Aqk out (workspace bf16, residual), the G residual,
+  //    (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15, meanwhile: the diagonal blocks of
+  //    A = (I + L)^-1 by forward substitution, X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane = column).
+#pragma unroll
+  for (int r = 0; r < kTasks; ++r) {
+    const int task = tid + r * kThreads, i = task / (kD / 8), c0 = (task % (kD / 8)) * 8;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) vbT[(c0 + e) * kLdC + i] = __float2bfloat16(bs[i] * vreg[r][e]);
   }
-  __syncthreads();
-
-  // 5. A = (I + L)^-1 (unit lower triangular) into As (over Aqk; zeros above the diagonal blocks stay).
-  if (warp < 4 && lane < 16) {  // diagonal block `warp`, column `lane`: X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj
-    const int o = 16 * warp, j = lane;
+  const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
+  if (warp < 12) {
+    constexpr int kN = 12 * 32;
+    auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
+    for (int e = tid; e < kC * kC; e += kN) {
+      const int i = e / kC, j = e % kC;
+      Aqk_ws[e] = __float2bfloat16(Aq[i * kLdS + j]);
+      if (j / 16 > i / 16) As[i * kLdS + j] = 0.f;
+    }
+    if (p.res_Aqk)
+      for (int e = tid; e < rows * kC; e += kN)
+        store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
+    if (p.res_G)
+      for (int e = tid; e < rows * K; e += kN) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
+    for (int idx = tid; idx < kD * kC; idx += kN) {
+      const int c = idx / kC, j = idx % kC;
+      kbT[c * kLdC + j] = __float2bfloat16(bs[j] * ks[j * kLdF + c] * exp2f(Gs[j * kLdF + c]));
+    }
+  } else if (lane < 16) {
+    const int o = 16 * (warp - 12), j = lane;
     for (int i = 0; i < 16; ++i) {
       float s = i == j ? 1.f : 0.f;
       for (int m = j; m < i; ++m) s -= Ls[(o + i) * kLdS + o + m] * As[(o + m) * kLdS + o + j];
@@ -239,6 +279,8 @@ __global__ void __launch_bounds__(kThreads) kda_chunk_kernel(const __grid_consta
     }
   }
   __syncthreads();
+
+  // 5. The blocks of A below the diagonal, one block row s at a time.
   for (int s = 1; s < 4; ++s) {  // block row s, columns [0, 16 s)
     const int o = 16 * s;
     for (int e = tid; e < 16 * o; e += kThreads) {  // T = Σ_{s' <= m < s} L_{s,m} A_{m,s'}

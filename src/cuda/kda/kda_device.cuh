@@ -47,6 +47,32 @@ __device__ __forceinline__ float load(const KdaTensor& t, int b, int tok, int h,
                                  : static_cast<const float*>(t.data)[off];
 }
 
+// Channels c0..c0+7 of token `tok` (zeros at c >= C): one 16-byte load (bf16) or two (fp32) when the
+// address is 16-byte aligned and all eight are in range, element loads otherwise.
+__device__ __forceinline__ void load8(const KdaTensor& t, int b, int tok, int h, int c0, int C, float (&x)[8]) {
+  const int64_t off = int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh + c0;
+  const bool bf = t.dtype == DType::kBF16;
+  const char* ptr = static_cast<const char*>(t.data) + off * (bf ? 2 : 4);
+  if (c0 + 8 <= C && (reinterpret_cast<uintptr_t>(ptr) & 15) == 0) {
+    if (bf) {
+      const uint4 u = __ldg(reinterpret_cast<const uint4*>(ptr));
+      const auto* p2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(p2[e]);
+        x[2 * e] = f.x;
+        x[2 * e + 1] = f.y;
+      }
+    } else {
+      const float4 lo = __ldg(reinterpret_cast<const float4*>(ptr)), hi = __ldg(reinterpret_cast<const float4*>(ptr) + 1);
+      x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = c0 + e < C ? load(t, b, tok, h, c0 + e) : 0.f;
+  }
+}
+
 __device__ __forceinline__ void store(void* base, DType dt, int64_t off, float x) {
   if (dt == DType::kBF16) static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16(x);
   else static_cast<float*>(base)[off] = x;

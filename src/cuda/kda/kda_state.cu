@@ -1,11 +1,14 @@
-// KDA inter-chunk state kernel (math-kda.md §4): grid (N, H, ceil(V / 32)), 256 threads (8 warps);
-// the serial pass of one sequence and head over its chunks on a 32-column slice of the state
+// KDA inter-chunk state kernel (math-kda.md §4): grid (N, H, ceil(V / 64)), 512 threads (16 warps);
+// the serial pass of one sequence and head over its chunks on a 64-column slice of the state
 // S [K, V], on tensor cores (bf16 operands, fp32 accumulation, S itself kept fp32 in registers):
 //
 //   Vnew = U − W S            warp (rw, cw) = (w % 4, w / 4): chunk rows 16 rw.., columns 16 cw..
 //   O    = Qg S + Aqk Vnew    (Aqk lower triangular: k-steps 0..rw)
 //   S    = dC ⊙ S + KgT Vnew  state rows 32 rw.., columns 16 cw..
 //
+// S and Vnew enter the products as bf16 pairs hi + lo (hi = bf16(x), lo = bf16(x − hi), two mma
+// each): their rounding would otherwise accumulate along the chain; the chunk operands (W, Qg, KgT,
+// Aqk) are rounded once, as in fla.
 // The chunk's operands (kda_device.cuh's workspace record, written by kda_chunk.cu) are copied into
 // shared memory with cp.async one chunk ahead (two stages), so the copy of chunk i + 1 overlaps the
 // products of chunk i. The chunk-start state goes to the h residual when requested; o and the final
@@ -15,20 +18,20 @@
 namespace encore::cuda::kda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kVs = 32;  // value columns per block: 16 per group of 4 warps
+constexpr int kThreads = 512;
+constexpr int kVs = 64;  // value columns per block: 16 per group of 4 warps
 
 struct StateSmem {  // byte offsets; one stage holds a chunk's operands
   static constexpr int kW = 0;                       // bf16 [64][136]
   static constexpr int kQg = kW + kC * kLd * 2;      // bf16 [64][136]
   static constexpr int kKgT = kQg + kC * kLd * 2;    // bf16 [128][72]
   static constexpr int kAqk = kKgT + kD * kLdC * 2;  // bf16 [64][72]
-  static constexpr int kU = kAqk + kC * kLdC * 2;    // fp32 [64][32] the block's U columns
+  static constexpr int kU = kAqk + kC * kLdC * 2;    // fp32 [64][64] the block's U columns
   static constexpr int kDC = kU + kC * kVs * 4;      // fp32 [128]
   static constexpr int kStage = kDC + kD * 4;
-  static constexpr int kST = 2 * kStage;             // bf16 [32][136] Sᵀ of the block's columns
-  static constexpr int kVnT = kST + kVs * kLd * 2;   // bf16 [32][72] Vnewᵀ
-  static constexpr int kBytes = kVnT + kVs * kLdC * 2;
+  static constexpr int kST = 2 * kStage;             // bf16 [2][64][136] Sᵀ (hi, lo) of the block's columns
+  static constexpr int kVnT = kST + 2 * kVs * kLd * 2;  // bf16 [2][64][72] Vnewᵀ (hi, lo)
+  static constexpr int kBytes = kVnT + 2 * kVs * kLdC * 2;
 };
 static_assert(StateSmem::kStage % 16 == 0 && StateSmem::kU % 16 == 0 && StateSmem::kVnT % 16 == 0, "16-byte copies");
 
@@ -50,14 +53,14 @@ __device__ void prefetch(unsigned char* stage, const unsigned char* rec, int v0,
     cp_async16(stage + StateSmem::kKgT + (x / 8) * kLdC * 2 + (x % 8) * 16, rec + WsLayout::kKgT + (x / 8) * kC * 2 + (x % 8) * 16);
   for (int x = tid; x < kC * 8; x += kThreads)  // Aqk: 64 rows x 8 pieces
     cp_async16(stage + StateSmem::kAqk + (x / 8) * kLdC * 2 + (x % 8) * 16, rec + WsLayout::kAqk + (x / 8) * kC * 2 + (x % 8) * 16);
-  for (int x = tid; x < kC * (kVs / 4); x += kThreads) {  // U columns v0..v0+31: 64 rows x 8 pieces
+  for (int x = tid; x < kC * (kVs / 4); x += kThreads) {  // U columns v0..v0+63: 64 rows x 16 pieces
     const int r = x / (kVs / 4), ch = x % (kVs / 4);
     cp_async16(stage + StateSmem::kU + r * kVs * 4 + ch * 16, rec + WsLayout::kU + (r * kD + v0) * 4 + ch * 16);
   }
   for (int x = tid; x < kD / 4; x += kThreads) cp_async16(stage + StateSmem::kDC + x * 16, rec + WsLayout::kDC + x * 16);
 }
 
-__global__ void __launch_bounds__(kThreads) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
+__global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
   const int n = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * kVs, tid = threadIdx.x, lane = tid % 32;
   const int rw = (tid / 32) % 4, cw = tid / 128;                 // row group, 16-column group
   const int g8 = lane >> 2, t4 = lane & 3, vw = 16 * cw + 2 * t4;  // fragment column vw + 8 nt + e
@@ -82,13 +85,17 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const __grid_consta
         const int c = srow(mt, q), v = v0 + scol(nt, q);
         S[mt][nt][q] = (p.h0 && c < K && v < V) ? p.h0[(srow0 + c) * V + v] : 0.f;
       }
-  auto write_st = [&] {  // Sᵀ in bf16, the B operand of W S and Qg S
+  auto write_st = [&] {  // Sᵀ as bf16 hi + lo, the B operand of W S and Qg S
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) ST[scol(nt, q) * kLd + srow(mt, q)] = __float2bfloat16(S[mt][nt][q]);
+        for (int q = 0; q < 4; ++q) {
+          const __nv_bfloat16 hi = __float2bfloat16(S[mt][nt][q]);
+          ST[scol(nt, q) * kLd + srow(mt, q)] = hi;
+          ST[kVs * kLd + scol(nt, q) * kLd + srow(mt, q)] = __float2bfloat16(S[mt][nt][q] - __bfloat162float(hi));
+        }
   };
   write_st();
 
@@ -123,17 +130,23 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const __grid_consta
     float x[2][4], y[2][4];
     zero(x);
     zero(y);
-    warp_mma_nt<2>(x, Ws + 16 * rw * kLd, kLd, ST + 16 * cw * kLd, kLd, kD / 16);
-    warp_mma_nt<2>(y, Qs + 16 * rw * kLd, kLd, ST + 16 * cw * kLd, kLd, kD / 16);
+    for (int part = 0; part < 2; ++part) {  // S hi, then lo
+      const __nv_bfloat16* Sp = ST + part * kVs * kLd + 16 * cw * kLd;
+      warp_mma_nt<2>(x, Ws + 16 * rw * kLd, kLd, Sp, kLd, kD / 16);
+      warp_mma_nt<2>(y, Qs + 16 * rw * kLd, kLd, Sp, kLd, kD / 16);
+    }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int i = 16 * rw + g8 + 8 * (q / 2), vl = scol(nt, q);
-        VnT[vl * kLdC + i] = __float2bfloat16(U[i * kVs + vl] - x[nt][q]);
+        const float vn = U[i * kVs + vl] - x[nt][q];
+        const __nv_bfloat16 hi = __float2bfloat16(vn);
+        VnT[vl * kLdC + i] = hi;
+        VnT[kVs * kLdC + vl * kLdC + i] = __float2bfloat16(vn - __bfloat162float(hi));
       }
     __syncthreads();  // Vnew complete
-    warp_mma_nt<2>(y, Aqk + 16 * rw * kLdC, kLdC, VnT + 16 * cw * kLdC, kLdC, rw + 1);
+    for (int part = 0; part < 2; ++part) warp_mma_nt<2>(y, Aqk + 16 * rw * kLdC, kLdC, VnT + (part * kVs + 16 * cw) * kLdC, kLdC, rw + 1);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -148,7 +161,8 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const __grid_consta
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int q = 0; q < 4; ++q) S[mt][nt][q] *= dC[srow(mt, q)];
-      warp_mma_nt<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, VnT + 16 * cw * kLdC, kLdC, kC / 16);
+      for (int part = 0; part < 2; ++part)
+        warp_mma_nt<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, VnT + (part * kVs + 16 * cw) * kLdC, kLdC, kC / 16);
     }
     write_st();  // every warp's reads of Sᵀ ended before the Vnew barrier
   }
