@@ -66,7 +66,7 @@ void run_kda_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
     r.suite = "kda";
     r.name = "kda_forward";
     r.params = {{"config", c.name}, {"dtype", "bf16"}, {"H", "16"}, {"K", "128"}, {"V", "128"}, {"gate", "softplus+dt_bias in kernel"},
-                {"l2norm", "1"}, {"version", "fp32 SIMT (no tensor cores)"}};
+                {"l2norm", "1"}, {"version", "mma.sync bf16, chunk + state kernels"}};
     r.metrics = {{"time_us", t.median_us}};
     report.records.push_back(r);
     std::printf("  kda_forward %-16s %9.1f us\n", c.name, t.median_us);

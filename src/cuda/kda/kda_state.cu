@@ -6,9 +6,9 @@
 //   O    = Qg S + Aqk Vnew    (Aqk lower triangular: k-steps 0..rw)
 //   S    = dC ⊙ S + KgT Vnew  state rows 32 rw.., columns 16 cw..
 //
-// S and Vnew enter the products as bf16 pairs hi + lo (hi = bf16(x), lo = bf16(x − hi), two mma
-// each): their rounding would otherwise accumulate along the chain; the chunk operands (W, Qg, KgT,
-// Aqk) are rounded once, as in fla.
+// S and Vnew enter the products rounded to bf16, like the chunk operands (as fla does); S itself stays
+// fp32. (Carrying them as bf16 hi + lo pairs was measured: o error 3.7e-3 -> 3.4e-3, state pass ~1.3x
+// slower; not kept.)
 // The chunk's operands (kda_device.cuh's workspace record, written by kda_chunk.cu) are copied into
 // shared memory with cp.async one chunk ahead (two stages), so the copy of chunk i + 1 overlaps the
 // products of chunk i. The chunk-start state goes to the h residual when requested; o and the final
@@ -29,9 +29,9 @@ struct StateSmem {  // byte offsets; one stage holds a chunk's operands
   static constexpr int kU = kAqk + kC * kLdC * 2;    // fp32 [64][64] the block's U columns
   static constexpr int kDC = kU + kC * kVs * 4;      // fp32 [128]
   static constexpr int kStage = kDC + kD * 4;
-  static constexpr int kST = 2 * kStage;             // bf16 [2][64][136] Sᵀ (hi, lo) of the block's columns
-  static constexpr int kVnT = kST + 2 * kVs * kLd * 2;  // bf16 [2][64][72] Vnewᵀ (hi, lo)
-  static constexpr int kBytes = kVnT + 2 * kVs * kLdC * 2;
+  static constexpr int kST = 2 * kStage;             // bf16 [64][136] Sᵀ of the block's columns
+  static constexpr int kVnT = kST + kVs * kLd * 2;   // bf16 [64][72] Vnewᵀ
+  static constexpr int kBytes = kVnT + kVs * kLdC * 2;
 };
 static_assert(StateSmem::kStage % 16 == 0 && StateSmem::kU % 16 == 0 && StateSmem::kVnT % 16 == 0, "16-byte copies");
 
@@ -85,17 +85,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
         const int c = srow(mt, q), v = v0 + scol(nt, q);
         S[mt][nt][q] = (p.h0 && c < K && v < V) ? p.h0[(srow0 + c) * V + v] : 0.f;
       }
-  auto write_st = [&] {  // Sᵀ as bf16 hi + lo, the B operand of W S and Qg S
+  auto write_st = [&] {  // Sᵀ in bf16, the B operand of W S and Qg S
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const __nv_bfloat16 hi = __float2bfloat16(S[mt][nt][q]);
-          ST[scol(nt, q) * kLd + srow(mt, q)] = hi;
-          ST[kVs * kLd + scol(nt, q) * kLd + srow(mt, q)] = __float2bfloat16(S[mt][nt][q] - __bfloat162float(hi));
-        }
+        for (int q = 0; q < 4; ++q) ST[scol(nt, q) * kLd + srow(mt, q)] = __float2bfloat16(S[mt][nt][q]);
   };
   write_st();
 
@@ -130,23 +126,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     float x[2][4], y[2][4];
     zero(x);
     zero(y);
-    for (int part = 0; part < 2; ++part) {  // S hi, then lo
-      const __nv_bfloat16* Sp = ST + part * kVs * kLd + 16 * cw * kLd;
-      warp_mma_nt<2>(x, Ws + 16 * rw * kLd, kLd, Sp, kLd, kD / 16);
-      warp_mma_nt<2>(y, Qs + 16 * rw * kLd, kLd, Sp, kLd, kD / 16);
-    }
+    warp_mma_nt<2>(x, Ws + 16 * rw * kLd, kLd, ST + 16 * cw * kLd, kLd, kD / 16);
+    warp_mma_nt<2>(y, Qs + 16 * rw * kLd, kLd, ST + 16 * cw * kLd, kLd, kD / 16);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int i = 16 * rw + g8 + 8 * (q / 2), vl = scol(nt, q);
-        const float vn = U[i * kVs + vl] - x[nt][q];
-        const __nv_bfloat16 hi = __float2bfloat16(vn);
-        VnT[vl * kLdC + i] = hi;
-        VnT[kVs * kLdC + vl * kLdC + i] = __float2bfloat16(vn - __bfloat162float(hi));
+        VnT[vl * kLdC + i] = __float2bfloat16(U[i * kVs + vl] - x[nt][q]);
       }
     __syncthreads();  // Vnew complete
-    for (int part = 0; part < 2; ++part) warp_mma_nt<2>(y, Aqk + 16 * rw * kLdC, kLdC, VnT + (part * kVs + 16 * cw) * kLdC, kLdC, rw + 1);
+    warp_mma_nt<2>(y, Aqk + 16 * rw * kLdC, kLdC, VnT + 16 * cw * kLdC, kLdC, rw + 1);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -161,8 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int q = 0; q < 4; ++q) S[mt][nt][q] *= dC[srow(mt, q)];
-      for (int part = 0; part < 2; ++part)
-        warp_mma_nt<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, VnT + (part * kVs + 16 * cw) * kLdC, kLdC, kC / 16);
+      warp_mma_nt<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, VnT + 16 * cw * kLdC, kLdC, kC / 16);
     }
     write_st();  // every warp's reads of Sᵀ ended before the Vnew barrier
   }
