@@ -55,17 +55,6 @@ constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a
 // Row offset of reference s's block of k rows inside kref: s = 1 -> 0, 2 -> 16, 3 -> 48.
 __device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
 
-// Sequence of chunk slot `slot`: the last n with chunk_start[n] <= slot.
-__device__ int find_seq(const KdaCudaProblem& p, int slot) {
-  int lo = 0, hi = p.N - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.chunk_start[mid] <= slot) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
   const int slot = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g8 = lane >> 2, t4 = lane & 3;  // mma fragment coordinates

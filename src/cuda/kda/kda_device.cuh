@@ -10,6 +10,9 @@
 //   Aqk  bf16 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
 //   U    fp32 [64][128]   A (β v)                          (cols = value channels)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
+// and, written by the state kernel for the output kernel (kda_output.cu):
+//   HT   bf16 [128][128]  the chunk-start state, transposed (rows = value, cols = key channels)
+//   VnT  bf16 [128][64]   Vnew = U − W h, transposed (rows = value channels, cols = tokens)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -33,9 +36,12 @@ struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kAqk = kKgT + int64_t(kD) * kC * 2;
   static constexpr int64_t kU = kAqk + int64_t(kC) * kC * 2;
   static constexpr int64_t kDC = kU + int64_t(kC) * kD * 4;
-  static constexpr int64_t kBytes = kDC + kD * 4;
+  static constexpr int64_t kHT = kDC + kD * 4;
+  static constexpr int64_t kVnT = kHT + int64_t(kD) * kD * 2;
+  static constexpr int64_t kBytes = kVnT + int64_t(kD) * kC * 2;
 };
-static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0, "16-byte parts");
+static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kHT % 16 == 0,
+              "16-byte parts");
 
 __device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
   return static_cast<unsigned char*>(ws) + (int64_t(slot) * H + h) * WsLayout::kBytes;
@@ -76,6 +82,36 @@ __device__ __forceinline__ void load8(const KdaTensor& t, int b, int tok, int h,
 __device__ __forceinline__ void store(void* base, DType dt, int64_t off, float x) {
   if (dt == DType::kBF16) static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16(x);
   else static_cast<float*>(base)[off] = x;
+}
+
+// Sequence of chunk slot `slot`: the last n with chunk_start[n] <= slot.
+__device__ __forceinline__ int find_seq(const KdaCudaProblem& p, int slot) {
+  int lo = 0, hi = p.N - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.chunk_start[mid] <= slot) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// ---- cp.async (16-byte pieces, global -> shared) -------------------------------------------------
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>  // wait until at most kPending of the committed groups are in flight
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+// Copies `rows` rows of `bytes_per_row` (a multiple of 16) from global (row stride src_ld bytes) to
+// shared (row stride dst_ld bytes), pieces spread over `nthreads` threads.
+__device__ __forceinline__ void cp_async_rows(unsigned char* dst, int dst_ld, const unsigned char* src, int64_t src_ld, int rows,
+                                              int bytes_per_row, int tid, int nthreads) {
+  const int pieces = bytes_per_row / 16;
+  for (int x = tid; x < rows * pieces; x += nthreads)
+    cp_async16(dst + (x / pieces) * dst_ld + (x % pieces) * 16, src + (x / pieces) * src_ld + (x % pieces) * 16);
 }
 
 // ---- mma.sync m16n8k16, bf16 inputs, fp32 accumulators ----------------------------------------
@@ -126,8 +162,9 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
 
 namespace encore::cuda::kda {
 
-// The two kernels of the forward, launched in order on `stream` by launch_kda_forward.
+// The three kernels of the forward, launched in order on `stream` by launch_kda_forward.
 cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream);
-cudaError_t launch_state_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream);
+cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream);
+cudaError_t launch_output_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream);
 
 }  // namespace encore::cuda::kda

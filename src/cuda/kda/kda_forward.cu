@@ -1,7 +1,8 @@
-// KDA chunked forward on CUDA (math-kda.md §4): the intra-chunk kernel (kda_chunk.cu) writes each
-// (chunk, head)'s operands into the workspace, then the state kernel (kda_state.cu) runs the serial
-// inter-chunk pass per (sequence, head, 16 value columns) and writes o and the final state. Both on
-// tensor cores (mma.sync bf16 -> fp32); the layout that connects them is in kda_device.cuh.
+// KDA chunked forward on CUDA (math-kda.md §4), three kernels on tensor cores (mma.sync bf16 -> fp32)
+// connected by the workspace layout of kda_device.cuh: the intra-chunk kernel (kda_chunk.cu) writes
+// each (chunk, head)'s operands; the state kernel (kda_state.cu) runs the serial inter-chunk pass per
+// (sequence, head, 64 value columns), writing every chunk's start state and Vnew and the final state;
+// the output kernel (kda_output.cu) computes o for all chunks in parallel.
 #include <string>
 
 #include "cuda/common/device_guard.hpp"
@@ -26,8 +27,10 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   ENCORE_RETURN_IF_ERROR(guard.set(p.device));
   if (p.chunk_start[p.N] == 0 && !p.final_state) return Status::ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p.chunk_start[p.N] > 0) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, s), "chunk kernel"));
-  return launched(kda::launch_state_kernel(p, workspace, s), "state kernel");
+  const bool chunks = p.chunk_start[p.N] > 0;
+  if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, s), "chunk kernel"));
+  ENCORE_RETURN_IF_ERROR(launched(kda::launch_state_kernel(p, workspace, s), "state kernel"));
+  return chunks ? launched(kda::launch_output_kernel(p, workspace, s), "output kernel") : Status::ok();
 }
 
 }  // namespace encore::cuda

@@ -1,0 +1,67 @@
+// KDA output kernel (math-kda.md §4): grid (chunk slots, H), 256 threads (8 warps), every chunk in
+// parallel once the state pass has written its chunk-start state and Vnew:
+//
+//   O = Qg h_t + Aqk Vnew     (Qg, Aqk from the chunk kernel; hᵀ, Vnewᵀ from the state kernel)
+//
+// warp w: chunk rows 16 (w % 4).., value columns 64 (w / 4)..; Aqk is lower triangular, so row
+// block r needs k-steps 0..r of the second product. bf16 operands, fp32 accumulation, o in its dtype
+// for the chunk's valid rows and the first V columns. 78 KB of shared memory: two blocks per SM.
+#include "cuda/kda/kda_device.cuh"
+
+namespace encore::cuda::kda {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct OutputSmem {  // byte offsets
+  static constexpr int kQg = 0;                     // bf16 [64][136]
+  static constexpr int kHT = kQg + kC * kLd * 2;    // bf16 [128][136]
+  static constexpr int kAqk = kHT + kD * kLd * 2;   // bf16 [64][72]
+  static constexpr int kVnT = kAqk + kC * kLdC * 2; // bf16 [128][72]
+  static constexpr int kBytes = kVnT + kD * kLdC * 2;
+};
+static_assert(OutputSmem::kHT % 16 == 0 && OutputSmem::kAqk % 16 == 0 && OutputSmem::kVnT % 16 == 0, "16-byte copies");
+
+__global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
+  const int slot = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rw = warp % 4, cw = warp / 4, g8 = lane >> 2, t4 = lane & 3;
+  const int n = find_seq(p, slot);
+  const int b = p.varlen ? 0 : n;
+  const int t0 = p.seq_begin[n] + (slot - p.chunk_start[n]) * kC;
+  const int rows = min(kC, p.seq_end[n] - t0);
+  extern __shared__ __align__(16) unsigned char smem[];
+  const auto* rec = static_cast<const unsigned char*>(ws) + (int64_t(slot) * p.H + h) * WsLayout::kBytes;
+  cp_async_rows(smem + OutputSmem::kQg, kLd * 2, rec + WsLayout::kQg, kD * 2, kC, kD * 2, tid, kThreads);
+  cp_async_rows(smem + OutputSmem::kHT, kLd * 2, rec + WsLayout::kHT, kD * 2, kD, kD * 2, tid, kThreads);
+  cp_async_rows(smem + OutputSmem::kAqk, kLdC * 2, rec + WsLayout::kAqk, kC * 2, kC, kC * 2, tid, kThreads);
+  cp_async_rows(smem + OutputSmem::kVnT, kLdC * 2, rec + WsLayout::kVnT, kC * 2, kD, kC * 2, tid, kThreads);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  const auto* Qg = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kQg);
+  const auto* HT = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kHT);
+  const auto* Aqk = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kAqk);
+  const auto* VnT = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kVnT);
+  float y[8][4];
+  zero(y);
+  warp_mma_nt<8>(y, Qg + 16 * rw * kLd, kLd, HT + 64 * cw * kLd, kLd, kD / 16);
+  warp_mma_nt<8>(y, Aqk + 16 * rw * kLdC, kLdC, VnT + 64 * cw * kLdC, kLdC, rw + 1);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = 16 * rw + g8 + 8 * (q / 2), v = 64 * cw + 8 * nt + 2 * t4 + q % 2;
+      if (i < rows && v < p.V) store(p.o, p.o_dtype, int64_t(b) * p.o_sb + int64_t(t0 + i) * p.o_st + int64_t(h) * p.o_sh + v, y[nt][q]);
+    }
+}
+
+}  // namespace
+
+cudaError_t launch_output_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream) {
+  const cudaError_t e = cudaFuncSetAttribute(kda_output_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, OutputSmem::kBytes);
+  if (e != cudaSuccess) return e;
+  kda_output_kernel<<<dim3(unsigned(p.chunk_start[p.N]), unsigned(p.H)), kThreads, OutputSmem::kBytes, stream>>>(p, ws);
+  return cudaGetLastError();
+}
+
+}  // namespace encore::cuda::kda
