@@ -36,12 +36,12 @@ def _no_autograd(*tensors):
             raise RuntimeError("encore: autograd is not wired for this op yet; call it under torch.no_grad()")
 
 
-_KINDS = {"f32": "float32", "u8": "uint8", "i32": "int32"}  # the same names in torch and numpy
+_KINDS = {"f32": "float32", "u8": "uint8", "i32": "int32", "bf16": "bfloat16"}  # torch names (numpy: no bfloat16)
 
 
 def _empty(like, shape, kind):
-    """An uninitialized array of `shape` on `like`'s framework and device; kind: "f32", "u8", "i32"
-    or "like" (like's dtype)."""
+    """An uninitialized array of `shape` on `like`'s framework and device; kind: "f32", "u8", "i32",
+    "bf16" (torch only) or "like" (like's dtype)."""
     if _is_torch(like):
         import torch
 
@@ -49,6 +49,8 @@ def _empty(like, shape, kind):
         return torch.empty(shape, dtype=dtype, device=like.device)
     import numpy as np
 
+    if kind == "bf16":
+        raise ValueError("bfloat16 outputs need torch tensors (numpy has no bfloat16)")
     return np.empty(shape, dtype=like.dtype if kind == "like" else getattr(np, _KINDS[kind]))
 
 

@@ -1,15 +1,33 @@
-"""Kimi Delta Attention forward (include/encore/kda.hpp), the chunk_kda contract: q, k, g
-[B, T, H, K], v [B, T, H, V], beta [B, T, H]; CPU backend (fp64 reference) for numpy / CPU torch
-arrays, CUDA forward for CUDA torch tensors (bf16/fp32, K, V <= 128). Inference only."""
+"""Kimi Delta Attention (include/encore/kda.hpp), the chunk_kda contract: q, k, g [B, T, H, K],
+v [B, T, H, V], beta [B, T, H]. Forward: CPU backend (fp64 reference) for numpy / CPU torch arrays,
+CUDA forward for CUDA torch tensors (bf16/fp32, K, V <= 128), optionally returning the residuals the
+backward reads. Backward: CPU backend only. Not wired into autograd."""
 from __future__ import annotations
 
 from . import _encore
 from ._util import _empty, _is_torch, _no_autograd, _stream_for
 
+_RESIDUAL_KINDS = {None: "f32", "float32": "f32", "bfloat16": "bf16"}
+
+
+def _host_cu(cu_seqlens):
+    if cu_seqlens is not None and _is_torch(cu_seqlens) and cu_seqlens.is_cuda:
+        return cu_seqlens.cpu()
+    return cu_seqlens
+
+
+def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound):
+    lower = lower_bound is not None
+    return (float(scale or 0.0), bool(use_qk_l2norm), bool(use_gate_in_kernel), lower, float(lower_bound if lower else -5.0))
+
 
 def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
-                use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None, stream=None):
-    """Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None).
+                use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None,
+                return_residuals=False, residual_dtype=None, stream=None):
+    """Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None), and with
+    return_residuals a third element: dict(G [B, T, H, K] float32 (chunk-local log2 gate cumsum),
+    Aqk, Akk [B, T, H, 64], h [NT, H, K, V] (chunk-start states)) in residual_dtype ("float32", the
+    default, or "bfloat16" for torch tensors).
 
     g: log-decay, or the raw gate with use_gate_in_kernel (softplus gate with A_log [H] and optional
     dt_bias [H * K]; lower_bound in [-5, 0) selects the lower-bound gate). cu_seqlens [N + 1]
@@ -19,14 +37,42 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     b, t, h, kd = q.shape
     vd = v.shape[3]
     n = (len(cu_seqlens) - 1) if cu_seqlens is not None else b
-    if cu_seqlens is not None and _is_torch(cu_seqlens) and cu_seqlens.is_cuda:
-        cu_seqlens = cu_seqlens.cpu()
+    cu_seqlens = _host_cu(cu_seqlens)
     o = _empty(v, (b, t, h, vd), "like")
     fin = _empty(q, (n, h, kd, vd), "f32") if output_final_state else None
-    lower = lower_bound is not None
-    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o, fin, float(scale or 0.0), bool(use_qk_l2norm),
-            bool(use_gate_in_kernel), lower, float(lower_bound if lower else -5.0))
+    res = None
+    if return_residuals:
+        if residual_dtype not in _RESIDUAL_KINDS:
+            raise ValueError(f"residual_dtype: expected 'float32' or 'bfloat16', got {residual_dtype!r}")
+        kind = _RESIDUAL_KINDS[residual_dtype]
+        nt = _encore.kda_chunk_count(q, k, v, g, beta, cu_seqlens)
+        res = {"G": _empty(q, (b, t, h, kd), "f32"), "Aqk": _empty(q, (b, t, h, 64), kind), "Akk": _empty(q, (b, t, h, 64), kind),
+               "h": _empty(q, (nt, h, kd, vd), kind)}
+    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o, fin,
+            *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
+            *((res["G"], res["Aqk"], res["Akk"], res["h"]) if res else (None, None, None, None)))
     nbytes = _encore.kda_forward_workspace_bytes(*args)
     ws = _empty(q, (nbytes,), "u8") if nbytes else None
     _encore.kda_forward_out(*args, ws, _stream_for(q, stream))
-    return o, fin
+    return (o, fin, res) if return_residuals else (o, fin)
+
+
+def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_state=None, use_qk_l2norm=False,
+                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None):
+    """Gradients of sum(o * d_o) + sum(final_state * d_final_state) for the forward with the same
+    arguments (CPU backend: numpy or CPU torch arrays). Returns a dict with dq, dk, dv, dg, dbeta (in
+    the inputs' dtypes; dg with respect to the g passed in, dq and dk before the L2 norm) and dh0,
+    dA_log, ddt_bias (float32) when initial_state, A_log, dt_bias are given."""
+    _no_autograd(q, k, v, g, beta, d_o)
+    cu_seqlens = _host_cu(cu_seqlens)
+    grads = {"dq": _empty(q, q.shape, "like"), "dk": _empty(k, k.shape, "like"), "dv": _empty(v, v.shape, "like"),
+             "dg": _empty(g, g.shape, "like"), "dbeta": _empty(beta, beta.shape, "like")}
+    opt = {"dh0": initial_state, "dA_log": A_log, "ddt_bias": dt_bias}
+    for name, src in opt.items():
+        if src is not None:
+            grads[name] = _empty(src, src.shape, "f32")
+    _encore.kda_backward_out(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, d_o, d_final_state,
+                             *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound), grads["dq"], grads["dk"],
+                             grads["dv"], grads["dg"], grads["dbeta"], grads.get("dh0"), grads.get("dA_log"),
+                             grads.get("ddt_bias"))
+    return grads

@@ -127,6 +127,59 @@ def test_kda_forward_numpy():
     assert rel(o, o_ref) < 1e-5 and rel(fin, fin_ref) < 1e-5
 
 
+def test_kda_residuals_numpy():
+    b, t, h, kd, vd = 1, 100, 2, 8, 6  # two chunks, the second ragged
+    q, k, v = randn(b, t, h, kd), randn(b, t, h, kd, scale=0.3), randn(b, t, h, vd)
+    g = -0.2 * rng.random((b, t, h, kd)).astype(np.float32)
+    beta = (0.1 + 0.8 * rng.random((b, t, h))).astype(np.float32)
+    o, fin, res = encore.kda_forward(q, k, v, g, beta, output_final_state=True, return_residuals=True)
+    assert res["G"].shape == (b, t, h, kd) and res["Aqk"].shape == (b, t, h, 64) and res["h"].shape == (2, h, kd, vd)
+    scale, q64, k64, g64 = kd ** -0.5, q.astype(np.float64), k.astype(np.float64), g.astype(np.float64)
+    G, Aqk, Akk = np.zeros((b, t, h, kd)), np.zeros((b, t, h, 64)), np.zeros((b, t, h, 64))
+    for c0 in range(0, t, 64):
+        c1 = min(t, c0 + 64)
+        gn = np.cumsum(g64[0, c0:c1], axis=0)  # natural-log cumsum [rows, h, kd]
+        G[0, c0:c1] = gn / np.log(2)
+        for hi in range(h):
+            decay = np.exp(gn[:, None, hi, :] - gn[None, :, hi, :])  # [i, j, kd]
+            kk = np.einsum("ic,jc,ijc->ij", k64[0, c0:c1, hi], k64[0, c0:c1, hi], decay)
+            qk = np.einsum("ic,jc,ijc->ij", q64[0, c0:c1, hi], k64[0, c0:c1, hi], decay)
+            rows = c1 - c0
+            Aqk[0, c0:c1, hi, :rows] = scale * np.tril(qk)
+            L = beta[0, c0:c1, hi, None].astype(np.float64) * np.tril(kk, -1)
+            Akk[0, c0:c1, hi, :rows] = np.linalg.inv(np.eye(rows) + L)
+    assert rel(res["G"], G) < 1e-6 and rel(res["Aqk"], Aqk) < 1e-5 and rel(res["Akk"], Akk) < 1e-5
+    _, h_mid = kda_ref(q.astype(np.float64)[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], scale)
+    assert np.abs(res["h"][0]).max() == 0 and rel(res["h"][1], h_mid[0]) < 1e-5
+    with pytest.raises(ValueError, match="bfloat16"):
+        encore.kda_forward(q, k, v, g, beta, return_residuals=True, residual_dtype="bfloat16")
+
+
+def test_kda_backward_numpy_matches_finite_differences():
+    b, t, h, kd, vd = 1, 9, 1, 4, 3
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    q, k, v = f64(randn(b, t, h, kd)), f64(randn(b, t, h, kd, scale=0.3)), f64(randn(b, t, h, vd))
+    g, beta, d_o = -0.2 * rng.random((b, t, h, kd)), 0.1 + 0.8 * rng.random((b, t, h)), f64(randn(b, t, h, vd))
+    grads = encore.kda_backward(q, k, v, g, beta, d_o)
+    inputs = {"dq": q, "dk": k, "dv": v, "dg": g, "dbeta": beta}
+
+    def loss():
+        return float((encore.kda_forward(q, k, v, g, beta)[0] * d_o).sum())
+
+    eps = 1e-6
+    for name, x in inputs.items():
+        flat = x.reshape(-1)
+        for idx in rng.choice(flat.size, size=3, replace=False):
+            x0 = flat[idx]
+            flat[idx] = x0 + eps
+            up = loss()
+            flat[idx] = x0 - eps
+            down = loss()
+            flat[idx] = x0
+            fd = (up - down) / (2 * eps)
+            assert abs(grads[name].reshape(-1)[idx] - fd) <= 1e-6 * max(1.0, abs(fd)), (name, idx)
+
+
 def test_bad_inputs_raise_value_error():
     a, w = randn(4, 16), randn(8, 12)
     with pytest.raises(ValueError, match="w: expected"):
@@ -150,7 +203,8 @@ def test_cuda_gemm_and_kda_match_cpu():
     z, y = encore.gemm_swiglu(a, w)
     z_cpu, y_cpu = encore.gemm_swiglu(a.cpu(), w.cpu())
     assert ((y.cpu().float() - y_cpu.float()).norm() / y_cpu.float().norm()).item() < 1e-2
-    args = [torch.randn(1, 200, 2, 64), torch.randn(1, 200, 2, 64) * 0.3, torch.randn(1, 200, 2, 64),
+    # keys with β|k|² < 1 (the contractive regime; see tests/gpu/test_kda_gpu.cpp)
+    args = [torch.randn(1, 200, 2, 64), torch.randn(1, 200, 2, 64) * 0.1, torch.randn(1, 200, 2, 64),
             -torch.rand(1, 200, 2, 64) * 0.1, torch.rand(1, 200, 2)]
     o, fin = encore.kda_forward(*[t.to(dev) for t in args], output_final_state=True)
     o_cpu, fin_cpu = encore.kda_forward(*args, output_final_state=True)
