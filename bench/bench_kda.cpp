@@ -2,32 +2,47 @@
 // q/k L2 norm, as in ../shared/docs/bench_peers.py) at the standard varlen configuration
 // (seq_lens 1800, 1500, 2000, 1200, 800) and fixed B 1 / B 4, T 8192. Device time per call from
 // graph replays; fla's chunk_kda is measured by bench/peers/kda_peers.py in the same job.
+// Suite "kda_phases": the chunk kernel's per-phase cycles at the same configurations.
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "bench/suites_internal.hpp"
 #include "encore/core/device_info.hpp"
+#include "cuda/kda/kda_launch.hpp"
 #include "encore/kda.hpp"
 
 namespace encore::bench {
 
-void run_kda_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
-  const DeviceInfo* info = nullptr;
-  if (!get_device_info(0, &info)) return;
-  const Device dev{DeviceType::kCUDA, 0};
-  struct Config { const char* name; int64_t B, T; std::vector<int64_t> cu; };
-  const Config configs[] = {{"varlen_std", 1, 7300, {0, 1800, 3300, 5300, 6500, 7300}}, {"fixed_B1_T8192", 1, 8192, {}},
-                            {"fixed_B4_T8192", 4, 8192, {}}};
-  const int64_t H = 16, K = 128, V = 128;
-  for (const Config& c : configs) {
-    const int64_t B = c.B, T = c.T, N = c.cu.empty() ? B : int64_t(c.cu.size()) - 1;
+namespace {
+
+struct Config {
+  const char* name;
+  int64_t B, T;
+  std::vector<int64_t> cu;
+};
+const Config kConfigs[] = {{"varlen_std", 1, 7300, {0, 1800, 3300, 5300, 6500, 7300}}, {"fixed_B1_T8192", 1, 8192, {}},
+                           {"fixed_B4_T8192", 4, 8192, {}}};
+constexpr int64_t kH = 16, kK = 128, kV = 128;
+
+// One configuration's device buffers (random bf16 q, k, v, g; beta 0.5; A_log, dt_bias 0), its args,
+// options and workspace.
+struct KdaBenchCase {
+  Rotation rot;
+  std::vector<int64_t> cu;
+  KdaForwardArgs a;
+  KdaOptions opts;
+  void* ws = nullptr;
+
+  KdaBenchCase(const Config& c, const DeviceInfo& info) : cu(c.cu) {
+    const Device dev{DeviceType::kCUDA, 0};
+    const int64_t B = c.B, T = c.T, H = kH, K = kK, V = kV, N = c.cu.empty() ? B : int64_t(c.cu.size()) - 1;
     const size_t nk = size_t(B * T * H * K) * 2, nv = size_t(B * T * H * V) * 2, nb = size_t(B * T * H) * 2;
     size_t off = 0;
     auto take = [&](size_t bytes) { size_t at = off; off = (off + bytes + 255) / 256 * 256; return at; };
     const size_t q = take(nk), k = take(nk), v = take(nv), g = take(nk), beta = take(nb), o = take(nv), alog = take(size_t(H) * 4),
                  dtb = take(size_t(H * K) * 4), fin = take(size_t(N * H * K * V) * 4);
-    Rotation rot = make_rotation(off, info->l2_bytes, FillKind::kBF16, /*flush=*/false);
+    rot = make_rotation(off, info.l2_bytes, FillKind::kBF16, /*flush=*/false);
     // beta in (0, 1) and finite fp32 A_log / dt_bias: overwrite the random bits.
     std::vector<uint16_t> hb(size_t(B * T * H), 0x3f00);  // bf16 0.5
     std::vector<float> ha(size_t(H), 0.0f), hd(size_t(H * K), 0.0f);
@@ -35,7 +50,6 @@ void run_kda_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
     check_cuda(cudaMemcpy(rot.set(0) + alog, ha.data(), ha.size() * 4, cudaMemcpyHostToDevice), "A_log");
     check_cuda(cudaMemcpy(rot.set(0) + dtb, hd.data(), hd.size() * 4, cudaMemcpyHostToDevice), "dt_bias");
     char* b = rot.set(0);
-    KdaForwardArgs a;
     a.q = TensorView::contiguous(b + q, DType::kBF16, {B, T, H, K}, dev);
     a.k = TensorView::contiguous(b + k, DType::kBF16, {B, T, H, K}, dev);
     a.v = TensorView::contiguous(b + v, DType::kBF16, {B, T, H, V}, dev);
@@ -45,32 +59,82 @@ void run_kda_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
     a.A_log = TensorView::contiguous(b + alog, DType::kFP32, {H}, dev);
     a.dt_bias = TensorView::contiguous(b + dtb, DType::kFP32, {H * K}, dev);
     a.final_state = TensorView::contiguous(b + fin, DType::kFP32, {N, H, K, V}, dev);
-    std::vector<int64_t> cu = c.cu;
     if (!cu.empty()) a.cu_seqlens = TensorView::contiguous(cu.data(), DType::kInt64, {int64_t(cu.size())});
-    KdaOptions opts;
     opts.use_gate_in_kernel = true;
     opts.use_qk_l2norm = true;
     opts.output_final_state = true;
-    void* ws = nullptr;
     check_cuda(cudaMalloc(&ws, workspace_bytes(a, opts)), "kda workspace");
-    Timing t = time_launches([&](long long) {
-      Status st = run(a, opts, ws, stream);
-      if (!st) {
-        std::fprintf(stderr, "encore bench: kda: %s\n", st.to_string().c_str());
-        std::exit(3);
-      }
-    }, stream, topts, 1);
+  }
+  ~KdaBenchCase() {
     check_cuda(cudaFree(ws), "free");
     free_rotation(rot);
-    Record r;
-    r.suite = "kda";
-    r.name = "kda_forward";
-    r.params = {{"config", c.name}, {"dtype", "bf16"}, {"H", "16"}, {"K", "128"}, {"V", "128"}, {"gate", "softplus+dt_bias in kernel"},
-                {"l2norm", "1"}, {"version", "mma.sync bf16, chunk + state kernels"}};
+  }
+  void run_once(cudaStream_t stream) const {
+    Status st = run(a, opts, ws, stream);
+    if (!st) {
+      std::fprintf(stderr, "encore bench: kda: %s\n", st.to_string().c_str());
+      std::exit(3);
+    }
+  }
+};
+
+Record kda_record(const char* name, const Config& c) {
+  Record r;
+  r.suite = "kda";
+  r.name = name;
+  r.params = {{"config", c.name}, {"dtype", "bf16"}, {"H", "16"}, {"K", "128"}, {"V", "128"}, {"gate", "softplus+dt_bias in kernel"},
+              {"l2norm", "1"}, {"version", "mma.sync bf16, chunk + state + output kernels"}};
+  return r;
+}
+
+}  // namespace
+
+void run_kda_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
+  const DeviceInfo* info = nullptr;
+  if (!get_device_info(0, &info)) return;
+  for (const Config& c : kConfigs) {
+    const KdaBenchCase kc(c, *info);
+    Timing t = time_launches([&](long long) { kc.run_once(stream); }, stream, topts, 1);
+    Record r = kda_record("kda_forward", c);
     r.metrics = {{"time_us", t.median_us}};
     report.records.push_back(r);
     std::printf("  kda_forward %-16s %9.1f us\n", c.name, t.median_us);
     std::fflush(stdout);
+  }
+}
+
+// Suite "kda_phases": cycles per block of each barrier-separated phase of the chunk kernel (thread
+// 0's clock64(), one profiled call after a warm-up call; see kda_launch.hpp for the phases).
+void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t stream) {
+  const DeviceInfo* info = nullptr;
+  if (!get_device_info(0, &info)) return;
+  for (const Config& c : kConfigs) {
+    const KdaBenchCase kc(c, *info);
+    kc.run_once(stream);
+    unsigned long long cycles[cuda::kKdaChunkPhases] = {}, blocks = 0;
+    auto must = [](Status st) {
+      if (!st) {
+        std::fprintf(stderr, "encore bench: kda_phases: %s\n", st.to_string().c_str());
+        std::exit(3);
+      }
+    };
+    check_cuda(cudaStreamSynchronize(stream), "sync");
+    must(cuda::kda_chunk_profile_read(cycles, &blocks));  // clears the counters
+    must(cuda::kda_chunk_profile_enable(true));
+    kc.run_once(stream);
+    check_cuda(cudaStreamSynchronize(stream), "sync");
+    must(cuda::kda_chunk_profile_enable(false));
+    must(cuda::kda_chunk_profile_read(cycles, &blocks));
+    Record r = kda_record("kda_chunk_phases", c);
+    std::printf("  kda_chunk_phases %-16s blocks %llu, cycles per block:", c.name, blocks);
+    for (int ph = 0; ph < cuda::kKdaChunkPhases; ++ph) {
+      const double per_block = blocks ? double(cycles[ph]) / double(blocks) : 0.0;
+      r.metrics.push_back({"phase" + std::to_string(ph) + "_cycles", per_block});
+      std::printf(" %.0f", per_block);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+    report.records.push_back(r);
   }
 }
 

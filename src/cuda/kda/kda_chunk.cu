@@ -52,6 +52,29 @@ static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of
 static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
 constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a diagonal block
 
+// Phase profile (kda_launch.hpp): counters and the switch, in this translation unit only.
+__device__ unsigned long long g_phase_cycles[kKdaChunkPhases];
+__device__ unsigned long long g_phase_blocks;
+__device__ int g_phase_on;
+
+__device__ __forceinline__ long long cycle_now() {
+  long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+  return t;
+}
+
+struct PhaseClock {  // thread 0's view: a phase ends when thread 0 leaves its closing barrier
+  bool on;
+  long long t;
+  __device__ explicit PhaseClock(bool enabled) : on(enabled), t(enabled ? cycle_now() : 0) {}
+  __device__ void mark(int phase) {
+    if (!on) return;
+    const long long now = cycle_now();
+    atomicAdd(&g_phase_cycles[phase], static_cast<unsigned long long>(now - t));
+    t = now;
+  }
+};
+
 // Row offset of reference s's block of k rows inside kref: s = 1 -> 0, 2 -> 16, 3 -> 48.
 __device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
 
@@ -82,6 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   float* rn = reinterpret_cast<float*>(smem + ChunkSmem::kRn);
   int* safe = reinterpret_cast<int*>(smem + ChunkSmem::kSafe);
   unsigned char* rec = ws_record(ws, slot, p.H, h);
+  PhaseClock clk(tid == 0 && g_phase_on);
 
   // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β; v stays
   //    in registers until its tile is free (step 4).
@@ -116,6 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   }
   if (tid < kC) bs[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
   __syncthreads();
+  clk.mark(0);
   if (p.l2norm) {  // one warp per row
     for (int i = warp; i < kC; i += kWarps) {
       float sq = 0.f, sk = 0.f;
@@ -143,6 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     Ts[gseg * kD + gc] = acc;  // segment total
   }
   __syncthreads();
+  clk.mark(1);
   {
     float off = 0.f;
     for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
@@ -155,6 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       ks[i * kLdF + c] *= rn[kC + i];
     }
   __syncthreads();
+  clk.mark(2);
 
   // 2. Operands of the intra-chunk products (reference r = first row of each 16-row block), the
   //    state kernel's Qg, KgT, dC, and whether each diagonal block's decay span allows the tensor cores.
@@ -188,6 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (lane == 0) safe[warp - 4] = span <= kMaxDiagSpan;
   }
   __syncthreads();
+  clk.mark(3);
 
   // 3. Aqk and L, one 16 x 16 block per task: the 4 diagonal blocks of each (tasks 0-7), then the 6
   //    blocks below the diagonal of each (tasks 8-19); zeros above the diagonal blocks.
@@ -231,6 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (j / 16 > i / 16) Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;
   }
   __syncthreads();
+  clk.mark(4);
 
   // 4. Every thread: its (β v)ᵀ entries. Warps 0-11: Aqk out (workspace bf16, residual), the G residual,
   //    (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15, meanwhile: the diagonal blocks of
@@ -268,6 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
   }
   __syncthreads();
+  clk.mark(5);
 
   // 5. The blocks of A below the diagonal, one block row s at a time.
   for (int s = 1; s < 4; ++s) {  // block row s, columns [0, 16 s)
@@ -294,6 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     for (int e = tid; e < rows * kC; e += kThreads)
       store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
   __syncthreads();
+  clk.mark(6);
 
   // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half).
   const int r0 = 16 * (warp % 4), half = warp / 8;
@@ -311,9 +342,36 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       if (is_u) *reinterpret_cast<float2*>(U + i * kD + c) = make_float2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
       else *reinterpret_cast<uint32_t*>(W + i * kD + c) = pack_bf16(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
     }
+  clk.mark(7);
+  if (clk.on) atomicAdd(&g_phase_blocks, 1ull);
 }
 
 }  // namespace
+
+}  // namespace encore::cuda::kda
+
+namespace encore::cuda {
+
+Status kda_chunk_profile_enable(bool on) {
+  const int v = on ? 1 : 0;
+  if (cudaMemcpyToSymbol(kda::g_phase_on, &v, sizeof(v)) != cudaSuccess)
+    return Status::cuda_error(std::string("kda profile: ") + cudaGetErrorString(cudaGetLastError()));
+  return Status::ok();
+}
+
+Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsigned long long* blocks) {
+  unsigned long long zero[kKdaChunkPhases + 1] = {};
+  if (cudaMemcpyFromSymbol(cycles, kda::g_phase_cycles, sizeof(unsigned long long) * kKdaChunkPhases) != cudaSuccess ||
+      cudaMemcpyFromSymbol(blocks, kda::g_phase_blocks, sizeof(unsigned long long)) != cudaSuccess ||
+      cudaMemcpyToSymbol(kda::g_phase_cycles, zero, sizeof(unsigned long long) * kKdaChunkPhases) != cudaSuccess ||
+      cudaMemcpyToSymbol(kda::g_phase_blocks, zero, sizeof(unsigned long long)) != cudaSuccess)
+    return Status::cuda_error(std::string("kda profile: ") + cudaGetErrorString(cudaGetLastError()));
+  return Status::ok();
+}
+
+}  // namespace encore::cuda
+
+namespace encore::cuda::kda {
 
 cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream) {
   const cudaError_t e = cudaFuncSetAttribute(kda_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ChunkSmem::kBytes);

@@ -50,4 +50,13 @@ struct KdaCudaProblem {
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V);
 Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream stream);
 
+// Phase profile of the chunk kernel (bench suite kda_phases only): while enabled, thread 0 of every
+// block adds the clock64() cycles of each barrier-separated phase to device counters (0: loads,
+// 1: L2 factors + gate scan, 2: scan offsets + L2 scaling, 3: intra-chunk operands, 4: Aqk and L,
+// 5: write-out + diagonal inverse, 6: inverse block rows, 7: W and U). read() returns the sums and
+// the number of blocks and resets them.
+constexpr int kKdaChunkPhases = 8;
+Status kda_chunk_profile_enable(bool on);
+Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsigned long long* blocks);
+
 }  // namespace encore::cuda
