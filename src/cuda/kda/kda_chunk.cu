@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   __syncthreads();
   clk.mark(4);
 
-  // 4. Every thread: its vᵀ entries. Warps 0-11: Aqk out (workspace bf16, residual), the G residual,
+  // 4. Every thread: its vᵀ entries. Warps 0-11: Aqk out (workspace fp32, residual), the G residual,
   //    (k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15, meanwhile: the diagonal blocks of
   //    A = (I + L)^-1 by forward substitution, X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane = column).
 #pragma unroll
@@ -274,10 +274,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
   if (warp < 12) {
     constexpr int kN = 12 * 32;
-    auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
+    auto* Aqk_ws = reinterpret_cast<float*>(rec + WsLayout::kAqk);
     for (int e = tid; e < kC * kC; e += kN) {
       const int i = e / kC, j = e % kC;
-      Aqk_ws[e] = __float2bfloat16(Aq[i * kLdS + j]);
+      Aqk_ws[e] = Aq[i * kLdS + j];
       if (j / 16 > i / 16) As[i * kLdS + j] = 0.f;
     }
     if (p.res_Aqk)

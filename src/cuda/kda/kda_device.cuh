@@ -7,12 +7,12 @@
 //   W    bf16 [64][128]   (A diag β)(k ⊙ 2^G)             (rows = chunk tokens, cols = key channels)
 //   Qg   bf16 [64][128]   s q ⊙ 2^G
 //   KgT  bf16 [128][64]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
-//   Aqk  bf16 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
+//   Aqk  fp32 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
 //   U    fp32 [64][128]   (A diag β) v                     (cols = value channels)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
 // and, written by the state kernel for the output kernel (kda_output.cu):
 //   HT   bf16 [128][128]  the chunk-start state, transposed (rows = value, cols = key channels)
-//   VnT  bf16 [128][64]   Vnew = U − W h, transposed (rows = value channels, cols = tokens)
+//   VnT  fp32 [128][64]   Vnew = U − W h, transposed (rows = value channels, cols = tokens)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -34,11 +34,11 @@ struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kQg = kW + int64_t(kC) * kD * 2;
   static constexpr int64_t kKgT = kQg + int64_t(kC) * kD * 2;
   static constexpr int64_t kAqk = kKgT + int64_t(kD) * kC * 2;
-  static constexpr int64_t kU = kAqk + int64_t(kC) * kC * 2;
+  static constexpr int64_t kU = kAqk + int64_t(kC) * kC * 4;
   static constexpr int64_t kDC = kU + int64_t(kC) * kD * 4;
   static constexpr int64_t kHT = kDC + kD * 4;
   static constexpr int64_t kVnT = kHT + int64_t(kD) * kD * 2;
-  static constexpr int64_t kBytes = kVnT + int64_t(kD) * kC * 2;
+  static constexpr int64_t kBytes = kVnT + int64_t(kD) * kC * 4;
 };
 static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kHT % 16 == 0,
               "16-byte parts");

@@ -3,9 +3,11 @@
 //
 //   O = Qg h_t + Aqk Vnew     (Qg, Aqk from the chunk kernel; hᵀ, Vnewᵀ from the state kernel)
 //
-// warp w: chunk rows 16 (w % 4).., value columns 64 (w / 4)..; Aqk is lower triangular, so row
-// block r needs k-steps 0..r of the second product. bf16 operands, fp32 accumulation, o in its dtype
-// for the chunk's valid rows and the first V columns. 78 KB of shared memory: two blocks per SM.
+// Aqk and Vnew arrive in fp32 and enter as bf16 pairs x = hi + lo (hi·hi + hi·lo + lo·hi): their
+// single bf16 roundings were two of the five largest error terms (scripts/kda_rounding_model.py).
+// warp w: chunk rows 16 (w % 4).., value columns 64 (w / 4)..; Aqk is lower triangular, so row block
+// r needs k-steps 0..r of the second product. o in its dtype for the chunk's valid rows and the
+// first V columns. 105 KB of shared memory: two blocks per SM.
 #include "cuda/kda/kda_device.cuh"
 
 namespace encore::cuda::kda {
@@ -14,13 +16,21 @@ namespace {
 constexpr int kThreads = 256;
 
 struct OutputSmem {  // byte offsets
-  static constexpr int kQg = 0;                     // bf16 [64][136]
-  static constexpr int kHT = kQg + kC * kLd * 2;    // bf16 [128][136]
-  static constexpr int kAqk = kHT + kD * kLd * 2;   // bf16 [64][72]
-  static constexpr int kVnT = kAqk + kC * kLdC * 2; // bf16 [128][72]
-  static constexpr int kBytes = kVnT + kD * kLdC * 2;
+  static constexpr int kQg = 0;                        // bf16 [64][136]
+  static constexpr int kHT = kQg + kC * kLd * 2;       // bf16 [128][136]
+  static constexpr int kAqk = kHT + kD * kLd * 2;      // bf16 [2][64][72] hi, lo
+  static constexpr int kVnT = kAqk + 2 * kC * kLdC * 2;  // bf16 [2][128][72] hi, lo
+  static constexpr int kBytes = kVnT + 2 * kD * kLdC * 2;
 };
 static_assert(OutputSmem::kHT % 16 == 0 && OutputSmem::kAqk % 16 == 0 && OutputSmem::kVnT % 16 == 0, "16-byte copies");
+static_assert(OutputSmem::kBytes <= 113 * 1024, "two blocks per SM");
+
+// x -> (hi, lo) bf16 at hi[at], hi[at + lo_offset].
+__device__ __forceinline__ void split(float x, __nv_bfloat16* hi, int at, int lo_offset) {
+  const __nv_bfloat16 h = __float2bfloat16(x);
+  hi[at] = h;
+  hi[at + lo_offset] = __float2bfloat16(x - __bfloat162float(h));
+}
 
 __global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
   const int slot = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -33,19 +43,27 @@ __global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_const
   const auto* rec = static_cast<const unsigned char*>(ws) + (int64_t(slot) * p.H + h) * WsLayout::kBytes;
   cp_async_rows(smem + OutputSmem::kQg, kLd * 2, rec + WsLayout::kQg, kD * 2, kC, kD * 2, tid, kThreads);
   cp_async_rows(smem + OutputSmem::kHT, kLd * 2, rec + WsLayout::kHT, kD * 2, kD, kD * 2, tid, kThreads);
-  cp_async_rows(smem + OutputSmem::kAqk, kLdC * 2, rec + WsLayout::kAqk, kC * 2, kC, kC * 2, tid, kThreads);
-  cp_async_rows(smem + OutputSmem::kVnT, kLdC * 2, rec + WsLayout::kVnT, kC * 2, kD, kC * 2, tid, kThreads);
   cp_async_commit();
+  auto* Aqk = reinterpret_cast<__nv_bfloat16*>(smem + OutputSmem::kAqk);
+  auto* VnT = reinterpret_cast<__nv_bfloat16*>(smem + OutputSmem::kVnT);
+  const auto* Aqk_ws = reinterpret_cast<const float*>(rec + WsLayout::kAqk);
+  const auto* VnT_ws = reinterpret_cast<const float*>(rec + WsLayout::kVnT);
+  for (int e = tid; e < kC * kC; e += kThreads) split(Aqk_ws[e], Aqk, (e / kC) * kLdC + e % kC, kC * kLdC);
+  for (int e = tid; e < kD * kC; e += kThreads) split(VnT_ws[e], VnT, (e / kC) * kLdC + e % kC, kD * kLdC);
   cp_async_wait<0>();
   __syncthreads();
   const auto* Qg = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kQg);
   const auto* HT = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kHT);
-  const auto* Aqk = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kAqk);
-  const auto* VnT = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kVnT);
+  const __nv_bfloat16* Ahi = Aqk + 16 * rw * kLdC;
+  const __nv_bfloat16* Alo = Ahi + kC * kLdC;
+  const __nv_bfloat16* Vhi = VnT + 64 * cw * kLdC;
+  const __nv_bfloat16* Vlo = Vhi + kD * kLdC;
   float y[8][4];
   zero(y);
   warp_mma_nt<8>(y, Qg + 16 * rw * kLd, kLd, HT + 64 * cw * kLd, kLd, kD / 16);
-  warp_mma_nt<8>(y, Aqk + 16 * rw * kLdC, kLdC, VnT + 64 * cw * kLdC, kLdC, rw + 1);
+  warp_mma_nt<8>(y, Ahi, kLdC, Vhi, kLdC, rw + 1);
+  warp_mma_nt<8>(y, Ahi, kLdC, Vlo, kLdC, rw + 1);
+  warp_mma_nt<8>(y, Alo, kLdC, Vhi, kLdC, rw + 1);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll

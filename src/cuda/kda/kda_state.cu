@@ -4,7 +4,7 @@
 //
 //   h_t  = S (chunk-start state) -> the record's HT (bf16) for the output kernel, h residual
 //   Vnew = U − W S            warp (rw, cw) = (w % 4, w / 4): chunk rows 16 rw.., columns 16 cw..
-//                             -> the record's VnT (bf16) for the output kernel
+//                             -> the record's VnT (fp32) for the output kernel
 //   S    = dC ⊙ S + KgT Vnew  state rows 32 rw.., columns 16 cw..
 //
 // O = Qg h_t + Aqk Vnew is not on this serial path: kda_output.cu computes it for all chunks in
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     const auto* dC = reinterpret_cast<const float*>(cur + StateSmem::kDC);
     unsigned char* rec = record(slot);
     auto* HT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kHT);
-    auto* VnT_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kVnT);
+    auto* VnT_ws = reinterpret_cast<float*>(rec + WsLayout::kVnT);
     // The chunk-start state: hᵀ for the output kernel (padding rows and columns are zero), h residual.
     for_state([&](float& s, int c, int vl) {
       const int v = v0 + vl;
@@ -106,9 +106,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int i = 16 * rw + g8 + 8 * (q / 2), vl = vw + 8 * nt + q % 2;
-        const __nv_bfloat16 vn = __float2bfloat16(U[i * kVs + vl] - x[nt][q]);
-        VnT[vl * kLdC + i] = vn;
-        VnT_ws[(v0 + vl) * kC + i] = vn;
+        const float vn = U[i * kVs + vl] - x[nt][q];
+        VnT[vl * kLdC + i] = __float2bfloat16(vn);  // the state update's operand
+        VnT_ws[(v0 + vl) * kC + i] = vn;             // fp32 for the output kernel
       }
     __syncthreads();  // Vnew complete
     // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw..
