@@ -12,8 +12,7 @@
 //     any gate; rare: e.g. gates of -1000);
 //   A = (I + L)^-1: diagonal blocks by forward substitution (one warp each), then block rows
 //     A_{s,s'} = −A_ss Σ_{s' <= m < s} L_{s,m} A_{m,s'} (fp32);
-//   W = (A diag β)(k ⊙ 2^G) and U = (A diag β) v on tensor cores (bf16 operands, fp32 accumulation;
-//   β on the A side keeps bf16 v exact, scripts/kda_rounding_model.py);
+//   W = A (β k ⊙ 2^G) and U = A (β v) on tensor cores (bf16 operands, fp32 accumulation);
 //   Qg = s q ⊙ 2^G, KgT = (k ⊙ 2^(gC − G))ᵀ, dC = 2^gC with gC = G of the last row (padding rows
 //   have g = 0, k = 0, β = 0, so they change nothing).
 //
@@ -33,10 +32,10 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][129] k (L2-normed)
   static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][129] gate, then cumulative log2 gate G
   static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)
-  static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (k ⊙ 2^G)ᵀ [128][72]
+  static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
   static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
   static constexpr int kAbf = kQr + kD * kLdC * 2;
-  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later vᵀ [128][72]
+  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later (β v)ᵀ [128][72]
   static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L
   static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk
   static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1
@@ -262,14 +261,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   __syncthreads();
   clk.mark(4);
 
-  // 4. Every thread: its vᵀ entries. Warps 0-11: Aqk out (workspace fp32, residual), the G residual,
-  //    (k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15, meanwhile: the diagonal blocks of
+  // 4. Every thread: its (β v)ᵀ entries. Warps 0-11: Aqk out (workspace fp32, residual), the G residual,
+  //    (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15, meanwhile: the diagonal blocks of
   //    A = (I + L)^-1 by forward substitution, X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane = column).
 #pragma unroll
   for (int r = 0; r < kTasks; ++r) {
     const int task = tid + r * kThreads, i = task / (kD / 8), c0 = (task % (kD / 8)) * 8;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) vbT[(c0 + e) * kLdC + i] = __float2bfloat16(vreg[r][e]);
+    for (int e = 0; e < 8; ++e) vbT[(c0 + e) * kLdC + i] = __float2bfloat16(bs[i] * vreg[r][e]);
   }
   const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
   if (warp < 12) {
@@ -287,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int e = tid; e < rows * K; e += kN) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
     for (int idx = tid; idx < kD * kC; idx += kN) {
       const int c = idx / kC, j = idx % kC;
-      kbT[c * kLdC + j] = __float2bfloat16(ks[j * kLdF + c] * exp2f(Gs[j * kLdF + c]));
+      kbT[c * kLdC + j] = __float2bfloat16(bs[j] * ks[j * kLdF + c] * exp2f(Gs[j * kLdF + c]));
     }
   } else if (lane < 16) {
     const int o = 16 * (warp - 12), j = lane;
@@ -320,15 +319,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
     __syncthreads();
   }
-  for (int e = tid; e < kC * kC; e += kThreads)  // A diag(β): β joins A, so v enters U unrounded (bf16 inputs)
-    Abf[(e / kC) * kLdC + e % kC] = __float2bfloat16(As[(e / kC) * kLdS + e % kC] * bs[e % kC]);
+  for (int e = tid; e < kC * kC; e += kThreads) Abf[(e / kC) * kLdC + e % kC] = __float2bfloat16(As[(e / kC) * kLdS + e % kC]);
   if (p.res_Akk)
     for (int e = tid; e < rows * kC; e += kThreads)
       store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
   __syncthreads();
   clk.mark(6);
 
-  // 6. W = (A diag β)(k ⊙ 2^G) (bf16) and U = (A diag β) v (fp32): warp = (16-row block, matrix, 64-column half).
+  // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half).
   const int r0 = 16 * (warp % 4), half = warp / 8;
   const bool is_u = (warp / 4) % 2;
   auto* W = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kW);

@@ -4,11 +4,11 @@
 //
 // Workspace, per (chunk slot, head), bytes, every part 16-byte aligned; head dims padded to 128 with
 // zeros so the state kernel copies fixed-size rows:
-//   W    bf16 [64][128]   (A diag β)(k ⊙ 2^G)             (rows = chunk tokens, cols = key channels)
+//   W    bf16 [64][128]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
 //   Qg   bf16 [64][128]   s q ⊙ 2^G
 //   KgT  bf16 [128][64]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
 //   Aqk  fp32 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
-//   U    fp32 [64][128]   (A diag β) v                     (cols = value channels)
+//   U    fp32 [64][128]   A (β v)                          (cols = value channels)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
 // and, written by the state kernel for the output kernel (kda_output.cu):
 //   HT   bf16 [128][128]  the chunk-start state, transposed (rows = value, cols = key channels)
