@@ -9,7 +9,8 @@ KgT, kb (β k 2^G, the B operand of W), vb (β v, the B operand of U), A (the in
 of W and U), W (W stored in bf16), Aqk (Aqk as a bf16 operand of O), S (the state as a bf16 operand
 of W S and Qg S), Vn (Vnew as a bf16 operand), out (o stored in bf16).
 
-Usage: python3 scripts/kda_rounding_model.py [--T 512] [--K 128] [--seeds 3] [--no-l2]
+Usage: python3 scripts/kda_rounding_model.py [--T 512] [--K 128] [--seeds 3] [--no-l2] [--bf16-inputs]
+       [--diag-exact] [--o-exact]
 """
 import argparse
 
@@ -49,7 +50,7 @@ def recurrence(q, k, v, g, beta, scale):
     return o, S
 
 
-def chunked(q, k, v, g, beta, scale, on):
+def chunked(q, k, v, g, beta, scale, on, diag_exact=False, o_exact=False):
     r = {name: (bf16 if name in on else (lambda x: np.asarray(x, np.float64))) for name in GROUPS}
     T, K = q.shape
     S = np.zeros((K, v.shape[1]))
@@ -73,15 +74,20 @@ def chunked(q, k, v, g, beta, scale, on):
                 L[i0:i1, j0:j1] = kr[i0:i1] @ kj.T
         Aqk = scale * np.tril(Aqk)
         L = bc[:, None] * np.tril(L, -1)
-        A = r["A"](np.linalg.inv(np.eye(n) + L))
-        W = r["W"](A @ r["kb"](bc[:, None] * kc * 2.0 ** G))
-        U = A @ r["vb"](bc[:, None] * vc)
+        A = np.linalg.inv(np.eye(n) + L)
+        kb, vb = bc[:, None] * kc * 2.0 ** G, bc[:, None] * vc
+        if diag_exact:  # (A − I) on tensor cores, the identity part in fp32
+            Ao = r["A"](A - np.eye(n))
+            W, U = r["W"](Ao @ r["kb"](kb) + kb), Ao @ r["vb"](vb) + vb
+        else:
+            Ab = r["A"](A)
+            W, U = r["W"](Ab @ r["kb"](kb)), Ab @ r["vb"](vb)
         Qg = r["Qg"](scale * qc * 2.0 ** G)
         KgT = r["KgT"]((kc * 2.0 ** (G[-1] - G)).T)
         Sb = r["S"](S)
-        Vn = r["Vn"](U - W @ Sb)
-        o[c0:c1] = Qg @ Sb + r["Aqk"](Aqk) @ Vn
-        S = (2.0 ** G[-1])[:, None] * S + KgT @ Vn
+        Vn = U - W @ Sb
+        o[c0:c1] = Qg @ Sb + (Aqk @ Vn if o_exact else r["Aqk"](Aqk) @ r["Vn"](Vn))
+        S = (2.0 ** G[-1])[:, None] * S + KgT @ r["Vn"](Vn)
     return r["out"](o), S
 
 
@@ -95,6 +101,9 @@ def main():
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--no-l2", action="store_true")
+    ap.add_argument("--bf16-inputs", action="store_true", help="round q, k, v to bf16 first (as the bench / bf16 tests)")
+    ap.add_argument("--diag-exact", action="store_true", help="W, U as (A - I)(...) + identity part in fp32 (branch next-gpu)")
+    ap.add_argument("--o-exact", action="store_true", help="Aqk and Vnew at full precision in O (branch next-gpu's output kernel)")
     args = ap.parse_args()
     rows = {"all on": set(GROUPS)}
     rows.update({f"only {gname}": {gname} for gname in GROUPS})
@@ -102,10 +111,12 @@ def main():
     for seed in range(args.seeds):
         rng = np.random.default_rng(seed)
         q, k, v, g, beta = inputs(rng, args.T, args.K, args.K, not args.no_l2)
+        if args.bf16_inputs:
+            q, k, v = bf16(q), bf16(k), bf16(v)
         scale = args.K ** -0.5
         o_ref, s_ref = recurrence(q, k, v, g, beta, scale)
         for name, on in rows.items():
-            o, s = chunked(q, k, v, g, beta, scale, on)
+            o, s = chunked(q, k, v, g, beta, scale, on, args.diag_exact, args.o_exact)
             acc[name].append((rel(o, o_ref), rel(s, s_ref)))
     print(f"T {args.T}, K = V = {args.K}, L2 norm {'off (contractive keys)' if args.no_l2 else 'on'}, {args.seeds} seeds")
     print(f"{'roundings':<12} {'o rel-RMS':>10} {'state':>10}")

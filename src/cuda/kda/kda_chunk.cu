@@ -12,7 +12,9 @@
 //     any gate; rare: e.g. gates of -1000);
 //   A = (I + L)^-1: diagonal blocks by forward substitution (one warp each), then block rows
 //     A_{s,s'} = −A_ss Σ_{s' <= m < s} L_{s,m} A_{m,s'} (fp32);
-//   W = A (β k ⊙ 2^G) and U = A (β v) on tensor cores (bf16 operands, fp32 accumulation);
+//   W = A (β k ⊙ 2^G) and U = A (β v): (A − I)(...) on tensor cores (bf16 operands, fp32
+//   accumulation) plus the identity part in fp32, so the dominant diagonal term is not rounded
+//   (scripts/kda_rounding_model.py: o 3.95e-3 -> 3.64e-3, final state 2.69e-3 -> 2.12e-3);
 //   Qg = s q ⊙ 2^G, KgT = (k ⊙ 2^(gC − G))ᵀ, dC = 2^gC with gC = G of the last row (padding rows
 //   have g = 0, k = 0, β = 0, so they change nothing).
 //
@@ -319,7 +321,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
     __syncthreads();
   }
-  for (int e = tid; e < kC * kC; e += kThreads) Abf[(e / kC) * kLdC + e % kC] = __float2bfloat16(As[(e / kC) * kLdS + e % kC]);
+  for (int e = tid; e < kC * kC; e += kThreads)  // A − I: the unit diagonal is added in fp32 in step 6
+    Abf[(e / kC) * kLdC + e % kC] = __float2bfloat16(As[(e / kC) * kLdS + e % kC] - (e / kC == e % kC ? 1.f : 0.f));
   if (p.res_Akk)
     for (int e = tid; e < rows * kC; e += kThreads)
       store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
@@ -339,8 +342,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int i = r0 + g8 + 8 * hh, c = half * 64 + 8 * nt + 2 * t4;
-      if (is_u) *reinterpret_cast<float2*>(U + i * kD + c) = make_float2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
-      else *reinterpret_cast<uint32_t*>(W + i * kD + c) = pack_bf16(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
+      float d[2];  // the identity part of A, exact: β_i v_i, or β_i k_i ⊙ 2^G_i
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        d[e] = is_u ? ((i < rows && c + e < V) ? bs[i] * load(p.v, b, t0 + i, h, c + e) : 0.f)
+                    : bs[i] * ks[i * kLdF + c + e] * exp2f(Gs[i * kLdF + c + e]);
+      if (is_u) *reinterpret_cast<float2*>(U + i * kD + c) = make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
+      else *reinterpret_cast<uint32_t*>(W + i * kD + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
     }
   clk.mark(7);
   if (clk.on) atomicAdd(&g_phase_blocks, 1ull);
