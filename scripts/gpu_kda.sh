@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The KDA verification and measurement pass on the GPU machine, in one call (run from the repository
+# root with .gpubin and .whl carried; writes everything under $OUT):
+#   1. the KDA GPU tests; 2. compute-sanitizer memcheck and racecheck on them; 3. the per-kernel
+#   device times (ncu, locked clocks) at the bench configurations; 4. `encore bench` of the suites in
+#   ENCORE_KDA_SUITES (default "kda") with fla's chunk_kda in the same job (ENCORE_KDA_PEERS=1).
+# Each step has its own timeout so a slow one cannot swallow the rest; the summary is in
+# $OUT/gpu_kda.txt.
+set -uo pipefail
+B=${B:-.gpubin}
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+sum="$OUT/gpu_kda.txt"
+: >"$sum"
+note() { echo "$*" | tee -a "$sum"; }
+timeout 150 "$B/encore_tests_gpu" --gtest_filter='KdaGpu.*' --gtest_brief=1 >"$OUT/kda_tests.log" 2>&1
+note "tests rc=$?"; grep -E "kda |Failure|actual" "$OUT/kda_tests.log" | tee -a "$sum"
+for tool in memcheck racecheck; do
+  timeout 150 compute-sanitizer --tool $tool --error-exitcode 1 "$B/encore_tests_gpu" --gtest_filter='KdaGpu.*' --gtest_brief=1 \
+    >"$OUT/$tool.log" 2>&1
+  note "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
+done
+timeout 120 ncu --metrics gpu__time_duration.sum -k regex:kda_ --launch-count 400 "$B/encore" bench kda --out /tmp/ncu_kda.json \
+  >"$OUT/ncu.log" 2>&1
+python3 - "$OUT/ncu.log" <<'PY' | tee -a "$sum"
+import re, sys
+cur, res = None, {}
+for line in open(sys.argv[1]):
+    m = re.search(r'::(kda_\w+)\(.*\) \((\d+), (\d+), (\d+)\)', line)
+    if m:
+        cur = m.groups()
+        continue
+    m = re.search(r'gpu__time_duration.sum\s+(\w+)\s+([\d.,]+)', line)
+    if m and cur:
+        v = float(m.group(2).replace(',', ''))
+        res.setdefault(cur, []).append(v * 1000 if m.group(1) == 'ms' else v)
+        cur = None
+for k, v in res.items():
+    print(f"ncu {k[0]} grid {k[1]}x{k[2]}x{k[3]}: median {sorted(v)[len(v) // 2]:.1f} us over {len(v)} launches")
+PY
+ENCORE_SKIP_TESTS=1 ENCORE_KDA_PEERS=1 ENCORE_BENCH_SUITES="${ENCORE_KDA_SUITES:-kda}" timeout 400 ./scripts/gpu_run.sh \
+  >"$OUT/run.log" 2>&1
+note "gpu_run rc=$?"; grep -E '^==|kda_|fla' "$OUT/run.log" | tee -a "$sum"
