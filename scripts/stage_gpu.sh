@@ -10,7 +10,11 @@ mkdir -p .gpubin
 # into the bench JSON; "+dirty" when the tree had uncommitted changes.
 { git rev-parse --short=12 HEAD 2>/dev/null || echo unknown; } | tr -d '\n' >.gpubin/COMMIT
 git diff --quiet HEAD 2>/dev/null || echo -n "+dirty" >>.gpubin/COMMIT
-cp build-cuda/apps/encore/encore build-cuda/tests/encore_tests_gpu build-cuda/tests/encore_tests_cpu .gpubin/
+cp build-cuda/apps/encore/encore build-cuda/tests/encore_tests_gpu .gpubin/
+# The cpu test binary stays here (.gpubin-tests/, ignored): with it .gpubin outgrows the 64 MiB a
+# device call carries, and the cpu tests run on this machine anyway.
+rm -f .gpubin/encore_tests_cpu
+mkdir -p .gpubin-tests && cp build-cuda/tests/encore_tests_cpu .gpubin-tests/
 # The shared peer script travels in .whl/ (ignored) for ENCORE_SHARED_PEERS runs.
 if [ -f ../shared/docs/bench_peers.py ]; then mkdir -p .whl && cp ../shared/docs/bench_peers.py .whl/; fi
 du -sh .gpubin .deps
