@@ -70,28 +70,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
   auto* VnT = reinterpret_cast<__nv_bfloat16*>(smem + StateSmem::kVnT);
   const auto* base = static_cast<const unsigned char*>(ws);
   auto record = [&](int slot) { return base + (int64_t(slot) * p.H + h) * WsLayout::kBytes; };
-  auto srow = [&](int mt, int q) { return 32 * rw + 16 * mt + g8 + 8 * (q / 2); };  // state row c
-  auto scol = [&](int nt, int q) { return vw + 8 * nt + q % 2; };                     // column in the slice
+  auto scol = [&](int nt, int q) { return vw + 8 * nt + q % 2; };  // column in the slice
 
-  // S[mt][nt][q] = S(srow(mt, q), v0 + scol(nt, q)), fp32, for the whole pass.
+  // S[mt][nt][q] = S(c, v0 + vl), c = 32 rw + 16 mt + g8 + 8 (q / 2), vl = scol(nt, q); fp32, whole pass.
   float S[2][2][4];
-  const int64_t srow0 = (int64_t(n) * p.H + h) * K;  // [N, H, K, V] row of (n, h, c = 0)
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int c = srow(mt, q), v = v0 + scol(nt, q);
-        S[mt][nt][q] = (p.h0 && c < K && v < V) ? p.h0[(srow0 + c) * V + v] : 0.f;
-      }
-  auto write_st = [&] {  // Sᵀ in bf16, the B operand of W S and Qg S
+  auto for_state = [&](auto&& f) {  // f(S element, c, vl) over this thread's fragment
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) ST[scol(nt, q) * kLd + srow(mt, q)] = __float2bfloat16(S[mt][nt][q]);
+        for (int q = 0; q < 4; ++q) f(S[mt][nt][q], 32 * rw + 16 * mt + g8 + 8 * (q / 2), scol(nt, q));
+  };
+  const int64_t srow0 = (int64_t(n) * p.H + h) * K;  // [N, H, K, V] row of (n, h, c = 0)
+  for_state([&](float& s, int c, int vl) {
+    const int v = v0 + vl;
+    s = (p.h0 && c < K && v < V) ? p.h0[(srow0 + c) * V + v] : 0.f;
+  });
+  auto write_st = [&] {  // Sᵀ in bf16, the B operand of W S and Qg S
+    for_state([&](float& s, int c, int vl) { ST[vl * kLd + c] = __float2bfloat16(s); });
   };
   write_st();
 
@@ -113,15 +110,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     const auto* dC = reinterpret_cast<const float*>(cur + StateSmem::kDC);
     const int t0 = begin + it * kC, rows = min(kC, end - t0);
     if (p.res_h)  // the chunk-start state
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const int c = srow(mt, q), v = v0 + scol(nt, q);
-            if (c < K && v < V) store(p.res_h, p.res_dtype, ((int64_t(slot) * p.H + h) * K + c) * V + v, S[mt][nt][q]);
-          }
+      for_state([&](float& s, int c, int vl) {
+        const int v = v0 + vl;
+        if (c < K && v < V) store(p.res_h, p.res_dtype, ((int64_t(slot) * p.H + h) * K + c) * V + v, s);
+      });
     // Vnew = U − W S and O = Qg S for chunk rows 16 rw.., columns 16 cw..
     float x[2][4], y[2][4];
     zero(x);
@@ -145,26 +137,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
         if (i < rows && v < V) store(p.o, p.o_dtype, int64_t(b) * p.o_sb + int64_t(t0 + i) * p.o_st + int64_t(h) * p.o_sh + v, y[nt][q]);
       }
     // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw..
+    for_state([&](float& s, int c, int) { s *= dC[c]; });
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) S[mt][nt][q] *= dC[srow(mt, q)];
+    for (int mt = 0; mt < 2; ++mt)
       warp_mma_nt<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, VnT + 16 * cw * kLdC, kLdC, kC / 16);
-    }
     write_st();  // every warp's reads of Sᵀ ended before the Vnew barrier
   }
   if (p.final_state)
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int c = srow(mt, q), v = v0 + scol(nt, q);
-          if (c < K && v < V) p.final_state[(srow0 + c) * V + v] = S[mt][nt][q];
-        }
+    for_state([&](float& s, int c, int vl) {
+      const int v = v0 + vl;
+      if (c < K && v < V) p.final_state[(srow0 + c) * V + v] = s;
+    });
 }
 
 }  // namespace
