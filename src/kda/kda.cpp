@@ -217,7 +217,7 @@ size_t workspace_bytes(const KdaForwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   if (!a.q.defined() || !a.q.device.is_cuda() || !kda::make_problem(a, o, &p)) return 0;
 #ifdef ENCORE_WITH_CUDA
-  return cuda::kda_forward_workspace_bytes(chunk_count(p), p.H, p.K, p.V);
+  return cuda::kda_forward_workspace_bytes(chunk_count(p), p.H);
 #else
   return 0;
 #endif

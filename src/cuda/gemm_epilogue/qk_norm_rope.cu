@@ -6,23 +6,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cuda/common/vector_io.cuh"
 #include "cuda/gemm_epilogue/gemm_epilogue_launch.hpp"
 
 namespace encore::cuda {
 namespace {
-
-template <typename T>
-__device__ __forceinline__ float to_f(T x) { return float(x); }
-template <>
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_f(float x) { return T(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_f(float x) { return __float2half(x); }
 
 template <typename T, typename W>
 __global__ void qk_norm_rope_kernel(QkNormRopeProblem p) {
@@ -34,15 +22,15 @@ __global__ void qk_norm_rope_kernel(QkNormRopeProblem p) {
   T* row = static_cast<T*>(p.qkv) + int64_t(m) * p.ld_qkv;
   const float r = rsqrtf(p.partials[int64_t(m) * p.ld_partials + h] / float(p.head_dim) + p.eps);
   const W* w = static_cast<const W*>(h < p.num_q_heads ? p.q_weight : p.k_weight);
-  const float a = to_f(row[n]) * r * to_f(w[e]), b = to_f(row[n + 1]) * r * to_f(w[e + 1]);
+  const float a = to_float(row[n]) * r * to_float(w[e]), b = to_float(row[n + 1]) * r * to_float(w[e + 1]);
   const float2 f = *reinterpret_cast<const float2*>(p.freq + n);
   const float pos = float(p.pos[m]);
   const float prod = pos * f.x, err = fmaf(pos, f.x, -prod);
   const float turns = (prod - rintf(prod)) + fmaf(pos, f.y, err);
   float s, c;
   __sincosf(6.283185307179586f * turns, &s, &c);
-  row[n] = from_f<T>(a * c - b * s);
-  row[n + 1] = from_f<T>(b * c + a * s);
+  row[n] = from_float<T>(a * c - b * s);
+  row[n + 1] = from_float<T>(b * c + a * s);
 }
 
 template <typename T>

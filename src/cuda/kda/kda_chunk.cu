@@ -231,7 +231,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);
       sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
     }
-    const float* fs = is_l ? bs : nullptr;
     if (diag && !safe[s]) {  // per-pair factors in fp32, lane per entry
       for (int e = lane; e < 256; e += 32) {
         const int i = 16 * s + e / 16, j = 16 * s + e % 16;
@@ -239,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         if (j <= i)
           for (int c = 0; c < K; ++c) acc += (is_l ? ks : qs)[i * kLdF + c] * ks[j * kLdF + c] * exp2f(Gs[i * kLdF + c] - Gs[j * kLdF + c]);
         const bool keep = is_l ? j < i : j <= i;
-        (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (fs ? fs[i] : p.scale) * acc : 0.f;
+        (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc : 0.f;
       }
       continue;
     }
@@ -253,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int q = 0; q < 4; ++q) {
         const int i = 16 * s + g8 + 8 * (q / 2), j = 16 * sp + 8 * nt + 2 * t4 + q % 2;
         const bool keep = !diag || (is_l ? j < i : j <= i);
-        (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (fs ? fs[i] : p.scale) * acc[nt][q] : 0.f;
+        (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc[nt][q] : 0.f;
       }
   }
   for (int e = tid; e < kC * kC; e += kThreads) {

@@ -18,8 +18,8 @@ Status launched(cudaError_t e, const char* what) {
 
 }  // namespace
 
-size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H, int64_t /*K*/, int64_t /*V*/) {
-  return size_t(chunks * H * kda::WsLayout::kBytes);  // head dims padded to 128
+size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H) {
+  return size_t(chunks * H * kda::WsLayout::kBytes);
 }
 
 Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream stream) {

@@ -46,8 +46,9 @@ struct KdaCudaProblem {
   int device = 0;
 };
 
-// Workspace of the forward: per (chunk, head) Qg, Kg, W [64, K], U [64, V], Aqk [64, 64], gC [K] in fp32.
-size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V);
+// Workspace of the forward: one record per (chunk, head) with the head dims padded to 128
+// (kda_device.cuh's WsLayout, 160.5 KB), so it depends on the chunk and head counts only.
+size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
 Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream stream);
 
 // Phase profile of the chunk kernel (bench suite kda_phases only): while enabled, thread 0 of every
