@@ -38,6 +38,6 @@ for line in open(sys.argv[1]):
 for k, v in res.items():
     print(f"ncu {k[0]} grid {k[1]}x{k[2]}x{k[3]}: median {sorted(v)[len(v) // 2]:.1f} us over {len(v)} launches")
 PY
-ENCORE_SKIP_TESTS=1 ENCORE_KDA_PEERS=1 ENCORE_BENCH_SUITES="${ENCORE_KDA_SUITES:-kda}" timeout 400 ./scripts/gpu_run.sh \
+ENCORE_SKIP_TESTS=1 ENCORE_KDA_PEERS=${ENCORE_KDA_PEERS:-1} ENCORE_BENCH_SUITES="${ENCORE_KDA_SUITES:-kda}" timeout 400 ./scripts/gpu_run.sh \
   >"$OUT/run.log" 2>&1
 note "gpu_run rc=$?"; grep -E '^==|kda_|fla' "$OUT/run.log" | tee -a "$sum"

@@ -110,34 +110,53 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   PhaseClock clk(tid == 0 && g_phase_on);
 
   // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β; v stays
-  //    in registers until its tile is free (step 4).
+  //    in registers until its tile is free (step 4). A bf16 tensor with 16-byte rows arrives raw in
+  //    shared memory first (cp.async, all four tiles in flight at once, into the operand tiles that
+  //    step 2 fills later); others are read from global memory by load8. A warp's lanes take 32
+  //    consecutive rows of one 8-channel group, so the fp32 tile stores and the (β v)ᵀ stores of
+  //    step 4 are free of bank conflicts.
   const float ea = (p.gate_in_kernel && p.A_log) ? expf(p.A_log[h]) : 1.0f;
   constexpr int kTasks = kC * kD / 8 / kThreads;
+  const KdaTensor* src[4] = {&p.q, &p.k, &p.g, &p.v};
+  __nv_bfloat16* raw[4] = {kinv, qr, kr, kref};  // [64][136] each, free until step 2
+  bool fast[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int C = t == 3 ? V : K;
+    fast[t] = raw_tile_ok(*src[t], C);
+    if (fast[t]) cp_async_tile(raw[t], *src[t], b, t0, h, rows, C, tid, kThreads);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
   float vreg[kTasks][8];
 #pragma unroll
   for (int r = 0; r < kTasks; ++r) {
-    const int task = tid + r * kThreads, i = task / (kD / 8), c0 = (task % (kD / 8)) * 8;
-    float q[8], k[8], g[8];
-    if (i < rows) {
-      load8(p.q, b, t0 + i, h, c0, K, q);
-      load8(p.k, b, t0 + i, h, c0, K, k);
-      load8(p.g, b, t0 + i, h, c0, K, g);
-      load8(p.v, b, t0 + i, h, c0, V, vreg[r]);
-    } else {
+    const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
+    float x[4][8];  // q, k, gate, v
 #pragma unroll
-      for (int e = 0; e < 8; ++e) q[e] = k[e] = g[e] = vreg[r][e] = 0.f;
+    for (int t = 0; t < 4; ++t) {
+      const int C = t == 3 ? V : K;
+      if (i < rows && c0 < C) {
+        if (fast[t]) unpack8(*reinterpret_cast<const uint4*>(raw[t] + i * kLd + c0), x[t]);
+        else load8(*src[t], b, t0 + i, h, c0, C, x[t]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[t][e] = 0.f;
+      }
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int c = c0 + e;
-      float x = g[e];
+      float gx = x[2][e];
       if (p.gate_in_kernel && i < rows && c < K) {
-        if (p.dt_bias) x += p.dt_bias[h * K + c];
-        x = p.lower_bound_gate ? p.lower_bound / (1.0f + __expf(-ea * x)) : -ea * (x > 20.f ? x : __logf(1.0f + __expf(x)));
+        if (p.dt_bias) gx += p.dt_bias[h * K + c];
+        gx = p.lower_bound_gate ? p.lower_bound / (1.0f + __expf(-ea * gx)) : -ea * (gx > 20.f ? gx : __logf(1.0f + __expf(gx)));
       }
-      qs[i * kLdF + c] = q[e];
-      ks[i * kLdF + c] = k[e];
-      Gs[i * kLdF + c] = x * kLog2e;
+      qs[i * kLdF + c] = x[0][e];
+      ks[i * kLdF + c] = x[1][e];
+      Gs[i * kLdF + c] = gx * kLog2e;
+      vreg[r][e] = x[3][e];
     }
   }
   if (tid < kC) bs[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
@@ -262,14 +281,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   __syncthreads();
   clk.mark(4);
 
-  // 4. Every thread: its (β v)ᵀ entries. Warps 0-11: Aqk out (workspace fp32, residual), the G residual,
-  //    (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15, meanwhile: the diagonal blocks of
-  //    A = (I + L)^-1 by forward substitution, X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane = column).
+  // 4. Every thread: its β v entries, in bf16 transposed (the product's operand) and in fp32 over the
+  //    q tile (free now; the identity part of U in step 6). Warps 0-11: Aqk out (workspace fp32,
+  //    residual), the G residual, (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15,
+  //    meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
+  //    X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane j < 16 = column, X in registers).
+  float* bvs = qs;
 #pragma unroll
   for (int r = 0; r < kTasks; ++r) {
-    const int task = tid + r * kThreads, i = task / (kD / 8), c0 = (task % (kD / 8)) * 8;
+    const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) vbT[(c0 + e) * kLdC + i] = __float2bfloat16(bs[i] * vreg[r][e]);
+    for (int e = 0; e < 8; ++e) {
+      const float bv = bs[i] * vreg[r][e];
+      vbT[(c0 + e) * kLdC + i] = __float2bfloat16(bv);
+      bvs[i * kLdF + c0 + e] = bv;
+    }
   }
   const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
   if (warp < 12) {
@@ -291,11 +317,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
   } else if (lane < 16) {
     const int o = 16 * (warp - 12), j = lane;
+    float x[16];  // column j of the block; x[m] = 0 for m < j, so the sums may start at m = 0
+#pragma unroll
     for (int i = 0; i < 16; ++i) {
-      float s = i == j ? 1.f : 0.f;
-      for (int m = j; m < i; ++m) s -= Ls[(o + i) * kLdS + o + m] * As[(o + m) * kLdS + o + j];
-      As[(o + i) * kLdS + o + j] = j <= i ? s : 0.f;
+      const float* Lrow = Ls + (o + i) * kLdS + o;
+      float s0 = i == j ? 1.f : 0.f, s1 = 0.f;  // two chains
+#pragma unroll
+      for (int m = 0; m < i; m += 2) {
+        s0 -= Lrow[m] * x[m];
+        if (m + 1 < i) s1 -= Lrow[m + 1] * x[m + 1];
+      }
+      x[i] = j <= i ? s0 + s1 : 0.f;
     }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
   }
   __syncthreads();
   clk.mark(5);
@@ -344,8 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       float d[2];  // the identity part of A, exact: β_i v_i, or β_i k_i ⊙ 2^G_i
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        d[e] = is_u ? ((i < rows && c + e < V) ? bs[i] * load(p.v, b, t0 + i, h, c + e) : 0.f)
-                    : bs[i] * ks[i * kLdF + c + e] * exp2f(Gs[i * kLdF + c + e]);
+        d[e] = is_u ? bvs[i * kLdF + c + e] : bs[i] * ks[i * kLdF + c + e] * exp2f(Gs[i * kLdF + c + e]);
       if (is_u) *reinterpret_cast<float2*>(U + i * kD + c) = make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
       else *reinterpret_cast<uint32_t*>(W + i * kD + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
     }

@@ -53,6 +53,17 @@ __device__ __forceinline__ float load(const KdaTensor& t, int b, int tok, int h,
                                  : static_cast<const float*>(t.data)[off];
 }
 
+// Eight bf16 values (one 16-byte word) as floats.
+__device__ __forceinline__ void unpack8(const uint4& u, float (&x)[8]) {
+  const auto* p2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(p2[e]);
+    x[2 * e] = f.x;
+    x[2 * e + 1] = f.y;
+  }
+}
+
 // Channels c0..c0+7 of token `tok` (zeros at c >= C): one 16-byte load (bf16) or two (fp32) when the
 // address is 16-byte aligned and all eight are in range, element loads otherwise.
 __device__ __forceinline__ void load8(const KdaTensor& t, int b, int tok, int h, int c0, int C, float (&x)[8]) {
@@ -61,14 +72,7 @@ __device__ __forceinline__ void load8(const KdaTensor& t, int b, int tok, int h,
   const char* ptr = static_cast<const char*>(t.data) + off * (bf ? 2 : 4);
   if (c0 + 8 <= C && (reinterpret_cast<uintptr_t>(ptr) & 15) == 0) {
     if (bf) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(ptr));
-      const auto* p2 = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __bfloat1622float2(p2[e]);
-        x[2 * e] = f.x;
-        x[2 * e + 1] = f.y;
-      }
+      unpack8(__ldg(reinterpret_cast<const uint4*>(ptr)), x);
     } else {
       const float4 lo = __ldg(reinterpret_cast<const float4*>(ptr)), hi = __ldg(reinterpret_cast<const float4*>(ptr) + 1);
       x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
@@ -112,6 +116,25 @@ __device__ __forceinline__ void cp_async_rows(unsigned char* dst, int dst_ld, co
   const int pieces = bytes_per_row / 16;
   for (int x = tid; x < rows * pieces; x += nthreads)
     cp_async16(dst + (x / pieces) * dst_ld + (x % pieces) * 16, src + (x / pieces) * src_ld + (x % pieces) * 16);
+}
+
+// A [B, T, H, C] tensor whose rows can be copied raw in 16-byte pieces: bf16, C a multiple of 8,
+// 16-byte aligned base and strides (block-uniform).
+__device__ __forceinline__ bool raw_tile_ok(const KdaTensor& t, int C) {
+  return t.dtype == DType::kBF16 && C % 8 == 0 && (reinterpret_cast<uintptr_t>(t.data) & 15) == 0 && t.sb % 8 == 0 &&
+         t.st % 8 == 0 && t.sh % 8 == 0;
+}
+
+// Issues the copies of rows 0..rows-1 (tokens tok0..), channels 0..C-1 of head h into a bf16 shared
+// tile of row stride kLd (raw_tile_ok holds); nothing is written for the rows and channels beyond.
+__device__ __forceinline__ void cp_async_tile(__nv_bfloat16* dst, const KdaTensor& t, int b, int tok0, int h, int rows, int C,
+                                              int tid, int nthreads) {
+  const int pieces = C / 8;
+  const auto* base = static_cast<const __nv_bfloat16*>(t.data) + int64_t(b) * t.sb + int64_t(tok0) * t.st + int64_t(h) * t.sh;
+  for (int x = tid; x < rows * pieces; x += nthreads) {
+    const int i = x / pieces, c0 = (x % pieces) * 8;
+    cp_async16(dst + i * kLd + c0, base + int64_t(i) * t.st + c0);
+  }
 }
 
 // ---- mma.sync m16n8k16, bf16 inputs, fp32 accumulators ----------------------------------------

@@ -25,11 +25,14 @@ struct OutputSmem {  // byte offsets
 static_assert(OutputSmem::kHT % 16 == 0 && OutputSmem::kAqk % 16 == 0 && OutputSmem::kVnT % 16 == 0, "16-byte copies");
 static_assert(OutputSmem::kBytes <= 113 * 1024, "two blocks per SM");
 
-// x -> (hi, lo) bf16 at hi[at], hi[at + lo_offset].
-__device__ __forceinline__ void split(float x, __nv_bfloat16* hi, int at, int lo_offset) {
-  const __nv_bfloat16 h = __float2bfloat16(x);
-  hi[at] = h;
-  hi[at + lo_offset] = __float2bfloat16(x - __bfloat162float(h));
+// Four consecutive floats -> (hi, lo) bf16 at hi[at..at+3], hi[at + lo_offset..] (8-byte stores).
+__device__ __forceinline__ void split4(float4 x, __nv_bfloat16* hi, int at, int lo_offset) {
+  const float v[4] = {x.x, x.y, x.z, x.w};
+  float r[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) r[e] = v[e] - __bfloat162float(__float2bfloat16(v[e]));
+  *reinterpret_cast<uint2*>(hi + at) = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
+  *reinterpret_cast<uint2*>(hi + at + lo_offset) = make_uint2(pack_bf16(r[0], r[1]), pack_bf16(r[2], r[3]));
 }
 
 __global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
@@ -48,8 +51,23 @@ __global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_const
   auto* VnT = reinterpret_cast<__nv_bfloat16*>(smem + OutputSmem::kVnT);
   const auto* Aqk_ws = reinterpret_cast<const float*>(rec + WsLayout::kAqk);
   const auto* VnT_ws = reinterpret_cast<const float*>(rec + WsLayout::kVnT);
-  for (int e = tid; e < kC * kC; e += kThreads) split(Aqk_ws[e], Aqk, (e / kC) * kLdC + e % kC, kC * kLdC);
-  for (int e = tid; e < kD * kC; e += kThreads) split(VnT_ws[e], VnT, (e / kC) * kLdC + e % kC, kD * kLdC);
+  // Every fp32 load is issued before the first conversion (the loads do not wait on each other).
+  constexpr int kA4 = kC * kC / 4 / kThreads, kV4 = kD * kC / 4 / kThreads;
+  float4 a4[kA4], v4[kV4];
+#pragma unroll
+  for (int r = 0; r < kA4; ++r) a4[r] = __ldg(reinterpret_cast<const float4*>(Aqk_ws) + tid + r * kThreads);
+#pragma unroll
+  for (int r = 0; r < kV4; ++r) v4[r] = __ldg(reinterpret_cast<const float4*>(VnT_ws) + tid + r * kThreads);
+#pragma unroll
+  for (int r = 0; r < kA4; ++r) {
+    const int e = 4 * (tid + r * kThreads);
+    split4(a4[r], Aqk, (e / kC) * kLdC + e % kC, kC * kLdC);
+  }
+#pragma unroll
+  for (int r = 0; r < kV4; ++r) {
+    const int e = 4 * (tid + r * kThreads);
+    split4(v4[r], VnT, (e / kC) * kLdC + e % kC, kD * kLdC);
+  }
   cp_async_wait<0>();
   __syncthreads();
   const auto* Qg = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kQg);

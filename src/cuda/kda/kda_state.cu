@@ -91,12 +91,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     unsigned char* rec = record(slot);
     auto* HT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kHT);
     auto* VnT_ws = reinterpret_cast<float*>(rec + WsLayout::kVnT);
-    // The chunk-start state: hᵀ for the output kernel (padding rows and columns are zero), h residual.
-    for_state([&](float& s, int c, int vl) {
-      const int v = v0 + vl;
-      HT[v * kD + c] = __float2bfloat16(s);
-      if (p.res_h && c < K && v < V) store(p.res_h, p.res_dtype, ((int64_t(slot) * p.H + h) * K + c) * V + v, s);
-    });
+    // The chunk-start state: hᵀ for the output kernel, copied from Sᵀ in 16-byte pieces (padding rows
+    // and columns are zero), and the h residual.
+    for (int x = tid; x < kVs * kD / 8; x += kThreads)
+      *reinterpret_cast<uint4*>(HT + (v0 + x / (kD / 8)) * kD + (x % (kD / 8)) * 8) =
+          *reinterpret_cast<const uint4*>(ST + (x / (kD / 8)) * kLd + (x % (kD / 8)) * 8);
+    if (p.res_h)
+      for_state([&](float& s, int c, int vl) {
+        const int v = v0 + vl;
+        if (c < K && v < V) store(p.res_h, p.res_dtype, ((int64_t(slot) * p.H + h) * K + c) * V + v, s);
+      });
     // Vnew = U − W S for chunk rows 16 rw.., columns 16 cw.. (into shared memory and the record)
     float x[2][4];
     zero(x);

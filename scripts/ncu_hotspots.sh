@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Where a kernel spends its time, on the GPU machine: one launch profiled with ncu's full set, then
+# a text summary (speed of light, occupancy, stall reasons by PC sampling, the hottest SASS lines).
+# Usage: scripts/ncu_hotspots.sh NAME KERNEL_REGEX LAUNCH_SKIP -- encore args...
+# (e.g. scripts/ncu_hotspots.sh state kda_state_kernel 50 -- bench kda --out /tmp/x.json)
+# Writes $OUT/ncu_NAME.txt; the binary is $B/encore (default .gpubin).
+set -uo pipefail
+name=$1 kernel=$2 skip=$3
+shift 4
+B=${B:-.gpubin}
+OUT=${OUT:-./gpu-out}
+rep=/tmp/ncu_$name
+timeout ${NCU_TIMEOUT:-240} ncu --set full -k "regex:$kernel" --launch-skip "$skip" --launch-count 1 -f -o "$rep" "$B/encore" "$@" \
+  >"$OUT/ncu_${name}_run.log" 2>&1 || echo "ncu rc=$?" >>"$OUT/ncu_$name.txt"
+ncu -i "$rep.ncu-rep" --page details >>"$OUT/ncu_$name.txt" 2>&1
+ncu -i "$rep.ncu-rep" --page raw --csv >/tmp/raw_$name.csv 2>/dev/null
+ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >/tmp/src_$name.csv 2>/dev/null
+python3 - "$name" /tmp/raw_$name.csv /tmp/src_$name.csv >>"$OUT/ncu_$name.txt" 2>&1 <<'PY'
+import csv, sys
+name, raw, src = sys.argv[1:4]
+rows = list(csv.reader(open(raw)))
+if len(rows) >= 3:
+    hdr, vals = rows[0], rows[2]
+    st = [(h, v) for h, v in zip(hdr, vals) if 'pcsamp_warps_issue_stalled' in h and not h.endswith('not_issued')]
+    def num(v):
+        try: return float(v.replace(',', ''))
+        except ValueError: return 0.0
+    st.sort(key=lambda x: -num(x[1]))
+    print(f"== {name}: stall samples by reason")
+    for h, v in st[:14]: print(f"  {h.replace('smsp__pcsamp_warps_issue_stalled_', ''):40s} {v}")
+rows = list(csv.reader(open(src)))
+hi = next((i for i, r in enumerate(rows) if any('Warp Stall Sampling (All' in c for c in r)), None)
+if hi is not None:
+    hdr = rows[hi]
+    ca = next(i for i, c in enumerate(hdr) if 'Warp Stall Sampling (All' in c)
+    cs = next((i for i, c in enumerate(hdr) if c.strip() == 'Source'), 1)
+    body = [r for r in rows[hi + 1:] if len(r) > ca]
+    def num(v):
+        try: return float(v.replace(',', ''))
+        except ValueError: return 0.0
+    tot = sum(num(r[ca]) for r in body) or 1
+    print(f"== {name}: hottest SASS lines (share of all stall samples), columns: {hdr[:3]}")
+    idx = sorted(range(len(body)), key=lambda i: -num(body[i][ca]))[:45]
+    for i in sorted(idx):
+        print(f"  {i:5d} {100 * num(body[i][ca]) / tot:5.1f}%  {body[i][cs][:110]}")
+PY
