@@ -32,15 +32,26 @@ rows = list(csv.reader(open(src)))
 hi = next((i for i, r in enumerate(rows) if any('Warp Stall Sampling (All' in c for c in r)), None)
 if hi is not None:
     hdr = rows[hi]
-    ca = next(i for i, c in enumerate(hdr) if 'Warp Stall Sampling (All' in c)
+    def col(key):
+        return next((i for i, c in enumerate(hdr) if key in c), None)
+    ca, ci = col('Warp Stall Sampling (All'), col('Instructions Executed')
     cs = next((i for i, c in enumerate(hdr) if c.strip() == 'Source'), 1)
     body = [r for r in rows[hi + 1:] if len(r) > ca]
-    def num(v):
-        try: return float(v.replace(',', ''))
+    def num(r, c):
+        try: return float(r[c].replace(',', '')) if c is not None else 0.0
         except ValueError: return 0.0
-    tot = sum(num(r[ca]) for r in body) or 1
-    print(f"== {name}: hottest SASS lines (share of all stall samples), columns: {hdr[:3]}")
-    idx = sorted(range(len(body)), key=lambda i: -num(body[i][ca]))[:45]
+    tot = sum(num(r, ca) for r in body) or 1
+    itot = sum(num(r, ci) for r in body) or 1
+    # Regions between clock reads (the kda_chunk phase marks): share of samples and of instructions.
+    cuts = [i for i, r in enumerate(body) if 'SR_CLOCK' in r[cs]]
+    if cuts:
+        print(f"== {name}: regions between clock reads (SASS lines, share of stall samples, of warp instructions)")
+        edges = [0] + cuts + [len(body)]
+        for a, b in zip(edges, edges[1:]):
+            sa = sum(num(r, ca) for r in body[a:b]); si = sum(num(r, ci) for r in body[a:b])
+            print(f"  lines {a:5d}-{b:5d}  samples {100 * sa / tot:5.1f}%  instructions {100 * si / itot:5.1f}%  ({si:.0f})")
+    print(f"== {name}: hottest SASS lines (share of all stall samples), total warp instructions {itot:.0f}")
+    idx = sorted(range(len(body)), key=lambda i: -num(body[i], ca))[:40]
     for i in sorted(idx):
-        print(f"  {i:5d} {100 * num(body[i][ca]) / tot:5.1f}%  {body[i][cs][:110]}")
+        print(f"  {i:5d} {100 * num(body[i], ca) / tot:5.1f}%  {body[i][cs][:110]}")
 PY

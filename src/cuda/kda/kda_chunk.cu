@@ -41,7 +41,7 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L
   static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk
   static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1
-  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [16][65] block-row temporary of the inverse | [4][128] gate sums
+  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [16][65] block-row temporary of the inverse | [4][128] gate sums | [128] dt_bias
   static constexpr int kBeta = kT + 16 * kLdS * 4;  // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k
   static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: diagonal block s may use the tensor-core form
@@ -127,6 +127,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (fast[t]) cp_async_tile(raw[t], *src[t], b, t0, h, rows, C, tid, kThreads);
   }
   cp_async_commit();
+  float* dtb = Ts;  // dt_bias of this head, [K], until step 1's gate sums
+  const bool has_dtb = p.gate_in_kernel && p.dt_bias;
+  if (has_dtb && tid < K) dtb[tid] = p.dt_bias[h * K + tid];
   cp_async_wait<0>();
   __syncthreads();
   float vreg[kTasks][8];
@@ -150,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       const int c = c0 + e;
       float gx = x[2][e];
       if (p.gate_in_kernel && i < rows && c < K) {
-        if (p.dt_bias) gx += p.dt_bias[h * K + c];
+        if (has_dtb) gx += dtb[c];
         gx = p.lower_bound_gate ? p.lower_bound / (1.0f + __expf(-ea * gx)) : -ea * (gx > 20.f ? gx : __logf(1.0f + __expf(gx)));
       }
       qs[i * kLdF + c] = x[0][e];
@@ -340,10 +343,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const int o = 16 * s;
     for (int e = tid; e < 16 * o; e += kThreads) {  // T = Σ_{s' <= m < s} L_{s,m} A_{m,s'}
       const int i = e / o, j = e % o;
-      float acc = 0.f;
+      float acc0 = 0.f, acc1 = 0.f;  // two chains; the count is a multiple of 16
 #pragma unroll 4
-      for (int m = j & ~15; m < o; ++m) acc += Ls[(o + i) * kLdS + m] * As[m * kLdS + j];
-      Ts[i * kLdS + j] = acc;
+      for (int m = j & ~15; m < o; m += 2) {
+        acc0 += Ls[(o + i) * kLdS + m] * As[m * kLdS + j];
+        acc1 += Ls[(o + i) * kLdS + m + 1] * As[(m + 1) * kLdS + j];
+      }
+      Ts[i * kLdS + j] = acc0 + acc1;
     }
     __syncthreads();
     for (int e = tid; e < 16 * o; e += kThreads) {  // A_{s,s'} = −A_ss T

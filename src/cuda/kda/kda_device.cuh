@@ -149,28 +149,41 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address / lower k)
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Four 8 x 8 bf16 matrices from shared memory (ldmatrix.x4): lane l gives the address of row l % 8
+// of matrix l / 8 (16 contiguous bytes, 16-byte aligned); r[m] is matrix m in mma fragment order
+// (lane 4 g + t holds row g, elements 2t and 2t + 1).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* row) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
 // acc[n] (a 16 x 8 tile) += A · Bᵀ over `ksteps` steps of 16: A = 16 rows at `a` (row stride lda),
-// B = 8 NT rows at `b` (row stride ldb), both bf16 in shared memory with k contiguous.
+// B = 8 NT rows at `b` (row stride ldb), both bf16 in shared memory with k contiguous, rows 16-byte
+// aligned. Fragments by ldmatrix: A's four 8 x 8 quarters in one load, two n-tiles of B in another.
 template <int NT>
 __device__ __forceinline__ void warp_mma_nt(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
                                             int ldb, int ksteps) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  const __nv_bfloat16* arow = a + (r + 8 * (m & 1)) * lda + 8 * (m >> 1);  // quarters (0,0) (8,0) (0,8) (8,8)
+  const __nv_bfloat16* brow = b + (r + 8 * (m >> 1)) * ldb + 8 * (m & 1);  // (n 0, k 0) (n 0, k 8) (n 8, k 0) (n 8, k 8)
   for (int ks = 0; ks < ksteps; ++ks) {
-    const int k = ks * 16 + 2 * t;
-    const uint32_t af[4] = {ld_pair(a + g * lda + k), ld_pair(a + (g + 8) * lda + k), ld_pair(a + g * lda + k + 8),
-                            ld_pair(a + (g + 8) * lda + k + 8)};
+    uint32_t af[4];
+    ldmatrix_x4(af, arow + 16 * ks);
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const __nv_bfloat16* bp = b + (n * 8 + g) * ldb + k;
-      const uint32_t bf[2] = {ld_pair(bp), ld_pair(bp + 8)};
-      mma_bf16(acc[n], af, bf);
+    for (int n = 0; n < NT; n += 2) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, brow + n * 8 * ldb + 16 * ks);
+      const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+      mma_bf16(acc[n], af, b0);
+      mma_bf16(acc[n + 1], af, b1);
     }
   }
 }
