@@ -164,28 +164,32 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat1
                : "r"(a));
 }
 
-// acc[n] (a 16 x 8 tile) += A · Bᵀ over `ksteps` steps of 16: A = 16 rows at `a` (row stride lda),
-// B = 8 NT rows at `b` (row stride ldb), both bf16 in shared memory with k contiguous, rows 16-byte
-// aligned. Fragments by ldmatrix: A's four 8 x 8 quarters in one load, two n-tiles of B in another.
+// acc[n] (a 16 x 8 tile) += A · Bᵀ over k-step ks (k = 16 ks .. 16 ks + 15): A = 16 rows at `a`
+// (row stride lda), B = 8 NT rows at `b` (row stride ldb), both bf16 in shared memory with k
+// contiguous, rows 16-byte aligned. Fragments by ldmatrix: A's four 8 x 8 quarters in one load, two
+// n-tiles of B in another.
+template <int NT>
+__device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
+                                              int ldb, int ks) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  uint32_t af[4];
+  ldmatrix_x4(af, a + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);  // quarters (0,0) (8,0) (0,8) (8,8)
+#pragma unroll
+  for (int n = 0; n < NT; n += 2) {
+    uint32_t bf[4];  // (n 0, k 0) (n 0, k 8) (n 8, k 0) (n 8, k 8) of n-tiles n, n + 1
+    ldmatrix_x4(bf, b + (n * 8 + r + 8 * (m >> 1)) * ldb + 8 * (m & 1) + 16 * ks);
+    const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+    mma_bf16(acc[n], af, b0);
+    mma_bf16(acc[n + 1], af, b1);
+  }
+}
+
+// The same over k-steps 0 .. ksteps − 1.
 template <int NT>
 __device__ __forceinline__ void warp_mma_nt(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
                                             int ldb, int ksteps) {
-  static_assert(NT % 2 == 0, "n-tiles come in pairs");
-  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
-  const __nv_bfloat16* arow = a + (r + 8 * (m & 1)) * lda + 8 * (m >> 1);  // quarters (0,0) (8,0) (0,8) (8,8)
-  const __nv_bfloat16* brow = b + (r + 8 * (m >> 1)) * ldb + 8 * (m & 1);  // (n 0, k 0) (n 0, k 8) (n 8, k 0) (n 8, k 8)
-  for (int ks = 0; ks < ksteps; ++ks) {
-    uint32_t af[4];
-    ldmatrix_x4(af, arow + 16 * ks);
-#pragma unroll
-    for (int n = 0; n < NT; n += 2) {
-      uint32_t bf[4];
-      ldmatrix_x4(bf, brow + n * 8 * ldb + 16 * ks);
-      const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-      mma_bf16(acc[n], af, b0);
-      mma_bf16(acc[n + 1], af, b1);
-    }
-  }
+  for (int ks = 0; ks < ksteps; ++ks) warp_mma_step(acc, a, lda, b, ldb, ks);
 }
 
 template <int NT>
