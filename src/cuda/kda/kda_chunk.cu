@@ -183,14 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
   }
   const int gc = tid % kD, gseg = tid / kD;  // cumulative gate: channel, 16-row segment
-  // Tables of the 16-row block references r = 16 s, in the L tile until step 3 writes L:
-  // first[s][c] (segment-local G at row r), E[s][c] = 2^G_r, T[s][t][c] = 2^(G_16s − G_16t) (t < s,
-  // at s (s − 1) / 2 + t); all <= 1.
-  float* first = Ls;
-  float* Etab = Ls + 4 * kD;
-  float* Ttab = Ls + 8 * kD;
   {
-    first[gseg * kD + gc] = Gs[16 * gseg * kLdF + gc];
     float acc = 0.f;
     for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) {
       acc += Gs[i * kLdF + gc];
@@ -201,20 +194,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   __syncthreads();
   clk.mark(1);
   {
-    float off = 0.f, Gref[4];  // Gref[t] = G at row 16 t, for t <= gseg
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      Gref[t] = first[t * kD + gc] + off;
-      if (t < gseg) off += Ts[t * kD + gc];
-    }
+    float off = 0.f;
+    for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
     for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) Gs[i * kLdF + gc] += off;
-    float Gown = Gref[0];  // Gref[gseg], selected in registers
-#pragma unroll
-    for (int t = 1; t < 4; ++t) Gown = t == gseg ? Gref[t] : Gown;
-    Etab[gseg * kD + gc] = exp2f(Gown);
-#pragma unroll
-    for (int t = 0; t < 3; ++t)
-      if (t < gseg) Ttab[(gseg * (gseg - 1) / 2 + t) * kD + gc] = exp2f(Gown - Gref[t]);
   }
   if (p.l2norm)
     for (int idx = tid; idx < kC * kD; idx += kThreads) {
@@ -231,19 +213,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   auto* KgT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKgT);
   auto* dC = reinterpret_cast<float*>(rec + WsLayout::kDC);
   for (int idx = tid; idx < kC * kD; idx += kThreads) {
-    const int i = idx / kD, c = idx % kD, t = i / 16;  // t: warp-uniform
-    const float G = Gs[i * kLdF + c], d = G - Gs[16 * t * kLdF + c], f = exp2f(d);
+    const int i = idx / kD, c = idx % kD;
+    const float G = Gs[i * kLdF + c], d = G - Gs[(i & ~15) * kLdF + c], f = exp2f(d);
     const float q = qs[i * kLdF + c], k = ks[i * kLdF + c];
-    const bool near = -d <= kMaxDiagSpan;
-    const float fi = near ? exp2f(-d) : 0.f;  // 2^(G_r − G_i) <= 2^100
     qr[i * kLd + c] = __float2bfloat16(q * f);
     kr[i * kLd + c] = __float2bfloat16(k * f);
-    kinv[i * kLd + c] = __float2bfloat16(k * fi);
-    Qg[idx] = __float2bfloat16(p.scale * q * (f * Etab[t * kD + c]));
-    // k_i ⊙ 2^(G_16s − G_i) for the references s > t of the blocks below the diagonal
-    for (int s2 = t + 1; s2 < 4; ++s2)
-      kref[(kref_row(s2) + i) * kLd + c] =
-          __float2bfloat16(k * (near ? fi * Ttab[(s2 * (s2 - 1) / 2 + t) * kD + c] : exp2f(Gs[16 * s2 * kLdF + c] - G)));
+    kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * exp2f(-d) : 0.f);
+    Qg[idx] = __float2bfloat16(p.scale * q * exp2f(G));
+  }
+  for (int idx = tid; idx < 96 * kD; idx += kThreads) {
+    const int R = idx / kD, c = idx % kD;
+    const int s = R < 16 ? 1 : (R < 48 ? 2 : 3), j = R - kref_row(s);
+    kref[R * kLd + c] = __float2bfloat16(ks[j * kLdF + c] * exp2f(Gs[16 * s * kLdF + c] - Gs[j * kLdF + c]));
   }
   for (int idx = tid; idx < kD * kC; idx += kThreads) {
     const int c = idx / kC, j = idx % kC;

@@ -102,19 +102,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
         if (c < K && v < V) store(p.res_h, p.res_dtype, ((int64_t(slot) * p.H + h) * K + c) * V + v, s);
       });
     // Vnew = U − W S for chunk rows 16 rw.., columns 16 cw.. (into shared memory and the record)
-    // Two accumulators over the two halves of k: dependent chains of 4 mma instead of 8.
-    float x[2][4], x2[2][4];
+    float x[2][4];
     zero(x);
-    zero(x2);
-#pragma unroll
-    for (int ks = 0; ks < kD / 32; ++ks) {
-      warp_mma_step(x, Ws + 16 * rw * kLd, kLd, ST + 16 * cw * kLd, kLd, ks);
-      warp_mma_step(x2, Ws + 16 * rw * kLd, kLd, ST + 16 * cw * kLd, kLd, ks + kD / 32);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) x[nt][q] += x2[nt][q];
+    warp_mma_nt<2>(x, Ws + 16 * rw * kLd, kLd, ST + 16 * cw * kLd, kLd, kD / 16);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
