@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   }
   for (int idx = tid; idx < kD * kC; idx += kThreads) {
     const int c = idx / kC, j = idx % kC;
-    KgT[idx] = __float2bfloat16(ks[j * kLdF + c] * exp2f(Gs[(kC - 1) * kLdF + c] - Gs[j * kLdF + c]));
+    KgT[c * kLdC + j] = __float2bfloat16(ks[j * kLdF + c] * exp2f(Gs[(kC - 1) * kLdF + c] - Gs[j * kLdF + c]));
   }
   if (tid < kD) dC[tid] = exp2f(Gs[(kC - 1) * kLdF + tid]);
   if (warp >= 4 && warp < 8) {  // span of diagonal block warp − 4
@@ -386,8 +386,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         d[e] = is_u ? bvs[i * kLdF + c + e] : bs[i] * ks[i * kLdF + c + e] * exp2f(Gs[i * kLdF + c + e]);
-      if (is_u) *reinterpret_cast<float2*>(U + i * kD + c) = make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
-      else *reinterpret_cast<uint32_t*>(W + i * kD + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
+      if (is_u)
+        *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kUSlice + i * kUSlice + c % kUSlice) =
+            make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
+      else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
     }
   clk.mark(7);
   if (clk.on) atomicAdd(&g_phase_blocks, 1ull);

@@ -3,16 +3,18 @@
 // product on shared-memory tiles.
 //
 // Workspace, per (chunk slot, head), bytes, every part 16-byte aligned; head dims padded to 128 with
-// zeros so the state kernel copies fixed-size rows:
-//   W    bf16 [64][128]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
-//   Qg   bf16 [64][128]   s q ⊙ 2^G
-//   KgT  bf16 [128][64]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
-//   Aqk  fp32 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
-//   U    fp32 [64][128]   A (β v)                          (cols = value channels)
+// zeros. The state kernel's operands lead, in its shared-memory layout (padded rows), so that one
+// bulk copy moves W, KgT and dC and a second one the block's slice of U:
+//   W    bf16 [64][136]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
+//   KgT  bf16 [128][72]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
+//   U    fp32 [2][64][64] A (β v), by 64-column slices of the value channels
+//   Qg   bf16 [64][128]   s q ⊙ 2^G
+//   Aqk  fp32 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
 // and, written by the state kernel for the output kernel (kda_output.cu):
 //   HT   bf16 [128][128]  the chunk-start state, transposed (rows = value, cols = key channels)
 //   VnT  fp32 [128][64]   Vnew = U − W h, transposed (rows = value channels, cols = tokens)
+// (the padding columns of W and KgT are never written nor read).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -29,18 +31,22 @@ constexpr int kLd = kD + 8;  // bf16 row stride of [*, 128] shared tiles: confli
 constexpr int kLdC = kC + 8; // bf16 row stride of [*, 64] shared tiles
 constexpr float kLog2e = 1.4426950408889634f;
 
+constexpr int kUSlice = 64;  // value columns per U slice (the state kernel's block)
+
 struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kW = 0;
-  static constexpr int64_t kQg = kW + int64_t(kC) * kD * 2;
-  static constexpr int64_t kKgT = kQg + int64_t(kC) * kD * 2;
-  static constexpr int64_t kAqk = kKgT + int64_t(kD) * kC * 2;
-  static constexpr int64_t kU = kAqk + int64_t(kC) * kC * 4;
-  static constexpr int64_t kDC = kU + int64_t(kC) * kD * 4;
-  static constexpr int64_t kHT = kDC + kD * 4;
+  static constexpr int64_t kKgT = kW + int64_t(kC) * kLd * 2;
+  static constexpr int64_t kDC = kKgT + int64_t(kD) * kLdC * 2;
+  static constexpr int64_t kU = kDC + kD * 4;  // = bytes of W, KgT and dC
+  static constexpr int64_t kUSliceBytes = int64_t(kC) * kUSlice * 4;
+  static constexpr int64_t kQg = kU + int64_t(kC) * kD * 4;
+  static constexpr int64_t kAqk = kQg + int64_t(kC) * kD * 2;
+  static constexpr int64_t kHT = kAqk + int64_t(kC) * kC * 4;
   static constexpr int64_t kVnT = kHT + int64_t(kD) * kD * 2;
   static constexpr int64_t kBytes = kVnT + int64_t(kD) * kC * 4;
 };
-static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kHT % 16 == 0,
+static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kHT % 16 == 0 &&
+                  WsLayout::kQg % 16 == 0 && WsLayout::kAqk % 16 == 0 && WsLayout::kVnT % 16 == 0,
               "16-byte parts");
 
 __device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
@@ -116,6 +122,33 @@ __device__ __forceinline__ void cp_async_rows(unsigned char* dst, int dst_ld, co
   const int pieces = bytes_per_row / 16;
   for (int x = tid; x < rows * pieces; x += nthreads)
     cp_async16(dst + (x / pieces) * dst_ld + (x % pieces) * 16, src + (x / pieces) * src_ld + (x % pieces) * 16);
+}
+
+// ---- bulk copies (cp.async.bulk, global -> shared) completing on an mbarrier ---------------------
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One thread: the barrier's next phase completes when `bytes` have landed.
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared, counted on `bar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
 }
 
 // A [B, T, H, C] tensor whose rows can be copied raw in 16-byte pieces: bf16, C a multiple of 8,

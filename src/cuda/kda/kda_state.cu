@@ -9,8 +9,9 @@
 //
 // O = Qg h_t + Aqk Vnew is not on this serial path: kda_output.cu computes it for all chunks in
 // parallel. S and Vnew enter the products rounded to bf16, like the chunk operands (as fla does).
-// The chunk operands this pass needs (W, KgT, the U columns, dC: 52 KB) are copied into shared
-// memory with cp.async two chunks ahead (three stages).
+// The chunk operands this pass needs (W, KgT, dC and the block's U slice: 52 KB) arrive in shared
+// memory by two bulk copies (cp.async.bulk on an mbarrier, issued by one thread) two chunks ahead
+// (three stages).
 #include "cuda/kda/kda_device.cuh"
 
 namespace encore::cuda::kda {
@@ -20,25 +21,27 @@ constexpr int kThreads = 512;
 constexpr int kVs = 64;     // value columns per block: 16 per group of 4 warps
 constexpr int kStages = 3;
 
-struct StateSmem {  // byte offsets; one stage holds a chunk's operands
-  static constexpr int kW = 0;                      // bf16 [64][136]
-  static constexpr int kKgT = kW + kC * kLd * 2;    // bf16 [128][72]
-  static constexpr int kU = kKgT + kD * kLdC * 2;   // fp32 [64][64] the block's U columns
-  static constexpr int kDC = kU + kC * kVs * 4;     // fp32 [128]
-  static constexpr int kStage = kDC + kD * 4;
-  static constexpr int kST = kStages * kStage;      // bf16 [64][136] Sᵀ of the block's columns
-  static constexpr int kVnT = kST + kVs * kLd * 2;  // bf16 [64][72] Vnewᵀ
-  static constexpr int kBytes = kVnT + kVs * kLdC * 2;
+struct StateSmem {  // byte offsets; a stage holds a chunk's operands in the record's layout
+  static constexpr int kW = 0;                                  // bf16 [64][136]
+  static constexpr int kKgT = int(WsLayout::kKgT);              // bf16 [128][72]
+  static constexpr int kDC = int(WsLayout::kDC);                // fp32 [128]
+  static constexpr int kU = int(WsLayout::kU);                  // fp32 [64][64] the block's U slice
+  static constexpr int kStage = kU + int(WsLayout::kUSliceBytes);
+  static constexpr int kST = kStages * kStage;                  // bf16 [64][136] Sᵀ of the block's columns
+  static constexpr int kVnT = kST + kVs * kLd * 2;              // bf16 [64][72] Vnewᵀ
+  static constexpr int kBar = kVnT + kVs * kLdC * 2;            // uint64 [kStages] stage barriers
+  static constexpr int kBytes = kBar + kStages * 8;
 };
-static_assert(StateSmem::kStage % 16 == 0 && StateSmem::kU % 16 == 0 && StateSmem::kVnT % 16 == 0, "16-byte copies");
+static_assert(kVs == kUSlice, "a block takes one U slice");
+static_assert(StateSmem::kStage % 16 == 0 && StateSmem::kST % 16 == 0 && StateSmem::kVnT % 16 == 0 && StateSmem::kBar % 16 == 0,
+              "aligned parts");
 static_assert(StateSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 
-// Issues the copies of the operands of one chunk's record into a stage.
-__device__ void prefetch(unsigned char* stage, const unsigned char* rec, int v0, int tid) {
-  cp_async_rows(stage + StateSmem::kW, kLd * 2, rec + WsLayout::kW, kD * 2, kC, kD * 2, tid, kThreads);
-  cp_async_rows(stage + StateSmem::kKgT, kLdC * 2, rec + WsLayout::kKgT, kC * 2, kD, kC * 2, tid, kThreads);
-  cp_async_rows(stage + StateSmem::kU, kVs * 4, rec + WsLayout::kU + v0 * 4, kD * 4, kC, kVs * 4, tid, kThreads);
-  cp_async_rows(stage + StateSmem::kDC, kD * 4, rec + WsLayout::kDC, kD * 4, 1, kD * 4, tid, kThreads);
+// One thread: the two bulk copies of a chunk's operands (W, KgT, dC; the U slice) into a stage.
+__device__ void prefetch(unsigned char* stage, uint64_t* bar, const unsigned char* rec, int slice) {
+  mbar_expect(bar, unsigned(StateSmem::kStage));
+  bulk_copy(stage, rec, unsigned(WsLayout::kU), bar);
+  bulk_copy(stage + StateSmem::kU, rec + WsLayout::kU + slice * WsLayout::kUSliceBytes, unsigned(WsLayout::kUSliceBytes), bar);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
@@ -73,16 +76,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
   write_st();
 
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
-  for (int k = 0; k < kStages - 1; ++k) {
-    if (first + k < last) prefetch(smem + k * StateSmem::kStage, record(first + k), v0, tid);
-    cp_async_commit();
+  auto* bar = reinterpret_cast<uint64_t*>(smem + StateSmem::kBar);
+  if (tid == 0) {
+    for (int k = 0; k < kStages; ++k) mbar_init(bar + k);
+    for (int k = 0; k < kStages - 1; ++k)
+      if (first + k < last) prefetch(smem + k * StateSmem::kStage, bar + k, record(first + k), blockIdx.z);
   }
+  __syncthreads();  // barriers initialized
   for (int slot = first; slot < last; ++slot) {
     const int it = slot - first;
-    cp_async_wait<kStages - 2>();  // this chunk's group has landed
-    __syncthreads();               // ... for every thread; Sᵀ visible; every read of stage (it − 1) done
-    if (slot + kStages - 1 < last) prefetch(smem + ((it + kStages - 1) % kStages) * StateSmem::kStage, record(slot + kStages - 1), v0, tid);
-    cp_async_commit();
+    mbar_wait(bar + it % kStages, unsigned(it / kStages) & 1u);  // this chunk's operands have landed
+    __syncthreads();  // Sᵀ visible; every read of stage (it − 1) done
+    if (tid == 0 && slot + kStages - 1 < last) {
+      const int st = (it + kStages - 1) % kStages;
+      prefetch(smem + st * StateSmem::kStage, bar + st, record(slot + kStages - 1), blockIdx.z);
+    }
     const unsigned char* cur = smem + (it % kStages) * StateSmem::kStage;
     const auto* Ws = reinterpret_cast<const __nv_bfloat16*>(cur + StateSmem::kW);
     const auto* KgT = reinterpret_cast<const __nv_bfloat16*>(cur + StateSmem::kKgT);
