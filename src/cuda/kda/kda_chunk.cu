@@ -41,10 +41,10 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L
   static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk
   static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1
-  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [16][65] block-row temporary of the inverse | [4][128] gate sums | [128] dt_bias
+  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [16][65]: [3][16][17] temporaries of the inverse | [4][128] gate sums | [128] dt_bias
   static constexpr int kBeta = kT + 16 * kLdS * 4;  // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k
-  static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: diagonal block s may use the tensor-core form
+  static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: decay span of diagonal block s (float bits)
   static constexpr int kBytes = kSafe + 16;
 };
 static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSmem::kAbf % 16 == 0 && ChunkSmem::kKref % 16 == 0,
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   float* Ts = reinterpret_cast<float*>(smem + ChunkSmem::kT);
   float* bs = reinterpret_cast<float*>(smem + ChunkSmem::kBeta);
   float* rn = reinterpret_cast<float*>(smem + ChunkSmem::kRn);
-  int* safe = reinterpret_cast<int*>(smem + ChunkSmem::kSafe);
+  int* span = reinterpret_cast<int*>(smem + ChunkSmem::kSafe);  // [4] decay span of diagonal block s (float bits, >= 0)
   unsigned char* rec = ws_record(ws, slot, p.H, h);
   PhaseClock clk(tid == 0 && g_phase_on);
 
@@ -148,21 +148,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         for (int e = 0; e < 8; ++e) x[t][e] = 0.f;
       }
     }
+    if (p.gate_in_kernel && i < rows) {  // the activation on channels < K (the padding stays 0)
+      float a[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a[e] = x[2][e] + (has_dtb && c0 + e < K ? dtb[c0 + e] : 0.f);
+      if (p.lower_bound_gate) {  // lower_bound · sigmoid(e^A_log x)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
+      } else {  // −e^A_log softplus(x)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = -ea * (a[e] > 20.f ? a[e] : __logf(1.0f + __expf(a[e])));
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[2][e] = c0 + e < K ? a[e] : 0.f;
+    }
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int c = c0 + e;
-      float gx = x[2][e];
-      if (p.gate_in_kernel && i < rows && c < K) {
-        if (has_dtb) gx += dtb[c];
-        gx = p.lower_bound_gate ? p.lower_bound / (1.0f + __expf(-ea * gx)) : -ea * (gx > 20.f ? gx : __logf(1.0f + __expf(gx)));
-      }
       qs[i * kLdF + c] = x[0][e];
       ks[i * kLdF + c] = x[1][e];
-      Gs[i * kLdF + c] = gx * kLog2e;
+      Gs[i * kLdF + c] = x[2][e] * kLog2e;
       vreg[r][e] = x[3][e];
     }
   }
   if (tid < kC) bs[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
+  if (tid < 4) span[tid] = 0;
   __syncthreads();
   clk.mark(0);
   if (p.l2norm) {  // one warp per row
@@ -212,9 +222,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   auto* Qg = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kQg);
   auto* KgT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKgT);
   auto* dC = reinterpret_cast<float*>(rec + WsLayout::kDC);
-  for (int idx = tid; idx < kC * kD; idx += kThreads) {
-    const int i = idx / kD, c = idx % kD;
+  float span4[4] = {0.f, 0.f, 0.f, 0.f};  // max (G_r − G_i) per diagonal block over this thread's entries
+#pragma unroll
+  for (int it = 0; it < kC * kD / kThreads; ++it) {  // row i = tid / 128 + 4 it: block it / 4, warp-uniform
+    const int idx = tid + it * kThreads, i = idx / kD, c = idx % kD;
     const float G = Gs[i * kLdF + c], d = G - Gs[(i & ~15) * kLdF + c], f = exp2f(d);
+    span4[it / 4] = fmaxf(span4[it / 4], -d);
     const float q = qs[i * kLdF + c], k = ks[i * kLdF + c];
     qr[i * kLd + c] = __float2bfloat16(q * f);
     kr[i * kLd + c] = __float2bfloat16(k * f);
@@ -231,12 +244,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     KgT[c * kLdC + j] = __float2bfloat16(ks[j * kLdF + c] * exp2f(Gs[(kC - 1) * kLdF + c] - Gs[j * kLdF + c]));
   }
   if (tid < kD) dC[tid] = exp2f(Gs[(kC - 1) * kLdF + tid]);
-  if (warp >= 4 && warp < 8) {  // span of diagonal block warp − 4
-    const int r = 16 * (warp - 4);
-    float span = 0.f;
-    for (int e = lane; e < 16 * kD; e += 32) span = fmaxf(span, Gs[r * kLdF + e % kD] - Gs[(r + e / kD) * kLdF + e % kD]);
-    for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-    if (lane == 0) safe[warp - 4] = span <= kMaxDiagSpan;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {  // the spans of the diagonal blocks: warp maxima, then shared (bits of floats >= 0 order as ints)
+    float v = span4[t];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0 && v > 0.f) atomicMax(span + t, __float_as_int(v));
   }
   __syncthreads();
   clk.mark(3);
@@ -253,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);
       sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
     }
-    if (diag && !safe[s]) {  // per-pair factors in fp32, lane per entry
+    if (diag && !(__int_as_float(span[s]) <= kMaxDiagSpan)) {  // per-pair factors in fp32, lane per entry
       for (int e = lane; e < 256; e += 32) {
         const int i = 16 * s + e / 16, j = 16 * s + e % 16;
         float acc = 0.f;
@@ -338,28 +350,44 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   __syncthreads();
   clk.mark(5);
 
-  // 5. The blocks of A below the diagonal, one block row s at a time.
-  for (int s = 1; s < 4; ++s) {  // block row s, columns [0, 16 s)
-    const int o = 16 * s;
-    for (int e = tid; e < 16 * o; e += kThreads) {  // T = Σ_{s' <= m < s} L_{s,m} A_{m,s'}
-      const int i = e / o, j = e % o;
-      float acc0 = 0.f, acc1 = 0.f;  // two chains; the count is a multiple of 16
-#pragma unroll 4
-      for (int m = j & ~15; m < o; m += 2) {
-        acc0 += Ls[(o + i) * kLdS + m] * As[m * kLdS + j];
-        acc1 += Ls[(o + i) * kLdS + m + 1] * As[(m + 1) * kLdS + j];
+  // 5. The blocks of A below the diagonal, one block row s at a time: block (s, t) by warps 4t..4t+3,
+  //    a lane 2 entries (rows rr, rr + 2, column cc) of each product, the two products separated by
+  //    the group's named barrier 1 + t:
+  //      T = Σ_{16t <= m < 16s} L_{16s+r, m} A_{m, 16t+c},   A_{16s+r, 16t+c} = −Σ_m A_{16s+r, 16s+m} T_{m, c}
+  //    (A_ss is zero above its diagonal).
+  {
+    const int grp = warp / 4, cc = lane % 16, rr = 4 * (warp % 4) + lane / 16;
+    float* Tg = Ts + grp * 16 * 17;  // [16][17] per group (3 groups fit the [16][65] tile)
+    for (int s = 1; s < 4; ++s) {
+      if (grp < s) {  // warp-uniform
+        const int o = 16 * s, t0 = 16 * grp;
+        const float* L0 = Ls + (o + rr) * kLdS;
+        const float* L1 = L0 + 2 * kLdS;
+        float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;  // four chains; the count is a multiple of 16
+        for (int m = t0; m < o; m += 2) {
+          const float x0 = As[m * kLdS + t0 + cc], x1 = As[(m + 1) * kLdS + t0 + cc];
+          a0 += L0[m] * x0;
+          a1 += L0[m + 1] * x1;
+          b0 += L1[m] * x0;
+          b1 += L1[m + 1] * x1;
+        }
+        Tg[rr * 17 + cc] = a0 + a1;
+        Tg[(rr + 2) * 17 + cc] = b0 + b1;
+        named_sync(1 + grp, 128);
+        const float* D0 = As + (o + rr) * kLdS + o;
+        const float* D1 = D0 + 2 * kLdS;
+        float y0 = 0.f, y1 = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) {
+          const float tm = Tg[m * 17 + cc];
+          y0 += D0[m] * tm;
+          y1 += D1[m] * tm;
+        }
+        As[(o + rr) * kLdS + t0 + cc] = -y0;
+        As[(o + rr + 2) * kLdS + t0 + cc] = -y1;
       }
-      Ts[i * kLdS + j] = acc0 + acc1;
+      __syncthreads();
     }
-    __syncthreads();
-    for (int e = tid; e < 16 * o; e += kThreads) {  // A_{s,s'} = −A_ss T
-      const int i = e / o, j = e % o;
-      float acc = 0.f;
-#pragma unroll 4
-      for (int m = 0; m <= i; ++m) acc += As[(o + i) * kLdS + o + m] * Ts[m * kLdS + j];
-      As[(o + i) * kLdS + j] = -acc;
-    }
-    __syncthreads();
   }
   for (int e = tid; e < kC * kC; e += kThreads)  // A − I: the unit diagonal is added in fp32 in step 6
     Abf[(e / kC) * kLdC + e % kC] = __float2bfloat16(As[(e / kC) * kLdS + e % kC] - (e / kC == e % kC ? 1.f : 0.f));
