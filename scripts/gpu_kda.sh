@@ -18,7 +18,9 @@ note "tests rc=$?"; grep -E "kda |Failure|actual" "$OUT/kda_tests.log" | tee -a 
 for tool in memcheck racecheck; do
   timeout 150 compute-sanitizer --tool $tool --error-exitcode 1 "$B/encore_tests_gpu" --gtest_filter='KdaGpu.*' --gtest_brief=1 \
     >"$OUT/$tool.log" 2>&1
-  note "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
+  rc=$?
+  note "$tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
+  [ $rc = 0 ] || grep -m 12 -E 'Race reported|Error|  at |access at' "$OUT/$tool.log" | cut -c1-240 | tee -a "$sum"
 done
 timeout 120 ncu --metrics gpu__time_duration.sum -k regex:kda_ --launch-count 400 "$B/encore" bench kda --out /tmp/ncu_kda.json \
   >"$OUT/ncu.log" 2>&1

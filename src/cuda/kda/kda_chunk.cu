@@ -351,8 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   clk.mark(5);
 
   // 5. The blocks of A below the diagonal, one block row s at a time: block (s, t) by warps 4t..4t+3,
-  //    a lane 2 entries (rows rr, rr + 2, column cc) of each product, the two products separated by
-  //    the group's named barrier 1 + t:
+  //    a lane 2 entries (rows rr, rr + 2, column cc) of each of the two products:
   //      T = Σ_{16t <= m < 16s} L_{16s+r, m} A_{m, 16t+c},   A_{16s+r, 16t+c} = −Σ_m A_{16s+r, 16s+m} T_{m, c}
   //    (A_ss is zero above its diagonal).
   {
@@ -373,7 +372,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         }
         Tg[rr * 17 + cc] = a0 + a1;
         Tg[(rr + 2) * 17 + cc] = b0 + b1;
-        named_sync(1 + grp, 128);
+      }
+      __syncthreads();
+      if (grp < s) {
+        const int o = 16 * s, t0 = 16 * grp;
         const float* D0 = As + (o + rr) * kLdS + o;
         const float* D1 = D0 + 2 * kLdS;
         float y0 = 0.f, y1 = 0.f;

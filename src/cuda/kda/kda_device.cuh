@@ -124,9 +124,6 @@ __device__ __forceinline__ void cp_async_rows(unsigned char* dst, int dst_ld, co
     cp_async16(dst + (x / pieces) * dst_ld + (x % pieces) * 16, src + (x / pieces) * src_ld + (x % pieces) * 16);
 }
 
-// Barrier `id` (1..15; 0 is __syncthreads) over `n` threads (whole warps).
-__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-
 // ---- bulk copies (cp.async.bulk, global -> shared) completing on an mbarrier ---------------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(uint64_t* bar) {
