@@ -1,6 +1,6 @@
-// Device helpers shared by the two KDA forward kernels (kda_chunk.cu, kda_state.cu): the per
-// (chunk, head) workspace layout that connects them, input loads, and the warp-level bf16 tensor-core
-// product on shared-memory tiles.
+// Device helpers shared by the three KDA forward kernels (kda_chunk.cu, kda_state.cu,
+// kda_output.cu): the per (chunk, head) workspace layout that connects them, input loads, cp.async
+// and bulk copies, and the warp-level bf16 tensor-core product on shared-memory tiles.
 //
 // Workspace, per (chunk slot, head), bytes, every part 16-byte aligned; head dims padded to 128 with
 // zeros. The state kernel's operands lead, in its shared-memory layout (padded rows), so that one
