@@ -71,10 +71,7 @@ struct KdaBenchCase {
   }
   void run_once(cudaStream_t stream) const {
     Status st = run(a, opts, ws, stream);
-    if (!st) {
-      std::fprintf(stderr, "encore bench: kda: %s\n", st.to_string().c_str());
-      std::exit(3);
-    }
+    check_status(st, "kda");
   }
 };
 
@@ -112,19 +109,13 @@ void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t strea
     const KdaBenchCase kc(c, *info);
     kc.run_once(stream);
     unsigned long long cycles[cuda::kKdaChunkPhases] = {}, blocks = 0;
-    auto must = [](Status st) {
-      if (!st) {
-        std::fprintf(stderr, "encore bench: kda_phases: %s\n", st.to_string().c_str());
-        std::exit(3);
-      }
-    };
     check_cuda(cudaStreamSynchronize(stream), "sync");
-    must(cuda::kda_chunk_profile_read(cycles, &blocks));  // clears the counters
-    must(cuda::kda_chunk_profile_enable(true));
+    check_status(cuda::kda_chunk_profile_read(cycles, &blocks), "kda_phases");  // clears the counters
+    check_status(cuda::kda_chunk_profile_enable(true), "kda_phases");
     kc.run_once(stream);
     check_cuda(cudaStreamSynchronize(stream), "sync");
-    must(cuda::kda_chunk_profile_enable(false));
-    must(cuda::kda_chunk_profile_read(cycles, &blocks));
+    check_status(cuda::kda_chunk_profile_enable(false), "kda_phases");
+    check_status(cuda::kda_chunk_profile_read(cycles, &blocks), "kda_phases");
     Record r = kda_record("kda_chunk_phases", c);
     std::printf("  kda_chunk_phases %-16s blocks %llu, cycles per block:", c.name, blocks);
     for (int ph = 0; ph < cuda::kKdaChunkPhases; ++ph) {
