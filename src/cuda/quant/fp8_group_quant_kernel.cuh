@@ -36,6 +36,31 @@ struct Fp8QuantParams {
 
 constexpr int kFp8GroupSize = 128;
 
+// One lane's share of a group: the amax over the kLanes lanes of its group (every lane of the warp
+// must call this: the butterfly uses the full mask), the scale, and the lane's kVec e4m3 bytes in
+// `out` (cvt.rn.satfinite.e4m3x2.f32, two values per instruction, .x in the low byte). Returns the
+// scale; `out` is meaningful only when `valid`.
+template <typename T, int kVec, int kLanes>
+__device__ __forceinline__ float quantize_pack(const Pack<T, kVec>& v, bool valid, bool power_of_two, float eps,
+                                               Pack<uint8_t, kVec>& out) {
+  float amax = 0.f;
+  if (valid) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(to_float(v.v[e])));
+  }
+  amax = group_max<kLanes>(amax);
+  const float s = quant::fp8_group_scale(amax, power_of_two, eps);
+  const float inv = quant::fp8_inverse_scale(s);
+#pragma unroll
+  for (int e = 0; e < kVec; e += 2) {
+    const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(to_float(v.v[e]), inv), __fmul_rn(to_float(v.v[e + 1]), inv)), __NV_SATFINITE, __NV_E4M3);
+    out.v[e] = uint8_t(two & 0xff);
+    out.v[e + 1] = uint8_t(two >> 8);
+  }
+  return s;
+}
+
 template <typename T, int kGroupsPerThread>
 __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> p) {
   constexpr int kVec = 16 / int(sizeof(T));
@@ -69,24 +94,9 @@ __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> 
 #pragma unroll
     for (int i = 0; i < kGroupsPerThread; ++i) {
       const bool valid = g0 + i < p.num_groups;
-      float amax = 0.f;
-      if (valid) {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(to_float(v[i].v[e])));
-      }
-      amax = group_max<kLanes>(amax);  // all lanes join the shuffles
-      if (!valid) continue;
-      const float s = quant::fp8_group_scale(amax, p.power_of_two, p.eps);
-      const float inv = quant::fp8_inverse_scale(s);
       Q out;
-#pragma unroll
-      for (int e = 0; e < kVec; e += 2) {
-        // cvt.rn.satfinite.e4m3x2.f32: two values per instruction; .x lands in the low byte.
-        const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
-            make_float2(__fmul_rn(to_float(v[i].v[e]), inv), __fmul_rn(to_float(v[i].v[e + 1]), inv)), __NV_SATFINITE, __NV_E4M3);
-        out.v[e] = uint8_t(two & 0xff);
-        out.v[e + 1] = uint8_t(two >> 8);
-      }
+      const float s = quantize_pack<T, kVec, kLanes>(v[i], valid, p.power_of_two, p.eps, out);  // all lanes
+      if (!valid) continue;
       store_pack(p.q + int64_t(mi[i]) * p.q_stride + gii[i] * kFp8GroupSize + lane * kVec, out);
       if (lane == 0) p.scales[int64_t(mi[i]) * p.scale_stride_m + int64_t(gii[i]) * p.scale_stride_g] = s;
     }
