@@ -17,8 +17,8 @@ void run_quant_case(DType t, int64_t rows, int64_t cols, int64_t pad, bool colum
                     const cuda::Fp8QuantLaunchPlan* plan = nullptr) {
   SCOPED_TRACE(std::string(dtype_name(t)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " pad " +
                std::to_string(pad) + (column_major ? " colmajor" : " rowmajor") + (pow2 ? " pow2" : "") +
-               (plan ? std::string(plan->bulk ? " bulk slots " + std::to_string(plan->slots) : " threads " + std::to_string(plan->threads)) +
-                          " g" + std::to_string(plan->groups_per_thread) + " grid " + std::to_string(plan->grid)
+               (plan ? " threads " + std::to_string(plan->threads) + " g" + std::to_string(plan->groups_per_thread) + " grid " +
+                          std::to_string(plan->grid) + (plan->prefetch ? " prefetch" : "")
                     : ""));
   auto rng = make_rng(uint64_t(rows * 13 + cols));
   const int64_t groups = cols / 128;
@@ -101,35 +101,18 @@ TEST_F(QuantGpu, HostPlanLayoutsAndDtypes) {
 TEST_F(QuantGpu, EveryKernelVariant) {
   for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     for (int g : {1, 2, 4, 8}) {
-      for (long long grid : {2LL, 5000LL}) {
-        for (int threads : {128, 512}) {
-          cuda::Fp8QuantLaunchPlan plan;
-          plan.threads = threads;
-          plan.groups_per_thread = g;
-          plan.grid = grid;
-          run_quant_case(t, 333, 1280, 0, true, false, &plan);
-        }
-      }
-    }
-  }
-}
-
-// The bulk-copy kernel: stages that straddle rows (K = 1280: 10 groups a row; K = 128: one group a
-// row, so a stage's copies come from up to 64 rows), padded row strides, a last stage part full,
-// grids of one block (every slot refilled many times) and more blocks than stages.
-TEST_F(QuantGpu, BulkKernelVariants) {
-  for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32}) {
-    for (int g : {1, 2, 4}) {
-      for (int slots : {1, 3, 8}) {
-        ASSERT_GT(cuda::fp8_bulk_blocks_per_sm(t, g, slots), 0) << dtype_name(t) << " g " << g << " slots " << slots;
-        for (long long grid : {1LL, 7LL, 100000LL}) {
-          cuda::Fp8QuantLaunchPlan plan;
-          plan.bulk = true;
-          plan.groups_per_thread = g;
-          plan.slots = slots;
-          plan.grid = grid;
-          run_quant_case(t, 333, 1280, 0, true, false, &plan);
-          run_quant_case(t, 77, 128, 24, false, true, &plan);
+      for (bool prefetch : {false, true}) {
+        if (g == 8 && prefetch) continue;
+        for (long long grid : {1LL, 2LL, 5000LL}) {
+          for (int threads : {128, 512}) {
+            cuda::Fp8QuantLaunchPlan plan;
+            plan.threads = threads;
+            plan.groups_per_thread = g;
+            plan.grid = grid;
+            plan.prefetch = prefetch;
+            run_quant_case(t, 333, 1280, 0, true, false, &plan);
+            run_quant_case(t, 77, 128, 24, false, true, &plan);
+          }
         }
       }
     }
