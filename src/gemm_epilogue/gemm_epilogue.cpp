@@ -119,6 +119,8 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Ge
   if (a.partials.defined()) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
   if (o.swizzle != 0 && o.swizzle != 1 && o.swizzle != 2 && o.swizzle != 4 && o.swizzle != 8)
     return Status::invalid("swizzle: must be 0 (auto), 1, 2, 4 or 8, got " + std::to_string(o.swizzle));
+  if (uint8_t(o.raster) > uint8_t(GemmRaster::kAlongN))
+    return Status::invalid("raster: must be GemmRaster::kAuto, kAlongM or kAlongN, got " + std::to_string(int(o.raster)));
   if (o.epilogue == Epilogue::kQkvHeadSqsum && o.head_dim != cuda::kHeadSqsumDim)
     return Status::unsupported("head_dim: the CUDA qkv_head_sqsum kernel takes head_dim " + std::to_string(cuda::kHeadSqsumDim) + ", got " +
                                std::to_string(o.head_dim));
@@ -157,6 +159,7 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   // Auto swizzle: groups of 8 tiles keep A and W panels in L2 across the persistent schedule; on the
   // H200 it was worth 5-25% on wide problems (docs/gemm_epilogue.md). Small grids stay unswizzled.
   p.swizzle = o.swizzle > 0 ? o.swizzle : (p.M >= 1024 && p.N >= 1024 ? 8 : 1);
+  p.raster = o.raster == GemmRaster::kAlongM ? 1 : o.raster == GemmRaster::kAlongN ? 2 : 0;
   p.device = a.a.device.index;
   p.sm_count = sm_count;
   return p;
