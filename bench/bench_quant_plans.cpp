@@ -1,6 +1,6 @@
 // Suite "quant_plans": the FP8 group-quantization kernels (bf16, K = 7168, row-major scales) under a
 // sweep of launch plans, L2-flushed, the plan the host heuristic picks marked: threads per block x
-// groups per lane group x (one block per chunk | prefetching grid capped at 1, 2, 4 resident waves).
+// groups per lane group.
 // The measurement behind plan_fp8_group_quant (docs/inference.md).
 #include <cstdio>
 #include <algorithm>
@@ -25,16 +25,12 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
     std::vector<cuda::Fp8QuantLaunchPlan> plans;
     for (int threads : {128, 256})
       for (int gpt : {1, 2, 4})
-        for (int waves : {0, 1, 2, 4}) {  // 0: one block per chunk of the grid, no prefetch
+        {
           cuda::Fp8QuantLaunchPlan plan;
           plan.threads = threads;
           plan.groups_per_thread = gpt;
           const int64_t per_block = int64_t(threads / 16) * gpt;
           plan.grid = (M * groups + per_block - 1) / per_block;
-          if (waves > 0) {
-            plan.prefetch = true;
-            plan.grid = std::min<long long>(plan.grid, (long long)info->sm_count * (2048 / threads) * waves);
-          }
           plans.push_back(plan);
         }
     for (const cuda::Fp8QuantLaunchPlan& plan : plans) {
@@ -55,18 +51,17 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
             check_status(st, "quant_plans");
           }, stream, topts, rot.sets);
           const double bytes = double(x_bytes + q_bytes + s_bytes), gbps = bytes / (t.median_us * 1e-6) / 1e9;
-          const bool is_chosen = plan.prefetch == chosen.prefetch && plan.threads == chosen.threads &&
+          const bool is_chosen = plan.threads == chosen.threads &&
                                  plan.groups_per_thread == chosen.groups_per_thread && plan.grid == chosen.grid;
           Record r;
           r.suite = "quant_plans";
           r.name = "fp8_group_quant";
           r.params = {{"M", std::to_string(M)}, {"K", std::to_string(K)}, {"threads", std::to_string(plan.threads)},
-                      {"groups_per_thread", std::to_string(plan.groups_per_thread)}, {"prefetch", plan.prefetch ? "1" : "0"},
-                      {"grid", std::to_string(plan.grid)}, {"chosen", is_chosen ? "1" : "0"}};
+                      {"groups_per_thread", std::to_string(plan.groups_per_thread)}, {"grid", std::to_string(plan.grid)}, {"chosen", is_chosen ? "1" : "0"}};
           r.metrics = {{"time_us", t.median_us}, {"gbps", gbps}, {"frac_copy_bw", gbps / report.ceilings.copy_gbps}};
           report.records.push_back(r);
-          std::printf("  fp8 %5lld x %lld threads %3d groups %d %-8s (grid %6lld)%s: %8.2f us %5.1f%% of copy\n", (long long)M,
-                      (long long)K, plan.threads, plan.groups_per_thread, plan.prefetch ? "prefetch" : "", plan.grid,
+          std::printf("  fp8 %5lld x %lld threads %3d groups %d (grid %6lld)%s: %8.2f us %5.1f%% of copy\n", (long long)M,
+                      (long long)K, plan.threads, plan.groups_per_thread, plan.grid,
                       is_chosen ? " *" : "  ", t.median_us, 100.0 * gbps / report.ceilings.copy_gbps);
           std::fflush(stdout);
     }

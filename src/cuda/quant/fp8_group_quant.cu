@@ -1,6 +1,6 @@
 // Instantiations and launch of the FP8 group-quantization kernel, T in {bf16, fp16, fp32} x groups
-// per thread {1, 2, 4, 8} x prefetch of the next chunk (not with 8); the variants the plan does not
-// pick are there for the quant_plans sweep. The rule is in plan_fp8_group_quant.
+// per thread {1, 2, 4, 8}; the variants the plan does not pick are there for the quant_plans sweep.
+// The rule is in plan_fp8_group_quant.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,17 +11,6 @@
 
 namespace encore::cuda {
 namespace {
-
-template <typename T, bool kPrefetch>
-void (*pick_kernel(int groups_per_thread))(Fp8QuantParams<T>) {
-  switch (groups_per_thread) {
-    case 2: return fp8_group_quant_kernel<T, 2, kPrefetch>;
-    case 4: return fp8_group_quant_kernel<T, 4, kPrefetch>;
-    case 8: return kPrefetch ? nullptr : fp8_group_quant_kernel<T, 8, false>;
-    case 1: return fp8_group_quant_kernel<T, 1, kPrefetch>;
-    default: return nullptr;
-  }
-}
 
 template <typename T>
 Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& plan, cudaStream_t stream) {
@@ -37,9 +26,10 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& p
   k.num_groups = uint32_t(p.rows) * k.groups_per_row;
   k.power_of_two = p.power_of_two;
   k.eps = p.eps;
-  void (*fn)(Fp8QuantParams<T>) = plan.prefetch ? pick_kernel<T, true>(plan.groups_per_thread) : pick_kernel<T, false>(plan.groups_per_thread);
-  if (!fn) return Status::internal("fp8_group_quant: no kernel for " + std::to_string(plan.groups_per_thread) + " groups per thread" +
-                                   (plan.prefetch ? " with prefetch" : ""));
+  void (*fn)(Fp8QuantParams<T>) = fp8_group_quant_kernel<T, 1>;
+  if (plan.groups_per_thread == 2) fn = fp8_group_quant_kernel<T, 2>;
+  if (plan.groups_per_thread == 4) fn = fp8_group_quant_kernel<T, 4>;
+  if (plan.groups_per_thread == 8) fn = fp8_group_quant_kernel<T, 8>;
   fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string("fp8_group_quant launch: ") + cudaGetErrorString(e));

@@ -7,8 +7,7 @@
 //   bf16/fp16, 32 for fp32), each lane one 16-byte pack; amax is a butterfly max over the lanes;
 //   each lane writes its 8 (or 4) fp8 bytes, the group's first lane the scale. kGroupsPerThread
 //   consecutive groups per lane group are loaded before any is written (memory-level parallelism),
-//   in a grid-stride loop over chunks of groups g = m * (K / 128) + group; with kPrefetch the next
-//   chunk's loads are in flight while the current one is quantized.
+//   in a grid-stride loop over chunks of groups g = m * (K / 128) + group.
 // Constraints (validate): K % 128 == 0, M * K / 128 < 2^31, 16-byte aligned x and q rows.
 #pragma once
 #include <cuda_fp8.h>
@@ -62,62 +61,44 @@ __device__ __forceinline__ float quantize_pack(const Pack<T, kVec>& v, bool vali
   return s;
 }
 
-// kGroupsPerThread consecutive groups starting at chunk * kGroupsPerThread: their packs (loads
-// issued, not waited for) and row/group coordinates. One division per chunk, then the index steps.
-template <typename T, int kVec, int kGroupsPerThread>
-struct Fp8Chunk {
-  Pack<T, kVec> v[kGroupsPerThread];
-  uint32_t m[kGroupsPerThread], gi[kGroupsPerThread];
-  uint32_t g0;
-
-  __device__ __forceinline__ void load(const Fp8QuantParams<T>& p, uint32_t chunk, int lane) {
-    g0 = chunk * kGroupsPerThread;
-    uint32_t row = g0 / p.groups_per_row;
-    uint32_t group = g0 - row * p.groups_per_row;
-#pragma unroll
-    for (int i = 0; i < kGroupsPerThread; ++i) {
-      m[i] = row;
-      gi[i] = group;
-      if (g0 + i < p.num_groups)
-        v[i] = load_pack_once<T, kVec>(p.x + int64_t(row) * p.x_stride + group * kFp8GroupSize + lane * kVec);
-      if (++group == p.groups_per_row) {
-        group = 0;
-        ++row;
-      }
-    }
-  }
-};
-
-// kPrefetch: the loads of the lane group's next chunk are issued before the current chunk is
-// quantized and stored (software pipelining: with a grid of resident blocks, every thread keeps
-// 2 kGroupsPerThread packs in flight instead of draining between chunks).
-template <typename T, int kGroupsPerThread, bool kPrefetch>
+template <typename T, int kGroupsPerThread>
 __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> p) {
   constexpr int kVec = 16 / int(sizeof(T));
   constexpr int kLanes = kFp8GroupSize / kVec;
-  using C = Fp8Chunk<T, kVec, kGroupsPerThread>;
+  using P = Pack<T, kVec>;
+  using Q = Pack<uint8_t, kVec>;
   const int lane = threadIdx.x % kLanes;
   const uint32_t groups_in_grid = gridDim.x * (blockDim.x / kLanes);
+  const uint32_t group0 = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
   const uint32_t num_chunks = (p.num_groups + kGroupsPerThread - 1) / kGroupsPerThread;
-  uint32_t chunk = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
-  C cur;
-  if (chunk < num_chunks) cur.load(p, chunk, lane);
-  for (; chunk < num_chunks; chunk += groups_in_grid) {
-    C next;
-    if (kPrefetch && chunk + groups_in_grid < num_chunks) next.load(p, chunk + groups_in_grid, lane);
+
+  for (uint32_t chunk = group0; chunk < num_chunks; chunk += groups_in_grid) {
+    // kGroupsPerThread consecutive groups: one division per chunk, then the group index steps.
+    const uint32_t g0 = chunk * kGroupsPerThread;
+    uint32_t m = g0 / p.groups_per_row;
+    uint32_t gi = g0 - m * p.groups_per_row;
+    P v[kGroupsPerThread];
+    int64_t x_off[kGroupsPerThread];
+    uint32_t mi[kGroupsPerThread], gii[kGroupsPerThread];
 #pragma unroll
     for (int i = 0; i < kGroupsPerThread; ++i) {
-      const bool valid = cur.g0 + i < p.num_groups;
-      Pack<uint8_t, kVec> out;
-      const float s = quantize_pack<T, kVec, kLanes>(cur.v[i], valid, p.power_of_two, p.eps, out);  // all lanes
-      if (!valid) continue;
-      store_pack(p.q + int64_t(cur.m[i]) * p.q_stride + cur.gi[i] * kFp8GroupSize + lane * kVec, out);
-      if (lane == 0) p.scales[int64_t(cur.m[i]) * p.scale_stride_m + int64_t(cur.gi[i]) * p.scale_stride_g] = s;
+      mi[i] = m;
+      gii[i] = gi;
+      x_off[i] = int64_t(m) * p.x_stride + gi * kFp8GroupSize + lane * kVec;
+      if (g0 + i < p.num_groups) v[i] = load_pack_once<T, kVec>(p.x + x_off[i]);
+      if (++gi == p.groups_per_row) {
+        gi = 0;
+        ++m;
+      }
     }
-    if (kPrefetch) {
-      cur = next;
-    } else if (chunk + groups_in_grid < num_chunks) {
-      cur.load(p, chunk + groups_in_grid, lane);
+#pragma unroll
+    for (int i = 0; i < kGroupsPerThread; ++i) {
+      const bool valid = g0 + i < p.num_groups;
+      Q out;
+      const float s = quantize_pack<T, kVec, kLanes>(v[i], valid, p.power_of_two, p.eps, out);  // all lanes
+      if (!valid) continue;
+      store_pack(p.q + int64_t(mi[i]) * p.q_stride + gii[i] * kFp8GroupSize + lane * kVec, out);
+      if (lane == 0) p.scales[int64_t(mi[i]) * p.scale_stride_m + int64_t(gii[i]) * p.scale_stride_g] = s;
     }
   }
 }

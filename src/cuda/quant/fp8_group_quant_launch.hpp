@@ -7,13 +7,11 @@
 namespace encore::cuda {
 
 // `threads` per block, `groups_per_thread` groups per lane group and chunk (1, 2, 4, 8), `grid`
-// blocks striding over the chunks; `prefetch` (not with 8 groups): the next chunk's loads are issued
-// before the current chunk is stored, for grids capped at the resident blocks.
+// blocks striding over the chunks.
 struct Fp8QuantLaunchPlan {
   int threads = 256;
   int groups_per_thread = 1;
   long long grid = 0;
-  bool prefetch = false;
 };
 
 Fp8QuantLaunchPlan plan_fp8_group_quant(int64_t num_groups, DType dtype, int sm_count);
