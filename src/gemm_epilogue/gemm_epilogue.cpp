@@ -58,8 +58,15 @@ Status contiguous_vector(const char* name, const TensorView& t) {
 
 // Measured on the H200 (docs/gemm_epilogue.md, bench/results/*gemm_epilogue*): ping-pong 128x128,
 // whose epilogue overlaps the other warpgroup's mainloop, wins for short K and narrow N; the
-// cooperative 128x256 tile's higher mainloop efficiency wins for long K and wide N.
-bool pingpong_preferred(int64_t N, int64_t K) { return K <= 2048 || (K <= 4096 && N <= 8192) || N <= 2048; }
+// cooperative 128x256 tile's higher mainloop efficiency wins for long K and wide N. SwiGLU, whose
+// epilogue is the heaviest (two stores and a silu per pair), keeps ping-pong up to K = 4096 at any
+// N: 8B gate/up (8192 x 28672 x 4096) measured 1.037x / 1.065x of cuBLAS on ping-pong against
+// 1.056x / 1.085x cooperative in two runs (bench/results/2026-11-29-h200-gemm_epilogue-*-f16a313.json,
+// ...-9b2f5a9.json).
+bool pingpong_preferred(Epilogue e, int64_t N, int64_t K) {
+  if (e == Epilogue::kSwiglu && K <= 4096) return true;
+  return K <= 2048 || (K <= 4096 && N <= 8192) || N <= 2048;
+}
 
 // The CUDA tile for these options (partial_tile_n resolved): fixed by the partials' column tile
 // for kResidualSqsumAux and kLse, ping-pong 128x128 for kQkvHeadSqsum, else the requested one or,
@@ -91,7 +98,7 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Gem
     *tile = o.tile;
     return Status::ok();
   }
-  *tile = pingpong_preferred(a.w.shape[0], a.a.shape[1]) ? GemmTile::kPingpong128x128 : GemmTile::kCooperative128x256;
+  *tile = pingpong_preferred(e, a.w.shape[0], a.a.shape[1]) ? GemmTile::kPingpong128x128 : GemmTile::kCooperative128x256;
   return Status::ok();
 }
 
