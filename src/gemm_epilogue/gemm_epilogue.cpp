@@ -206,10 +206,14 @@ int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 }  // namespace
 
 // Measured (bench/results/*gemm_epilogue*): with scheduler swizzle the ping-pong tile matches or
-// beats the cooperative one for both partials epilogues at every benchmarked shape (residual 0.92-1.03x
-// of cuBLAS vs 1.00-1.32x; LSE 1.08x vs 1.08-1.12x), so the partials are per 128 columns.
-int gemm_partial_tile_n(Epilogue e, int64_t, int64_t, int64_t) {
-  return e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse ? 128 : 0;
+// beats the cooperative one for both partials epilogues at the o-projection and LM-head shapes
+// (residual 0.92-1.03x of cuBLAS vs 1.00-1.32x; LSE 1.08x vs 1.08-1.12x), so the partials are per
+// 128 columns. For long K (>= 12288, the down projection of 8B/70B) the residual epilogue's share
+// of the time is small and the cooperative tile's mainloop wins (the same shape without the
+// residual: 0.97-1.01x of cuBLAS cooperative vs 1.01-1.08x ping-pong), so the partials are per 256.
+int gemm_partial_tile_n(Epilogue e, int64_t, int64_t, int64_t K) {
+  if (e == Epilogue::kResidualSqsumAux) return K >= 12288 ? 256 : 128;
+  return e == Epilogue::kLse ? 128 : 0;
 }
 
 const char* gemm_tile_name(GemmTile t) {
