@@ -23,6 +23,7 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& p
   k.scale_stride_m = p.scale_stride_m;
   k.scale_stride_g = p.scale_stride_g;
   k.groups_per_row = uint32_t(p.cols / kFp8GroupSize);
+  k.row_of_group = FastDiv31(k.groups_per_row);
   k.num_groups = uint32_t(p.rows) * k.groups_per_row;
   k.power_of_two = p.power_of_two;
   k.eps = p.eps;

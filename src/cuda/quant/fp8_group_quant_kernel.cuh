@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/fast_div.hpp"
 #include "cuda/common/reduce.cuh"
 #include "cuda/common/vector_io.cuh"
 #include "quant/fp8_scale.hpp"
@@ -30,7 +31,8 @@ struct Fp8QuantParams {
   float* scales;
   int64_t scale_stride_m, scale_stride_g;
   uint32_t groups_per_row;
-  uint32_t num_groups;  // M * groups_per_row
+  FastDiv31 row_of_group;  // g / groups_per_row by multiply and shift
+  uint32_t num_groups;     // M * groups_per_row
   bool power_of_two;
   float eps;
 };
@@ -116,7 +118,7 @@ __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> 
   for (uint32_t chunk = group0; chunk < num_chunks; chunk += groups_in_grid) {
     // kGroupsPerThread consecutive groups: one division per chunk, then the group index steps.
     const uint32_t g0 = chunk * kGroupsPerThread;
-    uint32_t m = g0 / p.groups_per_row;
+    uint32_t m = p.row_of_group.div(g0);
     uint32_t gi = g0 - m * p.groups_per_row;
     P v[kGroupsPerThread];
     int64_t x_off[kGroupsPerThread];
