@@ -54,20 +54,6 @@ __device__ __forceinline__ Pack<T, kN> load_pack_once(const T* p) {
   }
 }
 
-// For inputs that nothing writes while the kernel runs (the caller guarantees it: validate refuses
-// overlapping outputs): a read-only, non-coherent load that skips L1 and asks L2 to fetch the
-// surrounding 256 bytes from memory (ld.global.nc.L1::no_allocate.L2::256B), for streams in which
-// each 256-byte span is read once, by consecutive lanes.
-template <typename T, int kN>
-__device__ __forceinline__ Pack<T, kN> load_pack_stream(const T* p) {
-  static_assert(sizeof(Pack<T, kN>) == 16, "16-byte packs");
-  uint4 u;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-      : "l"(p));
-  return *reinterpret_cast<Pack<T, kN>*>(&u);
-}
-
 template <typename T, int kN>
 __device__ __forceinline__ void store_pack_once(T* p, const Pack<T, kN>& v) {
   if constexpr (sizeof(Pack<T, kN>) == 16) {

@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> 
       mi[i] = m;
       gii[i] = gi;
       x_off[i] = int64_t(m) * p.x_stride + gi * kFp8GroupSize + lane * kVec;
-      if (g0 + i < p.num_groups) v[i] = load_pack_stream<T, kVec>(p.x + x_off[i]);
+      if (g0 + i < p.num_groups) v[i] = load_pack_once<T, kVec>(p.x + x_off[i]);
       if (++gi == p.groups_per_row) {
         gi = 0;
         ++m;
