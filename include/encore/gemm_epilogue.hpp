@@ -53,9 +53,10 @@ enum class GemmTile : uint8_t { kAuto, kCooperative128x256, kPingpong128x128, kP
 const char* gemm_tile_name(GemmTile t);
 
 // CUDA persistent tile scheduler order: kAlongM walks down the M tiles of one column of tiles (the W
-// panel stays in L2) before moving along N, kAlongN the other way; kAuto lets the scheduler choose
-// (along M when there are more N tiles than M tiles). With swizzle s the walk covers s tiles of the
-// other dimension at a time. Ignored by the CPU backend.
+// panel stays in L2) before moving along N, kAlongN the other way. kAuto: along N on the
+// cooperative and 128x128 ping-pong tiles (measured faster on the widest GEMMs, docs/gemm_epilogue.md),
+// CUTLASS's heuristic on 64x256 (along M when there are more N tiles than M tiles). With swizzle s
+// the walk covers s tiles of the other dimension at a time. Ignored by the CPU backend.
 enum class GemmRaster : uint8_t { kAuto, kAlongM, kAlongN };
 
 // The partials' column tile that partial_tile_n = 0 stands for: 128 (the ping-pong tile, measured

@@ -43,9 +43,9 @@ Fp8QuantLaunchPlan plan_fp8_group_quant(int64_t num_groups, DType dtype, int sm_
   Fp8QuantLaunchPlan plan;
   const int lanes = kFp8GroupSize / int(16 / dtype_size(dtype));
   plan.threads = 256;
-  // Two groups per lane group from a few waves up: the plan sweep (bench suite quant_plans, H200,
-  // bench/results/2026-11-29-h200-gemm_epilogue-kda-quant_plans-402879c.json) measured 256 x 2 at
-  // 79% / 85% of copy for 4096 / 16384 x 7168 against 77% / 84% for 256 x 4.
+  // Two groups per lane group from a few waves up: the quant_plans sweeps (H200,
+  // bench/results/2026-11-29-h200-quant-qk_norm-fastdiv-4bc53df.json) measured 256 x 2 within 1%
+  // of the best plan at 4096 x 7168 (25.38 us, 128 x 2: 25.34) and 16384 x 7168.
   plan.groups_per_thread = num_groups * lanes >= int64_t(sm_count) * 2048 ? 2 : 1;
   const int64_t per_block = int64_t(plan.threads / lanes) * plan.groups_per_thread;
   plan.grid = (num_groups + per_block - 1) / per_block;
