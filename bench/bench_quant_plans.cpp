@@ -23,13 +23,14 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
     Rotation rot = make_rotation(s_off + s_bytes, info->l2_bytes, FillKind::kBF16);
     const cuda::Fp8QuantLaunchPlan chosen = cuda::plan_fp8_group_quant(M * groups, DType::kBF16, info->sm_count);
     std::vector<cuda::Fp8QuantLaunchPlan> plans;
-    for (int threads : {128, 256})
-      for (int gpt : {1, 2, 4})
-        {
+    for (int packs : {1, 2})
+      for (int threads : {128, 256})
+        for (int gpt : {1, 2, 4}) {
           cuda::Fp8QuantLaunchPlan plan;
           plan.threads = threads;
           plan.groups_per_thread = gpt;
-          const int64_t per_block = int64_t(threads / 16) * gpt;
+          plan.packs_per_lane = packs;
+          const int64_t per_block = int64_t(threads / cuda::fp8_lanes_per_group(DType::kBF16, packs)) * gpt;
           plan.grid = (M * groups + per_block - 1) / per_block;
           plans.push_back(plan);
         }
@@ -51,17 +52,17 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
             check_status(st, "quant_plans");
           }, stream, topts, rot.sets);
           const double bytes = double(x_bytes + q_bytes + s_bytes), gbps = bytes / (t.median_us * 1e-6) / 1e9;
-          const bool is_chosen = plan.threads == chosen.threads &&
+          const bool is_chosen = plan.threads == chosen.threads && plan.packs_per_lane == chosen.packs_per_lane &&
                                  plan.groups_per_thread == chosen.groups_per_thread && plan.grid == chosen.grid;
           Record r;
           r.suite = "quant_plans";
           r.name = "fp8_group_quant";
           r.params = {{"M", std::to_string(M)}, {"K", std::to_string(K)}, {"threads", std::to_string(plan.threads)},
-                      {"groups_per_thread", std::to_string(plan.groups_per_thread)}, {"grid", std::to_string(plan.grid)}, {"chosen", is_chosen ? "1" : "0"}};
+                      {"groups_per_thread", std::to_string(plan.groups_per_thread)}, {"packs_per_lane", std::to_string(plan.packs_per_lane)}, {"grid", std::to_string(plan.grid)}, {"chosen", is_chosen ? "1" : "0"}};
           r.metrics = {{"time_us", t.median_us}, {"gbps", gbps}, {"frac_copy_bw", gbps / report.ceilings.copy_gbps}};
           report.records.push_back(r);
-          std::printf("  fp8 %5lld x %lld threads %3d groups %d (grid %6lld)%s: %8.2f us %5.1f%% of copy\n", (long long)M,
-                      (long long)K, plan.threads, plan.groups_per_thread, plan.grid,
+          std::printf("  fp8 %5lld x %lld threads %3d groups %d packs %d (grid %6lld)%s: %8.2f us %5.1f%% of copy\n", (long long)M,
+                      (long long)K, plan.threads, plan.groups_per_thread, plan.packs_per_lane, plan.grid,
                       is_chosen ? " *" : "  ", t.median_us, 100.0 * gbps / report.ceilings.copy_gbps);
           std::fflush(stdout);
     }

@@ -1,9 +1,11 @@
 // Instantiations and launch of the FP8 group-quantization kernel, T in {bf16, fp16, fp32} x groups
-// per thread {1, 2, 4, 8}; the variants the plan does not pick are there for the quant_plans sweep.
+// per thread {1, 2, 4, 8} x 16-byte packs per lane {1, 2}; the variants the plan does not pick are
+// there for the quant_plans sweep.
 // The rule is in plan_fp8_group_quant.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <string>
 
 #include "cuda/common/device_guard.hpp"
 #include "cuda/quant/fp8_group_quant_kernel.cuh"
@@ -11,6 +13,17 @@
 
 namespace encore::cuda {
 namespace {
+
+template <typename T, int kPacks>
+void (*pick_kernel(int groups_per_thread))(Fp8QuantParams<T>) {
+  switch (groups_per_thread) {
+    case 1: return fp8_group_quant_kernel<T, 1, kPacks>;
+    case 2: return fp8_group_quant_kernel<T, 2, kPacks>;
+    case 4: return fp8_group_quant_kernel<T, 4, kPacks>;
+    case 8: return fp8_group_quant_kernel<T, 8, kPacks>;
+    default: return nullptr;
+  }
+}
 
 template <typename T>
 Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& plan, cudaStream_t stream) {
@@ -27,10 +40,11 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& p
   k.num_groups = uint32_t(p.rows) * k.groups_per_row;
   k.power_of_two = p.power_of_two;
   k.eps = p.eps;
-  void (*fn)(Fp8QuantParams<T>) = fp8_group_quant_kernel<T, 1>;
-  if (plan.groups_per_thread == 2) fn = fp8_group_quant_kernel<T, 2>;
-  if (plan.groups_per_thread == 4) fn = fp8_group_quant_kernel<T, 4>;
-  if (plan.groups_per_thread == 8) fn = fp8_group_quant_kernel<T, 8>;
+  void (*fn)(Fp8QuantParams<T>) =
+      plan.packs_per_lane == 2 ? pick_kernel<T, 2>(plan.groups_per_thread) : pick_kernel<T, 1>(plan.groups_per_thread);
+  if (!fn || (plan.packs_per_lane != 1 && plan.packs_per_lane != 2))
+    return Status::internal("fp8_group_quant: no kernel for " + std::to_string(plan.groups_per_thread) + " groups per thread, " +
+                            std::to_string(plan.packs_per_lane) + " packs per lane");
   fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string("fp8_group_quant launch: ") + cudaGetErrorString(e));
@@ -41,13 +55,15 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& p
 
 Fp8QuantLaunchPlan plan_fp8_group_quant(int64_t num_groups, DType dtype, int sm_count) {
   Fp8QuantLaunchPlan plan;
-  const int lanes = kFp8GroupSize / int(16 / dtype_size(dtype));
   plan.threads = 256;
-  // Two groups per lane group from a few waves up: the quant_plans sweeps (H200,
-  // bench/results/2026-11-29-h200-quant-qk_norm-fastdiv-4bc53df.json) measured 256 x 2 within 1%
-  // of the best plan at 4096 x 7168 (25.38 us, 128 x 2: 25.34) and 16384 x 7168.
-  plan.groups_per_thread = num_groups * lanes >= int64_t(sm_count) * 2048 ? 2 : 1;
-  const int64_t per_block = int64_t(plan.threads / lanes) * plan.groups_per_thread;
+  // From a few waves up (branch next-gpu-quant, NOT YET MEASURED): two 16-byte packs per lane and
+  // one group per lane group, about 40% fewer instructions per byte than the measured main plan
+  // (256 threads x 2 groups x 1 pack: 25.38 us, 83.3% of copy at 4096 x 7168,
+  // bench/results/2026-11-29-h200-quant-qk_norm-fastdiv-4bc53df.json). The quant_plans sweep runs both.
+  const bool large = num_groups * fp8_lanes_per_group(dtype, 1) >= int64_t(sm_count) * 2048;
+  plan.packs_per_lane = large && dtype != DType::kFP32 ? 2 : 1;
+  plan.groups_per_thread = 1;
+  const int64_t per_block = int64_t(plan.threads / fp8_lanes_per_group(dtype, plan.packs_per_lane)) * plan.groups_per_thread;
   plan.grid = (num_groups + per_block - 1) / per_block;
   return plan;
 }
