@@ -4,7 +4,6 @@
 // The rule is in plan_fp8_group_quant.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <string>
 
 #include "cuda/common/device_guard.hpp"
