@@ -87,8 +87,7 @@ __device__ __forceinline__ uint32_t e4m3x4(float x0, float x1, float x2, float x
 
 // One lane's share of a group: the amax over the kLanes lanes of its group (every lane of the warp
 // must call this: the butterfly uses the full mask), the scale, and the lane's kVec e4m3 bytes in
-// `words` (cvt.rn.satfinite.e4m3x2.f32, two values per instruction, .x in the low byte; two pairs
-// per 32-bit word by one byte permute). Returns the scale; `words` is meaningful only when `valid`.
+// `words` (four per 32-bit word, e4m3x4). Returns the scale; `words` is meaningful only when `valid`.
 // Instruction count matters here: at 4096 x 7168 the kernel needs about two thirds of the SM's
 // issue slots at 85% of the copy bandwidth.
 template <typename T, int kVec, int kLanes>
