@@ -1,6 +1,7 @@
-// Suite "quant_plans": the FP8 group-quantization kernels (bf16, K = 7168, row-major scales) under a
-// sweep of launch plans, L2-flushed, the plan the host heuristic picks marked: threads per block x
-// groups per lane group.
+// Suite "quant_plans": the FP8 group-quantization kernels (bf16, K = 7168) under a sweep of launch
+// plans, L2-flushed, the plan the host heuristic picks marked: row-major scales with threads per
+// block x groups per lane group x packs per lane; column-major scales with the host plan's shape
+// and the row tiles of the group numbering (1, 4, 16, 32).
 // The measurement behind plan_fp8_group_quant (docs/inference.md).
 #include <cstdio>
 #include <algorithm>
@@ -21,8 +22,23 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
     const size_t x_bytes = size_t(M * K) * 2, q_bytes = size_t(M * K), s_bytes = size_t(M * groups) * 4;
     const size_t q_off = (x_bytes + 255) / 256 * 256, s_off = q_off + (q_bytes + 255) / 256 * 256;
     Rotation rot = make_rotation(s_off + s_bytes, info->l2_bytes, FillKind::kBF16);
-    const cuda::Fp8QuantLaunchPlan chosen = cuda::plan_fp8_group_quant(M * groups, DType::kBF16, info->sm_count);
-    std::vector<cuda::Fp8QuantLaunchPlan> plans;
+    // The problem at rotation set i, scales row- or column-major.
+    auto problem = [&](long long i, bool column_major) {
+      char* base = rot.set(i);
+      quant::Fp8QuantProblem p;
+      p.x = base;
+      p.x_stride = K;
+      p.q = reinterpret_cast<uint8_t*>(base + q_off);
+      p.q_stride = K;
+      p.scales = reinterpret_cast<float*>(base + s_off);
+      p.scale_stride_m = column_major ? 1 : groups;
+      p.scale_stride_g = column_major ? M : 1;
+      p.rows = M;
+      p.cols = K;
+      p.dtype = DType::kBF16;
+      return p;
+    };
+    std::vector<std::pair<bool, cuda::Fp8QuantLaunchPlan>> plans;  // (column-major scales, plan)
     for (int packs : {1, 2})
       for (int threads : {128, 256})
         for (int gpt : {1, 2, 4}) {
@@ -32,28 +48,26 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
           plan.packs_per_lane = packs;
           const int64_t per_block = int64_t(threads / cuda::fp8_lanes_per_group(DType::kBF16, packs)) * gpt;
           plan.grid = (M * groups + per_block - 1) / per_block;
-          plans.push_back(plan);
+          plans.push_back({false, plan});
         }
-    for (const cuda::Fp8QuantLaunchPlan& plan : plans) {
+    for (int tile_rows : {1, 4, 16, 32}) {
+      cuda::Fp8QuantLaunchPlan plan = cuda::plan_fp8_group_quant(problem(0, true), info->sm_count);
+      plan.tile_rows = tile_rows;
+      const int64_t per_block = int64_t(plan.threads / cuda::fp8_lanes_per_group(DType::kBF16, plan.packs_per_lane)) *
+                                plan.groups_per_thread;
+      plan.grid = (cuda::fp8_numbered_groups(M, K, tile_rows) + per_block - 1) / per_block;
+      plans.push_back({true, plan});
+    }
+    for (const auto& [column_major, plan] : plans) {
+      const cuda::Fp8QuantLaunchPlan chosen = cuda::plan_fp8_group_quant(problem(0, column_major), info->sm_count);
       Timing t = time_launches([&](long long i) {
-        char* base = rot.set(i);
-        quant::Fp8QuantProblem p;
-        p.x = base;
-        p.x_stride = K;
-        p.q = reinterpret_cast<uint8_t*>(base + q_off);
-        p.q_stride = K;
-        p.scales = reinterpret_cast<float*>(base + s_off);
-        p.scale_stride_m = groups;
-        p.scale_stride_g = 1;
-        p.rows = M;
-        p.cols = K;
-        p.dtype = DType::kBF16;
-        Status st = cuda::launch_fp8_group_quant(p, plan, stream);
+        Status st = cuda::launch_fp8_group_quant(problem(i, column_major), plan, stream);
         check_status(st, "quant_plans");
       }, stream, topts, rot.sets);
       const double bytes = double(x_bytes + q_bytes + s_bytes), gbps = bytes / (t.median_us * 1e-6) / 1e9;
       const bool is_chosen = plan.threads == chosen.threads && plan.packs_per_lane == chosen.packs_per_lane &&
-                             plan.groups_per_thread == chosen.groups_per_thread && plan.grid == chosen.grid;
+                             plan.groups_per_thread == chosen.groups_per_thread && plan.grid == chosen.grid &&
+                             plan.tile_rows == chosen.tile_rows;
       Record r;
       r.suite = "quant_plans";
       r.name = "fp8_group_quant";
@@ -62,12 +76,15 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
                   {"threads", std::to_string(plan.threads)},
                   {"groups_per_thread", std::to_string(plan.groups_per_thread)},
                   {"packs_per_lane", std::to_string(plan.packs_per_lane)},
+                  {"scales", column_major ? "column-major" : "row-major"},
+                  {"tile_rows", std::to_string(plan.tile_rows)},
                   {"grid", std::to_string(plan.grid)},
                   {"chosen", is_chosen ? "1" : "0"}};
       r.metrics = {{"time_us", t.median_us}, {"gbps", gbps}, {"frac_copy_bw", gbps / report.ceilings.copy_gbps}};
       report.records.push_back(r);
-      std::printf("  fp8 %5lld x %lld threads %3d groups %d packs %d (grid %6lld)%s: %8.2f us %5.1f%% of copy\n", (long long)M,
-                  (long long)K, plan.threads, plan.groups_per_thread, plan.packs_per_lane, plan.grid, is_chosen ? " *" : "  ",
+      std::printf("  fp8 %5lld x %lld %s threads %3d groups %d packs %d tile rows %2d (grid %6lld)%s: %8.2f us %5.1f%% of copy\n",
+                  (long long)M, (long long)K, column_major ? "col-major" : "row-major", plan.threads, plan.groups_per_thread,
+                  plan.packs_per_lane, plan.tile_rows, plan.grid, is_chosen ? " *" : "  ",
                   t.median_us, 100.0 * gbps / report.ceilings.copy_gbps);
       std::fflush(stdout);
     }

@@ -1,5 +1,6 @@
 // CUDA FP8 group quantization against the CPU backend, bit for bit: every dtype and kernel
-// variant (1 and 4 groups per thread, small and large grids), row- and column-major scales,
+// variant (1-8 groups per thread, 1 or 2 packs per lane, row order or 16-row tiles, small and large
+// grids), row- and column-major scales,
 // power-of-two scales, strided rows, all-zero and extreme groups. Outputs are poisoned first.
 #include <gtest/gtest.h>
 
@@ -18,7 +19,8 @@ void run_quant_case(DType t, int64_t rows, int64_t cols, int64_t pad, bool colum
   SCOPED_TRACE(std::string(dtype_name(t)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " pad " +
                std::to_string(pad) + (column_major ? " colmajor" : " rowmajor") + (pow2 ? " pow2" : "") +
                (plan ? " threads " + std::to_string(plan->threads) + " g" + std::to_string(plan->groups_per_thread) + " grid " +
-                          std::to_string(plan->grid) + " packs " + std::to_string(plan->packs_per_lane)
+                          std::to_string(plan->grid) + " packs " + std::to_string(plan->packs_per_lane) +
+                          " tile rows " + std::to_string(plan->tile_rows)
                     : ""));
   auto rng = make_rng(uint64_t(rows * 13 + cols));
   const int64_t groups = cols / 128;
@@ -109,15 +111,17 @@ TEST_F(QuantGpu, EveryKernelVariant) {
     for (int g : {1, 2, 4, 8}) {
       for (int packs : {1, 2})
         for (long long grid : {1LL, 2LL, 5000LL}) {
-          for (int threads : {128, 512}) {
-            cuda::Fp8QuantLaunchPlan plan;
-            plan.threads = threads;
-            plan.groups_per_thread = g;
-            plan.grid = grid;
-            plan.packs_per_lane = packs;
-            run_quant_case(t, 333, 1280, 0, true, false, &plan);
-            run_quant_case(t, 77, 128, 24, false, true, &plan);
-          }
+          for (int threads : {128, 512})
+            for (int tile_rows : {1, 16}) {  // row order; tiles of 16 rows (333 and 77 end mid-tile)
+              cuda::Fp8QuantLaunchPlan plan;
+              plan.threads = threads;
+              plan.groups_per_thread = g;
+              plan.grid = grid;
+              plan.packs_per_lane = packs;
+              plan.tile_rows = tile_rows;
+              run_quant_case(t, 333, 1280, 0, true, false, &plan);
+              run_quant_case(t, 77, 128, 24, false, true, &plan);
+            }
         }
     }
   }

@@ -1,6 +1,6 @@
 // Instantiations and launch of the FP8 group-quantization kernel, T in {bf16, fp16, fp32} x groups
-// per thread {1, 2, 4, 8} x 16-byte packs per lane {1, 2}; the variants the plan does not pick are
-// there for the quant_plans sweep.
+// per thread {1, 2, 4, 8} x 16-byte packs per lane {1, 2} x {row order, row tiles}; the variants the
+// plan does not pick are there for the quant_plans sweep.
 // The rule is in plan_fp8_group_quant.
 #include <cuda_runtime.h>
 
@@ -13,15 +13,22 @@
 namespace encore::cuda {
 namespace {
 
-template <typename T, int kPacks>
+template <typename T, int kPacks, bool kTiled>
 void (*pick_kernel(int groups_per_thread))(Fp8QuantParams<T>) {
   switch (groups_per_thread) {
-    case 1: return fp8_group_quant_kernel<T, 1, kPacks>;
-    case 2: return fp8_group_quant_kernel<T, 2, kPacks>;
-    case 4: return fp8_group_quant_kernel<T, 4, kPacks>;
-    case 8: return fp8_group_quant_kernel<T, 8, kPacks>;
+    case 1: return fp8_group_quant_kernel<T, 1, kPacks, kTiled>;
+    case 2: return fp8_group_quant_kernel<T, 2, kPacks, kTiled>;
+    case 4: return fp8_group_quant_kernel<T, 4, kPacks, kTiled>;
+    case 8: return fp8_group_quant_kernel<T, 8, kPacks, kTiled>;
     default: return nullptr;
   }
+}
+
+template <typename T, bool kTiled>
+void (*pick_kernel(int groups_per_thread, int packs_per_lane))(Fp8QuantParams<T>) {
+  if (packs_per_lane == 1) return pick_kernel<T, 1, kTiled>(groups_per_thread);
+  if (packs_per_lane == 2) return pick_kernel<T, 2, kTiled>(groups_per_thread);
+  return nullptr;
 }
 
 template <typename T>
@@ -35,13 +42,22 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& p
   k.scale_stride_m = p.scale_stride_m;
   k.scale_stride_g = p.scale_stride_g;
   k.groups_per_row = uint32_t(p.cols / kFp8GroupSize);
-  k.row_of_group = FastDiv31(k.groups_per_row);
-  k.num_groups = uint32_t(p.rows) * k.groups_per_row;
+  k.rows = uint32_t(p.rows);
+  k.tile_rows_log2 = 0;
+  while ((1 << k.tile_rows_log2) < plan.tile_rows) ++k.tile_rows_log2;
+  if ((1 << k.tile_rows_log2) != plan.tile_rows || plan.tile_rows > 64)
+    return Status::internal("fp8_group_quant: tile_rows must be a power of two <= 64, got " + std::to_string(plan.tile_rows));
+  const int64_t padded = fp8_numbered_groups(p.rows, p.cols, plan.tile_rows);
+  if (padded >= (int64_t(1) << 31))
+    return Status::internal("fp8_group_quant: " + std::to_string(padded) + " numbered groups with tile_rows " +
+                            std::to_string(plan.tile_rows) + " (must be < 2^31)");
+  k.tile_of_group = FastDiv31(k.groups_per_row << k.tile_rows_log2);
+  k.num_groups = uint32_t(padded);
   k.power_of_two = p.power_of_two;
   k.eps = p.eps;
-  void (*fn)(Fp8QuantParams<T>) =
-      plan.packs_per_lane == 2 ? pick_kernel<T, 2>(plan.groups_per_thread) : pick_kernel<T, 1>(plan.groups_per_thread);
-  if (!fn || (plan.packs_per_lane != 1 && plan.packs_per_lane != 2))
+  void (*fn)(Fp8QuantParams<T>) = plan.tile_rows > 1 ? pick_kernel<T, true>(plan.groups_per_thread, plan.packs_per_lane)
+                                                     : pick_kernel<T, false>(plan.groups_per_thread, plan.packs_per_lane);
+  if (!fn)
     return Status::internal("fp8_group_quant: no kernel for " + std::to_string(plan.groups_per_thread) + " groups per thread, " +
                             std::to_string(plan.packs_per_lane) + " packs per lane");
   fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k);
@@ -52,17 +68,26 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& p
 
 }  // namespace
 
-Fp8QuantLaunchPlan plan_fp8_group_quant(int64_t num_groups, DType dtype, int sm_count) {
+int64_t fp8_numbered_groups(int64_t rows, int64_t cols, int tile_rows) {
+  return (rows + tile_rows - 1) / tile_rows * tile_rows * (cols / kFp8GroupSize);
+}
+
+Fp8QuantLaunchPlan plan_fp8_group_quant(const quant::Fp8QuantProblem& p, int sm_count) {
   Fp8QuantLaunchPlan plan;
-  plan.threads = 256;
-  // From a few waves up (branch next-gpu-quant, NOT YET MEASURED): two 16-byte packs per lane and
-  // one group per lane group, about 40% fewer instructions per byte than the measured main plan
-  // (256 threads x 2 groups x 1 pack: 25.38 us, 83.3% of copy at 4096 x 7168,
-  // bench/results/2026-11-29-h200-quant-qk_norm-fastdiv-4bc53df.json). The quant_plans sweep runs both.
-  const bool large = num_groups * fp8_lanes_per_group(dtype, 1) >= int64_t(sm_count) * 2048;
-  plan.packs_per_lane = large && dtype != DType::kFP32 ? 2 : 1;
+  // Column-major scales (consecutive rows adjacent): groups numbered by tiles of 16 rows, so a
+  // block's scale stores fill whole sectors; row order otherwise (and below 16 rows).
+  const bool column_major = p.scale_stride_m == 1 && p.scale_stride_g != 1;
+  plan.tile_rows = column_major && p.rows >= 16 && fp8_numbered_groups(p.rows, p.cols, 16) < (int64_t(1) << 31) ? 16 : 1;
+  const int64_t num_groups = fp8_numbered_groups(p.rows, p.cols, plan.tile_rows);
+  // From a few waves up two 16-byte packs per lane (8 lanes per bf16 group, 16-byte stores) and one
+  // group per lane group in 128-thread blocks: quant_plans sweep at 4096 x 7168 86.1% of copy vs
+  // 84.7% with 256 threads and 82.6% for the best one-pack plan; 92.5% at 16384 x 7168
+  // (bench/results/2026-11-29-h200-quant-quant_plans-packs2-b891e0e.json).
+  const bool large = num_groups * fp8_lanes_per_group(p.dtype, 1) >= int64_t(sm_count) * 2048;
+  plan.packs_per_lane = large && p.dtype != DType::kFP32 ? 2 : 1;
+  plan.threads = large ? 128 : 256;
   plan.groups_per_thread = 1;
-  const int64_t per_block = int64_t(plan.threads / fp8_lanes_per_group(dtype, plan.packs_per_lane)) * plan.groups_per_thread;
+  const int64_t per_block = int64_t(plan.threads / fp8_lanes_per_group(p.dtype, plan.packs_per_lane)) * plan.groups_per_thread;
   plan.grid = (num_groups + per_block - 1) / per_block;
   return plan;
 }

@@ -7,7 +7,11 @@
 //   bf16/fp16, 32 for fp32), each lane one 16-byte pack; amax is a butterfly max over the lanes;
 //   each lane writes its 8 (or 4) fp8 bytes, the group's first lane the scale. kGroupsPerThread
 //   consecutive groups per lane group are loaded before any is written (memory-level parallelism),
-//   in a grid-stride loop over chunks of groups g = m * (K / 128) + group (row by multiply and shift).
+//   in a grid-stride loop over chunks of groups. Groups are numbered by tiles of R = 2^tile_rows_log2
+//   rows: g = (tile * (K / 128) + group) * R + row in tile (tile by multiply and shift); R = 1 is row
+//   order (row-major scales: a block's scales are contiguous), R = 16 puts 16 consecutive rows of one
+//   group column side by side (column-major scales: a block writes 64 contiguous bytes of scales
+//   instead of one 4-byte piece per 32-byte sector). Rows past M in the last tile are skipped.
 //   The instruction count per byte is what bounds it at 4096 x 7168 (docs/inference.md): packed
 //   abs/max, bit-level bf16 unpacking and cvt-merged e4m3 words keep it at ~95 per group.
 // Constraints (validate): K % 128 == 0, M * K / 128 < 2^31, 16-byte aligned x and q rows.
@@ -33,8 +37,10 @@ struct Fp8QuantParams {
   float* scales;
   int64_t scale_stride_m, scale_stride_g;
   uint32_t groups_per_row;
-  FastDiv31 row_of_group;  // g / groups_per_row by multiply and shift
-  uint32_t num_groups;     // M * groups_per_row
+  uint32_t rows;            // M
+  uint32_t tile_rows_log2;  // R = 2^tile_rows_log2 rows per tile of the group numbering
+  FastDiv31 tile_of_group;  // g / (R * groups_per_row) by multiply and shift
+  uint32_t num_groups;      // ceil(M / R) * R * groups_per_row (includes the skipped rows past M)
   bool power_of_two;
   float eps;
 };
@@ -132,7 +138,8 @@ __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kN
 // kPacksPerLane: each lane owns kPacksPerLane consecutive 16-byte packs of a group (so a group is
 // 128 / (kVec kPacksPerLane) lanes: 16 or 8 for bf16), loads them with 16-byte loads and writes its
 // e4m3 bytes with one store (16 bytes for bf16 with two packs): fewer shuffles and stores per byte.
-template <typename T, int kGroupsPerThread, int kPacksPerLane>
+// kTiled: false = row order (tile_rows_log2 taken as 0, the index math folds to the row-order one).
+template <typename T, int kGroupsPerThread, int kPacksPerLane, bool kTiled>
 __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> p) {
   constexpr int kElems = 16 / int(sizeof(T)) * kPacksPerLane;  // elements per lane and group
   constexpr int kLanes = kFp8GroupSize / kElems;
@@ -145,23 +152,36 @@ __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> 
   for (uint32_t chunk = group0; chunk < num_chunks; chunk += groups_in_grid) {
     // kGroupsPerThread consecutive groups: one division per chunk, then the group index steps.
     const uint32_t g0 = chunk * kGroupsPerThread;
-    uint32_t m = p.row_of_group.div(g0);
-    uint32_t gi = g0 - m * p.groups_per_row;
+    const uint32_t log2r = kTiled ? p.tile_rows_log2 : 0;
+    const uint32_t tile = p.tile_of_group.div(g0);
+    const uint32_t within = g0 - tile * (p.groups_per_row << log2r);
+    const uint32_t row_mask = (1u << log2r) - 1;
+    uint32_t r = within & row_mask;  // row in the tile
+    uint32_t gi = within >> log2r;
+    uint32_t m = (tile << log2r) + r;
     P v[kGroupsPerThread];
     uint32_t mi[kGroupsPerThread], gii[kGroupsPerThread];
 #pragma unroll
     for (int i = 0; i < kGroupsPerThread; ++i) {
       mi[i] = m;
       gii[i] = gi;
-      if (g0 + i < p.num_groups) v[i] = load_lane<T, kElems>(p.x + int64_t(m) * p.x_stride + gi * kFp8GroupSize + lane * kElems);
-      if (++gi == p.groups_per_row) {
-        gi = 0;
+      if (g0 + i < p.num_groups && (!kTiled || m < p.rows))
+        v[i] = load_lane<T, kElems>(p.x + int64_t(m) * p.x_stride + gi * kFp8GroupSize + lane * kElems);
+      // The next group: the next row of the tile, else the tile's first row in the next column.
+      if (r++ == row_mask) {
+        r = 0;
+        m -= row_mask;
+        if (++gi == p.groups_per_row) {
+          gi = 0;
+          m += row_mask + 1;
+        }
+      } else {
         ++m;
       }
     }
 #pragma unroll
     for (int i = 0; i < kGroupsPerThread; ++i) {
-      const bool valid = g0 + i < p.num_groups;
+      const bool valid = g0 + i < p.num_groups && (!kTiled || mi[i] < p.rows);
       uint32_t out[kElems / 4];
       const float s = quantize_pack<T, kElems, kLanes>(v[i], valid, p.power_of_two, p.eps, out);  // all lanes
       if (!valid) continue;
