@@ -12,8 +12,8 @@
 //   Qg   bf16 [64][128]   s q ⊙ 2^G
 //   Aqk  fp32 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
 // and, written by the state kernel for the output kernel (kda_output.cu):
-//   HT   bf16 [128][128]  the chunk-start state, transposed (rows = value, cols = key channels)
-//   VnT  fp32 [128][64]   Vnew = U − W h, transposed (rows = value channels, cols = tokens)
+//   H    bf16 [128][128]  the chunk-start state (rows = key, cols = value channels)
+//   Vn   fp32 [64][128]   Vnew = U − W h (rows = tokens, cols = value channels)
 // (the padding columns of W and KgT are never written nor read).
 #pragma once
 #include <cuda_bf16.h>
@@ -41,12 +41,12 @@ struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kUSliceBytes = int64_t(kC) * kUSlice * 4;
   static constexpr int64_t kQg = kU + int64_t(kC) * kD * 4;
   static constexpr int64_t kAqk = kQg + int64_t(kC) * kD * 2;
-  static constexpr int64_t kHT = kAqk + int64_t(kC) * kC * 4;
-  static constexpr int64_t kVnT = kHT + int64_t(kD) * kD * 2;
-  static constexpr int64_t kBytes = kVnT + int64_t(kD) * kC * 4;
+  static constexpr int64_t kH = kAqk + int64_t(kC) * kC * 4;
+  static constexpr int64_t kVn = kH + int64_t(kD) * kD * 2;
+  static constexpr int64_t kBytes = kVn + int64_t(kC) * kD * 4;
 };
-static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kHT % 16 == 0 &&
-                  WsLayout::kQg % 16 == 0 && WsLayout::kAqk % 16 == 0 && WsLayout::kVnT % 16 == 0,
+static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kH % 16 == 0 &&
+                  WsLayout::kQg % 16 == 0 && WsLayout::kAqk % 16 == 0 && WsLayout::kVn % 16 == 0,
               "16-byte parts");
 
 __device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
@@ -92,6 +92,32 @@ __device__ __forceinline__ void load8(const KdaTensor& t, int b, int tok, int h,
 __device__ __forceinline__ void store(void* base, DType dt, int64_t off, float x) {
   if (dt == DType::kBF16) static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16(x);
   else static_cast<float*>(base)[off] = x;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address / lower k)
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Elements off and off + 1 (of which the first `n` exist: n <= 0 stores nothing): one 4-byte (bf16)
+// or 8-byte (fp32) store when both exist and the address is aligned for it, element stores otherwise.
+__device__ __forceinline__ void store_pair(void* base, DType dt, int64_t off, float x, float y, int n) {
+  if (n <= 0) return;
+  if (dt == DType::kBF16) {
+    auto* p = static_cast<__nv_bfloat16*>(base) + off;
+    if (n >= 2 && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+      *reinterpret_cast<uint32_t*>(p) = pack_bf16(x, y);
+      return;
+    }
+  } else {
+    auto* p = static_cast<float*>(base) + off;
+    if (n >= 2 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      *reinterpret_cast<float2*>(p) = make_float2(x, y);
+      return;
+    }
+  }
+  store(base, dt, off, x);
+  if (n >= 2) store(base, dt, off + 1, y);
 }
 
 // Sequence of chunk slot `slot`: the last n with chunk_start[n] <= slot.
@@ -182,10 +208,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address / lower k)
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // Four 8 x 8 bf16 matrices from shared memory (ldmatrix.x4): lane l gives the address of row l % 8
 // of matrix l / 8 (16 contiguous bytes, 16-byte aligned); r[m] is matrix m in mma fragment order
@@ -193,6 +215,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* row) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// The same with each 8 x 8 matrix transposed on the way (ldmatrix.x4.trans): lane l gives row l % 8
+// of matrix l / 8 as stored; r[m] holds, at lane 4 g + t, stored column g, rows 2t and 2t + 1.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* row) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
 }
@@ -218,11 +249,35 @@ __device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bf
   }
 }
 
+// acc[n] += A · B over k-step ks with B stored [k][n] (n contiguous, row stride ldb, 8 NT columns
+// from `b`): the B fragments come from ldmatrix.trans, so B needs no transposed copy.
+template <int NT>
+__device__ __forceinline__ void warp_mma_step_kn(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
+                                                 int ldb, int ks) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  uint32_t af[4];
+  ldmatrix_x4(af, a + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);
+#pragma unroll
+  for (int n = 0; n < NT; n += 2) {
+    uint32_t bf[4];  // stored (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8) of n-tiles n, n + 1
+    ldmatrix_x4_trans(bf, b + (16 * ks + r + 8 * (m & 1)) * ldb + n * 8 + 8 * (m >> 1));
+    const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+    mma_bf16(acc[n], af, b0);
+    mma_bf16(acc[n + 1], af, b1);
+  }
+}
+
 // The same over k-steps 0 .. ksteps − 1.
 template <int NT>
 __device__ __forceinline__ void warp_mma_nt(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
                                             int ldb, int ksteps) {
   for (int ks = 0; ks < ksteps; ++ks) warp_mma_step(acc, a, lda, b, ldb, ks);
+}
+template <int NT>
+__device__ __forceinline__ void warp_mma_kn(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
+                                            int ldb, int ksteps) {
+  for (int ks = 0; ks < ksteps; ++ks) warp_mma_step_kn(acc, a, lda, b, ldb, ks);
 }
 
 template <int NT>

@@ -2,16 +2,17 @@
 // the serial pass of one sequence and head over its chunks on a 64-column slice of the state
 // S [K, V], on tensor cores (bf16 operands, fp32 accumulation, S itself kept fp32 in registers):
 //
-//   h_t  = S (chunk-start state) -> the record's HT (bf16) for the output kernel, h residual
+//   h_t  = S (chunk-start state) -> the record's H (bf16) for the output kernel, h residual
 //   Vnew = U − W S            warp (rw, cw) = (w % 4, w / 4): chunk rows 16 rw.., columns 16 cw..
-//                             -> the record's VnT (fp32) for the output kernel
+//                             -> the record's Vn (fp32) for the output kernel
 //   S    = dC ⊙ S + KgT Vnew  state rows 32 rw.., columns 16 cw..
 //
 // O = Qg h_t + Aqk Vnew is not on this serial path: kda_output.cu computes it for all chunks in
 // parallel. S and Vnew enter the products rounded to bf16, like the chunk operands (as fla does).
 // The chunk operands this pass needs (W, KgT, dC and the block's U slice: 52 KB) arrive in shared
 // memory by two bulk copies (cp.async.bulk on an mbarrier, issued by one thread) two chunks ahead
-// (three stages).
+// (three stages). S and Vnew sit in shared memory in their natural [k][n] layouts (pairs of columns
+// store as one word); the products read them with ldmatrix.trans.
 #include "cuda/kda/kda_device.cuh"
 
 namespace encore::cuda::kda {
@@ -27,13 +28,13 @@ struct StateSmem {  // byte offsets; a stage holds a chunk's operands in the rec
   static constexpr int kDC = int(WsLayout::kDC);                // fp32 [128]
   static constexpr int kU = int(WsLayout::kU);                  // fp32 [64][64] the block's U slice
   static constexpr int kStage = kU + int(WsLayout::kUSliceBytes);
-  static constexpr int kST = kStages * kStage;                  // bf16 [64][136] Sᵀ of the block's columns
-  static constexpr int kVnT = kST + kVs * kLd * 2;              // bf16 [64][72] Vnewᵀ
-  static constexpr int kBar = kVnT + kVs * kLdC * 2;            // uint64 [kStages] stage barriers
+  static constexpr int kSb = kStages * kStage;                  // bf16 [128][72] S of the block's columns
+  static constexpr int kVb = kSb + kD * kLdC * 2;               // bf16 [64][72] Vnew
+  static constexpr int kBar = kVb + kC * kLdC * 2;              // uint64 [kStages] stage barriers
   static constexpr int kBytes = kBar + kStages * 8;
 };
 static_assert(kVs == kUSlice, "a block takes one U slice");
-static_assert(StateSmem::kStage % 16 == 0 && StateSmem::kST % 16 == 0 && StateSmem::kVnT % 16 == 0 && StateSmem::kBar % 16 == 0,
+static_assert(StateSmem::kStage % 16 == 0 && StateSmem::kSb % 16 == 0 && StateSmem::kVb % 16 == 0 && StateSmem::kBar % 16 == 0,
               "aligned parts");
 static_assert(StateSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 
@@ -50,8 +51,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
   const int g8 = lane >> 2, t4 = lane & 3, vw = 16 * cw + 2 * t4;  // fragment column vw + 8 nt + e
   const int K = p.K, V = p.V;
   extern __shared__ __align__(16) unsigned char smem[];
-  auto* ST = reinterpret_cast<__nv_bfloat16*>(smem + StateSmem::kST);
-  auto* VnT = reinterpret_cast<__nv_bfloat16*>(smem + StateSmem::kVnT);
+  auto* Sb = reinterpret_cast<__nv_bfloat16*>(smem + StateSmem::kSb);
+  auto* Vb = reinterpret_cast<__nv_bfloat16*>(smem + StateSmem::kVb);
   auto* base = static_cast<unsigned char*>(ws);
   auto record = [&](int slot) { return base + (int64_t(slot) * p.H + h) * WsLayout::kBytes; };
 
@@ -70,10 +71,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     const int v = v0 + vl;
     s = (p.h0 && c < K && v < V) ? p.h0[(srow0 + c) * V + v] : 0.f;
   });
-  auto write_st = [&] {  // Sᵀ in bf16, the B operand of W S
-    for_state([&](float& s, int c, int vl) { ST[vl * kLd + c] = __float2bfloat16(s); });
+  auto write_s = [&] {  // S in bf16, the B operand of W S: column pairs (vl, vl + 1) as one word
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<uint32_t*>(Sb + (32 * rw + 16 * mt + g8 + 8 * hh) * kLdC + vw + 8 * nt) =
+              pack_bf16(S[mt][nt][2 * hh], S[mt][nt][2 * hh + 1]);
   };
-  write_st();
+  write_s();
 
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
   auto* bar = reinterpret_cast<uint64_t*>(smem + StateSmem::kBar);
@@ -86,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
   for (int slot = first; slot < last; ++slot) {
     const int it = slot - first;
     mbar_wait(bar + it % kStages, unsigned(it / kStages) & 1u);  // this chunk's operands have landed
-    __syncthreads();  // Sᵀ visible; every read of stage (it − 1) done
+    __syncthreads();  // S visible; every read of stage (it − 1) done
     if (tid == 0 && slot + kStages - 1 < last) {
       const int st = (it + kStages - 1) % kStages;
       prefetch(smem + st * StateSmem::kStage, bar + st, record(slot + kStages - 1), blockIdx.z);
@@ -97,13 +105,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     const auto* U = reinterpret_cast<const float*>(cur + StateSmem::kU);
     const auto* dC = reinterpret_cast<const float*>(cur + StateSmem::kDC);
     unsigned char* rec = record(slot);
-    auto* HT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kHT);
-    auto* VnT_ws = reinterpret_cast<float*>(rec + WsLayout::kVnT);
-    // The chunk-start state: hᵀ for the output kernel, copied from Sᵀ in 16-byte pieces (padding rows
+    auto* H = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kH);
+    auto* Vn_ws = reinterpret_cast<float*>(rec + WsLayout::kVn);
+    // The chunk-start state h for the output kernel, copied from S in 16-byte pieces (padding rows
     // and columns are zero), and the h residual.
-    for (int x = tid; x < kVs * kD / 8; x += kThreads)
-      *reinterpret_cast<uint4*>(HT + (v0 + x / (kD / 8)) * kD + (x % (kD / 8)) * 8) =
-          *reinterpret_cast<const uint4*>(ST + (x / (kD / 8)) * kLd + (x % (kD / 8)) * 8);
+    for (int x = tid; x < kD * kVs / 8; x += kThreads)
+      *reinterpret_cast<uint4*>(H + (x / (kVs / 8)) * kD + v0 + (x % (kVs / 8)) * 8) =
+          *reinterpret_cast<const uint4*>(Sb + (x / (kVs / 8)) * kLdC + (x % (kVs / 8)) * 8);
     if (p.res_h)
       for_state([&](float& s, int c, int vl) {
         const int v = v0 + vl;
@@ -112,23 +120,24 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     // Vnew = U − W S for chunk rows 16 rw.., columns 16 cw.. (into shared memory and the record)
     float x[2][4];
     zero(x);
-    warp_mma_nt<2>(x, Ws + 16 * rw * kLd, kLd, ST + 16 * cw * kLd, kLd, kD / 16);
+    warp_mma_kn<2>(x, Ws + 16 * rw * kLd, kLd, Sb + 16 * cw, kLdC, kD / 16);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int i = 16 * rw + g8 + 8 * (q / 2), vl = vw + 8 * nt + q % 2;
-        const float vn = U[i * kVs + vl] - x[nt][q];
-        VnT[vl * kLdC + i] = __float2bfloat16(vn);  // the state update's operand
-        VnT_ws[(v0 + vl) * kC + i] = vn;             // fp32 for the output kernel
+      for (int hh = 0; hh < 2; ++hh) {  // columns vl, vl + 1 of row i
+        const int i = 16 * rw + g8 + 8 * hh, vl = vw + 8 * nt;
+        const float2 u = *reinterpret_cast<const float2*>(U + i * kVs + vl);
+        const float2 vn = make_float2(u.x - x[nt][2 * hh], u.y - x[nt][2 * hh + 1]);
+        *reinterpret_cast<uint32_t*>(Vb + i * kLdC + vl) = pack_bf16(vn.x, vn.y);  // the state update's operand
+        *reinterpret_cast<float2*>(Vn_ws + i * kD + v0 + vl) = vn;                 // fp32 for the output kernel
       }
     __syncthreads();  // Vnew complete
     // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw..
     for_state([&](float& s, int c, int) { s *= dC[c]; });
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
-      warp_mma_nt<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, VnT + 16 * cw * kLdC, kLdC, kC / 16);
-    write_st();  // every warp's reads of Sᵀ ended before the Vnew barrier
+      warp_mma_kn<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, Vb + 16 * cw, kLdC, kC / 16);
+    write_s();  // every warp's reads of S ended before the Vnew barrier
   }
   if (p.final_state)
     for_state([&](float& s, int c, int vl) {
