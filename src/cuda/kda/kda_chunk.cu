@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     qr[i * kLd + c] = __float2bfloat16(q * f);
     kr[i * kLd + c] = __float2bfloat16(k * f);
     kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * exp2f(-d) : 0.f);
-    Qg[idx] = __float2bfloat16(p.scale * q * exp2f(G));
+    Qg[i * kLd + c] = __float2bfloat16(p.scale * q * exp2f(G));
   }
   for (int idx = tid; idx < 96 * kD; idx += kThreads) {
     const int R = idx / kD, c = idx % kD;

@@ -9,12 +9,12 @@
 //   KgT  bf16 [128][72]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
 //   U    fp32 [2][64][64] A (β v), by 64-column slices of the value channels
-//   Qg   bf16 [64][128]   s q ⊙ 2^G
+//   Qg   bf16 [64][136]   s q ⊙ 2^G
+//   H    bf16 [128][136]  the chunk-start state (rows = key, cols = value channels), written by the
+//                         state kernel; Qg and H are the output kernel's first bulk copy
 //   Aqk  fp32 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
-// and, written by the state kernel for the output kernel (kda_output.cu):
-//   H    bf16 [128][128]  the chunk-start state (rows = key, cols = value channels)
-//   Vn   fp32 [64][128]   Vnew = U − W h (rows = tokens, cols = value channels)
-// (the padding columns of W and KgT are never written nor read).
+//   Vn   fp32 [64][128]   Vnew = U − W h (rows = tokens, cols = value channels), by the state kernel
+// (the padding columns of W, KgT, Qg and H are never written nor read).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -40,9 +40,9 @@ struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kU = kDC + kD * 4;  // = bytes of W, KgT and dC
   static constexpr int64_t kUSliceBytes = int64_t(kC) * kUSlice * 4;
   static constexpr int64_t kQg = kU + int64_t(kC) * kD * 4;
-  static constexpr int64_t kAqk = kQg + int64_t(kC) * kD * 2;
-  static constexpr int64_t kH = kAqk + int64_t(kC) * kC * 4;
-  static constexpr int64_t kVn = kH + int64_t(kD) * kD * 2;
+  static constexpr int64_t kH = kQg + int64_t(kC) * kLd * 2;
+  static constexpr int64_t kAqk = kH + int64_t(kD) * kLd * 2;  // Qg and H: one bulk copy for the output kernel
+  static constexpr int64_t kVn = kAqk + int64_t(kC) * kC * 4;
   static constexpr int64_t kBytes = kVn + int64_t(kC) * kD * 4;
 };
 static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kH % 16 == 0 &&

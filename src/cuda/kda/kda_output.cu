@@ -21,8 +21,10 @@ struct OutputSmem {  // byte offsets
   static constexpr int kH = kQg + kC * kLd * 2;        // bf16 [128][136] h (rows = key channels)
   static constexpr int kAqk = kH + kD * kLd * 2;       // bf16 [2][64][72] hi, lo
   static constexpr int kVn = kAqk + 2 * kC * kLdC * 2;  // bf16 [2][64][136] Vnew hi, lo (rows = tokens)
-  static constexpr int kBytes = kVn + 2 * kC * kLd * 2;
+  static constexpr int kBar = kVn + 2 * kC * kLd * 2;  // uint64 mbarrier of the bulk copy
+  static constexpr int kBytes = kBar + 16;
 };
+static_assert(OutputSmem::kH == int(WsLayout::kH - WsLayout::kQg), "Qg and H arrive as in the record");
 static_assert(OutputSmem::kH % 16 == 0 && OutputSmem::kAqk % 16 == 0 && OutputSmem::kVn % 16 == 0, "16-byte copies");
 static_assert(OutputSmem::kBytes <= 113 * 1024, "two blocks per SM");
 
@@ -45,9 +47,14 @@ __global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_const
   const int rows = min(kC, p.seq_end[n] - t0);
   extern __shared__ __align__(16) unsigned char smem[];
   const auto* rec = static_cast<const unsigned char*>(ws) + (int64_t(slot) * p.H + h) * WsLayout::kBytes;
-  cp_async_rows(smem + OutputSmem::kQg, kLd * 2, rec + WsLayout::kQg, kD * 2, kC, kD * 2, tid, kThreads);
-  cp_async_rows(smem + OutputSmem::kH, kLd * 2, rec + WsLayout::kH, kD * 2, kD, kD * 2, tid, kThreads);
-  cp_async_commit();
+  // Qg and h (52 KB, adjacent in the record in this layout): one bulk copy, issued by thread 0.
+  auto* bar = reinterpret_cast<uint64_t*>(smem + OutputSmem::kBar);
+  if (tid == 0) mbar_init(bar);
+  __syncthreads();
+  if (tid == 0) {
+    mbar_expect(bar, unsigned(OutputSmem::kAqk));
+    bulk_copy(smem + OutputSmem::kQg, rec + WsLayout::kQg, unsigned(OutputSmem::kAqk), bar);
+  }
   auto* Aqk = reinterpret_cast<__nv_bfloat16*>(smem + OutputSmem::kAqk);
   auto* Vn = reinterpret_cast<__nv_bfloat16*>(smem + OutputSmem::kVn);
   const auto* Aqk_ws = reinterpret_cast<const float*>(rec + WsLayout::kAqk);
@@ -69,8 +76,8 @@ __global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_const
     const int e = 4 * (tid + r * kThreads);
     split4(v4[r], Vn, (e / kD) * kLd + e % kD, kC * kLd);
   }
-  cp_async_wait<0>();
-  __syncthreads();
+  mbar_wait(bar, 0);
+  __syncthreads();  // the hi/lo tiles of every thread
   const auto* Qg = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kQg);
   const auto* Hs = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kH);
   const __nv_bfloat16* Ahi = Aqk + 16 * rw * kLdC;

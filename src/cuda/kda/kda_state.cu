@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     // The chunk-start state h for the output kernel, copied from S in 16-byte pieces (padding rows
     // and columns are zero), and the h residual.
     for (int x = tid; x < kD * kVs / 8; x += kThreads)
-      *reinterpret_cast<uint4*>(H + (x / (kVs / 8)) * kD + v0 + (x % (kVs / 8)) * 8) =
+      *reinterpret_cast<uint4*>(H + (x / (kVs / 8)) * kLd + v0 + (x % (kVs / 8)) * 8) =
           *reinterpret_cast<const uint4*>(Sb + (x / (kVs / 8)) * kLdC + (x % (kVs / 8)) * 8);
     if (p.res_h)
       for_state([&](float& s, int c, int vl) {
