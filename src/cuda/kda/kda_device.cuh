@@ -8,7 +8,7 @@
 //   W    bf16 [64][136]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
 //   KgT  bf16 [128][72]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
-//   U    fp32 [2][64][64] A (β v), by 64-column slices of the value channels
+//   U    fp32 [2][64][68] A (β v), by 64-column slices of the value channels (padded rows)
 //   Qg   bf16 [64][136]   s q ⊙ 2^G
 //   H    bf16 [128][136]  the chunk-start state (rows = key, cols = value channels), written by the
 //                         state kernel; Qg and H are the output kernel's first bulk copy
@@ -31,15 +31,16 @@ constexpr int kLd = kD + 8;  // bf16 row stride of [*, 128] shared tiles: confli
 constexpr int kLdC = kC + 8; // bf16 row stride of [*, 64] shared tiles
 constexpr float kLog2e = 1.4426950408889634f;
 
-constexpr int kUSlice = 64;  // value columns per U slice (the state kernel's block)
+constexpr int kUSlice = 64;      // value columns per U slice (the state kernel's block)
+constexpr int kULd = kUSlice + 4;  // fp32 row stride of a U slice: pair loads free of bank conflicts
 
 struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kW = 0;
   static constexpr int64_t kKgT = kW + int64_t(kC) * kLd * 2;
   static constexpr int64_t kDC = kKgT + int64_t(kD) * kLdC * 2;
   static constexpr int64_t kU = kDC + kD * 4;  // = bytes of W, KgT and dC
-  static constexpr int64_t kUSliceBytes = int64_t(kC) * kUSlice * 4;
-  static constexpr int64_t kQg = kU + int64_t(kC) * kD * 4;
+  static constexpr int64_t kUSliceBytes = int64_t(kC) * kULd * 4;
+  static constexpr int64_t kQg = kU + 2 * kUSliceBytes;
   static constexpr int64_t kH = kQg + int64_t(kC) * kLd * 2;
   static constexpr int64_t kAqk = kH + int64_t(kD) * kLd * 2;  // Qg and H: one bulk copy for the output kernel
   static constexpr int64_t kVn = kAqk + int64_t(kC) * kC * 4;

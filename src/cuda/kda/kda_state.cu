@@ -9,7 +9,7 @@
 //
 // O = Qg h_t + Aqk Vnew is not on this serial path: kda_output.cu computes it for all chunks in
 // parallel. S and Vnew enter the products rounded to bf16, like the chunk operands (as fla does).
-// The chunk operands this pass needs (W, KgT, dC and the block's U slice: 52 KB) arrive in shared
+// The chunk operands this pass needs (W, KgT, dC and the block's U slice: 53 KB) arrive in shared
 // memory by two bulk copies (cp.async.bulk on an mbarrier, issued by one thread) two chunks ahead
 // (three stages). S and Vnew sit in shared memory in their natural [k][n] layouts (pairs of columns
 // store as one word); the products read them with ldmatrix.trans.
@@ -26,7 +26,7 @@ struct StateSmem {  // byte offsets; a stage holds a chunk's operands in the rec
   static constexpr int kW = 0;                                  // bf16 [64][136]
   static constexpr int kKgT = int(WsLayout::kKgT);              // bf16 [128][72]
   static constexpr int kDC = int(WsLayout::kDC);                // fp32 [128]
-  static constexpr int kU = int(WsLayout::kU);                  // fp32 [64][64] the block's U slice
+  static constexpr int kU = int(WsLayout::kU);                  // fp32 [64][68] the block's U slice
   static constexpr int kStage = kU + int(WsLayout::kUSliceBytes);
   static constexpr int kSb = kStages * kStage;                  // bf16 [128][72] S of the block's columns
   static constexpr int kVb = kSb + kD * kLdC * 2;               // bf16 [64][72] Vnew
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {  // columns vl, vl + 1 of row i
         const int i = 16 * rw + g8 + 8 * hh, vl = vw + 8 * nt;
-        const float2 u = *reinterpret_cast<const float2*>(U + i * kVs + vl);
+        const float2 u = *reinterpret_cast<const float2*>(U + i * kULd + vl);
         const float2 vn = make_float2(u.x - x[nt][2 * hh], u.y - x[nt][2 * hh + 1]);
         *reinterpret_cast<uint32_t*>(Vb + i * kLdC + vl) = pack_bf16(vn.x, vn.y);  // the state update's operand
         *reinterpret_cast<float2*>(Vn_ws + i * kD + v0 + vl) = vn;                 // fp32 for the output kernel
