@@ -3,7 +3,8 @@
 # a text summary (speed of light, occupancy, stall reasons by PC sampling, the hottest SASS lines).
 # Usage: scripts/ncu_hotspots.sh NAME KERNEL_REGEX LAUNCH_SKIP -- encore args...
 # (e.g. scripts/ncu_hotspots.sh state kda_state_kernel 50 -- bench kda --out /tmp/x.json)
-# Writes $OUT/ncu_NAME.txt; the binary is $B/encore (default .gpubin).
+# Writes $OUT/ncu_NAME.txt and the whole annotated SASS listing $OUT/ncu_NAME_sass.txt; the binary
+# is $B/encore (default .gpubin).
 set -uo pipefail
 name=$1 kernel=$2 skip=$3
 shift 4
@@ -15,7 +16,7 @@ timeout ${NCU_TIMEOUT:-240} ncu --set full -k "regex:$kernel" --launch-skip "$sk
 ncu -i "$rep.ncu-rep" --page details >>"$OUT/ncu_$name.txt" 2>&1
 ncu -i "$rep.ncu-rep" --page raw --csv >/tmp/raw_$name.csv 2>/dev/null
 ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >/tmp/src_$name.csv 2>/dev/null
-python3 - "$name" /tmp/raw_$name.csv /tmp/src_$name.csv >>"$OUT/ncu_$name.txt" 2>&1 <<'PY'
+python3 - "$name" /tmp/raw_$name.csv /tmp/src_$name.csv "$OUT/ncu_${name}_sass.txt" >>"$OUT/ncu_$name.txt" 2>&1 <<'PY'
 import csv, sys
 name, raw, src = sys.argv[1:4]
 rows = list(csv.reader(open(raw)))
@@ -54,4 +55,13 @@ if hi is not None:
     idx = sorted(range(len(body)), key=lambda i: -num(body[i], ca))[:40]
     for i in sorted(idx):
         print(f"  {i:5d} {100 * num(body[i], ca) / tot:5.1f}%  {body[i][cs][:110]}")
+    # The whole listing, one line per SASS instruction, for reading offline: index, share of stall
+    # samples, warp instructions executed, the per-reason sample columns that are not all zero.
+    reasons = [i for i, c in enumerate(hdr) if 'stall' in c.lower() and i not in (ca,)]
+    reasons = [i for i in reasons if any(num(r, i) for r in body)]
+    with open(sys.argv[4], 'w') as f:
+        f.write('# index  samples%  executed  ' + '  '.join(hdr[i] for i in reasons) + '  source\n')
+        for i, r in enumerate(body):
+            f.write(f"{i:5d} {100 * num(r, ca) / tot:5.2f} {num(r, ci):9.0f} " + ' '.join(f"{num(r, j):.0f}" for j in reasons) +
+                    f"  {r[cs][:90]}\n")
 PY
