@@ -293,7 +293,8 @@ namespace encore::cuda::kda {
 
 // The three kernels of the forward, launched in order on `stream` by launch_kda_forward.
 cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream);
-cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream);
+// columns: value columns per state-kernel block, 64 or 32.
+cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, int columns, cudaStream_t stream);
 cudaError_t launch_output_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream);
 
 }  // namespace encore::cuda::kda

@@ -11,6 +11,8 @@
 namespace encore::cuda {
 namespace {
 
+int g_state_columns = 0;  // kda_state_columns_override; 0 = the rule below
+
 Status launched(cudaError_t e, const char* what) {
   if (e != cudaSuccess) return Status::cuda_error(std::string("kda forward: ") + what + ": " + cudaGetErrorString(e));
   return Status::ok();
@@ -29,8 +31,18 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool chunks = p.chunk_start[p.N] > 0;
   if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, s), "chunk kernel"));
-  ENCORE_RETURN_IF_ERROR(launched(kda::launch_state_kernel(p, workspace, s), "state kernel"));
+  // 64 value columns per state block (measured fastest with the cp.async version; 32 halves the warps
+  // per serial step and doubles the blocks — kda_plans measures both).
+  const int columns = g_state_columns ? g_state_columns : 64;
+  ENCORE_RETURN_IF_ERROR(launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel"));
   return chunks ? launched(kda::launch_output_kernel(p, workspace, s), "output kernel") : Status::ok();
+}
+
+Status kda_state_columns_override(int columns) {
+  if (columns != 0 && columns != 32 && columns != 64)
+    return Status::invalid("kda_state_columns_override: columns must be 0, 32 or 64, got " + std::to_string(columns));
+  g_state_columns = columns;
+  return Status::ok();
 }
 
 }  // namespace encore::cuda

@@ -1,5 +1,6 @@
-// KDA inter-chunk state kernel (math-kda.md §4): grid (N, H, ceil(V / 64)), 512 threads (16 warps);
-// the serial pass of one sequence and head over its chunks on a 64-column slice of the state
+// KDA inter-chunk state kernel (math-kda.md §4): grid (N, H, ceil(V / kVs)), 8 kVs threads (kVs = 64:
+// 16 warps, 32: 8 warps); the serial pass of one sequence and head over its chunks on a kVs-column
+// slice of the state
 // S [K, V], on tensor cores (bf16 operands, fp32 accumulation, S itself kept fp32 in registers):
 //
 //   h_t  = S (chunk-start state) -> the record's H (bf16) for the output kernel, h residual
@@ -18,41 +19,47 @@
 namespace encore::cuda::kda {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kVs = 64;     // value columns per block: 16 per group of 4 warps
 constexpr int kStages = 3;
 
-struct StateSmem {  // byte offsets; a stage holds a chunk's operands in the record's layout
-  static constexpr int kW = 0;                                  // bf16 [64][136]
-  static constexpr int kKgT = int(WsLayout::kKgT);              // bf16 [128][72]
-  static constexpr int kDC = int(WsLayout::kDC);                // fp32 [128]
-  static constexpr int kU = int(WsLayout::kU);                  // fp32 [64][68] the block's U slice
+// Shared memory of a block of kVs value columns (64: 512 threads, 32: 256 threads); a stage holds a
+// chunk's operands in the record's layout (the whole U slice of the block's columns).
+template <int kVs>
+struct StateSmem {  // byte offsets
+  static constexpr int kThreads = 8 * kVs;                       // 4 row groups x kVs / 16 column groups of warps
+  static constexpr int kLdS = kVs + 8;                           // bf16 row stride of S and Vnew
+  static constexpr int kW = 0;                                   // bf16 [64][136]
+  static constexpr int kKgT = int(WsLayout::kKgT);               // bf16 [128][72]
+  static constexpr int kDC = int(WsLayout::kDC);                 // fp32 [128]
+  static constexpr int kU = int(WsLayout::kU);                   // fp32 [64][68] the U slice holding the block's columns
   static constexpr int kStage = kU + int(WsLayout::kUSliceBytes);
-  static constexpr int kSb = kStages * kStage;                  // bf16 [128][72] S of the block's columns
-  static constexpr int kVb = kSb + kD * kLdC * 2;               // bf16 [64][72] Vnew
-  static constexpr int kBar = kVb + kC * kLdC * 2;              // uint64 [kStages] stage barriers
+  static constexpr int kSb = kStages * kStage;                   // bf16 [128][kLdS] S of the block's columns
+  static constexpr int kVb = kSb + kD * kLdS * 2;                // bf16 [64][kLdS] Vnew
+  static constexpr int kBar = kVb + kC * kLdS * 2;               // uint64 [kStages] stage barriers
   static constexpr int kBytes = kBar + kStages * 8;
+  static_assert(kUSlice % kVs == 0 && kVs % 16 == 0, "a block's columns lie in one U slice");
+  static_assert(kStage % 16 == 0 && kSb % 16 == 0 && kVb % 16 == 0 && kBar % 16 == 0, "aligned parts");
+  static_assert(kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 };
-static_assert(kVs == kUSlice, "a block takes one U slice");
-static_assert(StateSmem::kStage % 16 == 0 && StateSmem::kSb % 16 == 0 && StateSmem::kVb % 16 == 0 && StateSmem::kBar % 16 == 0,
-              "aligned parts");
-static_assert(StateSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 
 // One thread: the two bulk copies of a chunk's operands (W, KgT, dC; the U slice) into a stage.
 __device__ void prefetch(unsigned char* stage, uint64_t* bar, const unsigned char* rec, int slice) {
-  mbar_expect(bar, unsigned(StateSmem::kStage));
+  mbar_expect(bar, unsigned(WsLayout::kU + WsLayout::kUSliceBytes));
   bulk_copy(stage, rec, unsigned(WsLayout::kU), bar);
-  bulk_copy(stage + StateSmem::kU, rec + WsLayout::kU + slice * WsLayout::kUSliceBytes, unsigned(WsLayout::kUSliceBytes), bar);
+  bulk_copy(stage + WsLayout::kU, rec + WsLayout::kU + slice * WsLayout::kUSliceBytes, unsigned(WsLayout::kUSliceBytes), bar);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
+template <int kVs>
+__global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
+  using Sm = StateSmem<kVs>;
+  constexpr int kLdS = Sm::kLdS;
   const int n = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * kVs, tid = threadIdx.x, lane = tid % 32;
+  const int slice = v0 / kUSlice, uo = v0 % kUSlice;            // the U slice and the block's offset in it
   const int rw = (tid / 32) % 4, cw = tid / 128;                 // row group, 16-column group
   const int g8 = lane >> 2, t4 = lane & 3, vw = 16 * cw + 2 * t4;  // fragment column vw + 8 nt + e
   const int K = p.K, V = p.V;
   extern __shared__ __align__(16) unsigned char smem[];
-  auto* Sb = reinterpret_cast<__nv_bfloat16*>(smem + StateSmem::kSb);
-  auto* Vb = reinterpret_cast<__nv_bfloat16*>(smem + StateSmem::kVb);
+  auto* Sb = reinterpret_cast<__nv_bfloat16*>(smem + Sm::kSb);
+  auto* Vb = reinterpret_cast<__nv_bfloat16*>(smem + Sm::kVb);
   auto* base = static_cast<unsigned char*>(ws);
   auto record = [&](int slot) { return base + (int64_t(slot) * p.H + h) * WsLayout::kBytes; };
 
@@ -78,17 +85,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<uint32_t*>(Sb + (32 * rw + 16 * mt + g8 + 8 * hh) * kLdC + vw + 8 * nt) =
+          *reinterpret_cast<uint32_t*>(Sb + (32 * rw + 16 * mt + g8 + 8 * hh) * kLdS + vw + 8 * nt) =
               pack_bf16(S[mt][nt][2 * hh], S[mt][nt][2 * hh + 1]);
   };
   write_s();
 
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
-  auto* bar = reinterpret_cast<uint64_t*>(smem + StateSmem::kBar);
+  auto* bar = reinterpret_cast<uint64_t*>(smem + Sm::kBar);
   if (tid == 0) {
     for (int k = 0; k < kStages; ++k) mbar_init(bar + k);
     for (int k = 0; k < kStages - 1; ++k)
-      if (first + k < last) prefetch(smem + k * StateSmem::kStage, bar + k, record(first + k), blockIdx.z);
+      if (first + k < last) prefetch(smem + k * Sm::kStage, bar + k, record(first + k), slice);
   }
   __syncthreads();  // barriers initialized
   for (int slot = first; slot < last; ++slot) {
@@ -97,21 +104,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     __syncthreads();  // S visible; every read of stage (it − 1) done
     if (tid == 0 && slot + kStages - 1 < last) {
       const int st = (it + kStages - 1) % kStages;
-      prefetch(smem + st * StateSmem::kStage, bar + st, record(slot + kStages - 1), blockIdx.z);
+      prefetch(smem + st * Sm::kStage, bar + st, record(slot + kStages - 1), slice);
     }
-    const unsigned char* cur = smem + (it % kStages) * StateSmem::kStage;
-    const auto* Ws = reinterpret_cast<const __nv_bfloat16*>(cur + StateSmem::kW);
-    const auto* KgT = reinterpret_cast<const __nv_bfloat16*>(cur + StateSmem::kKgT);
-    const auto* U = reinterpret_cast<const float*>(cur + StateSmem::kU);
-    const auto* dC = reinterpret_cast<const float*>(cur + StateSmem::kDC);
+    const unsigned char* cur = smem + (it % kStages) * Sm::kStage;
+    const auto* Ws = reinterpret_cast<const __nv_bfloat16*>(cur + Sm::kW);
+    const auto* KgT = reinterpret_cast<const __nv_bfloat16*>(cur + Sm::kKgT);
+    const auto* U = reinterpret_cast<const float*>(cur + Sm::kU) + uo;
+    const auto* dC = reinterpret_cast<const float*>(cur + Sm::kDC);
     unsigned char* rec = record(slot);
     auto* H = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kH);
     auto* Vn_ws = reinterpret_cast<float*>(rec + WsLayout::kVn);
     // The chunk-start state h for the output kernel, copied from S in 16-byte pieces (padding rows
     // and columns are zero), and the h residual.
-    for (int x = tid; x < kD * kVs / 8; x += kThreads)
+    for (int x = tid; x < kD * kVs / 8; x += Sm::kThreads)
       *reinterpret_cast<uint4*>(H + (x / (kVs / 8)) * kLd + v0 + (x % (kVs / 8)) * 8) =
-          *reinterpret_cast<const uint4*>(Sb + (x / (kVs / 8)) * kLdC + (x % (kVs / 8)) * 8);
+          *reinterpret_cast<const uint4*>(Sb + (x / (kVs / 8)) * kLdS + (x % (kVs / 8)) * 8);
     if (p.res_h)
       for_state([&](float& s, int c, int vl) {
         const int v = v0 + vl;
@@ -120,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     // Vnew = U − W S for chunk rows 16 rw.., columns 16 cw.. (into shared memory and the record)
     float x[2][4];
     zero(x);
-    warp_mma_kn<2>(x, Ws + 16 * rw * kLd, kLd, Sb + 16 * cw, kLdC, kD / 16);
+    warp_mma_kn<2>(x, Ws + 16 * rw * kLd, kLd, Sb + 16 * cw, kLdS, kD / 16);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -128,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
         const int i = 16 * rw + g8 + 8 * hh, vl = vw + 8 * nt;
         const float2 u = *reinterpret_cast<const float2*>(U + i * kULd + vl);
         const float2 vn = make_float2(u.x - x[nt][2 * hh], u.y - x[nt][2 * hh + 1]);
-        *reinterpret_cast<uint32_t*>(Vb + i * kLdC + vl) = pack_bf16(vn.x, vn.y);  // the state update's operand
+        *reinterpret_cast<uint32_t*>(Vb + i * kLdS + vl) = pack_bf16(vn.x, vn.y);  // the state update's operand
         *reinterpret_cast<float2*>(Vn_ws + i * kD + v0 + vl) = vn;                 // fp32 for the output kernel
       }
     __syncthreads();  // Vnew complete
@@ -136,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     for_state([&](float& s, int c, int) { s *= dC[c]; });
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
-      warp_mma_kn<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, Vb + 16 * cw, kLdC, kC / 16);
+      warp_mma_kn<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, Vb + 16 * cw, kLdS, kC / 16);
     write_s();  // every warp's reads of S ended before the Vnew barrier
   }
   if (p.final_state)
@@ -148,11 +155,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
 
 }  // namespace
 
-cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream) {
-  const cudaError_t e = cudaFuncSetAttribute(kda_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, StateSmem::kBytes);
+template <int kVs>
+cudaError_t launch_state(const KdaCudaProblem& p, void* ws, cudaStream_t stream) {
+  using Sm = StateSmem<kVs>;
+  const cudaError_t e = cudaFuncSetAttribute(kda_state_kernel<kVs>, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kBytes);
   if (e != cudaSuccess) return e;
-  kda_state_kernel<<<dim3(unsigned(p.N), unsigned(p.H), unsigned((p.V + kVs - 1) / kVs)), kThreads, StateSmem::kBytes, stream>>>(p, ws);
+  kda_state_kernel<kVs><<<dim3(unsigned(p.N), unsigned(p.H), unsigned((p.V + kVs - 1) / kVs)), Sm::kThreads, Sm::kBytes, stream>>>(p, ws);
   return cudaGetLastError();
+}
+
+cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, int columns, cudaStream_t stream) {
+  return columns == 32 ? launch_state<32>(p, ws, stream) : launch_state<64>(p, ws, stream);
 }
 
 }  // namespace encore::cuda::kda
