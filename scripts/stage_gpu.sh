@@ -17,4 +17,7 @@ rm -f .gpubin/encore_tests_cpu
 mkdir -p .gpubin-tests && cp build-cuda/tests/encore_tests_cpu .gpubin-tests/
 # The shared peer script travels in .whl/ (ignored) for ENCORE_SHARED_PEERS runs.
 if [ -f ../shared/docs/bench_peers.py ]; then mkdir -p .whl && cp ../shared/docs/bench_peers.py .whl/; fi
-du -sh .gpubin .deps
+# The kernel libraries for scripts/gpu_pytest.sh (a separate call: .gpubin and .gpulibs together
+# exceed the 64 MiB carry).
+mkdir -p .gpulibs && cp build-cuda/libencore_kernels_*.a .gpulibs/
+du -sh .gpubin .gpulibs .deps
