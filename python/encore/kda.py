@@ -8,6 +8,17 @@ from . import _encore
 from ._util import _empty, _is_torch, _no_autograd, _stream_for
 
 _RESIDUAL_KINDS = {None: "f32", "float32": "f32", "bfloat16": "bf16"}
+_RESIDUAL_NAMES = ("G", "Aqk", "Akk", "h")
+
+
+def _residual_names(return_residuals):
+    if return_residuals is True:
+        return _RESIDUAL_NAMES
+    names = (return_residuals,) if isinstance(return_residuals, str) else tuple(return_residuals)
+    bad = [x for x in names if x not in _RESIDUAL_NAMES]
+    if bad or not names:
+        raise ValueError(f"return_residuals: expected True or a non-empty subset of {_RESIDUAL_NAMES}, got {return_residuals!r}")
+    return names
 
 
 def _host_cu(cu_seqlens):
@@ -27,7 +38,8 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     """Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None), and with
     return_residuals a third element: dict(G [B, T, H, K] float32 (chunk-local log2 gate cumsum),
     Aqk, Akk [B, T, H, 64], h [NT, H, K, V] (chunk-start states)) in residual_dtype ("float32", the
-    default, or "bfloat16" for torch tensors).
+    default, or "bfloat16" for torch tensors). return_residuals=True returns all four; a name or a
+    subset of names (e.g. ("Aqk", "Akk"), 256 bytes per token and head in bfloat16) only those.
 
     g: log-decay, or the raw gate with use_gate_in_kernel (softplus gate with A_log [H] and optional
     dt_bias [H * K]; lower_bound in [-5, 0) selects the lower-bound gate). cu_seqlens [N + 1]
@@ -46,11 +58,12 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
             raise ValueError(f"residual_dtype: expected 'float32' or 'bfloat16', got {residual_dtype!r}")
         kind = _RESIDUAL_KINDS[residual_dtype]
         nt = _encore.kda_chunk_count(q, k, v, g, beta, cu_seqlens)
-        res = {"G": _empty(q, (b, t, h, kd), "f32"), "Aqk": _empty(q, (b, t, h, 64), kind), "Akk": _empty(q, (b, t, h, 64), kind),
-               "h": _empty(q, (nt, h, kd, vd), kind)}
+        shapes = {"G": ((b, t, h, kd), "f32"), "Aqk": ((b, t, h, 64), kind), "Akk": ((b, t, h, 64), kind),
+                  "h": ((nt, h, kd, vd), kind)}
+        res = {name: _empty(q, *shapes[name]) for name in _residual_names(return_residuals)}
     args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o, fin,
             *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
-            *((res["G"], res["Aqk"], res["Akk"], res["h"]) if res else (None, None, None, None)))
+            *((res or {}).get(name) for name in _RESIDUAL_NAMES))
     nbytes = _encore.kda_forward_workspace_bytes(*args)
     ws = _empty(q, (nbytes,), "u8") if nbytes else None
     _encore.kda_forward_out(*args, ws, _stream_for(q, stream))

@@ -153,6 +153,14 @@ def test_kda_residuals_numpy():
     assert np.abs(res["h"][0]).max() == 0 and rel(res["h"][1], h_mid[0]) < 1e-5
     with pytest.raises(ValueError, match="bfloat16"):
         encore.kda_forward(q, k, v, g, beta, return_residuals=True, residual_dtype="bfloat16")
+    # A subset: only those are returned, with the same values.
+    o2, _, sub = encore.kda_forward(q, k, v, g, beta, output_final_state=True, return_residuals=("Aqk", "Akk"))
+    assert sorted(sub) == ["Akk", "Aqk"] and np.array_equal(sub["Aqk"], res["Aqk"]) and np.array_equal(sub["Akk"], res["Akk"])
+    assert np.array_equal(o2, o)
+    assert list(encore.kda_forward(q, k, v, g, beta, return_residuals="Akk")[2]) == ["Akk"]
+    for bad in (("Aqk", "W"), "g"):
+        with pytest.raises(ValueError, match="return_residuals"):
+            encore.kda_forward(q, k, v, g, beta, return_residuals=bad)
 
 
 def test_kda_backward_numpy_matches_finite_differences():
