@@ -10,7 +10,7 @@
 //     (j < r <= i); inside a diagonal block 2^(G_r − G_j) >= 1 for j > r, so a block whose decay span
 //     max (G_r − G_j) exceeds 100 (log2) takes per-pair factors in fp32 instead (no overflow for
 //     any gate; rare: e.g. gates of -1000);
-//   A = (I + L)^-1: diagonal blocks by forward substitution (one warp each), then block rows
+//   A = (I + L)^-1: diagonal blocks by forward substitution (one warp each, in registers), then block rows
 //     A_{s,s'} = −A_ss Σ_{s' <= m < s} L_{s,m} A_{m,s'} (fp32);
 //   W = A (β k ⊙ 2^G) and U = A (β v): (A − I)(...) on tensor cores (bf16 operands, fp32
 //   accumulation) plus the identity part in fp32, so the dominant diagonal term is not rounded
