@@ -229,11 +229,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_b
                : "r"(a));
 }
 
-// acc[n] (a 16 x 8 tile) += A · Bᵀ over k-step ks (k = 16 ks .. 16 ks + 15): A = 16 rows at `a`
-// (row stride lda), B = 8 NT rows at `b` (row stride ldb), both bf16 in shared memory with k
-// contiguous, rows 16-byte aligned. Fragments by ldmatrix: A's four 8 x 8 quarters in one load, two
-// n-tiles of B in another.
-template <int NT>
+// acc[n] (a 16 x 8 tile) += A · B over k-step ks (k = 16 ks .. 16 ks + 15): A = 16 rows at `a` (row
+// stride lda, k contiguous); B either stored [n][k] (kKn = false: 8 NT rows at `b`, k contiguous) or
+// [k][n] (kKn = true: n contiguous, 8 NT columns from `b`, fragments by ldmatrix.trans, so B needs no
+// transposed copy); bf16 in shared memory, rows 16-byte aligned. A's four 8 x 8 quarters come in one
+// ldmatrix, two n-tiles of B in another.
+template <int NT, bool kKn = false>
 __device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
                                               int ldb, int ks) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs");
@@ -243,26 +244,8 @@ __device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bf
 #pragma unroll
   for (int n = 0; n < NT; n += 2) {
     uint32_t bf[4];  // (n 0, k 0) (n 0, k 8) (n 8, k 0) (n 8, k 8) of n-tiles n, n + 1
-    ldmatrix_x4(bf, b + (n * 8 + r + 8 * (m >> 1)) * ldb + 8 * (m & 1) + 16 * ks);
-    const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-    mma_bf16(acc[n], af, b0);
-    mma_bf16(acc[n + 1], af, b1);
-  }
-}
-
-// acc[n] += A · B over k-step ks with B stored [k][n] (n contiguous, row stride ldb, 8 NT columns
-// from `b`): the B fragments come from ldmatrix.trans, so B needs no transposed copy.
-template <int NT>
-__device__ __forceinline__ void warp_mma_step_kn(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
-                                                 int ldb, int ks) {
-  static_assert(NT % 2 == 0, "n-tiles come in pairs");
-  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
-  uint32_t af[4];
-  ldmatrix_x4(af, a + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);
-#pragma unroll
-  for (int n = 0; n < NT; n += 2) {
-    uint32_t bf[4];  // stored (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8) of n-tiles n, n + 1
-    ldmatrix_x4_trans(bf, b + (16 * ks + r + 8 * (m & 1)) * ldb + n * 8 + 8 * (m >> 1));
+    if constexpr (kKn) ldmatrix_x4_trans(bf, b + (16 * ks + r + 8 * (m & 1)) * ldb + n * 8 + 8 * (m >> 1));
+    else ldmatrix_x4(bf, b + (n * 8 + r + 8 * (m >> 1)) * ldb + 8 * (m & 1) + 16 * ks);
     const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
     mma_bf16(acc[n], af, b0);
     mma_bf16(acc[n + 1], af, b1);
@@ -278,7 +261,7 @@ __device__ __forceinline__ void warp_mma_nt(float (&acc)[NT][4], const __nv_bflo
 template <int NT>
 __device__ __forceinline__ void warp_mma_kn(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
                                             int ldb, int ksteps) {
-  for (int ks = 0; ks < ksteps; ++ks) warp_mma_step_kn(acc, a, lda, b, ldb, ks);
+  for (int ks = 0; ks < ksteps; ++ks) warp_mma_step<NT, true>(acc, a, lda, b, ldb, ks);
 }
 
 template <int NT>
