@@ -45,10 +45,7 @@ void run_decode_path_suite(Report& report, const TimeOptions& topts, cudaStream_
             if (st) st = add ? run(AddRmsNormArgs{view(i, 0), view(i, 1), w, view(i, 2), view(i, 3)}, o, workspace, stream)
                              : run(RmsNormArgs{view(i, 0), w, view(i, 1)}, o, workspace, stream);
           }, stream, topts, rot.sets);
-          if (!st) {
-            std::fprintf(stderr, "encore bench: decode_path: %s\n", st.to_string().c_str());
-            std::exit(3);
-          }
+          check_status(st, "decode_path");
           if (workspace) cudaFree(workspace);
           if (path.path == RmsNormPath::kRowPerBlock) base_us = t.median_us;
           Record r;

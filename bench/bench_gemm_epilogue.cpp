@@ -117,12 +117,6 @@ bool selected(const std::string& key) {
   return f == nullptr || key.find(f) != std::string::npos;
 }
 
-void must(const Status& st, const char* what) {
-  if (!st) {
-    std::fprintf(stderr, "encore bench: gemm_epilogue: %s: %s\n", what, st.to_string().c_str());
-    std::exit(3);
-  }
-}
 
 // cuBLAS D [M, N] = A [M, K] · W [N, K]ᵀ, bf16 in/out, fp32 accumulate.
 void cublas_gemm(cublasHandle_t h, const void* a, const void* w, void* d, int M, int N, int K) {
@@ -198,7 +192,7 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   }};
   for (const GemmEpilogueOptions& o : variants)
     contenders.push_back([&, o](long long i) {
-      must(run(make_args(e, rot.set(i), L, store_d, o.partial_tile_n), o, nullptr, x.stream), epilogue_name(e));
+      check_status(run(make_args(e, rot.set(i), L, store_d, o.partial_tile_n), o, nullptr, x.stream), epilogue_name(e));
     });
   const std::vector<double> times = interleaved(x, contenders, rot.sets);
   const double cublas_us = times[0];
@@ -248,14 +242,14 @@ void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F,
     g1.aux = mat(b, aux, M, D);
     g1.gamma = vec(b, gamma, D, kT);
     g1.partials = mat(b, parts, M, tiles, DType::kFP32);
-    must(run(g1, o1, nullptr, x.stream), "residual_sqsum_aux");
-    must(run(RmsFinalReduceArgs{g1.partials, vec(b, r, M, DType::kFP32)}, D, 1e-6f, x.stream), "rms_final_reduce");
+    check_status(run(g1, o1, nullptr, x.stream), "residual_sqsum_aux");
+    check_status(run(RmsFinalReduceArgs{g1.partials, vec(b, r, M, DType::kFP32)}, D, 1e-6f, x.stream), "rms_final_reduce");
     GemmEpilogueArgs g2;
     g2.a = g1.aux;
     g2.w = mat(b, wup, N2, D);
     g2.d = mat(b, z, M, N2);
     g2.row_scale = vec(b, r, M, DType::kFP32);
-    must(run(g2, GemmEpilogueOptions{Epilogue::kRowScale}, nullptr, x.stream), "row_scale");
+    check_status(run(g2, GemmEpilogueOptions{Epilogue::kRowScale}, nullptr, x.stream), "row_scale");
   };
   auto gemms_fn = [&](long long i) {
     char* b = rot.set(i);
@@ -266,7 +260,7 @@ void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F,
     char* b = rot.set(i);
     cublas_gemm(x.handle, b + a, b + wo, b + tmp, int(M), int(D), int(D));
     AddRmsNormArgs n{mat(b, tmp, M, D), mat(b, res, M, D), vec(b, gamma, D, kT), mat(b, aux, M, D), mat(b, h, M, D)};
-    must(run(n, RmsNormOptions{}, nullptr, x.stream), "add_rms_norm");
+    check_status(run(n, RmsNormOptions{}, nullptr, x.stream), "add_rms_norm");
     cublas_gemm(x.handle, b + aux, b + wup, b + z, int(M), int(N2), int(D));
   };
   const std::vector<double> times = interleaved(x, {fused_fn, gemms_fn, unfused_fn}, rot.sets);
@@ -299,7 +293,7 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
   for (int64_t m = 0; m < M; ++m) hpos[size_t(m)] = int32_t(m % 8192);
   std::vector<float> hfreq(static_cast<size_t>(nqkv));
   const int heads = int(nqkv / head_dim);
-  must(rope_freq_turns(heads, heads * 2 / 3, head_dim, 500000.0, TensorView::contiguous(hfreq.data(), DType::kFP32, {nqkv})), "freq");
+  check_status(rope_freq_turns(heads, heads * 2 / 3, head_dim, 500000.0, TensorView::contiguous(hfreq.data(), DType::kFP32, {nqkv})), "freq");
   for (long long i = 0; i < rot.sets; ++i) {
     check_cuda(cudaMemcpy(rot.set(i) + pos, hpos.data(), hpos.size() * 4, cudaMemcpyHostToDevice), "pos");
     check_cuda(cudaMemcpy(rot.set(i) + freq, hfreq.data(), hfreq.size() * 4, cudaMemcpyHostToDevice), "freq");
@@ -313,7 +307,7 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
   const size_t ws_bytes = workspace_bytes(args(rot.set(0)), LlamaBlockOptions{});
   void* ws = nullptr;
   check_cuda(cudaMalloc(&ws, ws_bytes), "block workspace");
-  auto fused_fn = [&](long long i) { must(run(args(rot.set(i)), LlamaBlockOptions{}, ws, x.stream), "llama_block"); };
+  auto fused_fn = [&](long long i) { check_status(run(args(rot.set(i)), LlamaBlockOptions{}, ws, x.stream), "llama_block"); };
   auto gemms_fn = [&](long long i) {
     char* b = rot.set(i);
     cublas_gemm(x.handle, b + y0, b + w0, b + x1, int(M), int(d), int(d));

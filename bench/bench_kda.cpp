@@ -72,10 +72,7 @@ struct KdaBenchCase {
   }
   void run_once(cudaStream_t stream) const {
     Status st = run(a, opts, ws, stream);
-    if (!st) {
-      std::fprintf(stderr, "encore bench: kda: %s\n", st.to_string().c_str());
-      std::exit(3);
-    }
+    check_status(st, "kda");
   }
 };
 
@@ -113,19 +110,13 @@ void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t strea
     const KdaBenchCase kc(c, *info);
     kc.run_once(stream);
     unsigned long long cycles[cuda::kKdaChunkPhases] = {}, blocks = 0;
-    auto must = [](Status st) {
-      if (!st) {
-        std::fprintf(stderr, "encore bench: kda_phases: %s\n", st.to_string().c_str());
-        std::exit(3);
-      }
-    };
     check_cuda(cudaStreamSynchronize(stream), "sync");
-    must(cuda::kda_chunk_profile_read(cycles, &blocks));  // clears the counters
-    must(cuda::kda_chunk_profile_enable(true));
+    check_status(cuda::kda_chunk_profile_read(cycles, &blocks), "kda_phases");  // clears the counters
+    check_status(cuda::kda_chunk_profile_enable(true), "kda_phases");
     kc.run_once(stream);
     check_cuda(cudaStreamSynchronize(stream), "sync");
-    must(cuda::kda_chunk_profile_enable(false));
-    must(cuda::kda_chunk_profile_read(cycles, &blocks));
+    check_status(cuda::kda_chunk_profile_enable(false), "kda_phases");
+    check_status(cuda::kda_chunk_profile_read(cycles, &blocks), "kda_phases");
     Record r = kda_record("kda_chunk_phases", c);
     std::printf("  kda_chunk_phases %-16s blocks %llu, cycles per block:", c.name, blocks);
     for (int ph = 0; ph < cuda::kKdaChunkPhases; ++ph) {
@@ -147,11 +138,7 @@ void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t 
   for (const Config& c : kConfigs) {
     const KdaBenchCase kc(c, *info);
     for (int columns : {64, 32}) {
-      Status st = cuda::kda_state_columns_override(columns);
-      if (!st) {
-        std::fprintf(stderr, "encore bench: kda_plans: %s\n", st.to_string().c_str());
-        std::exit(3);
-      }
+      check_status(cuda::kda_state_columns_override(columns), "kda_plans");
       Timing t = time_launches([&](long long) { kc.run_once(stream); }, stream, topts, 1);
       Record r = kda_record("kda_forward_plan", c);
       r.suite = "kda_plans";

@@ -36,10 +36,7 @@ void run_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t strea
         auto launch = [&](long long i) {
           Status st = add ? run(AddRmsNormArgs{view(i, 0), view(i, 1), w, view(i, 2), view(i, 3)}, opts, nullptr, stream)
                           : run(RmsNormArgs{view(i, 0), w, view(i, 1)}, opts, nullptr, stream);
-          if (!st) {
-            std::fprintf(stderr, "encore bench: norm: %s\n", st.to_string().c_str());
-            std::exit(3);
-          }
+          check_status(st, "norm");
         };
         Timing t = time_launches(launch, stream, topts, rot.sets);
         free_rotation(rot);

@@ -48,10 +48,7 @@ void run_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t
             p.hidden = hidden;
             p.dtype = DType::kBF16;
             Status st = cuda::launch_rms_norm(p, plan, stream);
-            if (!st) {
-              std::fprintf(stderr, "encore bench: norm_plans: %s\n", st.to_string().c_str());
-              std::exit(3);
-            }
+            check_status(st, "norm_plans");
           };
           Timing t = time_launches(launch, stream, topts, rot.sets);
           const double bytes = double(slot) * tensors + double(hidden) * 2;

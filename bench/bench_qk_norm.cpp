@@ -19,10 +19,6 @@ constexpr int kHeadDim = 128;
 const int kHeadConfigs[][2] = {{32, 8}, {64, 4}};
 const int64_t kTokens[] = {1, 16, 64, 256, 4096, 8192, 16384, 65536};
 
-void fail(const Status& st) {
-  std::fprintf(stderr, "encore bench: qk_norm: %s\n", st.to_string().c_str());
-  std::exit(3);
-}
 
 struct QkShape {
   int64_t tokens;
@@ -41,7 +37,7 @@ Timing time_specialized(const QkShape& s, const void* wq, const void* wk, bool f
   const TensorView vk = TensorView::contiguous(const_cast<void*>(wk), DType::kBF16, {kHeadDim}, dev);
   Timing t = time_launches([&](long long i) {
     Status st = run(QkNormArgs{TensorView::contiguous(rot.set(i), DType::kBF16, {s.tokens, s.width()}, dev), vq, vk}, o, nullptr, stream);
-    if (!st) fail(st);
+    check_status(st, "qk_norm");
   }, stream, topts, rot.sets);
   free_rotation(rot);
   return t;
@@ -61,7 +57,7 @@ Timing time_generic(const QkShape& s, const void* wq, const void* wk, bool flush
     TensorView k = TensorView::contiguous(rot.set(i) + k_off, DType::kBF16, {s.tokens * s.hkv, kHeadDim}, dev);
     Status st = run(RmsNormArgs{q, vq, q}, RmsNormOptions{1e-6f, 0.f}, nullptr, stream);
     if (st) st = run(RmsNormArgs{k, vk, k}, RmsNormOptions{1e-6f, 0.f}, nullptr, stream);
-    if (!st) fail(st);
+    check_status(st, "qk_norm");
   }, stream, topts, rot.sets);
   free_rotation(rot);
   return t;
@@ -133,7 +129,7 @@ void run_qk_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStrea
           p.head_dim = kHeadDim;
           p.dtype = DType::kBF16;
           Status st = cuda::launch_qk_norm(p, plan, stream);
-          if (!st) fail(st);
+          check_status(st, "qk_norm");
         }, stream, topts, rot.sets);
         const double gbps = s.bytes() / (t.median_us * 1e-6) / 1e9;
         const bool is_chosen = chosen.threads == threads && chosen.heads_per_thread == hpt;

@@ -27,10 +27,7 @@ void run_quant_suite(Report& report, const TimeOptions& topts, cudaStream_t stre
         Status st = run(Fp8GroupQuantArgs{TensorView::contiguous(base, DType::kBF16, {M, K}, dev),
                                           TensorView::contiguous(base + q_off, DType::kFP8E4M3, {M, K}, dev), s},
                         Fp8GroupQuantOptions{}, nullptr, stream);
-        if (!st) {
-          std::fprintf(stderr, "encore bench: quant: %s\n", st.to_string().c_str());
-          std::exit(3);
-        }
+        check_status(st, "quant");
       }, stream, topts, rot.sets);
       free_rotation(rot);
       const double bytes = double(x_bytes + q_bytes + s_bytes);

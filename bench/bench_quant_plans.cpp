@@ -43,10 +43,7 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
             p.cols = K;
             p.dtype = DType::kBF16;
             Status st = cuda::launch_fp8_group_quant(p, plan, stream);
-            if (!st) {
-              std::fprintf(stderr, "encore bench: quant_plans: %s\n", st.to_string().c_str());
-              std::exit(3);
-            }
+            check_status(st, "quant_plans");
           }, stream, topts, rot.sets);
           const double bytes = double(x_bytes + q_bytes + s_bytes), gbps = bytes / (t.median_us * 1e-6) / 1e9;
           const bool is_chosen = plan.threads == chosen.threads && plan.groups_per_thread == chosen.groups_per_thread && plan.grid == chosen.grid;

@@ -23,6 +23,13 @@ void check_cuda(cudaError_t e, const char* what) {
   }
 }
 
+void check_status(const Status& st, const char* what) {
+  if (!st) {
+    std::fprintf(stderr, "encore bench: %s: %s\n", what, st.to_string().c_str());
+    std::exit(3);
+  }
+}
+
 namespace {
 
 __device__ __forceinline__ float hash_uniform(unsigned long long i, unsigned long long seed) {

@@ -8,6 +8,8 @@
 #include <functional>
 #include <string>
 
+#include "encore/core/status.hpp"
+
 namespace encore::bench {
 
 struct TimeOptions {
@@ -65,7 +67,8 @@ struct Rotation {
 Rotation make_rotation(size_t set_bytes, size_t l2_bytes, FillKind kind, bool flush = true);
 void free_rotation(Rotation& r);
 
-// Aborts with a message on a CUDA error (benchmarks are not library code).
+// Abort with a message on a CUDA error or a failed Status (benchmarks are not library code).
 void check_cuda(cudaError_t e, const char* what);
+void check_status(const Status& st, const char* what);
 
 }  // namespace encore::bench

@@ -65,13 +65,7 @@ fi  # ENCORE_SKIP_TESTS
 
 # Python module for this machine's Python, then the Python tests (CUDA tensors included).
 if [ "${ENCORE_SKIP_TESTS:-0}" != 1 ] && [ "${ENCORE_SKIP_PYTEST:-0}" != 1 ] && python3 -c "import nanobind" 2>/dev/null; then
-  if cmake -S . -B build-py -G Ninja -DENCORE_CUDA=ON -DENCORE_BUILD_PYTHON=ON -DENCORE_BUILD_TESTS=OFF \
-       -DENCORE_BUILD_BENCH=OFF -DENCORE_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release >>"$log" 2>&1 &&
-     cmake --build build-py -j >>"$log" 2>&1; then
-    step "pytest (CPU and CUDA)" env PYTHONPATH="$root/build-py/python" python3 -m pytest -q -rs tests/python
-  else
-    say "python module build FAILED (see log)"; fails=$((fails + 1))
-  fi
+  step "pytest (CPU and CUDA)" env OUT="$OUT" ./scripts/gpu_pytest.sh
 fi
 
 [ "${ENCORE_SKIP_BENCH:-0}" = 1 ] || step "encore bench" "$bin/encore" bench $suites --out "$OUT/bench_${suites// /_}.json"

@@ -53,7 +53,10 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
   if (extreme_gate != 0.0)
     for (size_t i = 0; i < c.g.size(); i += 97) c.g[i] = extreme_gate;
   const int64_t B = c.B, T = c.T, H = c.H, K = c.K, V = c.V, N = c.N();
-  DeviceVec q(c.q, dt, {B, T, H, K}), k(c.k, dt, {B, T, H, K}), v(c.v, dt, {B, T, H, V}), g(c.g, DType::kFP32, {B, T, H, K}),
+  // The raw gate of the in-kernel activation comes in the inputs' dtype (as in the bench: bf16 tiles
+  // take the chunk kernel's cp.async path); a precomputed log-decay in fp32 (the element-load path).
+  const DType gdt = c.opts.use_gate_in_kernel ? dt : DType::kFP32;
+  DeviceVec q(c.q, dt, {B, T, H, K}), k(c.k, dt, {B, T, H, K}), v(c.v, dt, {B, T, H, V}), g(c.g, gdt, {B, T, H, K}),
       beta(c.beta, dt, {B, T, H});
   std::vector<double> o_init(c.o.size(), NAN), fin_init(c.fin.size(), NAN);
   DeviceVec o(o_init, dt, {B, T, H, V}), fin(fin_init, DType::kFP32, {N, H, K, V});
