@@ -158,14 +158,22 @@ Record record(const std::string& name, const std::string& size, int64_t M, int64
   return r;
 }
 
-// Times epilogue e on each tile it has (the cuBLAS GEMM once, in the same run); with `swizzles`,
-// each tile at each of those scheduler swizzles.
+// A tile-scheduler setting: swizzle (0 = auto) and raster order.
+struct Schedule {
+  int swizzle = 0;
+  GemmRaster raster = GemmRaster::kAuto;
+};
+const char* raster_name(GemmRaster r) { return r == GemmRaster::kAlongM ? "M" : r == GemmRaster::kAlongN ? "N" : "auto"; }
+
+// Times epilogue e on each tile it has (the cuBLAS GEMM once, in the same run); with `schedules`,
+// each tile at each of those scheduler settings; `tiles` restricts the tiles.
 void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, bool store_d = true,
-                      std::vector<int> swizzles = {0}) {
+                      std::vector<Schedule> schedules = {Schedule{}},
+                      std::vector<GemmTile> tiles = {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128, GemmTile::kPingpong64x256}) {
   const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
   std::vector<GemmEpilogueOptions> variants;
   const bool has_pp64 = e == Epilogue::kRowScale || e == Epilogue::kSwiglu || by_partials;
-  for (GemmTile t : {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128, GemmTile::kPingpong64x256}) {
+  for (GemmTile t : tiles) {
     GemmEpilogueOptions o{e};
     if (t == GemmTile::kPingpong64x256 && !has_pp64) continue;
     if (by_partials) {
@@ -177,9 +185,11 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
       continue;
     }
     const std::string key = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + " " + gemm_tile_name(t) + " " + size;
-    for (int z : swizzles) {
-      o.swizzle = z;
-      if (selected(key + (z ? " swizzle" + std::to_string(z) : ""))) variants.push_back(o);
+    for (const Schedule& z : schedules) {
+      o.swizzle = z.swizzle;
+      o.raster = z.raster;
+      if (selected(key + (z.swizzle ? " swizzle" + std::to_string(z.swizzle) + " raster " + raster_name(z.raster) : "")))
+        variants.push_back(o);
     }
   }
   if (variants.empty()) return;
@@ -209,10 +219,11 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
     r.params.push_back({"tile", gemm_tile_name(tile)});
     const std::string swz = o.swizzle ? std::to_string(o.swizzle) : "auto";
     r.params.push_back({"swizzle", swz});
+    r.params.push_back({"raster", raster_name(o.raster)});
     r.metrics = {{"time_us", us}, {"cublas_gemm_us", cublas_us}, {"ratio_vs_cublas", us / cublas_us}, {"tflops", flops / (us * 1e-6) / 1e12}};
     x.report.records.push_back(r);
-    std::printf("  %-24s %-19s s:%-4s %-4s %6lld x %6lld x %6lld: %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)  %.0f TFLOP/s\n", name.c_str(),
-                gemm_tile_name(tile), swz.c_str(), size.c_str(), (long long)M, (long long)N, (long long)K, us, cublas_us,
+    std::printf("  %-24s %-19s s:%-4s r:%-4s %-4s %6lld x %6lld x %6lld: %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)  %.0f TFLOP/s\n",
+                name.c_str(), gemm_tile_name(tile), swz.c_str(), raster_name(o.raster), size.c_str(), (long long)M, (long long)N, (long long)K, us, cublas_us,
                 us / cublas_us, flops / (us * 1e-6) / 1e12);
     std::fflush(stdout);
   }
@@ -354,9 +365,22 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
     chain_grg(x, s.name, M, s.D, s.F, 128);
     chain_grg(x, s.name, M, s.D, s.F, 256);
   }
-  // Scheduler swizzle sweep on the widest GEMMs (selected with ENCORE_BENCH_FILTER=swizzle).
-  if (std::getenv("ENCORE_BENCH_FILTER") && std::string(std::getenv("ENCORE_BENCH_FILTER")).find("swizzle") != std::string::npos)
-    for (Epilogue e : {Epilogue::kRowScale, Epilogue::kSwiglu}) kernel_vs_cublas(x, e, "8B", M, 2 * 14336, 4096, true, {1, 2, 4, 8});
+  // Scheduler sweeps, selected with ENCORE_BENCH_FILTER: "swizzle" (the 8B gate/up GEMMs at each
+  // swizzle), "raster" (the widest GEMMs, 70B gate/up, 8B gate/up and the LM head's LSE, in each
+  // raster order).
+  const std::string filter = std::getenv("ENCORE_BENCH_FILTER") ? std::getenv("ENCORE_BENCH_FILTER") : "";
+  if (filter.find("swizzle") != std::string::npos)
+    for (Epilogue e : {Epilogue::kRowScale, Epilogue::kSwiglu})
+      kernel_vs_cublas(x, e, "8B", M, 2 * 14336, 4096, true, {Schedule{1}, Schedule{2}, Schedule{4}, Schedule{8}});
+  if (filter.find("raster") != std::string::npos) {
+    // Swizzle 8 (the auto swizzle) in each raster order; a first sweep over swizzles 1-8 x raster
+    // (bench/results/2026-11-29-h200-gemm_epilogue-raster-sweep-aecd32a.json) had swizzle 8 best everywhere.
+    const std::vector<Schedule> orders = {Schedule{8, GemmRaster::kAuto}, Schedule{8, GemmRaster::kAlongM}, Schedule{8, GemmRaster::kAlongN}};
+    for (Epilogue e : {Epilogue::kSwiglu, Epilogue::kRowScale})
+      kernel_vs_cublas(x, e, "70B", M, 2 * 28672, 8192, true, orders, {GemmTile::kCooperative128x256});
+    kernel_vs_cublas(x, Epilogue::kSwiglu, "8B", M, 2 * 14336, 4096, true, orders);
+    kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false, orders);
+  }
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false);
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/true);
   kernel_vs_cublas(x, Epilogue::kLse, "8B", 16384, 128256, 4096, /*store_d=*/false);

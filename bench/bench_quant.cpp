@@ -16,6 +16,7 @@ void run_quant_suite(Report& report, const TimeOptions& topts, cudaStream_t stre
   const Device dev{DeviceType::kCUDA, 0};
   const int64_t K = 7168, groups = K / 128;
   for (int64_t M : {int64_t(1), int64_t(128), int64_t(4096), int64_t(16384)}) {
+    if (!size_selected(M)) continue;
     for (bool column_major : {false, true}) {
       const size_t x_bytes = size_t(M * K) * 2, q_bytes = size_t(M * K), s_bytes = size_t(M * groups) * 4;
       const size_t q_off = (x_bytes + 255) / 256 * 256, s_off = q_off + (q_bytes + 255) / 256 * 256;

@@ -84,6 +84,19 @@ Rotation make_rotation(size_t set_bytes, size_t l2_bytes, FillKind kind, bool fl
   return r;
 }
 
+bool size_selected(int64_t size) {
+  const char* env = std::getenv("ENCORE_BENCH_SIZES");
+  if (!env || !*env) return true;
+  for (const char* p = env; *p;) {
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    if (end == p) break;
+    if (v == size) return true;
+    p = *end ? end + 1 : end;
+  }
+  return false;
+}
+
 void free_rotation(Rotation& r) {
   if (r.base) cudaFree(r.base);
   r.base = nullptr;

@@ -67,6 +67,10 @@ struct Rotation {
 Rotation make_rotation(size_t set_bytes, size_t l2_bytes, FillKind kind, bool flush = true);
 void free_rotation(Rotation& r);
 
+// ENCORE_BENCH_SIZES="1,64": the size loops of the qk_norm (tokens) and quant (rows) suites run only
+// those sizes (to profile one size under ncu); unset or empty: every size.
+bool size_selected(int64_t size);
+
 // Abort with a message on a CUDA error or a failed Status (benchmarks are not library code).
 void check_cuda(cudaError_t e, const char* what);
 void check_status(const Status& st, const char* what);

@@ -20,4 +20,8 @@ if [ -f ../shared/docs/bench_peers.py ]; then mkdir -p .whl && cp ../shared/docs
 # The kernel libraries for scripts/gpu_pytest.sh (a separate call: .gpubin and .gpulibs together
 # exceed the 64 MiB carry).
 mkdir -p .gpulibs && cp build-cuda/libencore_kernels_*.a .gpulibs/
-du -sh .gpubin .gpulibs .deps
+# Everything above, gzip-compressed into one archive (the binaries shrink about 4x): carry
+# [".gpupack"] alone and unpack on the GPU machine with scripts/gpu_unpack.sh.
+mkdir -p .gpupack
+tar -czf .gpupack/gpu.tar.gz .gpubin .gpulibs
+du -sh .gpubin .gpulibs .gpupack .deps

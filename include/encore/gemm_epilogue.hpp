@@ -52,6 +52,13 @@ const char* epilogue_name(Epilogue e);
 enum class GemmTile : uint8_t { kAuto, kCooperative128x256, kPingpong128x128, kPingpong64x256 };
 const char* gemm_tile_name(GemmTile t);
 
+// CUDA persistent tile scheduler order: kAlongM walks down the M tiles of one column of tiles (the W
+// panel stays in L2) before moving along N, kAlongN the other way. kAuto: along N on the
+// cooperative and 128x128 ping-pong tiles (measured faster on the widest GEMMs, docs/gemm_epilogue.md),
+// CUTLASS's heuristic on 64x256 (along M when there are more N tiles than M tiles). With swizzle s
+// the walk covers s tiles of the other dimension at a time. Ignored by the CPU backend.
+enum class GemmRaster : uint8_t { kAuto, kAlongM, kAlongN };
+
 // The partials' column tile that partial_tile_n = 0 stands for: 128 (the ping-pong tile, measured
 // fastest for both partials epilogues) for kResidualSqsumAux and kLse; 0 for the other epilogues.
 // Size the partials [M, ceil(N / it)].
@@ -65,6 +72,7 @@ struct GemmEpilogueOptions {
   int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
   GemmTile tile = GemmTile::kAuto;
   int swizzle = 0;  // CUDA tile-scheduler swizzle (1, 2, 4 or 8 tiles); 0 = auto
+  GemmRaster raster = GemmRaster::kAuto;  // CUDA tile-scheduler order
 };
 
 struct GemmEpilogueArgs {

@@ -58,8 +58,15 @@ Status contiguous_vector(const char* name, const TensorView& t) {
 
 // Measured on the H200 (docs/gemm_epilogue.md, bench/results/*gemm_epilogue*): ping-pong 128x128,
 // whose epilogue overlaps the other warpgroup's mainloop, wins for short K and narrow N; the
-// cooperative 128x256 tile's higher mainloop efficiency wins for long K and wide N.
-bool pingpong_preferred(int64_t N, int64_t K) { return K <= 2048 || (K <= 4096 && N <= 8192) || N <= 2048; }
+// cooperative 128x256 tile's higher mainloop efficiency wins for long K and wide N. SwiGLU, whose
+// epilogue is the heaviest (two stores and a silu per pair), keeps ping-pong up to K = 4096 at any
+// N: 8B gate/up (8192 x 28672 x 4096) measured 1.037x / 1.065x of cuBLAS on ping-pong against
+// 1.056x / 1.085x cooperative in two runs (bench/results/2026-11-29-h200-gemm_epilogue-*-f16a313.json,
+// ...-9b2f5a9.json).
+bool pingpong_preferred(Epilogue e, int64_t N, int64_t K) {
+  if (e == Epilogue::kSwiglu && K <= 4096) return true;
+  return K <= 2048 || (K <= 4096 && N <= 8192) || N <= 2048;
+}
 
 // The CUDA tile for these options (partial_tile_n resolved): fixed by the partials' column tile
 // for kResidualSqsumAux and kLse, ping-pong 128x128 for kQkvHeadSqsum, else the requested one or,
@@ -91,7 +98,7 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Gem
     *tile = o.tile;
     return Status::ok();
   }
-  *tile = pingpong_preferred(a.w.shape[0], a.a.shape[1]) ? GemmTile::kPingpong128x128 : GemmTile::kCooperative128x256;
+  *tile = pingpong_preferred(e, a.w.shape[0], a.a.shape[1]) ? GemmTile::kPingpong128x128 : GemmTile::kCooperative128x256;
   return Status::ok();
 }
 
@@ -119,6 +126,8 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Ge
   if (a.partials.defined()) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
   if (o.swizzle != 0 && o.swizzle != 1 && o.swizzle != 2 && o.swizzle != 4 && o.swizzle != 8)
     return Status::invalid("swizzle: must be 0 (auto), 1, 2, 4 or 8, got " + std::to_string(o.swizzle));
+  if (uint8_t(o.raster) > uint8_t(GemmRaster::kAlongN))
+    return Status::invalid("raster: must be GemmRaster::kAuto, kAlongM or kAlongN, got " + std::to_string(int(o.raster)));
   if (o.epilogue == Epilogue::kQkvHeadSqsum && o.head_dim != cuda::kHeadSqsumDim)
     return Status::unsupported("head_dim: the CUDA qkv_head_sqsum kernel takes head_dim " + std::to_string(cuda::kHeadSqsumDim) + ", got " +
                                std::to_string(o.head_dim));
@@ -157,6 +166,7 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   // Auto swizzle: groups of 8 tiles keep A and W panels in L2 across the persistent schedule; on the
   // H200 it was worth 5-25% on wide problems (docs/gemm_epilogue.md). Small grids stay unswizzled.
   p.swizzle = o.swizzle > 0 ? o.swizzle : (p.M >= 1024 && p.N >= 1024 ? 8 : 1);
+  p.raster = o.raster == GemmRaster::kAlongM ? 1 : o.raster == GemmRaster::kAlongN ? 2 : 0;
   p.device = a.a.device.index;
   p.sm_count = sm_count;
   return p;
@@ -196,10 +206,14 @@ int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 }  // namespace
 
 // Measured (bench/results/*gemm_epilogue*): with scheduler swizzle the ping-pong tile matches or
-// beats the cooperative one for both partials epilogues at every benchmarked shape (residual 0.92-1.03x
-// of cuBLAS vs 1.00-1.32x; LSE 1.08x vs 1.08-1.12x), so the partials are per 128 columns.
-int gemm_partial_tile_n(Epilogue e, int64_t, int64_t, int64_t) {
-  return e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse ? 128 : 0;
+// beats the cooperative one for both partials epilogues at the o-projection and LM-head shapes
+// (residual 0.92-1.03x of cuBLAS vs 1.00-1.32x; LSE 1.08x vs 1.08-1.12x), so the partials are per
+// 128 columns. For long K (>= 12288, the down projection of 8B/70B) the residual epilogue's share
+// of the time is small and the cooperative tile's mainloop wins (the same shape without the
+// residual: 0.97-1.01x of cuBLAS cooperative vs 1.01-1.08x ping-pong), so the partials are per 256.
+int gemm_partial_tile_n(Epilogue e, int64_t, int64_t, int64_t K) {
+  if (e == Epilogue::kResidualSqsumAux) return K >= 12288 ? 256 : 128;
+  return e == Epilogue::kLse ? 128 : 0;
 }
 
 const char* gemm_tile_name(GemmTile t) {
@@ -321,7 +335,15 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* info = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &info));
-    return launcher(o.epilogue, tile)(make_problem(a, o, info->sm_count), stream);
+    cuda::GemmProblem p = make_problem(a, o, info->sm_count);
+    // Auto raster: along N (the scheduler walks the W panels while a swizzle group of A row panels
+    // stays in L2) on the cooperative and 128x128 ping-pong tiles. Measured on the H200 against
+    // CUTLASS's heuristic (along M when there are more N tiles than M tiles), swizzle 8, two runs
+    // (bench/results/2026-11-29-h200-gemm_epilogue-raster-*.json): 70B gate/up SwiGLU 1.033x / 1.040x
+    // of cuBLAS along N against 1.077x / 1.055x along M; LM-head LSE on ping-pong 128x128 1.025x
+    // against 1.064x. The 64x256 ping-pong tile measured slower along N and keeps the heuristic.
+    if (o.raster == GemmRaster::kAuto && tile != GemmTile::kPingpong64x256) p.raster = 2;
+    return launcher(o.epilogue, tile)(p, stream);
 #else
     (void)stream;
     (void)tile;

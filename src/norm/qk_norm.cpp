@@ -32,11 +32,13 @@ QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim,
   const int lanes = int(int64_t(head_dim) * int64_t(dtype_size(dtype)) / 16);
   const int64_t heads = tokens * heads_per_token;
   const int64_t threads_needed = heads * lanes;
-  if (threads_needed >= int64_t(sm_count) * 2048) {
-    plan.threads = 256;
-    plan.heads_per_thread = 4;
-  } else if (threads_needed >= int64_t(sm_count) * 512) {
-    plan.threads = 256;
+  // Measured with the qk_norm_plans sweep (H200, 32 q + 8 kv heads x 128,
+  // bench/results/2026-11-29-h200-qk_norm-qk_norm_plans-f16a313.json): one head per lane group is
+  // fastest at 1 and 64 tokens (64 tokens: 2.18 us against 2.31 with two heads); 128 threads with
+  // two heads per lane group is the best or within 1% of it from 4096 tokens up (4096: 22.4 us,
+  // 65536: 326 us, against 22.9 / 330 us for 256 x 4).
+  if (threads_needed >= int64_t(sm_count) * 1024) {
+    plan.threads = 128;
     plan.heads_per_thread = 2;
   } else {
     plan.threads = 128;

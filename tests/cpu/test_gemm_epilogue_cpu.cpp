@@ -385,6 +385,12 @@ TEST_F(GemmBad, CudaTileLimits) {
     GemmEpilogueOptions so{Epilogue::kScalarScale};
     so.tile = GemmTile::kPingpong64x256;
     expect_error(s, so, "tile: pingpong_64x256 exists for row_scale, swiglu, residual_sqsum_aux and lse, not scalar_scale");
+    so.tile = GemmTile::kAuto;
+    so.swizzle = 3;
+    expect_error(s, so, "swizzle: must be 0 (auto), 1, 2, 4 or 8, got 3");
+    so.swizzle = 0;
+    so.raster = static_cast<GemmRaster>(9);
+    expect_error(s, so, "raster: must be GemmRaster::kAuto, kAlongM or kAlongN, got 9");
   }
 
   GemmEpilogueArgs r;

@@ -49,12 +49,15 @@ struct Case {
   int64_t M, N, K, pad;
   bool with_row_scale = true, with_d = true, with_target = true;
   GemmTile tile = GemmTile::kAuto;  // for residual_sqsum_aux / lse: cooperative = partial_tile_n 256
+  int swizzle = 0;
+  GemmRaster raster = GemmRaster::kAuto;
 };
 
 std::string describe(const Case& c) {
   return std::string(epilogue_name(c.e)) + " " + dtype_name(c.t) + " M" + std::to_string(c.M) + " N" + std::to_string(c.N) + " K" +
          std::to_string(c.K) + " pad" + std::to_string(c.pad) + (c.with_row_scale ? "" : " no-r") + (c.with_d ? "" : " no-d") +
-         (c.with_target ? "" : " no-target") + " tile " + gemm_tile_name(c.tile);
+         (c.with_target ? "" : " no-target") + " tile " + gemm_tile_name(c.tile) + " swizzle " + std::to_string(c.swizzle) + " raster " +
+         std::to_string(int(c.raster));
 }
 
 void run_case(const Case& c) {
@@ -63,6 +66,8 @@ void run_case(const Case& c) {
   const int64_t M = c.M, N = c.N, K = c.K;
   const Epilogue e = c.e;
   GemmEpilogueOptions o{e};
+  o.swizzle = c.swizzle;
+  o.raster = c.raster;
   if (e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse) {
     o.partial_tile_n = c.tile == GemmTile::kCooperative128x256 || c.tile == GemmTile::kPingpong64x256 ? 256 : 128;
     if (c.tile == GemmTile::kPingpong64x256) o.tile = c.tile;
@@ -232,6 +237,21 @@ TEST_F(GemmEpilogueGpu, Pingpong64x256) {
       run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3], true, true, true, t64});
       run_case({Epilogue::kLse, t, s[0], s[1], s[2], s[3], false, false, false, t64});
     }
+}
+
+// Every tile-scheduler order and a few swizzles on grids of many tiles in both directions (the
+// scheduler maps work to tiles differently in each; every output must still be written once).
+TEST_F(GemmEpilogueGpu, SchedulerSettings) {
+  for (GemmRaster r : {GemmRaster::kAlongM, GemmRaster::kAlongN})
+    for (int z : {1, 2, 8})
+      for (GemmTile tile : {GemmTile::kCooperative128x256, GemmTile::kPingpong64x256}) {
+        Case c{Epilogue::kSwiglu, DType::kBF16, 700, 2056, 64, 0, true, true, true, tile};
+        c.swizzle = z;
+        c.raster = r;
+        run_case(c);
+        c.e = Epilogue::kLse;
+        run_case(c);
+      }
 }
 
 // The tile kAuto picks must run too (it is what users get).

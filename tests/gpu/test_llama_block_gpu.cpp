@@ -17,9 +17,12 @@ namespace {
 TEST(LlamaBlockGpu, TwoXRuleAgainstUnfusedBlock) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   auto rng = make_rng(77);
+  // The second shape has F >= 12288: the down projection's partials go per 256 columns (cooperative
+  // tile, gemm_partial_tile_n), the first's per 128 (ping-pong).
+  for (const int64_t F : {int64_t(392), int64_t(12296)})
   for (DType t : {DType::kBF16, DType::kFP16}) {
-    SCOPED_TRACE(dtype_name(t));
-    BlockCase c(300, 264, 392, 8, 6, 64, t, rng);
+    SCOPED_TRACE(std::string(dtype_name(t)) + " F " + std::to_string(F));
+    BlockCase c(F > 1000 ? 77 : 300, 264, F, 8, 6, 64, t, rng);
     BlockTensors out(c);
     std::vector<const HostTensor*> ins = {&c.y0, &c.x0, &c.w0, &c.w1, &c.w2, &c.w3, &c.g0, &c.g1, &c.pos, &c.freq};
     std::vector<HostTensor*> outs = {&out.x1, &out.x2, &out.z1, &out.qkv, &out.r1, &out.r2};

@@ -17,7 +17,9 @@ void run_quant_case(DType t, int64_t rows, int64_t cols, int64_t pad, bool colum
                     const cuda::Fp8QuantLaunchPlan* plan = nullptr) {
   SCOPED_TRACE(std::string(dtype_name(t)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " pad " +
                std::to_string(pad) + (column_major ? " colmajor" : " rowmajor") + (pow2 ? " pow2" : "") +
-               (plan ? " plan g" + std::to_string(plan->groups_per_thread) + " grid " + std::to_string(plan->grid) : ""));
+               (plan ? " threads " + std::to_string(plan->threads) + " g" + std::to_string(plan->groups_per_thread) + " grid " +
+                          std::to_string(plan->grid)
+                    : ""));
   auto rng = make_rng(uint64_t(rows * 13 + cols));
   const int64_t groups = cols / 128;
   HostTensor x(t, rows, cols, cols + pad), q(DType::kFP8E4M3, rows, cols, cols + 16);
@@ -99,10 +101,14 @@ TEST_F(QuantGpu, HostPlanLayoutsAndDtypes) {
 TEST_F(QuantGpu, EveryKernelVariant) {
   for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     for (int g : {1, 2, 4, 8}) {
-      for (long long grid : {2LL, 5000LL}) {
+      for (long long grid : {1LL, 2LL, 5000LL}) {
         for (int threads : {128, 512}) {
-          cuda::Fp8QuantLaunchPlan plan{threads, g, grid};
+          cuda::Fp8QuantLaunchPlan plan;
+          plan.threads = threads;
+          plan.groups_per_thread = g;
+          plan.grid = grid;
           run_quant_case(t, 333, 1280, 0, true, false, &plan);
+          run_quant_case(t, 77, 128, 24, false, true, &plan);
         }
       }
     }

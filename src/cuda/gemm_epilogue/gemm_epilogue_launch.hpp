@@ -35,6 +35,7 @@ struct GemmProblem {
   float* target_logit = nullptr;    // [M] contiguous
   int ignore_index = -100;
   int swizzle = 1;  // persistent tile scheduler: tiles per swizzle group (1, 2, 4, 8)
+  int raster = 0;   // persistent tile scheduler order: 0 heuristic, 1 along M, 2 along N
   int device = 0;
   int sm_count = 0;
 };

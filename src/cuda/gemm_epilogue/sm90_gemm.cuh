@@ -95,6 +95,8 @@ struct Sm90Gemm {
                                   {fusion, static_cast<PtrC>(p.c), sc, static_cast<PtrD>(p.d), sd},
                                   hw};
     args.scheduler.max_swizzle_size = p.swizzle;
+    using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.raster_order = p.raster == 1 ? Raster::AlongM : p.raster == 2 ? Raster::AlongN : Raster::Heuristic;
     return args;
   }
 };

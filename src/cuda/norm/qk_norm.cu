@@ -35,6 +35,7 @@ Status launch_typed(const norm::QkNormProblem& p, const QkNormLaunchPlan& plan, 
   k.q_weight = static_cast<const T*>(p.q_weight);
   k.k_weight = static_cast<const T*>(p.k_weight);
   k.heads_per_token = uint32_t(p.num_q_heads + p.num_kv_heads);
+  k.token_of_head = FastDiv31(k.heads_per_token);
   k.num_heads_total = uint32_t(p.tokens * k.heads_per_token);
   k.num_q_heads = p.num_q_heads;
   k.eps = p.eps;

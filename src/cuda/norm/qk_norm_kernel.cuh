@@ -13,6 +13,7 @@
 #pragma once
 #include <cstdint>
 
+#include "core/fast_div.hpp"
 #include "cuda/common/reduce.cuh"
 #include "cuda/common/vector_io.cuh"
 
@@ -26,6 +27,7 @@ struct QkNormParams {
   const T* k_weight;
   uint32_t num_heads_total;  // tokens * (Hq + Hkv) < 2^31 (validate)
   uint32_t heads_per_token;  // Hq + Hkv
+  FastDiv31 token_of_head;   // g / heads_per_token by multiply and shift
   int num_q_heads;
   float eps;
   float weight_offset;
@@ -38,8 +40,8 @@ __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "head_dim must give 1-32 lanes");
   using P = Pack<T, kVec>;
 
-  // A lane group takes kHeadsPerThread consecutive heads (one 32-bit division per chunk, then the
-  // head index steps): per-head index math, not memory, had bounded the kernel (74% of copy).
+  // A lane group takes kHeadsPerThread consecutive heads (one multiply-shift division per chunk,
+  // then the head index steps): per-head index math, not memory, had bounded the kernel (74% of copy).
   const int lane = threadIdx.x % kLanes;
   const uint32_t groups_in_grid = gridDim.x * (blockDim.x / kLanes);
   const uint32_t group0 = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
@@ -48,7 +50,7 @@ __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
 
   for (uint32_t chunk = group0; chunk < (p.num_heads_total + kHeadsPerThread - 1) / kHeadsPerThread; chunk += groups_in_grid) {
     const uint32_t g0 = chunk * kHeadsPerThread;
-    uint32_t t = g0 / p.heads_per_token;
+    uint32_t t = p.token_of_head.div(g0);
     uint32_t j = g0 - t * p.heads_per_token;
     P v[kHeadsPerThread];
     T* ptr[kHeadsPerThread];

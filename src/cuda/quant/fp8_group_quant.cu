@@ -1,7 +1,9 @@
-// Instantiations and launch of fp8_group_quant_kernel: T in {bf16, fp16, fp32} x groups per thread
-// {1, 2, 4, 8} (2 and 8 for the quant_plans sweep); the plan takes 4 once the grid would hold more
-// than ~2048 threads per SM.
+// Instantiations and launch of the FP8 group-quantization kernel, T in {bf16, fp16, fp32} x groups
+// per thread {1, 2, 4, 8}; the variants the plan does not pick are there for the quant_plans sweep.
+// The rule is in plan_fp8_group_quant.
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "cuda/common/device_guard.hpp"
 #include "cuda/quant/fp8_group_quant_kernel.cuh"
@@ -21,6 +23,7 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& p
   k.scale_stride_m = p.scale_stride_m;
   k.scale_stride_g = p.scale_stride_g;
   k.groups_per_row = uint32_t(p.cols / kFp8GroupSize);
+  k.row_of_group = FastDiv31(k.groups_per_row);
   k.num_groups = uint32_t(p.rows) * k.groups_per_row;
   k.power_of_two = p.power_of_two;
   k.eps = p.eps;
@@ -40,9 +43,9 @@ Fp8QuantLaunchPlan plan_fp8_group_quant(int64_t num_groups, DType dtype, int sm_
   Fp8QuantLaunchPlan plan;
   const int lanes = kFp8GroupSize / int(16 / dtype_size(dtype));
   plan.threads = 256;
-  // Two groups per lane group from a few waves up: the plan sweep (bench suite quant_plans, H200,
-  // bench/results/2026-11-29-h200-gemm_epilogue-kda-quant_plans-402879c.json) measured 256 x 2 at
-  // 79% / 85% of copy for 4096 / 16384 x 7168 against 77% / 84% for 256 x 4.
+  // Two groups per lane group from a few waves up: the quant_plans sweeps (H200,
+  // bench/results/2026-11-29-h200-quant-qk_norm-fastdiv-4bc53df.json) measured 256 x 2 within 1%
+  // of the best plan at 4096 x 7168 (25.38 us, 128 x 2: 25.34) and 16384 x 7168.
   plan.groups_per_thread = num_groups * lanes >= int64_t(sm_count) * 2048 ? 2 : 1;
   const int64_t per_block = int64_t(plan.threads / lanes) * plan.groups_per_thread;
   plan.grid = (num_groups + per_block - 1) / per_block;

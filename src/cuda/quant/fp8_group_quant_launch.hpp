@@ -6,6 +6,8 @@
 
 namespace encore::cuda {
 
+// `threads` per block, `groups_per_thread` groups per lane group and chunk (1, 2, 4, 8), `grid`
+// blocks striding over the chunks.
 struct Fp8QuantLaunchPlan {
   int threads = 256;
   int groups_per_thread = 1;
