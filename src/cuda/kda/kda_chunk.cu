@@ -34,10 +34,10 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][129] k (L2-normed)
   static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][129] gate, then cumulative log2 gate G
   static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)
-  static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later β k ⊙ 2^G [64][136]
+  static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
   static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
   static constexpr int kAbf = kQr + kD * kLdC * 2;
-  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later β v [64][136]
+  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later (β v)ᵀ [128][72]
   static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L
   static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk
   static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1
@@ -51,8 +51,7 @@ static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSme
               "aligned bf16 tiles");
 static_assert(kWarps == 16, "steps 1, 3, 4 and 6 map 16 warps");
 static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
-static_assert(ChunkSmem::kQr + kC * kLd * 2 <= ChunkSmem::kAbf && ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref,
-              "aliased tiles fit (β k ⊙ 2^G at kQr, A − I at kAbf, β v at kKref)");
+static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
 constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a diagonal block
 
 // Phase profile (kda_launch.hpp): counters and the switch, in this translation unit only.
@@ -97,9 +96,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   auto* qr = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kQr);
   auto* kr = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kKr);
   auto* kref = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kKref);
-  auto* kb = qr;                                                           // after step 3
+  auto* kbT = qr;                                                          // after step 3
   auto* Abf = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kAbf);   // after step 3
-  auto* vb = kref;                                                         // after step 3
+  auto* vbT = kref;                                                        // after step 3
   float* Ls = reinterpret_cast<float*>(smem + ChunkSmem::kL);
   float* Aq = reinterpret_cast<float*>(smem + ChunkSmem::kAq);
   float* As = reinterpret_cast<float*>(smem + ChunkSmem::kAs);
@@ -233,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     qr[i * kLd + c] = __float2bfloat16(q * f);
     kr[i * kLd + c] = __float2bfloat16(k * f);
     kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * exp2f(-d) : 0.f);
-    Qg[i * kLd + c] = __float2bfloat16(p.scale * q * exp2f(G));
+    Qg[i * kLd + c] = __float2bfloat16(p.scale * q * exp2f(G));  // padded rows (the output kernel's bulk copy)
   }
   for (int idx = tid; idx < 96 * kD; idx += kThreads) {
     const int R = idx / kD, c = idx % kD;
@@ -297,23 +296,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   __syncthreads();
   clk.mark(4);
 
-  // 4. Every thread: its β v entries, in bf16 (the product's operand) and in fp32 over the
+  // 4. Every thread: its β v entries, in bf16 transposed (the product's operand) and in fp32 over the
   //    q tile (free now; the identity part of U in step 6). Warps 0-11: Aqk out (workspace fp32,
-  //    residual), the G residual, β k ⊙ 2^G, zeros above the diagonal blocks of A. Warps 12-15,
+  //    residual), the G residual, (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15,
   //    meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
   //    X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane j < 16 = column, X in registers).
   float* bvs = qs;
 #pragma unroll
   for (int r = 0; r < kTasks; ++r) {
     const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
-    float bv[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      bv[e] = bs[i] * vreg[r][e];
-      bvs[i * kLdF + c0 + e] = bv[e];
+      const float bv = bs[i] * vreg[r][e];
+      vbT[(c0 + e) * kLdC + i] = __float2bfloat16(bv);
+      bvs[i * kLdF + c0 + e] = bv;
     }
-    *reinterpret_cast<uint4*>(vb + i * kLd + c0) =
-        make_uint4(pack_bf16(bv[0], bv[1]), pack_bf16(bv[2], bv[3]), pack_bf16(bv[4], bv[5]), pack_bf16(bv[6], bv[7]));
   }
   const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
   if (warp < 12) {
@@ -329,9 +326,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
     if (p.res_G)
       for (int e = tid; e < rows * K; e += kN) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
-    for (int idx = tid; idx < kC * kD; idx += kN) {
-      const int j = idx / kD, c = idx % kD;
-      kb[j * kLd + c] = __float2bfloat16(bs[j] * ks[j * kLdF + c] * exp2f(Gs[j * kLdF + c]));
+    for (int idx = tid; idx < kD * kC; idx += kN) {
+      const int c = idx / kC, j = idx % kC;
+      kbT[c * kLdC + j] = __float2bfloat16(bs[j] * ks[j * kLdF + c] * exp2f(Gs[j * kLdF + c]));
     }
   } else if (lane < 16) {
     const int o = 16 * (warp - 12), j = lane;
@@ -409,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   auto* U = reinterpret_cast<float*>(rec + WsLayout::kU);
   float acc[8][4];
   zero(acc);
-  warp_mma_kn<8>(acc, Abf + r0 * kLdC, kLdC, (is_u ? vb : kb) + half * 64, kLd, kC / 16);
+  warp_mma_nt<8>(acc, Abf + r0 * kLdC, kLdC, (is_u ? vbT : kbT) + half * 64 * kLdC, kLdC, kC / 16);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
