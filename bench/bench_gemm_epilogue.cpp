@@ -359,6 +359,7 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
       kernel_vs_cublas(x, Epilogue::kRowScale, s.name, m, 2 * s.F, s.D);
       kernel_vs_cublas(x, Epilogue::kSwiglu, s.name, m, 2 * s.F, s.D);
       kernel_vs_cublas(x, Epilogue::kScalarScale, s.name, m, s.D, s.F);
+      kernel_vs_cublas(x, Epilogue::kResidualSqsumAux, s.name, m, s.D, s.F);  // the block's down projection
       kernel_vs_cublas(x, Epilogue::kRope, s.name, m, qkv, s.D);
       if (s.head_dim == 128) kernel_vs_cublas(x, Epilogue::kQkvHeadSqsum, s.name, m, qkv, s.D);
     }

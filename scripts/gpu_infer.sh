@@ -6,13 +6,8 @@
 #   3. kernel durations under ncu (caches flushed before every kernel, clocks not locked): QK-norm at
 #      1, 16, 64 tokens and the quantization at 4096 rows, the device time of the kernel alone, beside
 #      the per-call time of CUDA-graph replays that the bench reports (which adds the launch gap).
-set -uo pipefail
-B=${B:-.gpubin}
-OUT=${OUT:-./gpu-out}
-mkdir -p "$OUT"
-sum="$OUT/gpu_infer.txt"
-: >"$sum"
-note() { echo "$*" | tee -a "$sum"; }
+source "$(dirname "$0")/gpu_pass.sh"
+gpu_pass gpu_infer
 filter='QuantGpu.*:QkNorm*:RmsNorm*'
 timeout 150 "$B/encore_tests_gpu" --gtest_filter="$filter" --gtest_brief=1 >/tmp/infer_tests.log 2>&1
 note "tests rc=$? $(grep -cE '^\[  FAILED' /tmp/infer_tests.log) failed"

@@ -6,13 +6,8 @@
 #   ENCORE_KDA_SUITES (default "kda") with fla's chunk_kda in the same job (ENCORE_KDA_PEERS=1).
 # Each step has its own timeout so a slow one cannot swallow the rest; the summary is in
 # $OUT/gpu_kda.txt.
-set -uo pipefail
-B=${B:-.gpubin}
-OUT=${OUT:-./gpu-out}
-mkdir -p "$OUT"
-sum="$OUT/gpu_kda.txt"
-: >"$sum"
-note() { echo "$*" | tee -a "$sum"; }
+source "$(dirname "$0")/gpu_pass.sh"
+gpu_pass gpu_kda
 timeout 150 "$B/encore_tests_gpu" --gtest_filter='KdaGpu.*' --gtest_brief=1 >"$OUT/kda_tests.log" 2>&1
 note "tests rc=$?"; grep -E "kda |Failure|actual" "$OUT/kda_tests.log" | tee -a "$sum"
 for tool in memcheck racecheck; do

@@ -3,8 +3,6 @@
 // The rule is in plan_fp8_group_quant.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "cuda/common/device_guard.hpp"
 #include "cuda/quant/fp8_group_quant_kernel.cuh"
 #include "cuda/quant/fp8_group_quant_launch.hpp"

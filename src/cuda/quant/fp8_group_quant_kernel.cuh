@@ -7,7 +7,9 @@
 //   bf16/fp16, 32 for fp32), each lane one 16-byte pack; amax is a butterfly max over the lanes;
 //   each lane writes its 8 (or 4) fp8 bytes, the group's first lane the scale. kGroupsPerThread
 //   consecutive groups per lane group are loaded before any is written (memory-level parallelism),
-//   in a grid-stride loop over chunks of groups g = m * (K / 128) + group.
+//   in a grid-stride loop over chunks of groups g = m * (K / 128) + group (row by multiply and shift).
+//   The instruction count per byte is what bounds it at 4096 x 7168 (docs/inference.md): packed
+//   abs/max, bit-level bf16 unpacking and cvt-merged e4m3 words keep it at ~95 per group.
 // Constraints (validate): K % 128 == 0, M * K / 128 < 2^31, 16-byte aligned x and q rows.
 #pragma once
 #include <cuda_fp8.h>
