@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
 
 #include "encore/quant.hpp"
 #include "tests/common/compare.hpp"
@@ -29,6 +30,32 @@ TEST(E4m3, RoundsToNearestEvenAndSaturates) {
   EXPECT_EQ(e4m3_to_float(float_to_e4m3(-1e30f)), -448.0f);
   EXPECT_EQ(e4m3_to_float(float_to_e4m3(std::ldexp(1.0f, -10))), 0.0f);  // half the smallest subnormal: to even (0)
   EXPECT_EQ(e4m3_to_float(float_to_e4m3(3 * std::ldexp(1.0f, -10))), std::ldexp(1.0f, -8));
+}
+
+// Non-finite inputs have defined results: a NaN is skipped by the group's amax and stays NaN (0x7f);
+// an infinity gives the group an infinite scale (also with power-of-two scales), its finite values
+// quantize to (signed) zero and the infinity to NaN.
+TEST(Fp8QuantCpuSpecials, NanAndInfinity) {
+  for (bool pow2 : {false, true}) {
+    std::vector<float> x(256, 1.0f), scales(2, 0.f);
+    std::vector<uint8_t> q(256, 0);
+    x[3] = NAN;
+    x[130] = -2.0f;
+    x[200] = INFINITY;
+    Fp8GroupQuantOptions o;
+    o.power_of_two_scales = pow2;
+    ASSERT_TRUE(run(Fp8GroupQuantArgs{TensorView::contiguous(x.data(), DType::kFP32, {1, 256}),
+                                      TensorView::contiguous(q.data(), DType::kFP8E4M3, {1, 256}),
+                                      TensorView::contiguous(scales.data(), DType::kFP32, {1, 2})},
+                    o));
+    EXPECT_EQ(scales[0], pow2 ? 1.0f / 256.0f : 1.0f / 448.0f) << "NaN skipped by amax";
+    EXPECT_EQ(q[3], 0x7f);
+    EXPECT_EQ(e4m3_to_float(q[0]), pow2 ? 256.0f : 448.0f);
+    EXPECT_TRUE(std::isinf(scales[1])) << "pow2 " << pow2;
+    EXPECT_EQ(q[128], 0x00);
+    EXPECT_EQ(q[130], 0x80);  // -2 * 0 = -0
+    EXPECT_EQ(q[200], 0x7f);  // inf * 0 = NaN
+  }
 }
 
 struct QuantCase {
