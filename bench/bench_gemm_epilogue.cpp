@@ -171,7 +171,7 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
                       std::vector<Schedule> schedules = {Schedule{}},
                       std::vector<GemmTile> tiles = {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128, GemmTile::kPingpong64x256}) {
   const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
-  std::vector<GemmEpilogueOptions> variants;
+  std::vector<std::pair<GemmEpilogueOptions, GemmTile>> variants;  // options and the tile they run on
   const bool has_pp64 = e == Epilogue::kRowScale || e == Epilogue::kSwiglu || by_partials;
   for (GemmTile t : tiles) {
     GemmEpilogueOptions o{e};
@@ -189,7 +189,7 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
       o.swizzle = z.swizzle;
       o.raster = z.raster;
       if (selected(key + (z.swizzle ? " swizzle" + std::to_string(z.swizzle) + " raster " + raster_name(z.raster) : "")))
-        variants.push_back(o);
+        variants.push_back({o, t});
     }
   }
   if (variants.empty()) return;
@@ -200,19 +200,15 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
     char* b = rot.set(i);
     cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K));
   }};
-  for (const GemmEpilogueOptions& o : variants)
+  for (const auto& [o, tile] : variants)
     contenders.push_back([&, o](long long i) {
       check_status(run(make_args(e, rot.set(i), L, store_d, o.partial_tile_n), o, nullptr, x.stream), epilogue_name(e));
     });
   const std::vector<double> times = interleaved(x, contenders, rot.sets);
   const double cublas_us = times[0];
   for (size_t vi = 0; vi < variants.size(); ++vi) {
-    const GemmEpilogueOptions& o = variants[vi];
+    const auto& [o, tile] = variants[vi];
     const double us = times[vi + 1];
-    const GemmTile tile = by_partials ? (o.tile == GemmTile::kPingpong64x256 ? o.tile
-                                         : o.partial_tile_n == 256             ? GemmTile::kCooperative128x256
-                                                                               : GemmTile::kPingpong128x128)
-                                      : (e == Epilogue::kQkvHeadSqsum ? GemmTile::kPingpong128x128 : o.tile);
     const double flops = 2.0 * double(M) * double(N) * double(K);
     std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d");
     Record r = record(name, size, M, N, K);

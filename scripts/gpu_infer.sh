@@ -25,18 +25,7 @@ grep -E "fp8|qk_norm|copy" /tmp/infer_bench.log | tee -a "$sum" >/dev/null
 ncu_time() {  # label kernel-regex sizes suite
   ENCORE_BENCH_SIZES=$3 timeout 90 ncu --clock-control none --cache-control all --metrics gpu__time_duration.sum -k "regex:$2" \
     --launch-count 30 "$B/encore" bench "$4" --out /tmp/ncu_bench.json >/tmp/ncu_t.log 2>&1
-  python3 - "$1" /tmp/ncu_t.log <<'PY' | tee -a "$sum"
-import re, sys
-v = []
-for line in open(sys.argv[2]):
-    m = re.search(r'gpu__time_duration.sum\s+(\w+)\s+([\d.,]+)', line)
-    if m:
-        x = float(m.group(2).replace(',', ''))
-        u = m.group(1)
-        v.append(x * 1000 if u.startswith('m') else x / 1000 if u.startswith('n') else x)
-v.sort()
-print(f"ncu {sys.argv[1]}: kernel duration median {v[len(v) // 2]:.2f} us min {v[0]:.2f} over {len(v)} launches" if v else f"ncu {sys.argv[1]}: no samples")
-PY
+  python3 scripts/ncu_durations.py /tmp/ncu_t.log "$1" | tee -a "$sum"
 }
 for t in 1 16 64; do ncu_time "qk_norm 32+8 heads x128 tokens $t (flushed)" qk_norm_kernel $t qk_norm; done
 ncu_time "fp8_group_quant 4096 x 7168 (flushed)" fp8_group_quant 4096 quant

@@ -19,22 +19,7 @@ for tool in memcheck racecheck; do
 done
 timeout 120 ncu --metrics gpu__time_duration.sum -k regex:kda_ --launch-count 400 "$B/encore" bench kda --out /tmp/ncu_kda.json \
   >"$OUT/ncu.log" 2>&1
-python3 - "$OUT/ncu.log" <<'PY' | tee -a "$sum"
-import re, sys
-cur, res = None, {}
-for line in open(sys.argv[1]):
-    m = re.search(r'::(kda_\w+)\(.*\) \((\d+), (\d+), (\d+)\)', line)
-    if m:
-        cur = m.groups()
-        continue
-    m = re.search(r'gpu__time_duration.sum\s+(\w+)\s+([\d.,]+)', line)
-    if m and cur:
-        v = float(m.group(2).replace(',', ''))
-        res.setdefault(cur, []).append(v * 1000 if m.group(1) == 'ms' else v)
-        cur = None
-for k, v in res.items():
-    print(f"ncu {k[0]} grid {k[1]}x{k[2]}x{k[3]}: median {sorted(v)[len(v) // 2]:.1f} us over {len(v)} launches")
-PY
+python3 scripts/ncu_durations.py "$OUT/ncu.log" | tee -a "$sum"
 ENCORE_SKIP_TESTS=1 ENCORE_KDA_PEERS=${ENCORE_KDA_PEERS:-1} ENCORE_BENCH_SUITES="${ENCORE_KDA_SUITES:-kda}" timeout 400 ./scripts/gpu_run.sh \
   >"$OUT/run.log" 2>&1
 note "gpu_run rc=$?"; grep -E '^==|kda_|fla' "$OUT/run.log" | tee -a "$sum"

@@ -22,11 +22,10 @@ namespace encore {
 struct FastDiv31 {
   uint32_t magic = 0;  // m
   uint32_t shift = 0;  // p
-  uint32_t divisor = 1;
 
   FastDiv31() = default;
   // d in [1, 2^31).
-  explicit FastDiv31(uint32_t d) : divisor(d) {
+  explicit FastDiv31(uint32_t d) {
     uint32_t l = 0;
     while ((uint64_t(1) << l) < d) ++l;
     shift = 31 + l;

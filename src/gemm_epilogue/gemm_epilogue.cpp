@@ -137,7 +137,7 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Ge
 }
 
 #ifdef ENCORE_WITH_CUDA
-cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, int sm_count) {
+cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, GemmTile tile, int sm_count) {
   cuda::GemmProblem p;
   p.a = a.a.data;
   p.lda = a.a.strides[0];
@@ -166,7 +166,16 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   // Auto swizzle: groups of 8 tiles keep A and W panels in L2 across the persistent schedule; on the
   // H200 it was worth 5-25% on wide problems (docs/gemm_epilogue.md). Small grids stay unswizzled.
   p.swizzle = o.swizzle > 0 ? o.swizzle : (p.M >= 1024 && p.N >= 1024 ? 8 : 1);
-  p.raster = o.raster == GemmRaster::kAlongM ? 1 : o.raster == GemmRaster::kAlongN ? 2 : 0;
+  // Auto raster: along N (the scheduler walks the W panels while a swizzle group of A row panels
+  // stays in L2) on the cooperative and 128x128 ping-pong tiles. Measured on the H200 against
+  // CUTLASS's heuristic (along M when there are more N tiles than M tiles), swizzle 8, two runs
+  // (bench/results/2026-11-29-h200-gemm_epilogue-raster-*.json): 70B gate/up SwiGLU 1.033x / 1.040x
+  // of cuBLAS along N against 1.077x / 1.055x along M; LM-head LSE on ping-pong 128x128 1.025x
+  // against 1.064x. The 64x256 ping-pong tile measured slower along N and keeps the heuristic (0).
+  const GemmRaster raster = o.raster != GemmRaster::kAuto ? o.raster
+                            : tile != GemmTile::kPingpong64x256 ? GemmRaster::kAlongN
+                                                                : GemmRaster::kAuto;
+  p.raster = raster == GemmRaster::kAlongM ? 1 : raster == GemmRaster::kAlongN ? 2 : 0;
   p.device = a.a.device.index;
   p.sm_count = sm_count;
   return p;
@@ -335,15 +344,7 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* info = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &info));
-    cuda::GemmProblem p = make_problem(a, o, info->sm_count);
-    // Auto raster: along N (the scheduler walks the W panels while a swizzle group of A row panels
-    // stays in L2) on the cooperative and 128x128 ping-pong tiles. Measured on the H200 against
-    // CUTLASS's heuristic (along M when there are more N tiles than M tiles), swizzle 8, two runs
-    // (bench/results/2026-11-29-h200-gemm_epilogue-raster-*.json): 70B gate/up SwiGLU 1.033x / 1.040x
-    // of cuBLAS along N against 1.077x / 1.055x along M; LM-head LSE on ping-pong 128x128 1.025x
-    // against 1.064x. The 64x256 ping-pong tile measured slower along N and keeps the heuristic.
-    if (o.raster == GemmRaster::kAuto && tile != GemmTile::kPingpong64x256) p.raster = 2;
-    return launcher(o.epilogue, tile)(p, stream);
+    return launcher(o.epilogue, tile)(make_problem(a, o, tile, info->sm_count), stream);
 #else
     (void)stream;
     (void)tile;

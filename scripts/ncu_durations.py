@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Per-kernel device times from an `ncu --metrics gpu__time_duration.sum` log: one line per (kernel,
+grid) with the median, the minimum and the number of launches, in microseconds (ncu prints ns, us or
+ms). Kernel names lose their namespaces, arguments and `void`; template arguments stay (so
+kda_state_kernel<64> and <32> are told apart). Used by scripts/gpu_kda.sh and scripts/gpu_infer.sh.
+Usage: ncu_durations.py NCU_LOG [LABEL]"""
+import re
+import sys
+
+_UNIT_US = {"n": 1e-3, "u": 1.0, "m": 1e3}
+
+
+def short_name(full):
+    """Drop `void `, namespaces and the argument list, at template depth 0."""
+    name, depth, cut = re.sub(r"^void ", "", full), 0, None
+    for i, ch in enumerate(name):
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "(" and depth == 0:
+            cut = i
+            break
+    name = name[:cut] if cut is not None else name
+    depth, start = 0, 0
+    for i, ch in enumerate(name):
+        depth += ch == "<"
+        depth -= ch == ">"
+        if depth == 0 and name.startswith("::", i):
+            start = i + 2
+    return name[start:]
+
+
+def durations(lines):
+    current, times = None, {}
+    for line in lines:
+        m = re.match(r"\s+(\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)", line)
+        if m:
+            current = (short_name(m.group(1)), "x".join(m.group(2, 3, 4)))
+            continue
+        m = re.search(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)", line)
+        if m and current:
+            times.setdefault(current, []).append(float(m.group(2).replace(",", "")) * _UNIT_US[m.group(1)[0]])
+            current = None
+    return times
+
+
+def main():
+    label = sys.argv[2] + ": " if len(sys.argv) > 2 else ""
+    times = durations(open(sys.argv[1]))
+    if not times:
+        print(f"ncu {label}no samples")
+    for (name, grid), v in times.items():
+        v.sort()
+        print(f"ncu {label}{name} grid {grid}: median {v[len(v) // 2]:.2f} us, min {v[0]:.2f} us over {len(v)} launches")
+
+
+if __name__ == "__main__":
+    main()
