@@ -8,7 +8,7 @@
 //   W    bf16 [64][136]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
 //   KgT  bf16 [128][72]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
-//   U    fp32 [2][64][68] A (β v), by 64-column slices of the value channels (padded rows)
+//   U    fp32 [2][64][72] A (β v), by 64-column slices of the value channels (padded rows)
 //   Qg   bf16 [64][136]   s q ⊙ 2^G
 //   H    bf16 [128][136]  the chunk-start state (rows = key, cols = value channels), written by the
 //                         state kernel; Qg and H are the output kernel's first bulk copy
@@ -33,7 +33,9 @@ constexpr int kLdC = kC + 8; // bf16 row stride of [*, 64] shared tiles
 constexpr float kLog2e = 1.4426950408889634f;
 
 constexpr int kUSlice = 64;      // value columns per U slice (the state kernel's block)
-constexpr int kULd = kUSlice + 4;  // fp32 row stride of a U slice: pair loads free of bank conflicts
+constexpr int kULd = kUSlice + 8;  // fp32 row stride of a U slice: 288-byte rows keep the chunk kernel's pair
+                                   // stores sector-aligned and the state kernel's fragment pair loads
+                                   // free of bank conflicts (rows 8 banks apart; 68 gave 2-way conflicts)
 
 struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kW = 0;

@@ -30,7 +30,7 @@ struct StateSmem {  // byte offsets
   static constexpr int kW = 0;                                   // bf16 [64][136]
   static constexpr int kKgT = int(WsLayout::kKgT);               // bf16 [128][72]
   static constexpr int kDC = int(WsLayout::kDC);                 // fp32 [128]
-  static constexpr int kU = int(WsLayout::kU);                   // fp32 [64][68] the U slice holding the block's columns
+  static constexpr int kU = int(WsLayout::kU);                   // fp32 [64][72] the U slice holding the block's columns
   static constexpr int kStage = kU + int(WsLayout::kUSliceBytes);
   static constexpr int kSb = kStages * kStage;                   // bf16 [128][kLdS] S of the block's columns
   static constexpr int kVb = kSb + kD * kLdS * 2;                // bf16 [64][kLdS] Vnew
