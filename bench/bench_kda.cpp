@@ -3,6 +3,7 @@
 // (seq_lens 1800, 1500, 2000, 1200, 800) and fixed B 1 / B 4, T 8192. Device time per call from
 // graph replays; fla's chunk_kda is measured by bench/peers/kda_peers.py in the same job.
 // Suite "kda_phases": the chunk kernel's per-phase cycles at the same configurations.
+// Suite "kda_plans": the forward with the state kernel on 64- and 32-column blocks.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -126,6 +127,28 @@ void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t strea
     std::printf("\n");
     std::fflush(stdout);
     report.records.push_back(r);
+  }
+}
+
+// Suite "kda_plans": the whole forward with the state kernel on 64- and 32-column blocks (the
+// launcher's rule is restored afterwards).
+void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
+  const DeviceInfo* info = nullptr;
+  if (!get_device_info(0, &info)) return;
+  for (const Config& c : kConfigs) {
+    const KdaBenchCase kc(c, *info);
+    for (int columns : {64, 32}) {
+      check_status(cuda::kda_state_columns_override(columns), "kda_plans");
+      Timing t = time_launches([&](long long) { kc.run_once(stream); }, stream, topts, 1);
+      Record r = kda_record("kda_forward_plan", c);
+      r.suite = "kda_plans";
+      r.params.push_back({"state_columns", std::to_string(columns)});
+      r.metrics = {{"time_us", t.median_us}};
+      report.records.push_back(r);
+      std::printf("  kda_forward %-16s state columns %2d %9.1f us\n", c.name, columns, t.median_us);
+      std::fflush(stdout);
+    }
+    (void)cuda::kda_state_columns_override(0);
   }
 }
 

@@ -19,6 +19,7 @@ int run_suites(const BenchOptions& opts) {
       {"gemm_epilogue", run_gemm_epilogue_suite},
       {"kda", run_kda_suite},
       {"kda_phases", run_kda_phases_suite},
+      {"kda_plans", run_kda_plans_suite},
       {"quant_plans", run_quant_plans_suite},
   };
   if (cuda_device_count() == 0) {

@@ -16,6 +16,7 @@ void run_decode_path_suite(Report& report, const TimeOptions& topts, cudaStream_
 void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_kda_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_kda_phases_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 
 }  // namespace encore::bench

@@ -3,7 +3,7 @@
 //   encore check [--cpu]        every op: GPU vs CPU backend on small random shapes (pass/fail table)
 //   encore bench [suite] [--out FILE.json] [--quick]
 //                               benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,
-//                               gemm_epilogue, kda, kda_phases, quant_plans; all by default): table + JSON
+//                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans; all by default): table + JSON
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -24,7 +24,7 @@ int usage(int code) {
       "  check [--cpu]                run every op against the CPU backend (pass/fail table)\n"
       "  bench [suite ...] [--out FILE] [--quick]\n"
       "                               run benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,\n"
-      "                               gemm_epilogue, kda, kda_phases, quant_plans); write JSON to FILE\n");
+      "                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans); write JSON to FILE\n");
   return code;
 }
 

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "cuda/kda/kda_launch.hpp"
 #include "encore/kda.hpp"
 #include "tests/common/device_buffer.hpp"
 #include "tests/common/kda_case.hpp"
@@ -142,6 +143,25 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
     run_case(with_keys(KdaCase{2, 200, 2, 128, 128, {}, Gate::kPrecomputed, true, false}, 0.4), dt, "expansive keys (reported)", 0.0, false,
              0.0);
   }
+}
+
+// The state kernel on 32-column blocks (256 threads; two blocks per U slice, the second at column
+// offset 32; V 96 leaves a block of padding columns).
+// Both state-kernel widths whatever the rule picks (it takes 32 columns for grids that fill less
+// than half of the SMs, so the small cases above run on 32).
+TEST_F(KdaGpu, StateKernelOn32And64ColumnBlocks) {
+  for (int columns : {32, 64}) {
+    ASSERT_TRUE(cuda::kda_state_columns_override(columns));
+    const std::string tag = std::to_string(columns) + "-column state: ";
+    for (DType dt : {DType::kFP32, DType::kBF16}) {
+      run_case(KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, (tag + "fixed K64 V96 h0 l2").c_str());
+      run_case(KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
+               (tag + "varlen 1/63/64/65/1000").c_str());
+      run_case(KdaCase{1, 300, 2, 64, 64, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, (tag + "with residuals").c_str(), 0.0, true);
+    }
+  }
+  ASSERT_TRUE(cuda::kda_state_columns_override(0));
+  EXPECT_FALSE(cuda::kda_state_columns_override(48));
 }
 
 }  // namespace

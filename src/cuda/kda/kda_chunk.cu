@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     qr[i * kLd + c] = __float2bfloat16(q * f);
     kr[i * kLd + c] = __float2bfloat16(k * f);
     kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * exp2f(-d) : 0.f);
-    Qg[idx] = __float2bfloat16(p.scale * q * exp2f(G));
+    Qg[i * kLd + c] = __float2bfloat16(p.scale * q * exp2f(G));  // padded rows (the output kernel's bulk copy)
   }
   for (int idx = tid; idx < 96 * kD; idx += kThreads) {
     const int R = idx / kD, c = idx % kD;
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int e = 0; e < 2; ++e)
         d[e] = is_u ? bvs[i * kLdF + c + e] : bs[i] * ks[i * kLdF + c + e] * exp2f(Gs[i * kLdF + c + e]);
       if (is_u)
-        *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kUSlice + i * kUSlice + c % kUSlice) =
+        *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) =
             make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
       else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
     }

@@ -8,13 +8,13 @@
 //   W    bf16 [64][136]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
 //   KgT  bf16 [128][72]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
-//   U    fp32 [2][64][64] A (β v), by 64-column slices of the value channels
-//   Qg   bf16 [64][128]   s q ⊙ 2^G
+//   U    fp32 [2][64][72] A (β v), by 64-column slices of the value channels (padded rows)
+//   Qg   bf16 [64][136]   s q ⊙ 2^G
+//   H    bf16 [128][136]  the chunk-start state (rows = key, cols = value channels), written by the
+//                         state kernel; Qg and H are the output kernel's first bulk copy
 //   Aqk  fp32 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
-// and, written by the state kernel for the output kernel (kda_output.cu):
-//   HT   bf16 [128][128]  the chunk-start state, transposed (rows = value, cols = key channels)
-//   VnT  fp32 [128][64]   Vnew = U − W h, transposed (rows = value channels, cols = tokens)
-// (the padding columns of W and KgT are never written nor read).
+//   Vn   fp32 [64][128]   Vnew = U − W h (rows = tokens, cols = value channels), by the state kernel
+// (the padding columns of W, KgT, Qg and H are never written nor read).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -32,22 +32,25 @@ constexpr int kLd = kD + 8;  // bf16 row stride of [*, 128] shared tiles: confli
 constexpr int kLdC = kC + 8; // bf16 row stride of [*, 64] shared tiles
 constexpr float kLog2e = 1.4426950408889634f;
 
-constexpr int kUSlice = 64;  // value columns per U slice (the state kernel's block)
+constexpr int kUSlice = 64;      // value columns per U slice (the state kernel's block)
+constexpr int kULd = kUSlice + 8;  // fp32 row stride of a U slice: 288-byte rows keep the chunk kernel's pair
+                                   // stores sector-aligned and the state kernel's fragment pair loads
+                                   // free of bank conflicts (rows 8 banks apart; 68 gave 2-way conflicts)
 
 struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kW = 0;
   static constexpr int64_t kKgT = kW + int64_t(kC) * kLd * 2;
   static constexpr int64_t kDC = kKgT + int64_t(kD) * kLdC * 2;
   static constexpr int64_t kU = kDC + kD * 4;  // = bytes of W, KgT and dC
-  static constexpr int64_t kUSliceBytes = int64_t(kC) * kUSlice * 4;
-  static constexpr int64_t kQg = kU + int64_t(kC) * kD * 4;
-  static constexpr int64_t kAqk = kQg + int64_t(kC) * kD * 2;
-  static constexpr int64_t kHT = kAqk + int64_t(kC) * kC * 4;
-  static constexpr int64_t kVnT = kHT + int64_t(kD) * kD * 2;
-  static constexpr int64_t kBytes = kVnT + int64_t(kD) * kC * 4;
+  static constexpr int64_t kUSliceBytes = int64_t(kC) * kULd * 4;
+  static constexpr int64_t kQg = kU + 2 * kUSliceBytes;
+  static constexpr int64_t kH = kQg + int64_t(kC) * kLd * 2;
+  static constexpr int64_t kAqk = kH + int64_t(kD) * kLd * 2;  // Qg and H: one bulk copy for the output kernel
+  static constexpr int64_t kVn = kAqk + int64_t(kC) * kC * 4;
+  static constexpr int64_t kBytes = kVn + int64_t(kC) * kD * 4;
 };
-static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kHT % 16 == 0 &&
-                  WsLayout::kQg % 16 == 0 && WsLayout::kAqk % 16 == 0 && WsLayout::kVnT % 16 == 0,
+static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kH % 16 == 0 &&
+                  WsLayout::kQg % 16 == 0 && WsLayout::kAqk % 16 == 0 && WsLayout::kVn % 16 == 0,
               "16-byte parts");
 
 __device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
@@ -93,6 +96,32 @@ __device__ __forceinline__ void load8(const KdaTensor& t, int b, int tok, int h,
 __device__ __forceinline__ void store(void* base, DType dt, int64_t off, float x) {
   if (dt == DType::kBF16) static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16(x);
   else static_cast<float*>(base)[off] = x;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address / lower k)
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Elements off and off + 1 (of which the first `n` exist: n <= 0 stores nothing): one 4-byte (bf16)
+// or 8-byte (fp32) store when both exist and the address is aligned for it, element stores otherwise.
+__device__ __forceinline__ void store_pair(void* base, DType dt, int64_t off, float x, float y, int n) {
+  if (n <= 0) return;
+  if (dt == DType::kBF16) {
+    auto* p = static_cast<__nv_bfloat16*>(base) + off;
+    if (n >= 2 && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+      *reinterpret_cast<uint32_t*>(p) = pack_bf16(x, y);
+      return;
+    }
+  } else {
+    auto* p = static_cast<float*>(base) + off;
+    if (n >= 2 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      *reinterpret_cast<float2*>(p) = make_float2(x, y);
+      return;
+    }
+  }
+  store(base, dt, off, x);
+  if (n >= 2) store(base, dt, off + 1, y);
 }
 
 // Sequence of chunk slot `slot`: the last n with chunk_start[n] <= slot.
@@ -156,10 +185,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address / lower k)
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // Four 8 x 8 bf16 matrices from shared memory (ldmatrix.x4): lane l gives the address of row l % 8
 // of matrix l / 8 (16 contiguous bytes, 16-byte aligned); r[m] is matrix m in mma fragment order
@@ -171,11 +196,21 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat1
                : "r"(a));
 }
 
-// acc[n] (a 16 x 8 tile) += A · Bᵀ over k-step ks (k = 16 ks .. 16 ks + 15): A = 16 rows at `a`
-// (row stride lda), B = 8 NT rows at `b` (row stride ldb), both bf16 in shared memory with k
-// contiguous, rows 16-byte aligned. Fragments by ldmatrix: A's four 8 x 8 quarters in one load, two
-// n-tiles of B in another.
-template <int NT>
+// The same with each 8 x 8 matrix transposed on the way (ldmatrix.x4.trans): lane l gives row l % 8
+// of matrix l / 8 as stored; r[m] holds, at lane 4 g + t, stored column g, rows 2t and 2t + 1.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* row) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// acc[n] (a 16 x 8 tile) += A · B over k-step ks (k = 16 ks .. 16 ks + 15): A = 16 rows at `a` (row
+// stride lda, k contiguous); B either stored [n][k] (kKn = false: 8 NT rows at `b`, k contiguous) or
+// [k][n] (kKn = true: n contiguous, 8 NT columns from `b`, fragments by ldmatrix.trans, so B needs no
+// transposed copy); bf16 in shared memory, rows 16-byte aligned. A's four 8 x 8 quarters come in one
+// ldmatrix, two n-tiles of B in another.
+template <int NT, bool kKn = false>
 __device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
                                               int ldb, int ks) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs");
@@ -185,7 +220,8 @@ __device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bf
 #pragma unroll
   for (int n = 0; n < NT; n += 2) {
     uint32_t bf[4];  // (n 0, k 0) (n 0, k 8) (n 8, k 0) (n 8, k 8) of n-tiles n, n + 1
-    ldmatrix_x4(bf, b + (n * 8 + r + 8 * (m >> 1)) * ldb + 8 * (m & 1) + 16 * ks);
+    if constexpr (kKn) ldmatrix_x4_trans(bf, b + (16 * ks + r + 8 * (m & 1)) * ldb + n * 8 + 8 * (m >> 1));
+    else ldmatrix_x4(bf, b + (n * 8 + r + 8 * (m >> 1)) * ldb + 8 * (m & 1) + 16 * ks);
     const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
     mma_bf16(acc[n], af, b0);
     mma_bf16(acc[n + 1], af, b1);
@@ -197,6 +233,11 @@ template <int NT>
 __device__ __forceinline__ void warp_mma_nt(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
                                             int ldb, int ksteps) {
   for (int ks = 0; ks < ksteps; ++ks) warp_mma_step(acc, a, lda, b, ldb, ks);
+}
+template <int NT>
+__device__ __forceinline__ void warp_mma_kn(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
+                                            int ldb, int ksteps) {
+  for (int ks = 0; ks < ksteps; ++ks) warp_mma_step<NT, true>(acc, a, lda, b, ldb, ks);
 }
 
 template <int NT>
@@ -211,7 +252,8 @@ namespace encore::cuda::kda {
 
 // The three kernels of the forward, launched in order on `stream` by launch_kda_forward.
 cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream);
-cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream);
+// columns: value columns per state-kernel block, 64 or 32.
+cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, int columns, cudaStream_t stream);
 cudaError_t launch_output_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream);
 
 }  // namespace encore::cuda::kda

@@ -11,6 +11,8 @@
 namespace encore::cuda {
 namespace {
 
+int g_state_columns = 0;  // kda_state_columns_override; 0 = the rule below
+
 Status launched(cudaError_t e, const char* what) {
   if (e != cudaSuccess) return Status::cuda_error(std::string("kda forward: ") + what + ": " + cudaGetErrorString(e));
   return Status::ok();
@@ -29,8 +31,26 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool chunks = p.chunk_start[p.N] > 0;
   if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, s), "chunk kernel"));
-  ENCORE_RETURN_IF_ERROR(launched(kda::launch_state_kernel(p, workspace, s), "state kernel"));
+  // Value columns per state block: 64, or 32 when the 64-column grid would fill less than half of
+  // the SMs. kda_plans (H200, bench/results/2026-11-29-h200-kda-next-gpu-branch-1323c7b.json): B1
+  // T8192 (32 blocks of 64) 0.775 ms with 32 columns vs 0.896 ms; varlen (160 blocks) and B4 (128)
+  // faster with 64 (0.711 vs 0.755 ms, 2.82 vs 3.10 ms).
+  int columns = g_state_columns;
+  if (columns == 0) {
+    int sms = 132;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device) != cudaSuccess) return Status::cuda_error("SM count");
+    const int64_t blocks64 = int64_t(p.N) * p.H * ((p.V + 63) / 64);
+    columns = 2 * blocks64 < sms ? 32 : 64;
+  }
+  ENCORE_RETURN_IF_ERROR(launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel"));
   return chunks ? launched(kda::launch_output_kernel(p, workspace, s), "output kernel") : Status::ok();
+}
+
+Status kda_state_columns_override(int columns) {
+  if (columns != 0 && columns != 32 && columns != 64)
+    return Status::invalid("kda_state_columns_override: columns must be 0, 32 or 64, got " + std::to_string(columns));
+  g_state_columns = columns;
+  return Status::ok();
 }
 
 }  // namespace encore::cuda

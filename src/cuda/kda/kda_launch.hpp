@@ -47,7 +47,7 @@ struct KdaCudaProblem {
 };
 
 // Workspace of the forward: one record per (chunk, head) with the head dims padded to 128
-// (kda_device.cuh's WsLayout, 163.5 KB), so it depends on the chunk and head counts only.
+// (kda_device.cuh's WsLayout, 170.5 KB), so it depends on the chunk and head counts only.
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
 Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream stream);
 
@@ -57,6 +57,10 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
 // 5: write-out + diagonal inverse, 6: inverse block rows, 7: W and U). read() returns the sums and
 // the number of blocks and resets them.
 constexpr int kKdaChunkPhases = 8;
+
+// Value columns per block of the state kernel (bench suite kda_plans): 32 or 64, or 0 for the
+// launcher's rule. Process-wide; not for concurrent use.
+Status kda_state_columns_override(int columns);
 Status kda_chunk_profile_enable(bool on);
 Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsigned long long* blocks);
 
