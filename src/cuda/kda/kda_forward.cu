@@ -32,9 +32,9 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   const bool chunks = p.chunk_start[p.N] > 0;
   if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, s), "chunk kernel"));
   // Value columns per state block: 64, or 32 when the 64-column grid would fill less than half of
-  // the SMs. kda_plans (H200, bench/results/2026-11-29-h200-kda-next-gpu-branch-1323c7b.json): B1
-  // T8192 (32 blocks of 64) 0.775 ms with 32 columns vs 0.896 ms; varlen (160 blocks) and B4 (128)
-  // faster with 64 (0.711 vs 0.755 ms, 2.82 vs 3.10 ms).
+  // the SMs. kda_plans (H200, bench/results/2026-11-29-h200-kda-kda_phases-kda_plans-0672911.json):
+  // B1 T8192 (32 blocks of 64) 0.731 ms with 32 columns vs 0.845 ms; varlen (160 blocks) and B4
+  // (128) faster with 64 (0.675 vs 0.718 ms, 2.66 vs 2.95 ms).
   int columns = g_state_columns;
   if (columns == 0) {
     int sms = 132;
