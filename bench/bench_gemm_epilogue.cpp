@@ -179,10 +179,8 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
     if (by_partials) {
       o.partial_tile_n = t == GemmTile::kPingpong128x128 ? 128 : 256;
       if (t == GemmTile::kPingpong64x256) o.tile = t;
-    } else if (e != Epilogue::kQkvHeadSqsum) {
+    } else {
       o.tile = t;
-    } else if (t == GemmTile::kCooperative128x256) {
-      continue;
     }
     const std::string key = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + " " + gemm_tile_name(t) + " " + size;
     for (const Schedule& z : schedules) {

@@ -44,8 +44,8 @@ const char* epilogue_name(Epilogue e);
 // CUDA tile configuration: cooperative 128x256x64 (two warpgroups share each tile) or ping-pong
 // 128x128x64 (a warpgroup's epilogue overlaps the other's mainloop); kAuto picks by epilogue and
 // shape (docs/gemm_epilogue.md). For kResidualSqsumAux and kLse the partials' column tile is the
-// tile N, so partial_tile_n picks the tile (256: cooperative, 128: ping-pong); kQkvHeadSqsum runs
-// ping-pong 128x128. Ignored by the CPU backend.
+// tile N, so partial_tile_n picks the tile (256: cooperative, 128: ping-pong); kQkvHeadSqsum writes
+// one partial per head on either tile. Ignored by the CPU backend.
 // kPingpong64x256 (ping-pong with 64x256 tiles: the epilogue overlap of ping-pong with the wide
 // tile's operand reuse) exists for row_scale, swiglu, residual_sqsum_aux and lse (partials per 256
 // columns); it is chosen explicitly only, while its measurements decide on kAuto.

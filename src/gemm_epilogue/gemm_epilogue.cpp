@@ -69,8 +69,8 @@ bool pingpong_preferred(Epilogue e, int64_t N, int64_t K) {
 }
 
 // The CUDA tile for these options (partial_tile_n resolved): fixed by the partials' column tile
-// for kResidualSqsumAux and kLse, ping-pong 128x128 for kQkvHeadSqsum, else the requested one or,
-// for kAuto, pingpong_preferred.
+// for kResidualSqsumAux and kLse, else the requested one or, for kAuto, pingpong_preferred
+// (kQkvHeadSqsum's partials are per head on either tile).
 Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, GemmTile* tile) {
   const Epilogue e = o.epilogue;
   GemmTile fixed = GemmTile::kAuto;
@@ -84,8 +84,6 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Gem
     else
       return Status::unsupported("partial_tile_n: the CUDA " + std::string(epilogue_name(e)) +
                                  " kernels write partials per tile N, 128 or 256; got " + std::to_string(o.partial_tile_n));
-  } else if (e == Epilogue::kQkvHeadSqsum) {
-    fixed = GemmTile::kPingpong128x128;
   }
   if (fixed != GemmTile::kAuto) {
     if (o.tile != GemmTile::kAuto && o.tile != fixed)
@@ -198,7 +196,7 @@ cuda::GemmLauncher launcher(Epilogue e, GemmTile t) {
     case Epilogue::kRowScale: return coop ? cuda::launch_row_scale_coop256 : cuda::launch_row_scale_pp128;
     case Epilogue::kSwiglu: return coop ? cuda::launch_swiglu_coop256 : cuda::launch_swiglu_pp128;
     case Epilogue::kRope: return coop ? cuda::launch_rope_coop256 : cuda::launch_rope_pp128;
-    case Epilogue::kQkvHeadSqsum: return cuda::launch_qkv_head_sqsum_pp128;
+    case Epilogue::kQkvHeadSqsum: return coop ? cuda::launch_qkv_head_sqsum_coop256 : cuda::launch_qkv_head_sqsum_pp128;
     case Epilogue::kLse: return coop ? cuda::launch_lse_coop256 : cuda::launch_lse_pp128;
     case Epilogue::kScalarScale: return coop ? cuda::launch_scalar_scale_coop256 : cuda::launch_scalar_scale_pp128;
   }

@@ -208,11 +208,14 @@ TEST_F(GemmEpilogueGpu, Rope) {
 }
 
 TEST_F(GemmEpilogueGpu, QkvHeadSqsum) {
-  for (DType t : {DType::kBF16, DType::kFP16}) {
-    run_case({Epilogue::kQkvHeadSqsum, t, 1, 128, 64, 0});
-    run_case({Epilogue::kQkvHeadSqsum, t, 300, 640, 1000, 8});
-    run_case({Epilogue::kQkvHeadSqsum, t, 513, 768, 256, 0});
-  }
+  // One head per 128x128 ping-pong tile, two per cooperative 128x256 tile (N = 640: the last tile
+  // holds one head).
+  for (GemmTile tile : {GemmTile::kPingpong128x128, GemmTile::kCooperative128x256})
+    for (DType t : {DType::kBF16, DType::kFP16}) {
+      run_case({Epilogue::kQkvHeadSqsum, t, 1, 128, 64, 0, true, false, false, tile});
+      run_case({Epilogue::kQkvHeadSqsum, t, 300, 640, 1000, 8, true, false, false, tile});
+      run_case({Epilogue::kQkvHeadSqsum, t, 513, 768, 256, 0, true, false, false, tile});
+    }
 }
 
 TEST_F(GemmEpilogueGpu, LseVariants) {

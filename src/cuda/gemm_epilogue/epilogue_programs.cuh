@@ -112,13 +112,14 @@ struct Rope {
   }
 };
 
-// D = acc;  partials[m, h] = Σ_{n in head h} acc²  (run on a tile whose N is the head_dim)
+// D = acc;  partials[m, h] = Σ_{n in head h} acc²  (groups of head_dim = 128 columns: one head per
+// 128x128 tile, two per 128x256 tile)
 template <class T>
 struct QkvHeadSqsum {
   using ElementC = void;
   using ElementD = T;
   template <class TileShape>
-  using Evt = fusion::Sm90EVT<Identity<T>, fusion::Sm90EVT<nodes::RowPartials<nodes::Square>, fusion::Sm90AccFetch>>;
+  using Evt = fusion::Sm90EVT<Identity<T>, fusion::Sm90EVT<nodes::RowPartials<nodes::Square, kHeadSqsumDim>, fusion::Sm90AccFetch>>;
   template <class Fusion>
   static typename Fusion::Arguments arguments(const GemmProblem& p) {
     return {{{}, {p.partials, p.ld_partials}}, {}};

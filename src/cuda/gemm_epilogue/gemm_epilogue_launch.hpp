@@ -8,7 +8,7 @@
 
 namespace encore::cuda {
 
-// The head width of kQkvHeadSqsum on CUDA (= its tile N).
+// The head width of kQkvHeadSqsum on CUDA (its partials' column group; the tile N is 1 or 2 heads).
 constexpr int kHeadSqsumDim = 128;
 
 struct GemmProblem {
@@ -54,6 +54,7 @@ Status launch_swiglu_coop256(const GemmProblem& p, Stream stream);
 Status launch_swiglu_pp128(const GemmProblem& p, Stream stream);
 Status launch_rope_coop256(const GemmProblem& p, Stream stream);
 Status launch_rope_pp128(const GemmProblem& p, Stream stream);
+Status launch_qkv_head_sqsum_coop256(const GemmProblem& p, Stream stream);
 Status launch_qkv_head_sqsum_pp128(const GemmProblem& p, Stream stream);
 Status launch_lse_coop256(const GemmProblem& p, Stream stream);  // D written iff p.d
 Status launch_lse_pp128(const GemmProblem& p, Stream stream);

@@ -1,16 +1,18 @@
 // encore's block-reduction EVT nodes (primitive 4 and 5 of math-coda.md §6), each passing its
 // input through unchanged:
 //
-//   RowPartials<Fn>  partials[m, t] = Σ_{n in tile t} Fn(x[m, n]) over the CTA tile's columns: the
-//                    sum-of-squares partials of the deferred RMSNorm (tile 256) and of the per-head
-//                    QK-norm (tile = head_dim).
+//   RowPartials<Fn, kGroupN>  partials[m, t] = Σ_{n in group t} Fn(x[m, n]) over groups of kGroupN
+//                    columns (0: the CTA tile's columns): the sum-of-squares partials of the
+//                    deferred RMSNorm (per tile, 128 or 256) and of the per-head QK-norm (groups of
+//                    head_dim, on a tile of one or two heads).
 //   OnlineLse        stateful (max, Σexp) per row carried across the epilogue subtiles, written as
 //                    partials[m, t] = log Σ_{n in tile t} e^{x[m, n]};
 //                            optionally selects x[m, target[m]] into target_logit[m] (0 for
 //                            target == ignore_index, NaN for any other target outside [0, N)).
 //
-// Partials are fp32 [M, ceil(N / CTA_N)] with row stride ld; every (row, tile) with a column
-// inside the problem is written exactly once per launch, in a fixed order (deterministic).
+// Partials are fp32 [M, ceil(N / CTA_N)] (RowPartials: [M, ceil(N / kGroupN)], N a multiple of
+// kGroupN) with row stride ld; every (row, tile or group) with a column inside the problem is
+// written exactly once per launch, in a fixed order (deterministic).
 #pragma once
 #include <cfloat>
 #include <cmath>
@@ -29,50 +31,82 @@ struct Square {
   CUTLASS_DEVICE float operator()(float x) const { return x * x; }
 };
 
-template <class Fn>
+template <class Fn, int kGroupN = 0>
 struct RowPartials : NodeBase<PartialsArgs> {
   using NodeBase<PartialsArgs>::NodeBase;
 
-  template <class RTensor, class GTensor, class CTensor, class Residue>
+  // kGroups column groups per CTA tile, one row register tensor each; the epilogue subtile epi_n
+  // lies in group epi_n / (EPI_N / kGroups) (subtiles never straddle a group: static_assert).
+  template <int kGroups, class RTensor, class GTensor, class CTensor, class Residue>
   struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE Callbacks(RTensor r, GTensor g, CTensor c, Residue res) : acc(r), gmem(g), coord(c), residue(res) {
-      fill(acc, 0.0f);
+    static constexpr int kEpiN = decltype(size<4>(shape(std::declval<CTensor>())))::value;
+    static_assert(kEpiN % kGroups == 0, "epilogue subtiles must not straddle a column group");
+    CUTLASS_DEVICE Callbacks(RTensor const (&r)[kGroups], GTensor const (&g)[kGroups], CTensor c, Residue res, int group_n)
+        : coord(c), residue(res), group_cols(group_n) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kGroups; ++j) {
+        acc[j] = r[j];
+        gmem[j] = g[j];
+        fill(acc[j], 0.0f);
+      }
     }
-    RTensor acc;     // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) one register per row
-    GTensor gmem;    // same shape, the partials' addresses
-    CTensor coord;   // tCcD
-    Residue residue; // residue_tCcD
+    RTensor acc[kGroups];  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) one register per row, per group
+    GTensor gmem[kGroups]; // same shape, the partials' addresses
+    CTensor coord;         // tCcD
+    Residue residue;       // residue_tCcD
+    int group_cols;        // columns per group
 
     template <class ElementAcc, class ElementIn, int kFrag>
     CUTLASS_DEVICE Array<ElementIn, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
                                                  Array<ElementIn, kFrag> const& in) {
       // No bounds check: outside the problem the inputs are exactly 0 (TMA zero-fills A, W and C)
       // and Fn(0) = 0.
-      Tensor acc_mn = acc(_, _, _, epi_m, epi_n);
       Fn fn;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kFrag; ++i) acc_mn(epi_v * kFrag + i) += fn(float(in[i]));
+      for (int j = 0; j < kGroups; ++j) {
+        if (kGroups > 1 && epi_n / (kEpiN / kGroups) != j) continue;
+        Tensor acc_mn = acc[j](_, _, _, epi_m, epi_n);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kFrag; ++i) acc_mn(epi_v * kFrag + i) += fn(float(in[i]));
+      }
       return in;
     }
 
     CUTLASS_DEVICE void end() {
-      Tensor r_flt = filter_zeros(acc);
-      Tensor g_flt = filter_zeros(gmem);
-      Tensor c_flt = filter_zeros(coord, acc.stride());
       const bool leader = quad_leader();
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(r_flt); ++i) {
-        const float v = quad_sum(r_flt(i));
-        if (leader && elem_less(c_flt(i), residue)) g_flt(i) = v;
+      for (int j = 0; j < kGroups; ++j) {
+        Tensor r_flt = filter_zeros(acc[j]);
+        Tensor g_flt = filter_zeros(gmem[j]);
+        Tensor c_flt = filter_zeros(coord, acc[j].stride());
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(r_flt); ++i) {
+          const float v = quad_sum(r_flt(i));
+          // The group's first column stands for the group (N is a multiple of the group width).
+          const auto c = make_coord(get<0>(c_flt(i)), get<1>(c_flt(i)) + j * group_cols);
+          if (leader && elem_less(c, residue)) g_flt(i) = v;
+        }
       }
     }
   };
 
   template <bool kRefSrc, class... A>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<A...> const& args) {
-    auto r = make_row_registers<float, kRefSrc>(args);
-    auto g = make_row_gmem<kRefSrc>(this->params.partials, this->params.ld, args);
-    return Callbacks<decltype(r), decltype(g), decltype(args.tCcD), decltype(args.residue_tCcD)>(r, g, args.tCcD, args.residue_tCcD);
+    using TileShape = decltype(args.tile_shape_mnk);
+    constexpr int kTileN = size<1>(TileShape{});
+    constexpr int kW = kGroupN == 0 ? kTileN : kGroupN;
+    static_assert(kTileN % kW == 0, "column groups must tile the CTA tile N");
+    constexpr int kGroups = kTileN / kW;
+    using R = decltype(make_row_registers<float, kRefSrc>(args));
+    using G = decltype(make_row_gmem<kRefSrc, kGroups>(this->params.partials, this->params.ld, args));
+    R r[kGroups];
+    G g[kGroups];
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kGroups; ++j) {
+      r[j] = make_row_registers<float, kRefSrc>(args);
+      g[j] = make_row_gmem<kRefSrc, kGroups>(this->params.partials, this->params.ld, args, j);
+    }
+    return Callbacks<kGroups, R, G, decltype(args.tCcD), decltype(args.residue_tCcD)>(r, g, args.tCcD, args.residue_tCcD, kW);
   }
 };
 

@@ -84,14 +84,15 @@ CUTLASS_DEVICE auto make_row_registers(StoreArgs const& args) {
   return make_tensor_like<T>(tCref);
 }
 
-// Column `n_tile` of a [M, n_tiles] row-major buffer (row stride ld) seen over this CTA's tile, one
-// address per row, partitioned like the accumulator.
-template <bool kRefSrc, class T, class StoreArgs>
-CUTLASS_DEVICE auto make_row_gmem(T* ptr, int64_t ld, StoreArgs const& args) {
+// Column kGroups * n_tile + group of a [M, n_tiles * kGroups] row-major buffer (row stride ld) seen
+// over this CTA's tile, one address per row, partitioned like the accumulator (kGroups values per
+// row and tile, e.g. one per head of a tile of two heads).
+template <bool kRefSrc, int kGroups = 1, class T, class StoreArgs>
+CUTLASS_DEVICE auto make_row_gmem(T* ptr, int64_t ld, StoreArgs const& args, int group = 0) {
   using TileShape = decltype(args.tile_shape_mnk);
   constexpr int kTileM = size<0>(TileShape{});
   auto [m, n, k, l] = args.tile_coord_mnkl;
-  T* base = ptr + int64_t(m) * kTileM * ld + int64_t(n);
+  T* base = ptr + int64_t(m) * kTileM * ld + int64_t(n) * kGroups + group;
   auto g = make_tensor(make_gmem_ptr<T>(base), make_layout(take<0, 2>(TileShape{}), make_stride(ld, _0{})));
   return fusion::sm90_partition_for_epilogue<kRefSrc>(g, args.epi_tile, args.tiled_copy, args.thread_idx);
 }

@@ -1,4 +1,5 @@
-// gemm_qkv_head_sqsum on the Pingpong128x128 tile: D = A·Wᵀ, partials[m, h] = Σ_{n in head h} D² (tile N = head_dim = 128).
+// gemm_qkv_head_sqsum on the Pingpong128x128 tile: D = A·Wᵀ, partials[m, h] = Σ_{n in head h} D² (one head of
+// head_dim = 128 per tile).
 #include "cuda/gemm_epilogue/epilogue_programs.cuh"
 #include "cuda/gemm_epilogue/sm90_gemm.cuh"
 
