@@ -212,9 +212,9 @@ TEST_F(GemmEpilogueGpu, QkvHeadSqsum) {
   // holds one head).
   for (GemmTile tile : {GemmTile::kPingpong128x128, GemmTile::kCooperative128x256})
     for (DType t : {DType::kBF16, DType::kFP16}) {
-      run_case({Epilogue::kQkvHeadSqsum, t, 1, 128, 64, 0, true, false, false, tile});
-      run_case({Epilogue::kQkvHeadSqsum, t, 300, 640, 1000, 8, true, false, false, tile});
-      run_case({Epilogue::kQkvHeadSqsum, t, 513, 768, 256, 0, true, false, false, tile});
+      run_case({Epilogue::kQkvHeadSqsum, t, 1, 128, 64, 0, true, true, true, tile});
+      run_case({Epilogue::kQkvHeadSqsum, t, 300, 640, 1000, 8, true, true, true, tile});
+      run_case({Epilogue::kQkvHeadSqsum, t, 513, 768, 256, 0, true, true, true, tile});
     }
 }
 
