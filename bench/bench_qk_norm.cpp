@@ -2,8 +2,11 @@
 // qk_norm: encore's QK-norm in place on a fused QKV buffer against encore's generic per-row RMSNorm
 //   over the same heads (two launches on contiguous [T*Hq, 128] and [T*Hkv, 128] buffers), at
 //   Qwen3-8B heads (32 q + 8 kv) and 64 q + 4 kv, tokens 1 .. 65536; L2-flushed and warm.
-//   Bytes = Q and K heads read once and written once.
+//   Bytes = Q and K heads read once and written once. Floors in the same run: the launch floor (an
+//   empty kernel, once) and, per shape, the in-place touch of the same Q and K bytes with the same
+//   16-byte-per-thread mapping (launch_touch): what moving those bytes costs without the math.
 // qk_norm_plans: the QK-norm kernel under every (threads per block, heads per thread) plan.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -43,6 +46,17 @@ Timing time_specialized(const QkShape& s, const void* wq, const void* wk, bool f
   return t;
 }
 
+// The touch floor: the Q and K heads of every token read and written back by launch_touch (rows =
+// tokens; rows = 0: the empty-kernel launch floor).
+Timing time_touch(const QkShape& s, bool flush, const DeviceInfo& info, const TimeOptions& topts, cudaStream_t stream) {
+  Rotation rot = make_rotation(size_t(std::max<int64_t>(s.tokens, 1) * s.width()) * 2, info.l2_bytes, FillKind::kBF16, flush);
+  Timing t = time_launches([&](long long i) {
+    launch_touch(rot.set(i), s.tokens, int64_t(s.hq + s.hkv) * kHeadDim * 2, s.width() * 2, stream);
+  }, stream, topts, rot.sets);
+  free_rotation(rot);
+  return t;
+}
+
 // Generic path: encore's per-row RMSNorm, in place, over contiguous Q heads then K heads.
 Timing time_generic(const QkShape& s, const void* wq, const void* wk, bool flush, const DeviceInfo& info,
                     const TimeOptions& topts, cudaStream_t stream) {
@@ -73,6 +87,16 @@ void run_qk_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t st
   fill_random(w, 2 * kHeadDim, FillKind::kBF16, 9, stream);
   const void* wq = w;
   const void* wk = static_cast<char*>(w) + kHeadDim * 2;
+  {
+    const Timing tf = time_touch(QkShape{0, 32, 8}, false, *info, topts, stream);
+    Record r;
+    r.suite = "qk_norm";
+    r.name = "launch_floor";
+    r.params = {{"kernel", "empty, 1 block of 128 threads"}};
+    r.metrics = {{"time_us", tf.median_us}};
+    report.records.push_back(r);
+    std::printf("  launch floor (empty kernel): %8.2f us\n", tf.median_us);
+  }
   for (const auto& hc : kHeadConfigs) {
     for (int64_t tokens : kTokens) {
       if (!size_selected(tokens)) continue;
@@ -80,6 +104,7 @@ void run_qk_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t st
       for (bool flush : {true, false}) {
         Timing ts = time_specialized(s, wq, wk, flush, *info, topts, stream);
         Timing tg = time_generic(s, wq, wk, flush, *info, topts, stream);
+        Timing tt = time_touch(s, flush, *info, topts, stream);
         const double gbps = s.bytes() / (ts.median_us * 1e-6) / 1e9;
         const QkNormLaunchPlan plan = plan_qk_norm(tokens, s.hq + s.hkv, kHeadDim, DType::kBF16, info->sm_count);
         Record r;
@@ -90,12 +115,13 @@ void run_qk_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t st
                     {"l2", flush ? "flushed" : "warm"},
                     {"plan", "t" + std::to_string(plan.threads) + "_h" + std::to_string(plan.heads_per_thread)}};
         r.metrics = {{"time_us", ts.median_us}, {"generic_rms_norm_us", tg.median_us},
-                     {"speedup_vs_generic", tg.median_us / ts.median_us}, {"bytes", s.bytes()}, {"gbps", gbps},
+                     {"speedup_vs_generic", tg.median_us / ts.median_us}, {"touch_floor_us", tt.median_us},
+                     {"bytes", s.bytes()}, {"gbps", gbps},
                      {"frac_copy_bw", gbps / report.ceilings.copy_gbps}};
         report.records.push_back(r);
-        std::printf("  qk_norm %2dq+%dkv T %6lld %-7s: %8.2f us (generic %8.2f us, %4.2fx)  %6.0f GB/s %5.1f%%\n", s.hq, s.hkv,
-                    (long long)tokens, flush ? "flushed" : "warm", ts.median_us, tg.median_us, tg.median_us / ts.median_us,
-                    gbps, 100.0 * gbps / report.ceilings.copy_gbps);
+        std::printf("  qk_norm %2dq+%dkv T %6lld %-7s: %8.2f us (generic %8.2f us, %4.2fx; touch floor %8.2f us)  %6.0f GB/s %5.1f%%\n",
+                    s.hq, s.hkv, (long long)tokens, flush ? "flushed" : "warm", ts.median_us, tg.median_us,
+                    tg.median_us / ts.median_us, tt.median_us, gbps, 100.0 * gbps / report.ceilings.copy_gbps);
         std::fflush(stdout);
       }
     }

@@ -61,7 +61,25 @@ __global__ void copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ d
   for (; i < n; i += stride) dst[i] = src[i];
 }
 
+// In place: p[row, j] ^= key (key = 0 at run time, so the data stays; the XOR keeps the compiler
+// from dropping a store of the value just loaded), 16 bytes per thread; no rows: nothing.
+__global__ void touch_kernel(char* p, uint32_t packs_per_row, uint32_t total, int64_t stride, uint32_t key) {
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  uint4* q = reinterpret_cast<uint4*>(p + int64_t(i / packs_per_row) * stride) + i % packs_per_row;
+  uint4 v = *q;
+  v.x ^= key;
+  *q = v;
+}
+
 }  // namespace
+
+void launch_touch(void* base, int64_t rows, int64_t row_bytes, int64_t stride_bytes, cudaStream_t stream) {
+  const uint32_t packs = uint32_t(row_bytes / 16), total = uint32_t(rows) * packs;
+  const uint32_t blocks = total == 0 ? 1 : (total + 127) / 128;
+  touch_kernel<<<blocks, 128, 0, stream>>>(static_cast<char*>(base), packs == 0 ? 1 : packs, total, stride_bytes, 0u);
+  check_cuda(cudaGetLastError(), "touch_kernel launch");
+}
 
 void fill_random(void* p, size_t n, FillKind kind, unsigned long long seed, cudaStream_t stream) {
   const int threads = 256, blocks = 4096;

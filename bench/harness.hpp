@@ -71,6 +71,13 @@ void free_rotation(Rotation& r);
 // those sizes (to profile one size under ncu); unset or empty: every size.
 bool size_selected(int64_t size);
 
+// Floors for small memory-bound kernels, launched like any kernel under time_launches:
+// launch_touch reads and writes back (in place, unchanged) the first `row_bytes` of each of `rows`
+// rows (row stride `stride_bytes`, both multiples of 16), 16 bytes per thread in 128-thread blocks:
+// the memory traffic of a kernel with that access pattern and nothing else; rows = 0 launches one
+// empty block (the launch floor).
+void launch_touch(void* base, int64_t rows, int64_t row_bytes, int64_t stride_bytes, cudaStream_t stream);
+
 // Abort with a message on a CUDA error or a failed Status (benchmarks are not library code).
 void check_cuda(cudaError_t e, const char* what);
 void check_status(const Status& st, const char* what);
