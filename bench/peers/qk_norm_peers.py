@@ -2,7 +2,7 @@
 CUDA-graph replays of back-to-back calls, L2-flushed (calls rotate over buffer sets covering >= 3x
 L2, up to 1024 sets per graph) and warm (one set). Paths, as in ../shared/docs/bench_peers.py:
 eager PyTorch, torch.compile of the same function (Q and K heads of a fused QKV buffer, out of
-place), and Liger's RMSNorm applied twice to contiguous [T*H, 128] Q and K buffers.
+place; compiled afresh for each shape, static shapes), and Liger's RMSNorm applied twice to contiguous [T*H, 128] Q and K buffers.
 Usage: python3 bench/peers/qk_norm_peers.py [OUT.json]; ENCORE_PEERS_QUICK=1: 32 q + 8 kv heads, flushed only."""
 import json
 import math
@@ -59,7 +59,6 @@ def main():
     def qkn(q, k):
         return rmsnorm(q, wq), rmsnorm(k, wk)
 
-    qknc = torch.compile(qkn)
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": []}
     heads = ((32, 8), (64, 4)) if os.environ.get("ENCORE_PEERS_QUICK") != "1" else ((32, 8),)
     for hq, hk in heads:
@@ -75,6 +74,10 @@ def main():
                 rec = {"q_heads": hq, "kv_heads": hk, "tokens": T, "l2": "flushed" if flush else "warm",
                        "bytes": 4.0 * T * (hq + hk) * D}
                 rec["eager_us"] = graph_us(lambda i: qkn(q[i], k[i]), nsets, batch)
+                # A fresh static-shape compile per shape: one compiled function reused across shapes
+                # turns dynamic after the first recompile, and its kernels were 3-4x slower.
+                torch._dynamo.reset()
+                qknc = torch.compile(qkn, dynamic=False)
                 qknc(q[0], k[0])
                 rec["compile_us"] = graph_us(lambda i: qknc(q[i], k[i]), nsets, batch)
                 if LigerRMSNormFunction is not None:
