@@ -2,7 +2,7 @@
 softplus gate with dt_bias, q/k L2 norm, at the standard varlen configuration (seq_lens 1800, 1500,
 2000, 1200, 800) and fixed B 1 / B 4, T 8192. Device time = the sum of the CUDA kernel times per
 call from torch.profiler (as ../shared/docs/bench_peers.py section kda_fla_gpu_time), wall time from
-triton's do_bench. Needs fla-core (carried as a wheel in .whl). Usage: kda_peers.py OUT.json"""
+triton's do_bench; the per-kernel split of the device time is in the JSON. Needs fla-core (carried as a wheel in .whl). Usage: kda_peers.py OUT.json"""
 import json
 import sys
 
@@ -45,6 +45,12 @@ def main(out):
                 torch.cuda.synchronize()
         res[f"kda_fla_{name}_fwd_gpu_kernel_ms"] = sum(e.device_time_total for e in p.key_averages()) / 5 / 1e3
         res[f"kda_fla_{name}_fwd_kernels"] = sum(e.count for e in p.key_averages()) / 5
+        # Per-kernel device time per call (ms) and launches per call: where fla's time goes.
+        res[f"kda_fla_{name}_fwd_breakdown"] = {e.key: {"ms": e.device_time_total / 5 / 1e3, "launches": e.count / 5}
+                                                for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)
+                                                if e.device_time_total > 0}
+        for kname, kv in res[f"kda_fla_{name}_fwd_breakdown"].items():
+            print(f"  {name} {kv['ms']:8.4f} ms x{kv['launches']:.1f} {kname[:90]}", flush=True)
         for key in (f"kda_fla_{name}_fwd_wall_ms", f"kda_fla_{name}_fwd_gpu_kernel_ms", f"kda_fla_{name}_fwd_kernels"):
             print(f"{key} {res[key]:.4f}", flush=True)
         del q, k, v, g, beta
