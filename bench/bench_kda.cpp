@@ -66,6 +66,8 @@ struct KdaBenchCase {
     opts.output_final_state = true;
     check_cuda(cudaMalloc(&ws, workspace_bytes(a, opts)), "kda workspace");
   }
+  KdaBenchCase(const KdaBenchCase&) = delete;  // owns device memory
+  KdaBenchCase& operator=(const KdaBenchCase&) = delete;
   ~KdaBenchCase() {
     check_cuda(cudaFree(ws), "free");
     free_rotation(rot);

@@ -46,16 +46,13 @@ void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_
           plan.threads = threads;
           plan.groups_per_thread = gpt;
           plan.packs_per_lane = packs;
-          const int64_t per_block = int64_t(threads / cuda::fp8_lanes_per_group(DType::kBF16, packs)) * gpt;
-          plan.grid = (M * groups + per_block - 1) / per_block;
+          plan.grid = cuda::fp8_full_grid(plan, DType::kBF16, M * groups);
           plans.push_back({false, plan});
         }
     for (int tile_rows : {1, 4, 16, 32}) {
       cuda::Fp8QuantLaunchPlan plan = cuda::plan_fp8_group_quant(problem(0, true), info->sm_count);
       plan.tile_rows = tile_rows;
-      const int64_t per_block = int64_t(plan.threads / cuda::fp8_lanes_per_group(DType::kBF16, plan.packs_per_lane)) *
-                                plan.groups_per_thread;
-      plan.grid = (cuda::fp8_numbered_groups(M, K, tile_rows) + per_block - 1) / per_block;
+      plan.grid = cuda::fp8_full_grid(plan, DType::kBF16, cuda::fp8_numbered_groups(M, K, tile_rows));
       plans.push_back({true, plan});
     }
     for (const auto& [column_major, plan] : plans) {

@@ -11,11 +11,7 @@
 #pragma once
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define ENCORE_FAST_DIV_HD __host__ __device__
-#else
-#define ENCORE_FAST_DIV_HD
-#endif
+#include "core/host_device.hpp"
 
 namespace encore {
 
@@ -32,7 +28,7 @@ struct FastDiv31 {
     magic = uint32_t(((uint64_t(1) << shift) + d - 1) / d);
   }
   // floor(n / divisor) for n in [0, 2^31).
-  ENCORE_FAST_DIV_HD uint32_t div(uint32_t n) const { return uint32_t((uint64_t(n) * magic) >> shift); }
+  ENCORE_HOST_DEVICE uint32_t div(uint32_t n) const { return uint32_t((uint64_t(n) * magic) >> shift); }
 };
 
 }  // namespace encore

@@ -3,11 +3,7 @@
 #pragma once
 #include <cmath>
 
-#ifdef __CUDACC__
-#define ENCORE_HOST_DEVICE __host__ __device__
-#else
-#define ENCORE_HOST_DEVICE
-#endif
+#include "core/host_device.hpp"
 
 namespace encore::quant {
 

@@ -35,14 +35,15 @@ template <class Fn, int kGroupN = 0>
 struct RowPartials : NodeBase<PartialsArgs> {
   using NodeBase<PartialsArgs>::NodeBase;
 
-  // kGroups column groups per CTA tile, one row register tensor each; the epilogue subtile epi_n
-  // lies in group epi_n / (EPI_N / kGroups) (subtiles never straddle a group: static_assert).
-  template <int kGroups, class RTensor, class GTensor, class CTensor, class Residue>
+  // kGroups column groups of kGroupCols columns per CTA tile, one row register tensor each; the
+  // epilogue subtile epi_n lies in group epi_n / (EPI_N / kGroups) (subtiles never straddle a group:
+  // static_assert).
+  template <int kGroups, int kGroupCols, class RTensor, class GTensor, class CTensor, class Residue>
   struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
     static constexpr int kEpiN = decltype(size<4>(shape(std::declval<CTensor>())))::value;
     static_assert(kEpiN % kGroups == 0, "epilogue subtiles must not straddle a column group");
-    CUTLASS_DEVICE Callbacks(RTensor const (&r)[kGroups], GTensor const (&g)[kGroups], CTensor c, Residue res, int group_n)
-        : coord(c), residue(res), group_cols(group_n) {
+    CUTLASS_DEVICE Callbacks(RTensor const (&r)[kGroups], GTensor const (&g)[kGroups], CTensor c, Residue res)
+        : coord(c), residue(res) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kGroups; ++j) {
         acc[j] = r[j];
@@ -54,7 +55,6 @@ struct RowPartials : NodeBase<PartialsArgs> {
     GTensor gmem[kGroups]; // same shape, the partials' addresses
     CTensor coord;         // tCcD
     Residue residue;       // residue_tCcD
-    int group_cols;        // columns per group
 
     template <class ElementAcc, class ElementIn, int kFrag>
     CUTLASS_DEVICE Array<ElementIn, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
@@ -83,7 +83,7 @@ struct RowPartials : NodeBase<PartialsArgs> {
         for (int i = 0; i < size(r_flt); ++i) {
           const float v = quad_sum(r_flt(i));
           // The group's first column stands for the group (N is a multiple of the group width).
-          const auto c = make_coord(get<0>(c_flt(i)), get<1>(c_flt(i)) + j * group_cols);
+          const auto c = make_coord(get<0>(c_flt(i)), get<1>(c_flt(i)) + j * kGroupCols);
           if (leader && elem_less(c, residue)) g_flt(i) = v;
         }
       }
@@ -106,7 +106,7 @@ struct RowPartials : NodeBase<PartialsArgs> {
       r[j] = make_row_registers<float, kRefSrc>(args);
       g[j] = make_row_gmem<kRefSrc, kGroups>(this->params.partials, this->params.ld, args, j);
     }
-    return Callbacks<kGroups, R, G, decltype(args.tCcD), decltype(args.residue_tCcD)>(r, g, args.tCcD, args.residue_tCcD, kW);
+    return Callbacks<kGroups, kW, R, G, decltype(args.tCcD), decltype(args.residue_tCcD)>(r, g, args.tCcD, args.residue_tCcD);
   }
 };
 

@@ -137,8 +137,7 @@ __device__ __forceinline__ int find_seq(const KdaCudaProblem& p, int slot) {
 
 // ---- cp.async (16-byte pieces, global -> shared) -------------------------------------------------
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>  // wait until at most kPending of the committed groups are in flight
@@ -190,7 +189,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 // of matrix l / 8 (16 contiguous bytes, 16-byte aligned); r[m] is matrix m in mma fragment order
 // (lane 4 g + t holds row g, elements 2t and 2t + 1).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* row) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  const unsigned a = smem_addr(row);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
@@ -199,7 +198,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat1
 // The same with each 8 x 8 matrix transposed on the way (ldmatrix.x4.trans): lane l gives row l % 8
 // of matrix l / 8 as stored; r[m] holds, at lane 4 g + t, stored column g, rows 2t and 2t + 1.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* row) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  const unsigned a = smem_addr(row);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cuda/common/device_guard.hpp"
+#include "encore/core/device_info.hpp"
 #include "cuda/kda/kda_device.cuh"
 
 namespace encore::cuda {
@@ -37,10 +38,10 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   // (128) faster with 64 (0.675 vs 0.718 ms, 2.66 vs 2.95 ms).
   int columns = g_state_columns;
   if (columns == 0) {
-    int sms = 132;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device) != cudaSuccess) return Status::cuda_error("SM count");
+    const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
+    ENCORE_RETURN_IF_ERROR(get_device_info(p.device, &info));
     const int64_t blocks64 = int64_t(p.N) * p.H * ((p.V + 63) / 64);
-    columns = 2 * blocks64 < sms ? 32 : 64;
+    columns = 2 * blocks64 < info->sm_count ? 32 : 64;
   }
   ENCORE_RETURN_IF_ERROR(launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel"));
   return chunks ? launched(kda::launch_output_kernel(p, workspace, s), "output kernel") : Status::ok();

@@ -72,6 +72,11 @@ int64_t fp8_numbered_groups(int64_t rows, int64_t cols, int tile_rows) {
   return (rows + tile_rows - 1) / tile_rows * tile_rows * (cols / kFp8GroupSize);
 }
 
+long long fp8_full_grid(const Fp8QuantLaunchPlan& plan, DType dtype, int64_t numbered_groups) {
+  const int64_t per_block = int64_t(plan.threads / fp8_lanes_per_group(dtype, plan.packs_per_lane)) * plan.groups_per_thread;
+  return (numbered_groups + per_block - 1) / per_block;
+}
+
 Fp8QuantLaunchPlan plan_fp8_group_quant(const quant::Fp8QuantProblem& p, int sm_count) {
   Fp8QuantLaunchPlan plan;
   // Column-major scales (consecutive rows adjacent): groups numbered by tiles of 16 rows, so a
@@ -87,8 +92,7 @@ Fp8QuantLaunchPlan plan_fp8_group_quant(const quant::Fp8QuantProblem& p, int sm_
   plan.packs_per_lane = large && p.dtype != DType::kFP32 ? 2 : 1;
   plan.threads = large ? 128 : 256;
   plan.groups_per_thread = 1;
-  const int64_t per_block = int64_t(plan.threads / fp8_lanes_per_group(p.dtype, plan.packs_per_lane)) * plan.groups_per_thread;
-  plan.grid = (num_groups + per_block - 1) / per_block;
+  plan.grid = fp8_full_grid(plan, p.dtype, num_groups);
   return plan;
 }
 

@@ -3,9 +3,10 @@
 // Math:   s = fp8_group_scale(max |x[m, group]|);  q = e4m3_rn_satfinite(x * (1 / s));  scales[m, g] = s.
 // Shapes: x [M, K] T in {bf16, fp16, fp32} (row stride multiple of 16 bytes); q [M, K] e4m3 (row
 //         stride multiple of 16); scales fp32 at m * stride_m + g * stride_g (row- or column-major).
-// Mapping: a group of 128 elements is owned by kLanes = 128 / (16 / sizeof(T)) lanes (16 for
-//   bf16/fp16, 32 for fp32), each lane one 16-byte pack; amax is a butterfly max over the lanes;
-//   each lane writes its 8 (or 4) fp8 bytes, the group's first lane the scale. kGroupsPerThread
+// Mapping: a group of 128 elements is owned by kLanes = 128 / (16 / sizeof(T) * kPacksPerLane)
+//   lanes (bf16/fp16: 16 with one 16-byte pack per lane, 8 with two; fp32: 32, 16), each lane
+//   kPacksPerLane consecutive packs; amax is a butterfly max over the lanes; each lane writes its
+//   fp8 bytes with one store, the group's first lane the scale. kGroupsPerThread
 //   consecutive groups per lane group are loaded before any is written (memory-level parallelism),
 //   in a grid-stride loop over chunks of groups. Groups are numbered by tiles of R = 2^tile_rows_log2
 //   rows: g = (tile * (K / 128) + group) * R + row in tile (tile by multiply and shift); R = 1 is row

@@ -25,6 +25,10 @@ inline int fp8_lanes_per_group(DType dtype, int packs_per_lane) { return 128 / (
 // covers.
 int64_t fp8_numbered_groups(int64_t rows, int64_t cols, int tile_rows);
 
+// Blocks that cover `numbered_groups` with one chunk per lane group (grid-stride loop not needed):
+// ceil(numbered_groups / (threads / lanes per group * groups_per_thread)).
+long long fp8_full_grid(const Fp8QuantLaunchPlan& plan, DType dtype, int64_t numbered_groups);
+
 Fp8QuantLaunchPlan plan_fp8_group_quant(const quant::Fp8QuantProblem& p, int sm_count);
 Status launch_fp8_group_quant(const quant::Fp8QuantProblem& p, const Fp8QuantLaunchPlan& plan, Stream stream);
 
