@@ -1,5 +1,6 @@
 // KDA dispatch: validate -> CUDA forward (src/cuda/kda) or the CPU reference.
 #include <algorithm>
+#include <numeric>
 #include <vector>
 #include <utility>
 
@@ -195,6 +196,12 @@ void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::
     chunk += int32_t(seq_chunks(p.seqs[n]));
   }
   cp.chunk_start[p.seqs.size()] = chunk;
+  std::vector<int32_t> order(p.seqs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) {
+    return cp.chunk_start[x + 1] - cp.chunk_start[x] > cp.chunk_start[y + 1] - cp.chunk_start[y];
+  });
+  std::copy(order.begin(), order.end(), cp.seq_by_length);
   cp.device = a.q.device.index;
 }
 #endif

@@ -6,7 +6,8 @@
 //   SwigluAuxStore<T>  passes z through; stores aux[m, j] = silu(z[m, 2j]) · z[m, 2j+1] (T, row
 //                      stride ld): the half-width SwiGLU output next to the kept pre-activation.
 //                      Stores go out as one 8-byte store per lane and subtile row after a 4x4
-//                      transpose over the quad; aux needs 8-byte aligned rows.
+//                      transpose over the quad (two shuffles of packed 16-bit pairs); aux needs
+//                      8-byte aligned rows. Two pairs share one reciprocal (silu_mul2).
 //   RopeRotate         rotates each pair by θ = 2π·pos[m]·f_j: (a, b) → (a·cosθ − b·sinθ, b·cosθ + a·sinθ),
 //                      f_j = freq[2j] + freq[2j+1] (fp32 hi + lo, turns per position); pairs with
 //                      f_j = 0 pass through. The phase is reduced to [−1/2, 1/2] turns exactly
@@ -16,6 +17,19 @@
 #include "cuda/gemm_epilogue/node_support.cuh"
 
 namespace encore::cuda::sm90::nodes {
+
+// silu(g0)·u0 and silu(g1)·u1 with one reciprocal, g·u·d_other / (d0·d1), d = 1 + 2^(−g·log2 e):
+// an ex2 per pair and a reciprocal per two pairs on the MUFU pipe (was ex2 + rcp per pair). The
+// exponent is clamped at 60 so d0·d1 stays finite: for g < −41.6, silu(g) is computed as g·2^−60
+// instead of g·e^g (both below 1e−16·|g|); a NaN in one pair does not reach the other.
+CUTLASS_DEVICE float2 silu_mul2(float g0, float u0, float g1, float u1) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float d0 = 1.0f + fast_exp2(fminf(-kLog2e * g0, 60.0f));
+  const float d1 = 1.0f + fast_exp2(fminf(-kLog2e * g1, 60.0f));
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d0 * d1));
+  return make_float2(g0 * u0 * (d1 * r), g1 * u1 * (d0 * r));
+}
 
 template <class T>
 struct SwigluAuxArgs {
@@ -43,24 +57,36 @@ struct SwigluAuxStore : NodeBase<SwigluAuxArgs<T>> {
 
     template <class ElementAcc, class ElementIn, int kFrag>
     CUTLASS_DEVICE Array<ElementIn, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int, int, Array<ElementIn, kFrag> const& in) {
-      static_assert(kFrag % 2 == 0, "pairwise nodes need whole column pairs per fragment");
+      static_assert(kFrag % 4 == 0, "SwigluAuxStore takes two column pairs at a time");
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kFrag; i += 2) {
-        const float g = float(in[i]), u = float(in[i + 1]);
-        out[(epi_v * kFrag + i) / 2] = __fdividef(g, 1.0f + fast_exp2(-1.4426950408889634f * g)) * u;
+      for (int i = 0; i < kFrag; i += 4) {
+        const float2 s = silu_mul2(float(in[i]), float(in[i + 1]), float(in[i + 2]), float(in[i + 3]));
+        out[(epi_v * kFrag + i) / 2] = s.x;
+        out[(epi_v * kFrag + i) / 2 + 1] = s.y;
       }
       return in;
     }
 
     // Per subtile row: the quad holds 4 groups of 8 columns, lane q the pair (2q, 2q+1) of each, so
-    // the 4 outputs of group G are spread over the quad. A 4x4 transpose over the quad (two xor
-    // shuffle stages) gives lane q all of group q: one 8-byte store of 4 consecutive outputs.
+    // the 4 outputs of group G are spread over the quad. A 4x4 transpose over the quad gives lane q
+    // all of group q: one 8-byte store of 4 consecutive outputs. The values travel as packed 16-bit
+    // pairs (low half first), two shuffles per row:
+    //   stage 1 (xor 1): keep groups (b0, b0 + 2) of (a0, a2 | a1, a3), send the other pair; the lane
+    //     then holds groups b0 and b0 + 2 from lanes q and q ^ 1;
+    //   stage 2 (xor 2): keep group q (half b1 of both words, ordered by lane), send the other group;
+    //     lanes (q & 2, q | 1) come from this lane, the other two from lane q ^ 2.
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
       Tensor c_mn = coord(_, _, _, epi_m, epi_n);
       Tensor o_mn = row_off(_, _, _, epi_m, epi_n);
-      const int q = quad_lane();
-      const bool b0 = q & 1, b1 = q & 2;
+      const int q = quad_lane(), b0 = q & 1, b1 = (q >> 1) & 1;
+      // __byte_perm selectors of group half h from (keep, recv) ordered by lane: bytes of half h are
+      // (2h, 2h + 1) in keep and (4 + 2h, 5 + 2h) in recv.
+      auto selector = [&](int h) {
+        const uint32_t k = 2 * h | (2 * h + 1) << 4, r = (4 + 2 * h) | (5 + 2 * h) << 4;
+        return b0 ? r | k << 8 : k | r << 8;
+      };
+      const uint32_t sel_own = selector(b1), sel_send = selector(1 - b1);
       CUTLASS_PRAGMA_UNROLL
       for (int p = 0; p < kPairs; ++p) {
         const int dm = int(get<0>(c_mn(2 * p))), dn = int(get<1>(c_mn(2 * p)));
@@ -73,19 +99,23 @@ struct SwigluAuxStore : NodeBase<SwigluAuxArgs<T>> {
           for (int g = 0; g < 4; ++g)
             if (dm2 == dm && dn2 == dn + 8 * g) v[g] = out[p2];
         }
-        // stage 1 (xor 1): keep the groups whose bit 0 is q's
-        const float k0 = b0 ? v[1] : v[0], k1 = b0 ? v[3] : v[2];
-        const float r0 = __shfl_xor_sync(0xffffffffu, b0 ? v[0] : v[1], 1), r1 = __shfl_xor_sync(0xffffffffu, b0 ? v[2] : v[3], 1);
-        // stage 2 (xor 2): keep group q; values of lanes q, q^1 (a0, a1) and q^2, q^3 (c0, c1)
-        const float a0 = b1 ? k1 : k0, a1 = b1 ? r1 : r0;
-        const float c0 = __shfl_xor_sync(0xffffffffu, b1 ? k0 : k1, 2), c1 = __shfl_xor_sync(0xffffffffu, b1 ? r0 : r1, 2);
-        auto pick = [&](int x) { return x == 0 ? a0 : x == 1 ? a1 : x == 2 ? c0 : c1; };
-        Array<T, 4> packed;
-        CUTLASS_PRAGMA_UNROLL
-        for (int s = 0; s < 4; ++s) packed[s] = T(pick(s ^ q));
+        const uint32_t p02 = pack2(v[0], v[2]), p13 = pack2(v[1], v[3]);
+        const uint32_t keep = b0 ? p13 : p02;
+        const uint32_t recv = __shfl_xor_sync(0xffffffffu, b0 ? p02 : p13, 1);
+        const uint32_t own = __byte_perm(keep, recv, sel_own);
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, __byte_perm(keep, recv, sel_send), 2);
+        const uint2 packed = b1 ? make_uint2(other, own) : make_uint2(own, other);
         const bool inside = full || (dm < rows_left && dn + 8 * q < cols_left);
-        if (inside) *reinterpret_cast<uint2*>(base + o_mn(2 * p) + dn / 2 + 4 * q) = reinterpret_cast<uint2 const&>(packed);
+        if (inside) *reinterpret_cast<uint2*>(base + o_mn(2 * p) + dn / 2 + 4 * q) = packed;
       }
+    }
+
+    // Two values of T packed in 32 bits, lo in the low half.
+    CUTLASS_DEVICE static uint32_t pack2(float lo, float hi) {
+      Array<T, 2> a;
+      a[0] = T(lo);
+      a[1] = T(hi);
+      return reinterpret_cast<uint32_t const&>(a);
     }
   };
 

@@ -12,6 +12,8 @@
 namespace encore::cuda {
 namespace {
 
+static_assert(sizeof(KdaCudaProblem) <= 32764, "the problem travels as one kernel parameter (32764-byte limit, CUDA 12.1+)");
+
 int g_state_columns = 0;  // kda_state_columns_override; 0 = the rule below
 
 Status launched(cudaError_t e, const char* what) {

@@ -43,6 +43,9 @@ struct KdaCudaProblem {
   int32_t seq_begin[kKdaMaxSeqs];  // tokens [begin, end) of sequence n
   int32_t seq_end[kKdaMaxSeqs];
   int32_t chunk_start[kKdaMaxSeqs + 1];  // first chunk slot of sequence n; [N] = total chunks
+  // Sequences by chunk count, longest first (ties in index order): the state kernel's blocks start
+  // in this order, so the longest serial passes never wait for a free SM behind short ones.
+  int32_t seq_by_length[kKdaMaxSeqs];
   int device = 0;
 };
 

@@ -1,6 +1,8 @@
-// KDA inter-chunk state kernel (math-kda.md §4): grid (N, H, ceil(V / kVs)), 8 kVs threads (kVs = 64:
+// KDA inter-chunk state kernel (math-kda.md §4): grid (H · ceil(V / kVs), N), 8 kVs threads (kVs = 64:
 // 16 warps, 32: 8 warps); the serial pass of one sequence and head over its chunks on a kVs-column
-// slice of the state
+// slice of the state; blockIdx.y ranks the sequences longest first (p.seq_by_length), so when the
+// grid exceeds one wave the blocks left for later are the short passes (varlen with 160 blocks on
+// 132 SMs: the critical path is the longest sequence, not a short one followed by the longest)
 // S [K, V], on tensor cores (bf16 operands, fp32 accumulation, S itself kept fp32 in registers):
 //
 //   h_t  = S (chunk-start state) -> the record's H (bf16) for the output kernel, h residual
@@ -52,7 +54,8 @@ template <int kVs>
 __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
   using Sm = StateSmem<kVs>;
   constexpr int kLdS = Sm::kLdS;
-  const int n = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * kVs, tid = threadIdx.x, lane = tid % 32;
+  const int nz = (p.V + kVs - 1) / kVs;
+  const int n = p.seq_by_length[blockIdx.y], h = blockIdx.x / nz, v0 = (blockIdx.x % nz) * kVs, tid = threadIdx.x, lane = tid % 32;
   const int slice = v0 / kUSlice, uo = v0 % kUSlice;            // the U slice and the block's offset in it
   const int rw = (tid / 32) % 4, cw = tid / 128;                 // row group, 16-column group
   const int g8 = lane >> 2, t4 = lane & 3, vw = 16 * cw + 2 * t4;  // fragment column vw + 8 nt + e
@@ -160,7 +163,7 @@ cudaError_t launch_state(const KdaCudaProblem& p, void* ws, cudaStream_t stream)
   using Sm = StateSmem<kVs>;
   const cudaError_t e = cudaFuncSetAttribute(kda_state_kernel<kVs>, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kBytes);
   if (e != cudaSuccess) return e;
-  kda_state_kernel<kVs><<<dim3(unsigned(p.N), unsigned(p.H), unsigned((p.V + kVs - 1) / kVs)), Sm::kThreads, Sm::kBytes, stream>>>(p, ws);
+  kda_state_kernel<kVs><<<dim3(unsigned(p.H * ((p.V + kVs - 1) / kVs)), unsigned(p.N)), Sm::kThreads, Sm::kBytes, stream>>>(p, ws);
   return cudaGetLastError();
 }
 
