@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   clk.mark(4);
 
   // 4. Every thread: its β v entries, in bf16 transposed (the product's operand) and in fp32 over the
-  //    q tile (free now; the identity part of U in step 6). Warps 0-11: Aqk out (workspace fp32,
+  //    q tile (free now; the identity part of U in step 6). Warps 0-11: Aqk out (workspace bf16 hi + lo,
   //    residual), the G residual, (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15,
   //    meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
   //    X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane j < 16 = column, X in registers).
@@ -315,10 +315,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
   if (warp < 12) {
     constexpr int kN = 12 * 32;
-    auto* Aqk_ws = reinterpret_cast<float*>(rec + WsLayout::kAqk);
+    auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
+    for (int e = tid; e < kC * kC / 2; e += kN) {  // column pairs (j, j + 1)
+      const int i = e / (kC / 2), j = 2 * (e % (kC / 2));
+      split_bf16(Aq[i * kLdS + j], Aq[i * kLdS + j + 1], Aqk_ws + i * kLdC + j, WsLayout::kAqkPlane);
+    }
     for (int e = tid; e < kC * kC; e += kN) {
       const int i = e / kC, j = e % kC;
-      Aqk_ws[e] = Aq[i * kLdS + j];
       if (j / 16 > i / 16) As[i * kLdS + j] = 0.f;
     }
     if (p.res_Aqk)

@@ -12,9 +12,14 @@
 //   Qg   bf16 [64][136]   s q ⊙ 2^G
 //   H    bf16 [128][136]  the chunk-start state (rows = key, cols = value channels), written by the
 //                         state kernel; Qg and H are the output kernel's first bulk copy
-//   Aqk  fp32 [64][64]    s (q k^T ⊙ decay), zero above the diagonal
-//   Vn   fp32 [64][128]   Vnew = U − W h (rows = tokens, cols = value channels), by the state kernel
-// (the padding columns of W, KgT, Qg and H are never written nor read).
+//   Aqk  bf16 [2][64][72] s (q k^T ⊙ decay), zero above the diagonal, as hi + lo planes
+//   Vn   bf16 [2][64][136] Vnew = U − W h (rows = tokens, cols = value channels), by the state
+//                         kernel, as hi + lo planes
+// Qg, H, Aqk and Vn are the output kernel's one bulk copy. A value x in hi + lo planes is
+// hi = bf16(x), lo = bf16(x − hi) (split_bf16): the output kernel's products take hi·hi + hi·lo +
+// lo·hi, so Aqk and Vnew enter with ~16 significant bits (their single bf16 roundings were two of
+// the five largest error terms, scripts/kda_rounding_model.py).
+// (the padding columns of W, KgT, Qg, H, Aqk and Vn are never written nor read).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -45,9 +50,11 @@ struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kUSliceBytes = int64_t(kC) * kULd * 4;
   static constexpr int64_t kQg = kU + 2 * kUSliceBytes;
   static constexpr int64_t kH = kQg + int64_t(kC) * kLd * 2;
-  static constexpr int64_t kAqk = kH + int64_t(kD) * kLd * 2;  // Qg and H: one bulk copy for the output kernel
-  static constexpr int64_t kVn = kAqk + int64_t(kC) * kC * 4;
-  static constexpr int64_t kBytes = kVn + int64_t(kC) * kD * 4;
+  static constexpr int64_t kAqk = kH + int64_t(kD) * kLd * 2;
+  static constexpr int64_t kAqkPlane = int64_t(kC) * kLdC;  // elements from hi to lo
+  static constexpr int64_t kVn = kAqk + 2 * kAqkPlane * 2;
+  static constexpr int64_t kVnPlane = int64_t(kC) * kLd;
+  static constexpr int64_t kBytes = kVn + 2 * kVnPlane * 2;  // Qg .. end: the output kernel's bulk copy
 };
 static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kH % 16 == 0 &&
                   WsLayout::kQg % 16 == 0 && WsLayout::kAqk % 16 == 0 && WsLayout::kVn % 16 == 0,
@@ -105,6 +112,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 // Elements off and off + 1 (of which the first `n` exist: n <= 0 stores nothing): one 4-byte (bf16)
 // or 8-byte (fp32) store when both exist and the address is aligned for it, element stores otherwise.
+// Two values as bf16 hi + lo pairs: *hi = (bf16(x), bf16(y)), *(hi + plane) = the remainders.
+__device__ __forceinline__ void split_bf16(float x, float y, __nv_bfloat16* hi, int64_t plane) {
+  const float rx = x - __bfloat162float(__float2bfloat16(x)), ry = y - __bfloat162float(__float2bfloat16(y));
+  *reinterpret_cast<uint32_t*>(hi) = pack_bf16(x, y);
+  *reinterpret_cast<uint32_t*>(hi + plane) = pack_bf16(rx, ry);
+}
+
 __device__ __forceinline__ void store_pair(void* base, DType dt, int64_t off, float x, float y, int n) {
   if (n <= 0) return;
   if (dt == DType::kBF16) {

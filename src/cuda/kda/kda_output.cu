@@ -3,12 +3,12 @@
 //
 //   O = Qg h_t + Aqk Vnew     (Qg, Aqk from the chunk kernel; h, Vnew from the state kernel)
 //
-// Aqk and Vnew arrive in fp32 and enter as bf16 pairs x = hi + lo (hi·hi + hi·lo + lo·hi): their
-// single bf16 roundings were two of the five largest error terms (scripts/kda_rounding_model.py).
+// Aqk and Vnew arrive as bf16 hi + lo planes (kda_device.cuh) and enter as hi·hi + hi·lo + lo·hi.
 // warp w: chunk rows 16 (w % 4).., value columns 64 (w / 4)..; Aqk is lower triangular, so row block
 // r needs k-steps 0..r of the second product. o in its dtype for the chunk's valid rows and the
 // first V columns (pairs of columns stored as one word where aligned). h and Vnew stay in their
-// natural [k][n] layouts (ldmatrix.trans). 103 KB of shared memory: two blocks per SM.
+// natural [k][n] layouts (ldmatrix.trans). The whole input (Qg, h, Aqk, Vnew: 103 KB, laid out as in
+// the record) arrives by one bulk copy; two blocks per SM.
 #include "cuda/kda/kda_device.cuh"
 
 namespace encore::cuda::kda {
@@ -16,27 +16,16 @@ namespace {
 
 constexpr int kThreads = 256;
 
-struct OutputSmem {  // byte offsets
-  static constexpr int kQg = 0;                        // bf16 [64][136]
-  static constexpr int kH = kQg + kC * kLd * 2;        // bf16 [128][136] h (rows = key channels)
-  static constexpr int kAqk = kH + kD * kLd * 2;       // bf16 [2][64][72] hi, lo
-  static constexpr int kVn = kAqk + 2 * kC * kLdC * 2;  // bf16 [2][64][136] Vnew hi, lo (rows = tokens)
-  static constexpr int kBar = kVn + 2 * kC * kLd * 2;  // uint64 mbarrier of the bulk copy
+struct OutputSmem {  // byte offsets: the record from Qg on
+  static constexpr int kQg = 0;                                      // bf16 [64][136]
+  static constexpr int kH = int(WsLayout::kH - WsLayout::kQg);       // bf16 [128][136] h (rows = key channels)
+  static constexpr int kAqk = int(WsLayout::kAqk - WsLayout::kQg);   // bf16 [2][64][72] hi, lo
+  static constexpr int kVn = int(WsLayout::kVn - WsLayout::kQg);     // bf16 [2][64][136] Vnew hi, lo (rows = tokens)
+  static constexpr int kBar = int(WsLayout::kBytes - WsLayout::kQg);  // uint64 mbarrier of the bulk copy
   static constexpr int kBytes = kBar + 16;
 };
-static_assert(OutputSmem::kH == int(WsLayout::kH - WsLayout::kQg), "Qg and H arrive as in the record");
-static_assert(OutputSmem::kH % 16 == 0 && OutputSmem::kAqk % 16 == 0 && OutputSmem::kVn % 16 == 0, "16-byte copies");
+static_assert(OutputSmem::kBar % 16 == 0 && WsLayout::kQg % 16 == 0, "one 16-byte-multiple bulk copy");
 static_assert(OutputSmem::kBytes <= 113 * 1024, "two blocks per SM");
-
-// Four consecutive floats -> (hi, lo) bf16 at hi[at..at+3], hi[at + lo_offset..] (8-byte stores).
-__device__ __forceinline__ void split4(float4 x, __nv_bfloat16* hi, int at, int lo_offset) {
-  const float v[4] = {x.x, x.y, x.z, x.w};
-  float r[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) r[e] = v[e] - __bfloat162float(__float2bfloat16(v[e]));
-  *reinterpret_cast<uint2*>(hi + at) = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
-  *reinterpret_cast<uint2*>(hi + at + lo_offset) = make_uint2(pack_bf16(r[0], r[1]), pack_bf16(r[2], r[3]));
-}
 
 __global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
   const int slot = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -47,43 +36,20 @@ __global__ void __launch_bounds__(kThreads) kda_output_kernel(const __grid_const
   const int rows = min(kC, p.seq_end[n] - t0);
   extern __shared__ __align__(16) unsigned char smem[];
   const auto* rec = static_cast<const unsigned char*>(ws) + (int64_t(slot) * p.H + h) * WsLayout::kBytes;
-  // Qg and h (52 KB, adjacent in the record in this layout): one bulk copy, issued by thread 0.
   auto* bar = reinterpret_cast<uint64_t*>(smem + OutputSmem::kBar);
-  if (tid == 0) mbar_init(bar);
-  __syncthreads();
   if (tid == 0) {
-    mbar_expect(bar, unsigned(OutputSmem::kAqk));
-    bulk_copy(smem + OutputSmem::kQg, rec + WsLayout::kQg, unsigned(OutputSmem::kAqk), bar);
+    mbar_init(bar);
+    mbar_expect(bar, unsigned(OutputSmem::kBar));
+    bulk_copy(smem, rec + WsLayout::kQg, unsigned(OutputSmem::kBar), bar);
   }
-  auto* Aqk = reinterpret_cast<__nv_bfloat16*>(smem + OutputSmem::kAqk);
-  auto* Vn = reinterpret_cast<__nv_bfloat16*>(smem + OutputSmem::kVn);
-  const auto* Aqk_ws = reinterpret_cast<const float*>(rec + WsLayout::kAqk);
-  const auto* Vn_ws = reinterpret_cast<const float*>(rec + WsLayout::kVn);
-  // Every fp32 load is issued before the first conversion (the loads do not wait on each other).
-  constexpr int kA4 = kC * kC / 4 / kThreads, kV4 = kC * kD / 4 / kThreads;
-  float4 a4[kA4], v4[kV4];
-#pragma unroll
-  for (int r = 0; r < kA4; ++r) a4[r] = __ldg(reinterpret_cast<const float4*>(Aqk_ws) + tid + r * kThreads);
-#pragma unroll
-  for (int r = 0; r < kV4; ++r) v4[r] = __ldg(reinterpret_cast<const float4*>(Vn_ws) + tid + r * kThreads);
-#pragma unroll
-  for (int r = 0; r < kA4; ++r) {
-    const int e = 4 * (tid + r * kThreads);
-    split4(a4[r], Aqk, (e / kC) * kLdC + e % kC, kC * kLdC);
-  }
-#pragma unroll
-  for (int r = 0; r < kV4; ++r) {
-    const int e = 4 * (tid + r * kThreads);
-    split4(v4[r], Vn, (e / kD) * kLd + e % kD, kC * kLd);
-  }
+  __syncthreads();  // the barrier is initialized
   mbar_wait(bar, 0);
-  __syncthreads();  // the hi/lo tiles of every thread
   const auto* Qg = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kQg);
   const auto* Hs = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kH);
-  const __nv_bfloat16* Ahi = Aqk + 16 * rw * kLdC;
-  const __nv_bfloat16* Alo = Ahi + kC * kLdC;
-  const __nv_bfloat16* Vhi = Vn + 64 * cw;
-  const __nv_bfloat16* Vlo = Vhi + kC * kLd;
+  const auto* Ahi = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kAqk) + 16 * rw * kLdC;
+  const __nv_bfloat16* Alo = Ahi + WsLayout::kAqkPlane;
+  const auto* Vhi = reinterpret_cast<const __nv_bfloat16*>(smem + OutputSmem::kVn) + 64 * cw;
+  const __nv_bfloat16* Vlo = Vhi + WsLayout::kVnPlane;
   float y[8][4];
   zero(y);
   warp_mma_kn<8>(y, Qg + 16 * rw * kLd, kLd, Hs + 64 * cw, kLd, kD / 16);

@@ -7,7 +7,7 @@
 //
 //   h_t  = S (chunk-start state) -> the record's H (bf16) for the output kernel, h residual
 //   Vnew = U − W S            warp (rw, cw) = (w % 4, w / 4): chunk rows 16 rw.., columns 16 cw..
-//                             -> the record's Vn (fp32) for the output kernel
+//                             -> the record's Vn (bf16 hi + lo) for the output kernel
 //   S    = dC ⊙ S + KgT Vnew  state rows 32 rw.., columns 16 cw..
 //
 // O = Qg h_t + Aqk Vnew is not on this serial path: kda_output.cu computes it for all chunks in
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     const auto* dC = reinterpret_cast<const float*>(cur + Sm::kDC);
     unsigned char* rec = record(slot);
     auto* H = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kH);
-    auto* Vn_ws = reinterpret_cast<float*>(rec + WsLayout::kVn);
+    auto* Vn_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kVn);
     // The chunk-start state h for the output kernel, copied from S in 16-byte pieces (padding rows
     // and columns are zero), and the h residual.
     for (int x = tid; x < kD * kVs / 8; x += Sm::kThreads)
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
         const float2 u = *reinterpret_cast<const float2*>(U + i * kULd + vl);
         const float2 vn = make_float2(u.x - x[nt][2 * hh], u.y - x[nt][2 * hh + 1]);
         *reinterpret_cast<uint32_t*>(Vb + i * kLdS + vl) = pack_bf16(vn.x, vn.y);  // the state update's operand
-        *reinterpret_cast<float2*>(Vn_ws + i * kD + v0 + vl) = vn;                 // fp32 for the output kernel
+        split_bf16(vn.x, vn.y, Vn_ws + i * kLd + v0 + vl, WsLayout::kVnPlane);     // hi + lo for the output kernel
       }
     __syncthreads();  // Vnew complete
     // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw..
