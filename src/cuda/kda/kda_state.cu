@@ -35,11 +35,12 @@ struct StateSmem {  // byte offsets
   static constexpr int kU = int(WsLayout::kU);                   // fp32 [64][72] the U slice holding the block's columns
   static constexpr int kStage = kU + int(WsLayout::kUSliceBytes);
   static constexpr int kSb = kStages * kStage;                   // bf16 [128][kLdS] S of the block's columns
-  static constexpr int kVb = kSb + kD * kLdS * 2;                // bf16 [64][kLdS] Vnew
-  static constexpr int kBar = kVb + kC * kLdS * 2;               // uint64 [kStages] stage barriers
+  static constexpr int kVb = kSb + kD * kLdS * 2;                // bf16 [64][kLdS] Vnew (= its hi part)
+  static constexpr int kVlo = kVb + kC * kLdS * 2;               // bf16 [64][kLdS] Vnew − hi
+  static constexpr int kBar = kVlo + kC * kLdS * 2;              // uint64 [kStages] stage barriers
   static constexpr int kBytes = kBar + kStages * 8;
   static_assert(kUSlice % kVs == 0 && kVs % 16 == 0, "a block's columns lie in one U slice");
-  static_assert(kStage % 16 == 0 && kSb % 16 == 0 && kVb % 16 == 0 && kBar % 16 == 0, "aligned parts");
+  static_assert(kStage % 16 == 0 && kSb % 16 == 0 && kVb % 16 == 0 && kVlo % 16 == 0 && kBar % 16 == 0, "aligned parts");
   static_assert(kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 };
 
@@ -63,6 +64,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
   extern __shared__ __align__(16) unsigned char smem[];
   auto* Sb = reinterpret_cast<__nv_bfloat16*>(smem + Sm::kSb);
   auto* Vb = reinterpret_cast<__nv_bfloat16*>(smem + Sm::kVb);
+  auto* Vlo = reinterpret_cast<__nv_bfloat16*>(smem + Sm::kVlo);
   auto* base = static_cast<unsigned char*>(ws);
   auto record = [&](int slot) { return base + (int64_t(slot) * p.H + h) * WsLayout::kBytes; };
 
@@ -138,10 +140,16 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
         const int i = 16 * rw + g8 + 8 * hh, vl = vw + 8 * nt;
         const float2 u = *reinterpret_cast<const float2*>(U + i * kULd + vl);
         const float2 vn = make_float2(u.x - x[nt][2 * hh], u.y - x[nt][2 * hh + 1]);
-        *reinterpret_cast<uint32_t*>(Vb + i * kLdS + vl) = pack_bf16(vn.x, vn.y);  // the state update's operand
-        split_bf16(vn.x, vn.y, Vn_ws + i * kLd + v0 + vl, WsLayout::kVnPlane);     // hi + lo for the output kernel
+        split_bf16(vn.x, vn.y, Vb + i * kLdS + vl, Sm::kVlo - Sm::kVb);  // hi: the state update's operand
       }
     __syncthreads();  // Vnew complete
+    // Vnew's hi and lo planes to the record for the output kernel, from shared memory in 16-byte
+    // pieces (whole 32-byte sectors per row and lane pair; see docs/kda.md for the pair stores).
+    for (int x = tid; x < kC * kVs / 8; x += Sm::kThreads) {
+      const int r = x / (kVs / 8), c = (x % (kVs / 8)) * 8;
+      *reinterpret_cast<uint4*>(Vn_ws + r * kLd + v0 + c) = *reinterpret_cast<const uint4*>(Vb + r * kLdS + c);
+      *reinterpret_cast<uint4*>(Vn_ws + WsLayout::kVnPlane + r * kLd + v0 + c) = *reinterpret_cast<const uint4*>(Vlo + r * kLdS + c);
+    }
     // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw..
     for_state([&](float& s, int c, int) { s *= dC[c]; });
 #pragma unroll
