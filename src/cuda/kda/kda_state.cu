@@ -36,7 +36,7 @@ struct StateSmem {  // byte offsets
   static constexpr int kStage = kU + int(WsLayout::kUSliceBytes);
   static constexpr int kSb = kStages * kStage;                   // bf16 [128][kLdS] S of the block's columns
   static constexpr int kVb = kSb + kD * kLdS * 2;                // bf16 [64][kLdS] Vnew (= its hi part)
-  static constexpr int kVlo = kVb + kC * kLdS * 2;               // bf16 [64][kLdS] Vnew − hi
+  static constexpr int kVlo = kVb + kC * kLdS * 2;               // bf16 [64][kLdS] Vnew − hi (Vb + kC kLdS elements)
   static constexpr int kBar = kVlo + kC * kLdS * 2;              // uint64 [kStages] stage barriers
   static constexpr int kBytes = kBar + kStages * 8;
   static_assert(kUSlice % kVs == 0 && kVs % 16 == 0, "a block's columns lie in one U slice");
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
         const int i = 16 * rw + g8 + 8 * hh, vl = vw + 8 * nt;
         const float2 u = *reinterpret_cast<const float2*>(U + i * kULd + vl);
         const float2 vn = make_float2(u.x - x[nt][2 * hh], u.y - x[nt][2 * hh + 1]);
-        split_bf16(vn.x, vn.y, Vb + i * kLdS + vl, Sm::kVlo - Sm::kVb);  // hi: the state update's operand
+        split_bf16(vn.x, vn.y, Vb + i * kLdS + vl, kC * kLdS);  // Vb (hi, the state update's operand), Vlo
       }
     __syncthreads();  // Vnew complete
     // Vnew's hi and lo planes to the record for the output kernel, from shared memory in 16-byte
