@@ -143,19 +143,20 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
         split_bf16(vn.x, vn.y, Vb + i * kLdS + vl, kC * kLdS);  // Vb (hi, the state update's operand), Vlo
       }
     __syncthreads();  // Vnew complete
-    // Vnew's hi and lo planes to the record for the output kernel, from shared memory in 16-byte
-    // pieces (whole 32-byte sectors per row and lane pair; see docs/kda.md for the pair stores).
-    for (int x = tid; x < kC * kVs / 8; x += Sm::kThreads) {
-      const int r = x / (kVs / 8), c = (x % (kVs / 8)) * 8;
-      *reinterpret_cast<uint4*>(Vn_ws + r * kLd + v0 + c) = *reinterpret_cast<const uint4*>(Vb + r * kLdS + c);
-      *reinterpret_cast<uint4*>(Vn_ws + WsLayout::kVnPlane + r * kLd + v0 + c) = *reinterpret_cast<const uint4*>(Vlo + r * kLdS + c);
-    }
     // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw..
     for_state([&](float& s, int c, int) { s *= dC[c]; });
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
       warp_mma_kn<2>(S[mt], KgT + (32 * rw + 16 * mt) * kLdC, kLdC, Vb + 16 * cw, kLdS, kC / 16);
     write_s();  // every warp's reads of S ended before the Vnew barrier
+    // Vnew's hi and lo planes to the record for the output kernel, from shared memory in 16-byte
+    // pieces (whole 32-byte sectors; see docs/kda.md for the pair stores), after the state update so
+    // the copy is off the serial path (Vb and Vlo are next written after the next chunk's barrier).
+    for (int x = tid; x < kC * kVs / 8; x += Sm::kThreads) {
+      const int r = x / (kVs / 8), c = (x % (kVs / 8)) * 8;
+      *reinterpret_cast<uint4*>(Vn_ws + r * kLd + v0 + c) = *reinterpret_cast<const uint4*>(Vb + r * kLdS + c);
+      *reinterpret_cast<uint4*>(Vn_ws + WsLayout::kVnPlane + r * kLd + v0 + c) = *reinterpret_cast<const uint4*>(Vlo + r * kLdS + c);
+    }
   }
   if (p.final_state)
     for_state([&](float& s, int c, int vl) {
