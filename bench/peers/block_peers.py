@@ -3,9 +3,13 @@ textbook block in PyTorch bf16 (x1 = y0 @ w0.T + x0; z1 = rmsnorm(x1)*g0 @ w1.T;
 x2 = y1 @ w2.T + x1; qkv = RoPE(rmsnorm(x2)*g1 @ w3.T), interleaved gate/up and RoPE pairs as in
 encore), eager, torch.compile, and its four matmuls alone (cuBLAS), at LLaMA 1B/8B/70B sizes with
 M = 8192 and 16384. Timing: triton.testing.do_bench (median, L2 flushed between reps), like
-../shared/docs/bench_peers.py. Usage: python3 bench/peers/block_peers.py OUT.json"""
+../shared/docs/bench_peers.py. When the encore Python module is importable (built for this Python,
+e.g. PYTHONPATH=build-py/python), encore.llama_block_forward is timed the same way, so the ratio
+to torch.compile does not mix two timing methods. BLOCK_SIZES (e.g. "8B") limits the sizes.
+Usage: python3 bench/peers/block_peers.py OUT.json"""
 import json
 import math
+import os
 import sys
 
 import torch
@@ -13,6 +17,13 @@ from triton.testing import do_bench
 
 dev, bf = "cuda", torch.bfloat16
 SIZES = {"1B": (2048, 8192, 32, 8, 64), "8B": (4096, 14336, 32, 8, 128), "70B": (8192, 28672, 64, 8, 128)}
+if os.environ.get("BLOCK_SIZES"):
+    SIZES = {k: v for k, v in SIZES.items() if k in os.environ["BLOCK_SIZES"].split(",")}
+try:
+    import encore
+    HAVE_ENCORE = encore.built_with_cuda() and encore.cuda_device_count() > 0
+except ImportError:
+    HAVE_ENCORE = False
 
 
 def rmsnorm(h, w, eps=1e-5):
@@ -51,6 +62,12 @@ def main(out):
             key = f"{name}_M{M}"
             res[f"block_{key}_eager_ms"] = do_bench(lambda: block(*args), warmup=10, rep=100, return_mode="median")
             res[f"block_{key}_compile_ms"] = do_bench(lambda: comp(*args), warmup=10, rep=100, return_mode="median")
+            if HAVE_ENCORE:  # the same block (interleaved gate/up, RoPE on the q and k heads) in encore
+                epos = (torch.arange(M, device=dev) % 8192).to(torch.int32)
+                efreq = torch.from_numpy(encore.rope_freq_turns(hq + 2 * hkv, hq + hkv, hd, 500000.0)).to(dev)
+                res[f"block_{key}_encore_ms"] = do_bench(lambda: encore.llama_block_forward(y0, x0, w0, w1, w2, w3, g0, g1, epos, efreq),
+                                                         warmup=10, rep=100, return_mode="median")
+                print(f"block_{key}_encore_ms {res[f'block_{key}_encore_ms']:.4f}", flush=True)
             y1 = t(M, F)
             res[f"block_{key}_gemms_only_ms"] = do_bench(lambda: (y0 @ w0.t(), x0 @ w1.t(), y1 @ w2.t(), x0 @ w3.t()), warmup=10, rep=100,
                                                          return_mode="median")
