@@ -130,6 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   float* dtb = Ts;  // dt_bias of this head, [K], until step 1's gate sums
   const bool has_dtb = p.gate_in_kernel && p.dt_bias;
   if (has_dtb && tid < K) dtb[tid] = p.dt_bias[h * K + tid];
+  const float beta = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;  // in flight with the tiles
   cp_async_wait<0>();
   __syncthreads();
   float vreg[kTasks][8];
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       vreg[r][e] = x[3][e];
     }
   }
-  if (tid < kC) bs[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
+  if (tid < kC) bs[tid] = beta;
   if (tid < 4) span[tid] = 0;
   __syncthreads();
   clk.mark(0);
