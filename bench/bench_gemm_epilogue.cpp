@@ -364,9 +364,18 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
   // swizzle), "raster" (the widest GEMMs, 70B gate/up, 8B gate/up and the LM head's LSE, in each
   // raster order).
   const std::string filter = std::getenv("ENCORE_BENCH_FILTER") ? std::getenv("ENCORE_BENCH_FILTER") : "";
-  if (filter.find("swizzle") != std::string::npos)
+  if (filter.find("swizzle") != std::string::npos) {
     for (Epilogue e : {Epilogue::kRowScale, Epilogue::kSwiglu})
       kernel_vs_cublas(x, e, "8B", M, 2 * 14336, 4096, true, {Schedule{1}, Schedule{2}, Schedule{4}, Schedule{8}});
+    // The LM head (1002 N-tiles, 486 tiles per CTA): weight re-reads from DRAM against swizzle and
+    // order (docs/gemm_epilogue.md); one variant for ncu with e.g.
+    // ENCORE_BENCH_FILTER="gemm_lse_no_d pingpong_128x128 8B swizzle2 raster N".
+    std::vector<Schedule> lm;
+    for (int z : {1, 2, 4, 8})
+      for (GemmRaster r : {GemmRaster::kAlongM, GemmRaster::kAlongN}) lm.push_back(Schedule{z, r});
+    kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false, lm,
+                     {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128});
+  }
   if (filter.find("raster") != std::string::npos) {
     // Swizzle 8 (the auto swizzle) in each raster order; a first sweep over swizzles 1-8 x raster
     // (bench/results/2026-11-29-h200-gemm_epilogue-raster-sweep-aecd32a.json) had swizzle 8 best everywhere.
