@@ -84,9 +84,18 @@ if [ "${ENCORE_KDA_PEERS:-0}" = 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$log" 2>&1
   step "peers: fla chunk_kda" env PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py "$OUT/kda_peers.json"
 fi
-# torch.compile / eager / cuBLAS of the LLaMA shifted block (ENCORE_BLOCK_PEERS=1).
+# torch.compile / eager / cuBLAS of the LLaMA shifted block (ENCORE_BLOCK_PEERS=1), and encore's block
+# through the Python module timed the same way (the module from the pytest step, else built here).
 if [ "${ENCORE_BLOCK_PEERS:-0}" = 1 ]; then
-  step "peers: llama block" env PYTHONUNBUFFERED=1 python3 bench/peers/block_peers.py "$OUT/block_peers.json"
+  if ! ls build-py/python/encore/_encore*.so >/dev/null 2>&1; then
+    prebuilt=()
+    [ -d .gpulibs ] && prebuilt=(-DENCORE_PREBUILT_KERNELS="$root/.gpulibs")
+    { cmake -S . -B build-py -G Ninja -DENCORE_CUDA=ON -DENCORE_BUILD_PYTHON=ON -DENCORE_BUILD_TESTS=OFF -DENCORE_BUILD_BENCH=OFF \
+        -DENCORE_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release "${prebuilt[@]}" && cmake --build build-py -j; } >"$OUT/pymodule.log" 2>&1 ||
+      say "python module build failed (see pymodule.log): the block peers run without encore"
+  fi
+  step "peers: llama block" env PYTHONPATH="$root/build-py/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+    python3 bench/peers/block_peers.py "$OUT/block_peers.json"
 fi
 # The shared peer script (../shared/docs/bench_peers.py, copied into the carried .whl/ by
 # scripts/stage_gpu.sh) for the sections named in ENCORE_SHARED_PEERS; writes $OUT/anchors.json.
