@@ -145,10 +145,9 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
   }
 }
 
-// The state kernel on 32-column blocks (256 threads; two blocks per U slice, the second at column
-// offset 32; V 96 leaves a block of padding columns).
 // Both state-kernel widths whatever the rule picks (it takes 32 columns for grids that fill less
-// than half of the SMs, so the small cases above run on 32).
+// than half of the SMs, so the small cases above run on 32): 32-column blocks have 256 threads, two
+// per U slice (the second at column offset 32), and V 96 leaves a block of padding columns.
 TEST_F(KdaGpu, StateKernelOn32And64ColumnBlocks) {
   for (int columns : {32, 64}) {
     ASSERT_TRUE(cuda::kda_state_columns_override(columns));

@@ -23,11 +23,9 @@ namespace encore::cuda::sm90::nodes {
 // exponent is clamped at 60 so d0·d1 stays finite: for g < −41.6, silu(g) is computed as g·2^−60
 // instead of g·e^g (both below 1e−16·|g|); a NaN in one pair does not reach the other.
 CUTLASS_DEVICE float2 silu_mul2(float g0, float u0, float g1, float u1) {
-  constexpr float kLog2e = 1.4426950408889634f;
   const float d0 = 1.0f + fast_exp2(fminf(-kLog2e * g0, 60.0f));
   const float d1 = 1.0f + fast_exp2(fminf(-kLog2e * g1, 60.0f));
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d0 * d1));
+  const float r = fast_rcp(d0 * d1);
   return make_float2(g0 * u0 * (d1 * r), g1 * u1 * (d0 * r));
 }
 

@@ -124,7 +124,6 @@ struct OnlineLseArgs {
 // the quad and writes ln Σ.
 struct OnlineLse : NodeBase<OnlineLseArgs> {
   using NodeBase<OnlineLseArgs>::NodeBase;
-  static constexpr float kLog2e = 1.4426950408889634f;
   static constexpr float kLn2 = 0.6931471805599453f;
 
   template <class RTensor, class ITensor, class GTensor, class CTensor, class Residue, class Origin>

@@ -110,8 +110,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Elements off and off + 1 (of which the first `n` exist: n <= 0 stores nothing): one 4-byte (bf16)
-// or 8-byte (fp32) store when both exist and the address is aligned for it, element stores otherwise.
 // Two values as bf16 hi + lo pairs: *hi = (bf16(x), bf16(y)), *(hi + plane) = the remainders.
 __device__ __forceinline__ void split_bf16(float x, float y, __nv_bfloat16* hi, int64_t plane) {
   const float rx = x - __bfloat162float(__float2bfloat16(x)), ry = y - __bfloat162float(__float2bfloat16(y));
@@ -119,6 +117,8 @@ __device__ __forceinline__ void split_bf16(float x, float y, __nv_bfloat16* hi, 
   *reinterpret_cast<uint32_t*>(hi + plane) = pack_bf16(rx, ry);
 }
 
+// Elements off and off + 1 (of which the first `n` exist: n <= 0 stores nothing): one 4-byte (bf16)
+// or 8-byte (fp32) store when both exist and the address is aligned for it, element stores otherwise.
 __device__ __forceinline__ void store_pair(void* base, DType dt, int64_t off, float x, float y, int n) {
   if (n <= 0) return;
   if (dt == DType::kBF16) {
@@ -158,15 +158,6 @@ template <int kPending>  // wait until at most kPending of the committed groups 
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
-// Copies `rows` rows of `bytes_per_row` (a multiple of 16) from global (row stride src_ld bytes) to
-// shared (row stride dst_ld bytes), pieces spread over `nthreads` threads.
-__device__ __forceinline__ void cp_async_rows(unsigned char* dst, int dst_ld, const unsigned char* src, int64_t src_ld, int rows,
-                                              int bytes_per_row, int tid, int nthreads) {
-  const int pieces = bytes_per_row / 16;
-  for (int x = tid; x < rows * pieces; x += nthreads)
-    cp_async16(dst + (x / pieces) * dst_ld + (x % pieces) * 16, src + (x / pieces) * src_ld + (x % pieces) * 16);
-}
-
 // A [B, T, H, C] tensor whose rows can be copied raw in 16-byte pieces: bf16, C a multiple of 8,
 // 16-byte aligned base and strides (block-uniform).
 __device__ __forceinline__ bool raw_tile_ok(const KdaTensor& t, int C) {
