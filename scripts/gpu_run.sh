@@ -87,12 +87,8 @@ fi
 # torch.compile / eager / cuBLAS of the LLaMA shifted block (ENCORE_BLOCK_PEERS=1), and encore's block
 # through the Python module timed the same way (the module from the pytest step, else built here).
 if [ "${ENCORE_BLOCK_PEERS:-0}" = 1 ]; then
-  if ! ls build-py/python/encore/_encore*.so >/dev/null 2>&1; then
-    prebuilt=()
-    [ -d .gpulibs ] && prebuilt=(-DENCORE_PREBUILT_KERNELS="$root/.gpulibs")
-    { cmake -S . -B build-py -G Ninja -DENCORE_CUDA=ON -DENCORE_BUILD_PYTHON=ON -DENCORE_BUILD_TESTS=OFF -DENCORE_BUILD_BENCH=OFF \
-        -DENCORE_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release "${prebuilt[@]}" && cmake --build build-py -j; } >"$OUT/pymodule.log" 2>&1 ||
-      say "python module build failed (see pymodule.log): the block peers run without encore"
+  if ! ls build-py/python/encore/_encore*.so >/dev/null 2>&1 && ! ./scripts/build_pymodule.sh "$OUT/pymodule.log"; then
+    say "python module build failed (see pymodule.log): the block peers run without encore"
   fi
   step "peers: llama block" env PYTHONPATH="$root/build-py/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
     python3 bench/peers/block_peers.py "$OUT/block_peers.json"
