@@ -1,6 +1,8 @@
-// KDA intra-chunk kernel (math-kda.md §4, §8.2): grid (chunk slots, H), 512 threads, one chunk of
-// <= 64 tokens of one head; writes the state kernel's operands (kda_device.cuh's workspace record)
-// and the backward's residuals (G, Aqk, Akk).
+// KDA intra-chunk kernel (math-kda.md §4, §8.2): persistent, one block of 512 threads per SM, each
+// block takes (chunk slot, head) items in turn (item = h · slots + slot, stepping by the grid), one
+// chunk of <= 64 tokens of one head per item; writes the state kernel's operands (kda_device.cuh's
+// workspace record) and the backward's residuals (G, Aqk, Akk). The next item's raw input tiles are
+// in flight (cp.async) while the current item computes W and U, into tiles that step 6 does not use.
 //
 //   gate activation (precomputed log-decay, in-kernel softplus with optional dt_bias, or the lower
 //   bound gate), optional q/k L2 norm, chunk-local cumulative gate G in log2 (fp32);
@@ -33,14 +35,14 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kQ = 0;                      // fp32 [64][129] q (L2-normed)
   static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][129] k (L2-normed)
   static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][129] gate, then cumulative log2 gate G
-  static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)
+  static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)       | raw q tile of the next item (step 6 on)
   static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
   static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
   static constexpr int kAbf = kQr + kD * kLdC * 2;
   static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later (β v)ᵀ [128][72]
-  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L
-  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk
-  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1
+  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L                        | raw k tile
+  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk                      | raw gate tile
+  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1           | raw v tile
   static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [16][65]: [3][16][17] temporaries of the inverse | [4][128] gate sums | [128] dt_bias
   static constexpr int kBeta = kT + 16 * kLdS * 4;  // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k
@@ -52,6 +54,9 @@ static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSme
 static_assert(kWarps == 16, "steps 1, 3, 4 and 6 map 16 warps");
 static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
+static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 && kRawTileBytes <= kC * kLdS * 4 &&
+                  kRawTileBytes <= kC * kLd * 2,
+              "raw input tiles fit the tiles they alias");
 constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a diagonal block
 
 // Phase profile (kda_launch.hpp): counters and the switch, in this translation unit only.
@@ -80,353 +85,399 @@ struct PhaseClock {  // thread 0's view: a phase ends when thread 0 leaves its c
 // Row offset of reference s's block of k rows inside kref: s = 1 -> 0, 2 -> 16, 3 -> 48.
 __device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
 
-__global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
-  const int slot = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g8 = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
-  const int n = find_seq(p, slot);
-  const int b = p.varlen ? 0 : n;
-  const int t0 = p.seq_begin[n] + (slot - p.chunk_start[n]) * kC;
-  const int rows = min(kC, p.seq_end[n] - t0);
-  const int K = p.K, V = p.V;
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* qs = reinterpret_cast<float*>(smem + ChunkSmem::kQ);
-  float* ks = reinterpret_cast<float*>(smem + ChunkSmem::kK);
-  float* Gs = reinterpret_cast<float*>(smem + ChunkSmem::kG);
-  auto* kinv = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kKinv);
-  auto* qr = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kQr);
-  auto* kr = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kKr);
-  auto* kref = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kKref);
-  auto* kbT = qr;                                                          // after step 3
-  auto* Abf = reinterpret_cast<__nv_bfloat16*>(smem + ChunkSmem::kAbf);   // after step 3
-  auto* vbT = kref;                                                        // after step 3
-  float* Ls = reinterpret_cast<float*>(smem + ChunkSmem::kL);
-  float* Aq = reinterpret_cast<float*>(smem + ChunkSmem::kAq);
-  float* As = reinterpret_cast<float*>(smem + ChunkSmem::kAs);
-  float* Ts = reinterpret_cast<float*>(smem + ChunkSmem::kT);
-  float* bs = reinterpret_cast<float*>(smem + ChunkSmem::kBeta);
-  float* rn = reinterpret_cast<float*>(smem + ChunkSmem::kRn);
-  int* span = reinterpret_cast<int*>(smem + ChunkSmem::kSafe);  // [4] decay span of diagonal block s (float bits, >= 0)
-  unsigned char* rec = ws_record(ws, slot, p.H, h);
-  PhaseClock clk(tid == 0 && g_phase_on);
-
-  // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β; v stays
-  //    in registers until its tile is free (step 4). A bf16 tensor with 16-byte rows arrives raw in
-  //    shared memory first (cp.async, all four tiles in flight at once, into the operand tiles that
-  //    step 2 fills later); others are read from global memory by load8. A warp's lanes take 32
-  //    consecutive rows of one 8-channel group, so the fp32 tile stores and the (β v)ᵀ stores of
-  //    step 4 are free of bank conflicts.
-  const float ea = (p.gate_in_kernel && p.A_log) ? expf(p.A_log[h]) : 1.0f;
-  constexpr int kTasks = kC * kD / 8 / kThreads;
-  const KdaTensor* src[4] = {&p.q, &p.k, &p.g, &p.v};
-  __nv_bfloat16* raw[4] = {kinv, qr, kr, kref};  // [64][136] each, free until step 2
-  bool fast[4];
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    const int C = t == 3 ? V : K;
-    fast[t] = raw_tile_ok(*src[t], C);
-    if (fast[t]) cp_async_tile(raw[t], *src[t], b, t0, h, rows, C, tid, kThreads);
+// One work item: the chunk in slot `slot` of head h (item = h · slots + slot).
+struct ChunkItem {
+  int slot, h, b, t0, rows;
+  __device__ ChunkItem(const KdaCudaProblem& p, int item) {
+    const int slots = p.chunk_start[p.N];
+    slot = item % slots;
+    h = item / slots;
+    const int n = find_seq(p, slot);
+    b = p.varlen ? 0 : n;
+    t0 = p.seq_begin[n] + (slot - p.chunk_start[n]) * kC;
+    rows = min(kC, p.seq_end[n] - t0);
   }
+};
+
+// Input t of the chunk (0 q, 1 k, 2 gate, 3 v), its channel count, and the tile its raw copy lands in
+// (free from step 6 to step 1).
+__device__ __forceinline__ const KdaTensor& input(const KdaCudaProblem& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
+__device__ __forceinline__ int channels(const KdaCudaProblem& p, int t) { return t == 3 ? p.V : p.K; }
+__device__ __forceinline__ __nv_bfloat16* raw_tile(unsigned char* smem, int t) {
+  return reinterpret_cast<__nv_bfloat16*>(smem + (t == 0 ? ChunkSmem::kKinv : t == 1 ? ChunkSmem::kL : t == 2 ? ChunkSmem::kAq : ChunkSmem::kAs));
+}
+
+// An item's inputs that travel ahead of it: the raw tiles of the inputs in `fast` (bit t) by
+// cp.async (one commit group), and in registers this thread's β (row tid), dt_bias (channel tid)
+// and A_log of the head.
+struct ItemScalars {
+  float beta, dtb, a_log;
+};
+__device__ __forceinline__ ItemScalars issue_inputs(const KdaCudaProblem& p, const ChunkItem& it, unsigned char* smem, int fast, int tid) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+    if (fast >> t & 1) cp_async_tile(raw_tile(smem, t), input(p, t), it.b, it.t0, it.h, it.rows, channels(p, t), tid, kThreads);
   cp_async_commit();
-  float* dtb = Ts;  // dt_bias of this head, [K], until step 1's gate sums
-  const bool has_dtb = p.gate_in_kernel && p.dt_bias;
-  if (has_dtb && tid < K) dtb[tid] = p.dt_bias[h * K + tid];
-  const float beta = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;  // in flight with the tiles
-  cp_async_wait<0>();
-  __syncthreads();
-  float vreg[kTasks][8];
-#pragma unroll
-  for (int r = 0; r < kTasks; ++r) {
-    const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
-    float x[4][8];  // q, k, gate, v
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int C = t == 3 ? V : K;
-      if (i < rows && c0 < C) {
-        if (fast[t]) unpack8(*reinterpret_cast<const uint4*>(raw[t] + i * kLd + c0), x[t]);
-        else load8(*src[t], b, t0 + i, h, c0, C, x[t]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) x[t][e] = 0.f;
-      }
-    }
-    if (p.gate_in_kernel && i < rows) {  // the activation on channels < K (the padding stays 0)
-      float a[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) a[e] = x[2][e] + (has_dtb && c0 + e < K ? dtb[c0 + e] : 0.f);
-      if (p.lower_bound_gate) {  // lower_bound · sigmoid(e^A_log x)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) a[e] = __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
-      } else {  // −e^A_log softplus(x)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) a[e] = -ea * (a[e] > 20.f ? a[e] : __logf(1.0f + __expf(a[e])));
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[2][e] = c0 + e < K ? a[e] : 0.f;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int c = c0 + e;
-      qs[i * kLdF + c] = x[0][e];
-      ks[i * kLdF + c] = x[1][e];
-      Gs[i * kLdF + c] = x[2][e] * kLog2e;
-      vreg[r][e] = x[3][e];
-    }
-  }
-  if (tid < kC) bs[tid] = beta;
-  if (tid < 4) span[tid] = 0;
-  __syncthreads();
-  clk.mark(0);
-  if (p.l2norm) {  // one warp per row
-    for (int i = warp; i < kC; i += kWarps) {
-      float sq = 0.f, sk = 0.f;
-      for (int c = lane; c < kD; c += 32) {
-        sq += qs[i * kLdF + c] * qs[i * kLdF + c];
-        sk += ks[i * kLdF + c] * ks[i * kLdF + c];
-      }
-      for (int o = 16; o > 0; o >>= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        sk += __shfl_xor_sync(0xffffffffu, sk, o);
-      }
-      if (lane == 0) {
-        rn[i] = rsqrtf(sq + 1e-6f);
-        rn[kC + i] = rsqrtf(sk + 1e-6f);
-      }
-    }
-  }
-  const int gc = tid % kD, gseg = tid / kD;  // cumulative gate: channel, 16-row segment
-  {
-    float acc = 0.f;
-    for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) {
-      acc += Gs[i * kLdF + gc];
-      Gs[i * kLdF + gc] = acc;
-    }
-    Ts[gseg * kD + gc] = acc;  // segment total
-  }
-  __syncthreads();
-  clk.mark(1);
-  {
-    float off = 0.f;
-    for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
-    for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) Gs[i * kLdF + gc] += off;
-  }
-  if (p.l2norm)
-    for (int idx = tid; idx < kC * kD; idx += kThreads) {
-      const int i = idx / kD, c = idx % kD;
-      qs[i * kLdF + c] *= rn[i];
-      ks[i * kLdF + c] *= rn[kC + i];
-    }
-  __syncthreads();
-  clk.mark(2);
+  ItemScalars s;
+  s.beta = tid < it.rows ? load(p.beta, it.b, it.t0 + tid, it.h, 0) : 0.f;
+  s.dtb = p.gate_in_kernel && p.dt_bias && tid < p.K ? p.dt_bias[it.h * p.K + tid] : 0.f;
+  s.a_log = p.gate_in_kernel && p.A_log ? p.A_log[it.h] : 0.f;
+  return s;
+}
 
-  // 2. Operands of the intra-chunk products (reference r = first row of each 16-row block), the
-  //    state kernel's Qg, KgT, dC, and whether each diagonal block's decay span allows the tensor cores.
-  auto* Qg = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kQg);
-  auto* KgT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKgT);
-  auto* dC = reinterpret_cast<float*>(rec + WsLayout::kDC);
-  float span4[4] = {0.f, 0.f, 0.f, 0.f};  // max (G_r − G_i) per diagonal block over this thread's entries
+__global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
+  const int K = p.K, V = p.V;
+  const int items = p.chunk_start[p.N] * p.H;
+  extern __shared__ __align__(16) unsigned char smem[];
+  int fast = 0;  // bit t: input t read raw by cp.async (else by load8 from global memory in step 1)
 #pragma unroll
-  for (int it = 0; it < kC * kD / kThreads; ++it) {  // row i = tid / 128 + 4 it: block it / 4, warp-uniform
-    const int idx = tid + it * kThreads, i = idx / kD, c = idx % kD;
-    const float G = Gs[i * kLdF + c], d = G - Gs[(i & ~15) * kLdF + c], f = exp2f(d);
-    span4[it / 4] = fmaxf(span4[it / 4], -d);
-    const float q = qs[i * kLdF + c], k = ks[i * kLdF + c];
-    qr[i * kLd + c] = __float2bfloat16(q * f);
-    kr[i * kLd + c] = __float2bfloat16(k * f);
-    kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * exp2f(-d) : 0.f);
-    Qg[i * kLd + c] = __float2bfloat16(p.scale * q * exp2f(G));  // padded rows (the output kernel's bulk copy)
-  }
-  for (int idx = tid; idx < 96 * kD; idx += kThreads) {
-    const int R = idx / kD, c = idx % kD;
-    const int s = R < 16 ? 1 : (R < 48 ? 2 : 3), j = R - kref_row(s);
-    kref[R * kLd + c] = __float2bfloat16(ks[j * kLdF + c] * exp2f(Gs[16 * s * kLdF + c] - Gs[j * kLdF + c]));
-  }
-  for (int idx = tid; idx < kD * kC; idx += kThreads) {
-    const int c = idx / kC, j = idx % kC;
-    KgT[c * kLdC + j] = __float2bfloat16(ks[j * kLdF + c] * exp2f(Gs[(kC - 1) * kLdF + c] - Gs[j * kLdF + c]));
-  }
-  if (tid < kD) dC[tid] = exp2f(Gs[(kC - 1) * kLdF + tid]);
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {  // the spans of the diagonal blocks: warp maxima, then shared (bits of floats >= 0 order as ints)
-    float v = span4[t];
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (lane == 0 && v > 0.f) atomicMax(span + t, __float_as_int(v));
-  }
-  __syncthreads();
-  clk.mark(3);
+  for (int t = 0; t < 4; ++t) fast |= raw_tile_ok(input(p, t), channels(p, t)) << t;
+  ItemScalars next = int(blockIdx.x) < items ? issue_inputs(p, ChunkItem(p, blockIdx.x), smem, fast, threadIdx.x) : ItemScalars{};
+  for (int item = blockIdx.x; item < items; item += int(gridDim.x)) {
+    // The item's thread index and view of shared memory, through an offset the compiler cannot see
+    // is 0: the addresses derived from them are not hoisted out of the item loop (that kept more
+    // registers live than the 128 of a 512-thread block, and spilled).
+    int off0 = 0;
+    asm volatile("" : "+r"(off0));
+    unsigned char* const sm = smem + off0;
+    const int tid = int(threadIdx.x) + off0, warp = tid / 32, lane = tid % 32;
+    const int g8 = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
+    float* qs = reinterpret_cast<float*>(sm + ChunkSmem::kQ);
+    float* ks = reinterpret_cast<float*>(sm + ChunkSmem::kK);
+    float* Gs = reinterpret_cast<float*>(sm + ChunkSmem::kG);
+    auto* kinv = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kKinv);
+    auto* qr = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQr);
+    auto* kr = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kKr);
+    auto* kref = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kKref);
+    auto* kbT = qr;                                                          // after step 3
+    auto* Abf = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kAbf);   // after step 3
+    auto* vbT = kref;                                                        // after step 3
+    float* Ls = reinterpret_cast<float*>(sm + ChunkSmem::kL);
+    float* Aq = reinterpret_cast<float*>(sm + ChunkSmem::kAq);
+    float* As = reinterpret_cast<float*>(sm + ChunkSmem::kAs);
+    float* Ts = reinterpret_cast<float*>(sm + ChunkSmem::kT);
+    float* bs = reinterpret_cast<float*>(sm + ChunkSmem::kBeta);
+    float* rn = reinterpret_cast<float*>(sm + ChunkSmem::kRn);
+    int* span = reinterpret_cast<int*>(sm + ChunkSmem::kSafe);  // [4] decay span of diagonal block s (float bits, >= 0)
+    const ChunkItem it(p, item);
+    const int slot = it.slot, h = it.h, b = it.b, t0 = it.t0, rows = it.rows;
+    const ItemScalars cur = next;
+    unsigned char* rec = ws_record(ws, slot, p.H, h);
+    PhaseClock clk(tid == 0 && g_phase_on);
 
-  // 3. Aqk and L, one 16 x 16 block per task: the 4 diagonal blocks of each (tasks 0-7), then the 6
-  //    blocks below the diagonal of each (tasks 8-19); zeros above the diagonal blocks.
-  for (int task = warp; task < 20; task += kWarps) {
-    const bool diag = task < 8, is_l = diag ? task >= 4 : task >= 14;
-    int s, sp;
-    if (diag) {
-      s = sp = task % 4;
-    } else {
-      const int pair = (task - 8) % 6;  // (s, s') = (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
-      s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);
-      sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
-    }
-    if (diag && !(__int_as_float(span[s]) <= kMaxDiagSpan)) {  // per-pair factors in fp32, lane per entry
-      for (int e = lane; e < 256; e += 32) {
-        const int i = 16 * s + e / 16, j = 16 * s + e % 16;
-        float acc = 0.f;
-        if (j <= i)
-          for (int c = 0; c < K; ++c) acc += (is_l ? ks : qs)[i * kLdF + c] * ks[j * kLdF + c] * exp2f(Gs[i * kLdF + c] - Gs[j * kLdF + c]);
-        const bool keep = is_l ? j < i : j <= i;
-        (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc : 0.f;
-      }
-      continue;
-    }
-    float acc[2][4];
-    zero(acc);
-    const __nv_bfloat16* B = diag ? kinv + 16 * s * kLd : kref + (kref_row(s) + 16 * sp) * kLd;
-    warp_mma_nt<2>(acc, (is_l ? kr : qr) + 16 * s * kLd, kLd, B, kLd, kD / 16);
+    // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β; v stays
+    //    in registers until its tile is free (step 4). A bf16 tensor with 16-byte rows arrives raw in
+    //    shared memory first (cp.async, issued in the previous item's step 6 or before the first
+    //    item); others are read from global memory by load8. A warp's lanes take 32 consecutive rows
+    //    of one 8-channel group, so the raw tile reads, the fp32 tile stores and the (β v)ᵀ stores of
+    //    step 4 are free of bank conflicts.
+    const float ea = (p.gate_in_kernel && p.A_log) ? expf(cur.a_log) : 1.0f;
+    constexpr int kTasks = kC * kD / 8 / kThreads;
+    float* dtb = Ts;  // dt_bias of this head, [K], until step 1's gate sums (Ts is not read in step 6)
+    const bool has_dtb = p.gate_in_kernel && p.dt_bias;
+    if (has_dtb && tid < K) dtb[tid] = cur.dtb;
+    const float beta = cur.beta;
+    cp_async_wait<0>();
+    __syncthreads();  // also: the previous item's step 6 is done with qs, ks, Gs and bs
+    float vreg[kTasks][8];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int r = 0; r < kTasks; ++r) {
+      const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
+      float x[4][8];  // q, k, gate, v
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int i = 16 * s + g8 + 8 * (q / 2), j = 16 * sp + 8 * nt + 2 * t4 + q % 2;
-        const bool keep = !diag || (is_l ? j < i : j <= i);
-        (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc[nt][q] : 0.f;
+      for (int t = 0; t < 4; ++t) {
+        const int C = t == 3 ? V : K;
+        if (i < rows && c0 < C) {
+          if (fast >> t & 1) unpack8(*reinterpret_cast<const uint4*>(raw_tile(sm, t) + raw_at(i, c0)), x[t]);
+          else load8(input(p, t), b, t0 + i, h, c0, C, x[t]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[t][e] = 0.f;
+        }
       }
-  }
-  for (int e = tid; e < kC * kC; e += kThreads) {
-    const int i = e / kC, j = e % kC;
-    if (j / 16 > i / 16) Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;
-  }
-  __syncthreads();
-  clk.mark(4);
+      if (p.gate_in_kernel && i < rows) {  // the activation on channels < K (the padding stays 0)
+        float a[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = x[2][e] + (has_dtb && c0 + e < K ? dtb[c0 + e] : 0.f);
+        if (p.lower_bound_gate) {  // lower_bound · sigmoid(e^A_log x)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) a[e] = __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
+        } else {  // −e^A_log softplus(x)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) a[e] = -ea * (a[e] > 20.f ? a[e] : __logf(1.0f + __expf(a[e])));
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[2][e] = c0 + e < K ? a[e] : 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int c = c0 + e;
+        qs[i * kLdF + c] = x[0][e];
+        ks[i * kLdF + c] = x[1][e];
+        Gs[i * kLdF + c] = x[2][e] * kLog2e;
+        vreg[r][e] = x[3][e];
+      }
+    }
+    if (tid < kC) bs[tid] = beta;
+    if (tid < 4) span[tid] = 0;
+    __syncthreads();
+    clk.mark(0);
+    if (p.l2norm) {  // one warp per row
+      for (int i = warp; i < kC; i += kWarps) {
+        float sq = 0.f, sk = 0.f;
+        for (int c = lane; c < kD; c += 32) {
+          sq += qs[i * kLdF + c] * qs[i * kLdF + c];
+          sk += ks[i * kLdF + c] * ks[i * kLdF + c];
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+          sq += __shfl_xor_sync(0xffffffffu, sq, o);
+          sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        }
+        if (lane == 0) {
+          rn[i] = rsqrtf(sq + 1e-6f);
+          rn[kC + i] = rsqrtf(sk + 1e-6f);
+        }
+      }
+    }
+    const int gc = tid % kD, gseg = tid / kD;  // cumulative gate: channel, 16-row segment
+    {
+      float acc = 0.f;
+      for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) {
+        acc += Gs[i * kLdF + gc];
+        Gs[i * kLdF + gc] = acc;
+      }
+      Ts[gseg * kD + gc] = acc;  // segment total
+    }
+    __syncthreads();
+    clk.mark(1);
+    {
+      float off = 0.f;
+      for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
+      for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) Gs[i * kLdF + gc] += off;
+    }
+    if (p.l2norm)
+      for (int idx = tid; idx < kC * kD; idx += kThreads) {
+        const int i = idx / kD, c = idx % kD;
+        qs[i * kLdF + c] *= rn[i];
+        ks[i * kLdF + c] *= rn[kC + i];
+      }
+    __syncthreads();
+    clk.mark(2);
 
-  // 4. Every thread: its β v entries, in bf16 transposed (the product's operand) and in fp32 over the
-  //    q tile (free now; the identity part of U in step 6). Warps 0-11: Aqk out (workspace bf16 hi + lo,
-  //    residual), the G residual, (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15,
-  //    meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
-  //    X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane j < 16 = column, X in registers).
-  float* bvs = qs;
+    // 2. Operands of the intra-chunk products (reference r = first row of each 16-row block), the
+    //    state kernel's Qg, KgT, dC, and whether each diagonal block's decay span allows the tensor cores.
+    auto* Qg = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kQg);
+    auto* KgT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKgT);
+    auto* dC = reinterpret_cast<float*>(rec + WsLayout::kDC);
+    float span4[4] = {0.f, 0.f, 0.f, 0.f};  // max (G_r − G_i) per diagonal block over this thread's entries
 #pragma unroll
-  for (int r = 0; r < kTasks; ++r) {
-    const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float bv = bs[i] * vreg[r][e];
-      vbT[(c0 + e) * kLdC + i] = __float2bfloat16(bv);
-      bvs[i * kLdF + c0 + e] = bv;
+    for (int it = 0; it < kC * kD / kThreads; ++it) {  // row i = tid / 128 + 4 it: block it / 4, warp-uniform
+      const int idx = tid + it * kThreads, i = idx / kD, c = idx % kD;
+      const float G = Gs[i * kLdF + c], d = G - Gs[(i & ~15) * kLdF + c], f = fast_exp2(d);
+      span4[it / 4] = fmaxf(span4[it / 4], -d);
+      const float q = qs[i * kLdF + c], k = ks[i * kLdF + c];
+      qr[i * kLd + c] = __float2bfloat16(q * f);
+      kr[i * kLd + c] = __float2bfloat16(k * f);
+      kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * fast_exp2(-d) : 0.f);
+      Qg[i * kLd + c] = __float2bfloat16(p.scale * q * fast_exp2(G));  // padded rows (the output kernel's bulk copy)
     }
-  }
-  const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
-  if (warp < 12) {
-    constexpr int kN = 12 * 32;
-    auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
-    for (int e = tid; e < kC * kC / 2; e += kN) {  // column pairs (j, j + 1)
-      const int i = e / (kC / 2), j = 2 * (e % (kC / 2));
-      split_bf16(Aq[i * kLdS + j], Aq[i * kLdS + j + 1], Aqk_ws + i * kLdC + j, WsLayout::kAqkPlane);
+    for (int idx = tid; idx < 96 * kD; idx += kThreads) {
+      const int R = idx / kD, c = idx % kD;
+      const int s = R < 16 ? 1 : (R < 48 ? 2 : 3), j = R - kref_row(s);
+      kref[R * kLd + c] = __float2bfloat16(ks[j * kLdF + c] * fast_exp2(Gs[16 * s * kLdF + c] - Gs[j * kLdF + c]));
     }
-    for (int e = tid; e < kC * kC; e += kN) {
-      const int i = e / kC, j = e % kC;
-      if (j / 16 > i / 16) As[i * kLdS + j] = 0.f;
-    }
-    if (p.res_Aqk)
-      for (int e = tid; e < rows * kC; e += kN)
-        store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
-    if (p.res_G)
-      for (int e = tid; e < rows * K; e += kN) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
-    for (int idx = tid; idx < kD * kC; idx += kN) {
+    for (int idx = tid; idx < kD * kC; idx += kThreads) {
       const int c = idx / kC, j = idx % kC;
-      kbT[c * kLdC + j] = __float2bfloat16(bs[j] * ks[j * kLdF + c] * exp2f(Gs[j * kLdF + c]));
+      KgT[c * kLdC + j] = __float2bfloat16(ks[j * kLdF + c] * fast_exp2(Gs[(kC - 1) * kLdF + c] - Gs[j * kLdF + c]));
     }
-  } else if (lane < 16) {
-    const int o = 16 * (warp - 12), j = lane;
-    float x[16];  // column j of the block; x[m] = 0 for m < j, so the sums may start at m = 0
+    if (tid < kD) dC[tid] = fast_exp2(Gs[(kC - 1) * kLdF + tid]);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float* Lrow = Ls + (o + i) * kLdS + o;
-      float s0 = i == j ? 1.f : 0.f, s1 = 0.f;  // two chains
-#pragma unroll
-      for (int m = 0; m < i; m += 2) {
-        s0 -= Lrow[m] * x[m];
-        if (m + 1 < i) s1 -= Lrow[m + 1] * x[m + 1];
-      }
-      x[i] = j <= i ? s0 + s1 : 0.f;
+    for (int t = 0; t < 4; ++t) {  // the spans of the diagonal blocks: warp maxima, then shared (bits of floats >= 0 order as ints)
+      float v = span4[t];
+      for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+      if (lane == 0 && v > 0.f) atomicMax(span + t, __float_as_int(v));
     }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
-  }
-  __syncthreads();
-  clk.mark(5);
+    __syncthreads();
+    clk.mark(3);
 
-  // 5. The blocks of A below the diagonal, one block row s at a time: block (s, t) by warps 4t..4t+3,
-  //    a lane 2 entries (rows rr, rr + 2, column cc) of each of the two products:
-  //      T = Σ_{16t <= m < 16s} L_{16s+r, m} A_{m, 16t+c},   A_{16s+r, 16t+c} = −Σ_m A_{16s+r, 16s+m} T_{m, c}
-  //    (A_ss is zero above its diagonal).
-  {
-    const int grp = warp / 4, cc = lane % 16, rr = 4 * (warp % 4) + lane / 16;
-    float* Tg = Ts + grp * 16 * 17;  // [16][17] per group (3 groups fit the [16][65] tile)
-    for (int s = 1; s < 4; ++s) {
-      if (grp < s) {  // warp-uniform
-        const int o = 16 * s, t0 = 16 * grp;
-        const float* L0 = Ls + (o + rr) * kLdS;
-        const float* L1 = L0 + 2 * kLdS;
-        float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;  // four chains; the count is a multiple of 16
-        for (int m = t0; m < o; m += 2) {
-          const float x0 = As[m * kLdS + t0 + cc], x1 = As[(m + 1) * kLdS + t0 + cc];
-          a0 += L0[m] * x0;
-          a1 += L0[m + 1] * x1;
-          b0 += L1[m] * x0;
-          b1 += L1[m + 1] * x1;
-        }
-        Tg[rr * 17 + cc] = a0 + a1;
-        Tg[(rr + 2) * 17 + cc] = b0 + b1;
+    // 3. Aqk and L, one 16 x 16 block per task: the 4 diagonal blocks of each (tasks 0-7), then the 6
+    //    blocks below the diagonal of each (tasks 8-19); zeros above the diagonal blocks.
+    for (int task = warp; task < 20; task += kWarps) {
+      const bool diag = task < 8, is_l = diag ? task >= 4 : task >= 14;
+      int s, sp;
+      if (diag) {
+        s = sp = task % 4;
+      } else {
+        const int pair = (task - 8) % 6;  // (s, s') = (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
+        s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);
+        sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
       }
-      __syncthreads();
-      if (grp < s) {
-        const int o = 16 * s, t0 = 16 * grp;
-        const float* D0 = As + (o + rr) * kLdS + o;
-        const float* D1 = D0 + 2 * kLdS;
-        float y0 = 0.f, y1 = 0.f;
+      if (diag && !(__int_as_float(span[s]) <= kMaxDiagSpan)) {  // per-pair factors in fp32, lane per entry
+        for (int e = lane; e < 256; e += 32) {
+          const int i = 16 * s + e / 16, j = 16 * s + e % 16;
+          float acc = 0.f;
+          if (j <= i)
+            for (int c = 0; c < K; ++c) acc += (is_l ? ks : qs)[i * kLdF + c] * ks[j * kLdF + c] * exp2f(Gs[i * kLdF + c] - Gs[j * kLdF + c]);
+          const bool keep = is_l ? j < i : j <= i;
+          (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc : 0.f;
+        }
+        continue;
+      }
+      float acc[2][4];
+      zero(acc);
+      const __nv_bfloat16* B = diag ? kinv + 16 * s * kLd : kref + (kref_row(s) + 16 * sp) * kLd;
+      warp_mma_nt<2>(acc, (is_l ? kr : qr) + 16 * s * kLd, kLd, B, kLd, kD / 16);
 #pragma unroll
-        for (int m = 0; m < 16; ++m) {
-          const float tm = Tg[m * 17 + cc];
-          y0 += D0[m] * tm;
-          y1 += D1[m] * tm;
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = 16 * s + g8 + 8 * (q / 2), j = 16 * sp + 8 * nt + 2 * t4 + q % 2;
+          const bool keep = !diag || (is_l ? j < i : j <= i);
+          (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc[nt][q] : 0.f;
         }
-        As[(o + rr) * kLdS + t0 + cc] = -y0;
-        As[(o + rr + 2) * kLdS + t0 + cc] = -y1;
-      }
-      __syncthreads();
     }
-  }
-  for (int e = tid; e < kC * kC; e += kThreads)  // A − I: the unit diagonal is added in fp32 in step 6
-    Abf[(e / kC) * kLdC + e % kC] = __float2bfloat16(As[(e / kC) * kLdS + e % kC] - (e / kC == e % kC ? 1.f : 0.f));
-  if (p.res_Akk)
-    for (int e = tid; e < rows * kC; e += kThreads)
-      store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
-  __syncthreads();
-  clk.mark(6);
+    for (int e = tid; e < kC * kC; e += kThreads) {
+      const int i = e / kC, j = e % kC;
+      if (j / 16 > i / 16) Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;
+    }
+    __syncthreads();
+    clk.mark(4);
 
-  // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half).
-  const int r0 = 16 * (warp % 4), half = warp / 8;
-  const bool is_u = (warp / 4) % 2;
-  auto* W = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kW);
-  auto* U = reinterpret_cast<float*>(rec + WsLayout::kU);
-  float acc[8][4];
-  zero(acc);
-  warp_mma_nt<8>(acc, Abf + r0 * kLdC, kLdC, (is_u ? vbT : kbT) + half * 64 * kLdC, kLdC, kC / 16);
+    // 4. Every thread: its β v entries, in bf16 transposed (the product's operand) and in fp32 over the
+    //    q tile (free now; the identity part of U in step 6). Warps 0-11: Aqk out (workspace bf16 hi + lo,
+    //    residual), the G residual, (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15,
+    //    meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
+    //    X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane j < 16 = column, X in registers).
+    float* bvs = qs;
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+    for (int r = 0; r < kTasks; ++r) {
+      const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = r0 + g8 + 8 * hh, c = half * 64 + 8 * nt + 2 * t4;
-      float d[2];  // the identity part of A, exact: β_i v_i, or β_i k_i ⊙ 2^G_i
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        d[e] = is_u ? bvs[i * kLdF + c + e] : bs[i] * ks[i * kLdF + c + e] * exp2f(Gs[i * kLdF + c + e]);
-      if (is_u)
-        *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) =
-            make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
-      else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
+      for (int e = 0; e < 8; ++e) {
+        const float bv = bs[i] * vreg[r][e];
+        vbT[(c0 + e) * kLdC + i] = __float2bfloat16(bv);
+        bvs[i * kLdF + c0 + e] = bv;
+      }
     }
-  clk.mark(7);
-  if (clk.on) atomicAdd(&g_phase_blocks, 1ull);
+    const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
+    if (warp < 12) {
+      constexpr int kN = 12 * 32;
+      auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
+      for (int e = tid; e < kC * kC / 2; e += kN) {  // column pairs (j, j + 1)
+        const int i = e / (kC / 2), j = 2 * (e % (kC / 2));
+        split_bf16(Aq[i * kLdS + j], Aq[i * kLdS + j + 1], Aqk_ws + i * kLdC + j, WsLayout::kAqkPlane);
+      }
+      for (int e = tid; e < kC * kC; e += kN) {
+        const int i = e / kC, j = e % kC;
+        if (j / 16 > i / 16) As[i * kLdS + j] = 0.f;
+      }
+      if (p.res_Aqk)
+        for (int e = tid; e < rows * kC; e += kN)
+          store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
+      if (p.res_G)
+        for (int e = tid; e < rows * K; e += kN) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
+      for (int idx = tid; idx < kD * kC; idx += kN) {  // each k entry read (and replaced) by one thread
+        const int c = idx / kC, j = idx % kC;
+        const float kb = bs[j] * ks[j * kLdF + c] * fast_exp2(Gs[j * kLdF + c]);
+        kbT[c * kLdC + j] = __float2bfloat16(kb);
+        ks[j * kLdF + c] = kb;  // β k ⊙ 2^G in fp32 over k: the identity part of W in step 6
+      }
+    } else if (lane < 16) {
+      const int o = 16 * (warp - 12), j = lane;
+      float x[16];  // column j of the block; x[m] = 0 for m < j, so the sums may start at m = 0
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float* Lrow = Ls + (o + i) * kLdS + o;
+        float s0 = i == j ? 1.f : 0.f, s1 = 0.f;  // two chains
+#pragma unroll
+        for (int m = 0; m < i; m += 2) {
+          s0 -= Lrow[m] * x[m];
+          if (m + 1 < i) s1 -= Lrow[m + 1] * x[m + 1];
+        }
+        x[i] = j <= i ? s0 + s1 : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
+    }
+    __syncthreads();
+    clk.mark(5);
+
+    // 5. The blocks of A below the diagonal, one block row s at a time: block (s, t) by warps 4t..4t+3,
+    //    a lane 2 entries (rows rr, rr + 2, column cc) of each of the two products:
+    //      T = Σ_{16t <= m < 16s} L_{16s+r, m} A_{m, 16t+c},   A_{16s+r, 16t+c} = −Σ_m A_{16s+r, 16s+m} T_{m, c}
+    //    (A_ss is zero above its diagonal).
+    {
+      const int grp = warp / 4, cc = lane % 16, rr = 4 * (warp % 4) + lane / 16;
+      float* Tg = Ts + grp * 16 * 17;  // [16][17] per group (3 groups fit the [16][65] tile)
+      for (int s = 1; s < 4; ++s) {
+        if (grp < s) {  // warp-uniform
+          const int o = 16 * s, t0 = 16 * grp;
+          const float* L0 = Ls + (o + rr) * kLdS;
+          const float* L1 = L0 + 2 * kLdS;
+          float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;  // four chains; the count is a multiple of 16
+          for (int m = t0; m < o; m += 2) {
+            const float x0 = As[m * kLdS + t0 + cc], x1 = As[(m + 1) * kLdS + t0 + cc];
+            a0 += L0[m] * x0;
+            a1 += L0[m + 1] * x1;
+            b0 += L1[m] * x0;
+            b1 += L1[m + 1] * x1;
+          }
+          Tg[rr * 17 + cc] = a0 + a1;
+          Tg[(rr + 2) * 17 + cc] = b0 + b1;
+        }
+        __syncthreads();
+        if (grp < s) {
+          const int o = 16 * s, t0 = 16 * grp;
+          const float* D0 = As + (o + rr) * kLdS + o;
+          const float* D1 = D0 + 2 * kLdS;
+          float y0 = 0.f, y1 = 0.f;
+#pragma unroll
+          for (int m = 0; m < 16; ++m) {
+            const float tm = Tg[m * 17 + cc];
+            y0 += D0[m] * tm;
+            y1 += D1[m] * tm;
+          }
+          As[(o + rr) * kLdS + t0 + cc] = -y0;
+          As[(o + rr + 2) * kLdS + t0 + cc] = -y1;
+        }
+        __syncthreads();
+      }
+    }
+    for (int e = tid; e < kC * kC; e += kThreads)  // A − I: the unit diagonal is added in fp32 in step 6
+      Abf[(e / kC) * kLdC + e % kC] = __float2bfloat16(As[(e / kC) * kLdS + e % kC] - (e / kC == e % kC ? 1.f : 0.f));
+    if (p.res_Akk)
+      for (int e = tid; e < rows * kC; e += kThreads)
+        store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
+    __syncthreads();
+    clk.mark(6);
+
+    // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half).
+    //    First the next item's inputs go in flight: kinv, L, Aqk and A are free now.
+    if (item + int(gridDim.x) < items) next = issue_inputs(p, ChunkItem(p, item + gridDim.x), sm, fast, tid);
+    const int r0 = 16 * (warp % 4), half = warp / 8;
+    const bool is_u = (warp / 4) % 2;
+    auto* W = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kW);
+    auto* U = reinterpret_cast<float*>(rec + WsLayout::kU);
+    float acc[8][4];
+    zero(acc);
+    warp_mma_nt<8>(acc, Abf + r0 * kLdC, kLdC, (is_u ? vbT : kbT) + half * 64 * kLdC, kLdC, kC / 16);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = r0 + g8 + 8 * hh, c = half * 64 + 8 * nt + 2 * t4;
+        float d[2];  // the identity part of A, exact: β_i v_i, or β_i k_i ⊙ 2^G_i
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          d[e] = (is_u ? bvs : ks)[i * kLdF + c + e];
+        if (is_u)
+          *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) =
+              make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
+        else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
+      }
+    clk.mark(7);
+    if (clk.on) atomicAdd(&g_phase_blocks, 1ull);
+  }
 }
 
 }  // namespace
@@ -456,10 +507,11 @@ Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsign
 
 namespace encore::cuda::kda {
 
-cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream) {
+cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int sm_count, cudaStream_t stream) {
   const cudaError_t e = cudaFuncSetAttribute(kda_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ChunkSmem::kBytes);
   if (e != cudaSuccess) return e;
-  kda_chunk_kernel<<<dim3(unsigned(p.chunk_start[p.N]), unsigned(p.H)), kThreads, ChunkSmem::kBytes, stream>>>(p, ws);
+  const int64_t items = int64_t(p.chunk_start[p.N]) * p.H;
+  kda_chunk_kernel<<<unsigned(items < sm_count ? items : sm_count), kThreads, ChunkSmem::kBytes, stream>>>(p, ws);
   return cudaGetLastError();
 }
 

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "cuda/common/bulk_copy.cuh"
+#include "cuda/common/fast_math.cuh"
 #include "cuda/kda/kda_launch.hpp"
 
 namespace encore::cuda::kda {
@@ -35,7 +36,6 @@ constexpr int kC = 64;    // chunk rows
 constexpr int kD = 128;   // padded head dim (K, V <= 128 on CUDA)
 constexpr int kLd = kD + 8;  // bf16 row stride of [*, 128] shared tiles: conflict-free mma fragments
 constexpr int kLdC = kC + 8; // bf16 row stride of [*, 64] shared tiles
-constexpr float kLog2e = 1.4426950408889634f;
 
 constexpr int kUSlice = 64;      // value columns per U slice (the state kernel's block)
 constexpr int kULd = kUSlice + 8;  // fp32 row stride of a U slice: 288-byte rows keep the chunk kernel's pair
@@ -165,15 +165,21 @@ __device__ __forceinline__ bool raw_tile_ok(const KdaTensor& t, int C) {
          t.st % 8 == 0 && t.sh % 8 == 0;
 }
 
-// Issues the copies of rows 0..rows-1 (tokens tok0..), channels 0..C-1 of head h into a bf16 shared
-// tile of row stride kLd (raw_tile_ok holds); nothing is written for the rows and channels beyond.
+// A raw input tile in shared memory: bf16 [64][128], unpadded (16 KB), with the 16-byte pieces of
+// row i permuted by XOR with i % 8, so that 8 consecutive rows at the same channels fall in 8
+// different bank groups (a warp reading 32 rows of one 8-channel piece is conflict-free).
+__device__ __forceinline__ int raw_at(int i, int c0) { return i * kD + ((((c0 >> 3) ^ i) & 7) | (c0 >> 3 & 8)) * 8; }
+constexpr int kRawTileBytes = kC * kD * 2;
+
+// Issues the copies of rows 0..rows-1 (tokens tok0..), channels 0..C-1 of head h into a raw tile
+// (raw_at layout; raw_tile_ok holds); nothing is written for the rows and channels beyond.
 __device__ __forceinline__ void cp_async_tile(__nv_bfloat16* dst, const KdaTensor& t, int b, int tok0, int h, int rows, int C,
                                               int tid, int nthreads) {
   const int pieces = C / 8;
   const auto* base = static_cast<const __nv_bfloat16*>(t.data) + int64_t(b) * t.sb + int64_t(tok0) * t.st + int64_t(h) * t.sh;
   for (int x = tid; x < rows * pieces; x += nthreads) {
     const int i = x / pieces, c0 = (x % pieces) * 8;
-    cp_async16(dst + i * kLd + c0, base + int64_t(i) * t.st + c0);
+    cp_async16(dst + raw_at(i, c0), base + int64_t(i) * t.st + c0);
   }
 }
 
@@ -255,7 +261,8 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
 namespace encore::cuda::kda {
 
 // The three kernels of the forward, launched in order on `stream` by launch_kda_forward.
-cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, cudaStream_t stream);
+// sm_count: the chunk kernel is persistent, one block per SM.
+cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int sm_count, cudaStream_t stream);
 // columns: value columns per state-kernel block, 64 or 32.
 cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, int columns, cudaStream_t stream);
 cudaError_t launch_output_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream);

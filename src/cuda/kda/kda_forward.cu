@@ -32,16 +32,16 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   ENCORE_RETURN_IF_ERROR(guard.set(p.device));
   if (p.chunk_start[p.N] == 0 && !p.final_state) return Status::ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
+  ENCORE_RETURN_IF_ERROR(get_device_info(p.device, &info));
   const bool chunks = p.chunk_start[p.N] > 0;
-  if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, s), "chunk kernel"));
+  if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, info->sm_count, s), "chunk kernel"));
   // Value columns per state block: 64, or 32 when the 64-column grid would fill less than half of
   // the SMs. kda_plans (H200, bench/results/2026-11-29-h200-kda-kda_phases-kda_plans-0672911.json):
   // B1 T8192 (32 blocks of 64) 0.731 ms with 32 columns vs 0.845 ms; varlen (160 blocks) and B4
   // (128) faster with 64 (0.675 vs 0.718 ms, 2.66 vs 2.95 ms).
   int columns = g_state_columns;
   if (columns == 0) {
-    const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
-    ENCORE_RETURN_IF_ERROR(get_device_info(p.device, &info));
     const int64_t blocks64 = int64_t(p.N) * p.H * ((p.V + 63) / 64);
     columns = 2 * blocks64 < info->sm_count ? 32 : 64;
   }
