@@ -2,8 +2,11 @@
 """Per-kernel device times from an `ncu --metrics gpu__time_duration.sum` log: one line per (kernel,
 grid) with the median, the minimum and the number of launches, in microseconds (ncu prints ns, us or
 ms). Kernel names lose their namespaces, arguments and `void`; template arguments stay (so
-kda_state_kernel<64> and <32> are told apart). Used by scripts/gpu_kda.sh and scripts/gpu_infer.sh.
-Usage: ncu_durations.py NCU_LOG [LABEL]"""
+kda_state_kernel<64> and <32> are told apart). A (kernel, grid) launched again after a kernel not
+seen before (the next benchmark configuration) starts a new group, numbered #2, #3, ...: a
+persistent kernel has the same grid in every configuration (the launch of it that came just before
+the new kernel's first one stays in the old group; medians do not notice). Used by scripts/gpu_kda.sh and
+scripts/gpu_infer.sh. Usage: ncu_durations.py NCU_LOG [LABEL]"""
 import re
 import sys
 
@@ -31,10 +34,19 @@ def short_name(full):
 
 def durations(lines):
     current, times = None, {}
+    group = {}  # (name, grid) -> its current group number
     for line in lines:
         m = re.match(r"\s+(\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)", line)
         if m:
-            current = (short_name(m.group(1)), "x".join(m.group(2, 3, 4)))
+            key = (short_name(m.group(1)), "x".join(m.group(2, 3, 4)))
+            if key not in group:  # a new kernel: the keys already launched twice start new groups
+                for k, g in group.items():
+                    if len(times.get((*k, g), [])) >= 2:
+                        group[k] = -(g + 1)
+                group[key] = 1
+            elif group[key] < 0:
+                group[key] = -group[key]
+            current = (*key, group[key])
             continue
         m = re.search(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)", line)
         if m and current:
@@ -48,9 +60,10 @@ def main():
     times = durations(open(sys.argv[1]))
     if not times:
         print(f"ncu {label}no samples")
-    for (name, grid), v in times.items():
+    for (name, grid, g), v in times.items():
         v.sort()
-        print(f"ncu {label}{name} grid {grid}: median {v[len(v) // 2]:.2f} us, min {v[0]:.2f} us over {len(v)} launches")
+        tag = f" #{g}" if g > 1 else ""
+        print(f"ncu {label}{name} grid {grid}{tag}: median {v[len(v) // 2]:.2f} us, min {v[0]:.2f} us over {len(v)} launches")
 
 
 if __name__ == "__main__":

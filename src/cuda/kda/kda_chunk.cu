@@ -141,6 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     asm volatile("" : "+r"(off0));
     unsigned char* const sm = smem + off0;
     const int tid = int(threadIdx.x) + off0, warp = tid / 32, lane = tid % 32;
+    __builtin_assume(tid >= 0 && tid < kThreads);  // the index arithmetic stays unsigned (shifts, masks)
     const int g8 = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
     float* qs = reinterpret_cast<float*>(sm + ChunkSmem::kQ);
     float* ks = reinterpret_cast<float*>(sm + ChunkSmem::kK);
@@ -255,11 +256,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
       for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) Gs[i * kLdF + gc] += off;
     }
+    // Loops over tiles below take a thread's row and column once, then constant strides, so that
+    // the addresses are a base plus constants (not a division per entry).
+    const int c128 = tid % kD, r128 = tid / kD;   // [*][128] tiles: column, first row (rows step 4)
+    const int c64 = tid % kC, r64 = tid / kC;     // [*][64] tiles: column, first row (rows step 8)
     if (p.l2norm)
-      for (int idx = tid; idx < kC * kD; idx += kThreads) {
-        const int i = idx / kD, c = idx % kD;
-        qs[i * kLdF + c] *= rn[i];
-        ks[i * kLdF + c] *= rn[kC + i];
+#pragma unroll 4
+      for (int i = r128; i < kC; i += kThreads / kD) {
+        qs[i * kLdF + c128] *= rn[i];
+        ks[i * kLdF + c128] *= rn[kC + i];
       }
     __syncthreads();
     clk.mark(2);
@@ -272,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     float span4[4] = {0.f, 0.f, 0.f, 0.f};  // max (G_r − G_i) per diagonal block over this thread's entries
 #pragma unroll
     for (int it = 0; it < kC * kD / kThreads; ++it) {  // row i = tid / 128 + 4 it: block it / 4, warp-uniform
-      const int idx = tid + it * kThreads, i = idx / kD, c = idx % kD;
+      const int i = r128 + 4 * it, c = c128;
       const float G = Gs[i * kLdF + c], d = G - Gs[(i & ~15) * kLdF + c], f = fast_exp2(d);
       span4[it / 4] = fmaxf(span4[it / 4], -d);
       const float q = qs[i * kLdF + c], k = ks[i * kLdF + c];
@@ -281,13 +286,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * fast_exp2(-d) : 0.f);
       Qg[i * kLd + c] = __float2bfloat16(p.scale * q * fast_exp2(G));  // padded rows (the output kernel's bulk copy)
     }
-    for (int idx = tid; idx < 96 * kD; idx += kThreads) {
-      const int R = idx / kD, c = idx % kD;
-      const int s = R < 16 ? 1 : (R < 48 ? 2 : 3), j = R - kref_row(s);
+#pragma unroll
+    for (int it = 0; it < 96 / 4; ++it) {  // row R = tid / 128 + 4 it of kref: reference s known per it
+      const int R = r128 + 4 * it, c = c128;
+      const int s = it < 4 ? 1 : (it < 12 ? 2 : 3), j = R - kref_row(s);
       kref[R * kLd + c] = __float2bfloat16(ks[j * kLdF + c] * fast_exp2(Gs[16 * s * kLdF + c] - Gs[j * kLdF + c]));
     }
-    for (int idx = tid; idx < kD * kC; idx += kThreads) {
-      const int c = idx / kC, j = idx % kC;
+#pragma unroll 4
+    for (int c = r64; c < kD; c += kThreads / kC) {  // KgT row c, column j = tid % 64
+      const int j = c64;
       KgT[c * kLdC + j] = __float2bfloat16(ks[j * kLdF + c] * fast_exp2(Gs[(kC - 1) * kLdF + c] - Gs[j * kLdF + c]));
     }
     if (tid < kD) dC[tid] = fast_exp2(Gs[(kC - 1) * kLdF + tid]);
@@ -336,8 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc[nt][q] : 0.f;
         }
     }
-    for (int e = tid; e < kC * kC; e += kThreads) {
-      const int i = e / kC, j = e % kC;
+    for (int i = r64; i < kC; i += kThreads / kC) {
+      const int j = c64;
       if (j / 16 > i / 16) Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;
     }
     __syncthreads();
@@ -363,12 +370,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (warp < 12) {
       constexpr int kN = 12 * 32;
       auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
-      for (int e = tid; e < kC * kC / 2; e += kN) {  // column pairs (j, j + 1)
-        const int i = e / (kC / 2), j = 2 * (e % (kC / 2));
+      for (int i = warp; i < kC; i += kN / 32) {  // column pairs (j, j + 1), a warp a row
+        const int j = 2 * lane;
         split_bf16(Aq[i * kLdS + j], Aq[i * kLdS + j + 1], Aqk_ws + i * kLdC + j, WsLayout::kAqkPlane);
       }
-      for (int e = tid; e < kC * kC; e += kN) {
-        const int i = e / kC, j = e % kC;
+      for (int i = r64; i < kC; i += kN / kC) {
+        const int j = c64;
         if (j / 16 > i / 16) As[i * kLdS + j] = 0.f;
       }
       if (p.res_Aqk)
@@ -376,8 +383,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
       if (p.res_G)
         for (int e = tid; e < rows * K; e += kN) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
-      for (int idx = tid; idx < kD * kC; idx += kN) {  // each k entry read (and replaced) by one thread
-        const int c = idx / kC, j = idx % kC;
+#pragma unroll 4
+      for (int c = r64; c < kD; c += kN / kC) {  // each k entry read (and replaced) by one thread
+        const int j = c64;
         const float kb = bs[j] * ks[j * kLdF + c] * fast_exp2(Gs[j * kLdF + c]);
         kbT[c * kLdC + j] = __float2bfloat16(kb);
         ks[j * kLdF + c] = kb;  // β k ⊙ 2^G in fp32 over k: the identity part of W in step 6
@@ -443,8 +451,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         __syncthreads();
       }
     }
-    for (int e = tid; e < kC * kC; e += kThreads)  // A − I: the unit diagonal is added in fp32 in step 6
-      Abf[(e / kC) * kLdC + e % kC] = __float2bfloat16(As[(e / kC) * kLdS + e % kC] - (e / kC == e % kC ? 1.f : 0.f));
+#pragma unroll 4
+    for (int i = r64; i < kC; i += kThreads / kC)  // A − I: the unit diagonal is added in fp32 in step 6
+      Abf[i * kLdC + c64] = __float2bfloat16(As[i * kLdS + c64] - (i == c64 ? 1.f : 0.f));
     if (p.res_Akk)
       for (int e = tid; e < rows * kC; e += kThreads)
         store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);

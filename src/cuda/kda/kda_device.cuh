@@ -175,8 +175,14 @@ constexpr int kRawTileBytes = kC * kD * 2;
 // (raw_at layout; raw_tile_ok holds); nothing is written for the rows and channels beyond.
 __device__ __forceinline__ void cp_async_tile(__nv_bfloat16* dst, const KdaTensor& t, int b, int tok0, int h, int rows, int C,
                                               int tid, int nthreads) {
-  const int pieces = C / 8;
   const auto* base = static_cast<const __nv_bfloat16*>(t.data) + int64_t(b) * t.sb + int64_t(tok0) * t.st + int64_t(h) * t.sh;
+  if (C == kD) {  // 16 pieces a row: a thread keeps its piece, its rows step by nthreads / 16 (no division per piece)
+    const int c0 = (tid % 16) * 8;
+#pragma unroll 4
+    for (int i = tid / 16; i < rows; i += nthreads / 16) cp_async16(dst + raw_at(i, c0), base + int64_t(i) * t.st + c0);
+    return;
+  }
+  const int pieces = C / 8;
   for (int x = tid; x < rows * pieces; x += nthreads) {
     const int i = x / pieces, c0 = (x % pieces) * 8;
     cp_async16(dst + raw_at(i, c0), base + int64_t(i) * t.st + c0);
