@@ -21,6 +21,8 @@
 //   have g = 0, k = 0, β = 0, so they change nothing).
 //
 // Constraints (dispatch): K, V <= 128 (padded to 128 with zeros), bf16 or fp32 inputs.
+#include <type_traits>
+
 #include "cuda/kda/kda_device.cuh"
 
 namespace encore::cuda::kda {
@@ -181,44 +183,51 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     cp_async_wait<0>();
     __syncthreads();  // also: the previous item's step 6 is done with qs, ks, Gs and bs
     float vreg[kTasks][8];
+    // kFull: a whole chunk of 128-channel inputs all in raw tiles (the common case), without the
+    // per-entry range and path checks.
+    auto load_inputs = [&](auto full) {
+      constexpr bool kFull = decltype(full)::value;
 #pragma unroll
-    for (int r = 0; r < kTasks; ++r) {
-      const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
-      float x[4][8];  // q, k, gate, v
+      for (int r = 0; r < kTasks; ++r) {
+        const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
+        float x[4][8];  // q, k, gate, v
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int C = t == 3 ? V : K;
-        if (i < rows && c0 < C) {
-          if (fast >> t & 1) unpack8(*reinterpret_cast<const uint4*>(raw_tile(sm, t) + raw_at(i, c0)), x[t]);
-          else load8(input(p, t), b, t0 + i, h, c0, C, x[t]);
-        } else {
+        for (int t = 0; t < 4; ++t) {
+          const int C = t == 3 ? V : K;
+          if (kFull || (i < rows && c0 < C)) {
+            if (kFull || (fast >> t & 1)) unpack8(*reinterpret_cast<const uint4*>(raw_tile(sm, t) + raw_at(i, c0)), x[t]);
+            else load8(input(p, t), b, t0 + i, h, c0, C, x[t]);
+          } else {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[t][e] = 0.f;
+            for (int e = 0; e < 8; ++e) x[t][e] = 0.f;
+          }
+        }
+        if (p.gate_in_kernel && (kFull || i < rows)) {  // the activation on channels < K (the padding stays 0)
+          float a[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) a[e] = x[2][e] + (has_dtb && (kFull || c0 + e < K) ? dtb[c0 + e] : 0.f);
+          if (p.lower_bound_gate) {  // lower_bound · sigmoid(e^A_log x)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[e] = __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
+          } else {  // −e^A_log softplus(x)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[e] = -ea * (a[e] > 20.f ? a[e] : __logf(1.0f + __expf(a[e])));
+          }
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[2][e] = kFull || c0 + e < K ? a[e] : 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int c = c0 + e;
+          qs[i * kLdF + c] = x[0][e];
+          ks[i * kLdF + c] = x[1][e];
+          Gs[i * kLdF + c] = x[2][e] * kLog2e;
+          vreg[r][e] = x[3][e];
         }
       }
-      if (p.gate_in_kernel && i < rows) {  // the activation on channels < K (the padding stays 0)
-        float a[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) a[e] = x[2][e] + (has_dtb && c0 + e < K ? dtb[c0 + e] : 0.f);
-        if (p.lower_bound_gate) {  // lower_bound · sigmoid(e^A_log x)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) a[e] = __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
-        } else {  // −e^A_log softplus(x)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) a[e] = -ea * (a[e] > 20.f ? a[e] : __logf(1.0f + __expf(a[e])));
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) x[2][e] = c0 + e < K ? a[e] : 0.f;
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int c = c0 + e;
-        qs[i * kLdF + c] = x[0][e];
-        ks[i * kLdF + c] = x[1][e];
-        Gs[i * kLdF + c] = x[2][e] * kLog2e;
-        vreg[r][e] = x[3][e];
-      }
-    }
+    };
+    if (rows == kC && fast == 15 && K == kD && V == kD) load_inputs(std::true_type{});
+    else load_inputs(std::false_type{});
     if (tid < kC) bs[tid] = beta;
     if (tid < 4) span[tid] = 0;
     __syncthreads();
