@@ -20,6 +20,20 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
                "l"(src), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
 }
+// Bulk stores (cp.async.bulk, shared -> global) in bulk groups: the issuing thread commits its
+// stores as a group and later waits for the group's shared-memory reads (bulk_store_wait_read,
+// before the source is overwritten) or for the whole group (bulk_store_wait_all, before exit).
+// Shared memory written by ordinary stores must be fenced for the async proxy
+// (fence_proxy_async_shared, by the writing threads, then a barrier) before a bulk store reads it.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared to global.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
   unsigned done = 0;
   do {

@@ -56,6 +56,8 @@ static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSme
 static_assert(kWarps == 16, "steps 1, 3, 4 and 6 map 16 warps");
 static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
+static_assert(kC * kLd * 2 == WsLayout::kKgT - WsLayout::kW && 2 * WsLayout::kUSliceBytes <= ChunkSmem::kL - ChunkSmem::kKr,
+              "W stages over qr, U over kr and kref");
 static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 && kRawTileBytes <= kC * kLdS * 4 &&
                   kRawTileBytes <= kC * kLd * 2,
               "raw input tiles fit the tiles they alias");
@@ -275,6 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         qs[i * kLdF + c128] *= rn[i];
         ks[i * kLdF + c128] *= rn[kC + i];
       }
+    if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left qr and kr (step 2 writes them)
     __syncthreads();
     clk.mark(2);
 
@@ -470,15 +473,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     clk.mark(6);
 
     // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half).
-    //    First the next item's inputs go in flight: kinv, L, Aqk and A are free now.
+    //    First the next item's inputs go in flight: kinv, L, Aqk and A are free now. W and U are staged
+    //    in shared memory in the record's layout (over qr, kr and kref, free once every warp's
+    //    products are done) and leave by two bulk stores, so the record writes are whole lines from
+    //    the TMA engine instead of 256 scattered warp stores (this step was the kernel's MIO-bound
+    //    one). Thread 0 waits for the stores' shared-memory reads before step 2 of the next item.
     if (item + int(gridDim.x) < items) next = issue_inputs(p, ChunkItem(p, item + gridDim.x), sm, fast, tid);
     const int r0 = 16 * (warp % 4), half = warp / 8;
     const bool is_u = (warp / 4) % 2;
-    auto* W = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kW);
-    auto* U = reinterpret_cast<float*>(rec + WsLayout::kU);
+    auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQr);  // staging: the record's W [64][136]
+    auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kKr);           // staging: the record's U [2][64][72]
     float acc[8][4];
     zero(acc);
     warp_mma_nt<8>(acc, Abf + r0 * kLdC, kLdC, (is_u ? vbT : kbT) + half * 64 * kLdC, kLdC, kC / 16);
+    __syncthreads();  // every read of Abf, kbT and vbT done
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -493,9 +501,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
               make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
         else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
       }
+    fence_proxy_async_shared();  // the staged W and U visible to the bulk stores
+    __syncthreads();
+    if (tid == 0) {
+      bulk_store(rec + WsLayout::kW, W, unsigned(WsLayout::kKgT - WsLayout::kW));
+      bulk_store(rec + WsLayout::kU, U, unsigned(2 * WsLayout::kUSliceBytes));
+      bulk_store_commit();
+    }
     clk.mark(7);
     if (clk.on) atomicAdd(&g_phase_blocks, 1ull);
   }
+  if (threadIdx.x == 0) bulk_store_wait_all();  // the last item's stores complete before the block's shared memory goes
 }
 
 }  // namespace

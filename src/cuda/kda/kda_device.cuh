@@ -19,7 +19,8 @@
 // hi = bf16(x), lo = bf16(x − hi) (split_bf16): the output kernel's products take hi·hi + hi·lo +
 // lo·hi, so Aqk and Vnew enter with ~16 significant bits (their single bf16 roundings were two of
 // the five largest error terms, scripts/kda_rounding_model.py).
-// (the padding columns of W, KgT, Qg, H, Aqk and Vn are never written nor read).
+// (the padding columns of W, KgT, Qg, H, Aqk, Vn and U are never read; those of W and U are written
+// with whatever the chunk kernel's staging tiles hold, the others are not written).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
