@@ -287,6 +287,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     auto* KgT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKgT);
     auto* dC = reinterpret_cast<float*>(rec + WsLayout::kDC);
     float span4[4] = {0.f, 0.f, 0.f, 0.f};  // max (G_r − G_i) per diagonal block over this thread's entries
+    float Gref[4];                          // G at the references 16 s of the below-diagonal blocks (s = 1, 2, 3)
+#pragma unroll
+    for (int sref = 1; sref < 4; ++sref) Gref[sref] = Gs[16 * sref * kLdF + c128];
 #pragma unroll
     for (int it = 0; it < kC * kD / kThreads; ++it) {  // row i = tid / 128 + 4 it: block it / 4, warp-uniform
       const int i = r128 + 4 * it, c = c128;
@@ -297,12 +300,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       kr[i * kLd + c] = __float2bfloat16(k * f);
       kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * fast_exp2(-d) : 0.f);
       Qg[i * kLd + c] = __float2bfloat16(p.scale * q * fast_exp2(G));  // padded rows (the output kernel's bulk copy)
-    }
 #pragma unroll
-    for (int it = 0; it < 96 / 4; ++it) {  // row R = tid / 128 + 4 it of kref: reference s known per it
-      const int R = r128 + 4 * it, c = c128;
-      const int s = it < 4 ? 1 : (it < 12 ? 2 : 3), j = R - kref_row(s);
-      kref[R * kLd + c] = __float2bfloat16(ks[j * kLdF + c] * fast_exp2(Gs[16 * s * kLdF + c] - Gs[j * kLdF + c]));
+      for (int sref = it / 4 + 1; sref < 4; ++sref)  // row i of reference sref's block of kref (i < 16 sref)
+        kref[(kref_row(sref) + i) * kLd + c] = __float2bfloat16(k * fast_exp2(Gref[sref] - G));
     }
 #pragma unroll 4
     for (int c = r64; c < kD; c += kThreads / kC) {  // KgT row c, column j = tid % 64
@@ -319,45 +319,52 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     __syncthreads();
     clk.mark(3);
 
-    // 3. Aqk and L, one 16 x 16 block per task: the 4 diagonal blocks of each (tasks 0-7), then the 6
-    //    blocks below the diagonal of each (tasks 8-19); zeros above the diagonal blocks.
-    for (int task = warp; task < 20; task += kWarps) {
-      const bool diag = task < 8, is_l = diag ? task >= 4 : task >= 14;
+    // 3. Aqk and L, one 16 x 16 block of both per task (warps 0-9; the two share the B operand): the 4
+    //    diagonal blocks (tasks 0-3), then the 6 below the diagonal (tasks 4-9). Warps 10-15, meanwhile:
+    //    zeros in the 6 blocks above the diagonal.
+    static_assert(ChunkSmem::kKr - ChunkSmem::kQr == kC * kLd * 2, "kr follows qr: one A-tile stride");
+    if (warp < 10) {
+      const int task = warp;
+      const bool diag = task < 4;
       int s, sp;
       if (diag) {
-        s = sp = task % 4;
+        s = sp = task;
       } else {
-        const int pair = (task - 8) % 6;  // (s, s') = (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
+        const int pair = task - 4;  // (s, s') = (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
         s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);
         sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
       }
       if (diag && !(__int_as_float(span[s]) <= kMaxDiagSpan)) {  // per-pair factors in fp32, lane per entry
-        for (int e = lane; e < 256; e += 32) {
-          const int i = 16 * s + e / 16, j = 16 * s + e % 16;
+        for (int e = lane; e < 2 * 256; e += 32) {
+          const bool is_l = e >= 256;
+          const int i = 16 * s + (e % 256) / 16, j = 16 * s + e % 16;
           float acc = 0.f;
           if (j <= i)
             for (int c = 0; c < K; ++c) acc += (is_l ? ks : qs)[i * kLdF + c] * ks[j * kLdF + c] * exp2f(Gs[i * kLdF + c] - Gs[j * kLdF + c]);
           const bool keep = is_l ? j < i : j <= i;
           (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc : 0.f;
         }
-        continue;
+      } else {
+        float acc[2][2][4] = {};  // [0] Aqk (A = qr rows), [1] L (A = kr rows)
+        const __nv_bfloat16* B = diag ? kinv + 16 * s * kLd : kref + (kref_row(s) + 16 * sp) * kLd;
+        for (int ks_ = 0; ks_ < kD / 16; ++ks_) warp_mma_tiles_step<2, 2>(acc, qr + 16 * s * kLd, kLd, kC * kLd, B, kLd, ks_);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const int i = 16 * s + g8 + 8 * (q / 2), j = 16 * sp + 8 * nt + 2 * t4 + q % 2;
+              const bool keep = !diag || (m == 1 ? j < i : j <= i);
+              (m == 1 ? Ls : Aq)[i * kLdS + j] = keep ? (m == 1 ? bs[i] : p.scale) * acc[m][nt][q] : 0.f;
+            }
       }
-      float acc[2][4];
-      zero(acc);
-      const __nv_bfloat16* B = diag ? kinv + 16 * s * kLd : kref + (kref_row(s) + 16 * sp) * kLd;
-      warp_mma_nt<2>(acc, (is_l ? kr : qr) + 16 * s * kLd, kLd, B, kLd, kD / 16);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int i = 16 * s + g8 + 8 * (q / 2), j = 16 * sp + 8 * nt + 2 * t4 + q % 2;
-          const bool keep = !diag || (is_l ? j < i : j <= i);
-          (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc[nt][q] : 0.f;
-        }
-    }
-    for (int i = r64; i < kC; i += kThreads / kC) {
-      const int j = c64;
-      if (j / 16 > i / 16) Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;
+    } else {
+      for (int e = tid - 10 * 32; e < 6 * 256; e += 6 * 32) {  // above-diagonal block (s', s) = (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
+        const int blk = e / 256, r = 16 * (blk < 3 ? 0 : (blk < 5 ? 1 : 2)), cblk = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
+        const int i = r + (e % 256) / 16, j = 16 * cblk + e % 16;
+        Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;
+      }
     }
     __syncthreads();
     clk.mark(4);

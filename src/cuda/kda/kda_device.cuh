@@ -222,27 +222,40 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_b
                : "r"(a));
 }
 
-// acc[n] (a 16 x 8 tile) += A · B over k-step ks (k = 16 ks .. 16 ks + 15): A = 16 rows at `a` (row
-// stride lda, k contiguous); B either stored [n][k] (kKn = false: 8 NT rows at `b`, k contiguous) or
-// [k][n] (kKn = true: n contiguous, 8 NT columns from `b`, fragments by ldmatrix.trans, so B needs no
-// transposed copy); bf16 in shared memory, rows 16-byte aligned. A's four 8 x 8 quarters come in one
-// ldmatrix, two n-tiles of B in another.
-template <int NT, bool kKn = false>
-__device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
-                                              int ldb, int ks) {
+// acc[m][n] (16 x 8 tiles) += A_m · B over k-step ks (k = 16 ks .. 16 ks + 15): A_m = 16 rows at
+// `a` + m a_stride (row stride lda, k contiguous); B either stored [n][k] (kKn = false: 8 NT rows at
+// `b`, k contiguous) or [k][n] (kKn = true: n contiguous, 8 NT columns from `b`, fragments by
+// ldmatrix.trans, so B needs no transposed copy); bf16 in shared memory, rows 16-byte aligned. Each
+// A tile's four 8 x 8 quarters come in one ldmatrix, two n-tiles of B in another, and each B
+// fragment serves all MT A tiles.
+template <int MT, int NT, bool kKn = false>
+__device__ __forceinline__ void warp_mma_tiles_step(float (&acc)[MT][NT][4], const __nv_bfloat16* a, int lda, int a_stride,
+                                                    const __nv_bfloat16* b, int ldb, int ks) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs");
   const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
-  uint32_t af[4];
-  ldmatrix_x4(af, a + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);  // quarters (0,0) (8,0) (0,8) (8,8)
+  uint32_t af[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    ldmatrix_x4(af[mt], a + mt * a_stride + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);  // quarters (0,0) (8,0) (0,8) (8,8)
 #pragma unroll
   for (int n = 0; n < NT; n += 2) {
     uint32_t bf[4];  // (n 0, k 0) (n 0, k 8) (n 8, k 0) (n 8, k 8) of n-tiles n, n + 1
     if constexpr (kKn) ldmatrix_x4_trans(bf, b + (16 * ks + r + 8 * (m & 1)) * ldb + n * 8 + 8 * (m >> 1));
     else ldmatrix_x4(bf, b + (n * 8 + r + 8 * (m >> 1)) * ldb + 8 * (m & 1) + 16 * ks);
     const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-    mma_bf16(acc[n], af, b0);
-    mma_bf16(acc[n + 1], af, b1);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma_bf16(acc[mt][n], af[mt], b0);
+      mma_bf16(acc[mt][n + 1], af[mt], b1);
+    }
   }
+}
+
+// One A tile (acc[n] += A · B, A = 16 rows).
+template <int NT, bool kKn = false>
+__device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
+                                              int ldb, int ks) {
+  warp_mma_tiles_step<1, NT, kKn>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, lda, 0, b, ldb, ks);
 }
 
 // The same over k-steps 0 .. ksteps − 1.
