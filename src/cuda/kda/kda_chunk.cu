@@ -235,8 +235,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     __syncthreads();
     clk.mark(0);
     if (p.l2norm) {  // one warp per row
-      for (int i = warp; i < kC; i += kWarps) {
+#pragma unroll 4
+      for (int i = warp; i < kC; i += kWarps) {  // 4 rows a warp, interleaved
         float sq = 0.f, sk = 0.f;
+#pragma unroll
         for (int c = lane; c < kD; c += 32) {
           sq += qs[i * kLdF + c] * qs[i * kLdF + c];
           sk += ks[i * kLdF + c] * ks[i * kLdF + c];
@@ -254,6 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const int gc = tid % kD, gseg = tid / kD;  // cumulative gate: channel, 16-row segment
     {
       float acc = 0.f;
+#pragma unroll
       for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) {
         acc += Gs[i * kLdF + gc];
         Gs[i * kLdF + gc] = acc;
@@ -262,21 +265,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
     __syncthreads();
     clk.mark(1);
-    {
+    {  // the segments' offsets, and the L2 norm over the same (row, channel) entries
       float off = 0.f;
       for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
-      for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) Gs[i * kLdF + gc] += off;
+      const bool l2 = p.l2norm;
+#pragma unroll
+      for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) {
+        Gs[i * kLdF + gc] += off;
+        if (l2) {
+          qs[i * kLdF + gc] *= rn[i];
+          ks[i * kLdF + gc] *= rn[kC + i];
+        }
+      }
     }
     // Loops over tiles below take a thread's row and column once, then constant strides, so that
     // the addresses are a base plus constants (not a division per entry).
     const int c128 = tid % kD, r128 = tid / kD;   // [*][128] tiles: column, first row (rows step 4)
     const int c64 = tid % kC, r64 = tid / kC;     // [*][64] tiles: column, first row (rows step 8)
-    if (p.l2norm)
-#pragma unroll 4
-      for (int i = r128; i < kC; i += kThreads / kD) {
-        qs[i * kLdF + c128] *= rn[i];
-        ks[i * kLdF + c128] *= rn[kC + i];
-      }
     if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left qr and kr (step 2 writes them)
     __syncthreads();
     clk.mark(2);
