@@ -4,14 +4,16 @@
 # Usage: scripts/ncu_hotspots.sh NAME KERNEL_REGEX LAUNCH_SKIP -- encore args...
 # (e.g. scripts/ncu_hotspots.sh state kda_state_kernel 50 -- bench kda --out /tmp/x.json)
 # Writes $OUT/ncu_NAME.txt and the whole annotated SASS listing $OUT/ncu_NAME_sass.txt; the binary
-# is $B/encore (default .gpubin).
+# is $B/encore (default .gpubin). ncu matches KERNEL_REGEX against the function's base name, without
+# template arguments; NCU_NAME_BASE=demangled matches the demangled name instead, e.g.
+# NCU_NAME_BASE=demangled scripts/ncu_hotspots.sh state32 'kda_state_kernel<32>' 3 -- bench kda.
 set -uo pipefail
 name=$1 kernel=$2 skip=$3
 shift 4
 B=${B:-.gpubin}
 OUT=${OUT:-./gpu-out}
 rep=/tmp/ncu_$name
-timeout ${NCU_TIMEOUT:-240} ncu --set full -k "regex:$kernel" --launch-skip "$skip" --launch-count 1 -f -o "$rep" "$B/encore" "$@" \
+timeout ${NCU_TIMEOUT:-240} ncu --set full ${NCU_NAME_BASE:+--kernel-name-base $NCU_NAME_BASE} -k "regex:$kernel" --launch-skip "$skip" --launch-count 1 -f -o "$rep" "$B/encore" "$@" \
   >"$OUT/ncu_${name}_run.log" 2>&1 || echo "ncu rc=$?" >>"$OUT/ncu_$name.txt"
 ncu -i "$rep.ncu-rep" --page details >>"$OUT/ncu_$name.txt" 2>&1
 ncu -i "$rep.ncu-rep" --page raw --csv >/tmp/raw_$name.csv 2>/dev/null
