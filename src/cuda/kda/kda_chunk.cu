@@ -2,7 +2,8 @@
 // block takes (chunk slot, head) items in turn (item = h · slots + slot, stepping by the grid), one
 // chunk of <= 64 tokens of one head per item; writes the state kernel's operands (kda_device.cuh's
 // workspace record) and the backward's residuals (G, Aqk, Akk). The next item's raw input tiles are
-// in flight (cp.async) while the current item computes W and U, into tiles that step 6 does not use.
+// in flight (cp.async) while the current item computes W and U, into tiles that step 6 does not use;
+// W and U leave through shared memory by two bulk stores (TMA). Measured step by step in docs/kda.md.
 //
 //   gate activation (precomputed log-decay, in-kernel softplus with optional dt_bias, or the lower
 //   bound gate), optional q/k L2 norm, chunk-local cumulative gate G in log2 (fp32);
