@@ -163,5 +163,24 @@ TEST_F(KdaGpu, StateKernelOn32And64ColumnBlocks) {
   EXPECT_FALSE(cuda::kda_state_columns_override(48));
 }
 
+// The persistent chunk kernel on a few blocks, so that each block takes many (chunk, head) items in
+// turn (the cases above have fewer items than an H200 has SMs: one item per block), including items
+// of other sequences and heads and ragged last chunks: the next item's inputs arrive while the
+// current one computes, and W and U leave by bulk stores from tiles the next item rewrites.
+TEST_F(KdaGpu, ChunkKernelWalksManyItemsPerBlock) {
+  for (int blocks : {1, 5}) {
+    ASSERT_TRUE(cuda::kda_chunk_blocks_override(blocks));
+    const std::string tag = std::to_string(blocks) + " chunk block(s): ";
+    for (DType dt : {DType::kFP32, DType::kBF16}) {
+      run_case(KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
+               (tag + "varlen 1/63/64/65/1000").c_str());
+      run_case(KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, (tag + "fixed K64 V96 h0 l2").c_str());
+      run_case(KdaCase{1, 300, 2, 64, 64, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, (tag + "with residuals").c_str(), 0.0, true);
+    }
+  }
+  ASSERT_TRUE(cuda::kda_chunk_blocks_override(0));
+  EXPECT_FALSE(cuda::kda_chunk_blocks_override(-1));
+}
+
 }  // namespace
 }  // namespace encore::test

@@ -18,6 +18,7 @@
 #pragma once
 #include <utility>
 
+#include "cuda/common/fast_math.cuh"  // kLog2e, fast_exp2, fast_rcp
 #include "cute/tensor.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 
@@ -107,21 +108,6 @@ CUTLASS_DEVICE bool full_tile(StoreArgs const& args) {
 // Elements per thread in one epilogue subtile.
 template <class CTensor>
 constexpr int kSubtileElems = decltype(size(take<0, 3>(shape(std::declval<CTensor>()))))::value;
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x with the hardware approximation (flush-to-zero; 2^-inf = 0).
-CUTLASS_DEVICE float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// 1 / x with the hardware approximation (flush-to-zero).
-CUTLASS_DEVICE float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Sum over the 4 lanes of a quad (the lanes that share an accumulator row).
 CUTLASS_DEVICE float quad_sum(float v) {

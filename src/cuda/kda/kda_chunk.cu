@@ -90,7 +90,10 @@ struct PhaseClock {  // thread 0's view: a phase ends when thread 0 leaves its c
 // Row offset of reference s's block of k rows inside kref: s = 1 -> 0, 2 -> 16, 3 -> 48.
 __device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
 
-// One work item: the chunk in slot `slot` of head h (item = h · slots + slot).
+// One work item: the chunk in slot `slot` of head h (item = h · slots + slot). Built twice per item
+// (when its inputs are issued and when it runs; a search over <= 1024 sequences and a division)
+// rather than carried through the item loop in five more live registers: the kernel sits at the
+// 128-register limit of a 512-thread block.
 struct ChunkItem {
   int slot, h, b, t0, rows;
   __device__ ChunkItem(const KdaCudaProblem& p, int item) {
@@ -554,11 +557,11 @@ Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsign
 
 namespace encore::cuda::kda {
 
-cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int sm_count, cudaStream_t stream) {
+cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream) {
   const cudaError_t e = cudaFuncSetAttribute(kda_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ChunkSmem::kBytes);
   if (e != cudaSuccess) return e;
   const int64_t items = int64_t(p.chunk_start[p.N]) * p.H;
-  kda_chunk_kernel<<<unsigned(items < sm_count ? items : sm_count), kThreads, ChunkSmem::kBytes, stream>>>(p, ws);
+  kda_chunk_kernel<<<unsigned(items < blocks ? items : blocks), kThreads, ChunkSmem::kBytes, stream>>>(p, ws);
   return cudaGetLastError();
 }
 

@@ -281,8 +281,8 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
 namespace encore::cuda::kda {
 
 // The three kernels of the forward, launched in order on `stream` by launch_kda_forward.
-// sm_count: the chunk kernel is persistent, one block per SM.
-cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int sm_count, cudaStream_t stream);
+// blocks: the chunk kernel is persistent, this many blocks (one per SM, or fewer; at most one per item).
+cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream);
 // columns: value columns per state-kernel block, 64 or 32.
 cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, int columns, cudaStream_t stream);
 cudaError_t launch_output_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream);

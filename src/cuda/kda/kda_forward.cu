@@ -15,6 +15,7 @@ namespace {
 static_assert(sizeof(KdaCudaProblem) <= 32764, "the problem travels as one kernel parameter (32764-byte limit, CUDA 12.1+)");
 
 int g_state_columns = 0;  // kda_state_columns_override; 0 = the rule below
+int g_chunk_blocks = 0;   // kda_chunk_blocks_override; 0 = one block per SM
 
 Status launched(cudaError_t e, const char* what) {
   if (e != cudaSuccess) return Status::cuda_error(std::string("kda forward: ") + what + ": " + cudaGetErrorString(e));
@@ -35,7 +36,8 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
   ENCORE_RETURN_IF_ERROR(get_device_info(p.device, &info));
   const bool chunks = p.chunk_start[p.N] > 0;
-  if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, info->sm_count, s), "chunk kernel"));
+  const int chunk_blocks = g_chunk_blocks > 0 ? g_chunk_blocks : info->sm_count;
+  if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, chunk_blocks, s), "chunk kernel"));
   // Value columns per state block: 64, or 32 when the 64-column grid would fill less than half of
   // the SMs. kda_plans (H200, bench/results/2026-11-29-h200-kda-kda_phases-kda_plans-0672911.json):
   // B1 T8192 (32 blocks of 64) 0.731 ms with 32 columns vs 0.845 ms; varlen (160 blocks) and B4
@@ -47,6 +49,12 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   }
   ENCORE_RETURN_IF_ERROR(launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel"));
   return chunks ? launched(kda::launch_output_kernel(p, workspace, s), "output kernel") : Status::ok();
+}
+
+Status kda_chunk_blocks_override(int blocks) {
+  if (blocks < 0) return Status::invalid("kda_chunk_blocks_override: blocks must be >= 0, got " + std::to_string(blocks));
+  g_chunk_blocks = blocks;
+  return Status::ok();
 }
 
 Status kda_state_columns_override(int columns) {

@@ -64,6 +64,10 @@ constexpr int kKdaChunkPhases = 8;
 // Value columns per block of the state kernel (bench suite kda_plans): 32 or 64, or 0 for the
 // launcher's rule. Process-wide; not for concurrent use.
 Status kda_state_columns_override(int columns);
+// Blocks of the persistent chunk kernel (tests: a small grid makes each block walk many items, the
+// next item's inputs prefetched during the current one), or 0 for one per SM. Process-wide; not for
+// concurrent use.
+Status kda_chunk_blocks_override(int blocks);
 Status kda_chunk_profile_enable(bool on);
 Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsigned long long* blocks);
 
