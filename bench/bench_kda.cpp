@@ -83,7 +83,7 @@ Record kda_record(const char* name, const Config& c) {
   r.suite = "kda";
   r.name = name;
   r.params = {{"config", c.name}, {"dtype", "bf16"}, {"H", "16"}, {"K", "128"}, {"V", "128"}, {"gate", "softplus+dt_bias in kernel"},
-              {"l2norm", "1"}, {"version", "mma.sync bf16, chunk + state + output kernels"}};
+              {"l2norm", "1"}, {"version", "mma.sync bf16, chunk kernel + state kernel with o"}};
   return r;
 }
 

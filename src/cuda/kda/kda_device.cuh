@@ -1,26 +1,22 @@
-// Device helpers shared by the three KDA forward kernels (kda_chunk.cu, kda_state.cu,
-// kda_output.cu): the per (chunk, head) workspace layout that connects them, input loads, cp.async
-// and bulk copies, and the warp-level bf16 tensor-core product on shared-memory tiles.
+// Device helpers shared by the two KDA forward kernels (kda_chunk.cu, kda_state.cu): the per
+// (chunk, head) workspace layout that connects them, input loads, cp.async and bulk copies, and the
+// warp-level bf16 tensor-core product on shared-memory tiles.
 //
 // Workspace, per (chunk slot, head), bytes, every part 16-byte aligned; head dims padded to 128 with
-// zeros. The state kernel's operands lead, in its shared-memory layout (padded rows), so that one
-// bulk copy moves W, KgT and dC and a second one the block's slice of U:
+// zeros; all written by the chunk kernel, in the state kernel's shared-memory layout (padded rows),
+// so that one bulk copy moves W .. Aqk and a second one the block's slice of U:
 //   W    bf16 [64][136]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
 //   KgT  bf16 [128][72]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
-//   U    fp32 [2][64][72] A (β v), by 64-column slices of the value channels (padded rows)
 //   Qg   bf16 [64][136]   s q ⊙ 2^G
-//   H    bf16 [128][136]  the chunk-start state (rows = key, cols = value channels), written by the
-//                         state kernel; Qg and H are the output kernel's first bulk copy
 //   Aqk  bf16 [2][64][72] s (q k^T ⊙ decay), zero above the diagonal, as hi + lo planes
-//   Vn   bf16 [2][64][136] Vnew = U − W h (rows = tokens, cols = value channels), by the state
-//                         kernel, as hi + lo planes
-// Qg, H, Aqk and Vn are the output kernel's one bulk copy. A value x in hi + lo planes is
-// hi = bf16(x), lo = bf16(x − hi) (split_bf16): the output kernel's products take hi·hi + hi·lo +
-// lo·hi, so Aqk and Vnew enter with ~16 significant bits (their single bf16 roundings were two of
-// the five largest error terms, scripts/kda_rounding_model.py).
-// (the padding columns of W, KgT, Qg, H, Aqk, Vn and U are never read; those of W and U are written
-// with whatever the chunk kernel's staging tiles hold, the others are not written).
+//   U    fp32 [2][64][72] A (β v), by 64-column slices of the value channels (padded rows)
+// A value x in hi + lo planes is hi = bf16(x), lo = bf16(x − hi) (split_bf16): the state kernel's
+// output product takes hi·hi + hi·lo + lo·hi of Aqk and Vnew, so both enter with ~16 significant
+// bits (their single bf16 roundings were two of the five largest error terms,
+// scripts/kda_rounding_model.py). The padding columns of W, KgT, Qg, Aqk and U are never read;
+// those of W and U are written with whatever the chunk kernel's staging tiles hold, the others are
+// not written.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -47,18 +43,15 @@ struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kW = 0;
   static constexpr int64_t kKgT = kW + int64_t(kC) * kLd * 2;
   static constexpr int64_t kDC = kKgT + int64_t(kD) * kLdC * 2;
-  static constexpr int64_t kU = kDC + kD * 4;  // = bytes of W, KgT and dC
-  static constexpr int64_t kUSliceBytes = int64_t(kC) * kULd * 4;
-  static constexpr int64_t kQg = kU + 2 * kUSliceBytes;
-  static constexpr int64_t kH = kQg + int64_t(kC) * kLd * 2;
-  static constexpr int64_t kAqk = kH + int64_t(kD) * kLd * 2;
+  static constexpr int64_t kQg = kDC + kD * 4;
+  static constexpr int64_t kAqk = kQg + int64_t(kC) * kLd * 2;
   static constexpr int64_t kAqkPlane = int64_t(kC) * kLdC;  // elements from hi to lo
-  static constexpr int64_t kVn = kAqk + 2 * kAqkPlane * 2;
-  static constexpr int64_t kVnPlane = int64_t(kC) * kLd;
-  static constexpr int64_t kBytes = kVn + 2 * kVnPlane * 2;  // Qg .. end: the output kernel's bulk copy
+  static constexpr int64_t kU = kAqk + 2 * kAqkPlane * 2;   // = bytes of W .. Aqk, the first bulk copy
+  static constexpr int64_t kUSliceBytes = int64_t(kC) * kULd * 4;
+  static constexpr int64_t kBytes = kU + 2 * kUSliceBytes;
 };
-static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kH % 16 == 0 &&
-                  WsLayout::kQg % 16 == 0 && WsLayout::kAqk % 16 == 0 && WsLayout::kVn % 16 == 0,
+static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kQg % 16 == 0 &&
+                  WsLayout::kAqk % 16 == 0 && WsLayout::kUSliceBytes % 16 == 0,
               "16-byte parts");
 
 __device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
@@ -280,11 +273,10 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
 
 namespace encore::cuda::kda {
 
-// The three kernels of the forward, launched in order on `stream` by launch_kda_forward.
+// The two kernels of the forward, launched in order on `stream` by launch_kda_forward.
 // blocks: the chunk kernel is persistent, this many blocks (one per SM, or fewer; at most one per item).
 cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream);
 // columns: value columns per state-kernel block, 64 or 32.
-cudaError_t launch_state_kernel(const KdaCudaProblem& p, void* ws, int columns, cudaStream_t stream);
-cudaError_t launch_output_kernel(const KdaCudaProblem& p, const void* ws, cudaStream_t stream);
+cudaError_t launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream);
 
 }  // namespace encore::cuda::kda

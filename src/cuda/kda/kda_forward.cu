@@ -1,8 +1,8 @@
-// KDA chunked forward on CUDA (math-kda.md §4), three kernels on tensor cores (mma.sync bf16 -> fp32)
+// KDA chunked forward on CUDA (math-kda.md §4), two kernels on tensor cores (mma.sync bf16 -> fp32)
 // connected by the workspace layout of kda_device.cuh: the intra-chunk kernel (kda_chunk.cu) writes
 // each (chunk, head)'s operands; the state kernel (kda_state.cu) runs the serial inter-chunk pass per
-// (sequence, head, 64 value columns), writing every chunk's start state and Vnew and the final state;
-// the output kernel (kda_output.cu) computes o for all chunks in parallel.
+// (sequence, head, 64 or 32 value columns), computing each chunk's o on the way, and writes the final
+// state (and the h residual when asked).
 #include <string>
 
 #include "cuda/common/device_guard.hpp"
@@ -47,8 +47,7 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
     const int64_t blocks64 = int64_t(p.N) * p.H * ((p.V + 63) / 64);
     columns = 2 * blocks64 < info->sm_count ? 32 : 64;
   }
-  ENCORE_RETURN_IF_ERROR(launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel"));
-  return chunks ? launched(kda::launch_output_kernel(p, workspace, s), "output kernel") : Status::ok();
+  return launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel");
 }
 
 Status kda_chunk_blocks_override(int blocks) {
