@@ -132,14 +132,14 @@ void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t strea
   }
 }
 
-// Suite "kda_plans": the whole forward with the state kernel on 64- and 32-column blocks (the
+// Suite "kda_plans": the whole forward with the state kernel on 64-, 32- and 16-column blocks (the
 // launcher's rule is restored afterwards).
 void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
   const DeviceInfo* info = nullptr;
   if (!get_device_info(0, &info)) return;
   for (const Config& c : kConfigs) {
     const KdaBenchCase kc(c, *info);
-    for (int columns : {64, 32}) {
+    for (int columns : {64, 32, 16}) {
       check_status(cuda::kda_state_columns_override(columns), "kda_plans");
       Timing t = time_launches([&](long long) { kc.run_once(stream); }, stream, topts, 1);
       Record r = kda_record("kda_forward_plan", c);

@@ -145,11 +145,11 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
   }
 }
 
-// Both state-kernel widths whatever the rule picks (it takes 32 columns for grids that fill less
-// than half of the SMs, so the small cases above run on 32): 32-column blocks have 256 threads, two
-// per U slice (the second at column offset 32), and V 96 leaves a block of padding columns.
-TEST_F(KdaGpu, StateKernelOn32And64ColumnBlocks) {
-  for (int columns : {32, 64}) {
+// Every state-kernel width whatever the rule picks (it takes the narrowest width whose grid fits one
+// wave, so the small cases above run on 16): 16- and 32-column blocks have 128 and 256 threads,
+// four and two per U slice (at column offsets 16 s, 32 s), and V 96 leaves blocks of padding columns.
+TEST_F(KdaGpu, StateKernelOn16And32And64ColumnBlocks) {
+  for (int columns : {16, 32, 64}) {
     ASSERT_TRUE(cuda::kda_state_columns_override(columns));
     const std::string tag = std::to_string(columns) + "-column state: ";
     for (DType dt : {DType::kFP32, DType::kBF16}) {

@@ -1,7 +1,7 @@
 // KDA chunked forward on CUDA (math-kda.md §4), two kernels on tensor cores (mma.sync bf16 -> fp32)
 // connected by the workspace layout of kda_device.cuh: the intra-chunk kernel (kda_chunk.cu) writes
 // each (chunk, head)'s operands; the state kernel (kda_state.cu) runs the serial inter-chunk pass per
-// (sequence, head, 64 or 32 value columns), computing each chunk's o on the way, and writes the final
+// (sequence, head, 64, 32 or 16 value columns), computing each chunk's o on the way, and writes the final
 // state (and the h residual when asked).
 #include <string>
 
@@ -38,14 +38,16 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   const bool chunks = p.chunk_start[p.N] > 0;
   const int chunk_blocks = g_chunk_blocks > 0 ? g_chunk_blocks : info->sm_count;
   if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, chunk_blocks, s), "chunk kernel"));
-  // Value columns per state block: 64, or 32 when the 64-column grid would fill less than half of
-  // the SMs. kda_plans (H200, bench/results/2026-11-29-h200-kda-kda_phases-kda_plans-0672911.json):
-  // B1 T8192 (32 blocks of 64) 0.731 ms with 32 columns vs 0.845 ms; varlen (160 blocks) and B4
-  // (128) faster with 64 (0.675 vs 0.718 ms, 2.66 vs 2.95 ms).
+  // Value columns per state block: the narrowest of 16, 32, 64 whose grid fits one wave (one block
+  // per SM), else 64: narrower blocks finish a serial step sooner, a second wave doubles the path.
   int columns = g_state_columns;
   if (columns == 0) {
-    const int64_t blocks64 = int64_t(p.N) * p.H * ((p.V + 63) / 64);
-    columns = 2 * blocks64 < info->sm_count ? 32 : 64;
+    columns = 64;
+    for (int c : {16, 32})
+      if (int64_t(p.N) * p.H * ((p.V + c - 1) / c) <= info->sm_count) {
+        columns = c;
+        break;
+      }
   }
   return launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel");
 }
@@ -57,8 +59,8 @@ Status kda_chunk_blocks_override(int blocks) {
 }
 
 Status kda_state_columns_override(int columns) {
-  if (columns != 0 && columns != 32 && columns != 64)
-    return Status::invalid("kda_state_columns_override: columns must be 0, 32 or 64, got " + std::to_string(columns));
+  if (columns != 0 && columns != 16 && columns != 32 && columns != 64)
+    return Status::invalid("kda_state_columns_override: columns must be 0, 16, 32 or 64, got " + std::to_string(columns));
   g_state_columns = columns;
   return Status::ok();
 }

@@ -61,7 +61,7 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
 // the number of blocks and resets them.
 constexpr int kKdaChunkPhases = 8;
 
-// Value columns per block of the state kernel (bench suite kda_plans): 32 or 64, or 0 for the
+// Value columns per block of the state kernel (bench suite kda_plans): 16, 32 or 64, or 0 for the
 // launcher's rule. Process-wide; not for concurrent use.
 Status kda_state_columns_override(int columns);
 // Blocks of the persistent chunk kernel (tests: a small grid makes each block walk many items, the

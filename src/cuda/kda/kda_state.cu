@@ -1,5 +1,5 @@
 // KDA inter-chunk state and output kernel (math-kda.md §4): grid (H · ceil(V / kVs), N), 8 kVs
-// threads (kVs = 64: 16 warps, 32: 8 warps); the serial pass of one sequence and head over its
+// threads (kVs = 64: 16 warps, 32: 8 warps, 16: 4 warps); the serial pass of one sequence and head over its
 // chunks on a kVs-column slice of the state, with each chunk's output on the way; blockIdx.y ranks
 // the sequences longest first (p.seq_by_length), so when the grid exceeds one wave the blocks left
 // for later are the short passes (varlen with 160 blocks on 132 SMs: the critical path is the
@@ -25,7 +25,7 @@ namespace {
 
 constexpr int kStages = 2;
 
-// Shared memory of a block of kVs value columns (64: 512 threads, 32: 256 threads); a stage holds a
+// Shared memory of a block of kVs value columns (64: 512 threads, 32: 256, 16: 128); a stage holds a
 // chunk's operands in the record's layout (the whole U slice of the block's columns).
 template <int kVs>
 struct StateSmem {  // byte offsets
@@ -180,7 +180,7 @@ cudaError_t launch_state(const KdaCudaProblem& p, const void* ws, cudaStream_t s
 }
 
 cudaError_t launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream) {
-  return columns == 32 ? launch_state<32>(p, ws, stream) : launch_state<64>(p, ws, stream);
+  return columns == 16 ? launch_state<16>(p, ws, stream) : columns == 32 ? launch_state<32>(p, ws, stream) : launch_state<64>(p, ws, stream);
 }
 
 }  // namespace encore::cuda::kda
