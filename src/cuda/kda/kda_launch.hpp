@@ -57,7 +57,7 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
 // Phase profile of the chunk kernel (bench suite kda_phases only): while enabled, thread 0 of every
 // block adds the clock64() cycles of each barrier-separated phase to device counters (0: loads,
 // 1: L2 factors + gate scan, 2: scan offsets + L2 scaling, 3: intra-chunk operands, 4: Aqk and L,
-// 5: write-out + diagonal inverse, 6: inverse block rows, 7: W and U). read() returns the sums and
+// 5: write-out + diagonal inverse, 6: inverse blocks below the diagonal, 7: W and U). read() returns the sums and
 // the number of blocks and resets them.
 constexpr int kKdaChunkPhases = 8;
 
