@@ -134,6 +134,25 @@ __device__ __forceinline__ ItemScalars issue_inputs(const KdaCudaProblem& p, con
   return s;
 }
 
+// Step 5's products: out[r] = Σ_{m < kLen} x[r kLdS + m] · y[m kLdS] for kR consecutive rows of X
+// ([*][65] fp32 tiles) against one column of Y, in two chains per row (even and odd m).
+template <int kR, int kLen>
+__device__ __forceinline__ void dot_rows(float (&out)[2], const float* x, const float* y) {
+  static_assert(kR <= 2 && kLen % 16 == 0, "one or two rows, whole blocks");
+  float a[kR][2] = {};
+#pragma unroll 8
+  for (int m = 0; m < kLen; m += 2) {
+    const float y0 = y[m * kLdS], y1 = y[(m + 1) * kLdS];
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      a[r][0] += x[r * kLdS + m] * y0;
+      a[r][1] += x[r * kLdS + m + 1] * y1;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kR; ++r) out[r] = a[r][0] + a[r][1];
+}
+
 __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
   const int K = p.K, V = p.V;
   const int items = p.chunk_start[p.N] * p.H;
@@ -451,63 +470,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       // Level 1: warps 0-7 block (1,0), 8-15 block (3,2); a thread one entry (r, c) of each product.
       const int o = tid < 256 ? 16 : 48, r = (tid % 256) / 16, c = tid % 16;
       float* T1 = Ls + (o - 16) * kLdS + o;  // L block (0,1) or (2,3)
-      {
-        const float* Lr = Ls + (o + r) * kLdS + o - 16;
-        const float* Ac = As + (o - 16) * kLdS + o - 16 + c;
-        float t0 = 0.f, t1 = 0.f;
-#pragma unroll
-        for (int m = 0; m < 16; m += 2) {
-          t0 += Lr[m] * Ac[m * kLdS];
-          t1 += Lr[m + 1] * Ac[(m + 1) * kLdS];
-        }
-        T1[r * kLdS + c] = t0 + t1;
-      }
+      float x[2];
+      dot_rows<1, 16>(x, Ls + (o + r) * kLdS + o - 16, As + (o - 16) * kLdS + o - 16 + c);
+      T1[r * kLdS + c] = x[0];
       __syncthreads();
-      {
-        const float* Ar = As + (o + r) * kLdS + o;
-        float y0 = 0.f, y1 = 0.f;
-#pragma unroll
-        for (int m = 0; m < 16; m += 2) {
-          y0 += Ar[m] * T1[m * kLdS + c];
-          y1 += Ar[m + 1] * T1[(m + 1) * kLdS + c];
-        }
-        As[(o + r) * kLdS + o - 16 + c] = -(y0 + y1);
-      }
+      dot_rows<1, 16>(x, As + (o + r) * kLdS + o, T1 + c);
+      As[(o + r) * kLdS + o - 16 + c] = -x[0];
       __syncthreads();
-      // Level 2: lane = column c, warp = rows 2 warp, 2 warp + 1 of the 32 x 32 block.
+      // Level 2: lane = column c2, warp = rows ra, ra + 1 of the 32 x 32 block.
       const int c2 = lane, ra = 2 * warp;
       float* T2 = Ls + 32;  // rows 0..31, columns 32..63
-      {
-        const float* L0 = Ls + (32 + ra) * kLdS;
-        const float* L1 = L0 + kLdS;
-        float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
-#pragma unroll 8
-        for (int m = 0; m < 32; m += 2) {
-          const float x0 = As[m * kLdS + c2], x1 = As[(m + 1) * kLdS + c2];
-          a0 += L0[m] * x0;
-          a1 += L0[m + 1] * x1;
-          b0 += L1[m] * x0;
-          b1 += L1[m + 1] * x1;
-        }
-        T2[ra * kLdS + c2] = a0 + a1;
-        T2[(ra + 1) * kLdS + c2] = b0 + b1;
-      }
+      dot_rows<2, 32>(x, Ls + (32 + ra) * kLdS, As + c2);
+      T2[ra * kLdS + c2] = x[0];
+      T2[(ra + 1) * kLdS + c2] = x[1];
       __syncthreads();
-      {
-        const float* D0 = As + (32 + ra) * kLdS + 32;
-        const float* D1 = D0 + kLdS;
-        float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
-#pragma unroll 8
-        for (int m = 0; m < 32; m += 2) {
-          const float x0 = T2[m * kLdS + c2], x1 = T2[(m + 1) * kLdS + c2];
-          a0 += D0[m] * x0;
-          a1 += D0[m + 1] * x1;
-          b0 += D1[m] * x0;
-          b1 += D1[m + 1] * x1;
-        }
-        As[(32 + ra) * kLdS + c2] = -(a0 + a1);
-        As[(33 + ra) * kLdS + c2] = -(b0 + b1);
-      }
+      dot_rows<2, 32>(x, As + (32 + ra) * kLdS + 32, T2 + c2);
+      As[(32 + ra) * kLdS + c2] = -x[0];
+      As[(33 + ra) * kLdS + c2] = -x[1];
       __syncthreads();
     }
 #pragma unroll 4
