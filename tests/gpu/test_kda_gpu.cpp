@@ -1,8 +1,8 @@
 // KDA chunked forward on CUDA against the CPU token recurrence (fp64) on the same inputs rounded to
-// the device dtype: fixed length with B > 1, varlen with segments of 1, 63, 64, 65 and 1000 tokens,
-// with and without initial state, precomputed gates, in-kernel softplus gates with and without
-// dt_bias, the lower-bound gate at -5, extreme gates (-1000), large keys with and without q/k L2
-// norm, bf16 and fp32. Outputs poisoned; relative RMS of o and the final state <= 5e-3, no NaN.
+// the device dtype: fixed length with B > 1, varlen with segments of 1, 63, 64, 65 and 1000 tokens
+// and with empty ones, with and without initial state, precomputed gates, in-kernel softplus gates
+// with and without dt_bias, the lower-bound gate at -5, extreme gates (-1000), large keys with and
+// without q/k L2 norm, bf16 and fp32. Outputs poisoned; relative RMS of o and the final state <= 5e-3, no NaN.
 //
 // Without the L2 norm the keys are drawn with β|k|² < 1 (sd 0.08 at K = 128), the contractive
 // regime the delta rule is used in. With β|k|² ≈ 10 (sd 0.4) the recurrence is expansive and
@@ -133,6 +133,9 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
     run_case(with_keys(KdaCase{2, 200, 2, 128, 128, {}, Gate::kPrecomputed, false, false}, kContractive), dt, "fixed B2 T200");
     run_case(KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, "fixed K64 V96 h0 l2");
     run_case(KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt, "varlen 1/63/64/65/1000");
+    // Empty sequences (their final state is h0) between others; K 48 and V 40 leave partial
+    // 16-column state blocks and padded channels.
+    run_case(KdaCase{1, 200, 2, 48, 40, {0, 0, 70, 70, 200}, Gate::kSoftplusBias, true, true}, dt, "varlen empty/70/empty/130 K48 V40");
     run_case(KdaCase{1, 300, 2, 128, 128, {0, 100, 300}, Gate::kSoftplusBias, false, true}, dt, "varlen softplus+dt_bias");
     run_case(with_keys(KdaCase{1, 300, 2, 128, 128, {0, 37, 300}, Gate::kLowerBound, true, false}, kContractive), dt,
              "varlen lower bound -5");
