@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       qr[i * kLd + c] = __float2bfloat16(q * f);
       kr[i * kLd + c] = __float2bfloat16(k * f);
       kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * fast_exp2(-d) : 0.f);
-      Qg[i * kLd + c] = __float2bfloat16(p.scale * q * fast_exp2(G));  // padded rows (the state kernel.s bulk copy)
+      Qg[i * kLd + c] = __float2bfloat16(p.scale * q * fast_exp2(G));  // padded rows (the state kernel's bulk copy)
 #pragma unroll
       for (int sref = it / 4 + 1; sref < 4; ++sref)  // row i of reference sref's block of kref (i < 16 sref)
         kref[(kref_row(sref) + i) * kLd + c] = __float2bfloat16(k * fast_exp2(Gref[sref] - G));
