@@ -121,6 +121,12 @@ class KdaGpu : public ::testing::Test {
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   }
+  // The launch overrides are process-wide: back to the launcher's rules whatever a test left set
+  // (a fatal failure inside its loop skips the test's own reset).
+  void TearDown() override {
+    (void)cuda::kda_state_columns_override(0);
+    (void)cuda::kda_chunk_blocks_override(0);
+  }
 };
 
 TEST_F(KdaGpu, ForwardMatchesRecurrence) {

@@ -57,6 +57,9 @@ static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::
 __device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
   return static_cast<unsigned char*>(ws) + (int64_t(slot) * H + h) * WsLayout::kBytes;
 }
+__device__ __forceinline__ const unsigned char* ws_record(const void* ws, int slot, int H, int h) {
+  return static_cast<const unsigned char*>(ws) + (int64_t(slot) * H + h) * WsLayout::kBytes;
+}
 
 __device__ __forceinline__ float load(const KdaTensor& t, int b, int tok, int h, int c) {
   const int64_t off = int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh + c;

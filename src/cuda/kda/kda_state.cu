@@ -63,8 +63,6 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
   extern __shared__ __align__(16) unsigned char smem[];
   auto* Sb = reinterpret_cast<__nv_bfloat16*>(smem + Sm::kSb);
   auto* Vb = reinterpret_cast<__nv_bfloat16*>(smem + Sm::kVb);
-  auto* base = static_cast<const unsigned char*>(ws);
-  auto record = [&](int slot) { return base + (int64_t(slot) * p.H + h) * WsLayout::kBytes; };
 
   // S[mt][nt][q] = S(c, v0 + vl), c = 32 rw + 16 mt + g8 + 8 (q / 2), vl = vw + 8 nt + q % 2; fp32.
   float S[2][2][4];
@@ -98,7 +96,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
   if (tid == 0) {
     for (int k = 0; k < kStages; ++k) mbar_init(bar + k);
     for (int k = 0; k < kStages - 1; ++k)
-      if (first + k < last) prefetch(smem + k * Sm::kStage, bar + k, record(first + k), slice);
+      if (first + k < last) prefetch(smem + k * Sm::kStage, bar + k, ws_record(ws, first + k, p.H, h), slice);
   }
   __syncthreads();  // barriers initialized
   for (int slot = first; slot < last; ++slot) {
@@ -107,7 +105,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     __syncthreads();  // S visible; every read of stage (it − 1) and of Vb done
     if (tid == 0 && slot + kStages - 1 < last) {
       const int st = (it + kStages - 1) % kStages;
-      prefetch(smem + st * Sm::kStage, bar + st, record(slot + kStages - 1), slice);
+      prefetch(smem + st * Sm::kStage, bar + st, ws_record(ws, slot + kStages - 1, p.H, h), slice);
     }
     const unsigned char* cur = smem + (it % kStages) * Sm::kStage;
     const auto* Ws = reinterpret_cast<const __nv_bfloat16*>(cur + WsLayout::kW);
