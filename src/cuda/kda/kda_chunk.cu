@@ -51,7 +51,8 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kBeta = kT + 16 * kLdS * 4;  // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k
   static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: decay span of diagonal block s (float bits)
-  static constexpr int kBytes = kSafe + 16;
+  static constexpr int kItem = kSafe + 16;          // int [2][8]: descriptors of this item and the next (ChunkItem)
+  static constexpr int kBytes = kItem + 64;
 };
 static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSmem::kAbf % 16 == 0 && ChunkSmem::kKref % 16 == 0,
               "aligned bf16 tiles");
@@ -91,10 +92,11 @@ struct PhaseClock {  // thread 0's view: a phase ends when thread 0 leaves its c
 // Row offset of reference s's block of k rows inside kref: s = 1 -> 0, 2 -> 16, 3 -> 48.
 __device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
 
-// One work item: the chunk in slot `slot` of head h (item = h · slots + slot). Built twice per item
-// (when its inputs are issued and when it runs; a search over <= 1024 sequences and a division)
-// rather than carried through the item loop in five more live registers: the kernel sits at the
-// 128-register limit of a 512-thread block.
+// One work item: the chunk in slot `slot` of head h (item = h · slots + slot). Found once per item,
+// one item ahead, by one thread of the lightly loaded warps of step 3 (a search over <= 1024
+// sequences and a division: ~10 dependent constant-memory loads, which every thread used to repeat
+// twice per item), and kept in shared memory (ChunkSmem::kItem, two buffers by item parity) rather
+// than in registers: the kernel sits at the 128-register limit of a 512-thread block.
 struct ChunkItem {
   int slot, h, b, t0, rows;
   __device__ ChunkItem(const KdaCudaProblem& p, int item) {
@@ -105,6 +107,10 @@ struct ChunkItem {
     b = p.varlen ? 0 : n;
     t0 = p.seq_begin[n] + (slot - p.chunk_start[n]) * kC;
     rows = min(kC, p.seq_end[n] - t0);
+  }
+  __device__ explicit ChunkItem(const int* d) : slot(d[0]), h(d[1]), b(d[2]), t0(d[3]), rows(d[4]) {}
+  __device__ void put(int* d) const {
+    d[0] = slot, d[1] = h, d[2] = b, d[3] = t0, d[4] = rows;
   }
 };
 
@@ -160,8 +166,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   int fast = 0;  // bit t: input t read raw by cp.async (else by load8 from global memory in step 1)
 #pragma unroll
   for (int t = 0; t < 4; ++t) fast |= raw_tile_ok(input(p, t), channels(p, t)) << t;
-  ItemScalars next = int(blockIdx.x) < items ? issue_inputs(p, ChunkItem(p, blockIdx.x), smem, fast, threadIdx.x) : ItemScalars{};
-  for (int item = blockIdx.x; item < items; item += int(gridDim.x)) {
+  int* const item_desc = reinterpret_cast<int*>(smem + ChunkSmem::kItem);  // [2][8], buffer (item count) % 2
+  ItemScalars next{};
+  if (int(blockIdx.x) < items) {
+    const ChunkItem first(p, blockIdx.x);
+    next = issue_inputs(p, first, smem, fast, threadIdx.x);
+    if (threadIdx.x == 0) first.put(item_desc);
+  }
+  __syncthreads();  // the first descriptor
+  for (int item = blockIdx.x, parity = 0; item < items; item += int(gridDim.x), parity ^= 1) {
     // The item's thread index and view of shared memory, through an offset the compiler cannot see
     // is 0: the addresses derived from them are not hoisted out of the item loop (that kept more
     // registers live than the 128 of a 512-thread block, and spilled).
@@ -188,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     float* bs = reinterpret_cast<float*>(sm + ChunkSmem::kBeta);
     float* rn = reinterpret_cast<float*>(sm + ChunkSmem::kRn);
     int* span = reinterpret_cast<int*>(sm + ChunkSmem::kSafe);  // [4] decay span of diagonal block s (float bits, >= 0)
-    const ChunkItem it(p, item);
+    const ChunkItem it(item_desc + 8 * parity);
     const int slot = it.slot, h = it.h, b = it.b, t0 = it.t0, rows = it.rows;
     const ItemScalars cur = next;
     unsigned char* rec = ws_record(ws, slot, p.H, h);
@@ -389,6 +402,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
             }
       }
     } else {
+      // The next item's descriptor (read in step 6), by a thread of these lightly loaded warps.
+      if (tid == 10 * 32 && item + int(gridDim.x) < items) ChunkItem(p, item + int(gridDim.x)).put(item_desc + 8 * (parity ^ 1));
       for (int e = tid - 10 * 32; e < 6 * 256; e += 6 * 32) {  // above-diagonal block (s', s) = (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
         const int blk = e / 256, r = 16 * (blk < 3 ? 0 : (blk < 5 ? 1 : 2)), cblk = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
         const int i = r + (e % 256) / 16, j = 16 * cblk + e % 16;
@@ -504,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     //    products are done) and leave by two bulk stores, so the record writes are whole lines from
     //    the TMA engine instead of 256 scattered warp stores (this step was the kernel's MIO-bound
     //    one). Thread 0 waits for the stores' shared-memory reads before step 2 of the next item.
-    if (item + int(gridDim.x) < items) next = issue_inputs(p, ChunkItem(p, item + gridDim.x), sm, fast, tid);
+    if (item + int(gridDim.x) < items) next = issue_inputs(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, tid);
     const int r0 = 16 * (warp % 4), half = warp / 8;
     const bool is_u = (warp / 4) % 2;
     auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQr);  // staging: the record's W [64][136]
