@@ -16,8 +16,9 @@
 //   A = (I + L)^-1: diagonal blocks by forward substitution (one warp each, in registers), then the
 //     blocks below by doubling: A_{b,b−1} = −A_bb L_{b,b−1} A_{b−1,b−1} for the 16-row blocks (1,0),
 //     (3,2), then the 32-row block A_{32..63,0..31} = −A_{32..63,32..63} L_{32..63,0..31} A_{0..31,0..31} (fp32);
-//   W = A (β k ⊙ 2^G) and U = A (β v): (A − I)(...) on tensor cores (bf16 operands, fp32
-//   accumulation) plus the identity part in fp32, so the dominant diagonal term is not rounded
+//   W = A (β k ⊙ 2^G) and U = A (β v) on tensor cores (bf16 operands, fp32 accumulation) as
+//   A x_hi + I x_lo with x = x_hi + x_lo in bf16 (A's unit diagonal is exact in bf16), so the
+//   dominant diagonal term keeps ~16 bits of x instead of bf16's 8
 //   (scripts/kda_rounding_model.py: o 3.95e-3 -> 3.64e-3, final state 2.69e-3 -> 2.12e-3);
 //   Qg = s q ⊙ 2^G, KgT = (k ⊙ 2^(gC − G))ᵀ, dC = 2^gC with gC = G of the last row (padding rows
 //   have g = 0, k = 0, β = 0, so they change nothing).
@@ -61,6 +62,7 @@ static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of
 static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
 static_assert(kC * kLd * 2 == WsLayout::kKgT - WsLayout::kW && 2 * WsLayout::kUSliceBytes <= ChunkSmem::kL - ChunkSmem::kKr,
               "W stages over qr, U over kr and kref");
+static_assert(2 * kRawTileBytes <= kC * kLdF * 4, "step 4's two lo tiles fit over q");
 static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 && kRawTileBytes <= kC * kLdS * 4 &&
                   kRawTileBytes <= kC * kLd * 2,
               "raw input tiles fit the tiles they alias");
@@ -157,6 +159,29 @@ __device__ __forceinline__ void dot_rows(float (&out)[2], const float* x, const 
   }
 #pragma unroll
   for (int r = 0; r < kR; ++r) out[r] = a[r][0] + a[r][1];
+}
+
+// Eight bf16 values (rounded from fp32) as one 16-byte shared store.
+__device__ __forceinline__ void store8_bf16(__nv_bfloat16* dst, const float (&x)[8]) {
+  *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
+}
+
+// Step 6's identity part: acc[nt] (rows r0..r0+15, columns n0 + 8 nt ..) += I · lo[r0..r0+15][n0..n0+63],
+// one k-step with the 16 x 16 identity as the A fragment (built in registers) and lo, a raw_at-layout
+// [64][128] bf16 tile stored [k][n], as B through ldmatrix.trans. With A in bf16 (unit diagonal exact)
+// and B = bf16(x) this gives A x + (x − bf16(x)): the dominant diagonal term keeps ~16 bits of x.
+__device__ __forceinline__ void identity_lo_step(float (&acc)[8][4], const __nv_bfloat16* lo, int r0, int n0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, m = lane >> 3, r = lane & 7;
+  const uint32_t d = pack_bf16(g == 2 * t ? 1.f : 0.f, g == 2 * t + 1 ? 1.f : 0.f);
+  const uint32_t a[4] = {d, 0u, 0u, d};  // rows g / g + 8, columns 2t.. / 2t + 8..: I's entries
+#pragma unroll
+  for (int n = 0; n < 8; n += 2) {
+    uint32_t bf[4];  // (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8) of n-tiles n, n + 1
+    ldmatrix_x4_trans(bf, lo + raw_at(r0 + r + 8 * (m & 1), n0 + 8 * n + 8 * (m >> 1)));
+    const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+    mma_bf16(acc[n], a, b0);
+    mma_bf16(acc[n + 1], a, b1);
+  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
@@ -413,21 +438,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     __syncthreads();
     clk.mark(4);
 
-    // 4. Every thread: its β v entries, in bf16 transposed (the product's operand) and in fp32 over the
-    //    q tile (free now; the identity part of U in step 6). Warps 0-11: Aqk out (workspace bf16 hi + lo,
-    //    residual), the G residual, (β k ⊙ 2^G)ᵀ, zeros above the diagonal blocks of A. Warps 12-15,
+    // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
+    //    tile, free now: step 6's identity part). Warps 0-11: Aqk out (workspace bf16 hi + lo, residual),
+    //    the G residual, β k ⊙ 2^G likewise (hi transposed, lo over q), zeros above the diagonal blocks
+    //    of A. Warps 12-15,
     //    meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
     //    X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane j < 16 = column, X in registers).
-    float* bvs = qs;
+    auto* vlo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ);                  // over q (free now)
+    auto* klo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ + kRawTileBytes);  // over q
 #pragma unroll
     for (int r = 0; r < kTasks; ++r) {
       const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
+      float lo[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const float bv = bs[i] * vreg[r][e];
-        vbT[(c0 + e) * kLdC + i] = __float2bfloat16(bv);
-        bvs[i * kLdF + c0 + e] = bv;
+        const __nv_bfloat16 hi = __float2bfloat16(bv);
+        vbT[(c0 + e) * kLdC + i] = hi;
+        lo[e] = bv - __bfloat162float(hi);
       }
+      store8_bf16(vlo + raw_at(i, c0), lo);
     }
     const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
     if (warp < 12) {
@@ -446,12 +476,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
       if (p.res_G)
         for (int e = tid; e < rows * K; e += kN) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
-#pragma unroll 4
-      for (int c = r64; c < kD; c += kN / kC) {  // each k entry read (and replaced) by one thread
-        const int j = c64;
-        const float kb = bs[j] * ks[j * kLdF + c] * fast_exp2(Gs[j * kLdF + c]);
-        kbT[c * kLdC + j] = __float2bfloat16(kb);
-        ks[j * kLdF + c] = kb;  // β k ⊙ 2^G in fp32 over k: the identity part of W in step 6
+      for (int task = tid; task < kC * kD / 8; task += kN) {  // row j, channels c0..c0+7 (a warp: 32 rows)
+        const int j = task % kC, c0 = (task / kC) * 8;
+        float lo[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int c = c0 + e;
+          const float kb = bs[j] * ks[j * kLdF + c] * fast_exp2(Gs[j * kLdF + c]);
+          const __nv_bfloat16 hi = __float2bfloat16(kb);
+          kbT[c * kLdC + j] = hi;
+          lo[e] = kb - __bfloat162float(hi);
+        }
+        store8_bf16(klo + raw_at(j, c0), lo);
       }
     } else if (lane < 16) {
       const int o = 16 * (warp - 12), j = lane;
@@ -505,15 +541,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       __syncthreads();
     }
 #pragma unroll 4
-    for (int i = r64; i < kC; i += kThreads / kC)  // A − I: the unit diagonal is added in fp32 in step 6
-      Abf[i * kLdC + c64] = __float2bfloat16(As[i * kLdS + c64] - (i == c64 ? 1.f : 0.f));
+    for (int i = r64; i < kC; i += kThreads / kC)  // A in bf16: its unit diagonal is exact
+      Abf[i * kLdC + c64] = __float2bfloat16(As[i * kLdS + c64]);
     if (p.res_Akk)
       for (int e = tid; e < rows * kC; e += kThreads)
         store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
     __syncthreads();
     clk.mark(6);
 
-    // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half).
+    // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
+    //    the products with the hi operands, then I · lo (identity_lo_step).
     //    First the next item's inputs go in flight: kinv, L, Aqk and A are free now. W and U are staged
     //    in shared memory in the record's layout (over qr, kr and kref, free once every warp's
     //    products are done) and leave by two bulk stores, so the record writes are whole lines from
@@ -527,20 +564,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     float acc[8][4];
     zero(acc);
     warp_mma_nt<8>(acc, Abf + r0 * kLdC, kLdC, (is_u ? vbT : kbT) + half * 64 * kLdC, kLdC, kC / 16);
-    __syncthreads();  // every read of Abf, kbT and vbT done
+    identity_lo_step(acc, is_u ? vlo : klo, r0, half * 64);
+    __syncthreads();  // every read of Abf, kbT, vbT and the lo tiles done
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = r0 + g8 + 8 * hh, c = half * 64 + 8 * nt + 2 * t4;
-        float d[2];  // the identity part of A, exact: β_i v_i, or β_i k_i ⊙ 2^G_i
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          d[e] = (is_u ? bvs : ks)[i * kLdF + c + e];
         if (is_u)
-          *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) =
-              make_float2(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
-        else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[nt][2 * hh] + d[0], acc[nt][2 * hh + 1] + d[1]);
+          *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) = make_float2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
+        else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
       }
     fence_proxy_async_shared();  // the staged W and U visible to the bulk stores
     __syncthreads();
