@@ -450,9 +450,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     for (int r = 0; r < kTasks; ++r) {
       const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
       float lo[8];
+      const float bi = bs[i];  // once: the compiler cannot move loads of bs past the tile stores
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const float bv = bs[i] * vreg[r][e];
+        const float bv = bi * vreg[r][e];
         const __nv_bfloat16 hi = __float2bfloat16(bv);
         vbT[(c0 + e) * kLdC + i] = hi;
         lo[e] = bv - __bfloat162float(hi);
@@ -479,10 +480,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int task = tid; task < kC * kD / 8; task += kN) {  // row j, channels c0..c0+7 (a warp: 32 rows)
         const int j = task % kC, c0 = (task / kC) * 8;
         float lo[8];
+        const float bj = bs[j];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           const int c = c0 + e;
-          const float kb = bs[j] * ks[j * kLdF + c] * fast_exp2(Gs[j * kLdF + c]);
+          const float kb = bj * ks[j * kLdF + c] * fast_exp2(Gs[j * kLdF + c]);
           const __nv_bfloat16 hi = __float2bfloat16(kb);
           kbT[c * kLdC + j] = hi;
           lo[e] = kb - __bfloat162float(hi);
