@@ -279,11 +279,7 @@ namespace encore::cuda::kda {
 // The two kernels of the forward, launched in order on `stream` by launch_kda_forward.
 // blocks: the chunk kernel is persistent, this many blocks (one per SM, or fewer; at most one per item).
 cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream);
-// columns: value columns per state-kernel block, 64, 32 or 16 (16 and 32: clusters of 4 and 2 blocks).
+// columns: value columns per state-kernel block, 64, 32 or 16.
 cudaError_t launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream);
-// The state kernel's grid size in blocks for `columns`, and how many of its blocks the current
-// device runs at once (whole clusters; for 16 and 32 columns only).
-int64_t state_kernel_blocks(int64_t N, int H, int V, int columns);
-cudaError_t state_kernel_resident_blocks(int H, int V, int columns, int* blocks);
 
 }  // namespace encore::cuda::kda

@@ -3,7 +3,6 @@
 // each (chunk, head)'s operands; the state kernel (kda_state.cu) runs the serial inter-chunk pass per
 // (sequence, head, 64, 32 or 16 value columns), computing each chunk's o on the way, and writes the final
 // state (and the h residual when asked).
-#include <mutex>
 #include <string>
 
 #include "cuda/common/device_guard.hpp"
@@ -23,24 +22,6 @@ Status launched(cudaError_t e, const char* what) {
   return Status::ok();
 }
 
-// State-kernel blocks of 16 or 32 columns the device runs at once (whole clusters), queried once per
-// (device, width): the answer depends on the GPU's partition into GPCs, not on the problem.
-Status resident_state_blocks(int device, int columns, int* blocks) {
-  constexpr int kMaxDevices = 64;
-  static std::mutex mu;
-  static int cache[kMaxDevices][2] = {};  // 0 = not queried yet
-  if (device < 0 || device >= kMaxDevices) return Status::invalid("kda forward: device index " + std::to_string(device) + " out of range");
-  std::lock_guard<std::mutex> lock(mu);
-  int& c = cache[device][columns == 16 ? 0 : 1];
-  if (c == 0) {
-    int n = 0;
-    ENCORE_RETURN_IF_ERROR(launched(kda::state_kernel_resident_blocks(16, 128, columns, &n), "cluster occupancy query"));
-    c = n > 0 ? n : -1;  // -1: no cluster fits (never take this width)
-  }
-  *blocks = c;
-  return Status::ok();
-}
-
 }  // namespace
 
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H) {
@@ -57,20 +38,16 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
   const bool chunks = p.chunk_start[p.N] > 0;
   const int chunk_blocks = g_chunk_blocks > 0 ? g_chunk_blocks : info->sm_count;
   if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, chunk_blocks, s), "chunk kernel"));
-  // Value columns per state block: the narrowest of 16, 32, 64 whose grid fits one wave (16 and 32:
-  // whole clusters resident at once), else 64: narrower blocks finish a serial step sooner, a second
-  // wave doubles the path.
+  // Value columns per state block: the narrowest of 16, 32, 64 whose grid fits one wave (one block
+  // per SM), else 64: narrower blocks finish a serial step sooner, a second wave doubles the path.
   int columns = g_state_columns;
   if (columns == 0) {
     columns = 64;
-    for (int c : {16, 32}) {
-      int resident = 0;
-      ENCORE_RETURN_IF_ERROR(resident_state_blocks(p.device, c, &resident));
-      if (kda::state_kernel_blocks(p.N, p.H, p.V, c) <= resident) {
+    for (int c : {16, 32})
+      if (int64_t(p.N) * p.H * ((p.V + c - 1) / c) <= info->sm_count) {
         columns = c;
         break;
       }
-    }
   }
   return launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel");
 }

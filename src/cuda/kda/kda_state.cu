@@ -15,31 +15,15 @@
 // o in its dtype for the chunk's valid rows and the first V columns. S and Vnew enter the products
 // rounded to bf16, like the chunk operands (as fla does). A chunk's operands (W, KgT, dC, Qg, Aqk:
 // one bulk copy; the U slice holding the block's columns: a second) arrive by cp.async.bulk on an
-// mbarrier, issued by one thread, one chunk ahead (two stages of 89 KB). Blocks narrower than a U
-// slice (16 and 32 columns) run in clusters of the kUSlice / kVs blocks of one head and U slice,
-// whose stages are identical: the cluster's first block fetches them once for all by multicast
-// bulk copies (each stage reused only once every block of the cluster has arrived on the leader's
-// "empty" barrier), so at B = 1 (16 columns, 8 blocks a head) the L2 reads per step drop 4x. S and
-// Vnew sit in shared memory in their natural [k][n] layouts (pairs of columns store as one word); the
-// products read them with ldmatrix.trans.
+// mbarrier, issued by one thread, one chunk ahead (two stages of 89 KB). S and Vnew sit in shared
+// memory in their natural [k][n] layouts (pairs of columns store as one word); the products read
+// them with ldmatrix.trans.
 #include "cuda/kda/kda_device.cuh"
 
 namespace encore::cuda::kda {
 namespace {
 
 constexpr int kStages = 2;
-
-// Blocks of kVs columns per cluster: those sharing one U slice (and so a whole stage).
-template <int kVs>
-constexpr int kClusterBlocks = kUSlice / kVs;
-
-// Column blocks per head: ceil(V / kVs), rounded up to whole clusters (the blocks past V compute on
-// zero padding and store nothing).
-template <int kVs>
-__host__ __device__ constexpr int column_blocks(int V) {
-  constexpr int cs = kClusterBlocks<kVs>;
-  return ((V + kVs - 1) / kVs + cs - 1) / cs * cs;
-}
 
 // Shared memory of a block of kVs value columns (64: 512 threads, 32: 256, 16: 128); a stage holds a
 // chunk's operands in the record's layout (the whole U slice of the block's columns).
@@ -51,37 +35,25 @@ struct StateSmem {  // byte offsets
   static constexpr int kSb = kStages * kStage;                   // bf16 [128][kLdS] S of the block's columns
   static constexpr int kVb = kSb + kD * kLdS * 2;                // bf16 [64][kLdS] Vnew (= its hi part)
   static constexpr int kVlo = kVb + kC * kLdS * 2;               // bf16 [64][kLdS] Vnew − hi (Vb + kC kLdS elements)
-  static constexpr int kBar = kVlo + kC * kLdS * 2;              // uint64 [kStages] stage "full" barriers
-  static constexpr int kEmpty = kBar + kStages * 8;              // uint64 [kStages] stage "empty" barriers (cluster leader)
-  static constexpr int kBytes = kEmpty + kStages * 8;
+  static constexpr int kBar = kVlo + kC * kLdS * 2;              // uint64 [kStages] stage barriers
+  static constexpr int kBytes = kBar + kStages * 8;
   static_assert(kUSlice % kVs == 0 && kVs % 16 == 0, "a block's columns lie in one U slice");
   static_assert(kStage % 16 == 0 && kSb % 16 == 0 && kVb % 16 == 0 && kVlo % 16 == 0 && kBar % 16 == 0, "aligned parts");
   static_assert(kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 };
 
-// One thread: the two bulk copies of a chunk's operands (W .. Aqk; the U slice) into a stage, of
-// this block, or multicast into every block of the cluster (kCs > 1). The caller has set the bytes
-// expected on `bar` (in each destination block).
-template <int kCs>
+// One thread: the two bulk copies of a chunk's operands (W .. Aqk; the U slice) into a stage.
 __device__ void prefetch(unsigned char* stage, uint64_t* bar, const unsigned char* rec, int slice) {
-  const unsigned char* u = rec + WsLayout::kU + slice * WsLayout::kUSliceBytes;
-  if constexpr (kCs == 1) {
-    bulk_copy(stage, rec, unsigned(WsLayout::kU), bar);
-    bulk_copy(stage + WsLayout::kU, u, unsigned(WsLayout::kUSliceBytes), bar);
-  } else {
-    constexpr uint16_t kMask = (1u << kCs) - 1;
-    bulk_copy_multicast(stage, rec, unsigned(WsLayout::kU), bar, kMask);
-    bulk_copy_multicast(stage + WsLayout::kU, u, unsigned(WsLayout::kUSliceBytes), bar, kMask);
-  }
+  mbar_expect(bar, unsigned(WsLayout::kU + WsLayout::kUSliceBytes));
+  bulk_copy(stage, rec, unsigned(WsLayout::kU), bar);
+  bulk_copy(stage + WsLayout::kU, rec + WsLayout::kU + slice * WsLayout::kUSliceBytes, unsigned(WsLayout::kUSliceBytes), bar);
 }
 
 template <int kVs>
 __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
   using Sm = StateSmem<kVs>;
-  constexpr int kLdS = Sm::kLdS, kCs = kClusterBlocks<kVs>;
-  constexpr unsigned kStageBytes = unsigned(WsLayout::kU + WsLayout::kUSliceBytes);
-  static_assert(kStages == 2, "the empty-barrier parity below assumes two stages");
-  const int nz = column_blocks<kVs>(p.V);
+  constexpr int kLdS = Sm::kLdS;
+  const int nz = (p.V + kVs - 1) / kVs;
   const int n = p.seq_by_length[blockIdx.y], h = blockIdx.x / nz, v0 = (blockIdx.x % nz) * kVs, tid = threadIdx.x, lane = tid % 32;
   const int slice = v0 / kUSlice, uo = v0 % kUSlice;            // the U slice and the block's offset in it
   const int rw = (tid / 32) % 4, cw = tid / 128;                 // row group, 16-column group
@@ -121,31 +93,19 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
 
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
   auto* bar = reinterpret_cast<uint64_t*>(smem + Sm::kBar);
-  auto* empty = reinterpret_cast<uint64_t*>(smem + Sm::kEmpty);
-  const bool leader = kCs == 1 || cluster_rank() == 0;  // issues the copies (for the whole cluster)
-  if (tid == 0)
-    for (int k = 0; k < kStages; ++k) {
-      mbar_init(bar + k);
-      mbar_init(empty + k, kCs);
-    }
-  if constexpr (kCs > 1) cluster_sync();  // every block's barriers initialized before the first multicast
-  else __syncthreads();
-  if (tid == 0 && first < last) {
-    mbar_expect(bar, kStageBytes);
-    if (leader) prefetch<kCs>(smem, bar, ws_record(ws, first, p.H, h), slice);
+  if (tid == 0) {
+    for (int k = 0; k < kStages; ++k) mbar_init(bar + k);
+    for (int k = 0; k < kStages - 1; ++k)
+      if (first + k < last) prefetch(smem + k * Sm::kStage, bar + k, ws_record(ws, first + k, p.H, h), slice);
   }
+  __syncthreads();  // barriers initialized
   for (int slot = first; slot < last; ++slot) {
     const int it = slot - first;
     mbar_wait(bar + it % kStages, unsigned(it / kStages) & 1u);  // this chunk's operands have landed
     __syncthreads();  // S visible; every read of stage (it − 1) and of Vb done
-    if (tid == 0 && slot + 1 < last) {  // chunk it + 1 into stage (it + 1) % 2, last used by chunk it − 1
-      const int st = (it + 1) % kStages;
-      if (kCs > 1 && it >= 1) mbar_arrive_remote(empty + st, 0);  // this block is done with the stage
-      mbar_expect(bar + st, kStageBytes);
-      if (leader) {
-        if (kCs > 1 && it >= 1) mbar_wait_cluster(empty + st, unsigned((it - 1) / 2) & 1u);  // and so is every block
-        prefetch<kCs>(smem + st * Sm::kStage, bar + st, ws_record(ws, slot + 1, p.H, h), slice);
-      }
+    if (tid == 0 && slot + kStages - 1 < last) {
+      const int st = (it + kStages - 1) % kStages;
+      prefetch(smem + st * Sm::kStage, bar + st, ws_record(ws, slot + kStages - 1, p.H, h), slice);
     }
     const unsigned char* cur = smem + (it % kStages) * Sm::kStage;
     const auto* Ws = reinterpret_cast<const __nv_bfloat16*>(cur + WsLayout::kW);
@@ -204,61 +164,21 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
       const int v = v0 + vl;
       if (c < K && v < V) p.final_state[(srow0 + c) * V + v] = s;
     });
-  if constexpr (kCs > 1) cluster_sync();  // no block leaves while another may still address its shared memory
-}
-
-// The launch configuration of the state kernel for kVs columns (grid, block, shared memory and the
-// cluster attribute), with the kernel's shared-memory limit raised.
-template <int kVs>
-struct StateLaunch {
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr[1]{};
-  cudaError_t prepared;
-  StateLaunch(int H, int V, int N, cudaStream_t stream) {
-    using Sm = StateSmem<kVs>;
-    prepared = cudaFuncSetAttribute(kda_state_kernel<kVs>, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kBytes);
-    cfg.gridDim = dim3(unsigned(H * column_blocks<kVs>(V)), unsigned(N));
-    cfg.blockDim = dim3(unsigned(Sm::kThreads));
-    cfg.dynamicSmemBytes = Sm::kBytes;
-    cfg.stream = stream;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(kClusterBlocks<kVs>);
-    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = kClusterBlocks<kVs> > 1 ? 1 : 0;
-  }
-};
-
-template <int kVs>
-cudaError_t launch_state(const KdaCudaProblem& p, const void* ws, cudaStream_t stream) {
-  StateLaunch<kVs> l(p.H, p.V, p.N, stream);
-  if (l.prepared != cudaSuccess) return l.prepared;
-  return cudaLaunchKernelEx(&l.cfg, kda_state_kernel<kVs>, p, ws);
-}
-
-template <int kVs>
-cudaError_t resident_blocks(int H, int V, int* blocks) {
-  StateLaunch<kVs> l(H, V, 1, nullptr);
-  if (l.prepared != cudaSuccess) return l.prepared;
-  int clusters = 0;
-  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kda_state_kernel<kVs>, &l.cfg);
-  *blocks = clusters * kClusterBlocks<kVs>;
-  return e;
 }
 
 }  // namespace
 
+template <int kVs>
+cudaError_t launch_state(const KdaCudaProblem& p, const void* ws, cudaStream_t stream) {
+  using Sm = StateSmem<kVs>;
+  const cudaError_t e = cudaFuncSetAttribute(kda_state_kernel<kVs>, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kBytes);
+  if (e != cudaSuccess) return e;
+  kda_state_kernel<kVs><<<dim3(unsigned(p.H * ((p.V + kVs - 1) / kVs)), unsigned(p.N)), Sm::kThreads, Sm::kBytes, stream>>>(p, ws);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream) {
   return columns == 16 ? launch_state<16>(p, ws, stream) : columns == 32 ? launch_state<32>(p, ws, stream) : launch_state<64>(p, ws, stream);
-}
-
-int64_t state_kernel_blocks(int64_t N, int H, int V, int columns) {
-  const int nz = columns == 16 ? column_blocks<16>(V) : columns == 32 ? column_blocks<32>(V) : column_blocks<64>(V);
-  return N * H * nz;
-}
-
-cudaError_t state_kernel_resident_blocks(int H, int V, int columns, int* blocks) {
-  return columns == 16 ? resident_blocks<16>(H, V, blocks) : columns == 32 ? resident_blocks<32>(H, V, blocks) : resident_blocks<64>(H, V, blocks);
 }
 
 }  // namespace encore::cuda::kda
