@@ -246,6 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const float beta = cur.beta;
     cp_async_wait<0>();
     __syncthreads();  // also: the previous item's step 6 is done with qs, ks, Gs and bs
+    clk.mark(0);      // the wait for the raw tiles
     float vreg[kTasks][8];
     // kFull: a whole chunk of 128-channel inputs all in raw tiles (the common case), without the
     // per-entry range and path checks.
@@ -295,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (tid < kC) bs[tid] = beta;
     if (tid < 4) span[tid] = 0;
     __syncthreads();
-    clk.mark(0);
+    clk.mark(1);
     if (p.l2norm) {  // one warp per row
 #pragma unroll 4
       for (int i = warp; i < kC; i += kWarps) {  // 4 rows a warp, interleaved
@@ -326,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       Ts[gseg * kD + gc] = acc;  // segment total
     }
     __syncthreads();
-    clk.mark(1);
+    clk.mark(2);
     {  // the segments' offsets, and the L2 norm over the same (row, channel) entries
       float off = 0.f;
       for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
@@ -346,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const int c64 = tid % kC, r64 = tid / kC;     // [*][64] tiles: column, first row (rows step 8)
     if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left qr and kr (step 2 writes them)
     __syncthreads();
-    clk.mark(2);
+    clk.mark(3);
 
     // 2. Operands of the intra-chunk products (reference r = first row of each 16-row block), the
     //    state kernel's Qg, KgT, dC, and whether each diagonal block's decay span allows the tensor cores.
@@ -384,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       if (lane == 0 && v > 0.f) atomicMax(span + t, __float_as_int(v));
     }
     __syncthreads();
-    clk.mark(3);
+    clk.mark(4);
 
     // 3. Aqk and L, one 16 x 16 block of both per task (warps 0-9; the two share the B operand): the 4
     //    diagonal blocks (tasks 0-3), then the 6 below the diagonal (tasks 4-9). Warps 10-15, meanwhile:
@@ -436,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       }
     }
     __syncthreads();
-    clk.mark(4);
+    clk.mark(5);
 
     // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
     //    tile, free now: step 6's identity part). Warps 0-11: Aqk out (workspace bf16 hi + lo, residual),
@@ -509,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
     }
     __syncthreads();
-    clk.mark(5);
+    clk.mark(6);
 
     // 5. The blocks of A below the diagonal by doubling, two levels of two products (X_ab: block of
     //    X, P..Q: rows or columns P to Q; A is zero above its diagonal, so full sums are exact):
@@ -549,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int e = tid; e < rows * kC; e += kThreads)
         store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
     __syncthreads();
-    clk.mark(6);
+    clk.mark(7);
 
     // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
     //    the products with the hi operands, then I · lo (identity_lo_step).
@@ -584,7 +585,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       bulk_store(rec + WsLayout::kU, U, unsigned(2 * WsLayout::kUSliceBytes));
       bulk_store_commit();
     }
-    clk.mark(7);
+    clk.mark(8);
     if (clk.on) atomicAdd(&g_phase_blocks, 1ull);
   }
   if (threadIdx.x == 0) bulk_store_wait_all();  // the last item's stores complete before the block's shared memory goes
