@@ -33,13 +33,14 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kLdF = kD + 1;  // fp32 [64][129] rows
+constexpr int kLdF = kD + 2;  // fp32 [64][130] rows: 8-byte aligned channel pairs; a half-warp's pairs in
+                              // 16 consecutive rows (column access) fall in distinct banks
 constexpr int kLdS = kC + 1;  // fp32 [64][65] rows
 
 struct ChunkSmem {  // byte offsets in dynamic shared memory
-  static constexpr int kQ = 0;                      // fp32 [64][129] q (L2-normed)
-  static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][129] k (L2-normed)
-  static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][129] gate, then cumulative log2 gate G
+  static constexpr int kQ = 0;                      // fp32 [64][130] q (L2-normed)
+  static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][130] k (L2-normed)
+  static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][130] gate, then cumulative log2 gate G
   static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)       | raw q tile of the next item (step 6 on)
   static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
   static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
@@ -48,8 +49,8 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L                        | raw k tile
   static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk                      | raw gate tile
   static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1           | raw v tile
-  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [16][65]: [4][128] gate sums | [128] dt_bias
-  static constexpr int kBeta = kT + 16 * kLdS * 4;  // fp32 [64]
+  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [4][128] gate sums | [128] dt_bias
+  static constexpr int kBeta = kT + 4 * kD * 4;     // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k
   static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: decay span of diagonal block s (float bits)
   static constexpr int kItem = kSafe + 16;          // int [2][8]: descriptors of this item and the next (ChunkItem)
@@ -160,6 +161,11 @@ __device__ __forceinline__ void dot_rows(float (&out)[2], const float* x, const 
 #pragma unroll
   for (int r = 0; r < kR; ++r) out[r] = a[r][0] + a[r][1];
 }
+
+// fp32 channel pairs (8-byte aligned) and bf16 pairs (4-byte aligned) in shared or global memory.
+__device__ __forceinline__ float2 ld2(const float* a) { return *reinterpret_cast<const float2*>(a); }
+__device__ __forceinline__ void st2(float* a, float x, float y) { *reinterpret_cast<float2*>(a) = make_float2(x, y); }
+__device__ __forceinline__ void st_u32(__nv_bfloat16* a, uint32_t v) { *reinterpret_cast<uint32_t*>(a) = v; }
 
 // Eight bf16 values (rounded from fp32) as one 16-byte shared store.
 __device__ __forceinline__ void store8_bf16(__nv_bfloat16* dst, const float (&x)[8]) {
@@ -282,13 +288,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           for (int e = 0; e < 8; ++e) x[2][e] = kFull || c0 + e < K ? a[e] : 0.f;
         }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int c = c0 + e;
-          qs[i * kLdF + c] = x[0][e];
-          ks[i * kLdF + c] = x[1][e];
-          Gs[i * kLdF + c] = x[2][e] * kLog2e;
-          vreg[r][e] = x[3][e];
+        for (int e = 0; e < 8; e += 2) {  // channel pairs: 8-byte stores
+          st2(qs + i * kLdF + c0 + e, x[0][e], x[0][e + 1]);
+          st2(ks + i * kLdF + c0 + e, x[1][e], x[1][e + 1]);
+          st2(Gs + i * kLdF + c0 + e, x[2][e] * kLog2e, x[2][e + 1] * kLog2e);
         }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) vreg[r][e] = x[3][e];
       }
     };
     if (rows == kC && fast == 15 && K == kD && V == kD) load_inputs(std::true_type{});
@@ -354,28 +360,32 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     auto* Qg = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kQg);
     auto* KgT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKgT);
     auto* dC = reinterpret_cast<float*>(rec + WsLayout::kDC);
+    // A thread takes the channel pair (cp, cp + 1) of rows r64 + 8 it: 8-byte loads, 4-byte stores.
     float span4[4] = {0.f, 0.f, 0.f, 0.f};  // max (G_r − G_i) per diagonal block over this thread's entries
-    float Gref[4];                          // G at the references 16 s of the below-diagonal blocks (s = 1, 2, 3)
+    const int cp = 2 * c64;
+    float2 Gref[4];  // G at the block starts r = 16 s (the references)
 #pragma unroll
-    for (int sref = 1; sref < 4; ++sref) Gref[sref] = Gs[16 * sref * kLdF + c128];
+    for (int s4 = 0; s4 < 4; ++s4) Gref[s4] = ld2(Gs + 16 * s4 * kLdF + cp);
 #pragma unroll
-    for (int it = 0; it < kC * kD / kThreads; ++it) {  // row i = tid / 128 + 4 it: block it / 4, warp-uniform
-      const int i = r128 + 4 * it, c = c128;
-      const float G = Gs[i * kLdF + c], d = G - Gs[(i & ~15) * kLdF + c], f = fast_exp2(d);
-      span4[it / 4] = fmaxf(span4[it / 4], -d);
-      const float q = qs[i * kLdF + c], k = ks[i * kLdF + c];
-      qr[i * kLd + c] = __float2bfloat16(q * f);
-      kr[i * kLd + c] = __float2bfloat16(k * f);
-      kinv[i * kLd + c] = __float2bfloat16(-d <= kMaxDiagSpan ? k * fast_exp2(-d) : 0.f);
-      Qg[i * kLd + c] = __float2bfloat16(p.scale * q * fast_exp2(G));  // padded rows (the state kernel's bulk copy)
+    for (int it = 0; it < kC * kD / 2 / kThreads; ++it) {  // row i = tid / 64 + 8 it: block it / 2, warp-uniform
+      const int i = r64 + 8 * it, blk = it / 2;
+      const float2 G = ld2(Gs + i * kLdF + cp), q = ld2(qs + i * kLdF + cp), k = ld2(ks + i * kLdF + cp);
+      const float d0 = G.x - Gref[blk].x, d1 = G.y - Gref[blk].y, f0 = fast_exp2(d0), f1 = fast_exp2(d1);
+      span4[blk] = fmaxf(span4[blk], fmaxf(-d0, -d1));
+      st_u32(qr + i * kLd + cp, pack_bf16(q.x * f0, q.y * f1));
+      st_u32(kr + i * kLd + cp, pack_bf16(k.x * f0, k.y * f1));
+      st_u32(kinv + i * kLd + cp, pack_bf16(-d0 <= kMaxDiagSpan ? k.x * fast_exp2(-d0) : 0.f, -d1 <= kMaxDiagSpan ? k.y * fast_exp2(-d1) : 0.f));
+      st_u32(Qg + i * kLd + cp, pack_bf16(p.scale * q.x * fast_exp2(G.x), p.scale * q.y * fast_exp2(G.y)));  // padded rows (the state kernel's bulk copy)
 #pragma unroll
-      for (int sref = it / 4 + 1; sref < 4; ++sref)  // row i of reference sref's block of kref (i < 16 sref)
-        kref[(kref_row(sref) + i) * kLd + c] = __float2bfloat16(k * fast_exp2(Gref[sref] - G));
+      for (int sref = blk + 1; sref < 4; ++sref)  // row i of reference sref's block of kref (i < 16 sref)
+        st_u32(kref + (kref_row(sref) + i) * kLd + cp, pack_bf16(k.x * fast_exp2(Gref[sref].x - G.x), k.y * fast_exp2(Gref[sref].y - G.y)));
     }
 #pragma unroll 4
-    for (int c = r64; c < kD; c += kThreads / kC) {  // KgT row c, column j = tid % 64
+    for (int c = 2 * r64; c < kD; c += 2 * (kThreads / kC)) {  // KgT rows c and c + 1, column j = tid % 64
       const int j = c64;
-      KgT[c * kLdC + j] = __float2bfloat16(ks[j * kLdF + c] * fast_exp2(Gs[(kC - 1) * kLdF + c] - Gs[j * kLdF + c]));
+      const float2 k = ld2(ks + j * kLdF + c), G = ld2(Gs + j * kLdF + c), Gl = ld2(Gs + (kC - 1) * kLdF + c);
+      KgT[c * kLdC + j] = __float2bfloat16(k.x * fast_exp2(Gl.x - G.x));
+      KgT[(c + 1) * kLdC + j] = __float2bfloat16(k.y * fast_exp2(Gl.y - G.y));
     }
     if (tid < kD) dC[tid] = fast_exp2(Gs[(kC - 1) * kLdF + tid]);
 #pragma unroll
@@ -482,12 +492,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         const int j = task % kC, c0 = (task / kC) * 8;
         float lo[8];
         const float bj = bs[j];
+        float kx[8], gx[8];
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {  // channel pairs: 8-byte loads, all before the stores
+          const float2 k2 = ld2(ks + j * kLdF + c0 + e), g2 = ld2(Gs + j * kLdF + c0 + e);
+          kx[e] = k2.x, kx[e + 1] = k2.y, gx[e] = g2.x, gx[e + 1] = g2.y;
+        }
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          const int c = c0 + e;
-          const float kb = bj * ks[j * kLdF + c] * fast_exp2(Gs[j * kLdF + c]);
+          const float kb = bj * kx[e] * fast_exp2(gx[e]);
           const __nv_bfloat16 hi = __float2bfloat16(kb);
-          kbT[c * kLdC + j] = hi;
+          kbT[(c0 + e) * kLdC + j] = hi;
           lo[e] = kb - __bfloat162float(hi);
         }
         store8_bf16(klo + raw_at(j, c0), lo);
