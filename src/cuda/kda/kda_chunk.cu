@@ -337,13 +337,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     {  // the segments' offsets, and the L2 norm over the same (row, channel) entries
       float off = 0.f;
       for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
+      // 8 rows at a time, every load before the stores: the compiler cannot order loads of one tile
+      // before stores to another, so row by row each row waited for the previous row's loads.
       const bool l2 = p.l2norm;
 #pragma unroll
-      for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) {
-        Gs[i * kLdF + gc] += off;
-        if (l2) {
-          qs[i * kLdF + gc] *= rn[i];
-          ks[i * kLdF + gc] *= rn[kC + i];
+      for (int i0 = 16 * gseg; i0 < 16 * gseg + 16; i0 += 8) {
+        float g[8], q[8], k[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          g[u] = Gs[(i0 + u) * kLdF + gc];
+          q[u] = l2 ? qs[(i0 + u) * kLdF + gc] * rn[i0 + u] : 0.f;
+          k[u] = l2 ? ks[(i0 + u) * kLdF + gc] * rn[kC + i0 + u] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          Gs[(i0 + u) * kLdF + gc] = g[u] + off;
+          if (l2) {
+            qs[(i0 + u) * kLdF + gc] = q[u];
+            ks[(i0 + u) * kLdF + gc] = k[u];
+          }
         }
       }
     }
