@@ -38,8 +38,8 @@ constexpr int kLdF = kD + 2;  // fp32 [64][130] rows: 8-byte aligned channel pai
 constexpr int kLdS = kC + 1;  // fp32 [64][65] rows
 
 struct ChunkSmem {  // byte offsets in dynamic shared memory
-  static constexpr int kQ = 0;                      // fp32 [64][130] q (L2-normed)
-  static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][130] k (L2-normed)
+  static constexpr int kQ = 0;                      // fp32 [64][130] q (unnormed: rn applies on read)
+  static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][130] k (unnormed: rn applies on read)
   static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][130] gate, then cumulative log2 gate G
   static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)       | raw q tile of the next item (step 6 on)
   static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
@@ -49,9 +49,9 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L                        | raw k tile
   static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk                      | raw gate tile
   static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1           | raw v tile
-  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [4][128] gate sums | [128] dt_bias
-  static constexpr int kBeta = kT + 4 * kD * 4;     // fp32 [64]
-  static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k
+  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [128] dt_bias of the head
+  static constexpr int kBeta = kT + kD * 4;         // fp32 [64]
+  static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k (1 without the norm)
   static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: decay span of diagonal block s (float bits)
   static constexpr int kItem = kSafe + 16;          // int [2][8]: descriptors of this item and the next (ChunkItem)
   static constexpr int kBytes = kItem + 64;
@@ -166,6 +166,7 @@ __device__ __forceinline__ void dot_rows(float (&out)[2], const float* x, const 
 __device__ __forceinline__ float2 ld2(const float* a) { return *reinterpret_cast<const float2*>(a); }
 __device__ __forceinline__ void st2(float* a, float x, float y) { *reinterpret_cast<float2*>(a) = make_float2(x, y); }
 __device__ __forceinline__ void st_u32(__nv_bfloat16* a, uint32_t v) { *reinterpret_cast<uint32_t*>(a) = v; }
+__device__ __forceinline__ float2 scale2(float2 v, float f) { return make_float2(v.x * f, v.y * f); }
 
 // Eight bf16 values (rounded from fp32) as one 16-byte shared store.
 __device__ __forceinline__ void store8_bf16(__nv_bfloat16* dst, const float (&x)[8]) {
@@ -228,7 +229,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     float* Ls = reinterpret_cast<float*>(sm + ChunkSmem::kL);
     float* Aq = reinterpret_cast<float*>(sm + ChunkSmem::kAq);
     float* As = reinterpret_cast<float*>(sm + ChunkSmem::kAs);
-    float* Ts = reinterpret_cast<float*>(sm + ChunkSmem::kT);
     float* bs = reinterpret_cast<float*>(sm + ChunkSmem::kBeta);
     float* rn = reinterpret_cast<float*>(sm + ChunkSmem::kRn);
     int* span = reinterpret_cast<int*>(sm + ChunkSmem::kSafe);  // [4] decay span of diagonal block s (float bits, >= 0)
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     //    step 4 are free of bank conflicts.
     const float ea = (p.gate_in_kernel && p.A_log) ? expf(cur.a_log) : 1.0f;
     constexpr int kTasks = kC * kD / 8 / kThreads;
-    float* dtb = Ts;  // dt_bias of this head, [K], until step 1's gate sums (Ts is not read in step 6)
+    float* dtb = reinterpret_cast<float*>(sm + ChunkSmem::kT);  // dt_bias of this head, [K]
     const bool has_dtb = p.gate_in_kernel && p.dt_bias;
     if (has_dtb && tid < K) dtb[tid] = cur.dtb;
     const float beta = cur.beta;
@@ -303,69 +303,50 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (tid < 4) span[tid] = 0;
     __syncthreads();
     clk.mark(1);
-    if (p.l2norm) {  // one warp per row
-#pragma unroll 4
-      for (int i = warp; i < kC; i += kWarps) {  // 4 rows a warp, interleaved
-        float sq = 0.f, sk = 0.f;
-#pragma unroll
-        for (int c = lane; c < kD; c += 32) {
-          sq += qs[i * kLdF + c] * qs[i * kLdF + c];
-          sk += ks[i * kLdF + c] * ks[i * kLdF + c];
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, o);
-          sk += __shfl_xor_sync(0xffffffffu, sk, o);
-        }
-        if (lane == 0) {
-          rn[i] = rsqrtf(sq + 1e-6f);
-          rn[kC + i] = rsqrtf(sk + 1e-6f);
-        }
-      }
-    }
-    const int gc = tid % kD, gseg = tid / kD;  // cumulative gate: channel, 16-row segment
-    {
+    // The chunk-local cumulative gate G (warps 0-3: a thread per channel down all 64 rows, 16 rows'
+    // loads at a time) and, meanwhile, the L2-norm factors of q and k (warps 4-15, a warp per row; 1
+    // without the norm). The factors are applied where q and k are read (steps 2-4), not written back.
+    if (warp < 4) {
       float acc = 0.f;
 #pragma unroll
-      for (int i = 16 * gseg; i < 16 * gseg + 16; ++i) {
-        acc += Gs[i * kLdF + gc];
-        Gs[i * kLdF + gc] = acc;
-      }
-      Ts[gseg * kD + gc] = acc;  // segment total
-    }
-    __syncthreads();
-    clk.mark(2);
-    {  // the segments' offsets, and the L2 norm over the same (row, channel) entries
-      float off = 0.f;
-      for (int sg = 0; sg < gseg; ++sg) off += Ts[sg * kD + gc];
-      // 8 rows at a time, every load before the stores: the compiler cannot order loads of one tile
-      // before stores to another, so row by row each row waited for the previous row's loads.
-      const bool l2 = p.l2norm;
+      for (int i0 = 0; i0 < kC; i0 += 16) {
+        float g[16];
 #pragma unroll
-      for (int i0 = 16 * gseg; i0 < 16 * gseg + 16; i0 += 8) {
-        float g[8], q[8], k[8];
+        for (int u = 0; u < 16; ++u) g[u] = Gs[(i0 + u) * kLdF + tid];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          g[u] = Gs[(i0 + u) * kLdF + gc];
-          q[u] = l2 ? qs[(i0 + u) * kLdF + gc] * rn[i0 + u] : 0.f;
-          k[u] = l2 ? ks[(i0 + u) * kLdF + gc] * rn[kC + i0 + u] : 0.f;
+        for (int u = 0; u < 16; ++u) {
+          acc += g[u];
+          Gs[(i0 + u) * kLdF + tid] = acc;
         }
+      }
+    } else {
+      const bool l2 = p.l2norm;
+#pragma unroll 2
+      for (int i = warp - 4; i < kC; i += kWarps - 4) {
+        float sq = 0.f, sk = 0.f;
+        if (l2) {
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          Gs[(i0 + u) * kLdF + gc] = g[u] + off;
-          if (l2) {
-            qs[(i0 + u) * kLdF + gc] = q[u];
-            ks[(i0 + u) * kLdF + gc] = k[u];
+          for (int c = lane; c < kD; c += 32) {
+            sq += qs[i * kLdF + c] * qs[i * kLdF + c];
+            sk += ks[i * kLdF + c] * ks[i * kLdF + c];
           }
+          for (int o = 16; o > 0; o >>= 1) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            sk += __shfl_xor_sync(0xffffffffu, sk, o);
+          }
+        }
+        if (lane == 0) {
+          rn[i] = l2 ? rsqrtf(sq + 1e-6f) : 1.f;
+          rn[kC + i] = l2 ? rsqrtf(sk + 1e-6f) : 1.f;
         }
       }
     }
     // Loops over tiles below take a thread's row and column once, then constant strides, so that
     // the addresses are a base plus constants (not a division per entry).
-    const int c128 = tid % kD, r128 = tid / kD;   // [*][128] tiles: column, first row (rows step 4)
-    const int c64 = tid % kC, r64 = tid / kC;     // [*][64] tiles: column, first row (rows step 8)
+    const int c64 = tid % kC, r64 = tid / kC;  // [*][64] tiles: column, first row (rows step 8)
     if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left qr and kr (step 2 writes them)
     __syncthreads();
-    clk.mark(3);
+    clk.mark(2);
 
     // 2. Operands of the intra-chunk products (reference r = first row of each 16-row block), the
     //    state kernel's Qg, KgT, dC, and whether each diagonal block's decay span allows the tensor cores.
@@ -381,7 +362,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll
     for (int it = 0; it < kC * kD / 2 / kThreads; ++it) {  // row i = tid / 64 + 8 it: block it / 2, warp-uniform
       const int i = r64 + 8 * it, blk = it / 2;
-      const float2 G = ld2(Gs + i * kLdF + cp), q = ld2(qs + i * kLdF + cp), k = ld2(ks + i * kLdF + cp);
+      const float rq = rn[i], rk = rn[kC + i];  // the L2-norm factors
+      const float2 G = ld2(Gs + i * kLdF + cp), q = scale2(ld2(qs + i * kLdF + cp), rq), k = scale2(ld2(ks + i * kLdF + cp), rk);
       const float d0 = G.x - Gref[blk].x, d1 = G.y - Gref[blk].y, f0 = fast_exp2(d0), f1 = fast_exp2(d1);
       span4[blk] = fmaxf(span4[blk], fmaxf(-d0, -d1));
       st_u32(qr + i * kLd + cp, pack_bf16(q.x * f0, q.y * f1));
@@ -395,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll 4
     for (int c = 2 * r64; c < kD; c += 2 * (kThreads / kC)) {  // KgT rows c and c + 1, column j = tid % 64
       const int j = c64;
-      const float2 k = ld2(ks + j * kLdF + c), G = ld2(Gs + j * kLdF + c), Gl = ld2(Gs + (kC - 1) * kLdF + c);
+      const float2 k = scale2(ld2(ks + j * kLdF + c), rn[kC + j]), G = ld2(Gs + j * kLdF + c), Gl = ld2(Gs + (kC - 1) * kLdF + c);
       KgT[c * kLdC + j] = __float2bfloat16(k.x * fast_exp2(Gl.x - G.x));
       KgT[(c + 1) * kLdC + j] = __float2bfloat16(k.y * fast_exp2(Gl.y - G.y));
     }
@@ -407,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       if (lane == 0 && v > 0.f) atomicMax(span + t, __float_as_int(v));
     }
     __syncthreads();
-    clk.mark(4);
+    clk.mark(3);
 
     // 3. Aqk and L, one 16 x 16 block of both per task (warps 0-9; the two share the B operand): the 4
     //    diagonal blocks (tasks 0-3), then the 6 below the diagonal (tasks 4-9). Warps 10-15, meanwhile:
@@ -432,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           if (j <= i)
             for (int c = 0; c < K; ++c) acc += (is_l ? ks : qs)[i * kLdF + c] * ks[j * kLdF + c] * exp2f(Gs[i * kLdF + c] - Gs[j * kLdF + c]);
           const bool keep = is_l ? j < i : j <= i;
-          (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] : p.scale) * acc : 0.f;
+          (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] * rn[kC + i] : p.scale * rn[i]) * rn[kC + j] * acc : 0.f;
         }
       } else {
         float acc[2][2][4] = {};  // [0] Aqk (A = qr rows), [1] L (A = kr rows)
@@ -459,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       }
     }
     __syncthreads();
-    clk.mark(5);
+    clk.mark(4);
 
     // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
     //    tile, free now: step 6's identity part). Warps 0-11: Aqk out (workspace bf16 hi + lo, residual),
@@ -503,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int task = tid; task < kC * kD / 8; task += kN) {  // row j, channels c0..c0+7 (a warp: 32 rows)
         const int j = task % kC, c0 = (task / kC) * 8;
         float lo[8];
-        const float bj = bs[j];
+        const float bj = bs[j] * rn[kC + j];  // β and the L2-norm factor of row j
         float kx[8], gx[8];
 #pragma unroll
         for (int e = 0; e < 8; e += 2) {  // channel pairs: 8-byte loads, all before the stores
@@ -537,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
     }
     __syncthreads();
-    clk.mark(6);
+    clk.mark(5);
 
     // 5. The blocks of A below the diagonal by doubling, two levels of two products (X_ab: block of
     //    X, P..Q: rows or columns P to Q; A is zero above its diagonal, so full sums are exact):
@@ -577,7 +559,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       for (int e = tid; e < rows * kC; e += kThreads)
         store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
     __syncthreads();
-    clk.mark(7);
+    clk.mark(6);
 
     // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
     //    the products with the hi operands, then I · lo (identity_lo_step).
@@ -612,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       bulk_store(rec + WsLayout::kU, U, unsigned(2 * WsLayout::kUSliceBytes));
       bulk_store_commit();
     }
-    clk.mark(8);
+    clk.mark(7);
     if (clk.on) atomicAdd(&g_phase_blocks, 1ull);
   }
   if (threadIdx.x == 0) bulk_store_wait_all();  // the last item's stores complete before the block's shared memory goes

@@ -56,10 +56,10 @@ Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream strea
 
 // Phase profile of the chunk kernel (bench suite kda_phases only): while enabled, thread 0 of every
 // block adds the clock64() cycles of each barrier-separated phase to device counters (0: the wait
-// for the item's raw input tiles, 1: loads + gate, 2: L2 factors + gate scan, 3: scan offsets + L2
-// scaling, 4: intra-chunk operands, 5: Aqk and L, 6: write-out + diagonal inverse, 7: inverse blocks
-// below the diagonal, 8: W and U). read() returns the sums and the number of items and resets them.
-constexpr int kKdaChunkPhases = 9;
+// for the item's raw input tiles, 1: loads + gate, 2: gate scan + L2-norm factors, 3: intra-chunk
+// operands, 4: Aqk and L, 5: write-out + diagonal inverse, 6: inverse blocks below the diagonal,
+// 7: W and U). read() returns the sums and the number of items and resets them.
+constexpr int kKdaChunkPhases = 8;
 
 // Value columns per block of the state kernel (bench suite kda_plans): 16, 32 or 64, or 0 for the
 // launcher's rule. Process-wide; not for concurrent use.
