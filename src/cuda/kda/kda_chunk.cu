@@ -55,14 +55,17 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: decay span of diagonal block s (float bits)
   static constexpr int kItem = kSafe + 16;          // int [2][8]: descriptors of this item and the next (ChunkItem)
   static constexpr int kBytes = kItem + 64;
+  // Step 6's staging of the record's W and U, over k and G (read for the last time in step 4).
+  static constexpr int kWStage = kK;
+  static constexpr int kUStage = kWStage + int(WsLayout::kKgT - WsLayout::kW);
 };
 static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSmem::kAbf % 16 == 0 && ChunkSmem::kKref % 16 == 0,
               "aligned bf16 tiles");
 static_assert(kWarps == 16, "steps 1, 3, 4 and 6 map 16 warps");
 static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
-static_assert(kC * kLd * 2 == WsLayout::kKgT - WsLayout::kW && 2 * WsLayout::kUSliceBytes <= ChunkSmem::kL - ChunkSmem::kKr,
-              "W stages over qr, U over kr and kref");
+static_assert(ChunkSmem::kUStage % 16 == 0 && ChunkSmem::kUStage + 2 * WsLayout::kUSliceBytes <= ChunkSmem::kKinv,
+              "W and U stage over k and G");
 static_assert(2 * kRawTileBytes <= kC * kLdF * 4, "step 4's two lo tiles fit over q");
 static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 && kRawTileBytes <= kC * kLdS * 4 &&
                   kRawTileBytes <= kC * kLd * 2,
@@ -251,6 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (has_dtb && tid < K) dtb[tid] = cur.dtb;
     const float beta = cur.beta;
     cp_async_wait<0>();
+    if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left their staging over k and G
     __syncthreads();  // also: the previous item's step 6 is done with qs, ks, Gs and bs
     clk.mark(0);      // the wait for the raw tiles
     float vreg[kTasks][8];
@@ -344,7 +348,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     // Loops over tiles below take a thread's row and column once, then constant strides, so that
     // the addresses are a base plus constants (not a division per entry).
     const int c64 = tid % kC, r64 = tid / kC;  // [*][64] tiles: column, first row (rows step 8)
-    if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left qr and kr (step 2 writes them)
     __syncthreads();
     clk.mark(2);
 
@@ -564,20 +567,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
     //    the products with the hi operands, then I · lo (identity_lo_step).
     //    First the next item's inputs go in flight: kinv, L, Aqk and A are free now. W and U are staged
-    //    in shared memory in the record's layout (over qr, kr and kref, free once every warp's
-    //    products are done) and leave by two bulk stores, so the record writes are whole lines from
-    //    the TMA engine instead of 256 scattered warp stores (this step was the kernel's MIO-bound
-    //    one). Thread 0 waits for the stores' shared-memory reads before step 2 of the next item.
+    //    in shared memory in the record's layout (over k and G, free since step 4, so each warp stores
+    //    its results as soon as its products are done) and leave by two bulk stores, so the record
+    //    writes are whole lines from the TMA engine instead of 256 scattered warp stores (this step was
+    //    the kernel's MIO-bound one). Thread 0 waits for the stores' shared-memory reads before step 1
+    //    of the next item writes k and G.
     if (item + int(gridDim.x) < items) next = issue_inputs(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, tid);
     const int r0 = 16 * (warp % 4), half = warp / 8;
     const bool is_u = (warp / 4) % 2;
-    auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQr);  // staging: the record's W [64][136]
-    auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kKr);           // staging: the record's U [2][64][72]
+    auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W [64][136]
+    auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kUStage);           // staging: the record's U [2][64][72]
     float acc[8][4];
     zero(acc);
     warp_mma_nt<8>(acc, Abf + r0 * kLdC, kLdC, (is_u ? vbT : kbT) + half * 64 * kLdC, kLdC, kC / 16);
     identity_lo_step(acc, is_u ? vlo : klo, r0, half * 64);
-    __syncthreads();  // every read of Abf, kbT, vbT and the lo tiles done
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
