@@ -35,7 +35,7 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kLdF = kD + 2;  // fp32 [64][130] rows: 8-byte aligned channel pairs; a half-warp's pairs in
                               // 16 consecutive rows (column access) fall in distinct banks
-constexpr int kLdS = kC + 1;  // fp32 [64][65] rows
+constexpr int kLdS = kC + 4;  // fp32 [64][68] rows: 16-byte aligned, so rows are read 4 entries at a time
 
 struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kQ = 0;                      // fp32 [64][130] q (unnormed: rn applies on read)
@@ -46,9 +46,9 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
   static constexpr int kAbf = kQr + kD * kLdC * 2;
   static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later (β v)ᵀ [128][72]
-  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][65] L                        | raw k tile
-  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][65] Aqk                      | raw gate tile
-  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][65] A = (I + L)^-1           | raw v tile
+  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][68] L                        | raw k tile
+  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][68] Aqk                      | raw gate tile
+  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][68] A = (I + L)^-1           | raw v tile
   static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [128] dt_bias of the head
   static constexpr int kBeta = kT + kD * 4;         // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k (1 without the norm)
@@ -146,19 +146,25 @@ __device__ __forceinline__ ItemScalars issue_inputs(const KdaCudaProblem& p, con
   return s;
 }
 
+__device__ __forceinline__ float4 ld4(const float* a) { return *reinterpret_cast<const float4*>(a); }
+
 // Step 5's products: out[r] = Σ_{m < kLen} x[r kLdS + m] · y[m kLdS] for kR consecutive rows of X
-// ([*][65] fp32 tiles) against one column of Y, in two chains per row (even and odd m).
+// ([*][68] fp32 tiles, x 16-byte aligned: its row read 4 entries at a time) against one column of
+// Y, in two chains per row (even and odd m).
 template <int kR, int kLen>
 __device__ __forceinline__ void dot_rows(float (&out)[2], const float* x, const float* y) {
   static_assert(kR <= 2 && kLen % 16 == 0, "one or two rows, whole blocks");
   float a[kR][2] = {};
-#pragma unroll 8
-  for (int m = 0; m < kLen; m += 2) {
-    const float y0 = y[m * kLdS], y1 = y[(m + 1) * kLdS];
+#pragma unroll 4
+  for (int m = 0; m < kLen; m += 4) {
+    const float y0 = y[m * kLdS], y1 = y[(m + 1) * kLdS], y2 = y[(m + 2) * kLdS], y3 = y[(m + 3) * kLdS];
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
-      a[r][0] += x[r * kLdS + m] * y0;
-      a[r][1] += x[r * kLdS + m + 1] * y1;
+      const float4 xr = ld4(x + r * kLdS + m);
+      a[r][0] += xr.x * y0;
+      a[r][1] += xr.y * y1;
+      a[r][0] += xr.z * y2;
+      a[r][1] += xr.w * y3;
     }
   }
 #pragma unroll
@@ -308,8 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     __syncthreads();
     clk.mark(1);
     // The chunk-local cumulative gate G (warps 0-3: a thread per channel down all 64 rows, 16 rows'
-    // loads at a time) and, meanwhile, the L2-norm factors of q and k (warps 4-15, a warp per row; 1
-    // without the norm). The factors are applied where q and k are read (steps 2-4), not written back.
+    // loads at a time) and, meanwhile, the L2-norm factors of q and k (warps 4-15; 1 without the
+    // norm). The factors are applied where q and k are read (steps 2-4), not written back.
     if (warp < 4) {
       float acc = 0.f;
 #pragma unroll
@@ -323,25 +329,36 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           Gs[(i0 + u) * kLdF + tid] = acc;
         }
       }
+    } else if (!p.l2norm) {
+      for (int i = tid - 128; i < kC; i += kThreads - 128) rn[i] = rn[kC + i] = 1.f;
     } else {
-      const bool l2 = p.l2norm;
-#pragma unroll 2
-      for (int i = warp - 4; i < kC; i += kWarps - 4) {
-        float sq = 0.f, sk = 0.f;
-        if (l2) {
+      // Rows warp − 4 + 12 r (r < 6, the last one for warps 4-7 only), all at once: the loads, then
+      // the 12 butterfly reductions interleaved (row by row, each row's shuffle chain ran alone).
+      constexpr int kNormWarps = kWarps - 4, kRows = (kC + kNormWarps - 1) / kNormWarps;
+      float sq[kRows], sk[kRows];
 #pragma unroll
-          for (int c = lane; c < kD; c += 32) {
-            sq += qs[i * kLdF + c] * qs[i * kLdF + c];
-            sk += ks[i * kLdF + c] * ks[i * kLdF + c];
-          }
-          for (int o = 16; o > 0; o >>= 1) {
-            sq += __shfl_xor_sync(0xffffffffu, sq, o);
-            sk += __shfl_xor_sync(0xffffffffu, sk, o);
-          }
+      for (int r = 0; r < kRows; ++r) {
+        const int i = min(warp - 4 + kNormWarps * r, kC - 1);  // past row 63: a duplicate, not stored
+        sq[r] = sk[r] = 0.f;
+#pragma unroll
+        for (int c = lane; c < kD; c += 32) {
+          sq[r] += qs[i * kLdF + c] * qs[i * kLdF + c];
+          sk[r] += ks[i * kLdF + c] * ks[i * kLdF + c];
         }
-        if (lane == 0) {
-          rn[i] = l2 ? rsqrtf(sq + 1e-6f) : 1.f;
-          rn[kC + i] = l2 ? rsqrtf(sk + 1e-6f) : 1.f;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], o);
+          sk[r] += __shfl_xor_sync(0xffffffffu, sk[r], o);
+        }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int i = warp - 4 + kNormWarps * r;
+        if (lane == r && i < kC) {  // a lane per row
+          rn[i] = rsqrtf(sq[r] + 1e-6f);
+          rn[kC + i] = rsqrtf(sk[r] + 1e-6f);
         }
       }
     }
@@ -509,12 +526,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       float x[16];  // column j of the block; x[m] = 0 for m < j, so the sums may start at m = 0
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        const float* Lrow = Ls + (o + i) * kLdS + o;
+        const float* Lrow = Ls + (o + i) * kLdS + o;  // 16-byte aligned
+        float Lr[16];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (4 * q < i) {
+            const float4 v = ld4(Lrow + 4 * q);
+            Lr[4 * q] = v.x, Lr[4 * q + 1] = v.y, Lr[4 * q + 2] = v.z, Lr[4 * q + 3] = v.w;
+          }
         float s0 = i == j ? 1.f : 0.f, s1 = 0.f;  // two chains
 #pragma unroll
         for (int m = 0; m < i; m += 2) {
-          s0 -= Lrow[m] * x[m];
-          if (m + 1 < i) s1 -= Lrow[m + 1] * x[m + 1];
+          s0 -= Lr[m] * x[m];
+          if (m + 1 < i) s1 -= Lr[m + 1] * x[m + 1];
         }
         x[i] = j <= i ? s0 + s1 : 0.f;
       }
