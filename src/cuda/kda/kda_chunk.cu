@@ -2,7 +2,7 @@
 // block takes (chunk slot, head) items in turn (item = h · slots + slot, stepping by the grid), one
 // chunk of <= 64 tokens of one head per item; writes the state kernel's operands (kda_device.cuh's
 // workspace record) and the backward's residuals (G, Aqk, Akk). The next item's raw input tiles are
-// in flight (cp.async) while the current item computes W and U, into tiles that step 6 does not use;
+// in flight (TMA) while the current item computes W and U, into tiles that step 6 does not use;
 // W and U leave through shared memory by two bulk stores (TMA). Measured step by step in docs/kda.md.
 //
 //   gate activation (precomputed log-decay, in-kernel softplus with optional dt_bias, or the lower
@@ -54,7 +54,8 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k (1 without the norm)
   static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: decay span of diagonal block s (float bits)
   static constexpr int kItem = kSafe + 16;          // int [2][8]: descriptors of this item and the next (ChunkItem)
-  static constexpr int kBytes = kItem + 64;
+  static constexpr int kInBar = kItem + 64;        // uint64: the raw input tiles' barrier
+  static constexpr int kBytes = kInBar + 16;
   // Step 6's staging of the record's W and U, over k and G (read for the last time in step 4).
   static constexpr int kWStage = kK;
   static constexpr int kUStage = kWStage + int(WsLayout::kKgT - WsLayout::kW);
@@ -67,9 +68,9 @@ static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >=
 static_assert(ChunkSmem::kUStage % 16 == 0 && ChunkSmem::kUStage + 2 * WsLayout::kUSliceBytes <= ChunkSmem::kKinv,
               "W and U stage over k and G");
 static_assert(2 * kRawTileBytes <= kC * kLdF * 4, "step 4's two lo tiles fit over q");
-static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 && kRawTileBytes <= kC * kLdS * 4 &&
-                  kRawTileBytes <= kC * kLd * 2,
-              "raw input tiles fit the tiles they alias");
+static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 && kRawTileBytes + 1008 <= kC * kLdS * 4 &&
+                  kRawTileBytes + 1008 <= kC * kLd * 2,
+              "raw input tiles fit the tiles they alias, from their first 1024-byte aligned address");
 constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a diagonal block
 
 // Phase profile (kda_launch.hpp): counters and the switch, in this translation unit only.
@@ -124,21 +125,35 @@ struct ChunkItem {
 // (free from step 6 to step 1).
 __device__ __forceinline__ const KdaTensor& input(const KdaCudaProblem& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
 __device__ __forceinline__ int channels(const KdaCudaProblem& p, int t) { return t == 3 ? p.V : p.K; }
+// Each lands at the first 1024-byte aligned address of its region (the TMA boxes' 128-byte swizzle
+// is a function of the address), which leaves room for the 16 KB.
 __device__ __forceinline__ __nv_bfloat16* raw_tile(unsigned char* smem, int t) {
-  return reinterpret_cast<__nv_bfloat16*>(smem + (t == 0 ? ChunkSmem::kKinv : t == 1 ? ChunkSmem::kL : t == 2 ? ChunkSmem::kAq : ChunkSmem::kAs));
+  unsigned char* r = smem + (t == 0 ? ChunkSmem::kKinv : t == 1 ? ChunkSmem::kL : t == 2 ? ChunkSmem::kAq : ChunkSmem::kAs);
+  return reinterpret_cast<__nv_bfloat16*>(r + ((1024u - (smem_addr(r) & 1023u)) & 1023u));
 }
 
-// An item's inputs that travel ahead of it: the raw tiles of the inputs in `fast` (bit t) by
-// cp.async (one commit group), and in registers this thread's β (row tid), dt_bias (channel tid)
-// and A_log of the head.
+// An item's inputs that travel ahead of it: the raw tiles of the inputs in `fast` (bit t) by TMA
+// tile copies issued by thread 0 (64 tokens from the chunk's first, whatever lies past its last row
+// is never read; tokens past T and channels past C arrive as zeros), completing on `bar`; and in
+// registers this thread's β (row tid), dt_bias (channel tid) and A_log of the head.
 struct ItemScalars {
   float beta, dtb, a_log;
 };
-__device__ __forceinline__ ItemScalars issue_inputs(const KdaCudaProblem& p, const ChunkItem& it, unsigned char* smem, int fast, int tid) {
+__device__ __forceinline__ ItemScalars issue_inputs(const KdaCudaProblem& p, const ChunkItem& it, unsigned char* smem, int fast, int tid,
+                                                    uint64_t* bar) {
+  if (tid == 0 && fast) {
+    fence_proxy_async_shared();  // the tiles' earlier generic accesses (ordered here by the last barrier) before the TMA writes
+    unsigned bytes = 0;
 #pragma unroll
-  for (int t = 0; t < 4; ++t)
-    if (fast >> t & 1) cp_async_tile(raw_tile(smem, t), input(p, t), it.b, it.t0, it.h, it.rows, channels(p, t), tid, kThreads);
-  cp_async_commit();
+    for (int t = 0; t < 4; ++t)
+      if (fast >> t & 1) bytes += (channels(p, t) > 64 ? 2 : 1) * kRawBoxBytes;
+    mbar_expect(bar, bytes);
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      if (fast >> t & 1)
+        for (int box = 0; 64 * box < channels(p, t); ++box)
+          tma_load_4d(raw_tile(smem, t) + box * (kC * 64), p.tmap[t], 64 * box, it.h, it.t0, it.b, bar);
+  }
   ItemScalars s;
   s.beta = tid < it.rows ? load(p.beta, it.b, it.t0 + tid, it.h, 0) : 0.f;
   s.dtb = p.gate_in_kernel && p.dt_bias && tid < p.K ? p.dt_bias[it.h * p.K + tid] : 0.f;
@@ -204,17 +219,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   const int K = p.K, V = p.V;
   const int items = p.chunk_start[p.N] * p.H;
   extern __shared__ __align__(16) unsigned char smem[];
-  int fast = 0;  // bit t: input t read raw by cp.async (else by load8 from global memory in step 1)
-#pragma unroll
-  for (int t = 0; t < 4; ++t) fast |= raw_tile_ok(input(p, t), channels(p, t)) << t;
+  const int fast = p.raw_fast;  // bit t: input t arrives raw by TMA (else by load8 from global memory in step 1)
   int* const item_desc = reinterpret_cast<int*>(smem + ChunkSmem::kItem);  // [2][8], buffer (item count) % 2
-  ItemScalars next{};
-  if (int(blockIdx.x) < items) {
-    const ChunkItem first(p, blockIdx.x);
-    next = issue_inputs(p, first, smem, fast, threadIdx.x);
-    if (threadIdx.x == 0) first.put(item_desc);
+  auto* const in_bar = reinterpret_cast<uint64_t*>(smem + ChunkSmem::kInBar);  // the raw tiles, a phase per item
+  if (threadIdx.x == 0) {
+    mbar_init(in_bar);
+    if (int(blockIdx.x) < items) ChunkItem(p, blockIdx.x).put(item_desc);
   }
-  __syncthreads();  // the first descriptor
+  __syncthreads();  // the barrier and the first descriptor
+  ItemScalars next = int(blockIdx.x) < items ? issue_inputs(p, ChunkItem(item_desc), smem, fast, threadIdx.x, in_bar) : ItemScalars{};
   for (int item = blockIdx.x, parity = 0; item < items; item += int(gridDim.x), parity ^= 1) {
     // The item's thread index and view of shared memory, through an offset the compiler cannot see
     // is 0: the addresses derived from them are not hoisted out of the item loop (that kept more
@@ -259,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const bool has_dtb = p.gate_in_kernel && p.dt_bias;
     if (has_dtb && tid < K) dtb[tid] = cur.dtb;
     const float beta = cur.beta;
-    cp_async_wait<0>();
+    if (fast) mbar_wait(in_bar, unsigned(parity));  // this item's raw tiles (the item count's phase)
     if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left their staging over k and G
     __syncthreads();  // also: the previous item's step 6 is done with qs, ks, Gs and bs
     clk.mark(0);      // the wait for the raw tiles
@@ -596,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     //    writes are whole lines from the TMA engine instead of 256 scattered warp stores (this step was
     //    the kernel's MIO-bound one). Thread 0 waits for the stores' shared-memory reads before step 1
     //    of the next item writes k and G.
-    if (item + int(gridDim.x) < items) next = issue_inputs(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, tid);
+    if (item + int(gridDim.x) < items) next = issue_inputs(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, tid, in_bar);
     const int r0 = 16 * (warp % 4), half = warp / 8;
     const bool is_u = (warp / 4) % 2;
     auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W [64][136]

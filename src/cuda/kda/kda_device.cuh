@@ -146,44 +146,23 @@ __device__ __forceinline__ int find_seq(const KdaCudaProblem& p, int slot) {
   return lo;
 }
 
-// ---- cp.async (16-byte pieces, global -> shared) -------------------------------------------------
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>  // wait until at most kPending of the committed groups are in flight
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-// A [B, T, H, C] tensor whose rows can be copied raw in 16-byte pieces: bf16, C a multiple of 8,
-// 16-byte aligned base and strides (block-uniform).
-__device__ __forceinline__ bool raw_tile_ok(const KdaTensor& t, int C) {
-  return t.dtype == DType::kBF16 && C % 8 == 0 && (reinterpret_cast<uintptr_t>(t.data) & 15) == 0 && t.sb % 8 == 0 &&
-         t.st % 8 == 0 && t.sh % 8 == 0;
-}
-
-// A raw input tile in shared memory: bf16 [64][128], unpadded (16 KB), with the 16-byte pieces of
-// row i permuted by XOR with i % 8, so that 8 consecutive rows at the same channels fall in 8
-// different bank groups (a warp reading 32 rows of one 8-channel piece is conflict-free).
-__device__ __forceinline__ int raw_at(int i, int c0) { return i * kD + ((((c0 >> 3) ^ i) & 7) | (c0 >> 3 & 8)) * 8; }
+// A raw input tile in shared memory: bf16 [64][128] (16 KB) as two boxes of 64 channels, each
+// [64 rows][128 bytes] with the 16-byte pieces of row i permuted by XOR with i % 8 — the layout a
+// TMA tile copy with 128-byte swizzle writes into a 1024-byte aligned box — so that 8 consecutive
+// rows at the same channels fall in 8 different bank groups (a warp reading 32 rows of one
+// 8-channel piece is conflict-free).
+__device__ __forceinline__ int raw_at(int i, int c0) { return (c0 >> 6) * (kC * 64) + i * 64 + ((((c0 >> 3) ^ i) & 7) << 3); }
 constexpr int kRawTileBytes = kC * kD * 2;
+constexpr int kRawBoxBytes = kC * 64 * 2;
 
-// Issues the copies of rows 0..rows-1 (tokens tok0..), channels 0..C-1 of head h into a raw tile
-// (raw_at layout; raw_tile_ok holds); nothing is written for the rows and channels beyond.
-__device__ __forceinline__ void cp_async_tile(__nv_bfloat16* dst, const KdaTensor& t, int b, int tok0, int h, int rows, int C,
-                                              int tid, int nthreads) {
-  const auto* base = static_cast<const __nv_bfloat16*>(t.data) + int64_t(b) * t.sb + int64_t(tok0) * t.st + int64_t(h) * t.sh;
-  if (C == kD) {  // 16 pieces a row: a thread keeps its piece, its rows step by nthreads / 16 (no division per piece)
-    const int c0 = (tid % 16) * 8;
-#pragma unroll 4
-    for (int i = tid / 16; i < rows; i += nthreads / 16) cp_async16(dst + raw_at(i, c0), base + int64_t(i) * t.st + c0);
-    return;
-  }
-  const int pieces = C / 8;
-  for (int x = tid; x < rows * pieces; x += nthreads) {
-    const int i = x / pieces, c0 = (x % pieces) * 8;
-    cp_async16(dst + raw_at(i, c0), base + int64_t(i) * t.st + c0);
-  }
+// One TMA tile copy of the box at (channel c, head h, token t, batch b) of a 4-D tensor map (a
+// __grid_constant__ parameter) into shared memory, counted on `bar`.
+__device__ __forceinline__ void tma_load_4d(void* dst, const void* map, int c, int h, int t, int b, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(map), "r"(c), "r"(h), "r"(t), "r"(b), "r"(smem_addr(bar))
+      : "memory");
 }
 
 // ---- mma.sync m16n8k16, bf16 inputs, fp32 accumulators ----------------------------------------

@@ -47,12 +47,17 @@ struct KdaCudaProblem {
   // in this order, so the longest serial passes never wait for a free SM behind short ones.
   int32_t seq_by_length[kKdaMaxSeqs];
   int device = 0;
+  // Filled by launch_kda_forward: the chunk kernel's TMA descriptors (CUtensorMap, 128 bytes each) of
+  // q, k, g, v as [B, T, H, C] bf16 tensors with boxes of 64 channels x 64 tokens, and the inputs
+  // that have one (bit t; the others are read from global memory by the threads).
+  alignas(128) unsigned char tmap[4][128];
+  int raw_fast = 0;
 };
 
 // Workspace of the forward: one record per (chunk, head) with the head dims padded to 128
 // (kda_device.cuh's WsLayout, 106.5 KB), so it depends on the chunk and head counts only.
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
-Status launch_kda_forward(const KdaCudaProblem& p, void* workspace, Stream stream);
+Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  // fills p.tmap, p.raw_fast
 
 // Phase profile of the chunk kernel (bench suite kda_phases only): while enabled, thread 0 of every
 // block adds the clock64() cycles of each barrier-separated phase to device counters (0: the wait
