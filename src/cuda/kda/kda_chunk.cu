@@ -56,6 +56,9 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kItem = kSafe + 16;          // int [2][8]: descriptors of this item and the next (ChunkItem)
   static constexpr int kInBar = kItem + 64;        // uint64: the raw input tiles' barrier
   static constexpr int kBytes = kInBar + 16;
+  // The raw input tiles (TMA destinations): the first 1024-byte aligned offsets of kinv, L, Aqk, A.
+  static constexpr int kRawQ = (kKinv + 1023) / 1024 * 1024, kRawK = (kL + 1023) / 1024 * 1024;
+  static constexpr int kRawG = (kAq + 1023) / 1024 * 1024, kRawV = (kAs + 1023) / 1024 * 1024;
   // Step 6's staging of the record's W and U, over k and G (read for the last time in step 4).
   static constexpr int kWStage = kK;
   static constexpr int kUStage = kWStage + int(WsLayout::kKgT - WsLayout::kW);
@@ -68,9 +71,10 @@ static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >=
 static_assert(ChunkSmem::kUStage % 16 == 0 && ChunkSmem::kUStage + 2 * WsLayout::kUSliceBytes <= ChunkSmem::kKinv,
               "W and U stage over k and G");
 static_assert(2 * kRawTileBytes <= kC * kLdF * 4, "step 4's two lo tiles fit over q");
-static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 && kRawTileBytes + 1008 <= kC * kLdS * 4 &&
-                  kRawTileBytes + 1008 <= kC * kLd * 2,
-              "raw input tiles fit the tiles they alias, from their first 1024-byte aligned address");
+static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 &&
+                  ChunkSmem::kRawQ + kRawTileBytes <= ChunkSmem::kQr && ChunkSmem::kRawK + kRawTileBytes <= ChunkSmem::kAq &&
+                  ChunkSmem::kRawG + kRawTileBytes <= ChunkSmem::kAs && ChunkSmem::kRawV + kRawTileBytes <= ChunkSmem::kT,
+              "raw input tiles fit the tiles they alias, from their first 1024-byte aligned offset");
 constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a diagonal block
 
 // Phase profile (kda_launch.hpp): counters and the switch, in this translation unit only.
@@ -125,11 +129,10 @@ struct ChunkItem {
 // (free from step 6 to step 1).
 __device__ __forceinline__ const KdaTensor& input(const KdaCudaProblem& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
 __device__ __forceinline__ int channels(const KdaCudaProblem& p, int t) { return t == 3 ? p.V : p.K; }
-// Each lands at the first 1024-byte aligned address of its region (the TMA boxes' 128-byte swizzle
-// is a function of the address), which leaves room for the 16 KB.
+// Each lands at the first 1024-byte aligned offset of its region (the TMA boxes' 128-byte swizzle is
+// a function of the address; the kernel checks that shared memory starts 1024-byte aligned).
 __device__ __forceinline__ __nv_bfloat16* raw_tile(unsigned char* smem, int t) {
-  unsigned char* r = smem + (t == 0 ? ChunkSmem::kKinv : t == 1 ? ChunkSmem::kL : t == 2 ? ChunkSmem::kAq : ChunkSmem::kAs);
-  return reinterpret_cast<__nv_bfloat16*>(r + ((1024u - (smem_addr(r) & 1023u)) & 1023u));
+  return reinterpret_cast<__nv_bfloat16*>(smem + (t == 0 ? ChunkSmem::kRawQ : t == 1 ? ChunkSmem::kRawK : t == 2 ? ChunkSmem::kRawG : ChunkSmem::kRawV));
 }
 
 // An item's inputs that travel ahead of it: the raw tiles of the inputs in `fast` (bit t) by TMA
@@ -218,8 +221,10 @@ __device__ __forceinline__ void identity_lo_step(float (&acc)[8][4], const __nv_
 __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
   const int K = p.K, V = p.V;
   const int items = p.chunk_start[p.N] * p.H;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int fast = p.raw_fast;  // bit t: input t arrives raw by TMA (else by load8 from global memory in step 1)
+  extern __shared__ __align__(1024) unsigned char smem[];
+  // bit t: input t arrives raw by TMA (else by load8 from global memory in step 1); only where the
+  // shared memory starts 1024-byte aligned, as the raw tiles' swizzle assumes (block-uniform).
+  const int fast = (smem_addr(smem) & 1023u) == 0 ? p.raw_fast : 0;
   int* const item_desc = reinterpret_cast<int*>(smem + ChunkSmem::kItem);  // [2][8], buffer (item count) % 2
   auto* const in_bar = reinterpret_cast<uint64_t*>(smem + ChunkSmem::kInBar);  // the raw tiles, a phase per item
   if (threadIdx.x == 0) {
