@@ -16,7 +16,7 @@
 //
 // Finishers: rms_final_reduce (r from the sum-of-squares partials), lse_finish (per-row log-sum-exp
 // and cross-entropy loss from the LSE partials), and the QK-norm + RoPE finish after kQkvHeadSqsum
-// (QkNormRopeArgs, CPU backend only so far). Statistics are fp32; D and aux take A's dtype
+// (QkNormRopeArgs; CPU and CUDA). Statistics are fp32; D and aux take A's dtype
 // (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
 // produces the same layout [M, ceil(N / partial_tile_n)]; 0 (the default) means
 // gemm_partial_tile_n(epilogue, M, N, K), the width of the fastest CUDA tile for the shape.
