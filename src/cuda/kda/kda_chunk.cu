@@ -266,8 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     PhaseClock clk(tid == 0 && g_phase_on);
 
     // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β; v stays
-    //    in registers until its tile is free (step 4). A bf16 tensor with 16-byte rows arrives raw in
-    //    shared memory first (cp.async, issued in the previous item's step 6 or before the first
+    //    in registers until its tile is free (step 4). A bf16 tensor with 16-byte aligned rows arrives
+    //    raw in shared memory first (TMA, issued in the previous item's step 6 or before the first
     //    item); others are read from global memory by load8. A warp's lanes take 32 consecutive rows
     //    of one 8-channel group, so the raw tile reads, the fp32 tile stores and the (β v)ᵀ stores of
     //    step 4 are free of bank conflicts.

@@ -1,6 +1,6 @@
 // Device helpers shared by the two KDA forward kernels (kda_chunk.cu, kda_state.cu): the per
-// (chunk, head) workspace layout that connects them, input loads, cp.async and bulk copies, and the
-// warp-level bf16 tensor-core product on shared-memory tiles.
+// (chunk, head) workspace layout that connects them, input loads, the raw-tile layout and its TMA
+// copy, and the warp-level bf16 tensor-core product on shared-memory tiles.
 //
 // Workspace, per (chunk slot, head), bytes, every part 16-byte aligned; head dims padded to 128 with
 // zeros; all written by the chunk kernel, in the state kernel's shared-memory layout (padded rows),
