@@ -38,6 +38,22 @@ struct DeviceVec {
     cudaMemcpy(buf->ptr, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
     view = TensorView::contiguous(buf->ptr, dt, shape, Device{DeviceType::kCUDA, 0});
   }
+  // A strided copy of a [B, T, H, C] host tensor: token rows of H·C + pad elements, the pad NaN (never
+  // to be read), as views into a larger per-token buffer arrive (e.g. q of a packed QKV projection).
+  DeviceVec(std::vector<double>& host, DType dt, int64_t B, int64_t T, int64_t H, int64_t C, int64_t pad) {
+    const int64_t st = H * C + pad;
+    std::vector<unsigned char> bytes(size_t(B * T * st) * dtype_size(dt) + 16);
+    for (int64_t e = 0; e < B * T * st; ++e) store_from_double(bytes.data(), dt, e, NAN);
+    for (int64_t bt = 0; bt < B * T; ++bt)
+      for (int64_t hc = 0; hc < H * C; ++hc) {
+        const size_t i = size_t(bt * H * C + hc);
+        store_from_double(bytes.data(), dt, bt * st + hc, host[i]);
+        host[i] = load_as_double(bytes.data(), dt, bt * st + hc);
+      }
+    buf = std::make_unique<DeviceBuffer>(bytes.size());
+    cudaMemcpy(buf->ptr, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
+    view = TensorView::strided(buf->ptr, dt, {B, T, H, C}, {T * st, st, C, 1}, Device{DeviceType::kCUDA, 0});
+  }
   std::vector<double> fetch(size_t n) const {
     std::vector<unsigned char> bytes(n * dtype_size(view.dtype));
     cudaMemcpy(bytes.data(), buf->ptr, bytes.size(), cudaMemcpyDeviceToHost);
@@ -47,7 +63,10 @@ struct DeviceVec {
   }
 };
 
-void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0, bool residuals = false, double tol = 5e-3) {
+// row_pad > 0: q, k, v and g as strided views with token rows padded by that many elements (a
+// multiple of 8: the chunk kernel's TMA path; otherwise its global-load path).
+void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0, bool residuals = false, double tol = 5e-3,
+              int64_t row_pad = 0) {
   SCOPED_TRACE(std::string(label) + " " + dtype_name(dt));
   c.fill(uint64_t(c.T * 7 + c.K));
   if (extreme_gate != 0.0)
@@ -56,8 +75,10 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
   // The raw gate of the in-kernel activation comes in the inputs' dtype (as in the bench: bf16 tiles
   // take the chunk kernel's cp.async path); a precomputed log-decay in fp32 (the element-load path).
   const DType gdt = c.opts.use_gate_in_kernel ? dt : DType::kFP32;
-  DeviceVec q(c.q, dt, {B, T, H, K}), k(c.k, dt, {B, T, H, K}), v(c.v, dt, {B, T, H, V}), g(c.g, gdt, {B, T, H, K}),
-      beta(c.beta, dt, {B, T, H});
+  auto input = [&](std::vector<double>& host, DType t, int64_t C) {
+    return row_pad > 0 ? DeviceVec(host, t, B, T, H, C, row_pad) : DeviceVec(host, t, {B, T, H, C});
+  };
+  DeviceVec q = input(c.q, dt, K), k = input(c.k, dt, K), v = input(c.v, dt, V), g = input(c.g, gdt, K), beta(c.beta, dt, {B, T, H});
   std::vector<double> o_init(c.o.size(), NAN), fin_init(c.fin.size(), NAN);
   DeviceVec o(o_init, dt, {B, T, H, V}), fin(fin_init, DType::kFP32, {N, H, K, V});
   std::unique_ptr<DeviceVec> h0, A_log, dt_bias;
@@ -152,6 +173,18 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
     run_case(with_keys(KdaCase{2, 200, 2, 128, 128, {}, Gate::kPrecomputed, true, false}, 0.4), dt, "expansive keys (reported)", 0.0, false,
              0.0);
   }
+}
+
+// q, k, v and g as strided views (token rows padded): by 8 elements the bf16 inputs keep the chunk
+// kernel's TMA path with the row stride in the tensor map, by 4 (rows not 16-byte aligned) they take
+// its global-load path; the NaN padding must never be read.
+TEST_F(KdaGpu, StridedInputs) {
+  for (int64_t pad : {8, 4})
+    for (DType dt : {DType::kFP32, DType::kBF16}) {
+      const std::string tag = "rows padded by " + std::to_string(pad) + ": ";
+      run_case(KdaCase{1, 300, 2, 128, 128, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, (tag + "varlen").c_str(), 0.0, false, 5e-3, pad);
+      run_case(KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, (tag + "fixed K64 V96").c_str(), 0.0, false, 5e-3, pad);
+    }
 }
 
 // Every state-kernel width whatever the rule picks (it takes the narrowest width whose grid fits one
