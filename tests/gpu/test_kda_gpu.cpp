@@ -73,7 +73,7 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
     for (size_t i = 0; i < c.g.size(); i += 97) c.g[i] = extreme_gate;
   const int64_t B = c.B, T = c.T, H = c.H, K = c.K, V = c.V, N = c.N();
   // The raw gate of the in-kernel activation comes in the inputs' dtype (as in the bench: bf16 tiles
-  // take the chunk kernel's cp.async path); a precomputed log-decay in fp32 (the element-load path).
+  // take the chunk kernel's TMA path); a precomputed log-decay in fp32 (the element-load path).
   const DType gdt = c.opts.use_gate_in_kernel ? dt : DType::kFP32;
   auto input = [&](std::vector<double>& host, DType t, int64_t C) {
     return row_pad > 0 ? DeviceVec(host, t, B, T, H, C, row_pad) : DeviceVec(host, t, {B, T, H, C});
@@ -111,6 +111,14 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
   Status st = run(a, c.opts, ws.ptr);
   ASSERT_TRUE(st) << st.to_string();
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+  if (nt > 0) {  // the chunk kernel ran: bf16 inputs with 16-byte aligned token rows arrive by TMA, others by loads
+    const bool rows_ok = row_pad % 8 == 0;
+    const int want = (dt == DType::kBF16 && rows_ok && K % 8 == 0 ? 1 | 2 : 0) | (gdt == DType::kBF16 && rows_ok && K % 8 == 0 ? 4 : 0) |
+                     (dt == DType::kBF16 && rows_ok && V % 8 == 0 ? 8 : 0);
+    int mask = -1;
+    ASSERT_TRUE(cuda::kda_chunk_raw_inputs(&mask));
+    EXPECT_EQ(mask, want) << "inputs read as raw TMA tiles (bit t: q, k, g, v)";
+  }
   // CPU reference on the rounded inputs.
   KdaForwardArgs r = c.args();
   std::vector<double> G_cpu(nG, NAN), Aqk_cpu(nA, NAN), Akk_cpu(nA, NAN), h_cpu(nH, NAN);

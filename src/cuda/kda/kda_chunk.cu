@@ -81,6 +81,10 @@ constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a
 __device__ unsigned long long g_phase_cycles[kKdaChunkPhases];
 __device__ unsigned long long g_phase_blocks;
 __device__ int g_phase_on;
+// The raw-input test hook (kda_launch.hpp kda_chunk_raw_inputs): the TMA mask of the last launch,
+// and whether a block since found its shared memory not 1024-byte aligned (and read from global memory).
+int g_last_raw_fast = 0;
+__device__ int g_raw_misaligned;
 
 __device__ __forceinline__ long long cycle_now() {
   long long t;
@@ -129,6 +133,7 @@ struct ChunkItem {
 // (free from step 6 to step 1).
 __device__ __forceinline__ const KdaTensor& input(const KdaCudaProblem& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
 __device__ __forceinline__ int channels(const KdaCudaProblem& p, int t) { return t == 3 ? p.V : p.K; }
+__device__ __forceinline__ int raw_boxes(const KdaCudaProblem& p, int t) { return (channels(p, t) + 63) / 64; }  // TMA boxes of 64 channels
 // Each lands at the first 1024-byte aligned offset of its region (the TMA boxes' 128-byte swizzle is
 // a function of the address; the kernel checks that shared memory starts 1024-byte aligned).
 __device__ __forceinline__ __nv_bfloat16* raw_tile(unsigned char* smem, int t) {
@@ -149,12 +154,12 @@ __device__ __forceinline__ ItemScalars issue_inputs(const KdaCudaProblem& p, con
     unsigned bytes = 0;
 #pragma unroll
     for (int t = 0; t < 4; ++t)
-      if (fast >> t & 1) bytes += (channels(p, t) > 64 ? 2 : 1) * kRawBoxBytes;
+      if (fast >> t & 1) bytes += raw_boxes(p, t) * kRawBoxBytes;
     mbar_expect(bar, bytes);
 #pragma unroll
     for (int t = 0; t < 4; ++t)
       if (fast >> t & 1)
-        for (int box = 0; 64 * box < channels(p, t); ++box)
+        for (int box = 0; box < raw_boxes(p, t); ++box)
           tma_load_4d(raw_tile(smem, t) + box * (kC * 64), p.tmap[t], 64 * box, it.h, it.t0, it.b, bar);
   }
   ItemScalars s;
@@ -225,6 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   // bit t: input t arrives raw by TMA (else by load8 from global memory in step 1); only where the
   // shared memory starts 1024-byte aligned, as the raw tiles' swizzle assumes (block-uniform).
   const int fast = (smem_addr(smem) & 1023u) == 0 ? p.raw_fast : 0;
+  if (threadIdx.x == 0 && fast != p.raw_fast) g_raw_misaligned = 1;
   int* const item_desc = reinterpret_cast<int*>(smem + ChunkSmem::kItem);  // [2][8], buffer (item count) % 2
   auto* const in_bar = reinterpret_cast<uint64_t*>(smem + ChunkSmem::kInBar);  // the raw tiles, a phase per item
   if (threadIdx.x == 0) {
@@ -484,8 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
     //    tile, free now: step 6's identity part). Warps 0-11: Aqk out (workspace bf16 hi + lo, residual),
     //    the G residual, β k ⊙ 2^G likewise (hi transposed, lo over q), zeros above the diagonal blocks
-    //    of A. Warps 12-15,
-    //    meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
+    //    of A. Warps 12-15, meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
     //    X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane j < 16 = column, X in registers).
     auto* vlo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ);                  // over q (free now)
     auto* klo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ + kRawTileBytes);  // over q
@@ -658,6 +663,16 @@ Status kda_chunk_profile_enable(bool on) {
   return Status::ok();
 }
 
+Status kda_chunk_raw_inputs(int* mask) {
+  int misaligned = 0;
+  const int zero = 0;
+  if (cudaMemcpyFromSymbol(&misaligned, kda::g_raw_misaligned, sizeof(int)) != cudaSuccess ||
+      cudaMemcpyToSymbol(kda::g_raw_misaligned, &zero, sizeof(int)) != cudaSuccess)
+    return Status::cuda_error(std::string("kda raw inputs: ") + cudaGetErrorString(cudaGetLastError()));
+  *mask = misaligned ? 0 : kda::g_last_raw_fast;
+  return Status::ok();
+}
+
 Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsigned long long* blocks) {
   unsigned long long zero[kKdaChunkPhases + 1] = {};
   if (cudaMemcpyFromSymbol(cycles, kda::g_phase_cycles, sizeof(unsigned long long) * kKdaChunkPhases) != cudaSuccess ||
@@ -676,6 +691,7 @@ cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, c
   const cudaError_t e = cudaFuncSetAttribute(kda_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ChunkSmem::kBytes);
   if (e != cudaSuccess) return e;
   const int64_t items = int64_t(p.chunk_start[p.N]) * p.H;
+  g_last_raw_fast = p.raw_fast;
   kda_chunk_kernel<<<unsigned(items < blocks ? items : blocks), kThreads, ChunkSmem::kBytes, stream>>>(p, ws);
   return cudaGetLastError();
 }

@@ -34,6 +34,9 @@ constexpr int kD = 128;   // padded head dim (K, V <= 128 on CUDA)
 constexpr int kLd = kD + 8;  // bf16 row stride of [*, 128] shared tiles: conflict-free mma fragments
 constexpr int kLdC = kC + 8; // bf16 row stride of [*, 64] shared tiles
 
+// Value-column blocks per head of a state kernel of `columns` columns (its grid: H of these x N).
+__host__ __device__ constexpr int state_column_blocks(int V, int columns) { return (V + columns - 1) / columns; }
+
 constexpr int kUSlice = 64;      // value columns per U slice (the state kernel's block)
 constexpr int kULd = kUSlice + 8;  // fp32 row stride of a U slice: 288-byte rows keep the chunk kernel's pair
                                    // stores sector-aligned and the state kernel's fragment pair loads

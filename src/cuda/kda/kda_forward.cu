@@ -69,23 +69,25 @@ Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream) {
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(p.device));
   if (p.chunk_start[p.N] == 0 && !p.final_state) return Status::ok();
-  p.raw_fast = 0;
-  const KdaTensor* inputs[4] = {&p.q, &p.k, &p.g, &p.v};
-  for (int t = 0; t < 4; ++t)
-    if (encode_input_map(p.tmap[t], *inputs[t], p.B, p.T, p.H, t == 3 ? p.V : p.K)) p.raw_fast |= 1 << t;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
   ENCORE_RETURN_IF_ERROR(get_device_info(p.device, &info));
   const bool chunks = p.chunk_start[p.N] > 0;
-  const int chunk_blocks = g_chunk_blocks > 0 ? g_chunk_blocks : info->sm_count;
-  if (chunks) ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, chunk_blocks, s), "chunk kernel"));
+  if (chunks) {
+    p.raw_fast = 0;
+    const KdaTensor* inputs[4] = {&p.q, &p.k, &p.g, &p.v};
+    for (int t = 0; t < 4; ++t)
+      if (encode_input_map(p.tmap[t], *inputs[t], p.B, p.T, p.H, t == 3 ? p.V : p.K)) p.raw_fast |= 1 << t;
+    const int chunk_blocks = g_chunk_blocks > 0 ? g_chunk_blocks : info->sm_count;
+    ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, chunk_blocks, s), "chunk kernel"));
+  }
   // Value columns per state block: the narrowest of 16, 32, 64 whose grid fits one wave (one block
   // per SM), else 64: narrower blocks finish a serial step sooner, a second wave doubles the path.
   int columns = g_state_columns;
   if (columns == 0) {
     columns = 64;
     for (int c : {16, 32})
-      if (int64_t(p.N) * p.H * ((p.V + c - 1) / c) <= info->sm_count) {
+      if (int64_t(p.N) * p.H * kda::state_column_blocks(p.V, c) <= info->sm_count) {
         columns = c;
         break;
       }

@@ -73,6 +73,10 @@ Status kda_state_columns_override(int columns);
 // next item's inputs prefetched during the current one), or 0 for one per SM. Process-wide; not for
 // concurrent use.
 Status kda_chunk_blocks_override(int blocks);
+// Test hook: which inputs the last chunk kernel read as raw TMA tiles (bit t: q, k, g, v; 0 for all
+// where a block's shared memory was not 1024-byte aligned since the previous call, which resets that).
+// Synchronizes. Process-wide; not for concurrent use.
+Status kda_chunk_raw_inputs(int* mask);
 Status kda_chunk_profile_enable(bool on);
 Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsigned long long* blocks);
 

@@ -53,7 +53,7 @@ template <int kVs>
 __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
   using Sm = StateSmem<kVs>;
   constexpr int kLdS = Sm::kLdS;
-  const int nz = (p.V + kVs - 1) / kVs;
+  const int nz = state_column_blocks(p.V, kVs);
   const int n = p.seq_by_length[blockIdx.y], h = blockIdx.x / nz, v0 = (blockIdx.x % nz) * kVs, tid = threadIdx.x, lane = tid % 32;
   const int slice = v0 / kUSlice, uo = v0 % kUSlice;            // the U slice and the block's offset in it
   const int rw = (tid / 32) % 4, cw = tid / 128;                 // row group, 16-column group
@@ -173,7 +173,7 @@ cudaError_t launch_state(const KdaCudaProblem& p, const void* ws, cudaStream_t s
   using Sm = StateSmem<kVs>;
   const cudaError_t e = cudaFuncSetAttribute(kda_state_kernel<kVs>, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kBytes);
   if (e != cudaSuccess) return e;
-  kda_state_kernel<kVs><<<dim3(unsigned(p.H * ((p.V + kVs - 1) / kVs)), unsigned(p.N)), Sm::kThreads, Sm::kBytes, stream>>>(p, ws);
+  kda_state_kernel<kVs><<<dim3(unsigned(p.H * state_column_blocks(p.V, kVs)), unsigned(p.N)), Sm::kThreads, Sm::kBytes, stream>>>(p, ws);
   return cudaGetLastError();
 }
 
