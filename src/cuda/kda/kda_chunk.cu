@@ -284,9 +284,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (has_dtb && tid < K) dtb[tid] = cur.dtb;
     const float beta = cur.beta;
     if (fast) mbar_wait(in_bar, unsigned(parity));  // this item's raw tiles (the item count's phase)
+    clk.mark(0);                                     // the wait for the raw tiles
     if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left their staging over k and G
     __syncthreads();  // also: the previous item's step 6 is done with qs, ks, Gs and bs
-    clk.mark(0);      // the wait for the raw tiles
+    clk.mark(8);      // the wait for the W and U stores' reads, and the barrier
     float vreg[kTasks][8];
     // kFull: a whole chunk of 128-channel inputs all in raw tiles (the common case), without the
     // per-entry range and path checks.
