@@ -2,7 +2,7 @@
 // block takes (chunk slot, head) items in turn (item = h · slots + slot, stepping by the grid), one
 // chunk of <= 64 tokens of one head per item; writes the state kernel's operands (kda_device.cuh's
 // workspace record) and the backward's residuals (G, Aqk, Akk). The next item's raw input tiles are
-// in flight (TMA) while the current item computes W and U, into tiles that step 6 does not use;
+// in flight (TMA) from steps 4 (q), 5 (gate) and 6 (k, v) on, each into a tile its step frees;
 // W and U leave through shared memory by two bulk stores (TMA). Measured step by step in docs/kda.md.
 //
 //   gate activation (precomputed log-decay, in-kernel softplus with optional dt_bias, or the lower
@@ -140,28 +140,35 @@ __device__ __forceinline__ __nv_bfloat16* raw_tile(unsigned char* smem, int t) {
   return reinterpret_cast<__nv_bfloat16*>(smem + (t == 0 ? ChunkSmem::kRawQ : t == 1 ? ChunkSmem::kRawK : t == 2 ? ChunkSmem::kRawG : ChunkSmem::kRawV));
 }
 
-// An item's inputs that travel ahead of it: the raw tiles of the inputs in `fast` (bit t) by TMA
-// tile copies issued by thread 0 (64 tokens from the chunk's first, whatever lies past its last row
-// is never read; tokens past T and channels past C arrive as zeros), completing on `bar`; and in
-// registers this thread's β (row tid), dt_bias (channel tid) and A_log of the head.
-struct ItemScalars {
-  float beta, dtb, a_log;
-};
-__device__ __forceinline__ ItemScalars issue_inputs(const KdaCudaProblem& p, const ChunkItem& it, unsigned char* smem, int fast, int tid,
-                                                    uint64_t* bar) {
-  if (tid == 0 && fast) {
-    fence_proxy_async_shared();  // the tiles' earlier generic accesses (ordered here by the last barrier) before the TMA writes
+// An item's raw input tiles (bit t of `fast`: input t arrives by TMA), issued by thread 0 in up to
+// three groups as their tiles fall free (mask: the inputs of this group): 64 tokens from the chunk's
+// first (whatever lies past its last row is never read; tokens past T and channels past C arrive as
+// zeros), all completing on `bar`, which the item's first group (`arm`) arms with every byte.
+__device__ __forceinline__ void issue_raw(const KdaCudaProblem& p, const ChunkItem& it, unsigned char* smem, int fast, int mask, bool arm,
+                                          int tid, uint64_t* bar) {
+  if (tid != 0 || !fast) return;
+  if (arm) {
     unsigned bytes = 0;
 #pragma unroll
     for (int t = 0; t < 4; ++t)
       if (fast >> t & 1) bytes += raw_boxes(p, t) * kRawBoxBytes;
     mbar_expect(bar, bytes);
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-      if (fast >> t & 1)
-        for (int box = 0; box < raw_boxes(p, t); ++box)
-          tma_load_4d(raw_tile(smem, t) + box * (kC * 64), p.tmap[t], 64 * box, it.h, it.t0, it.b, bar);
   }
+  if (!(fast & mask)) return;
+  fence_proxy_async_shared();  // the tiles' earlier generic accesses (ordered here by the last barrier) before the TMA writes
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+    if (fast & mask >> t & 1)
+      for (int box = 0; box < raw_boxes(p, t); ++box)
+        tma_load_4d(raw_tile(smem, t) + box * (kC * 64), p.tmap[t], 64 * box, it.h, it.t0, it.b, bar);
+}
+
+// An item's scalars, loaded one step ahead into registers: this thread's β (row tid), dt_bias
+// (channel tid) and A_log of the head.
+struct ItemScalars {
+  float beta, dtb, a_log;
+};
+__device__ __forceinline__ ItemScalars load_scalars(const KdaCudaProblem& p, const ChunkItem& it, int tid) {
   ItemScalars s;
   s.beta = tid < it.rows ? load(p.beta, it.b, it.t0 + tid, it.h, 0) : 0.f;
   s.dtb = p.gate_in_kernel && p.dt_bias && tid < p.K ? p.dt_bias[it.h * p.K + tid] : 0.f;
@@ -238,7 +245,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (int(blockIdx.x) < items) ChunkItem(p, blockIdx.x).put(item_desc);
   }
   __syncthreads();  // the barrier and the first descriptor
-  ItemScalars next = int(blockIdx.x) < items ? issue_inputs(p, ChunkItem(item_desc), smem, fast, threadIdx.x, in_bar) : ItemScalars{};
+  ItemScalars next{};
+  if (int(blockIdx.x) < items) {
+    const ChunkItem first(item_desc);
+    issue_raw(p, first, smem, fast, 15, true, threadIdx.x, in_bar);
+    next = load_scalars(p, first, threadIdx.x);
+  }
   for (int item = blockIdx.x, parity = 0; item < items; item += int(gridDim.x), parity ^= 1) {
     // The item's thread index and view of shared memory, through an offset the compiler cannot see
     // is 0: the addresses derived from them are not hoisted out of the item loop (that kept more
@@ -487,6 +499,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
     __syncthreads();
     clk.mark(4);
+    // The next item's raw q goes in flight now (its tile aliases kinv, last read in step 3); the
+    // gate's after step 4 (over Aqk), k and v in step 6 (over L and A).
+    const bool has_next = item + int(gridDim.x) < items;
+    if (has_next && tid == 0) issue_raw(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, 1, true, tid, in_bar);
 
     // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
     //    tile, free now: step 6's identity part). Warps 0-11: Aqk out (workspace bf16 hi + lo, residual),
@@ -571,6 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
     __syncthreads();
     clk.mark(5);
+    if (has_next && tid == 0) issue_raw(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, 4, false, tid, in_bar);  // the gate, over Aqk
 
     // 5. The blocks of A below the diagonal by doubling, two levels of two products (X_ab: block of
     //    X, P..Q: rows or columns P to Q; A is zero above its diagonal, so full sums are exact):
@@ -614,13 +631,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 
     // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
     //    the products with the hi operands, then I · lo (identity_lo_step).
-    //    First the next item's inputs go in flight: kinv, L, Aqk and A are free now. W and U are staged
+    //    First the next item's k and v go in flight (L and A are free now; q and the gate went in steps 4
+    //    and 5). W and U are staged
     //    in shared memory in the record's layout (over k and G, free since step 4, so each warp stores
     //    its results as soon as its products are done) and leave by two bulk stores, so the record
     //    writes are whole lines from the TMA engine instead of 256 scattered warp stores (this step was
     //    the kernel's MIO-bound one). Thread 0 waits for the stores' shared-memory reads before step 1
     //    of the next item writes k and G.
-    if (item + int(gridDim.x) < items) next = issue_inputs(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, tid, in_bar);
+    if (has_next) {
+      const ChunkItem nx(item_desc + 8 * (parity ^ 1));
+      issue_raw(p, nx, sm, fast, 2 | 8, false, tid, in_bar);  // k and v, over L and A
+      next = load_scalars(p, nx, tid);
+    }
     const int r0 = 16 * (warp % 4), half = warp / 8;
     const bool is_u = (warp / 4) % 2;
     auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W [64][136]
