@@ -297,55 +297,66 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const float beta = cur.beta;
     if (fast) mbar_wait(in_bar, unsigned(parity));  // this item's raw tiles (the item count's phase)
     clk.mark(0);                                     // the wait for the raw tiles
-    if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left their staging over k and G
-    __syncthreads();  // also: the previous item's step 6 is done with qs, ks, Gs and bs
-    clk.mark(8);      // the wait for the W and U stores' reads, and the barrier
     float vreg[kTasks][8];
-    // kFull: a whole chunk of 128-channel inputs all in raw tiles (the common case), without the
-    // per-entry range and path checks.
-    auto load_inputs = [&](auto full) {
+    // Two passes over the tasks: q and v first (q's tile and v's registers are free: the previous
+    // item's step 6 ended with a barrier), then, once the previous item's W and U have left their
+    // staging over k and G, k and the gate. kFull: a whole chunk of 128-channel inputs all in raw
+    // tiles (the common case), without the per-entry range and path checks.
+    auto load_inputs = [&](auto full, auto pass) {
       constexpr bool kFull = decltype(full)::value;
+      constexpr int kPass = decltype(pass)::value;  // 0: q and v, 1: k and the gate
 #pragma unroll
       for (int r = 0; r < kTasks; ++r) {
         const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
-        float x[4][8];  // q, k, gate, v
+        float x[2][8];  // pass 0: q, v; pass 1: k, gate
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
+        for (int u = 0; u < 2; ++u) {
+          const int t = kPass == 0 ? 3 * u : 1 + u;
           const int C = t == 3 ? V : K;
           if (kFull || (i < rows && c0 < C)) {
-            if (kFull || (fast >> t & 1)) unpack8(*reinterpret_cast<const uint4*>(raw_tile(sm, t) + raw_at(i, c0)), x[t]);
-            else load8(input(p, t), b, t0 + i, h, c0, C, x[t]);
+            if (kFull || (fast >> t & 1)) unpack8(*reinterpret_cast<const uint4*>(raw_tile(sm, t) + raw_at(i, c0)), x[u]);
+            else load8(input(p, t), b, t0 + i, h, c0, C, x[u]);
           } else {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) x[t][e] = 0.f;
+            for (int e = 0; e < 8; ++e) x[u][e] = 0.f;
           }
         }
-        if (p.gate_in_kernel && (kFull || i < rows)) {  // the activation on channels < K (the padding stays 0)
-          float a[8];
+        if constexpr (kPass == 0) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) a[e] = x[2][e] + (has_dtb && (kFull || c0 + e < K) ? dtb[c0 + e] : 0.f);
-          if (p.lower_bound_gate) {  // lower_bound · sigmoid(e^A_log x)
+          for (int e = 0; e < 8; e += 2) st2(qs + i * kLdF + c0 + e, x[0][e], x[0][e + 1]);  // channel pairs: 8-byte stores
 #pragma unroll
-            for (int e = 0; e < 8; ++e) a[e] = __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
-          } else {  // −e^A_log softplus(x)
+          for (int e = 0; e < 8; ++e) vreg[r][e] = x[1][e];
+        } else {
+          if (p.gate_in_kernel && (kFull || i < rows)) {  // the activation on channels < K (the padding stays 0)
+            float a[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) a[e] = -ea * (a[e] > 20.f ? a[e] : __logf(1.0f + __expf(a[e])));
+            for (int e = 0; e < 8; ++e) a[e] = x[1][e] + (has_dtb && (kFull || c0 + e < K) ? dtb[c0 + e] : 0.f);
+            if (p.lower_bound_gate) {  // lower_bound · sigmoid(e^A_log x)
+#pragma unroll
+              for (int e = 0; e < 8; ++e) a[e] = __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
+            } else {  // −e^A_log softplus(x)
+#pragma unroll
+              for (int e = 0; e < 8; ++e) a[e] = -ea * (a[e] > 20.f ? a[e] : __logf(1.0f + __expf(a[e])));
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x[1][e] = kFull || c0 + e < K ? a[e] : 0.f;
           }
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[2][e] = kFull || c0 + e < K ? a[e] : 0.f;
+          for (int e = 0; e < 8; e += 2) {
+            st2(ks + i * kLdF + c0 + e, x[0][e], x[0][e + 1]);
+            st2(Gs + i * kLdF + c0 + e, x[1][e] * kLog2e, x[1][e + 1] * kLog2e);
+          }
         }
-#pragma unroll
-        for (int e = 0; e < 8; e += 2) {  // channel pairs: 8-byte stores
-          st2(qs + i * kLdF + c0 + e, x[0][e], x[0][e + 1]);
-          st2(ks + i * kLdF + c0 + e, x[1][e], x[1][e + 1]);
-          st2(Gs + i * kLdF + c0 + e, x[2][e] * kLog2e, x[2][e + 1] * kLog2e);
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) vreg[r][e] = x[3][e];
       }
     };
-    if (rows == kC && fast == 15 && K == kD && V == kD) load_inputs(std::true_type{});
-    else load_inputs(std::false_type{});
+    const bool full = rows == kC && fast == 15 && K == kD && V == kD;
+    if (full) load_inputs(std::true_type{}, std::integral_constant<int, 0>{});
+    else load_inputs(std::false_type{}, std::integral_constant<int, 0>{});
+    if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left their staging over k and G
+    __syncthreads();  // also: dt_bias in shared memory
+    clk.mark(8);      // q and v, the wait for the W and U stores' reads, and the barrier
+    if (full) load_inputs(std::true_type{}, std::integral_constant<int, 1>{});
+    else load_inputs(std::false_type{}, std::integral_constant<int, 1>{});
     if (tid < kC) bs[tid] = beta;
     if (tid < 4) span[tid] = 0;
     __syncthreads();

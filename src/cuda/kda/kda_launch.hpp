@@ -63,8 +63,8 @@ Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  /
 // block adds the clock64() cycles of each barrier-separated phase to device counters (0: the wait
 // for the item's raw input tiles, 1: loads + gate, 2: gate scan + L2-norm factors, 3: intra-chunk
 // operands, 4: Aqk and L, 5: write-out + diagonal inverse, 6: inverse blocks below the diagonal,
-// 7: W and U, 8: after phase 0, the wait for the previous item's W and U stores to leave shared
-// memory and the barrier). read() returns the sums and the number of items and resets them.
+// 7: W and U, 8: after phase 0, q and v, the wait for the previous item's W and U stores to leave
+// shared memory and the barrier; phase 1 is then k and the gate). read() returns the sums and the number of items and resets them.
 constexpr int kKdaChunkPhases = 9;
 
 // Value columns per block of the state kernel (bench suite kda_plans): 16, 32 or 64, or 0 for the
