@@ -158,7 +158,7 @@ __device__ __forceinline__ void issue_raw(const KdaCudaProblem& p, const ChunkIt
   fence_proxy_async_shared();  // the tiles' earlier generic accesses (ordered here by the last barrier) before the TMA writes
 #pragma unroll
   for (int t = 0; t < 4; ++t)
-    if (fast & mask >> t & 1)
+    if ((fast & mask) >> t & 1)
       for (int box = 0; box < raw_boxes(p, t); ++box)
         tma_load_4d(raw_tile(smem, t) + box * (kC * 64), p.tmap[t], 64 * box, it.h, it.t0, it.b, bar);
 }
