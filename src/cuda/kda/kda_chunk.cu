@@ -59,6 +59,9 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   // The raw input tiles (TMA destinations): the first 1024-byte aligned offsets of kinv, L, Aqk, A.
   static constexpr int kRawQ = (kKinv + 1023) / 1024 * 1024, kRawK = (kL + 1023) / 1024 * 1024;
   static constexpr int kRawG = (kAq + 1023) / 1024 * 1024, kRawV = (kAs + 1023) / 1024 * 1024;
+  // Step 1's sums of squares of q and k over each row's 8-channel groups, fp32 [2][16][64] (the L2
+  // norm; over qr, written from step 2 on).
+  static constexpr int kPart = kQr;
   // Step 6's staging of the record's W and U, over k and G (read for the last time in step 4).
   static constexpr int kWStage = kK;
   static constexpr int kUStage = kWStage + int(WsLayout::kKgT - WsLayout::kW);
@@ -71,6 +74,7 @@ static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >=
 static_assert(ChunkSmem::kUStage % 16 == 0 && ChunkSmem::kUStage + 2 * WsLayout::kUSliceBytes <= ChunkSmem::kKinv,
               "W and U stage over k and G");
 static_assert(2 * kRawTileBytes <= kC * kLdF * 4, "step 4's two lo tiles fit over q");
+static_assert(ChunkSmem::kPart % 16 == 0 && ChunkSmem::kPart + 2 * 16 * kC * 4 <= ChunkSmem::kL, "step 1's partial sums fit over qr");
 static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 &&
                   ChunkSmem::kRawQ + kRawTileBytes <= ChunkSmem::kQr && ChunkSmem::kRawK + kRawTileBytes <= ChunkSmem::kAq &&
                   ChunkSmem::kRawG + kRawTileBytes <= ChunkSmem::kAs && ChunkSmem::kRawV + kRawTileBytes <= ChunkSmem::kT,
@@ -174,6 +178,17 @@ __device__ __forceinline__ ItemScalars load_scalars(const KdaCudaProblem& p, con
   s.dtb = p.gate_in_kernel && p.dt_bias && tid < p.K ? p.dt_bias[it.h * p.K + tid] : 0.f;
   s.a_log = p.gate_in_kernel && p.A_log ? p.A_log[it.h] : 0.f;
   return s;
+}
+
+// Σ x_e² over 8 values, in two chains (a fixed order: the L2-norm factors are deterministic).
+__device__ __forceinline__ float sum_squares8(const float (&x)[8]) {
+  float a = x[0] * x[0], b = x[1] * x[1];
+#pragma unroll
+  for (int e = 2; e < 8; e += 2) {
+    a = fmaf(x[e], x[e], a);
+    b = fmaf(x[e + 1], x[e + 1], b);
+  }
+  return a + b;
 }
 
 __device__ __forceinline__ float4 ld4(const float* a) { return *reinterpret_cast<const float4*>(a); }
@@ -283,8 +298,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     unsigned char* rec = ws_record(ws, slot, p.H, h);
     PhaseClock clk(tid == 0 && g_phase_on);
 
-    // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β; v stays
-    //    in registers until its tile is free (step 4). A bf16 tensor with 16-byte aligned rows arrives
+    // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β, and
+    //    the sums of squares of q and k over each 8 channels; v stays in registers until its tile is
+    //    free (step 4). A bf16 tensor with 16-byte aligned rows arrives
     //    raw in shared memory first (TMA, issued in the previous item's step 6 or before the first
     //    item); others are read from global memory by load8. A warp's lanes take 32 consecutive rows
     //    of one 8-channel group, so the raw tile reads, the fp32 tile stores and the (β v)ᵀ stores of
@@ -302,6 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     // item's step 6 ended with a barrier), then, once the previous item's W and U have left their
     // staging over k and G, k and the gate. kFull: a whole chunk of 128-channel inputs all in raw
     // tiles (the common case), without the per-entry range and path checks.
+    float* part = reinterpret_cast<float*>(sm + ChunkSmem::kPart);  // [2][16][64] row sums of squares per 8 channels
     auto load_inputs = [&](auto full, auto pass) {
       constexpr bool kFull = decltype(full)::value;
       constexpr int kPass = decltype(pass)::value;  // 0: q and v, 1: k and the gate
@@ -324,6 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         if constexpr (kPass == 0) {
 #pragma unroll
           for (int e = 0; e < 8; e += 2) st2(qs + i * kLdF + c0 + e, x[0][e], x[0][e + 1]);  // channel pairs: 8-byte stores
+          if (p.l2norm) part[(c0 / 8) * kC + i] = sum_squares8(x[0]);
 #pragma unroll
           for (int e = 0; e < 8; ++e) vreg[r][e] = x[1][e];
         } else {
@@ -346,6 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
             st2(ks + i * kLdF + c0 + e, x[0][e], x[0][e + 1]);
             st2(Gs + i * kLdF + c0 + e, x[1][e] * kLog2e, x[1][e + 1] * kLog2e);
           }
+          if (p.l2norm) part[(16 + c0 / 8) * kC + i] = sum_squares8(x[0]);
         }
       }
     };
@@ -362,8 +381,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     __syncthreads();
     clk.mark(1);
     // The chunk-local cumulative gate G (warps 0-3: a thread per channel down all 64 rows, 16 rows'
-    // loads at a time) and, meanwhile, the L2-norm factors of q and k (warps 4-15; 1 without the
-    // norm). The factors are applied where q and k are read (steps 2-4), not written back.
+    // loads at a time) and, meanwhile, the L2-norm factors of q and k (warps 4-7), applied where q
+    // and k are read (steps 2-4), not written back.
     if (warp < 4) {
       float acc = 0.f;
 #pragma unroll
@@ -377,38 +396,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           Gs[(i0 + u) * kLdF + tid] = acc;
         }
       }
-    } else if (!p.l2norm) {
-      for (int i = tid - 128; i < kC; i += kThreads - 128) rn[i] = rn[kC + i] = 1.f;
-    } else {
-      // Rows warp − 4 + 12 r (r < 6, the last one for warps 4-7 only), all at once: the loads, then
-      // the 12 butterfly reductions interleaved (row by row, each row's shuffle chain ran alone).
-      constexpr int kNormWarps = kWarps - 4, kRows = (kC + kNormWarps - 1) / kNormWarps;
-      float sq[kRows], sk[kRows];
+    } else if (warp < 8) {
+      // The L2-norm factors of q and k (1 without the norm), a thread per row and matrix, from step
+      // 1's sums over 8-channel groups (in a fixed order).
+      const int e = tid - 128;
+      float sa = 0.f, sb = 0.f;
+      const float* pr = part + (e / kC) * 16 * kC + e % kC;
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int i = min(warp - 4 + kNormWarps * r, kC - 1);  // past row 63: a duplicate, not stored
-        sq[r] = sk[r] = 0.f;
-#pragma unroll
-        for (int c = lane; c < kD; c += 32) {
-          sq[r] += qs[i * kLdF + c] * qs[i * kLdF + c];
-          sk[r] += ks[i * kLdF + c] * ks[i * kLdF + c];
-        }
+      for (int g = 0; g < 16; g += 2) {
+        sa += pr[g * kC];
+        sb += pr[(g + 1) * kC];
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], o);
-          sk[r] += __shfl_xor_sync(0xffffffffu, sk[r], o);
-        }
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int i = warp - 4 + kNormWarps * r;
-        if (lane == r && i < kC) {  // a lane per row
-          rn[i] = rsqrtf(sq[r] + 1e-6f);
-          rn[kC + i] = rsqrtf(sk[r] + 1e-6f);
-        }
-      }
+      rn[e] = p.l2norm ? rsqrtf(sa + sb + 1e-6f) : 1.f;
     }
     // Loops over tiles below take a thread's row and column once, then constant strides, so that
     // the addresses are a base plus constants (not a division per entry).
