@@ -24,6 +24,13 @@ namespace encore::cuda::kda {
 namespace {
 
 constexpr int kStages = 2;
+// Independent accumulator chains per product: the narrow blocks (4 or 8 warps, registers to spare)
+// split each product's k-steps over two accumulator sets (even and odd k-steps) so that dependent
+// mma chains are half as long (a block of 16 columns is alone on its SM at B = 1, one warp per
+// scheduler: its step time is the latency of those chains); 64 columns (16 warps) stay at the
+// 128-register limit with one.
+template <int kVs>
+constexpr int kChains = kVs <= 32 ? 2 : 1;
 
 // Shared memory of a block of kVs value columns (64: 512 threads, 32: 256, 16: 128); a stage holds a
 // chunk's operands in the record's layout (the whole U slice of the block's columns).
@@ -47,6 +54,20 @@ __device__ void prefetch(unsigned char* stage, uint64_t* bar, const unsigned cha
   mbar_expect(bar, unsigned(WsLayout::kU + WsLayout::kUSliceBytes));
   bulk_copy(stage, rec, unsigned(WsLayout::kU), bar);
   bulk_copy(stage + WsLayout::kU, rec + WsLayout::kU + slice * WsLayout::kUSliceBytes, unsigned(WsLayout::kUSliceBytes), bar);
+}
+
+// a += b over mma accumulator fragments.
+template <int N>
+__device__ __forceinline__ void add_tiles(float (&a)[N][4], const float (&b)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) a[n][q] += b[n][q];
+}
+template <int M, int N>
+__device__ __forceinline__ void add_tiles(float (&a)[M][N][4], const float (&b)[M][N][4]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) add_tiles(a[m], b[m]);
 }
 
 template <int kVs>
@@ -121,9 +142,13 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     // Vnew = U − W h_t and O = Qg h_t for chunk rows 16 rw.., columns 16 cw.. (the two A tiles share
     // each B fragment of h_t); Vnew into shared memory as hi + lo.
     static_assert((WsLayout::kQg - WsLayout::kW) % 2 == 0, "Qg a whole number of bf16 after W");
-    float xo[2][2][4] = {};  // [0] W h_t, [1] O
+    constexpr int kCh = kChains<kVs>;
+    float xc[kCh][2][2][4] = {};  // [chain][0] W h_t, [chain][1] O
+#pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks)
-      warp_mma_tiles_step<2, 2, true>(xo, Ws + 16 * rw * kLd, kLd, int(WsLayout::kQg - WsLayout::kW) / 2, Sb + 16 * cw, kLdS, ks);
+      warp_mma_tiles_step<2, 2, true>(xc[ks % kCh], Ws + 16 * rw * kLd, kLd, int(WsLayout::kQg - WsLayout::kW) / 2, Sb + 16 * cw, kLdS, ks);
+    auto& xo = xc[0];
+    if constexpr (kCh == 2) add_tiles(xo, xc[1]);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -135,18 +160,28 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     __syncthreads();  // Vnew complete; every read of Sb done
     // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw.. (both row tiles share each B fragment)
     for_state([&](float& s, int c, int) { s *= dC[c]; });
-    for (int ks = 0; ks < kC / 16; ++ks) warp_mma_tiles_step<2, 2, true>(S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
+    if constexpr (kCh == 2) {
+      float s2[2][2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < kC / 16; ++ks)
+        warp_mma_tiles_step<2, 2, true>(ks % 2 ? s2 : S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
+      add_tiles(S, s2);
+    } else {
+      for (int ks = 0; ks < kC / 16; ++ks) warp_mma_tiles_step<2, 2, true>(S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
+    }
     write_s();
     // O += Aqk_hi Vnew_hi + Aqk_lo Vnew_hi (sharing B) + Aqk_hi Vnew_lo, k-steps 0..rw (Aqk is zero above)
     float oy[2][2][4] = {};  // [0] O, [1] Aqk_lo Vnew_hi
+    float ol[2][4] = {};     // Aqk_hi Vnew_lo (its own chain on the narrow blocks)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) oy[0][nt][q] = xo[1][nt][q];
     for (int ks = 0; ks <= rw; ++ks) {
       warp_mma_tiles_step<2, 2, true>(oy, Ahi, kLdC, int(WsLayout::kAqkPlane), Vb + 16 * cw, kLdS, ks);
-      warp_mma_step<2, true>(oy[0], Ahi, kLdC, Vb + kC * kLdS + 16 * cw, kLdS, ks);
+      warp_mma_step<2, true>(kCh == 2 ? ol : oy[0], Ahi, kLdC, Vb + kC * kLdS + 16 * cw, kLdS, ks);
     }
+    if constexpr (kCh == 2) add_tiles(oy[1], ol);
     // o rows t0 + i (i < rows), columns v < V
     const int t0 = p.seq_begin[n] + it * kC, rows = min(kC, p.seq_end[n] - t0);
 #pragma unroll
