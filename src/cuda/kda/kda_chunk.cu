@@ -193,6 +193,34 @@ __device__ __forceinline__ float sum_squares8(const float (&x)[8]) {
 
 __device__ __forceinline__ float4 ld4(const float* a) { return *reinterpret_cast<const float4*>(a); }
 
+// The diagonal block A_oo = (I + L_oo)^-1 of A = (I + L)^-1 by forward substitution: lane j < 16
+// takes column j, X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj, X in registers ([64][68] fp32 tiles, o = 16 s).
+__device__ __forceinline__ void forward_substitution(const float* Ls, float* As, int o, int lane) {
+  if (lane >= 16) return;
+  const int j = lane;
+  float x[16];  // column j of the block; x[m] = 0 for m < j, so the sums may start at m = 0
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float* Lrow = Ls + (o + i) * kLdS + o;  // 16-byte aligned
+    float Lr[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      if (4 * q < i) {
+        const float4 v = ld4(Lrow + 4 * q);
+        Lr[4 * q] = v.x, Lr[4 * q + 1] = v.y, Lr[4 * q + 2] = v.z, Lr[4 * q + 3] = v.w;
+      }
+    float s0 = i == j ? 1.f : 0.f, s1 = 0.f;  // two chains
+#pragma unroll
+    for (int m = 0; m < i; m += 2) {
+      s0 -= Lr[m] * x[m];
+      if (m + 1 < i) s1 -= Lr[m + 1] * x[m + 1];
+    }
+    x[i] = j <= i ? s0 + s1 : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
+}
+
 // Step 5's products: out[r] = Σ_{m < kLen} x[r kLdS + m] · y[m kLdS] for kR consecutive rows of X
 // ([*][68] fp32 tiles, x 16-byte aligned: its row read 4 entries at a time) against one column of
 // Y, in two chains per row (even and odd m).
@@ -458,12 +486,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     __syncthreads();
     clk.mark(3);
 
-    // 3. Aqk and L, one 16 x 16 block of both per task (warps 0-9; the two share the B operand): the 4
-    //    diagonal blocks (tasks 0-3), then the 6 below the diagonal (tasks 4-9). Warps 10-15, meanwhile:
-    //    zeros in the 6 blocks above the diagonal.
+    // 3. Aqk and L, one 16 x 16 block of both per task (warps 0-9; the two share the B operand): the 6
+    //    blocks below the diagonal (tasks 4-9, warps 0-5), the 4 diagonal blocks (tasks 0-3, warps
+    //    6-9), each diagonal warp then inverting its block of I + L (forward_substitution). Warps 10-15,
+    //    meanwhile: zeros in the 6 blocks above the diagonal.
     static_assert(ChunkSmem::kKr - ChunkSmem::kQr == kC * kLd * 2, "kr follows qr: one A-tile stride");
     if (warp < 10) {
-      const int task = warp;
+      const int task = warp < 6 ? warp + 4 : warp - 6;
       const bool diag = task < 4;
       int s, sp;
       if (diag) {
@@ -498,6 +527,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
               (m == 1 ? Ls : Aq)[i * kLdS + j] = keep ? (m == 1 ? bs[i] : p.scale) * acc[m][nt][q] : 0.f;
             }
       }
+      if (diag) {
+        __syncwarp();  // this warp's block of L
+        forward_substitution(Ls, As, 16 * s, lane);
+      }
     } else {
       // The next item's descriptor (read in step 6), by a thread of these lightly loaded warps.
       if (tid == 10 * 32 && item + int(gridDim.x) < items) ChunkItem(p, item + int(gridDim.x)).put(item_desc + 8 * (parity ^ 1));
@@ -515,10 +548,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (has_next && tid == 0) issue_raw(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, 1, true, tid, in_bar);
 
     // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
-    //    tile, free now: step 6's identity part). Warps 0-11: Aqk out (workspace bf16 hi + lo, residual),
-    //    the G residual, β k ⊙ 2^G likewise (hi transposed, lo over q), zeros above the diagonal blocks
-    //    of A. Warps 12-15, meanwhile: the diagonal blocks of A = (I + L)^-1 by forward substitution,
-    //    X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj (block warp − 12, lane j < 16 = column, X in registers).
+    //    tile, free now: step 6's identity part); Aqk out (workspace bf16 hi + lo, residual), the G
+    //    residual, β k ⊙ 2^G likewise (hi transposed, lo over q), zeros above the diagonal blocks of A
+    //    (whose diagonal blocks step 3 inverted).
     auto* vlo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ);                  // over q (free now)
     auto* klo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ + kRawTileBytes);  // over q
 #pragma unroll
@@ -536,8 +568,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       store8_bf16(vlo + raw_at(i, c0), lo);
     }
     const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
-    if (warp < 12) {
-      constexpr int kN = 12 * 32;
+    {
+      constexpr int kN = kThreads;
       auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
       for (int i = warp; i < kC; i += kN / 32) {  // column pairs (j, j + 1), a warp a row
         const int j = 2 * lane;
@@ -571,29 +603,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         }
         store8_bf16(klo + raw_at(j, c0), lo);
       }
-    } else if (lane < 16) {
-      const int o = 16 * (warp - 12), j = lane;
-      float x[16];  // column j of the block; x[m] = 0 for m < j, so the sums may start at m = 0
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float* Lrow = Ls + (o + i) * kLdS + o;  // 16-byte aligned
-        float Lr[16];
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          if (4 * q < i) {
-            const float4 v = ld4(Lrow + 4 * q);
-            Lr[4 * q] = v.x, Lr[4 * q + 1] = v.y, Lr[4 * q + 2] = v.z, Lr[4 * q + 3] = v.w;
-          }
-        float s0 = i == j ? 1.f : 0.f, s1 = 0.f;  // two chains
-#pragma unroll
-        for (int m = 0; m < i; m += 2) {
-          s0 -= Lr[m] * x[m];
-          if (m + 1 < i) s1 -= Lr[m + 1] * x[m + 1];
-        }
-        x[i] = j <= i ? s0 + s1 : 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
     }
     __syncthreads();
     clk.mark(5);

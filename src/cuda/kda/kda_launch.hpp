@@ -63,9 +63,9 @@ Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  /
 // block adds the clock64() cycles of each barrier-separated phase to device counters, in the order
 // 0, 8, 1, ..., 7 (0: the wait for the item's raw input tiles, 8: q, v and their sums of squares, the
 // wait for the previous item's W and U stores to leave shared memory and the barrier, 1: k, the gate
-// and k's sums of squares, 2: gate scan + L2-norm factors, 3: intra-chunk operands, 4: Aqk and L,
-// 5: write-out + diagonal inverse, 6: inverse blocks below the diagonal, 7: W and U). read() returns
-// the sums and the number of items and resets them.
+// and k's sums of squares, 2: gate scan + L2-norm factors, 3: intra-chunk operands, 4: Aqk and L and
+// the diagonal blocks of the inverse, 5: write-out, 6: inverse blocks below the diagonal, 7: W and
+// U). read() returns the sums and the number of items and resets them.
 constexpr int kKdaChunkPhases = 9;
 
 // Value columns per block of the state kernel (bench suite kda_plans): 16, 32 or 64, or 0 for the
