@@ -2,8 +2,17 @@
 softplus gate with dt_bias, q/k L2 norm, at the standard varlen configuration (seq_lens 1800, 1500,
 2000, 1200, 800) and fixed B 1 / B 4, T 8192. Device time = the sum of the CUDA kernel times per
 call from torch.profiler (as ../shared/docs/bench_peers.py section kda_fla_gpu_time), wall time from
-triton's do_bench; the per-kernel split of the device time is in the JSON. Needs fla-core (carried as a wheel in .whl). Usage: kda_peers.py OUT.json"""
+triton's do_bench; the per-kernel split of the device time is in the JSON. Needs fla-core (carried as a wheel in .whl).
+
+When the encore Python module is importable (built for this Python on the GPU machine, e.g.
+`scripts/build_pymodule.sh LOG` and PYTHONPATH=build-py/python; scripts/gpu_kda.sh does both with
+ENCORE_KDA_PY=1), encore.kda_forward is timed on the same inputs by the same two methods, fla and
+encore alternating over ROUNDS rounds (medians reported), so the ratio does not depend on the GPU
+clock of two separate jobs; and encore's o and final state are compared with fla's (relative RMS
+difference; both compute the same forward from the same bf16 inputs). Usage: kda_peers.py OUT.json"""
 import json
+import os
+import statistics
 import sys
 
 import torch
@@ -11,6 +20,13 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from fla.ops.kda import chunk_kda
+
+try:
+    import encore
+    HAVE_ENCORE = encore.built_with_cuda() and encore.cuda_device_count() > 0
+except ImportError:
+    HAVE_ENCORE = False
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
 
 dev, bf = "cuda", torch.bfloat16
 H, K, V = 16, 128, 128
@@ -33,29 +49,62 @@ def main(out):
 
         def fwd():
             return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                             output_final_state=True, **kw)[0]
-        with torch.no_grad():
-            for _ in range(3):
-                fwd()
-            torch.cuda.synchronize()
-            res[f"kda_fla_{name}_fwd_wall_ms"] = do_bench(fwd, warmup=10, rep=100, return_mode="median")
+                             output_final_state=True, **kw)
+
+        def enc():
+            return encore.kda_forward(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, use_gate_in_kernel=True,
+                                      A_log=A_log, dt_bias=dt_bias, cu_seqlens=kw["cu_seqlens_cpu"].numpy() if lens else None)
+
+        def gpu_kernel_ms(f):  # the summed CUDA kernel time per call, and the profiler's events
             with profile(activities=[ProfilerActivity.CUDA]) as p:
                 for _ in range(5):
-                    fwd()
+                    f()
                 torch.cuda.synchronize()
-        res[f"kda_fla_{name}_fwd_gpu_kernel_ms"] = sum(e.device_time_total for e in p.key_averages()) / 5 / 1e3
-        res[f"kda_fla_{name}_fwd_kernels"] = sum(e.count for e in p.key_averages()) / 5
+            return sum(e.device_time_total for e in p.key_averages()) / 5 / 1e3, p
+
+        runs = {"fla": fwd, "encore": enc} if HAVE_ENCORE else {"fla": fwd}
+        wall = {who: [] for who in runs}
+        gpu = {who: [] for who in runs}
+        with torch.no_grad():
+            for f in runs.values():
+                for _ in range(3):
+                    f()
+            torch.cuda.synchronize()
+            for _ in range(ROUNDS):  # alternating, so clock drift hits both alike
+                for who, f in runs.items():
+                    wall[who].append(do_bench(f, warmup=10, rep=100, return_mode="median"))
+                    ms, p = gpu_kernel_ms(f)
+                    gpu[who].append(ms)
+                    if who == "fla":
+                        fla_prof = p
+            if HAVE_ENCORE:  # encore against fla on the same inputs
+                of, sf = fwd()
+                oe, se = enc()
+                rel = lambda a, b: ((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()).sqrt().item()
+                res[f"kda_encore_vs_fla_{name}_o_rel_rms"] = rel(oe, of)
+                res[f"kda_encore_vs_fla_{name}_final_state_rel_rms"] = rel(se, sf)
+        res[f"kda_fla_{name}_fwd_wall_ms"] = statistics.median(wall["fla"])
+        res[f"kda_fla_{name}_fwd_gpu_kernel_ms"] = statistics.median(gpu["fla"])
+        res[f"kda_fla_{name}_fwd_kernels"] = sum(e.count for e in fla_prof.key_averages()) / 5
+        if HAVE_ENCORE:
+            res[f"kda_encore_{name}_fwd_wall_ms"] = statistics.median(wall["encore"])
+            res[f"kda_encore_{name}_fwd_gpu_kernel_ms"] = statistics.median(gpu["encore"])
+            res[f"kda_{name}_rounds"] = {"wall_ms": wall, "gpu_kernel_ms": gpu}
         # Per-kernel device time per call (ms) and launches per call: where fla's time goes.
         res[f"kda_fla_{name}_fwd_breakdown"] = {e.key: {"ms": e.device_time_total / 5 / 1e3, "launches": e.count / 5}
-                                                for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)
+                                                for e in sorted(fla_prof.key_averages(), key=lambda e: -e.device_time_total)
                                                 if e.device_time_total > 0}
         for kname, kv in res[f"kda_fla_{name}_fwd_breakdown"].items():
             print(f"  {name} {kv['ms']:8.4f} ms x{kv['launches']:.1f} {kname[:90]}", flush=True)
-        for key in (f"kda_fla_{name}_fwd_wall_ms", f"kda_fla_{name}_fwd_gpu_kernel_ms", f"kda_fla_{name}_fwd_kernels"):
-            print(f"{key} {res[key]:.4f}", flush=True)
+        for key in (f"kda_fla_{name}_fwd_wall_ms", f"kda_fla_{name}_fwd_gpu_kernel_ms", f"kda_fla_{name}_fwd_kernels",
+                    f"kda_encore_{name}_fwd_wall_ms", f"kda_encore_{name}_fwd_gpu_kernel_ms",
+                    f"kda_encore_vs_fla_{name}_o_rel_rms", f"kda_encore_vs_fla_{name}_final_state_rel_rms"):
+            if key in res:
+                print(f"{key} {res[key]:.4g}", flush=True)
         del q, k, v, g, beta
         torch.cuda.empty_cache()
     res["gpu"] = torch.cuda.get_device_name(0)
+    res["encore_timed"] = HAVE_ENCORE
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
 
