@@ -124,9 +124,15 @@ void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t strea
     for (int ph = 0; ph < cuda::kKdaChunkPhases; ++ph) {
       const double per_block = blocks ? double(cycles[ph]) / double(blocks) : 0.0;
       r.metrics.push_back({"phase" + std::to_string(ph) + "_cycles", per_block});
-      std::printf(" %.0f", per_block);
     }
-    std::printf("\n");
+    double total = 0;
+    for (int k = 0; k < cuda::kKdaChunkPhases; ++k) {  // in the order the phases run
+      const int ph = cuda::kKdaChunkPhaseOrder[k];
+      const double per_block = blocks ? double(cycles[ph]) / double(blocks) : 0.0;
+      total += per_block;
+      std::printf(" %s %.0f", cuda::kKdaChunkPhaseNames[ph], per_block);
+    }
+    std::printf(" (total %.0f)\n", total);
     std::fflush(stdout);
     report.records.push_back(r);
   }

@@ -67,6 +67,10 @@ Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  /
 // the diagonal blocks of the inverse, 5: write-out, 6: inverse blocks below the diagonal, 7: W and
 // U). read() returns the sums and the number of items and resets them.
 constexpr int kKdaChunkPhases = 9;
+// The phases in the order they run, and their short names (bench output).
+constexpr int kKdaChunkPhaseOrder[kKdaChunkPhases] = {0, 8, 1, 2, 3, 4, 5, 6, 7};
+constexpr const char* kKdaChunkPhaseNames[kKdaChunkPhases] = {"raw-wait", "k+gate", "scan+norm", "operands", "Aqk/L+diag-inv",
+                                                               "write-out", "inverse", "W/U", "q+v+store-wait"};
 
 // Value columns per block of the state kernel (bench suite kda_plans): 16, 32 or 64, or 0 for the
 // launcher's rule. Process-wide; not for concurrent use.
