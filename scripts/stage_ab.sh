@@ -5,6 +5,9 @@
 # the current branch afterwards (the CUDA build reuses ccache, so each revision recompiles only
 # what differs). Carry [".gpupack"] and on the GPU machine:
 #   mkdir -p /tmp/x && tar xzf .gpupack/exp.tar.gz -C /tmp/x && scripts/gpu_kda_ab.sh .gpubin /tmp/x/*
+# Each directory also holds that revision's `encore_tests_gpu` (about 7 MB compressed), which
+# gpu_kda_ab.sh runs first (KDA tests): a measured build is a tested build. ENCORE_AB_TESTS=0 leaves
+# it out (3 builds with tests plus gpu.tar.gz approach the 64 MiB a device call carries).
 # Usage: scripts/stage_ab.sh REV [REV ...]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,6 +24,7 @@ for rev in "$@"; do
   ./scripts/build.sh cuda >"$work/build_$name.log" 2>&1 || { echo "build of $rev failed: $work/build_$name.log" >&2; tail -20 "$work/build_$name.log" >&2; exit 1; }
   mkdir -p "$work/$name"
   cp build-cuda/apps/encore/encore "$work/$name/"
+  [ "${ENCORE_AB_TESTS:-1}" = 0 ] || cp build-cuda/tests/encore_tests_gpu "$work/$name/"
   git rev-parse --short=12 HEAD >"$work/$name/COMMIT"
   echo "built $rev ($(cat "$work/$name/COMMIT")) -> $name"
 done
