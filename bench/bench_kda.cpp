@@ -121,17 +121,13 @@ void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t strea
     check_status(cuda::kda_chunk_profile_read(cycles, &blocks), "kda_phases");
     Record r = kda_record("kda_chunk_phases", c);
     std::printf("  kda_chunk_phases %-16s blocks %llu, cycles per block:", c.name, blocks);
+    double per_block[cuda::kKdaChunkPhases], total = 0;
     for (int ph = 0; ph < cuda::kKdaChunkPhases; ++ph) {
-      const double per_block = blocks ? double(cycles[ph]) / double(blocks) : 0.0;
-      r.metrics.push_back({"phase" + std::to_string(ph) + "_cycles", per_block});
+      per_block[ph] = blocks ? double(cycles[ph]) / double(blocks) : 0.0;
+      total += per_block[ph];
+      r.metrics.push_back({"phase" + std::to_string(ph) + "_cycles", per_block[ph]});
     }
-    double total = 0;
-    for (int k = 0; k < cuda::kKdaChunkPhases; ++k) {  // in the order the phases run
-      const int ph = cuda::kKdaChunkPhaseOrder[k];
-      const double per_block = blocks ? double(cycles[ph]) / double(blocks) : 0.0;
-      total += per_block;
-      std::printf(" %s %.0f", cuda::kKdaChunkPhaseNames[ph], per_block);
-    }
+    for (int ph : cuda::kKdaChunkPhaseOrder) std::printf(" %s %.0f", cuda::kKdaChunkPhaseNames[ph], per_block[ph]);  // as they run
     std::printf(" (total %.0f)\n", total);
     std::fflush(stdout);
     report.records.push_back(r);

@@ -92,13 +92,11 @@ def main(out):
                 rel = lambda a, b: ((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()).sqrt().item()
                 res[f"kda_encore_vs_fla_{name}_o_rel_rms"] = rel(oe, of)
                 res[f"kda_encore_vs_fla_{name}_final_state_rel_rms"] = rel(se, sf)
-        res[f"kda_fla_{name}_fwd_wall_ms"] = statistics.median(wall["fla"])
-        res[f"kda_fla_{name}_fwd_gpu_kernel_ms"] = statistics.median(gpu["fla"])
+        for who in runs:
+            res[f"kda_{who}_{name}_fwd_wall_ms"] = statistics.median(wall[who])
+            res[f"kda_{who}_{name}_fwd_gpu_kernel_ms"] = statistics.median(gpu[who])
         res[f"kda_fla_{name}_fwd_kernels"] = sum(e.count for e in fla_prof.key_averages()) / 5
-        if "encore" in runs:
-            res[f"kda_encore_{name}_fwd_wall_ms"] = statistics.median(wall["encore"])
-            res[f"kda_encore_{name}_fwd_gpu_kernel_ms"] = statistics.median(gpu["encore"])
-            res[f"kda_{name}_rounds"] = {"wall_ms": wall, "gpu_kernel_ms": gpu}
+        res[f"kda_{name}_rounds"] = {"wall_ms": wall, "gpu_kernel_ms": gpu}
         # Per-kernel device time per call (ms) and launches per call: where fla's time goes.
         res[f"kda_fla_{name}_fwd_breakdown"] = {e.key: {"ms": e.device_time_total / 5 / 1e3, "launches": e.count / 5}
                                                 for e in sorted(fla_prof.key_averages(), key=lambda e: -e.device_time_total)

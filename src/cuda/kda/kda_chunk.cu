@@ -41,14 +41,14 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kQ = 0;                      // fp32 [64][130] q (unnormed: rn applies on read)
   static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][130] k (unnormed: rn applies on read)
   static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][130] gate, then cumulative log2 gate G
-  static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)       | raw q tile of the next item (step 6 on)
+  static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)       | raw q tile of the next item (step 4 on)
   static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
   static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
   static constexpr int kAbf = kQr + kD * kLdC * 2;
   static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later (β v)ᵀ [128][72]
-  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][68] L                        | raw k tile
-  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][68] Aqk                      | raw gate tile
-  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][68] A = (I + L)^-1           | raw v tile
+  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][68] L                        | raw k tile (step 6 on)
+  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][68] Aqk                      | raw gate tile (step 5 on)
+  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][68] A = (I + L)^-1           | raw v tile (step 6 on)
   static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [128] dt_bias of the head
   static constexpr int kBeta = kT + kD * 4;         // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k (1 without the norm)
@@ -134,7 +134,7 @@ struct ChunkItem {
 };
 
 // Input t of the chunk (0 q, 1 k, 2 gate, 3 v), its channel count, and the tile its raw copy lands in
-// (free from step 6 to step 1).
+// (free from step 4, 5 or 6 of the previous item to step 1).
 __device__ __forceinline__ const KdaTensor& input(const KdaCudaProblem& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
 __device__ __forceinline__ int channels(const KdaCudaProblem& p, int t) { return t == 3 ? p.V : p.K; }
 __device__ __forceinline__ int raw_boxes(const KdaCudaProblem& p, int t) { return (channels(p, t) + 63) / 64; }  // TMA boxes of 64 channels
@@ -328,9 +328,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 
     // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β, and
     //    the sums of squares of q and k over each 8 channels; v stays in registers until its tile is
-    //    free (step 4). A bf16 tensor with 16-byte aligned rows arrives
-    //    raw in shared memory first (TMA, issued in the previous item's step 6 or before the first
-    //    item); others are read from global memory by load8. A warp's lanes take 32 consecutive rows
+    //    free (step 4). A bf16 tensor with 16-byte aligned rows arrives raw in shared memory first
+    //    (TMA, issued in the previous item's steps 4-6 or before the first item); others are read
+    //    from global memory by load8. A warp's lanes take 32 consecutive rows
     //    of one 8-channel group, so the raw tile reads, the fp32 tile stores and the (β v)ᵀ stores of
     //    step 4 are free of bank conflicts.
     const float ea = (p.gate_in_kernel && p.A_log) ? expf(cur.a_log) : 1.0f;
@@ -428,14 +428,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       // The L2-norm factors of q and k (1 without the norm), a thread per row and matrix, from step
       // 1's sums over 8-channel groups (in a fixed order).
       const int e = tid - 128;
-      float sa = 0.f, sb = 0.f;
-      const float* pr = part + (e / kC) * 16 * kC + e % kC;
+      float f = 1.f;
+      if (p.l2norm) {  // (without the norm step 1 wrote no partials)
+        float sa = 0.f, sb = 0.f;
+        const float* pr = part + (e / kC) * 16 * kC + e % kC;
 #pragma unroll
-      for (int g = 0; g < 16; g += 2) {
-        sa += pr[g * kC];
-        sb += pr[(g + 1) * kC];
+        for (int g = 0; g < 16; g += 2) {
+          sa += pr[g * kC];
+          sb += pr[(g + 1) * kC];
+        }
+        f = rsqrtf(sa + sb + 1e-6f);
       }
-      rn[e] = p.l2norm ? rsqrtf(sa + sb + 1e-6f) : 1.f;
+      rn[e] = f;
     }
     // Loops over tiles below take a thread's row and column once, then constant strides, so that
     // the addresses are a base plus constants (not a division per entry).
@@ -569,22 +573,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     }
     const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
     {
-      constexpr int kN = kThreads;
       auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
-      for (int i = warp; i < kC; i += kN / 32) {  // column pairs (j, j + 1), a warp a row
+      for (int i = warp; i < kC; i += kWarps) {  // column pairs (j, j + 1), a warp a row
         const int j = 2 * lane;
         split_bf16(Aq[i * kLdS + j], Aq[i * kLdS + j + 1], Aqk_ws + i * kLdC + j, WsLayout::kAqkPlane);
       }
-      for (int i = r64; i < kC; i += kN / kC) {
+      for (int i = r64; i < kC; i += kThreads / kC) {
         const int j = c64;
         if (j / 16 > i / 16) As[i * kLdS + j] = 0.f;
       }
       if (p.res_Aqk)
-        for (int e = tid; e < rows * kC; e += kN)
+        for (int e = tid; e < rows * kC; e += kThreads)
           store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
       if (p.res_G)
-        for (int e = tid; e < rows * K; e += kN) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
-      for (int task = tid; task < kC * kD / 8; task += kN) {  // row j, channels c0..c0+7 (a warp: 32 rows)
+        for (int e = tid; e < rows * K; e += kThreads) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
+      for (int task = tid; task < kC * kD / 8; task += kThreads) {  // row j, channels c0..c0+7 (a warp: 32 rows)
         const int j = task % kC, c0 = (task / kC) * 8;
         float lo[8];
         const float bj = bs[j] * rn[kC + j];  // β and the L2-norm factor of row j
@@ -650,10 +653,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 
     // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
     //    the products with the hi operands, then I · lo (identity_lo_step).
-    //    First the next item's k and v go in flight (L and A are free now; q and the gate went in steps 4
-    //    and 5). W and U are staged
-    //    in shared memory in the record's layout (over k and G, free since step 4, so each warp stores
-    //    its results as soon as its products are done) and leave by two bulk stores, so the record
+    //    First the next item's k and v go in flight (L and A are free now; q and the gate went in
+    //    steps 4 and 5). W and U are staged in shared memory in the record's layout (over k and G,
+    //    free since step 4, so each warp stores its results as soon as its products are done) and leave by two bulk stores, so the record
     //    writes are whole lines from the TMA engine instead of 256 scattered warp stores (this step was
     //    the kernel's MIO-bound one). Thread 0 waits for the stores' shared-memory reads before step 1
     //    of the next item writes k and G.

@@ -236,16 +236,11 @@ __device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bf
   warp_mma_tiles_step<1, NT, kKn>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, lda, 0, b, ldb, ks);
 }
 
-// The same over k-steps 0 .. ksteps − 1.
+// The same over k-steps 0 .. ksteps − 1 (B stored [n][k]).
 template <int NT>
 __device__ __forceinline__ void warp_mma_nt(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
                                             int ldb, int ksteps) {
   for (int ks = 0; ks < ksteps; ++ks) warp_mma_step(acc, a, lda, b, ldb, ks);
-}
-template <int NT>
-__device__ __forceinline__ void warp_mma_kn(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
-                                            int ldb, int ksteps) {
-  for (int ks = 0; ks < ksteps; ++ks) warp_mma_step<NT, true>(acc, a, lda, b, ldb, ks);
 }
 
 template <int NT>

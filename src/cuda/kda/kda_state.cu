@@ -160,15 +160,11 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     __syncthreads();  // Vnew complete; every read of Sb done
     // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw.. (both row tiles share each B fragment)
     for_state([&](float& s, int c, int) { s *= dC[c]; });
-    if constexpr (kCh == 2) {
-      float s2[2][2][4] = {};
+    float s2[2][2][4] = {};  // the odd k-steps' chain (two chains only)
 #pragma unroll
-      for (int ks = 0; ks < kC / 16; ++ks)
-        warp_mma_tiles_step<2, 2, true>(ks % 2 ? s2 : S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
-      add_tiles(S, s2);
-    } else {
-      for (int ks = 0; ks < kC / 16; ++ks) warp_mma_tiles_step<2, 2, true>(S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
-    }
+    for (int ks = 0; ks < kC / 16; ++ks)
+      warp_mma_tiles_step<2, 2, true>(kCh == 2 && ks % 2 ? s2 : S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
+    if constexpr (kCh == 2) add_tiles(S, s2);
     write_s();
     // O += Aqk_hi Vnew_hi + Aqk_lo Vnew_hi (sharing B) + Aqk_hi Vnew_lo, k-steps 0..rw (Aqk is zero above)
     float oy[2][2][4] = {};  // [0] O, [1] Aqk_lo Vnew_hi
