@@ -26,6 +26,7 @@
 // Constraints (dispatch): K, V <= 128 (padded to 128 with zeros), bf16 or fp32 inputs.
 #include <type_traits>
 
+#include "core/softplus_log2.hpp"
 #include "cuda/kda/kda_device.cuh"
 
 namespace encore::cuda::kda {
@@ -74,6 +75,7 @@ static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >=
 static_assert(ChunkSmem::kUStage % 16 == 0 && ChunkSmem::kUStage + 2 * WsLayout::kUSliceBytes <= ChunkSmem::kKinv,
               "W and U stage over k and G");
 static_assert(2 * kRawTileBytes <= kC * kLdF * 4, "step 4's two lo tiles fit over q");
+static_assert(ChunkSmem::kT % 16 == 0, "dt_bias read 4 entries at a time");
 static_assert(ChunkSmem::kPart % 16 == 0 && ChunkSmem::kPart + 2 * 16 * kC * 4 <= ChunkSmem::kL, "step 1's partial sums fit over qr");
 static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 &&
                   ChunkSmem::kRawQ + kRawTileBytes <= ChunkSmem::kQr && ChunkSmem::kRawK + kRawTileBytes <= ChunkSmem::kAq &&
@@ -373,16 +375,30 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll
           for (int e = 0; e < 8; ++e) vreg[r][e] = x[1][e];
         } else {
-          if (p.gate_in_kernel && (kFull || i < rows)) {  // the activation on channels < K (the padding stays 0)
+          // The gate in log2 units: the activation on channels < K (the padding stays 0), or the
+          // precomputed log-decay times log2 e.
+          if (!p.gate_in_kernel) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x[1][e] *= kLog2e;
+          } else if (kFull || i < rows) {
             float a[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) a[e] = x[1][e] + (has_dtb && (kFull || c0 + e < K) ? dtb[c0 + e] : 0.f);
+            for (int e = 0; e < 8; ++e) a[e] = x[1][e];
+            if (has_dtb) {  // two 16-byte loads (dtb is 16-byte aligned, c0 a multiple of 8)
+              const float4 d0 = ld4(dtb + c0), d1 = ld4(dtb + c0 + 4);
+              const float d[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+#pragma unroll
+              for (int e = 0; e < 8; ++e) a[e] += kFull || c0 + e < K ? d[e] : 0.f;
+            }
             if (p.lower_bound_gate) {  // lower_bound · sigmoid(e^A_log x)
 #pragma unroll
-              for (int e = 0; e < 8; ++e) a[e] = __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
-            } else {  // −e^A_log softplus(x)
+              for (int e = 0; e < 8; ++e) a[e] = kLog2e * __fdividef(p.lower_bound, 1.0f + __expf(-ea * a[e]));
+            } else {  // −e^A_log softplus(x) log2 e = −e^A_log log2(1 + 2^y), y = x log2 e: one exp2 (softplus_log2.hpp)
 #pragma unroll
-              for (int e = 0; e < 8; ++e) a[e] = -ea * (a[e] > 20.f ? a[e] : __logf(1.0f + __expf(a[e])));
+              for (int e = 0; e < 8; ++e) {
+                const float y = a[e] * kLog2e;
+                a[e] = -ea * softplus_log2(y, fast_exp2(-fabsf(y)));
+              }
             }
 #pragma unroll
             for (int e = 0; e < 8; ++e) x[1][e] = kFull || c0 + e < K ? a[e] : 0.f;
@@ -390,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll
           for (int e = 0; e < 8; e += 2) {
             st2(ks + i * kLdF + c0 + e, x[0][e], x[0][e + 1]);
-            st2(Gs + i * kLdF + c0 + e, x[1][e] * kLog2e, x[1][e + 1] * kLog2e);
+            st2(Gs + i * kLdF + c0 + e, x[1][e], x[1][e + 1]);
           }
           if (p.l2norm) part[(16 + c0 / 8) * kC + i] = sum_squares8(x[0]);
         }
