@@ -2,7 +2,7 @@
 // block takes (chunk slot, head) items in turn (item = h · slots + slot, stepping by the grid), one
 // chunk of <= 64 tokens of one head per item; writes the state kernel's operands (kda_device.cuh's
 // workspace record) and the backward's residuals (G, Aqk, Akk). The next item's raw input tiles are
-// in flight (TMA) from steps 4 (q), 5 (gate) and 6 (k, v) on, each into a tile its step frees;
+// in flight (TMA) from steps 4 (q) and 5 (gate, k, v) on, each into a tile its step frees;
 // W and U leave through shared memory by two bulk stores (TMA). Measured step by step in docs/kda.md.
 //
 //   gate activation (precomputed log-decay, in-kernel softplus with optional dt_bias, or the lower
@@ -47,9 +47,9 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
   static constexpr int kAbf = kQr + kD * kLdC * 2;
   static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later (β v)ᵀ [128][72]
-  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][68] L                        | raw k tile (step 6 on)
+  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][68] L                        | raw k tile (step 5 on)
   static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][68] Aqk                      | raw gate tile (step 5 on)
-  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][68] A = (I + L)^-1           | raw v tile (step 6 on)
+  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][68] A = (I + L)^-1           | raw v tile (step 5 on)
   static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [128] dt_bias of the head
   static constexpr int kBeta = kT + kD * 4;         // fp32 [64]
   static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k (1 without the norm)
@@ -63,7 +63,7 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   // Step 1's sums of squares of q and k over each row's 8-channel groups, fp32 [2][16][64] (the L2
   // norm; over qr, written from step 2 on).
   static constexpr int kPart = kQr;
-  // Step 6's staging of the record's W and U, over k and G (read for the last time in step 4).
+  // Step 5's staging of the record's W and U, over k and G (read for the last time in step 4).
   static constexpr int kWStage = kK;
   static constexpr int kUStage = kWStage + int(WsLayout::kKgT - WsLayout::kW);
 };
@@ -136,7 +136,7 @@ struct ChunkItem {
 };
 
 // Input t of the chunk (0 q, 1 k, 2 gate, 3 v), its channel count, and the tile its raw copy lands in
-// (free from step 4, 5 or 6 of the previous item to step 1).
+// (free from step 4 or 5 of the previous item to step 1).
 __device__ __forceinline__ const KdaTensor& input(const KdaCudaProblem& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
 __device__ __forceinline__ int channels(const KdaCudaProblem& p, int t) { return t == 3 ? p.V : p.K; }
 __device__ __forceinline__ int raw_boxes(const KdaCudaProblem& p, int t) { return (channels(p, t) + 63) / 64; }  // TMA boxes of 64 channels
@@ -223,29 +223,6 @@ __device__ __forceinline__ void forward_substitution(const float* Ls, float* As,
   for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
 }
 
-// Step 5's products: out[r] = Σ_{m < kLen} x[r kLdS + m] · y[m kLdS] for kR consecutive rows of X
-// ([*][68] fp32 tiles, x 16-byte aligned: its row read 4 entries at a time) against one column of
-// Y, in two chains per row (even and odd m).
-template <int kR, int kLen>
-__device__ __forceinline__ void dot_rows(float (&out)[2], const float* x, const float* y) {
-  static_assert(kR <= 2 && kLen % 16 == 0, "one or two rows, whole blocks");
-  float a[kR][2] = {};
-#pragma unroll 4
-  for (int m = 0; m < kLen; m += 4) {
-    const float y0 = y[m * kLdS], y1 = y[(m + 1) * kLdS], y2 = y[(m + 2) * kLdS], y3 = y[(m + 3) * kLdS];
-#pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      const float4 xr = ld4(x + r * kLdS + m);
-      a[r][0] += xr.x * y0;
-      a[r][1] += xr.y * y1;
-      a[r][0] += xr.z * y2;
-      a[r][1] += xr.w * y3;
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kR; ++r) out[r] = a[r][0] + a[r][1];
-}
-
 // fp32 channel pairs (8-byte aligned) and bf16 pairs (4-byte aligned) in shared or global memory.
 __device__ __forceinline__ float2 ld2(const float* a) { return *reinterpret_cast<const float2*>(a); }
 __device__ __forceinline__ void st2(float* a, float x, float y) { *reinterpret_cast<float2*>(a) = make_float2(x, y); }
@@ -257,7 +234,7 @@ __device__ __forceinline__ void store8_bf16(__nv_bfloat16* dst, const float (&x)
   *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
 }
 
-// Step 6's identity part: acc[nt] (rows r0..r0+15, columns n0 + 8 nt ..) += I · lo[r0..r0+15][n0..n0+63],
+// Step 5's identity part: acc[nt] (rows r0..r0+15, columns n0 + 8 nt ..) += I · lo[r0..r0+15][n0..n0+63],
 // one k-step with the 16 x 16 identity as the A fragment (built in registers) and lo, a raw_at-layout
 // [64][128] bf16 tile stored [k][n], as B through ldmatrix.trans. With A in bf16 (unit diagonal exact)
 // and B = bf16(x) this gives A x + (x − bf16(x)): the dominant diagonal term keeps ~16 bits of x.
@@ -331,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     // 1. Inputs over the padded [64][128] tile, 8 channels per task: q, k, the gate in log2, β, and
     //    the sums of squares of q and k over each 8 channels; v stays in registers until its tile is
     //    free (step 4). A bf16 tensor with 16-byte aligned rows arrives raw in shared memory first
-    //    (TMA, issued in the previous item's steps 4-6 or before the first item); others are read
+    //    (TMA, issued in the previous item's steps 4-5 or before the first item); others are read
     //    from global memory by load8. A warp's lanes take 32 consecutive rows
     //    of one 8-channel group, so the raw tile reads, the fp32 tile stores and the (β v)ᵀ stores of
     //    step 4 are free of bank conflicts.
@@ -345,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     clk.mark(0);                                     // the wait for the raw tiles
     float vreg[kTasks][8];
     // Two passes over the tasks: q and v first (q's tile and v's registers are free: the previous
-    // item's step 6 ended with a barrier), then, once the previous item's W and U have left their
+    // item's step 5 ended with a barrier), then, once the previous item's W and U have left their
     // staging over k and G, k and the gate. kFull: a whole chunk of 128-channel inputs all in raw
     // tiles (the common case), without the per-entry range and path checks.
     float* part = reinterpret_cast<float*>(sm + ChunkSmem::kPart);  // [2][16][64] row sums of squares per 8 channels
@@ -417,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     else load_inputs(std::false_type{}, std::integral_constant<int, 0>{});
     if (tid == 0) bulk_store_wait_read();  // the previous item's W and U have left their staging over k and G
     __syncthreads();  // also: dt_bias in shared memory
-    clk.mark(8);      // q and v, the wait for the W and U stores' reads, and the barrier
+    clk.mark(7);      // q and v, the wait for the W and U stores' reads, and the barrier
     if (full) load_inputs(std::true_type{}, std::integral_constant<int, 1>{});
     else load_inputs(std::false_type{}, std::integral_constant<int, 1>{});
     if (tid < kC) bs[tid] = beta;
@@ -552,25 +529,35 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         forward_substitution(Ls, As, 16 * s, lane);
       }
     } else {
-      // The next item's descriptor (read in step 6), by a thread of these lightly loaded warps.
+      // The next item's descriptor (read in step 5), by a thread of these lightly loaded warps.
       if (tid == 10 * 32 && item + int(gridDim.x) < items) ChunkItem(p, item + int(gridDim.x)).put(item_desc + 8 * (parity ^ 1));
       for (int e = tid - 10 * 32; e < 6 * 256; e += 6 * 32) {  // above-diagonal block (s', s) = (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
         const int blk = e / 256, r = 16 * (blk < 3 ? 0 : (blk < 5 ? 1 : 2)), cblk = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
         const int i = r + (e % 256) / 16, j = 16 * cblk + e % 16;
-        Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;
+        Aq[i * kLdS + j] = 0.f;
       }
     }
     __syncthreads();
     clk.mark(4);
     // The next item's raw q goes in flight now (its tile aliases kinv, last read in step 3); the
-    // gate's after step 4 (over Aqk), k and v in step 6 (over L and A).
+    // gate's after step 4 (over Aqk), k and v at step 5's start (over L and A).
     const bool has_next = item + int(gridDim.x) < items;
     if (has_next && tid == 0) issue_raw(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, 1, true, tid, in_bar);
 
     // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
-    //    tile, free now: step 6's identity part); Aqk out (workspace bf16 hi + lo, residual), the G
-    //    residual, β k ⊙ 2^G likewise (hi transposed, lo over q), zeros above the diagonal blocks of A
-    //    (whose diagonal blocks step 3 inverted).
+    //    tile, free now: step 5's identity part). Then, side by side:
+    //    warps 4-15: Aqk out (workspace bf16 hi + lo, residual), the G residual, β k ⊙ 2^G likewise
+    //      (hi transposed, lo over q);
+    //    warps 0-3: A = (I + L)^-1 in bf16 (Abf, step 5's operand) and its residual: the diagonal
+    //      blocks (inverted in step 3) and the zeros above them by warps 2-3, the blocks below the
+    //      diagonal by doubling, on tensor cores with fp32 operands split in bf16 hi + lo (mma_split:
+    //      ~16 significant bits; A enters step 5 in bf16 anyway), in two levels (X_ab: block of X;
+    //      P..Q: rows or columns P to Q; A is zero above its diagonal blocks):
+    //        level 1, warps 0 and 1, 16 x 16 blocks (1,0) and (3,2): A_{b,b−1} = −(A_bb L_{b,b−1}) A_{b−1,b−1};
+    //        level 2, warps 0-3 (16 rows x 16 columns each), rows 32..63 x columns 0..31:
+    //          A_{32..63,0..31} = −(A_{32..63,32..63} L_{32..63,0..31}) A_{0..31,0..31},
+    //      each product in parentheses kept in registers as the next one's A operand; level 1
+    //      writes A_{1,0} and A_{3,2} to As too (level 2 reads them).
     auto* vlo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ);                  // over q (free now)
     auto* klo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ + kRawTileBytes);  // over q
 #pragma unroll
@@ -588,22 +575,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       store8_bf16(vlo + raw_at(i, c0), lo);
     }
     const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
-    {
+    if (warp >= 4) {
       auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
-      for (int i = warp; i < kC; i += kWarps) {  // column pairs (j, j + 1), a warp a row
+      for (int i = warp - 4; i < kC; i += kWarps - 4) {  // column pairs (j, j + 1), a warp a row
         const int j = 2 * lane;
         split_bf16(Aq[i * kLdS + j], Aq[i * kLdS + j + 1], Aqk_ws + i * kLdC + j, WsLayout::kAqkPlane);
       }
-      for (int i = r64; i < kC; i += kThreads / kC) {
-        const int j = c64;
-        if (j / 16 > i / 16) As[i * kLdS + j] = 0.f;
-      }
       if (p.res_Aqk)
-        for (int e = tid; e < rows * kC; e += kThreads)
+        for (int e = tid - 128; e < rows * kC; e += kThreads - 128)
           store(p.res_Aqk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, Aq[(e / kC) * kLdS + e % kC]);
       if (p.res_G)
-        for (int e = tid; e < rows * K; e += kThreads) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
-      for (int task = tid; task < kC * kD / 8; task += kThreads) {  // row j, channels c0..c0+7 (a warp: 32 rows)
+        for (int e = tid - 128; e < rows * K; e += kThreads - 128) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
+      for (int task = tid - 128; task < kC * kD / 8; task += kThreads - 128) {  // row j, channels c0..c0+7 (a warp: 32 rows)
         const int j = task % kC, c0 = (task / kC) * 8;
         float lo[8];
         const float bj = bs[j] * rn[kC + j];  // β and the L2-norm factor of row j
@@ -622,55 +605,87 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         }
         store8_bf16(klo + raw_at(j, c0), lo);
       }
+    } else {
+      const auto put = [&](int i, int j, float x, float y, bool fp32) {  // A(i, j..j+1), for rows of the chunk
+        if (fp32) st2(As + i * kLdS + j, x, y);
+        st_u32(Abf + i * kLdC + j, pack_bf16(x, y));
+        if (p.res_Akk && i < rows) {
+          const int64_t e = (tok0 + int64_t(i) * p.H) * kC + j;
+          store(p.res_Akk, p.res_dtype, e, x);
+          store(p.res_Akk, p.res_dtype, e + 1, y);
+        }
+      };
+      // B fragments of n-tiles n0.. of X (an fp32 [k][n] tile, rows ks..) for one k-step.
+      const auto b_frags = [&](auto& bh, auto& bl, const float* x) {
+#pragma unroll
+        for (int nt = 0; nt < int(sizeof(bh) / sizeof(bh[0])); ++nt) b_frag_split(x + 8 * nt, kLdS, bh[nt], bl[nt]);
+      };
+      uint32_t ah[4], al[4];
+      if (warp < 2) {  // level 1, block (b, b − 1) with rows o..o+15
+        const int o = 16 + 32 * warp;
+        float P[2][4] = {}, Q[2][4] = {};
+        uint32_t bh[2][2], bl[2][2];
+        a_frag_split(As + o * kLdS + o, kLdS, ah, al);
+        b_frags(bh, bl, Ls + o * kLdS + o - 16);
+        mma_split(P, ah, al, bh, bl);
+        a_frag_split(P, 0, ah, al);
+        b_frags(bh, bl, As + (o - 16) * kLdS + o - 16);
+        mma_split(Q, ah, al, bh, bl);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) put(o + g8 + 8 * hh, o - 16 + 8 * nt + 2 * t4, -Q[nt][2 * hh], -Q[nt][2 * hh + 1], true);
+      } else {  // warps 2-3: the diagonal blocks and the zeros above them, in bf16, 8 columns per task
+#pragma unroll 4
+        for (int e = tid - 64; e < kC * kC / 8; e += 64) {
+          const int i = e / (kC / 8), j = 8 * (e % (kC / 8));
+          if (j / 16 >= i / 16) {
+            float a[8] = {};
+            if (j / 16 == i / 16) {
+              const float4 a0 = ld4(As + i * kLdS + j), a1 = ld4(As + i * kLdS + j + 4);
+              a[0] = a0.x, a[1] = a0.y, a[2] = a0.z, a[3] = a0.w, a[4] = a1.x, a[5] = a1.y, a[6] = a1.z, a[7] = a1.w;
+            }
+            store8_bf16(Abf + i * kLdC + j, a);
+            if (p.res_Akk && i < rows)
+              for (int u = 0; u < 8; ++u) store(p.res_Akk, p.res_dtype, (tok0 + int64_t(i) * p.H) * kC + j + u, a[u]);
+          }
+        }
+      }
+      {
+        asm volatile("bar.sync 1, 128;" ::: "memory");  // level 1's blocks in As (warps 0-3 only)
+        const int mt = warp & 1, nh = warp >> 1, r0 = 32 + 16 * mt;  // rows r0.., columns 16 nh..
+        float P[4][4] = {}, Q[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks)
+          if (ks <= mt) {  // block (mt, ks) of A_{32..63,32..63}: zero for ks > mt
+            uint32_t bh[4][2], bl[4][2];
+            a_frag_split(As + r0 * kLdS + 32 + 16 * ks, kLdS, ah, al);
+            b_frags(bh, bl, Ls + (32 + 16 * ks) * kLdS);
+            mma_split(P, ah, al, bh, bl);
+          }
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks)
+          if (ks >= nh) {  // block (ks, nh) of A_{0..31,0..31}: zero for ks < nh
+            uint32_t bh[2][2], bl[2][2];
+            a_frag_split(P, ks, ah, al);
+            b_frags(bh, bl, As + 16 * ks * kLdS + 16 * nh);
+            mma_split(Q, ah, al, bh, bl);
+          }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) put(r0 + g8 + 8 * hh, 16 * nh + 8 * nt + 2 * t4, -Q[nt][2 * hh], -Q[nt][2 * hh + 1], false);
+      }
     }
     __syncthreads();
     clk.mark(5);
     if (has_next && tid == 0) issue_raw(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, 4, false, tid, in_bar);  // the gate, over Aqk
 
-    // 5. The blocks of A below the diagonal by doubling, two levels of two products (X_ab: block of
-    //    X, P..Q: rows or columns P to Q; A is zero above its diagonal, so full sums are exact):
-    //      level 1, 16 x 16 blocks (1,0) and (3,2):  T = L_{b,b−1} A_{b−1,b−1},  A_{b,b−1} = −A_bb T;
-    //      level 2, rows 32..63 x columns 0..31:     T = L_{32..63,0..31} A_{0..31,0..31},
-    //                                                A_{32..63,0..31} = −A_{32..63,32..63} T.
-    //    T lives in L's zero upper triangle (L is not needed after this step): level 1's two blocks at
-    //    L blocks (0,1) and (2,3), level 2's at rows 0..31, columns 32..63 — apart from the L blocks
-    //    each product reads.
-    {
-      // Level 1: warps 0-7 block (1,0), 8-15 block (3,2); a thread one entry (r, c) of each product.
-      const int o = tid < 256 ? 16 : 48, r = (tid % 256) / 16, c = tid % 16;
-      float* T1 = Ls + (o - 16) * kLdS + o;  // L block (0,1) or (2,3)
-      float x[2];
-      dot_rows<1, 16>(x, Ls + (o + r) * kLdS + o - 16, As + (o - 16) * kLdS + o - 16 + c);
-      T1[r * kLdS + c] = x[0];
-      __syncthreads();
-      dot_rows<1, 16>(x, As + (o + r) * kLdS + o, T1 + c);
-      As[(o + r) * kLdS + o - 16 + c] = -x[0];
-      __syncthreads();
-      // Level 2: lane = column c2, warp = rows ra, ra + 1 of the 32 x 32 block.
-      const int c2 = lane, ra = 2 * warp;
-      float* T2 = Ls + 32;  // rows 0..31, columns 32..63
-      dot_rows<2, 32>(x, Ls + (32 + ra) * kLdS, As + c2);
-      T2[ra * kLdS + c2] = x[0];
-      T2[(ra + 1) * kLdS + c2] = x[1];
-      __syncthreads();
-      dot_rows<2, 32>(x, As + (32 + ra) * kLdS + 32, T2 + c2);
-      As[(32 + ra) * kLdS + c2] = -x[0];
-      As[(33 + ra) * kLdS + c2] = -x[1];
-      __syncthreads();
-    }
-#pragma unroll 4
-    for (int i = r64; i < kC; i += kThreads / kC)  // A in bf16: its unit diagonal is exact
-      Abf[i * kLdC + c64] = __float2bfloat16(As[i * kLdS + c64]);
-    if (p.res_Akk)
-      for (int e = tid; e < rows * kC; e += kThreads)
-        store(p.res_Akk, p.res_dtype, (tok0 + int64_t(e / kC) * p.H) * kC + e % kC, As[(e / kC) * kLdS + e % kC]);
-    __syncthreads();
-    clk.mark(6);
 
-    // 6. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
+    // 5. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
     //    the products with the hi operands, then I · lo (identity_lo_step).
-    //    First the next item's k and v go in flight (L and A are free now; q and the gate went in
-    //    steps 4 and 5). W and U are staged in shared memory in the record's layout (over k and G,
+    //    First the next item's k and v go in flight (L and A are free now; q went in step 4, the gate
+    //    just before). W and U are staged in shared memory in the record's layout (over k and G,
     //    free since step 4, so each warp stores its results as soon as its products are done) and leave by two bulk stores, so the record
     //    writes are whole lines from the TMA engine instead of 256 scattered warp stores (this step was
     //    the kernel's MIO-bound one). Thread 0 waits for the stores' shared-memory reads before step 1
@@ -704,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       bulk_store(rec + WsLayout::kU, U, unsigned(2 * WsLayout::kUSliceBytes));
       bulk_store_commit();
     }
-    clk.mark(7);
+    clk.mark(6);
     if (clk.on) atomicAdd(&g_phase_blocks, 1ull);
   }
   if (threadIdx.x == 0) bulk_store_wait_all();  // the last item's stores complete before the block's shared memory goes

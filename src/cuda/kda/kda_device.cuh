@@ -180,6 +180,49 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ---- fp32 operands on bf16 tensor cores, as hi + lo pairs (x = hi + lo, ~16 significant bits) ----
+// An fp32 pair as bf16 words: hi = (bf16(x), bf16(y)), lo = the remainders in bf16.
+__device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h2 = __floats2bfloat162_rn(x, y);
+  const float2 f = __bfloat1622float2(h2);
+  hi = *reinterpret_cast<const uint32_t*>(&h2);
+  lo = pack_bf16(x - f.x, y - f.y);
+}
+// The A fragment (16 x 16) at x of a row-major fp32 tile (row stride ld, even; x 8-byte aligned).
+__device__ __forceinline__ void a_frag_split(const float* x, int ld, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 v = *reinterpret_cast<const float2*>(x + (g + 8 * (q & 1)) * ld + 2 * t + 8 * (q >> 1));
+    split_pair(v.x, v.y, hi[q], lo[q]);
+  }
+}
+// The A fragment of k-step ks from accumulator fragments c[2 ks], c[2 ks + 1] (a 16-row product
+// used as the next product's A operand without leaving registers).
+template <int N>
+__device__ __forceinline__ void a_frag_split(const float (&c)[N][4], int ks, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) split_pair(c[2 * ks + (q >> 1)][2 * (q & 1)], c[2 * ks + (q >> 1)][2 * (q & 1) + 1], hi[q], lo[q]);
+}
+// The B fragment (16 x 8, k x n) at x of an fp32 tile stored [k][n] (row stride ld).
+__device__ __forceinline__ void b_frag_split(const float* x, int ld, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) split_pair(x[(2 * t + 8 * q) * ld + g], x[(2 * t + 8 * q + 1) * ld + g], hi[q], lo[q]);
+}
+// c[n] += a b[n] for split operands over N n-tiles: lo·hi + hi·lo + hi·hi (the lo·lo term, ~2^-16
+// relative, is left out), the n-tiles interleaved so that no mma waits on the one before it.
+template <int N>
+__device__ __forceinline__ void mma_split(float (&c)[N][4], const uint32_t (&ahi)[4], const uint32_t (&alo)[4],
+                                          const uint32_t (&bhi)[N][2], const uint32_t (&blo)[N][2]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) mma_bf16(c[n], alo, bhi[n]);
+#pragma unroll
+  for (int n = 0; n < N; ++n) mma_bf16(c[n], ahi, blo[n]);
+#pragma unroll
+  for (int n = 0; n < N; ++n) mma_bf16(c[n], ahi, bhi[n]);
+}
+
 
 // Four 8 x 8 bf16 matrices from shared memory (ldmatrix.x4): lane l gives the address of row l % 8
 // of matrix l / 8 (16 contiguous bytes, 16-byte aligned); r[m] is matrix m in mma fragment order

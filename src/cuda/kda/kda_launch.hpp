@@ -61,16 +61,16 @@ Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  /
 
 // Phase profile of the chunk kernel (bench suite kda_phases only): while enabled, thread 0 of every
 // block adds the clock64() cycles of each barrier-separated phase to device counters, in the order
-// 0, 8, 1, ..., 7 (0: the wait for the item's raw input tiles, 8: q, v and their sums of squares, the
+// 0, 7, 1, ..., 6 (0: the wait for the item's raw input tiles, 7: q, v and their sums of squares, the
 // wait for the previous item's W and U stores to leave shared memory and the barrier, 1: k, the gate
 // and k's sums of squares, 2: gate scan + L2-norm factors, 3: intra-chunk operands, 4: Aqk and L and
-// the diagonal blocks of the inverse, 5: write-out, 6: inverse blocks below the diagonal, 7: W and
-// U). read() returns the sums and the number of items and resets them.
-constexpr int kKdaChunkPhases = 9;
+// the diagonal blocks of the inverse, 5: write-out beside the inverse's blocks below the diagonal,
+// 6: W and U). read() returns the sums and the number of items and resets them.
+constexpr int kKdaChunkPhases = 8;
 // The phases in the order they run, and their short names (bench output).
-constexpr int kKdaChunkPhaseOrder[kKdaChunkPhases] = {0, 8, 1, 2, 3, 4, 5, 6, 7};
+constexpr int kKdaChunkPhaseOrder[kKdaChunkPhases] = {0, 7, 1, 2, 3, 4, 5, 6};
 constexpr const char* kKdaChunkPhaseNames[kKdaChunkPhases] = {"raw-wait", "k+gate", "scan+norm", "operands", "Aqk/L+diag-inv",
-                                                               "write-out", "inverse", "W/U", "q+v+store-wait"};
+                                                               "write-out+inverse", "W/U", "q+v+store-wait"};
 
 // Value columns per block of the state kernel (bench suite kda_plans): 16, 32 or 64, or 0 for the
 // launcher's rule. Process-wide; not for concurrent use.
