@@ -547,11 +547,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
     //    tile, free now: step 5's identity part). Then, side by side:
     //    warps 4-15: Aqk out (workspace bf16 hi + lo, residual), the G residual, β k ⊙ 2^G likewise
-    //      (hi transposed, lo over q);
-    //    warps 0-3: A = (I + L)^-1 in bf16 (Abf, step 5's operand) and its residual: the diagonal
-    //      blocks (inverted in step 3) and the zeros above them by warps 2-3, the blocks below the
-    //      diagonal by doubling, on tensor cores with fp32 operands split in bf16 hi + lo (mma_split:
-    //      ~16 significant bits; A enters step 5 in bf16 anyway), in two levels (X_ab: block of X;
+    //      (hi transposed, lo over q), A's diagonal blocks (inverted in step 3) and the zeros above
+    //      them in bf16 (Abf, step 5's operand) and the residual;
+    //    warps 0-3: the blocks of A = (I + L)^-1 below the diagonal by doubling, on tensor cores
+    //      with fp32 operands split in bf16 hi + lo (mma_split: ~16 significant bits; A enters step
+    //      5 in bf16 anyway), in two levels (X_ab: block of X;
     //      P..Q: rows or columns P to Q; A is zero above its diagonal blocks):
     //        level 1, warps 0 and 1, 16 x 16 blocks (1,0) and (3,2): A_{b,b−1} = −(A_bb L_{b,b−1}) A_{b−1,b−1};
     //        level 2, warps 0-3 (16 rows x 16 columns each), rows 32..63 x columns 0..31:
@@ -605,6 +605,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         }
         store8_bf16(klo + raw_at(j, c0), lo);
       }
+      for (int e = tid - 128; e < kC * kC / 8; e += kThreads - 128) {  // A's diagonal blocks and the zeros above them in bf16
+        const int i = e / (kC / 8), j = 8 * (e % (kC / 8));
+        if (j / 16 >= i / 16) {
+          float a[8] = {};
+          if (j / 16 == i / 16) {
+            const float4 a0 = ld4(As + i * kLdS + j), a1 = ld4(As + i * kLdS + j + 4);
+            a[0] = a0.x, a[1] = a0.y, a[2] = a0.z, a[3] = a0.w, a[4] = a1.x, a[5] = a1.y, a[6] = a1.z, a[7] = a1.w;
+          }
+          store8_bf16(Abf + i * kLdC + j, a);
+          if (p.res_Akk && i < rows)
+            for (int u = 0; u < 8; ++u) store(p.res_Akk, p.res_dtype, (tok0 + int64_t(i) * p.H) * kC + j + u, a[u]);
+        }
+      }
     } else {
       const auto put = [&](int i, int j, float x, float y, bool fp32) {  // A(i, j..j+1), for rows of the chunk
         if (fp32) st2(As + i * kLdS + j, x, y);
@@ -635,21 +648,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) put(o + g8 + 8 * hh, o - 16 + 8 * nt + 2 * t4, -Q[nt][2 * hh], -Q[nt][2 * hh + 1], true);
-      } else {  // warps 2-3: the diagonal blocks and the zeros above them, in bf16, 8 columns per task
-#pragma unroll 4
-        for (int e = tid - 64; e < kC * kC / 8; e += 64) {
-          const int i = e / (kC / 8), j = 8 * (e % (kC / 8));
-          if (j / 16 >= i / 16) {
-            float a[8] = {};
-            if (j / 16 == i / 16) {
-              const float4 a0 = ld4(As + i * kLdS + j), a1 = ld4(As + i * kLdS + j + 4);
-              a[0] = a0.x, a[1] = a0.y, a[2] = a0.z, a[3] = a0.w, a[4] = a1.x, a[5] = a1.y, a[6] = a1.z, a[7] = a1.w;
-            }
-            store8_bf16(Abf + i * kLdC + j, a);
-            if (p.res_Akk && i < rows)
-              for (int u = 0; u < 8; ++u) store(p.res_Akk, p.res_dtype, (tok0 + int64_t(i) * p.H) * kC + j + u, a[u]);
-          }
-        }
       }
       {
         asm volatile("bar.sync 1, 128;" ::: "memory");  // level 1's blocks in As (warps 0-3 only)
