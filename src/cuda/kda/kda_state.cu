@@ -173,9 +173,16 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) oy[0][nt][q] = xo[1][nt][q];
-    for (int ks = 0; ks <= rw; ++ks) {
+    const auto o_step = [&](int ks) {
       warp_mma_tiles_step<2, 2, true>(oy, Ahi, kLdC, int(WsLayout::kAqkPlane), Vb + 16 * cw, kLdS, ks);
       warp_mma_step<2, true>(kCh == 2 ? ol : oy[0], Ahi, kLdC, Vb + kC * kLdS + 16 * cw, kLdS, ks);
+    };
+    if constexpr (kVs == 64) {  // unrolled with a warp-uniform predicate (ncu: -1% varlen, -2% B4; on 16 columns +7%)
+#pragma unroll
+      for (int ks = 0; ks < kC / 16; ++ks)
+        if (ks <= rw) o_step(ks);
+    } else {
+      for (int ks = 0; ks <= rw; ++ks) o_step(ks);
     }
     if constexpr (kCh == 2) add_tiles(oy[1], ol);
     // o rows t0 + i (i < rows), columns v < V
