@@ -13,9 +13,10 @@
 //     (j < r <= i); inside a diagonal block 2^(G_r − G_j) >= 1 for j > r, so a block whose decay span
 //     max (G_r − G_j) exceeds 100 (log2) takes per-pair factors in fp32 instead (no overflow for
 //     any gate; rare: e.g. gates of -1000);
-//   A = (I + L)^-1: diagonal blocks by forward substitution (one warp each, in registers), then the
-//     blocks below by doubling: A_{b,b−1} = −A_bb L_{b,b−1} A_{b−1,b−1} for the 16-row blocks (1,0),
-//     (3,2), then the 32-row block A_{32..63,0..31} = −A_{32..63,32..63} L_{32..63,0..31} A_{0..31,0..31} (fp32);
+//   A = (I + L)^-1: diagonal blocks by forward substitution (fp32, one warp each, in registers), then
+//     the blocks below by doubling: A_{b,b−1} = −A_bb L_{b,b−1} A_{b−1,b−1} for the 16-row blocks (1,0),
+//     (3,2), then the 32-row block A_{32..63,0..31} = −A_{32..63,32..63} L_{32..63,0..31} A_{0..31,0..31}
+//     (tensor cores, fp32 operands split in bf16 hi + lo: ~16 significant bits; A enters W and U in bf16);
 //   W = A (β k ⊙ 2^G) and U = A (β v) on tensor cores (bf16 operands, fp32 accumulation) as
 //   A x_hi + I x_lo with x = x_hi + x_lo in bf16 (A's unit diagonal is exact in bf16), so the
 //   dominant diagonal term keeps ~16 bits of x instead of bf16's 8
