@@ -218,3 +218,32 @@ def test_cuda_gemm_and_kda_match_cpu():
     o_cpu, fin_cpu = encore.kda_forward(*args, output_final_state=True)
     assert ((o.cpu() - o_cpu).norm() / o_cpu.norm()).item() < 5e-3
     assert ((fin.cpu() - fin_cpu).norm() / fin_cpu.norm()).item() < 5e-3
+
+
+@pytest.mark.skipif(not (encore.built_with_cuda() and encore.cuda_device_count() > 0), reason="needs a CUDA device")
+def test_cuda_kda_varlen_gate_in_kernel_matches_cpu():
+    """The call bench/peers/kda_peers.py makes (fla's chunk_kda contract): varlen B = 1 with cu_seqlens
+    given as a host array, a CUDA tensor and a CPU tensor, the softplus gate in the kernel with A_log
+    and dt_bias, q/k L2 norm, bf16 inputs, final state and bf16 residuals; against the CPU backend
+    (fp64) on the same bf16 values."""
+    torch = pytest.importorskip("torch")
+    dev, bf = "cuda", torch.bfloat16
+    lens = [1, 63, 64, 65, 130]
+    t, h, kd, vd = sum(lens), 3, 128, 128
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, g = (torch.randn(1, t, h, d, generator=gen).to(bf) for d in (kd, kd, vd, kd))
+    beta = torch.rand(1, t, h, generator=gen).to(bf)
+    A_log, dt_bias = torch.randn(h, generator=gen), torch.randn(h * kd, generator=gen)
+    kw = dict(output_final_state=True, use_qk_l2norm=True, use_gate_in_kernel=True)
+    o_cpu, fin_cpu = encore.kda_forward(*(x.double() for x in (q, k, v, g, beta)), A_log=A_log.double(), dt_bias=dt_bias.double(),
+                                        cu_seqlens=cu, **kw)
+    for cu_arg in (cu, torch.from_numpy(cu).to(dev), torch.from_numpy(cu).to(torch.int32)):
+        o, fin, res = encore.kda_forward(*(x.to(dev) for x in (q, k, v, g, beta)), A_log=A_log.to(dev), dt_bias=dt_bias.to(dev),
+                                         cu_seqlens=cu_arg, return_residuals=True, residual_dtype="bfloat16", **kw)
+        assert o.dtype == bf and o.shape == (1, t, h, vd) and fin.shape == (len(lens), h, kd, vd)
+        assert torch.isfinite(o.float()).all() and torch.isfinite(fin).all()
+        e_o = ((o.cpu().double() - o_cpu).norm() / o_cpu.norm()).item()
+        e_f = ((fin.cpu().double() - fin_cpu).norm() / fin_cpu.norm()).item()
+        assert e_o < 5e-3 and e_f < 5e-3, (e_o, e_f)
+        assert set(res) == {"G", "Aqk", "Akk", "h"} and res["Akk"].dtype == bf and res["G"].dtype == torch.float32
