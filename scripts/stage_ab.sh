@@ -7,7 +7,7 @@
 #   mkdir -p /tmp/x && tar xzf .gpupack/exp.tar.gz -C /tmp/x && scripts/gpu_kda_ab.sh .gpubin /tmp/x/*
 # Each directory also holds that revision's `encore_tests_gpu` (about 7 MB compressed), which
 # gpu_kda_ab.sh runs first (KDA tests): a measured build is a tested build. ENCORE_AB_TESTS=0 leaves
-# it out (3 builds with tests plus gpu.tar.gz approach the 64 MiB a device call carries).
+# it out (3 builds with tests plus gpu.tar.gz exceed the 64 MiB a device call carries: stage two).
 # Usage: scripts/stage_ab.sh REV [REV ...]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -235,6 +235,19 @@ __device__ __forceinline__ void store8_bf16(__nv_bfloat16* dst, const float (&x)
   *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
 }
 
+// Eight values x of row i, channels c0..c0+7, as bf16 hi + lo: hi into hiT (transposed, [128][72]:
+// the W/U products' B operand), the remainders into lo (a raw_at-layout tile: the identity part).
+__device__ __forceinline__ void store_hi_t_lo(const float (&x)[8], __nv_bfloat16* hiT, __nv_bfloat16* lo, int i, int c0) {
+  float r[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const __nv_bfloat16 hi = __float2bfloat16(x[e]);
+    hiT[(c0 + e) * kLdC + i] = hi;
+    r[e] = x[e] - __bfloat162float(hi);
+  }
+  store8_bf16(lo + raw_at(i, c0), r);
+}
+
 // Step 5's identity part: acc[nt] (rows r0..r0+15, columns n0 + 8 nt ..) += I · lo[r0..r0+15][n0..n0+63],
 // one k-step with the 16 x 16 identity as the A fragment (built in registers) and lo, a raw_at-layout
 // [64][128] bf16 tile stored [k][n], as B through ldmatrix.trans. With A in bf16 (unit diagonal exact)
@@ -567,16 +580,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll
     for (int r = 0; r < kTasks; ++r) {
       const int task = tid + r * kThreads, i = task % kC, c0 = (task / kC) * 8;
-      float lo[8];
       const float bi = bs[i];  // once: the compiler cannot move loads of bs past the tile stores
+      float bv[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float bv = bi * vreg[r][e];
-        const __nv_bfloat16 hi = __float2bfloat16(bv);
-        vbT[(c0 + e) * kLdC + i] = hi;
-        lo[e] = bv - __bfloat162float(hi);
-      }
-      store8_bf16(vlo + raw_at(i, c0), lo);
+      for (int e = 0; e < 8; ++e) bv[e] = bi * vreg[r][e];
+      store_hi_t_lo(bv, vbT, vlo, i, c0);
     }
     const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
     if (warp >= 4) {
@@ -592,7 +600,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         for (int e = tid - 128; e < rows * K; e += kThreads - 128) p.res_G[(tok0 + int64_t(e / K) * p.H) * K + e % K] = Gs[(e / K) * kLdF + e % K];
       for (int task = tid - 128; task < kC * kD / 8; task += kThreads - 128) {  // row j, channels c0..c0+7 (a warp: 32 rows)
         const int j = task % kC, c0 = (task / kC) * 8;
-        float lo[8];
         const float bj = bs[j] * rn[kC + j];  // β and the L2-norm factor of row j
         float kx[8], gx[8];
 #pragma unroll
@@ -601,13 +608,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           kx[e] = k2.x, kx[e + 1] = k2.y, gx[e] = g2.x, gx[e + 1] = g2.y;
         }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float kb = bj * kx[e] * fast_exp2(gx[e]);
-          const __nv_bfloat16 hi = __float2bfloat16(kb);
-          kbT[(c0 + e) * kLdC + j] = hi;
-          lo[e] = kb - __bfloat162float(hi);
-        }
-        store8_bf16(klo + raw_at(j, c0), lo);
+        for (int e = 0; e < 8; ++e) kx[e] = bj * kx[e] * fast_exp2(gx[e]);
+        store_hi_t_lo(kx, kbT, klo, j, c0);
       }
       for (int e = tid - 128; e < kC * kC / 8; e += kThreads - 128) {  // A's diagonal blocks and the zeros above them in bf16
         const int i = e / (kC / 8), j = 8 * (e % (kC / 8));
@@ -640,29 +642,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       // Level 1 in the warps that need its blocks, in registers: A_{3,2} (the A operand of rows 48..
       // below, mt = 1) and A_{1,0}ᵀ (whose accumulator fragments are the B operand of block (1,0) of
       // A_{0..31,0..31}, nh = 0; A_{1,0}ᵀ = −(A_00ᵀ L_{1,0}ᵀ) A_11ᵀ).
+      // out = −(X Y) Z for the 16 x 16 blocks X, Z of A and Y of L at x, y, z; with `transposed`,
+      // −(Xᵀ Yᵀ) Zᵀ (each operand loaded as its block's transpose).
+      const auto level1 = [&](float (&out)[2][4], const float* x, const float* y, const float* z, bool transposed) {
+        float P[2][4] = {};
+        uint32_t bh[2][2], bl[2][2];
+        if (transposed) a_frag_split_t(x, kLdS, ah, al);
+        else a_frag_split(x, kLdS, ah, al);
+        b_frags(bh, bl, y, transposed);
+        mma_split(P, ah, al, bh, bl);
+        a_frag_split(P, 0, ah, al);
+        b_frags(bh, bl, z, transposed);
+        mma_split(out, ah, al, bh, bl);
+        negate_tiles(out);
+      };
       float A32[2][4] = {}, A10t[2][4] = {};
-      if (mt == 1) {
-        float P[2][4] = {};
-        uint32_t bh[2][2], bl[2][2];
-        a_frag_split(As + 48 * kLdS + 48, kLdS, ah, al);
-        b_frags(bh, bl, Ls + 48 * kLdS + 32, false);
-        mma_split(P, ah, al, bh, bl);
-        a_frag_split(P, 0, ah, al);
-        b_frags(bh, bl, As + 32 * kLdS + 32, false);
-        mma_split(A32, ah, al, bh, bl);
-        negate_tiles(A32);
-      }
-      if (nh == 0) {
-        float P[2][4] = {};
-        uint32_t bh[2][2], bl[2][2];
-        a_frag_split_t(As, kLdS, ah, al);
-        b_frags(bh, bl, Ls + 16 * kLdS, true);
-        mma_split(P, ah, al, bh, bl);
-        a_frag_split(P, 0, ah, al);
-        b_frags(bh, bl, As + 16 * kLdS + 16, true);
-        mma_split(A10t, ah, al, bh, bl);
-        negate_tiles(A10t);
-      }
+      if (mt == 1) level1(A32, As + 48 * kLdS + 48, Ls + 48 * kLdS + 32, As + 32 * kLdS + 32, false);  // A_33 L_32 A_22
+      if (nh == 0) level1(A10t, As, Ls + 16 * kLdS, As + 16 * kLdS + 16, true);  // A_00ᵀ L_10ᵀ A_11ᵀ
       if (warp == 3)  // A_{3,2} out
 #pragma unroll
         for (int q = 0; q < 8; ++q) put(48 + g8 + 8 * (q / 2 % 2), 32 + 8 * (q / 4) + 2 * t4 + q % 2, A32[q / 4][q % 4]);

@@ -181,7 +181,9 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 // ---- fp32 operands on bf16 tensor cores, as hi + lo pairs (x = hi + lo, ~16 significant bits) ----
-// An fp32 pair as bf16 words: hi = (bf16(x), bf16(y)), lo = the remainders in bf16.
+// An fp32 pair as bf16 words: hi = (bf16(x), bf16(y)), lo = the remainders in bf16 — split_bf16's
+// values, in registers (one packed conversion; expressing either through the other changes the SASS
+// of the kernel that uses it, measured as it is).
 __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint32_t& lo) {
   const __nv_bfloat162 h2 = __floats2bfloat162_rn(x, y);
   const float2 f = __bfloat1622float2(h2);
