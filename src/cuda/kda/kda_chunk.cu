@@ -252,12 +252,13 @@ __device__ __forceinline__ void store_hi_t_lo(const float (&x)[8], __nv_bfloat16
 // one k-step with the 16 x 16 identity as the A fragment (built in registers) and lo, a raw_at-layout
 // [64][128] bf16 tile stored [k][n], as B through ldmatrix.trans. With A in bf16 (unit diagonal exact)
 // and B = bf16(x) this gives A x + (x − bf16(x)): the dominant diagonal term keeps ~16 bits of x.
-__device__ __forceinline__ void identity_lo_step(float (&acc)[8][4], const __nv_bfloat16* lo, int r0, int n0) {
+template <int NT>
+__device__ __forceinline__ void identity_lo_step(float (&acc)[NT][4], const __nv_bfloat16* lo, int r0, int n0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, m = lane >> 3, r = lane & 7;
   const uint32_t d = pack_bf16(g == 2 * t ? 1.f : 0.f, g == 2 * t + 1 ? 1.f : 0.f);
   const uint32_t a[4] = {d, 0u, 0u, d};  // rows g / g + 8, columns 2t.. / 2t + 8..: I's entries
 #pragma unroll
-  for (int n = 0; n < 8; n += 2) {
+  for (int n = 0; n < NT; n += 2) {
     uint32_t bf[4];  // (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8) of n-tiles n, n + 1
     ldmatrix_x4_trans(bf, lo + raw_at(r0 + r + 8 * (m & 1), n0 + 8 * n + 8 * (m >> 1)));
     const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
@@ -693,8 +694,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     if (has_next && tid == 0) issue_raw(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, 4, false, tid, in_bar);  // the gate, over Aqk
 
 
-    // 5. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (16-row block, matrix, 64-column half),
-    //    the products with the hi operands, then I · lo (identity_lo_step).
+    // 5. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (matrix, 32-column quarter, two
+    //    16-row blocks), the products with the hi operands, then I · lo (identity_lo_step).
     //    First the next item's k and v go in flight (L and A are free now; q went in step 4, the gate
     //    just before). W and U are staged in shared memory in the record's layout (over k and G,
     //    free since step 4, so each warp stores its results as soon as its products are done) and leave by two bulk stores, so the record
@@ -706,23 +707,35 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       issue_raw(p, nx, sm, fast, 2 | 8, false, tid, in_bar);  // k and v, over L and A
       next = load_scalars(p, nx, tid);
     }
-    const int r0 = 16 * (warp % 4), half = warp / 8;
-    const bool is_u = (warp / 4) % 2;
+    // Warp w: matrix is_u = w & 1, columns cq = 32 ((w >> 1) & 3).., row blocks {0, 3} (w < 8) or
+    // {1, 2}: A is zero above its diagonal blocks, so row block rb takes k-steps 0..rb only, and
+    // each warp's two row blocks come to 5 k-steps (the B fragments of the k-steps both take are
+    // loaded once).
+    const bool is_u = warp & 1;
+    const int cq = 32 * ((warp >> 1) & 3), rb0 = warp < 8 ? 0 : 1, rb1 = 3 - rb0;
+    const __nv_bfloat16* Bt = (is_u ? vbT : kbT) + cq * kLdC;
     auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W [64][136]
     auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kUStage);           // staging: the record's U [2][64][72]
-    float acc[8][4];
-    zero(acc);
-    warp_mma_nt<8>(acc, Abf + r0 * kLdC, kLdC, (is_u ? vbT : kbT) + half * 64 * kLdC, kLdC, kC / 16);
-    identity_lo_step(acc, is_u ? vlo : klo, r0, half * 64);
+    float acc[2][4][4] = {};  // [row block rb0, rb1][n-tile]
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks <= rb0) warp_mma_tiles_step<2, 4>(acc, Abf + 16 * rb0 * kLdC, kLdC, 16 * (rb1 - rb0) * kLdC, Bt, kLdC, ks);
+      else if (ks <= rb1) warp_mma_step<4>(acc[1], Abf + 16 * rb1 * kLdC, kLdC, Bt, kLdC, ks);
+    }
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = r0 + g8 + 8 * hh, c = half * 64 + 8 * nt + 2 * t4;
-        if (is_u)
-          *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) = make_float2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
-        else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
-      }
+    for (int j = 0; j < 2; ++j) {
+      const int r0 = 16 * (j ? rb1 : rb0);
+      identity_lo_step(acc[j], is_u ? vlo : klo, r0, cq);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = r0 + g8 + 8 * hh, c = cq + 8 * nt + 2 * t4;
+          if (is_u)
+            *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) = make_float2(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
+          else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
+        }
+    }
     fence_proxy_async_shared();  // the staged W and U visible to the bulk stores
     __syncthreads();
     if (tid == 0) {
