@@ -57,6 +57,7 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: decay span of diagonal block s (float bits)
   static constexpr int kItem = kSafe + 16;          // int [2][8]: descriptors of this item and the next (ChunkItem)
   static constexpr int kInBar = kItem + 64;        // uint64: the raw input tiles' barrier
+  static constexpr int kInvBar = kInBar + 8;       // uint64: step 4's level-1 inverse blocks (64 arrivals a phase)
   static constexpr int kBytes = kInBar + 16;
   // The raw input tiles (TMA destinations): the first 1024-byte aligned offsets of kinv, L, Aqk, A.
   static constexpr int kRawQ = (kKinv + 1023) / 1024 * 1024, kRawK = (kL + 1023) / 1024 * 1024;
@@ -279,6 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   auto* const in_bar = reinterpret_cast<uint64_t*>(smem + ChunkSmem::kInBar);  // the raw tiles, a phase per item
   if (threadIdx.x == 0) {
     mbar_init(in_bar);
+    mbar_init(reinterpret_cast<uint64_t*>(smem + ChunkSmem::kInvBar), 64);
     if (int(blockIdx.x) < items) ChunkItem(p, blockIdx.x).put(item_desc);
   }
   __syncthreads();  // the barrier and the first descriptor
@@ -566,16 +568,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     //      them in bf16 (Abf, step 5's operand) and the residual;
     //    warps 0-3: the blocks of A = (I + L)^-1 below the diagonal by doubling, on tensor cores
     //      with fp32 operands split in bf16 hi + lo (mma_split: ~16 significant bits; A enters step
-    //      5 in bf16 anyway), X_ab a block of X, P..Q rows or columns P to Q, A zero above its
-    //      diagonal blocks:
-    //        level 1, 16 x 16 blocks (1,0) and (3,2): A_{b,b−1} = −(A_bb L_{b,b−1}) A_{b−1,b−1};
-    //        level 2, warp (mt, nh) rows 32 + 16 mt.. x columns 16 nh.. of
+    //      5 in bf16 anyway), in two levels (X_ab: block of X;
+    //      P..Q: rows or columns P to Q; A is zero above its diagonal blocks):
+    //        level 1, warps 0 and 1, 16 x 16 blocks (1,0) and (3,2): A_{b,b−1} = −(A_bb L_{b,b−1}) A_{b−1,b−1};
+    //        level 2, warps 0-3 (16 rows x 16 columns each), rows 32..63 x columns 0..31:
     //          A_{32..63,0..31} = −(A_{32..63,32..63} L_{32..63,0..31}) A_{0..31,0..31},
-    //      each product in parentheses kept in registers as the next one's A operand. No barrier
-    //      between the levels: a warp computes the level-1 blocks its level-2 products need in
-    //      registers (A_{3,2} as an A operand; A_{1,0}ᵀ, whose accumulator fragments are A_{1,0}'s
-    //      B fragments), so warps 1 and 3 compute A_{3,2} and warps 0 and 1 A_{1,0} (a compute-
-    //      sanitizer racecheck could not follow the named barrier this replaced: docs/gotchas.md).
+    //      each product in parentheses kept in registers as the next one's A operand; level 1
+    //      writes A_{1,0} and A_{3,2} to As too (level 2 reads them).
     auto* vlo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ);                  // over q (free now)
     auto* klo = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQ + kRawTileBytes);  // over q
 #pragma unroll
@@ -626,68 +625,65 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         }
       }
     } else {
-      const auto put = [&](int i, int j, float x) {  // A(i, j) in bf16 and the residual
-        Abf[i * kLdC + j] = __float2bfloat16(x);
-        if (p.res_Akk && i < rows) store(p.res_Akk, p.res_dtype, (tok0 + int64_t(i) * p.H) * kC + j, x);
+      const auto put = [&](int i, int j, float x, float y, bool fp32) {  // A(i, j..j+1), for rows of the chunk
+        if (fp32) st2(As + i * kLdS + j, x, y);
+        st_u32(Abf + i * kLdC + j, pack_bf16(x, y));
+        if (p.res_Akk && i < rows) {
+          const int64_t e = (tok0 + int64_t(i) * p.H) * kC + j;
+          store(p.res_Akk, p.res_dtype, e, x);
+          store(p.res_Akk, p.res_dtype, e + 1, y);
+        }
       };
-      // B fragments of n-tiles 0.. of X (fp32 [k][n], x at its k-step's first row), or of Xᵀ for
-      // x at X's first row (b_frag_split_t).
-      const auto b_frags = [&](auto& bh, auto& bl, const float* x, bool transposed) {
+      // B fragments of n-tiles n0.. of X (an fp32 [k][n] tile, rows ks..) for one k-step.
+      const auto b_frags = [&](auto& bh, auto& bl, const float* x) {
 #pragma unroll
-        for (int nt = 0; nt < int(sizeof(bh) / sizeof(bh[0])); ++nt)
-          if (transposed) b_frag_split_t(x + 8 * nt * kLdS, kLdS, bh[nt], bl[nt]);
-          else b_frag_split(x + 8 * nt, kLdS, bh[nt], bl[nt]);
+        for (int nt = 0; nt < int(sizeof(bh) / sizeof(bh[0])); ++nt) b_frag_split(x + 8 * nt, kLdS, bh[nt], bl[nt]);
       };
-      const int mt = warp & 1, nh = warp >> 1, r0 = 32 + 16 * mt;  // level 2: rows r0.., columns 16 nh..
       uint32_t ah[4], al[4];
-      // Level 1 in the warps that need its blocks, in registers: A_{3,2} (the A operand of rows 48..
-      // below, mt = 1) and A_{1,0}ᵀ (whose accumulator fragments are the B operand of block (1,0) of
-      // A_{0..31,0..31}, nh = 0; A_{1,0}ᵀ = −(A_00ᵀ L_{1,0}ᵀ) A_11ᵀ).
-      // out = −(X Y) Z for the 16 x 16 blocks X, Z of A and Y of L at x, y, z; with `transposed`,
-      // −(Xᵀ Yᵀ) Zᵀ (each operand loaded as its block's transpose).
-      const auto level1 = [&](float (&out)[2][4], const float* x, const float* y, const float* z, bool transposed) {
-        float P[2][4] = {};
+      if (warp < 2) {  // level 1, block (b, b − 1) with rows o..o+15
+        const int o = 16 + 32 * warp;
+        float P[2][4] = {}, Q[2][4] = {};
         uint32_t bh[2][2], bl[2][2];
-        if (transposed) a_frag_split_t(x, kLdS, ah, al);
-        else a_frag_split(x, kLdS, ah, al);
-        b_frags(bh, bl, y, transposed);
+        a_frag_split(As + o * kLdS + o, kLdS, ah, al);
+        b_frags(bh, bl, Ls + o * kLdS + o - 16);
         mma_split(P, ah, al, bh, bl);
         a_frag_split(P, 0, ah, al);
-        b_frags(bh, bl, z, transposed);
-        mma_split(out, ah, al, bh, bl);
-        negate_tiles(out);
-      };
-      float A32[2][4] = {}, A10t[2][4] = {};
-      if (mt == 1) level1(A32, As + 48 * kLdS + 48, Ls + 48 * kLdS + 32, As + 32 * kLdS + 32, false);  // A_33 L_32 A_22
-      if (nh == 0) level1(A10t, As, Ls + 16 * kLdS, As + 16 * kLdS + 16, true);  // A_00ᵀ L_10ᵀ A_11ᵀ
-      if (warp == 3)  // A_{3,2} out
+        b_frags(bh, bl, As + (o - 16) * kLdS + o - 16);
+        mma_split(Q, ah, al, bh, bl);
 #pragma unroll
-        for (int q = 0; q < 8; ++q) put(48 + g8 + 8 * (q / 2 % 2), 32 + 8 * (q / 4) + 2 * t4 + q % 2, A32[q / 4][q % 4]);
-      if (warp == 0)  // A_{1,0} out: fragment entry (m, n) of A_{1,0}ᵀ is A(16 + n, m)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int q = 0; q < 8; ++q) put(16 + 8 * (q / 4) + 2 * t4 + q % 2, g8 + 8 * (q / 2 % 2), A10t[q / 4][q % 4]);
-      // Level 2: P = A_{32..63,32..63} L_{32..63,0..31} (rows r0..), then −P A_{0..31,0..31} (columns 16 nh..).
-      float P[4][4] = {}, Q[2][4] = {};
+          for (int hh = 0; hh < 2; ++hh) put(o + g8 + 8 * hh, o - 16 + 8 * nt + 2 * t4, -Q[nt][2 * hh], -Q[nt][2 * hh + 1], true);
+      }
+      {
+        // Level 1's blocks in As: warps 0-1 arrive, warps 0-3 wait (an mbarrier phase per item; a
+        // named barrier here made compute-sanitizer racecheck report hazards everywhere, docs/gotchas.md).
+        auto* const inv_bar = reinterpret_cast<uint64_t*>(sm + ChunkSmem::kInvBar);
+        if (warp < 2) mbar_arrive(inv_bar);
+        mbar_wait(inv_bar, unsigned(parity));
+        const int mt = warp & 1, nh = warp >> 1, r0 = 32 + 16 * mt;  // rows r0.., columns 16 nh..
+        float P[4][4] = {}, Q[2][4] = {};
 #pragma unroll
-      for (int ks = 0; ks < 2; ++ks)
-        if (ks <= mt) {  // block (mt, ks) of A_{32..63,32..63}: zero for ks > mt; A_{3,2} from registers
-          uint32_t bh[4][2], bl[4][2];
-          if (mt == 1 && ks == 0) a_frag_split(A32, 0, ah, al);
-          else a_frag_split(As + r0 * kLdS + 32 + 16 * ks, kLdS, ah, al);
-          b_frags(bh, bl, Ls + (32 + 16 * ks) * kLdS, false);
-          mma_split(P, ah, al, bh, bl);
-        }
+        for (int ks = 0; ks < 2; ++ks)
+          if (ks <= mt) {  // block (mt, ks) of A_{32..63,32..63}: zero for ks > mt
+            uint32_t bh[4][2], bl[4][2];
+            a_frag_split(As + r0 * kLdS + 32 + 16 * ks, kLdS, ah, al);
+            b_frags(bh, bl, Ls + (32 + 16 * ks) * kLdS);
+            mma_split(P, ah, al, bh, bl);
+          }
 #pragma unroll
-      for (int ks = 0; ks < 2; ++ks)
-        if (ks >= nh) {  // block (ks, nh) of A_{0..31,0..31}: zero for ks < nh; A_{1,0} from registers
-          uint32_t bh[2][2], bl[2][2];
-          a_frag_split(P, ks, ah, al);
-          if (ks == 1 && nh == 0) b_frag_split_acc(A10t, bh, bl);
-          else b_frags(bh, bl, As + 16 * ks * kLdS + 16 * nh, false);
-          mma_split(Q, ah, al, bh, bl);
-        }
+        for (int ks = 0; ks < 2; ++ks)
+          if (ks >= nh) {  // block (ks, nh) of A_{0..31,0..31}: zero for ks < nh
+            uint32_t bh[2][2], bl[2][2];
+            a_frag_split(P, ks, ah, al);
+            b_frags(bh, bl, As + 16 * ks * kLdS + 16 * nh);
+            mma_split(Q, ah, al, bh, bl);
+          }
 #pragma unroll
-      for (int q = 0; q < 8; ++q) put(r0 + g8 + 8 * (q / 2 % 2), 16 * nh + 8 * (q / 4) + 2 * t4 + q % 2, -Q[q / 4][q % 4]);
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) put(r0 + g8 + 8 * hh, 16 * nh + 8 * nt + 2 * t4, -Q[nt][2 * hh], -Q[nt][2 * hh + 1], false);
+      }
     }
     __syncthreads();
     clk.mark(5);

@@ -212,40 +212,6 @@ __device__ __forceinline__ void b_frag_split(const float* x, int ld, uint32_t (&
 #pragma unroll
   for (int q = 0; q < 2; ++q) split_pair(x[(2 * t + 8 * q) * ld + g], x[(2 * t + 8 * q + 1) * ld + g], hi[q], lo[q]);
 }
-// The A fragment (16 x 16) of Xᵀ for x at the first entry of an fp32 row-major tile X (row stride
-// ld): entry (m, k) of the fragment is X(k, m).
-__device__ __forceinline__ void a_frag_split_t(const float* x, int ld, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float* c = x + (2 * t + 8 * (q >> 1)) * ld + g + 8 * (q & 1);
-    split_pair(c[0], c[ld], hi[q], lo[q]);
-  }
-}
-// The B fragment (16 x 8) of Xᵀ for x at row n0 of an fp32 row-major tile X: entry (k, n) is X(n0 + n, k).
-__device__ __forceinline__ void b_frag_split_t(const float* x, int ld, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const float2 v = *reinterpret_cast<const float2*>(x + g * ld + 2 * t + 8 * q);
-    split_pair(v.x, v.y, hi[q], lo[q]);
-  }
-}
-// The B fragments (k-step 0, n-tiles 0 and 1) of a 16 x 16 matrix Y from the accumulator fragments
-// c[0], c[1] of Yᵀ (a 16-row product whose transpose is the next product's B operand).
-__device__ __forceinline__ void b_frag_split_acc(const float (&c)[2][4], uint32_t (&hi)[2][2], uint32_t (&lo)[2][2]) {
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int q = 0; q < 2; ++q) split_pair(c[q][2 * n], c[q][2 * n + 1], hi[n][q], lo[n][q]);
-}
-template <int N>
-__device__ __forceinline__ void negate_tiles(float (&c)[N][4]) {
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) c[n][q] = -c[n][q];
-}
 // c[n] += a b[n] for split operands over N n-tiles: lo·hi + hi·lo + hi·hi (the lo·lo term, ~2^-16
 // relative, is left out), the n-tiles interleaved so that no mma waits on the one before it.
 template <int N>
