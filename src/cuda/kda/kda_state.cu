@@ -158,30 +158,41 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
         split_bf16(u.x - xo[0][nt][2 * hh], u.y - xo[0][nt][2 * hh + 1], Vb + i * kLdS + vl, kC * kLdS);  // Vb (hi), Vlo
       }
     __syncthreads();  // Vnew complete; every read of Sb done
-    // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw.. (both row tiles share each B fragment)
+    // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw.. (both row tiles share each B
+    // fragment), and O += Aqk_hi Vnew_hi + Aqk_lo Vnew_hi (sharing B) + Aqk_hi Vnew_lo over k-steps
+    // 0..rw (Aqk is zero above the diagonal).
     for_state([&](float& s, int c, int) { s *= dC[c]; });
     float s2[2][2][4] = {};  // the odd k-steps' chain (two chains only)
-#pragma unroll
-    for (int ks = 0; ks < kC / 16; ++ks)
-      warp_mma_tiles_step<2, 2, true>(kCh == 2 && ks % 2 ? s2 : S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
-    if constexpr (kCh == 2) add_tiles(S, s2);
-    write_s();
-    // O += Aqk_hi Vnew_hi + Aqk_lo Vnew_hi (sharing B) + Aqk_hi Vnew_lo, k-steps 0..rw (Aqk is zero above)
     float oy[2][2][4] = {};  // [0] O, [1] Aqk_lo Vnew_hi
     float ol[2][4] = {};     // Aqk_hi Vnew_lo (its own chain on the narrow blocks)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) oy[0][nt][q] = xo[1][nt][q];
+    const auto s_step = [&](int ks) {
+      warp_mma_tiles_step<2, 2, true>(kCh == 2 && ks % 2 ? s2 : S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
+    };
     const auto o_step = [&](int ks) {
       warp_mma_tiles_step<2, 2, true>(oy, Ahi, kLdC, int(WsLayout::kAqkPlane), Vb + 16 * cw, kLdS, ks);
       warp_mma_step<2, true>(kCh == 2 ? ol : oy[0], Ahi, kLdC, Vb + kC * kLdS + 16 * cw, kLdS, ks);
     };
-    if constexpr (kVs == 64) {  // unrolled with a warp-uniform predicate (ncu: -1% varlen, -2% B4; on 16 columns +7%)
+    if constexpr (kVs == 64) {
+      // The two products' k-steps interleaved (independent mma chains side by side; O's loop unrolled
+      // with a warp-uniform predicate) and S back to shared memory after both, so no store sits
+      // between their loads (ncu, session 13: state<64> -3.5% varlen and B4; the same on 16 columns
+      // made B1 7% slower, so the narrow blocks keep the products one after the other).
 #pragma unroll
-      for (int ks = 0; ks < kC / 16; ++ks)
+      for (int ks = 0; ks < kC / 16; ++ks) {
+        s_step(ks);
         if (ks <= rw) o_step(ks);
+      }
+      if constexpr (kCh == 2) add_tiles(S, s2);
+      write_s();
     } else {
+#pragma unroll
+      for (int ks = 0; ks < kC / 16; ++ks) s_step(ks);
+      if constexpr (kCh == 2) add_tiles(S, s2);
+      write_s();
       for (int ks = 0; ks <= rw; ++ks) o_step(ks);
     }
     if constexpr (kCh == 2) add_tiles(oy[1], ol);
