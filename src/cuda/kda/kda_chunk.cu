@@ -21,7 +21,7 @@
 //   A x_hi + I x_lo with x = x_hi + x_lo in bf16 (A's unit diagonal is exact in bf16), so the
 //   dominant diagonal term keeps ~16 bits of x instead of bf16's 8
 //   (scripts/kda_rounding_model.py: o 3.95e-3 -> 3.64e-3, final state 2.69e-3 -> 2.12e-3);
-//   Qg = s q ⊙ 2^G, KgT = (k ⊙ 2^(gC − G))ᵀ, dC = 2^gC with gC = G of the last row (padding rows
+//   Qg = s q ⊙ 2^G, Kg = k ⊙ 2^(gC − G), dC = 2^gC with gC = G of the last row (padding rows
 //   have g = 0, k = 0, β = 0, so they change nothing).
 //
 // Constraints (dispatch): K, V <= 128 (padded to 128 with zeros), bf16 or fp32 inputs.
@@ -44,10 +44,10 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][130] k (unnormed: rn applies on read)
   static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][130] gate, then cumulative log2 gate G
   static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)       | raw q tile of the next item (step 4 on)
-  static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later (β k ⊙ 2^G)ᵀ [128][72]
+  static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later bf16(β k ⊙ 2^G) raw_at [64][128]
   static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
   static constexpr int kAbf = kQr + kD * kLdC * 2;
-  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later (β v)ᵀ [128][72]
+  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later bf16(β v) raw_at [64][128]
   static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][68] L                        | raw k tile (step 5 on)
   static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][68] Aqk                      | raw gate tile (step 5 on)
   static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][68] A = (I + L)^-1           | raw v tile (step 5 on)
@@ -67,7 +67,7 @@ struct ChunkSmem {  // byte offsets in dynamic shared memory
   static constexpr int kPart = kQr;
   // Step 5's staging of the record's W and U, over k and G (read for the last time in step 4).
   static constexpr int kWStage = kK;
-  static constexpr int kUStage = kWStage + int(WsLayout::kKgT - WsLayout::kW);
+  static constexpr int kUStage = kWStage + int(WsLayout::kKg - WsLayout::kW);
 };
 static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSmem::kAbf % 16 == 0 && ChunkSmem::kKref % 16 == 0,
               "aligned bf16 tiles");
@@ -236,17 +236,23 @@ __device__ __forceinline__ void store8_bf16(__nv_bfloat16* dst, const float (&x)
   *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
 }
 
-// Eight values x of row i, channels c0..c0+7, as bf16 hi + lo: hi into hiT (transposed, [128][72]:
-// the W/U products' B operand), the remainders into lo (a raw_at-layout tile: the identity part).
-__device__ __forceinline__ void store_hi_t_lo(const float (&x)[8], __nv_bfloat16* hiT, __nv_bfloat16* lo, int i, int c0) {
+// Eight values x of row i, channels c0..c0+7, as bf16 hi + lo, each into a raw_at-layout [64][128]
+// tile (hi: the W/U products' B operand, lo: their identity part): one 16-byte store each.
+__device__ __forceinline__ void store_hi_lo(const float (&x)[8], __nv_bfloat16* hi, __nv_bfloat16* lo, int i, int c0) {
   float r[8];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const __nv_bfloat16 hi = __float2bfloat16(x[e]);
-    hiT[(c0 + e) * kLdC + i] = hi;
-    r[e] = x[e] - __bfloat162float(hi);
-  }
+  for (int e = 0; e < 8; ++e) r[e] = x[e] - __bfloat162float(__float2bfloat16(x[e]));
+  store8_bf16(hi + raw_at(i, c0), x);
   store8_bf16(lo + raw_at(i, c0), r);
+}
+
+// B fragments of n-tiles n0/8 and n0/8 + 1 for k = k0..k0+15 of a raw_at-layout [64][128] bf16 tile
+// stored [k][n] (ldmatrix.trans): b0 = n-tile n0/8, b1 = the next.
+__device__ __forceinline__ void raw_b_frags(const __nv_bfloat16* x, int k0, int n0, uint32_t (&b0)[2], uint32_t (&b1)[2]) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  uint32_t bf[4];  // (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8)
+  ldmatrix_x4_trans(bf, x + raw_at(k0 + r + 8 * (m & 1), n0 + 8 * (m >> 1)));
+  b0[0] = bf[0], b0[1] = bf[1], b1[0] = bf[2], b1[1] = bf[3];
 }
 
 // Step 5's identity part: acc[nt] (rows r0..r0+15, columns n0 + 8 nt ..) += I · lo[r0..r0+15][n0..n0+63],
@@ -255,14 +261,13 @@ __device__ __forceinline__ void store_hi_t_lo(const float (&x)[8], __nv_bfloat16
 // and B = bf16(x) this gives A x + (x − bf16(x)): the dominant diagonal term keeps ~16 bits of x.
 template <int NT>
 __device__ __forceinline__ void identity_lo_step(float (&acc)[NT][4], const __nv_bfloat16* lo, int r0, int n0) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, m = lane >> 3, r = lane & 7;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint32_t d = pack_bf16(g == 2 * t ? 1.f : 0.f, g == 2 * t + 1 ? 1.f : 0.f);
   const uint32_t a[4] = {d, 0u, 0u, d};  // rows g / g + 8, columns 2t.. / 2t + 8..: I's entries
 #pragma unroll
   for (int n = 0; n < NT; n += 2) {
-    uint32_t bf[4];  // (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8) of n-tiles n, n + 1
-    ldmatrix_x4_trans(bf, lo + raw_at(r0 + r + 8 * (m & 1), n0 + 8 * n + 8 * (m >> 1)));
-    const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+    uint32_t b0[2], b1[2];
+    raw_b_frags(lo, r0, n0 + 8 * n, b0, b1);
     mma_bf16(acc[n], a, b0);
     mma_bf16(acc[n + 1], a, b1);
   }
@@ -307,9 +312,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     auto* qr = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kQr);
     auto* kr = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kKr);
     auto* kref = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kKref);
-    auto* kbT = qr;                                                          // after step 3
+    auto* kbh = qr;                                                          // after step 3
     auto* Abf = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kAbf);   // after step 3
-    auto* vbT = kref;                                                        // after step 3
+    auto* vbh = kref;                                                        // after step 3
     float* Ls = reinterpret_cast<float*>(sm + ChunkSmem::kL);
     float* Aq = reinterpret_cast<float*>(sm + ChunkSmem::kAq);
     float* As = reinterpret_cast<float*>(sm + ChunkSmem::kAs);
@@ -458,9 +463,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     clk.mark(2);
 
     // 2. Operands of the intra-chunk products (reference r = first row of each 16-row block), the
-    //    state kernel's Qg, KgT, dC, and whether each diagonal block's decay span allows the tensor cores.
+    //    state kernel's Qg, Kg, dC, and whether each diagonal block's decay span allows the tensor cores.
     auto* Qg = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kQg);
-    auto* KgT = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKgT);
+    auto* Kg = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kKg);
     auto* dC = reinterpret_cast<float*>(rec + WsLayout::kDC);
     // A thread takes the channel pair (cp, cp + 1) of rows r64 + 8 it: 8-byte loads, 4-byte stores.
     float span4[4] = {0.f, 0.f, 0.f, 0.f};  // max (G_r − G_i) per diagonal block over this thread's entries
@@ -468,6 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     float2 Gref[4];  // G at the block starts r = 16 s (the references)
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) Gref[s4] = ld2(Gs + 16 * s4 * kLdF + cp);
+    const float2 Gl = ld2(Gs + (kC - 1) * kLdF + cp);  // gC, the last row's G
 #pragma unroll
     for (int it = 0; it < kC * kD / 2 / kThreads; ++it) {  // row i = tid / 64 + 8 it: block it / 2, warp-uniform
       const int i = r64 + 8 * it, blk = it / 2;
@@ -479,16 +485,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       st_u32(kr + i * kLd + cp, pack_bf16(k.x * f0, k.y * f1));
       st_u32(kinv + i * kLd + cp, pack_bf16(-d0 <= kMaxDiagSpan ? k.x * fast_exp2(-d0) : 0.f, -d1 <= kMaxDiagSpan ? k.y * fast_exp2(-d1) : 0.f));
       st_u32(Qg + i * kLd + cp, pack_bf16(p.scale * q.x * fast_exp2(G.x), p.scale * q.y * fast_exp2(G.y)));  // padded rows (the state kernel's bulk copy)
+      st_u32(Kg + i * kLd + cp, pack_bf16(k.x * fast_exp2(Gl.x - G.x), k.y * fast_exp2(Gl.y - G.y)));
 #pragma unroll
       for (int sref = blk + 1; sref < 4; ++sref)  // row i of reference sref's block of kref (i < 16 sref)
         st_u32(kref + (kref_row(sref) + i) * kLd + cp, pack_bf16(k.x * fast_exp2(Gref[sref].x - G.x), k.y * fast_exp2(Gref[sref].y - G.y)));
-    }
-#pragma unroll 4
-    for (int c = 2 * r64; c < kD; c += 2 * (kThreads / kC)) {  // KgT rows c and c + 1, column j = tid % 64
-      const int j = c64;
-      const float2 k = scale2(ld2(ks + j * kLdF + c), rn[kC + j]), G = ld2(Gs + j * kLdF + c), Gl = ld2(Gs + (kC - 1) * kLdF + c);
-      KgT[c * kLdC + j] = __float2bfloat16(k.x * fast_exp2(Gl.x - G.x));
-      KgT[(c + 1) * kLdC + j] = __float2bfloat16(k.y * fast_exp2(Gl.y - G.y));
     }
     if (tid < kD) dC[tid] = fast_exp2(Gs[(kC - 1) * kLdF + tid]);
 #pragma unroll
@@ -561,10 +561,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const bool has_next = item + int(gridDim.x) < items;
     if (has_next && tid == 0) issue_raw(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, 1, true, tid, in_bar);
 
-    // 4. Every thread: its β v entries as bf16 hi (transposed: the product's operand) + lo (over the q
+    // 4. Every thread: its β v entries as bf16 hi (the product's B operand) + lo (over the q
     //    tile, free now: step 5's identity part). Then, side by side:
     //    warps 4-15: Aqk out (workspace bf16 hi + lo, residual), the G residual, β k ⊙ 2^G likewise
-    //      (hi transposed, lo over q), A's diagonal blocks (inverted in step 3) and the zeros above
+    //      (hi, lo over q), A's diagonal blocks (inverted in step 3) and the zeros above
     //      them in bf16 (Abf, step 5's operand) and the residual;
     //    warps 0-3: the blocks of A = (I + L)^-1 below the diagonal by doubling, on tensor cores
     //      with fp32 operands split in bf16 hi + lo (mma_split: ~16 significant bits; A enters step
@@ -584,7 +584,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       float bv[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) bv[e] = bi * vreg[r][e];
-      store_hi_t_lo(bv, vbT, vlo, i, c0);
+      store_hi_lo(bv, vbh, vlo, i, c0);
     }
     const int64_t tok0 = (int64_t(b) * p.T + t0) * p.H + h;  // token row index of chunk row 0
     if (warp >= 4) {
@@ -609,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         }
 #pragma unroll
         for (int e = 0; e < 8; ++e) kx[e] = bj * kx[e] * fast_exp2(gx[e]);
-        store_hi_t_lo(kx, kbT, klo, j, c0);
+        store_hi_lo(kx, kbh, klo, j, c0);
       }
       for (int e = tid - 128; e < kC * kC / 8; e += kThreads - 128) {  // A's diagonal blocks and the zeros above them in bf16
         const int i = e / (kC / 8), j = 8 * (e % (kC / 8));
@@ -709,14 +709,29 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     // loaded once).
     const bool is_u = warp & 1;
     const int cq = 32 * ((warp >> 1) & 3), rb0 = warp < 8 ? 0 : 1, rb1 = 3 - rb0;
-    const __nv_bfloat16* Bt = (is_u ? vbT : kbT) + cq * kLdC;
+    const __nv_bfloat16* Bx = is_u ? vbh : kbh;
     auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W [64][136]
     auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kUStage);           // staging: the record's U [2][64][72]
     float acc[2][4][4] = {};  // [row block rb0, rb1][n-tile]
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if (ks <= rb0) warp_mma_tiles_step<2, 4>(acc, Abf + 16 * rb0 * kLdC, kLdC, 16 * (rb1 - rb0) * kLdC, Bt, kLdC, ks);
-      else if (ks <= rb1) warp_mma_step<4>(acc[1], Abf + 16 * rb1 * kLdC, kLdC, Bt, kLdC, ks);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {  // the A fragments of row blocks rb0 (k-steps 0..rb0) and rb1 (0..rb1); B shared
+      if (ks > rb1) continue;
+      const int m = lane >> 3, r = lane & 7;
+      uint32_t a0[4], a1[4];
+      if (ks <= rb0) ldmatrix_x4(a0, Abf + (16 * rb0 + r + 8 * (m & 1)) * kLdC + 8 * (m >> 1) + 16 * ks);
+      ldmatrix_x4(a1, Abf + (16 * rb1 + r + 8 * (m & 1)) * kLdC + 8 * (m >> 1) + 16 * ks);
+#pragma unroll
+      for (int n = 0; n < 4; n += 2) {
+        uint32_t b0[2], b1[2];
+        raw_b_frags(Bx, 16 * ks, cq + 8 * n, b0, b1);
+        if (ks <= rb0) {
+          mma_bf16(acc[0][n], a0, b0);
+          mma_bf16(acc[0][n + 1], a0, b1);
+        }
+        mma_bf16(acc[1][n], a1, b0);
+        mma_bf16(acc[1][n + 1], a1, b1);
+      }
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -735,7 +750,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     fence_proxy_async_shared();  // the staged W and U visible to the bulk stores
     __syncthreads();
     if (tid == 0) {
-      bulk_store(rec + WsLayout::kW, W, unsigned(WsLayout::kKgT - WsLayout::kW));
+      bulk_store(rec + WsLayout::kW, W, unsigned(WsLayout::kKg - WsLayout::kW));
       bulk_store(rec + WsLayout::kU, U, unsigned(2 * WsLayout::kUSliceBytes));
       bulk_store_commit();
     }

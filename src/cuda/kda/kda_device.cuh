@@ -6,7 +6,8 @@
 // zeros; all written by the chunk kernel, in the state kernel's shared-memory layout (padded rows),
 // so that one bulk copy moves W .. Aqk and a second one the block's slice of U:
 //   W    bf16 [64][136]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
-//   KgT  bf16 [128][72]   (k ⊙ 2^(gC − G))ᵀ               (rows = key channels, cols = tokens)
+//   Kg   bf16 [64][136]   k ⊙ 2^(gC − G)                  (rows = chunk tokens; the state kernel reads it as
+//                                                          the A operand Kgᵀ by ldmatrix.trans)
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
 //   Qg   bf16 [64][136]   s q ⊙ 2^G
 //   Aqk  bf16 [2][64][72] s (q k^T ⊙ decay), zero above the diagonal, as hi + lo planes
@@ -14,7 +15,7 @@
 // A value x in hi + lo planes is hi = bf16(x), lo = bf16(x − hi) (split_bf16): the state kernel's
 // output product takes hi·hi + hi·lo + lo·hi of Aqk and Vnew, so both enter with ~16 significant
 // bits (their single bf16 roundings were two of the five largest error terms,
-// scripts/kda_rounding_model.py). The padding columns of W, KgT, Qg, Aqk and U are never read;
+// scripts/kda_rounding_model.py). The padding columns of W, Kg, Qg, Aqk and U are never read;
 // those of W and U are written with whatever the chunk kernel's staging tiles hold, the others are
 // not written.
 #pragma once
@@ -44,8 +45,8 @@ constexpr int kULd = kUSlice + 8;  // fp32 row stride of a U slice: 288-byte row
 
 struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kW = 0;
-  static constexpr int64_t kKgT = kW + int64_t(kC) * kLd * 2;
-  static constexpr int64_t kDC = kKgT + int64_t(kD) * kLdC * 2;
+  static constexpr int64_t kKg = kW + int64_t(kC) * kLd * 2;
+  static constexpr int64_t kDC = kKg + int64_t(kC) * kLd * 2;
   static constexpr int64_t kQg = kDC + kD * 4;
   static constexpr int64_t kAqk = kQg + int64_t(kC) * kLd * 2;
   static constexpr int64_t kAqkPlane = int64_t(kC) * kLdC;  // elements from hi to lo
@@ -251,7 +252,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_b
 // ldmatrix.trans, so B needs no transposed copy); bf16 in shared memory, rows 16-byte aligned. Each
 // A tile's four 8 x 8 quarters come in one ldmatrix, two n-tiles of B in another, and each B
 // fragment serves all MT A tiles.
-template <int MT, int NT, bool kKn = false>
+template <int MT, int NT, bool kKn = false, bool kAt = false>
 __device__ __forceinline__ void warp_mma_tiles_step(float (&acc)[MT][NT][4], const __nv_bfloat16* a, int lda, int a_stride,
                                                     const __nv_bfloat16* b, int ldb, int ks) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs");
@@ -259,7 +260,8 @@ __device__ __forceinline__ void warp_mma_tiles_step(float (&acc)[MT][NT][4], con
   uint32_t af[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-    ldmatrix_x4(af[mt], a + mt * a_stride + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);  // quarters (0,0) (8,0) (0,8) (8,8)
+    if constexpr (kAt) ldmatrix_x4_trans(af[mt], a + mt * a_stride + (16 * ks + r + 8 * (m >> 1)) * lda + 8 * (m & 1));
+    else ldmatrix_x4(af[mt], a + mt * a_stride + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);  // quarters (0,0) (8,0) (0,8) (8,8)
 #pragma unroll
   for (int n = 0; n < NT; n += 2) {
     uint32_t bf[4];  // (n 0, k 0) (n 0, k 8) (n 8, k 0) (n 8, k 8) of n-tiles n, n + 1

@@ -10,10 +10,10 @@
 //   Vnew = U − W h_t,  O = Qg h_t             chunk rows 16 rw.., columns 16 cw.. (one B operand)
 //   O   += Aqk Vnew                           (Aqk, Vnew as bf16 hi + lo: hi·hi + hi·lo + lo·hi;
 //                                              Aqk lower triangular: k-steps 0..rw)
-//   S    = dC ⊙ S + KgT Vnew                  state rows 32 rw.., columns 16 cw..
+//   S    = dC ⊙ S + Kgᵀ Vnew                  state rows 32 rw.., columns 16 cw.. (Kgᵀ by ldmatrix.trans)
 //
 // o in its dtype for the chunk's valid rows and the first V columns. S and Vnew enter the products
-// rounded to bf16, like the chunk operands (as fla does). A chunk's operands (W, KgT, dC, Qg, Aqk:
+// rounded to bf16, like the chunk operands (as fla does). A chunk's operands (W, Kg, dC, Qg, Aqk:
 // one bulk copy; the U slice holding the block's columns: a second) arrive by cp.async.bulk on an
 // mbarrier, issued by one thread, one chunk ahead (two stages of 89 KB). S and Vnew sit in shared
 // memory in their natural [k][n] layouts (pairs of columns store as one word); the products read
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     }
     const unsigned char* cur = smem + (it % kStages) * Sm::kStage;
     const auto* Ws = reinterpret_cast<const __nv_bfloat16*>(cur + WsLayout::kW);
-    const auto* KgT = reinterpret_cast<const __nv_bfloat16*>(cur + WsLayout::kKgT);
+    const auto* Kg = reinterpret_cast<const __nv_bfloat16*>(cur + WsLayout::kKg);
     const auto* dC = reinterpret_cast<const float*>(cur + WsLayout::kDC);
     const auto* Ahi = reinterpret_cast<const __nv_bfloat16*>(cur + WsLayout::kAqk) + 16 * rw * kLdC;
     const auto* U = reinterpret_cast<const float*>(cur + WsLayout::kU) + uo;
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
         split_bf16(u.x - xo[0][nt][2 * hh], u.y - xo[0][nt][2 * hh + 1], Vb + i * kLdS + vl, kC * kLdS);  // Vb (hi), Vlo
       }
     __syncthreads();  // Vnew complete; every read of Sb done
-    // S = dC ⊙ S + KgT Vnew for state rows 32 rw.., columns 16 cw.. (both row tiles share each B
+    // S = dC ⊙ S + Kgᵀ Vnew for state rows 32 rw.., columns 16 cw.. (both row tiles share each B
     // fragment), and O += Aqk_hi Vnew_hi + Aqk_lo Vnew_hi (sharing B) + Aqk_hi Vnew_lo over k-steps
     // 0..rw (Aqk is zero above the diagonal).
     for_state([&](float& s, int c, int) { s *= dC[c]; });
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
 #pragma unroll
       for (int q = 0; q < 4; ++q) oy[0][nt][q] = xo[1][nt][q];
     const auto s_step = [&](int ks) {
-      warp_mma_tiles_step<2, 2, true>(kCh == 2 && ks % 2 ? s2 : S, KgT + 32 * rw * kLdC, kLdC, 16 * kLdC, Vb + 16 * cw, kLdS, ks);
+      warp_mma_tiles_step<2, 2, true, true>(kCh == 2 && ks % 2 ? s2 : S, Kg + 32 * rw, kLd, 16, Vb + 16 * cw, kLdS, ks);
     };
     const auto o_step = [&](int ks) {
       warp_mma_tiles_step<2, 2, true>(oy, Ahi, kLdC, int(WsLayout::kAqkPlane), Vb + 16 * cw, kLdS, ks);
