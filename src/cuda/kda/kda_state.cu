@@ -15,7 +15,7 @@
 // o in its dtype for the chunk's valid rows and the first V columns. S and Vnew enter the products
 // rounded to bf16, like the chunk operands (as fla does). A chunk's operands (W, Kg, dC, Qg, Aqk:
 // one bulk copy; the U slice holding the block's columns: a second) arrive by cp.async.bulk on an
-// mbarrier, issued by one thread, one chunk ahead (two stages of 89 KB). S and Vnew sit in shared
+// mbarrier, issued by one thread, one chunk ahead (two stages of 88 KB). S and Vnew sit in shared
 // memory in their natural [k][n] layouts (pairs of columns store as one word); the products read
 // them with ldmatrix.trans.
 #include "cuda/kda/kda_device.cuh"
