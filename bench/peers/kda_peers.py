@@ -86,6 +86,8 @@ def main(out):
                     gpu[who].append(ms)
                     if who == "fla":
                         fla_prof = p
+                    else:
+                        enc_prof = p
             if "encore" in runs:  # encore against fla on the same inputs
                 of, sf = fwd()
                 oe, se = enc()
@@ -101,6 +103,10 @@ def main(out):
         res[f"kda_fla_{name}_fwd_breakdown"] = {e.key: {"ms": e.device_time_total / 5 / 1e3, "launches": e.count / 5}
                                                 for e in sorted(fla_prof.key_averages(), key=lambda e: -e.device_time_total)
                                                 if e.device_time_total > 0}
+        if "encore" in runs:  # encore's kernels in this process (against the harness's graph-replay time)
+            res[f"kda_encore_{name}_fwd_breakdown"] = {e.key: {"ms": e.device_time_total / 5 / 1e3, "launches": e.count / 5}
+                                                       for e in sorted(enc_prof.key_averages(), key=lambda e: -e.device_time_total)
+                                                       if e.device_time_total > 0}
         for kname, kv in res[f"kda_fla_{name}_fwd_breakdown"].items():
             print(f"  {name} {kv['ms']:8.4f} ms x{kv['launches']:.1f} {kname[:90]}", flush=True)
         for key in (f"kda_fla_{name}_fwd_wall_ms", f"kda_fla_{name}_fwd_gpu_kernel_ms", f"kda_fla_{name}_fwd_kernels",
