@@ -516,15 +516,30 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);
         sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
       }
-      if (diag && !(__int_as_float(span[s]) <= kMaxDiagSpan)) {  // per-pair factors in fp32, lane per entry
-        for (int e = lane; e < 2 * 256; e += 32) {
-          const bool is_l = e >= 256;
-          const int i = 16 * s + (e % 256) / 16, j = 16 * s + e % 16;
-          float acc = 0.f;
-          if (j <= i)
-            for (int c = 0; c < K; ++c) acc += (is_l ? ks : qs)[i * kLdF + c] * ks[j * kLdF + c] * exp2f(Gs[i * kLdF + c] - Gs[j * kLdF + c]);
-          const bool keep = is_l ? j < i : j <= i;
-          (is_l ? Ls : Aq)[i * kLdS + j] = keep ? (is_l ? bs[i] * rn[kC + i] : p.scale * rn[i]) * rn[kC + j] * acc : 0.f;
+      if (diag && !(__int_as_float(span[s]) <= kMaxDiagSpan)) {
+        // Per-pair factors in fp32 (the block's decay span is too wide for one reference): a lane per
+        // pair (i, j), j <= i, of the block's lower triangle (136 pairs), Aqk and L sharing each
+        // factor 2^(G_i − G_j) (<= 1), two channels per load. (Until session 13 a lane per entry of both blocks,
+        // upper zeros included, with exp2f: the inputs that take this path ran the chunk kernel ~2x
+        // slower.)
+        for (int pr = lane; pr < 136; pr += 32) {
+          int di = 0;  // pair pr = di (di + 1) / 2 + dj, dj <= di
+          while ((di + 1) * (di + 2) / 2 <= pr) ++di;
+          const int dj = pr - di * (di + 1) / 2, i = 16 * s + di, j = 16 * s + dj;
+          float aq = 0.f, al = 0.f;
+          for (int c = 0; c < kD; c += 2) {
+            const float2 qi = ld2(qs + i * kLdF + c), ki = ld2(ks + i * kLdF + c), kj = ld2(ks + j * kLdF + c);
+            const float2 gi = ld2(Gs + i * kLdF + c), gj = ld2(Gs + j * kLdF + c);
+            const float e0 = fast_exp2(gi.x - gj.x) * kj.x, e1 = fast_exp2(gi.y - gj.y) * kj.y;
+            aq += qi.x * e0 + qi.y * e1;
+            al += ki.x * e0 + ki.y * e1;
+          }
+          Aq[i * kLdS + j] = p.scale * rn[i] * rn[kC + j] * aq;
+          Ls[i * kLdS + j] = dj < di ? bs[i] * rn[kC + i] * rn[kC + j] * al : 0.f;
+        }
+        for (int e = lane; e < 256; e += 32) {  // the zeros above the diagonal of both
+          const int i = 16 * s + e / 16, j = 16 * s + e % 16;
+          if (j > i) Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;
         }
       } else {
         float acc[2][2][4] = {};  // [0] Aqk (A = qr rows), [1] L (A = kr rows)
