@@ -5,7 +5,10 @@ ms). Kernel names lose their namespaces, arguments and `void`; template argument
 kda_state_kernel<64> and <32> are told apart). A (kernel, grid) launched again after a kernel not
 seen before (the next benchmark configuration) starts a new group, numbered #2, #3, ...: a
 persistent kernel has the same grid in every configuration (the launch of it that came just before
-the new kernel's first one stays in the old group; medians do not notice). Used by scripts/gpu_kda.sh and
+the new kernel's first one stays in the old group; medians do not notice). Where the log interleaves
+ncu's `==PROF== Profiling` lines with the bench's result lines, each launch's configuration is known
+and group g is the g-th configuration that launched the (kernel, grid) instead (so configurations that
+reuse every kernel and grid of an earlier one stay apart). Used by scripts/gpu_kda.sh and
 scripts/gpu_infer.sh. Usage: ncu_durations.py NCU_LOG [LABEL]"""
 import re
 import sys
@@ -30,6 +33,39 @@ def short_name(full):
         if depth == 0 and name.startswith("::", i):
             start = i + 2
     return name[start:]
+
+
+def launch_configs(lines):
+    """The benchmark configuration of each profiled launch, in launch order, where the log has ncu's
+    `==PROF== Profiling` lines interleaved with the bench's result lines (`  kda_forward varlen_std
+    123.4 us`, printed after each configuration); None when it has no result lines."""
+    cfg, out, seen = 0, [], False
+    for line in lines:
+        if line.startswith("==PROF== Profiling"):
+            out.append(cfg)
+        elif re.match(r"  \w+ +\S+ .* us\s*$", line):
+            cfg, seen = cfg + 1, True
+    return out if seen else None
+
+
+def durations_by_config(lines, cfgs):
+    """As durations(), with each launch's configuration known: group g of a (kernel, grid) is the g-th
+    configuration that launched it."""
+    current, times, k, ranks = None, {}, 0, {}
+    for line in lines:
+        m = re.match(r"\s+(\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)", line)
+        if m:
+            key = (short_name(m.group(1)), "x".join(m.group(2, 3, 4)))
+            cfg = cfgs[k] if k < len(cfgs) else -1
+            k += 1
+            r = ranks.setdefault(key, {})
+            current = (*key, r.setdefault(cfg, len(r) + 1))
+            continue
+        m = re.search(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)", line)
+        if m and current:
+            times.setdefault(current, []).append(float(m.group(2).replace(",", "")) * _UNIT_US[m.group(1)[0]])
+            current = None
+    return times
 
 
 def durations(lines):
@@ -57,7 +93,9 @@ def durations(lines):
 
 def main():
     label = sys.argv[2] + ": " if len(sys.argv) > 2 else ""
-    times = durations(open(sys.argv[1]))
+    lines = open(sys.argv[1]).read().splitlines()
+    cfgs = launch_configs(lines)
+    times = durations_by_config(lines, cfgs) if cfgs else durations(lines)
     if not times:
         print(f"ncu {label}no samples")
     for (name, grid, g), v in times.items():

@@ -37,6 +37,7 @@ def main(out):
     res = {}
     for name, (B, lens) in CONFIGS.items():
         T = sum(lens) if lens else 8192
+        torch.manual_seed(0)  # the same draw every run: encore's time depends on the decays (A_log, dt_bias)
         q, k = torch.randn(B, T, H, K, device=dev, dtype=bf), torch.randn(B, T, H, K, device=dev, dtype=bf)
         v, g = torch.randn(B, T, H, V, device=dev, dtype=bf), torch.randn(B, T, H, K, device=dev, dtype=bf)
         beta = torch.randn(B, T, H, device=dev, dtype=bf).sigmoid()
