@@ -48,41 +48,31 @@ def launch_configs(lines):
     return out if seen else None
 
 
-def durations_by_config(lines, cfgs):
-    """As durations(), with each launch's configuration known: group g of a (kernel, grid) is the g-th
-    configuration that launched it."""
-    current, times, k, ranks = None, {}, 0, {}
+def durations(lines, cfgs=None):
+    """{(kernel, grid, group): [µs per launch]}. With cfgs (launch_configs), group g of a (kernel,
+    grid) is the g-th configuration that launched it; without, a (kernel, grid) seen again after a
+    kernel not seen before starts a new group."""
+    current, times, launch = None, {}, 0
+    ranks = {}  # with cfgs: (name, grid) -> {configuration: group}
+    group = {}  # without: (name, grid) -> its current group number
     for line in lines:
         m = re.match(r"\s+(\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)", line)
         if m:
             key = (short_name(m.group(1)), "x".join(m.group(2, 3, 4)))
-            cfg = cfgs[k] if k < len(cfgs) else -1
-            k += 1
-            r = ranks.setdefault(key, {})
-            current = (*key, r.setdefault(cfg, len(r) + 1))
-            continue
-        m = re.search(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)", line)
-        if m and current:
-            times.setdefault(current, []).append(float(m.group(2).replace(",", "")) * _UNIT_US[m.group(1)[0]])
-            current = None
-    return times
-
-
-def durations(lines):
-    current, times = None, {}
-    group = {}  # (name, grid) -> its current group number
-    for line in lines:
-        m = re.match(r"\s+(\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)", line)
-        if m:
-            key = (short_name(m.group(1)), "x".join(m.group(2, 3, 4)))
-            if key not in group:  # a new kernel: the keys already launched twice start new groups
-                for k, g in group.items():
-                    if len(times.get((*k, g), [])) >= 2:
-                        group[k] = -(g + 1)
-                group[key] = 1
-            elif group[key] < 0:
-                group[key] = -group[key]
-            current = (*key, group[key])
+            if cfgs is not None:
+                r = ranks.setdefault(key, {})
+                g = r.setdefault(cfgs[launch] if launch < len(cfgs) else -1, len(r) + 1)
+            else:
+                if key not in group:  # a new kernel: the keys already launched twice start new groups
+                    for k, gk in group.items():
+                        if len(times.get((*k, gk), [])) >= 2:
+                            group[k] = -(gk + 1)
+                    group[key] = 1
+                elif group[key] < 0:
+                    group[key] = -group[key]
+                g = group[key]
+            launch += 1
+            current = (*key, g)
             continue
         m = re.search(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)", line)
         if m and current:
@@ -95,7 +85,7 @@ def main():
     label = sys.argv[2] + ": " if len(sys.argv) > 2 else ""
     lines = open(sys.argv[1]).read().splitlines()
     cfgs = launch_configs(lines)
-    times = durations_by_config(lines, cfgs) if cfgs else durations(lines)
+    times = durations(lines, cfgs)
     if not times:
         print(f"ncu {label}no samples")
     for (name, grid, g), v in times.items():
