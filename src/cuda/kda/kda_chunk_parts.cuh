@@ -1,0 +1,226 @@
+// The KDA chunk kernel's building blocks (kda_chunk.cu is their one includer): its block size and
+// shared-memory layout (ChunkSmem: the fp32 and bf16 tiles of one item, what aliases what as the
+// steps free them, the raw TMA tiles), the work-item descriptor, the raw-tile TMA issue, the
+// per-item scalars, and the small device helpers of its steps (forward substitution of a diagonal
+// block, shared-memory pair loads and stores, the hi + lo operand stores and the W/U identity part).
+#pragma once
+#include "cuda/kda/kda_device.cuh"
+
+namespace encore::cuda::kda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kLdF = kD + 2;  // fp32 [64][130] rows: 8-byte aligned channel pairs; a half-warp's pairs in
+                              // 16 consecutive rows (column access) fall in distinct banks
+constexpr int kLdS = kC + 4;  // fp32 [64][68] rows: 16-byte aligned, so rows are read 4 entries at a time
+
+struct ChunkSmem {  // byte offsets in dynamic shared memory
+  static constexpr int kQ = 0;                      // fp32 [64][130] q (unnormed: rn applies on read)
+  static constexpr int kK = kQ + kC * kLdF * 4;     // fp32 [64][130] k (unnormed: rn applies on read)
+  static constexpr int kG = kK + kC * kLdF * 4;     // fp32 [64][130] gate, then cumulative log2 gate G
+  static constexpr int kKinv = kG + kC * kLdF * 4;  // bf16 [64][136] k ⊙ 2^(G_r − G)       | raw q tile of the next item (step 4 on)
+  static constexpr int kQr = kKinv + kC * kLd * 2;  // bf16 [64][136] q ⊙ 2^(G − G_r)   | later bf16(β k ⊙ 2^G) raw_at [64][128]
+  static constexpr int kKr = kQr + kC * kLd * 2;    // bf16 [64][136] k ⊙ 2^(G − G_r)   | later A bf16 [64][72] at kAbf
+  static constexpr int kAbf = kQr + kD * kLdC * 2;
+  static constexpr int kKref = kKr + kC * kLd * 2;  // bf16 [96][136] k_j ⊙ 2^(G_16s − G_j), s = 1, 2, 3 | later bf16(β v) raw_at [64][128]
+  static constexpr int kL = kKref + 96 * kLd * 2;   // fp32 [64][68] L                        | raw k tile (step 5 on)
+  static constexpr int kAq = kL + kC * kLdS * 4;    // fp32 [64][68] Aqk                      | raw gate tile (step 5 on)
+  static constexpr int kAs = kAq + kC * kLdS * 4;   // fp32 [64][68] A = (I + L)^-1           | raw v tile (step 5 on)
+  static constexpr int kT = kAs + kC * kLdS * 4;    // fp32 [128] dt_bias of the head
+  static constexpr int kBeta = kT + kD * 4;         // fp32 [64]
+  static constexpr int kRn = kBeta + kC * 4;        // fp32 [2][64] L2-norm factors of q and k (1 without the norm)
+  static constexpr int kSafe = kRn + 2 * kC * 4;    // int [4]: decay span of diagonal block s (float bits)
+  static constexpr int kItem = kSafe + 16;          // int [2][8]: descriptors of this item and the next (ChunkItem)
+  static constexpr int kInBar = kItem + 64;        // uint64: the raw input tiles' barrier
+  static constexpr int kInvBar = kInBar + 8;       // uint64: step 4's level-1 inverse blocks (64 arrivals a phase)
+  static constexpr int kBytes = kInBar + 16;
+  // The raw input tiles (TMA destinations): the first 1024-byte aligned offsets of kinv, L, Aqk, A.
+  static constexpr int kRawQ = (kKinv + 1023) / 1024 * 1024, kRawK = (kL + 1023) / 1024 * 1024;
+  static constexpr int kRawG = (kAq + 1023) / 1024 * 1024, kRawV = (kAs + 1023) / 1024 * 1024;
+  // Step 1's sums of squares of q and k over each row's 8-channel groups, fp32 [2][16][64] (the L2
+  // norm; over qr, written from step 2 on).
+  static constexpr int kPart = kQr;
+  // Step 5's staging of the record's W and U, over k and G (read for the last time in step 4).
+  static constexpr int kWStage = kK;
+  static constexpr int kUStage = kWStage + int(WsLayout::kKg - WsLayout::kW);
+};
+static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSmem::kAbf % 16 == 0 && ChunkSmem::kKref % 16 == 0,
+              "aligned bf16 tiles");
+static_assert(kWarps == 16, "steps 1, 3, 4 and 6 map 16 warps");
+static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
+static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
+static_assert(ChunkSmem::kUStage % 16 == 0 && ChunkSmem::kUStage + 2 * WsLayout::kUSliceBytes <= ChunkSmem::kKinv,
+              "W and U stage over k and G");
+static_assert(2 * kRawTileBytes <= kC * kLdF * 4, "step 4's two lo tiles fit over q");
+static_assert(ChunkSmem::kT % 16 == 0, "dt_bias read 4 entries at a time");
+static_assert(ChunkSmem::kPart % 16 == 0 && ChunkSmem::kPart + 2 * 16 * kC * 4 <= ChunkSmem::kL, "step 1's partial sums fit over qr");
+static_assert(ChunkSmem::kL % 16 == 0 && ChunkSmem::kAq % 16 == 0 && ChunkSmem::kAs % 16 == 0 &&
+                  ChunkSmem::kRawQ + kRawTileBytes <= ChunkSmem::kQr && ChunkSmem::kRawK + kRawTileBytes <= ChunkSmem::kAq &&
+                  ChunkSmem::kRawG + kRawTileBytes <= ChunkSmem::kAs && ChunkSmem::kRawV + kRawTileBytes <= ChunkSmem::kT,
+              "raw input tiles fit the tiles they alias, from their first 1024-byte aligned offset");
+constexpr float kMaxDiagSpan = 100.f;  // log2 bound of 2^(G_r − G_j) inside a diagonal block
+
+// Row offset of reference s's block of k rows inside kref: s = 1 -> 0, 2 -> 16, 3 -> 48.
+__device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
+
+// One work item: the chunk in slot `slot` of head h (item = h · slots + slot). Found once per item,
+// one item ahead, by one thread of the lightly loaded warps of step 3 (a search over <= 1024
+// sequences and a division: ~10 dependent constant-memory loads, which every thread used to repeat
+// twice per item), and kept in shared memory (ChunkSmem::kItem, two buffers by item parity) rather
+// than in registers: the kernel sits at the 128-register limit of a 512-thread block.
+struct ChunkItem {
+  int slot, h, b, t0, rows;
+  __device__ ChunkItem(const KdaCudaProblem& p, int item) {
+    const int slots = p.chunk_start[p.N];
+    slot = item % slots;
+    h = item / slots;
+    const int n = find_seq(p, slot);
+    b = p.varlen ? 0 : n;
+    t0 = p.seq_begin[n] + (slot - p.chunk_start[n]) * kC;
+    rows = min(kC, p.seq_end[n] - t0);
+  }
+  __device__ explicit ChunkItem(const int* d) : slot(d[0]), h(d[1]), b(d[2]), t0(d[3]), rows(d[4]) {}
+  __device__ void put(int* d) const {
+    d[0] = slot, d[1] = h, d[2] = b, d[3] = t0, d[4] = rows;
+  }
+};
+
+// Input t of the chunk (0 q, 1 k, 2 gate, 3 v), its channel count, and the tile its raw copy lands in
+// (free from step 4 or 5 of the previous item to step 1).
+__device__ __forceinline__ const KdaTensor& input(const KdaCudaProblem& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
+__device__ __forceinline__ int channels(const KdaCudaProblem& p, int t) { return t == 3 ? p.V : p.K; }
+__device__ __forceinline__ int raw_boxes(const KdaCudaProblem& p, int t) { return (channels(p, t) + 63) / 64; }  // TMA boxes of 64 channels
+// Each lands at the first 1024-byte aligned offset of its region (the TMA boxes' 128-byte swizzle is
+// a function of the address; the kernel checks that shared memory starts 1024-byte aligned).
+__device__ __forceinline__ __nv_bfloat16* raw_tile(unsigned char* smem, int t) {
+  return reinterpret_cast<__nv_bfloat16*>(smem + (t == 0 ? ChunkSmem::kRawQ : t == 1 ? ChunkSmem::kRawK : t == 2 ? ChunkSmem::kRawG : ChunkSmem::kRawV));
+}
+
+// An item's raw input tiles (bit t of `fast`: input t arrives by TMA), issued by thread 0 in up to
+// three groups as their tiles fall free (mask: the inputs of this group): 64 tokens from the chunk's
+// first (whatever lies past its last row is never read; tokens past T and channels past C arrive as
+// zeros), all completing on `bar`, which the item's first group (`arm`) arms with every byte.
+__device__ __forceinline__ void issue_raw(const KdaCudaProblem& p, const ChunkItem& it, unsigned char* smem, int fast, int mask, bool arm,
+                                          int tid, uint64_t* bar) {
+  if (tid != 0 || !fast) return;
+  if (arm) {
+    unsigned bytes = 0;
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      if (fast >> t & 1) bytes += raw_boxes(p, t) * kRawBoxBytes;
+    mbar_expect(bar, bytes);
+  }
+  if (!(fast & mask)) return;
+  fence_proxy_async_shared();  // the tiles' earlier generic accesses (ordered here by the last barrier) before the TMA writes
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+    if ((fast & mask) >> t & 1)
+      for (int box = 0; box < raw_boxes(p, t); ++box)
+        tma_load_4d(raw_tile(smem, t) + box * (kC * 64), p.tmap[t], 64 * box, it.h, it.t0, it.b, bar);
+}
+
+// An item's scalars, loaded one step ahead into registers: this thread's β (row tid), dt_bias
+// (channel tid) and A_log of the head.
+struct ItemScalars {
+  float beta, dtb, a_log;
+};
+__device__ __forceinline__ ItemScalars load_scalars(const KdaCudaProblem& p, const ChunkItem& it, int tid) {
+  ItemScalars s;
+  s.beta = tid < it.rows ? load(p.beta, it.b, it.t0 + tid, it.h, 0) : 0.f;
+  s.dtb = p.gate_in_kernel && p.dt_bias && tid < p.K ? p.dt_bias[it.h * p.K + tid] : 0.f;
+  s.a_log = p.gate_in_kernel && p.A_log ? p.A_log[it.h] : 0.f;
+  return s;
+}
+
+// Σ x_e² over 8 values, in two chains (a fixed order: the L2-norm factors are deterministic).
+__device__ __forceinline__ float sum_squares8(const float (&x)[8]) {
+  float a = x[0] * x[0], b = x[1] * x[1];
+#pragma unroll
+  for (int e = 2; e < 8; e += 2) {
+    a = fmaf(x[e], x[e], a);
+    b = fmaf(x[e + 1], x[e + 1], b);
+  }
+  return a + b;
+}
+
+__device__ __forceinline__ float4 ld4(const float* a) { return *reinterpret_cast<const float4*>(a); }
+
+// The diagonal block A_oo = (I + L_oo)^-1 of A = (I + L)^-1 by forward substitution: lane j < 16
+// takes column j, X_ij = δ_ij − Σ_{j<=m<i} L_im X_mj, X in registers ([64][68] fp32 tiles, o = 16 s).
+__device__ __forceinline__ void forward_substitution(const float* Ls, float* As, int o, int lane) {
+  if (lane >= 16) return;
+  const int j = lane;
+  float x[16];  // column j of the block; x[m] = 0 for m < j, so the sums may start at m = 0
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float* Lrow = Ls + (o + i) * kLdS + o;  // 16-byte aligned
+    float Lr[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      if (4 * q < i) {
+        const float4 v = ld4(Lrow + 4 * q);
+        Lr[4 * q] = v.x, Lr[4 * q + 1] = v.y, Lr[4 * q + 2] = v.z, Lr[4 * q + 3] = v.w;
+      }
+    float s0 = i == j ? 1.f : 0.f, s1 = 0.f;  // two chains
+#pragma unroll
+    for (int m = 0; m < i; m += 2) {
+      s0 -= Lr[m] * x[m];
+      if (m + 1 < i) s1 -= Lr[m + 1] * x[m + 1];
+    }
+    x[i] = j <= i ? s0 + s1 : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) As[(o + i) * kLdS + o + j] = x[i];
+}
+
+// fp32 channel pairs (8-byte aligned) and bf16 pairs (4-byte aligned) in shared or global memory.
+__device__ __forceinline__ float2 ld2(const float* a) { return *reinterpret_cast<const float2*>(a); }
+__device__ __forceinline__ void st2(float* a, float x, float y) { *reinterpret_cast<float2*>(a) = make_float2(x, y); }
+__device__ __forceinline__ void st_u32(__nv_bfloat16* a, uint32_t v) { *reinterpret_cast<uint32_t*>(a) = v; }
+__device__ __forceinline__ float2 scale2(float2 v, float f) { return make_float2(v.x * f, v.y * f); }
+
+// Eight bf16 values (rounded from fp32) as one 16-byte shared store.
+__device__ __forceinline__ void store8_bf16(__nv_bfloat16* dst, const float (&x)[8]) {
+  *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
+}
+
+// Eight values x of row i, channels c0..c0+7, as bf16 hi + lo, each into a raw_at-layout [64][128]
+// tile (hi: the W/U products' B operand, lo: their identity part): one 16-byte store each.
+__device__ __forceinline__ void store_hi_lo(const float (&x)[8], __nv_bfloat16* hi, __nv_bfloat16* lo, int i, int c0) {
+  float r[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) r[e] = x[e] - __bfloat162float(__float2bfloat16(x[e]));
+  store8_bf16(hi + raw_at(i, c0), x);
+  store8_bf16(lo + raw_at(i, c0), r);
+}
+
+// B fragments of n-tiles n0/8 and n0/8 + 1 for k = k0..k0+15 of a raw_at-layout [64][128] bf16 tile
+// stored [k][n] (ldmatrix.trans): b0 = n-tile n0/8, b1 = the next.
+__device__ __forceinline__ void raw_b_frags(const __nv_bfloat16* x, int k0, int n0, uint32_t (&b0)[2], uint32_t (&b1)[2]) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  uint32_t bf[4];  // (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8)
+  ldmatrix_x4_trans(bf, x + raw_at(k0 + r + 8 * (m & 1), n0 + 8 * (m >> 1)));
+  b0[0] = bf[0], b0[1] = bf[1], b1[0] = bf[2], b1[1] = bf[3];
+}
+
+// Step 5's identity part: acc[nt] (rows r0..r0+15, columns n0 + 8 nt ..) += I · lo[r0..r0+15][n0..n0+63],
+// one k-step with the 16 x 16 identity as the A fragment (built in registers) and lo, a raw_at-layout
+// [64][128] bf16 tile stored [k][n], as B through ldmatrix.trans. With A in bf16 (unit diagonal exact)
+// and B = bf16(x) this gives A x + (x − bf16(x)): the dominant diagonal term keeps ~16 bits of x.
+template <int NT>
+__device__ __forceinline__ void identity_lo_step(float (&acc)[NT][4], const __nv_bfloat16* lo, int r0, int n0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t d = pack_bf16(g == 2 * t ? 1.f : 0.f, g == 2 * t + 1 ? 1.f : 0.f);
+  const uint32_t a[4] = {d, 0u, 0u, d};  // rows g / g + 8, columns 2t.. / 2t + 8..: I's entries
+#pragma unroll
+  for (int n = 0; n < NT; n += 2) {
+    uint32_t b0[2], b1[2];
+    raw_b_frags(lo, r0, n0 + 8 * n, b0, b1);
+    mma_bf16(acc[n], a, b0);
+    mma_bf16(acc[n + 1], a, b1);
+  }
+}
+
+}  // namespace
+}  // namespace encore::cuda::kda
