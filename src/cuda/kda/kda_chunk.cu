@@ -12,7 +12,8 @@
 //     (q_i ⊙ 2^(G_i − G_r)) · (k_j ⊙ 2^(G_r − G_j)); below the diagonal blocks both factors are <= 1
 //     (j < r <= i); inside a diagonal block 2^(G_r − G_j) >= 1 for j > r, so a block whose decay span
 //     max (G_r − G_j) exceeds 100 (log2) takes per-pair factors in fp32 instead (no overflow for
-//     any gate; rare: e.g. gates of -1000);
+//     any gate; gates of -1000, and a share of the blocks under strong decays such as A_log,
+//     dt_bias ~ N(0, 1): docs/kda.md, session 13);
 //   A = (I + L)^-1: diagonal blocks by forward substitution (fp32, one warp each, in registers), then
 //     the blocks below by doubling: A_{b,b−1} = −A_bb L_{b,b−1} A_{b−1,b−1} for the 16-row blocks (1,0),
 //     (3,2), then the 32-row block A_{32..63,0..31} = −A_{32..63,32..63} L_{32..63,0..31} A_{0..31,0..31}
