@@ -75,6 +75,7 @@ def main(out):
                 print(f"  {name} encore.kda_forward failed: {e!r}", flush=True)
         wall = {who: [] for who in runs}
         gpu = {who: [] for who in runs}
+        prof = {}
         with torch.no_grad():
             for f in runs.values():
                 for _ in range(3):
@@ -83,12 +84,8 @@ def main(out):
             for _ in range(ROUNDS):  # alternating, so clock drift hits both alike
                 for who, f in runs.items():
                     wall[who].append(do_bench(f, warmup=10, rep=100, return_mode="median"))
-                    ms, p = gpu_kernel_ms(f)
+                    ms, prof[who] = gpu_kernel_ms(f)  # the last round's profile of each
                     gpu[who].append(ms)
-                    if who == "fla":
-                        fla_prof = p
-                    else:
-                        enc_prof = p
             if "encore" in runs:  # encore against fla on the same inputs
                 of, sf = fwd()
                 oe, se = enc()
@@ -98,16 +95,14 @@ def main(out):
         for who in runs:
             res[f"kda_{who}_{name}_fwd_wall_ms"] = statistics.median(wall[who])
             res[f"kda_{who}_{name}_fwd_gpu_kernel_ms"] = statistics.median(gpu[who])
-        res[f"kda_fla_{name}_fwd_kernels"] = sum(e.count for e in fla_prof.key_averages()) / 5
+        res[f"kda_fla_{name}_fwd_kernels"] = sum(e.count for e in prof["fla"].key_averages()) / 5
         res[f"kda_{name}_rounds"] = {"wall_ms": wall, "gpu_kernel_ms": gpu}
-        # Per-kernel device time per call (ms) and launches per call: where fla's time goes.
-        res[f"kda_fla_{name}_fwd_breakdown"] = {e.key: {"ms": e.device_time_total / 5 / 1e3, "launches": e.count / 5}
-                                                for e in sorted(fla_prof.key_averages(), key=lambda e: -e.device_time_total)
-                                                if e.device_time_total > 0}
-        if "encore" in runs:  # encore's kernels in this process (against the harness's graph-replay time)
-            res[f"kda_encore_{name}_fwd_breakdown"] = {e.key: {"ms": e.device_time_total / 5 / 1e3, "launches": e.count / 5}
-                                                       for e in sorted(enc_prof.key_averages(), key=lambda e: -e.device_time_total)
-                                                       if e.device_time_total > 0}
+        # Per-kernel device time per call (ms) and launches per call: where fla's time goes, and
+        # encore's kernels in this process (against the harness's graph-replay time).
+        for who, pr in prof.items():
+            res[f"kda_{who}_{name}_fwd_breakdown"] = {e.key: {"ms": e.device_time_total / 5 / 1e3, "launches": e.count / 5}
+                                                      for e in sorted(pr.key_averages(), key=lambda e: -e.device_time_total)
+                                                      if e.device_time_total > 0}
         for kname, kv in res[f"kda_fla_{name}_fwd_breakdown"].items():
             print(f"  {name} {kv['ms']:8.4f} ms x{kv['launches']:.1f} {kname[:90]}", flush=True)
         for key in (f"kda_fla_{name}_fwd_wall_ms", f"kda_fla_{name}_fwd_gpu_kernel_ms", f"kda_fla_{name}_fwd_kernels",

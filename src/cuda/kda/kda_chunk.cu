@@ -62,7 +62,6 @@ struct PhaseClock {  // thread 0's view: a phase ends when thread 0 leaves its c
   }
 };
 
-
 __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
   const int K = p.K, V = p.V;
   const int items = p.chunk_start[p.N] * p.H;
@@ -309,9 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       if (diag && !(__int_as_float(span[s]) <= kMaxDiagSpan)) {
         // Per-pair factors in fp32 (the block's decay span is too wide for one reference): a lane per
         // pair (i, j), j <= i, of the block's lower triangle (136 pairs), Aqk and L sharing each
-        // factor 2^(G_i − G_j) (<= 1), two channels per load. (Until session 13 a lane per entry of both blocks,
-        // upper zeros included, with exp2f: the inputs that take this path ran the chunk kernel ~2x
-        // slower.)
+        // factor 2^(G_i − G_j) (<= 1), two channels per load.
         for (int pr = lane; pr < 136; pr += 32) {
           int di = 0;  // pair pr = di (di + 1) / 2 + dj, dj <= di
           while ((di + 1) * (di + 2) / 2 <= pr) ++di;
@@ -494,14 +491,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     clk.mark(5);
     if (has_next && tid == 0) issue_raw(p, ChunkItem(item_desc + 8 * (parity ^ 1)), sm, fast, 4, false, tid, in_bar);  // the gate, over Aqk
 
-
     // 5. W = A (β k ⊙ 2^G) (bf16) and U = A (β v) (fp32): warp = (matrix, 32-column quarter, two
     //    16-row blocks), the products with the hi operands, then I · lo (identity_lo_step).
     //    First the next item's k and v go in flight (L and A are free now; q went in step 4, the gate
-    //    just before). W and U are staged in shared memory in the record's layout (over k and G,
-    //    free since step 4, so each warp stores its results as soon as its products are done) and leave by two bulk stores, so the record
-    //    writes are whole lines from the TMA engine instead of 256 scattered warp stores (this step was
-    //    the kernel's MIO-bound one). Thread 0 waits for the stores' shared-memory reads before step 1
+    //    just before). W and U are staged in shared memory in the record's layout (over k and G, free
+    //    since step 4, so each warp stores its results as soon as its products are done) and leave by
+    //    two bulk stores, so the record writes are whole lines from the TMA engine instead of 256
+    //    scattered warp stores (this step was the kernel's MIO-bound one). Thread 0 waits for the stores' shared-memory reads before step 1
     //    of the next item writes k and G.
     if (has_next) {
       const ChunkItem nx(item_desc + 8 * (parity ^ 1));
@@ -518,7 +514,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W [64][136]
     auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kUStage);           // staging: the record's U [2][64][72]
     float acc[2][4][4] = {};  // [row block rb0, rb1][n-tile]
-#pragma unroll
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {  // the A fragments of row blocks rb0 (k-steps 0..rb0) and rb1 (0..rb1); B shared
       if (ks > rb1) continue;

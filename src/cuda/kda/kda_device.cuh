@@ -58,11 +58,11 @@ static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::
                   WsLayout::kAqk % 16 == 0 && WsLayout::kUSliceBytes % 16 == 0,
               "16-byte parts");
 
-__device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
-  return static_cast<unsigned char*>(ws) + (int64_t(slot) * H + h) * WsLayout::kBytes;
-}
 __device__ __forceinline__ const unsigned char* ws_record(const void* ws, int slot, int H, int h) {
   return static_cast<const unsigned char*>(ws) + (int64_t(slot) * H + h) * WsLayout::kBytes;
+}
+__device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
+  return const_cast<unsigned char*>(ws_record(static_cast<const void*>(ws), slot, H, h));
 }
 
 __device__ __forceinline__ float load(const KdaTensor& t, int b, int tok, int h, int c) {
@@ -283,18 +283,6 @@ __device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bf
   warp_mma_tiles_step<1, NT, kKn>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, lda, 0, b, ldb, ks);
 }
 
-// The same over k-steps 0 .. ksteps − 1 (B stored [n][k]).
-template <int NT>
-__device__ __forceinline__ void warp_mma_nt(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
-                                            int ldb, int ksteps) {
-  for (int ks = 0; ks < ksteps; ++ks) warp_mma_step(acc, a, lda, b, ldb, ks);
-}
-
-template <int NT>
-__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
-#pragma unroll
-  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-}
 
 }  // namespace encore::cuda::kda
 

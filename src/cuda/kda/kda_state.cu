@@ -181,12 +181,12 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
       // with a warp-uniform predicate) and S back to shared memory after both, so no store sits
       // between their loads (ncu, session 13: state<64> -3.5% varlen and B4; the same on 16 columns
       // made B1 7% slower, so the narrow blocks keep the products one after the other).
+      static_assert(kCh == 1, "the 64-column blocks keep one chain (no s2 to add)");
 #pragma unroll
       for (int ks = 0; ks < kC / 16; ++ks) {
         s_step(ks);
         if (ks <= rw) o_step(ks);
       }
-      if constexpr (kCh == 2) add_tiles(S, s2);
       write_s();
     } else {
 #pragma unroll
