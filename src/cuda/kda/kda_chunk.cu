@@ -305,8 +305,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         s = pair < 1 ? 1 : (pair < 3 ? 2 : 3);
         sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
       }
-      if (diag && !(__int_as_float(span[s]) <= kMaxDiagSpan)) {
-        // Per-pair factors in fp32 (the block's decay span is too wide for one reference): a lane per
+      const bool wide = diag && !(__int_as_float(span[s]) <= kMaxDiagSpan);
+      const bool two_refs = wide && half_block_span(Gs, 16 * s, 16 * s, lane) <= kMaxDiagSpan &&
+                            half_block_span(Gs, 16 * s + 8, 16 * s + 8, lane) <= kMaxDiagSpan;  // warp-uniform
+      if (two_refs) {
+        float acc[2][3][4] = {};
+        diag_block_two_refs(qs, ks, Gs, rn, 16 * s, acc);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int part = 0; part < 4; ++part)  // 3: the zeros above the diagonal (rows 0-7, columns 8-15)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = 16 * s + g8 + (part == 0 || part == 3 ? 0 : 8), j = 16 * s + 2 * t4 + e + (part >= 2 ? 8 : 0);
+              const float x = part == 3 ? 0.f : acc[m][part][(part == 0 ? 0 : 2) + e];
+              const bool keep = m == 1 ? j < i : j <= i;
+              (m == 1 ? Ls : Aq)[i * kLdS + j] = keep ? (m == 1 ? bs[i] : p.scale) * x : 0.f;
+            }
+      } else if (wide) {
+        // Per-pair factors in fp32 (the block's decay span is too wide even for two references: more
+        // than 2^100 within 8 rows, e.g. gates of -1000): a lane per
         // pair (i, j), j <= i, of the block's lower triangle (136 pairs), Aqk and L sharing each
         // factor 2^(G_i − G_j) (<= 1), two channels per load.
         for (int pr = lane; pr < 136; pr += 32) {

@@ -222,5 +222,55 @@ __device__ __forceinline__ void identity_lo_step(float (&acc)[NT][4], const __nv
   }
 }
 
+// Largest decay span (G_ref − G_i, log2) over rows i0..i0+7 of a diagonal block, against row ref,
+// all channels: the warp's maximum (lanes over channels).
+__device__ __forceinline__ float half_block_span(const float* Gs, int ref, int i0, int lane) {
+  float m = 0.f;
+  for (int c = lane; c < kD; c += 32)
+    for (int i = i0; i < i0 + 8; ++i) m = fmaxf(m, Gs[ref * kLdF + c] - Gs[i * kLdF + c]);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// A diagonal block (rows r..r+15) whose decay span is too wide for one reference but not for two:
+// its Aqk and L on tensor cores with rows r..r+7 against reference r and rows r+8..r+15 against
+// r + 8, the bf16 operands built per fragment entry from the fp32 tiles (q, k with their L2-norm
+// factors rn, G). Three products per matrix: part 0, columns r..r+7 against r (result rows 0-7
+// valid: the top-left 8 x 8); part 1, columns r..r+7 against r + 8 (rows 8-15: bottom-left, both
+// factors <= 1); part 2, columns r+8..r+15 against r + 8 (rows 8-15: bottom-right). The unused half
+// of each product has finite factors (<= 1 on the A side). acc[m][part]: m 0 = Aqk, 1 = L (unscaled).
+// Needs max (G_r − G_i) over rows r..r+7 and max (G_{r+8} − G_i) over rows r+8..r+15 <= 100.
+__device__ __forceinline__ void diag_block_two_refs(const float* qs, const float* ks, const float* Gs, const float* rn, int r,
+                                                    float (&acc)[2][3][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+  for (int ksp = 0; ksp < kD / 16; ++ksp) {
+    uint32_t aq[4], ak[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // A entry (row g + 8 (q & 1), channels c, c + 1)
+      const int i = r + g + 8 * (q & 1), ref = r + 8 * (q & 1), c = 16 * ksp + 2 * t + 8 * (q >> 1);
+      const float2 G = ld2(Gs + i * kLdF + c), Gr = ld2(Gs + ref * kLdF + c);
+      const float f0 = fast_exp2(G.x - Gr.x), f1 = fast_exp2(G.y - Gr.y), sq = rn[i], sk = rn[kC + i];
+      const float2 x = ld2(qs + i * kLdF + c), y = ld2(ks + i * kLdF + c);
+      aq[q] = pack_bf16(x.x * sq * f0, x.y * sq * f1);
+      ak[q] = pack_bf16(y.x * sk * f0, y.y * sk * f1);
+    }
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {  // B entry (channels c, c + 1; column j)
+      const int j = r + g + (part == 2 ? 8 : 0), ref = part == 0 ? r : r + 8;
+      uint32_t b[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int c = 16 * ksp + 2 * t + 8 * q;
+        const float2 G = ld2(Gs + j * kLdF + c), Gr = ld2(Gs + ref * kLdF + c), y = ld2(ks + j * kLdF + c);
+        const float sk = rn[kC + j];
+        b[q] = pack_bf16(y.x * sk * fast_exp2(Gr.x - G.x), y.y * sk * fast_exp2(Gr.y - G.y));
+      }
+      mma_bf16(acc[0][part], aq, b);
+      mma_bf16(acc[1][part], ak, b);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace encore::cuda::kda
