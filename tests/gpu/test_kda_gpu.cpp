@@ -64,34 +64,6 @@ struct DeviceVec {
   }
 };
 
-// The diagonal 16-row blocks of a case with the in-kernel softplus gate (on its device-rounded
-// inputs) whose decay span, max over channels and rows of G_r − G_i in log2, exceeds the chunk
-// kernel's one-reference bound (2^100): {such blocks, all diagonal blocks}.
-std::pair<int, int> wide_diagonal_blocks(const KdaCase& c) {
-  const int64_t T = c.T, H = c.H, K = c.K;
-  const std::vector<int64_t> cu = c.cu.empty() ? std::vector<int64_t>{0, T} : c.cu;
-  int wide = 0, all = 0;
-  for (int64_t b = 0; b < (c.cu.empty() ? c.B : 1); ++b)
-    for (size_t s = 0; s + 1 < cu.size(); ++s)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t t0 = cu[s]; t0 < cu[s + 1]; t0 += 64)
-          for (int64_t r = t0; r < std::min(t0 + 64, cu[s + 1]); r += 16) {
-            double span = 0;
-            for (int64_t kc = 0; kc < K; ++kc) {
-              double G = 0, Gr = 0;
-              for (int64_t i = t0; i < std::min(r + 16, cu[s + 1]); ++i) {
-                const double x = c.g[size_t(((b * T + i) * H + h) * K + kc)] + (c.dt_bias.empty() ? 0.0 : c.dt_bias[size_t(h * K + kc)]);
-                G -= std::exp(c.A_log[size_t(h)]) * std::log1p(std::exp(x)) / std::log(2.0);
-                if (i == r) Gr = G;
-                if (i >= r) span = std::max(span, Gr - G);
-              }
-            }
-            ++all;
-            wide += span > 100.0;
-          }
-  return {wide, all};
-}
-
 // row_pad > 0: q, k, v and g as strided views with token rows padded by that many elements (a
 // multiple of 8: the chunk kernel's TMA path; otherwise its global-load path).
 void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0, bool residuals = false, double tol = 5e-3,
@@ -108,10 +80,11 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
     return row_pad > 0 ? DeviceVec(host, t, B, T, H, C, row_pad) : DeviceVec(host, t, {B, T, H, C});
   };
   DeviceVec q = input(c.q, dt, K), k = input(c.k, dt, K), v = input(c.v, dt, V), g = input(c.g, gdt, K), beta(c.beta, dt, {B, T, H});
-  if (c.strong_decays) {  // the case covers both paths of the diagonal blocks
-    const auto [wide, all] = wide_diagonal_blocks(c);
-    EXPECT_GT(wide, 0) << "no diagonal block wider than 2^100";
-    EXPECT_LT(wide, all) << "every diagonal block wider than 2^100";
+  if (c.strong_decays) {  // the drawn (rounded) inputs take all three paths of the diagonal blocks
+    const auto paths = c.diag_block_paths();
+    EXPECT_GT(paths.one_ref, 0) << "no diagonal block on one reference";
+    EXPECT_GT(paths.two_refs, 0) << "no diagonal block on two references";
+    EXPECT_GT(paths.per_pair, 0) << "no diagonal block on the per-pair path";
   }
   std::vector<double> o_init(c.o.size(), NAN), fin_init(c.fin.size(), NAN);
   DeviceVec o(o_init, dt, {B, T, H, V}), fin(fin_init, DType::kFP32, {N, H, K, V});
@@ -199,8 +172,8 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
     return c;
   };
   // Strong decays (KdaCase::strong_decays): diagonal blocks whose decay span is too wide for one
-  // reference (the chunk kernel's per-pair path) beside blocks on the tensor cores; run_case checks
-  // that the drawn inputs have both.
+  // reference (the chunk kernel's two-reference and per-pair paths) beside blocks on one reference;
+  // run_case checks that the drawn inputs take all three.
   auto with_strong_decays = [](KdaCase c) {
     c.strong_decays = true;
     return c;
