@@ -11,9 +11,10 @@
 //     on tensor cores with the 16-row sub-block reference r = 16 (i / 16):
 //     (q_i ⊙ 2^(G_i − G_r)) · (k_j ⊙ 2^(G_r − G_j)); below the diagonal blocks both factors are <= 1
 //     (j < r <= i); inside a diagonal block 2^(G_r − G_j) >= 1 for j > r, so a block whose decay span
-//     max (G_r − G_j) exceeds 100 (log2) takes per-pair factors in fp32 instead (no overflow for
-//     any gate; gates of -1000, and a share of the blocks under strong decays such as A_log,
-//     dt_bias ~ N(0, 1): docs/kda.md, session 13);
+//     max (G_r − G_j) exceeds 100 (log2) takes two references (r for rows r..r+7, r + 8 below) when
+//     each half's span allows, else the halving references of diag_block_by_halving (exact for any
+//     gate: gates of -1000, and a share of the blocks under strong decays such as A_log, dt_bias ~
+//     N(0, 1): docs/kda.md, sessions 13-14);
 //   A = (I + L)^-1: diagonal blocks by forward substitution (fp32, one warp each, in registers), then
 //     the blocks below by doubling: A_{b,b−1} = −A_bb L_{b,b−1} A_{b−1,b−1} for the 16-row blocks (1,0),
 //     (3,2), then the 32-row block A_{32..63,0..31} = −A_{32..63,32..63} L_{32..63,0..31} A_{0..31,0..31}
@@ -322,26 +323,27 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
               const bool keep = m == 1 ? j < i : j <= i;
               (m == 1 ? Ls : Aq)[i * kLdS + j] = keep ? (m == 1 ? bs[i] : p.scale) * x : 0.f;
             }
-      } else if (wide) {
-        // Per-pair factors in fp32 (the block's decay span is too wide even for two references: more
-        // than 2^100 within 8 rows, e.g. gates of -1000): a lane per
-        // pair (i, j), j <= i, of the block's lower triangle (136 pairs), Aqk and L sharing each
-        // factor 2^(G_i − G_j) (<= 1), two channels per load.
-        for (int pr = lane; pr < 136; pr += 32) {
-          int di = 0;  // pair pr = di (di + 1) / 2 + dj, dj <= di
-          while ((di + 1) * (di + 2) / 2 <= pr) ++di;
-          const int dj = pr - di * (di + 1) / 2, i = 16 * s + di, j = 16 * s + dj;
-          float aq = 0.f, al = 0.f;
-          for (int c = 0; c < kD; c += 2) {
-            const float2 qi = ld2(qs + i * kLdF + c), ki = ld2(ks + i * kLdF + c), kj = ld2(ks + j * kLdF + c);
-            const float2 gi = ld2(Gs + i * kLdF + c), gj = ld2(Gs + j * kLdF + c);
-            const float e0 = fast_exp2(gi.x - gj.x) * kj.x, e1 = fast_exp2(gi.y - gj.y) * kj.y;
-            aq += qi.x * e0 + qi.y * e1;
-            al += ki.x * e0 + ki.y * e1;
+      } else if (wide) {  // too wide for two references (more than 2^100 within 8 rows, e.g. gates of -1000)
+        float lv[4][4] = {}, dg[2][4] = {};
+        diag_block_by_halving(qs, ks, Gs, rn, 16 * s, lv, dg);
+#pragma unroll
+        for (int l = 0; l < 4; ++l)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int w = 8 >> l, n = 2 * t4 + e;
+            if (g8 / w != n / w) continue;  // not a pair of this level
+            const int i = 16 * s + 2 * w * (g8 / w) + w + g8 % w, j = 16 * s + 2 * w * (n / w) + n % w;
+            Aq[i * kLdS + j] = p.scale * lv[l][e];
+            Ls[i * kLdS + j] = bs[i] * lv[l][2 + e];
           }
-          Aq[i * kLdS + j] = p.scale * rn[i] * rn[kC + j] * aq;
-          Ls[i * kLdS + j] = dj < di ? bs[i] * rn[kC + i] * rn[kC + j] * al : 0.f;
-        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e)  // the diagonal: column tile 0 rows g8, tile 1 rows 8 + g8
+          if (g8 == 2 * t4 + e) {
+            const int i0 = 16 * s + g8, i1 = i0 + 8;
+            Aq[i0 * kLdS + i0] = p.scale * dg[0][e];
+            Aq[i1 * kLdS + i1] = p.scale * dg[1][2 + e];
+            Ls[i0 * kLdS + i0] = Ls[i1 * kLdS + i1] = 0.f;
+          }
         for (int e = lane; e < 256; e += 32) {  // the zeros above the diagonal of both
           const int i = 16 * s + e / 16, j = 16 * s + e % 16;
           if (j > i) Aq[i * kLdS + j] = Ls[i * kLdS + j] = 0.f;

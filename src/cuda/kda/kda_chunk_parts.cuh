@@ -272,5 +272,62 @@ __device__ __forceinline__ void diag_block_two_refs(const float* qs, const float
   }
 }
 
+// A diagonal block (rows r..r+15) whose decay span is too wide even for two references: its Aqk and
+// L on tensor cores by halving, exact for any span. A pair (i, j), j < i, belongs to the level s (8,
+// 4, 2, 1) of the highest bit in which i − r and j − r differ: i = b + s + u, j = b + u' (b a
+// multiple of 2s, u, u' < s), and the reference m = b + s lies between them, so both factors
+// 2^(G_i − G_m) and 2^(G_m − G_j) are <= 1 (one that underflows to 0 belongs to a pair whose true
+// factor is below 2^-126). One m16n8k16 product per level and k-step: A rows 0-7 are q and rows
+// 8-15 k of the level's lower rows ρ(g) = r + 2s (g / s) + s + g % s (so L comes out of the product
+// that gives Aqk), B column n is k of κ(n) = r + 2s (n / s) + n % s; output (g, n) is a pair of the
+// level when g / s == n / s. The diagonal Aqk_ii (factor 1) from two more products (columns
+// 0-7, 8-15), of which only the diagonal entries are kept. lv[l]: level s = 8 >> l; dg[t]: column tile t.
+__device__ __forceinline__ void diag_block_by_halving(const float* qs, const float* ks, const float* Gs, const float* rn, int r,
+                                                      float (&lv)[4][4], float (&dg)[2][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+  for (int ksp = 0; ksp < kD / 16; ++ksp) {
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      const int s = 8 >> l, b = r + 2 * s * (g / s), rho = b + s + g % s, kap = b + g % s, m = b + s;  // B column n = g: κ(g)
+      const float sq = rn[rho], sk = rn[kC + rho], skap = rn[kC + kap];
+      uint32_t a[4], bf[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {  // channels c, c + 1: A entries (g, c) and (g + 8, c), B entry (c, g)
+        const int c = 16 * ksp + 2 * t + 8 * q;
+        const float2 Gm = ld2(Gs + m * kLdF + c), Gk = ld2(Gs + kap * kLdF + c);
+        float2 f = make_float2(1.f, 1.f);  // 2^(G_ρ − G_m): 1 at s = 1 (ρ = m)
+        if (s > 1) {
+          const float2 Gr = ld2(Gs + rho * kLdF + c);
+          f = make_float2(fast_exp2(Gr.x - Gm.x), fast_exp2(Gr.y - Gm.y));
+        }
+        const float2 x = ld2(qs + rho * kLdF + c), y = ld2(ks + rho * kLdF + c), z = ld2(ks + kap * kLdF + c);
+        a[2 * q] = pack_bf16(x.x * sq * f.x, x.y * sq * f.y);
+        a[2 * q + 1] = pack_bf16(y.x * sk * f.x, y.y * sk * f.y);
+        bf[q] = pack_bf16(z.x * skap * fast_exp2(Gm.x - Gk.x), z.y * skap * fast_exp2(Gm.y - Gk.y));
+      }
+      mma_bf16(lv[l], a, bf);
+    }
+    uint32_t a[4];  // the diagonal: A rows g, g + 8 = q of rows r + g, r + g + 8; B column n = k of r + n (+ 8)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = r + g + 8 * (q & 1), c = 16 * ksp + 2 * t + 8 * (q >> 1);
+      const float2 x = ld2(qs + i * kLdF + c);
+      a[q] = pack_bf16(x.x * rn[i], x.y * rn[i]);
+    }
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile) {
+      const int j = r + 8 * tile + g;
+      uint32_t bf[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float2 z = ld2(ks + j * kLdF + 16 * ksp + 2 * t + 8 * q);
+        bf[q] = pack_bf16(z.x * rn[kC + j], z.y * rn[kC + j]);
+      }
+      mma_bf16(dg[tile], a, bf);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace encore::cuda::kda
