@@ -82,9 +82,9 @@ struct KdaCase {
   // by decay spans in log2 over all channels, here on the in-kernel softplus gate (A_log set,
   // dt_bias optional) of this case's current inputs: one reference (row r) when max (G_r − G_i) over
   // the block is <= 100; two references (rows r..r+7 against r, r+8..r+15 against r+8) when each
-  // half's span is; per-pair fp32 factors otherwise.
+  // half's span is; the halving references (diag_block_by_halving) otherwise.
   struct DiagBlockPaths {
-    int one_ref = 0, two_refs = 0, per_pair = 0;
+    int one_ref = 0, two_refs = 0, halving = 0;
   };
   DiagBlockPaths diag_block_paths() const {
     constexpr double kMaxSpan = 100.0;
@@ -110,7 +110,7 @@ struct KdaCase {
             }
             if (span <= kMaxSpan) ++n.one_ref;
             else if (span_lo <= kMaxSpan && span_hi <= kMaxSpan) ++n.two_refs;
-            else ++n.per_pair;
+            else ++n.halving;
           }
     return n;
   }

@@ -173,11 +173,9 @@ TEST(KdaForward, Bf16InputsMatchFp64Reference) {
   EXPECT_LT(rel_err(f_d, kc.fin), 5e-2);
 }
 
-// The public forward's residual outputs equal the chunked reference's intermediates (G, Aqk, A, h)
-// and o / final state still equal the recurrence.
 // The GPU test's strong-decay case (tests/gpu/test_kda_gpu.cpp, "varlen strong decays") is meant to
 // send diagonal blocks down each of the chunk kernel's three paths (one reference, two references,
-// per-pair factors); the GPU test checks its own draw, this checks that the draw does so reliably.
+// halving references); the GPU test checks its own draw, this checks that the draw does so reliably.
 TEST(KdaForward, StrongDecayCaseCoversEveryDiagonalBlockPath) {
   for (uint64_t seed = 1; seed <= 5; ++seed) {
     KdaCase c{1, 300, 8, 128, 128, {0, 100, 300}, Gate::kSoftplusBias, true, true};
@@ -186,11 +184,13 @@ TEST(KdaForward, StrongDecayCaseCoversEveryDiagonalBlockPath) {
     const auto paths = c.diag_block_paths();
     EXPECT_GT(paths.one_ref, 0) << "seed " << seed;
     EXPECT_GT(paths.two_refs, 0) << "seed " << seed;
-    EXPECT_GT(paths.per_pair, 0) << "seed " << seed;
-    EXPECT_EQ(paths.one_ref + paths.two_refs + paths.per_pair, 8 * (7 + 13)) << "seed " << seed;  // 100 + 200 tokens: 7 + 13 blocks a head
+    EXPECT_GT(paths.halving, 0) << "seed " << seed;
+    EXPECT_EQ(paths.one_ref + paths.two_refs + paths.halving, 8 * (7 + 13)) << "seed " << seed;  // 100 + 200 tokens: 7 + 13 blocks a head
   }
 }
 
+// The public forward's residual outputs equal the chunked reference's intermediates (G, Aqk, A, h)
+// and o / final state still equal the recurrence.
 TEST(KdaForward, ResidualsForTheBackward) {
   KdaCase kc{1, 150, 2, 16, 8, {0, 70, 71, 150}, Gate::kSoftplusBias, true, true};
   kc.fill(5);

@@ -84,7 +84,7 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
     const auto paths = c.diag_block_paths();
     EXPECT_GT(paths.one_ref, 0) << "no diagonal block on one reference";
     EXPECT_GT(paths.two_refs, 0) << "no diagonal block on two references";
-    EXPECT_GT(paths.per_pair, 0) << "no diagonal block on the per-pair path";
+    EXPECT_GT(paths.halving, 0) << "no diagonal block on the halving path";
   }
   std::vector<double> o_init(c.o.size(), NAN), fin_init(c.fin.size(), NAN);
   DeviceVec o(o_init, dt, {B, T, H, V}), fin(fin_init, DType::kFP32, {N, H, K, V});
@@ -172,7 +172,7 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
     return c;
   };
   // Strong decays (KdaCase::strong_decays): diagonal blocks whose decay span is too wide for one
-  // reference (the chunk kernel's two-reference and per-pair paths) beside blocks on one reference;
+  // reference (the chunk kernel's two-reference and halving paths) beside blocks on one reference;
   // run_case checks that the drawn inputs take all three.
   auto with_strong_decays = [](KdaCase c) {
     c.strong_decays = true;
