@@ -112,12 +112,12 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
   };
   write_s();
 
-  // o of this thread's columns v0 + vw (+ 8): element offset at token 0, and (the common case) a
-  // bf16 pointer there when every (row, column pair) is a 4-byte aligned word inside V.
+  // o of this thread's columns v0 + vw (+ 8): element offset at token 0, and (the common case, every
+  // (row, column pair) a 4-byte aligned bf16 word inside V) a pointer that steps a chunk at a time.
   const int64_t o_off = int64_t(b) * p.o_sb + int64_t(h) * p.o_sh + v0 + vw;
   const bool o_pairs = p.o_dtype == DType::kBF16 && (reinterpret_cast<uintptr_t>(p.o) & 3) == 0 && p.o_sb % 2 == 0 &&
                        p.o_st % 2 == 0 && p.o_sh % 2 == 0 && v0 + kVs <= V;  // v0 + vw is even
-  auto* const o_col = static_cast<__nv_bfloat16*>(p.o) + o_off;
+  __nv_bfloat16* o_chunk = static_cast<__nv_bfloat16*>(p.o) + o_off + int64_t(p.seq_begin[n]) * p.o_st;  // row 0 of the current chunk
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
   auto* bar = reinterpret_cast<uint64_t*>(smem + Sm::kBar);
   if (tid == 0) {
@@ -204,17 +204,28 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     if constexpr (kCh == 2) add_tiles(oy[1], ol);
     // o rows t0 + i (i < rows), columns v < V
     const int t0 = p.seq_begin[n] + it * kC, rows = min(kC, p.seq_end[n] - t0);
+    if (o_pairs) {
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = 16 * rw + g8 + 8 * hh;
-      if (i >= rows) continue;
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = 16 * rw + g8 + 8 * hh;
+        if (i < rows) {
+          __nv_bfloat16* const row = o_chunk + int64_t(i) * p.o_st;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const float x = oy[0][nt][2 * hh] + oy[1][nt][2 * hh], y = oy[0][nt][2 * hh + 1] + oy[1][nt][2 * hh + 1];
-        if (o_pairs)
-          *reinterpret_cast<uint32_t*>(o_col + int64_t(t0 + i) * p.o_st + 8 * nt) = pack_bf16(x, y);
-        else
-          store_pair(p.o, p.o_dtype, o_off + int64_t(t0 + i) * p.o_st + 8 * nt, x, y, V - (v0 + vw + 8 * nt));
+          for (int nt = 0; nt < 2; ++nt)
+            *reinterpret_cast<uint32_t*>(row + 8 * nt) =
+                pack_bf16(oy[0][nt][2 * hh] + oy[1][nt][2 * hh], oy[0][nt][2 * hh + 1] + oy[1][nt][2 * hh + 1]);
+        }
+      }
+      o_chunk += int64_t(kC) * p.o_st;
+    } else {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = 16 * rw + g8 + 8 * hh;
+        if (i < rows)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+            store_pair(p.o, p.o_dtype, o_off + int64_t(t0 + i) * p.o_st + 8 * nt, oy[0][nt][2 * hh] + oy[1][nt][2 * hh],
+                       oy[0][nt][2 * hh + 1] + oy[1][nt][2 * hh + 1], V - (v0 + vw + 8 * nt));
       }
     }
   }
