@@ -117,7 +117,8 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
   const int64_t o_off = int64_t(b) * p.o_sb + int64_t(h) * p.o_sh + v0 + vw;
   const bool o_pairs = p.o_dtype == DType::kBF16 && (reinterpret_cast<uintptr_t>(p.o) & 3) == 0 && p.o_sb % 2 == 0 &&
                        p.o_st % 2 == 0 && p.o_sh % 2 == 0 && v0 + kVs <= V;  // v0 + vw is even
-  __nv_bfloat16* o_chunk = static_cast<__nv_bfloat16*>(p.o) + o_off + int64_t(p.seq_begin[n]) * p.o_st;  // row 0 of the current chunk
+  const int seq_begin = p.seq_begin[n], seq_end = p.seq_end[n];  // once (an indexed constant load each step otherwise)
+  __nv_bfloat16* o_chunk = static_cast<__nv_bfloat16*>(p.o) + o_off + int64_t(seq_begin) * p.o_st;  // row 0 of the current chunk
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
   auto* bar = reinterpret_cast<uint64_t*>(smem + Sm::kBar);
   if (tid == 0) {
@@ -149,6 +150,12 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     // each B fragment of h_t); Vnew into shared memory as hi + lo.
     static_assert((WsLayout::kQg - WsLayout::kW) % 2 == 0, "Qg a whole number of bf16 after W");
     constexpr int kCh = kChains<kVs>;
+    float2 u[2][2];  // this thread's U entries, loaded before the products (ncu: loaded after them, between
+                     // the Vnew stores, their latency stalled every warp before the step's middle barrier)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) u[nt][hh] = *reinterpret_cast<const float2*>(U + (16 * rw + g8 + 8 * hh) * kULd + vw + 8 * nt);
     float xc[kCh][2][2][4] = {};  // [chain][0] W h_t, [chain][1] O
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks)
@@ -160,8 +167,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {  // columns vl, vl + 1 of row i
         const int i = 16 * rw + g8 + 8 * hh, vl = vw + 8 * nt;
-        const float2 u = *reinterpret_cast<const float2*>(U + i * kULd + vl);
-        split_bf16(u.x - xo[0][nt][2 * hh], u.y - xo[0][nt][2 * hh + 1], Vb + i * kLdS + vl, kC * kLdS);  // Vb (hi), Vlo
+        split_bf16(u[nt][hh].x - xo[0][nt][2 * hh], u[nt][hh].y - xo[0][nt][2 * hh + 1], Vb + i * kLdS + vl, kC * kLdS);  // Vb (hi), Vlo
       }
     __syncthreads();  // Vnew complete; every read of Sb done
     // S = dC ⊙ S + Kgᵀ Vnew for state rows 32 rw.., columns 16 cw.. (both row tiles share each B
@@ -203,7 +209,7 @@ __global__ void __launch_bounds__(8 * kVs, 1) kda_state_kernel(const __grid_cons
     }
     if constexpr (kCh == 2) add_tiles(oy[1], ol);
     // o rows t0 + i (i < rows), columns v < V
-    const int t0 = p.seq_begin[n] + it * kC, rows = min(kC, p.seq_end[n] - t0);
+    const int t0 = seq_begin + it * kC, rows = min(kC, seq_end - t0);
     if (o_pairs) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
