@@ -6,7 +6,8 @@
 # Writes $OUT/ncu_NAME.txt and the whole annotated SASS listing $OUT/ncu_NAME_sass.txt; the binary
 # is $B/encore (default .gpubin). ncu matches KERNEL_REGEX against the function's base name, without
 # template arguments; NCU_NAME_BASE=demangled matches the demangled name instead, e.g.
-# NCU_NAME_BASE=demangled scripts/ncu_hotspots.sh state32 'kda_state_kernel<32>' 3 -- bench kda.
+# NCU_NAME_BASE=demangled scripts/ncu_hotspots.sh state32 'kda_state_kernel<.int.32>' 3 -- bench kda
+# (the demangled name reads kda_state_kernel<(int)32>).
 set -uo pipefail
 name=$1 kernel=$2 skip=$3
 shift 4
