@@ -6,6 +6,8 @@
 # them alike. Writes $OUT/ab_<name>_ncu.txt and $OUT/ab_<name>_r<round>.json (name = the directory's
 # last component) and a summary in $OUT/gpu_kda_ab.txt; where a directory has `encore_tests_gpu`
 # (scripts/stage_ab.sh puts it there), that build's KDA GPU tests run first ($OUT/ab_<name>_tests.log).
+# The per-build files end up packed in $OUT/ab.tgz (a device call returns at most 8 files: with three
+# builds, loose files were left behind), beside the summary.
 # Usage: scripts/gpu_kda_ab.sh DIR [DIR ...]   (ROUNDS, default 2)
 source "$(dirname "$0")/gpu_pass.sh"
 gpu_pass gpu_kda_ab
@@ -28,3 +30,4 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     note "== $n round $r rc=$?"; grep -E 'kda' "/tmp/bench_ab_$n.log" | head -40 | tee -a "$sum" >/dev/null
   done
 done
+(cd "$OUT" && tar -czf ab.tgz ab_* && rm -f ab_*)

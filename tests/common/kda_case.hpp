@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "encore/kda.hpp"
+#include "kda/kda_problem.hpp"
+#include "reference/kda_ref.hpp"
 
 namespace encore::test {
 
@@ -79,39 +81,37 @@ struct KdaCase {
   }
 
   // How the CUDA chunk kernel computes each diagonal 16-row block of Aqk and L, decided (as there)
-  // by decay spans in log2 over all channels, here on the in-kernel softplus gate (A_log set,
-  // dt_bias optional) of this case's current inputs: one reference (row r) when max (G_r − G_i) over
-  // the block is <= 100; two references (rows r..r+7 against r, r+8..r+15 against r+8) when each
-  // half's span is; the halving references (diag_block_by_halving) otherwise.
+  // by decay spans in log2 over all channels of this case's current inputs, the gate activated by the
+  // CPU reference (reference::kda_prepare): one reference (row r) when max (G_r − G_i) over the
+  // block is <= 100; two references (rows r..r+7 against r, r+8..r+15 against r+8) when each half's
+  // span is; the halving references (diag_block_by_halving) otherwise.
   struct DiagBlockPaths {
     int one_ref = 0, two_refs = 0, halving = 0;
   };
-  DiagBlockPaths diag_block_paths() const {
-    constexpr double kMaxSpan = 100.0;
-    const std::vector<int64_t> bounds = cu.empty() ? std::vector<int64_t>{0, T} : cu;
+  DiagBlockPaths diag_block_paths() {
+    constexpr double kMaxSpan = 100.0 * 0.6931471805599453;  // 2^100, in the reference's natural-log gate
+    kda::KdaProblem p;
+    if (!kda::make_problem(args(), opts, &p)) return {};
+    const reference::KdaInputs in = reference::kda_prepare(p, args());
     DiagBlockPaths n;
-    std::vector<double> G(16);
-    for (int64_t b = 0; b < (cu.empty() ? B : 1); ++b)
-      for (size_t s = 0; s + 1 < bounds.size(); ++s)
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t r = bounds[s]; r < bounds[s + 1]; r += 16) {  // chunks start at bounds[s]: 16 divides 64
-            const int64_t rows = std::min<int64_t>(16, bounds[s + 1] - r);
-            double span = 0, span_lo = 0, span_hi = 0;
-            for (int64_t kc = 0; kc < K; ++kc) {
-              double acc = 0;
-              for (int64_t i = 0; i < rows; ++i) {
-                const double x = g[size_t(((b * T + r + i) * H + h) * K + kc)] + (dt_bias.empty() ? 0.0 : dt_bias[size_t(h * K + kc)]);
-                acc -= std::exp(A_log[size_t(h)]) * std::log1p(std::exp(x)) / std::log(2.0);
-                G[size_t(i)] = acc;
-                span = std::max(span, G[0] - acc);
-                if (i < 8) span_lo = std::max(span_lo, G[0] - acc);
-                else span_hi = std::max(span_hi, G[8] - acc);
-              }
+    for (const kda::Sequence& sq : p.seqs)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = sq.begin; r < sq.end; r += 16) {  // chunks start at sq.begin: 16 divides 64
+          double span = 0, span_lo = 0, span_hi = 0;
+          for (int64_t kc = 0; kc < K; ++kc) {
+            double d = 0, d8 = 0;  // G_r − G_i and G_{r+8} − G_i
+            for (int64_t i = r + 1; i < std::min(r + 16, sq.end); ++i) {
+              const double x = -in.g[size_t(((sq.batch * T + i) * H + h) * K + kc)];
+              d += x;
+              span = std::max(span, d);
+              if (i < r + 8) span_lo = std::max(span_lo, d);
+              if (i > r + 8) span_hi = std::max(span_hi, d8 += x);
             }
-            if (span <= kMaxSpan) ++n.one_ref;
-            else if (span_lo <= kMaxSpan && span_hi <= kMaxSpan) ++n.two_refs;
-            else ++n.halving;
           }
+          if (span <= kMaxSpan) ++n.one_ref;
+          else if (span_lo <= kMaxSpan && span_hi <= kMaxSpan) ++n.two_refs;
+          else ++n.halving;
+        }
     return n;
   }
 };

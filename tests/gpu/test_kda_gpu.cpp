@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <utility>
 
 #include "cuda/kda/kda_launch.hpp"
 #include "encore/kda.hpp"

@@ -307,8 +307,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         sp = pair - (s == 1 ? 0 : (s == 2 ? 1 : 3));
       }
       const bool wide = diag && !(__int_as_float(span[s]) <= kMaxDiagSpan);
-      const bool two_refs = wide && half_block_span(Gs, 16 * s, 16 * s, lane) <= kMaxDiagSpan &&
-                            half_block_span(Gs, 16 * s + 8, 16 * s + 8, lane) <= kMaxDiagSpan;  // warp-uniform
+      const bool two_refs = wide && half_block_span(Gs, 16 * s, lane) <= kMaxDiagSpan &&
+                            half_block_span(Gs, 16 * s + 8, lane) <= kMaxDiagSpan;  // warp-uniform
       if (two_refs) {
         float acc[2][3][4] = {};
         diag_block_two_refs(qs, ks, Gs, rn, 16 * s, acc);

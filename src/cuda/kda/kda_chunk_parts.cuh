@@ -222,12 +222,14 @@ __device__ __forceinline__ void identity_lo_step(float (&acc)[NT][4], const __nv
   }
 }
 
-// Largest decay span (G_ref − G_i, log2) over rows i0..i0+7 of a diagonal block, against row ref,
-// all channels: the warp's maximum (lanes over channels).
-__device__ __forceinline__ float half_block_span(const float* Gs, int ref, int i0, int lane) {
+// Largest decay span (G_r0 − G_i, log2) over rows i = r0..r0+7 of a diagonal block (its first row
+// the reference), all channels: the warp's maximum (lanes over channels).
+__device__ __forceinline__ float half_block_span(const float* Gs, int r0, int lane) {
   float m = 0.f;
-  for (int c = lane; c < kD; c += 32)
-    for (int i = i0; i < i0 + 8; ++i) m = fmaxf(m, Gs[ref * kLdF + c] - Gs[i * kLdF + c]);
+  for (int c = lane; c < kD; c += 32) {
+    const float Gr = Gs[r0 * kLdF + c];
+    for (int i = r0; i < r0 + 8; ++i) m = fmaxf(m, Gr - Gs[i * kLdF + c]);
+  }
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   return m;
 }
