@@ -274,8 +274,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       st_u32(qr + i * kLd + cp, pack_bf16(q.x * f0, q.y * f1));
       st_u32(kr + i * kLd + cp, pack_bf16(k.x * f0, k.y * f1));
       st_u32(kinv + i * kLd + cp, pack_bf16(-d0 <= kMaxDiagSpan ? k.x * fast_exp2(-d0) : 0.f, -d1 <= kMaxDiagSpan ? k.y * fast_exp2(-d1) : 0.f));
-      st_u32(Qg + i * kLd + cp, pack_bf16(p.scale * q.x * fast_exp2(G.x), p.scale * q.y * fast_exp2(G.y)));  // padded rows (the state kernel's bulk copy)
-      st_u32(Kg + i * kLd + cp, pack_bf16(k.x * fast_exp2(Gl.x - G.x), k.y * fast_exp2(Gl.y - G.y)));
+      st_u32(Qg + tile_at(i, cp), pack_bf16(p.scale * q.x * fast_exp2(G.x), p.scale * q.y * fast_exp2(G.y)));  // swizzled (wgmma operands)
+      st_u32(Kg + tile_at(i, cp), pack_bf16(k.x * fast_exp2(Gl.x - G.x), k.y * fast_exp2(Gl.y - G.y)));
 #pragma unroll
       for (int sref = blk + 1; sref < 4; ++sref)  // row i of reference sref's block of kref (i < 16 sref)
         st_u32(kref + (kref_row(sref) + i) * kLd + cp, pack_bf16(k.x * fast_exp2(Gref[sref].x - G.x), k.y * fast_exp2(Gref[sref].y - G.y)));
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       auto* Aqk_ws = reinterpret_cast<__nv_bfloat16*>(rec + WsLayout::kAqk);
       for (int i = warp - 4; i < kC; i += kWarps - 4) {  // column pairs (j, j + 1), a warp a row
         const int j = 2 * lane;
-        split_bf16(Aq[i * kLdS + j], Aq[i * kLdS + j + 1], Aqk_ws + i * kLdC + j, WsLayout::kAqkPlane);
+        split_bf16(Aq[i * kLdS + j], Aq[i * kLdS + j + 1], Aqk_ws + tile_at(i, j), WsLayout::kAqkPlane);
       }
       if (p.res_Aqk)
         for (int e = tid - 128; e < rows * kC; e += kThreads - 128)
@@ -531,7 +531,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const bool is_u = warp & 1;
     const int cq = 32 * ((warp >> 1) & 3), rb0 = warp < 8 ? 0 : 1, rb1 = 3 - rb0;
     const __nv_bfloat16* Bx = is_u ? vbh : kbh;
-    auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W [64][136]
+    auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W (tile_at)
     auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kUStage);           // staging: the record's U [2][64][72]
     float acc[2][4][4] = {};  // [row block rb0, rb1][n-tile]
 #pragma unroll
@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           const int i = r0 + g8 + 8 * hh, c = cq + 8 * nt + 2 * t4;
           if (is_u)
             *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) = make_float2(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
-          else *reinterpret_cast<uint32_t*>(W + i * kLd + c) = pack_bf16(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
+          else *reinterpret_cast<uint32_t*>(W + tile_at(i, c)) = pack_bf16(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
         }
     }
     fence_proxy_async_shared();  // the staged W and U visible to the bulk stores

@@ -2,22 +2,21 @@
 // (chunk, head) workspace layout that connects them, input loads, the raw-tile layout and its TMA
 // copy, and the warp-level bf16 tensor-core product on shared-memory tiles.
 //
-// Workspace, per (chunk slot, head), bytes, every part 16-byte aligned; head dims padded to 128 with
-// zeros; all written by the chunk kernel, in the state kernel's shared-memory layout (padded rows),
-// so that one bulk copy moves W .. Aqk and a second one the block's slice of U:
-//   W    bf16 [64][136]   A (β k ⊙ 2^G)                   (rows = chunk tokens, cols = key channels)
-//   Kg   bf16 [64][136]   k ⊙ 2^(gC − G)                  (rows = chunk tokens; the state kernel reads it as
-//                                                          the A operand Kgᵀ by ldmatrix.trans)
+// Workspace, per (chunk slot, head), bytes; head dims padded to 128 with zeros; all written by the
+// chunk kernel in the state kernel's shared-memory layout, so that one bulk copy moves W .. dC and a
+// second one the block's slice of U. The bf16 tiles are wgmma operands in the 128-byte swizzled
+// layout (tile_at: [C / 64][rows][64], the 16-byte pieces of row i permuted by XOR with i % 8; each
+// tile 1024-byte aligned in the record, so a 1024-byte aligned copy of it is what wgmma expects):
+//   W    bf16 [64][128]   A (β k ⊙ 2^G)                   (rows = chunk tokens, K = key channels)
+//   Kg   bf16 [64][128]   k ⊙ 2^(gC − G)                  (the state kernel's A = Kgᵀ: MN-major)
+//   Qg   bf16 [64][128]   s q ⊙ 2^G
+//   Aqk  bf16 [2][64][64] s (q k^T ⊙ decay), zero above the diagonal, as hi + lo planes
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
-//   Qg   bf16 [64][136]   s q ⊙ 2^G
-//   Aqk  bf16 [2][64][72] s (q k^T ⊙ decay), zero above the diagonal, as hi + lo planes
 //   U    fp32 [2][64][72] A (β v), by 64-column slices of the value channels (padded rows)
 // A value x in hi + lo planes is hi = bf16(x), lo = bf16(x − hi) (split_bf16): the state kernel's
 // output product takes hi·hi + hi·lo + lo·hi of Aqk and Vnew, so both enter with ~16 significant
 // bits (their single bf16 roundings were two of the five largest error terms,
-// scripts/kda_rounding_model.py). The padding columns of W, Kg, Qg, Aqk and U are never read;
-// those of W and U are written with whatever the chunk kernel's staging tiles hold, the others are
-// not written.
+// scripts/kda_rounding_model.py). The padding columns of U are never read.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -44,18 +43,21 @@ constexpr int kULd = kUSlice + 8;  // fp32 row stride of a U slice: 288-byte row
                                    // free of bank conflicts (rows 8 banks apart; 68 gave 2-way conflicts)
 
 struct WsLayout {  // byte offsets inside one (chunk, head) record
+  static constexpr int64_t kTile = int64_t(kC) * kD * 2;  // W, Kg, Qg
   static constexpr int64_t kW = 0;
-  static constexpr int64_t kKg = kW + int64_t(kC) * kLd * 2;
-  static constexpr int64_t kDC = kKg + int64_t(kC) * kLd * 2;
-  static constexpr int64_t kQg = kDC + kD * 4;
-  static constexpr int64_t kAqk = kQg + int64_t(kC) * kLd * 2;
-  static constexpr int64_t kAqkPlane = int64_t(kC) * kLdC;  // elements from hi to lo
-  static constexpr int64_t kU = kAqk + 2 * kAqkPlane * 2;   // = bytes of W .. Aqk, the first bulk copy
+  static constexpr int64_t kKg = kW + kTile;
+  static constexpr int64_t kQg = kKg + kTile;
+  static constexpr int64_t kAqk = kQg + kTile;
+  static constexpr int64_t kAqkPlane = int64_t(kC) * kC;  // elements from hi to lo
+  static constexpr int64_t kDC = kAqk + 2 * kAqkPlane * 2;
+  static constexpr int64_t kU = kDC + kD * 4;  // = bytes of W .. dC, the first bulk copy
   static constexpr int64_t kUSliceBytes = int64_t(kC) * kULd * 4;
   static constexpr int64_t kBytes = kU + 2 * kUSliceBytes;
 };
-static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kQg % 16 == 0 &&
-                  WsLayout::kAqk % 16 == 0 && WsLayout::kUSliceBytes % 16 == 0,
+static_assert(WsLayout::kKg % 1024 == 0 && WsLayout::kQg % 1024 == 0 && WsLayout::kAqk % 1024 == 0 &&
+                  (WsLayout::kAqk + WsLayout::kAqkPlane * 2) % 1024 == 0,
+              "swizzled tiles 1024-byte aligned in the record");
+static_assert(WsLayout::kBytes % 16 == 0 && WsLayout::kU % 16 == 0 && WsLayout::kDC % 16 == 0 && WsLayout::kUSliceBytes % 16 == 0,
               "16-byte parts");
 
 __device__ __forceinline__ const unsigned char* ws_record(const void* ws, int slot, int H, int h) {
@@ -156,6 +158,8 @@ __device__ __forceinline__ int find_seq(const KdaCudaProblem& p, int slot) {
 // rows at the same channels fall in 8 different bank groups (a warp reading 32 rows of one
 // 8-channel piece is conflict-free).
 __device__ __forceinline__ int raw_at(int i, int c0) { return (c0 >> 6) * (kC * 64) + i * 64 + ((((c0 >> 3) ^ i) & 7) << 3); }
+// Element (i, c) of a 64-row tile in that layout (any c: the record's W, Kg, Qg and Aqk planes).
+__device__ __forceinline__ int tile_at(int i, int c) { return raw_at(i, c & ~7) + (c & 7); }
 constexpr int kRawTileBytes = kC * kD * 2;
 constexpr int kRawBoxBytes = kC * 64 * 2;
 
