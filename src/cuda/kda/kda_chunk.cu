@@ -264,6 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) Gref[s4] = ld2(Gs + 16 * s4 * kLdF + cp);
     const float2 Gl = ld2(Gs + (kC - 1) * kLdF + cp);  // gC, the last row's G
+    const int qk_at = tile_at(r64, cp);  // Qg and Kg (swizzled, wgmma operands) at row r64; rows r64 + 8 it keep its XOR
 #pragma unroll
     for (int it = 0; it < kC * kD / 2 / kThreads; ++it) {  // row i = tid / 64 + 8 it: block it / 2, warp-uniform
       const int i = r64 + 8 * it, blk = it / 2;
@@ -274,8 +275,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
       st_u32(qr + i * kLd + cp, pack_bf16(q.x * f0, q.y * f1));
       st_u32(kr + i * kLd + cp, pack_bf16(k.x * f0, k.y * f1));
       st_u32(kinv + i * kLd + cp, pack_bf16(-d0 <= kMaxDiagSpan ? k.x * fast_exp2(-d0) : 0.f, -d1 <= kMaxDiagSpan ? k.y * fast_exp2(-d1) : 0.f));
-      st_u32(Qg + tile_at(i, cp), pack_bf16(p.scale * q.x * fast_exp2(G.x), p.scale * q.y * fast_exp2(G.y)));  // swizzled (wgmma operands)
-      st_u32(Kg + tile_at(i, cp), pack_bf16(k.x * fast_exp2(Gl.x - G.x), k.y * fast_exp2(Gl.y - G.y)));
+      st_u32(Qg + qk_at + 8 * kC * it, pack_bf16(p.scale * q.x * fast_exp2(G.x), p.scale * q.y * fast_exp2(G.y)));
+      st_u32(Kg + qk_at + 8 * kC * it, pack_bf16(k.x * fast_exp2(Gl.x - G.x), k.y * fast_exp2(Gl.y - G.y)));
 #pragma unroll
       for (int sref = blk + 1; sref < 4; ++sref)  // row i of reference sref's block of kref (i < 16 sref)
         st_u32(kref + (kref_row(sref) + i) * kLd + cp, pack_bf16(k.x * fast_exp2(Gref[sref].x - G.x), k.y * fast_exp2(Gref[sref].y - G.y)));
@@ -553,6 +554,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         mma_bf16(acc[1][n + 1], a1, b1);
       }
     }
+    int w_at[4];  // W's swizzled column offsets (tile_at) of this thread's columns: its rows are g8 modulo 8
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) w_at[nt] = tile_at(g8, cq + 8 * nt + 2 * t4) - 64 * g8;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int r0 = 16 * (j ? rb1 : rb0);
@@ -564,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           const int i = r0 + g8 + 8 * hh, c = cq + 8 * nt + 2 * t4;
           if (is_u)
             *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) = make_float2(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
-          else *reinterpret_cast<uint32_t*>(W + tile_at(i, c)) = pack_bf16(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
+          else *reinterpret_cast<uint32_t*>(W + 64 * i + w_at[nt]) = pack_bf16(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
         }
     }
     fence_proxy_async_shared();  // the staged W and U visible to the bulk stores
