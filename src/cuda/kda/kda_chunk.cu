@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     const int cq = 32 * ((warp >> 1) & 3), rb0 = warp < 8 ? 0 : 1, rb1 = 3 - rb0;
     const __nv_bfloat16* Bx = is_u ? vbh : kbh;
     auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W (tile_at)
-    auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kUStage);           // staging: the record's U [2][64][72]
+    auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kUStage);           // staging: the record's U (u_at)
     float acc[2][4][4] = {};  // [row block rb0, rb1][n-tile]
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {  // the A fragments of row blocks rb0 (k-steps 0..rb0) and rb1 (0..rb1); B shared
@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         for (int hh = 0; hh < 2; ++hh) {
           const int i = r0 + g8 + 8 * hh, c = cq + 8 * nt + 2 * t4;
           if (is_u)
-            *reinterpret_cast<float2*>(U + (c / kUSlice) * kC * kULd + i * kULd + c % kUSlice) = make_float2(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
+            *reinterpret_cast<float2*>(U + u_at(i, c)) = make_float2(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
           else *reinterpret_cast<uint32_t*>(W + 64 * i + w_at[nt]) = pack_bf16(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
         }
     }
@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     __syncthreads();
     if (tid == 0) {
       bulk_store(rec + WsLayout::kW, W, unsigned(WsLayout::kKg - WsLayout::kW));
-      bulk_store(rec + WsLayout::kU, U, unsigned(2 * WsLayout::kUSliceBytes));
+      bulk_store(rec + WsLayout::kU, U, unsigned(WsLayout::kBytes - WsLayout::kU));
       bulk_store_commit();
     }
     clk.mark(6);

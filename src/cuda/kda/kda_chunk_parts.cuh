@@ -50,7 +50,7 @@ static_assert(ChunkSmem::kKinv % 16 == 0 && ChunkSmem::kQr % 16 == 0 && ChunkSme
 static_assert(kWarps == 16, "steps 1, 3, 4 and 6 map 16 warps");
 static_assert(ChunkSmem::kBytes <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 static_assert(ChunkSmem::kAbf + kC * kLdC * 2 <= ChunkSmem::kKref && 96 * kLd >= kD * kLdC, "aliased tiles fit");
-static_assert(ChunkSmem::kUStage % 16 == 0 && ChunkSmem::kUStage + 2 * WsLayout::kUSliceBytes <= ChunkSmem::kKinv,
+static_assert(ChunkSmem::kUStage % 16 == 0 && ChunkSmem::kUStage + (WsLayout::kBytes - WsLayout::kU) <= ChunkSmem::kKinv,
               "W and U stage over k and G");
 static_assert(2 * kRawTileBytes <= kC * kLdF * 4, "step 4's two lo tiles fit over q");
 static_assert(ChunkSmem::kT % 16 == 0, "dt_bias read 4 entries at a time");

@@ -12,11 +12,11 @@
 //   Qg   bf16 [64][128]   s q ⊙ 2^G
 //   Aqk  bf16 [2][64][64] s (q k^T ⊙ decay), zero above the diagonal, as hi + lo planes
 //   dC   fp32 [128]       2^gC, the chunk's total decay per key channel
-//   U    fp32 [2][64][72] A (β v), by 64-column slices of the value channels (padded rows)
+//   U    fp32 [8][64][16] A (β v), by 16-column slices of the value channels (u_at)
 // A value x in hi + lo planes is hi = bf16(x), lo = bf16(x − hi) (split_bf16): the state kernel's
 // output product takes hi·hi + hi·lo + lo·hi of Aqk and Vnew, so both enter with ~16 significant
 // bits (their single bf16 roundings were two of the five largest error terms,
-// scripts/kda_rounding_model.py). The padding columns of U are never read.
+// scripts/kda_rounding_model.py).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -37,10 +37,11 @@ constexpr int kLdC = kC + 8; // bf16 row stride of [*, 64] shared tiles
 // Value-column blocks per head of a state kernel of `columns` columns (its grid: H of these x N).
 __host__ __device__ constexpr int state_column_blocks(int V, int columns) { return (V + columns - 1) / columns; }
 
-constexpr int kUSlice = 64;      // value columns per U slice (the state kernel's block)
-constexpr int kULd = kUSlice + 8;  // fp32 row stride of a U slice: 288-byte rows keep the chunk kernel's pair
-                                   // stores sector-aligned and the state kernel's fragment pair loads
-                                   // free of bank conflicts (rows 8 banks apart; 68 gave 2-way conflicts)
+constexpr int kUSlice = 16;  // value columns per U slice: a state block of kVs columns copies kVs / 16 adjacent slices
+// Element (i, c) of U in the record's slices, fp32 [128 / 16][64][16]: the pair (c, c + 1) of row i
+// (c even) sits at column c ^ 8 in rows with bit 1 set, so that the pair loads and stores of four
+// rows x four pairs (a half-warp of an accumulator fragment) fall in distinct banks.
+__host__ __device__ constexpr int u_at(int i, int c) { return (c / kUSlice) * (kC * kUSlice) + i * kUSlice + ((c % kUSlice) ^ (((i >> 1) & 1) << 3)); }
 
 struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kTile = int64_t(kC) * kD * 2;  // W, Kg, Qg
@@ -51,8 +52,8 @@ struct WsLayout {  // byte offsets inside one (chunk, head) record
   static constexpr int64_t kAqkPlane = int64_t(kC) * kC;  // elements from hi to lo
   static constexpr int64_t kDC = kAqk + 2 * kAqkPlane * 2;
   static constexpr int64_t kU = kDC + kD * 4;  // = bytes of W .. dC, the first bulk copy
-  static constexpr int64_t kUSliceBytes = int64_t(kC) * kULd * 4;
-  static constexpr int64_t kBytes = kU + 2 * kUSliceBytes;
+  static constexpr int64_t kUSliceBytes = int64_t(kC) * kUSlice * 4;
+  static constexpr int64_t kBytes = kU + (kD / kUSlice) * kUSliceBytes;
 };
 static_assert(WsLayout::kKg % 1024 == 0 && WsLayout::kQg % 1024 == 0 && WsLayout::kAqk % 1024 == 0 &&
                   (WsLayout::kAqk + WsLayout::kAqkPlane * 2) % 1024 == 0,

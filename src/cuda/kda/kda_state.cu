@@ -15,7 +15,7 @@
 // h_t is S at the chunk's start; its bf16 transpose and Vnewᵀ (the products' B operands, K-major)
 // are written from the accumulators by stmatrix.trans. o in its dtype for the chunk's valid rows and
 // the first V columns. S and Vnew enter the products rounded to bf16, like the chunk operands (as fla
-// does). A chunk's operands (W, Kg, Qg, Aqk, dC: one bulk copy; the U slice holding the block's
+// does). A chunk's operands (W, Kg, Qg, Aqk, dC: one bulk copy; the U slices of the block's
 // columns: a second) arrive by cp.async.bulk on an mbarrier, issued by one thread, one chunk ahead
 // (two stages). Session 15 replaced the mma.sync version (16 warps of 16 x 16 tiles, whose
 // ldmatrix traffic, ~490 KB a step, bound it); session 9's wgmma attempt lost to it because its
@@ -33,23 +33,26 @@ constexpr int kThreads = 512;
 // allocation has 1024 bytes of slack for it).
 template <int kVs>
 struct StateSmem {
-  static constexpr int kStage = int((WsLayout::kU + WsLayout::kUSliceBytes + 1023) / 1024 * 1024);  // W .. dC, then the U slice at kU
+  static constexpr int kUBytes = int(kVs / kUSlice * WsLayout::kUSliceBytes);     // the block's U slices
+  static constexpr int kStage = int((WsLayout::kU + kUBytes + 1023) / 1024 * 1024);  // W .. dC, then the U slices at kU
   static constexpr int kSt = kStages * kStage;    // bf16 h_tᵀ [2][kVs][64] (K = key channels, two halves of 64)
   static constexpr int kVt = kSt + 2 * kVs * 128;  // bf16 Vnewᵀ [kVs][64] hi (K = chunk tokens)
   static constexpr int kVtLo = kVt + kVs * 128;    // lo
   static constexpr int kBar = kVtLo + kVs * 128;   // uint64 [kStages] stage barriers
   static constexpr int kBytes = kBar + kStages * 8;
   static constexpr int kAlloc = kBytes + 1024;
-  static_assert(kUSlice % kVs == 0 && kVs % 16 == 0, "a block's columns lie in one U slice");
+  static_assert(kVs % kUSlice == 0, "a block's columns are whole U slices");
   static_assert(kStage % 1024 == 0 && kVt % 1024 == 0 && kVtLo % 1024 == 0, "swizzled tiles 1024-byte aligned");
   static_assert(kAlloc <= 227 * 1024, "fits the opt-in shared memory of an sm_90 block");
 };
 
-// One thread: the two bulk copies of a chunk's operands (W .. dC; the U slice) into a stage.
-__device__ void prefetch(unsigned char* stage, uint64_t* bar, const unsigned char* rec, int slice) {
-  mbar_expect(bar, unsigned(WsLayout::kU + WsLayout::kUSliceBytes));
+// One thread: the two bulk copies of a chunk's operands (W .. dC; the block's U slices) into a stage.
+template <int kVs>
+__device__ void prefetch(unsigned char* stage, uint64_t* bar, const unsigned char* rec, int v0) {
+  constexpr int kUBytes = StateSmem<kVs>::kUBytes;
+  mbar_expect(bar, unsigned(WsLayout::kU + kUBytes));
   bulk_copy(stage, rec, unsigned(WsLayout::kU), bar);
-  bulk_copy(stage + WsLayout::kU, rec + WsLayout::kU + slice * WsLayout::kUSliceBytes, unsigned(WsLayout::kUSliceBytes), bar);
+  bulk_copy(stage + WsLayout::kU, rec + WsLayout::kU + v0 / kUSlice * WsLayout::kUSliceBytes, unsigned(kUBytes), bar);
 }
 
 // Byte offset of row v, key entries c..c+7 (c % 8 == 0) in a transposed tile [K / 64][R][64].
@@ -75,7 +78,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
   constexpr int kNt = kVs / 8;  // 8-column tiles of a fragment
   const int nz = state_column_blocks(p.V, kVs);
   const int n = p.seq_by_length[blockIdx.y], h = blockIdx.x / nz, v0 = (blockIdx.x % nz) * kVs, tid = threadIdx.x, lane = tid % 32;
-  const int slice = v0 / kUSlice, uo = v0 % kUSlice;  // the U slice and the block's offset in it
   const int wg = tid / 128, w = (tid / 32) % 4;       // warpgroup, warp in it
   const int g8 = lane >> 2, t4 = lane & 3;
   const int K = p.K, V = p.V;
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
   auto* bar = reinterpret_cast<uint64_t*>(smem + Sm::kBar);
   if (tid == 0) {
     for (int k = 0; k < kStages; ++k) mbar_init(bar + k);
-    if (first < last) prefetch(smem, bar, ws_record(ws, first, p.H, h), slice);
+    if (first < last) prefetch<kVs>(smem, bar, ws_record(ws, first, p.H, h), v0);
   }
   __syncthreads();  // barriers initialized, h_0ᵀ written
   for (int slot = first; slot < last; ++slot) {
@@ -134,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     __syncthreads();  // h_tᵀ written; every product of the previous chunk done (its stage and Vnewᵀ free)
     if (tid == 0 && slot + 1 < last) {
       const int st = (it + 1) % kStages;
-      prefetch(smem + st * Sm::kStage, bar + st, ws_record(ws, slot + 1, p.H, h), slice);
+      prefetch<kVs>(smem + st * Sm::kStage, bar + st, ws_record(ws, slot + 1, p.H, h), v0);
     }
     const unsigned char* cur = smem + (it % kStages) * Sm::kStage;
     if (wg < 2) {  // W h_t (warpgroup 0), O = Qg h_t (warpgroup 1); K = 128 in two swizzled halves
@@ -147,13 +149,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
       wgmma_commit();
       wgmma_wait<0>();
       if (wg == 0) {  // Vnew = U − W h_t as bf16 hi + lo, transposed
-        const auto* U = reinterpret_cast<const float*>(cur + WsLayout::kU) + uo;
+        const auto* U = reinterpret_cast<const float*>(cur + WsLayout::kU);  // the block's slices
         uint32_t hi[kNt][2], lo[kNt][2];
 #pragma unroll
         for (int j = 0; j < kNt; ++j)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            const float2 u = *reinterpret_cast<const float2*>(U + (r0 + g8 + 8 * hh) * kULd + 8 * j + 2 * t4);
+            const float2 u = *reinterpret_cast<const float2*>(U + u_at(r0 + g8 + 8 * hh, 8 * j + 2 * t4));
             split_pair(u.x - d[j][2 * hh], u.y - d[j][2 * hh + 1], hi[j][hh], lo[j][hh]);
           }
         store_transposed<kVs>(Vt, hi, r0, lane);
