@@ -252,12 +252,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_b
 }
 
 // acc[m][n] (16 x 8 tiles) += A_m · B over k-step ks (k = 16 ks .. 16 ks + 15): A_m = 16 rows at
-// `a` + m a_stride (row stride lda, k contiguous); B either stored [n][k] (kKn = false: 8 NT rows at
-// `b`, k contiguous) or [k][n] (kKn = true: n contiguous, 8 NT columns from `b`, fragments by
-// ldmatrix.trans, so B needs no transposed copy); bf16 in shared memory, rows 16-byte aligned. Each
-// A tile's four 8 x 8 quarters come in one ldmatrix, two n-tiles of B in another, and each B
-// fragment serves all MT A tiles.
-template <int MT, int NT, bool kKn = false, bool kAt = false>
+// `a` + m a_stride (row stride lda, k contiguous); B stored [n][k] (8 NT rows at `b`, k contiguous);
+// bf16 in shared memory, rows 16-byte aligned. Each A tile's four 8 x 8 quarters come in one
+// ldmatrix, two n-tiles of B in another, and each B fragment serves all MT A tiles.
+template <int MT, int NT>
 __device__ __forceinline__ void warp_mma_tiles_step(float (&acc)[MT][NT][4], const __nv_bfloat16* a, int lda, int a_stride,
                                                     const __nv_bfloat16* b, int ldb, int ks) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs");
@@ -265,13 +263,11 @@ __device__ __forceinline__ void warp_mma_tiles_step(float (&acc)[MT][NT][4], con
   uint32_t af[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-    if constexpr (kAt) ldmatrix_x4_trans(af[mt], a + mt * a_stride + (16 * ks + r + 8 * (m >> 1)) * lda + 8 * (m & 1));
-    else ldmatrix_x4(af[mt], a + mt * a_stride + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);  // quarters (0,0) (8,0) (0,8) (8,8)
+    ldmatrix_x4(af[mt], a + mt * a_stride + (r + 8 * (m & 1)) * lda + 8 * (m >> 1) + 16 * ks);  // quarters (0,0) (8,0) (0,8) (8,8)
 #pragma unroll
   for (int n = 0; n < NT; n += 2) {
     uint32_t bf[4];  // (n 0, k 0) (n 0, k 8) (n 8, k 0) (n 8, k 8) of n-tiles n, n + 1
-    if constexpr (kKn) ldmatrix_x4_trans(bf, b + (16 * ks + r + 8 * (m & 1)) * ldb + n * 8 + 8 * (m >> 1));
-    else ldmatrix_x4(bf, b + (n * 8 + r + 8 * (m >> 1)) * ldb + 8 * (m & 1) + 16 * ks);
+    ldmatrix_x4(bf, b + (n * 8 + r + 8 * (m >> 1)) * ldb + 8 * (m & 1) + 16 * ks);
     const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -280,14 +276,6 @@ __device__ __forceinline__ void warp_mma_tiles_step(float (&acc)[MT][NT][4], con
     }
   }
 }
-
-// One A tile (acc[n] += A · B, A = 16 rows).
-template <int NT, bool kKn = false>
-__device__ __forceinline__ void warp_mma_step(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
-                                              int ldb, int ks) {
-  warp_mma_tiles_step<1, NT, kKn>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, lda, 0, b, ldb, ks);
-}
-
 
 }  // namespace encore::cuda::kda
 
