@@ -535,6 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     auto* W = reinterpret_cast<__nv_bfloat16*>(sm + ChunkSmem::kWStage);  // staging: the record's W (tile_at)
     auto* U = reinterpret_cast<float*>(sm + ChunkSmem::kUStage);           // staging: the record's U (u_at)
     float acc[2][4][4] = {};  // [row block rb0, rb1][n-tile]
+    const int bl[2] = {raw_b_lane(cq), raw_b_lane(cq + 16)};  // this lane's B row offsets (raw_b_frags)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {  // the A fragments of row blocks rb0 (k-steps 0..rb0) and rb1 (0..rb1); B shared
       if (ks > rb1) continue;
@@ -545,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
 #pragma unroll
       for (int n = 0; n < 4; n += 2) {
         uint32_t b0[2], b1[2];
-        raw_b_frags(Bx, 16 * ks, cq + 8 * n, b0, b1);
+        raw_b_frags(Bx + bl[n / 2] + 64 * 16 * ks, b0, b1);
         if (ks <= rb0) {
           mma_bf16(acc[0][n], a0, b0);
           mma_bf16(acc[0][n + 1], a0, b1);
@@ -554,21 +555,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
         mma_bf16(acc[1][n + 1], a1, b1);
       }
     }
-    int w_at[4];  // W's swizzled column offsets (tile_at) of this thread's columns: its rows are g8 modulo 8
+    // The staging offsets of this thread's columns, once: its rows i are g8 modulo 8, so the swizzle
+    // terms of W (tile_at, by i % 8) and of U (u_at, by bit 1 of i) are those of row g8.
+    int st_at[4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) w_at[nt] = tile_at(g8, cq + 8 * nt + 2 * t4) - 64 * g8;
+    for (int nt = 0; nt < 4; ++nt) {
+      const int c = cq + 8 * nt + 2 * t4;
+      st_at[nt] = is_u ? u_at(g8, c) - kUSlice * g8 : tile_at(g8, c) - 64 * g8;
+    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int r0 = 16 * (j ? rb1 : rb0);
-      identity_lo_step(acc[j], is_u ? vlo : klo, r0, cq);
+      identity_lo_step(acc[j], is_u ? vlo : klo, r0, bl);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int i = r0 + g8 + 8 * hh, c = cq + 8 * nt + 2 * t4;
+          const int i = r0 + g8 + 8 * hh;
           if (is_u)
-            *reinterpret_cast<float2*>(U + u_at(i, c)) = make_float2(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
-          else *reinterpret_cast<uint32_t*>(W + 64 * i + w_at[nt]) = pack_bf16(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
+            *reinterpret_cast<float2*>(U + kUSlice * i + st_at[nt]) = make_float2(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
+          else *reinterpret_cast<uint32_t*>(W + 64 * i + st_at[nt]) = pack_bf16(acc[j][nt][2 * hh], acc[j][nt][2 * hh + 1]);
         }
     }
     fence_proxy_async_shared();  // the staged W and U visible to the bulk stores

@@ -195,28 +195,34 @@ __device__ __forceinline__ void store_hi_lo(const float (&x)[8], __nv_bfloat16* 
   store8_bf16(lo + raw_at(i, c0), r);
 }
 
-// B fragments of n-tiles n0/8 and n0/8 + 1 for k = k0..k0+15 of a raw_at-layout [64][128] bf16 tile
-// stored [k][n] (ldmatrix.trans): b0 = n-tile n0/8, b1 = the next.
-__device__ __forceinline__ void raw_b_frags(const __nv_bfloat16* x, int k0, int n0, uint32_t (&b0)[2], uint32_t (&b1)[2]) {
+// B fragments of two adjacent n-tiles for 16 rows k of a raw_at-layout [64][128] bf16 tile stored
+// [k][n] (ldmatrix.trans): b0 = the first n-tile, b1 = the next. `at` is this lane's row address,
+// x + raw_b_lane(n0) + 64 k0 for n-tiles n0/8, n0/8 + 1 and rows k0..k0+15 (k0 a multiple of 8 keeps
+// the swizzle term, so a thread finds its column offsets once).
+__device__ __forceinline__ int raw_b_lane(int n0) {
   const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
-  uint32_t bf[4];  // (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8)
-  ldmatrix_x4_trans(bf, x + raw_at(k0 + r + 8 * (m & 1), n0 + 8 * (m >> 1)));
+  return raw_at(r + 8 * (m & 1), n0 + 8 * (m >> 1));  // (k 0, n 0) (k 8, n 0) (k 0, n 8) (k 8, n 8)
+}
+__device__ __forceinline__ void raw_b_frags(const __nv_bfloat16* at, uint32_t (&b0)[2], uint32_t (&b1)[2]) {
+  uint32_t bf[4];
+  ldmatrix_x4_trans(bf, at);
   b0[0] = bf[0], b0[1] = bf[1], b1[0] = bf[2], b1[1] = bf[3];
 }
 
 // Step 5's identity part: acc[nt] (rows r0..r0+15, columns n0 + 8 nt ..) += I · lo[r0..r0+15][n0..n0+63],
 // one k-step with the 16 x 16 identity as the A fragment (built in registers) and lo, a raw_at-layout
-// [64][128] bf16 tile stored [k][n], as B through ldmatrix.trans. With A in bf16 (unit diagonal exact)
-// and B = bf16(x) this gives A x + (x − bf16(x)): the dominant diagonal term keeps ~16 bits of x.
+// [64][128] bf16 tile stored [k][n], as B through ldmatrix.trans (lane offsets bl[n / 2] =
+// raw_b_lane(n0 + 8 n)). With A in bf16 (unit diagonal exact) and B = bf16(x) this gives
+// A x + (x − bf16(x)): the dominant diagonal term keeps ~16 bits of x.
 template <int NT>
-__device__ __forceinline__ void identity_lo_step(float (&acc)[NT][4], const __nv_bfloat16* lo, int r0, int n0) {
+__device__ __forceinline__ void identity_lo_step(float (&acc)[NT][4], const __nv_bfloat16* lo, int r0, const int (&bl)[NT / 2]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint32_t d = pack_bf16(g == 2 * t ? 1.f : 0.f, g == 2 * t + 1 ? 1.f : 0.f);
   const uint32_t a[4] = {d, 0u, 0u, d};  // rows g / g + 8, columns 2t.. / 2t + 8..: I's entries
 #pragma unroll
   for (int n = 0; n < NT; n += 2) {
     uint32_t b0[2], b1[2];
-    raw_b_frags(lo, r0, n0 + 8 * n, b0, b1);
+    raw_b_frags(lo + bl[n / 2] + 64 * r0, b0, b1);
     mma_bf16(acc[n], a, b0);
     mma_bf16(acc[n + 1], a, b1);
   }
