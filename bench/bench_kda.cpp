@@ -95,7 +95,7 @@ Record kda_record(const char* name, const Config& c) {
   r.suite = "kda";
   r.name = name;
   r.params = {{"config", c.name}, {"dtype", "bf16"}, {"H", "16"}, {"K", "128"}, {"V", "128"}, {"gate", "softplus+dt_bias in kernel"},
-              {"l2norm", "1"}, {"version", "chunk kernel (mma.sync bf16) + state kernel with o (wgmma bf16, since session 15)"}};
+              {"l2norm", "1"}, {"version", "chunk kernel (mma.sync bf16) + state kernel with o (wgmma bf16)"}};
   return r;
 }
 

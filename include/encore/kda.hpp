@@ -17,7 +17,7 @@
 // accumulation and state; relative error ~4e-3 in the contractive regime β|k|² < 2, docs/kda.md):
 // bf16/fp32 q, k, v, g, beta, o; K, V <= 128; fp32 contiguous initial/final state, A_log, dt_bias;
 // cu_seqlens on the host (<= 1024 sequences), as for the CPU backend; needs
-// workspace_bytes(args, opts) bytes of device workspace (105.5 KB per chunk of 64 tokens and head).
+// workspace_bytes(args, opts) bytes of device workspace (96.5 KB per chunk of 64 tokens and head).
 // The backward is CPU only.
 #pragma once
 #include <cstddef>

@@ -158,7 +158,14 @@ __device__ __forceinline__ int find_seq(const KdaCudaProblem& p, int slot) {
 // TMA tile copy with 128-byte swizzle writes into a 1024-byte aligned box — so that 8 consecutive
 // rows at the same channels fall in 8 different bank groups (a warp reading 32 rows of one
 // 8-channel piece is conflict-free).
-__device__ __forceinline__ int raw_at(int i, int c0) { return (c0 >> 6) * (kC * 64) + i * 64 + ((((c0 >> 3) ^ i) & 7) << 3); }
+// The general form for tiles of kRows rows ([C / 64][kRows][64]; also the state kernel's transposed
+// operands): the offset of row i, channels c0..c0+7 (c0 % 8 == 0), in elements (kUnit 1) or bytes
+// (kUnit 2).
+template <int kRows, int kUnit = 1>
+__host__ __device__ constexpr int sw128_at(int i, int c0) {
+  return (c0 >> 6) * (kRows * 64 * kUnit) + i * (64 * kUnit) + (((c0 >> 3) ^ i) & 7) * (8 * kUnit);
+}
+__device__ __forceinline__ int raw_at(int i, int c0) { return sw128_at<kC>(i, c0); }
 // Element (i, c) of a 64-row tile in that layout (any c: the record's W, Kg, Qg and Aqk planes).
 __device__ __forceinline__ int tile_at(int i, int c) { return raw_at(i, c & ~7) + (c & 7); }
 constexpr int kRawTileBytes = kC * kD * 2;

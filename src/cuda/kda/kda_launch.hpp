@@ -55,7 +55,7 @@ struct KdaCudaProblem {
 };
 
 // Workspace of the forward: one record per (chunk, head) with the head dims padded to 128
-// (kda_device.cuh's WsLayout, 105.5 KB), so it depends on the chunk and head counts only.
+// (kda_device.cuh's WsLayout, 96.5 KB), so it depends on the chunk and head counts only.
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
 Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  // fills p.tmap, p.raw_fast
 

@@ -55,21 +55,16 @@ __device__ void prefetch(unsigned char* stage, uint64_t* bar, const unsigned cha
   bulk_copy(stage + WsLayout::kU, rec + WsLayout::kU + v0 / kUSlice * WsLayout::kUSliceBytes, unsigned(kUBytes), bar);
 }
 
-// Byte offset of row v, key entries c..c+7 (c % 8 == 0) in a transposed tile [K / 64][R][64].
-template <int R>
-__device__ __forceinline__ int t_at(int v, int c) {
-  return (c >> 6) * (R * 128) + v * 128 + ((((c >> 3) ^ v) & 7) << 4);
-}
-
 // This warp's 16 rows (r0..r0+15) of a 64 x kVs accumulator fragment, as bf16 words packed by the
 // caller (x[j][0]: row r0 + g, columns 8 j + 2 t..; x[j][1]: row r0 + 8 + g), into the transposed
-// tile [K / 64][kVs][64]: row = the fragment's column, K = its row (stmatrix.trans, 16 bytes a row).
+// tile [K / 64][kVs][64] (sw128_at<kVs>, bf16): row = the fragment's column, K = its row
+// (stmatrix.trans, 16 bytes a row).
 template <int kVs>
 __device__ __forceinline__ void store_transposed(unsigned char* tile, const uint32_t (&x)[kVs / 8][2], int r0, int lane) {
   const int m = lane >> 3, r = lane & 7;  // this lane addresses row r of stored matrix m
 #pragma unroll
   for (int j = 0; j < kVs / 8; j += 2)
-    stmatrix_x4_trans(tile + t_at<kVs>(8 * (j + m / 2) + r, r0 + 8 * (m % 2)), x[j][0], x[j][1], x[j + 1][0], x[j + 1][1]);
+    stmatrix_x4_trans(tile + sw128_at<kVs, 2>(8 * (j + m / 2) + r, r0 + 8 * (m % 2)), x[j][0], x[j][1], x[j + 1][0], x[j + 1][1]);
 }
 
 template <int kVs>
