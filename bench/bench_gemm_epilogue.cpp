@@ -229,14 +229,14 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
 // one cuBLAS GEMM of the whole shape. A persistent CTA walks ~tiles / 132 tiles in a static order;
 // fewer tiles per launch leave less room for the CTAs to drift apart and lose the weight tiles they
 // would share in L2 (docs/gemm_epilogue.md, the LM head's DRAM bytes).
-void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, GemmTile tile, std::vector<int> slices) {
+void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, GemmTile tile, std::vector<int> slices,
+                      bool store_d = true) {
   const int tn = tile == GemmTile::kPingpong128x128 ? 128 : 256;
   const int64_t tiles = (N + tn - 1) / tn;
-  const bool store_d = e != Epilogue::kLse;
   const std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + "_nslices";
   if (!selected(name + " " + gemm_tile_name(tile) + " " + size)) return;
   if (const char* only = std::getenv("ENCORE_BENCH_SLICES")) slices = {std::atoi(only)};  // one S (for ncu)
-  Layout L(M, N, K, false);
+  Layout L(M, N, K, e == Epilogue::kSwiglu);
   Rotation rot = make_rotation(L.bytes, x.l2, FillKind::kBF16);
   fill_valid(rot, L);
   GemmEpilogueOptions o{e};
@@ -257,6 +257,7 @@ void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
         g.w = mat(b, L.w + size_t(n0 * K) * 2, ns, K);
         if (store_d) g.d = TensorView::strided(b + L.d + size_t(n0) * 2, kT, {M, ns}, {N, 1}, kDev);
         g.row_scale = vec(b, L.r, M, DType::kFP32);
+        if (e == Epilogue::kSwiglu) g.aux = TensorView::strided(b + L.aux + size_t(n0 / 2) * 2, kT, {M, ns / 2}, {N / 2, 1}, kDev);
         if (e == Epilogue::kLse)
           g.partials = TensorView::strided(b + L.partials + size_t(t0) * 4, DType::kFP32, {M, t1 - t0}, {tiles, 1}, kDev);
         check_status(run(g, o, nullptr, x.stream), "sliced");
@@ -430,10 +431,16 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
                      {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128});
   }
   if (filter.find("slices") != std::string::npos) {
-    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kPingpong128x128, {1, 2, 3, 6, 12});
-    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kCooperative128x256, {1, 3, 6});
-    sliced_vs_cublas(x, Epilogue::kRowScale, "8B", M, 2 * 14336, 4096, GemmTile::kPingpong128x128, {1, 2, 4, 7});
-    sliced_vs_cublas(x, Epilogue::kRowScale, "70B", M, 2 * 28672, 8192, GemmTile::kCooperative128x256, {1, 2, 4, 7});
+    // tiles per CTA at S = 1: LM head pp128 486 (M = 8192) / 972 (16384); 8B gate/up pp128 109 / 217; 70B coop 109
+    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kPingpong128x128, {1, 2, 3, 4, 6, 9}, false);
+    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kPingpong128x128, {1, 2, 3, 6}, true);
+    sliced_vs_cublas(x, Epilogue::kLse, "8B", 16384, 128256, 4096, GemmTile::kPingpong128x128, {1, 3, 6, 12}, false);
+    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kCooperative128x256, {1, 2, 3, 6}, false);
+    sliced_vs_cublas(x, Epilogue::kRowScale, "8B", M, 2 * 14336, 4096, GemmTile::kPingpong128x128, {1, 2, 4});
+    sliced_vs_cublas(x, Epilogue::kSwiglu, "8B", M, 2 * 14336, 4096, GemmTile::kPingpong128x128, {1, 2, 4});
+    sliced_vs_cublas(x, Epilogue::kSwiglu, "8B", 16384, 2 * 14336, 4096, GemmTile::kPingpong128x128, {1, 2, 4});
+    sliced_vs_cublas(x, Epilogue::kRowScale, "70B", M, 2 * 28672, 8192, GemmTile::kCooperative128x256, {1, 2, 4});
+    sliced_vs_cublas(x, Epilogue::kSwiglu, "70B", M, 2 * 28672, 8192, GemmTile::kCooperative128x256, {1, 2, 4});
   }
   if (filter.find("raster") != std::string::npos) {
     // Swizzle 8 (the auto swizzle) in each raster order; a first sweep over swizzles 1-8 x raster
