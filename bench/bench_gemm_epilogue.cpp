@@ -224,44 +224,32 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   free_rotation(rot);
 }
 
-// Experiment (ENCORE_BENCH_FILTER containing "slices"): epilogue e (kRowScale or kLse without D) on
-// `tile` as S launches over consecutive N-slices of whole tiles, for each S in `slices`, against the
-// one cuBLAS GEMM of the whole shape. A persistent CTA walks ~tiles / 132 tiles in a static order;
-// fewer tiles per launch leave less room for the CTAs to drift apart and lose the weight tiles they
-// would share in L2 (docs/gemm_epilogue.md, the LM head's DRAM bytes).
+// ENCORE_BENCH_FILTER containing "slices": epilogue e on `tile` launched over S consecutive
+// N-slices (GemmEpilogueOptions::n_slices) for each S in `slices`, against the one cuBLAS GEMM of
+// the whole shape. A persistent CTA walks ~tiles / 132 tiles in a static order; fewer tiles per
+// launch leave less room for the CTAs to drift apart and lose the weight tiles they share in L2
+// (docs/gemm_epilogue.md, the LM head's DRAM bytes). ENCORE_BENCH_SLICES=S runs one S (for ncu).
 void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, GemmTile tile, std::vector<int> slices,
                       bool store_d = true) {
-  const int tn = tile == GemmTile::kPingpong128x128 ? 128 : 256;
-  const int64_t tiles = (N + tn - 1) / tn;
   const std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + "_nslices";
   if (!selected(name + " " + gemm_tile_name(tile) + " " + size)) return;
-  if (const char* only = std::getenv("ENCORE_BENCH_SLICES")) slices = {std::atoi(only)};  // one S (for ncu)
-  Layout L(M, N, K, e == Epilogue::kSwiglu);
+  if (const char* only = std::getenv("ENCORE_BENCH_SLICES")) slices = {std::atoi(only)};
+  Layout L(M, N, K, e == Epilogue::kSwiglu || e == Epilogue::kResidualSqsumAux);
   Rotation rot = make_rotation(L.bytes, x.l2, FillKind::kBF16);
   fill_valid(rot, L);
+  const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
   GemmEpilogueOptions o{e};
-  o.tile = tile;
-  if (e == Epilogue::kLse) o.partial_tile_n = tn;
+  if (by_partials) o.partial_tile_n = tile == GemmTile::kPingpong128x128 ? 128 : 256;
+  if (!by_partials || tile == GemmTile::kPingpong64x256) o.tile = tile;
   std::vector<std::function<void(long long)>> contenders = {[&](long long i) {
     char* b = rot.set(i);
     cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K));
   }};
   for (int S : slices)
     contenders.push_back([&, S](long long i) {
-      char* b = rot.set(i);
-      for (int s = 0; s < S; ++s) {
-        const int64_t t0 = tiles * s / S, t1 = tiles * (s + 1) / S;
-        const int64_t n0 = t0 * tn, ns = std::min(N, t1 * tn) - n0;
-        GemmEpilogueArgs g;
-        g.a = mat(b, L.a, M, K);
-        g.w = mat(b, L.w + size_t(n0 * K) * 2, ns, K);
-        if (store_d) g.d = TensorView::strided(b + L.d + size_t(n0) * 2, kT, {M, ns}, {N, 1}, kDev);
-        g.row_scale = vec(b, L.r, M, DType::kFP32);
-        if (e == Epilogue::kSwiglu) g.aux = TensorView::strided(b + L.aux + size_t(n0 / 2) * 2, kT, {M, ns / 2}, {N / 2, 1}, kDev);
-        if (e == Epilogue::kLse)
-          g.partials = TensorView::strided(b + L.partials + size_t(t0) * 4, DType::kFP32, {M, t1 - t0}, {tiles, 1}, kDev);
-        check_status(run(g, o, nullptr, x.stream), "sliced");
-      }
+      GemmEpilogueOptions os = o;
+      os.n_slices = S;
+      check_status(run(make_args(e, rot.set(i), L, store_d, o.partial_tile_n), os, nullptr, x.stream), "sliced");
     });
   const std::vector<double> times = interleaved(x, contenders, rot.sets);
   free_rotation(rot);
@@ -271,7 +259,7 @@ void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
     r.params.push_back({"slices", std::to_string(slices[si])});
     r.metrics = {{"time_us", times[si + 1]}, {"cublas_gemm_us", times[0]}, {"ratio_vs_cublas", times[si + 1] / times[0]}};
     x.report.records.push_back(r);
-    std::printf("  %-28s %-19s %-4s %6lld x %6lld x %6lld in %2d N-slices: %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)\n", name.c_str(),
+    std::printf("  %-28s %-19s %-4s %6lld x %6lld x %6lld in %2d N-slices (0 = auto): %9.1f us (cuBLAS GEMM %9.1f us, %.3fx)\n", name.c_str(),
                 gemm_tile_name(tile), size.c_str(), (long long)M, (long long)N, (long long)K, slices[si], times[si + 1], times[0],
                 times[si + 1] / times[0]);
     std::fflush(stdout);
@@ -431,16 +419,13 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
                      {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128});
   }
   if (filter.find("slices") != std::string::npos) {
-    // tiles per CTA at S = 1: LM head pp128 486 (M = 8192) / 972 (16384); 8B gate/up pp128 109 / 217; 70B coop 109
-    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kPingpong128x128, {1, 2, 3, 4, 6, 9}, false);
-    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kPingpong128x128, {1, 2, 3, 6}, true);
-    sliced_vs_cublas(x, Epilogue::kLse, "8B", 16384, 128256, 4096, GemmTile::kPingpong128x128, {1, 3, 6, 12}, false);
-    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kCooperative128x256, {1, 2, 3, 6}, false);
-    sliced_vs_cublas(x, Epilogue::kRowScale, "8B", M, 2 * 14336, 4096, GemmTile::kPingpong128x128, {1, 2, 4});
-    sliced_vs_cublas(x, Epilogue::kSwiglu, "8B", M, 2 * 14336, 4096, GemmTile::kPingpong128x128, {1, 2, 4});
-    sliced_vs_cublas(x, Epilogue::kSwiglu, "8B", 16384, 2 * 14336, 4096, GemmTile::kPingpong128x128, {1, 2, 4});
-    sliced_vs_cublas(x, Epilogue::kRowScale, "70B", M, 2 * 28672, 8192, GemmTile::kCooperative128x256, {1, 2, 4});
-    sliced_vs_cublas(x, Epilogue::kSwiglu, "70B", M, 2 * 28672, 8192, GemmTile::kCooperative128x256, {1, 2, 4});
+    // tiles per CTA at S = 1: LM head pp128 486 (M = 8192) / 972 (16384), coop 243; 8B gate/up pp128 217 at M = 16384
+    // (109 at 8192, like the 70B gate/up on coop: slicing did not help there, 2026-11-30-h200-gemm_epilogue-nslices-*.json)
+    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kPingpong128x128, {1, 2, 3, 6, 0}, false);
+    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kPingpong128x128, {1, 3, 0}, true);
+    sliced_vs_cublas(x, Epilogue::kLse, "8B", 16384, 128256, 4096, GemmTile::kPingpong128x128, {1, 3, 6, 0}, false);
+    sliced_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, GemmTile::kCooperative128x256, {1, 2, 3, 0}, false);
+    sliced_vs_cublas(x, Epilogue::kSwiglu, "8B", 16384, 2 * 14336, 4096, GemmTile::kPingpong128x128, {1, 2, 0});
   }
   if (filter.find("raster") != std::string::npos) {
     // Swizzle 8 (the auto swizzle) in each raster order; a first sweep over swizzles 1-8 x raster

@@ -1,6 +1,8 @@
 // GEMM-epilogue family dispatch: validate -> CUDA kernel (src/cuda/gemm_epilogue) or CPU reference;
 // finishers and host-side helpers.
+#include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
@@ -124,6 +126,7 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, Ge
   if (a.partials.defined()) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
   if (o.swizzle != 0 && o.swizzle != 1 && o.swizzle != 2 && o.swizzle != 4 && o.swizzle != 8)
     return Status::invalid("swizzle: must be 0 (auto), 1, 2, 4 or 8, got " + std::to_string(o.swizzle));
+  if (o.n_slices < 0) return Status::invalid("n_slices: must be >= 0 (0 = auto), got " + std::to_string(o.n_slices));
   if (uint8_t(o.raster) > uint8_t(GemmRaster::kAlongN))
     return Status::invalid("raster: must be GemmRaster::kAuto, kAlongM or kAlongN, got " + std::to_string(int(o.raster)));
   if (o.epilogue == Epilogue::kQkvHeadSqsum && o.head_dim != cuda::kHeadSqsumDim)
@@ -177,6 +180,57 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   p.device = a.a.device.index;
   p.sm_count = sm_count;
   return p;
+}
+
+// Tile shape (M, N) of a resolved tile.
+std::pair<int64_t, int64_t> tile_mn(GemmTile t) {
+  if (t == GemmTile::kCooperative128x256) return {128, 256};
+  if (t == GemmTile::kPingpong64x256) return {64, 256};
+  return {128, 128};
+}
+
+// The number of N-slices for options.n_slices = 0: measured on the H200 (N-slices experiment,
+// bench/results/2026-11-30-h200-gemm_epilogue-nslices-*.json), the LM head's LSE at 486 tiles per
+// CTA ran 1.034-1.087x of cuBLAS in one launch and 1.003-1.026x in 3 slices (162 per CTA); at
+// M = 16384 (972 per CTA) 1.047x vs 1.002x in 6; the 8B gate/up SwiGLU at M = 16384 (217 per CTA)
+// 1.078x vs 1.060x in 2; at ~109 tiles per CTA (8B and 70B gate/up, M = 8192) slicing did not help.
+int auto_slices(int64_t M, int64_t N, GemmTile t, int sm_count) {
+  constexpr int64_t kMaxPerCta = 200, kTargetPerCta = 165;
+  const auto [tm, tn] = tile_mn(t);
+  const int64_t m_tiles = (M + 2 * tm - 1) / (2 * tm) * 2;  // 2x1 clusters
+  const int64_t n_tiles = (N + tn - 1) / tn, per_cta = (m_tiles * n_tiles + sm_count - 1) / sm_count;
+  if (per_cta <= kMaxPerCta) return 1;
+  return int(std::min<int64_t>(n_tiles, (per_cta + kTargetPerCta - 1) / kTargetPerCta));
+}
+
+// Runs the launcher over `slices` consecutive N-slices of whole tiles (and whole partials columns):
+// W's rows, the column-indexed operands (D, C, aux, gamma, freq, partials) offset to each slice;
+// the LSE target select takes the slice's first global column.
+Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, const GemmEpilogueArgs& a, Epilogue e, int partial_tile_n,
+                     GemmTile t, int slices, Stream stream) {
+  const int64_t unit = std::max<int64_t>(tile_mn(t).second, partial_tile_n), units = (p.N + unit - 1) / unit;
+  slices = int(std::min<int64_t>(std::max(slices, 1), units));
+  if (slices == 1) return launch(p, stream);
+  auto at = [](const void* base, int64_t elems, DType dt) {
+    return base == nullptr ? nullptr : static_cast<char*>(const_cast<void*>(base)) + elems * int64_t(dtype_size(dt));
+  };
+  const int64_t part_w = e == Epilogue::kQkvHeadSqsum ? cuda::kHeadSqsumDim : partial_tile_n;
+  for (int s = 0; s < slices; ++s) {
+    const int64_t n0 = units * s / slices * unit, n1 = std::min<int64_t>(p.N, units * (s + 1) / slices * unit);
+    cuda::GemmProblem q = p;
+    q.N = int(n1 - n0);
+    q.w = at(p.w, n0 * p.ldw, a.w.dtype);
+    q.d = at(p.d, n0, a.d.dtype);
+    q.c = at(p.c, n0, a.c.dtype);
+    q.aux = at(p.aux, e == Epilogue::kSwiglu ? n0 / 2 : n0, a.aux.dtype);
+    q.gamma = at(p.gamma, n0, a.gamma.dtype);
+    q.freq = reinterpret_cast<const float*>(at(p.freq, n0, DType::kFP32));
+    q.partials = part_w > 0 ? reinterpret_cast<float*>(at(p.partials, n0 / part_w, DType::kFP32)) : p.partials;
+    q.col0 = int(n0);
+    q.n_total = p.N;
+    ENCORE_RETURN_IF_ERROR(launch(q, stream));
+  }
+  return Status::ok();
 }
 
 // The launcher of (epilogue, tile); tile is resolved (never kAuto).
@@ -342,7 +396,9 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* info = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &info));
-    return launcher(o.epilogue, tile)(make_problem(a, o, tile, info->sm_count), stream);
+    const cuda::GemmProblem p = make_problem(a, o, tile, info->sm_count);
+    const int slices = o.n_slices > 0 ? o.n_slices : auto_slices(p.M, p.N, tile, info->sm_count);
+    return launch_sliced(launcher(o.epilogue, tile), p, a, o.epilogue, o.partial_tile_n, tile, slices, stream);
 #else
     (void)stream;
     (void)tile;

@@ -391,6 +391,9 @@ TEST_F(GemmBad, CudaTileLimits) {
     so.swizzle = 0;
     so.raster = static_cast<GemmRaster>(9);
     expect_error(s, so, "raster: must be GemmRaster::kAuto, kAlongM or kAlongN, got 9");
+    so.raster = GemmRaster::kAuto;
+    so.n_slices = -1;
+    expect_error(s, so, "n_slices: must be >= 0 (0 = auto), got -1");
   }
 
   GemmEpilogueArgs r;

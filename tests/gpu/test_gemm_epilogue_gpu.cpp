@@ -51,13 +51,14 @@ struct Case {
   GemmTile tile = GemmTile::kAuto;  // for residual_sqsum_aux / lse: cooperative = partial_tile_n 256
   int swizzle = 0;
   GemmRaster raster = GemmRaster::kAuto;
+  int n_slices = 0;
 };
 
 std::string describe(const Case& c) {
   return std::string(epilogue_name(c.e)) + " " + dtype_name(c.t) + " M" + std::to_string(c.M) + " N" + std::to_string(c.N) + " K" +
          std::to_string(c.K) + " pad" + std::to_string(c.pad) + (c.with_row_scale ? "" : " no-r") + (c.with_d ? "" : " no-d") +
          (c.with_target ? "" : " no-target") + " tile " + gemm_tile_name(c.tile) + " swizzle " + std::to_string(c.swizzle) + " raster " +
-         std::to_string(int(c.raster));
+         std::to_string(int(c.raster)) + " n_slices " + std::to_string(c.n_slices);
 }
 
 void run_case(const Case& c) {
@@ -68,6 +69,7 @@ void run_case(const Case& c) {
   GemmEpilogueOptions o{e};
   o.swizzle = c.swizzle;
   o.raster = c.raster;
+  o.n_slices = c.n_slices;
   if (e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse) {
     o.partial_tile_n = c.tile == GemmTile::kCooperative128x256 || c.tile == GemmTile::kPingpong64x256 ? 256 : 128;
     if (c.tile == GemmTile::kPingpong64x256) o.tile = c.tile;
@@ -255,6 +257,36 @@ TEST_F(GemmEpilogueGpu, SchedulerSettings) {
         c.e = Epilogue::kLse;
         run_case(c);
       }
+}
+
+// Launches over N-slices (GemmEpilogueOptions::n_slices): every epilogue on every tile it has, a
+// ragged last tile, padded rows, slice counts that split the tiles unevenly or exceed them; the
+// column-indexed operands (D, C, aux at half width, gamma, freq, partials) and the LSE target select
+// (targets in every slice, ignore_index rows) must land where one launch puts them.
+TEST_F(GemmEpilogueGpu, NSlices) {
+  const Epilogue all[] = {Epilogue::kRowScale, Epilogue::kScalarScale, Epilogue::kResidualSqsumAux, Epilogue::kSwiglu,
+                          Epilogue::kRope, Epilogue::kQkvHeadSqsum, Epilogue::kLse};
+  for (Epilogue e : all)
+    for (GemmTile tile : {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128, GemmTile::kPingpong64x256}) {
+      const bool has_pp64 = e == Epilogue::kRowScale || e == Epilogue::kSwiglu || e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
+      if (tile == GemmTile::kPingpong64x256 && !has_pp64) continue;
+      const int64_t N = e == Epilogue::kQkvHeadSqsum ? 1280 : 1288;  // per-head partials need whole heads
+      for (int slices : {2, 3, 64}) {
+        Case c{e, DType::kBF16, 300, N, 72, 8, true, true, true, tile};
+        c.n_slices = slices;
+        run_case(c);
+      }
+    }
+  Case c{Epilogue::kLse, DType::kFP16, 129, 3000, 64, 0, true, false, true, GemmTile::kPingpong128x128};
+  c.n_slices = 5;
+  run_case(c);
+}
+
+// Auto slicing: a problem where each CTA would walk more than 200 tiles in one launch (2 M-tiles x
+// 13300 N-tiles of 128 on 132 SMs) runs in slices; LSE with targets (a vocabulary of 1.7M) and row_scale.
+TEST_F(GemmEpilogueGpu, AutoSlices) {
+  run_case({Epilogue::kLse, DType::kBF16, 3, 13300 * 128 - 64, 16, 0, true, false, true, GemmTile::kPingpong128x128});
+  run_case({Epilogue::kRowScale, DType::kBF16, 2, 13300 * 128 - 64, 16, 0, true, true, true, GemmTile::kPingpong128x128});
 }
 
 // The tile kAuto picks must run too (it is what users get).

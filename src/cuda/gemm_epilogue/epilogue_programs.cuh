@@ -144,7 +144,7 @@ struct LseProgram {
                               fusion::Sm90EVT<nodes::OnlineLse, ScaledAcc<TileShape>>>;
   template <class Fusion>
   static typename Fusion::Arguments arguments(const GemmProblem& p) {
-    return {{{{p.row_scale, 1.0f, {}}, {}, {}}, {p.partials, p.ld_partials, p.target, p.target_logit, p.ignore_index}}, {}};
+    return {{{{p.row_scale, 1.0f, {}}, {}, {}}, {p.partials, p.ld_partials, p.target, p.target_logit, p.ignore_index, p.col0, p.n_total}}, {}};
   }
 };
 template <class T>

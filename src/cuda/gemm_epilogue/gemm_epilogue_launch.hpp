@@ -34,6 +34,8 @@ struct GemmProblem {
   const int32_t* target = nullptr;  // [M] contiguous (kLse, optional)
   float* target_logit = nullptr;    // [M] contiguous
   int ignore_index = -100;
+  int col0 = 0;     // kLse over an N-slice: global column of the slice's column 0 (target select)
+  int n_total = 0;  // kLse over an N-slice: the whole N (0: N)
   int swizzle = 1;  // persistent tile scheduler: tiles per swizzle group (1, 2, 4, 8)
   int raster = 0;   // persistent tile scheduler order: 0 heuristic, 1 along M, 2 along N
   int device = 0;

@@ -116,6 +116,8 @@ struct OnlineLseArgs {
   const int32_t* target = nullptr;  // optional
   float* target_logit = nullptr;    // with target
   int ignore_index = -100;
+  int col0 = 0;     // global column of this launch's column 0 (a launch over an N-slice of the vocabulary)
+  int n_total = 0;  // the vocabulary's N (0: this launch's N)
 };
 
 // Per epilogue subtile: visit() stashes x·log2e (−inf outside the problem), raises the row maxima
@@ -132,7 +134,7 @@ struct OnlineLse : NodeBase<OnlineLseArgs> {
     CUTLASS_DEVICE Callbacks(RTensor mx_, RTensor sum_, RTensor prev_, ITensor t_rel_, GTensor g, CTensor c, Residue res, Origin o,
                              bool full_, int n_total, OnlineLseArgs const& p)
         : mx(mx_), sum(sum_), prev(prev_), t_rel(t_rel_), gmem(g), coord(c), residue(res), origin(o), full(full_), N(n_total),
-          target(p.target), target_logit(p.target_logit), ignore_index(p.ignore_index) {
+          col0(p.col0), target(p.target), target_logit(p.target_logit), ignore_index(p.ignore_index) {
       fill(mx, -INFINITY);
       fill(sum, 0.0f);
     }
@@ -143,7 +145,8 @@ struct OnlineLse : NodeBase<OnlineLseArgs> {
     Residue residue;
     Origin origin;
     bool full;
-    int N;
+    int N;     // the whole vocabulary's
+    int col0;  // global column of this launch's column 0
     const int32_t* target;
     float* target_logit;
     int ignore_index;
@@ -210,9 +213,9 @@ struct OnlineLse : NodeBase<OnlineLseArgs> {
         if (!leader || !elem_less(c_flt(i), residue)) continue;
         g_flt(i) = (m + __log2f(s)) * kLn2;
         // Rows whose target is not a column: 0 for ignore_index, NaN otherwise (written once, by
-        // the leader of the tile holding column 0).
-        const int t = t_flt(i) + get<1>(origin);
-        if (target != nullptr && get<1>(origin) == 0 && (t < 0 || t >= N))
+        // the leader of the tile holding global column 0).
+        const int n0 = col0 + get<1>(origin), t = t_flt(i) + n0;
+        if (target != nullptr && n0 == 0 && (t < 0 || t >= N))
           target_logit[get<0>(origin) + int(get<0>(c_flt(i)))] = t == ignore_index ? 0.0f : NAN;
       }
     }
@@ -227,11 +230,12 @@ struct OnlineLse : NodeBase<OnlineLseArgs> {
     auto origin = thread_origin(args);
     auto t_rel = make_row_registers<int, kRefSrc>(args);
     const int32_t* target = this->params.target;
-    const int n0 = get<1>(origin);
+    const int n0 = this->params.col0 + get<1>(origin);  // global column of this thread's first column
     fill_rows(t_rel, args, -(1 << 30), [&](int m) { return target != nullptr ? __ldg(target + m) - n0 : -(1 << 30); });
     auto [M, N, K, L] = args.problem_shape_mnkl;
+    const int n_total = this->params.n_total > 0 ? this->params.n_total : int(N);
     return Callbacks<decltype(mx), decltype(t_rel), decltype(g), decltype(args.tCcD), decltype(args.residue_tCcD), decltype(origin)>(
-        mx, sum, prev, t_rel, g, args.tCcD, args.residue_tCcD, origin, full_tile(args), int(N), this->params);
+        mx, sum, prev, t_rel, g, args.tCcD, args.residue_tCcD, origin, full_tile(args), n_total, this->params);
   }
 };
 
