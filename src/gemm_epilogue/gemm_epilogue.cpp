@@ -194,8 +194,11 @@ std::pair<int64_t, int64_t> tile_mn(GemmTile t) {
 // CTA ran 1.034-1.087x of cuBLAS in one launch and 1.003-1.026x in 3 slices (162 per CTA); at
 // M = 16384 (972 per CTA) 1.047x vs 1.002x in 6; the 8B gate/up SwiGLU at M = 16384 (217 per CTA)
 // 1.078x vs 1.060x in 2; at ~109 tiles per CTA (8B and 70B gate/up, M = 8192) slicing did not help.
+// Not on the 64x256 ping-pong tile: its raster order is CUTLASS's heuristic on the launch's shape,
+// which flips on a slice (LM-head LSE at M = 16384: 1.23x of cuBLAS in 6 slices, ~1.05x in one).
 int auto_slices(int64_t M, int64_t N, GemmTile t, int sm_count) {
   constexpr int64_t kMaxPerCta = 200, kTargetPerCta = 165;
+  if (t == GemmTile::kPingpong64x256) return 1;
   const auto [tm, tn] = tile_mn(t);
   const int64_t m_tiles = (M + 2 * tm - 1) / (2 * tm) * 2;  // 2x1 clusters
   const int64_t n_tiles = (N + tn - 1) / tn, per_cta = (m_tiles * n_tiles + sm_count - 1) / sm_count;
