@@ -375,6 +375,114 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
   std::fflush(stdout);
 }
 
+// ENCORE_BENCH_FILTER containing "breakdown": the block forward's steps (the calls llama_block.cpp
+// makes, default options) and its four cuBLAS GEMMs, each step between CUDA events, the two
+// sequences alternating over 30 iterations after 3 warm-up ones; per-step medians. Shows which
+// step carries the block's ratio to its GEMMs in sequence (the per-kernel ratios, timed one kernel
+// at a time, add up to less than the block's).
+void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_t F, int64_t nqkv, int head_dim) {
+  if (!selected("breakdown " + size)) return;
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t at = off; off = align256(off + bytes); return at; };
+  const size_t y0 = take(size_t(M * d) * 2), x0 = take(size_t(M * d) * 2), w0 = take(size_t(d * d) * 2), w1 = take(size_t(2 * F * d) * 2),
+               w2 = take(size_t(d * F) * 2), w3 = take(size_t(nqkv * d) * 2), g0 = take(size_t(d) * 2), g1 = take(size_t(d) * 2),
+               pos = take(size_t(M) * 4), freq = take(size_t(nqkv) * 4), x1 = take(size_t(M * d) * 2), x2 = take(size_t(M * d) * 2),
+               z1 = take(size_t(M * 2 * F) * 2), qkv = take(size_t(M * nqkv) * 2), r1 = take(size_t(M) * 4), r2 = take(size_t(M) * 4),
+               h1 = take(size_t(M * d) * 2), act = take(size_t(M * F) * 2), h2 = take(size_t(M * d) * 2),
+               p1 = take(size_t(M * ((d + 127) / 128)) * 4), p2 = take(size_t(M * ((d + 127) / 128)) * 4), tmp = take(size_t(M * 2 * F) * 2);
+  Rotation rot = make_rotation(off, x.l2, FillKind::kBF16);
+  std::vector<int32_t> hpos(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) hpos[size_t(m)] = int32_t(m % 8192);
+  std::vector<float> hfreq(static_cast<size_t>(nqkv));
+  const int heads = int(nqkv / head_dim);
+  check_status(rope_freq_turns(heads, heads * 2 / 3, head_dim, 500000.0, TensorView::contiguous(hfreq.data(), DType::kFP32, {nqkv})), "freq");
+  for (long long i = 0; i < rot.sets; ++i) {
+    check_cuda(cudaMemcpy(rot.set(i) + pos, hpos.data(), hpos.size() * 4, cudaMemcpyHostToDevice), "pos");
+    check_cuda(cudaMemcpy(rot.set(i) + freq, hfreq.data(), hfreq.size() * 4, cudaMemcpyHostToDevice), "freq");
+  }
+  const int ptn1 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, d), ptn2 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, F);
+  auto residual = [&](char* b, size_t a, size_t w, int64_t k, size_t c, size_t dd, size_t aux, size_t g, size_t parts, int ptn) {
+    GemmEpilogueArgs e;
+    e.a = mat(b, a, M, k);
+    e.w = mat(b, w, d, k);
+    e.c = mat(b, c, M, d);
+    e.d = mat(b, dd, M, d);
+    e.aux = mat(b, aux, M, d);
+    e.gamma = vec(b, g, d, kT);
+    e.partials = mat(b, parts, M, (d + ptn - 1) / ptn, DType::kFP32);
+    GemmEpilogueOptions o{Epilogue::kResidualSqsumAux};
+    o.partial_tile_n = ptn;
+    check_status(run(e, o, nullptr, x.stream), "residual step");
+    check_status(run(RmsFinalReduceArgs{e.partials, vec(b, parts == p1 ? r1 : r2, M, DType::kFP32)}, d, 1e-6f, x.stream), "rms_final_reduce");
+  };
+  constexpr int kEnc = 5, kCub = 4;  // steps timed: encore 4 GEMM steps + (reduces inside steps 1 and 3)
+  std::vector<cudaEvent_t> ev(kEnc + kCub + 2);
+  for (auto& e : ev) check_cuda(cudaEventCreate(&e), "event");
+  std::vector<std::vector<float>> enc(4), cub(4);
+  for (int it = 0; it < 33; ++it) {
+    char* b = rot.set(it % rot.sets);
+    check_cuda(cudaEventRecord(ev[0], x.stream), "ev");
+    residual(b, y0, w0, d, x0, x1, h1, g0, p1, ptn1);
+    check_cuda(cudaEventRecord(ev[1], x.stream), "ev");
+    GemmEpilogueArgs e1;
+    e1.a = mat(b, h1, M, d);
+    e1.w = mat(b, w1, 2 * F, d);
+    e1.d = mat(b, z1, M, 2 * F);
+    e1.aux = mat(b, act, M, F);
+    e1.row_scale = vec(b, r1, M, DType::kFP32);
+    check_status(run(e1, GemmEpilogueOptions{Epilogue::kSwiglu}, nullptr, x.stream), "swiglu");
+    check_cuda(cudaEventRecord(ev[2], x.stream), "ev");
+    residual(b, act, w2, F, x1, x2, h2, g1, p2, ptn2);
+    check_cuda(cudaEventRecord(ev[3], x.stream), "ev");
+    GemmEpilogueArgs e3;
+    e3.a = mat(b, h2, M, d);
+    e3.w = mat(b, w3, nqkv, d);
+    e3.d = mat(b, qkv, M, nqkv);
+    e3.row_scale = vec(b, r2, M, DType::kFP32);
+    e3.pos = vec(b, pos, M, DType::kInt32);
+    e3.freq = vec(b, freq, nqkv, DType::kFP32);
+    check_status(run(e3, GemmEpilogueOptions{Epilogue::kRope}, nullptr, x.stream), "rope");
+    check_cuda(cudaEventRecord(ev[4], x.stream), "ev");
+    b = rot.set((it + 1) % rot.sets);
+    cublas_gemm(x.handle, b + y0, b + w0, b + x1, int(M), int(d), int(d));
+    check_cuda(cudaEventRecord(ev[5], x.stream), "ev");
+    cublas_gemm(x.handle, b + x1, b + w1, b + z1, int(M), int(2 * F), int(d));
+    check_cuda(cudaEventRecord(ev[6], x.stream), "ev");
+    cublas_gemm(x.handle, b + tmp, b + w2, b + x2, int(M), int(d), int(F));
+    check_cuda(cudaEventRecord(ev[7], x.stream), "ev");
+    cublas_gemm(x.handle, b + x2, b + w3, b + qkv, int(M), int(nqkv), int(d));
+    check_cuda(cudaEventRecord(ev[8], x.stream), "ev");
+    check_cuda(cudaEventSynchronize(ev[8]), "sync");
+    if (it < 3) continue;
+    for (int k = 0; k < 4; ++k) {
+      float ms = 0.f;
+      check_cuda(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]), "elapsed");
+      enc[size_t(k)].push_back(ms * 1000.f);
+      check_cuda(cudaEventElapsedTime(&ms, k == 0 ? ev[4] : ev[4 + k], ev[5 + k]), "elapsed");
+      cub[size_t(k)].push_back(ms * 1000.f);
+    }
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  free_rotation(rot);
+  const char* names[4] = {"o-proj + residual + sqsum (+ rms_final_reduce)", "gate/up + SwiGLU", "down + residual + sqsum (+ rms_final_reduce)",
+                          "QKV + RoPE"};
+  auto median = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return double(v[v.size() / 2]); };
+  double te = 0, tc = 0;
+  for (int k = 0; k < 4; ++k) {
+    const double e = median(enc[size_t(k)]), c = median(cub[size_t(k)]);
+    te += e;
+    tc += c;
+    Record r = record("llama_block_step", size, M, d, d);
+    r.params.push_back({"step", std::to_string(k + 1)});
+    r.metrics = {{"time_us", e}, {"cublas_gemm_us", c}, {"ratio_vs_cublas", e / c}};
+    x.report.records.push_back(r);
+    std::printf("  block step %d %-4s M %5lld %-48s: %9.1f us, cuBLAS GEMM in its sequence %9.1f us (%.3fx)\n", k + 1, size.c_str(),
+                (long long)M, names[k], e, c, e / c);
+  }
+  std::printf("  block steps %-4s M %5lld summed: %9.1f us, cuBLAS %9.1f us (%.3fx)\n", size.c_str(), (long long)M, te, tc, te / tc);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
@@ -391,6 +499,7 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
     const int64_t qkv = (s.q_heads + 2 * s.kv_heads) * s.head_dim;
     for (int64_t m : {int64_t(8192), int64_t(16384)}) {
       block_forward(x, s.name, m, s.D, s.F, qkv, int(s.head_dim));
+      block_breakdown(x, s.name, m, s.D, s.F, qkv, int(s.head_dim));
       kernel_vs_cublas(x, Epilogue::kResidualSqsumAux, s.name, m, s.D, s.D);
       kernel_vs_cublas(x, Epilogue::kRowScale, s.name, m, 2 * s.F, s.D);
       kernel_vs_cublas(x, Epilogue::kSwiglu, s.name, m, 2 * s.F, s.D);

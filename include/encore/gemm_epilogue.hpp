@@ -124,7 +124,7 @@ Status run(const LseFinishArgs& args, int ignore_index = -100, Stream stream = n
 //   each Q / K head h of row m:  x ← x · rsqrt(partials[m, h] / head_dim + eps) · w  (w = q_weight for
 //   Q heads, k_weight for K heads), then the RoPE of kRope over its column pairs with pos[m] and freq
 //   (rope_freq_turns layout over all N columns); V heads are untouched. partials: the kQkvHeadSqsum
-//   output [M, heads] (only the Q and K heads are read). CPU backend (CUDA: not yet).
+//   output [M, heads] (only the Q and K heads are read). CPU and CUDA backends.
 struct QkNormRopeArgs {
   TensorView qkv;       // [M, N] bf16 / fp16 / fp32, in place
   TensorView partials;  // [M, N / head_dim] fp32
