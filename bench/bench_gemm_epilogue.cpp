@@ -377,7 +377,7 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
 
 // ENCORE_BENCH_FILTER containing "breakdown": the block forward's steps (the calls llama_block.cpp
 // makes, default options) and its four cuBLAS GEMMs, each step between CUDA events, the two
-// sequences alternating over 30 iterations after 3 warm-up ones; per-step medians. Shows which
+// sequences alternating over 30 iterations after 3 warm-up ones, enqueued back to back; per-step medians. Shows which
 // step carries the block's ratio to its GEMMs in sequence (the per-kernel ratios, timed one kernel
 // at a time, add up to less than the block's).
 void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_t F, int64_t nqkv, int head_dim) {
@@ -415,11 +415,14 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
     check_status(run(e, o, nullptr, x.stream), "residual step");
     check_status(run(RmsFinalReduceArgs{e.partials, vec(b, parts == p1 ? r1 : r2, M, DType::kFP32)}, d, 1e-6f, x.stream), "rms_final_reduce");
   };
-  constexpr int kEnc = 5, kCub = 4;  // steps timed: encore 4 GEMM steps + (reduces inside steps 1 and 3)
-  std::vector<cudaEvent_t> ev(kEnc + kCub + 2);
-  for (auto& e : ev) check_cuda(cudaEventCreate(&e), "event");
+  // Events per iteration, synchronized once at the end: the host enqueues ahead of the GPU, so no
+  // step waits for its launch (a sync per iteration put the host's launch time into step 1).
+  constexpr int kIters = 33, kEvents = 9;
+  std::vector<cudaEvent_t> all(size_t(kIters) * kEvents);
+  for (auto& e : all) check_cuda(cudaEventCreate(&e), "event");
   std::vector<std::vector<float>> enc(4), cub(4);
-  for (int it = 0; it < 33; ++it) {
+  for (int it = 0; it < kIters; ++it) {
+    cudaEvent_t* ev = all.data() + size_t(it) * kEvents;
     char* b = rot.set(it % rot.sets);
     check_cuda(cudaEventRecord(ev[0], x.stream), "ev");
     residual(b, y0, w0, d, x0, x1, h1, g0, p1, ptn1);
@@ -452,8 +455,10 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
     check_cuda(cudaEventRecord(ev[7], x.stream), "ev");
     cublas_gemm(x.handle, b + x2, b + w3, b + qkv, int(M), int(nqkv), int(d));
     check_cuda(cudaEventRecord(ev[8], x.stream), "ev");
-    check_cuda(cudaEventSynchronize(ev[8]), "sync");
-    if (it < 3) continue;
+  }
+  check_cuda(cudaStreamSynchronize(x.stream), "sync");
+  for (int it = 3; it < kIters; ++it) {
+    cudaEvent_t* ev = all.data() + size_t(it) * kEvents;
     for (int k = 0; k < 4; ++k) {
       float ms = 0.f;
       check_cuda(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]), "elapsed");
@@ -462,7 +467,7 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
       cub[size_t(k)].push_back(ms * 1000.f);
     }
   }
-  for (auto& e : ev) cudaEventDestroy(e);
+  for (auto& e : all) cudaEventDestroy(e);
   free_rotation(rot);
   const char* names[4] = {"o-proj + residual + sqsum (+ rms_final_reduce)", "gate/up + SwiGLU", "down + residual + sqsum (+ rms_final_reduce)",
                           "QKV + RoPE"};
