@@ -417,13 +417,11 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
   };
   // Events per iteration, synchronized once at the end: the host enqueues ahead of the GPU, so no
   // step waits for its launch (a sync per iteration put the host's launch time into step 1).
-  constexpr int kIters = 33, kEvents = 9;
+  constexpr int kIters = 33, kEvents = 10;
   std::vector<cudaEvent_t> all(size_t(kIters) * kEvents);
   for (auto& e : all) check_cuda(cudaEventCreate(&e), "event");
   std::vector<std::vector<float>> enc(4), cub(4);
-  for (int it = 0; it < kIters; ++it) {
-    cudaEvent_t* ev = all.data() + size_t(it) * kEvents;
-    char* b = rot.set(it % rot.sets);
+  auto encore_steps = [&](cudaEvent_t* ev, char* b) {
     check_cuda(cudaEventRecord(ev[0], x.stream), "ev");
     residual(b, y0, w0, d, x0, x1, h1, g0, p1, ptn1);
     check_cuda(cudaEventRecord(ev[1], x.stream), "ev");
@@ -446,16 +444,27 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
     e3.freq = vec(b, freq, nqkv, DType::kFP32);
     check_status(run(e3, GemmEpilogueOptions{Epilogue::kRope}, nullptr, x.stream), "rope");
     check_cuda(cudaEventRecord(ev[4], x.stream), "ev");
-    b = rot.set((it + 1) % rot.sets);
-    cublas_gemm(x.handle, b + y0, b + w0, b + x1, int(M), int(d), int(d));
+  };
+  auto cublas_steps = [&](cudaEvent_t* ev, char* b) {
     check_cuda(cudaEventRecord(ev[5], x.stream), "ev");
-    cublas_gemm(x.handle, b + x1, b + w1, b + z1, int(M), int(2 * F), int(d));
+    cublas_gemm(x.handle, b + y0, b + w0, b + x1, int(M), int(d), int(d));
     check_cuda(cudaEventRecord(ev[6], x.stream), "ev");
-    cublas_gemm(x.handle, b + tmp, b + w2, b + x2, int(M), int(d), int(F));
+    cublas_gemm(x.handle, b + x1, b + w1, b + z1, int(M), int(2 * F), int(d));
     check_cuda(cudaEventRecord(ev[7], x.stream), "ev");
-    cublas_gemm(x.handle, b + x2, b + w3, b + qkv, int(M), int(nqkv), int(d));
+    cublas_gemm(x.handle, b + tmp, b + w2, b + x2, int(M), int(d), int(F));
     check_cuda(cudaEventRecord(ev[8], x.stream), "ev");
+    cublas_gemm(x.handle, b + x2, b + w3, b + qkv, int(M), int(nqkv), int(d));
+    check_cuda(cudaEventRecord(ev[9], x.stream), "ev");
+  };
+  // ENCORE_BREAKDOWN_SEPARATE=1: all of encore's iterations, then all of cuBLAS's (each sustained
+  // alone, as a timing loop of one contender runs), instead of alternating them.
+  const bool separate = std::getenv("ENCORE_BREAKDOWN_SEPARATE") != nullptr;
+  for (int it = 0; it < kIters; ++it) {
+    encore_steps(all.data() + size_t(it) * kEvents, rot.set(it % rot.sets));
+    if (!separate) cublas_steps(all.data() + size_t(it) * kEvents, rot.set((it + 1) % rot.sets));
   }
+  if (separate)
+    for (int it = 0; it < kIters; ++it) cublas_steps(all.data() + size_t(it) * kEvents, rot.set((it + 1) % rot.sets));
   check_cuda(cudaStreamSynchronize(x.stream), "sync");
   for (int it = 3; it < kIters; ++it) {
     cudaEvent_t* ev = all.data() + size_t(it) * kEvents;
@@ -463,7 +472,7 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
       float ms = 0.f;
       check_cuda(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]), "elapsed");
       enc[size_t(k)].push_back(ms * 1000.f);
-      check_cuda(cudaEventElapsedTime(&ms, k == 0 ? ev[4] : ev[4 + k], ev[5 + k]), "elapsed");
+      check_cuda(cudaEventElapsedTime(&ms, ev[5 + k], ev[6 + k]), "elapsed");
       cub[size_t(k)].push_back(ms * 1000.f);
     }
   }
@@ -478,13 +487,15 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
     te += e;
     tc += c;
     Record r = record("llama_block_step", size, M, d, d);
+    r.params.push_back({"order", separate ? "separate" : "alternating"});
     r.params.push_back({"step", std::to_string(k + 1)});
     r.metrics = {{"time_us", e}, {"cublas_gemm_us", c}, {"ratio_vs_cublas", e / c}};
     x.report.records.push_back(r);
     std::printf("  block step %d %-4s M %5lld %-48s: %9.1f us, cuBLAS GEMM in its sequence %9.1f us (%.3fx)\n", k + 1, size.c_str(),
                 (long long)M, names[k], e, c, e / c);
   }
-  std::printf("  block steps %-4s M %5lld summed: %9.1f us, cuBLAS %9.1f us (%.3fx)\n", size.c_str(), (long long)M, te, tc, te / tc);
+  std::printf("  block steps %-4s M %5lld summed (%s): %9.1f us, cuBLAS %9.1f us (%.3fx)\n", size.c_str(), (long long)M,
+              separate ? "separate" : "alternating", te, tc, te / tc);
   std::fflush(stdout);
 }
 
