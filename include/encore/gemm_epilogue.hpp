@@ -75,9 +75,10 @@ struct GemmEpilogueOptions {
   GemmRaster raster = GemmRaster::kAuto;  // CUDA tile-scheduler order
   // CUDA: launches over that many consecutive N-slices of whole tiles (1 = one launch); 0 = auto:
   // one launch unless a persistent CTA would walk more than 200 tiles, else slices of at most ~165
-  // tiles per CTA (not on kPingpong64x256, whose raster order follows each launch's shape). The static persistent schedule lets CTAs drift apart over a long walk and lose
-  // the weight tiles they share in L2 (the LM head read 19.5 GB from DRAM in one launch, 7.8 GB in
-  // six; docs/gemm_epilogue.md). Same results for any value. Ignored by the CPU backend.
+  // tiles per CTA (not on kPingpong64x256, whose raster order follows each launch's shape). The
+  // static persistent schedule lets CTAs drift apart over a long walk and lose the weight tiles
+  // they share in L2 (the LM head read 19.5 GB from DRAM in one launch, 7.8 GB in six;
+  // docs/gemm_epilogue.md). Bitwise the same results for any value. Ignored by the CPU backend.
   int n_slices = 0;
 };
 
