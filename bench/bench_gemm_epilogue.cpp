@@ -165,6 +165,16 @@ struct Schedule {
 };
 const char* raster_name(GemmRaster r) { return r == GemmRaster::kAlongM ? "M" : r == GemmRaster::kAlongN ? "N" : "auto"; }
 
+// Options that run epilogue e on tile t: the partials epilogues pick their tile by partial_tile_n
+// (128: ping-pong 128x128, 256: cooperative unless the 64x256 tile is asked for), the others by tile.
+GemmEpilogueOptions tile_options(Epilogue e, GemmTile t) {
+  GemmEpilogueOptions o{e};
+  const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
+  if (by_partials) o.partial_tile_n = t == GemmTile::kPingpong128x128 ? 128 : 256;
+  if (!by_partials || t == GemmTile::kPingpong64x256) o.tile = t;
+  return o;
+}
+
 // Times epilogue e on each tile it has (the cuBLAS GEMM once, in the same run); with `schedules`,
 // each tile at each of those scheduler settings; `tiles` restricts the tiles.
 void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, bool store_d = true,
@@ -174,14 +184,8 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   std::vector<std::pair<GemmEpilogueOptions, GemmTile>> variants;  // options and the tile they run on
   const bool has_pp64 = e == Epilogue::kRowScale || e == Epilogue::kSwiglu || by_partials;
   for (GemmTile t : tiles) {
-    GemmEpilogueOptions o{e};
     if (t == GemmTile::kPingpong64x256 && !has_pp64) continue;
-    if (by_partials) {
-      o.partial_tile_n = t == GemmTile::kPingpong128x128 ? 128 : 256;
-      if (t == GemmTile::kPingpong64x256) o.tile = t;
-    } else {
-      o.tile = t;
-    }
+    GemmEpilogueOptions o = tile_options(e, t);
     const std::string key = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + " " + gemm_tile_name(t) + " " + size;
     for (const Schedule& z : schedules) {
       o.swizzle = z.swizzle;
@@ -237,10 +241,7 @@ void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   Layout L(M, N, K, e == Epilogue::kSwiglu || e == Epilogue::kResidualSqsumAux);
   Rotation rot = make_rotation(L.bytes, x.l2, FillKind::kBF16);
   fill_valid(rot, L);
-  const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
-  GemmEpilogueOptions o{e};
-  if (by_partials) o.partial_tile_n = tile == GemmTile::kPingpong128x128 ? 128 : 256;
-  if (!by_partials || tile == GemmTile::kPingpong64x256) o.tile = tile;
+  const GemmEpilogueOptions o = tile_options(e, tile);
   std::vector<std::function<void(long long)>> contenders = {[&](long long i) {
     char* b = rot.set(i);
     cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K));
@@ -398,7 +399,8 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
 
 // ENCORE_BENCH_FILTER containing "breakdown": the block forward's steps (the calls llama_block.cpp
 // makes, default options) and its four cuBLAS GEMMs, each step between CUDA events, the two
-// sequences alternating over 30 iterations after 3 warm-up ones, enqueued back to back; per-step medians. Shows which
+// sequences alternating over 30 iterations after 3 warm-up ones, enqueued back to back; per-step
+// medians. Shows which
 // step carries the block's ratio to its GEMMs in sequence (the per-kernel ratios, timed one kernel
 // at a time, add up to less than the block's).
 void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_t F, int64_t nqkv, int head_dim) {
@@ -407,12 +409,12 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
   Rotation rot = make_rotation(B.bytes, x.l2, FillKind::kBF16);
   B.fill(rot, head_dim);
   const int ptn1 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, d), ptn2 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, F);
-  auto residual = [&](char* b, size_t a, size_t w, int64_t k, size_t c, size_t dd, size_t aux, size_t g, size_t parts, int ptn) {
+  auto residual = [&](char* b, size_t a, size_t w, int64_t k, size_t c, size_t dd, size_t aux, size_t g, size_t parts, int ptn, size_t r) {
     const GemmEpilogueArgs e = residual_args(b, a, w, c, dd, aux, g, parts, M, d, k, ptn);
     GemmEpilogueOptions o{Epilogue::kResidualSqsumAux};
     o.partial_tile_n = ptn;
     check_status(run(e, o, nullptr, x.stream), "residual step");
-    check_status(run(RmsFinalReduceArgs{e.partials, vec(b, parts == B.p1 ? B.r1 : B.r2, M, DType::kFP32)}, d, 1e-6f, x.stream), "rms_final_reduce");
+    check_status(run(RmsFinalReduceArgs{e.partials, vec(b, r, M, DType::kFP32)}, d, 1e-6f, x.stream), "rms_final_reduce");
   };
   // Events per iteration, synchronized once at the end: the host enqueues ahead of the GPU, so no
   // step waits for its launch (a sync per iteration put the host's launch time into step 1).
@@ -422,7 +424,7 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
   std::vector<std::vector<float>> enc(4), cub(4);
   auto encore_steps = [&](cudaEvent_t* ev, char* b) {
     check_cuda(cudaEventRecord(ev[0], x.stream), "ev");
-    residual(b, B.y0, B.w0, d, B.x0, B.x1, B.h1, B.g0, B.p1, ptn1);
+    residual(b, B.y0, B.w0, d, B.x0, B.x1, B.h1, B.g0, B.p1, ptn1, B.r1);
     check_cuda(cudaEventRecord(ev[1], x.stream), "ev");
     GemmEpilogueArgs e1;
     e1.a = mat(b, B.h1, M, d);
@@ -432,7 +434,7 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
     e1.row_scale = vec(b, B.r1, M, DType::kFP32);
     check_status(run(e1, GemmEpilogueOptions{Epilogue::kSwiglu}, nullptr, x.stream), "swiglu");
     check_cuda(cudaEventRecord(ev[2], x.stream), "ev");
-    residual(b, B.act, B.w2, F, B.x1, B.x2, B.h2, B.g1, B.p2, ptn2);
+    residual(b, B.act, B.w2, F, B.x1, B.x2, B.h2, B.g1, B.p2, ptn2, B.r2);
     check_cuda(cudaEventRecord(ev[3], x.stream), "ev");
     GemmEpilogueArgs e3;
     e3.a = mat(b, B.h2, M, d);

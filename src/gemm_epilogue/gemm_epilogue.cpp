@@ -206,29 +206,31 @@ int auto_slices(int64_t M, int64_t N, GemmTile t, int sm_count) {
   return int(std::min<int64_t>(n_tiles, (per_cta + kTargetPerCta - 1) / kTargetPerCta));
 }
 
-// Runs the launcher over `slices` consecutive N-slices of whole tiles (and whole partials columns):
-// W's rows, the column-indexed operands (D, C, aux, gamma, freq, partials) offset to each slice;
-// the LSE target select takes the slice's first global column.
-Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, const GemmEpilogueArgs& a, Epilogue e, int partial_tile_n,
-                     GemmTile t, int slices, Stream stream) {
-  const int64_t unit = std::max<int64_t>(tile_mn(t).second, partial_tile_n), units = (p.N + unit - 1) / unit;
+// Runs the launcher over `slices` consecutive N-slices of whole tiles: W's rows and the
+// column-indexed operands (D, C, aux, gamma: all in p.dtype after validate_cuda; freq; the partials,
+// whose column tile is the tile N or, for kQkvHeadSqsum, a head that divides it) offset to each
+// slice; the LSE target select takes the slice's first global column.
+Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, Epilogue e, int partial_tile_n, GemmTile t, int slices,
+                     Stream stream) {
+  const int64_t unit = tile_mn(t).second, units = (p.N + unit - 1) / unit;
   slices = int(std::min<int64_t>(std::max(slices, 1), units));
   if (slices == 1) return launch(p, stream);
-  auto at = [](const void* base, int64_t elems, DType dt) {
-    return base == nullptr ? nullptr : static_cast<char*>(const_cast<void*>(base)) + elems * int64_t(dtype_size(dt));
+  auto at = [](const void* base, int64_t elems, size_t esize) {
+    return base == nullptr ? nullptr : static_cast<char*>(const_cast<void*>(base)) + elems * int64_t(esize);
   };
+  const size_t es = dtype_size(p.dtype);
   const int64_t part_w = e == Epilogue::kQkvHeadSqsum ? cuda::kHeadSqsumDim : partial_tile_n;
   for (int s = 0; s < slices; ++s) {
     const int64_t n0 = units * s / slices * unit, n1 = std::min<int64_t>(p.N, units * (s + 1) / slices * unit);
     cuda::GemmProblem q = p;
     q.N = int(n1 - n0);
-    q.w = at(p.w, n0 * p.ldw, a.w.dtype);
-    q.d = at(p.d, n0, a.d.dtype);
-    q.c = at(p.c, n0, a.c.dtype);
-    q.aux = at(p.aux, e == Epilogue::kSwiglu ? n0 / 2 : n0, a.aux.dtype);
-    q.gamma = at(p.gamma, n0, a.gamma.dtype);
-    q.freq = reinterpret_cast<const float*>(at(p.freq, n0, DType::kFP32));
-    q.partials = part_w > 0 ? reinterpret_cast<float*>(at(p.partials, n0 / part_w, DType::kFP32)) : p.partials;
+    q.w = at(p.w, n0 * p.ldw, es);
+    q.d = at(p.d, n0, es);
+    q.c = at(p.c, n0, es);
+    q.aux = at(p.aux, e == Epilogue::kSwiglu ? n0 / 2 : n0, es);
+    q.gamma = at(p.gamma, n0, es);
+    q.freq = reinterpret_cast<const float*>(at(p.freq, n0, sizeof(float)));
+    q.partials = part_w > 0 ? reinterpret_cast<float*>(at(p.partials, n0 / part_w, sizeof(float))) : p.partials;
     q.col0 = int(n0);
     q.n_total = p.N;
     ENCORE_RETURN_IF_ERROR(launch(q, stream));
@@ -401,7 +403,7 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &info));
     const cuda::GemmProblem p = make_problem(a, o, tile, info->sm_count);
     const int slices = o.n_slices > 0 ? o.n_slices : auto_slices(p.M, p.N, tile, info->sm_count);
-    return launch_sliced(launcher(o.epilogue, tile), p, a, o.epilogue, o.partial_tile_n, tile, slices, stream);
+    return launch_sliced(launcher(o.epilogue, tile), p, o.epilogue, o.partial_tile_n, tile, slices, stream);
 #else
     (void)stream;
     (void)tile;
