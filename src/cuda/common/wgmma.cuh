@@ -34,6 +34,12 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* p, bool mn_majo
   return uint64_t((smem_addr(p) & 0x3FFFF) >> 4) | (lbo << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// The descriptor of the operand `bytes` further on (a multiple of 16) from the one `d` describes:
+// the start-address field (bits 0-13, address / 16) moves, the rest stays; both addresses lie in
+// shared memory (< 256 KB), so the field cannot overflow. Lets a kernel build one descriptor per tile
+// and step its k-steps by constant offsets instead of rebuilding each descriptor.
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t d, int bytes) { return d + uint64_t(bytes >> 4); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kPending>

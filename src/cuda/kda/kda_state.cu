@@ -135,12 +135,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     }
     const unsigned char* cur = smem + (it % kStages) * Sm::kStage;
     if (wg < 2) {  // W h_t (warpgroup 0), O = Qg h_t (warpgroup 1); K = 128 in two swizzled halves
-      const unsigned char* a = cur + (wg == 0 ? WsLayout::kW : WsLayout::kQg);
+      const uint64_t da = wgmma_desc_sw128(cur + (wg == 0 ? WsLayout::kW : WsLayout::kQg)), db = wgmma_desc_sw128(St);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks)
-        wgmma_bf16<kVs, 0>(d, wgmma_desc_sw128(a + (ks / 4) * (kC * 128) + (ks % 4) * 32),
-                           wgmma_desc_sw128(St + (ks / 4) * (kVs * 128) + (ks % 4) * 32), ks > 0);
+        wgmma_bf16<kVs, 0>(d, wgmma_desc_advance(da, (ks / 4) * (kC * 128) + (ks % 4) * 32),
+                           wgmma_desc_advance(db, (ks / 4) * (kVs * 128) + (ks % 4) * 32), ks > 0);
       wgmma_commit();
       wgmma_wait<0>();
       if (wg == 0) {  // Vnew = U − W h_t as bf16 hi + lo, transposed
@@ -168,23 +168,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     }
     __syncthreads();  // Vnewᵀ written; every read of h_tᵀ done
     if (state_wg) {  // S += Kgᵀ Vnew_hi on state rows 64 (wg − 2).. (Kg's channel half, MN-major), then h_{t+1}ᵀ
-      const unsigned char* a = cur + WsLayout::kKg + (wg - 2) * (kC * 128);
+      const uint64_t da = wgmma_desc_sw128(cur + WsLayout::kKg + (wg - 2) * (kC * 128), true), db = wgmma_desc_sw128(Vt);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kC / 16; ++ks) wgmma_bf16<kVs, 1>(d, wgmma_desc_sw128(a + ks * 2048, true), wgmma_desc_sw128(Vt + ks * 32), 1);
+      for (int ks = 0; ks < kC / 16; ++ks) wgmma_bf16<kVs, 1>(d, wgmma_desc_advance(da, ks * 2048), wgmma_desc_advance(db, ks * 32), 1);
       wgmma_commit();
       wgmma_wait<0>();
       write_st();
     } else if (wg == 1) {  // O += Aqk_hi Vnew_hi + Aqk_lo Vnew_hi + Aqk_hi Vnew_lo, then o
-      const unsigned char* ahi = cur + WsLayout::kAqk;
-      const unsigned char* alo = ahi + WsLayout::kAqkPlane * 2;
+      const uint64_t ahi = wgmma_desc_sw128(cur + WsLayout::kAqk), alo = wgmma_desc_advance(ahi, int(WsLayout::kAqkPlane * 2));
+      const uint64_t bhi = wgmma_desc_sw128(Vt), blo = wgmma_desc_sw128(VtLo);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kC / 16; ++ks) {
-        const uint64_t bhi = wgmma_desc_sw128(Vt + ks * 32);
-        wgmma_bf16<kVs, 0>(d, wgmma_desc_sw128(ahi + ks * 32), bhi, 1);
-        wgmma_bf16<kVs, 0>(d, wgmma_desc_sw128(alo + ks * 32), bhi, 1);
-        wgmma_bf16<kVs, 0>(d, wgmma_desc_sw128(ahi + ks * 32), wgmma_desc_sw128(VtLo + ks * 32), 1);
+        wgmma_bf16<kVs, 0>(d, wgmma_desc_advance(ahi, ks * 32), wgmma_desc_advance(bhi, ks * 32), 1);
+        wgmma_bf16<kVs, 0>(d, wgmma_desc_advance(alo, ks * 32), wgmma_desc_advance(bhi, ks * 32), 1);
+        wgmma_bf16<kVs, 0>(d, wgmma_desc_advance(ahi, ks * 32), wgmma_desc_advance(blo, ks * 32), 1);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -210,8 +209,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
               store_pair(p.o, p.o_dtype, o_off + int64_t(t0 + i) * p.o_st + 8 * j, d[j][2 * hh], d[j][2 * hh + 1], V - (v0 + 2 * t4 + 8 * j));
         }
       }
+      o_chunk += int64_t(kC) * p.o_st;  // only warpgroup 1 stores o
     }
-    o_chunk += int64_t(kC) * p.o_st;
   }
   if (p.final_state && state_wg)
     for_frag([&](float& s, int c, int vl) {
