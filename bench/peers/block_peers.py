@@ -5,11 +5,13 @@ encore), eager, torch.compile, and its four matmuls alone (cuBLAS), at LLaMA 1B/
 M = 8192 and 16384. Timing: triton.testing.do_bench (median, L2 flushed between reps), like
 ../shared/docs/bench_peers.py. When the encore Python module is importable (built for this Python,
 e.g. PYTHONPATH=build-py/python), encore.llama_block_forward is timed the same way, so the ratio
-to torch.compile does not mix two timing methods. BLOCK_SIZES (e.g. "8B") limits the sizes.
+to torch.compile does not mix two timing methods. BLOCK_SIZES (e.g. "8B") limits the sizes; ROUNDS
+(default 3) rounds per shape, contenders rotated, medians (each round's times are in the JSON too).
 Usage: python3 bench/peers/block_peers.py OUT.json"""
 import json
 import math
 import os
+import statistics
 import sys
 
 import torch
@@ -17,6 +19,7 @@ from triton.testing import do_bench
 
 dev, bf = "cuda", torch.bfloat16
 SIZES = {"1B": (2048, 8192, 32, 8, 64), "8B": (4096, 14336, 32, 8, 128), "70B": (8192, 28672, 64, 8, 128)}
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
 if os.environ.get("BLOCK_SIZES"):
     SIZES = {k: v for k, v in SIZES.items() if k in os.environ["BLOCK_SIZES"].split(",")}
 try:
@@ -65,19 +68,23 @@ def main(out):
             comp = torch.compile(block, dynamic=False)
             comp(*args)
             key = f"{name}_M{M}"
-            res[f"block_{key}_eager_ms"] = do_bench(lambda: block(*args), warmup=10, rep=100, return_mode="median")
-            res[f"block_{key}_compile_ms"] = do_bench(lambda: comp(*args), warmup=10, rep=100, return_mode="median")
+            y1 = t(M, F)
+            runs = {"eager": lambda: block(*args), "compile": lambda: comp(*args),
+                    "gemms_only": lambda: (y0 @ w0.t(), x0 @ w1.t(), y1 @ w2.t(), x0 @ w3.t())}
             if HAVE_ENCORE:  # the same block (interleaved gate/up, RoPE on the q and k heads) in encore
                 epos = (torch.arange(M, device=dev) % 8192).to(torch.int32)
                 efreq = torch.from_numpy(encore.rope_freq_turns(hq + 2 * hkv, hq + hkv, hd, 500000.0)).to(dev)
-                res[f"block_{key}_encore_ms"] = do_bench(lambda: encore.llama_block_forward(y0, x0, w0, w1, w2, w3, g0, g1, epos, efreq),
-                                                         warmup=10, rep=100, return_mode="median")
-                print(f"block_{key}_encore_ms {res[f'block_{key}_encore_ms']:.4f}", flush=True)
-            y1 = t(M, F)
-            res[f"block_{key}_gemms_only_ms"] = do_bench(lambda: (y0 @ w0.t(), x0 @ w1.t(), y1 @ w2.t(), x0 @ w3.t()), warmup=10, rep=100,
-                                                         return_mode="median")
-            for k in ("eager", "compile", "gemms_only"):
-                print(f"block_{key}_{k}_ms {res[f'block_{key}_{k}_ms']:.4f}", flush=True)
+                runs["encore"] = lambda: encore.llama_block_forward(y0, x0, w0, w1, w2, w3, g0, g1, epos, efreq)
+            # ROUNDS rounds, the contenders in a rotated order each round, the median per contender:
+            # the GPU's clock drifts with its power draw, so back-to-back single runs differ by a few %.
+            names, times = list(runs), {k: [] for k in runs}
+            for r in range(ROUNDS):
+                for k in names[r % len(names):] + names[:r % len(names)]:
+                    times[k].append(do_bench(runs[k], warmup=10, rep=100, return_mode="median"))
+            for k in names:
+                res[f"block_{key}_{k}_ms"] = statistics.median(times[k])
+                res[f"block_{key}_{k}_rounds_ms"] = times[k]
+                print(f"block_{key}_{k}_ms {res[f'block_{key}_{k}_ms']:.4f}  rounds {' '.join(f'{x:.4f}' for x in times[k])}", flush=True)
             del args, comp, y0, x0, w0, w1, w2, w3, y1, cos, sin, ang
             torch.cuda.empty_cache()
     res["gpu"] = torch.cuda.get_device_name(0)
