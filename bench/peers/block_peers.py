@@ -60,10 +60,10 @@ def main(out):
             ang = torch.cat((ang, torch.zeros(M, hkv * hd // 2, device=dev)), dim=1)
             cos, sin = ang.cos(), ang.sin()
             args = (y0, x0, w0, w1, w2, w3, g0, g1, cos, sin)
-            # A fresh static compile per shape: without the reset, the third call of torch.compile on
-            # `block` with a new shape recompiles it with dynamic shapes (automatic dynamic), whose
-            # kernels are slower (measured: 8B M = 8192 6.01 ms after four earlier shapes, 5.46 ms as
-            # the first); the peer must get its best kernels at every size.
+            # A fresh static compile per shape: without the reset, dynamo (which caches by the code of
+            # `block`) recompiles each later shape with the changed dimensions dynamic, whose kernels
+            # can be slower (measured: 8B M = 8192 6.01 ms after the two 1B shapes, 5.41-5.52 ms
+            # static); the peer must get its best kernels at every size.
             torch._dynamo.reset()
             comp = torch.compile(block, dynamic=False)
             comp(*args)
