@@ -267,20 +267,6 @@ void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   }
 }
 
-// residual_sqsum_aux over set b: D = A [M, K]·W [N, K]ᵀ + C, aux = D ⊙ γ, partials per ptn columns.
-GemmEpilogueArgs residual_args(char* b, size_t a, size_t w, size_t c, size_t d, size_t aux, size_t gamma, size_t parts, int64_t M, int64_t N,
-                               int64_t K, int ptn) {
-  GemmEpilogueArgs g;
-  g.a = mat(b, a, M, K);
-  g.w = mat(b, w, N, K);
-  g.c = mat(b, c, M, N);
-  g.d = mat(b, d, M, N);
-  g.aux = mat(b, aux, M, N);
-  g.gamma = vec(b, gamma, N, kT);
-  g.partials = mat(b, parts, M, (N + ptn - 1) / ptn, DType::kFP32);
-  return g;
-}
-
 // h = a·Woᵀ + res;  z = rmsnorm(h)·γ · Wupᵀ  (Wo [D, D], Wup [2F, D]).
 void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F, int partial_tile_n) {
   if (!selected("chain_grg " + std::to_string(partial_tile_n) + " " + size)) return;
@@ -296,7 +282,14 @@ void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F,
   o1.partial_tile_n = partial_tile_n;
   auto fused_fn = [&](long long i) {
     char* b = rot.set(i);
-    const GemmEpilogueArgs g1 = residual_args(b, a, wo, res, h, aux, gamma, parts, M, D, D, partial_tile_n);
+    GemmEpilogueArgs g1;
+    g1.a = mat(b, a, M, D);
+    g1.w = mat(b, wo, D, D);
+    g1.d = mat(b, h, M, D);
+    g1.c = mat(b, res, M, D);
+    g1.aux = mat(b, aux, M, D);
+    g1.gamma = vec(b, gamma, D, kT);
+    g1.partials = mat(b, parts, M, tiles, DType::kFP32);
     check_status(run(g1, o1, nullptr, x.stream), "residual_sqsum_aux");
     check_status(run(RmsFinalReduceArgs{g1.partials, vec(b, r, M, DType::kFP32)}, D, 1e-6f, x.stream), "rms_final_reduce");
     GemmEpilogueArgs g2;
@@ -333,20 +326,24 @@ void chain_grg(Ctx& x, const std::string& size, int64_t M, int64_t D, int64_t F,
   std::fflush(stdout);
 }
 
-// The block's tensors at fixed offsets in one rotation set: its arguments, the tensors
-// llama_block.cpp carves from its workspace (h1, act, h2, p1, p2; for the breakdown) and cuBLAS's
+// The block's tensors at fixed offsets in one rotation set: its arguments (args) and cuBLAS's
 // scratch input (tmp); fill() writes valid positions and RoPE frequencies into every set.
 struct BlockBuffers {
   int64_t M, d, F, nqkv;
-  size_t y0, x0, w0, w1, w2, w3, g0, g1, pos, freq, x1, x2, z1, qkv, r1, r2, h1, act, h2, p1, p2, tmp, bytes = 0;
+  size_t y0, x0, w0, w1, w2, w3, g0, g1, pos, freq, x1, x2, z1, qkv, r1, r2, tmp, bytes = 0;
   BlockBuffers(int64_t m, int64_t dd, int64_t f, int64_t n) : M(m), d(dd), F(f), nqkv(n) {
     auto take = [&](size_t b) { size_t at = bytes; bytes = align256(bytes + b); return at; };
     y0 = take(size_t(M * d) * 2), x0 = take(size_t(M * d) * 2), w0 = take(size_t(d * d) * 2), w1 = take(size_t(2 * F * d) * 2);
     w2 = take(size_t(d * F) * 2), w3 = take(size_t(nqkv * d) * 2), g0 = take(size_t(d) * 2), g1 = take(size_t(d) * 2);
     pos = take(size_t(M) * 4), freq = take(size_t(nqkv) * 4), x1 = take(size_t(M * d) * 2), x2 = take(size_t(M * d) * 2);
     z1 = take(size_t(M * 2 * F) * 2), qkv = take(size_t(M * nqkv) * 2), r1 = take(size_t(M) * 4), r2 = take(size_t(M) * 4);
-    h1 = take(size_t(M * d) * 2), act = take(size_t(M * F) * 2), h2 = take(size_t(M * d) * 2);
-    p1 = take(size_t(M * ((d + 127) / 128)) * 4), p2 = take(size_t(M * ((d + 127) / 128)) * 4), tmp = take(size_t(M * 2 * F) * 2);
+    tmp = take(size_t(M * 2 * F) * 2);
+  }
+  LlamaBlockArgs args(char* b) const {
+    return LlamaBlockArgs{mat(b, y0, M, d), mat(b, x0, M, d), mat(b, w0, d, d), mat(b, w1, 2 * F, d), mat(b, w2, d, F),
+                          mat(b, w3, nqkv, d), vec(b, g0, d, kT), vec(b, g1, d, kT), vec(b, pos, M, DType::kInt32),
+                          vec(b, freq, nqkv, DType::kFP32), mat(b, x1, M, d), mat(b, x2, M, d), mat(b, z1, M, 2 * F),
+                          mat(b, qkv, M, nqkv), vec(b, r1, M, DType::kFP32), vec(b, r2, M, DType::kFP32)};
   }
   void fill(const Rotation& rot, int head_dim) const {
     std::vector<int32_t> hpos(static_cast<size_t>(M));
@@ -367,12 +364,7 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
   const BlockBuffers B(M, d, F, nqkv);
   Rotation rot = make_rotation(B.bytes, x.l2, FillKind::kBF16);
   B.fill(rot, head_dim);
-  auto args = [&](char* b) {
-    return LlamaBlockArgs{mat(b, B.y0, M, d), mat(b, B.x0, M, d), mat(b, B.w0, d, d), mat(b, B.w1, 2 * F, d), mat(b, B.w2, d, F),
-                          mat(b, B.w3, nqkv, d), vec(b, B.g0, d, kT), vec(b, B.g1, d, kT), vec(b, B.pos, M, DType::kInt32),
-                          vec(b, B.freq, nqkv, DType::kFP32), mat(b, B.x1, M, d), mat(b, B.x2, M, d), mat(b, B.z1, M, 2 * F),
-                          mat(b, B.qkv, M, nqkv), vec(b, B.r1, M, DType::kFP32), vec(b, B.r2, M, DType::kFP32)};
-  };
+  auto args = [&](char* b) { return B.args(b); };
   const size_t ws_bytes = workspace_bytes(args(rot.set(0)), LlamaBlockOptions{});
   void* ws = nullptr;
   check_cuda(cudaMalloc(&ws, ws_bytes), "block workspace");
@@ -397,25 +389,19 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
   std::fflush(stdout);
 }
 
-// ENCORE_BENCH_FILTER containing "breakdown": the block forward's steps (the calls llama_block.cpp
-// makes, default options) and its four cuBLAS GEMMs, each step between CUDA events, the two
-// sequences alternating over 30 iterations after 3 warm-up ones, enqueued back to back; per-step
-// medians. Shows which
-// step carries the block's ratio to its GEMMs in sequence (the per-kernel ratios, timed one kernel
-// at a time, add up to less than the block's).
+// ENCORE_BENCH_FILTER containing "breakdown": the block forward's four steps (llama_block's
+// run_step, default options, each with its rms_final_reduce) and its four cuBLAS GEMMs, each step
+// between CUDA events, the two sequences alternating over 30 iterations after 3 warm-up ones,
+// enqueued back to back; per-step medians. Shows which step carries the block's ratio to its GEMMs
+// in sequence (the per-kernel ratios, timed one kernel at a time, add up to less than the block's).
 void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_t F, int64_t nqkv, int head_dim) {
   if (!selected("breakdown " + size)) return;
   const BlockBuffers B(M, d, F, nqkv);
   Rotation rot = make_rotation(B.bytes, x.l2, FillKind::kBF16);
   B.fill(rot, head_dim);
-  const int ptn1 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, d), ptn2 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, F);
-  auto residual = [&](char* b, size_t a, size_t w, int64_t k, size_t c, size_t dd, size_t aux, size_t g, size_t parts, int ptn, size_t r) {
-    const GemmEpilogueArgs e = residual_args(b, a, w, c, dd, aux, g, parts, M, d, k, ptn);
-    GemmEpilogueOptions o{Epilogue::kResidualSqsumAux};
-    o.partial_tile_n = ptn;
-    check_status(run(e, o, nullptr, x.stream), "residual step");
-    check_status(run(RmsFinalReduceArgs{e.partials, vec(b, r, M, DType::kFP32)}, d, 1e-6f, x.stream), "rms_final_reduce");
-  };
+  const size_t ws_bytes = workspace_bytes(B.args(rot.set(0)), LlamaBlockOptions{});
+  void* ws = nullptr;
+  check_cuda(cudaMalloc(&ws, ws_bytes), "block workspace");
   // Events per iteration, synchronized once at the end: the host enqueues ahead of the GPU, so no
   // step waits for its launch (a sync per iteration put the host's launch time into step 1).
   constexpr int kIters = 33, kEvents = 10;
@@ -423,28 +409,12 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
   for (auto& e : all) check_cuda(cudaEventCreate(&e), "event");
   std::vector<std::vector<float>> enc(4), cub(4);
   auto encore_steps = [&](cudaEvent_t* ev, char* b) {
+    const LlamaBlockArgs a = B.args(b);
     check_cuda(cudaEventRecord(ev[0], x.stream), "ev");
-    residual(b, B.y0, B.w0, d, B.x0, B.x1, B.h1, B.g0, B.p1, ptn1, B.r1);
-    check_cuda(cudaEventRecord(ev[1], x.stream), "ev");
-    GemmEpilogueArgs e1;
-    e1.a = mat(b, B.h1, M, d);
-    e1.w = mat(b, B.w1, 2 * F, d);
-    e1.d = mat(b, B.z1, M, 2 * F);
-    e1.aux = mat(b, B.act, M, F);
-    e1.row_scale = vec(b, B.r1, M, DType::kFP32);
-    check_status(run(e1, GemmEpilogueOptions{Epilogue::kSwiglu}, nullptr, x.stream), "swiglu");
-    check_cuda(cudaEventRecord(ev[2], x.stream), "ev");
-    residual(b, B.act, B.w2, F, B.x1, B.x2, B.h2, B.g1, B.p2, ptn2, B.r2);
-    check_cuda(cudaEventRecord(ev[3], x.stream), "ev");
-    GemmEpilogueArgs e3;
-    e3.a = mat(b, B.h2, M, d);
-    e3.w = mat(b, B.w3, nqkv, d);
-    e3.d = mat(b, B.qkv, M, nqkv);
-    e3.row_scale = vec(b, B.r2, M, DType::kFP32);
-    e3.pos = vec(b, B.pos, M, DType::kInt32);
-    e3.freq = vec(b, B.freq, nqkv, DType::kFP32);
-    check_status(run(e3, GemmEpilogueOptions{Epilogue::kRope}, nullptr, x.stream), "rope");
-    check_cuda(cudaEventRecord(ev[4], x.stream), "ev");
+    for (int k = 0; k < 4; ++k) {
+      check_status(run_step(a, LlamaBlockOptions{}, ws, k, x.stream), "llama_block step");
+      check_cuda(cudaEventRecord(ev[k + 1], x.stream), "ev");
+    }
   };
   auto cublas_steps = [&](cudaEvent_t* ev, char* b) {
     check_cuda(cudaEventRecord(ev[5], x.stream), "ev");
@@ -478,6 +448,7 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
     }
   }
   for (auto& e : all) cudaEventDestroy(e);
+  check_cuda(cudaFree(ws), "free");
   free_rotation(rot);
   const char* names[4] = {"o-proj + residual + sqsum (+ rms_final_reduce)", "gate/up + SwiGLU", "down + residual + sqsum (+ rms_final_reduce)",
                           "QKV + RoPE"};

@@ -50,5 +50,8 @@ size_t workspace_bytes(const LlamaBlockArgs& args, const LlamaBlockOptions& opts
 // workspace: workspace_bytes(args, opts) bytes on the tensors' device (host memory for CPU tensors),
 // 256-byte aligned. Launches 6 kernels on `stream` (CUDA); no allocation, no synchronization.
 Status run(const LlamaBlockArgs& args, const LlamaBlockOptions& opts, void* workspace, Stream stream = nullptr);
+// One step of run() alone (step 0-3 as numbered 1-4 above, with its rms_final_reduce), over the
+// same workspace; running steps 0, 1, 2, 3 in order is run(). For timing the steps one by one.
+Status run_step(const LlamaBlockArgs& args, const LlamaBlockOptions& opts, void* workspace, int step, Stream stream = nullptr);
 
 }  // namespace encore

@@ -91,6 +91,22 @@ Status in_step(int i, Status st) {
   return Status(st.code(), std::string("llama_block ") + kStepNames[i] + ": " + st.message());
 }
 
+// Validates, checks the workspace and plans the steps over it.
+Status checked_plan(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, Steps* s) {
+  ENCORE_RETURN_IF_ERROR(validate(a, o));
+  if (workspace == nullptr) return Status::invalid("workspace: needs workspace_bytes(args, opts) bytes, got a null pointer");
+  if (!checks::aligned(workspace, 256)) return Status::invalid("workspace: must be 256-byte aligned");
+  *s = plan(a, static_cast<char*>(workspace));
+  return Status::ok();
+}
+
+// Step i's GEMM-epilogue run and, after steps 0 and 2, its rms_final_reduce.
+Status run_planned(const Steps& s, int i, float eps, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(in_step(i, run(s.g[i], s.o[i], nullptr, stream)));
+  if (i == 0 || i == 2) return in_step(i, run(s.f[i / 2], s.d, eps, stream));
+  return Status::ok();
+}
+
 }  // namespace
 
 Status validate(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
@@ -121,16 +137,17 @@ size_t workspace_bytes(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
 }
 
 Status run(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(validate(a, o));
-  if (workspace == nullptr) return Status::invalid("workspace: needs workspace_bytes(args, opts) bytes, got a null pointer");
-  if (!checks::aligned(workspace, 256)) return Status::invalid("workspace: must be 256-byte aligned");
-  Steps s = plan(a, static_cast<char*>(workspace));
-  ENCORE_RETURN_IF_ERROR(in_step(0, run(s.g[0], s.o[0], nullptr, stream)));
-  ENCORE_RETURN_IF_ERROR(in_step(0, run(s.f[0], s.d, o.eps, stream)));
-  ENCORE_RETURN_IF_ERROR(in_step(1, run(s.g[1], s.o[1], nullptr, stream)));
-  ENCORE_RETURN_IF_ERROR(in_step(2, run(s.g[2], s.o[2], nullptr, stream)));
-  ENCORE_RETURN_IF_ERROR(in_step(2, run(s.f[1], s.d, o.eps, stream)));
-  return in_step(3, run(s.g[3], s.o[3], nullptr, stream));
+  Steps s;
+  ENCORE_RETURN_IF_ERROR(checked_plan(a, o, workspace, &s));
+  for (int i = 0; i < 4; ++i) ENCORE_RETURN_IF_ERROR(run_planned(s, i, o.eps, stream));
+  return Status::ok();
+}
+
+Status run_step(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, int step, Stream stream) {
+  if (step < 0 || step > 3) return Status::invalid("step: must be 0, 1, 2 or 3, got " + std::to_string(step));
+  Steps s;
+  ENCORE_RETURN_IF_ERROR(checked_plan(a, o, workspace, &s));
+  return run_planned(s, step, o.eps, stream);
 }
 
 }  // namespace encore

@@ -3,6 +3,8 @@
 // exact; only fp32 rounding remains), and bad inputs name the step and argument.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "encore/llama_block.hpp"
@@ -59,6 +61,38 @@ TEST(LlamaBlockCpu, FusedScheduleEqualsTextbookBlock) {
       const double err = max_abs_diff(*pr.first, *pr.second), scale = max_abs(*pr.second);
       EXPECT_LE(err, 2e-5 * scale + 1e-6) << name << ": max error " << err << " (max |ref| " << scale << ")";
     }
+  }
+}
+
+// run_step 0..3 in order is run(): the same outputs bit for bit (CPU backend, outputs poisoned
+// before each pass, none left NaN); a step outside 0..3 is refused by name.
+TEST(LlamaBlockCpu, StepsOneByOneEqualRun) {
+  auto rng = make_rng(47);
+  BlockCase c(37, 64, 96, 8, 6, 16, DType::kFP32, rng);
+  BlockTensors whole(c), stepwise(c);  // outputs poisoned (NaN)
+  LlamaBlockArgs a = host_args(c, whole), b = host_args(c, stepwise);
+  LlamaBlockOptions o;
+  std::vector<unsigned char> ws(workspace_bytes(a, o) + 256);
+  void* w = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 255) / 256 * 256);
+  Status st = run(a, o, w);
+  ASSERT_TRUE(st) << st.to_string();
+  for (int step = 0; step < 4; ++step) {
+    st = run_step(b, o, w, step);
+    ASSERT_TRUE(st) << "step " << step << ": " << st.to_string();
+  }
+  const std::pair<const char*, std::pair<const HostTensor*, const HostTensor*>> outs[] = {
+      {"x1", {&whole.x1, &stepwise.x1}}, {"x2", {&whole.x2, &stepwise.x2}}, {"z1", {&whole.z1, &stepwise.z1}},
+      {"qkv", {&whole.qkv, &stepwise.qkv}}, {"r1", {&whole.r1, &stepwise.r1}}, {"r2", {&whole.r2, &stepwise.r2}}};
+  for (const auto& [name, pr] : outs) {
+    ASSERT_EQ(pr.first->storage_bytes(), pr.second->storage_bytes()) << name;
+    EXPECT_EQ(0, std::memcmp(pr.first->bytes.data(), pr.second->bytes.data(), pr.first->storage_bytes())) << name;
+    for (int64_t i = 0; i < pr.first->storage_elems(); ++i)
+      ASSERT_TRUE(std::isfinite(load_as_double(pr.first->bytes.data(), pr.first->dtype, i))) << name << " element " << i;
+  }
+  for (int bad : {-1, 4}) {
+    st = run_step(b, o, w, bad);
+    EXPECT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find("step: must be 0, 1, 2 or 3"), std::string::npos) << st.message();
   }
 }
 
