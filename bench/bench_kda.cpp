@@ -25,7 +25,8 @@ struct Config {
   bool randn_gate = false;  // A_log, dt_bias ~ N(0, 1) as bench/peers/kda_peers.py draws them (else 0)
 };
 // randn_gate: strong decays (e^A_log up to ~20) make some diagonal blocks' decay span exceed what one
-// reference allows, so the chunk kernel takes its per-pair fp32 path there: the inputs fla is timed on.
+// reference allows, so the chunk kernel takes its two-reference or halving paths there: the inputs
+// fla is timed on.
 const Config kConfigs[] = {{"varlen_std", 1, 7300, {0, 1800, 3300, 5300, 6500, 7300}},
                            {"fixed_B1_T8192", 1, 8192, {}},
                            {"fixed_B4_T8192", 4, 8192, {}},

@@ -211,8 +211,8 @@ TEST_F(KdaGpu, StridedInputs) {
 }
 
 // Every state-kernel width whatever the rule picks (it takes the narrowest width whose grid fits one
-// wave, so the small cases above run on 16): 16- and 32-column blocks have 128 and 256 threads,
-// copying one and two of the record's 16-column U slices, and V 96 leaves blocks of padding columns.
+// wave, so the small cases above run on 16): each width's blocks (512 threads, four warpgroups)
+// copy one, two or four of the record's 16-column U slices, and V 96 leaves blocks of padding columns.
 TEST_F(KdaGpu, StateKernelOn16And32And64ColumnBlocks) {
   for (int columns : {16, 32, 64}) {
     ASSERT_TRUE(cuda::kda_state_columns_override(columns));
