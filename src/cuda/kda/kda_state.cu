@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
           if (i < rows) {
             __nv_bfloat16* const row = o_chunk + int64_t(i) * p.o_st;
 #pragma unroll
-            for (int j = 0; j < kNt; ++j) *reinterpret_cast<uint32_t*>(row + 8 * j) = pack_bf16(d[j][2 * hh], d[j][2 * hh + 1]);
+            for (int j = 0; j < kNt; ++j) __stcs(reinterpret_cast<unsigned int*>(row + 8 * j), pack_bf16(d[j][2 * hh], d[j][2 * hh + 1]));
           }
         }
       } else {
