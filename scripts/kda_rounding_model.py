@@ -10,7 +10,10 @@ of W and U), W (W stored in bf16), Aqk (Aqk as a bf16 operand of O), S (the stat
 of W S and Qg S), Vn (Vnew as a bf16 operand), out (o stored in bf16).
 
 Usage: python3 scripts/kda_rounding_model.py [--T 512] [--K 128] [--seeds 3] [--no-l2] [--bf16-inputs]
-       [--diag-exact] [--o-exact]
+       [--diag-exact] [--o-exact] [--u-bf16]
+The CUDA kernels today are --diag-exact --o-exact (O's Vnew part as Aqk and Vnew hi + lo, three
+products); without --o-exact O takes one bf16 product (8 of its 12 wgmma fewer); --u-bf16 stores U in
+bf16 in the record (16 of its 96.5 KB fewer). docs/kda.md quotes both trade-offs.
 """
 import argparse
 
@@ -50,7 +53,7 @@ def recurrence(q, k, v, g, beta, scale):
     return o, S
 
 
-def chunked(q, k, v, g, beta, scale, on, diag_exact=False, o_exact=False):
+def chunked(q, k, v, g, beta, scale, on, diag_exact=False, o_exact=False, u_bf16=False):
     r = {name: (bf16 if name in on else (lambda x: np.asarray(x, np.float64))) for name in GROUPS}
     T, K = q.shape
     S = np.zeros((K, v.shape[1]))
@@ -84,6 +87,8 @@ def chunked(q, k, v, g, beta, scale, on, diag_exact=False, o_exact=False):
             W, U = r["W"](Ab @ r["kb"](kb)), Ab @ r["vb"](vb)
         Qg = r["Qg"](scale * qc * 2.0 ** G)
         KgT = r["KgT"]((kc * 2.0 ** (G[-1] - G)).T)
+        if u_bf16:
+            U = bf16(U)
         Sb = r["S"](S)
         Vn = U - W @ Sb
         o[c0:c1] = Qg @ Sb + (Aqk @ Vn if o_exact else r["Aqk"](Aqk) @ r["Vn"](Vn))
@@ -103,7 +108,8 @@ def main():
     ap.add_argument("--no-l2", action="store_true")
     ap.add_argument("--bf16-inputs", action="store_true", help="round q, k, v to bf16 first (as the bench / bf16 tests)")
     ap.add_argument("--diag-exact", action="store_true", help="W, U as (A - I)(...) + identity part in fp32 (branch next-gpu)")
-    ap.add_argument("--o-exact", action="store_true", help="Aqk and Vnew at full precision in O (branch next-gpu's output kernel)")
+    ap.add_argument("--o-exact", action="store_true", help="Aqk and Vnew at full precision in O (the kernels' hi + lo products)")
+    ap.add_argument("--u-bf16", action="store_true", help="U stored in bf16 (instead of fp32)")
     args = ap.parse_args()
     rows = {"all on": set(GROUPS)}
     rows.update({f"only {gname}": {gname} for gname in GROUPS})
@@ -116,7 +122,7 @@ def main():
         scale = args.K ** -0.5
         o_ref, s_ref = recurrence(q, k, v, g, beta, scale)
         for name, on in rows.items():
-            o, s = chunked(q, k, v, g, beta, scale, on, args.diag_exact, args.o_exact)
+            o, s = chunked(q, k, v, g, beta, scale, on, args.diag_exact, args.o_exact, args.u_bf16)
             acc[name].append((rel(o, o_ref), rel(s, s_ref)))
     print(f"T {args.T}, K = V = {args.K}, L2 norm {'off (contractive keys)' if args.no_l2 else 'on'}, {args.seeds} seeds")
     print(f"{'roundings':<12} {'o rel-RMS':>10} {'state':>10}")
