@@ -112,6 +112,12 @@ def main(out):
                 print(f"{key} {res[key]:.4g}", flush=True)
         del q, k, v, g, beta
         torch.cuda.empty_cache()
+        write(out, res)  # after every configuration: a run cut by its timeout keeps what it measured
+    res["complete"] = True
+    write(out, res)
+
+
+def write(out, res):
     res["gpu"] = torch.cuda.get_device_name(0)
     res["encore_timed"] = HAVE_ENCORE
     with open(out, "w") as f:
