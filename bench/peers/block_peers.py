@@ -87,6 +87,12 @@ def main(out):
                 print(f"block_{key}_{k}_ms {res[f'block_{key}_{k}_ms']:.4f}  rounds {' '.join(f'{x:.4f}' for x in times[k])}", flush=True)
             del args, comp, y0, x0, w0, w1, w2, w3, y1, cos, sin, ang
             torch.cuda.empty_cache()
+            write(out, res)  # after every shape: a run cut by its timeout keeps what it measured
+    res["complete"] = True
+    write(out, res)
+
+
+def write(out, res):
     res["gpu"] = torch.cuda.get_device_name(0)
     res["torch"] = torch.__version__
     with open(out, "w") as f:
