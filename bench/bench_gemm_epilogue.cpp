@@ -345,6 +345,13 @@ struct BlockBuffers {
                           vec(b, freq, nqkv, DType::kFP32), mat(b, x1, M, d), mat(b, x2, M, d), mat(b, z1, M, 2 * F),
                           mat(b, qkv, M, nqkv), vec(b, r1, M, DType::kFP32), vec(b, r2, M, DType::kFP32)};
   }
+  // Step k (0-3) of the block as cuBLAS's plain GEMM: o-proj, gate/up, down (on scratch input), QKV.
+  void cublas_step(cublasHandle_t h, char* b, int k) const {
+    if (k == 0) cublas_gemm(h, b + y0, b + w0, b + x1, int(M), int(d), int(d));
+    if (k == 1) cublas_gemm(h, b + x1, b + w1, b + z1, int(M), int(2 * F), int(d));
+    if (k == 2) cublas_gemm(h, b + tmp, b + w2, b + x2, int(M), int(d), int(F));
+    if (k == 3) cublas_gemm(h, b + x2, b + w3, b + qkv, int(M), int(nqkv), int(d));
+  }
   void fill(const Rotation& rot, int head_dim) const {
     std::vector<int32_t> hpos(static_cast<size_t>(M));
     for (int64_t m = 0; m < M; ++m) hpos[size_t(m)] = int32_t(m % 8192);
@@ -370,11 +377,7 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
   check_cuda(cudaMalloc(&ws, ws_bytes), "block workspace");
   auto fused_fn = [&](long long i) { check_status(run(args(rot.set(i)), LlamaBlockOptions{}, ws, x.stream), "llama_block"); };
   auto gemms_fn = [&](long long i) {
-    char* b = rot.set(i);
-    cublas_gemm(x.handle, b + B.y0, b + B.w0, b + B.x1, int(M), int(d), int(d));
-    cublas_gemm(x.handle, b + B.x1, b + B.w1, b + B.z1, int(M), int(2 * F), int(d));
-    cublas_gemm(x.handle, b + B.tmp, b + B.w2, b + B.x2, int(M), int(d), int(F));
-    cublas_gemm(x.handle, b + B.x2, b + B.w3, b + B.qkv, int(M), int(nqkv), int(d));
+    for (int k = 0; k < 4; ++k) B.cublas_step(x.handle, rot.set(i), k);
   };
   const std::vector<double> times = interleaved(x, {fused_fn, gemms_fn}, rot.sets);
   check_cuda(cudaFree(ws), "free");
@@ -418,14 +421,10 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
   };
   auto cublas_steps = [&](cudaEvent_t* ev, char* b) {
     check_cuda(cudaEventRecord(ev[5], x.stream), "ev");
-    cublas_gemm(x.handle, b + B.y0, b + B.w0, b + B.x1, int(M), int(d), int(d));
-    check_cuda(cudaEventRecord(ev[6], x.stream), "ev");
-    cublas_gemm(x.handle, b + B.x1, b + B.w1, b + B.z1, int(M), int(2 * F), int(d));
-    check_cuda(cudaEventRecord(ev[7], x.stream), "ev");
-    cublas_gemm(x.handle, b + B.tmp, b + B.w2, b + B.x2, int(M), int(d), int(F));
-    check_cuda(cudaEventRecord(ev[8], x.stream), "ev");
-    cublas_gemm(x.handle, b + B.x2, b + B.w3, b + B.qkv, int(M), int(nqkv), int(d));
-    check_cuda(cudaEventRecord(ev[9], x.stream), "ev");
+    for (int k = 0; k < 4; ++k) {
+      B.cublas_step(x.handle, b, k);
+      check_cuda(cudaEventRecord(ev[6 + k], x.stream), "ev");
+    }
   };
   // ENCORE_BREAKDOWN_SEPARATE=1: all of encore's iterations, then all of cuBLAS's (each sustained
   // alone, as a timing loop of one contender runs), instead of alternating them.

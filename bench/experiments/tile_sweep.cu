@@ -51,12 +51,14 @@ int main(int argc, char** argv) {
   cudaStream_t st;
   cudaStreamCreate(&st);
   cublasSetStream(h, st);
-  struct Shape { const char* name; int M, N, K; };
+  // The epilogue a shape serves in the block (besides the plain one every shape runs).
+  enum Kind { kPlain, kResidual, kGateUp, kQkv, kLmHead };
+  struct Shape { const char* name; int M, N, K; Kind kind; };
   const std::vector<Shape> shapes = {
-      {"8B o-proj", 8192, 4096, 4096},       {"8B gate/up", 8192, 28672, 4096}, {"8B down", 8192, 4096, 14336},
-      {"8B qkv", 8192, 6144, 4096},          {"8B o-proj", 16384, 4096, 4096},  {"8B gate/up", 16384, 28672, 4096},
-      {"8B down", 16384, 4096, 14336},       {"8B qkv", 16384, 6144, 4096},     {"70B gate/up", 8192, 57344, 8192},
-      {"70B down", 8192, 8192, 28672},       {"LM head", 8192, 128256, 4096}};
+      {"8B o-proj", 8192, 4096, 4096, kResidual},   {"8B gate/up", 8192, 28672, 4096, kGateUp}, {"8B down", 8192, 4096, 14336, kResidual},
+      {"8B qkv", 8192, 6144, 4096, kQkv},           {"8B o-proj", 16384, 4096, 4096, kResidual}, {"8B gate/up", 16384, 28672, 4096, kGateUp},
+      {"8B down", 16384, 4096, 14336, kResidual},   {"8B qkv", 16384, 6144, 4096, kQkv},         {"70B gate/up", 8192, 57344, 8192, kGateUp},
+      {"70B down", 8192, 8192, 28672, kResidual},   {"LM head", 8192, 128256, 4096, kLmHead}};
   size_t maxA = 0, maxW = 0, maxD = 0;
   for (auto& sh : shapes) {
     maxA = std::max(maxA, size_t(sh.M) * sh.K), maxW = std::max(maxW, size_t(sh.N) * sh.K), maxD = std::max(maxD, size_t(sh.M) * sh.N);
@@ -81,33 +83,38 @@ int main(int argc, char** argv) {
   const float one = 1.0f, zero = 0.0f;
   cudaMemcpy(alpha, &one, 4, cudaMemcpyHostToDevice);
 
-  // kind: the shapes a contender runs on (0 all: plain D = alpha·acc; 1 o-proj / down: residual;
-  // 2 gate/up: row scale, SwiGLU; 3 QKV: RoPE; 4 LM head: LSE) and its check against cuBLAS (kind 0 only).
-  struct Contender { std::string name; std::function<Status(const GemmProblem&, cudaStream_t)> fn; int raster; int kind = 0; };
+  // A contender runs on the shapes of its kind (kPlain: all, checked against cuBLAS); tile_n: the
+  // partials' column tile of the residual and LSE epilogues; swiglu: aux at half width.
+  struct Contender {
+    std::string name;
+    std::function<Status(const GemmProblem&, cudaStream_t)> fn;
+    int raster;
+    Kind kind;
+    int tile_n;
+    bool swiglu;
+  };
   std::vector<Contender> cs;
-  auto add = [&](const std::string& n, auto fn) {
-    cs.push_back({n + " heur", fn, 0});
-    cs.push_back({n + " alongN", fn, 2});
+  auto add = [&](const std::string& n, std::function<Status(const GemmProblem&, cudaStream_t)> fn, Kind kind = kPlain, int tile_n = 0,
+                 bool swiglu = false) {  // CUTLASS's raster heuristic and along N
+    cs.push_back({n + " heur", fn, 0, kind, tile_n, swiglu});
+    cs.push_back({n + " alongN", fn, 2, kind, tile_n, swiglu});
   };
   add("coop128x256 c2x1 (shipped)", launch<s::Cooperative128x256>);
   add("pp128x128 c2x1 (shipped)", launch<s::Pingpong128x128>);
   add("coop256x128 c2x1", launch<Coop256x128c21>);
   add("coop256x192 c2x1", launch<Coop256x192c21>);
   add("coop256x128 c1x1", launch<Coop256x128c11>);
-  auto shipped = [&](const std::string& n, GemmLauncher fn, int kind) {
-    cs.push_back({n, [fn](const GemmProblem& q, cudaStream_t s2) { return fn(q, static_cast<Stream>(s2)); }, 0, kind});
-    cs.push_back({n + " alongN", [fn](const GemmProblem& q, cudaStream_t s2) { return fn(q, static_cast<Stream>(s2)); }, 2, kind});
-  };
-  shipped("residual_sqsum_aux pp128", launch_residual_sqsum_aux_pp128, 1);
-  shipped("residual_sqsum_aux coop256", launch_residual_sqsum_aux_coop256, 1);
-  shipped("row_scale pp128", launch_row_scale_pp128, 2);
-  shipped("row_scale coop256", launch_row_scale_coop256, 2);
-  shipped("swiglu pp128", launch_swiglu_pp128, 2);
-  shipped("swiglu coop256", launch_swiglu_coop256, 2);
-  shipped("rope pp128", launch_rope_pp128, 3);
-  shipped("rope coop256", launch_rope_coop256, 3);
-  shipped("lse no D pp128", launch_lse_pp128, 4);
-  shipped("lse no D coop256", launch_lse_coop256, 4);
+  auto shipped = [](GemmLauncher fn) { return [fn](const GemmProblem& q, cudaStream_t s2) { return fn(q, static_cast<Stream>(s2)); }; };
+  add("residual_sqsum_aux pp128", shipped(launch_residual_sqsum_aux_pp128), kResidual, 128);
+  add("residual_sqsum_aux coop256", shipped(launch_residual_sqsum_aux_coop256), kResidual, 256);
+  add("row_scale pp128", shipped(launch_row_scale_pp128), kGateUp);
+  add("row_scale coop256", shipped(launch_row_scale_coop256), kGateUp);
+  add("swiglu pp128", shipped(launch_swiglu_pp128), kGateUp, 0, true);
+  add("swiglu coop256", shipped(launch_swiglu_coop256), kGateUp, 0, true);
+  add("rope pp128", shipped(launch_rope_pp128), kQkv);
+  add("rope coop256", shipped(launch_rope_coop256), kQkv);
+  add("lse no D pp128", shipped(launch_lse_pp128), kLmHead, 128);
+  add("lse no D coop256", shipped(launch_lse_coop256), kLmHead, 256);
 
   printf("{\"experiment\": \"tile_sweep\", \"epilogue\": \"scalar_scale\", \"iters\": %d, \"rounds\": %d, \"results\": [\n", kIters, rounds);
   bool first = true;
@@ -115,28 +122,17 @@ int main(int argc, char** argv) {
     GemmProblem p;
     p.a = A, p.lda = sh.K, p.w = W, p.ldw = sh.K, p.d = D, p.ldd = sh.N, p.M = sh.M, p.N = sh.N, p.K = sh.K;
     p.alpha = alpha, p.swizzle = 8, p.device = 0, p.sm_count = sms;
-    const std::string sn = sh.name;
-    const int kind = sn.find("o-proj") != std::string::npos || sn.find("down") != std::string::npos ? 1
-                     : sn.find("gate/up") != std::string::npos                                      ? 2
-                     : sn.find("qkv") != std::string::npos                                          ? 3
-                                                                                                     : 4;
     auto problem_for = [&](const Contender& c) {
       GemmProblem q = p;
       q.raster = c.raster;
-      if (c.kind == 0) return q;
+      if (c.kind == kPlain) return q;
       q.alpha = nullptr;
-      const bool pp = c.name.find("pp128") != std::string::npos;
-      if (c.kind == 1) {
-        q.c = C, q.ldc = sh.N, q.aux = Aux, q.ld_aux = sh.N, q.gamma = gamma;
-        q.partials = parts, q.ld_partials = (sh.N + (pp ? 127 : 255)) / (pp ? 128 : 256);
-      } else if (c.kind == 2) {
-        q.row_scale = rs;
-        if (c.name.find("swiglu") != std::string::npos) q.aux = Aux, q.ld_aux = sh.N / 2;
-      } else if (c.kind == 3) {
-        q.row_scale = rs, q.pos = pos, q.freq = freq;
-      } else {
-        q.d = nullptr, q.ldd = 0, q.row_scale = nullptr, q.partials = parts, q.ld_partials = (sh.N + (pp ? 127 : 255)) / (pp ? 128 : 256);
-      }
+      if (c.kind == kResidual) q.c = C, q.ldc = sh.N, q.aux = Aux, q.ld_aux = sh.N, q.gamma = gamma;
+      if (c.kind == kGateUp || c.kind == kQkv) q.row_scale = rs;
+      if (c.swiglu) q.aux = Aux, q.ld_aux = sh.N / 2;
+      if (c.kind == kQkv) q.pos = pos, q.freq = freq;
+      if (c.kind == kLmHead) q.d = nullptr, q.ldd = 0;
+      if (c.tile_n > 0) q.partials = parts, q.ld_partials = (sh.N + c.tile_n - 1) / c.tile_n;
       return q;
     };
     auto cublas = [&](__nv_bfloat16* out) {
@@ -150,12 +146,12 @@ int main(int argc, char** argv) {
     cudaMemcpy(ref.data(), R, ref.size() * 2, cudaMemcpyDeviceToHost);
     std::vector<std::string> status(cs.size(), "ok");
     for (size_t c = 0; c < cs.size(); ++c) {  // correctness, once per contender
-      if (cs[c].kind != 0 && cs[c].kind != kind) { status[c] = "skip"; continue; }
+      if (cs[c].kind != kPlain && cs[c].kind != sh.kind) { status[c] = "skip"; continue; }
       cudaMemset(D, 0xff, n * 2);
       Status s0 = cs[c].fn(problem_for(cs[c]), st);
       cudaStreamSynchronize(st);
       if (!s0.is_ok()) { status[c] = s0.message(); continue; }
-      if (cs[c].kind != 0) continue;  // other epilogues: timed only (the library's GPU tests check them)
+      if (cs[c].kind != kPlain) continue;  // other epilogues: timed only (the library's GPU tests check them)
       cudaMemcpy(got.data(), D, got.size() * 2, cudaMemcpyDeviceToHost);
       double maxd = 0;
       for (size_t i = 0; i < got.size(); ++i) {

@@ -13,6 +13,8 @@
 namespace encore {
 namespace {
 
+int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
+
 const std::initializer_list<DType> kIo = {DType::kBF16, DType::kFP16, DType::kFP32};
 
 Status matrix(const char* name, const TensorView& t, int64_t rows, int64_t cols, const char* layout, const TensorView& ref,
@@ -200,10 +202,10 @@ int auto_slices(int64_t M, int64_t N, GemmTile t, int sm_count) {
   constexpr int64_t kMaxPerCta = 200, kTargetPerCta = 165;
   if (t == GemmTile::kPingpong64x256) return 1;
   const auto [tm, tn] = tile_mn(t);
-  const int64_t m_tiles = (M + 2 * tm - 1) / (2 * tm) * 2;  // 2x1 clusters
-  const int64_t n_tiles = (N + tn - 1) / tn, per_cta = (m_tiles * n_tiles + sm_count - 1) / sm_count;
+  const int64_t m_tiles = ceil_div(M, 2 * tm) * 2;  // 2x1 clusters
+  const int64_t n_tiles = ceil_div(N, tn), per_cta = ceil_div(m_tiles * n_tiles, sm_count);
   if (per_cta <= kMaxPerCta) return 1;
-  return int(std::min<int64_t>(n_tiles, (per_cta + kTargetPerCta - 1) / kTargetPerCta));
+  return int(std::min<int64_t>(n_tiles, ceil_div(per_cta, kTargetPerCta)));
 }
 
 // Runs the launcher over `slices` consecutive N-slices of whole tiles: W's rows and the
@@ -212,7 +214,7 @@ int auto_slices(int64_t M, int64_t N, GemmTile t, int sm_count) {
 // slice; the LSE target select takes the slice's first global column.
 Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, Epilogue e, int partial_tile_n, GemmTile t, int slices,
                      Stream stream) {
-  const int64_t unit = tile_mn(t).second, units = (p.N + unit - 1) / unit;
+  const int64_t unit = tile_mn(t).second, units = ceil_div(p.N, unit);
   slices = int(std::min<int64_t>(std::max(slices, 1), units));
   if (slices == 1) return launch(p, stream);
   auto at = [](const void* base, int64_t elems, size_t esize) {
@@ -266,8 +268,6 @@ cuda::GemmLauncher launcher(Epilogue e, GemmTile t) {
 Status no_cuda(const TensorView& t) {
   return Status::unsupported("a: on " + t.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
 }
-
-int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 }  // namespace
 
