@@ -9,7 +9,8 @@ When the encore Python module is importable (built for this Python on the GPU ma
 ENCORE_KDA_PY=1), encore.kda_forward is timed on the same inputs by the same two methods, fla and
 encore alternating over ROUNDS rounds (medians reported), so the ratio does not depend on the GPU
 clock of two separate jobs; and encore's o and final state are compared with fla's (relative RMS
-difference; both compute the same forward from the same bf16 inputs). Usage: kda_peers.py OUT.json"""
+difference; both compute the same forward from the same bf16 inputs). Usage: kda_peers.py OUT.json
+(KDA_PEER_CONFIGS=fixed_B4_T8192,... picks configurations; ROUNDS, default 3)."""
 import json
 import os
 import statistics
@@ -31,6 +32,9 @@ ROUNDS = int(os.environ.get("ROUNDS", "3"))
 dev, bf = "cuda", torch.bfloat16
 H, K, V = 16, 128, 128
 CONFIGS = {"varlen_std": (1, [1800, 1500, 2000, 1200, 800]), "fixed_B1_T8192": (1, None), "fixed_B4_T8192": (4, None)}
+# KDA_PEER_CONFIGS=name,name... measures those configurations only, in that order.
+if os.environ.get("KDA_PEER_CONFIGS"):
+    CONFIGS = {n: CONFIGS[n] for n in os.environ["KDA_PEER_CONFIGS"].split(",")}
 
 
 def main(out):
