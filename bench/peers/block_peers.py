@@ -5,8 +5,10 @@ encore), eager, torch.compile, and its four matmuls alone (cuBLAS), at LLaMA 1B/
 M = 8192 and 16384. Timing: triton.testing.do_bench (median, L2 flushed between reps), like
 ../shared/docs/bench_peers.py. When the encore Python module is importable (built for this Python,
 e.g. PYTHONPATH=build-py/python), encore.llama_block_forward is timed the same way, so the ratio
-to torch.compile does not mix two timing methods. BLOCK_SIZES (e.g. "8B") limits the sizes; ROUNDS
-(default 3) rounds per shape, contenders rotated, medians (each round's times are in the JSON too).
+to torch.compile does not mix two timing methods, both as a plain call (outputs and workspace
+allocated per call) and as `encore_static` (outputs and workspace allocated once). BLOCK_SIZES
+(e.g. "8B") limits the sizes; ROUNDS (default 3) rounds per shape, contenders rotated, medians
+(each round's times are in the JSON too).
 Usage: python3 bench/peers/block_peers.py OUT.json"""
 import json
 import math
@@ -75,6 +77,11 @@ def main(out):
                 epos = (torch.arange(M, device=dev) % 8192).to(torch.int32)
                 efreq = torch.from_numpy(encore.rope_freq_turns(hq + 2 * hkv, hq + hkv, hd, 500000.0)).to(dev)
                 runs["encore"] = lambda: encore.llama_block_forward(y0, x0, w0, w1, w2, w3, g0, g1, epos, efreq)
+                # The same with its outputs and workspace allocated once (fixed addresses, no allocation per call).
+                eargs = (y0, x0, w0, w1, w2, w3, g0, g1, epos, efreq)
+                eout = encore.llama_block_forward(*eargs)
+                ews = torch.empty(encore.llama_block_workspace_bytes(*eargs, eout), dtype=torch.uint8, device=dev)
+                runs["encore_static"] = lambda: encore.llama_block_forward(*eargs, out=eout, workspace=ews)
             # ROUNDS rounds, the contenders in a rotated order each round, the median per contender:
             # the GPU's clock drifts with its power draw, so back-to-back single runs differ by a few %.
             names, times = list(runs), {k: [] for k in runs}
@@ -85,7 +92,8 @@ def main(out):
                 res[f"block_{key}_{k}_ms"] = statistics.median(times[k])
                 res[f"block_{key}_{k}_rounds_ms"] = times[k]
                 print(f"block_{key}_{k}_ms {res[f'block_{key}_{k}_ms']:.4f}  rounds {' '.join(f'{x:.4f}' for x in times[k])}", flush=True)
-            del args, comp, y0, x0, w0, w1, w2, w3, y1, cos, sin, ang
+            del args, comp, y0, x0, w0, w1, w2, w3, y1, cos, sin, ang, runs
+            eargs = eout = ews = None
             torch.cuda.empty_cache()
             write(out, res)  # after every shape: a run cut by its timeout keeps what it measured
     res["complete"] = True

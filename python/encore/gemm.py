@@ -147,20 +147,49 @@ def interleave_gate_up(gate, up):
     return out
 
 
-def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: float = 1e-5, stream=None):
+def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: float = 1e-5, out=None, workspace=None,
+                        stream=None):
     """The shifted LLaMA block: x1 = y0 @ w0.T + x0; z1 = rmsnorm(x1)*gamma0 @ w1.T (gate/up
     interleaved); x2 = swiglu(z1) @ w2.T + x1; qkv = RoPE(rmsnorm(x2)*gamma1 @ w3.T).
-    Returns (x1, x2, z1, qkv, r1, r2) - what the backward saves."""
+    Returns (x1, x2, z1, qkv, r1, r2) - what the backward saves.
+
+    out: optional (x1, x2, z1, qkv, r1, r2) to write into (shapes [M, d], [M, d], [M, 2F], [M, Nqkv] in
+    y0's dtype, r1 and r2 [M] float32), returned as given. workspace: optional 1-D uint8 array on y0's
+    device of at least llama_block_workspace_bytes(...) bytes; without it each call allocates one.
+    Both together make a call allocation-free (fixed addresses, e.g. for CUDA graph capture)."""
     _no_autograd(y0, x0, w0, w1, w2, w3)
     m, d, f2, nq = y0.shape[0], y0.shape[1], w1.shape[0], w3.shape[0]
-    x1, x2, z1, qkv = _empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, nq), "like")
-    r1, r2 = _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32")
+    if out is None:
+        x1, x2, z1, qkv = _empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, nq), "like")
+        r1, r2 = _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32")
+    else:
+        if len(out) != 6:
+            raise ValueError(f"out: expected the 6 arrays (x1, x2, z1, qkv, r1, r2), got {len(out)}")
+        x1, x2, z1, qkv, r1, r2 = out
     args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2)
     nbytes = _encore.llama_block_workspace_bytes(*args, float(eps))
-    ws = _empty(y0, (nbytes + 256,), "u8")
+    if workspace is None:
+        ws = _empty(y0, (nbytes + 256,), "u8")
+    else:
+        ws = workspace
+        if getattr(ws, "ndim", 0) != 1 or str(ws.dtype).rsplit(".", 1)[-1] != "uint8":
+            raise ValueError("workspace: expected a 1-D uint8 array")
+        if _is_torch(ws) != _is_torch(y0) or (_is_torch(ws) and ws.device != y0.device):
+            raise ValueError("workspace: expected an array on y0's framework and device")
+        if ws.shape[0] < nbytes + (-_address(ws)) % 256:
+            raise ValueError(f"workspace: {ws.shape[0]} bytes, this block needs {nbytes} from a 256-byte aligned address "
+                             f"(llama_block_workspace_bytes; allocate {nbytes + 256} to allow any alignment)")
     ws = ws[(-_address(ws)) % 256:][:nbytes] if nbytes else ws
     _encore.llama_block_forward_out(*args, float(eps), ws, _stream_for(y0, stream))
     return x1, x2, z1, qkv, r1, r2
+
+
+def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, out, eps: float = 1e-5) -> int:
+    """The size in bytes to allocate for llama_block_forward's `workspace` with these arguments and
+    outputs `out` = (x1, x2, z1, qkv, r1, r2): what the block needs plus 256 for alignment."""
+    if len(out) != 6:
+        raise ValueError(f"out: expected the 6 arrays (x1, x2, z1, qkv, r1, r2), got {len(out)}")
+    return int(_encore.llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *out, float(eps))) + 256
 
 
 def _address(a):

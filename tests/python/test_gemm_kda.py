@@ -101,6 +101,33 @@ def test_llama_block_matches_textbook():
         assert rel(out, ref) < 2e-5
 
 
+def test_llama_block_out_and_workspace():
+    m, d, f, heads, hd = 9, 32, 48, 4, 8
+    y0, x0 = randn(m, d), randn(m, d)
+    w0, w1, w2, w3 = randn(d, d, scale=0.2), randn(2 * f, d, scale=0.2), randn(d, f, scale=0.2), randn(heads * hd, d, scale=0.2)
+    g0, g1 = 1 + randn(d, scale=0.1), 1 + randn(d, scale=0.1)
+    pos = np.arange(m, dtype=np.int32) * 7
+    freq = encore.rope_freq_turns(heads, 3, hd, 10000.0)
+    args = (y0, x0, w0, w1, w2, w3, g0, g1, pos, freq)
+    want = encore.llama_block_forward(*args)
+    out = tuple(np.full(a.shape, np.nan, dtype=a.dtype) for a in want)  # poisoned
+    nbytes = encore.llama_block_workspace_bytes(*args, out)
+    ws = np.zeros(nbytes, dtype=np.uint8)
+    got = encore.llama_block_forward(*args, out=out, workspace=ws)
+    assert all(g is o for g, o in zip(got, out))  # written in place, returned as given
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+    got2 = encore.llama_block_forward(*args, out=out, workspace=ws)  # the same buffers again
+    for g, w in zip(got2, want):
+        assert np.array_equal(g, w)
+    with pytest.raises(ValueError, match="workspace"):
+        encore.llama_block_forward(*args, out=out, workspace=np.zeros(nbytes - 257, dtype=np.uint8))
+    with pytest.raises(ValueError, match="workspace"):
+        encore.llama_block_forward(*args, out=out, workspace=np.zeros(nbytes, dtype=np.float32))
+    with pytest.raises(ValueError, match="out"):
+        encore.llama_block_forward(*args, out=out[:5], workspace=ws)
+
+
 def kda_ref(q, k, v, g, beta, scale):
     b, t, h, kd = q.shape
     o = np.zeros(v.shape)
