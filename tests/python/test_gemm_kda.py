@@ -274,3 +274,25 @@ def test_cuda_kda_varlen_gate_in_kernel_matches_cpu():
         e_f = ((fin.cpu().double() - fin_cpu).norm() / fin_cpu.norm()).item()
         assert e_o < 5e-3 and e_f < 5e-3, (e_o, e_f)
         assert set(res) == {"G", "Aqk", "Akk", "h"} and res["Akk"].dtype == bf and res["G"].dtype == torch.float32
+
+
+@pytest.mark.skipif(not (encore.built_with_cuda() and encore.cuda_device_count() > 0), reason="needs a CUDA device")
+def test_cuda_llama_block_out_and_workspace():
+    torch = pytest.importorskip("torch")
+    dev, bf = "cuda", torch.bfloat16
+    m, d, f, heads, rotary, hd = 300, 256, 320, 8, 6, 64
+    t = lambda *s, scale=1.0: (torch.randn(*s, device=dev) * scale).to(bf)  # noqa: E731
+    args = (t(m, d), t(m, d), t(d, d, scale=d ** -0.5), t(2 * f, d, scale=d ** -0.5), t(d, f, scale=f ** -0.5),
+            t(heads * hd, d, scale=d ** -0.5), t(d, scale=0.1) + 1, t(d, scale=0.1) + 1,
+            torch.arange(m, device=dev, dtype=torch.int32), torch.from_numpy(encore.rope_freq_turns(heads, rotary, hd, 500000.0)).to(dev))
+    want = encore.llama_block_forward(*args)
+    out = tuple(torch.full_like(a, float("nan")) for a in want)  # poisoned
+    ws = torch.empty(encore.llama_block_workspace_bytes(*args, out), dtype=torch.uint8, device=dev)
+    for _ in range(2):  # the same buffers twice
+        got = encore.llama_block_forward(*args, out=out, workspace=ws)
+        torch.cuda.synchronize()
+        assert all(g is o for g, o in zip(got, out))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    with pytest.raises(ValueError, match="workspace"):
+        encore.llama_block_forward(*args, out=out, workspace=ws.cpu())
