@@ -80,13 +80,17 @@ def test_qkv_head_sqsum_then_qk_norm_rope():
     assert rel(qkv, ref) < 1e-5
 
 
-def test_llama_block_matches_textbook():
-    m, d, f, heads, hd = 9, 32, 48, 4, 8
+def block_args(m=9, d=32, f=48, heads=4, hd=8):
+    """A small LLaMA block's inputs (numpy fp32): y0, x0, w0, w1, w2, w3, g0, g1, pos, freq."""
     y0, x0 = randn(m, d), randn(m, d)
     w0, w1, w2, w3 = randn(d, d, scale=0.2), randn(2 * f, d, scale=0.2), randn(d, f, scale=0.2), randn(heads * hd, d, scale=0.2)
     g0, g1 = 1 + randn(d, scale=0.1), 1 + randn(d, scale=0.1)
     pos = np.arange(m, dtype=np.int32) * 7
-    freq = encore.rope_freq_turns(heads, 3, hd, 10000.0)
+    return y0, x0, w0, w1, w2, w3, g0, g1, pos, encore.rope_freq_turns(heads, 3, hd, 10000.0)
+
+
+def test_llama_block_matches_textbook():
+    y0, x0, w0, w1, w2, w3, g0, g1, pos, freq = block_args()
     x1, x2, z1, qkv, r1, r2 = encore.llama_block_forward(y0, x0, w0, w1, w2, w3, g0, g1, pos, freq, eps=1e-5)
     X0 = y0.astype(np.float64) @ w0.T + x0
 
@@ -102,13 +106,7 @@ def test_llama_block_matches_textbook():
 
 
 def test_llama_block_out_and_workspace():
-    m, d, f, heads, hd = 9, 32, 48, 4, 8
-    y0, x0 = randn(m, d), randn(m, d)
-    w0, w1, w2, w3 = randn(d, d, scale=0.2), randn(2 * f, d, scale=0.2), randn(d, f, scale=0.2), randn(heads * hd, d, scale=0.2)
-    g0, g1 = 1 + randn(d, scale=0.1), 1 + randn(d, scale=0.1)
-    pos = np.arange(m, dtype=np.int32) * 7
-    freq = encore.rope_freq_turns(heads, 3, hd, 10000.0)
-    args = (y0, x0, w0, w1, w2, w3, g0, g1, pos, freq)
+    args = block_args()
     want = encore.llama_block_forward(*args)
     out = tuple(np.full(a.shape, np.nan, dtype=a.dtype) for a in want)  # poisoned
     nbytes = encore.llama_block_workspace_bytes(*args, out)
