@@ -12,12 +12,13 @@ from ._util import _empty, _empty_like, _is_torch, _no_autograd, _rows, _stream_
 from .gemm import (gemm_lse, gemm_qkv_head_sqsum, gemm_residual_rms_partial, gemm_rope, gemm_row_scale, gemm_scalar_scale,
                    gemm_swiglu, interleave_gate_up, llama_block_forward, llama_block_workspace_bytes, lse_finish, qk_norm_rope_,
                    rms_final_reduce, rope_freq_turns)
-from .kda import kda_backward, kda_forward
+from .kda import kda_backward, kda_forward, kda_forward_workspace_bytes
 
 __all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group_dequant", "built_with_cuda",
-           "cuda_device_count", "gemm_row_scale", "gemm_scalar_scale", "gemm_residual_rms_partial", "rms_final_reduce",
-           "gemm_swiglu", "gemm_rope", "gemm_qkv_head_sqsum", "gemm_lse", "lse_finish", "rope_freq_turns",
-           "interleave_gate_up", "llama_block_forward", "llama_block_workspace_bytes", "kda_forward", "kda_backward", "qk_norm_rope_"]
+           "cuda_device_count", "gemm_row_scale", "gemm_scalar_scale", "gemm_residual_rms_partial",
+           "rms_final_reduce", "gemm_swiglu", "gemm_rope", "gemm_qkv_head_sqsum", "gemm_lse", "lse_finish",
+           "rope_freq_turns", "interleave_gate_up", "llama_block_forward", "llama_block_workspace_bytes",
+           "kda_forward", "kda_forward_workspace_bytes", "kda_backward", "qk_norm_rope_"]
 
 built_with_cuda = _encore.built_with_cuda
 cuda_device_count = _encore.cuda_device_count

@@ -54,3 +54,19 @@ def _empty(like, shape, kind):
     return np.empty(shape, dtype=like.dtype if kind == "like" else getattr(np, _KINDS[kind]))
 
 
+def _address(a):
+    return a.data_ptr() if _is_torch(a) else a.ctypes.data
+
+
+def _user_workspace(ws, like, nbytes, align, sized_by):
+    """A caller's workspace: checked to be a 1-D uint8 array on `like`'s framework and device with
+    nbytes from an align-byte aligned address; returns that aligned view (None when nbytes is 0)."""
+    if getattr(ws, "ndim", 0) != 1 or str(ws.dtype).rsplit(".", 1)[-1] != "uint8":
+        raise ValueError("workspace: expected a 1-D uint8 array")
+    if _is_torch(ws) != _is_torch(like) or (_is_torch(ws) and ws.device != like.device):
+        raise ValueError("workspace: expected an array on the inputs' framework and device")
+    skip = (-_address(ws)) % align
+    if ws.shape[0] < nbytes + skip:
+        raise ValueError(f"workspace: {ws.shape[0]} bytes, this call needs {nbytes} from a {align}-byte aligned address "
+                         f"(allocate {sized_by}(...) bytes)")
+    return ws[skip:][:nbytes] if nbytes else None

@@ -8,7 +8,7 @@ fp32). Inference only (no autograd).
 from __future__ import annotations
 
 from . import _encore
-from ._util import _empty, _is_torch, _no_autograd, _stream_for
+from ._util import _address, _empty, _no_autograd, _stream_for, _user_workspace
 
 # encore::Epilogue and encore::GemmTile values
 _RESIDUAL, _ROW_SCALE, _SWIGLU, _ROPE, _HEAD_SQSUM, _LSE, _SCALAR = range(7)
@@ -170,16 +170,10 @@ def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: 
     nbytes = _encore.llama_block_workspace_bytes(*args, float(eps))
     if workspace is None:
         ws = _empty(y0, (nbytes + 256,), "u8")
+        ws = ws[(-_address(ws)) % 256:][:nbytes] if nbytes else ws
     else:
-        ws = workspace
-        if getattr(ws, "ndim", 0) != 1 or str(ws.dtype).rsplit(".", 1)[-1] != "uint8":
-            raise ValueError("workspace: expected a 1-D uint8 array")
-        if _is_torch(ws) != _is_torch(y0) or (_is_torch(ws) and ws.device != y0.device):
-            raise ValueError("workspace: expected an array on y0's framework and device")
-        if ws.shape[0] < nbytes + (-_address(ws)) % 256:
-            raise ValueError(f"workspace: {ws.shape[0]} bytes, this block needs {nbytes} from a 256-byte aligned address "
-                             f"(llama_block_workspace_bytes; allocate {nbytes + 256} to allow any alignment)")
-    ws = ws[(-_address(ws)) % 256:][:nbytes] if nbytes else ws
+        ws = _user_workspace(workspace, y0, nbytes, 256, "llama_block_workspace_bytes")
+        ws = workspace if ws is None else ws
     _encore.llama_block_forward_out(*args, float(eps), ws, _stream_for(y0, stream))
     return x1, x2, z1, qkv, r1, r2
 
@@ -192,5 +186,3 @@ def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, fre
     return int(_encore.llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *out, float(eps))) + 256
 
 
-def _address(a):
-    return a.data_ptr() if _is_torch(a) else a.ctypes.data

@@ -5,7 +5,7 @@ backward reads. Backward: CPU backend only. Not wired into autograd."""
 from __future__ import annotations
 
 from . import _encore
-from ._util import _empty, _is_torch, _no_autograd, _stream_for
+from ._util import _empty, _is_torch, _no_autograd, _stream_for, _user_workspace
 
 _RESIDUAL_KINDS = {None: "f32", "float32": "f32", "bfloat16": "bf16"}
 _RESIDUAL_NAMES = ("G", "Aqk", "Akk", "h")
@@ -34,7 +34,7 @@ def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound):
 
 def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None,
-                return_residuals=False, residual_dtype=None, stream=None):
+                return_residuals=False, residual_dtype=None, out=None, workspace=None, stream=None):
     """Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None), and with
     return_residuals a third element: dict(G [B, T, H, K] float32 (chunk-local log2 gate cumsum),
     Aqk, Akk [B, T, H, 64], h [NT, H, K, V] (chunk-start states)) in residual_dtype ("float32", the
@@ -44,14 +44,27 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     g: log-decay, or the raw gate with use_gate_in_kernel (softplus gate with A_log [H] and optional
     dt_bias [H * K]; lower_bound in [-5, 0) selects the lower-bound gate). cu_seqlens [N + 1]
     (int32/int64, a host array even for CUDA tensors) makes the B = 1 batch varlen.
+
+    out: optional (o, final_state) to write into (final_state None unless output_final_state),
+    returned as given. workspace: optional 1-D uint8 array on q's device of at least
+    kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens) bytes (the CUDA forward's records, 96.5 KB
+    per chunk of 64 tokens and head); without it each CUDA call allocates one. With both and no
+    residuals a call allocates nothing (fixed addresses, e.g. for CUDA graph capture).
     """
     _no_autograd(q, k, v, g, beta)
     b, t, h, kd = q.shape
     vd = v.shape[3]
     n = (len(cu_seqlens) - 1) if cu_seqlens is not None else b
     cu_seqlens = _host_cu(cu_seqlens)
-    o = _empty(v, (b, t, h, vd), "like")
-    fin = _empty(q, (n, h, kd, vd), "f32") if output_final_state else None
+    if out is None:
+        o = _empty(v, (b, t, h, vd), "like")
+        fin = _empty(q, (n, h, kd, vd), "f32") if output_final_state else None
+    else:
+        if len(out) != 2:
+            raise ValueError(f"out: expected (o, final_state), got {len(out)} arrays")
+        o, fin = out
+        if (fin is not None) != bool(output_final_state):
+            raise ValueError("out: final_state must be an array exactly when output_final_state is set")
     res = None
     if return_residuals:
         if residual_dtype not in _RESIDUAL_KINDS:
@@ -65,9 +78,23 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
             *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
             *((res or {}).get(name) for name in _RESIDUAL_NAMES))
     nbytes = _encore.kda_forward_workspace_bytes(*args)
-    ws = _empty(q, (nbytes,), "u8") if nbytes else None
+    if workspace is None:
+        ws = _empty(q, (nbytes,), "u8") if nbytes else None
+    else:
+        ws = _user_workspace(workspace, q, nbytes, 16, "kda_forward_workspace_bytes")
     _encore.kda_forward_out(*args, ws, _stream_for(q, stream))
     return (o, fin, res) if return_residuals else (o, fin)
+
+
+def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None) -> int:
+    """The size in bytes to allocate for kda_forward's `workspace` with these inputs and outputs
+    `out` = (o, final_state or None): 96.5 KB per chunk of 64 tokens and head on CUDA plus 16 for
+    alignment, 0 on the CPU backend."""
+    if len(out) != 2:
+        raise ValueError(f"out: expected (o, final_state), got {len(out)} arrays")
+    nbytes = _encore.kda_forward_workspace_bytes(q, k, v, g, beta, None, None, None, _host_cu(cu_seqlens), out[0], out[1],
+                                                 0.0, False, False, False, -5.0, None, None, None, None)
+    return int(nbytes) + 16 if nbytes else 0
 
 
 def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_state=None, use_qk_l2norm=False,

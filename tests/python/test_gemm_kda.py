@@ -152,6 +152,25 @@ def test_kda_forward_numpy():
     assert rel(o, o_ref) < 1e-5 and rel(fin, fin_ref) < 1e-5
 
 
+def test_kda_forward_out_and_workspace_numpy():
+    b, t, h, kd, vd = 1, 70, 2, 8, 6
+    q, k, v = randn(b, t, h, kd), randn(b, t, h, kd, scale=0.4), randn(b, t, h, vd)
+    g = -0.2 * rng.random((b, t, h, kd)).astype(np.float32)
+    beta = (0.1 + 0.8 * rng.random((b, t, h))).astype(np.float32)
+    want_o, want_fin = encore.kda_forward(q, k, v, g, beta, output_final_state=True)
+    out = (np.full(want_o.shape, np.nan, np.float32), np.full(want_fin.shape, np.nan, np.float32))
+    ws = np.zeros(max(encore.kda_forward_workspace_bytes(q, k, v, g, beta, out), 1), np.uint8)
+    o, fin = encore.kda_forward(q, k, v, g, beta, output_final_state=True, out=out, workspace=ws)
+    assert o is out[0] and fin is out[1]
+    assert np.array_equal(o, want_o) and np.array_equal(fin, want_fin)
+    with pytest.raises(ValueError, match="final_state"):
+        encore.kda_forward(q, k, v, g, beta, output_final_state=False, out=out)
+    with pytest.raises(ValueError, match="out"):
+        encore.kda_forward(q, k, v, g, beta, out=(out[0],))
+    with pytest.raises(ValueError, match="workspace"):
+        encore.kda_forward(q, k, v, g, beta, workspace=np.zeros(16, np.float32))
+
+
 def test_kda_residuals_numpy():
     b, t, h, kd, vd = 1, 100, 2, 8, 6  # two chunks, the second ragged
     q, k, v = randn(b, t, h, kd), randn(b, t, h, kd, scale=0.3), randn(b, t, h, vd)
@@ -272,6 +291,31 @@ def test_cuda_kda_varlen_gate_in_kernel_matches_cpu():
         e_f = ((fin.cpu().double() - fin_cpu).norm() / fin_cpu.norm()).item()
         assert e_o < 5e-3 and e_f < 5e-3, (e_o, e_f)
         assert set(res) == {"G", "Aqk", "Akk", "h"} and res["Akk"].dtype == bf and res["G"].dtype == torch.float32
+
+
+@pytest.mark.skipif(not (encore.built_with_cuda() and encore.cuda_device_count() > 0), reason="needs a CUDA device")
+def test_cuda_kda_forward_out_and_workspace():
+    torch = pytest.importorskip("torch")
+    dev, bf = "cuda", torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    b, t, h, kd = 1, 200, 2, 64
+    q, k, v = (torch.randn(b, t, h, kd, generator=gen).to(bf).to(dev) for _ in range(3))
+    g = (-torch.rand(b, t, h, kd, generator=gen) * 0.1).to(bf).to(dev)
+    beta = torch.rand(b, t, h, generator=gen).to(bf).to(dev)
+    cu = np.array([0, 63, 200], np.int64)
+    kw = dict(output_final_state=True, use_qk_l2norm=True, cu_seqlens=cu)
+    want_o, want_fin = encore.kda_forward(q, k, v, g, beta, **kw)
+    out = (torch.full_like(want_o, float("nan")), torch.full_like(want_fin, float("nan")))
+    nbytes = encore.kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=cu)
+    assert nbytes >= 4 * h * 96 * 1024  # 4 chunk slots (1 + 3) x heads x a record of 96.5 KB
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    for _ in range(2):  # the same buffers twice
+        o, fin = encore.kda_forward(q, k, v, g, beta, out=out, workspace=ws, **kw)
+        torch.cuda.synchronize()
+        assert o is out[0] and fin is out[1]
+        assert torch.equal(o, want_o) and torch.equal(fin, want_fin)
+    with pytest.raises(ValueError, match="workspace"):
+        encore.kda_forward(q, k, v, g, beta, out=out, workspace=ws[: nbytes - 17], **kw)
 
 
 @pytest.mark.skipif(not (encore.built_with_cuda() and encore.cuda_device_count() > 0), reason="needs a CUDA device")
