@@ -184,5 +184,3 @@ def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, fre
     if len(out) != 6:
         raise ValueError(f"out: expected the 6 arrays (x1, x2, z1, qkv, r1, r2), got {len(out)}")
     return int(_encore.llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *out, float(eps))) + 256
-
-
