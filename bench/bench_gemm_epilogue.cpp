@@ -365,23 +365,36 @@ struct BlockBuffers {
   }
 };
 
+// The block's rotation sets, filled (valid positions and frequencies), and its workspace.
+struct BlockSetup {
+  const BlockBuffers B;
+  Rotation rot;
+  void* ws = nullptr;
+  BlockSetup(const Ctx& x, int64_t M, int64_t d, int64_t F, int64_t nqkv, int head_dim)
+      : B(M, d, F, nqkv), rot(make_rotation(B.bytes, x.l2, FillKind::kBF16)) {
+    B.fill(rot, head_dim);
+    check_cuda(cudaMalloc(&ws, workspace_bytes(B.args(rot.set(0)), LlamaBlockOptions{})), "block workspace");
+  }
+  BlockSetup(const BlockSetup&) = delete;
+  BlockSetup& operator=(const BlockSetup&) = delete;
+  ~BlockSetup() {
+    check_cuda(cudaFree(ws), "free");
+    free_rotation(rot);
+  }
+};
+
 // The shifted LLaMA block forward (llama_block.hpp) against its four GEMMs in cuBLAS alone.
 void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_t F, int64_t nqkv, int head_dim) {
   if (!selected("llama_block_forward " + size)) return;
-  const BlockBuffers B(M, d, F, nqkv);
-  Rotation rot = make_rotation(B.bytes, x.l2, FillKind::kBF16);
-  B.fill(rot, head_dim);
-  auto args = [&](char* b) { return B.args(b); };
-  const size_t ws_bytes = workspace_bytes(args(rot.set(0)), LlamaBlockOptions{});
-  void* ws = nullptr;
-  check_cuda(cudaMalloc(&ws, ws_bytes), "block workspace");
-  auto fused_fn = [&](long long i) { check_status(run(args(rot.set(i)), LlamaBlockOptions{}, ws, x.stream), "llama_block"); };
-  auto gemms_fn = [&](long long i) {
-    for (int k = 0; k < 4; ++k) B.cublas_step(x.handle, rot.set(i), k);
-  };
-  const std::vector<double> times = interleaved(x, {fused_fn, gemms_fn}, rot.sets);
-  check_cuda(cudaFree(ws), "free");
-  free_rotation(rot);
+  std::vector<double> times;
+  {
+    const BlockSetup S(x, M, d, F, nqkv, head_dim);
+    auto fused_fn = [&](long long i) { check_status(run(S.B.args(S.rot.set(i)), LlamaBlockOptions{}, S.ws, x.stream), "llama_block"); };
+    auto gemms_fn = [&](long long i) {
+      for (int k = 0; k < 4; ++k) S.B.cublas_step(x.handle, S.rot.set(i), k);
+    };
+    times = interleaved(x, {fused_fn, gemms_fn}, S.rot.sets);
+  }
   Record rec = record("llama_block_forward", size, M, d, d);
   rec.params.push_back({"F", std::to_string(F)});
   rec.params.push_back({"Nqkv", std::to_string(nqkv)});
@@ -399,33 +412,28 @@ void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_
 // in sequence (the per-kernel ratios, timed one kernel at a time, add up to less than the block's).
 void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_t F, int64_t nqkv, int head_dim) {
   if (!selected("breakdown " + size)) return;
-  const BlockBuffers B(M, d, F, nqkv);
-  Rotation rot = make_rotation(B.bytes, x.l2, FillKind::kBF16);
-  B.fill(rot, head_dim);
-  const size_t ws_bytes = workspace_bytes(B.args(rot.set(0)), LlamaBlockOptions{});
-  void* ws = nullptr;
-  check_cuda(cudaMalloc(&ws, ws_bytes), "block workspace");
+  const BlockSetup S(x, M, d, F, nqkv, head_dim);
+  const BlockBuffers& B = S.B;
+  const Rotation& rot = S.rot;
+  void* const ws = S.ws;
   // Events per iteration, synchronized once at the end: the host enqueues ahead of the GPU, so no
   // step waits for its launch (a sync per iteration put the host's launch time into step 1).
   constexpr int kIters = 33, kEvents = 10;
   std::vector<cudaEvent_t> all(size_t(kIters) * kEvents);
   for (auto& e : all) check_cuda(cudaEventCreate(&e), "event");
   std::vector<std::vector<float>> enc(4), cub(4);
-  auto encore_steps = [&](cudaEvent_t* ev, char* b) {
-    const LlamaBlockArgs a = B.args(b);
+  auto timed_steps = [&](cudaEvent_t* ev, auto&& step) {  // ev[0], then ev[k + 1] after step k
     check_cuda(cudaEventRecord(ev[0], x.stream), "ev");
     for (int k = 0; k < 4; ++k) {
-      check_status(run_step(a, LlamaBlockOptions{}, ws, k, x.stream), "llama_block step");
+      step(k);
       check_cuda(cudaEventRecord(ev[k + 1], x.stream), "ev");
     }
   };
-  auto cublas_steps = [&](cudaEvent_t* ev, char* b) {
-    check_cuda(cudaEventRecord(ev[5], x.stream), "ev");
-    for (int k = 0; k < 4; ++k) {
-      B.cublas_step(x.handle, b, k);
-      check_cuda(cudaEventRecord(ev[6 + k], x.stream), "ev");
-    }
+  auto encore_steps = [&](cudaEvent_t* ev, char* b) {
+    const LlamaBlockArgs a = B.args(b);
+    timed_steps(ev, [&](int k) { check_status(run_step(a, LlamaBlockOptions{}, ws, k, x.stream), "llama_block step"); });
   };
+  auto cublas_steps = [&](cudaEvent_t* ev, char* b) { timed_steps(ev + 5, [&](int k) { B.cublas_step(x.handle, b, k); }); };
   // ENCORE_BREAKDOWN_SEPARATE=1: all of encore's iterations, then all of cuBLAS's (each sustained
   // alone, as a timing loop of one contender runs), instead of alternating them.
   const bool separate = std::getenv("ENCORE_BREAKDOWN_SEPARATE") != nullptr;
@@ -447,8 +455,6 @@ void block_breakdown(Ctx& x, const std::string& size, int64_t M, int64_t d, int6
     }
   }
   for (auto& e : all) cudaEventDestroy(e);
-  check_cuda(cudaFree(ws), "free");
-  free_rotation(rot);
   const char* names[4] = {"o-proj + residual + sqsum (+ rms_final_reduce)", "gate/up + SwiGLU", "down + residual + sqsum (+ rms_final_reduce)",
                           "QKV + RoPE"};
   auto median = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return double(v[v.size() / 2]); };

@@ -22,7 +22,7 @@ grep -E "kda .*rel-rms" "$OUT/gpu_tests.log" >"$OUT/kda_errors.txt"
 ENCORE_COMMIT=$(cat .gpubin/COMMIT) timeout 60 .gpubin/encore bench kda --out "$OUT/bench_kda.json" >/tmp/bench.log 2>&1
 echo "bench rc=$?"; grep -E "^  kda_forward" /tmp/bench.log
 timeout 200 ./scripts/gpu_pytest.sh >/tmp/pytest.out 2>&1; echo "pytest rc=$? $(tail -3 /tmp/pytest.out | tr '\n' ' ')"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+./scripts/gpu_wheels.sh
 PYTHONPATH=/tmp/site:build-py/python PYTHONUNBUFFERED=1 ROUNDS=${ROUNDS:-2} timeout 280 python3 bench/peers/kda_peers.py "$OUT/kda_peers.json" \
   >"$OUT/kda_peers.log" 2>&1
 echo "peers rc=$?"; grep -E "gpu_kernel_ms|rel_rms" "$OUT/kda_peers.log"

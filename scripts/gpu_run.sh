@@ -74,14 +74,14 @@ fi
 # in .whl (see docs/gpu_workflow.md).
 if [ "${ENCORE_PEERS:-0}" = 1 ]; then
   if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$log" 2>&1
+    ./scripts/gpu_wheels.sh "$log"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   step "peers: qk_norm" env PYTHONUNBUFFERED=1 python3 bench/peers/qk_norm_peers.py "$OUT/qk_norm_peers.json"
 fi
 # fla chunk_kda forward (ENCORE_KDA_PEERS=1; fla-core carried as a wheel in .whl).
 if [ "${ENCORE_KDA_PEERS:-0}" = 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$log" 2>&1
+  ./scripts/gpu_wheels.sh "$log"
   step "peers: fla chunk_kda" env PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 python3 bench/peers/kda_peers.py "$OUT/kda_peers.json"
 fi
 # torch.compile / eager / cuBLAS of the LLaMA shifted block (ENCORE_BLOCK_PEERS=1), and encore's block

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Where a kernel spends its time, on the GPU machine: one launch profiled with ncu's full set, then
-# a text summary (speed of light, occupancy, stall reasons by PC sampling, the hottest SASS lines).
+# a text summary (speed of light, occupancy, stall reasons by PC sampling, the hottest SASS lines,
+# the lines with shared-memory bank conflicts).
 # Usage: scripts/ncu_hotspots.sh NAME KERNEL_REGEX LAUNCH_SKIP -- encore args...
 # (e.g. scripts/ncu_hotspots.sh state kda_state_kernel 50 -- bench kda --out /tmp/x.json)
 # Writes $OUT/ncu_NAME.txt and the whole annotated SASS listing $OUT/ncu_NAME_sass.txt; the binary
@@ -58,6 +59,17 @@ if hi is not None:
     idx = sorted(range(len(body)), key=lambda i: -num(body[i], ca))[:40]
     for i in sorted(idx):
         print(f"  {i:5d} {100 * num(body[i], ca) / tot:5.1f}%  {body[i][cs][:110]}")
+    # Shared-memory bank conflicts: the wavefronts beyond one per request, by region and the top lines.
+    cx = next((i for i, c in enumerate(hdr) if 'Shared' in c and 'Excessive' in c), None)
+    xt = sum(num(r, cx) for r in body) if cx is not None else 0
+    if xt > 0:
+        print(f"== {name}: excessive shared-memory wavefronts (bank conflicts) {xt:.0f}, by region between clock reads")
+        for a, b in zip(edges, edges[1:]) if cuts else [(0, len(body))]:
+            print(f"  lines {a:5d}-{b:5d}  {100 * sum(num(r, cx) for r in body[a:b]) / xt:5.1f}%")
+        print(f"== {name}: the lines with the most (index, excessive wavefronts, warp instructions)")
+        for i in sorted(range(len(body)), key=lambda i: -num(body[i], cx))[:24]:
+            if num(body[i], cx) > 0:
+                print(f"  {i:5d} {num(body[i], cx):9.0f} {num(body[i], ci):9.0f}  {body[i][cs][:90]}")
     # The whole listing, one line per SASS instruction, for reading offline: index, share of stall
     # samples, warp instructions executed, the per-reason sample columns that are not all zero.
     reasons = [i for i, c in enumerate(hdr) if 'stall' in c.lower() and i not in (ca,)]

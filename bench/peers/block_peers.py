@@ -76,9 +76,9 @@ def main(out):
             if HAVE_ENCORE:  # the same block (interleaved gate/up, RoPE on the q and k heads) in encore
                 epos = (torch.arange(M, device=dev) % 8192).to(torch.int32)
                 efreq = torch.from_numpy(encore.rope_freq_turns(hq + 2 * hkv, hq + hkv, hd, 500000.0)).to(dev)
-                runs["encore"] = lambda: encore.llama_block_forward(y0, x0, w0, w1, w2, w3, g0, g1, epos, efreq)
-                # The same with its outputs and workspace allocated once (fixed addresses, no allocation per call).
                 eargs = (y0, x0, w0, w1, w2, w3, g0, g1, epos, efreq)
+                runs["encore"] = lambda: encore.llama_block_forward(*eargs)
+                # The same with its outputs and workspace allocated once (fixed addresses, no allocation per call).
                 eout = encore.llama_block_forward(*eargs)
                 ews = torch.empty(encore.llama_block_workspace_bytes(*eargs, eout), dtype=torch.uint8, device=dev)
                 runs["encore_static"] = lambda: encore.llama_block_forward(*eargs, out=eout, workspace=ews)

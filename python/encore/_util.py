@@ -58,15 +58,25 @@ def _address(a):
     return a.data_ptr() if _is_torch(a) else a.ctypes.data
 
 
-def _user_workspace(ws, like, nbytes, align, sized_by):
-    """A caller's workspace: checked to be a 1-D uint8 array on `like`'s framework and device with
-    nbytes from an align-byte aligned address; returns that aligned view (None when nbytes is 0)."""
-    if getattr(ws, "ndim", 0) != 1 or str(ws.dtype).rsplit(".", 1)[-1] != "uint8":
+def _given_outputs(out, names):
+    """The caller's output arrays `out`, checked to be one per name in `names`."""
+    if len(out) != len(names):
+        raise ValueError(f"out: expected the {len(names)} arrays ({', '.join(names)}), got {len(out)}")
+    return tuple(out)
+
+
+def _workspace(ws, like, nbytes, align, sized_by):
+    """The aligned nbytes of a workspace: `ws` (the caller's; checked to be a 1-D uint8 array on
+    `like`'s framework and device, large enough from an align-byte aligned address), or, when it is
+    None, a fresh one with room for the alignment."""
+    if ws is None:
+        ws = _empty(like, (nbytes + align,), "u8")
+    elif getattr(ws, "ndim", 0) != 1 or str(ws.dtype).rsplit(".", 1)[-1] != "uint8":
         raise ValueError("workspace: expected a 1-D uint8 array")
-    if _is_torch(ws) != _is_torch(like) or (_is_torch(ws) and ws.device != like.device):
+    elif _is_torch(ws) != _is_torch(like) or (_is_torch(ws) and ws.device != like.device):
         raise ValueError("workspace: expected an array on the inputs' framework and device")
     skip = (-_address(ws)) % align
     if ws.shape[0] < nbytes + skip:
         raise ValueError(f"workspace: {ws.shape[0]} bytes, this call needs {nbytes} from a {align}-byte aligned address "
                          f"(allocate {sized_by}(...) bytes)")
-    return ws[skip:][:nbytes] if nbytes else None
+    return ws[skip:skip + nbytes]

@@ -8,10 +8,11 @@ fp32). Inference only (no autograd).
 from __future__ import annotations
 
 from . import _encore
-from ._util import _address, _empty, _no_autograd, _stream_for, _user_workspace
+from ._util import _empty, _given_outputs, _no_autograd, _stream_for, _workspace
 
 # encore::Epilogue and encore::GemmTile values
 _RESIDUAL, _ROW_SCALE, _SWIGLU, _ROPE, _HEAD_SQSUM, _LSE, _SCALAR = range(7)
+_BLOCK_OUTPUTS = ("x1", "x2", "z1", "qkv", "r1", "r2")
 _TILES = {"auto": 0, "cooperative_128x256": 1, "pingpong_128x128": 2, "pingpong_64x256": 3}
 
 
@@ -163,17 +164,10 @@ def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: 
         x1, x2, z1, qkv = _empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, nq), "like")
         r1, r2 = _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32")
     else:
-        if len(out) != 6:
-            raise ValueError(f"out: expected the 6 arrays (x1, x2, z1, qkv, r1, r2), got {len(out)}")
-        x1, x2, z1, qkv, r1, r2 = out
+        x1, x2, z1, qkv, r1, r2 = _given_outputs(out, _BLOCK_OUTPUTS)
     args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2)
     nbytes = _encore.llama_block_workspace_bytes(*args, float(eps))
-    if workspace is None:
-        ws = _empty(y0, (nbytes + 256,), "u8")
-        ws = ws[(-_address(ws)) % 256:][:nbytes] if nbytes else ws
-    else:
-        ws = _user_workspace(workspace, y0, nbytes, 256, "llama_block_workspace_bytes")
-        ws = workspace if ws is None else ws
+    ws = _workspace(workspace, y0, nbytes, 256, "llama_block_workspace_bytes")
     _encore.llama_block_forward_out(*args, float(eps), ws, _stream_for(y0, stream))
     return x1, x2, z1, qkv, r1, r2
 
@@ -181,6 +175,5 @@ def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: 
 def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, out, eps: float = 1e-5) -> int:
     """The size in bytes to allocate for llama_block_forward's `workspace` with these arguments and
     outputs `out` = (x1, x2, z1, qkv, r1, r2): what the block needs plus 256 for alignment."""
-    if len(out) != 6:
-        raise ValueError(f"out: expected the 6 arrays (x1, x2, z1, qkv, r1, r2), got {len(out)}")
-    return int(_encore.llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *out, float(eps))) + 256
+    args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *_given_outputs(out, _BLOCK_OUTPUTS))
+    return int(_encore.llama_block_workspace_bytes(*args, float(eps))) + 256

@@ -5,7 +5,7 @@ backward reads. Backward: CPU backend only. Not wired into autograd."""
 from __future__ import annotations
 
 from . import _encore
-from ._util import _empty, _is_torch, _no_autograd, _stream_for, _user_workspace
+from ._util import _empty, _given_outputs, _is_torch, _no_autograd, _stream_for, _workspace
 
 _RESIDUAL_KINDS = {None: "f32", "float32": "f32", "bfloat16": "bf16"}
 _RESIDUAL_NAMES = ("G", "Aqk", "Akk", "h")
@@ -60,9 +60,7 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
         o = _empty(v, (b, t, h, vd), "like")
         fin = _empty(q, (n, h, kd, vd), "f32") if output_final_state else None
     else:
-        if len(out) != 2:
-            raise ValueError(f"out: expected (o, final_state), got {len(out)} arrays")
-        o, fin = out
+        o, fin = _given_outputs(out, ("o", "final_state"))
         if (fin is not None) != bool(output_final_state):
             raise ValueError("out: final_state must be an array exactly when output_final_state is set")
     res = None
@@ -78,11 +76,8 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
             *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
             *((res or {}).get(name) for name in _RESIDUAL_NAMES))
     nbytes = _encore.kda_forward_workspace_bytes(*args)
-    if workspace is None:
-        ws = _empty(q, (nbytes,), "u8") if nbytes else None
-    else:
-        ws = _user_workspace(workspace, q, nbytes, 16, "kda_forward_workspace_bytes")
-    _encore.kda_forward_out(*args, ws, _stream_for(q, stream))
+    ws = _workspace(workspace, q, nbytes, 16, "kda_forward_workspace_bytes")
+    _encore.kda_forward_out(*args, ws if nbytes else None, _stream_for(q, stream))
     return (o, fin, res) if return_residuals else (o, fin)
 
 
@@ -90,10 +85,10 @@ def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None) -> int:
     """The size in bytes to allocate for kda_forward's `workspace` with these inputs and outputs
     `out` = (o, final_state or None): 96.5 KB per chunk of 64 tokens and head on CUDA plus 16 for
     alignment, 0 on the CPU backend."""
-    if len(out) != 2:
-        raise ValueError(f"out: expected (o, final_state), got {len(out)} arrays")
-    nbytes = _encore.kda_forward_workspace_bytes(q, k, v, g, beta, None, None, None, _host_cu(cu_seqlens), out[0], out[1],
-                                                 0.0, False, False, False, -5.0, None, None, None, None)
+    o, fin = _given_outputs(out, ("o", "final_state"))
+    # The size depends on the chunk and head counts only: the default options stand in for any.
+    nbytes = _encore.kda_forward_workspace_bytes(q, k, v, g, beta, None, None, None, _host_cu(cu_seqlens), o, fin,
+                                                 *_opts(None, False, False, None), None, None, None, None)
     return int(nbytes) + 16 if nbytes else 0
 
 

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Installs the wheels carried in .whl/ (fla-core, einops, liger-kernel: the peers' packages) into
+# /tmp/site on the GPU machine, which has no network; put /tmp/site on PYTHONPATH to use them.
+# Quiet; pip's output goes to LOG (default /dev/null). Usage: scripts/gpu_wheels.sh [LOG]
+ls .whl/*.whl >/dev/null 2>&1 || exit 0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"${1:-/dev/null}" 2>&1
