@@ -7,20 +7,24 @@ with every rounding on, then with one group on at a time (its own share; shares 
 Groups: intra (the bf16 operands of Aqk and L: q and k times their sub-block decay factors), Qg,
 KgT, kb (β k 2^G, the B operand of W), vb (β v, the B operand of U), A (the inverse as a bf16 operand
 of W and U), W (W stored in bf16), Aqk (Aqk as a bf16 operand of O), S (the state as a bf16 operand
-of W S and Qg S), Vn (Vnew as a bf16 operand), out (o stored in bf16).
+of W S and Qg S), Vn (Vnew as a bf16 operand), out (o stored in bf16), Y (--deferred-a only: Y as
+the bf16 operand of (A − I) Y).
 
 Usage: python3 scripts/kda_rounding_model.py [--T 512] [--K 128] [--seeds 3] [--no-l2] [--bf16-inputs]
-       [--diag-exact] [--o-exact] [--u-bf16]
+       [--diag-exact] [--o-exact] [--u-bf16] [--deferred-a]
 The CUDA kernels today are --diag-exact --o-exact (O's Vnew part as Aqk and Vnew hi + lo, three
 products); without --o-exact O takes one bf16 product (8 of its 12 wgmma fewer); --u-bf16 stores U in
-bf16 in the record (16 of its 96.5 KB fewer). docs/kda.md quotes both trade-offs.
+bf16 in the record (16 of its 96.5 KB fewer). docs/kda.md quotes both trade-offs. --deferred-a models
+session 20's branch next-gpu-kda-deferred-a (no W, U products in the chunk kernel; the state kernel
+computes Y = β v − bf16(β k 2^G) S and Vnew = Y + (A − I) bf16(Y)): the same error as the kernels
+(o 2.78e-3, state 2.12e-3 with --bf16-inputs --diag-exact --o-exact); group Y is the rounding of Y.
 """
 import argparse
 
 import numpy as np
 
 LOG2E = 1.4426950408889634
-GROUPS = ("intra", "Qg", "KgT", "kb", "vb", "A", "W", "Aqk", "S", "Vn", "out")
+GROUPS = ("intra", "Qg", "KgT", "kb", "vb", "A", "W", "Aqk", "S", "Vn", "out", "Y")
 
 
 def bf16(x):
@@ -53,7 +57,7 @@ def recurrence(q, k, v, g, beta, scale):
     return o, S
 
 
-def chunked(q, k, v, g, beta, scale, on, diag_exact=False, o_exact=False, u_bf16=False):
+def chunked(q, k, v, g, beta, scale, on, diag_exact=False, o_exact=False, u_bf16=False, deferred_a=False):
     r = {name: (bf16 if name in on else (lambda x: np.asarray(x, np.float64))) for name in GROUPS}
     T, K = q.shape
     S = np.zeros((K, v.shape[1]))
@@ -90,7 +94,11 @@ def chunked(q, k, v, g, beta, scale, on, diag_exact=False, o_exact=False, u_bf16
         if u_bf16:
             U = bf16(U)
         Sb = r["S"](S)
-        Vn = U - W @ Sb
+        if deferred_a:  # the state pass applies A: Y = β v − bf16(β k 2^G) S, Vnew = Y + (A − I) bf16(Y)
+            Y = vb - r["W"](kb) @ Sb
+            Vn = Y + r["A"](A - np.eye(n)) @ r["Y"](Y)
+        else:
+            Vn = U - W @ Sb
         o[c0:c1] = Qg @ Sb + (Aqk @ Vn if o_exact else r["Aqk"](Aqk) @ r["Vn"](Vn))
         S = (2.0 ** G[-1])[:, None] * S + KgT @ r["Vn"](Vn)
     return r["out"](o), S
@@ -110,6 +118,7 @@ def main():
     ap.add_argument("--diag-exact", action="store_true", help="W, U as (A - I)(...) + identity part in fp32 (branch next-gpu)")
     ap.add_argument("--o-exact", action="store_true", help="Aqk and Vnew at full precision in O (the kernels' hi + lo products)")
     ap.add_argument("--u-bf16", action="store_true", help="U stored in bf16 (instead of fp32)")
+    ap.add_argument("--deferred-a", action="store_true", help="no W, U: the state pass computes Y = β v − (β k 2^G) S and Vnew = Y + (A − I) Y")
     args = ap.parse_args()
     rows = {"all on": set(GROUPS)}
     rows.update({f"only {gname}": {gname} for gname in GROUPS})
@@ -122,7 +131,7 @@ def main():
         scale = args.K ** -0.5
         o_ref, s_ref = recurrence(q, k, v, g, beta, scale)
         for name, on in rows.items():
-            o, s = chunked(q, k, v, g, beta, scale, on, args.diag_exact, args.o_exact, args.u_bf16)
+            o, s = chunked(q, k, v, g, beta, scale, on, args.diag_exact, args.o_exact, args.u_bf16, args.deferred_a)
             acc[name].append((rel(o, o_ref), rel(s, s_ref)))
     print(f"T {args.T}, K = V = {args.K}, L2 norm {'off (contractive keys)' if args.no_l2 else 'on'}, {args.seeds} seeds")
     print(f"{'roundings':<12} {'o rel-RMS':>10} {'state':>10}")
