@@ -83,22 +83,20 @@ def chunked(q, k, v, g, beta, scale, on, diag_exact=False, o_exact=False, u_bf16
         L = bc[:, None] * np.tril(L, -1)
         A = np.linalg.inv(np.eye(n) + L)
         kb, vb = bc[:, None] * kc * 2.0 ** G, bc[:, None] * vc
-        if diag_exact:  # (A − I) on tensor cores, the identity part in fp32
-            Ao = r["A"](A - np.eye(n))
-            W, U = r["W"](Ao @ r["kb"](kb) + kb), Ao @ r["vb"](vb) + vb
-        else:
-            Ab = r["A"](A)
-            W, U = r["W"](Ab @ r["kb"](kb)), Ab @ r["vb"](vb)
         Qg = r["Qg"](scale * qc * 2.0 ** G)
         KgT = r["KgT"]((kc * 2.0 ** (G[-1] - G)).T)
-        if u_bf16:
-            U = bf16(U)
         Sb = r["S"](S)
         if deferred_a:  # the state pass applies A: Y = β v − bf16(β k 2^G) S, Vnew = Y + (A − I) bf16(Y)
             Y = vb - r["W"](kb) @ Sb
             Vn = Y + r["A"](A - np.eye(n)) @ r["Y"](Y)
-        else:
-            Vn = U - W @ Sb
+        else:  # the chunk kernel's W = A (β k 2^G) and U = A (β v)
+            if diag_exact:  # (A − I) on tensor cores, the identity part in fp32
+                Ao = r["A"](A - np.eye(n))
+                W, U = r["W"](Ao @ r["kb"](kb) + kb), Ao @ r["vb"](vb) + vb
+            else:
+                Ab = r["A"](A)
+                W, U = r["W"](Ab @ r["kb"](kb)), Ab @ r["vb"](vb)
+            Vn = (bf16(U) if u_bf16 else U) - W @ Sb
         o[c0:c1] = Qg @ Sb + (Aqk @ Vn if o_exact else r["Aqk"](Aqk) @ r["Vn"](Vn))
         S = (2.0 ** G[-1])[:, None] * S + KgT @ r["Vn"](Vn)
     return r["out"](o), S
