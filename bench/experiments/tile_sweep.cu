@@ -82,6 +82,8 @@ int main(int argc, char** argv) {
   }
   const float one = 1.0f, zero = 0.0f;
   cudaMemcpy(alpha, &one, 4, cudaMemcpyHostToDevice);
+  cudaEvent_t e0, e1;  // around each timed batch of launches
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
 
   // A contender runs on the shapes of its kind (kPlain: all, checked against cuBLAS); tile_n: the
   // partials' column tile of the residual and LSE epilogues; swiglu: aux at half width.
@@ -161,8 +163,6 @@ int main(int argc, char** argv) {
       if (maxd > 0.5) status[c] = "WRONG max diff " + std::to_string(maxd);
     }
     std::vector<std::vector<double>> t(cs.size() + 1);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0), cudaEventCreate(&e1);
     for (int r = 0; r < rounds; ++r)
       for (size_t k = 0; k <= cs.size(); ++k) {
         const size_t c = (k + r) % (cs.size() + 1);  // contenders rotate; index cs.size() = cuBLAS
@@ -194,5 +194,6 @@ int main(int argc, char** argv) {
     }
   }
   printf("\n]}\n");
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
   return 0;
 }
