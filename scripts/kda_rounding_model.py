@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where the CUDA KDA forward's error comes from: a numpy model of the chunked algorithm with bf16
-rounding at the same points as src/cuda/kda (kda_chunk.cu, kda_state.cu), each group of roundings
+rounding at the same points as src/kda/cuda (kda_chunk.cu, kda_state.cu), each group of roundings
 switchable, against the fp64 token recurrence. Prints the relative RMS of o and of the final state
 with every rounding on, then with one group on at a time (its own share; shares add in quadrature).
 

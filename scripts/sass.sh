@@ -3,7 +3,7 @@
 # instruction per line without encodings, plus a per-kernel count of instructions up to the first
 # EXIT after the prologue (a rough size of the main path). Needs scripts/install_sass_tools.sh.
 # Usage: scripts/sass.sh FILE [NAME_REGEX]
-#   e.g. scripts/sass.sh build-cuda/CMakeFiles/encore_kernels_quant.dir/src/cuda/quant/fp8_group_quant.cu.o bfloat16Li2
+#   e.g. scripts/sass.sh build-cuda/CMakeFiles/encore_kernels_quant.dir/src/quant/cuda/fp8_group_quant.cu.o bfloat16Li2
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cuobjdump="$root/.tools/nvidia/cu13/bin/cuobjdump"

@@ -8,7 +8,7 @@
 
 #include "check.hpp"
 #include "device_copy.hpp"
-#include "encore/gemm_epilogue.hpp"
+#include "encore/gemm.hpp"
 #include "encore/kda.hpp"
 #include "testing/compare.hpp"
 

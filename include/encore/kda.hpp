@@ -13,7 +13,7 @@
 // use_qk_l2norm: q and k are divided by sqrt(sum_k x^2 + 1e-6) per head first.
 //
 // Backends: the CPU reference (fp64 arithmetic on any float input; fp64 tensors are accepted too,
-// for finite-difference tests). CUDA forward (src/cuda/kda/, tensor cores: bf16 operands, fp32
+// for finite-difference tests). CUDA forward (src/kda/cuda/, tensor cores: bf16 operands, fp32
 // accumulation and state; relative error ~4e-3 in the contractive regime β|k|² < 2, docs/kda.md):
 // bf16/fp32 q, k, v, g, beta, o; K, V <= 128; fp32 contiguous initial/final state, A_log, dt_bias;
 // cu_seqlens on the host (<= 1024 sequences), as for the CPU backend; needs

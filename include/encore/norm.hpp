@@ -92,24 +92,4 @@ Status validate(const QkNormArgs& args, const QkNormOptions& opts);
 size_t workspace_bytes(const QkNormArgs& args, const QkNormOptions& opts);
 Status run(const QkNormArgs& args, const QkNormOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 
-struct QkNormLaunchPlan {
-  int threads = 128;         // per block
-  int heads_per_thread = 1;  // heads each lane group normalizes (loads of all issued together)
-  long long grid = 0;
-};
-QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim, DType dtype, int sm_count);
-
-// How the CUDA backend splits the work (exposed for benchmarks, tests and `encore bench`).
-struct RmsNormLaunchPlan {
-  int vec_elems = 1;         // elements per access (16 bytes / element size, or 1)
-  int warps_per_row = 1;     // warps cooperating on one row
-  int rows_per_block = 1;    // rows handled by one block
-  int vecs_per_thread = 0;   // register-cached accesses per thread; 0 = streaming (re-read)
-  long long grid = 0;        // blocks
-};
-// Plan for `rows` x `hidden` elements of `dtype` on a device with `sm_count` multiprocessors;
-// `vectorized`: whether 16-byte packs are allowed (alignment, hidden and strides permitting);
-// `add`: the residual-add variant.
-RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, bool add, int sm_count);
-
 }  // namespace encore

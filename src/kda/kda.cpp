@@ -1,4 +1,4 @@
-// KDA dispatch: validate -> CUDA forward (src/cuda/kda) or the CPU reference.
+// KDA dispatch: validate -> CUDA forward (src/kda/cuda) or the CPU reference.
 #include <algorithm>
 #include <numeric>
 #include <vector>
@@ -6,9 +6,9 @@
 
 #include "core/checks.hpp"
 #include "encore/kda.hpp"
-#include "kda/kda_problem.hpp"
-#include "cuda/kda/kda_launch.hpp"  // host-only declarations and limits
-#include "reference/kda_ref.hpp"
+#include "kda/problem.hpp"
+#include "kda/cuda/launch.hpp"  // host-only declarations and limits
+#include "kda/reference/kda_ref.hpp"
 
 namespace encore {
 namespace {

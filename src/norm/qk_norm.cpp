@@ -4,10 +4,10 @@
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
-#include "norm/qk_norm_problem.hpp"
-#include "reference/norm_ref.hpp"
+#include "norm/problem.hpp"
+#include "norm/reference/norm_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
-#include "cuda/norm/qk_norm_launch.hpp"
+#include "norm/cuda/launch.hpp"
 #endif
 
 namespace encore {
@@ -26,28 +26,6 @@ Status validate_weight(const char* name, const TensorView& w, const TensorView& 
 }
 
 }  // namespace
-
-QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim, DType dtype, int sm_count) {
-  QkNormLaunchPlan plan;
-  const int lanes = int(int64_t(head_dim) * int64_t(dtype_size(dtype)) / 16);
-  const int64_t heads = tokens * heads_per_token;
-  const int64_t threads_needed = heads * lanes;
-  // Measured with the qk_norm_plans sweep (H200, 32 q + 8 kv heads x 128,
-  // bench/results/2026-11-29-h200-qk_norm-qk_norm_plans-f16a313.json): one head per lane group is
-  // fastest at 1 and 64 tokens (64 tokens: 2.18 us against 2.31 with two heads); 128 threads with
-  // two heads per lane group is the best or within 1% of it from 4096 tokens up (4096: 22.4 us,
-  // 65536: 326 us, against 22.9 / 330 us for 256 x 4).
-  if (threads_needed >= int64_t(sm_count) * 1024) {
-    plan.threads = 128;
-    plan.heads_per_thread = 2;
-  } else {
-    plan.threads = 128;
-    plan.heads_per_thread = 1;
-  }
-  const int64_t groups_per_block = plan.threads / lanes;
-  plan.grid = (heads + groups_per_block * plan.heads_per_thread - 1) / (groups_per_block * plan.heads_per_thread);
-  return plan;
-}
 
 Status validate(const QkNormArgs& a, const QkNormOptions& o) {
   if (o.head_dim != 64 && o.head_dim != 128 && o.head_dim != 256)
@@ -98,7 +76,7 @@ Status run(const QkNormArgs& a, const QkNormOptions& o, void*, Stream stream) {
 #ifdef ENCORE_WITH_CUDA
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(a.qkv.device.index, &info));
-  return cuda::launch_qk_norm(p, plan_qk_norm(p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype, info->sm_count),
+  return cuda::launch_qk_norm(p, norm::plan_qk_norm(p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype, info->sm_count),
                               stream);
 #else
   (void)stream;

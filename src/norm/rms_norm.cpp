@@ -5,24 +5,14 @@
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
-#include "norm/rms_norm_problem.hpp"
-#include "reference/norm_ref.hpp"
+#include "norm/problem.hpp"
+#include "norm/reference/norm_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
-#include "cuda/norm/rms_norm_launch.hpp"
+#include "norm/cuda/launch.hpp"
 #endif
 
 namespace encore {
 namespace {
-
-// Launch-plan constants, from the norm_plans sweep on an H200 (docs/norm.md): one row per block
-// always won; plain RMSNorm runs best with 8 cached packs per thread, add-RMSNorm (twice the loads
-// per pack) with 1; rows that cannot fill the GPU get more warps each, down to 2 packs per thread.
-constexpr int kMaxWarpsPerRow = 16;  // 512 threads: the kernel's block limit
-constexpr int kTargetPacksPlain = 8;
-constexpr int kTargetPacksAdd = 1;
-constexpr int kSmallBatchPacks = 2;
-constexpr int kMaxCachedPacks = 8;
-constexpr int kShortRowsPerBlock = 8;
 
 // Two views are either the same view (exact alias) or disjoint in memory.
 Status same_or_disjoint(const char* a_name, const TensorView& a, const char* b_name, const TensorView& b) {
@@ -124,7 +114,7 @@ Status execute(const norm::RmsNormProblem& p, Device device, const RmsNormOption
   }
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(device.index, &info));
-  RmsNormLaunchPlan plan = plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
+  norm::RmsNormLaunchPlan plan = norm::plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
   return cuda::launch_rms_norm(p, plan, stream);
 #else
   (void)stream;
@@ -146,28 +136,6 @@ Status init_workspace(Device device, const RmsNormOptions& opts, void* workspace
 }
 
 }  // namespace
-
-RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, bool add, int sm_count) {
-  RmsNormLaunchPlan plan;
-  plan.vec_elems = vectorized ? int(16 / dtype_size(dtype)) : 1;
-  const int64_t packs = (hidden + plan.vec_elems - 1) / plan.vec_elems;
-  const int64_t target = add ? kTargetPacksAdd : kTargetPacksPlain;
-  // Fewest warps per row that keep each thread at <= target packs.
-  int wpr = 1;
-  while (wpr < kMaxWarpsPerRow && packs > int64_t(32) * wpr * target) wpr *= 2;
-  // Too few rows to give every SM ~4 row-teams: more warps per row shorten each row's latency.
-  while (wpr < kMaxWarpsPerRow && rows * wpr < int64_t(4) * sm_count && packs > int64_t(32) * wpr * kSmallBatchPacks) wpr *= 2;
-  plan.warps_per_row = wpr;
-  const int64_t per_thread = (packs + 32 * wpr - 1) / (32 * wpr);
-  int cached = 1;
-  while (cached < per_thread) cached *= 2;
-  plan.vecs_per_thread = cached <= kMaxCachedPacks ? cached : 0;
-  // Short rows (one pack per lane or less, e.g. per-head norms over [tokens * heads, 128]): a
-  // one-warp block per row caps an SM at 32 blocks = half occupancy; pack 8 rows per block.
-  plan.rows_per_block = (wpr == 1 && packs <= 32 && rows >= int64_t(8) * sm_count) ? kShortRowsPerBlock : 1;
-  plan.grid = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
-  return plan;
-}
 
 Status validate(const RmsNormArgs& a, const RmsNormOptions& opts) {
   ENCORE_RETURN_IF_ERROR(validate_common(a.x, a.weight, opts));

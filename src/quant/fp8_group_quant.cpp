@@ -5,10 +5,10 @@
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/quant.hpp"
-#include "quant/fp8_problem.hpp"
-#include "reference/quant_ref.hpp"
+#include "quant/problem.hpp"
+#include "quant/reference/quant_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
-#include "cuda/quant/fp8_group_quant_launch.hpp"
+#include "quant/cuda/launch.hpp"
 #endif
 
 namespace encore {
@@ -96,7 +96,7 @@ Status run(const Fp8GroupQuantArgs& a, const Fp8GroupQuantOptions& o, void*, Str
 #ifdef ENCORE_WITH_CUDA
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(a.x.device.index, &info));
-  return cuda::launch_fp8_group_quant(p, cuda::plan_fp8_group_quant(p, info->sm_count), stream);
+  return cuda::launch_fp8_group_quant(p, quant::plan_fp8_group_quant(p, info->sm_count), stream);
 #else
   (void)stream;
   return Status::unsupported("x: on " + a.x.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");

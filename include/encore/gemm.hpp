@@ -1,0 +1,152 @@
+// encore GEMM-epilogue family (forward): D = epilogue(A · Wᵀ), the memory-bound glue of a LLaMA
+// block computed on the fp32 accumulator (../shared/docs/math-coda.md). A [M, K], W [N, K]
+// (weights stored out x in), acc = A · Wᵀ [M, N] in fp32; then one epilogue program:
+//
+//   kResidualSqsumAux  y = acc + C;  D = y;  aux = y ⊙ gamma;  partials[m, t] = Σ_{n in tile t} y²
+//   kRowScale          D = r[m] · acc
+//   kSwiglu            z = r[m] · acc (r optional);  D = z;  aux[m, j] = silu(z[m, 2j]) · z[m, 2j+1]
+//                      (gate/up columns interleaved: see interleave_gate_up)
+//   kRope              z = r[m] · acc (r optional);  for each column pair (2j, 2j+1), θ = 2π·pos[m]·f_j:
+//                      D[2j] = z[2j]·cosθ − z[2j+1]·sinθ;  D[2j+1] = z[2j+1]·cosθ + z[2j]·sinθ
+//                      (rotation by +θ, the Hugging Face LLaMA sign; f_j = 0 leaves a pair alone)
+//   kQkvHeadSqsum      D = acc;  partials[m, h] = Σ_{n in head h} acc²
+//   kLse               z = r[m] · acc (r optional);  D = z (optional);  partials[m, t] = log Σ_{n in tile t} e^z
+//                      (−inf for a tile with no column);  target_logit[m] = z[m, target[m]] (optional)
+//   kScalarScale       D = alpha[0] · acc  (alpha read from memory: graph-safe)
+//
+// Finishers: rms_final_reduce (r from the sum-of-squares partials), lse_finish (per-row log-sum-exp
+// and cross-entropy loss from the LSE partials), and the QK-norm + RoPE finish after kQkvHeadSqsum
+// (QkNormRopeArgs; CPU and CUDA). Statistics are fp32; D and aux take A's dtype
+// (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
+// produces the same layout [M, ceil(N / partial_tile_n)]; 0 (the default) means
+// gemm_partial_tile_n(epilogue, M, N, K), the width of the fastest CUDA tile for the shape.
+//
+// Backends: the CPU reference (fp64 accumulation) for every epilogue and finisher. CUDA: every
+// epilogue, rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
+// (src/gemm/cuda), with these limits (refused with a clear error otherwise):
+//   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K and N multiples of 8; 16-byte aligned
+//   matrix rows (SwiGLU aux: 8-byte); contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse) and
+//   head_dim = 128 (kQkvHeadSqsum). Tails in M and N are masked. kRope positions must lie in
+//   [0, 2^24). kLse targets are device data and cannot be checked before the launch: a target
+//   outside [0, N) other than ignore_index yields target_logit = NaN (the CPU backend refuses it).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+
+namespace encore {
+
+enum class Epilogue : uint8_t { kResidualSqsumAux, kRowScale, kSwiglu, kRope, kQkvHeadSqsum, kLse, kScalarScale };
+const char* epilogue_name(Epilogue e);
+
+// CUDA tile configuration: cooperative 128x256x64 (two warpgroups share each tile) or ping-pong
+// 128x128x64 (a warpgroup's epilogue overlaps the other's mainloop); kAuto picks by epilogue and
+// shape (docs/gemm_epilogue.md). For kResidualSqsumAux and kLse the partials' column tile is the
+// tile N, so partial_tile_n picks the tile (256: cooperative, 128: ping-pong); kQkvHeadSqsum writes
+// one partial per head on either tile. Ignored by the CPU backend.
+// kPingpong64x256 (ping-pong with 64x256 tiles: the epilogue overlap of ping-pong with the wide
+// tile's operand reuse) exists for row_scale, swiglu, residual_sqsum_aux and lse (partials per 256
+// columns); it is chosen explicitly only, while its measurements decide on kAuto.
+enum class GemmTile : uint8_t { kAuto, kCooperative128x256, kPingpong128x128, kPingpong64x256 };
+const char* gemm_tile_name(GemmTile t);
+
+// CUDA persistent tile scheduler order: kAlongM walks down the M tiles of one column of tiles (the W
+// panel stays in L2) before moving along N, kAlongN the other way. kAuto: along N on the
+// cooperative and 128x128 ping-pong tiles (measured faster on the widest GEMMs, docs/gemm_epilogue.md),
+// CUTLASS's heuristic on 64x256 (along M when there are more N tiles than M tiles). With swizzle s
+// the walk covers s tiles of the other dimension at a time. Ignored by the CPU backend.
+enum class GemmRaster : uint8_t { kAuto, kAlongM, kAlongN };
+
+// The partials' column tile that partial_tile_n = 0 stands for: 128 (the ping-pong tile, measured
+// fastest for both partials epilogues) for kResidualSqsumAux and kLse; 0 for the other epilogues.
+// Size the partials [M, ceil(N / it)].
+int gemm_partial_tile_n(Epilogue e, int64_t M, int64_t N, int64_t K);
+
+struct GemmEpilogueOptions {
+  Epilogue epilogue = Epilogue::kRowScale;
+  int partial_tile_n = 0;    // kResidualSqsumAux, kLse: 0 = gemm_partial_tile_n(...); CUDA: 128 or 256
+
+  int head_dim = 128;        // kQkvHeadSqsum
+  int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
+  GemmTile tile = GemmTile::kAuto;
+  int swizzle = 0;  // CUDA tile-scheduler swizzle (1, 2, 4 or 8 tiles); 0 = auto
+  GemmRaster raster = GemmRaster::kAuto;  // CUDA tile-scheduler order
+  // CUDA: launches over that many consecutive N-slices of whole tiles (1 = one launch); 0 = auto:
+  // one launch unless a persistent CTA would walk more than 200 tiles, else slices of at most ~165
+  // tiles per CTA (not on kPingpong64x256, whose raster order follows each launch's shape). The
+  // static persistent schedule lets CTAs drift apart over a long walk and lose the weight tiles
+  // they share in L2 (the LM head read 19.5 GB from DRAM in one launch, 7.8 GB in six;
+  // docs/gemm_epilogue.md). Bitwise the same results for any value. Ignored by the CPU backend.
+  int n_slices = 0;
+};
+
+struct GemmEpilogueArgs {
+  TensorView a;             // [M, K]
+  TensorView w;             // [N, K]
+  TensorView d;             // [M, N] (optional for kLse)
+  TensorView aux;           // [M, N] (kResidualSqsumAux) or [M, N/2] (kSwiglu)
+  TensorView c;             // [M, N] residual (kResidualSqsumAux)
+  TensorView gamma;         // [N] (kResidualSqsumAux)
+  TensorView row_scale;     // [M] fp32 r (kRowScale; optional for kSwiglu, kRope, kLse)
+  TensorView pos;           // [M] int32 positions (kRope)
+  TensorView freq;          // [N] fp32: frequency of pair j in turns per position as hi + lo = freq[2j] + freq[2j+1]
+  TensorView alpha;         // [1] fp32 (kScalarScale)
+  TensorView partials;      // fp32 [M, tiles] (kResidualSqsumAux, kLse) or [M, N / head_dim] (kQkvHeadSqsum)
+  TensorView target;        // [M] int32 (kLse, optional)
+  TensorView target_logit;  // [M] fp32 (kLse with target)
+};
+
+Status validate(const GemmEpilogueArgs& args, const GemmEpilogueOptions& opts);
+size_t workspace_bytes(const GemmEpilogueArgs& args, const GemmEpilogueOptions& opts);
+Status run(const GemmEpilogueArgs& args, const GemmEpilogueOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
+
+// r[m] = rsqrt(Σ_t partials[m, t] / hidden + eps), summed in tile order (deterministic).
+struct RmsFinalReduceArgs {
+  TensorView partials;  // [M, tiles] fp32
+  TensorView r;         // [M] fp32, output
+};
+Status run(const RmsFinalReduceArgs& args, int64_t hidden, float eps, Stream stream = nullptr);
+
+// lse[m] = log Σ_t exp(partials[m, t]); with target: loss[m] = lse[m] − target_logit[m] (0 when
+// target[m] == ignore_index).
+struct LseFinishArgs {
+  TensorView partials;      // [M, tiles] fp32
+  TensorView lse;           // [M] fp32, output
+  TensorView target;        // [M] int32 (optional)
+  TensorView target_logit;  // [M] fp32 (with target)
+  TensorView loss;          // [M] fp32, output (with target)
+};
+Status run(const LseFinishArgs& args, int ignore_index = -100, Stream stream = nullptr);
+
+// QK-norm + RoPE finish after kQkvHeadSqsum (models with QK-norm), in place on
+// qkv [M, (num_q_heads + 2 * num_kv_heads) * head_dim] (head order Q, K, V):
+//   each Q / K head h of row m:  x ← x · rsqrt(partials[m, h] / head_dim + eps) · w  (w = q_weight for
+//   Q heads, k_weight for K heads), then the RoPE of kRope over its column pairs with pos[m] and freq
+//   (rope_freq_turns layout over all N columns); V heads are untouched. partials: the kQkvHeadSqsum
+//   output [M, heads] (only the Q and K heads are read). CPU and CUDA backends.
+struct QkNormRopeArgs {
+  TensorView qkv;       // [M, N] bf16 / fp16 / fp32, in place
+  TensorView partials;  // [M, N / head_dim] fp32
+  TensorView q_weight;  // [head_dim], qkv's dtype or fp32
+  TensorView k_weight;  // [head_dim]
+  TensorView pos;       // [M] int32
+  TensorView freq;      // [N] fp32
+};
+struct QkNormRopeOptions {
+  int num_q_heads = 0, num_kv_heads = 0, head_dim = 128;
+  float eps = 1e-6f;
+};
+Status run(const QkNormRopeArgs& args, const QkNormRopeOptions& opts, Stream stream = nullptr);
+
+// out[2j] = gate[j], out[2j+1] = up[j] (rows of [F, K] weights; out [2F, K]); CPU tensors.
+Status interleave_gate_up(const TensorView& gate, const TensorView& up, const TensorView& out);
+
+// RoPE frequencies for kRope over N = num_heads * head_dim columns whose first `rotary_heads`
+// heads rotate (Q and K, rotate-half partners permuted to adjacent columns) and the rest (V) do
+// not: pair j of a rotary head, i = j mod (head_dim/2), turns f_i = base^(−2i/head_dim) / 2π,
+// stored as an fp32 (hi, lo) pair. freq: [N] fp32, CPU tensor.
+Status rope_freq_turns(int num_heads, int rotary_heads, int head_dim, double base, const TensorView& freq);
+
+}  // namespace encore

@@ -1,0 +1,42 @@
+"""Compositions of ops: the shifted LLaMA block forward (include/encore/blocks/llama.hpp), on the
+CPU backend for numpy / CPU torch arrays and on CUDA for CUDA torch tensors. Inference only (no
+autograd yet)."""
+from __future__ import annotations
+
+from . import _encore
+from ._util import _empty, _given_outputs, _no_autograd, _stream_for, _workspace
+
+__all__ = ["llama_block_forward", "llama_block_workspace_bytes"]
+
+_BLOCK_OUTPUTS = ("x1", "x2", "z1", "qkv", "r1", "r2")
+
+
+def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: float = 1e-5, out=None, workspace=None,
+                        stream=None):
+    """The shifted LLaMA block: x1 = y0 @ w0.T + x0; z1 = rmsnorm(x1)*gamma0 @ w1.T (gate/up
+    interleaved); x2 = swiglu(z1) @ w2.T + x1; qkv = RoPE(rmsnorm(x2)*gamma1 @ w3.T).
+    Returns (x1, x2, z1, qkv, r1, r2) - what the backward saves.
+
+    out: optional (x1, x2, z1, qkv, r1, r2) to write into (shapes [M, d], [M, d], [M, 2F], [M, Nqkv] in
+    y0's dtype, r1 and r2 [M] float32), returned as given. workspace: optional 1-D uint8 array on y0's
+    device of at least llama_block_workspace_bytes(...) bytes; without it each call allocates one.
+    Both together make a call allocation-free (fixed addresses, e.g. for CUDA graph capture)."""
+    _no_autograd(y0, x0, w0, w1, w2, w3)
+    m, d, f2, nq = y0.shape[0], y0.shape[1], w1.shape[0], w3.shape[0]
+    if out is None:
+        x1, x2, z1, qkv = _empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, nq), "like")
+        r1, r2 = _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32")
+    else:
+        x1, x2, z1, qkv, r1, r2 = _given_outputs(out, _BLOCK_OUTPUTS)
+    args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2)
+    nbytes = _encore.llama_block_workspace_bytes(*args, float(eps))
+    ws = _workspace(workspace, y0, nbytes, 256, "llama_block_workspace_bytes")
+    _encore.llama_block_forward_out(*args, float(eps), ws, _stream_for(y0, stream))
+    return x1, x2, z1, qkv, r1, r2
+
+
+def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, out, eps: float = 1e-5) -> int:
+    """The size in bytes to allocate for llama_block_forward's `workspace` with these arguments and
+    outputs `out` = (x1, x2, z1, qkv, r1, r2): what the block needs plus 256 for alignment."""
+    args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *_given_outputs(out, _BLOCK_OUTPUTS))
+    return int(_encore.llama_block_workspace_bytes(*args, float(eps))) + 256

@@ -1,0 +1,85 @@
+// The binding's one converter (DLPack ndarray -> TensorView) and the Status -> exception mapping,
+// shared by the per-family binding files.
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+
+namespace encore::python {
+
+namespace nb = nanobind;
+
+using Array = nb::ndarray<>;  // any dtype, device and strides
+
+inline DType to_dtype(const nb::dlpack::dtype& t, const char* name) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = C(t.code);
+  if (t.lanes == 1) {
+    if (code == C::Bfloat && t.bits == 16) return DType::kBF16;
+    if (code == C::Float && t.bits == 16) return DType::kFP16;
+    if (code == C::Float && t.bits == 32) return DType::kFP32;
+    if (code == C::Float && t.bits == 64) return DType::kFP64;
+    if (code == C::Int && t.bits == 32) return DType::kInt32;
+    if (code == C::Int && t.bits == 64) return DType::kInt64;
+  }
+  throw nb::value_error((std::string(name) + ": unsupported array dtype (code " + std::to_string(t.code) + ", " +
+                         std::to_string(t.bits) + " bits)").c_str());
+}
+
+// Data, device, shape and strides; the dtype is left to the caller.
+inline TensorView to_view_raw(const Array& a, const char* name) {
+  if (a.ndim() > size_t(TensorView::kMaxDims))
+    throw nb::value_error((std::string(name) + ": more than 6 dimensions").c_str());
+  TensorView v;
+  v.data = a.data();
+  const int dev = a.device_type();
+  if (dev == nb::device::cpu::value) v.device = {DeviceType::kCPU, 0};
+  else if (dev == nb::device::cuda::value) v.device = {DeviceType::kCUDA, int(a.device_id())};
+  else throw nb::value_error((std::string(name) + ": arrays must live on the CPU or a CUDA device").c_str());
+  v.ndim = int(a.ndim());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = int64_t(a.shape(i));
+    v.strides[i] = int64_t(a.stride(i));
+  }
+  return v;
+}
+
+inline TensorView to_view(const Array& a, const char* name) {
+  TensorView v = to_view_raw(a, name);
+  v.dtype = to_dtype(a.dtype(), name);
+  return v;
+}
+
+// An fp8 e4m3 tensor arrives as raw bytes (uint8 / int8 arrays: numpy has no fp8 dtype, and the
+// Python side passes torch float8 tensors as uint8 views).
+inline TensorView to_fp8_view(const Array& a, const char* name) {
+  const auto t = a.dtype();
+  using C = nb::dlpack::dtype_code;
+  if (!((C(t.code) == C::UInt || C(t.code) == C::Int) && t.bits == 8 && t.lanes == 1))
+    throw nb::value_error((std::string(name) + ": expected the fp8 e4m3 bytes as a uint8 array").c_str());
+  TensorView v = to_view_raw(a, name);
+  v.dtype = DType::kFP8E4M3;
+  return v;
+}
+
+inline void raise_if_error(const Status& st) {
+  if (st.is_ok()) return;
+  if (st.code() == StatusCode::kInvalidArgument) throw nb::value_error(st.message().c_str());
+  throw std::runtime_error(st.to_string());
+}
+
+inline Stream as_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
+
+using Opt = std::optional<Array>;
+inline TensorView opt_view(const Opt& a, const char* name) { return a ? to_view(*a, name) : TensorView{}; }
+inline void* opt_ptr(const Opt& a) { return a ? a->data() : nullptr; }
+
+}  // namespace encore::python

@@ -1,0 +1,71 @@
+// Bindings of the GEMM-epilogue family and its finishers.
+#include "convert.hpp"
+#include "encore/gemm.hpp"
+
+namespace encore::python {
+
+void bind_gemm(nb::module_& m) {
+  m.def("gemm_epilogue_out",
+        [](int epilogue, Array a, Array w, Opt d, Opt aux, Opt c, Opt gamma, Opt row_scale, Opt pos, Opt freq, Opt alpha, Opt partials,
+           Opt target, Opt target_logit, int partial_tile_n, int head_dim, int ignore_index, int tile, uintptr_t stream) {
+          GemmEpilogueArgs g;
+          g.a = to_view(a, "a");
+          g.w = to_view(w, "w");
+          g.d = opt_view(d, "d");
+          g.aux = opt_view(aux, "aux");
+          g.c = opt_view(c, "c");
+          g.gamma = opt_view(gamma, "gamma");
+          g.row_scale = opt_view(row_scale, "row_scale");
+          g.pos = opt_view(pos, "pos");
+          g.freq = opt_view(freq, "freq");
+          g.alpha = opt_view(alpha, "alpha");
+          g.partials = opt_view(partials, "partials");
+          g.target = opt_view(target, "target");
+          g.target_logit = opt_view(target_logit, "target_logit");
+          GemmEpilogueOptions o;
+          o.epilogue = Epilogue(epilogue);
+          o.partial_tile_n = partial_tile_n;
+          o.head_dim = head_dim;
+          o.ignore_index = ignore_index;
+          o.tile = GemmTile(tile);
+          raise_if_error(run(g, o, nullptr, as_stream(stream)));
+        },
+        nb::arg("epilogue"), nb::arg("a"), nb::arg("w"), nb::arg("d").none(), nb::arg("aux").none(), nb::arg("c").none(),
+        nb::arg("gamma").none(), nb::arg("row_scale").none(), nb::arg("pos").none(), nb::arg("freq").none(), nb::arg("alpha").none(),
+        nb::arg("partials").none(), nb::arg("target").none(), nb::arg("target_logit").none(), nb::arg("partial_tile_n"),
+        nb::arg("head_dim"), nb::arg("ignore_index"), nb::arg("tile"), nb::arg("stream"));
+  m.def("gemm_partial_tile_n", [](int e, int64_t M, int64_t N, int64_t K) { return gemm_partial_tile_n(Epilogue(e), M, N, K); });
+
+  m.def("rms_final_reduce_out",
+        [](Array partials, Array r, int64_t hidden, float eps, uintptr_t stream) {
+          raise_if_error(run(RmsFinalReduceArgs{to_view(partials, "partials"), to_view(r, "r")}, hidden, eps, as_stream(stream)));
+        },
+        nb::arg("partials"), nb::arg("r"), nb::arg("hidden"), nb::arg("eps"), nb::arg("stream"));
+  m.def("lse_finish_out",
+        [](Array partials, Array lse, Opt target, Opt target_logit, Opt loss, int ignore_index, uintptr_t stream) {
+          LseFinishArgs a{to_view(partials, "partials"), to_view(lse, "lse"), opt_view(target, "target"), opt_view(target_logit, "target_logit"),
+                          opt_view(loss, "loss")};
+          raise_if_error(run(a, ignore_index, as_stream(stream)));
+        },
+        nb::arg("partials"), nb::arg("lse"), nb::arg("target").none(), nb::arg("target_logit").none(), nb::arg("loss").none(),
+        nb::arg("ignore_index"), nb::arg("stream"));
+  m.def("qk_norm_rope_",
+        [](Array qkv, Array partials, Array q_weight, Array k_weight, Array pos, Array freq, int num_q_heads, int num_kv_heads,
+           int head_dim, float eps, uintptr_t stream) {
+          QkNormRopeArgs a{to_view(qkv, "qkv"), to_view(partials, "partials"), to_view(q_weight, "q_weight"), to_view(k_weight, "k_weight"),
+                           to_view(pos, "pos"), to_view(freq, "freq")};
+          raise_if_error(run(a, QkNormRopeOptions{num_q_heads, num_kv_heads, head_dim, eps}, as_stream(stream)));
+        },
+        nb::arg("qkv"), nb::arg("partials"), nb::arg("q_weight"), nb::arg("k_weight"), nb::arg("pos"), nb::arg("freq"),
+        nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("eps"), nb::arg("stream"));
+  m.def("rope_freq_turns_out",
+        [](int num_heads, int rotary_heads, int head_dim, double base, Array freq) {
+          raise_if_error(rope_freq_turns(num_heads, rotary_heads, head_dim, base, to_view(freq, "freq")));
+        },
+        nb::arg("num_heads"), nb::arg("rotary_heads"), nb::arg("head_dim"), nb::arg("base"), nb::arg("freq"));
+  m.def("interleave_gate_up_out",
+        [](Array gate, Array up, Array out) { raise_if_error(interleave_gate_up(to_view(gate, "gate"), to_view(up, "up"), to_view(out, "out"))); },
+        nb::arg("gate"), nb::arg("up"), nb::arg("out"));
+}
+
+}  // namespace encore::python

@@ -1,0 +1,95 @@
+// Bindings of the Kimi Delta Attention family.
+#include "convert.hpp"
+#include "encore/kda.hpp"
+
+namespace encore::python {
+
+void bind_kda(nb::module_& m) {
+  auto kda_args = [](Array q, Array k, Array v, Array g, Array beta, const Opt& h0, const Opt& A_log, const Opt& dt_bias, const Opt& cu,
+                     const Opt& o, const Opt& fin) {
+    KdaForwardArgs a;
+    a.q = to_view(q, "q");
+    a.k = to_view(k, "k");
+    a.v = to_view(v, "v");
+    a.g = to_view(g, "g");
+    a.beta = to_view(beta, "beta");
+    a.initial_state = opt_view(h0, "initial_state");
+    a.A_log = opt_view(A_log, "A_log");
+    a.dt_bias = opt_view(dt_bias, "dt_bias");
+    a.cu_seqlens = opt_view(cu, "cu_seqlens");
+    a.o = opt_view(o, "o");
+    a.final_state = opt_view(fin, "final_state");
+    return a;
+  };
+  auto kda_residuals = [](const Opt& G, const Opt& Aqk, const Opt& Akk, const Opt& h) {
+    return KdaResiduals{opt_view(G, "residuals.G"), opt_view(Aqk, "residuals.Aqk"), opt_view(Akk, "residuals.Akk"), opt_view(h, "residuals.h")};
+  };
+  auto kda_opts = [](double scale, bool final_state, bool l2, bool gate_in_kernel, bool lower, double lb) {
+    KdaOptions o;
+    o.scale = scale;
+    o.output_final_state = final_state;
+    o.use_qk_l2norm = l2;
+    o.use_gate_in_kernel = gate_in_kernel;
+    o.use_lower_bound = lower;
+    o.lower_bound = lb;
+    return o;
+  };
+  m.def("kda_chunk_count",
+        [kda_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt cu) {
+          int64_t chunks = 0;
+          raise_if_error(kda_chunk_count(kda_args(q, k, v, g, beta, {}, {}, {}, cu, {}, {}), kda_opts(0.0, false, false, false, false, -5.0),
+                                         &chunks));
+          return chunks;
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("cu").none());
+  m.def("kda_forward_workspace_bytes",
+        [kda_args, kda_opts, kda_residuals](Array q, Array k, Array v, Array g, Array beta, Opt h0, Opt A_log, Opt dt_bias, Opt cu, Array o,
+                                            Opt fin, double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Opt rG, Opt rAqk,
+                                            Opt rAkk, Opt rh) {
+          KdaForwardArgs a = kda_args(q, k, v, g, beta, h0, A_log, dt_bias, cu, o, fin);
+          a.residuals = kda_residuals(rG, rAqk, rAkk, rh);
+          const KdaOptions opts = kda_opts(scale, fin.has_value(), l2, gate_in_kernel, lower, lb);
+          raise_if_error(validate(a, opts));
+          return workspace_bytes(a, opts);
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("h0").none(), nb::arg("A_log").none(),
+        nb::arg("dt_bias").none(), nb::arg("cu").none(), nb::arg("o"), nb::arg("fin").none(), nb::arg("scale"), nb::arg("l2"),
+        nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("rG").none(), nb::arg("rAqk").none(), nb::arg("rAkk").none(),
+        nb::arg("rh").none());
+  m.def("kda_forward_out",
+        [kda_args, kda_opts, kda_residuals](Array q, Array k, Array v, Array g, Array beta, Opt h0, Opt A_log, Opt dt_bias, Opt cu, Array o,
+                                            Opt fin, double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Opt rG, Opt rAqk,
+                                            Opt rAkk, Opt rh, Opt workspace, uintptr_t stream) {
+          KdaForwardArgs a = kda_args(q, k, v, g, beta, h0, A_log, dt_bias, cu, o, fin);
+          a.residuals = kda_residuals(rG, rAqk, rAkk, rh);
+          raise_if_error(run(a, kda_opts(scale, fin.has_value(), l2, gate_in_kernel, lower, lb), opt_ptr(workspace), as_stream(stream)));
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("h0").none(), nb::arg("A_log").none(),
+        nb::arg("dt_bias").none(), nb::arg("cu").none(), nb::arg("o"), nb::arg("fin").none(), nb::arg("scale"), nb::arg("l2"),
+        nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("rG").none(), nb::arg("rAqk").none(), nb::arg("rAkk").none(),
+        nb::arg("rh").none(), nb::arg("workspace").none(), nb::arg("stream"));
+  m.def("kda_backward_out",
+        [kda_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt h0, Opt A_log, Opt dt_bias, Opt cu, Array d_o, Opt d_fin,
+                             double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Array dq, Array dk, Array dv, Array dg,
+                             Array dbeta, Opt dh0, Opt dA_log, Opt ddt_bias) {
+          KdaBackwardArgs a;
+          a.fwd = kda_args(q, k, v, g, beta, h0, A_log, dt_bias, cu, {}, {});
+          a.d_o = to_view(d_o, "d_o");
+          a.d_final_state = opt_view(d_fin, "d_final_state");
+          a.dq = to_view(dq, "dq");
+          a.dk = to_view(dk, "dk");
+          a.dv = to_view(dv, "dv");
+          a.dg = to_view(dg, "dg");
+          a.dbeta = to_view(dbeta, "dbeta");
+          a.dh0 = opt_view(dh0, "dh0");
+          a.dA_log = opt_view(dA_log, "dA_log");
+          a.ddt_bias = opt_view(ddt_bias, "ddt_bias");
+          raise_if_error(run(a, kda_opts(scale, false, l2, gate_in_kernel, lower, lb)));
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("h0").none(), nb::arg("A_log").none(),
+        nb::arg("dt_bias").none(), nb::arg("cu").none(), nb::arg("d_o"), nb::arg("d_fin").none(), nb::arg("scale"), nb::arg("l2"),
+        nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("dg"),
+        nb::arg("dbeta"), nb::arg("dh0").none(), nb::arg("dA_log").none(), nb::arg("ddt_bias").none());
+}
+
+}  // namespace encore::python

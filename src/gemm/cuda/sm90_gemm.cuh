@@ -1,0 +1,134 @@
+// The fixed Hopper GEMM mainloop of the GEMM-epilogue family, parameterized by an epilogue visitor
+// tree (EVT) and a tile configuration.
+//
+// Math:    acc = A · Wᵀ in fp32 (A [M, K] row-major, W [N, K] row-major = K-major B), then D = EVT(acc)
+//          stored row-major [M, N] (no C operand unless the EVT fetches it).
+// Mainloop: CUTLASS 3.x Sm90 TMA + WGMMA, warp-specialized, persistent (cooperative or ping-pong
+//          schedule per TileConfig), stages = what shared memory leaves after the epilogue.
+// Constraints (validated by the dispatch): bf16/fp16 A and W, K and N multiples of 8 (16-byte TMA
+//          rows), 16-byte aligned base pointers and row strides. M is free (TMA masks the tail).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "gemm/cuda/launch.hpp"
+#include "encore/core/status.hpp"
+
+namespace encore::cuda::sm90 {
+
+using namespace cute;
+
+// A tile configuration: CTA tile, cluster, and the matching kernel/epilogue schedules.
+template <int kTileM, int kTileN, int kTileK, int kClusterM, int kClusterN, bool kCooperative>
+struct TileConfig {
+  using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
+  using ClusterShape = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
+  using KernelSchedule = cute::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using EpilogueSchedule = cute::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                               cutlass::epilogue::TmaWarpSpecialized>;
+};
+
+// The tile configurations encore ships (GemmTile in the public API).
+using Cooperative128x256 = TileConfig<128, 256, 64, 2, 1, true>;  // 2 consumer warpgroups share a tile
+using Pingpong128x128 = TileConfig<128, 128, 64, 2, 1, false>;    // one warpgroup's epilogue overlaps the other's mainloop
+using Pingpong64x256 = TileConfig<64, 256, 64, 2, 1, false>;      // ping-pong on the wide tile
+
+// GEMM for element type T with epilogue program `Program` (its Evt<TileShape>, ElementC and
+// ElementD; void C = no source tile, void D = no output tile).
+template <class T, class Config, class Program>
+struct Sm90Gemm {
+  using ElementC = typename Program::ElementC;
+  using ElementD = typename Program::ElementD;
+  static constexpr int kAlign = 16 / sizeof(T);
+  using Fusion = typename Program::template Evt<typename Config::TileShape>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape, typename Config::ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      ElementC, cutlass::layout::RowMajor, kAlign,   // source tile (void: none)
+      ElementD, cutlass::layout::RowMajor, kAlign,
+      typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      T, cutlass::layout::RowMajor, kAlign,          // A [M, K]
+      T, cutlass::layout::ColumnMajor, kAlign,       // B = Wᵀ: W [N, K] is K-major
+      float, typename Config::TileShape, typename Config::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Config::KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  using StrideC = typename Kernel::StrideC;
+  using StrideD = typename Kernel::StrideD;
+
+  // Arguments for A [M, K] (row stride lda), W [N, K] (ldw), C and D [M, N] (ldc, ldd).
+  static typename Gemm::Arguments arguments(const GemmProblem& p, typename Fusion::Arguments fusion) {
+    const int M = p.M, N = p.N, K = p.K;
+    StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, make_shape(M, K, 1));
+    StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, make_shape(N, K, 1));
+    StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, make_shape(M, N, 1));
+    StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(M, N, 1));
+    get<0>(sa) = p.lda;  // row strides may exceed the packed ones
+    get<0>(sb) = p.ldw;
+    if constexpr (!cute::is_void_v<ElementC>) get<0>(sc) = p.ldc;
+    if constexpr (!cute::is_void_v<ElementD>) get<0>(sd) = p.ldd;
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = p.device;
+    hw.sm_count = p.sm_count;
+    using PtrC = cute::conditional_t<cute::is_void_v<ElementC>, const void*, const ElementC*>;
+    using PtrD = cute::conditional_t<cute::is_void_v<ElementD>, void*, ElementD*>;
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {M, N, K, 1},
+                                  {static_cast<const T*>(p.a), sa, static_cast<const T*>(p.w), sb},
+                                  {fusion, static_cast<PtrC>(p.c), sc, static_cast<PtrD>(p.d), sd},
+                                  hw};
+    args.scheduler.max_swizzle_size = p.swizzle;
+    using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.raster_order = p.raster == 1 ? Raster::AlongM : p.raster == 2 ? Raster::AlongN : Raster::Heuristic;
+    return args;
+  }
+};
+
+// can_implement -> initialize -> run on `stream`; the kernels used here need no workspace.
+template <class G>
+Status run_gemm(const typename G::Gemm::Arguments& args, cudaStream_t stream, const char* name) {
+  typename G::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return Status::unsupported(std::string(name) + ": CUTLASS cannot implement this problem (alignment or shape)");
+  if (G::Gemm::get_workspace_size(args) != 0) return Status::internal(std::string(name) + ": kernel unexpectedly needs a workspace");
+  if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)
+    return Status::cuda_error(std::string(name) + ": initialize failed: " + cudaGetErrorString(cudaGetLastError()));
+  if (gemm.run(stream) != cutlass::Status::kSuccess)
+    return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(cudaGetLastError()));
+  return Status::ok();
+}
+
+// Launches the GEMM with epilogue program Family<T> (see epilogue_programs.cuh) on `Config`, for
+// the problem's dtype.
+template <template <class> class Family, class Config, class T>
+Status launch_typed(const GemmProblem& p, cudaStream_t stream, const char* name) {
+  using G = Sm90Gemm<T, Config, Family<T>>;
+  return run_gemm<G>(G::arguments(p, Family<T>::template arguments<typename G::Fusion>(p)), stream, name);
+}
+
+template <template <class> class Family, class Config>
+Status launch_family(const GemmProblem& p, Stream stream, const char* name) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::kBF16) return launch_typed<Family, Config, cutlass::bfloat16_t>(p, s, name);
+  if (p.dtype == DType::kFP16) return launch_typed<Family, Config, cutlass::half_t>(p, s, name);
+  return Status::unsupported(std::string("a: ") + name + " on CUDA takes bf16 or fp16, got " + dtype_name(p.dtype));
+}
+
+}  // namespace encore::cuda::sm90

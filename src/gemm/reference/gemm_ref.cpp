@@ -1,0 +1,175 @@
+#include "gemm/reference/gemm_ref.hpp"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace encore::reference {
+namespace {
+
+constexpr double kTwoPi = 6.283185307179586;
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+double at2(const TensorView& t, int64_t i, int64_t j) { return load_as_double(t.data, t.dtype, i * t.strides[0] + j * t.strides[1]); }
+double at1(const TensorView& t, int64_t i) { return load_as_double(t.data, t.dtype, i * t.strides[0]); }
+void put2(const TensorView& t, int64_t i, int64_t j, double v) { store_from_double(t.data, t.dtype, i * t.strides[0] + j * t.strides[1], v); }
+void put1(const TensorView& t, int64_t i, double v) { store_from_double(t.data, t.dtype, i * t.strides[0], v); }
+
+// ---- primitives -------------------------------------------------------------------------------
+
+// Row-vector load + elementwise: acc[n] *= s.
+void scale_row(std::vector<double>& acc, double s) {
+  for (double& v : acc) v *= s;
+}
+// Tile load + elementwise: acc[n] += C[m, n].
+void add_tile_row(std::vector<double>& acc, const TensorView& c, int64_t m) {
+  for (size_t n = 0; n < acc.size(); ++n) acc[n] += at2(c, m, int64_t(n));
+}
+// Tile store of one row.
+void store_row(const TensorView& t, int64_t m, const std::vector<double>& v) {
+  for (size_t n = 0; n < v.size(); ++n) put2(t, m, int64_t(n), v[n]);
+}
+// Block reduction along N: partials[m, t] = Σ_{n in tile t} f(v[n]).
+template <typename F>
+void reduce_tiles(const TensorView& partials, int64_t m, const std::vector<double>& v, int64_t tile, F f) {
+  const int64_t n = int64_t(v.size());
+  for (int64_t t = 0; t * tile < n; ++t) {
+    double s = 0;
+    for (int64_t j = t * tile; j < std::min(n, (t + 1) * tile); ++j) s += f(v[size_t(j)]);
+    put2(partials, m, t, s);
+  }
+}
+// Stateful transform: online (max, Σexp) over each tile, written as max + log Σ.
+void online_lse_tiles(const TensorView& partials, int64_t m, const std::vector<double>& v, int64_t tile) {
+  const int64_t n = int64_t(v.size());
+  for (int64_t t = 0; t * tile < n; ++t) {
+    double mx = kNegInf, s = 0;
+    for (int64_t j = t * tile; j < std::min(n, (t + 1) * tile); ++j) {
+      const double x = v[size_t(j)];
+      const double m2 = std::max(mx, x);
+      s = (mx == kNegInf ? 0.0 : s * std::exp(mx - m2)) + std::exp(x - m2);
+      mx = m2;
+    }
+    put2(partials, m, t, mx == kNegInf ? kNegInf : mx + std::log(s));
+  }
+}
+// Pairwise transforms on columns (2j, 2j+1).
+double silu(double x) { return x / (1.0 + std::exp(-x)); }
+void rope_pairs(std::vector<double>& z, int64_t pos, const TensorView& freq) {
+  for (size_t j = 0; 2 * j + 1 < z.size(); ++j) {
+    const double f = at1(freq, int64_t(2 * j)) + at1(freq, int64_t(2 * j + 1));  // turns per position (hi + lo)
+    if (f == 0.0) continue;
+    double turns = double(pos) * f;
+    turns -= std::nearbyint(turns);  // range-reduce to [-1/2, 1/2]
+    const double th = kTwoPi * turns, c = std::cos(th), s = std::sin(th);
+    const double a = z[2 * j], b = z[2 * j + 1];
+    z[2 * j] = a * c - b * s;
+    z[2 * j + 1] = b * c + a * s;
+  }
+}
+
+}  // namespace
+
+void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
+  const int64_t M = a.a.shape[0], K = a.a.shape[1], N = a.w.shape[0];
+  std::vector<double> w(static_cast<size_t>(N * K)), arow(static_cast<size_t>(K)), acc(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) w[size_t(n * K + k)] = at2(a.w, n, k);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) arow[size_t(k)] = at2(a.a, m, k);
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      const double* wr = &w[size_t(n * K)];
+      for (int64_t k = 0; k < K; ++k) s += arow[size_t(k)] * wr[k];
+      acc[size_t(n)] = s;
+    }
+    const bool has_r = a.row_scale.defined();
+    switch (o.epilogue) {
+      case Epilogue::kResidualSqsumAux: {
+        add_tile_row(acc, a.c, m);
+        store_row(a.d, m, acc);
+        std::vector<double> aux(acc);
+        for (int64_t n = 0; n < N; ++n) aux[size_t(n)] *= at1(a.gamma, n);
+        store_row(a.aux, m, aux);
+        reduce_tiles(a.partials, m, acc, o.partial_tile_n, [](double y) { return y * y; });
+        break;
+      }
+      case Epilogue::kRowScale:
+        scale_row(acc, at1(a.row_scale, m));
+        store_row(a.d, m, acc);
+        break;
+      case Epilogue::kSwiglu: {
+        if (has_r) scale_row(acc, at1(a.row_scale, m));
+        store_row(a.d, m, acc);
+        std::vector<double> y(static_cast<size_t>(N / 2));
+        for (int64_t j = 0; j < N / 2; ++j) y[size_t(j)] = silu(acc[size_t(2 * j)]) * acc[size_t(2 * j + 1)];
+        store_row(a.aux, m, y);
+        break;
+      }
+      case Epilogue::kRope:
+        if (has_r) scale_row(acc, at1(a.row_scale, m));
+        rope_pairs(acc, int64_t(at1(a.pos, m)), a.freq);
+        store_row(a.d, m, acc);
+        break;
+      case Epilogue::kQkvHeadSqsum:
+        store_row(a.d, m, acc);
+        reduce_tiles(a.partials, m, acc, o.head_dim, [](double y) { return y * y; });
+        break;
+      case Epilogue::kLse: {
+        if (has_r) scale_row(acc, at1(a.row_scale, m));
+        if (a.d.defined()) store_row(a.d, m, acc);
+        online_lse_tiles(a.partials, m, acc, o.partial_tile_n);
+        if (a.target.defined()) {
+          const int64_t t = int64_t(at1(a.target, m));
+          put1(a.target_logit, m, (t == o.ignore_index || t < 0 || t >= N) ? 0.0 : acc[size_t(t)]);
+        }
+        break;
+      }
+      case Epilogue::kScalarScale:
+        scale_row(acc, at1(a.alpha, 0));
+        store_row(a.d, m, acc);
+        break;
+    }
+  }
+}
+
+void rms_final_reduce(const RmsFinalReduceArgs& a, int64_t hidden, float eps) {
+  for (int64_t m = 0; m < a.partials.shape[0]; ++m) {
+    double s = 0;
+    for (int64_t t = 0; t < a.partials.shape[1]; ++t) s += at2(a.partials, m, t);
+    put1(a.r, m, 1.0 / std::sqrt(s / double(hidden) + double(eps)));
+  }
+}
+
+void lse_finish(const LseFinishArgs& a, int ignore_index) {
+  for (int64_t m = 0; m < a.partials.shape[0]; ++m) {
+    double mx = kNegInf;
+    for (int64_t t = 0; t < a.partials.shape[1]; ++t) mx = std::max(mx, at2(a.partials, m, t));
+    double s = 0;
+    if (mx != kNegInf)
+      for (int64_t t = 0; t < a.partials.shape[1]; ++t) s += std::exp(at2(a.partials, m, t) - mx);
+    const double lse = mx == kNegInf ? kNegInf : mx + std::log(s);
+    put1(a.lse, m, lse);
+    if (a.target.defined()) {
+      const int64_t t = int64_t(at1(a.target, m));
+      put1(a.loss, m, t == ignore_index ? 0.0 : lse - at1(a.target_logit, m));
+    }
+  }
+}
+
+void qk_norm_rope(const QkNormRopeArgs& a, const QkNormRopeOptions& o) {
+  const int64_t M = a.qkv.shape[0], N = a.qkv.shape[1], D = o.head_dim, qk_heads = o.num_q_heads + o.num_kv_heads;
+  std::vector<double> row(static_cast<size_t>(N));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) row[size_t(n)] = at2(a.qkv, m, n);
+    for (int64_t h = 0; h < qk_heads; ++h) {  // row-vector load (per-head statistic) + elementwise
+      const double r = 1.0 / std::sqrt(at2(a.partials, m, h) / double(D) + double(o.eps));
+      const TensorView& w = h < o.num_q_heads ? a.q_weight : a.k_weight;
+      for (int64_t e = 0; e < D; ++e) row[size_t(h * D + e)] *= r * at1(w, e);
+    }
+    rope_pairs(row, int64_t(at1(a.pos, m)), a.freq);  // pairwise (V heads have frequency 0)
+    for (int64_t n = 0; n < qk_heads * D; ++n) put2(a.qkv, m, n, row[size_t(n)]);
+  }
+}
+
+}  // namespace encore::reference

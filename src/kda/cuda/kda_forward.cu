@@ -1,0 +1,112 @@
+// KDA chunked forward on CUDA (math-kda.md §4), two kernels on tensor cores (mma.sync bf16 -> fp32)
+// connected by the workspace layout of kda_device.cuh: the intra-chunk kernel (kda_chunk.cu) writes
+// each (chunk, head)'s operands; the state kernel (kda_state.cu) runs the serial inter-chunk pass per
+// (sequence, head, 64, 32 or 16 value columns), computing each chunk's o on the way, and writes the final
+// state (and the h residual when asked).
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/cuda/device_guard.hpp"
+#include "encore/core/device_info.hpp"
+#include "kda/cuda/kda_device.cuh"
+#include "kda/testing.hpp"
+
+namespace encore::cuda {
+namespace {
+
+static_assert(sizeof(KdaCudaProblem) <= 32764, "the problem travels as one kernel parameter (32764-byte limit, CUDA 12.1+)");
+
+int g_state_columns = 0;  // kda_state_columns_override; 0 = the rule below
+int g_chunk_blocks = 0;   // kda_chunk_blocks_override; 0 = one block per SM
+
+Status launched(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) return Status::cuda_error(std::string("kda forward: ") + what + ": " + cudaGetErrorString(e));
+  return Status::ok();
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &q) != cudaSuccess || q != cudaDriverEntryPointSuccess)
+      return EncodeTiled(nullptr);
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// The chunk kernel's TMA descriptor of an input [B, T, H, C]: bf16, boxes of 64 channels x 1 head x
+// 64 tokens with 128-byte swizzle (kda_device.cuh's raw_at layout), zeros outside the tensor.
+// False (the kernel then reads the input from global memory itself) for fp32 inputs, C not a
+// multiple of 8, a base or strides not 16-byte aligned, or anything else the encoder refuses.
+bool encode_input_map(unsigned char (&out)[128], const KdaTensor& t, int B, int T, int H, int C) {
+  static_assert(sizeof(CUtensorMap) == 128 && alignof(CUtensorMap) <= 128, "CUtensorMap layout");
+  if (t.dtype != DType::kBF16 || C % 8 != 0 || (reinterpret_cast<uintptr_t>(t.data) & 15) != 0 || t.sb % 8 != 0 || t.st % 8 != 0 ||
+      t.sh % 8 != 0 || t.sb <= 0 || t.st <= 0 || t.sh <= 0)
+    return false;
+  const EncodeTiled fn = encode_tiled();
+  if (!fn) return false;
+  const cuuint64_t dims[4] = {cuuint64_t(C), cuuint64_t(H), cuuint64_t(T), cuuint64_t(B)};
+  const cuuint64_t strides[3] = {cuuint64_t(t.sh) * 2, cuuint64_t(t.st) * 2, cuuint64_t(t.sb) * 2};  // bytes, dims 1..3
+  const cuuint32_t box[4] = {64, 1, kda::kC, 1}, elem[4] = {1, 1, 1, 1};
+  return fn(reinterpret_cast<CUtensorMap*>(out), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(t.data), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H) {
+  return size_t(chunks * H * kda::WsLayout::kBytes);
+}
+
+Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(p.device));
+  if (p.chunk_start[p.N] == 0 && !p.final_state) return Status::ok();
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
+  ENCORE_RETURN_IF_ERROR(get_device_info(p.device, &info));
+  const bool chunks = p.chunk_start[p.N] > 0;
+  if (chunks) {
+    p.raw_fast = 0;
+    const KdaTensor* inputs[4] = {&p.q, &p.k, &p.g, &p.v};
+    for (int t = 0; t < 4; ++t)
+      if (encode_input_map(p.tmap[t], *inputs[t], p.B, p.T, p.H, t == 3 ? p.V : p.K)) p.raw_fast |= 1 << t;
+    const int chunk_blocks = g_chunk_blocks > 0 ? g_chunk_blocks : info->sm_count;
+    ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, chunk_blocks, s), "chunk kernel"));
+  }
+  // Value columns per state block: the narrowest of 16, 32, 64 whose grid fits one wave (one block
+  // per SM), else 64: narrower blocks finish a serial step sooner, a second wave doubles the path.
+  int columns = g_state_columns;
+  if (columns == 0) {
+    columns = 64;
+    for (int c : {16, 32})
+      if (int64_t(p.N) * p.H * kda::state_column_blocks(p.V, c) <= info->sm_count) {
+        columns = c;
+        break;
+      }
+  }
+  return launched(kda::launch_state_kernel(p, workspace, columns, s), "state kernel");
+}
+
+Status kda_chunk_blocks_override(int blocks) {
+  if (blocks < 0) return Status::invalid("kda_chunk_blocks_override: blocks must be >= 0, got " + std::to_string(blocks));
+  g_chunk_blocks = blocks;
+  return Status::ok();
+}
+
+Status kda_state_columns_override(int columns) {
+  if (columns != 0 && columns != 16 && columns != 32 && columns != 64)
+    return Status::invalid("kda_state_columns_override: columns must be 0, 16, 32 or 64, got " + std::to_string(columns));
+  g_state_columns = columns;
+  return Status::ok();
+}
+
+}  // namespace encore::cuda

@@ -1,0 +1,65 @@
+// Host entry of the CUDA KDA forward (no CUDA types). The dispatch (src/kda/kda.cpp) has validated
+// the problem; sequences come from host-side cu_seqlens (or the fixed-length batch) and travel to
+// the kernels as launch parameters, so a launch reads no host memory and never synchronizes.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+
+namespace encore::cuda {
+
+constexpr int kKdaMaxSeqs = 1024;    // sequences per launch (the table is a launch parameter)
+constexpr int kKdaMaxHeadDim = 128;  // K and V on CUDA
+
+struct KdaTensor {  // [B, T, H, C] (or [B, T, H] with C = 1): element strides; dtype bf16 or fp32
+  const void* data = nullptr;
+  DType dtype = DType::kFP32;
+  int64_t sb = 0, st = 0, sh = 0;
+};
+
+struct KdaCudaProblem {
+  int B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
+  float scale = 1.0f;
+  bool l2norm = false, gate_in_kernel = false, lower_bound_gate = false;
+  float lower_bound = -5.0f;
+  KdaTensor q, k, v, g, beta;
+  const float* A_log = nullptr;    // [H] fp32 or null
+  const float* dt_bias = nullptr;  // [H * K] fp32 or null
+  const float* h0 = nullptr;       // [N, H, K, V] fp32 contiguous or null
+  void* o = nullptr;               // [B, T, H, V], dtype o_dtype, strides like KdaTensor
+  DType o_dtype = DType::kFP32;
+  int64_t o_sb = 0, o_st = 0, o_sh = 0;
+  float* final_state = nullptr;    // [N, H, K, V] fp32 contiguous or null
+  // Residuals for the backward (contiguous; null = not saved): G fp32 [B, T, H, K]; Aqk, Akk
+  // [B, T, H, 64] and h [NT, H, K, V] in res_dtype (bf16 or fp32).
+  float* res_G = nullptr;
+  void* res_Aqk = nullptr;
+  void* res_Akk = nullptr;
+  void* res_h = nullptr;
+  DType res_dtype = DType::kFP32;
+  bool varlen = false;             // sequence n is in batch row 0 (varlen) or n (fixed length)
+  int32_t seq_begin[kKdaMaxSeqs];  // tokens [begin, end) of sequence n
+  int32_t seq_end[kKdaMaxSeqs];
+  int32_t chunk_start[kKdaMaxSeqs + 1];  // first chunk slot of sequence n; [N] = total chunks
+  // Sequences by chunk count, longest first (ties in index order): the state kernel's blocks start
+  // in this order, so the longest serial passes never wait for a free SM behind short ones.
+  int32_t seq_by_length[kKdaMaxSeqs];
+  int device = 0;
+  // Filled by launch_kda_forward: the chunk kernel's TMA descriptors (CUtensorMap, 128 bytes each) of
+  // q, k, g, v as [B, T, H, C] bf16 tensors with boxes of 64 channels x 64 tokens, and the inputs
+  // that have one (bit t; the others are read from global memory by the threads).
+  alignas(128) unsigned char tmap[4][128];
+  int raw_fast = 0;
+};
+
+// Workspace of the forward: one record per (chunk, head) with the head dims padded to 128
+// (kda_device.cuh's WsLayout, 96.5 KB), so it depends on the chunk and head counts only.
+size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
+Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  // fills p.tmap, p.raw_fast
+
+// Phases of the chunk kernel's cycle profile (kda/testing.hpp).
+constexpr int kKdaChunkPhases = 8;
+
+}  // namespace encore::cuda

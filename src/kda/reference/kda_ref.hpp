@@ -1,0 +1,43 @@
+// CPU references for Kimi Delta Attention, fp64 throughout (../shared/docs/math-kda.md):
+//   (a) the token recurrence (forward),
+//   (b) the chunked algorithm (chunk 64, log2 gates, WY form) exposing its intermediates,
+//   (c) the token-level backpropagation through time, with the gate and L2-norm backward.
+// Dense arrays are [B, T, H, C] row-major (index ((b * T + t) * H + h) * C + c); states [N, H, K, V].
+#pragma once
+#include <vector>
+
+#include "kda/problem.hpp"
+
+namespace encore::reference {
+
+// The inputs after gate activation and the optional L2 norm, in fp64.
+struct KdaInputs {
+  std::vector<double> q, k, v, g, beta;  // q, k normalized when use_qk_l2norm; g = activated log-decay
+  std::vector<double> rstd_q, rstd_k;    // [B, T, H] (1 without the L2 norm)
+  std::vector<double> h0;                // [N, H, K, V] (zeros without initial_state)
+};
+KdaInputs kda_prepare(const kda::KdaProblem& p, const KdaForwardArgs& a);
+
+// o [B, T, H, V] and final state [N, H, K, V].
+void kda_recurrent_forward(const kda::KdaProblem& p, const KdaInputs& in, std::vector<double>& o, std::vector<double>& final_state);
+
+// Intermediates of the chunked forward. Per token: G (local inclusive cumsum of g, log2) [.., K];
+// Aqk and A ((I + L)^-1) rows [.., 64] (column j = chunk row j); W [.., K]; U, Vnew [.., V].
+// Per chunk (sequences in order, chunks in order): h = the chunk-start state [chunks, H, K, V].
+struct KdaChunkTrace {
+  std::vector<double> G, Aqk, A, W, U, Vnew, h;
+  int64_t num_chunks = 0;
+};
+void kda_chunked_forward(const kda::KdaProblem& p, const KdaInputs& in, std::vector<double>& o, std::vector<double>& final_state,
+                         KdaChunkTrace* trace);
+
+struct KdaGrads {
+  std::vector<double> dq, dk, dv, dg, dbeta;  // with respect to the raw inputs (pre-norm q, k; g as passed)
+  std::vector<double> dh0;                    // [N, H, K, V]
+  std::vector<double> dA_log, ddt_bias;       // [H], [H * K] (zeros when unused)
+};
+// d_o [B, T, H, V]; d_final [N, H, K, V] (empty: zero).
+KdaGrads kda_backward(const kda::KdaProblem& p, const KdaForwardArgs& a, const KdaInputs& in, const std::vector<double>& d_o,
+                      const std::vector<double>& d_final);
+
+}  // namespace encore::reference

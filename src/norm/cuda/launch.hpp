@@ -1,0 +1,19 @@
+// Host entry of the norm family's CUDA kernels (no CUDA types: callable from plain C++ dispatch
+// code). The dispatch has validated the problem and chosen the plan (norm/plan.cpp).
+#pragma once
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+#include "norm/problem.hpp"
+
+namespace encore::cuda {
+
+Status launch_rms_norm(const norm::RmsNormProblem& p, const norm::RmsNormLaunchPlan& plan, Stream stream);
+
+// Split-row decode paths (rows <= kSplitRowMaxRows): barrier = one cooperative launch with a grid
+// barrier between the phases, else two launches. The workspace is split_row_workspace_bytes.
+Status launch_rms_norm_split(const norm::RmsNormProblem& p, bool barrier, void* workspace, Stream stream);
+Status zero_split_barrier(void* workspace, int device_index, Stream stream);
+
+Status launch_qk_norm(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& plan, Stream stream);
+
+}  // namespace encore::cuda

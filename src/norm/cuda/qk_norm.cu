@@ -1,0 +1,71 @@
+// Instantiations and launch of qk_norm_kernel: T in {bf16, fp16} x head_dim {64, 128, 256} x
+// {no offset, offset} x heads per thread {1, 2, 4}. norm::plan_qk_norm (src/norm/plan.cpp) picks one.
+#include <cuda_runtime.h>
+
+#include "common/cuda/device_guard.hpp"
+#include "norm/cuda/qk_norm_kernel.cuh"
+#include "norm/cuda/launch.hpp"
+
+namespace encore::cuda {
+namespace {
+
+template <typename T>
+using KernelFn = void (*)(QkNormParams<T>);
+
+template <typename T, int kHeadDim, bool kOffset>
+KernelFn<T> pick_heads(int heads_per_thread) {
+  switch (heads_per_thread) {
+    case 1: return qk_norm_kernel<T, kHeadDim, kOffset, 1>;
+    case 2: return qk_norm_kernel<T, kHeadDim, kOffset, 2>;
+    case 4: return qk_norm_kernel<T, kHeadDim, kOffset, 4>;
+    default: return nullptr;
+  }
+}
+
+template <typename T, int kHeadDim>
+KernelFn<T> pick(bool offset, int heads_per_thread) {
+  return offset ? pick_heads<T, kHeadDim, true>(heads_per_thread) : pick_heads<T, kHeadDim, false>(heads_per_thread);
+}
+
+template <typename T>
+Status launch_typed(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& plan, cudaStream_t stream) {
+  QkNormParams<T> k{};
+  k.qkv = static_cast<T*>(p.qkv);
+  k.token_stride = p.token_stride;
+  k.q_weight = static_cast<const T*>(p.q_weight);
+  k.k_weight = static_cast<const T*>(p.k_weight);
+  k.heads_per_token = uint32_t(p.num_q_heads + p.num_kv_heads);
+  k.token_of_head = FastDiv31(k.heads_per_token);
+  k.num_heads_total = uint32_t(p.tokens * k.heads_per_token);
+  k.num_q_heads = p.num_q_heads;
+  k.eps = p.eps;
+  k.weight_offset = p.weight_offset;
+  const bool offset = p.weight_offset != 0.0f;
+  KernelFn<T> fn = nullptr;
+  switch (p.head_dim) {
+    case 64: fn = pick<T, 64>(offset, plan.heads_per_thread); break;
+    case 128: fn = pick<T, 128>(offset, plan.heads_per_thread); break;
+    case 256: fn = pick<T, 256>(offset, plan.heads_per_thread); break;
+  }
+  if (!fn) return Status::internal("qk_norm: no kernel for head_dim " + std::to_string(p.head_dim) + ", heads/thread " +
+                                   std::to_string(plan.heads_per_thread));
+  fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status::cuda_error(std::string("qk_norm launch: ") + cudaGetErrorString(e));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status launch_qk_norm(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& plan, Stream stream) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(p.device_index));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (p.dtype) {
+    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, plan, s);
+    case DType::kFP16: return launch_typed<__half>(p, plan, s);
+    default: return Status::internal(std::string("qk_norm: no CUDA kernel for dtype ") + dtype_name(p.dtype));
+  }
+}
+
+}  // namespace encore::cuda

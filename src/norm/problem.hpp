@@ -1,0 +1,80 @@
+// The norm family's bottom: validated RMSNorm / add-RMSNorm and QK-norm problems, shared by the CPU
+// and CUDA backends, and the CUDA launch plans (computed in plan.cpp).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "encore/core/dtype.hpp"
+
+namespace encore::norm {
+
+struct RmsNormProblem {
+  const void* x = nullptr;
+  int64_t x_stride = 0;          // row strides in elements
+  const void* residual = nullptr;  // null for plain RMSNorm
+  int64_t residual_stride = 0;
+  const void* weight = nullptr;  // [hidden]
+  void* y = nullptr;
+  int64_t y_stride = 0;
+  void* h = nullptr;             // null for plain RMSNorm
+  int64_t h_stride = 0;
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  DType dtype = DType::kFP32;
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;
+  int device_index = 0;
+};
+
+// Split-row decode paths: blocks of kSplitRowThreads threads, each owning one 16-byte pack of every
+// row; workspace = barrier state (kSplitRowBarrierBytes) + fp32 partials [rows, slices].
+constexpr int kSplitRowThreads = 64;
+constexpr int64_t kSplitRowMaxRows = 16;
+constexpr size_t kSplitRowBarrierBytes = 16;
+
+inline int split_row_slices(int64_t hidden, DType dtype) {
+  const int64_t packs = hidden / (16 / int64_t(dtype_size(dtype)));
+  return int((packs + kSplitRowThreads - 1) / kSplitRowThreads);
+}
+
+inline size_t split_row_workspace_bytes(int64_t rows, int64_t hidden, DType dtype) {
+  return kSplitRowBarrierBytes + size_t(rows) * size_t(split_row_slices(hidden, dtype)) * sizeof(float);
+}
+
+struct QkNormProblem {
+  void* qkv = nullptr;
+  int64_t token_stride = 0;  // elements
+  const void* q_weight = nullptr;
+  const void* k_weight = nullptr;
+  int64_t tokens = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  DType dtype = DType::kBF16;
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;
+  int device_index = 0;
+};
+
+// How the CUDA RMSNorm kernel splits the work.
+struct RmsNormLaunchPlan {
+  int vec_elems = 1;         // elements per access (16 bytes / element size, or 1)
+  int warps_per_row = 1;     // warps cooperating on one row
+  int rows_per_block = 1;    // rows handled by one block
+  int vecs_per_thread = 0;   // register-cached accesses per thread; 0 = streaming (re-read)
+  long long grid = 0;        // blocks
+};
+// Plan for `rows` x `hidden` elements of `dtype` on a device with `sm_count` multiprocessors;
+// `vectorized`: whether 16-byte packs are allowed (alignment, hidden and strides permitting);
+// `add`: the residual-add variant.
+RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, bool add, int sm_count);
+
+// How the CUDA QK-norm kernel covers the heads.
+struct QkNormLaunchPlan {
+  int threads = 128;         // per block
+  int heads_per_thread = 1;  // heads each lane group normalizes (loads of all issued together)
+  long long grid = 0;
+};
+QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim, DType dtype, int sm_count);
+
+}  // namespace encore::norm

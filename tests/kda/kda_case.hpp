@@ -1,0 +1,129 @@
+// Test helper: one KDA problem as fp64 host vectors (inputs, options, output buffers) and its
+// KdaForwardArgs views; shared by the CPU and GPU KDA tests.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "encore/kda.hpp"
+#include "kda/problem.hpp"
+#include "kda/reference/kda_ref.hpp"
+
+namespace encore::test {
+
+enum class Gate { kPrecomputed, kSoftplus, kSoftplusBias, kLowerBound };
+
+// fp64 host tensors for one KDA problem.
+struct KdaCase {
+  int64_t B, T, H, K, V;
+  std::vector<int64_t> cu;  // empty: fixed length
+  Gate gate = Gate::kPrecomputed;
+  bool h0 = false, l2 = false, final_state = true;
+  double k_sd = 0;  // key standard deviation; 0: 3.0 with the L2 norm (large keys), else 0.4
+  // In-kernel gates with strong decays: e^A_log spread from 0.37 to 12 over the heads and dt_bias ~
+  // N(0, 1) (the range of fla's peer-script inputs, A_log ~ N(0, 1)), so some heads' 16-row blocks
+  // decay by more than 2^100 and others do not; else e^A_log in [0.37, 1.5) and dt_bias ~ N(0, 0.25).
+  bool strong_decays = false;
+  std::vector<double> q, k, v, g, beta, init, A_log, dt_bias, o, fin;
+  KdaOptions opts;
+
+  int64_t N() const { return cu.empty() ? B : int64_t(cu.size()) - 1; }
+  void fill(uint64_t seed) {
+    std::mt19937_64 rng(seed ^ std::random_device{}());
+    std::normal_distribution<double> nd;
+    std::uniform_real_distribution<double> ud(0.0, 1.0);
+    auto randn = [&](std::vector<double>& x, size_t n, double sd) {
+      x.resize(n);
+      for (auto& e : x) e = sd * nd(rng);
+    };
+    const size_t nk = size_t(B * T * H * K), nv = size_t(B * T * H * V);
+    randn(q, nk, 1.0);
+    randn(k, nk, k_sd > 0 ? k_sd : (l2 ? 3.0 : 0.4));
+    randn(v, nv, 1.0);
+    beta.resize(size_t(B * T * H));
+    for (auto& e : beta) e = 0.1 + 0.8 * ud(rng);
+    g.resize(nk);
+    for (auto& e : g) {
+      if (gate == Gate::kPrecomputed) e = std::log(1.0 / (1.0 + std::exp(-nd(rng)))) / 4.0;  // log-sigmoid / norm
+      else e = 2.0 * nd(rng);                                                                // raw gate
+    }
+    if (h0) randn(init, size_t(N() * H * K * V), 0.5);
+    if (gate != Gate::kPrecomputed) {
+      A_log.resize(size_t(H));
+      for (size_t h = 0; h < A_log.size(); ++h)
+        A_log[h] = strong_decays ? -1.0 + 3.5 * double(h) / double(std::max<int64_t>(H - 1, 1)) : std::log(1.0 + 3.0 * ud(rng)) - 1.0;
+    }
+    if (gate == Gate::kSoftplusBias || gate == Gate::kLowerBound) randn(dt_bias, size_t(H * K), strong_decays ? 1.0 : 0.5);
+    opts.use_gate_in_kernel = gate != Gate::kPrecomputed;
+    opts.use_lower_bound = gate == Gate::kLowerBound;
+    opts.lower_bound = -5.0;
+    opts.use_qk_l2norm = l2;
+    opts.output_final_state = final_state;
+    o.assign(nv, NAN);
+    fin.assign(size_t(N() * H * K * V), NAN);
+  }
+  KdaForwardArgs args() {
+    auto t4 = [&](std::vector<double>& x, int64_t d) { return TensorView::contiguous(x.data(), DType::kFP64, {B, T, H, d}); };
+    KdaForwardArgs a;
+    a.q = t4(q, K);
+    a.k = t4(k, K);
+    a.v = t4(v, V);
+    a.g = t4(g, K);
+    a.beta = TensorView::contiguous(beta.data(), DType::kFP64, {B, T, H});
+    if (h0) a.initial_state = TensorView::contiguous(init.data(), DType::kFP64, {N(), H, K, V});
+    if (!A_log.empty()) a.A_log = TensorView::contiguous(A_log.data(), DType::kFP64, {H});
+    if (!dt_bias.empty()) a.dt_bias = TensorView::contiguous(dt_bias.data(), DType::kFP64, {H * K});
+    if (!cu.empty()) a.cu_seqlens = TensorView::contiguous(cu.data(), DType::kInt64, {int64_t(cu.size())});
+    a.o = t4(o, V);
+    if (final_state) a.final_state = TensorView::contiguous(fin.data(), DType::kFP64, {N(), H, K, V});
+    return a;
+  }
+
+  // How the CUDA chunk kernel computes each diagonal 16-row block of Aqk and L, decided (as there)
+  // by decay spans in log2 over all channels of this case's current inputs, the gate activated by the
+  // CPU reference (reference::kda_prepare): one reference (row r) when max (G_r − G_i) over the
+  // block is <= 100; two references (rows r..r+7 against r, r+8..r+15 against r+8) when each half's
+  // span is; the halving references (diag_block_by_halving) otherwise.
+  struct DiagBlockPaths {
+    int one_ref = 0, two_refs = 0, halving = 0;
+  };
+  DiagBlockPaths diag_block_paths() {
+    constexpr double kMaxSpan = 100.0 * 0.6931471805599453;  // 2^100, in the reference's natural-log gate
+    kda::KdaProblem p;
+    if (!kda::make_problem(args(), opts, &p)) return {};
+    const reference::KdaInputs in = reference::kda_prepare(p, args());
+    DiagBlockPaths n;
+    for (const kda::Sequence& sq : p.seqs)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = sq.begin; r < sq.end; r += 16) {  // chunks start at sq.begin: 16 divides 64
+          double span = 0, span_lo = 0, span_hi = 0;
+          for (int64_t kc = 0; kc < K; ++kc) {
+            double d = 0, d8 = 0;  // G_r − G_i and G_{r+8} − G_i
+            for (int64_t i = r + 1; i < std::min(r + 16, sq.end); ++i) {
+              const double x = -in.g[size_t(((sq.batch * T + i) * H + h) * K + kc)];
+              d += x;
+              span = std::max(span, d);
+              if (i < r + 8) span_lo = std::max(span_lo, d);
+              if (i > r + 8) span_hi = std::max(span_hi, d8 += x);
+            }
+          }
+          if (span <= kMaxSpan) ++n.one_ref;
+          else if (span_lo <= kMaxSpan && span_hi <= kMaxSpan) ++n.two_refs;
+          else ++n.halving;
+        }
+    return n;
+  }
+};
+
+double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+}  // namespace encore::test

@@ -1,0 +1,303 @@
+// KDA CPU references: chunked forward == token recurrence (fp64), the hand-written backward ==
+// central finite differences (fp64), the public forward in bf16/fp32, and bad inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "encore/kda.hpp"
+#include "tests/kda/kda_case.hpp"
+#include "kda/problem.hpp"
+#include "kda/reference/kda_ref.hpp"
+
+namespace encore::test {
+namespace {
+
+// One named problem for the parameterized suites.
+struct ShapeCase {
+  const char* name;
+  int64_t B, T, H, K, V;
+  std::vector<int64_t> cu;
+  Gate gate;
+  bool h0, l2;
+  KdaCase make() const { return KdaCase{B, T, H, K, V, cu, gate, h0, l2}; }
+};
+
+void PrintTo(const ShapeCase& c, std::ostream* os) { *os << c.name; }
+
+class KdaChunked : public ::testing::TestWithParam<ShapeCase> {};
+
+TEST_P(KdaChunked, EqualsRecurrence) {
+  const ShapeCase& c = GetParam();
+  KdaCase kc = c.make();
+  kc.fill(uint64_t(c.T));
+  if (c.gate == Gate::kPrecomputed) {
+    std::mt19937_64 rng(5);
+    for (auto& e : kc.g)
+      if (rng() % 4 == 0) e = -1000.0;  // extreme decays
+  }
+  KdaForwardArgs a = kc.args();
+  kda::KdaProblem p;
+  ASSERT_TRUE(kda::make_problem(a, kc.opts, &p));
+  const auto in = reference::kda_prepare(p, a);
+  std::vector<double> o_rec, f_rec, o_chk, f_chk;
+  reference::KdaChunkTrace trace;
+  reference::kda_recurrent_forward(p, in, o_rec, f_rec);
+  reference::kda_chunked_forward(p, in, o_chk, f_chk, &trace);
+  EXPECT_LT(rel_err(o_chk, o_rec), 1e-10);
+  EXPECT_LT(rel_err(f_chk, f_rec), 1e-10);
+  int64_t chunks = 0;
+  for (const auto& s : p.seqs) chunks += (s.end - s.begin + 63) / 64;
+  EXPECT_EQ(trace.num_chunks, chunks);
+  // The first chunk-start state of each sequence is its initial state.
+  EXPECT_EQ(trace.h[0], in.h0[0]);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, KdaChunked,
+    ::testing::Values(ShapeCase{"fixed_B2_T130", 2, 130, 2, 8, 6, {}, Gate::kPrecomputed, true, false},
+                      ShapeCase{"varlen_short_segments", 1, 171, 2, 8, 8, {0, 15, 100, 100, 171}, Gate::kSoftplusBias, true, true},
+                      ShapeCase{"varlen_1_63_64_65", 1, 193, 1, 6, 5, {0, 1, 64, 128, 193}, Gate::kLowerBound, false, true},
+                      ShapeCase{"softplus_no_bias_T64", 1, 64, 3, 4, 7, {}, Gate::kSoftplus, false, false}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// Central finite differences of loss = sum(o * d_o) + sum(final * d_final) against the backward.
+
+class KdaBackward : public ::testing::TestWithParam<ShapeCase> {};
+
+TEST_P(KdaBackward, MatchesFiniteDifferences) {
+  const ShapeCase& c = GetParam();
+  KdaCase kc = c.make();
+  kc.fill(uint64_t(c.T * 7 + c.K));
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> nd;
+  std::vector<double> d_o(kc.o.size()), d_fin(kc.fin.size());
+  for (auto& e : d_o) e = nd(rng);
+  for (auto& e : d_fin) e = 0.1 * nd(rng);
+
+  auto loss = [&]() {
+    KdaForwardArgs a = kc.args();
+    EXPECT_TRUE(run(a, kc.opts));
+    double l = 0;
+    for (size_t i = 0; i < kc.o.size(); ++i) l += kc.o[i] * d_o[i];
+    for (size_t i = 0; i < kc.fin.size(); ++i) l += kc.fin[i] * d_fin[i];
+    return l;
+  };
+  // Analytic gradients.
+  std::vector<double> dq(kc.q.size()), dk(kc.k.size()), dv(kc.v.size()), dg(kc.g.size()), db(kc.beta.size()),
+      dh0(kc.init.size()), dA(kc.A_log.size()), ddt(kc.dt_bias.size());
+  KdaBackwardArgs b;
+  b.fwd = kc.args();
+  auto like = [](std::vector<double>& x, const TensorView& t) {
+    TensorView v = t;
+    v.data = x.data();
+    return v;
+  };
+  b.d_o = like(d_o, b.fwd.o);
+  b.d_final_state = like(d_fin, b.fwd.final_state);
+  b.dq = like(dq, b.fwd.q);
+  b.dk = like(dk, b.fwd.k);
+  b.dv = like(dv, b.fwd.v);
+  b.dg = like(dg, b.fwd.g);
+  b.dbeta = like(db, b.fwd.beta);
+  if (c.h0) b.dh0 = like(dh0, b.fwd.initial_state);
+  if (!kc.A_log.empty()) b.dA_log = like(dA, b.fwd.A_log);
+  if (!kc.dt_bias.empty()) b.ddt_bias = like(ddt, b.fwd.dt_bias);
+  Status st = run(b, kc.opts);
+  ASSERT_TRUE(st) << st.to_string();
+
+  auto check = [&](const char* name, std::vector<double>& x, const std::vector<double>& grad) {
+    std::vector<double> fd(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double x0 = x[i], h = 1e-6 * std::max(1.0, std::fabs(x0));
+      x[i] = x0 + h;
+      const double lp = loss();
+      x[i] = x0 - h;
+      const double lm = loss();
+      x[i] = x0;
+      fd[i] = (lp - lm) / (2 * h);
+    }
+    EXPECT_LT(rel_err(grad, fd), 1e-6) << name;
+  };
+  check("q", kc.q, dq);
+  check("k", kc.k, dk);
+  check("v", kc.v, dv);
+  check("g", kc.g, dg);
+  check("beta", kc.beta, db);
+  if (c.h0) check("h0", kc.init, dh0);
+  if (!kc.A_log.empty()) check("A_log", kc.A_log, dA);
+  if (!kc.dt_bias.empty()) check("dt_bias", kc.dt_bias, ddt);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, KdaBackward,
+    ::testing::Values(ShapeCase{"precomputed_h0_l2", 2, 5, 2, 3, 2, {}, Gate::kPrecomputed, true, true},
+                      ShapeCase{"varlen_softplus_bias", 1, 7, 2, 3, 2, {0, 3, 3, 7}, Gate::kSoftplusBias, true, false},
+                      ShapeCase{"softplus_no_bias_l2", 1, 4, 1, 4, 3, {}, Gate::kSoftplus, false, true},
+                      ShapeCase{"lower_bound", 1, 6, 2, 2, 3, {0, 2, 6}, Gate::kLowerBound, true, true}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// The public forward on bf16 inputs writes bf16 o and fp32 final state close to the fp64 reference.
+TEST(KdaForward, Bf16InputsMatchFp64Reference) {
+  KdaCase kc{1, 150, 2, 16, 16, {0, 70, 150}, Gate::kSoftplusBias, true, true};
+  kc.fill(3);
+  KdaForwardArgs a64 = kc.args();
+  ASSERT_TRUE(run(a64, kc.opts));
+  // Same (rounded) inputs in bf16; outputs bf16 / fp32.
+  auto to_bf16 = [](const std::vector<double>& x) {
+    std::vector<uint16_t> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = float_to_bf16(float(x[i]));
+    return y;
+  };
+  auto q = to_bf16(kc.q), k = to_bf16(kc.k), v = to_bf16(kc.v), g = to_bf16(kc.g), be = to_bf16(kc.beta);
+  std::vector<uint16_t> o(kc.o.size());
+  std::vector<float> fin(kc.fin.size(), NAN), init(kc.init.begin(), kc.init.end()), alog(kc.A_log.begin(), kc.A_log.end()),
+      dtb(kc.dt_bias.begin(), kc.dt_bias.end());
+  KdaForwardArgs a = a64;
+  a.q.data = q.data(); a.q.dtype = DType::kBF16;
+  a.k.data = k.data(); a.k.dtype = DType::kBF16;
+  a.v.data = v.data(); a.v.dtype = DType::kBF16;
+  a.g.data = g.data(); a.g.dtype = DType::kBF16;
+  a.beta.data = be.data(); a.beta.dtype = DType::kBF16;
+  a.o.data = o.data(); a.o.dtype = DType::kBF16;
+  a.final_state.data = fin.data(); a.final_state.dtype = DType::kFP32;
+  a.initial_state.data = init.data(); a.initial_state.dtype = DType::kFP32;
+  a.A_log.data = alog.data(); a.A_log.dtype = DType::kFP32;
+  a.dt_bias.data = dtb.data(); a.dt_bias.dtype = DType::kFP32;
+  Status st = run(a, kc.opts);
+  ASSERT_TRUE(st) << st.to_string();
+  std::vector<double> o_d(o.size()), f_d(fin.begin(), fin.end());
+  for (size_t i = 0; i < o.size(); ++i) o_d[i] = bf16_to_float(o[i]);
+  EXPECT_LT(rel_err(o_d, kc.o), 5e-2);  // bf16 rounding of every input, against the unrounded fp64 run
+  EXPECT_LT(rel_err(f_d, kc.fin), 5e-2);
+}
+
+// The GPU test's strong-decay case (tests/gpu/test_kda_gpu.cpp, "varlen strong decays") is meant to
+// send diagonal blocks down each of the chunk kernel's three paths (one reference, two references,
+// halving references); the GPU test checks its own draw, this checks that the draw does so reliably.
+TEST(KdaForward, StrongDecayCaseCoversEveryDiagonalBlockPath) {
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    KdaCase c{1, 300, 8, 128, 128, {0, 100, 300}, Gate::kSoftplusBias, true, true};
+    c.strong_decays = true;
+    c.fill(seed);
+    const auto paths = c.diag_block_paths();
+    EXPECT_GT(paths.one_ref, 0) << "seed " << seed;
+    EXPECT_GT(paths.two_refs, 0) << "seed " << seed;
+    EXPECT_GT(paths.halving, 0) << "seed " << seed;
+    EXPECT_EQ(paths.one_ref + paths.two_refs + paths.halving, 8 * (7 + 13)) << "seed " << seed;  // 100 + 200 tokens: 7 + 13 blocks a head
+  }
+}
+
+// The public forward's residual outputs equal the chunked reference's intermediates (G, Aqk, A, h)
+// and o / final state still equal the recurrence.
+TEST(KdaForward, ResidualsForTheBackward) {
+  KdaCase kc{1, 150, 2, 16, 8, {0, 70, 71, 150}, Gate::kSoftplusBias, true, true};
+  kc.fill(5);
+  KdaForwardArgs a = kc.args();
+  int64_t nt = 0;
+  ASSERT_TRUE(kda_chunk_count(a, kc.opts, &nt));
+  EXPECT_EQ(nt, 2 + 1 + 2);  // 70, 1 and 79 tokens
+  std::vector<double> G(kc.q.size(), NAN), Aqk(size_t(150 * 2 * 64), NAN), Akk(Aqk.size(), NAN), h(size_t(nt * 2 * 16 * 8), NAN);
+  a.residuals.G = TensorView::contiguous(G.data(), DType::kFP64, {1, 150, 2, 16});
+  a.residuals.Aqk = TensorView::contiguous(Aqk.data(), DType::kFP64, {1, 150, 2, 64});
+  a.residuals.Akk = TensorView::contiguous(Akk.data(), DType::kFP64, {1, 150, 2, 64});
+  a.residuals.h = TensorView::contiguous(h.data(), DType::kFP64, {nt, 2, 16, 8});
+  Status st = run(a, kc.opts);
+  ASSERT_TRUE(st) << st.to_string();
+  kda::KdaProblem p;
+  ASSERT_TRUE(kda::make_problem(a, kc.opts, &p));
+  const reference::KdaInputs in = reference::kda_prepare(p, a);
+  std::vector<double> o_rec, f_rec, o_chk, f_chk;
+  reference::kda_recurrent_forward(p, in, o_rec, f_rec);
+  reference::KdaChunkTrace trace;
+  reference::kda_chunked_forward(p, in, o_chk, f_chk, &trace);
+  EXPECT_EQ(G, trace.G);
+  EXPECT_EQ(Aqk, trace.Aqk);
+  EXPECT_EQ(Akk, trace.A);
+  EXPECT_EQ(h, trace.h);
+  EXPECT_LT(rel_err(kc.o, o_rec), 1e-10);
+  EXPECT_LT(rel_err(kc.fin, f_rec), 1e-10);
+  // A is unit lower triangular on the valid rows: A[t, t mod 64] = 1.
+  EXPECT_EQ(Akk[size_t((3 * 2 + 1) * 64 + 3)], 1.0);
+  // Wrong residual shapes are refused by name.
+  a.residuals.h = TensorView::contiguous(h.data(), DType::kFP64, {nt - 1, 2, 16, 8});
+  st = run(a, kc.opts);
+  EXPECT_NE(st.message().find("residuals.h: expected [NT, H, K, V] = [5, 2, 16, 8]"), std::string::npos) << st.message();
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+struct KdaBad : ::testing::Test {
+  KdaCase kc{1, 10, 2, 4, 4, {0, 4, 10}, Gate::kPrecomputed, true, false};
+  void SetUp() override { kc.fill(1); }
+  void expect_error(const KdaForwardArgs& a, const KdaOptions& o, const std::string& needle) {
+    Status st = run(a, o);
+    EXPECT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.message();
+  }
+};
+
+TEST_F(KdaBad, CuSeqlens) {
+  kc.cu = {1, 4, 10};
+  expect_error(kc.args(), kc.opts, "cu_seqlens: must start at 0, got 1");
+  kc.cu = {0, 6, 4, 10};
+  kc.init.resize(size_t(3 * 2 * 4 * 4));
+  kc.fin.resize(kc.init.size());
+  expect_error(kc.args(), kc.opts, "cu_seqlens: must be non-decreasing");
+  kc.cu = {0, 4, 9};
+  kc.init.resize(size_t(2 * 2 * 4 * 4));
+  kc.fin.resize(kc.init.size());
+  expect_error(kc.args(), kc.opts, "cu_seqlens: must end at T = 10, got 9");
+}
+
+TEST_F(KdaBad, BatchWithCuSeqlens) {
+  KdaCase b2{2, 10, 2, 4, 4, {0, 4, 10}, Gate::kPrecomputed, false, false};
+  b2.fill(2);
+  expect_error(b2.args(), b2.opts, "q: B must be 1 with cu_seqlens");
+}
+
+TEST_F(KdaBad, Shapes) {
+  auto a = kc.args();
+  a.beta.shape[2] = 3;
+  expect_error(a, kc.opts, "beta: expected shape [B, T, H] = [1, 10, 2], got [1, 10, 3]");
+  a = kc.args();
+  a.g.shape[3] = 5;
+  expect_error(a, kc.opts, "g: expected shape [B, T, H, K]");
+  a = kc.args();
+  a.initial_state.shape[0] = 3;
+  expect_error(a, kc.opts, "initial_state: expected shape [N, H, K, V] = [2, 2, 4, 4]");
+  a = kc.args();
+  a.initial_state.dtype = DType::kBF16;
+  expect_error(a, kc.opts, "initial_state: dtype must be one of {fp32, fp64}");
+}
+
+TEST_F(KdaBad, HeadDims) {
+  std::vector<double> big(static_cast<size_t>(10 * 2 * 300));
+  auto a = kc.args();
+  a.q = a.k = a.g = TensorView::contiguous(big.data(), DType::kFP64, {1, 10, 2, 300});
+  expect_error(a, kc.opts, "q: head dim K = 300 exceeds 256");
+}
+
+TEST_F(KdaBad, GateOptions) {
+  auto o = kc.opts;
+  o.use_gate_in_kernel = true;
+  expect_error(kc.args(), o, "A_log: required by the softplus in-kernel gate");
+  o.use_lower_bound = true;
+  o.lower_bound = -6.0;
+  expect_error(kc.args(), o, "lower_bound: must lie in [-5, 0), got -6");
+}
+
+TEST_F(KdaBad, CudaLimitsAreCheckedBeforeDeviceAccess) {
+  auto a = kc.args();
+  for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.initial_state, &a.o, &a.final_state}) t->device = Device{DeviceType::kCUDA, 0};
+  a.cu_seqlens = TensorView{};
+  expect_error(a, kc.opts, "initial_state: expected shape [N, H, K, V] = [1, 2, 4, 4]");  // N changes without cu_seqlens
+  a.initial_state.shape[0] = 1;
+  a.final_state.shape[0] = 1;
+  // The CUDA forward's own limits are checked before any device access.
+  expect_error(a, kc.opts, "q: dtype must be one of {bf16, fp32}, got fp64");  // the CUDA forward takes bf16/fp32
+}
+
+}  // namespace
+}  // namespace encore::test
