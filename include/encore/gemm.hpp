@@ -1,18 +1,7 @@
-// encore GEMM-epilogue family (forward): D = epilogue(A · Wᵀ), the memory-bound glue of a LLaMA
-// block computed on the fp32 accumulator (../shared/docs/math-coda.md). A [M, K], W [N, K]
-// (weights stored out x in), acc = A · Wᵀ [M, N] in fp32; then one epilogue program:
-//
-//   kResidualSqsumAux  y = acc + C;  D = y;  aux = y ⊙ gamma;  partials[m, t] = Σ_{n in tile t} y²
-//   kRowScale          D = r[m] · acc
-//   kSwiglu            z = r[m] · acc (r optional);  D = z;  aux[m, j] = silu(z[m, 2j]) · z[m, 2j+1]
-//                      (gate/up columns interleaved: see interleave_gate_up)
-//   kRope              z = r[m] · acc (r optional);  for each column pair (2j, 2j+1), θ = 2π·pos[m]·f_j:
-//                      D[2j] = z[2j]·cosθ − z[2j+1]·sinθ;  D[2j+1] = z[2j+1]·cosθ + z[2j]·sinθ
-//                      (rotation by +θ, the Hugging Face LLaMA sign; f_j = 0 leaves a pair alone)
-//   kQkvHeadSqsum      D = acc;  partials[m, h] = Σ_{n in head h} acc²
-//   kLse               z = r[m] · acc (r optional);  D = z (optional);  partials[m, t] = log Σ_{n in tile t} e^z
-//                      (−inf for a tile with no column);  target_logit[m] = z[m, target[m]] (optional)
-//   kScalarScale       D = alpha[0] · acc  (alpha read from memory: graph-safe)
+// encore GEMM-epilogue family: D = epilogue(A · Wᵀ), the memory-bound glue of a transformer block
+// computed on the fp32 accumulator (docs/gemm.md). A [M, K], W [N, K] (weights stored out x in),
+// acc = A · Wᵀ [M, N] in fp32; then one epilogue program from the catalogue
+// encore/gemm_epilogues.def, which states each epilogue's math and the operands it reads.
 //
 // Finishers: rms_final_reduce (r from the sum-of-squares partials), lse_finish (per-row log-sum-exp
 // and cross-entropy loss from the LSE partials), and the QK-norm + RoPE finish after kQkvHeadSqsum
@@ -38,8 +27,47 @@
 
 namespace encore {
 
-enum class Epilogue : uint8_t { kResidualSqsumAux, kRowScale, kSwiglu, kRope, kQkvHeadSqsum, kLse, kScalarScale };
-const char* epilogue_name(Epilogue e);
+// One value per row of encore/gemm_epilogues.def, in row order.
+enum class Epilogue : uint8_t {
+#define ENCORE_GEMM_EPILOGUE(Name, name, operands, tiles) k##Name,
+#include "encore/gemm_epilogues.def"
+#undef ENCORE_GEMM_EPILOGUE
+};
+const char* epilogue_name(Epilogue e);  // the row's snake_case name, "unknown" outside the catalogue
+
+// The operands an epilogue reads or writes (GemmEpilogueInfo::operands); a and w always. Every
+// operand an epilogue does not use must be absent (validate refuses it).
+enum GemmOperand : uint32_t {
+  kOperandD = 1u << 0,                 // d [M, N], written
+  kOperandDOptional = 1u << 1,         // d [M, N], written when given
+  kOperandAux = 1u << 2,               // aux [M, N], written
+  kOperandAuxHalf = 1u << 3,           // aux [M, N / 2], written
+  kOperandC = 1u << 4,                 // c [M, N], read
+  kOperandGamma = 1u << 5,             // gamma [N]
+  kOperandRowScale = 1u << 6,          // row_scale [M] fp32, required
+  kOperandRowScaleOptional = 1u << 7,  // row_scale [M] fp32, optional (absent: 1)
+  kOperandPos = 1u << 8,               // pos [M] int32
+  kOperandFreq = 1u << 9,              // freq [N] fp32 (hi, lo) pairs
+  kOperandAlpha = 1u << 10,            // alpha [1] fp32
+  kOperandTilePartials = 1u << 11,     // partials [M, ceil(N / partial_tile_n)] fp32, written
+  kOperandHeadPartials = 1u << 12,     // partials [M, N / head_dim] fp32, written
+  kOperandTarget = 1u << 13,           // target [M] int32 and target_logit [M] fp32, optional together
+  kOperandColumnPairs = 1u << 14,      // N even: columns (2j, 2j+1) form pairs
+};
+
+// The CUDA tiles an epilogue is instantiated on (GemmEpilogueInfo::tiles).
+enum GemmTileSet : uint8_t { kTileCoop256 = 1u << 0, kTilePp128 = 1u << 1, kTilePp64 = 1u << 2 };
+
+struct GemmEpilogueInfo {
+  Epilogue epilogue;
+  const char* name;
+  uint32_t operands;  // GemmOperand flags
+  uint8_t tiles;      // GemmTileSet flags
+};
+// The catalogue, in row order: gemm_epilogue_count() rows; gemm_epilogue_info(e) is null for a
+// value outside it.
+int gemm_epilogue_count();
+const GemmEpilogueInfo* gemm_epilogue_info(Epilogue e);
 
 // CUDA tile configuration: cooperative 128x256x64 (two warpgroups share each tile) or ping-pong
 // 128x128x64 (a warpgroup's epilogue overlaps the other's mainloop); kAuto picks by epilogue and

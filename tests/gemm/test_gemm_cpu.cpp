@@ -384,7 +384,7 @@ TEST_F(GemmBad, CudaTileLimits) {
     s.alpha.device = gpu;
     GemmEpilogueOptions so{Epilogue::kScalarScale};
     so.tile = GemmTile::kPingpong64x256;
-    expect_error(s, so, "tile: pingpong_64x256 exists for row_scale, swiglu, residual_sqsum_aux and lse, not scalar_scale");
+    expect_error(s, so, "tile: pingpong_64x256 exists for residual_sqsum_aux, row_scale, swiglu, lse, not scalar_scale");
     so.tile = GemmTile::kAuto;
     so.swizzle = 3;
     expect_error(s, so, "swizzle: must be 0 (auto), 1, 2, 4 or 8, got 3");

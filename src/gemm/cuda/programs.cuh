@@ -1,12 +1,14 @@
 // Epilogue programs of the GEMM-epilogue family as CUTLASS Sm90 EVTs over the fp32 accumulator,
-// one struct per catalogue entry, each a composition of the five primitives (math-coda.md §6):
+// one struct sm90::<Name> per row of encore/gemm_epilogues.def (the build instantiates each on the
+// row's tiles), each a composition of the five primitives (docs/gemm.md):
 //   1 elementwise / pairwise transform  Sm90Compute, nodes::SwigluAuxStore, nodes::RopeRotate
 //   2 row / column vector load          Sm90ColBroadcast (r[m]), Sm90RowBroadcast (γ[n]), Sm90ScalarBroadcast
 //   3 tile load / auxiliary tile store  Sm90SrcFetch (C = residual), Sm90AuxStore (register -> global)
 //   4 block reduction along N           nodes::RowPartials
 //   5 stateful transform                nodes::OnlineLse
 // Each program names its C and D element types (void = not read / not written), builds its EVT from
-// the CTA tile shape, and fills the EVT's arguments from a GemmProblem.
+// the CTA tile shape, and fills the EVT's arguments from a GemmProblem. A program whose D is
+// optional (kOperandDOptional) names its D-less twin in NoStoreTwin; the launcher picks by p.d.
 #pragma once
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
@@ -134,7 +136,7 @@ struct NoStoreRoot : Identity<float> {
   using ElementAux = T;
 };
 
-// z = r[m] · acc;  D = z (LseStore) or nothing (Lse);  partials = per-tile log-sum-exp; target select
+// z = r[m] · acc;  D = z (Lse) or nothing (LseNoStore);  partials = per-tile log-sum-exp; target select
 template <class T, class D>
 struct LseProgram {
   using ElementC = void;
@@ -148,8 +150,33 @@ struct LseProgram {
   }
 };
 template <class T>
-using LseStore = LseProgram<T, T>;
+struct Lse : LseProgram<T, T> {};
 template <class T>
-using Lse = LseProgram<T, void>;
+struct LseNoStore : LseProgram<T, void> {};
+
+// D = acc + C
+template <class T>
+struct ResidualAdd {
+  using ElementC = T;
+  using ElementD = T;
+  template <class TileShape>
+  using Evt = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, T, float, kRound>, fusion::Sm90AccFetch, fusion::Sm90SrcFetch<T>>;
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem&) {
+    return {{}, {}, {}};  // {AccFetch, SrcFetch (C from the collective's source pointer), plus}
+  }
+};
+
+// The D-less twin of a program with an optional D (none by default).
+template <template <class> class Program>
+struct NoStoreTwin {
+  static constexpr bool kHas = false;
+};
+template <>
+struct NoStoreTwin<Lse> {
+  static constexpr bool kHas = true;
+  template <class T>
+  using type = LseNoStore<T>;
+};
 
 }  // namespace encore::cuda::sm90

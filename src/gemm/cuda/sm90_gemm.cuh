@@ -18,8 +18,9 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
-#include "gemm/cuda/launch.hpp"
 #include "encore/core/status.hpp"
+#include "gemm/cuda/launch.hpp"
+#include "gemm/cuda/programs.cuh"
 
 namespace encore::cuda::sm90 {
 
@@ -129,6 +130,16 @@ Status launch_family(const GemmProblem& p, Stream stream, const char* name) {
   if (p.dtype == DType::kBF16) return launch_typed<Family, Config, cutlass::bfloat16_t>(p, s, name);
   if (p.dtype == DType::kFP16) return launch_typed<Family, Config, cutlass::half_t>(p, s, name);
   return Status::unsupported(std::string("a: ") + name + " on CUDA takes bf16 or fp16, got " + dtype_name(p.dtype));
+}
+
+// Launches program Program on Config; a program with a D-less twin (NoStoreTwin, programs.cuh)
+// runs the twin when the problem has no D.
+template <template <class> class Program, class Config>
+Status launch_program(const GemmProblem& p, Stream stream, const char* name) {
+  if constexpr (NoStoreTwin<Program>::kHas) {
+    if (p.d == nullptr) return launch_family<NoStoreTwin<Program>::template type, Config>(p, stream, name);
+  }
+  return launch_family<Program, Config>(p, stream, name);
 }
 
 }  // namespace encore::cuda::sm90

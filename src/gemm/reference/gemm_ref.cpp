@@ -129,6 +129,10 @@ void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
         scale_row(acc, at1(a.alpha, 0));
         store_row(a.d, m, acc);
         break;
+      case Epilogue::kResidualAdd:
+        add_tile_row(acc, a.c, m);
+        store_row(a.d, m, acc);
+        break;
     }
   }
 }

@@ -1,7 +1,0 @@
-// gemm_residual_sqsum_aux on the Pingpong64x256 tile (see sm90_residual_sqsum_aux_coop256.cu for the math).
-#include "gemm/cuda/programs.cuh"
-#include "gemm/cuda/sm90_gemm.cuh"
-
-encore::Status encore::cuda::launch_residual_sqsum_aux_pp64(const GemmProblem& p, Stream stream) {
-  return sm90::launch_family<sm90::ResidualSqsumAux, sm90::Pingpong64x256>(p, stream, "gemm_residual_sqsum_aux");
-}

@@ -1,0 +1,166 @@
+// GEMM-epilogue family finishers and host helpers: rms_final_reduce and lse_finish (the row
+// statistics from the epilogues' partials), the QK-norm + RoPE finish after qkv_head_sqsum, and the
+// weight / frequency layouts the epilogues read (interleave_gate_up, rope_freq_turns).
+#include <cmath>
+#include <utility>
+
+#include "encore/gemm.hpp"
+#include "gemm/checks.hpp"
+#include "gemm/cuda/launch.hpp"  // host-only declarations
+#include "gemm/reference/gemm_ref.hpp"
+
+namespace encore {
+
+using gemm::contiguous_vector;
+using gemm::kIo;
+using gemm::matrix;
+using gemm::vector;
+
+Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[M, tiles]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("r", a.r, a.partials.shape[0], "[M]", a.partials, {DType::kFP32}));
+  if (hidden <= 0) return Status::invalid("hidden: must be positive, got " + std::to_string(hidden));
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) return Status::invalid("eps: must be finite and >= 0");
+  if (a.partials.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
+    ENCORE_RETURN_IF_ERROR(contiguous_vector("r", a.r));
+#ifdef ENCORE_WITH_CUDA
+    return cuda::launch_rms_final_reduce(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(a.partials.shape[0]),
+                                         int(a.partials.shape[1]), static_cast<float*>(a.r.data), hidden, eps, stream);
+#else
+    (void)stream;
+    return gemm::no_cuda(a.partials, "partials");
+#endif
+  }
+  reference::rms_final_reduce(a, hidden, eps);
+  return Status::ok();
+}
+
+Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[M, tiles]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
+  const int64_t M = a.partials.shape[0];
+  ENCORE_RETURN_IF_ERROR(vector("lse", a.lse, M, "[M]", a.partials, {DType::kFP32}));
+  if (a.target.defined()) {
+    ENCORE_RETURN_IF_ERROR(vector("target", a.target, M, "[M]", a.partials, {DType::kInt32}));
+    ENCORE_RETURN_IF_ERROR(vector("target_logit", a.target_logit, M, "[M]", a.partials, {DType::kFP32}));
+    ENCORE_RETURN_IF_ERROR(vector("loss", a.loss, M, "[M]", a.partials, {DType::kFP32}));
+  } else if (a.loss.defined() || a.target_logit.defined()) {
+    return Status::invalid("loss: needs target and target_logit");
+  }
+  if (a.partials.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"lse", &a.lse}, {"target", &a.target}, {"target_logit", &a.target_logit},
+                           {"loss", &a.loss}})
+      ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+#ifdef ENCORE_WITH_CUDA
+    return cuda::launch_lse_finish(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(a.partials.shape[0]),
+                                   int(a.partials.shape[1]), static_cast<float*>(a.lse.data), static_cast<const int32_t*>(a.target.data),
+                                   static_cast<const float*>(a.target_logit.data), static_cast<float*>(a.loss.data), ignore_index, stream);
+#else
+    (void)stream;
+    return gemm::no_cuda(a.partials, "partials");
+#endif
+  }
+  reference::lse_finish(a, ignore_index);
+  return Status::ok();
+}
+
+Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("qkv", a.qkv));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("qkv", a.qkv, 2, "[M, N]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("qkv", a.qkv, kIo));
+  if (o.num_q_heads < 1 || o.num_kv_heads < 1 || o.head_dim < 2 || o.head_dim % 2 != 0)
+    return Status::invalid("num_q_heads, num_kv_heads: must be >= 1 and head_dim even (got " + std::to_string(o.num_q_heads) + ", " +
+                           std::to_string(o.num_kv_heads) + ", " + std::to_string(o.head_dim) + ")");
+  const int64_t M = a.qkv.shape[0], heads = int64_t(o.num_q_heads) + 2 * o.num_kv_heads, N = heads * o.head_dim;
+  if (a.qkv.shape[1] != N)
+    return Status::invalid("qkv: expected [M, (num_q_heads + 2 * num_kv_heads) * head_dim] = [" + std::to_string(M) + ", " + std::to_string(N) +
+                           "], got " + a.qkv.shape_string());
+  ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, heads, "[M, heads]", a.qkv, {DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("q_weight", a.q_weight, o.head_dim, "[head_dim]", a.qkv, {a.qkv.dtype, DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("k_weight", a.k_weight, o.head_dim, "[head_dim]", a.qkv, {a.qkv.dtype, DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("pos", a.pos, M, "[M]", a.qkv, {DType::kInt32}));
+  ENCORE_RETURN_IF_ERROR(vector("freq", a.freq, N, "[N] (hi, lo) pairs", a.qkv, {DType::kFP32}));
+  if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("qkv", a.qkv, "partials", a.partials));
+  if (a.qkv.device.is_cuda()) {
+    if (a.q_weight.dtype != a.k_weight.dtype) return Status::invalid("k_weight: dtype must match q_weight's on CUDA");
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q_weight", &a.q_weight}, {"k_weight", &a.k_weight}, {"pos", &a.pos},
+                           {"freq", &a.freq}})
+      ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+    if (!checks::aligned(a.freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("qkv", a.qkv));
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
+    if (M >= (int64_t(1) << 31)) return Status::unsupported("qkv: M must be < 2^31");
+#ifdef ENCORE_WITH_CUDA
+    cuda::QkNormRopeProblem p;
+    p.qkv = a.qkv.data;
+    p.ld_qkv = a.qkv.strides[0];
+    p.dtype = a.qkv.dtype;
+    p.partials = static_cast<const float*>(a.partials.data);
+    p.ld_partials = a.partials.strides[0];
+    p.q_weight = a.q_weight.data;
+    p.k_weight = a.k_weight.data;
+    p.weight_fp32 = a.q_weight.dtype == DType::kFP32;
+    p.pos = static_cast<const int32_t*>(a.pos.data);
+    p.freq = static_cast<const float*>(a.freq.data);
+    p.M = int(M);
+    p.num_q_heads = o.num_q_heads;
+    p.qk_heads = o.num_q_heads + o.num_kv_heads;
+    p.head_dim = o.head_dim;
+    p.eps = o.eps;
+    return cuda::launch_qk_norm_rope(p, stream);
+#else
+    (void)stream;
+    return gemm::no_cuda(a.qkv, "qkv");
+#endif
+  }
+  reference::qk_norm_rope(a, o);
+  return Status::ok();
+}
+
+Status interleave_gate_up(const TensorView& gate, const TensorView& up, const TensorView& out) {
+  ENCORE_RETURN_IF_ERROR(checks::present("gate", gate));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("gate", gate, 2, "[F, K]"));
+  const int64_t F = gate.shape[0], K = gate.shape[1];
+  ENCORE_RETURN_IF_ERROR(matrix("up", up, F, K, "[F, K]", gate, {gate.dtype}));
+  ENCORE_RETURN_IF_ERROR(matrix("out", out, 2 * F, K, "[2F, K]", gate, {gate.dtype}));
+  if (gate.device.is_cuda()) return Status::unsupported("gate: interleave_gate_up takes CPU tensors");
+  for (int64_t f = 0; f < F; ++f)
+    for (int64_t k = 0; k < K; ++k) {
+      store_from_double(out.data, out.dtype, (2 * f) * out.strides[0] + k * out.strides[1],
+                        load_as_double(gate.data, gate.dtype, f * gate.strides[0] + k * gate.strides[1]));
+      store_from_double(out.data, out.dtype, (2 * f + 1) * out.strides[0] + k * out.strides[1],
+                        load_as_double(up.data, up.dtype, f * up.strides[0] + k * up.strides[1]));
+    }
+  return Status::ok();
+}
+
+Status rope_freq_turns(int num_heads, int rotary_heads, int head_dim, double base, const TensorView& freq) {
+  if (num_heads < 1 || rotary_heads < 0 || rotary_heads > num_heads)
+    return Status::invalid("rotary_heads: must lie in [0, num_heads], with num_heads >= 1");
+  if (head_dim < 2 || head_dim % 2 != 0) return Status::invalid("head_dim: must be even and >= 2, got " + std::to_string(head_dim));
+  if (!(base > 1.0)) return Status::invalid("base: must be > 1");
+  ENCORE_RETURN_IF_ERROR(checks::present("freq", freq));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("freq", freq, 1, "[num_heads * head_dim]"));
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals("freq", freq, 0, int64_t(num_heads) * head_dim, "num_heads * head_dim"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("freq", freq, {DType::kFP32}));
+  if (freq.device.is_cuda()) return Status::unsupported("freq: rope_freq_turns fills a CPU tensor");
+  auto* f = static_cast<float*>(freq.data);
+  const int pairs_per_head = head_dim / 2;
+  for (int h = 0; h < num_heads; ++h)
+    for (int i = 0; i < pairs_per_head; ++i) {
+      const double turns = h < rotary_heads ? std::pow(base, -2.0 * i / head_dim) / 6.283185307179586 : 0.0;
+      const float hi = float(turns), lo = float(turns - double(hi));
+      const int64_t j = int64_t(h) * pairs_per_head + i;
+      f[(2 * j) * freq.strides[0]] = hi;
+      f[(2 * j + 1) * freq.strides[0]] = lo;
+    }
+  return Status::ok();
+}
+
+}  // namespace encore
