@@ -14,13 +14,14 @@ struct CheckRow {
   std::string note;
 };
 
-// Returns the process exit code: 0 when every row passed.
+// Returns the process exit code: 0 when every row passed (check.cpp).
 int run_check(bool force_cpu);
 
-// Rows for the QK-norm and FP8 group-quantization ops (check_ops.cpp).
-std::vector<CheckRow> check_qk_norm(bool gpu, std::mt19937_64& rng);
-std::vector<CheckRow> check_fp8_group_quant(bool gpu, std::mt19937_64& rng);
-// Rows for the GEMM epilogues and the KDA forward (check_gemm_kda.cpp).
-std::vector<CheckRow> check_gemm_kda(bool gpu, std::mt19937_64& rng);
+// One family's rows each (check_<family>.cpp); `gpu`: compare CUDA against the CPU backend, else
+// check properties of the CPU result. run_check calls them in this order.
+std::vector<CheckRow> check_norm(bool gpu, std::mt19937_64& rng);   // rms_norm, add_rms_norm, qk_norm
+std::vector<CheckRow> check_quant(bool gpu, std::mt19937_64& rng);  // fp8_group_quant
+std::vector<CheckRow> check_gemm(bool gpu, std::mt19937_64& rng);   // gemm epilogues (row_scale, lse)
+std::vector<CheckRow> check_kda(bool gpu, std::mt19937_64& rng);    // kda_forward
 
 }  // namespace encore::app

@@ -1,14 +1,18 @@
-// `encore check` helper: a device copy of a host buffer for the duration of one check (CUDA
+// `encore check` helpers shared by the check_<family>.cpp files: kGpu (the device compared
+// against the CPU backend) and a device copy of a host buffer for the duration of one check (CUDA
 // builds; without CUDA get() is null and download() reports it).
 #pragma once
 #include <cstddef>
 
 #include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
 #ifdef ENCORE_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
 
 namespace encore::app {
+
+inline constexpr Device kGpu{DeviceType::kCUDA, 0};
 
 class DeviceCopy {
  public:

@@ -1,11 +1,12 @@
-// Experiment (not part of the build): the mainloop on tile configurations encore does not ship,
+// Experiment (not in the default build): the mainloop on tile configurations encore does not ship,
 // against cuBLAS and the shipped ones, on the LLaMA block's GEMM shapes, with the lightest epilogue
 // (D = alpha·acc, ScalarScale) and, on the shapes they serve, the shipped epilogue kernels (residual,
 // row scale, SwiGLU, RoPE, LSE) timed the same way: what each epilogue costs over the bare
 // mainloop. bf16. Each (shape, contender) runs kIters launches between two events on the same
 // buffers (no rotation, unlike the harness); contenders rotate each round; medians over rounds. The
 // plain-epilogue contenders' D is checked against cuBLAS's.
-// Build: scripts/build_tile_sweep.sh; run: .gpupack/exp/tile_sweep [rounds] > out.json 2> table.txt
+// Build: cmake --build build-cuda --target encore_tile_sweep (bench/CMakeLists.txt, EXCLUDE_FROM_ALL);
+// run: build-cuda/bench/encore_tile_sweep [rounds] > out.json 2> table.txt
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 

@@ -1,9 +1,10 @@
-"""encore's Python binding on the CPU backend (numpy, and torch CPU tensors when torch is present),
-plus CUDA tensors when a GPU is visible."""
+"""The norm family's Python wrappers (rms_norm, add_rms_norm, qk_norm_) on the CPU backend (numpy,
+and torch CPU tensors when torch is present), plus CUDA tensors when a GPU is visible."""
 import numpy as np
 import pytest
 
 import encore
+from helpers import needs_torch_cuda, torch
 
 
 def ref_rms_norm(x, w, eps, off):
@@ -83,12 +84,6 @@ def test_negative_eps_raises():
         encore.rms_norm(np.ones((2, 8), np.float32), np.ones(8, np.float32), eps=-1.0)
 
 
-try:
-    import torch  # noqa: F811
-except ImportError:  # torch is optional on the CPU machines
-    torch = None
-
-
 @pytest.mark.skipif(torch is None, reason="torch not installed")
 def test_torch_cpu_bf16():
     x = torch.randn(5, 256, dtype=torch.bfloat16)
@@ -98,8 +93,7 @@ def test_torch_cpu_bf16():
     assert ((y.double() - ref).norm() / ref.norm()).item() < 8e-3
 
 
-@pytest.mark.skipif(torch is None or not torch.cuda.is_available() or not encore.built_with_cuda(),
-                    reason="needs torch with CUDA and a CUDA build of encore")
+@needs_torch_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_torch_cuda_matches_cpu(dtype):
     dt = getattr(torch, dtype)
@@ -153,8 +147,7 @@ def test_qk_norm_bad_head_dim():
         encore.qk_norm_(qkv, np.ones(96, np.float16), np.ones(96, np.float16), 2, 1, 96)
 
 
-@pytest.mark.skipif(torch is None or not torch.cuda.is_available() or not encore.built_with_cuda(),
-                    reason="needs torch with CUDA and a CUDA build of encore")
+@needs_torch_cuda
 def test_qk_norm_torch_cuda_matches_cpu():
     hq, hkv, d, T = 32, 8, 128, 77
     qkv = torch.randn(T, (hq + 2 * hkv) * d, dtype=torch.bfloat16, device="cuda")
@@ -165,37 +158,3 @@ def test_qk_norm_torch_cuda_matches_cpu():
     encore.qk_norm_(cpu, wq.cpu(), wk.cpu(), hq, hkv, d)
     assert torch.isfinite(qkv).all()
     assert ((qkv.cpu().double() - cpu.double()).norm() / cpu.double().norm()).item() < 8e-3
-
-
-@pytest.mark.parametrize("column_major", [False, True])
-@pytest.mark.parametrize("pow2", [False, True])
-def test_fp8_group_quant_numpy(column_major, pow2):
-    rng = np.random.default_rng()
-    x = (3 * rng.standard_normal((5, 384))).astype(np.float32)
-    q, s = encore.fp8_group_quant(x, column_major_scales=column_major, power_of_two_scales=pow2)
-    assert q.dtype == np.uint8 and q.shape == x.shape and s.shape == (5, 3)
-    amax = np.abs(x.reshape(5, 3, 128)).max(-1)
-    if pow2:
-        assert np.all(np.log2(s) == np.round(np.log2(s))) and np.all(s * 448 >= amax)
-    else:
-        np.testing.assert_allclose(s, amax / 448, rtol=1e-6)
-    back = encore.fp8_group_dequant(q, s)
-    err = np.abs(back - x)
-    bound = np.maximum(np.abs(x) / 16, np.repeat(s, 128, axis=1) * 2.0**-10)
-    assert np.all(err <= bound + 1e-12)
-
-
-def test_fp8_group_quant_bad_k():
-    with pytest.raises(ValueError, match="must be a multiple of group_size"):
-        encore.fp8_group_quant(np.ones((2, 200), np.float32))
-
-
-@pytest.mark.skipif(torch is None or not torch.cuda.is_available() or not encore.built_with_cuda(),
-                    reason="needs torch with CUDA and a CUDA build of encore")
-def test_fp8_group_quant_torch_cuda_matches_cpu():
-    x = torch.randn(33, 1024, dtype=torch.bfloat16, device="cuda") * 4
-    q, s = encore.fp8_group_quant(x, column_major_scales=True)
-    qc, sc = encore.fp8_group_quant(x.cpu(), column_major_scales=True)
-    assert q.dtype == torch.float8_e4m3fn
-    assert torch.equal(q.cpu().view(torch.uint8), qc.view(torch.uint8))
-    assert torch.equal(s.cpu(), sc)
