@@ -4,11 +4,13 @@
 #  - Python packages: nanobind, numpy, pytest (pip)
 #  - CUTLASS 4.2 headers: the nvidia-cutlass==4.2.0.0 wheel, downloaded without its Python
 #    dependencies and unpacked into .deps/cutlass (git-ignored). Nothing third-party is committed.
+#  - .deps/googletest: a copy of Debian's GoogleTest sources (/usr/src/googletest), carried to the
+#    GPU machine, which has no GoogleTest, for scripts/gpu.sh build (ENCORE_GTEST_SOURCE_DIR).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 need_apt=()
-[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+{ [ -f /usr/include/gtest/gtest.h ] && [ -f /usr/src/googletest/CMakeLists.txt ]; } || need_apt+=(libgtest-dev)
 command -v ccache >/dev/null || need_apt+=(ccache)
 command -v ninja  >/dev/null || need_apt+=(ninja-build)
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -49,4 +51,8 @@ with zipfile.ZipFile(whl) as z:
 PY
   rm -rf "$tmp"
 fi
-echo "dependencies ready; CUTLASS at $cut/cutlass_library/source"
+if [ ! -f "$root/.deps/googletest/CMakeLists.txt" ] && [ -f /usr/src/googletest/CMakeLists.txt ]; then
+  mkdir -p "$root/.deps"
+  cp -r /usr/src/googletest "$root/.deps/googletest"
+fi
+echo "dependencies ready; CUTLASS at $cut/cutlass_library/source, GoogleTest sources at $root/.deps/googletest"

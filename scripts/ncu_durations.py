@@ -8,8 +8,8 @@ persistent kernel has the same grid in every configuration (the launch of it tha
 the new kernel's first one stays in the old group; medians do not notice). Where the log interleaves
 ncu's `==PROF== Profiling` lines with the bench's result lines, each launch's configuration is known
 and group g is the g-th configuration that launched the (kernel, grid) instead (so configurations that
-reuse every kernel and grid of an earlier one stay apart). Used by scripts/gpu_kda.sh and
-scripts/gpu_infer.sh. Usage: ncu_durations.py NCU_LOG [LABEL]"""
+reuse every kernel and grid of an earlier one stay apart). Used by scripts/gpu.sh (the ncu and
+ab passes). Usage: ncu_durations.py NCU_LOG [LABEL]"""
 import re
 import sys
 

@@ -7,12 +7,13 @@
 #        scripts/ncu_gemm_compare.sh cublas_gate_up "gemm_row_scale pingpong_128x128 8B" nvjet 3
 # NCU_LIST=N instead profiles the first N matching launches for their duration and DRAM bytes only,
 # one line per launch: for picking one GEMM out of the several a filter launches (e.g. cuBLAS's
-# LM-head GEMM, 8192 x 128256 x 4096, ~12 ms, among shorter ones; session 13's skip-2 call caught
-# a 1.39 ms nvjet GEMM of another shape):
+# LM-head GEMM, 8192 x 128256 x 4096, ~12 ms, among shorter ones: a fixed launch skip can catch a
+# GEMM of another shape). The binary is $B/encore (default build-cuda/apps/encore, from
+# `scripts/gpu.sh build`).
 #        NCU_LIST=40 scripts/ncu_gemm_compare.sh cublas_lmhead "gemm_lse_no_d pingpong_128x128 8B" nvjet
 set -uo pipefail
 name=$1 filter=$2 kernel=$3 skip=${4:-3}
-B=${B:-.gpubin}
+B=${B:-build-cuda/apps/encore}
 OUT=${OUT:-./gpu-out}
 sum="$OUT/ncu_gemm_compare.txt"
 echo "== $name (filter '$filter', kernel /$kernel/, skip $skip)" >>"$sum"

@@ -5,14 +5,14 @@
 # Usage: scripts/ncu_hotspots.sh NAME KERNEL_REGEX LAUNCH_SKIP -- encore args...
 # (e.g. scripts/ncu_hotspots.sh state kda_state_kernel 50 -- bench kda --out /tmp/x.json)
 # Writes $OUT/ncu_NAME.txt and the whole annotated SASS listing $OUT/ncu_NAME_sass.txt; the binary
-# is $B/encore (default .gpubin). ncu matches KERNEL_REGEX against the function's base name, without
-# template arguments; NCU_NAME_BASE=demangled matches the demangled name instead, e.g.
+# is $B/encore (default build-cuda/apps/encore, from `scripts/gpu.sh build`). ncu matches
+# KERNEL_REGEX against the function's base name, without template arguments; NCU_NAME_BASE=demangled matches the demangled name instead, e.g.
 # NCU_NAME_BASE=demangled scripts/ncu_hotspots.sh state32 'kda_state_kernel<.int.32>' 3 -- bench kda
 # (the demangled name reads kda_state_kernel<(int)32>).
 set -uo pipefail
 name=$1 kernel=$2 skip=$3
 shift 4
-B=${B:-.gpubin}
+B=${B:-build-cuda/apps/encore}
 OUT=${OUT:-./gpu-out}
 rep=/tmp/ncu_$name
 timeout ${NCU_TIMEOUT:-240} ncu --set full ${NCU_NAME_BASE:+--kernel-name-base $NCU_NAME_BASE} -k "regex:$kernel" --launch-skip "$skip" --launch-count 1 -f -o "$rep" "$B/encore" "$@" \

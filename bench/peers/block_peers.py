@@ -2,9 +2,9 @@
 textbook block in PyTorch bf16 (x1 = y0 @ w0.T + x0; z1 = rmsnorm(x1)*g0 @ w1.T; y1 = silu(gate)*up;
 x2 = y1 @ w2.T + x1; qkv = RoPE(rmsnorm(x2)*g1 @ w3.T), interleaved gate/up and RoPE pairs as in
 encore), eager, torch.compile, and its four matmuls alone (cuBLAS), at LLaMA 1B/8B/70B sizes with
-M = 8192 and 16384. Timing: triton.testing.do_bench (median, L2 flushed between reps), like
-../shared/docs/bench_peers.py. When the encore Python module is importable (built for this Python,
-e.g. PYTHONPATH=build-py/python), encore.llama_block_forward is timed the same way, so the ratio
+M = 8192 and 16384. Timing: triton.testing.do_bench (median, L2 flushed between reps). When the encore Python module is
+importable (built for this Python, e.g. PYTHONPATH=build-cuda/python after `scripts/gpu.sh build`;
+`scripts/gpu.sh peers` sets it), encore.llama_block_forward is timed the same way, so the ratio
 to torch.compile does not mix two timing methods, both as a plain call (outputs and workspace
 allocated per call) and as `encore_static` (outputs and workspace allocated once). BLOCK_SIZES
 (e.g. "8B") limits the sizes; ROUNDS (default 3) rounds per shape, contenders rotated, medians

@@ -1,12 +1,12 @@
 """fla chunk_kda forward (the peer of `encore bench kda`): bf16, H 16, K = V = 128, in-kernel
 softplus gate with dt_bias, q/k L2 norm, at the standard varlen configuration (seq_lens 1800, 1500,
 2000, 1200, 800) and fixed B 1 / B 4, T 8192. Device time = the sum of the CUDA kernel times per
-call from torch.profiler (as ../shared/docs/bench_peers.py section kda_fla_gpu_time), wall time from
-triton's do_bench; the per-kernel split of the device time is in the JSON. Needs fla-core (carried as a wheel in .whl).
+call from torch.profiler, wall time from triton's do_bench; the per-kernel split of the device time
+is in the JSON. Needs fla-core (carried as a wheel in .whl).
 
 When the encore Python module is importable (built for this Python on the GPU machine, e.g.
-`scripts/build_pymodule.sh LOG` and PYTHONPATH=build-py/python; scripts/gpu_kda.sh does both with
-ENCORE_KDA_PY=1), encore.kda_forward is timed on the same inputs by the same two methods, fla and
+`scripts/gpu.sh build`, then PYTHONPATH=build-cuda/python; `ENCORE_PEERS=kda scripts/gpu.sh peers`
+sets it), encore.kda_forward is timed on the same inputs by the same two methods, fla and
 encore alternating over ROUNDS rounds (medians reported), so the ratio does not depend on the GPU
 clock of two separate jobs; and encore's o and final state are compared with fla's (relative RMS
 difference; both compute the same forward from the same bf16 inputs). Usage: kda_peers.py OUT.json

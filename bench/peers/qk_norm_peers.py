@@ -1,8 +1,8 @@
 """QK-norm peers measured the way `encore bench qk_norm` measures encore: device time per call from
 CUDA-graph replays of back-to-back calls, L2-flushed (calls rotate over buffer sets covering >= 3x
-L2, up to 1024 sets per graph) and warm (one set). Paths, as in ../shared/docs/bench_peers.py:
-eager PyTorch, torch.compile of the same function (Q and K heads of a fused QKV buffer, out of
-place; compiled afresh for each shape, static shapes), and Liger's RMSNorm applied twice to contiguous [T*H, 128] Q and K buffers.
+L2, up to 1024 sets per graph) and warm (one set). Paths: eager PyTorch, torch.compile of the same
+function (Q and K heads of a fused QKV buffer, out of place; compiled afresh for each shape, static
+shapes), and Liger's RMSNorm applied twice to contiguous [T*H, 128] Q and K buffers.
 Usage: python3 bench/peers/qk_norm_peers.py [OUT.json]; ENCORE_PEERS_QUICK=1: 32 q + 8 kv heads, flushed only."""
 import json
 import math
