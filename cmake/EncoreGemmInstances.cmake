@@ -39,9 +39,15 @@ function(encore_gemm_instances out_var)
 // The ${name} epilogue (program sm90::${Name}) on the ${config} tile.
 #include \"gemm/cuda/sm90_gemm.cuh\"
 
-encore::Status encore::cuda::${fn}(const GemmProblem& p, Stream stream) {
+namespace encore::cuda {
+
+Status ${fn}(const GemmProblem& p, Stream stream);  // listed in gemm_launchers.cpp
+
+Status ${fn}(const GemmProblem& p, Stream stream) {
   return sm90::launch_program<sm90::${Name}, sm90::${config}>(p, stream, \"gemm_${name}\");
 }
+
+}  // namespace encore::cuda
 ")
       list(APPEND sources "${tu}")
       string(APPEND decls "Status ${fn}(const GemmProblem& p, Stream stream);\n")

@@ -21,7 +21,7 @@ int run_check(bool force_cpu);
 // check properties of the CPU result. run_check calls them in this order.
 std::vector<CheckRow> check_norm(bool gpu, std::mt19937_64& rng);   // rms_norm, add_rms_norm, qk_norm
 std::vector<CheckRow> check_quant(bool gpu, std::mt19937_64& rng);  // fp8_group_quant
-std::vector<CheckRow> check_gemm(bool gpu, std::mt19937_64& rng);   // gemm epilogues (row_scale, lse)
+std::vector<CheckRow> check_gemm(bool gpu, std::mt19937_64& rng);   // every GEMM epilogue of the catalogue
 std::vector<CheckRow> check_kda(bool gpu, std::mt19937_64& rng);    // kda_forward
 
 }  // namespace encore::app

@@ -75,41 +75,33 @@ void fill_valid(const Rotation& rot, const Layout& L) {
 TensorView mat(char* b, size_t off, int64_t r, int64_t c, DType t = kT) { return TensorView::contiguous(b + off, t, {r, c}, kDev); }
 TensorView vec(char* b, size_t off, int64_t n, DType t) { return TensorView::contiguous(b + off, t, {n}, kDev); }
 
-// The arguments of epilogue `e` over set `b` (A [M, K], W [N, K]).
+// The operands of epilogue `e` over set `b` (A [M, K], W [N, K]), as its catalogue row declares.
 GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d, int partial_tile_n) {
   const int64_t M = L.M, N = L.N, K = L.K;
+  const uint32_t ops = gemm_epilogue_info(e)->operands;
+  auto uses = [ops](uint32_t flags) { return (ops & flags) != 0; };
   GemmEpilogueArgs g;
   g.a = mat(b, L.a, M, K);
   g.w = mat(b, L.w, N, K);
-  if (store_d) g.d = mat(b, L.d, M, N);
-  switch (e) {
-    case Epilogue::kResidualSqsumAux:
-      g.c = mat(b, L.c, M, N);
-      g.aux = mat(b, L.aux, M, N);
-      g.gamma = vec(b, L.gamma, N, kT);
-      g.partials = mat(b, L.partials, M, (N + partial_tile_n - 1) / partial_tile_n, DType::kFP32);
-      break;
-    case Epilogue::kSwiglu:
-      g.row_scale = vec(b, L.r, M, DType::kFP32);
-      g.aux = mat(b, L.aux, M, N / 2);
-      break;
-    case Epilogue::kRope:
-      g.row_scale = vec(b, L.r, M, DType::kFP32);
-      g.pos = vec(b, L.pos, M, DType::kInt32);
-      g.freq = vec(b, L.freq, N, DType::kFP32);
-      break;
-    case Epilogue::kQkvHeadSqsum: g.partials = mat(b, L.partials, M, N / 128, DType::kFP32); break;
-    case Epilogue::kLse:
-      g.row_scale = vec(b, L.r, M, DType::kFP32);
-      g.partials = mat(b, L.partials, M, (N + partial_tile_n - 1) / partial_tile_n, DType::kFP32);
-      g.target = vec(b, L.target, M, DType::kInt32);
-      g.target_logit = vec(b, L.logit, M, DType::kFP32);
-      break;
-    case Epilogue::kRowScale: g.row_scale = vec(b, L.r, M, DType::kFP32); break;
-    case Epilogue::kScalarScale: g.alpha = vec(b, L.r, 1, DType::kFP32); break;
+  if (uses(kOperandD) || (uses(kOperandDOptional) && store_d)) g.d = mat(b, L.d, M, N);
+  if (uses(kOperandC)) g.c = mat(b, L.c, M, N);
+  if (uses(kOperandAux | kOperandAuxHalf)) g.aux = mat(b, L.aux, M, uses(kOperandAuxHalf) ? N / 2 : N);
+  if (uses(kOperandGamma)) g.gamma = vec(b, L.gamma, N, kT);
+  if (uses(kOperandRowScale | kOperandRowScaleOptional)) g.row_scale = vec(b, L.r, M, DType::kFP32);
+  if (uses(kOperandPos)) g.pos = vec(b, L.pos, M, DType::kInt32);
+  if (uses(kOperandFreq)) g.freq = vec(b, L.freq, N, DType::kFP32);
+  if (uses(kOperandAlpha)) g.alpha = vec(b, L.r, 1, DType::kFP32);
+  if (uses(kOperandTilePartials)) g.partials = mat(b, L.partials, M, (N + partial_tile_n - 1) / partial_tile_n, DType::kFP32);
+  if (uses(kOperandHeadPartials)) g.partials = mat(b, L.partials, M, N / 128, DType::kFP32);
+  if (uses(kOperandTarget)) {
+    g.target = vec(b, L.target, M, DType::kInt32);
+    g.target_logit = vec(b, L.logit, M, DType::kFP32);
   }
   return g;
 }
+
+// Whether epilogue e reads C or writes a tile-sized aux (the Layout's optional buffers).
+bool needs_c_aux(Epilogue e) { return gemm_epilogue_info(e)->operands & (kOperandC | kOperandAux | kOperandAuxHalf); }
 
 // ENCORE_BENCH_FILTER: run only the cases whose "<name> <tile> <size>" contains it (profiling).
 bool selected(const std::string& key) {
@@ -169,10 +161,16 @@ const char* raster_name(GemmRaster r) { return r == GemmRaster::kAlongM ? "M" : 
 // (128: ping-pong 128x128, 256: cooperative unless the 64x256 tile is asked for), the others by tile.
 GemmEpilogueOptions tile_options(Epilogue e, GemmTile t) {
   GemmEpilogueOptions o{e};
-  const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
+  const bool by_partials = gemm_epilogue_info(e)->operands & kOperandTilePartials;
   if (by_partials) o.partial_tile_n = t == GemmTile::kPingpong128x128 ? 128 : 256;
   if (!by_partials || t == GemmTile::kPingpong64x256) o.tile = t;
   return o;
+}
+
+// Whether the catalogue instantiates epilogue e on tile t.
+bool has_tile(Epilogue e, GemmTile t) {
+  const uint8_t tiles = gemm_epilogue_info(e)->tiles;
+  return t == GemmTile::kCooperative128x256 ? (tiles & kTileCoop256) : t == GemmTile::kPingpong128x128 ? (tiles & kTilePp128) : (tiles & kTilePp64);
 }
 
 // Times epilogue e on each tile it has (the cuBLAS GEMM once, in the same run); with `schedules`,
@@ -180,11 +178,9 @@ GemmEpilogueOptions tile_options(Epilogue e, GemmTile t) {
 void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, bool store_d = true,
                       std::vector<Schedule> schedules = {Schedule{}},
                       std::vector<GemmTile> tiles = {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128, GemmTile::kPingpong64x256}) {
-  const bool by_partials = e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse;
   std::vector<std::pair<GemmEpilogueOptions, GemmTile>> variants;  // options and the tile they run on
-  const bool has_pp64 = e == Epilogue::kRowScale || e == Epilogue::kSwiglu || by_partials;
   for (GemmTile t : tiles) {
-    if (t == GemmTile::kPingpong64x256 && !has_pp64) continue;
+    if (!has_tile(e, t)) continue;
     GemmEpilogueOptions o = tile_options(e, t);
     const std::string key = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + " " + gemm_tile_name(t) + " " + size;
     for (const Schedule& z : schedules) {
@@ -195,7 +191,7 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
     }
   }
   if (variants.empty()) return;
-  Layout L(M, N, K, e == Epilogue::kResidualSqsumAux || e == Epilogue::kSwiglu);
+  Layout L(M, N, K, needs_c_aux(e));
   Rotation rot = make_rotation(L.bytes, x.l2, FillKind::kBF16);
   fill_valid(rot, L);
   std::vector<std::function<void(long long)>> contenders = {[&](long long i) {
@@ -238,7 +234,7 @@ void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   const std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + "_nslices";
   if (!selected(name + " " + gemm_tile_name(tile) + " " + size)) return;
   if (const char* only = std::getenv("ENCORE_BENCH_SLICES")) slices = {std::atoi(only)};
-  Layout L(M, N, K, e == Epilogue::kSwiglu || e == Epilogue::kResidualSqsumAux);
+  Layout L(M, N, K, needs_c_aux(e));
   Rotation rot = make_rotation(L.bytes, x.l2, FillKind::kBF16);
   fill_valid(rot, L);
   const GemmEpilogueOptions o = tile_options(e, tile);
@@ -541,6 +537,9 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false);
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/true);
   kernel_vs_cublas(x, Epilogue::kLse, "8B", 16384, 128256, 4096, /*store_d=*/false);
+  // Every catalogue row on every tile it has at one square 8B shape (the rows above place each
+  // epilogue on the block GEMM it serves; this pass covers a new row without a line of its own).
+  for (int i = 0; i < gemm_epilogue_count(); ++i) kernel_vs_cublas(x, Epilogue(i), "catalogue", M, 4096, 4096);
   cublasDestroy(handle);
 }
 

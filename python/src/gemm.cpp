@@ -1,13 +1,36 @@
 // Bindings of the GEMM-epilogue family and its finishers.
+#include <utility>
+
 #include "convert.hpp"
 #include "encore/gemm.hpp"
 
 namespace encore::python {
 
 void bind_gemm(nb::module_& m) {
+  // Enums from the catalogue (encore/gemm_epilogues.def): Python names its epilogues and tiles;
+  // anything else is refused by nanobind's type check.
+  nb::enum_<Epilogue> epilogue(m, "Epilogue");
+  for (int i = 0; i < gemm_epilogue_count(); ++i) {
+    const GemmEpilogueInfo* info = gemm_epilogue_info(Epilogue(i));
+    epilogue.value(info->name, info->epilogue);
+  }
+  nb::enum_<GemmTile> tile(m, "GemmTile");
+  for (GemmTile t : {GemmTile::kAuto, GemmTile::kCooperative128x256, GemmTile::kPingpong128x128, GemmTile::kPingpong64x256})
+    tile.value(gemm_tile_name(t), t);
+  // GemmOperand flags by name, and (operands, tiles) per epilogue.
+  nb::dict operand_flags;
+  for (auto [name, flag] : {std::pair<const char*, uint32_t>{"d", kOperandD}, {"d_optional", kOperandDOptional}, {"aux", kOperandAux},
+                            {"aux_half", kOperandAuxHalf}, {"c", kOperandC}, {"gamma", kOperandGamma}, {"row_scale", kOperandRowScale},
+                            {"row_scale_optional", kOperandRowScaleOptional}, {"pos", kOperandPos}, {"freq", kOperandFreq},
+                            {"alpha", kOperandAlpha}, {"tile_partials", kOperandTilePartials}, {"head_partials", kOperandHeadPartials},
+                            {"target", kOperandTarget}, {"column_pairs", kOperandColumnPairs}})
+    operand_flags[name] = flag;
+  m.attr("gemm_operand_flags") = operand_flags;
+  m.def("gemm_epilogue_operands", [](Epilogue e) { return gemm_epilogue_info(e)->operands; });
+
   m.def("gemm_epilogue_out",
-        [](int epilogue, Array a, Array w, Opt d, Opt aux, Opt c, Opt gamma, Opt row_scale, Opt pos, Opt freq, Opt alpha, Opt partials,
-           Opt target, Opt target_logit, int partial_tile_n, int head_dim, int ignore_index, int tile, uintptr_t stream) {
+        [](Epilogue epilogue, Array a, Array w, Opt d, Opt aux, Opt c, Opt gamma, Opt row_scale, Opt pos, Opt freq, Opt alpha, Opt partials,
+           Opt target, Opt target_logit, int partial_tile_n, int head_dim, int ignore_index, GemmTile tile, uintptr_t stream) {
           GemmEpilogueArgs g;
           g.a = to_view(a, "a");
           g.w = to_view(w, "w");
@@ -23,18 +46,18 @@ void bind_gemm(nb::module_& m) {
           g.target = opt_view(target, "target");
           g.target_logit = opt_view(target_logit, "target_logit");
           GemmEpilogueOptions o;
-          o.epilogue = Epilogue(epilogue);
+          o.epilogue = epilogue;
           o.partial_tile_n = partial_tile_n;
           o.head_dim = head_dim;
           o.ignore_index = ignore_index;
-          o.tile = GemmTile(tile);
+          o.tile = tile;
           raise_if_error(run(g, o, nullptr, as_stream(stream)));
         },
         nb::arg("epilogue"), nb::arg("a"), nb::arg("w"), nb::arg("d").none(), nb::arg("aux").none(), nb::arg("c").none(),
         nb::arg("gamma").none(), nb::arg("row_scale").none(), nb::arg("pos").none(), nb::arg("freq").none(), nb::arg("alpha").none(),
         nb::arg("partials").none(), nb::arg("target").none(), nb::arg("target_logit").none(), nb::arg("partial_tile_n"),
         nb::arg("head_dim"), nb::arg("ignore_index"), nb::arg("tile"), nb::arg("stream"));
-  m.def("gemm_partial_tile_n", [](int e, int64_t M, int64_t N, int64_t K) { return gemm_partial_tile_n(Epilogue(e), M, N, K); });
+  m.def("gemm_partial_tile_n", [](Epilogue e, int64_t M, int64_t N, int64_t K) { return gemm_partial_tile_n(e, M, N, K); });
 
   m.def("rms_final_reduce_out",
         [](Array partials, Array r, int64_t hidden, float eps, uintptr_t stream) {

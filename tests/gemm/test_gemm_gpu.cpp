@@ -7,8 +7,11 @@
 
 #include <cmath>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "encore/gemm.hpp"
+#include "gemm/testing.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/common/device_buffer.hpp"
 
@@ -64,119 +67,69 @@ std::string describe(const Case& c) {
 void run_case(const Case& c) {
   SCOPED_TRACE(describe(c));
   auto rng = make_rng(uint64_t(c.M * 31 + c.N * 7 + c.K) + uint64_t(c.e));
-  const int64_t M = c.M, N = c.N, K = c.K;
-  const Epilogue e = c.e;
-  GemmEpilogueOptions o{e};
+  // The operands the catalogue row declares (gemm_epilogues.def): inputs random, outputs poisoned.
+  gemm::GemmCase gc = gemm::make_gemm_case(c.e, c.t, c.M, c.N, c.K, c.pad, {c.with_row_scale, c.with_d, c.with_target, c.tile}, rng);
+  GemmEpilogueOptions o = gc.opts;
   o.swizzle = c.swizzle;
   o.raster = c.raster;
   o.n_slices = c.n_slices;
-  if (e == Epilogue::kResidualSqsumAux || e == Epilogue::kLse) {
-    o.partial_tile_n = c.tile == GemmTile::kCooperative128x256 || c.tile == GemmTile::kPingpong64x256 ? 256 : 128;
-    if (c.tile == GemmTile::kPingpong64x256) o.tile = c.tile;
-  } else {
-    o.tile = c.tile;
-  }
-  Operand a, w, d, aux, res, gamma, r, pos, freq, alpha, partials, target, target_logit;
-  GemmEpilogueArgs g, h;
-  auto bind = [&](Operand& op, HostTensor ht, TensorView GemmEpilogueArgs::*field) {
-    op.init(std::move(ht));
-    g.*field = op.gpu_view;
-    h.*field = op.cpu_view;
+  struct Bound {
+    Operand op;
+    const char* name;
+    bool output;
   };
-  HostTensor ha(c.t, M, K, K + c.pad), hw(c.t, N, K, K + c.pad);
-  ha.fill_normal(rng);
-  hw.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(K)));
-  bind(a, ha, &GemmEpilogueArgs::a);
-  bind(w, hw, &GemmEpilogueArgs::w);
-  if (c.with_d) {
-    HostTensor hd(c.t, M, N, N + c.pad);
-    hd.poison();
-    bind(d, hd, &GemmEpilogueArgs::d);
-  }
-  const bool uses_r = e == Epilogue::kRowScale || ((e == Epilogue::kSwiglu || e == Epilogue::kRope || e == Epilogue::kLse) && c.with_row_scale);
-  if (uses_r) {
-    HostTensor hr = HostTensor::vector(DType::kFP32, M);
-    hr.fill_uniform(rng, 0.25, 2.25);
-    bind(r, hr, &GemmEpilogueArgs::row_scale);
-  }
-  auto tiles = [&](int64_t width) { return (N + width - 1) / width; };
-  switch (e) {
-    case Epilogue::kResidualSqsumAux: {
-      HostTensor hc(c.t, M, N, N + c.pad), hg = HostTensor::vector(c.t, N), hx(c.t, M, N, N + c.pad), hp(DType::kFP32, M, tiles(o.partial_tile_n), tiles(o.partial_tile_n) + 3);
-      hc.fill_normal(rng);
-      hg.fill_normal(rng, 1.0, 0.2);
-      hx.poison();
-      hp.poison();
-      bind(res, hc, &GemmEpilogueArgs::c);
-      bind(gamma, hg, &GemmEpilogueArgs::gamma);
-      bind(aux, hx, &GemmEpilogueArgs::aux);
-      bind(partials, hp, &GemmEpilogueArgs::partials);
-      break;
-    }
-    case Epilogue::kSwiglu: {
-      HostTensor hx(c.t, M, N / 2, N / 2 + c.pad);
-      hx.poison();
-      bind(aux, hx, &GemmEpilogueArgs::aux);
-      break;
-    }
-    case Epilogue::kRope: {
-      HostTensor hp = HostTensor::vector(DType::kInt32, M), hf = HostTensor::vector(DType::kFP32, N);
-      for (int64_t m = 0; m < M; ++m) hp.set(0, m, double(int64_t(rng() % 200000)));  // large positions: exact phase reduction
-      const int head_dim = N % 128 == 0 ? 128 : 8;
-      const int heads = int(N / head_dim);
-      ASSERT_TRUE(rope_freq_turns(heads, std::max(1, heads * 2 / 3), head_dim, 500000.0, hf.view()));
-      bind(pos, hp, &GemmEpilogueArgs::pos);
-      bind(freq, hf, &GemmEpilogueArgs::freq);
-      break;
-    }
-    case Epilogue::kQkvHeadSqsum: {
-      o.head_dim = 128;
-      HostTensor hp(DType::kFP32, M, N / 128);
-      hp.poison();
-      bind(partials, hp, &GemmEpilogueArgs::partials);
-      break;
-    }
-    case Epilogue::kLse: {
-      HostTensor hp(DType::kFP32, M, tiles(o.partial_tile_n));
-      hp.poison();
-      bind(partials, hp, &GemmEpilogueArgs::partials);
-      if (c.with_target) {
-        HostTensor ht = HostTensor::vector(DType::kInt32, M), hl = HostTensor::vector(DType::kFP32, M);
-        for (int64_t m = 0; m < M; ++m) ht.set(0, m, m % 7 == 3 ? double(o.ignore_index) : double(int64_t(rng() % uint64_t(N))));
-        hl.poison();
-        bind(target, ht, &GemmEpilogueArgs::target);
-        bind(target_logit, hl, &GemmEpilogueArgs::target_logit);
-      }
-      break;
-    }
-    case Epilogue::kScalarScale: {
-      HostTensor hs = HostTensor::vector(DType::kFP32, 1);
-      hs.set(0, 0, -1.25);
-      bind(alpha, hs, &GemmEpilogueArgs::alpha);
-      break;
-    }
-    case Epilogue::kRowScale: break;
+  std::vector<Bound> bound;
+  bound.reserve(16);  // the CPU views point into each Operand's host tensor
+  GemmEpilogueArgs g, h;
+  for (const gemm::GemmCase::Field& f : gc.fields()) {
+    Bound& b = bound.emplace_back();
+    b.op.init(*f.tensor);
+    b.output = f.output;
+    g.*f.arg = b.op.gpu_view;
+    h.*f.arg = b.op.cpu_view;
+    b.name = f.arg == &GemmEpilogueArgs::d ? "d" : f.arg == &GemmEpilogueArgs::aux ? "aux" : f.arg == &GemmEpilogueArgs::partials ? "partials" : "target_logit";
   }
   Status st = run(g, o);
   ASSERT_TRUE(st) << st.to_string();
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
   Status sc = run(h, o);
   ASSERT_TRUE(sc) << sc.to_string();
-  if (c.with_d) ENCORE_EXPECT_CLOSE(d.fetch(), d.host, c.t, "d");
-  if (aux.dev) ENCORE_EXPECT_CLOSE(aux.fetch(), aux.host, c.t, "aux");
-  if (partials.dev) {
-    auto res_ = compare(partials.fetch(), partials.host, kStatTol);
-    EXPECT_TRUE(compare_ok(res_, kStatTol)) << "partials: rel_rms=" << res_.rel_rms << " bad=" << res_.bad << " " << res_.first_bad;
-  }
-  if (target_logit.dev) {
-    auto res_ = compare(target_logit.fetch(), target_logit.host, kStatTol);
-    EXPECT_TRUE(compare_ok(res_, kStatTol)) << "target_logit: rel_rms=" << res_.rel_rms << " bad=" << res_.bad << " " << res_.first_bad;
+  for (Bound& b : bound) {
+    if (!b.output) continue;
+    if (b.op.host.dtype == c.t) {  // d, aux: the dtype's tolerance
+      ENCORE_EXPECT_CLOSE(b.op.fetch(), b.op.host, c.t, b.name);
+    } else {  // fp32 statistics
+      auto res_ = compare(b.op.fetch(), b.op.host, kStatTol);
+      EXPECT_TRUE(compare_ok(res_, kStatTol)) << b.name << ": rel_rms=" << res_.rel_rms << " bad=" << res_.bad << " " << res_.first_bad;
+    }
   }
 }
 
 const int64_t kShapes[][4] = {{1, 256, 64, 0}, {77, 136, 72, 8}, {300, 520, 1000, 0}, {512, 768, 256, 16}};
 
 const GemmTile kTiles[] = {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128};
+
+// Every row of the catalogue on every tile it is instantiated on, with and without its optional
+// operands: a new epilogue is covered by its row alone.
+TEST_F(GemmEpilogueGpu, EveryEpilogueOnEveryTile) {
+  const std::pair<uint8_t, GemmTile> tiles[] = {{kTileCoop256, GemmTile::kCooperative128x256},
+                                                {kTilePp128, GemmTile::kPingpong128x128},
+                                                {kTilePp64, GemmTile::kPingpong64x256}};
+  const int64_t shapes[][4] = {{1, 128, 64, 0}, {77, 256, 72, 8}, {300, 640, 1000, 0}};
+  for (int i = 0; i < gemm_epilogue_count(); ++i) {
+    const Epilogue e = Epilogue(i);
+    const GemmEpilogueInfo* info = gemm_epilogue_info(e);
+    const bool optional = info->operands & (kOperandDOptional | kOperandRowScaleOptional | kOperandTarget);
+    for (auto [flag, tile] : tiles) {
+      if (!(info->tiles & flag)) continue;
+      for (DType t : {DType::kBF16, DType::kFP16})
+        for (const auto& s : shapes) {
+          run_case({e, t, s[0], s[1], s[2], s[3], true, true, true, tile});
+          if (optional) run_case({e, t, s[0], s[1], s[2], s[3], false, !(info->operands & kOperandDOptional), false, tile});
+        }
+    }
+  }
+}
 
 TEST_F(GemmEpilogueGpu, RowScaleAndScalarScale) {
   for (GemmTile tile : kTiles)

@@ -1,0 +1,136 @@
+// Internal helper of the GEMM-epilogue family for tests, `encore check` and benchmarks (never in
+// include/): the host operands of one epilogue problem, built from its catalogue row's operand
+// flags (encore/gemm_epilogues.def), so every row is exercised without code of its own. Inputs are
+// random (never all zero), outputs poisoned (NaN) so an unwritten element fails a comparison.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "encore/gemm.hpp"
+#include "testing/host_tensor.hpp"
+
+namespace encore::gemm {
+
+struct GemmCaseChoice {
+  bool row_scale = true;  // give an optional row scale
+  bool d = true;          // give an optional D
+  bool target = true;     // give the optional targets
+  GemmTile tile = GemmTile::kAuto;  // tile-partials rows: cooperative / 64x256 mean partial_tile_n 256
+};
+
+struct GemmCase {
+  using Tensor = std::optional<test::HostTensor>;
+  GemmEpilogueOptions opts;
+  Tensor a, w, d, aux, c, gamma, row_scale, pos, freq, alpha, partials, target, target_logit;
+
+  // Each GemmEpilogueArgs field with the case's tensor behind it (absent ones left out), and
+  // whether the epilogue writes it.
+  struct Field {
+    TensorView GemmEpilogueArgs::*arg;
+    test::HostTensor* tensor;
+    bool output;
+  };
+  std::vector<Field> fields() {
+    std::vector<Field> f;
+    auto add = [&](TensorView GemmEpilogueArgs::*arg, Tensor& t, bool output) {
+      if (t) f.push_back({arg, &*t, output});
+    };
+    add(&GemmEpilogueArgs::a, a, false);
+    add(&GemmEpilogueArgs::w, w, false);
+    add(&GemmEpilogueArgs::d, d, true);
+    add(&GemmEpilogueArgs::aux, aux, true);
+    add(&GemmEpilogueArgs::c, c, false);
+    add(&GemmEpilogueArgs::gamma, gamma, false);
+    add(&GemmEpilogueArgs::row_scale, row_scale, false);
+    add(&GemmEpilogueArgs::pos, pos, false);
+    add(&GemmEpilogueArgs::freq, freq, false);
+    add(&GemmEpilogueArgs::alpha, alpha, false);
+    add(&GemmEpilogueArgs::partials, partials, true);
+    add(&GemmEpilogueArgs::target, target, false);
+    add(&GemmEpilogueArgs::target_logit, target_logit, true);
+    return f;
+  }
+  GemmEpilogueArgs host_args() {
+    GemmEpilogueArgs g;
+    for (const Field& f : fields()) g.*f.arg = f.tensor->view();
+    return g;
+  }
+};
+
+// The operands of epilogue e over A [M, K] and W [N, K] of dtype t (matrix rows padded by `pad`
+// elements); opts.epilogue, partial_tile_n, head_dim (128) and tile set. N must suit the row (even
+// for column pairs; a multiple of 128 for head partials on CUDA).
+inline GemmCase make_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_t K, int64_t pad, const GemmCaseChoice& ch,
+                               std::mt19937_64& rng) {
+  using test::HostTensor;
+  const uint32_t ops = gemm_epilogue_info(e)->operands;
+  auto uses = [ops](uint32_t flags) { return (ops & flags) != 0; };
+  GemmCase gc;
+  gc.opts.epilogue = e;
+  if (uses(kOperandTilePartials)) {
+    gc.opts.partial_tile_n = ch.tile == GemmTile::kCooperative128x256 || ch.tile == GemmTile::kPingpong64x256 ? 256 : 128;
+    if (ch.tile == GemmTile::kPingpong64x256) gc.opts.tile = ch.tile;
+  } else {
+    gc.opts.tile = ch.tile;
+  }
+  auto output = [](HostTensor h) {
+    h.poison();
+    return h;
+  };
+  gc.a = HostTensor(t, M, K, K + pad);
+  gc.a->fill_normal(rng);
+  gc.w = HostTensor(t, N, K, K + pad);
+  gc.w->fill_normal(rng, 0.0, 1.0 / std::sqrt(double(K)));
+  if (uses(kOperandD) || (uses(kOperandDOptional) && ch.d)) gc.d = output(HostTensor(t, M, N, N + pad));
+  if (uses(kOperandRowScale) || (uses(kOperandRowScaleOptional) && ch.row_scale)) {
+    gc.row_scale = HostTensor::vector(DType::kFP32, M);
+    gc.row_scale->fill_uniform(rng, 0.25, 2.25);
+  }
+  if (uses(kOperandC)) {
+    gc.c = HostTensor(t, M, N, N + pad);
+    gc.c->fill_normal(rng);
+  }
+  if (uses(kOperandGamma)) {
+    gc.gamma = HostTensor::vector(t, N);
+    gc.gamma->fill_normal(rng, 1.0, 0.2);
+  }
+  if (uses(kOperandAux | kOperandAuxHalf)) {
+    const int64_t aux_n = uses(kOperandAuxHalf) ? N / 2 : N;
+    gc.aux = output(HostTensor(t, M, aux_n, aux_n + pad));
+  }
+  if (uses(kOperandPos)) {
+    gc.pos = HostTensor::vector(DType::kInt32, M);
+    for (int64_t m = 0; m < M; ++m) gc.pos->set(0, m, double(int64_t(rng() % 200000)));  // large positions: exact phase reduction
+  }
+  if (uses(kOperandFreq)) {
+    gc.freq = HostTensor::vector(DType::kFP32, N);
+    const int head_dim = N % 128 == 0 ? 128 : 8;
+    const int heads = int(N / head_dim);
+    (void)rope_freq_turns(heads, std::max(1, heads * 2 / 3), head_dim, 500000.0, gc.freq->view());
+  }
+  if (uses(kOperandTilePartials)) {
+    const int64_t tiles = (N + gc.opts.partial_tile_n - 1) / gc.opts.partial_tile_n;
+    gc.partials = output(HostTensor(DType::kFP32, M, tiles, tiles + 3));
+  }
+  if (uses(kOperandHeadPartials)) {
+    gc.opts.head_dim = 128;
+    gc.partials = output(HostTensor(DType::kFP32, M, std::max<int64_t>(N / 128, 1)));
+  }
+  if (uses(kOperandTarget) && ch.target) {
+    gc.target = HostTensor::vector(DType::kInt32, M);
+    for (int64_t m = 0; m < M; ++m)
+      gc.target->set(0, m, m % 7 == 3 ? double(gc.opts.ignore_index) : double(int64_t(rng() % uint64_t(N))));
+    gc.target_logit = output(HostTensor::vector(DType::kFP32, M));
+  }
+  if (uses(kOperandAlpha)) {
+    gc.alpha = HostTensor::vector(DType::kFP32, 1);
+    gc.alpha->set(0, 0, -1.25);
+  }
+  return gc;
+}
+
+}  // namespace encore::gemm
