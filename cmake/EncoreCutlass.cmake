@@ -21,7 +21,8 @@ endif()
 set(_ver_h "${ENCORE_CUTLASS_DIR}/include/cutlass/version.h")
 if(NOT EXISTS "${_ver_h}")
   message(FATAL_ERROR "CUTLASS headers not found (looked for ${_ver_h}). Run scripts/install_deps.sh, "
-                      "or pass -DENCORE_CUTLASS_DIR=<site-packages>/cutlass_library/source of nvidia-cutlass==4.2.0.0.")
+                      "or pass -DENCORE_CUTLASS_DIR=<site-packages>/cutlass_library/source of nvidia-cutlass==4.2.0.0, "
+                      "or build the CPU backend only: -DENCORE_CUDA=OFF (pip: -Ccmake.define.ENCORE_CUDA=OFF).")
 endif()
 file(STRINGS "${_ver_h}" _lines REGEX "#define CUTLASS_(MAJOR|MINOR|PATCH) [0-9]+")
 foreach(_l IN LISTS _lines)

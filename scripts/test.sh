@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All tests, from a fresh clone: installs dependencies, builds the CPU-only configuration and (when
 # nvcc is present) the CUDA configuration for sm_90a, runs every ctest suite of both (GPU tests skip
-# cleanly without a device) and the Python tests on the CPU backend.
+# cleanly without a device), the Python tests on the CPU backend and the packaging checks.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -17,3 +17,4 @@ else
   echo "nvcc not found: CUDA configuration not built"
 fi
 PYTHONPATH="$root/build-cpu/python" python3 -m pytest -q tests/python
+./scripts/test_packaging.sh  # wheel in a fresh venv; cmake --install + find_package consumer

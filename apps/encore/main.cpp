@@ -29,7 +29,7 @@ int usage(int code) {
 }
 
 int info() {
-  std::printf("encore %s (commit %s)\n", "0.1.0", ENCORE_GIT_COMMIT);
+  std::printf("encore %s (commit %s)\n", ENCORE_VERSION_STR, ENCORE_GIT_COMMIT);
   std::printf("  CUDA backend:    %s\n", encore::built_with_cuda() ? "yes (sm_90a)" : "no (ENCORE_CUDA=OFF)");
   if (encore::built_with_cuda()) std::printf("  CUTLASS:         %s\n", ENCORE_CUTLASS_VERSION_STR);
   std::printf("  kernel families: norm (rms_norm, add_rms_norm, qk_norm), quant (fp8_group_quant),\n"

@@ -21,5 +21,6 @@ __all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group
            "rope_freq_turns", "interleave_gate_up", "llama_block_forward", "llama_block_workspace_bytes",
            "kda_forward", "kda_forward_workspace_bytes", "kda_backward", "qk_norm_rope_"]
 
+__version__ = _encore.__version__  # project(encore VERSION ...) in CMakeLists.txt
 built_with_cuda = _encore.built_with_cuda
 cuda_device_count = _encore.cuda_device_count

@@ -16,6 +16,7 @@ void bind_kda(nb::module_& m);
 NB_MODULE(_encore, m) {
   using namespace encore::python;
   m.doc() = "encore: fused transformer kernels (CPU reference backend + CUDA sm_90a)";
+  m.attr("__version__") = ENCORE_VERSION;  // project(encore VERSION ...), python/CMakeLists.txt
   m.def("built_with_cuda", &encore::built_with_cuda);
   m.def("cuda_device_count", &encore::cuda_device_count);
   bind_norm(m);
