@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # All tests, from a fresh clone: installs dependencies, builds the CPU-only configuration and (when
 # nvcc is present) the CUDA configuration for sm_90a, runs every ctest suite of both (GPU tests skip
-# cleanly without a device), the Python tests on the CPU backend and the packaging checks.
+# cleanly without a device), the packaging checks and the Python tests on the CPU backend; first the
+# layout rules (scripts/check_layout.py).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 ./scripts/install_deps.sh
 export PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"  # pip's cmake
 
+python3 scripts/check_layout.py
 ./scripts/build.sh cpu
 (cd build-cpu && ctest --output-on-failure -j 2)
 if command -v nvcc >/dev/null; then
@@ -16,5 +18,5 @@ if command -v nvcc >/dev/null; then
 else
   echo "nvcc not found: CUDA configuration not built"
 fi
-PYTHONPATH="$root/build-cpu/python" python3 -m pytest -q tests/python
 ./scripts/test_packaging.sh  # wheel in a fresh venv; cmake --install + find_package consumer
+PYTHONPATH="$root/build-cpu/python" python3 -m pytest -q tests/python
