@@ -15,8 +15,9 @@ Usage: python3 scripts/kda_rounding_model.py [--T 512] [--K 128] [--seeds 3] [--
 The CUDA kernels today are --diag-exact --o-exact (O's Vnew part as Aqk and Vnew hi + lo, three
 products); without --o-exact O takes one bf16 product (8 of its 12 wgmma fewer); --u-bf16 stores U in
 bf16 in the record (16 of its 96.5 KB fewer). docs/kda.md quotes both trade-offs. --deferred-a models
-session 20's branch next-gpu-kda-deferred-a (no W, U products in the chunk kernel; the state kernel
-computes Y = β v − bf16(β k 2^G) S and Vnew = Y + (A − I) bf16(Y)): the same error as the kernels
+the variant with W and U moved into the state kernel, measured and not kept (docs/kda.md: no W, U
+products in the chunk kernel; the state kernel computes Y = β v − bf16(β k 2^G) S and
+Vnew = Y + (A − I) bf16(Y)): the same error as the kernels
 (o 2.78e-3, state 2.12e-3 with --bf16-inputs --diag-exact --o-exact); group Y is the rounding of Y.
 """
 import argparse

@@ -1,6 +1,6 @@
 // Suite "gemm_epilogue": every CUDA GEMM-epilogue kernel against cuBLAS's plain GEMM of the same
 // shape in the same run (the speed of light of a fused epilogue), and the GEMM-residual-RMSNorm-GEMM
-// forward chain of anchors.md (residual_sqsum_aux -> rms_final_reduce -> row_scale) against the two
+// forward chain (residual_sqsum_aux -> rms_final_reduce -> row_scale) against the two
 // cuBLAS GEMMs alone and against the unfused path (cuBLAS GEMM, encore add_rms_norm, cuBLAS GEMM),
 // on each tile configuration, at the LLaMA 1B / 8B / 70B sizes with M = 8192 and 16384 tokens, bf16;
 // the LM head (vocab 128256) for LSE; and the shifted block forward against its four cuBLAS GEMMs.
@@ -228,7 +228,7 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
 // N-slices (GemmEpilogueOptions::n_slices) for each S in `slices`, against the one cuBLAS GEMM of
 // the whole shape. A persistent CTA walks ~tiles / 132 tiles in a static order; fewer tiles per
 // launch leave less room for the CTAs to drift apart and lose the weight tiles they share in L2
-// (docs/gemm_epilogue.md, the LM head's DRAM bytes). ENCORE_BENCH_SLICES=S runs one S (for ncu).
+// (docs/gemm.md, N-slices). ENCORE_BENCH_SLICES=S runs one S (for ncu).
 void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, int64_t N, int64_t K, GemmTile tile, std::vector<int> slices,
                       bool store_d = true) {
   const std::string name = std::string("gemm_") + epilogue_name(e) + (store_d ? "" : "_no_d") + "_nslices";
@@ -508,7 +508,7 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
     for (Epilogue e : {Epilogue::kRowScale, Epilogue::kSwiglu})
       kernel_vs_cublas(x, e, "8B", M, 2 * 14336, 4096, true, {Schedule{1}, Schedule{2}, Schedule{4}, Schedule{8}});
     // The LM head (1002 N-tiles, 486 tiles per CTA): weight re-reads from DRAM against swizzle and
-    // order (docs/gemm_epilogue.md); one variant for ncu with e.g.
+    // order (docs/gemm.md); one variant for ncu with e.g.
     // ENCORE_BENCH_FILTER="gemm_lse_no_d pingpong_128x128 8B swizzle2 raster N".
     std::vector<Schedule> lm;
     for (int z : {1, 2, 4, 8})

@@ -1,9 +1,9 @@
 // Suite "kda": the CUDA KDA forward (bf16, H 16, K = V = 128, in-kernel softplus gate with dt_bias,
-// q/k L2 norm, as in ../shared/docs/bench_peers.py) at the standard varlen configuration
+// q/k L2 norm, as bench/peers/kda_peers.py runs fla) at the standard varlen configuration
 // (seq_lens 1800, 1500, 2000, 1200, 800) and fixed B 1 / B 4, T 8192. Device time per call from
 // graph replays; fla's chunk_kda is measured by bench/peers/kda_peers.py in the same job.
 // Suite "kda_phases": the chunk kernel's per-phase cycles at the same configurations.
-// Suite "kda_plans": the forward with the state kernel on 64- and 32-column blocks.
+// Suite "kda_plans": the forward with the state kernel on 64-, 32- and 16-column blocks.
 #include <cstdio>
 #include <random>
 #include <string>

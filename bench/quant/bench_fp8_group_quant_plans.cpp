@@ -2,7 +2,7 @@
 // plans, L2-flushed, the plan the host heuristic picks marked: row-major scales with threads per
 // block x groups per lane group x packs per lane; column-major scales with the host plan's shape
 // and the row tiles of the group numbering (1, 4, 16, 32).
-// The measurement behind plan_fp8_group_quant (docs/inference.md).
+// The measurement behind plan_fp8_group_quant (docs/quant.md).
 #include <cstdio>
 #include <algorithm>
 #include <string>

@@ -1,5 +1,5 @@
 // encore KDA family: Kimi Delta Attention (per-channel gated delta rule), following the widely
-// used chunk_kda contract (../shared/docs/math-kda.md §3).
+// used chunk_kda contract (fla's chunk_kda: the same tensors, gates and options; docs/kda.md).
 //
 //   per sequence and head, state S_t in R^{K x V}:
 //     Sbar_t = Diag(exp g_t) S_{t-1};  e_t = v_t - Sbar_t^T k_t;  S_t = Sbar_t + beta_t k_t e_t^T
@@ -14,10 +14,11 @@
 //
 // Backends: the CPU reference (fp64 arithmetic on any float input; fp64 tensors are accepted too,
 // for finite-difference tests). CUDA forward (src/kda/cuda/, tensor cores: bf16 operands, fp32
-// accumulation and state; relative error ~4e-3 in the contractive regime β|k|² < 2, docs/kda.md):
-// bf16/fp32 q, k, v, g, beta, o; K, V <= 128; fp32 contiguous initial/final state, A_log, dt_bias;
-// cu_seqlens on the host (<= 1024 sequences), as for the CPU backend; needs
-// workspace_bytes(args, opts) bytes of device workspace (96.5 KB per chunk of 64 tokens and head).
+// accumulation and state; relative RMS error ~3e-3 against fp64 in the contractive regime
+// β|k|² < 2, docs/kda.md): bf16/fp32 q, k, v, g, beta, o; K, V <= 128; fp32 contiguous
+// initial/final state, A_log, dt_bias; cu_seqlens on the host (<= 1024 sequences), as for the CPU
+// backend; needs workspace_bytes(args, opts) bytes of device workspace (96.5 KB per chunk of 64
+// tokens and head).
 // The backward is CPU only.
 #pragma once
 #include <cstddef>
@@ -36,7 +37,7 @@ struct KdaOptions {
   double lower_bound = -5.0;        // in [-5, 0)
 };
 
-// What the forward saves for the three-kernel backward (math-kda.md §5), all optional:
+// What the forward saves for a chunked backward (docs/kda.md, "Residuals for the backward"), all optional:
 //   G    [B, T, H, K] fp32: the chunk-local inclusive cumsum of the activated gate, in log2;
 //   Aqk  [B, T, H, 64]: row t holds Aqk[t, j] for the rows j of t's chunk (scale included, 0 for j > t);
 //   Akk  [B, T, H, 64]: the rows of A = (I + L)^-1 (unit lower triangular);

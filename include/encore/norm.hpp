@@ -10,7 +10,7 @@
 // every pointer is 16-byte aligned and hidden and the row strides are multiples of 16 bytes the
 // CUDA backend moves 16 bytes per access, otherwise it takes an element-wise path (same results).
 //
-// Contract (design.md): validate -> workspace_bytes -> run. run neither allocates nor
+// Contract (every op, README.md): validate -> workspace_bytes -> run. run neither allocates nor
 // synchronizes; the backend is chosen by the tensors' device (all tensors on one device).
 #pragma once
 #include <cstddef>

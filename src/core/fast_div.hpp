@@ -7,7 +7,7 @@
 // 0 <= n < 2^31: with e = m d - 2^p in [0, d), n m / 2^p = n / d + n e / (d 2^p) and the error
 // term is below 2^31 / 2^(31 + l) = 2^-l <= 1 / d, which cannot carry the fraction of n / d (at
 // most (d - 1) / d) past the next integer. Tested exhaustively on small divisors and at the edges
-// (tests/cpu/test_fast_div.cpp).
+// (tests/core/test_fast_div.cpp).
 #pragma once
 #include <cstdint>
 

@@ -2,7 +2,7 @@
 // and log2(1 + t) = t q(t) with q a degree-6 polynomial (least-squares fit weighted by t; in fp32
 // |error| <= 1e-6 over all y, relative <= 2.5e-5). The KDA chunk kernel's in-kernel gate uses it in
 // place of log(1 + exp(x)) (an exp and a log: two MUFU operations, and 1 + e^x rounds away the
-// relative accuracy of small values); tests/cpu/test_softplus_log2.cpp checks the bound.
+// relative accuracy of small values); tests/core/test_softplus_log2.cpp checks the bound.
 #pragma once
 
 #include "core/host_device.hpp"

@@ -1,4 +1,4 @@
-// Launch heuristic of the FP8 group-quantization kernel (the quant_plans sweep behind it: docs/inference.md).
+// Launch heuristic of the FP8 group-quantization kernel (the quant_plans sweep behind it: docs/quant.md).
 #include "quant/problem.hpp"
 
 namespace encore::quant {

@@ -1,5 +1,5 @@
 // LLaMA shifted-block forward on CUDA (bf16 and fp16) against the textbook block: every output
-// meets the 2x rule of math-coda.md §9, max|out − ref_hi| <= 2·max|ref_lo − ref_hi| + 1e-6, with
+// meets the 2x rule (docs/blocks.md, "Numerics"), max|out − ref_hi| <= 2·max|ref_lo − ref_hi| + 1e-6, with
 // ref_hi the exact block in double and ref_lo the same unfused computation storing every op's
 // result in the dtype (what cuBLAS + eager ops do). Outputs poisoned first; M, d, F not tile
 // multiples.

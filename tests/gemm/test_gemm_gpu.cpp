@@ -247,8 +247,8 @@ TEST_F(GemmEpilogueGpu, AutoTile) {
   for (Epilogue e : {Epilogue::kRowScale, Epilogue::kSwiglu, Epilogue::kRope}) run_case({e, DType::kBF16, 2048, 8192, 16, 0});
 }
 
-// Reductions are deterministic (math-coda.md §9): two launches on the same inputs give bitwise equal
-// partials, outputs and target logits.
+// Reductions are deterministic (fixed-order sums, no atomics): two launches on the same inputs give
+// bitwise equal partials, outputs and target logits.
 TEST_F(GemmEpilogueGpu, PartialsAreDeterministic) {
   auto rng = make_rng(11);
   const int64_t M = 300, N = 1000, K = 512;

@@ -173,7 +173,7 @@ TEST(KdaForward, Bf16InputsMatchFp64Reference) {
   EXPECT_LT(rel_err(f_d, kc.fin), 5e-2);
 }
 
-// The GPU test's strong-decay case (tests/gpu/test_kda_gpu.cpp, "varlen strong decays") is meant to
+// The GPU test's strong-decay case (tests/kda/test_kda_gpu.cpp, "varlen strong decays") is meant to
 // send diagonal blocks down each of the chunk kernel's three paths (one reference, two references,
 // halving references); the GPU test checks its own draw, this checks that the draw does so reliably.
 TEST(KdaForward, StrongDecayCaseCoversEveryDiagonalBlockPath) {

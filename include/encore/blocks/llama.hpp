@@ -1,4 +1,4 @@
-// encore LLaMA block forward on GEMM epilogues (math-coda.md §5): the *shifted* block, from the
+// encore LLaMA block forward on GEMM epilogues (docs/blocks.md): the *shifted* block, from the
 // attention output projection of layer l to the QKV projection of layer l+1, as 4 GEMM-epilogue
 // kernels and 2 finishers:
 //
@@ -12,7 +12,7 @@
 // Saved for the backward: x1, x2, z1, qkv, r1, r2 (outputs). h1, y1, h2 and the partials live in
 // the workspace. Every tensor in A's dtype (bf16/fp16; fp32 on the CPU backend) except r1, r2
 // (fp32), pos (int32), freq (fp32 (hi, lo) pairs, see rope_freq_turns). Same backend rules as
-// gemm_epilogue.hpp (all tensors on one device).
+// encore/gemm.hpp (all tensors on one device).
 #pragma once
 #include <cstddef>
 

@@ -1,9 +1,9 @@
-// KDA intra-chunk kernel (math-kda.md §4, §8.2): persistent, one block of 512 threads per SM, each
+// KDA intra-chunk kernel (docs/kda.md, "Design"): persistent, one block of 512 threads per SM, each
 // block takes (chunk slot, head) items in turn (item = h · slots + slot, stepping by the grid), one
 // chunk of <= 64 tokens of one head per item; writes the state kernel's operands (kda_device.cuh's
 // workspace record) and the backward's residuals (G, Aqk, Akk). The next item's raw input tiles are
 // in flight (TMA) from steps 4 (q) and 5 (gate, k, v) on, each into a tile its step frees;
-// W and U leave through shared memory by two bulk stores (TMA). Measured step by step in docs/kda.md.
+// W and U leave through shared memory by two bulk stores (TMA). Its profile: docs/kda.md.
 //
 //   gate activation (precomputed log-decay, in-kernel softplus with optional dt_bias, or the lower
 //   bound gate), optional q/k L2 norm, chunk-local cumulative gate G in log2 (fp32);
@@ -14,7 +14,7 @@
 //     max (G_r − G_j) exceeds 100 (log2) takes two references (r for rows r..r+7, r + 8 below) when
 //     each half's span allows, else the halving references of diag_block_by_halving (exact for any
 //     gate: gates of -1000, and a share of the blocks under strong decays such as A_log, dt_bias ~
-//     N(0, 1): docs/kda.md, sessions 13-14);
+//     N(0, 1): docs/kda.md);
 //   A = (I + L)^-1: diagonal blocks by forward substitution (fp32, one warp each, in registers), then
 //     the blocks below by doubling: A_{b,b−1} = −A_bb L_{b,b−1} A_{b−1,b−1} for the 16-row blocks (1,0),
 //     (3,2), then the 32-row block A_{32..63,0..31} = −A_{32..63,32..63} L_{32..63,0..31} A_{0..31,0..31}

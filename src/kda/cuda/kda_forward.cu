@@ -1,4 +1,4 @@
-// KDA chunked forward on CUDA (math-kda.md §4), two kernels on tensor cores (mma.sync bf16 -> fp32)
+// KDA chunked forward on CUDA (docs/kda.md), two kernels on tensor cores (bf16 operands, fp32 accumulation)
 // connected by the workspace layout of kda_device.cuh: the intra-chunk kernel (kda_chunk.cu) writes
 // each (chunk, head)'s operands; the state kernel (kda_state.cu) runs the serial inter-chunk pass per
 // (sequence, head, 64, 32 or 16 value columns), computing each chunk's o on the way, and writes the final

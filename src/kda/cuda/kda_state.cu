@@ -1,4 +1,4 @@
-// KDA inter-chunk state and output kernel (math-kda.md §4): grid (H · ceil(V / kVs), N), 512 threads
+// KDA inter-chunk state and output kernel (docs/kda.md, "Design"): grid (H · ceil(V / kVs), N), 512 threads
 // (four warpgroups) for kVs = 64, 32 or 16 value columns; the serial pass of one sequence and head
 // over its chunks on a kVs-column slice of the state, with each chunk's output on the way;
 // blockIdx.y ranks the sequences longest first (p.seq_by_length), so when the grid exceeds one wave
@@ -17,9 +17,9 @@
 // the first V columns. S and Vnew enter the products rounded to bf16, like the chunk operands (as fla
 // does). A chunk's operands (W, Kg, Qg, Aqk, dC: one bulk copy; the U slices of the block's
 // columns: a second) arrive by cp.async.bulk on an mbarrier, issued by one thread, one chunk ahead
-// (two stages). Session 15 replaced the mma.sync version (16 warps of 16 x 16 tiles, whose
-// ldmatrix traffic, ~490 KB a step, bound it); session 9's wgmma attempt lost to it because its
-// fragments went to shared memory by scalar stores on one warp per scheduler.
+// (two stages). wgmma rather than mma.sync: 16 warps of 16 x 16 mma.sync tiles were bound by their
+// ldmatrix traffic (~490 KB a step); a wgmma version whose fragments went to shared memory by
+// scalar stores lost to that, one warp per scheduler issuing them (stmatrix.trans fixed it).
 #include "common/cuda/wgmma.cuh"
 #include "kda/cuda/kda_device.cuh"
 
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
           if (i < rows) {
             __nv_bfloat16* const row = o_chunk + int64_t(i) * p.o_st;
             // Streaming stores (evict first): o is not read again here, the next chunks' records are
-            // (ncu, session 18: -1.2% varlen, -1.8% B4; without any o stores the kernel ran 15% faster).
+            // (ncu: -1.2% varlen, -1.8% B4; without any o stores the kernel ran 15% faster).
 #pragma unroll
             for (int j = 0; j < kNt; ++j) __stcs(reinterpret_cast<unsigned int*>(row + 8 * j), pack_bf16(d[j][2 * hh], d[j][2 * hh + 1]));
           }

@@ -1,4 +1,4 @@
-// CPU references for Kimi Delta Attention, fp64 throughout (../shared/docs/math-kda.md):
+// CPU references for Kimi Delta Attention, fp64 throughout (the math: include/encore/kda.hpp, docs/kda.md):
 //   (a) the token recurrence (forward),
 //   (b) the chunked algorithm (chunk 64, log2 gates, WY form) exposing its intermediates,
 //   (c) the token-level backpropagation through time, with the gate and L2-norm backward.

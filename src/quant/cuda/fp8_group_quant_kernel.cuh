@@ -13,7 +13,7 @@
 //   order (row-major scales: a block's scales are contiguous), R = 16 puts 16 consecutive rows of one
 //   group column side by side (column-major scales: a block writes 64 contiguous bytes of scales
 //   instead of one 4-byte piece per 32-byte sector). Rows past M in the last tile are skipped.
-//   The instruction count per byte is what bounds it at 4096 x 7168 (docs/inference.md): packed
+//   The instruction count per byte is what bounds it at 4096 x 7168 (docs/quant.md): packed
 //   abs/max, bit-level bf16 unpacking and cvt-merged e4m3 words keep it at ~95 per group.
 // Constraints (validate): K % 128 == 0, M * K / 128 < 2^31, 16-byte aligned x and q rows.
 #pragma once
