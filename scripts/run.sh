@@ -15,8 +15,11 @@ else
 fi
 "$bin" info
 if nvidia-smi -L >/dev/null 2>&1 && [ "$("$bin" info | grep -c 'no CUDA device')" = 0 ]; then
-  mkdir -p bench/results
-  "$bin" bench --out "bench/results/bench-$(date -u +%Y%m%d)-$(git rev-parse --short=12 HEAD 2>/dev/null || echo local).json"
+  # Fresh results go to $OUT (default ./gpu-out, ignored); bench/results/ keeps only the baselines
+  # the docs cite (bench/results/README.md).
+  out=${OUT:-gpu-out}
+  mkdir -p "$out"
+  "$bin" bench --out "$out/bench-$(date -u +%Y%m%d)-$(git rev-parse --short=12 HEAD 2>/dev/null || echo local).json"
 else
   "$bin" check
 fi
