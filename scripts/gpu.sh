@@ -159,9 +159,10 @@ pass_check() {
 }
 
 # Defaults: memcheck on the alias and split paths of norm, every QK-norm and quantization variant,
-# the GEMM epilogues with side outputs and their finishers, KDA and the block; racecheck on the
-# kernels with hand-written shared-memory synchronization (norm, QK-norm, KDA, the finishers).
-memcheck_default='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:QuantGpu.EveryKernelVariant:GemmEpilogueGpu.ResidualSqsumAux:GemmEpilogueGpu.SwigluWithAndWithoutRowScale:GemmEpilogueGpu.Rope:GemmEpilogueGpu.LseVariants:GemmEpilogueGpu.Finishers:KdaGpu.*:LlamaBlockGpu.*'
+# every catalogue epilogue on every tile, the LSE variants and the finishers, KDA and the block;
+# racecheck on the kernels with hand-written shared-memory synchronization (norm, QK-norm, KDA,
+# the finishers).
+memcheck_default='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:QuantGpu.EveryKernelVariant:GemmEpilogueGpu.EveryEpilogueOnEveryTile:GemmEpilogueGpu.LseVariants:GemmEpilogueGpu.Finishers:GemmEpilogueGpu.QkNormRopeFinish:KdaGpu.*:LlamaBlockGpu.*'
 racecheck_default='NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:GemmEpilogueGpu.Finishers:KdaGpu.*'
 pass_sanitize() {
   need "$BUILD/tests/encore_tests_gpu" "run the build pass first" || return
