@@ -5,11 +5,6 @@
 if(SKBUILD)
   return()
 endif()
-if(ENCORE_CUDA AND ENCORE_PREBUILT_KERNELS)
-  # The prebuilt kernel libraries are IMPORTED targets, which install(EXPORT) cannot carry.
-  message(STATUS "encore: ENCORE_PREBUILT_KERNELS is set: no install rules for the C++ library")
-  return()
-endif()
 
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)

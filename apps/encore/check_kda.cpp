@@ -23,7 +23,7 @@ struct KdaData {
   KdaData(int64_t t, int64_t h, DType dt, std::mt19937_64& rng)
       : T(t), H(h), q(dt, T * H, D), k(dt, T * H, D), v(dt, T * H, D), g(DType::kFP32, T * H, D), beta(dt, T * H, 1) {
     q.fill_normal(rng);
-    k.fill_normal(rng, 0.0, 0.1);  // β|k|² < 1: the contractive regime (see tests/gpu/test_kda_gpu.cpp)
+    k.fill_normal(rng, 0.0, 0.1);  // β|k|² < 1: the contractive regime (see tests/kda/test_kda_gpu.cpp)
     v.fill_normal(rng);
     g.fill_uniform(rng, -0.2, 0.0);
     beta.fill_uniform(rng, 0.1, 0.9);

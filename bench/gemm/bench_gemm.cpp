@@ -379,7 +379,7 @@ struct BlockSetup {
   }
 };
 
-// The shifted LLaMA block forward (llama_block.hpp) against its four GEMMs in cuBLAS alone.
+// The shifted LLaMA block forward (encore/blocks/llama.hpp) against its four GEMMs in cuBLAS alone.
 void block_forward(Ctx& x, const std::string& size, int64_t M, int64_t d, int64_t F, int64_t nqkv, int head_dim) {
   if (!selected("llama_block_forward " + size)) return;
   std::vector<double> times;

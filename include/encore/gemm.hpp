@@ -71,7 +71,7 @@ const GemmEpilogueInfo* gemm_epilogue_info(Epilogue e);
 
 // CUDA tile configuration: cooperative 128x256x64 (two warpgroups share each tile) or ping-pong
 // 128x128x64 (a warpgroup's epilogue overlaps the other's mainloop); kAuto picks by epilogue and
-// shape (docs/gemm_epilogue.md). For kResidualSqsumAux and kLse the partials' column tile is the
+// shape (docs/gemm.md). For kResidualSqsumAux and kLse the partials' column tile is the
 // tile N, so partial_tile_n picks the tile (256: cooperative, 128: ping-pong); kQkvHeadSqsum writes
 // one partial per head on either tile. Ignored by the CPU backend.
 // kPingpong64x256 (ping-pong with 64x256 tiles: the epilogue overlap of ping-pong with the wide
@@ -82,7 +82,7 @@ const char* gemm_tile_name(GemmTile t);
 
 // CUDA persistent tile scheduler order: kAlongM walks down the M tiles of one column of tiles (the W
 // panel stays in L2) before moving along N, kAlongN the other way. kAuto: along N on the
-// cooperative and 128x128 ping-pong tiles (measured faster on the widest GEMMs, docs/gemm_epilogue.md),
+// cooperative and 128x128 ping-pong tiles (measured faster on the widest GEMMs, docs/gemm.md),
 // CUTLASS's heuristic on 64x256 (along M when there are more N tiles than M tiles). With swizzle s
 // the walk covers s tiles of the other dimension at a time. Ignored by the CPU backend.
 enum class GemmRaster : uint8_t { kAuto, kAlongM, kAlongN };
@@ -106,7 +106,7 @@ struct GemmEpilogueOptions {
   // tiles per CTA (not on kPingpong64x256, whose raster order follows each launch's shape). The
   // static persistent schedule lets CTAs drift apart over a long walk and lose the weight tiles
   // they share in L2 (the LM head read 19.5 GB from DRAM in one launch, 7.8 GB in six;
-  // docs/gemm_epilogue.md). Bitwise the same results for any value. Ignored by the CPU backend.
+  // docs/gemm.md). Bitwise the same results for any value. Ignored by the CPU backend.
   int n_slices = 0;
 };
 

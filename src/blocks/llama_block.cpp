@@ -1,5 +1,5 @@
 // LLaMA shifted-block forward: four GEMM-epilogue runs and two finishers over views of the
-// workspace (llama_block.hpp). Backend-agnostic: each step dispatches on the tensors' device, so the
+// workspace (encore/blocks/llama.hpp). Backend-agnostic: each step dispatches on the tensors' device, so the
 // CPU backend runs the same schedule on the CPU references.
 #include "encore/blocks/llama.hpp"
 

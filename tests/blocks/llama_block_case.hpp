@@ -1,4 +1,4 @@
-// Test helper: random inputs of a LLaMA shifted block (llama_block.hpp) and the textbook, unfused
+// Test helper: random inputs of a LLaMA shifted block (encore/blocks/llama.hpp) and the textbook, unfused
 // block computed in double with optional rounding of every op's output to a dtype:
 //   ref_hi (round_to = none): the exact block, for the 2x rule and the algebra check;
 //   ref_lo (round_to = bf16/fp16): the same unfused computation with each op storing its result in
@@ -48,7 +48,7 @@ inline double round_to(double v, std::optional<DType> t) {
   return load_as_double(buf, *t, 0);
 }
 
-// The textbook block (see llama_block.hpp), every op's output rounded to `t` when given.
+// The textbook block (see encore/blocks/llama.hpp), every op's output rounded to `t` when given.
 inline BlockOutputs unfused_block(const BlockCase& c, std::optional<DType> t, double eps) {
   const int64_t M = c.M, d = c.d, F = c.F, N = c.nqkv();
   auto gemm = [&](const std::vector<double>& a, int64_t K, const HostTensor& w, int64_t Nw) {

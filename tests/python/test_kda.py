@@ -123,7 +123,7 @@ def test_bad_inputs_raise_value_error():
 def test_cuda_kda_matches_cpu():
     torch = pytest.importorskip("torch")
     dev = "cuda"
-    # keys with β|k|² < 1 (the contractive regime; see tests/gpu/test_kda_gpu.cpp)
+    # keys with β|k|² < 1 (the contractive regime; see tests/kda/test_kda_gpu.cpp)
     args = [torch.randn(1, 200, 2, 64), torch.randn(1, 200, 2, 64) * 0.1, torch.randn(1, 200, 2, 64),
             -torch.rand(1, 200, 2, 64) * 0.1, torch.rand(1, 200, 2)]
     o, fin = encore.kda_forward(*[t.to(dev) for t in args], output_final_state=True)

@@ -1,4 +1,4 @@
-// encore's pairwise EVT nodes (primitive 1, pairwise form, of math-coda.md §6) over adjacent
+// encore's pairwise EVT nodes (primitive 1, pairwise form; docs/gemm.md) over adjacent
 // accumulator columns (2j, 2j+1). In the WGMMA accumulator layout every thread holds columns in
 // aligned pairs, so fragment elements (2i, 2i+1) are one pair; the GPU tests check it against the
 // CPU reference.

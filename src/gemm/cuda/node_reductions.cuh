@@ -1,4 +1,4 @@
-// encore's block-reduction EVT nodes (primitive 4 and 5 of math-coda.md §6), each passing its
+// encore's block-reduction EVT nodes (primitives 4 and 5 of the five, docs/gemm.md), each passing its
 // input through unchanged:
 //
 //   RowPartials<Fn, kGroupN>  partials[m, t] = Σ_{n in group t} Fn(x[m, n]) over groups of kGroupN

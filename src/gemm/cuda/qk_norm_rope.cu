@@ -1,4 +1,4 @@
-// QK-norm + RoPE finish after gemm_qkv_head_sqsum, in place (gemm_epilogue.hpp QkNormRopeArgs):
+// QK-norm + RoPE finish after gemm_qkv_head_sqsum, in place (encore/gemm.hpp QkNormRopeArgs):
 //   x ← x · rsqrt(partials[m, h] / D + eps) · w for the Q and K heads, then the rotation of each
 //   column pair (2j, 2j+1) by 2π·pos[m]·(freq[2j] + freq[2j+1]) (exact phase reduction, as in the
 //   GEMM RoPE node). One thread per column pair of the Q and K heads; V heads are not touched.
