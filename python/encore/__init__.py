@@ -3,9 +3,12 @@
 Arrays are exchanged through DLPack: numpy arrays (CPU backend) and torch tensors (CPU backend, or
 the CUDA backend for CUDA tensors). Outputs are allocated with the caller's framework; CUDA work
 runs on torch's current stream unless ``stream`` is given. Invalid arguments raise ``ValueError``
-with encore's message, other failures ``RuntimeError``.
+with encore's message, other failures ``RuntimeError``. Torch tensors go through torch.library ops
+(torch.ops.encore, see encore.torch_ops), so torch.compile(fullgraph=True) traces encore calls.
 """
 from __future__ import annotations
+
+import sys as _sys
 
 from . import _encore
 from .blocks import llama_block_forward, llama_block_workspace_bytes
@@ -24,3 +27,8 @@ __all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group
 __version__ = _encore.__version__  # project(encore VERSION ...) in CMakeLists.txt
 built_with_cuda = _encore.built_with_cuda
 cuda_device_count = _encore.cuda_device_count
+
+# torch.ops.encore (encore.torch_ops): registered now where torch is already loaded, else on the
+# first call with torch tensors; numpy-only use never imports torch.
+if "torch" in _sys.modules:
+    from . import torch_ops  # noqa: F401

@@ -1,5 +1,6 @@
 """Helpers shared by the encore Python wrappers: framework detection, output allocation on the
-caller's framework and device, the CUDA stream, and the no-autograd guard."""
+caller's framework and device, the CUDA stream, the no-autograd guard, and the dispatch of torch
+tensors to the torch.library ops (encore.torch_ops)."""
 from __future__ import annotations
 
 
@@ -11,7 +12,26 @@ def _rows(a, name):
     """View `a` as [rows, hidden] (leading dimensions flattened)."""
     if getattr(a, "ndim", 0) < 1:
         raise ValueError(f"{name}: expected at least 1 dimension [..., hidden]")
-    return a.reshape(-1, a.shape[-1])
+    return a if a.ndim == 2 else a.reshape(-1, a.shape[-1])
+
+
+def _rows_view(a, name):
+    """`a` as a [rows, hidden] view (an output written through it): raises where that needs a copy."""
+    if getattr(a, "ndim", 0) < 1:
+        raise ValueError(f"{name}: expected at least 1 dimension [..., hidden]")
+    if _is_torch(a):
+        try:
+            return a.view(-1, a.shape[-1])
+        except RuntimeError:
+            pass
+    else:
+        v = a.view()
+        try:
+            v.shape = (-1, a.shape[-1])
+            return v
+        except AttributeError:
+            pass
+    raise ValueError(f"{name}: must be viewable as [rows, hidden] (it is written in place)")
 
 
 def _empty_like(a):
@@ -21,10 +41,15 @@ def _empty_like(a):
 def _stream_for(a, stream):
     if stream is not None:
         return int(stream)
-    if _is_torch(a) and a.is_cuda:
+    return _torch_stream(a) if _is_torch(a) else 0
+
+
+def _torch_stream(t):
+    """torch's current CUDA stream on t's device as an integer handle; 0 for a CPU tensor."""
+    if t.is_cuda:
         import torch
 
-        return torch.cuda.current_stream(a.device).cuda_stream
+        return torch._C._cuda_getCurrentRawStream(t.get_device())
     return 0
 
 
@@ -36,6 +61,58 @@ def _no_autograd(*tensors):
             raise RuntimeError("encore: autograd is not wired for this op yet; call it under torch.no_grad()")
 
 
+def _via_torch_op(stream, *arrays):
+    """The no-autograd check on `arrays`; then True when the call is to go through torch.ops.encore:
+    no explicit stream and every array (None skipped) a torch tensor. An op's kernel takes the
+    direct path (the wrapper's direct implementation, or the wrapper with torch's current stream)."""
+    every = True
+    for a in arrays:
+        if a is None:
+            continue
+        if _is_torch(a):
+            if a.requires_grad:
+                _no_autograd(a)
+        else:
+            every = False
+    return stream is None and every
+
+
+_TO_DLPACK = None
+
+
+def _dl(*arrays):
+    """The arrays as the binding takes them: a torch tensor as its DLPack capsule, others (numpy
+    arrays, None) as given. torch.utils.dlpack.to_dlpack costs a tenth of the Tensor.__dlpack__
+    the binding would call otherwise, and skips its default-stream event sync (encore launches on
+    the stream it is given)."""
+    global _TO_DLPACK
+    if _TO_DLPACK is None and any(_is_torch(a) for a in arrays):
+        from torch.utils.dlpack import to_dlpack
+
+        _TO_DLPACK = to_dlpack
+    return tuple(_TO_DLPACK(a) if _is_torch(a) else a for a in arrays)
+
+
+_OPS = None
+
+
+def _ops():
+    """The torch.ops.encore overloads (registered on first use, by importing encore.torch_ops)."""
+    global _OPS
+    if _OPS is None:
+        from .torch_ops import OPS
+
+        _OPS = OPS
+    return _OPS
+
+
+def _with_absent(outs, present):
+    """The op's outputs `outs` (the present ones, in order) spread over the flags `present`, None
+    where a flag is false: the public functions' optional outputs from an op's Tensor[]."""
+    it = iter(outs)
+    return tuple(next(it) if p else None for p in present)
+
+
 _KINDS = {"f32": "float32", "u8": "uint8", "i32": "int32", "bf16": "bfloat16"}  # torch names (numpy: no bfloat16)
 
 
@@ -45,6 +122,8 @@ def _empty(like, shape, kind):
     if _is_torch(like):
         import torch
 
+        if kind == "like" and shape == like.shape:
+            return torch.empty_like(like, memory_format=torch.contiguous_format)
         dtype = like.dtype if kind == "like" else getattr(torch, _KINDS[kind])
         return torch.empty(shape, dtype=dtype, device=like.device)
     import numpy as np

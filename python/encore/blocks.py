@@ -4,7 +4,7 @@ autograd yet)."""
 from __future__ import annotations
 
 from . import _encore
-from ._util import _empty, _given_outputs, _no_autograd, _stream_for, _workspace
+from ._util import _dl, _empty, _given_outputs, _ops, _stream_for, _via_torch_op, _workspace
 
 __all__ = ["llama_block_forward", "llama_block_workspace_bytes"]
 
@@ -21,7 +21,13 @@ def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: 
     y0's dtype, r1 and r2 [M] float32), returned as given. workspace: optional 1-D uint8 array on y0's
     device of at least llama_block_workspace_bytes(...) bytes; without it each call allocates one.
     Both together make a call allocation-free (fixed addresses, e.g. for CUDA graph capture)."""
-    _no_autograd(y0, x0, w0, w1, w2, w3)
+    if _via_torch_op(stream, y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, workspace):
+        ins = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, float(eps))
+        if out is None:
+            return _ops().llama_block_forward(*ins, workspace)
+        out = _given_outputs(out, _BLOCK_OUTPUTS)
+        _ops().llama_block_forward_out(*ins, *out, workspace)
+        return out
     m, d, f2, nq = y0.shape[0], y0.shape[1], w1.shape[0], w3.shape[0]
     if out is None:
         x1, x2, z1, qkv = _empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, nq), "like")
@@ -29,9 +35,9 @@ def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: 
     else:
         x1, x2, z1, qkv, r1, r2 = _given_outputs(out, _BLOCK_OUTPUTS)
     args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2)
-    nbytes = _encore.llama_block_workspace_bytes(*args, float(eps))
+    nbytes = _encore.llama_block_workspace_bytes(*_dl(*args), float(eps))  # a capsule is used once: _dl per call
     ws = _workspace(workspace, y0, nbytes, 256, "llama_block_workspace_bytes")
-    _encore.llama_block_forward_out(*args, float(eps), ws, _stream_for(y0, stream))
+    _encore.llama_block_forward_out(*_dl(*args), float(eps), *_dl(ws), _stream_for(y0, stream))
     return x1, x2, z1, qkv, r1, r2
 
 
@@ -39,4 +45,4 @@ def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, fre
     """The size in bytes to allocate for llama_block_forward's `workspace` with these arguments and
     outputs `out` = (x1, x2, z1, qkv, r1, r2): what the block needs plus 256 for alignment."""
     args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *_given_outputs(out, _BLOCK_OUTPUTS))
-    return int(_encore.llama_block_workspace_bytes(*args, float(eps))) + 256
+    return int(_encore.llama_block_workspace_bytes(*_dl(*args), float(eps))) + 256

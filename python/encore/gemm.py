@@ -7,7 +7,7 @@ fp32). Inference only (no autograd).
 from __future__ import annotations
 
 from . import _encore
-from ._util import _empty, _no_autograd, _stream_for
+from ._util import _empty, _no_autograd, _ops, _stream_for, _via_torch_op, _with_absent
 
 # encore::Epilogue and encore::GemmTile values
 _RESIDUAL, _ROW_SCALE, _SWIGLU, _ROPE, _HEAD_SQSUM, _LSE, _SCALAR = range(7)
@@ -38,6 +38,8 @@ def _tiles(epilogue, a, w, partial_tile_n):
 
 def gemm_row_scale(a, w, r, tile="auto", stream=None):
     """D = r[:, None] * (a @ w.T); r [M] float32 (RMSNorm applied after the GEMM)."""
+    if _via_torch_op(stream, a, w, r):
+        return _ops().gemm_row_scale(a, w, r, tile)
     m, n = _mn(a, w)
     d = _empty(a, (m, n), "like")
     _run(_ROW_SCALE, a, w, d=d, row_scale=r, tile=tile, stream=stream)
@@ -46,6 +48,8 @@ def gemm_row_scale(a, w, r, tile="auto", stream=None):
 
 def gemm_scalar_scale(a, w, alpha, tile="auto", stream=None):
     """D = alpha[0] * (a @ w.T); alpha [1] float32, read from (device) memory."""
+    if _via_torch_op(stream, a, w, alpha):
+        return _ops().gemm_scalar_scale(a, w, alpha, tile)
     m, n = _mn(a, w)
     d = _empty(a, (m, n), "like")
     _run(_SCALAR, a, w, d=d, alpha=alpha, tile=tile, stream=stream)
@@ -55,6 +59,8 @@ def gemm_scalar_scale(a, w, alpha, tile="auto", stream=None):
 def gemm_residual_rms_partial(a, w, residual, gamma, partial_tile_n=0, stream=None):
     """y = a @ w.T + residual. Returns (y, aux = y * gamma, partials [M, tiles] float32 of sum(y**2)
     per partial_tile_n columns (0: gemm_partial_tile_n)); finish with rms_final_reduce."""
+    if _via_torch_op(stream, a, w, residual, gamma):
+        return _ops().gemm_residual_rms_partial(a, w, residual, gamma, int(partial_tile_n))
     m, n = _mn(a, w)
     tiles, t = _tiles(_RESIDUAL, a, w, partial_tile_n)
     d, aux, p = _empty(a, (m, n), "like"), _empty(a, (m, n), "like"), _empty(a, (m, tiles), "f32")
@@ -64,6 +70,8 @@ def gemm_residual_rms_partial(a, w, residual, gamma, partial_tile_n=0, stream=No
 
 def rms_final_reduce(partials, hidden: int, eps: float = 1e-6, stream=None):
     """r = rsqrt(partials.sum(1) / hidden + eps) as float32 [M] (tiles summed in order)."""
+    if _via_torch_op(stream, partials):
+        return _ops().rms_final_reduce(partials, int(hidden), float(eps))
     r = _empty(partials, (partials.shape[0],), "f32")
     _encore.rms_final_reduce_out(partials, r, int(hidden), float(eps), _stream_for(partials, stream))
     return r
@@ -72,6 +80,8 @@ def rms_final_reduce(partials, hidden: int, eps: float = 1e-6, stream=None):
 def gemm_swiglu(a, w, r=None, tile="auto", stream=None):
     """z = r[:, None] * (a @ w.T) over interleaved gate/up columns (see interleave_gate_up).
     Returns (z [M, N], silu(z[:, 0::2]) * z[:, 1::2] [M, N // 2])."""
+    if _via_torch_op(stream, a, w, r):
+        return _ops().gemm_swiglu(a, w, r, tile)
     m, n = _mn(a, w)
     z, y = _empty(a, (m, n), "like"), _empty(a, (m, n // 2), "like")
     _run(_SWIGLU, a, w, d=z, aux=y, row_scale=r, tile=tile, stream=stream)
@@ -81,6 +91,8 @@ def gemm_swiglu(a, w, r=None, tile="auto", stream=None):
 def gemm_rope(a, w, pos, freq, r=None, tile="auto", stream=None):
     """RoPE(r[:, None] * (a @ w.T)): column pairs (2j, 2j+1) rotated by 2*pi*pos[m]*f_j, f_j =
     freq[2j] + freq[2j+1] (see rope_freq_turns); pos [M] int32."""
+    if _via_torch_op(stream, a, w, pos, freq, r):
+        return _ops().gemm_rope(a, w, pos, freq, r, tile)
     m, n = _mn(a, w)
     d = _empty(a, (m, n), "like")
     _run(_ROPE, a, w, d=d, row_scale=r, pos=pos, freq=freq, tile=tile, stream=stream)
@@ -89,6 +101,8 @@ def gemm_rope(a, w, pos, freq, r=None, tile="auto", stream=None):
 
 def gemm_qkv_head_sqsum(a, w, head_dim: int = 128, stream=None):
     """D = a @ w.T and partials [M, N // head_dim] float32 of sum(D**2) per head."""
+    if _via_torch_op(stream, a, w):
+        return _ops().gemm_qkv_head_sqsum(a, w, int(head_dim))
     m, n = _mn(a, w)
     d, p = _empty(a, (m, n), "like"), _empty(a, (m, n // head_dim), "f32")
     _run(_HEAD_SQSUM, a, w, d=d, partials=p, head_dim=head_dim, stream=stream)
@@ -100,7 +114,10 @@ def qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, num_q_heads: int
     """In place after gemm_qkv_head_sqsum: per-head RMSNorm of the Q and K heads from their sums of
     squares (partials), times q_weight / k_weight, then RoPE of their column pairs; returns qkv.
     CPU backend (CUDA: not yet)."""
-    _no_autograd(qkv)
+    if _via_torch_op(stream, qkv, partials, q_weight, k_weight, pos, freq):
+        _ops().qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, int(num_q_heads), int(num_kv_heads), int(head_dim),
+                             float(eps))
+        return qkv
     _encore.qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, int(num_q_heads), int(num_kv_heads), int(head_dim),
                           float(eps), _stream_for(qkv, stream))
     return qkv
@@ -109,6 +126,9 @@ def qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, num_q_heads: int
 def gemm_lse(a, w, r=None, target=None, store_logits=False, ignore_index=-100, partial_tile_n=0, stream=None):
     """z = r[:, None] * (a @ w.T). Returns (partials [M, tiles] float32 of log-sum-exp per tile,
     logits z or None, target_logit [M] float32 = z[m, target[m]] or None); finish with lse_finish."""
+    if _via_torch_op(stream, a, w, r, target):
+        outs = _ops().gemm_lse(a, w, r, target, bool(store_logits), int(ignore_index), int(partial_tile_n))
+        return _with_absent(outs, (True, store_logits, target is not None))
     m, n = _mn(a, w)
     tiles, t = _tiles(_LSE, a, w, partial_tile_n)
     p = _empty(a, (m, tiles), "f32")
@@ -122,6 +142,9 @@ def gemm_lse(a, w, r=None, target=None, store_logits=False, ignore_index=-100, p
 def lse_finish(partials, target=None, target_logit=None, ignore_index=-100, stream=None):
     """lse [M] = logsumexp over the tiles; with target: loss [M] = lse - target_logit (0 for
     ignore_index). Returns lse, or (lse, loss)."""
+    if _via_torch_op(stream, partials, target, target_logit):
+        lse, loss = _with_absent(_ops().lse_finish(partials, target, target_logit, int(ignore_index)), (True, target is not None))
+        return lse if loss is None else (lse, loss)
     m = partials.shape[0]
     lse = _empty(partials, (m,), "f32")
     loss = _empty(partials, (m,), "f32") if target is not None else None

@@ -5,7 +5,7 @@ backward reads. Backward: CPU backend only. Not wired into autograd."""
 from __future__ import annotations
 
 from . import _encore
-from ._util import _empty, _given_outputs, _is_torch, _no_autograd, _stream_for, _workspace
+from ._util import _dl, _empty, _given_outputs, _is_torch, _ops, _stream_for, _via_torch_op, _with_absent, _workspace
 
 _RESIDUAL_KINDS = {None: "f32", "float32": "f32", "bfloat16": "bf16"}
 _RESIDUAL_NAMES = ("G", "Aqk", "Akk", "h")
@@ -25,6 +25,20 @@ def _host_cu(cu_seqlens):
     if cu_seqlens is not None and _is_torch(cu_seqlens) and cu_seqlens.is_cuda:
         return cu_seqlens.cpu()
     return cu_seqlens
+
+
+def _opt_float(x):
+    return None if x is None else float(x)
+
+
+def _torch_cu(cu_seqlens):
+    """cu_seqlens as a torch tensor for the torch.ops path (a host numpy array is wrapped, not copied)."""
+    if cu_seqlens is None or _is_torch(cu_seqlens):
+        return cu_seqlens
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(cu_seqlens))
 
 
 def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound):
@@ -49,11 +63,32 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     returned as given. workspace: optional 1-D uint8 array on q's device of at least
     kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens) bytes (the CUDA forward's records, 96.5 KB
     per chunk of 64 tokens and head); without it each CUDA call allocates one. With both and no
-    residuals a call allocates nothing (fixed addresses, e.g. for CUDA graph capture).
+    residuals a call allocates nothing (fixed addresses, e.g. for CUDA graph capture). Torch
+    tensors go through torch.ops.encore.kda_forward (kda_forward_out with out or workspace), except
+    out or workspace together with return_residuals (the direct call: eager only, not traceable).
     """
-    _no_autograd(q, k, v, g, beta)
     b, t, h, kd = q.shape
     vd = v.shape[3]
+    # Torch tensors: torch.ops.encore.kda_forward, or kda_forward_out (no residuals) with out or workspace.
+    given = out is not None or workspace is not None
+    if _via_torch_op(stream, q, k, v, g, beta, initial_state, A_log, dt_bias, workspace) and not (given and return_residuals):
+        names = _residual_names(return_residuals) if return_residuals else ()
+        ins = (q, k, v, g, beta, _opt_float(scale), initial_state, bool(output_final_state), bool(use_qk_l2norm),
+               bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens))
+        if given:
+            if out is None:
+                n = b if cu_seqlens is None else len(cu_seqlens) - 1
+                out = (_empty(v, (b, t, h, vd), "like"), _empty(q, (n, h, kd, vd), "f32") if output_final_state else None)
+            out = _given_outputs(out, ("o", "final_state"))
+            _ops().kda_forward_out(*ins, *out, workspace)
+            return out
+        canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
+        o, fin, *res = _with_absent(_ops().kda_forward(*ins, ",".join(canonical), residual_dtype),
+                                    (True, output_final_state) + (True,) * len(names))
+        if not return_residuals:
+            return o, fin
+        res = dict(zip(canonical, res))
+        return o, fin, {x: res[x] for x in names}
     n = (len(cu_seqlens) - 1) if cu_seqlens is not None else b
     cu_seqlens = _host_cu(cu_seqlens)
     if out is None:
@@ -68,16 +103,16 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
         if residual_dtype not in _RESIDUAL_KINDS:
             raise ValueError(f"residual_dtype: expected 'float32' or 'bfloat16', got {residual_dtype!r}")
         kind = _RESIDUAL_KINDS[residual_dtype]
-        nt = _encore.kda_chunk_count(q, k, v, g, beta, cu_seqlens)
+        nt = _encore.kda_chunk_count(*_dl(q, k, v, g, beta, cu_seqlens))
         shapes = {"G": ((b, t, h, kd), "f32"), "Aqk": ((b, t, h, 64), kind), "Akk": ((b, t, h, 64), kind),
                   "h": ((nt, h, kd, vd), kind)}
         res = {name: _empty(q, *shapes[name]) for name in _residual_names(return_residuals)}
     args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o, fin,
             *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
             *((res or {}).get(name) for name in _RESIDUAL_NAMES))
-    nbytes = _encore.kda_forward_workspace_bytes(*args)
+    nbytes = _encore.kda_forward_workspace_bytes(*_dl(*args))  # a capsule is used once: _dl per call
     ws = _workspace(workspace, q, nbytes, 16, "kda_forward_workspace_bytes")
-    _encore.kda_forward_out(*args, ws if nbytes else None, _stream_for(q, stream))
+    _encore.kda_forward_out(*_dl(*args, ws if nbytes else None), _stream_for(q, stream))
     return (o, fin, res) if return_residuals else (o, fin)
 
 
@@ -87,18 +122,23 @@ def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None) -> int:
     alignment, 0 on the CPU backend."""
     o, fin = _given_outputs(out, ("o", "final_state"))
     # The size depends on the chunk and head counts only: the default options stand in for any.
-    nbytes = _encore.kda_forward_workspace_bytes(q, k, v, g, beta, None, None, None, _host_cu(cu_seqlens), o, fin,
+    nbytes = _encore.kda_forward_workspace_bytes(*_dl(q, k, v, g, beta, None, None, None, _host_cu(cu_seqlens), o, fin),
                                                  *_opts(None, False, False, None), None, None, None, None)
     return int(nbytes) + 16 if nbytes else 0
 
 
 def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_state=None, use_qk_l2norm=False,
-                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None):
+                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None, stream=None):
     """Gradients of sum(o * d_o) + sum(final_state * d_final_state) for the forward with the same
     arguments (CPU backend: numpy or CPU torch arrays). Returns a dict with dq, dk, dv, dg, dbeta (in
     the inputs' dtypes; dg with respect to the g passed in, dq and dk before the L2 norm) and dh0,
-    dA_log, ddt_bias (float32) when initial_state, A_log, dt_bias are given."""
-    _no_autograd(q, k, v, g, beta, d_o)
+    dA_log, ddt_bias (float32) when initial_state, A_log, dt_bias are given. stream: as for the
+    forward (an explicit one takes the direct path; the CPU backend ignores it)."""
+    if _via_torch_op(stream, q, k, v, g, beta, d_o, d_final_state, initial_state, A_log, dt_bias):
+        opt = (("dh0", initial_state), ("dA_log", A_log), ("ddt_bias", dt_bias))
+        grads = _ops().kda_backward(q, k, v, g, beta, d_o, d_final_state, _opt_float(scale), initial_state, bool(use_qk_l2norm),
+                                    bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens))
+        return dict(zip(("dq", "dk", "dv", "dg", "dbeta", *(x for x, src in opt if src is not None)), grads))
     cu_seqlens = _host_cu(cu_seqlens)
     grads = {"dq": _empty(q, q.shape, "like"), "dk": _empty(k, k.shape, "like"), "dv": _empty(v, v.shape, "like"),
              "dg": _empty(g, g.shape, "like"), "dbeta": _empty(beta, beta.shape, "like")}
@@ -106,8 +146,7 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
     for name, src in opt.items():
         if src is not None:
             grads[name] = _empty(src, src.shape, "f32")
-    _encore.kda_backward_out(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, d_o, d_final_state,
-                             *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound), grads["dq"], grads["dk"],
-                             grads["dv"], grads["dg"], grads["dbeta"], grads.get("dh0"), grads.get("dA_log"),
-                             grads.get("ddt_bias"))
+    _encore.kda_backward_out(*_dl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, d_o, d_final_state),
+                             *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
+                             *_dl(*(grads.get(x) for x in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"))))
     return grads

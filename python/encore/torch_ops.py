@@ -1,0 +1,211 @@
+"""encore's public ops as torch.library operators (namespace ``encore``) with fake implementations.
+
+Imported on the first call with torch tensors (or at ``import encore`` when torch is already loaded;
+``import encore.torch_ops`` registers them explicitly), never for numpy-only use. The public
+wrappers send torch tensors (when no explicit stream is given) to torch.ops.encore.<op>; each op's
+kernel is the wrapper's direct path with torch's current stream: the norm family's direct
+implementations (norm._rms_norm, ...), else the public wrapper called with that stream (an explicit
+stream takes the direct path). So the wrappers hold the only calling code, and this module adds
+each op's schema, where its outputs are optional (a Tensor[] of the present ones) the adapter, and
+its fake (meta) implementation: exact shapes, dtypes and strides, so torch.compile(fullgraph=True)
+traces through encore calls. Mutated arguments are marked ``Tensor(a!)`` in the schemas (the
+``mutates_args`` of torch.library.custom_op); no output aliases an input.
+
+Allocating forms are one op; the in-place forms of a public function are ops of their own:
+add_rms_norm_ (h written over ``residual``), add_rms_norm_out (into ``h_out``),
+llama_block_forward_out and kda_forward_out (into the caller's outputs). Workspaces are optional
+mutated arguments.
+
+Autograd: no op has a backward yet; the public wrappers refuse tensors that require grad (under
+grad mode). The training ops will be torch.autograd.Function classes (or
+torch.library.register_autograd) over these same ops, the forward calling torch.ops.encore.<op>
+and saving what its backward op reads; the wrappers' refusal goes away op by op as they land.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import _encore, blocks, gemm, kda, norm, quant
+from ._util import _torch_stream
+
+__all__ = ["OPS"]
+
+OPS = types.SimpleNamespace()  # op name -> torch.ops.encore.<name>.default (what the wrappers call)
+_LIB = torch.library.Library("encore", "DEF")
+_F32 = torch.float32
+
+
+def _define(schema, fake, fn=None, out=None, kernel=None):
+    """Defines encore::<schema> with its fake; the kernel is `kernel`, or else `fn` (a direct path)
+    called with the op's arguments (positionally) and torch's current stream, its result adapted by
+    `out` where given."""
+    name = schema[:schema.index("(")]
+    if kernel is None:
+        def kernel(*args):
+            r = fn(*args, stream=_torch_stream(args[0]))
+            return r if out is None else out(r)
+    _LIB.define(schema)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"encore::{name}", fake, lib=_LIB)
+    setattr(OPS, name, getattr(torch.ops.encore, name).default)
+
+
+def _new(like, shape, dtype=None):
+    return like.new_empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+def _present(outs):
+    """An op's Tensor[]: the outputs that are not None, in order."""
+    return [t for t in outs if t is not None]
+
+
+def _nothing(_):
+    return None  # in-place ops return nothing (an op's output may not alias its input)
+
+
+def _first(outs):
+    return outs[0]
+
+
+# --- norm -------------------------------------------------------------------------------------------------
+
+_NORM = "Tensor x, Tensor residual, Tensor weight, float eps, float weight_offset"
+_define("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset) -> Tensor",
+        lambda x, *_: _new(x, x.shape), norm._rms_norm)
+_define(f"add_rms_norm({_NORM}) -> (Tensor, Tensor)",
+        lambda x, *_: (_new(x, x.shape), _new(x, x.shape)), norm._add_rms_norm)
+_define("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps, float weight_offset) -> Tensor",
+        lambda x, *_: _new(x, x.shape),
+        kernel=lambda x, r, w, eps, off: norm._add_rms_norm(x, r, w, eps, off, r, stream=_torch_stream(x))[0])
+_define(f"add_rms_norm_out({_NORM}, Tensor(a!) h_out) -> Tensor", lambda x, *_: _new(x, x.shape), norm._add_rms_norm, _first)
+_define("qk_norm_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int num_q_heads, int num_kv_heads, int head_dim, "
+        "float eps, float weight_offset) -> ()",
+        lambda *_: None, norm._qk_norm)
+
+# --- quant ------------------------------------------------------------------------------------------------
+
+
+def _fp8_group_quant_fake(x, column_major_scales, power_of_two_scales, eps):
+    m, k = x.shape
+    scales = _new(x, (k // 128, m), _F32).T if column_major_scales else _new(x, (m, k // 128), _F32)
+    return _new(x, (m, k), torch.float8_e4m3fn), scales
+
+
+_define("fp8_group_quant(Tensor x, bool column_major_scales, bool power_of_two_scales, float eps) -> (Tensor, Tensor)",
+        _fp8_group_quant_fake, quant.fp8_group_quant)
+_define("fp8_group_dequant(Tensor q, Tensor scales) -> Tensor", lambda q, s: _new(q, q.shape, _F32), quant.fp8_group_dequant)
+
+# --- gemm -------------------------------------------------------------------------------------------------
+
+
+def _mn(a, w):
+    return a.shape[0], w.shape[0]
+
+
+def _partials(epilogue, a, w, partial_tile_n):
+    """The fake [M, ceil(N / tile width)] float32 partials. The width, when not given, is the host
+    query gemm_partial_tile_n, which reads K only: a symbolic M or N is passed as 1 rather than
+    specialized (test_partial_tile_n_reads_k_only holds the query to that)."""
+    m, (n, k) = a.shape[0], w.shape
+    t = partial_tile_n or _encore.gemm_partial_tile_n(epilogue, m if isinstance(m, int) else 1, n if isinstance(n, int) else 1,
+                                                      int(k))
+    return _new(a, (m, (n + t - 1) // t), _F32)
+
+
+def _gemm_lse_fake(a, w, r, target, store_logits, ignore_index, partial_tile_n):
+    m, n = _mn(a, w)
+    return _present([_partials(gemm._LSE, a, w, partial_tile_n), _new(a, (m, n)) if store_logits else None,
+                     _new(a, (m,), _F32) if target is not None else None])
+
+
+_define("gemm_row_scale(Tensor a, Tensor w, Tensor r, str tile) -> Tensor", lambda a, w, *_: _new(a, _mn(a, w)),
+        gemm.gemm_row_scale)
+_define("gemm_scalar_scale(Tensor a, Tensor w, Tensor alpha, str tile) -> Tensor", lambda a, w, *_: _new(a, _mn(a, w)),
+        gemm.gemm_scalar_scale)
+_define("gemm_residual_rms_partial(Tensor a, Tensor w, Tensor residual, Tensor gamma, int partial_tile_n) "
+        "-> (Tensor, Tensor, Tensor)",
+        lambda a, w, c, gamma, t: (_new(a, _mn(a, w)), _new(a, _mn(a, w)), _partials(gemm._RESIDUAL, a, w, t)),
+        gemm.gemm_residual_rms_partial)
+_define("rms_final_reduce(Tensor partials, int hidden, float eps) -> Tensor", lambda p, *_: _new(p, (p.shape[0],), _F32),
+        gemm.rms_final_reduce)
+_define("gemm_swiglu(Tensor a, Tensor w, Tensor? r, str tile) -> (Tensor, Tensor)",
+        lambda a, w, *_: (_new(a, _mn(a, w)), _new(a, (a.shape[0], w.shape[0] // 2))), gemm.gemm_swiglu)
+_define("gemm_rope(Tensor a, Tensor w, Tensor pos, Tensor freq, Tensor? r, str tile) -> Tensor",
+        lambda a, w, *_: _new(a, _mn(a, w)), gemm.gemm_rope)
+_define("gemm_qkv_head_sqsum(Tensor a, Tensor w, int head_dim) -> (Tensor, Tensor)",
+        lambda a, w, hd: (_new(a, _mn(a, w)), _new(a, (a.shape[0], w.shape[0] // hd), _F32)), gemm.gemm_qkv_head_sqsum)
+_define("qk_norm_rope_(Tensor(a!) qkv, Tensor partials, Tensor q_weight, Tensor k_weight, Tensor pos, Tensor freq, "
+        "int num_q_heads, int num_kv_heads, int head_dim, float eps) -> ()",
+        lambda *_: None, gemm.qk_norm_rope_, _nothing)
+_define("gemm_lse(Tensor a, Tensor w, Tensor? r, Tensor? target, bool store_logits, int ignore_index, int partial_tile_n) "
+        "-> Tensor[]",  # [partials, logits if store_logits, target_logit if target]
+        _gemm_lse_fake, gemm.gemm_lse, _present)
+# lse_finish: [lse, loss if target]
+_define("lse_finish(Tensor partials, Tensor? target, Tensor? target_logit, int ignore_index) -> Tensor[]",
+        lambda p, target, *_: [_new(p, (p.shape[0],), _F32) for _ in range(1 if target is None else 2)],
+        gemm.lse_finish, lambda r: list(r) if isinstance(r, tuple) else [r])
+
+# --- blocks -----------------------------------------------------------------------------------------------
+
+_BLOCK_IN = ("Tensor y0, Tensor x0, Tensor w0, Tensor w1, Tensor w2, Tensor w3, Tensor gamma0, Tensor gamma1, Tensor pos, "
+             "Tensor freq, float eps")
+
+
+def _llama_block_fake(y0, x0, w0, w1, w2, w3, *_):
+    m, d = y0.shape
+    return (_new(y0, (m, d)), _new(y0, (m, d)), _new(y0, (m, w1.shape[0])), _new(y0, (m, w3.shape[0])),
+            _new(y0, (m,), _F32), _new(y0, (m,), _F32))
+
+
+_define(f"llama_block_forward({_BLOCK_IN}, Tensor(a!)? workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _llama_block_fake,
+        kernel=lambda *args: blocks.llama_block_forward(*args[:11], workspace=args[11], stream=_torch_stream(args[0])))
+_define(f"llama_block_forward_out({_BLOCK_IN}, Tensor(a!) x1, Tensor(b!) x2, Tensor(c!) z1, Tensor(d!) qkv, Tensor(e!) r1, "
+        "Tensor(f!) r2, Tensor(g!)? workspace) -> ()",
+        lambda *_: None, kernel=lambda *args: _nothing(
+            blocks.llama_block_forward(*args[:11], out=args[11:17], workspace=args[17], stream=_torch_stream(args[0]))))
+
+# --- kda --------------------------------------------------------------------------------------------------
+
+_KDA_IN = ("Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale, Tensor? initial_state, bool output_final_state, "
+           "bool use_qk_l2norm, bool use_gate_in_kernel, Tensor? A_log, Tensor? dt_bias, float? lower_bound, Tensor? cu_seqlens")
+
+
+def _kda_forward_fake(q, k, v, g, beta, scale, h0, final, l2, gate, A_log, dt_bias, lower, cu, residuals, residual_dtype):
+    b, t, h, kd = q.shape
+    vd = v.shape[3]
+    n = b if cu is None else cu.shape[0] - 1
+    outs = [_new(v, (b, t, h, vd))] + ([_new(q, (n, h, kd, vd), _F32)] if final else [])
+    if not residuals:
+        return outs
+    dt = torch.bfloat16 if residual_dtype == "bfloat16" else _F32
+    # h: the chunks of 64 tokens of all sequences, with cu_seqlens data-dependent
+    nt = b * ((t + 63) // 64) if cu is None else torch.library.get_ctx().new_dynamic_size()
+    shapes = {"G": ((b, t, h, kd), _F32), "Aqk": ((b, t, h, 64), dt), "Akk": ((b, t, h, 64), dt), "h": ((nt, h, kd, vd), dt)}
+    return outs + [_new(q, *shapes[x]) for x in residuals.split(",")]
+
+
+def _kda_forward_kernel(*args):
+    *ins, residuals, residual_dtype = args
+    r = kda.kda_forward(*ins, tuple(residuals.split(",")) if residuals else False, residual_dtype, stream=_torch_stream(args[0]))
+    return [*_present(r[:2]), *(r[2].values() if residuals else ())]
+
+
+def _kda_backward_fake(q, k, v, g, beta, d_o, d_fin, scale, h0, l2, gate, A_log, dt_bias, *_):
+    grads = [_new(x, x.shape) for x in (q, k, v, g, beta)]
+    return grads + [_new(x, x.shape, _F32) for x in (h0, A_log, dt_bias) if x is not None]
+
+
+# residuals: comma-separated names among G, Aqk, Akk, h in that order ("" for none); Tensor[] =
+# [o, final_state if output_final_state, *residuals]. (A mutable op may not return a Tensor[]: the
+# out / workspace form takes no residuals.)
+_define(f"kda_forward({_KDA_IN}, str residuals, str? residual_dtype) -> Tensor[]", _kda_forward_fake, kernel=_kda_forward_kernel)
+_define(f"kda_forward_out({_KDA_IN}, Tensor(a!) o, Tensor(b!)? final_state, Tensor(c!)? workspace) -> ()", lambda *_: None,
+        kernel=lambda *args: _nothing(
+            kda.kda_forward(*args[:14], out=args[14:16], workspace=args[16], stream=_torch_stream(args[0]))))
+_define("kda_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor d_o, Tensor? d_final_state, float? scale, "
+        "Tensor? initial_state, bool use_qk_l2norm, bool use_gate_in_kernel, Tensor? A_log, Tensor? dt_bias, float? lower_bound, "
+        "Tensor? cu_seqlens) -> Tensor[]",  # [dq, dk, dv, dg, dbeta, dh0 / dA_log / ddt_bias where given]
+        _kda_backward_fake, kda.kda_backward, lambda grads: list(grads.values()))
