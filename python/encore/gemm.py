@@ -7,11 +7,14 @@ fp32). Inference only (no autograd).
 from __future__ import annotations
 
 from . import _encore
-from ._util import _empty, _no_autograd, _ops, _stream_for, _via_torch_op, _with_absent
+from ._util import _dl, _empty, _no_autograd, _ops, _stream_for, _via_torch_op, _with_absent
 
-# encore::Epilogue and encore::GemmTile values
-_RESIDUAL, _ROW_SCALE, _SWIGLU, _ROPE, _HEAD_SQSUM, _LSE, _SCALAR = range(7)
-_TILES = {"auto": 0, "cooperative_128x256": 1, "pingpong_128x128": 2, "pingpong_64x256": 3}
+# The catalogue's epilogues (encore/gemm_epilogues.def) and the CUDA tiles, by name.
+Epilogue = _encore.Epilogue
+GemmTile = _encore.GemmTile
+_RESIDUAL, _ROW_SCALE, _SWIGLU, _ROPE = Epilogue.residual_sqsum_aux, Epilogue.row_scale, Epilogue.swiglu, Epilogue.rope
+_HEAD_SQSUM, _LSE, _SCALAR = Epilogue.qkv_head_sqsum, Epilogue.lse, Epilogue.scalar_scale
+_TILES = {t.name: t for t in GemmTile}
 
 
 def _run(epilogue, a, w, *, d=None, aux=None, c=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None,
@@ -20,7 +23,7 @@ def _run(epilogue, a, w, *, d=None, aux=None, c=None, gamma=None, row_scale=None
     _no_autograd(a, w, c, gamma)
     if tile not in _TILES:
         raise ValueError(f"tile: one of {sorted(_TILES)}, got {tile!r}")
-    _encore.gemm_epilogue_out(epilogue, a, w, d, aux, c, gamma, row_scale, pos, freq, alpha, partials, target, target_logit,
+    _encore.gemm_epilogue_out(epilogue, *_dl(a, w, d, aux, c, gamma, row_scale, pos, freq, alpha, partials, target, target_logit),
                               int(partial_tile_n), int(head_dim), int(ignore_index), _TILES[tile], _stream_for(a, stream))
 
 
@@ -34,6 +37,60 @@ def _tiles(epilogue, a, w, partial_tile_n):
     m, n = _mn(a, w)
     t = partial_tile_n or _encore.gemm_partial_tile_n(epilogue, m, n, a.shape[1])
     return (n + t - 1) // t, t
+
+
+def _as_epilogue(epilogue):
+    if isinstance(epilogue, str):
+        try:
+            return Epilogue[epilogue]
+        except KeyError:
+            raise ValueError(f"epilogue: one of {[e.name for e in Epilogue]}, got {epilogue!r}") from None
+    return epilogue
+
+
+def _epilogue_outputs(epilogue, a, w, store_d, partial_tile_n, head_dim, has_target):
+    """What `epilogue` writes, from its catalogue row: [(key, shape, kind)] in the order d, aux,
+    partials, target_logit, and the partials' tile width (0 without per-tile partials). M and N
+    may be symbolic (torch fakes): the width query reads K only, so they are passed as 1 there."""
+    ops, flag = _encore.gemm_epilogue_operands(epilogue), _encore.gemm_operand_flags
+    uses = {name: bool(ops & bit) for name, bit in flag.items()}
+    m, n = _mn(a, w)
+    outs, tile_n = [], 0
+    if uses["d"] or (uses["d_optional"] and store_d):
+        outs.append(("d", (m, n), "like"))
+    if uses["aux"] or uses["aux_half"]:
+        outs.append(("aux", (m, n // 2 if uses["aux_half"] else n), "like"))
+    if uses["tile_partials"]:
+        tile_n = partial_tile_n or _encore.gemm_partial_tile_n(epilogue, m if isinstance(m, int) else 1,
+                                                               n if isinstance(n, int) else 1, int(a.shape[1]))
+        outs.append(("partials", (m, (n + tile_n - 1) // tile_n), "f32"))
+    if uses["head_partials"]:
+        outs.append(("partials", (m, n // head_dim if head_dim > 0 else 0), "f32"))
+    if uses["target"] and has_target:
+        outs.append(("target_logit", (m,), "f32"))
+    return outs, tile_n
+
+
+def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None, target=None,
+                  store_d=True, partial_tile_n=0, head_dim=128, ignore_index=-100, tile="auto", stream=None):
+    """Any epilogue of the catalogue, by name or encore.Epilogue: ``D = epilogue(a @ w.T)``.
+
+    Pass the inputs the epilogue reads (see encore/gemm_epilogues.def: c, gamma, row_scale, pos,
+    freq, alpha, target); the outputs it writes are allocated here and returned in a dict with keys
+    among "d", "aux", "partials", "target_logit" (store_d=False skips an optional D).
+    E.g. ``gemm_epilogue("residual_add", a, w, c=c)["d"]`` = a @ w.T + c.
+    """
+    epilogue = _as_epilogue(epilogue)
+    outs, tile_n = _epilogue_outputs(epilogue, a, w, store_d, partial_tile_n, head_dim, target is not None)
+    if _via_torch_op(stream, a, w, c, gamma, row_scale, pos, freq, alpha, target):
+        got = _ops().gemm_epilogue(epilogue.name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n,
+                                   head_dim, ignore_index, tile)
+        return {key: t for (key, _, _), t in zip(outs, got)}
+    out = {key: _empty(a, shape, kind) for key, shape, kind in outs}
+    _run(epilogue, a, w, d=out.get("d"), aux=out.get("aux"), c=c, gamma=gamma, row_scale=row_scale, pos=pos, freq=freq,
+         alpha=alpha, partials=out.get("partials"), target=target, target_logit=out.get("target_logit"), partial_tile_n=tile_n,
+         head_dim=head_dim, ignore_index=ignore_index, tile=tile, stream=stream)
+    return out
 
 
 def gemm_row_scale(a, w, r, tile="auto", stream=None):
@@ -113,7 +170,7 @@ def qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, num_q_heads: int
                   eps: float = 1e-6, stream=None):
     """In place after gemm_qkv_head_sqsum: per-head RMSNorm of the Q and K heads from their sums of
     squares (partials), times q_weight / k_weight, then RoPE of their column pairs; returns qkv.
-    CPU backend (CUDA: not yet)."""
+    CPU and CUDA backends."""
     if _via_torch_op(stream, qkv, partials, q_weight, k_weight, pos, freq):
         _ops().qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, int(num_q_heads), int(num_kv_heads), int(head_dim),
                              float(eps))

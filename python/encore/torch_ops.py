@@ -142,6 +142,15 @@ _define("qk_norm_rope_(Tensor(a!) qkv, Tensor partials, Tensor q_weight, Tensor 
 _define("gemm_lse(Tensor a, Tensor w, Tensor? r, Tensor? target, bool store_logits, int ignore_index, int partial_tile_n) "
         "-> Tensor[]",  # [partials, logits if store_logits, target_logit if target]
         _gemm_lse_fake, gemm.gemm_lse, _present)
+# gemm_epilogue: any catalogue row by name; [d, aux, partials, target_logit], the ones the row writes
+_define("gemm_epilogue(str epilogue, Tensor a, Tensor w, Tensor? c, Tensor? gamma, Tensor? row_scale, Tensor? pos, Tensor? freq, "
+        "Tensor? alpha, Tensor? target, bool store_d, int partial_tile_n, int head_dim, int ignore_index, str tile) -> Tensor[]",
+        lambda e, a, w, c, g, r, p, f, al, target, store_d, ptn, hd, *_: [
+            _new(a, shape, _F32 if kind == "f32" else None)
+            for _, shape, kind in gemm._epilogue_outputs(gemm._as_epilogue(e), a, w, store_d, ptn, hd, target is not None)[0]],
+        kernel=lambda e, a, w, c, g, r, p, f, al, target, store_d, ptn, hd, ii, tile: list(gemm.gemm_epilogue(
+            e, a, w, c=c, gamma=g, row_scale=r, pos=p, freq=f, alpha=al, target=target, store_d=store_d, partial_tile_n=ptn,
+            head_dim=hd, ignore_index=ii, tile=tile, stream=_torch_stream(a)).values()))
 # lse_finish: [lse, loss if target]
 _define("lse_finish(Tensor partials, Tensor? target, Tensor? target_logit, int ignore_index) -> Tensor[]",
         lambda p, target, *_: [_new(p, (p.shape[0],), _F32) for _ in range(1 if target is None else 2)],

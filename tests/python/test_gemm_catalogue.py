@@ -52,3 +52,19 @@ def test_bad_epilogues_and_operands_are_refused():
         encore.gemm_epilogue("residual_add", a, w)  # c missing
     with pytest.raises(ValueError, match="tile: one of"):
         encore.gemm_epilogue("residual_add", a, w, c=c, tile="huge")
+
+
+def test_generic_entry_through_torch_ops_and_compile():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(5)
+    a, w, c = (torch.randn(s, generator=g) for s in ((7, 16), (12, 16), (7, 12)))
+    eager = encore.gemm_epilogue("residual_add", a, w, c=c)
+    np.testing.assert_allclose(eager["d"].numpy(), a.double().numpy() @ w.double().numpy().T + c.numpy(), rtol=1e-6, atol=1e-6)
+
+    def f(a, w, c):
+        return encore.gemm_epilogue("residual_add", a, w, c=c)["d"] * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(a, w, c), eager["d"] * 2)
+    out = encore.gemm_epilogue("lse", a, w, store_d=False)
+    assert set(out) == {"partials"} and out["partials"].dtype == torch.float32

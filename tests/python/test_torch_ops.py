@@ -85,6 +85,8 @@ def gemm_cases(dev):
             ("qk_norm_rope_", (qkv, hparts, qw, kw, pos, freq_turns(heads, hq + hkv, hd, dev), hq, hkv, hd, 1e-6)),
             ("gemm_lse", (a, w, rs, target, True, -100, 0)),
             ("gemm_lse", (a, w, None, None, False, -100, 0)),
+            ("gemm_epilogue", ("residual_add", a, w, r(m, n), None, None, None, None, None, None, True, 0, 128, -100, "auto")),
+            ("gemm_epilogue", ("lse", a, w, None, None, rs, None, None, None, target, False, 0, 128, -100, "auto")),
             ("lse_finish", (parts, target, tl, -100)),
             ("lse_finish", (parts, None, None, -100))]
 
