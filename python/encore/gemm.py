@@ -39,36 +39,42 @@ def _tiles(epilogue, a, w, partial_tile_n):
     return (n + t - 1) // t, t
 
 
+# The catalogue read once (plain Python, so torch.compile traces the wrappers without calling the
+# binding): row name -> (Epilogue, {operand flag name: bool}).
+_ROWS = {e.name: (e, {f: bool(_encore.gemm_epilogue_operands(e) & bit) for f, bit in _encore.gemm_operand_flags.items()})
+         for e in Epilogue}
+
+
 def _as_epilogue(epilogue):
-    if isinstance(epilogue, str):
-        try:
-            return Epilogue[epilogue]
-        except KeyError:
-            raise ValueError(f"epilogue: one of {[e.name for e in Epilogue]}, got {epilogue!r}") from None
-    return epilogue
+    """The catalogue row's name for `epilogue` (a name or an Epilogue)."""
+    name = epilogue if isinstance(epilogue, str) else getattr(epilogue, "name", None)
+    if name not in _ROWS:
+        raise ValueError(f"epilogue: one of {list(_ROWS)}, got {epilogue!r}")
+    return name
 
 
-def _epilogue_outputs(epilogue, a, w, store_d, partial_tile_n, head_dim, has_target):
-    """What `epilogue` writes, from its catalogue row: [(key, shape, kind)] in the order d, aux,
-    partials, target_logit, and the partials' tile width (0 without per-tile partials). M and N
-    may be symbolic (torch fakes): the width query reads K only, so they are passed as 1 there."""
-    ops, flag = _encore.gemm_epilogue_operands(epilogue), _encore.gemm_operand_flags
-    uses = {name: bool(ops & bit) for name, bit in flag.items()}
+def _epilogue_keys(name, store_d, has_target):
+    """The outputs the row writes, in the order d, aux, partials, target_logit."""
+    uses = _ROWS[name][1]
+    return ([k for k, on in (("d", uses["d"] or (uses["d_optional"] and store_d)), ("aux", uses["aux"] or uses["aux_half"]),
+                             ("partials", uses["tile_partials"] or uses["head_partials"]),
+                             ("target_logit", uses["target"] and has_target)) if on])
+
+
+def _epilogue_outputs(name, a, w, store_d, partial_tile_n, head_dim, has_target):
+    """What row `name` writes: [(key, shape, kind)] in _epilogue_keys' order, and the partials' tile
+    width (0 without per-tile partials). M and N may be symbolic (torch fakes): the width query
+    reads K only, so they are passed as 1 there."""
+    epilogue, uses = _ROWS[name]
     m, n = _mn(a, w)
-    outs, tile_n = [], 0
-    if uses["d"] or (uses["d_optional"] and store_d):
-        outs.append(("d", (m, n), "like"))
-    if uses["aux"] or uses["aux_half"]:
-        outs.append(("aux", (m, n // 2 if uses["aux_half"] else n), "like"))
+    tile_n = 0
     if uses["tile_partials"]:
         tile_n = partial_tile_n or _encore.gemm_partial_tile_n(epilogue, m if isinstance(m, int) else 1,
                                                                n if isinstance(n, int) else 1, int(a.shape[1]))
-        outs.append(("partials", (m, (n + tile_n - 1) // tile_n), "f32"))
-    if uses["head_partials"]:
-        outs.append(("partials", (m, n // head_dim if head_dim > 0 else 0), "f32"))
-    if uses["target"] and has_target:
-        outs.append(("target_logit", (m,), "f32"))
-    return outs, tile_n
+    shapes = {"d": ((m, n), "like"), "aux": ((m, n // 2 if uses["aux_half"] else n), "like"),
+              "partials": ((m, (n + tile_n - 1) // tile_n) if tile_n else (m, n // head_dim if head_dim > 0 else 0), "f32"),
+              "target_logit": ((m,), "f32")}
+    return [(k, *shapes[k]) for k in _epilogue_keys(name, store_d, has_target)], tile_n
 
 
 def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None, target=None,
@@ -80,14 +86,14 @@ def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=Non
     among "d", "aux", "partials", "target_logit" (store_d=False skips an optional D).
     E.g. ``gemm_epilogue("residual_add", a, w, c=c)["d"]`` = a @ w.T + c.
     """
-    epilogue = _as_epilogue(epilogue)
-    outs, tile_n = _epilogue_outputs(epilogue, a, w, store_d, partial_tile_n, head_dim, target is not None)
+    name = _as_epilogue(epilogue)
     if _via_torch_op(stream, a, w, c, gamma, row_scale, pos, freq, alpha, target):
-        got = _ops().gemm_epilogue(epilogue.name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n,
-                                   head_dim, ignore_index, tile)
-        return {key: t for (key, _, _), t in zip(outs, got)}
+        got = _ops().gemm_epilogue(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n, head_dim,
+                                   ignore_index, tile)
+        return dict(zip(_epilogue_keys(name, store_d, target is not None), got))
+    outs, tile_n = _epilogue_outputs(name, a, w, store_d, partial_tile_n, head_dim, target is not None)
     out = {key: _empty(a, shape, kind) for key, shape, kind in outs}
-    _run(epilogue, a, w, d=out.get("d"), aux=out.get("aux"), c=c, gamma=gamma, row_scale=row_scale, pos=pos, freq=freq,
+    _run(_ROWS[name][0], a, w, d=out.get("d"), aux=out.get("aux"), c=c, gamma=gamma, row_scale=row_scale, pos=pos, freq=freq,
          alpha=alpha, partials=out.get("partials"), target=target, target_logit=out.get("target_logit"), partial_tile_n=tile_n,
          head_dim=head_dim, ignore_index=ignore_index, tile=tile, stream=stream)
     return out
