@@ -1,6 +1,7 @@
 """Host cost per call of small encore ops from Python: wall time of back-to-back calls on tiny shapes.
 
-Paths per op: "public" (encore.rms_norm on torch tensors, through torch.ops.encore), "torch_op"
+Paths per op: "public" (encore.rms_norm on plain torch tensors in eager mode: the direct path; under
+torch.compile, a dispatch mode or for tensor subclasses it goes through torch.ops.encore), "torch_op"
 (torch.ops.encore.<op>.default called directly), "direct" (the public function with an explicit
 stream: no torch.ops), "binding" (the raw encore._encore call on the tensors, output preallocated
 and the stream handle cached: nanobind calls Tensor.__dlpack__ per tensor), "binding_capsules" (the

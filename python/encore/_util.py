@@ -63,18 +63,37 @@ def _no_autograd(*tensors):
 
 def _via_torch_op(stream, *arrays):
     """The no-autograd check on `arrays`; then True when the call is to go through torch.ops.encore:
-    no explicit stream and every array (None skipped) a torch tensor. An op's kernel takes the
-    direct path (the wrapper's direct implementation, or the wrapper with torch's current stream)."""
-    every = True
+    no explicit stream, every array (None skipped) a torch tensor, and something to trace it for
+    (torch.compile / export, a dispatch or torch-function mode such as FakeTensorMode or make_fx, or
+    a tensor subclass). Plain eager calls on plain tensors take the direct path, the op's own
+    kernel, without the dispatcher's few microseconds (bench/peers/host_overhead.py)."""
+    every, plain = True, True
     for a in arrays:
         if a is None:
             continue
         if _is_torch(a):
             if a.requires_grad:
                 _no_autograd(a)
+            plain = plain and type(a) is _torch().Tensor
         else:
             every = False
-    return stream is None and every
+    if stream is not None or not every:
+        return False
+    torch = _torch()
+    return not plain or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or \
+        torch._C._is_torch_function_mode_enabled()
+
+
+_TORCH = None
+
+
+def _torch():
+    global _TORCH
+    if _TORCH is None:
+        import torch
+
+        _TORCH = torch
+    return _TORCH
 
 
 _TO_DLPACK = None

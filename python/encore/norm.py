@@ -6,7 +6,7 @@ from ._util import _dl, _empty_like, _ops, _rows, _rows_view, _stream_for, _via_
 
 __all__ = ["rms_norm", "add_rms_norm", "qk_norm_"]
 
-# Each wrapper sends torch tensors (no explicit stream) to torch.ops.encore; the direct
+# Each wrapper sends torch tensors to torch.ops.encore when traced (_util._via_torch_op); the direct
 # implementation below it is the op's kernel (encore.torch_ops) and the path for everything else.
 
 
