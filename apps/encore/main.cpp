@@ -3,7 +3,7 @@
 //   encore check [--cpu]        every op: GPU vs CPU backend on small random shapes (pass/fail table)
 //   encore bench [suite] [--out FILE.json] [--quick]
 //                               benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,
-//                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans; all by default): table + JSON
+//                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans, host_overhead; all by default): table + JSON
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -11,6 +11,7 @@
 
 #include "check.hpp"
 #include "encore/core/device_info.hpp"
+#include "encore/gemm.hpp"
 #ifdef ENCORE_WITH_BENCH
 #include "bench/suites.hpp"
 #endif
@@ -24,7 +25,7 @@ int usage(int code) {
       "  check [--cpu]                run every op against the CPU backend (pass/fail table)\n"
       "  bench [suite ...] [--out FILE] [--quick]\n"
       "                               run benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,\n"
-      "                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans); write JSON to FILE\n");
+      "                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans, host_overhead); write JSON to FILE\n");
   return code;
 }
 
@@ -32,8 +33,16 @@ int info() {
   std::printf("encore %s (commit %s)\n", ENCORE_VERSION_STR, ENCORE_GIT_COMMIT);
   std::printf("  CUDA backend:    %s\n", encore::built_with_cuda() ? "yes (sm_90a)" : "no (ENCORE_CUDA=OFF)");
   if (encore::built_with_cuda()) std::printf("  CUTLASS:         %s\n", ENCORE_CUTLASS_VERSION_STR);
-  std::printf("  kernel families: norm (rms_norm, add_rms_norm, qk_norm), quant (fp8_group_quant),\n"
-              "                   gemm_epilogue (7 epilogues x 2 tiles, finishers, llama_block forward), kda (forward)\n");
+  std::string epilogues;
+  int kernels = 0;
+  for (int i = 0; i < encore::gemm_epilogue_count(); ++i) {
+    const encore::GemmEpilogueInfo* e = encore::gemm_epilogue_info(encore::Epilogue(i));
+    epilogues += (i ? ", " : "") + std::string(e->name);
+    kernels += ((e->tiles & encore::kTileCoop256) != 0) + ((e->tiles & encore::kTilePp128) != 0) + ((e->tiles & encore::kTilePp64) != 0);
+  }
+  std::printf("  kernel families: norm (rms_norm, add_rms_norm, qk_norm), quant (fp8_group_quant), kda (forward; backward on the CPU),\n"
+              "                   gemm (%d epilogues, %d (epilogue, tile) kernels: %s; finishers), blocks (llama_block forward)\n",
+              encore::gemm_epilogue_count(), kernels, epilogues.c_str());
 #ifdef ENCORE_WITH_BENCH
   std::printf("  benchmarks:      yes\n");
 #else
