@@ -1,7 +1,7 @@
 """GEMM-epilogue programs (include/encore/gemm.hpp): ``D = epilogue(a @ w.T)`` with a [M, K] and weights w [N, K].
 
 CPU backend for numpy / CPU torch arrays (fp64 reference), CUDA (CUTLASS Sm90) for CUDA torch
-tensors: bf16/fp16, K and N multiples of 8. Outputs are allocated here in a's dtype (statistics
+tensors: bf16/fp16, K a multiple of 8, N too unless an lse without logits. Outputs are allocated here in a's dtype (statistics
 fp32). Inference only (no autograd).
 """
 from __future__ import annotations

@@ -98,7 +98,12 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, co
     if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::same_dtype(name, *t, "a", a.a));
   const int64_t M = a.a.shape[0], K = a.a.shape[1], N = a.w.shape[0];
   if (K % 8 != 0) return Status::unsupported("a: K = " + std::to_string(K) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
-  if (N % 8 != 0) return Status::unsupported("w: N = " + std::to_string(N) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
+  // [M, N] tiles (D, C, aux) move by TMA, which needs 16-byte rows; without them (lse with no D)
+  // any N works: W's rows are K-contiguous and the epilogue masks the columns past N.
+  const bool n_tiles = a.d.defined() || a.c.defined() || a.aux.defined();
+  if (n_tiles && N % 8 != 0)
+    return Status::unsupported("w: N = " + std::to_string(N) +
+                               " must be a multiple of 8 on CUDA when the epilogue stores or reads [M, N] tiles (16-byte TMA rows)");
   if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31) || K >= (int64_t(1) << 31)) return Status::unsupported("a: M, N, K must be < 2^31");
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"a", &a.a}, {"w", &a.w}, {"d", &a.d}, {"c", &a.c}})
     ENCORE_RETURN_IF_ERROR(tma_rows(name, *t));

@@ -237,6 +237,15 @@ TEST_F(GemmEpilogueGpu, NSlices) {
 
 // Auto slicing: a problem where each CTA would walk more than 200 tiles in one launch (2 M-tiles x
 // 13300 N-tiles of 128 on 132 SMs) runs in slices; LSE with targets (a vocabulary of 1.7M) and row_scale.
+// Without D the LSE takes any vocabulary width (GPT-2's 50257, LLaMA's 128256 + 1), on every tile.
+TEST_F(GemmEpilogueGpu, LseWithoutLogitsTakesAnyN) {
+  for (GemmTile tile : {GemmTile::kCooperative128x256, GemmTile::kPingpong128x128, GemmTile::kPingpong64x256}) {
+    run_case({Epilogue::kLse, DType::kBF16, 77, 4105, 72, 8, true, false, true, tile});
+    run_case({Epilogue::kLse, DType::kFP16, 130, 50257, 64, 0, false, false, true, tile});
+  }
+  run_case({Epilogue::kLse, DType::kBF16, 3, 128257, 64, 0, true, false, true, GemmTile::kPingpong128x128});
+}
+
 TEST_F(GemmEpilogueGpu, AutoSlices) {
   run_case({Epilogue::kLse, DType::kBF16, 3, 13300 * 128 - 64, 16, 0, true, false, true, GemmTile::kPingpong128x128});
   run_case({Epilogue::kRowScale, DType::kBF16, 2, 13300 * 128 - 64, 16, 0, true, true, true, GemmTile::kPingpong128x128});
