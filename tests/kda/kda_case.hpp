@@ -116,7 +116,7 @@ struct KdaCase {
   }
 };
 
-double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+inline double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     if (!std::isfinite(a[i])) return INFINITY;

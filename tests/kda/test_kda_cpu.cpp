@@ -8,6 +8,7 @@
 
 #include "encore/kda.hpp"
 #include "tests/kda/kda_case.hpp"
+#include "tests/kda/kda_grad_check.hpp"
 #include "kda/problem.hpp"
 #include "kda/reference/kda_ref.hpp"
 
@@ -76,14 +77,6 @@ TEST_P(KdaBackward, MatchesFiniteDifferences) {
   for (auto& e : d_o) e = nd(rng);
   for (auto& e : d_fin) e = 0.1 * nd(rng);
 
-  auto loss = [&]() {
-    KdaForwardArgs a = kc.args();
-    EXPECT_TRUE(run(a, kc.opts));
-    double l = 0;
-    for (size_t i = 0; i < kc.o.size(); ++i) l += kc.o[i] * d_o[i];
-    for (size_t i = 0; i < kc.fin.size(); ++i) l += kc.fin[i] * d_fin[i];
-    return l;
-  };
   // Analytic gradients.
   std::vector<double> dq(kc.q.size()), dk(kc.k.size()), dv(kc.v.size()), dg(kc.g.size()), db(kc.beta.size()),
       dh0(kc.init.size()), dA(kc.A_log.size()), ddt(kc.dt_bias.size());
@@ -107,27 +100,7 @@ TEST_P(KdaBackward, MatchesFiniteDifferences) {
   Status st = run(b, kc.opts);
   ASSERT_TRUE(st) << st.to_string();
 
-  auto check = [&](const char* name, std::vector<double>& x, const std::vector<double>& grad) {
-    std::vector<double> fd(x.size());
-    for (size_t i = 0; i < x.size(); ++i) {
-      const double x0 = x[i], h = 1e-6 * std::max(1.0, std::fabs(x0));
-      x[i] = x0 + h;
-      const double lp = loss();
-      x[i] = x0 - h;
-      const double lm = loss();
-      x[i] = x0;
-      fd[i] = (lp - lm) / (2 * h);
-    }
-    EXPECT_LT(rel_err(grad, fd), 1e-6) << name;
-  };
-  check("q", kc.q, dq);
-  check("k", kc.k, dk);
-  check("v", kc.v, dv);
-  check("g", kc.g, dg);
-  check("beta", kc.beta, db);
-  if (c.h0) check("h0", kc.init, dh0);
-  if (!kc.A_log.empty()) check("A_log", kc.A_log, dA);
-  if (!kc.dt_bias.empty()) check("dt_bias", kc.dt_bias, ddt);
+  expect_matches_finite_differences(kc, d_o, d_fin, {&dq, &dk, &dv, &dg, &db, &dh0, &dA, &ddt});
 }
 
 INSTANTIATE_TEST_SUITE_P(

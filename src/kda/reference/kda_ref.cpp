@@ -331,53 +331,64 @@ KdaGrads kda_backward(const kda::KdaProblem& p, const KdaForwardArgs& a, const K
     }
   }
 
+  kda_l2norm_backward(p, in, dqn, dkn, gr);
+  kda_gate_backward(p, a, in, dgact, gr);
+  return gr;
+}
+
+void kda_l2norm_backward(const kda::KdaProblem& p, const KdaInputs& in, const std::vector<double>& dqn, const std::vector<double>& dkn,
+                         KdaGrads& gr) {
   // L2-norm backward: dx = rstd * (dy - y * (dy . y)).
+  const int64_t K = p.K;
+  const size_t nt = size_t(p.B * p.T * p.H);
   gr.dq = dqn;
   gr.dk = dkn;
-  if (p.opts.use_qk_l2norm) {
-    for (size_t r = 0; r < nt; ++r) {
-      for (int which = 0; which < 2; ++which) {
-        const std::vector<double>& y = which ? in.k : in.q;
-        const std::vector<double>& dy = which ? dkn : dqn;
-        std::vector<double>& dx = which ? gr.dk : gr.dq;
-        const double rstd = which ? in.rstd_k[r] : in.rstd_q[r];
-        double dot = 0;
-        for (int64_t c = 0; c < K; ++c) dot += dy[r * size_t(K) + size_t(c)] * y[r * size_t(K) + size_t(c)];
-        for (int64_t c = 0; c < K; ++c) {
-          const size_t i = r * size_t(K) + size_t(c);
-          dx[i] = rstd * (dy[i] - y[i] * dot);
-        }
+  if (!p.opts.use_qk_l2norm) return;
+  for (size_t r = 0; r < nt; ++r) {
+    for (int which = 0; which < 2; ++which) {
+      const std::vector<double>& y = which ? in.k : in.q;
+      const std::vector<double>& dy = which ? dkn : dqn;
+      std::vector<double>& dx = which ? gr.dk : gr.dq;
+      const double rstd = which ? in.rstd_k[r] : in.rstd_q[r];
+      double dot = 0;
+      for (int64_t c = 0; c < K; ++c) dot += dy[r * size_t(K) + size_t(c)] * y[r * size_t(K) + size_t(c)];
+      for (int64_t c = 0; c < K; ++c) {
+        const size_t i = r * size_t(K) + size_t(c);
+        dx[i] = rstd * (dy[i] - y[i] * dot);
       }
     }
   }
-  // Gate backward.
+}
+
+void kda_gate_backward(const kda::KdaProblem& p, const KdaForwardArgs& a, const KdaInputs& in, const std::vector<double>& dgact,
+                       KdaGrads& gr) {
+  const Idx I{p.T, p.H};
+  const int64_t K = p.K;
   gr.dg = dgact;
   gr.dA_log.assign(size_t(p.H), 0.0);
   gr.ddt_bias.assign(size_t(p.H * K), 0.0);
-  if (p.opts.use_gate_in_kernel) {
-    for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t t = 0; t < p.T; ++t)
-        for (int64_t h = 0; h < p.H; ++h)
-          for (int64_t c = 0; c < K; ++c) {
-            const size_t i = size_t(I(b, t, h, c, K));
-            double x = at4(a.g, b, t, h, c);
-            if (a.dt_bias.defined()) x += at1(a.dt_bias, h * K + c);
-            const double dy = dgact[i];
-            const double ea = a.A_log.defined() ? std::exp(at1(a.A_log, h)) : 1.0;
-            double dx;
-            if (p.opts.use_lower_bound) {
-              const double s = sigmoid(ea * x);
-              dx = dy * p.opts.lower_bound * s * (1.0 - s) * ea;
-              gr.dA_log[size_t(h)] += dx * x;  // d/dA of lb * sigmoid(e^A x) = lb * sigmoid' * e^A * x
-            } else {
-              dx = dy * (-ea) * softplus_grad(x);
-              gr.dA_log[size_t(h)] += dy * in.g[i];  // dg/dA_log = g
-            }
-            gr.dg[i] = dx;
-            gr.ddt_bias[size_t(h * K + c)] += dx;
+  if (!p.opts.use_gate_in_kernel) return;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t t = 0; t < p.T; ++t)
+      for (int64_t h = 0; h < p.H; ++h)
+        for (int64_t c = 0; c < K; ++c) {
+          const size_t i = size_t(I(b, t, h, c, K));
+          double x = at4(a.g, b, t, h, c);
+          if (a.dt_bias.defined()) x += at1(a.dt_bias, h * K + c);
+          const double dy = dgact[i];
+          const double ea = a.A_log.defined() ? std::exp(at1(a.A_log, h)) : 1.0;
+          double dx;
+          if (p.opts.use_lower_bound) {
+            const double s = sigmoid(ea * x);
+            dx = dy * p.opts.lower_bound * s * (1.0 - s) * ea;
+            gr.dA_log[size_t(h)] += dx * x;  // d/dA of lb * sigmoid(e^A x) = lb * sigmoid' * e^A * x
+          } else {
+            dx = dy * (-ea) * softplus_grad(x);
+            gr.dA_log[size_t(h)] += dy * in.g[i];  // dg/dA_log = g
           }
-  }
-  return gr;
+          gr.dg[i] = dx;
+          gr.ddt_bias[size_t(h * K + c)] += dx;
+        }
 }
 
 }  // namespace encore::reference

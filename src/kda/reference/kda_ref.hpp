@@ -40,4 +40,13 @@ struct KdaGrads {
 KdaGrads kda_backward(const kda::KdaProblem& p, const KdaForwardArgs& a, const KdaInputs& in, const std::vector<double>& d_o,
                       const std::vector<double>& d_final);
 
+// The chain-rule tails shared by the backwards. kda_l2norm_backward: gr.dq, gr.dk from the gradients
+// w.r.t. the normalized q, k (dx = rstd (dy - y (dy . y)); a copy without the L2 norm).
+// kda_gate_backward: gr.dg (w.r.t. the g passed in), gr.dA_log, gr.ddt_bias from dgact, the gradient
+// w.r.t. the activated log-decay (docs/kda.md; a copy for a precomputed gate, zeros for the others).
+void kda_l2norm_backward(const kda::KdaProblem& p, const KdaInputs& in, const std::vector<double>& dqn, const std::vector<double>& dkn,
+                         KdaGrads& gr);
+void kda_gate_backward(const kda::KdaProblem& p, const KdaForwardArgs& a, const KdaInputs& in, const std::vector<double>& dgact,
+                       KdaGrads& gr);
+
 }  // namespace encore::reference
