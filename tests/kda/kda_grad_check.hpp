@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <vector>
 
 #include "encore/kda.hpp"
@@ -44,7 +45,9 @@ inline void expect_matches_finite_differences(KdaCase& kc, const std::vector<dou
       x[i] = x0;
       fd[i] = (lp - lm) / (2 * h);
     }
-    EXPECT_LT(rel_err(grad, fd), tol) << name;
+    const double e = rel_err(grad, fd);
+    std::printf("[fd] %s: rel RMS err %.3g\n", name, e);
+    EXPECT_LT(e, tol) << name;
   };
   check("q", kc.q, *g.dq);
   check("k", kc.k, *g.dk);

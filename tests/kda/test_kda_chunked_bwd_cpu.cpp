@@ -234,6 +234,33 @@ TEST(KdaChunkedBackwardStages, DetectsWrongInputs) {
   EXPECT_EQ(rel_err(nan_grad, ref.dq), INFINITY);
 }
 
+// The saved-h path on fp32 residuals (a padded, strided h view) read by kda_load_residuals: the
+// gradients within fp32 rounding of the BPTT's, and the rounding visible (not the fp64 path).
+TEST(KdaChunkedBackwardStages, Fp32StridedResiduals) {
+  Problem pr;
+  pr.make(kShapes[0], Gate::kSoftplusBias, true, true, true, 31);
+  if (HasFatalFailure()) return;
+  const int64_t B = pr.p.B, T = pr.p.T, H = pr.p.H, K = pr.p.K, V = pr.p.V, Vp = V + 3;
+  std::vector<float> G(size_t(B * T * H * K), NAN), Aqk(size_t(B * T * H * 64), NAN), Akk(Aqk.size(), NAN),
+      h(size_t(pr.nt * H * K * Vp), NAN);
+  KdaForwardArgs a = pr.kc.args();
+  a.residuals.G = TensorView::contiguous(G.data(), DType::kFP32, {B, T, H, K});
+  a.residuals.Aqk = TensorView::contiguous(Aqk.data(), DType::kFP32, {B, T, H, 64});
+  a.residuals.Akk = TensorView::contiguous(Akk.data(), DType::kFP32, {B, T, H, 64});
+  a.residuals.h = TensorView::strided(h.data(), DType::kFP32, {pr.nt, H, K, V}, {H * K * Vp, K * Vp, Vp, 1});
+  Status st = run(a, pr.kc.opts);
+  ASSERT_TRUE(st) << st.to_string();
+  const reference::KdaSavedResiduals saved = reference::kda_load_residuals(a.residuals);
+  EXPECT_LT(rel_err(saved.h, pr.saved.h), 1e-6);
+  const reference::KdaGrads ref = reference::kda_backward(pr.p, pr.a, pr.in, pr.d_o, pr.d_fin);
+  const reference::KdaGrads g = reference::kda_chunked_backward(pr.p, pr.a, pr.in, pr.d_o, pr.d_fin, &saved);
+  for (auto [name, x, y] : {std::tuple{"dq", &g.dq, &ref.dq}, {"dk", &g.dk, &ref.dk}, {"dv", &g.dv, &ref.dv}, {"dg", &g.dg, &ref.dg},
+                            {"dbeta", &g.dbeta, &ref.dbeta}, {"dh0", &g.dh0, &ref.dh0}, {"dA_log", &g.dA_log, &ref.dA_log},
+                            {"ddt_bias", &g.ddt_bias, &ref.ddt_bias}})
+    expect_close(name, *x, *y, 1e-4);
+  EXPECT_GT(rel_err(g.dq, ref.dq), 1e-12);  // the fp32 residuals were read, not recomputed
+}
+
 // Central finite differences of the loss against the chunked backward, for every input; tiny cases
 // crossing a chunk boundary (66 rows) with an empty segment, and fixed B = 2 with T = 65.
 struct FdCase {
