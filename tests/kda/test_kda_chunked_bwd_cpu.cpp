@@ -31,7 +31,9 @@ double expect_close(const char* name, const std::vector<double>& got, const std:
     EXPECT_TRUE(std::isfinite(x)) << name << ": reference not finite";
     ref_sq += x * x;
   }
-  if (nonzero) EXPECT_GT(ref_sq, 0.0) << name << ": reference is all zero";
+  if (nonzero) {
+    EXPECT_GT(ref_sq, 0.0) << name << ": reference is all zero";
+  }
   const double e = rel_err(got, ref);  // INFINITY when got holds a NaN / Inf
   EXPECT_LT(e, tol) << name;
   return e;
