@@ -17,12 +17,19 @@ _HEAD_SQSUM, _LSE, _SCALAR = Epilogue.qkv_head_sqsum, Epilogue.lse, Epilogue.sca
 _TILES = {t.name: t for t in GemmTile}
 
 
+def _tile_name(tile):
+    """A tile as its name (the torch ops take str): a GemmTile or one of its names."""
+    name = getattr(tile, "name", tile)
+    if name not in _TILES:
+        raise ValueError(f"tile: one of {sorted(_TILES)}, got {tile!r}")
+    return name
+
+
 def _run(epilogue, a, w, *, d=None, aux=None, c=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None,
          partials=None, target=None, target_logit=None, partial_tile_n=0, head_dim=128, ignore_index=-100, tile="auto",
          stream=None):
     _no_autograd(a, w, c, gamma)
-    if tile not in _TILES:
-        raise ValueError(f"tile: one of {sorted(_TILES)}, got {tile!r}")
+    tile = _tile_name(tile)
     _encore.gemm_epilogue_out(epilogue, *_dl(a, w, d, aux, c, gamma, row_scale, pos, freq, alpha, partials, target, target_logit),
                               int(partial_tile_n), int(head_dim), int(ignore_index), _TILES[tile], _stream_for(a, stream))
 
@@ -89,7 +96,7 @@ def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=Non
     name = _as_epilogue(epilogue)
     if _via_torch_op(stream, a, w, c, gamma, row_scale, pos, freq, alpha, target):
         got = _ops().gemm_epilogue(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n, head_dim,
-                                   ignore_index, tile)
+                                   ignore_index, _tile_name(tile))
         return dict(zip(_epilogue_keys(name, store_d, target is not None), got))
     outs, tile_n = _epilogue_outputs(name, a, w, store_d, partial_tile_n, head_dim, target is not None)
     out = {key: _empty(a, shape, kind) for key, shape, kind in outs}
@@ -102,7 +109,7 @@ def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=Non
 def gemm_row_scale(a, w, r, tile="auto", stream=None):
     """D = r[:, None] * (a @ w.T); r [M] float32 (RMSNorm applied after the GEMM)."""
     if _via_torch_op(stream, a, w, r):
-        return _ops().gemm_row_scale(a, w, r, tile)
+        return _ops().gemm_row_scale(a, w, r, _tile_name(tile))
     m, n = _mn(a, w)
     d = _empty(a, (m, n), "like")
     _run(_ROW_SCALE, a, w, d=d, row_scale=r, tile=tile, stream=stream)
@@ -112,7 +119,7 @@ def gemm_row_scale(a, w, r, tile="auto", stream=None):
 def gemm_scalar_scale(a, w, alpha, tile="auto", stream=None):
     """D = alpha[0] * (a @ w.T); alpha [1] float32, read from (device) memory."""
     if _via_torch_op(stream, a, w, alpha):
-        return _ops().gemm_scalar_scale(a, w, alpha, tile)
+        return _ops().gemm_scalar_scale(a, w, alpha, _tile_name(tile))
     m, n = _mn(a, w)
     d = _empty(a, (m, n), "like")
     _run(_SCALAR, a, w, d=d, alpha=alpha, tile=tile, stream=stream)
@@ -144,7 +151,7 @@ def gemm_swiglu(a, w, r=None, tile="auto", stream=None):
     """z = r[:, None] * (a @ w.T) over interleaved gate/up columns (see interleave_gate_up).
     Returns (z [M, N], silu(z[:, 0::2]) * z[:, 1::2] [M, N // 2])."""
     if _via_torch_op(stream, a, w, r):
-        return _ops().gemm_swiglu(a, w, r, tile)
+        return _ops().gemm_swiglu(a, w, r, _tile_name(tile))
     m, n = _mn(a, w)
     z, y = _empty(a, (m, n), "like"), _empty(a, (m, n // 2), "like")
     _run(_SWIGLU, a, w, d=z, aux=y, row_scale=r, tile=tile, stream=stream)
@@ -155,7 +162,7 @@ def gemm_rope(a, w, pos, freq, r=None, tile="auto", stream=None):
     """RoPE(r[:, None] * (a @ w.T)): column pairs (2j, 2j+1) rotated by 2*pi*pos[m]*f_j, f_j =
     freq[2j] + freq[2j+1] (see rope_freq_turns); pos [M] int32."""
     if _via_torch_op(stream, a, w, pos, freq, r):
-        return _ops().gemm_rope(a, w, pos, freq, r, tile)
+        return _ops().gemm_rope(a, w, pos, freq, r, _tile_name(tile))
     m, n = _mn(a, w)
     d = _empty(a, (m, n), "like")
     _run(_ROPE, a, w, d=d, row_scale=r, pos=pos, freq=freq, tile=tile, stream=stream)

@@ -68,3 +68,17 @@ def test_generic_entry_through_torch_ops_and_compile():
     torch.testing.assert_close(compiled(a, w, c), eager["d"] * 2)
     out = encore.gemm_epilogue("lse", a, w, store_d=False)
     assert set(out) == {"partials"} and out["partials"].dtype == torch.float32
+
+
+def test_tiles_by_enum_or_name():
+    a, w = np.ones((4, 8), np.float32), np.ones((6, 8), np.float32)
+    r = np.ones(4, np.float32)
+    np.testing.assert_array_equal(encore.gemm_row_scale(a, w, r, tile=encore.GemmTile.pingpong_128x128),
+                                  encore.gemm_row_scale(a, w, r, tile="pingpong_128x128"))
+    torch = pytest.importorskip("torch")
+    ta, tw, tr = torch.from_numpy(a), torch.from_numpy(w), torch.from_numpy(r)
+
+    def f(a, w, r):
+        return encore.gemm_row_scale(a, w, r, tile=encore.GemmTile.cooperative_128x256)
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(ta, tw, tr), torch.from_numpy(a @ w.T))
