@@ -2,6 +2,11 @@
 # compiled for CMAKE_CUDA_ARCHITECTURES (90a by default) with the project's device flags.
 function(encore_add_kernel_family family)
   set(target encore_kernels_${family})
+  if(NOT ARGN)  # a family with no kernels yet (moe: CPU only): an empty interface library
+    add_library(${target} INTERFACE)
+    target_link_libraries(${target} INTERFACE encore_core)
+    return()
+  endif()
   add_library(${target} STATIC ${ARGN})
   target_link_libraries(${target} PUBLIC encore_core)
   target_compile_options(${target} PRIVATE

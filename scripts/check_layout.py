@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FAMILIES = ("norm", "quant", "gemm", "kda")
+FAMILIES = ("norm", "quant", "gemm", "kda", "moe")
 BOTTOM = {"problem.hpp", "testing.hpp", "fp8_scale.hpp"}
 SOURCE = (".cpp", ".hpp", ".cu", ".cuh", ".py", ".sh", ".cmake", ".in", ".def")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

@@ -10,5 +10,6 @@
 #include "encore/blocks/llama.hpp"
 #include "encore/gemm.hpp"
 #include "encore/kda.hpp"
+#include "encore/moe.hpp"
 #include "encore/norm.hpp"
 #include "encore/quant.hpp"

@@ -1,0 +1,48 @@
+// MoE combine: validate -> problem -> CPU reference (fp32, slot order, one fma per slot).
+#include <string>
+
+#include "core/checks.hpp"
+#include "encore/moe.hpp"
+#include "moe/args.hpp"
+#include "moe/problem.hpp"
+#include "moe/reference/moe_ref.hpp"
+
+namespace encore {
+
+Status moe::validate_combine_shapes(const MoeCombineArgs& a) {
+  ENCORE_RETURN_IF_ERROR(check_rows("expert_out", a.expert_out, -1, a.expert_out.ndim == 2 ? a.expert_out.shape[1] : 0, "[R, D]",
+                                    "expert_out", a.expert_out));
+  const int64_t D = a.expert_out.shape[1];
+  ENCORE_RETURN_IF_ERROR(checks::present("slot_rows", a.slot_rows));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("slot_rows", a.slot_rows, 2, "[T, k]"));
+  const int64_t T = a.slot_rows.shape[0], k = a.slot_rows.shape[1];
+  ENCORE_RETURN_IF_ERROR(check_map("slot_rows", a.slot_rows, DType::kInt32, T, k, "[T, k]", "expert_out", a.expert_out));
+  ENCORE_RETURN_IF_ERROR(check_map("topk_weights", a.topk_weights, DType::kFP32, T, k, "[T, k]", "expert_out", a.expert_out));
+  ENCORE_RETURN_IF_ERROR(check_rows("out", a.out, T, D, "[T, D]", "expert_out", a.expert_out));
+  return no_overlaps({{"out", &a.out}, {"expert_out", &a.expert_out}, {"slot_rows", &a.slot_rows}, {"topk_weights", &a.topk_weights}});
+}
+
+Status validate(const MoeCombineArgs& a, const MoeCombineOptions&) {
+  ENCORE_RETURN_IF_ERROR(moe::validate_combine_shapes(a));
+  if (a.expert_out.device.is_cuda()) return moe::not_yet_on_cuda("expert_out", a.expert_out);
+  const auto* rows = static_cast<const int32_t*>(a.slot_rows.data);
+  const int64_t R = a.expert_out.shape[0];
+  for (int64_t t = 0; t < a.slot_rows.shape[0]; ++t)
+    for (int64_t j = 0; j < a.slot_rows.shape[1]; ++j) {
+      const int32_t r = rows[t * a.slot_rows.strides[0] + j];
+      if (r < 0 || r >= R)
+        return Status::invalid("slot_rows: entry [" + std::to_string(t) + ", " + std::to_string(j) + "] = " + std::to_string(r) +
+                               " is outside expert_out's rows [0, " + std::to_string(R) + ")");
+    }
+  return Status::ok();
+}
+
+size_t workspace_bytes(const MoeCombineArgs&, const MoeCombineOptions&) { return 0; }
+
+Status run(const MoeCombineArgs& a, const MoeCombineOptions& o, void*, Stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, o));
+  reference::moe_combine(moe::make_combine_problem(a));
+  return Status::ok();
+}
+
+}  // namespace encore

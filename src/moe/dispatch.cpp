@@ -1,0 +1,80 @@
+// MoE dispatch: validate -> problem -> CPU reference (counts, padded offsets, slot maps, gather).
+#include <string>
+
+#include "core/checks.hpp"
+#include "encore/moe.hpp"
+#include "moe/args.hpp"
+#include "moe/problem.hpp"
+#include "moe/reference/moe_ref.hpp"
+
+namespace encore {
+
+int64_t moe_permuted_rows(int64_t tokens, int top_k, int num_experts, int align_m) {
+  const int64_t pairs = tokens * top_k;
+  return pairs + (pairs < num_experts ? pairs : num_experts) * (align_m - 1);
+}
+
+namespace moe {
+
+Status validate_dispatch_shapes(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
+  if (o.num_experts < 1 || o.num_experts >= (1 << 20))
+    return Status::invalid("num_experts: must be in [1, 2^20), got " + std::to_string(o.num_experts));
+  if (o.align_m < 1 || o.align_m > 1024 || (o.align_m & (o.align_m - 1)) != 0)
+    return Status::invalid("align_m: must be a power of two in [1, 1024], got " + std::to_string(o.align_m));
+  const TensorView& ids = a.topk_ids;
+  ENCORE_RETURN_IF_ERROR(checks::present("topk_ids", ids));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("topk_ids", ids, 2, "[T, k]"));
+  const int64_t T = ids.shape[0], k = ids.shape[1], E = o.num_experts;
+  if (k > E) return Status::invalid("topk_ids: k = " + std::to_string(k) + " columns, but must be in [1, num_experts = " + std::to_string(E) + "]");
+  ENCORE_RETURN_IF_ERROR(check_map("topk_ids", ids, DType::kInt32, T, k, "[T, k]", "topk_ids", ids));
+  const int64_t R = moe_permuted_rows(T, int(k), int(E), o.align_m);
+  if (R >= (int64_t(1) << 31)) return Status::unsupported("topk_ids: the permuted buffer would need " + std::to_string(R) + " rows (>= 2^31)");
+  ENCORE_RETURN_IF_ERROR(check_vector("expert_counts", a.expert_counts, DType::kInt32, E, false, "[E]", "topk_ids", ids));
+  ENCORE_RETURN_IF_ERROR(check_vector("expert_offsets", a.expert_offsets, DType::kInt32, E + 1, false, "[E + 1]", "topk_ids", ids));
+  ENCORE_RETURN_IF_ERROR(check_map("slot_rows", a.slot_rows, DType::kInt32, T, k, "[T, k]", "topk_ids", ids));
+  const std::string need = "moe_permuted_rows(T, k, E, align_m) = " + std::to_string(R);
+  ENCORE_RETURN_IF_ERROR(check_vector("row_slots", a.row_slots, DType::kInt32, R, true, need.c_str(), "topk_ids", ids));
+  if (a.row_slots.shape[0] >= (int64_t(1) << 31)) return Status::unsupported("row_slots: at most 2^31 - 1 rows");
+  if (a.x.defined() != a.x_permuted.defined())
+    return Status::invalid(std::string(a.x.defined() ? "x_permuted" : "x") + ": x and x_permuted are given together or not at all");
+  if (a.x.defined()) {
+    ENCORE_RETURN_IF_ERROR(check_rows("x", a.x, T, a.x.ndim == 2 ? a.x.shape[1] : 0, "[T, D]", "topk_ids", ids));
+    ENCORE_RETURN_IF_ERROR(check_rows("x_permuted", a.x_permuted, a.row_slots.shape[0], a.x.shape[1], "[R, D]", "x", a.x, &a.x.dtype));
+  }
+  ENCORE_RETURN_IF_ERROR(no_overlaps({{"expert_counts", &a.expert_counts}, {"expert_offsets", &a.expert_offsets}, {"slot_rows", &a.slot_rows},
+                                      {"row_slots", &a.row_slots}, {"x_permuted", &a.x_permuted}, {"topk_ids", &a.topk_ids}, {"x", &a.x}}));
+  return Status::ok();
+}
+
+}  // namespace moe
+
+Status validate(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
+  ENCORE_RETURN_IF_ERROR(moe::validate_dispatch_shapes(a, o));
+  if (a.topk_ids.device.is_cuda()) return moe::not_yet_on_cuda("topk_ids", a.topk_ids);
+  const auto* ids = static_cast<const int32_t*>(a.topk_ids.data);
+  for (int64_t t = 0; t < a.topk_ids.shape[0]; ++t)
+    for (int64_t j = 0; j < a.topk_ids.shape[1]; ++j) {
+      const int32_t e = ids[t * a.topk_ids.strides[0] + j];
+      if (e < 0 || e >= o.num_experts)
+        return Status::invalid("topk_ids: entry [" + std::to_string(t) + ", " + std::to_string(j) + "] = " + std::to_string(e) +
+                               " is outside [0, num_experts = " + std::to_string(o.num_experts) + ")");
+    }
+  return Status::ok();
+}
+
+size_t workspace_bytes(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
+  const int64_t T = a.topk_ids.ndim == 2 ? a.topk_ids.shape[0] : 0;
+  const int k = a.topk_ids.ndim == 2 ? int(a.topk_ids.shape[1]) : 0;
+  return moe::plan_moe_dispatch(T, k, o.num_experts < 0 ? 0 : o.num_experts, 0).workspace_bytes;
+}
+
+Status run(const MoeDispatchArgs& a, const MoeDispatchOptions& o, void* workspace, Stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, o));
+  if (workspace == nullptr || !checks::aligned(workspace, 16))
+    return Status::invalid("workspace: a 16-byte aligned buffer of workspace_bytes(args, opts) = " + std::to_string(workspace_bytes(a, o)) +
+                           " bytes is required");
+  reference::moe_dispatch(moe::make_dispatch_problem(a, o, workspace));
+  return Status::ok();
+}
+
+}  // namespace encore

@@ -1,0 +1,101 @@
+// The moe family's bottom: validated routing, dispatch, expert-MLP and combine problems (raw pointers,
+// strides in elements), shared by the CPU reference and the coming CUDA kernels, and the dispatch plan.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "encore/core/dtype.hpp"
+
+namespace encore::moe {
+
+constexpr size_t kBufferAlign = 256;  // bytes: alignment of workspaces and of each carved buffer
+
+inline size_t round_up_bytes(size_t n, size_t a = kBufferAlign) { return (n + a - 1) / a * a; }
+
+struct RoutingProblem {
+  const void* logits = nullptr;
+  DType logits_dtype = DType::kFP32;
+  int64_t logits_stride = 0;
+  const void* bias = nullptr;  // nullptr: no correction bias
+  DType bias_dtype = DType::kFP32;
+  int64_t bias_stride = 1;
+  int32_t* topk_ids = nullptr;
+  int64_t ids_stride = 0;
+  float* topk_weights = nullptr;
+  int64_t weights_stride = 0;
+  int64_t tokens = 0;
+  int num_experts = 0, top_k = 0;
+  bool sigmoid = false, renormalize = true;
+  int n_group = 1, topk_group = 1;
+  float routed_scaling_factor = 1.0f;
+};
+
+struct DispatchProblem {
+  const int32_t* topk_ids = nullptr;
+  int64_t ids_stride = 0;
+  int64_t tokens = 0;
+  int top_k = 0, num_experts = 0, align_m = 1;
+  int32_t* counts = nullptr;   // [E], stride 1 (validated contiguous)
+  int32_t* offsets = nullptr;  // [E + 1]
+  int32_t* slot_rows = nullptr;
+  int64_t slot_stride = 0;
+  int32_t* row_slots = nullptr;  // [rows]
+  int64_t rows = 0;              // R
+  const void* x = nullptr;       // nullptr: maps only
+  int64_t x_stride = 0;
+  void* x_permuted = nullptr;
+  int64_t xp_stride = 0;
+  int64_t hidden = 0;
+  DType dtype = DType::kBF16;
+  int32_t* cursors = nullptr;  // workspace: [E]
+};
+
+// Per-expert SwiGLU MLP over the permuted rows (moe_forward's middle): rows of expert e are
+// [offsets[e], offsets[e] + counts[e]); the padding up to offsets[e + 1] is zeroed in act and y.
+struct ExpertMlpProblem {
+  const void* x_permuted = nullptr;
+  int64_t xp_stride = 0;
+  void* act = nullptr;  // [R, F]
+  int64_t act_stride = 0;
+  void* y = nullptr;  // [R, D]
+  int64_t y_stride = 0;
+  const void* w13 = nullptr;  // [E, 2F, D]
+  int64_t w13_stride_e = 0, w13_stride_n = 0;
+  const void* w2 = nullptr;  // [E, D, F]
+  int64_t w2_stride_e = 0, w2_stride_n = 0;
+  const int32_t* counts = nullptr;
+  const int32_t* offsets = nullptr;
+  int num_experts = 0;
+  int64_t hidden = 0, intermediate = 0;
+  DType dtype = DType::kBF16;
+};
+
+struct CombineProblem {
+  const void* expert_out = nullptr;
+  int64_t eo_stride = 0;
+  DType eo_dtype = DType::kBF16;
+  const int32_t* slot_rows = nullptr;
+  int64_t slot_stride = 0;
+  const float* weights = nullptr;
+  int64_t weights_stride = 0;
+  void* out = nullptr;
+  int64_t out_stride = 0;
+  DType out_dtype = DType::kBF16;
+  int64_t tokens = 0, hidden = 0;
+  int top_k = 0;
+};
+
+// How the CUDA dispatch will run (plan.cpp): decode (few (token, k) pairs): one block counts, scans and
+// scatters in shared memory; prefill: a counting pass, a scan of E counts, then the scatter and gather.
+enum class DispatchPath : uint8_t { kSingleBlock, kCountThenScatter };
+
+struct DispatchPlan {
+  DispatchPath path = DispatchPath::kSingleBlock;
+  int threads = 256;
+  long long grid = 1;          // blocks of the scatter / gather pass
+  size_t workspace_bytes = 0;  // the scatter cursors, E int32 rounded up to kBufferAlign
+};
+
+DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int sm_count);
+
+}  // namespace encore::moe
