@@ -11,6 +11,7 @@ void bind_quant(nb::module_& m);
 void bind_gemm(nb::module_& m);
 void bind_blocks(nb::module_& m);
 void bind_kda(nb::module_& m);
+void bind_moe(nb::module_& m);
 }  // namespace encore::python
 
 NB_MODULE(_encore, m) {
@@ -24,4 +25,5 @@ NB_MODULE(_encore, m) {
   bind_gemm(m);
   bind_blocks(m);
   bind_kda(m);
+  bind_moe(m);
 }
