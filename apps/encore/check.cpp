@@ -22,7 +22,7 @@ int run_check(bool force_cpu) {
   std::mt19937_64 rng(std::random_device{}());
   std::vector<CheckRow> rows;
   // One family after another, in this order (the table's row order).
-  for (auto* family : {check_norm, check_quant, check_gemm, check_kda})
+  for (auto* family : {check_norm, check_quant, check_gemm, check_kda, check_moe})
     for (CheckRow& r : family(gpu, rng)) rows.push_back(std::move(r));
 
   std::printf("%-16s %-12s %-6s %-11s %-10s %s\n", "op", "shape", "dtype", "mode", "error", "result");

@@ -23,5 +23,6 @@ std::vector<CheckRow> check_norm(bool gpu, std::mt19937_64& rng);   // rms_norm,
 std::vector<CheckRow> check_quant(bool gpu, std::mt19937_64& rng);  // fp8_group_quant
 std::vector<CheckRow> check_gemm(bool gpu, std::mt19937_64& rng);   // every GEMM epilogue of the catalogue
 std::vector<CheckRow> check_kda(bool gpu, std::mt19937_64& rng);    // kda_forward
+std::vector<CheckRow> check_moe(bool gpu, std::mt19937_64& rng);    // moe routing, dispatch, combine, forward (CPU)
 
 }  // namespace encore::app
