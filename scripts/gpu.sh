@@ -162,8 +162,8 @@ pass_check() {
 # every catalogue epilogue on every tile, the LSE variants and the finishers, KDA and the block;
 # racecheck on the kernels with hand-written shared-memory synchronization (norm, QK-norm, KDA,
 # the finishers).
-memcheck_default='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:QuantGpu.EveryKernelVariant:GemmEpilogueGpu.EveryEpilogueOnEveryTile:GemmEpilogueGpu.LseVariants:GemmEpilogueGpu.Finishers:GemmEpilogueGpu.QkNormRopeFinish:KdaGpu.*:LlamaBlockGpu.*'
-racecheck_default='NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:GemmEpilogueGpu.Finishers:KdaGpu.*'
+memcheck_default='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:QuantGpu.EveryKernelVariant:GemmEpilogueGpu.EveryEpilogueOnEveryTile:GemmEpilogueGpu.LseVariants:GemmEpilogueGpu.Finishers:GemmEpilogueGpu.QkNormRopeFinish:KdaGpu.*:LlamaBlockGpu.*:MoeGpu.SmallShapesEveryKernel:MoeGpu.BadInputsOnCuda'
+racecheck_default='NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:GemmEpilogueGpu.Finishers:KdaGpu.*:MoeGpu.SmallShapesEveryKernel'
 pass_sanitize() {
   need "$BUILD/tests/encore_tests_gpu" "run the build pass first" || return
   command -v compute-sanitizer >/dev/null || need compute-sanitizer "not on PATH" || return

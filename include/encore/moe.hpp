@@ -30,7 +30,8 @@
 // x_perm [R, D] with R >= moe_permuted_rows(T, k, E, align_m); x, out [T, D] bf16/fp16/fp32; all with a
 // unit last stride. The three ops run alone (serving engines own their GEMMs) or inside moe_forward,
 // whose intermediate buffers the caller allocates once (moe_buffers_bytes, moe_buffers_carve).
-// Backends: the CPU reference only for now; CUDA tensors get an unsupported Status (docs/moe.md).
+// Backends: the CPU reference for every op; CUDA for routing, dispatch and combine (src/moe/cuda);
+// moe_forward on CUDA tensors gets an unsupported Status until its grouped GEMMs land (docs/moe.md).
 #pragma once
 #include <cstddef>
 #include <cstdint>

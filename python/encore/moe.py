@@ -1,5 +1,6 @@
-"""The moe family (single GPU, TP = 1): routing, dispatch, combine and the layer, on the CPU backend
-for now (numpy arrays and CPU torch tensors; CUDA tensors raise "not yet on CUDA"). The math, shapes
+"""The moe family (single GPU, TP = 1): routing, dispatch, combine and the layer. Routing, dispatch
+and combine run on numpy / CPU torch (CPU backend) and CUDA torch tensors; moe_forward on the CPU
+backend only for now (CUDA tensors raise "not yet on CUDA"). The math, shapes
 and conventions are in include/encore/moe.hpp and docs/moe.md. torch.library registration (torch.ops.encore)
 comes with the CUDA kernels; torch tensors take the direct path meanwhile."""
 from __future__ import annotations

@@ -1,4 +1,5 @@
-// MoE dispatch: validate -> problem -> CPU reference (counts, padded offsets, slot maps, gather).
+// MoE dispatch: validate -> problem + plan -> CPU reference or CUDA kernels (counts, padded offsets,
+// slot maps, gather; src/moe/cuda/dispatch.cu).
 #include <string>
 
 #include "core/checks.hpp"
@@ -6,6 +7,10 @@
 #include "moe/args.hpp"
 #include "moe/problem.hpp"
 #include "moe/reference/moe_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "encore/core/device_info.hpp"
+#include "moe/cuda/launch.hpp"
+#endif
 
 namespace encore {
 
@@ -50,7 +55,17 @@ Status validate_dispatch_shapes(const MoeDispatchArgs& a, const MoeDispatchOptio
 
 Status validate(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
   ENCORE_RETURN_IF_ERROR(moe::validate_dispatch_shapes(a, o));
-  if (a.topk_ids.device.is_cuda()) return moe::not_yet_on_cuda("topk_ids", a.topk_ids);
+  if (a.topk_ids.device.is_cuda()) {
+#ifdef ENCORE_WITH_CUDA
+    // Device ids are not scanned here (that would synchronize): the kernels skip ids outside [0, E).
+    if (o.num_experts > moe::kCudaDispatchMaxExperts)
+      return Status::unsupported("num_experts: " + std::to_string(o.num_experts) + "; CUDA dispatch takes at most " +
+                                 std::to_string(moe::kCudaDispatchMaxExperts) + " experts");
+    return Status::ok();
+#else
+    return Status::unsupported("topk_ids: on " + a.topk_ids.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+  }
   const auto* ids = static_cast<const int32_t*>(a.topk_ids.data);
   for (int64_t t = 0; t < a.topk_ids.shape[0]; ++t)
     for (int64_t j = 0; j < a.topk_ids.shape[1]; ++j) {
@@ -68,11 +83,20 @@ size_t workspace_bytes(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
   return moe::plan_moe_dispatch(T, k, o.num_experts < 0 ? 0 : o.num_experts, 0).workspace_bytes;
 }
 
-Status run(const MoeDispatchArgs& a, const MoeDispatchOptions& o, void* workspace, Stream) {
+Status run(const MoeDispatchArgs& a, const MoeDispatchOptions& o, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
   if (workspace == nullptr || !checks::aligned(workspace, 16))
     return Status::invalid("workspace: a 16-byte aligned buffer of workspace_bytes(args, opts) = " + std::to_string(workspace_bytes(a, o)) +
                            " bytes is required");
+  if (a.topk_ids.device.is_cuda()) {
+#ifdef ENCORE_WITH_CUDA
+    const DeviceInfo* info = nullptr;
+    ENCORE_RETURN_IF_ERROR(get_device_info(a.topk_ids.device.index, &info));
+    const moe::DispatchPlan plan = moe::plan_moe_dispatch(a.topk_ids.shape[0], int(a.topk_ids.shape[1]), o.num_experts, info->sm_count);
+    return cuda::launch_moe_dispatch(moe::make_dispatch_problem(a, o, workspace), plan, a.topk_ids.device.index, stream);
+#endif
+  }
+  (void)stream;
   reference::moe_dispatch(moe::make_dispatch_problem(a, o, workspace));
   return Status::ok();
 }

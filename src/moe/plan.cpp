@@ -1,16 +1,16 @@
-// Launch plan of the coming CUDA MoE dispatch: one block for decode-sized batches, count-then-scatter
+// Launch plan of the CUDA MoE dispatch: one block for decode-sized batches, count-then-scatter
 // otherwise (thresholds from public code for now, docs/moe.md; to be measured on the H200).
 #include "moe/problem.hpp"
 
 namespace encore::moe {
 
-DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int sm_count) {
+DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int sm_count, DispatchPath path) {
   DispatchPlan plan;
   const int64_t pairs = tokens * top_k;
-  // vLLM's moe_align_block_size keeps one block below 1024 (token, k) pairs with E <= 64;
-  // TRT-LLM / flashinfer route up to 256 tokens in one block. Shared memory holds E counters.
-  plan.path = pairs < 1024 && num_experts <= 256 ? DispatchPath::kSingleBlock : DispatchPath::kCountThenScatter;
+  plan.path = path;
   plan.threads = 256;
+  plan.chunks = (long long)((pairs + kDispatchChunkPairs - 1) / kDispatchChunkPairs);
+  if (plan.chunks < 1) plan.chunks = 1;
   if (plan.path == DispatchPath::kSingleBlock) {
     plan.grid = 1;
   } else {
@@ -19,9 +19,20 @@ DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int s
     const long long cap = sm_count > 0 ? 4LL * sm_count : 1024;
     plan.grid = (long long)((warps + per_block - 1) / per_block);
     if (plan.grid > cap) plan.grid = cap;
+    if (plan.grid < 1) plan.grid = 1;
   }
-  plan.workspace_bytes = round_up_bytes(size_t(num_experts) * sizeof(int32_t));
+  const size_t cursors = size_t(num_experts) * sizeof(int32_t);
+  const size_t hist = size_t(num_experts) * size_t(plan.chunks) * sizeof(int32_t);
+  plan.workspace_bytes = round_up_bytes(cursors > hist ? cursors : hist);
   return plan;
+}
+
+DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int sm_count) {
+  // vLLM's moe_align_block_size keeps one block below 1024 (token, k) pairs with E <= 64;
+  // TRT-LLM / flashinfer route up to 256 tokens in one block. Shared memory holds E counters.
+  const int64_t pairs = tokens * top_k;
+  const DispatchPath path = pairs < 1024 && num_experts <= 256 ? DispatchPath::kSingleBlock : DispatchPath::kCountThenScatter;
+  return plan_moe_dispatch(tokens, top_k, num_experts, sm_count, path);
 }
 
 }  // namespace encore::moe

@@ -1,5 +1,5 @@
 // The moe family's bottom: validated routing, dispatch, expert-MLP and combine problems (raw pointers,
-// strides in elements), shared by the CPU reference and the coming CUDA kernels, and the dispatch plan.
+// strides in elements), shared by the CPU reference and the CUDA kernels, and the dispatch plan.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -85,17 +85,28 @@ struct CombineProblem {
   int top_k = 0;
 };
 
-// How the CUDA dispatch will run (plan.cpp): decode (few (token, k) pairs): one block counts, scans and
-// scatters in shared memory; prefill: a counting pass, a scan of E counts, then the scatter and gather.
+// How the CUDA dispatch runs (plan.cpp, cuda/dispatch.cu): decode (few (token, k) pairs): one block
+// counts, scans, ranks and gathers; prefill: per-chunk histograms, a scan over chunks and experts, a
+// stable per-chunk scatter (one warp per chunk), then the gather. Both give the reference's layout.
 enum class DispatchPath : uint8_t { kSingleBlock, kCountThenScatter };
+
+// CUDA limits of the moe ops (validate returns unsupported beyond them).
+constexpr int kCudaRoutingMaxExperts = 512;    // routing: one warp per token, E / 32 scores per lane
+constexpr int kCudaDispatchMaxExperts = 1024;  // dispatch: E counters in shared memory
+constexpr int64_t kDispatchChunkPairs = 512;   // prefill: (token, k) pairs per histogram / scatter chunk
 
 struct DispatchPlan {
   DispatchPath path = DispatchPath::kSingleBlock;
   int threads = 256;
-  long long grid = 1;          // blocks of the scatter / gather pass
-  size_t workspace_bytes = 0;  // the scatter cursors, E int32 rounded up to kBufferAlign
+  long long grid = 1;          // blocks of the gather pass
+  long long chunks = 1;        // prefill: histogram / scatter chunks of kDispatchChunkPairs pairs
+  // max(the CPU reference's E int32 cursors, the prefill histograms [E, chunks] int32), rounded up
+  // to kBufferAlign; independent of the path and of sm_count, so either path can run in it.
+  size_t workspace_bytes = 0;
 };
 
 DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int sm_count);
+// The same plan with the path forced (tests: both CUDA paths on one problem).
+DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int sm_count, DispatchPath path);
 
 }  // namespace encore::moe

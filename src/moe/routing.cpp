@@ -1,9 +1,14 @@
-// MoE routing dispatch: validate -> problem -> CPU reference (CUDA: not yet, an unsupported Status).
+// MoE routing dispatch: validate -> problem -> CPU reference or CUDA kernel (src/moe/cuda/routing.cu).
+#include <string>
+
 #include "core/checks.hpp"
 #include "encore/moe.hpp"
 #include "moe/args.hpp"
 #include "moe/problem.hpp"
 #include "moe/reference/moe_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "moe/cuda/launch.hpp"
+#endif
 
 namespace encore {
 
@@ -26,14 +31,28 @@ Status validate(const MoeRoutingArgs& a, const MoeRoutingOptions& o) {
   ENCORE_RETURN_IF_ERROR(moe::check_map("topk_weights", a.topk_weights, DType::kFP32, T, o.top_k, "[T, k]", "logits", a.logits));
   ENCORE_RETURN_IF_ERROR(moe::no_overlaps({{"topk_ids", &a.topk_ids}, {"topk_weights", &a.topk_weights}, {"logits", &a.logits},
                                            {"correction_bias", &a.correction_bias}}));
-  if (a.logits.device.is_cuda()) return moe::not_yet_on_cuda("logits", a.logits);
+  if (a.logits.device.is_cuda()) {
+#ifdef ENCORE_WITH_CUDA
+    if (E > moe::kCudaRoutingMaxExperts)
+      return Status::unsupported("logits: E = " + std::to_string(E) + " experts; CUDA routing takes at most " +
+                                 std::to_string(moe::kCudaRoutingMaxExperts) + " (one warp per token)");
+#else
+    return Status::unsupported("logits: on " + a.logits.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+  }
   return Status::ok();
 }
 
 size_t workspace_bytes(const MoeRoutingArgs&, const MoeRoutingOptions&) { return 0; }
 
-Status run(const MoeRoutingArgs& a, const MoeRoutingOptions& o, void*, Stream) {
+Status run(const MoeRoutingArgs& a, const MoeRoutingOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
+  if (a.logits.device.is_cuda()) {
+#ifdef ENCORE_WITH_CUDA
+    return cuda::launch_moe_routing(moe::make_routing_problem(a, o), a.logits.device.index, stream);
+#endif
+  }
+  (void)stream;
   reference::moe_routing(moe::make_routing_problem(a, o));
   return Status::ok();
 }

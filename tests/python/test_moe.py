@@ -153,8 +153,25 @@ def test_bad_input():
 
 
 @needs_torch_cuda
-def test_cuda_not_yet():
+def test_cuda_ops_match_cpu_layer_not_yet():
     import torch
 
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(37, 16, generator=g)
+    ids, w = encore.moe_routing(logits, 4)
+    ids_c, w_c = encore.moe_routing(logits.cuda(), 4)
+    assert torch.equal(ids_c.cpu(), ids)
+    torch.testing.assert_close(w_c.cpu(), w, rtol=1e-6, atol=0)
+    x = torch.randn(37, 64, generator=g).to(torch.bfloat16)
+    cpu = encore.moe_dispatch(ids, 16, x=x, align_m=8)
+    gpu = encore.moe_dispatch(ids.cuda(), 16, x=x.cuda(), align_m=8)
+    for key in cpu:
+        assert torch.equal(gpu[key].cpu(), cpu[key]), key
+    y = torch.randn(cpu["x_permuted"].shape, generator=g).to(torch.bfloat16)
+    out = encore.moe_combine(y, cpu["slot_rows"], w)
+    out_c = encore.moe_combine(y.cuda(), gpu["slot_rows"], w_c)
+    torch.testing.assert_close(out_c.cpu(), out, rtol=1e-2, atol=1e-2)  # weights agree to 1e-6, not bitwise
+    assert torch.equal(encore.moe_combine(y.cuda(), gpu["slot_rows"], w.cuda()).cpu(), out)  # same weights: bitwise
+    xl, logits_l, w13, w2 = (t_.cuda() if hasattr(t_, "cuda") else torch.from_numpy(t_).cuda() for t_ in _layer())
     with pytest.raises(RuntimeError, match="not yet on CUDA"):
-        encore.moe_routing(torch.zeros(3, 8, device="cuda"), 2)
+        encore.moe_forward(xl, logits_l, w13, w2, top_k=2)
