@@ -1,12 +1,30 @@
 // The moe family's bottom: validated routing, dispatch, expert-MLP and combine problems (raw pointers,
 // strides in elements), shared by the CPU reference and the CUDA kernels, and the dispatch plan.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
+#include "core/host_device.hpp"
 #include "encore/core/dtype.hpp"
 
 namespace encore::moe {
+
+// A group's score in the grouped top-k: the sum of its two largest values with a correction bias
+// (DeepSeek-V3), its largest without (DeepSeek-V2). Shared by the CPU reference and the routing
+// kernel, so both compare the same values in the same order and pick the same groups.
+ENCORE_HOST_DEVICE inline double group_score(const double* c, int size, bool top2) {
+  double a = c[0], b = -INFINITY;
+  for (int i = 1; i < size; ++i) {
+    if (c[i] > a) {
+      b = a;
+      a = c[i];
+    } else if (c[i] > b) {
+      b = c[i];
+    }
+  }
+  return top2 && size > 1 ? a + b : a;
+}
 
 constexpr size_t kBufferAlign = 256;  // bytes: alignment of workspaces and of each carved buffer
 

@@ -4,7 +4,7 @@
 // exp (and of the softmax sum's order): ids equal the reference's, weights agree to ~1e-15 before the
 // final rounding to fp32. Selection: k rounds of a warp argmax over (value desc, expert asc), the
 // reference's tie rule; grouped selection: a lane per group scores it from shared memory with the
-// reference's group_score, then topk_group rounds of the same argmax over groups.
+// moe::group_score (problem.hpp, shared with the reference), then topk_group rounds of the same argmax over groups.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -73,19 +73,6 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-// The reference's group_score, the same comparisons in the same order.
-__device__ __forceinline__ double group_score(const double* c, int size, bool top2) {
-  double a = c[0], b = -INFINITY;
-  for (int i = 1; i < size; ++i) {
-    if (c[i] > a) {
-      b = a;
-      a = c[i];
-    } else if (c[i] > b) {
-      b = c[i];
-    }
-  }
-  return top2 && size > 1 ? a + b : a;
-}
 
 // Shared memory per warp: E doubles (the biased scores, then the selected weights) + E ints (the
 // kept-group flags, then the selected ids).
@@ -150,7 +137,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_routing_kernel(RoutingParams 
     for (int i = 0; i < kPerLane; ++i) {
       const int g = lane + 32 * i;
       gfree[i] = g < p.n_group;
-      gs[i] = gfree[i] ? group_score(dbuf + size_t(g) * size_t(size), size, p.bias != nullptr) : -INFINITY;
+      gs[i] = gfree[i] ? moe::group_score(dbuf + size_t(g) * size_t(size), size, p.bias != nullptr) : -INFINITY;
     }
     for (int r = 0; r < p.topk_group; ++r) {
       double v = -INFINITY, pay = 0.0;

@@ -17,20 +17,6 @@ int best_allowed(const std::vector<double>& v, const std::vector<char>& allowed)
   return best;
 }
 
-// The group's score: the sum of its two largest values with a correction bias (DeepSeek-V3), its
-// largest without (DeepSeek-V2 / grouped top-k).
-double group_score(const double* c, int size, bool top2) {
-  double a = c[0], b = -INFINITY;
-  for (int i = 1; i < size; ++i) {
-    if (c[i] > a) {
-      b = a;
-      a = c[i];
-    } else if (c[i] > b) {
-      b = c[i];
-    }
-  }
-  return top2 && size > 1 ? a + b : a;
-}
 
 void zero_row(void* base, DType t, int64_t row, int64_t stride, int64_t cols) {
   std::memset(static_cast<char*>(base) + size_t(row * stride) * dtype_size(t), 0, size_t(cols) * dtype_size(t));
@@ -57,7 +43,7 @@ void moe_routing(const moe::RoutingProblem& p) {
     std::fill(allowed.begin(), allowed.end(), char(1));
     if (p.n_group > 1) {
       const int size = E / p.n_group;
-      for (int g = 0; g < p.n_group; ++g) gscore[size_t(g)] = group_score(&c[size_t(g * size)], size, p.bias != nullptr);
+      for (int g = 0; g < p.n_group; ++g) gscore[size_t(g)] = moe::group_score(&c[size_t(g * size)], size, p.bias != nullptr);
       std::fill(gallowed.begin(), gallowed.end(), char(1));
       std::vector<char> kept(size_t(p.n_group), 0);
       for (int i = 0; i < p.topk_group; ++i) {
