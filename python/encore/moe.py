@@ -2,11 +2,12 @@
 and combine run on numpy / CPU torch (CPU backend) and CUDA torch tensors; moe_forward on the CPU
 backend only for now (CUDA tensors raise "not yet on CUDA"). The math, shapes
 and conventions are in include/encore/moe.hpp and docs/moe.md. torch.library registration (torch.ops.encore)
-comes with the CUDA kernels; torch tensors take the direct path meanwhile."""
+registers routing, dispatch and combine as torch.ops.encore.moe_* (traced by torch.compile);
+moe_forward takes the direct path (its grouped GEMMs are CPU only so far)."""
 from __future__ import annotations
 
 from . import _encore
-from ._util import _dl, _empty, _is_torch, _no_autograd, _stream_for, _workspace
+from ._util import _dl, _empty, _is_torch, _no_autograd, _ops, _stream_for, _via_torch_op, _workspace
 
 __all__ = ["moe_routing", "moe_dispatch", "moe_combine", "moe_forward", "moe_permuted_rows", "moe_buffers_bytes"]
 
@@ -24,6 +25,9 @@ def moe_routing(logits, top_k: int, scoring: str = "softmax", renormalize: bool 
     """Top-k routing of logits [T, E] (bf16, fp16 or fp32). Returns (topk_ids int32 [T, k], topk_weights
     float32 [T, k]), experts in descending order of score (+ correction_bias), ties to the lower index.
     scoring "softmax" or "sigmoid"; n_group / topk_group: grouped top-k (DeepSeek-V3 with a bias)."""
+    if _via_torch_op(stream, logits, correction_bias):
+        return tuple(_ops().moe_routing(logits, correction_bias, int(top_k), scoring, bool(renormalize), int(n_group),
+                                        int(topk_group), float(routed_scaling_factor)))
     _no_autograd(logits)
     if getattr(logits, "ndim", 0) != 2:
         raise ValueError("logits: expected 2 dimensions [T, E]")
@@ -34,12 +38,18 @@ def moe_routing(logits, top_k: int, scoring: str = "softmax", renormalize: bool 
     return ids, w
 
 
+_DISPATCH_KEYS = ("expert_counts", "expert_offsets", "slot_rows", "row_slots")
+
+
 def moe_dispatch(topk_ids, num_experts: int, x=None, align_m: int = 1, stream=None):
     """Expert-contiguous permutation of the (token, k) slots of topk_ids [T, k] int32. Returns a dict:
     expert_counts [E], expert_offsets [E + 1] (each expert's block padded to align_m rows), slot_rows
     [T, k] ((t, j) -> row), row_slots [R] (row -> t * k + j, -1 for rows without a token), and, with
     x [T, D], x_permuted [R, D] (gathered rows, padding rows zeroed; rows from expert_offsets[E] on
     unspecified). R = moe_permuted_rows(T, k, E, align_m)."""
+    if _via_torch_op(stream, topk_ids, x):
+        got = _ops().moe_dispatch(topk_ids, int(num_experts), x, int(align_m))
+        return dict(zip(_DISPATCH_KEYS + (("x_permuted",) if x is not None else ()), got))
     if getattr(topk_ids, "ndim", 0) != 2:
         raise ValueError("topk_ids: expected 2 dimensions [T, k]")
     t, k = topk_ids.shape
@@ -68,6 +78,8 @@ def moe_dispatch(topk_ids, num_experts: int, x=None, align_m: int = 1, stream=No
 def moe_combine(expert_out, slot_rows, topk_weights, out=None, stream=None):
     """out [T, D] = sum over j = 0..k-1 of topk_weights[t, j] * expert_out[slot_rows[t, j]], in fp32 in
     slot order (bit-reproducible), rounded to out's dtype (default expert_out's)."""
+    if out is None and _via_torch_op(stream, expert_out, slot_rows, topk_weights):
+        return _ops().moe_combine(expert_out, slot_rows, topk_weights)
     _no_autograd(expert_out)
     if getattr(expert_out, "ndim", 0) != 2 or getattr(slot_rows, "ndim", 0) != 2:
         raise ValueError("expert_out: expected [R, D] and slot_rows [T, k]")

@@ -27,7 +27,7 @@ import types
 
 import torch
 
-from . import _encore, blocks, gemm, kda, norm, quant
+from . import _encore, blocks, gemm, kda, moe, norm, quant
 from ._util import _torch_stream
 
 __all__ = ["OPS"]
@@ -218,3 +218,27 @@ _define("kda_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tenso
         "Tensor? initial_state, bool use_qk_l2norm, bool use_gate_in_kernel, Tensor? A_log, Tensor? dt_bias, float? lower_bound, "
         "Tensor? cu_seqlens) -> Tensor[]",  # [dq, dk, dv, dg, dbeta, dh0 / dA_log / ddt_bias where given]
         _kda_backward_fake, kda.kda_backward, lambda grads: list(grads.values()))
+
+
+# --- moe --------------------------------------------------------------------------------------------------
+
+
+def _moe_rows(t, k, e, align):
+    """moe_permuted_rows(T, k, E, align) for a possibly symbolic T: T*k + min(E, T*k) * (align - 1)."""
+    tk = t * k
+    return tk + torch.sym_min(e, tk) * (align - 1)
+
+
+_define("moe_routing(Tensor logits, Tensor? correction_bias, int top_k, str scoring, bool renormalize, int n_group, "
+        "int topk_group, float routed_scaling_factor) -> (Tensor, Tensor)",
+        lambda logits, bias, k, *_: (_new(logits, (logits.shape[0], k), torch.int32), _new(logits, (logits.shape[0], k), _F32)),
+        kernel=lambda logits, bias, k, scoring, renorm, ng, tg, rsf: moe.moe_routing(
+            logits, k, scoring, renorm, ng, tg, bias, rsf, stream=_torch_stream(logits)))
+# moe_dispatch: [expert_counts, expert_offsets, slot_rows, row_slots, x_permuted if x]
+_define("moe_dispatch(Tensor topk_ids, int num_experts, Tensor? x, int align_m) -> Tensor[]",
+        lambda ids, e, x, align: [_new(ids, (e,)), _new(ids, (e + 1,)), _new(ids, ids.shape),
+                                  _new(ids, (_moe_rows(ids.shape[0], ids.shape[1], e, align),))] +
+        ([] if x is None else [_new(x, (_moe_rows(ids.shape[0], ids.shape[1], e, align), x.shape[1]))]),
+        moe.moe_dispatch, lambda r: list(r.values()))
+_define("moe_combine(Tensor expert_out, Tensor slot_rows, Tensor topk_weights) -> Tensor",
+        lambda y, rows, w: _new(y, (rows.shape[0], y.shape[1])), moe.moe_combine)

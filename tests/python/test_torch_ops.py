@@ -137,8 +137,23 @@ def kda_cases(dev):
     return cases
 
 
+def moe_cases(dev):
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(29, 16, generator=g).to(dev)
+    bias = torch.randn(16, generator=g).to(dev)
+    ids, w = encore.moe_routing(logits, 4)
+    x = torch.randn(29, 64, generator=g).to(dev).to(BF16 if dev == "cuda" else F32)
+    d = encore.moe_dispatch(ids, 16, x=x, align_m=8)
+    y = torch.randn(d["x_permuted"].shape, generator=g).to(dev).to(x.dtype)
+    return [("moe_routing", (logits, None, 4, "softmax", True, 1, 1, 1.0)),
+            ("moe_routing", (logits, bias, 4, "sigmoid", True, 4, 2, 2.5)),
+            ("moe_dispatch", (ids, 16, x, 8)),
+            ("moe_dispatch", (ids, 16, None, 1)),
+            ("moe_combine", (y, d["slot_rows"], w))]
+
+
 def all_cases(dev):
-    return norm_cases(dev) + gemm_cases(dev) + block_cases(dev) + kda_cases(dev)
+    return norm_cases(dev) + gemm_cases(dev) + block_cases(dev) + kda_cases(dev) + moe_cases(dev)
 
 
 def case_ids(dev):
@@ -347,3 +362,19 @@ def test_compile_dynamic_m_does_not_recompile():
         for got, want in zip(cf(x, residual, gamma, w), f(x, residual, gamma, w)):
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_ops_compile_fullgraph(dev):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(33, 8, generator=g).to(dev)
+    x = torch.randn(33, 32, generator=g).to(dev).to(BF16 if dev == "cuda" else F32)
+
+    def route_dispatch_combine(logits, x):
+        ids, w = encore.moe_routing(logits, 2)
+        d = encore.moe_dispatch(ids, 8, x=x, align_m=4)
+        return encore.moe_combine(d["x_permuted"] * 2, d["slot_rows"], w)
+
+    eager = route_dispatch_combine(logits, x)
+    compiled = torch.compile(route_dispatch_combine, fullgraph=True, backend="aot_eager")(logits, x)
+    torch.testing.assert_close(compiled, eager)
