@@ -8,6 +8,7 @@
 #include "encore/kda.hpp"
 #include "kda/problem.hpp"
 #include "kda/cuda/launch.hpp"  // host-only declarations and limits
+#include "kda/reference/kda_chunked_bwd.hpp"
 #include "kda/reference/kda_ref.hpp"
 
 namespace encore {
@@ -269,6 +270,7 @@ Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream
 Status validate(const KdaBackwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   ENCORE_RETURN_IF_ERROR(kda::make_problem(a.fwd, o, &p));
+  ENCORE_RETURN_IF_ERROR(validate_residuals(a.fwd, p));  // the forward's saved tensors, when given
   ENCORE_RETURN_IF_ERROR(validate_like("d_o", a.d_o, a.fwd.v, "v", kFloat));
   if (a.d_final_state.defined()) ENCORE_RETURN_IF_ERROR(validate_state("d_final_state", a.d_final_state, p, a.fwd.q));
   ENCORE_RETURN_IF_ERROR(validate_like("dq", a.dq, a.fwd.q, "q", kFloat));
@@ -299,7 +301,15 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o) {
   const reference::KdaInputs in = reference::kda_prepare(p, a.fwd);
   const std::vector<double> d_o = load_dense(a.d_o);
   const std::vector<double> d_final = a.d_final_state.defined() ? load_dense(a.d_final_state) : std::vector<double>{};
-  const reference::KdaGrads g = reference::kda_backward(p, a.fwd, in, d_o, d_final);
+  // With the forward's residuals: the chunked backward, reading them (the stages the CUDA backward
+  // runs); without: the token-recurrent backward (equal to 2e-12, tests/kda/test_kda_chunked_bwd_cpu.cpp).
+  reference::KdaGrads g;
+  if (a.fwd.residuals.any()) {
+    const reference::KdaSavedResiduals saved = reference::kda_load_residuals(a.fwd.residuals);
+    g = reference::kda_chunked_backward(p, a.fwd, in, d_o, d_final, &saved);
+  } else {
+    g = reference::kda_backward(p, a.fwd, in, d_o, d_final);
+  }
   store_dense(a.dq, g.dq);
   store_dense(a.dk, g.dk);
   store_dense(a.dv, g.dv);

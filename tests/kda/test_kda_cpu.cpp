@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "encore/kda.hpp"
@@ -101,6 +102,43 @@ TEST_P(KdaBackward, MatchesFiniteDifferences) {
   ASSERT_TRUE(st) << st.to_string();
 
   expect_matches_finite_differences(kc, d_o, d_fin, {&dq, &dk, &dv, &dg, &db, &dh0, &dA, &ddt});
+
+  // Given the forward's residuals the public backward reads them (the chunked backward): the same
+  // gradients, with h saved (G, Aqk, Akk, h) and rematerialized (h absent).
+  int64_t chunks = 0;
+  ASSERT_TRUE(kda_chunk_count(b.fwd, kc.opts, &chunks));
+  const int64_t B = kc.B, T = kc.T, H = kc.H, K = kc.K, V = kc.V;
+  std::vector<double> G(size_t(B * T * H * K)), Aqk(size_t(B * T * H * 64)), Akk(Aqk.size()), h(size_t(chunks * H * K * V));
+  KdaForwardArgs f = kc.args();
+  f.residuals = {TensorView::contiguous(G.data(), DType::kFP64, {B, T, H, K}), TensorView::contiguous(Aqk.data(), DType::kFP64, {B, T, H, 64}),
+                 TensorView::contiguous(Akk.data(), DType::kFP64, {B, T, H, 64}),
+                 TensorView::contiguous(h.data(), DType::kFP64, {chunks, H, K, V})};
+  ASSERT_TRUE(run(f, kc.opts));
+  for (bool saved_h : {true, false}) {
+    SCOPED_TRACE(saved_h ? "saved h" : "rematerialized h");
+    std::vector<double> dq2(dq.size()), dk2(dk.size()), dv2(dv.size()), dg2(dg.size()), db2(db.size()), dh02(dh0.size()), dA2(dA.size()),
+        ddt2(ddt.size());
+    KdaBackwardArgs b2 = b;
+    b2.fwd.residuals = f.residuals;
+    if (!saved_h) b2.fwd.residuals.h = TensorView{};
+    b2.dq = like(dq2, b.fwd.q);
+    b2.dk = like(dk2, b.fwd.k);
+    b2.dv = like(dv2, b.fwd.v);
+    b2.dg = like(dg2, b.fwd.g);
+    b2.dbeta = like(db2, b.fwd.beta);
+    if (c.h0) b2.dh0 = like(dh02, b.fwd.initial_state);
+    if (!kc.A_log.empty()) b2.dA_log = like(dA2, b.fwd.A_log);
+    if (!kc.dt_bias.empty()) b2.ddt_bias = like(ddt2, b.fwd.dt_bias);
+    ASSERT_TRUE(run(b2, kc.opts));
+    for (auto [x, y] : {std::pair{&dq, &dq2}, {&dk, &dk2}, {&dv, &dv2}, {&dg, &dg2}, {&db, &db2}, {&dh0, &dh02}, {&dA, &dA2}, {&ddt, &ddt2}})
+      for (size_t i = 0; i < x->size(); ++i) ASSERT_NEAR((*y)[i], (*x)[i], 1e-10 * (1.0 + std::fabs((*x)[i]))) << i;
+  }
+  KdaBackwardArgs bad = b;
+  bad.fwd.residuals = f.residuals;
+  bad.fwd.residuals.h.shape[0] = chunks + 1;
+  Status sb = run(bad, kc.opts);
+  EXPECT_FALSE(sb.is_ok());
+  EXPECT_NE(sb.message().find("residuals.h: expected [NT, H, K, V]"), std::string::npos) << sb.message();
 }
 
 INSTANTIATE_TEST_SUITE_P(
