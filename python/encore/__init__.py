@@ -17,9 +17,9 @@ from .gemm import (Epilogue, GemmTile, gemm_epilogue, gemm_lse, gemm_qkv_head_sq
 from .kda import kda_backward, kda_forward, kda_forward_workspace_bytes
 from .moe import moe_buffers_bytes, moe_combine, moe_dispatch, moe_forward, moe_permuted_rows, moe_routing
 from .norm import add_rms_norm, qk_norm_, rms_norm
-from .quant import fp8_group_dequant, fp8_group_quant
+from .quant import fp8_group_dequant, fp8_group_quant, mxfp8_dequant, mxfp8_quant, nvfp4_dequant, nvfp4_quant
 
-__all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group_dequant", "built_with_cuda",
+__all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group_dequant", "mxfp8_quant", "mxfp8_dequant", "nvfp4_quant", "nvfp4_dequant", "built_with_cuda",
            "cuda_device_count", "gemm_row_scale", "gemm_scalar_scale", "gemm_residual_rms_partial",
            "rms_final_reduce", "gemm_swiglu", "gemm_rope", "gemm_qkv_head_sqsum", "gemm_lse", "lse_finish",
            "rope_freq_turns", "interleave_gate_up", "llama_block_forward", "llama_block_workspace_bytes",

@@ -29,6 +29,7 @@ inline DType to_dtype(const nb::dlpack::dtype& t, const char* name) {
     if (code == C::Float && t.bits == 64) return DType::kFP64;
     if (code == C::Int && t.bits == 32) return DType::kInt32;
     if (code == C::Int && t.bits == 64) return DType::kInt64;
+    if (code == C::UInt && t.bits == 8) return DType::kUInt8;
   }
   throw nb::value_error((std::string(name) + ": unsupported array dtype (code " + std::to_string(t.code) + ", " +
                          std::to_string(t.bits) + " bits)").c_str());

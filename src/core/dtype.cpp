@@ -10,7 +10,7 @@ size_t dtype_size(DType t) {
     case DType::kBF16: case DType::kFP16: return 2;
     case DType::kFP32: case DType::kInt32: return 4;
     case DType::kFP64: case DType::kInt64: return 8;
-    case DType::kFP8E4M3: return 1;
+    case DType::kFP8E4M3: case DType::kUInt8: return 1;
   }
   return 0;
 }
@@ -24,11 +24,12 @@ const char* dtype_name(DType t) {
     case DType::kFP8E4M3: return "fp8_e4m3";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
   }
   return "unknown";
 }
 
-bool dtype_is_float(DType t) { return t != DType::kInt32 && t != DType::kInt64; }
+bool dtype_is_float(DType t) { return t != DType::kInt32 && t != DType::kInt64 && t != DType::kUInt8; }
 
 float bf16_to_float(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -91,7 +92,7 @@ double load_as_double(const void* base, DType t, int64_t i) {
     case DType::kFP64: return static_cast<const double*>(base)[i];
     case DType::kInt32: return static_cast<const int32_t*>(base)[i];
     case DType::kInt64: return double(static_cast<const int64_t*>(base)[i]);
-    case DType::kFP8E4M3: break;
+    case DType::kFP8E4M3: case DType::kUInt8: break;
   }
   return NAN;
 }
@@ -104,7 +105,7 @@ void store_from_double(void* base, DType t, int64_t i, double v) {
     case DType::kFP64: static_cast<double*>(base)[i] = v; return;
     case DType::kInt32: static_cast<int32_t*>(base)[i] = int32_t(v); return;
     case DType::kInt64: static_cast<int64_t*>(base)[i] = int64_t(v); return;
-    case DType::kFP8E4M3: return;
+    case DType::kFP8E4M3: case DType::kUInt8: return;
   }
 }
 

@@ -5,10 +5,10 @@
 
 namespace encore {
 
-enum class DType : uint8_t { kBF16, kFP16, kFP32, kFP64, kFP8E4M3, kInt32, kInt64 };
+enum class DType : uint8_t { kBF16, kFP16, kFP32, kFP64, kFP8E4M3, kInt32, kInt64, kUInt8 };  // kUInt8: raw bytes (e8m0 scales, packed e2m1)
 
 size_t dtype_size(DType t);
-const char* dtype_name(DType t);  // "bf16", "fp16", "fp32", "fp64", "fp8_e4m3", "int32", "int64"
+const char* dtype_name(DType t);  // "bf16", "fp16", "fp32", "fp64", "fp8_e4m3", "int32", "int64", "uint8"
 bool dtype_is_float(DType t);
 
 // Scalar conversions used by the CPU backend and tests (round-to-nearest-even, NaN preserved).
