@@ -71,7 +71,7 @@ CheckRow gemm_row(bool gpu, Epilogue e, DType t, int64_t M, int64_t N, int64_t K
       row.error = std::max(row.error, cmp.rel_rms);
       if (!test::compare_ok(cmp, tol)) {
         row.pass = false;
-        row.note = cmp.first_bad;
+        row.note = std::string(fields[i].name) + ": " + cmp.first_bad;
       }
     }
   } else if (st) {

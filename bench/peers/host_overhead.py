@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+from graph_timing import graph_us
 
 import encore
 from encore import _encore
@@ -42,31 +43,6 @@ def wall_us(call, sync):
         sync()
         best = min(best, (time.perf_counter() - t0) / N * 1e6)
     return best
-
-
-def graph_us(call, batch=200):
-    """Device time per call: `batch` calls captured in one CUDA graph, median of 11 replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(batch):
-            call()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(11):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / batch)
-    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -120,7 +96,7 @@ def main():
             row = {name: wall_us(call, sync) for name, call in calls.items()}
             row["overhead_us"] = row["public"] - row["binding_capsules"]
             if cuda:
-                row["device_us"] = graph_us(calls["public"])
+                row["device_us"] = graph_us(lambda i: calls["public"]())
             results["ops"][op] = row
             print(op + ": " + ", ".join(f"{k} {v:.2f} us" for k, v in row.items()), flush=True)
         results["references_us"] = {name: wall_us(call, sync) for name, call in refs.items()}

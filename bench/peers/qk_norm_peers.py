@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+from graph_timing import graph_us
 
 dev, bf, D = "cuda", torch.bfloat16, 128
 L2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -18,32 +19,6 @@ L2 = torch.cuda.get_device_properties(0).L2_cache_size
 def rmsnorm(h, w, eps=1e-6):
     hf = h.float()
     return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(h.dtype)
-
-
-def graph_us(call, nsets, batch):
-    """Median per-call device time of `batch` calls captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(3):
-            call(i % nsets)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(batch):
-            call(i % nsets)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / batch)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():

@@ -30,28 +30,29 @@ struct GemmCase {
   // Each GemmEpilogueArgs field with the case's tensor behind it (absent ones left out), and
   // whether the epilogue writes it.
   struct Field {
+    const char* name;
     TensorView GemmEpilogueArgs::*arg;
     test::HostTensor* tensor;
     bool output;
   };
   std::vector<Field> fields() {
     std::vector<Field> f;
-    auto add = [&](TensorView GemmEpilogueArgs::*arg, Tensor& t, bool output) {
-      if (t) f.push_back({arg, &*t, output});
+    auto add = [&](const char* name, TensorView GemmEpilogueArgs::*arg, Tensor& t, bool output) {
+      if (t) f.push_back({name, arg, &*t, output});
     };
-    add(&GemmEpilogueArgs::a, a, false);
-    add(&GemmEpilogueArgs::w, w, false);
-    add(&GemmEpilogueArgs::d, d, true);
-    add(&GemmEpilogueArgs::aux, aux, true);
-    add(&GemmEpilogueArgs::c, c, false);
-    add(&GemmEpilogueArgs::gamma, gamma, false);
-    add(&GemmEpilogueArgs::row_scale, row_scale, false);
-    add(&GemmEpilogueArgs::pos, pos, false);
-    add(&GemmEpilogueArgs::freq, freq, false);
-    add(&GemmEpilogueArgs::alpha, alpha, false);
-    add(&GemmEpilogueArgs::partials, partials, true);
-    add(&GemmEpilogueArgs::target, target, false);
-    add(&GemmEpilogueArgs::target_logit, target_logit, true);
+    add("a", &GemmEpilogueArgs::a, a, false);
+    add("w", &GemmEpilogueArgs::w, w, false);
+    add("d", &GemmEpilogueArgs::d, d, true);
+    add("aux", &GemmEpilogueArgs::aux, aux, true);
+    add("c", &GemmEpilogueArgs::c, c, false);
+    add("gamma", &GemmEpilogueArgs::gamma, gamma, false);
+    add("row_scale", &GemmEpilogueArgs::row_scale, row_scale, false);
+    add("pos", &GemmEpilogueArgs::pos, pos, false);
+    add("freq", &GemmEpilogueArgs::freq, freq, false);
+    add("alpha", &GemmEpilogueArgs::alpha, alpha, false);
+    add("partials", &GemmEpilogueArgs::partials, partials, true);
+    add("target", &GemmEpilogueArgs::target, target, false);
+    add("target_logit", &GemmEpilogueArgs::target_logit, target_logit, true);
     return f;
   }
   GemmEpilogueArgs host_args() {

@@ -87,7 +87,7 @@ void run_case(const Case& c) {
     b.output = f.output;
     g.*f.arg = b.op.gpu_view;
     h.*f.arg = b.op.cpu_view;
-    b.name = f.arg == &GemmEpilogueArgs::d ? "d" : f.arg == &GemmEpilogueArgs::aux ? "aux" : f.arg == &GemmEpilogueArgs::partials ? "partials" : "target_logit";
+    b.name = f.name;
   }
   Status st = run(g, o);
   ASSERT_TRUE(st) << st.to_string();

@@ -134,14 +134,8 @@ KdaBwdRecompute kda_bwd_recompute(const kda::KdaProblem& p, const KdaInputs& in,
             if (j < i) L[size_t(i * C + j)] = beta(i) * l;
           }
         // A = (I + L)^-1 by forward substitution, or the saved rows.
-        std::fill(Ainv.begin(), Ainv.end(), 0.0);
+        kda_unit_lower_inverse(L, rows, C, Ainv);
         for (int64_t i = 0; i < rows; ++i) {
-          Ainv[size_t(i * C + i)] = 1.0;
-          for (int64_t j = 0; j < i; ++j) {
-            double s = 0;
-            for (int64_t m = j; m < i; ++m) s += L[size_t(i * C + m)] * Ainv[size_t(m * C + j)];
-            Ainv[size_t(i * C + j)] = -s;
-          }
           if (have_A)
             for (int64_t j = 0; j <= i; ++j) Ainv[size_t(i * C + j)] = saved->A[R.at(i, j, C)];
           for (int64_t j = 0; j <= i; ++j) rc.A[R.at(i, j, C)] = Ainv[size_t(i * C + j)];

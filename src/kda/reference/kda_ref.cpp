@@ -183,17 +183,10 @@ void kda_chunked_forward(const kda::KdaProblem& p, const KdaInputs& in, std::vec
             tr.Aqk[size_t(tok(i) * C + j)] = aqk;
             if (j < i) L[size_t(i * C + j)] = beta(i) * l;
           }
-        // A = (I + L)^-1, unit lower triangular, by forward substitution.
-        std::fill(Ainv.begin(), Ainv.end(), 0.0);
-        for (int64_t i = 0; i < rows; ++i) {
-          Ainv[size_t(i * C + i)] = 1.0;
-          for (int64_t j = 0; j < i; ++j) {
-            double s = 0;
-            for (int64_t m = j; m < i; ++m) s += L[size_t(i * C + m)] * Ainv[size_t(m * C + j)];
-            Ainv[size_t(i * C + j)] = -s;
-          }
+        // A = (I + L)^-1, unit lower triangular.
+        kda_unit_lower_inverse(L, rows, C, Ainv);
+        for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j <= i; ++j) tr.A[size_t(tok(i) * C + j)] = Ainv[size_t(i * C + j)];
-        }
         // W = A Kbeta, U = A Vbeta, Vnew = U - W S.
         for (int64_t i = 0; i < rows; ++i) {
           for (int64_t a = 0; a < K; ++a) {
@@ -389,6 +382,18 @@ void kda_gate_backward(const kda::KdaProblem& p, const KdaForwardArgs& a, const 
           gr.dg[i] = dx;
           gr.ddt_bias[size_t(h * K + c)] += dx;
         }
+}
+
+void kda_unit_lower_inverse(const std::vector<double>& L, int64_t rows, int64_t C, std::vector<double>& Ainv) {
+  std::fill(Ainv.begin(), Ainv.end(), 0.0);
+  for (int64_t i = 0; i < rows; ++i) {
+    Ainv[size_t(i * C + i)] = 1.0;
+    for (int64_t j = 0; j < i; ++j) {
+      double s = 0;
+      for (int64_t m = j; m < i; ++m) s += L[size_t(i * C + m)] * Ainv[size_t(m * C + j)];
+      Ainv[size_t(i * C + j)] = -s;
+    }
+  }
 }
 
 }  // namespace encore::reference

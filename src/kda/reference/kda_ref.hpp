@@ -49,4 +49,8 @@ void kda_l2norm_backward(const kda::KdaProblem& p, const KdaInputs& in, const st
 void kda_gate_backward(const kda::KdaProblem& p, const KdaForwardArgs& a, const KdaInputs& in, const std::vector<double>& dgact,
                        KdaGrads& gr);
 
+// A = (I + L)^-1 of a chunk's strictly lower L (rows x rows, row stride C) by forward substitution,
+// into Ainv (row stride C, zero above the diagonal); shared by the chunked forward and backward.
+void kda_unit_lower_inverse(const std::vector<double>& L, int64_t rows, int64_t C, std::vector<double>& Ainv);
+
 }  // namespace encore::reference
