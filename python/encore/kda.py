@@ -1,7 +1,8 @@
 """Kimi Delta Attention (include/encore/kda.hpp), the chunk_kda contract: q, k, g [B, T, H, K],
 v [B, T, H, V], beta [B, T, H]. Forward: CPU backend (fp64 reference) for numpy / CPU torch arrays,
 CUDA forward for CUDA torch tensors (bf16/fp32, K, V <= 128), optionally returning the residuals the
-backward reads. Backward: CPU backend only. Not wired into autograd."""
+backward reads. Backward: kda_backward (the gradients, given the forward's residuals or not). chunk_kda: fla's
+drop-in for torch, differentiable through torch.autograd."""
 from __future__ import annotations
 
 from . import _encore
@@ -27,6 +28,11 @@ def _host_cu(cu_seqlens):
     return cu_seqlens
 
 
+def _state_kind(q):
+    """final_state's dtype: float32, or float64 for float64 inputs (the CPU backend's exact mode)."""
+    return "like" if str(q.dtype).endswith("float64") else "f32"
+
+
 def _opt_float(x):
     return None if x is None else float(x)
 
@@ -49,7 +55,7 @@ def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound):
 def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None,
                 return_residuals=False, residual_dtype=None, out=None, workspace=None, stream=None):
-    """Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None), and with
+    """Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 (float64 for float64 inputs) or None), and with
     return_residuals a third element: dict(G [B, T, H, K] float32 (chunk-local log2 gate cumsum),
     Aqk, Akk [B, T, H, 64], h [NT, H, K, V] (chunk-start states)) in residual_dtype ("float32", the
     default, or "bfloat16" for torch tensors). return_residuals=True returns all four; a name or a
@@ -78,7 +84,7 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
         if given:
             if out is None:
                 n = b if cu_seqlens is None else len(cu_seqlens) - 1
-                out = (_empty(v, (b, t, h, vd), "like"), _empty(q, (n, h, kd, vd), "f32") if output_final_state else None)
+                out = (_empty(v, (b, t, h, vd), "like"), _empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None)
             out = _given_outputs(out, ("o", "final_state"))
             _ops().kda_forward_out(*ins, *out, workspace)
             return out
@@ -93,7 +99,7 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     cu_seqlens = _host_cu(cu_seqlens)
     if out is None:
         o = _empty(v, (b, t, h, vd), "like")
-        fin = _empty(q, (n, h, kd, vd), "f32") if output_final_state else None
+        fin = _empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None
     else:
         o, fin = _given_outputs(out, ("o", "final_state"))
         if (fin is not None) != bool(output_final_state):
@@ -128,16 +134,21 @@ def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None) -> int:
 
 
 def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_state=None, use_qk_l2norm=False,
-                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None, stream=None):
+                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None, residuals=None,
+                 stream=None):
     """Gradients of sum(o * d_o) + sum(final_state * d_final_state) for the forward with the same
-    arguments (CPU backend: numpy or CPU torch arrays). Returns a dict with dq, dk, dv, dg, dbeta (in
-    the inputs' dtypes; dg with respect to the g passed in, dq and dk before the L2 norm) and dh0,
-    dA_log, ddt_bias (float32) when initial_state, A_log, dt_bias are given. stream: as for the
-    forward (an explicit one takes the direct path; the CPU backend ignores it)."""
-    if _via_torch_op(stream, q, k, v, g, beta, d_o, d_final_state, initial_state, A_log, dt_bias):
+    arguments. Returns a dict with dq, dk, dv, dg, dbeta (in the inputs' dtypes; dg with respect to
+    the g passed in, dq and dk before the L2 norm) and dh0, dA_log, ddt_bias (float32) when
+    initial_state, A_log, dt_bias are given (in their dtypes). residuals: the dict kda_forward returned with
+    return_residuals (G, Aqk, Akk, and h for the saved-h mode; without h the backward
+    rematerializes the chunk states); the CPU backend runs its chunked backward on them, or its
+    token-level backward without. stream: as for the forward (an explicit one takes the direct
+    path; the CPU backend ignores it)."""
+    res = _residual_tuple(residuals)
+    if _via_torch_op(stream, q, k, v, g, beta, d_o, d_final_state, initial_state, A_log, dt_bias, *res):
         opt = (("dh0", initial_state), ("dA_log", A_log), ("ddt_bias", dt_bias))
         grads = _ops().kda_backward(q, k, v, g, beta, d_o, d_final_state, _opt_float(scale), initial_state, bool(use_qk_l2norm),
-                                    bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens))
+                                    bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens), *res)
         return dict(zip(("dq", "dk", "dv", "dg", "dbeta", *(x for x, src in opt if src is not None)), grads))
     cu_seqlens = _host_cu(cu_seqlens)
     grads = {"dq": _empty(q, q.shape, "like"), "dk": _empty(k, k.shape, "like"), "dv": _empty(v, v.shape, "like"),
@@ -145,8 +156,65 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
     opt = {"dh0": initial_state, "dA_log": A_log, "ddt_bias": dt_bias}
     for name, src in opt.items():
         if src is not None:
-            grads[name] = _empty(src, src.shape, "f32")
+            grads[name] = _empty(src, src.shape, "like")
     _encore.kda_backward_out(*_dl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, d_o, d_final_state),
                              *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
-                             *_dl(*(grads.get(x) for x in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"))))
+                             *_dl(*(grads.get(x) for x in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")), *res))
     return grads
+
+
+def _residual_tuple(residuals):
+    """(G, Aqk, Akk, h) from kda_forward's residual dict (None where absent or for no dict)."""
+    if residuals is None:
+        return (None,) * 4
+    if not isinstance(residuals, dict) or set(residuals) - set(_RESIDUAL_NAMES):
+        raise ValueError(f"residuals: expected the dict kda_forward returns (keys among {_RESIDUAL_NAMES}), got {residuals!r:.80}")
+    return tuple(residuals.get(x) for x in _RESIDUAL_NAMES)
+
+
+_FLA_REFUSED = ("use_beta_sigmoid_in_kernel", "allow_neg_eigval", "return_intermediate_states", "state_v_first", "cp_context",
+                "use_graph")
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+              use_gate_in_kernel=False, lower_bound=None, cu_seqlens=None, *, A_log=None, dt_bias=None, rematerialize=False,
+              **kwargs):
+    """fla's chunk_kda (fla.ops.kda.chunk_kda) for torch tensors, differentiable: the same
+    arguments, defaults and return value (o [B, T, H, V] in v's dtype, final_state [N, H, K, V]
+    float32 or None), with gradients for q, k, v, g, beta, A_log, dt_bias and initial_state through
+    torch.autograd (a torch.autograd.Function over the torch.library ops kda_forward and
+    kda_backward, so it also runs under torch.compile). A model that imports fla's chunk_kda trains
+    by changing the import.
+
+    The backward reads the forward's saved residuals: G, Aqk, Akk and the chunk-start states h
+    (the saved-h mode, the default, like fla's); rematerialize=True saves no h and re-runs the state
+    recurrence in the backward (far less memory: Aqk + Akk are 256 bytes per token and head in
+    bfloat16). Residuals are bfloat16 for 16-bit inputs and float32 otherwise; the CPU backend with
+    float64 inputs saves none (its token-level backward, exact for gradcheck).
+
+    fla options: cu_seqlens (or cu_seqlens_cpu, preferred since the sequence table is read on the
+    host), A_log / dt_bias (keywords, as fla takes them), lower_bound with use_gate_in_kernel (the
+    lower-bound gate; safe_gate accepted), disable_recompute (accepted: the saved-h mode is
+    encore's default), chunk_size 64. Refused with a ValueError: use_beta_sigmoid_in_kernel,
+    allow_neg_eigval, return_intermediate_states, state_v_first, cp_context, use_graph and any other
+    keyword."""
+    cu_cpu = kwargs.pop("cu_seqlens_cpu", None)
+    kwargs.pop("safe_gate", None)
+    kwargs.pop("disable_recompute", None)
+    kwargs.pop("max_num_seqs", None)
+    if kwargs.pop("chunk_size", 64) != 64:
+        raise ValueError("chunk_size: encore's chunked KDA uses chunks of 64 tokens")
+    bad = [x for x in _FLA_REFUSED if kwargs.pop(x, None)]
+    if bad or kwargs:
+        raise ValueError(f"chunk_kda: not supported by encore: {', '.join(bad + sorted(kwargs))}")
+    if not _is_torch(q):
+        raise ValueError("chunk_kda: expects torch tensors (kda_forward / kda_backward take numpy arrays)")
+    if use_gate_in_kernel and A_log is None and lower_bound is None:
+        raise ValueError("A_log: must be given with use_gate_in_kernel unless lower_bound is set")
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None  # fla ignores them for a precomputed gate
+    from ._kda_autograd import chunk_kda_apply
+
+    return chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                           use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
+                           cu_cpu if cu_cpu is not None else cu_seqlens, rematerialize)

@@ -16,10 +16,10 @@ add_rms_norm_ (h written over ``residual``), add_rms_norm_out (into ``h_out``),
 llama_block_forward_out and kda_forward_out (into the caller's outputs). Workspaces are optional
 mutated arguments.
 
-Autograd: no op has a backward yet; the public wrappers refuse tensors that require grad (under
-grad mode). The training ops will be torch.autograd.Function classes (or
-torch.library.register_autograd) over these same ops, the forward calling torch.ops.encore.<op>
-and saving what its backward op reads; the wrappers' refusal goes away op by op as they land.
+Autograd: the training entry points are torch.autograd.Function classes over these ops, the forward
+calling torch.ops.encore.<op> and saving what its backward op reads (kda.chunk_kda:
+kda_forward with residuals, then kda_backward). The other public wrappers refuse tensors that
+require grad (under grad mode) until their backward lands.
 """
 from __future__ import annotations
 
@@ -182,11 +182,15 @@ _KDA_IN = ("Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale, T
            "bool use_qk_l2norm, bool use_gate_in_kernel, Tensor? A_log, Tensor? dt_bias, float? lower_bound, Tensor? cu_seqlens")
 
 
+def _state_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else _F32
+
+
 def _kda_forward_fake(q, k, v, g, beta, scale, h0, final, l2, gate, A_log, dt_bias, lower, cu, residuals, residual_dtype):
     b, t, h, kd = q.shape
     vd = v.shape[3]
     n = b if cu is None else cu.shape[0] - 1
-    outs = [_new(v, (b, t, h, vd))] + ([_new(q, (n, h, kd, vd), _F32)] if final else [])
+    outs = [_new(v, (b, t, h, vd))] + ([_new(q, (n, h, kd, vd), _state_dtype(q))] if final else [])
     if not residuals:
         return outs
     dt = torch.bfloat16 if residual_dtype == "bfloat16" else _F32
@@ -204,7 +208,14 @@ def _kda_forward_kernel(*args):
 
 def _kda_backward_fake(q, k, v, g, beta, d_o, d_fin, scale, h0, l2, gate, A_log, dt_bias, *_):
     grads = [_new(x, x.shape) for x in (q, k, v, g, beta)]
-    return grads + [_new(x, x.shape, _F32) for x in (h0, A_log, dt_bias) if x is not None]
+    return grads + [_new(x, x.shape) for x in (h0, A_log, dt_bias) if x is not None]
+
+
+def _kda_backward_kernel(*args):
+    names = ("G", "Aqk", "Akk", "h")
+    res = {x: t for x, t in zip(names, args[15:19]) if t is not None}
+    grads = kda.kda_backward(*args[:15], residuals=res or None, stream=_torch_stream(args[0]))
+    return list(grads.values())
 
 
 # residuals: comma-separated names among G, Aqk, Akk, h in that order ("" for none); Tensor[] =
@@ -216,8 +227,9 @@ _define(f"kda_forward_out({_KDA_IN}, Tensor(a!) o, Tensor(b!)? final_state, Tens
             kda.kda_forward(*args[:14], out=args[14:16], workspace=args[16], stream=_torch_stream(args[0]))))
 _define("kda_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor d_o, Tensor? d_final_state, float? scale, "
         "Tensor? initial_state, bool use_qk_l2norm, bool use_gate_in_kernel, Tensor? A_log, Tensor? dt_bias, float? lower_bound, "
-        "Tensor? cu_seqlens) -> Tensor[]",  # [dq, dk, dv, dg, dbeta, dh0 / dA_log / ddt_bias where given]
-        _kda_backward_fake, kda.kda_backward, lambda grads: list(grads.values()))
+        "Tensor? cu_seqlens, Tensor? res_G, Tensor? res_Aqk, Tensor? res_Akk, Tensor? res_h) -> Tensor[]",
+        # [dq, dk, dv, dg, dbeta, dh0 / dA_log / ddt_bias where given]
+        _kda_backward_fake, kernel=_kda_backward_kernel)
 
 
 # --- moe --------------------------------------------------------------------------------------------------

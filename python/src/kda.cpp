@@ -69,11 +69,13 @@ void bind_kda(nb::module_& m) {
         nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("rG").none(), nb::arg("rAqk").none(), nb::arg("rAkk").none(),
         nb::arg("rh").none(), nb::arg("workspace").none(), nb::arg("stream"));
   m.def("kda_backward_out",
-        [kda_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt h0, Opt A_log, Opt dt_bias, Opt cu, Array d_o, Opt d_fin,
+        [kda_args, kda_opts, kda_residuals](Array q, Array k, Array v, Array g, Array beta, Opt h0, Opt A_log, Opt dt_bias, Opt cu, Array d_o,
+                                            Opt d_fin,
                              double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Array dq, Array dk, Array dv, Array dg,
-                             Array dbeta, Opt dh0, Opt dA_log, Opt ddt_bias) {
+                             Array dbeta, Opt dh0, Opt dA_log, Opt ddt_bias, Opt rG, Opt rAqk, Opt rAkk, Opt rh) {
           KdaBackwardArgs a;
           a.fwd = kda_args(q, k, v, g, beta, h0, A_log, dt_bias, cu, {}, {});
+          a.fwd.residuals = kda_residuals(rG, rAqk, rAkk, rh);
           a.d_o = to_view(d_o, "d_o");
           a.d_final_state = opt_view(d_fin, "d_final_state");
           a.dq = to_view(dq, "dq");
@@ -89,7 +91,8 @@ void bind_kda(nb::module_& m) {
         nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("h0").none(), nb::arg("A_log").none(),
         nb::arg("dt_bias").none(), nb::arg("cu").none(), nb::arg("d_o"), nb::arg("d_fin").none(), nb::arg("scale"), nb::arg("l2"),
         nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("dg"),
-        nb::arg("dbeta"), nb::arg("dh0").none(), nb::arg("dA_log").none(), nb::arg("ddt_bias").none());
+        nb::arg("dbeta"), nb::arg("dh0").none(), nb::arg("dA_log").none(), nb::arg("ddt_bias").none(), nb::arg("rG").none(),
+        nb::arg("rAqk").none(), nb::arg("rAkk").none(), nb::arg("rh").none());
 }
 
 }  // namespace encore::python

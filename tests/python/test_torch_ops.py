@@ -132,8 +132,13 @@ def kda_cases(dev):
     if dev == "cpu":
         d_o = make(dev, F32)(*v.shape)
         h0 = make(dev, F32)(1, q.shape[2], q.shape[3], v.shape[3], scale=0.1)
-        cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, None, None, True, False, None, None, None, None)))
-        cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, 0.3, h0, False, True, make(dev, F32)(2), None, None, None)))
+        _, _, res = encore.kda_forward(q, k, v, g, beta, use_qk_l2norm=True, return_residuals=True)
+        none4 = (None,) * 4
+        cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, None, None, True, False, None, None, None, None, *none4)))
+        cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, None, None, True, False, None, None, None, None,
+                                       res["G"], res["Aqk"], res["Akk"], res["h"])))
+        cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, 0.3, h0, False, True, make(dev, F32)(2), None, None, None,
+                                       *none4)))
     return cases
 
 

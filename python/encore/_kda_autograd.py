@@ -1,0 +1,61 @@
+"""chunk_kda's torch.autograd.Function (imported by encore.kda.chunk_kda on its first call, so that
+encore.kda itself needs no torch): the forward runs torch.ops.encore.kda_forward asking for the
+residuals the backward reads, the backward runs torch.ops.encore.kda_backward on them. Both are
+torch.library ops with fake implementations, so the Function traces under torch.compile."""
+from __future__ import annotations
+
+import torch
+
+from ._util import _ops
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _residual_request(q, rematerialize):
+    """(names, dtype) of the residuals to save: none for float64 on the CPU (the token-level
+    backward, exact), else G, Aqk, Akk (+ h unless rematerializing) in bf16 for 16-bit inputs."""
+    if q.dtype == torch.float64:
+        return "", None
+    names = "G,Aqk,Akk" if rematerialize else "G,Aqk,Akk,h"
+    return names, "bfloat16" if q.dtype in _HALF else "float32"
+
+
+class ChunkKdaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate, lower_bound, cu,
+                rematerialize):
+        names, rdt = _residual_request(q, rematerialize)
+        scale = None if scale is None else float(scale)
+        lower = None if lower_bound is None else float(lower_bound)
+        outs = _ops().kda_forward(q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(l2), bool(gate), A_log,
+                                  dt_bias, lower, cu, names, rdt)
+        o = outs[0]
+        fin = outs[1] if output_final_state else None
+        res = list(outs[2 if output_final_state else 1:])
+        res += [None] * (4 - len(res))  # (G, Aqk, Akk, h): h absent when rematerializing
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, *res)
+        ctx.opts = (scale, bool(l2), bool(gate), lower)
+        return o, fin
+
+    @staticmethod
+    def backward(ctx, d_o, d_fin):
+        q, k, v, g, beta, A_log, dt_bias, h0, cu, *res = ctx.saved_tensors
+        scale, l2, gate, lower = ctx.opts
+        if d_o is None:
+            d_o = torch.zeros_like(v)
+        grads = _ops().kda_backward(q, k, v, g, beta, d_o.contiguous(), None if d_fin is None else d_fin.contiguous(), scale, h0,
+                                    l2, gate, A_log, dt_bias, lower, cu, *res)
+        dq, dk, dv, dg, dbeta, *extra = grads
+        extra = iter(extra)
+        dh0 = next(extra) if h0 is not None else None
+        dA_log = next(extra) if A_log is not None else None
+        ddt_bias = next(extra) if dt_bias is not None else None
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None
+
+
+def chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate, lower_bound, cu,
+                    rematerialize):
+    if cu is not None and not isinstance(cu, torch.Tensor):
+        cu = torch.as_tensor(cu)
+    return ChunkKdaFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate,
+                                  lower_bound, cu, bool(rematerialize))

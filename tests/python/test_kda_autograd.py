@@ -1,0 +1,164 @@
+"""encore.kda.chunk_kda, fla's drop-in, through torch.autograd: fp64 gradcheck on the CPU backend,
+the saved-residual backward (saved h and rematerialized) against the token-level one, varlen,
+the gate options, torch.compile, fla's keyword arguments and bad input; on CUDA the gradients
+against the fp64 CPU backend."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import encore  # noqa: E402
+from encore.kda import chunk_kda  # noqa: E402
+from helpers import needs_torch_cuda  # noqa: E402
+
+
+def make(b, t, h, kd, vd, dtype=torch.float64, gate=False, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype).to(device)
+
+    q, k, v = rnd(b, t, h, kd), rnd(b, t, h, kd, s=0.4), rnd(b, t, h, vd)
+    if gate:
+        g = rnd(b, t, h, kd)
+    else:
+        g = torch.nn.functional.logsigmoid(rnd(b, t, h, kd)).div(4).to(dtype)
+    beta = (0.1 + 0.8 * torch.rand(b, t, h, generator=gen, dtype=torch.float64)).to(dtype).to(device)
+    return q, k, v, g, beta
+
+
+def leaves(*ts):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_gradcheck_fp64_precomputed_gate_with_state():
+    q, k, v, g, beta = leaves(*make(1, 9, 1, 4, 3))
+    h0 = torch.randn(1, 1, 4, 3, dtype=torch.float64).requires_grad_(True)  # fp64 state: the exact mode
+
+    def f(q, k, v, g, beta, h0):
+        o, fin = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        return o, fin
+
+    assert torch.autograd.gradcheck(f, (q, k, v, g, beta, h0), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_gradcheck_fp64_in_kernel_gate_l2norm_varlen():
+    q, k, v, g, beta = leaves(*make(1, 11, 1, 4, 3, gate=True, seed=1))
+    A_log = torch.tensor([0.3], dtype=torch.float64, requires_grad=True)
+    dt_bias = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 4, 4, 11], dtype=torch.int64)
+
+    def f(q, k, v, g, beta, A_log, dt_bias):
+        return chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                         cu_seqlens=cu)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, g, beta, A_log, dt_bias), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rematerialize", [False, True])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_residual_backward_matches_token_level_fp32(rematerialize, lower_bound):
+    # fp32 inputs save fp32 residuals (the chunked backward); fp64 copies take the token-level one.
+    b, t, h, kd, vd = 2, 100, 2, 8, 6
+    base = make(b, t, h, kd, vd, gate=True, seed=2)
+    A_log = torch.tensor([0.2, -0.4], dtype=torch.float64)
+    dt_bias = torch.randn(h * kd, dtype=torch.float64)
+    h0 = torch.randn(b, h, kd, vd, dtype=torch.float64)
+    d_o = torch.randn(b, t, h, vd, dtype=torch.float64)
+    d_fin = torch.randn(b, h, kd, vd, dtype=torch.float64)
+    grads = {}
+    for dt in (torch.float32, torch.float64):
+        ins = leaves(*(x.to(dt) for x in base), A_log.float(), dt_bias.float(), h0.float())
+        q, k, v, g, beta, al, db, s0 = ins
+        o, fin = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           use_gate_in_kernel=True, A_log=al, dt_bias=db, lower_bound=lower_bound, rematerialize=rematerialize)
+        assert o.dtype == dt and fin.dtype == (dt if dt == torch.float64 else torch.float32)
+        ((o.double() * d_o).sum() + (fin.double() * d_fin).sum()).backward()
+        grads[dt] = [x.grad for x in ins]
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+    for name, a, ref in zip(names, grads[torch.float32], grads[torch.float64]):
+        assert a is not None and torch.isfinite(a).all(), name
+        assert rel(a, ref) < 1e-4, (name, rel(a, ref))
+
+
+def test_outputs_match_kda_forward_and_fla_defaults():
+    q, k, v, g, beta = make(1, 70, 2, 8, 8, dtype=torch.float32, seed=3)
+    o, fin = chunk_kda(q, k, v, g, beta)
+    assert fin is None
+    ref, _ = encore.kda_forward(q, k, v, g, beta)
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
+    o2, _ = chunk_kda(q, k, v, g, beta, scale=8 ** -0.5, safe_gate=False, disable_recompute=True, chunk_size=64)
+    torch.testing.assert_close(o2, ref, rtol=0, atol=0)
+
+
+def test_no_grad_inputs_and_unused_final_state():
+    q, k, v, g, beta = make(1, 20, 1, 4, 4, dtype=torch.float32, seed=4)
+    v = v.requires_grad_(True)
+    o, fin = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    o.sum().backward()  # fin unused: its cotangent is absent
+    assert v.grad is not None and torch.isfinite(v.grad).all() and q.grad is None
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    q, k, v, g, beta = make(1, 70, 2, 8, 8, dtype=torch.float32, seed=5)
+
+    def step(q, k, v, g, beta):
+        o, fin = chunk_kda(q, k, v, g, beta, output_final_state=True)
+        return o.square().sum() + fin.sum()
+
+    eager = leaves(q, k, v, g, beta)
+    step(*eager).backward()
+    compiled = leaves(q, k, v, g, beta)
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled).backward()
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_input():
+    q, k, v, g, beta = make(1, 10, 1, 4, 4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
+        chunk_kda(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True)
+    with pytest.raises(ValueError, match="no_such_option"):
+        chunk_kda(q, k, v, g, beta, no_such_option=1)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(q, k, v, g, beta, chunk_size=32)
+    with pytest.raises(ValueError, match="A_log"):
+        chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="torch tensors"):
+        chunk_kda(q.numpy(), k.numpy(), v.numpy(), g.numpy(), beta.numpy())
+    with pytest.raises(ValueError, match="residuals"):
+        encore.kda_backward(q, k, v, g, beta, torch.zeros_like(v), residuals={"x": q})
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rematerialize", [False, True])
+def test_cuda_gradients_match_fp64_cpu(dtype, rematerialize):
+    cu = torch.tensor([0, 1, 64, 129, 129, 1000], dtype=torch.int64)
+    h, kd, vd = 2, 128, 128
+    base = make(1, 1000, h, kd, vd, gate=True, seed=6)
+    A_log = torch.tensor([0.1, -0.5], dtype=torch.float64)
+    dt_bias = torch.randn(h * kd, dtype=torch.float64)
+    h0 = torch.randn(5, h, kd, vd, dtype=torch.float64) * 0.1
+    d_o = torch.randn(1, 1000, h, vd, dtype=torch.float64)
+    d_fin = torch.randn(5, h, kd, vd, dtype=torch.float64)
+    runs = {}
+    for dev in ("cuda", "cpu"):
+        dt = dtype if dev == "cuda" else torch.float64
+        ins = leaves(*(x.to(dt).to(dev) for x in base), A_log.float().to(dev), dt_bias.float().to(dev), h0.float().to(dev))
+        if dev == "cpu":  # the fp64 reference takes the bf16-rounded inputs
+            ins = leaves(*(x.to(dtype).to(torch.float64) for x in base), A_log.float(), dt_bias.float(), h0.float())
+        q, k, v, g, beta, al, db, s0 = ins
+        o, fin = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           use_gate_in_kernel=True, A_log=al, dt_bias=db, cu_seqlens=cu.to(dev), rematerialize=rematerialize)
+        ((o.double() * d_o.to(dev)).sum() + (fin.double() * d_fin.to(dev)).sum()).backward()
+        runs[dev] = [x.grad for x in ins]
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+    for name, a, ref in zip(names, runs["cuda"], runs["cpu"]):
+        assert torch.isfinite(a).all(), name
+        tol = 1e-2 if name in ("g", "beta", "A_log", "dt_bias") else 5e-3
+        assert rel(a, ref) < tol, (name, rel(a, ref))
