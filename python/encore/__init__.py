@@ -30,6 +30,17 @@ __version__ = _encore.__version__  # project(encore VERSION ...) in CMakeLists.t
 built_with_cuda = _encore.built_with_cuda
 cuda_device_count = _encore.cuda_device_count
 
+
+
+def __getattr__(name):
+    """encore.nn (torch modules) on first use: `import encore` alone never imports torch."""
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'encore' has no attribute {name!r}")
+
+
 # torch.ops.encore (encore.torch_ops): registered now where torch is already loaded, else on the
 # first call with torch tensors; numpy-only use never imports torch.
 if "torch" in _sys.modules:

@@ -2,8 +2,9 @@
 and combine run on numpy / CPU torch (CPU backend) and CUDA torch tensors; moe_forward on the CPU
 backend only for now (CUDA tensors raise "not yet on CUDA"). The math, shapes
 and conventions are in include/encore/moe.hpp and docs/moe.md. torch.library registration (torch.ops.encore)
-registers routing, dispatch and combine as torch.ops.encore.moe_* (traced by torch.compile);
-moe_forward takes the direct path (its grouped GEMMs are CPU only so far)."""
+registers routing, dispatch, combine and the layer as torch.ops.encore.moe_* (traced by torch.compile;
+moe_forward with caller-given buffers or out takes the direct path). encore.nn.MoE is the layer as a
+torch module."""
 from __future__ import annotations
 
 from . import _encore
@@ -101,6 +102,10 @@ def moe_forward(x, router_logits, w13, w2, top_k: int, scoring: str = "softmax",
     x [T, D]; router_logits [T, E] (the router GEMM is the caller's); w13 [E, 2F, D] (gate rows, then up
     rows); w2 [E, D, F]; all of x's dtype. buffers: optional persistent 1-D uint8 array of
     moe_buffers_bytes(max_tokens, ...) bytes (+ 256 for alignment), reused across calls with T <= max_tokens."""
+    if buffers is None and out is None and max_tokens is None and \
+            _via_torch_op(stream, x, router_logits, w13, w2, correction_bias):
+        return _ops().moe_forward(x, router_logits, w13, w2, int(top_k), scoring, bool(renormalize), int(n_group), int(topk_group),
+                                  correction_bias, float(routed_scaling_factor), int(align_m))
     _no_autograd(x, router_logits, w13, w2)
     if getattr(x, "ndim", 0) != 2 or getattr(w13, "ndim", 0) != 3 or getattr(router_logits, "ndim", 0) != 2:
         raise ValueError("x: expected x [T, D], router_logits [T, E], w13 [E, 2F, D]")

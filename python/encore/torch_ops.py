@@ -254,3 +254,6 @@ _define("moe_dispatch(Tensor topk_ids, int num_experts, Tensor? x, int align_m) 
         moe.moe_dispatch, lambda r: list(r.values()))
 _define("moe_combine(Tensor expert_out, Tensor slot_rows, Tensor topk_weights) -> Tensor",
         lambda y, rows, w: _new(y, (rows.shape[0], y.shape[1])), moe.moe_combine)
+_define("moe_forward(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, str scoring, bool renormalize, "
+        "int n_group, int topk_group, Tensor? correction_bias, float routed_scaling_factor, int align_m) -> Tensor",
+        lambda x, *_: _new(x, x.shape), moe.moe_forward)

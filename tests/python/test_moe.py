@@ -175,3 +175,39 @@ def test_cuda_ops_match_cpu_layer_not_yet():
     xl, logits_l, w13, w2 = (t_.cuda() if hasattr(t_, "cuda") else torch.from_numpy(t_).cuda() for t_ in _layer())
     with pytest.raises(RuntimeError, match="not yet on CUDA"):
         encore.moe_forward(xl, logits_l, w13, w2, top_k=2)
+
+
+def torch_moe_loop(x, router, w13, w2, k):
+    """The plain PyTorch loop: softmax top-k, renormalized, each expert's SwiGLU MLP over its tokens."""
+    import torch
+
+    probs = (x.float() @ router.float().T).softmax(-1)
+    w, ids = probs.topk(k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    f = w2.shape[2]
+    for e in range(w13.shape[0]):
+        t, j = (ids == e).nonzero(as_tuple=True)
+        if t.numel():
+            h = x[t].double() @ w13[e].double().T
+            a = torch.nn.functional.silu(h[:, :f]) * h[:, f:]
+            out.index_add_(0, t, w[t, j, None].double() * (a @ w2[e].double().T))
+    return out
+
+
+def test_nn_moe_module_cpu():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(3)
+    layer = encore.nn.MoE(32, 16, 8, top_k=2)
+    assert not any(p.requires_grad for p in layer.parameters())
+    x = torch.randn(3, 7, 32)
+    y = layer(x)  # grad mode on: the module's parameters need no grad
+    assert y.shape == x.shape and y.dtype == x.dtype
+    ref = torch_moe_loop(x.reshape(-1, 32), layer.gate.weight, layer.w13, layer.w2, 2)
+    assert rel(y.reshape(-1, 32).numpy(), ref.numpy()) < 1e-5
+    same = encore.nn.MoE.from_weights(layer.gate.weight, layer.w13, layer.w2, top_k=2)
+    assert torch.equal(same(x), y)
+    with pytest.raises(ValueError, match="x: expected"):
+        layer(torch.randn(4, 31))
+    with pytest.raises(ValueError, match="weights: expected"):
+        encore.nn.MoE.from_weights(layer.gate.weight, layer.w13, layer.w2[:, :5], top_k=2)

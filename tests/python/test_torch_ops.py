@@ -154,7 +154,9 @@ def moe_cases(dev):
             ("moe_routing", (logits, bias, 4, "sigmoid", True, 4, 2, 2.5)),
             ("moe_dispatch", (ids, 16, x, 8)),
             ("moe_dispatch", (ids, 16, None, 1)),
-            ("moe_combine", (y, d["slot_rows"], w))]
+            ("moe_combine", (y, d["slot_rows"], w)),
+            ("moe_forward", (x, logits.to(x.dtype), (torch.randn(16, 64, 64, generator=g) / 8).to(dev).to(x.dtype),
+                             (torch.randn(16, 64, 32, generator=g) / 6).to(dev).to(x.dtype), 4, "softmax", True, 1, 1, None, 1.0, 8))]
 
 
 def all_cases(dev):
