@@ -4,9 +4,9 @@
 // encore/gemm_epilogues.def, which states each epilogue's math and the operands it reads.
 //
 // Finishers: rms_final_reduce (r from the sum-of-squares partials), lse_finish (per-row log-sum-exp
-// and cross-entropy loss from the LSE partials), and the QK-norm + RoPE finish after kQkvHeadSqsum
-// (QkNormRopeArgs; CPU and CUDA). Statistics are fp32; D and aux take A's dtype
-// (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
+// and cross-entropy loss from the LSE partials), partials sums (zdz and dγ of the backward epilogues,
+// PartialsSumArgs), and the QK-norm + RoPE finish after kQkvHeadSqsum (QkNormRopeArgs; CPU and CUDA).
+// Statistics are fp32; D and aux take A's dtype (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
 // produces the same layout [M, ceil(N / partial_tile_n)]; 0 (the default) means
 // gemm_partial_tile_n(epilogue, M, N, K), the width of the fastest CUDA tile for the shape.
 //
@@ -53,10 +53,20 @@ enum GemmOperand : uint32_t {
   kOperandHeadPartials = 1u << 12,     // partials [M, N / head_dim] fp32, written
   kOperandTarget = 1u << 13,           // target [M] int32 and target_logit [M] fp32, optional together
   kOperandColumnPairs = 1u << 14,      // N even: columns (2j, 2j+1) form pairs
+  kOperandWeightKN = 1u << 15,         // w is [K, N] (N contiguous), used un-transposed: acc = A · W (a dgrad
+                                       //   through a forward weight [N_fwd, d] stored out x in)
+  kOperandCPairs = 1u << 16,           // c [M, 2N], read as (c[m, 2n], c[m, 2n+1]) pairs (the saved SwiGLU Z)
+  kOperandAuxDouble = 1u << 17,        // aux [M, 2N], written as (2n, 2n+1) pairs (dZ, packed like Z)
+  kOperandC2Optional = 1u << 18,       // c2 [M, N], a second tile input, read when given (absent: 0)
+  kOperandZdz = 1u << 19,              // zdz [M] fp32, required
+  kOperandAlphaOptional = 1u << 20,    // alpha [1] fp32, optional (absent: 1)
+  kOperandColumnPartials = 1u << 21,   // partials [ceil(M / 128), round_up(N, partial_tile_n)] fp32, written:
+                                       //   per-M-tile column sums (block reduction along M); columns >= N are 0
 };
 
 // The CUDA tiles an epilogue is instantiated on (GemmEpilogueInfo::tiles).
-enum GemmTileSet : uint8_t { kTileCoop256 = 1u << 0, kTilePp128 = 1u << 1, kTilePp64 = 1u << 2 };
+// kTileNone: a row with the CPU reference only (its CUDA program not instantiated yet).
+enum GemmTileSet : uint8_t { kTileNone = 0, kTileCoop256 = 1u << 0, kTilePp128 = 1u << 1, kTilePp64 = 1u << 2 };
 
 struct GemmEpilogueInfo {
   Epilogue epilogue;
@@ -88,13 +98,17 @@ const char* gemm_tile_name(GemmTile t);
 enum class GemmRaster : uint8_t { kAuto, kAlongM, kAlongN };
 
 // The partials' column tile that partial_tile_n = 0 stands for: 128 (the ping-pong tile, measured
-// fastest for both partials epilogues) for kResidualSqsumAux and kLse; 0 for the other epilogues.
-// Size the partials [M, ceil(N / it)].
+// fastest for both partials epilogues) for the epilogues with tile or column partials, 256 for
+// kResidualSqsumAux at K >= 12288; 0 for the other epilogues. Size tile partials [M, ceil(N / it)],
+// column partials [gemm_column_partials_rows(M), round_up(N, it)].
 int gemm_partial_tile_n(Epilogue e, int64_t M, int64_t N, int64_t K);
+// Rows of column partials (kOperandColumnPartials): one per 128 rows of A (the CUDA tile M).
+constexpr int64_t kColumnPartialsTileM = 128;
+inline int64_t gemm_column_partials_rows(int64_t M) { return (M + kColumnPartialsTileM - 1) / kColumnPartialsTileM; }
 
 struct GemmEpilogueOptions {
   Epilogue epilogue = Epilogue::kRowScale;
-  int partial_tile_n = 0;    // kResidualSqsumAux, kLse: 0 = gemm_partial_tile_n(...); CUDA: 128 or 256
+  int partial_tile_n = 0;    // epilogues with partials: 0 = gemm_partial_tile_n(...); CUDA: 128 or 256
 
   int head_dim = 128;        // kQkvHeadSqsum
   int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
@@ -112,16 +126,19 @@ struct GemmEpilogueOptions {
 
 struct GemmEpilogueArgs {
   TensorView a;             // [M, K]
-  TensorView w;             // [N, K]
+  TensorView w;             // [N, K] ([K, N] for kOperandWeightKN rows)
   TensorView d;             // [M, N] (optional for kLse)
   TensorView aux;           // [M, N] (kResidualSqsumAux) or [M, N/2] (kSwiglu)
-  TensorView c;             // [M, N] residual (kResidualSqsumAux)
+  TensorView c;             // [M, N] tile input (kResidualSqsumAux: residual; kRmsnormBwd: saved x) or [M, 2N] pairs (kSwigluBwd: Z)
+  TensorView c2;            // [M, N] second tile input (kRmsnormBwd: the incoming residual gradient, optional)
+  TensorView zdz;           // [M] fp32 (kRmsnormBwd: (1/d)·Σ_j z·dz of the consumer GEMM's output)
   TensorView gamma;         // [N] (kResidualSqsumAux)
   TensorView row_scale;     // [M] fp32 r (kRowScale; optional for kSwiglu, kRope, kLse)
   TensorView pos;           // [M] int32 positions (kRope)
   TensorView freq;          // [N] fp32: frequency of pair j in turns per position as hi + lo = freq[2j] + freq[2j+1]
   TensorView alpha;         // [1] fp32 (kScalarScale)
-  TensorView partials;      // fp32 [M, tiles] (kResidualSqsumAux, kLse) or [M, N / head_dim] (kQkvHeadSqsum)
+  TensorView partials;      // fp32 [M, tiles] (tile partials), [M, N / head_dim] (kQkvHeadSqsum) or
+                            // [ceil(M / 128), round_up(N, partial_tile_n)] (column partials, kRmsnormBwd)
   TensorView target;        // [M] int32 (kLse, optional)
   TensorView target_logit;  // [M] fp32 (kLse with target)
 };
@@ -167,6 +184,17 @@ struct QkNormRopeOptions {
   float eps = 1e-6f;
 };
 Status run(const QkNormRopeArgs& args, const QkNormRopeOptions& opts, Stream stream = nullptr);
+
+// Deterministic sums of an epilogue's partials, in index order:
+//   kPerRow     out[m] = scale · Σ_t partials[m, t]  (zdz = (1/d)·Σ_t of kSwigluBwd's tile partials)
+//   kPerColumn  out[n] = scale · Σ_t partials[t, n]  (dγ from kRmsnormBwd's column partials; out may be
+//               narrower than the partials: out [N] of partials [tiles, round_up(N, tile)])
+enum class PartialsSum : uint8_t { kPerRow, kPerColumn };
+struct PartialsSumArgs {
+  TensorView partials;  // fp32 [rows, cols]
+  TensorView out;       // fp32 [rows] (kPerRow) or [n <= cols] (kPerColumn)
+};
+Status run(const PartialsSumArgs& args, PartialsSum axis, float scale = 1.0f, Stream stream = nullptr);
 
 // out[2j] = gate[j], out[2j+1] = up[j] (rows of [F, K] weights; out [2F, K]); CPU tensors.
 Status interleave_gate_up(const TensorView& gate, const TensorView& up, const TensorView& out);

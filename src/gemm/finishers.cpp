@@ -1,5 +1,5 @@
-// GEMM-epilogue family finishers and host helpers: rms_final_reduce and lse_finish (the row
-// statistics from the epilogues' partials), the QK-norm + RoPE finish after qkv_head_sqsum, and the
+// GEMM-epilogue family finishers and host helpers: rms_final_reduce, lse_finish and the partials
+// sums (the row / column statistics from the epilogues' partials), the QK-norm + RoPE finish after qkv_head_sqsum, and the
 // weight / frequency layouts the epilogues read (interleave_gate_up, rope_freq_turns).
 #include <cmath>
 #include <utility>
@@ -66,6 +66,40 @@ Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
 #endif
   }
   reference::lse_finish(a, ignore_index);
+  return Status::ok();
+}
+
+Status run(const PartialsSumArgs& a, PartialsSum axis, float scale, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[rows, cols]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
+  if (axis != PartialsSum::kPerRow && axis != PartialsSum::kPerColumn)
+    return Status::invalid("axis: must be PartialsSum::kPerRow or kPerColumn, got " + std::to_string(int(axis)));
+  if (!std::isfinite(scale)) return Status::invalid("scale: must be finite");
+  const int64_t rows = a.partials.shape[0], cols = a.partials.shape[1];
+  if (axis == PartialsSum::kPerRow) {
+    ENCORE_RETURN_IF_ERROR(vector("out", a.out, rows, "[rows]", a.partials, {DType::kFP32}));
+  } else {
+    ENCORE_RETURN_IF_ERROR(checks::present("out", a.out));
+    ENCORE_RETURN_IF_ERROR(checks::ndim("out", a.out, 1, "[n]"));
+    if (a.out.shape[0] > cols)
+      return Status::invalid("out: expected [n] with n <= " + std::to_string(cols) + " (the partials' columns), got " + a.out.shape_string());
+    ENCORE_RETURN_IF_ERROR(vector("out", a.out, a.out.shape[0], "[n]", a.partials, {DType::kFP32}));
+  }
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("out", a.out, "partials", a.partials));
+  if (a.partials.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
+    ENCORE_RETURN_IF_ERROR(contiguous_vector("out", a.out));
+    if (rows >= (int64_t(1) << 31) || cols >= (int64_t(1) << 31)) return Status::unsupported("partials: dimensions must be < 2^31");
+#ifdef ENCORE_WITH_CUDA
+    return cuda::launch_partials_sum(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(rows), int(cols),
+                                     static_cast<float*>(a.out.data), int(a.out.shape[0]), axis == PartialsSum::kPerColumn, scale, stream);
+#else
+    (void)stream;
+    return gemm::no_cuda(a.partials, "partials");
+#endif
+  }
+  reference::partials_sum(a, axis, scale);
   return Status::ok();
 }
 

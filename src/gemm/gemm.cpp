@@ -39,6 +39,9 @@ Status unused(const char* name, const TensorView& t, Epilogue e) {
   return Status::ok();
 }
 
+// N of the GEMM: w's rows, or its columns for a row that uses w un-transposed (kOperandWeightKN).
+int64_t gemm_n(const GemmEpilogueArgs& a, const GemmEpilogueInfo& info) { return a.w.shape[(info.operands & kOperandWeightKN) ? 1 : 0]; }
+
 uint8_t tile_flag(GemmTile t) {
   switch (t) {
     case GemmTile::kCooperative128x256: return kTileCoop256;
@@ -66,7 +69,7 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, con
     return Status::unsupported(std::string("tile: ") + gemm_tile_name(o.tile) + " exists for " + epilogues_on(o.tile) + ", not " +
                                epilogue_name(e));
   GemmTile chosen = o.tile;
-  if (info.operands & kOperandTilePartials) {
+  if (info.operands & (kOperandTilePartials | kOperandColumnPartials)) {
     GemmTile fixed = GemmTile::kAuto;
     if (o.partial_tile_n == 256) fixed = o.tile == GemmTile::kPingpong64x256 ? GemmTile::kPingpong64x256 : GemmTile::kCooperative128x256;
     else if (o.partial_tile_n == 128) fixed = GemmTile::kPingpong128x128;
@@ -78,7 +81,7 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, con
                                  " kernel's tile " + gemm_tile_name(fixed) + " (set by partial_tile_n)");
     chosen = fixed;
   } else if (chosen == GemmTile::kAuto) {
-    chosen = gemm::auto_tile(e, a.a.shape[0], a.w.shape[0], a.a.shape[1]);
+    chosen = gemm::auto_tile(e, a.a.shape[0], gemm_n(a, info), a.a.shape[1]);
     if (!(info.tiles & tile_flag(chosen)))
       chosen = chosen == GemmTile::kPingpong128x128 ? GemmTile::kCooperative128x256 : GemmTile::kPingpong128x128;
   }
@@ -94,9 +97,10 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, con
 // `o` has partial_tile_n resolved; hands back the tile the kernel runs on.
 Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, const GemmEpilogueInfo& info, GemmTile* tile) {
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("a", a.a, {DType::kBF16, DType::kFP16}));
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"gamma", &a.gamma}})
+  for (auto [name, t] :
+       {std::pair<const char*, const TensorView*>{"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"c2", &a.c2}, {"gamma", &a.gamma}})
     if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::same_dtype(name, *t, "a", a.a));
-  const int64_t M = a.a.shape[0], K = a.a.shape[1], N = a.w.shape[0];
+  const int64_t M = a.a.shape[0], K = a.a.shape[1], N = gemm_n(a, info);
   if (K % 8 != 0) return Status::unsupported("a: K = " + std::to_string(K) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
   // [M, N] tiles (D, C, aux) move by TMA, which needs 16-byte rows; without them (lse with no D)
   // any N works: W's rows are K-contiguous and the epilogue masks the columns past N.
@@ -105,13 +109,21 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, co
     return Status::unsupported("w: N = " + std::to_string(N) +
                                " must be a multiple of 8 on CUDA when the epilogue stores or reads [M, N] tiles (16-byte TMA rows)");
   if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31) || K >= (int64_t(1) << 31)) return Status::unsupported("a: M, N, K must be < 2^31");
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"a", &a.a}, {"w", &a.w}, {"d", &a.d}, {"c", &a.c}})
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"a", &a.a}, {"w", &a.w}, {"d", &a.d}, {"c", &a.c}, {"c2", &a.c2}})
     ENCORE_RETURN_IF_ERROR(tma_rows(name, *t));
-  if (info.operands & kOperandAux) ENCORE_RETURN_IF_ERROR(tma_rows("aux", a.aux));  // vector stores
+  if (info.operands & (kOperandAux | kOperandAuxDouble)) ENCORE_RETURN_IF_ERROR(tma_rows("aux", a.aux));  // vector stores
+  if (info.operands & kOperandColumnPartials) {  // the kernel writes rows of round_up(N, tile N), packed
+    if (a.partials.strides[1] != 1 || (a.partials.shape[0] > 1 && a.partials.strides[0] != a.partials.shape[1]))
+      return Status::unsupported("partials: the column partials must be contiguous on CUDA (row stride " + std::to_string(a.partials.shape[1]) +
+                                 "), got strides [" + std::to_string(a.partials.strides[0]) + ", " + std::to_string(a.partials.strides[1]) + "]");
+    if (!checks::aligned(a.partials.data, 16)) return Status::invalid("partials: must be 16-byte aligned on CUDA");
+    if (o.n_slices > 1)
+      return Status::unsupported(std::string("n_slices: the ") + info.name + " kernel runs in one launch (its column partials span all of N)");
+  }
   if ((info.operands & kOperandAuxHalf) && (!checks::aligned(a.aux.data, 8) || (a.aux.shape[0] > 1 && a.aux.strides[0] % 4 != 0)))
     return Status::invalid("aux: data pointer and row stride must be 8-byte aligned on CUDA (4 outputs per store)");
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"gamma", &a.gamma}, {"row_scale", &a.row_scale}, {"pos", &a.pos},
-                         {"freq", &a.freq}, {"target", &a.target}, {"target_logit", &a.target_logit}})
+                         {"freq", &a.freq}, {"target", &a.target}, {"target_logit", &a.target_logit}, {"zdz", &a.zdz}})
     ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
   if (a.freq.defined() && !checks::aligned(a.freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
   if (a.partials.defined()) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
@@ -129,7 +141,8 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, co
 }
 
 #ifdef ENCORE_WITH_CUDA
-cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, GemmTile tile, int sm_count) {
+cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, const GemmEpilogueInfo& info, GemmTile tile,
+                               int sm_count) {
   cuda::GemmProblem p;
   p.a = a.a.data;
   p.lda = a.a.strides[0];
@@ -138,11 +151,15 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   p.d = a.d.data;
   p.ldd = a.d.defined() ? a.d.strides[0] : 0;
   p.M = int(a.a.shape[0]);
-  p.N = int(a.w.shape[0]);
+  p.N = int(gemm_n(a, info));
   p.K = int(a.a.shape[1]);
   p.dtype = a.a.dtype;
   p.c = a.c.data;
-  p.ldc = a.c.defined() ? a.c.strides[0] : 0;
+  // (g, u) pairs travel as one 32-bit element of the kernel's C: its row stride counts pairs
+  p.ldc = !a.c.defined() ? 0 : (info.operands & kOperandCPairs) ? a.c.strides[0] / 2 : a.c.strides[0];
+  p.c2 = a.c2.data;
+  p.ldc2 = a.c2.defined() ? a.c2.strides[0] : 0;
+  p.zdz = static_cast<const float*>(a.zdz.data);
   p.aux = a.aux.data;
   p.ld_aux = a.aux.defined() ? a.aux.strides[0] : 0;
   p.gamma = a.gamma.data;
@@ -181,10 +198,11 @@ Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, cons
     const int64_t n0 = units * s / slices * unit, n1 = std::min<int64_t>(p.N, units * (s + 1) / slices * unit);
     cuda::GemmProblem q = p;
     q.N = int(n1 - n0);
-    q.w = at(p.w, n0 * p.ldw, es);
+    q.w = at(p.w, (info.operands & kOperandWeightKN) ? n0 : n0 * p.ldw, es);
     q.d = at(p.d, n0, es);
-    q.c = at(p.c, n0, es);
-    q.aux = at(p.aux, (info.operands & kOperandAuxHalf) ? n0 / 2 : n0, es);
+    q.c = at(p.c, (info.operands & kOperandCPairs) ? 2 * n0 : n0, es);
+    q.c2 = at(p.c2, n0, es);
+    q.aux = at(p.aux, (info.operands & kOperandAuxHalf) ? n0 / 2 : (info.operands & kOperandAuxDouble) ? 2 * n0 : n0, es);
     q.gamma = at(p.gamma, n0, es);
     q.freq = reinterpret_cast<const float*>(at(p.freq, n0, sizeof(float)));
     q.partials = part_w > 0 ? reinterpret_cast<float*>(at(p.partials, n0 / part_w, sizeof(float))) : p.partials;
@@ -227,16 +245,19 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("a", a.a, kIo));
   ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("a", a.a));
   const int64_t M = a.a.shape[0], K = a.a.shape[1];
-  ENCORE_RETURN_IF_ERROR(checks::present("w", a.w));
-  ENCORE_RETURN_IF_ERROR(checks::ndim("w", a.w, 2, "[N, K]"));
-  if (a.w.shape[1] != K) return Status::invalid("w: expected [N, K] with K = " + std::to_string(K) + " (a's columns), got " + a.w.shape_string());
-  ENCORE_RETURN_IF_ERROR(checks::same_dtype("w", a.w, "a", a.a));
-  ENCORE_RETURN_IF_ERROR(checks::same_device("w", a.w, "a", a.a));
-  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("w", a.w));
-  const int64_t N = a.w.shape[0];
   const Epilogue e = o.epilogue;
   const uint32_t ops = info->operands;
   auto uses = [ops](uint32_t flags) { return (ops & flags) != 0; };
+  const bool w_kn = uses(kOperandWeightKN);  // w [K, N], acc = A · W
+  ENCORE_RETURN_IF_ERROR(checks::present("w", a.w));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("w", a.w, 2, w_kn ? "[K, N]" : "[N, K]"));
+  if (a.w.shape[w_kn ? 0 : 1] != K)
+    return Status::invalid(std::string("w: expected ") + (w_kn ? "[K, N]" : "[N, K]") + " with K = " + std::to_string(K) + " (a's columns), got " +
+                           a.w.shape_string() + (w_kn ? " (the " + std::string(epilogue_name(e)) + " epilogue multiplies by w un-transposed)" : ""));
+  ENCORE_RETURN_IF_ERROR(checks::same_dtype("w", a.w, "a", a.a));
+  ENCORE_RETURN_IF_ERROR(checks::same_device("w", a.w, "a", a.a));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("w", a.w));
+  const int64_t N = gemm_n(a, *info);
   const std::initializer_list<DType> out_types = {a.a.dtype, DType::kFP32};
   const std::initializer_list<DType> f32 = {DType::kFP32};
 
@@ -250,35 +271,51 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
 
   // Every operand the epilogue does not read must be absent.
   const std::pair<const char*, const TensorView*> operands[] = {
-      {"d", &a.d},         {"aux", &a.aux},   {"c", &a.c},         {"gamma", &a.gamma},       {"row_scale", &a.row_scale}, {"pos", &a.pos},
-      {"freq", &a.freq},   {"alpha", &a.alpha}, {"partials", &a.partials}, {"target", &a.target}, {"target_logit", &a.target_logit}};
-  const uint32_t flags[] = {kOperandD | kOperandDOptional, kOperandAux | kOperandAuxHalf, kOperandC, kOperandGamma,
-                            kOperandRowScale | kOperandRowScaleOptional, kOperandPos, kOperandFreq, kOperandAlpha,
-                            kOperandTilePartials | kOperandHeadPartials, kOperandTarget, kOperandTarget};
+      {"d", &a.d},         {"aux", &a.aux},     {"c", &a.c},               {"c2", &a.c2},         {"zdz", &a.zdz},
+      {"gamma", &a.gamma}, {"row_scale", &a.row_scale}, {"pos", &a.pos},   {"freq", &a.freq},     {"alpha", &a.alpha},
+      {"partials", &a.partials}, {"target", &a.target}, {"target_logit", &a.target_logit}};
+  const uint32_t flags[] = {kOperandD | kOperandDOptional, kOperandAux | kOperandAuxHalf | kOperandAuxDouble, kOperandC | kOperandCPairs,
+                            kOperandC2Optional, kOperandZdz, kOperandGamma, kOperandRowScale | kOperandRowScaleOptional, kOperandPos,
+                            kOperandFreq, kOperandAlpha | kOperandAlphaOptional,
+                            kOperandTilePartials | kOperandHeadPartials | kOperandColumnPartials, kOperandTarget, kOperandTarget};
   for (size_t i = 0; i < std::size(operands); ++i)
     if (!uses(flags[i])) ENCORE_RETURN_IF_ERROR(unused(operands[i].first, *operands[i].second, e));
 
-  if (uses(kOperandAux | kOperandAuxHalf)) {
-    const bool half = uses(kOperandAuxHalf);
-    ENCORE_RETURN_IF_ERROR(matrix("aux", a.aux, M, half ? N / 2 : N, half ? "[M, N / 2]" : "[M, N]", a.a, out_types));
+  if (uses(kOperandAux | kOperandAuxHalf | kOperandAuxDouble)) {
+    const bool half = uses(kOperandAuxHalf), dbl = uses(kOperandAuxDouble);
+    ENCORE_RETURN_IF_ERROR(matrix("aux", a.aux, M, half ? N / 2 : dbl ? 2 * N : N, half ? "[M, N / 2]" : dbl ? "[M, 2N]" : "[M, N]", a.a, out_types));
     ENCORE_RETURN_IF_ERROR(checks::no_overlap("aux", a.aux, "d", a.d));
   }
   if (uses(kOperandC)) ENCORE_RETURN_IF_ERROR(matrix("c", a.c, M, N, "[M, N]", a.a, kIo));
+  if (uses(kOperandCPairs)) ENCORE_RETURN_IF_ERROR(matrix("c", a.c, M, 2 * N, "[M, 2N] (pairs)", a.a, kIo));
+  if (uses(kOperandC2Optional) && a.c2.defined()) ENCORE_RETURN_IF_ERROR(matrix("c2", a.c2, M, N, "[M, N]", a.a, kIo));
+  if (uses(kOperandZdz)) ENCORE_RETURN_IF_ERROR(vector("zdz", a.zdz, M, "[M]", a.a, f32));
+  // The dgrad rows' tile inputs are read while D / aux are written: no overlap (the forward rows keep
+  // accepting C = D in place).
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"c", &a.c}, {"c2", &a.c2}})
+    if (uses(kOperandWeightKN) && t->defined()) {
+      if (a.d.defined()) ENCORE_RETURN_IF_ERROR(checks::no_overlap("d", a.d, name, *t));
+      if (a.aux.defined()) ENCORE_RETURN_IF_ERROR(checks::no_overlap("aux", a.aux, name, *t));
+    }
   if (uses(kOperandGamma)) ENCORE_RETURN_IF_ERROR(vector("gamma", a.gamma, N, "[N]", a.a, kIo));
   if (uses(kOperandRowScale) || (uses(kOperandRowScaleOptional) && a.row_scale.defined()))
     ENCORE_RETURN_IF_ERROR(vector("row_scale", a.row_scale, M, "[M]", a.a, f32));
   if (uses(kOperandPos)) ENCORE_RETURN_IF_ERROR(vector("pos", a.pos, M, "[M]", a.a, {DType::kInt32}));
   if (uses(kOperandFreq)) ENCORE_RETURN_IF_ERROR(vector("freq", a.freq, N, "[N] (hi, lo) pairs", a.a, f32));
-  if (uses(kOperandAlpha)) ENCORE_RETURN_IF_ERROR(vector("alpha", a.alpha, 1, "[1]", a.a, f32));
+  if (uses(kOperandAlpha) || (uses(kOperandAlphaOptional) && a.alpha.defined()))
+    ENCORE_RETURN_IF_ERROR(vector("alpha", a.alpha, 1, "[1]", a.a, f32));
   if (uses(kOperandHeadPartials)) {
     if (o.head_dim <= 0 || N % o.head_dim != 0)
       return Status::invalid("head_dim: " + std::to_string(o.head_dim) + " must be positive and divide N = " + std::to_string(N));
     ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, N / o.head_dim, "[M, tiles]", a.a, f32));
   }
-  if (uses(kOperandTilePartials)) {
+  if (uses(kOperandTilePartials | kOperandColumnPartials)) {
     if (o.partial_tile_n < 0) return Status::invalid("partial_tile_n: must be positive or 0 (auto), got " + std::to_string(o.partial_tile_n));
-    const int64_t tiles = gemm::ceil_div(N, o.partial_tile_n > 0 ? o.partial_tile_n : gemm_partial_tile_n(e, M, N, K));
-    ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, tiles, "[M, tiles]", a.a, f32));
+    const int64_t tile = o.partial_tile_n > 0 ? o.partial_tile_n : gemm_partial_tile_n(e, M, N, K), tiles = gemm::ceil_div(N, tile);
+    if (uses(kOperandTilePartials)) ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, tiles, "[M, tiles]", a.a, f32));
+    else
+      ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, gemm_column_partials_rows(M), tiles * tile,
+                                    "[ceil(M / 128), round_up(N, partial_tile_n)]", a.a, f32));
   }
   if (uses(kOperandTarget) && a.target.defined()) {
     ENCORE_RETURN_IF_ERROR(vector("target", a.target, M, "[M]", a.a, {DType::kInt32}));
@@ -295,7 +332,7 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
   ENCORE_RETURN_IF_ERROR(validate(a, opts));
   const GemmEpilogueInfo& info = *gemm_epilogue_info(opts.epilogue);
   GemmEpilogueOptions o = opts;  // partial_tile_n resolved: every backend writes the same layout
-  if (o.partial_tile_n == 0) o.partial_tile_n = gemm_partial_tile_n(o.epilogue, a.a.shape[0], a.w.shape[0], a.a.shape[1]);
+  if (o.partial_tile_n == 0) o.partial_tile_n = gemm_partial_tile_n(o.epilogue, a.a.shape[0], gemm_n(a, info), a.a.shape[1]);
   if (a.a.device.is_cuda()) {
     GemmTile tile = GemmTile::kAuto;
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, o, info, &tile));
@@ -305,8 +342,8 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
     const cuda::GemmLauncher launch = cuda::gemm_launcher(o.epilogue, tile);
     if (launch == nullptr)
       return Status::internal(std::string("gemm: no CUDA kernel for ") + info.name + " on " + gemm_tile_name(tile) + " in this build");
-    const cuda::GemmProblem p = make_problem(a, o, tile, dev->sm_count);
-    const int slices = o.n_slices > 0 ? o.n_slices : gemm::auto_slices(p.M, p.N, tile, dev->sm_count);
+    const cuda::GemmProblem p = make_problem(a, o, info, tile, dev->sm_count);
+    const int slices = (info.operands & kOperandColumnPartials) ? 1 : o.n_slices > 0 ? o.n_slices : gemm::auto_slices(p.M, p.N, tile, dev->sm_count);
     return launch_sliced(launch, p, info, o.partial_tile_n, tile, slices, stream);
 #else
     (void)stream;
@@ -315,7 +352,7 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
 #endif
   }
   if ((info.operands & kOperandTarget) && a.target.defined()) {  // host data: check the targets
-    const int64_t N = a.w.shape[0];
+    const int64_t N = gemm_n(a, info);
     for (int64_t m = 0; m < a.a.shape[0]; ++m) {
       const int32_t t = static_cast<const int32_t*>(a.target.data)[m * a.target.strides[0]];
       if (t != o.ignore_index && (t < 0 || t >= N))

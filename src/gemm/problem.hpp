@@ -22,14 +22,17 @@ struct GemmProblem {
   int64_t ldd = 0;
   int M = 0, N = 0, K = 0;
   DType dtype = DType::kBF16;
-  const void* c = nullptr;  // residual (kResidualSqsumAux)
+  const void* c = nullptr;  // tile input C (residual, saved x; kOperandCPairs: Z [M, 2N] as (2n, 2n+1) pairs, ldc in elements of c)
   int64_t ldc = 0;
-  void* aux = nullptr;  // kResidualSqsumAux [M, N], kSwiglu [M, N/2]
+  const void* c2 = nullptr;  // second tile input (kOperandC2Optional), null = 0
+  int64_t ldc2 = 0;
+  const float* zdz = nullptr;  // [M] contiguous (kOperandZdz)
+  void* aux = nullptr;  // [M, N]; kSwiglu [M, N/2]; kSwigluBwd [M, 2N]
   int64_t ld_aux = 0;
   const void* gamma = nullptr;       // [N], contiguous
   const float* row_scale = nullptr;  // [M] contiguous, null = 1
-  const float* alpha = nullptr;      // [1] (device pointer)
-  float* partials = nullptr;         // [M, tiles] fp32
+  const float* alpha = nullptr;      // [1] (device pointer); null = 1 where optional
+  float* partials = nullptr;         // [M, tiles] fp32; column partials [ceil(M / 128), round_up(N, tile N)], packed
   int64_t ld_partials = 0;
   const int32_t* pos = nullptr;   // [M] contiguous (kRope)
   const float* freq = nullptr;    // [N] contiguous (kRope)

@@ -20,12 +20,14 @@ struct GemmCaseChoice {
   bool d = true;          // give an optional D
   bool target = true;     // give the optional targets
   GemmTile tile = GemmTile::kAuto;  // tile-partials rows: cooperative / 64x256 mean partial_tile_n 256
+  bool c2 = true;                   // give an optional second tile input
+  bool alpha = true;                // give an optional alpha
 };
 
 struct GemmCase {
   using Tensor = std::optional<test::HostTensor>;
   GemmEpilogueOptions opts;
-  Tensor a, w, d, aux, c, gamma, row_scale, pos, freq, alpha, partials, target, target_logit;
+  Tensor a, w, d, aux, c, c2, zdz, gamma, row_scale, pos, freq, alpha, partials, target, target_logit;
 
   // Each GemmEpilogueArgs field with the case's tensor behind it (absent ones left out), and
   // whether the epilogue writes it.
@@ -45,6 +47,8 @@ struct GemmCase {
     add("d", &GemmEpilogueArgs::d, d, true);
     add("aux", &GemmEpilogueArgs::aux, aux, true);
     add("c", &GemmEpilogueArgs::c, c, false);
+    add("c2", &GemmEpilogueArgs::c2, c2, false);
+    add("zdz", &GemmEpilogueArgs::zdz, zdz, false);
     add("gamma", &GemmEpilogueArgs::gamma, gamma, false);
     add("row_scale", &GemmEpilogueArgs::row_scale, row_scale, false);
     add("pos", &GemmEpilogueArgs::pos, pos, false);
@@ -72,7 +76,7 @@ inline GemmCase make_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_
   auto uses = [ops](uint32_t flags) { return (ops & flags) != 0; };
   GemmCase gc;
   gc.opts.epilogue = e;
-  if (uses(kOperandTilePartials)) {
+  if (uses(kOperandTilePartials | kOperandColumnPartials)) {
     gc.opts.partial_tile_n = ch.tile == GemmTile::kCooperative128x256 || ch.tile == GemmTile::kPingpong64x256 ? 256 : 128;
     if (ch.tile == GemmTile::kPingpong64x256) gc.opts.tile = ch.tile;
   } else {
@@ -84,23 +88,33 @@ inline GemmCase make_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_
   };
   gc.a = HostTensor(t, M, K, K + pad);
   gc.a->fill_normal(rng);
-  gc.w = HostTensor(t, N, K, K + pad);
+  if (uses(kOperandWeightKN)) gc.w = HostTensor(t, K, N, N + pad);  // acc = A · W
+  else gc.w = HostTensor(t, N, K, K + pad);
   gc.w->fill_normal(rng, 0.0, 1.0 / std::sqrt(double(K)));
   if (uses(kOperandD) || (uses(kOperandDOptional) && ch.d)) gc.d = output(HostTensor(t, M, N, N + pad));
   if (uses(kOperandRowScale) || (uses(kOperandRowScaleOptional) && ch.row_scale)) {
     gc.row_scale = HostTensor::vector(DType::kFP32, M);
     gc.row_scale->fill_uniform(rng, 0.25, 2.25);
   }
-  if (uses(kOperandC)) {
-    gc.c = HostTensor(t, M, N, N + pad);
+  if (uses(kOperandC | kOperandCPairs)) {
+    const int64_t cn = uses(kOperandCPairs) ? 2 * N : N;
+    gc.c = HostTensor(t, M, cn, cn + pad);
     gc.c->fill_normal(rng);
+  }
+  if (uses(kOperandC2Optional) && ch.c2) {
+    gc.c2 = HostTensor(t, M, N, N + pad);
+    gc.c2->fill_normal(rng);
+  }
+  if (uses(kOperandZdz)) {
+    gc.zdz = HostTensor::vector(DType::kFP32, M);
+    gc.zdz->fill_normal(rng);
   }
   if (uses(kOperandGamma)) {
     gc.gamma = HostTensor::vector(t, N);
     gc.gamma->fill_normal(rng, 1.0, 0.2);
   }
-  if (uses(kOperandAux | kOperandAuxHalf)) {
-    const int64_t aux_n = uses(kOperandAuxHalf) ? N / 2 : N;
+  if (uses(kOperandAux | kOperandAuxHalf | kOperandAuxDouble)) {
+    const int64_t aux_n = uses(kOperandAuxHalf) ? N / 2 : uses(kOperandAuxDouble) ? 2 * N : N;
     gc.aux = output(HostTensor(t, M, aux_n, aux_n + pad));
   }
   if (uses(kOperandPos)) {
@@ -117,6 +131,10 @@ inline GemmCase make_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_
     const int64_t tiles = (N + gc.opts.partial_tile_n - 1) / gc.opts.partial_tile_n;
     gc.partials = output(HostTensor(DType::kFP32, M, tiles, tiles + 3));
   }
+  if (uses(kOperandColumnPartials)) {  // packed rows (the CUDA kernel's layout)
+    const int64_t cols = (N + gc.opts.partial_tile_n - 1) / gc.opts.partial_tile_n * gc.opts.partial_tile_n;
+    gc.partials = output(HostTensor(DType::kFP32, gemm_column_partials_rows(M), cols));
+  }
   if (uses(kOperandHeadPartials)) {
     gc.opts.head_dim = 128;
     gc.partials = output(HostTensor(DType::kFP32, M, std::max<int64_t>(N / 128, 1)));
@@ -127,7 +145,7 @@ inline GemmCase make_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_
       gc.target->set(0, m, m % 7 == 3 ? double(gc.opts.ignore_index) : double(int64_t(rng() % uint64_t(N))));
     gc.target_logit = output(HostTensor::vector(DType::kFP32, M));
   }
-  if (uses(kOperandAlpha)) {
+  if (uses(kOperandAlpha) || (uses(kOperandAlphaOptional) && ch.alpha)) {
     gc.alpha = HostTensor::vector(DType::kFP32, 1);
     gc.alpha->set(0, 0, -1.25);
   }

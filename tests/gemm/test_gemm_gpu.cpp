@@ -68,7 +68,9 @@ void run_case(const Case& c) {
   SCOPED_TRACE(describe(c));
   auto rng = make_rng(uint64_t(c.M * 31 + c.N * 7 + c.K) + uint64_t(c.e));
   // The operands the catalogue row declares (gemm_epilogues.def): inputs random, outputs poisoned.
-  gemm::GemmCase gc = gemm::make_gemm_case(c.e, c.t, c.M, c.N, c.K, c.pad, {c.with_row_scale, c.with_d, c.with_target, c.tile}, rng);
+  // with_row_scale also stands for the other optional inputs (c2, alpha)
+  gemm::GemmCase gc = gemm::make_gemm_case(c.e, c.t, c.M, c.N, c.K, c.pad,
+                                           {c.with_row_scale, c.with_d, c.with_target, c.tile, c.with_row_scale, c.with_row_scale}, rng);
   GemmEpilogueOptions o = gc.opts;
   o.swizzle = c.swizzle;
   o.raster = c.raster;
@@ -119,7 +121,8 @@ TEST_F(GemmEpilogueGpu, EveryEpilogueOnEveryTile) {
   for (int i = 0; i < gemm_epilogue_count(); ++i) {
     const Epilogue e = Epilogue(i);
     const GemmEpilogueInfo* info = gemm_epilogue_info(e);
-    const bool optional = info->operands & (kOperandDOptional | kOperandRowScaleOptional | kOperandTarget);
+    const bool optional =
+        info->operands & (kOperandDOptional | kOperandRowScaleOptional | kOperandTarget | kOperandC2Optional | kOperandAlphaOptional);
     for (auto [flag, tile] : tiles) {
       if (!(info->tiles & flag)) continue;
       for (DType t : {DType::kBF16, DType::kFP16})

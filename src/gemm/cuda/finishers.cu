@@ -2,7 +2,9 @@
 //   rms_final_reduce  r[m] = rsqrt(Σ_t partials[m, t] / hidden + eps)
 //   lse_finish        lse[m] = log Σ_t e^{partials[m, t]};  loss[m] = lse[m] − target_logit[m]
 //                     (0 when target[m] == ignore_index)
-// One thread per row, tiles summed in order (deterministic); partials fp32 [M, tiles], row stride ld.
+//   partials_sum      out[m] = scale · Σ_t partials[m, t] (per row: zdz) or out[n] = scale · Σ_t partials[t, n]
+//                     (per column: dγ; consecutive threads read consecutive columns)
+// One thread per output, tiles summed in order (deterministic); partials fp32, row stride ld.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -40,6 +42,18 @@ __global__ void lse_finish_kernel(const float* __restrict__ partials, int64_t ld
   if (target != nullptr) loss[m] = target[m] == ignore_index ? 0.0f : l - target_logit[m];
 }
 
+__global__ void partials_sum_kernel(const float* __restrict__ partials, int64_t ld, int rows, int cols, float* __restrict__ out, int n_out,
+                                    bool per_column, float scale) {
+  const int i = blockIdx.x * kThreads + threadIdx.x;
+  if (i >= n_out) return;
+  float s = 0.0f;
+  if (per_column)
+    for (int t = 0; t < rows; ++t) s += partials[int64_t(t) * ld + i];
+  else
+    for (int t = 0; t < cols; ++t) s += partials[int64_t(i) * ld + t];
+  out[i] = scale * s;
+}
+
 Status launched(const char* name) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(e));
@@ -53,6 +67,15 @@ Status launch_rms_final_reduce(const float* partials, int64_t ld, int M, int til
   rms_final_reduce_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       partials, ld, M, tiles, r, float(1.0 / double(hidden)), eps);
   return launched("rms_final_reduce");
+}
+
+Status launch_partials_sum(const float* partials, int64_t ld, int rows, int cols, float* out, int n_out, bool per_column, float scale,
+                           Stream stream) {
+  const int n = per_column ? n_out : rows;
+  if (n == 0) return Status::ok();
+  partials_sum_kernel<<<(n + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(partials, ld, rows, cols, out, n,
+                                                                                                          per_column, scale);
+  return launched("partials_sum");
 }
 
 Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, float* lse, const int32_t* target, const float* target_logit,

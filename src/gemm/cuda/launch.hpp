@@ -25,6 +25,9 @@ Status launch_qk_norm_rope(const QkNormRopeProblem& p, Stream stream);
 
 // Finishers (src/gemm/cuda/finishers.cu); contiguous fp32 vectors, partials row stride ld.
 Status launch_rms_final_reduce(const float* partials, int64_t ld, int M, int tiles, float* r, int64_t hidden, float eps, Stream stream);
+// out[i] = scale · Σ_t partials[i, t] (per row, i < rows) or Σ_t partials[t, i] (per column, i < n_out).
+Status launch_partials_sum(const float* partials, int64_t ld, int rows, int cols, float* out, int n_out, bool per_column, float scale,
+                           Stream stream);
 Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, float* lse, const int32_t* target, const float* target_logit,
                          float* loss, int ignore_index, Stream stream);
 

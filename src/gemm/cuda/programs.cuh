@@ -4,10 +4,12 @@
 //   1 elementwise / pairwise transform  Sm90Compute, nodes::SwigluAuxStore, nodes::RopeRotate
 //   2 row / column vector load          Sm90ColBroadcast (r[m]), Sm90RowBroadcast (γ[n]), Sm90ScalarBroadcast
 //   3 tile load / auxiliary tile store  Sm90SrcFetch (C = residual), Sm90AuxStore (register -> global)
-//   4 block reduction along N           nodes::RowPartials
+//   3 (second tile input)               Sm90AuxLoad (direct loads), nodes::SwigluBwdPairs (packed pairs in and out)
+//   4 block reduction along N / M       nodes::RowPartials, nodes::SwigluBwdPairs / Sm90RowReduction (partials per M-tile)
 //   5 stateful transform                nodes::OnlineLse
 // Each program names its C and D element types (void = not read / not written), builds its EVT from
-// the CTA tile shape, and fills the EVT's arguments from a GemmProblem. A program whose D is
+// the CTA tile shape, and fills the EVT's arguments from a GemmProblem. A program with
+// kWeightKN = true multiplies by W [K, N] un-transposed (acc = A · W: the dgrad programs). A program whose D is
 // optional (kOperandDOptional) names its D-less twin in NoStoreTwin; the launcher picks by p.d.
 #pragma once
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
@@ -17,6 +19,7 @@
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/thread/activation.h"
 #include "gemm/cuda/launch.hpp"
+#include "gemm/cuda/node_backward.cuh"
 #include "gemm/cuda/node_pairwise.cuh"
 #include "gemm/cuda/node_reductions.cuh"
 
@@ -164,6 +167,87 @@ struct ResidualAdd {
   template <class Fusion>
   static typename Fusion::Arguments arguments(const GemmProblem&) {
     return {{}, {}, {}};  // {AccFetch, SrcFetch (C from the collective's source pointer), plus}
+  }
+};
+
+// ---- backward programs (math-coda.md §4): dgrad GEMMs through the forward weight, acc = A · W ----
+
+// SwiGLU backward (gemm_swiglu_bwd_zdz): A = dx [M, d], W = w_down [d, F] (K = d, N = F), acc = dy;
+// C = the saved Z [M, 2F] as (g, u) pairs, one 32-bit element each (ElementC float is only the
+// container: SrcFetch passes the bits through); D = y = silu(g)·u [M, F]; dZ [M, 2F] and the zdz
+// partials [M, ceil(F / CTA_N)] stored by the node. Constraints: F a multiple of 8, 16-byte rows.
+template <class T>
+struct SwigluBwd {
+  using ElementC = float;
+  using ElementD = T;
+  static constexpr bool kWeightKN = true;
+  template <class TileShape>
+  using Evt = fusion::Sm90EVT<Identity<T>, fusion::Sm90EVT<nodes::SwigluBwdPairs<T>, fusion::Sm90AccFetch, fusion::Sm90SrcFetch<float>>>;
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem& p) {
+    return {{{}, {}, {static_cast<T*>(p.aux), p.ld_aux, p.partials, p.ld_partials}}, {}};
+  }
+};
+
+// dx through the RMSNorm: out = prev + r·(γ·da − x̂·zdz), elementwise over fragments.
+template <class A>
+struct RmsnormDx {
+  CUTLASS_DEVICE A operator()(A const& da, A const& gamma, A const& xh, A const& zdz, A const& r, A const& prev) const {
+    A out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < int(A::kElements); ++i) out[i] = fmaf(r[i], fmaf(gamma[i], da[i], -xh[i] * zdz[i]), prev[i]);
+    return out;
+  }
+};
+
+// RMSNorm backward (gemm_residual_partial_rmsnorm_bwd): A = dz [M, N_fwd], W = the consumer's weight
+// [N_fwd, d] (K = N_fwd, N = d); da = α·acc (α from device memory, 1 when absent); x̂ = r[m]·x (C = x);
+// D = c2 + r[m]·(γ⊙da − x̂·zdz[m]) (c2, the incoming residual gradient, direct loads, 0 when absent);
+// aux = x̂⊙γ; dγ partials Σ_{m in CTA tile} da·x̂ by the stock row reduction, written packed
+// [ceil(M / CTA_M), round_up(N, CTA_N)] (no final reduction: deterministic, a finisher sums them).
+template <class T>
+struct RmsnormBwd {
+  using ElementC = T;
+  using ElementD = T;
+  static constexpr bool kWeightKN = true;
+  template <class TileShape>
+  using DgammaPartials = fusion::Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, float, float, kRound,
+                                                  cute::Stride<cute::_0, cute::_1, cute::_0>, 4, true, /*FinalReduction=*/false>;
+  template <class TileShape>
+  using Evt = fusion::Sm90TopologicalVisitor<
+      float,
+      cute::tuple<cute::seq<>, cute::seq<>, cute::seq<1, 0>, cute::seq<>, cute::seq<>, cute::seq<4, 3>, cute::seq<>, cute::seq<5, 6>,
+                  cute::seq<7>, cute::seq<2, 5>, cute::seq<9>, cute::seq<>, cute::seq<>, cute::seq<2, 6, 5, 11, 4, 12>>,
+      fusion::Sm90AccFetch,                                                    // 0 acc
+      fusion::Sm90ScalarBroadcast<float>,                                      // 1 α
+      Mul<float>,                                                              // 2 da = α·acc
+      fusion::Sm90SrcFetch<T>,                                                 // 3 x
+      RowScaleLoad<TileShape>,                                                 // 4 r[m]
+      Mul<float>,                                                              // 5 x̂ = r·x
+      fusion::Sm90RowBroadcast<0, TileShape, T, float>,                        // 6 γ[n]
+      Mul<float>,                                                              // 7 x̂·γ
+      fusion::Sm90AuxStore<0, void, T, kRound, RowMajorStride, void, void>,    // 8 aux <- x̂·γ
+      Mul<float>,                                                              // 9 da·x̂
+      DgammaPartials<TileShape>,                                               // 10 dγ partials
+      RowScaleLoad<TileShape>,                                                 // 11 zdz[m]
+      fusion::Sm90AuxLoad<0, void, T, RowMajorStride, void, void, 8, true>,    // 12 c2 (null: 0)
+      fusion::Sm90Compute<RmsnormDx, T, float, kRound>>;                       // 13 D
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem& p) {
+    return {{},
+            {{1.0f}, {p.alpha}, {}},
+            {},
+            {},
+            {p.row_scale, 1.0f, {}},
+            {},
+            {static_cast<const T*>(p.gamma), T(0), {}},
+            {},
+            {static_cast<T*>(p.aux), RowMajorStride{p.ld_aux, cute::_1{}, int64_t(0)}},
+            {},
+            {p.partials, 0.0f, {}},
+            {p.zdz, 0.0f, {}},
+            {static_cast<const T*>(p.c2), T(0), RowMajorStride{p.ldc2, cute::_1{}, int64_t(0)}},
+            {}};
   }
 };
 

@@ -1,7 +1,8 @@
 // The fixed Hopper GEMM mainloop of the GEMM-epilogue family, parameterized by an epilogue visitor
 // tree (EVT) and a tile configuration.
 //
-// Math:    acc = A · Wᵀ in fp32 (A [M, K] row-major, W [N, K] row-major = K-major B), then D = EVT(acc)
+// Math:    acc = A · Wᵀ in fp32 (A [M, K] row-major, W [N, K] row-major = K-major B; or acc = A · W for a
+//          program with kWeightKN, W [K, N] row-major = N-major B, the dgrad GEMMs), then D = EVT(acc)
 //          stored row-major [M, N] (no C operand unless the EVT fetches it).
 // Mainloop: CUTLASS 3.x Sm90 TMA + WGMMA, warp-specialized, persistent (cooperative or ping-pong
 //          schedule per TileConfig), stages = what shared memory leaves after the epilogue.
@@ -9,6 +10,8 @@
 //          rows), 16-byte aligned base pointers and row strides. M is free (TMA masks the tail).
 #pragma once
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -42,6 +45,12 @@ using Cooperative128x256 = TileConfig<128, 256, 64, 2, 1, true>;  // 2 consumer 
 using Pingpong128x128 = TileConfig<128, 128, 64, 2, 1, false>;    // one warpgroup's epilogue overlaps the other's mainloop
 using Pingpong64x256 = TileConfig<64, 256, 64, 2, 1, false>;      // ping-pong on the wide tile
 
+// Whether a program multiplies by W [K, N] un-transposed (Program::kWeightKN; default W [N, K]).
+template <class Program, class = void>
+struct WeightKN : std::false_type {};
+template <class Program>
+struct WeightKN<Program, std::void_t<decltype(Program::kWeightKN)>> : std::bool_constant<Program::kWeightKN> {};
+
 // GEMM for element type T with epilogue program `Program` (its Evt<TileShape>, ElementC and
 // ElementD; void C = no source tile, void D = no output tile).
 template <class T, class Config, class Program>
@@ -49,19 +58,23 @@ struct Sm90Gemm {
   using ElementC = typename Program::ElementC;
   using ElementD = typename Program::ElementD;
   static constexpr int kAlign = 16 / sizeof(T);
+  static constexpr int kAlignC = cute::is_void_v<ElementC> ? kAlign : 16 / int(sizeof(cute::conditional_t<cute::is_void_v<ElementC>, T, ElementC>));
+  static constexpr bool kWeightKN = WeightKN<Program>::value;
+  // B = Wᵀ: W [N, K] is K-major (column-major B); W [K, N] un-transposed is N-major (row-major B).
+  using LayoutB = cute::conditional_t<kWeightKN, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
   using Fusion = typename Program::template Evt<typename Config::TileShape>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape, typename Config::ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      ElementC, cutlass::layout::RowMajor, kAlign,   // source tile (void: none)
+      ElementC, cutlass::layout::RowMajor, kAlignC,  // source tile (void: none)
       ElementD, cutlass::layout::RowMajor, kAlign,
       typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       T, cutlass::layout::RowMajor, kAlign,          // A [M, K]
-      T, cutlass::layout::ColumnMajor, kAlign,       // B = Wᵀ: W [N, K] is K-major
+      T, LayoutB, kAlign,                            // B = Wᵀ (W [N, K]) or W [K, N]
       float, typename Config::TileShape, typename Config::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Config::KernelSchedule>::CollectiveOp;
@@ -82,7 +95,8 @@ struct Sm90Gemm {
     StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, make_shape(M, N, 1));
     StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(M, N, 1));
     get<0>(sa) = p.lda;  // row strides may exceed the packed ones
-    get<0>(sb) = p.ldw;
+    if constexpr (kWeightKN) get<1>(sb) = p.ldw;  // W [K, N]: stride along K
+    else get<0>(sb) = p.ldw;
     if constexpr (!cute::is_void_v<ElementC>) get<0>(sc) = p.ldc;
     if constexpr (!cute::is_void_v<ElementD>) get<0>(sd) = p.ldd;
     cutlass::KernelHardwareInfo hw;

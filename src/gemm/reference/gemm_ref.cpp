@@ -68,13 +68,27 @@ void rope_pairs(std::vector<double>& z, int64_t pos, const TensorView& freq) {
   }
 }
 
+// dZ of the SwiGLU backward from dy and the saved pair (g, u): (dy·u·s·(1 + g(1 − s)), dy·g·s), y = g·s·u.
+struct SwigluGrad {
+  double y, dg, du;
+};
+SwigluGrad swiglu_grad(double dy, double g, double u) {
+  const double s = 1.0 / (1.0 + std::exp(-g));
+  return {g * s * u, dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s};
+}
+
 }  // namespace
 
 void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
-  const int64_t M = a.a.shape[0], K = a.a.shape[1], N = a.w.shape[0];
+  const bool w_kn = gemm_epilogue_info(o.epilogue)->operands & kOperandWeightKN;  // w [K, N]: acc = A · W
+  const int64_t M = a.a.shape[0], K = a.a.shape[1], N = a.w.shape[w_kn ? 1 : 0];
   std::vector<double> w(static_cast<size_t>(N * K)), arow(static_cast<size_t>(K)), acc(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) w[size_t(n * K + k)] = at2(a.w, n, k);
+    for (int64_t k = 0; k < K; ++k) w[size_t(n * K + k)] = w_kn ? at2(a.w, k, n) : at2(a.w, n, k);
+  // Column partials (block reduction along M), fp64 [rows, cols], stored after the last row.
+  const bool col_parts = gemm_epilogue_info(o.epilogue)->operands & kOperandColumnPartials;
+  const int64_t pcols = col_parts ? a.partials.shape[1] : 0;
+  std::vector<double> col_sums(col_parts ? size_t(a.partials.shape[0] * pcols) : 0, 0.0);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; ++k) arow[size_t(k)] = at2(a.a, m, k);
     for (int64_t n = 0; n < N; ++n) {
@@ -133,8 +147,39 @@ void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
         add_tile_row(acc, a.c, m);
         store_row(a.d, m, acc);
         break;
+      case Epilogue::kSwigluBwd: {  // acc = dy; pairwise over the saved (g, u); block reduction along N
+        std::vector<double> y(acc.size()), dz(2 * acc.size()), zdz(acc.size());
+        for (int64_t n = 0; n < N; ++n) {
+          const double g = at2(a.c, m, 2 * n), u = at2(a.c, m, 2 * n + 1);
+          const SwigluGrad s = swiglu_grad(acc[size_t(n)], g, u);
+          y[size_t(n)] = s.y;
+          dz[size_t(2 * n)] = s.dg;
+          dz[size_t(2 * n + 1)] = s.du;
+          zdz[size_t(n)] = g * s.dg + u * s.du;
+        }
+        store_row(a.d, m, y);
+        store_row(a.aux, m, dz);
+        reduce_tiles(a.partials, m, zdz, o.partial_tile_n, [](double v) { return v; });
+        break;
+      }
+      case Epilogue::kRmsnormBwd: {  // da = α·acc; two tile inputs, row and column vectors; block reduction along M
+        if (a.alpha.defined()) scale_row(acc, at1(a.alpha, 0));
+        const double r = at1(a.row_scale, m), zdz = at1(a.zdz, m);
+        std::vector<double> dx(acc.size()), aux(acc.size());
+        for (int64_t n = 0; n < N; ++n) {
+          const double xh = r * at2(a.c, m, n), g = at1(a.gamma, n), da = acc[size_t(n)];
+          dx[size_t(n)] = (a.c2.defined() ? at2(a.c2, m, n) : 0.0) + r * (g * da - xh * zdz);
+          aux[size_t(n)] = xh * g;
+          col_sums[size_t((m / kColumnPartialsTileM) * pcols + n)] += da * xh;
+        }
+        store_row(a.d, m, dx);
+        store_row(a.aux, m, aux);
+        break;
+      }
     }
   }
+  for (int64_t t = 0; col_parts && t < a.partials.shape[0]; ++t)
+    for (int64_t n = 0; n < pcols; ++n) put2(a.partials, t, n, col_sums[size_t(t * pcols + n)]);
 }
 
 void rms_final_reduce(const RmsFinalReduceArgs& a, int64_t hidden, float eps) {
@@ -157,6 +202,23 @@ void lse_finish(const LseFinishArgs& a, int ignore_index) {
     if (a.target.defined()) {
       const int64_t t = int64_t(at1(a.target, m));
       put1(a.loss, m, t == ignore_index ? 0.0 : lse - at1(a.target_logit, m));
+    }
+  }
+}
+
+void partials_sum(const PartialsSumArgs& a, PartialsSum axis, float scale) {
+  const int64_t rows = a.partials.shape[0], cols = a.partials.shape[1];
+  if (axis == PartialsSum::kPerRow) {
+    for (int64_t m = 0; m < rows; ++m) {
+      double s = 0;
+      for (int64_t t = 0; t < cols; ++t) s += at2(a.partials, m, t);
+      put1(a.out, m, double(scale) * s);
+    }
+  } else {
+    for (int64_t n = 0; n < a.out.shape[0]; ++n) {
+      double s = 0;
+      for (int64_t t = 0; t < rows; ++t) s += at2(a.partials, t, n);
+      put1(a.out, n, double(scale) * s);
     }
   }
 }

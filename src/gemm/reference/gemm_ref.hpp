@@ -10,6 +10,7 @@ namespace encore::reference {
 void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o);
 void rms_final_reduce(const RmsFinalReduceArgs& a, int64_t hidden, float eps);
 void lse_finish(const LseFinishArgs& a, int ignore_index);
+void partials_sum(const PartialsSumArgs& a, PartialsSum axis, float scale);
 void qk_norm_rope(const QkNormRopeArgs& a, const QkNormRopeOptions& o);
 
 }  // namespace encore::reference
