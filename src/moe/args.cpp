@@ -9,11 +9,6 @@
 
 namespace encore::moe {
 
-Status not_yet_on_cuda(const char* name, const TensorView& t) {
-  return Status::unsupported(std::string(name) + ": on " + t.device.to_string() +
-                             ", but the moe family is not yet on CUDA (CPU reference backend only; docs/moe.md)");
-}
-
 Status check_map(const char* name, const TensorView& t, DType dtype, int64_t rows, int64_t cols, const char* layout,
                  const char* ref_name, const TensorView& ref) {
   ENCORE_RETURN_IF_ERROR(checks::present(name, t));

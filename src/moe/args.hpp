@@ -10,8 +10,6 @@
 
 namespace encore::moe {
 
-// The unsupported Status of a CUDA tensor while the family is CPU-only.
-Status not_yet_on_cuda(const char* name, const TensorView& t);
 // An int32 or fp32 [rows, cols] map with a unit last stride, disjoint rows, on ref's device.
 Status check_map(const char* name, const TensorView& t, DType dtype, int64_t rows, int64_t cols, const char* layout,
                  const char* ref_name, const TensorView& ref);

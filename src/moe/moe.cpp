@@ -1,5 +1,6 @@
-// The MoE layer on the CPU backend: routing -> dispatch -> per-expert SwiGLU MLP -> combine, through
-// the caller's persistent buffers (moe_buffers_bytes / moe_buffers_carve); no allocation in run.
+// The MoE layer: routing -> dispatch -> per-expert SwiGLU MLP -> combine, through the caller's
+// persistent buffers (moe_buffers_bytes / moe_buffers_carve); no allocation (and on CUDA no sync) in
+// run. CPU: the reference; CUDA: the family's kernels and the grouped GEMMs (cuda/grouped_gemm.cu).
 #include <string>
 
 #include "core/checks.hpp"
@@ -7,6 +8,10 @@
 #include "moe/args.hpp"
 #include "moe/problem.hpp"
 #include "moe/reference/moe_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "encore/core/device_info.hpp"
+#include "moe/cuda/launch.hpp"
+#endif
 
 namespace encore {
 namespace {
@@ -35,6 +40,8 @@ size_t lay_out(const MoeLayerShape& s, const MoeOptions& o, char* base, Device d
   take(&b->activation, s.dtype, {R, s.intermediate});
   take(&b->expert_out, s.dtype, {R, s.hidden});
   take(&b->dispatch_workspace, DType::kInt32, {int64_t(ws / sizeof(int32_t))});
+  take(&b->gate_up, DType::kFP32, {R, 2 * s.intermediate});
+  take(&b->gemm_workspace, DType::kUInt8, {int64_t(moe::grouped_gemm_workspace_bytes(E))});
   return at;
 }
 
@@ -77,6 +84,111 @@ Parts parts_of(const MoeForwardArgs& a, const MoeOptions& o) {
   p.intermediate = a.w13.ndim == 3 ? a.w13.shape[1] / 2 : 0;
   return p;
 }
+
+// A 16-byte aligned base pointer and row strides (every stride but the unit last one) of 8 elements.
+Status tma_rows(const char* name, const TensorView& t) {
+  bool ok = checks::aligned(t.data, 16);
+  for (int i = 0; i + 1 < t.ndim; ++i) ok = ok && t.strides[i] % 8 == 0;
+  if (!ok)
+    return Status::unsupported(std::string(name) + ": moe_forward on CUDA needs a 16-byte aligned base and row strides that are multiples of "
+                               "8 elements (TMA)");
+  return Status::ok();
+}
+
+// The CUDA layer's limits: bf16, D and F multiples of 8, the kernels' expert limits, the GEMM buffers.
+Status validate_cuda(const MoeForwardArgs& a, int64_t T, int64_t D, int64_t F, int64_t E) {
+#ifdef ENCORE_WITH_CUDA
+  const MoeBuffers& b = a.buffers;
+  if (a.x.dtype != DType::kBF16)
+    return Status::unsupported(std::string("x: moe_forward on CUDA takes bf16 (its grouped GEMMs), got ") + dtype_name(a.x.dtype));
+  if (D % 8 != 0 || F % 8 != 0)
+    return Status::unsupported("x: moe_forward on CUDA needs the hidden size D and the intermediate size F to be multiples of 8 (16-byte "
+                               "rows for TMA), got D = " + std::to_string(D) + ", F = " + std::to_string(F));
+  if (E > moe::kCudaRoutingMaxExperts)
+    return Status::unsupported("router_logits: E = " + std::to_string(E) + " experts; moe_forward on CUDA takes at most " +
+                               std::to_string(moe::kCudaRoutingMaxExperts) + " (the routing kernel)");
+  if (D >= (int64_t(1) << 31) || 2 * F >= (int64_t(1) << 31)) return Status::unsupported("x: D and 2F must be < 2^31 on CUDA");
+  const int64_t R = b.x_permuted.shape[0];
+  ENCORE_RETURN_IF_ERROR(checks::present("buffers.gate_up", b.gate_up));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("buffers.gate_up", b.gate_up, 2, "[R, 2F]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("buffers.gate_up", b.gate_up, {DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals("buffers.gate_up", b.gate_up, 0, R, "x_permuted's rows R"));
+  ENCORE_RETURN_IF_ERROR(checks::dim_equals("buffers.gate_up", b.gate_up, 1, 2 * F, "2F"));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("buffers.gate_up", b.gate_up));
+  ENCORE_RETURN_IF_ERROR(checks::same_device("buffers.gate_up", b.gate_up, "x", a.x));
+  if (!checks::aligned(b.gate_up.data, 16) || b.gate_up.strides[0] % 4 != 0)
+    return Status::unsupported("buffers.gate_up: needs a 16-byte aligned base and a row stride that is a multiple of 4 elements");
+  ENCORE_RETURN_IF_ERROR(moe::check_vector("buffers.gemm_workspace", b.gemm_workspace, DType::kUInt8,
+                                           int64_t(moe::grouped_gemm_workspace_bytes(int(E))), true, "moe::grouped_gemm_workspace_bytes(E)",
+                                           "x", a.x));
+  if (!checks::aligned(b.gemm_workspace.data, moe::kBufferAlign)) return Status::invalid("buffers.gemm_workspace: must be 256-byte aligned");
+  ENCORE_RETURN_IF_ERROR(tma_rows("w13", a.w13));
+  ENCORE_RETURN_IF_ERROR(tma_rows("w2", a.w2));
+  ENCORE_RETURN_IF_ERROR(tma_rows("buffers.x_permuted", b.x_permuted));
+  ENCORE_RETURN_IF_ERROR(tma_rows("buffers.activation", b.activation));
+  ENCORE_RETURN_IF_ERROR(tma_rows("buffers.expert_out", b.expert_out));
+  ENCORE_RETURN_IF_ERROR(moe::no_overlaps({{"gate_up", &b.gate_up}, {"gemm_workspace", &b.gemm_workspace}, {"out", &a.out}, {"x", &a.x},
+                                           {"router_logits", &a.router_logits}, {"w13", &a.w13}, {"w2", &a.w2},
+                                           {"correction_bias", &a.correction_bias}, {"topk_ids", &b.topk_ids}, {"topk_weights", &b.topk_weights},
+                                           {"expert_counts", &b.expert_counts}, {"expert_offsets", &b.expert_offsets}, {"slot_rows", &b.slot_rows},
+                                           {"row_slots", &b.row_slots}, {"x_permuted", &b.x_permuted}, {"activation", &b.activation},
+                                           {"expert_out", &b.expert_out}, {"dispatch_workspace", &b.dispatch_workspace}}));
+  (void)T;
+  return Status::ok();
+#else
+  (void)T, (void)D, (void)F, (void)E;
+  return Status::unsupported("x: on " + a.x.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+}
+
+moe::ExpertMlpProblem mlp_problem(const MoeForwardArgs& a, const Parts& p, const moe::DispatchProblem& d) {
+  const MoeBuffers& b = a.buffers;
+  moe::ExpertMlpProblem m;
+  m.x_permuted = b.x_permuted.data;
+  m.xp_stride = b.x_permuted.strides[0];
+  m.act = b.activation.data;
+  m.act_stride = b.activation.strides[0];
+  m.y = b.expert_out.data;
+  m.y_stride = b.expert_out.strides[0];
+  m.w13 = a.w13.data;
+  m.w13_stride_e = a.w13.strides[0];
+  m.w13_stride_n = a.w13.strides[1];
+  m.w2 = a.w2.data;
+  m.w2_stride_e = a.w2.strides[0];
+  m.w2_stride_n = a.w2.strides[1];
+  m.counts = d.counts;
+  m.offsets = d.offsets;
+  m.num_experts = d.num_experts;
+  m.hidden = a.x.shape[1];
+  m.intermediate = p.intermediate;
+  m.dtype = a.x.dtype;
+  return m;
+}
+
+#ifdef ENCORE_WITH_CUDA
+// routing -> dispatch -> grouped gate/up + SwiGLU + grouped down -> combine, all on `stream`.
+Status run_cuda(const MoeForwardArgs& a, const MoeOptions& o, const Parts& p, Stream stream) {
+  const MoeBuffers& b = a.buffers;
+  const int dev = a.x.device.index;
+  const DeviceInfo* info = nullptr;
+  ENCORE_RETURN_IF_ERROR(get_device_info(dev, &info));
+  const int64_t T = a.x.shape[0];
+  const int k = o.routing.top_k, E = p.dispatch_opts.num_experts;
+  ENCORE_RETURN_IF_ERROR(cuda::launch_moe_routing(moe::make_routing_problem(p.routing, o.routing), dev, stream));
+  const moe::DispatchProblem d = moe::make_dispatch_problem(p.dispatch, p.dispatch_opts, b.dispatch_workspace.data);
+  ENCORE_RETURN_IF_ERROR(cuda::launch_moe_dispatch(d, moe::plan_moe_dispatch(T, k, E, info->sm_count), dev, stream));
+  moe::ExpertGemmProblem g;
+  g.mlp = mlp_problem(a, p, d);
+  g.gate_up = static_cast<float*>(b.gate_up.data);
+  g.gate_up_stride = b.gate_up.strides[0];
+  g.workspace = b.gemm_workspace.data;
+  g.workspace_bytes = size_t(b.gemm_workspace.shape[0]);
+  g.rows_bound = moe_permuted_rows(T, k, E, o.align_m);
+  g.sm_count = info->sm_count;
+  ENCORE_RETURN_IF_ERROR(cuda::launch_moe_expert_gemms(g, dev, stream));
+  return cuda::launch_moe_combine(moe::make_combine_problem(p.combine), b.expert_out.shape[0], dev, stream);
+}
+#endif
 
 }  // namespace
 
@@ -138,38 +250,26 @@ Status validate(const MoeForwardArgs& a, const MoeOptions& o) {
                                            {"expert_counts", &b.expert_counts}, {"expert_offsets", &b.expert_offsets}, {"slot_rows", &b.slot_rows},
                                            {"row_slots", &b.row_slots}, {"x_permuted", &b.x_permuted}, {"activation", &b.activation},
                                            {"expert_out", &b.expert_out}, {"dispatch_workspace", &b.dispatch_workspace}}));
-  if (a.x.device.is_cuda()) return moe::not_yet_on_cuda("x", a.x);
+  if (a.x.device.is_cuda()) return validate_cuda(a, T, D, F, E);
   return Status::ok();
 }
 
 size_t workspace_bytes(const MoeForwardArgs&, const MoeOptions&) { return 0; }
 
-Status run(const MoeForwardArgs& a, const MoeOptions& o, void*, Stream) {
+Status run(const MoeForwardArgs& a, const MoeOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
   const Parts p = parts_of(a, o);
   const MoeBuffers& b = a.buffers;
+  if (a.x.device.is_cuda()) {
+#ifdef ENCORE_WITH_CUDA
+    return run_cuda(a, o, p, stream);
+#endif
+  }
+  (void)stream;
   reference::moe_routing(moe::make_routing_problem(p.routing, o.routing));
   const moe::DispatchProblem d = moe::make_dispatch_problem(p.dispatch, p.dispatch_opts, b.dispatch_workspace.data);
   reference::moe_dispatch(d);
-  moe::ExpertMlpProblem m;
-  m.x_permuted = b.x_permuted.data;
-  m.xp_stride = b.x_permuted.strides[0];
-  m.act = b.activation.data;
-  m.act_stride = b.activation.strides[0];
-  m.y = b.expert_out.data;
-  m.y_stride = b.expert_out.strides[0];
-  m.w13 = a.w13.data;
-  m.w13_stride_e = a.w13.strides[0];
-  m.w13_stride_n = a.w13.strides[1];
-  m.w2 = a.w2.data;
-  m.w2_stride_e = a.w2.strides[0];
-  m.w2_stride_n = a.w2.strides[1];
-  m.counts = d.counts;
-  m.offsets = d.offsets;
-  m.num_experts = d.num_experts;
-  m.hidden = a.x.shape[1];
-  m.intermediate = p.intermediate;
-  m.dtype = a.x.dtype;
+  const moe::ExpertMlpProblem m = mlp_problem(a, p, d);
   reference::moe_expert_mlp(m);
   reference::moe_combine(moe::make_combine_problem(p.combine));
   return Status::ok();

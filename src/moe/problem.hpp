@@ -88,6 +88,30 @@ struct ExpertMlpProblem {
   DType dtype = DType::kBF16;
 };
 
+// moe_forward's expert compute on CUDA (cuda/grouped_gemm.cu): two bf16 grouped GEMMs over the
+// expert-contiguous rows, group e = rows [offsets[e], offsets[e + 1]) (the padding rows included:
+// x_permuted's are zero, so act's and y's come out zero), and the SwiGLU between them:
+//   gate_up[r] = x_permuted[r] . w13[e]^T (fp32, [R, 2F]);  act = silu(gate) * up (x's dtype);
+//   y[r] = act[r] . w2[e]^T (x's dtype). Group sizes are read on the device (offsets).
+struct ExpertGemmProblem {
+  ExpertMlpProblem mlp;
+  float* gate_up = nullptr;  // [R, 2F] fp32
+  int64_t gate_up_stride = 0;
+  void* workspace = nullptr;  // per-group shapes, pointers, strides and CUTLASS's workspace
+  size_t workspace_bytes = 0;
+  int64_t rows_bound = 0;  // rows that may be in use this call: moe_permuted_rows(T, k, E, align_m)
+  int sm_count = 0;
+};
+
+// Bytes of the grouped GEMMs' workspace for E experts: per group and GEMM a problem shape, three
+// pointers and three strides (rounded generously), plus kGroupedGemmCutlassBytes per GEMM for
+// CUTLASS's own workspace (its TMA descriptors per SM; checked against the real size at run).
+constexpr size_t kGroupedGemmPerExpertBytes = 256;
+constexpr size_t kGroupedGemmCutlassBytes = size_t(1) << 20;
+inline size_t grouped_gemm_workspace_bytes(int num_experts) {
+  return round_up_bytes(size_t(num_experts) * kGroupedGemmPerExpertBytes * 2 + 16 * kBufferAlign) + 2 * kGroupedGemmCutlassBytes;
+}
+
 struct CombineProblem {
   const void* expert_out = nullptr;
   int64_t eo_stride = 0;

@@ -483,5 +483,29 @@ TEST(MoeBadInputs, CombineAndLayerNameTheArgument) {
   expect_error(moe_buffers_carve({5, 8, 6, 4, DType::kFP32}, o, nullptr, 1 << 20, Device{}, &b), "base: must be non-null");
 }
 
+TEST(MoeBadInputs, LayerBuffersAndWeightDtypes) {
+  auto rng = make_rng(11);
+  MoeOptions o;
+  o.routing.top_k = 2;
+  o.align_m = 8;
+  Layer L(5, 16, 8, 4, DType::kBF16, o, rng);
+  // The CUDA grouped GEMMs' buffers are carved on every device (unused by the CPU backend).
+  EXPECT_EQ(L.b.gate_up.dtype, DType::kFP32);
+  EXPECT_EQ(L.b.gate_up.shape[0], moe_permuted_rows(5, 2, 4, 8));
+  EXPECT_EQ(L.b.gate_up.shape[1], 16);
+  EXPECT_EQ(L.b.gemm_workspace.dtype, DType::kUInt8);
+  EXPECT_GT(L.b.gemm_workspace.shape[0], 0);
+  EXPECT_TRUE(validate(L.args(false), o));
+  MoeForwardArgs f = L.args(false);
+  f.w2.dtype = DType::kFP16;
+  expect_error(validate(f, o), "w2");
+  f = L.args(false);
+  f.w13.dtype = DType::kFP32;
+  expect_error(validate(f, o), "w13");
+  f = L.args(false);
+  f.w13 = TensorView::contiguous(L.w13.bytes.data(), DType::kBF16, {3, 16, 16});
+  expect_error(validate(f, o), "w13: dimension 0 is 3");
+}
+
 }  // namespace
 }  // namespace encore::test

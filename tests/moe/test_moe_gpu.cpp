@@ -457,7 +457,7 @@ TEST_F(MoeGpu, BadInputsOnCuda) {
                                        dmat(d.ptr, DType::kBF16, 4, 64)},
                         MoeCombineOptions{}),
                "topk_weights", StatusCode::kInvalidArgument);
-  // The layer stays CPU-only for now (its grouped GEMMs come next).
+  // The layer on CUDA is bf16 only (its grouped GEMMs; tests/moe/test_moe_forward_gpu.cpp).
   MoeOptions o;
   o.routing.top_k = 2;
   const MoeLayerShape s{4, 8, 8, 4, DType::kFP32};
@@ -467,7 +467,7 @@ TEST_F(MoeGpu, BadInputsOnCuda) {
   const MoeForwardArgs fa{dmat(a.ptr, DType::kFP32, 4, 8), dmat(b.ptr, DType::kFP32, 4, 4), {},
                           TensorView::contiguous(c.ptr, DType::kFP32, {4, 16, 8}, kGpu), TensorView::contiguous(d.ptr, DType::kFP32, {4, 8, 8}, kGpu),
                           buf, dmat(f.ptr, DType::kFP32, 4, 8)};
-  expect_error(validate(fa, o), "not yet on CUDA", StatusCode::kUnsupported);
+  expect_error(validate(fa, o), "moe_forward on CUDA takes bf16", StatusCode::kUnsupported);
 }
 
 }  // namespace

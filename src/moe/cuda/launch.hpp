@@ -18,4 +18,8 @@ Status launch_moe_dispatch(const moe::DispatchProblem& p, const moe::DispatchPla
 // One block per token; eo_rows = expert_out's rows (slot rows outside [0, eo_rows) are skipped).
 Status launch_moe_combine(const moe::CombineProblem& p, int64_t eo_rows, int device_index, Stream stream);
 
+// moe_forward's expert compute: the grouped gate/up GEMM, the SwiGLU and the grouped down GEMM
+// (grouped_gemm.cu). bf16 only; D and F multiples of 8; rows, strides and pointers 16-byte aligned.
+Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index, Stream stream);
+
 }  // namespace encore::cuda

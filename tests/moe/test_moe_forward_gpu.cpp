@@ -1,0 +1,272 @@
+// moe_forward on CUDA (routing -> dispatch -> grouped gate/up GEMM -> SwiGLU -> grouped down GEMM ->
+// combine) against the CPU backend on the same bf16 inputs, every device buffer and the output
+// poisoned (NaN / 0xff) before each run:
+//   - routing ids, counts, offsets, slot_rows, row_slots and x_permuted bit-equal to the CPU's;
+//   - the grouped GEMMs alone, from the device's own inputs: gate_up (fp32) against an fp64
+//     x_permuted . w13[e]^T, activation against bf16(silu(g) * u) of the device's gate_up, expert_out
+//     against an fp64 act . w2[e]^T of the device's activation; padding rows of act and y exactly zero;
+//   - out within bf16 rounding of the CPU layer (which accumulates in fp64);
+//   - a rerun bit-identical.
+// Cases: an expert with no token, all tokens to one expert, top-k ties, 1 token, 37 and 1000 tokens,
+// E = 1, top-k = E, align_m 1 / 8 / 16 / 128, the Qwen3-30B-A3B shape (D 2048, E 128, k 8, F 768) at
+// small T. Failures name the case, the expert and the row.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "encore/moe.hpp"
+#include "tests/common/device_buffer.hpp"
+
+namespace encore::test {
+namespace {
+
+const Device kGpu{DeviceType::kCUDA, 0};
+
+class MoeForwardGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+enum class Logits { kRandom, kTies, kAllToExpert0, kExpertLastEmpty };
+
+struct ForwardCase {
+  const char* name;
+  int64_t T, D, F;
+  int E, k, align;
+  Logits logits;
+};
+
+float bf16_round(double v) {
+  HostTensor h(DType::kBF16, 1, 1);
+  h.set(0, 0, v);
+  return float(h.get(0, 0));
+}
+
+// A host copy of one device buffer view (contiguous, as carved).
+std::vector<unsigned char> download(const TensorView& v) {
+  int64_t n = 1;
+  for (int i = 0; i < v.ndim; ++i) n *= v.shape[i];
+  std::vector<unsigned char> h(size_t(n) * dtype_size(v.dtype));
+  cudaMemcpy(h.data(), v.data, h.size(), cudaMemcpyDeviceToHost);
+  return h;
+}
+double at(const std::vector<unsigned char>& h, DType t, int64_t i) { return load_as_double(h.data(), t, i); }
+const int32_t* ints(const std::vector<unsigned char>& h) { return reinterpret_cast<const int32_t*>(h.data()); }
+
+// "" when equal, else where the first int32 (or byte) differs.
+std::string diff(const std::vector<unsigned char>& a, const std::vector<unsigned char>& b) {
+  if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
+  for (size_t i = 0; i + 4 <= a.size(); i += 4)
+    if (std::memcmp(&a[i], &b[i], 4) != 0) {
+      int32_t x, y;
+      std::memcpy(&x, &a[i], 4);
+      std::memcpy(&y, &b[i], 4);
+      return "first difference at element " + std::to_string(i / 4) + ": device " + std::to_string(x) + ", CPU " + std::to_string(y);
+    }
+  return std::memcmp(a.data(), b.data(), a.size()) == 0 ? "" : "tail bytes differ";
+}
+
+// Which expert owns row r (offsets ascending); -1 past offsets[E].
+int expert_of_row(const int32_t* offsets, int E, int64_t r) {
+  for (int e = 0; e < E; ++e)
+    if (r >= offsets[e] && r < offsets[e + 1]) return e;
+  return -1;
+}
+
+void run_forward_case(const ForwardCase& c) {
+  SCOPED_TRACE(c.name);
+  const int64_t T = c.T, D = c.D, F = c.F;
+  const int E = c.E, k = c.k;
+  auto rng = make_rng(uint64_t(T * 131 + E * 7 + k));
+  HostTensor x(DType::kBF16, T, D), logits(DType::kFP32, T, E), w13(DType::kBF16, int64_t(E) * 2 * F, D), w2(DType::kBF16, int64_t(E) * D, F);
+  x.fill_normal(rng);
+  logits.fill_normal(rng, 0.0, 2.0);
+  w13.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(D)));
+  w2.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(F)));
+  for (int64_t t = 0; t < T; ++t)
+    for (int e = 0; e < E; ++e) {
+      if (c.logits == Logits::kTies) logits.set(t, e, double((t + e / 3) % 3));  // triples of equal logits
+      if (c.logits == Logits::kAllToExpert0 && e == 0) logits.set(t, e, 30.0);
+      if (c.logits == Logits::kExpertLastEmpty && e == E - 1) logits.set(t, e, -30.0);
+    }
+  MoeOptions o;
+  o.routing.top_k = k;
+  o.align_m = c.align;
+  const MoeLayerShape s{T, D, F, E, DType::kBF16};
+  const size_t bytes = moe_buffers_bytes(s, o);
+  ASSERT_GT(bytes, 0u);
+
+  // CPU layer.
+  std::vector<unsigned char> hstore(bytes + 256, 0xAB);
+  void* hbase = hstore.data() + (256 - reinterpret_cast<uintptr_t>(hstore.data()) % 256) % 256;
+  MoeBuffers hb;
+  ASSERT_TRUE(moe_buffers_carve(s, o, hbase, bytes, Device{}, &hb));
+  HostTensor cpu_out(DType::kBF16, T, D);
+  cpu_out.poison();
+  auto w13v = [&](void* p, Device d) { return TensorView::contiguous(p, DType::kBF16, {E, 2 * F, D}, d); };
+  auto w2v = [&](void* p, Device d) { return TensorView::contiguous(p, DType::kBF16, {E, D, F}, d); };
+  Status st = run(MoeForwardArgs{x.view(), logits.view(), {}, w13v(w13.bytes.data(), Device{}), w2v(w2.bytes.data(), Device{}), hb, cpu_out.view()}, o);
+  ASSERT_TRUE(st) << st.to_string();
+
+  // CUDA layer.
+  DeviceBuffer dx(x.storage_bytes()), dl(logits.storage_bytes()), dw13(w13.storage_bytes()), dw2(w2.storage_bytes()), dout(cpu_out.storage_bytes()),
+      dbase(bytes);
+  ASSERT_NE(dbase.ptr, nullptr);
+  MoeBuffers db;
+  ASSERT_TRUE(moe_buffers_carve(s, o, dbase.ptr, bytes, kGpu, &db));
+  const MoeForwardArgs da{to_device(x, dx), to_device(logits, dl), {}, w13v(dw13.ptr, kGpu), w2v(dw2.ptr, kGpu), db, TensorView::contiguous(dout.ptr, DType::kBF16, {T, D}, kGpu)};
+  cudaMemcpy(dw13.ptr, w13.bytes.data(), w13.storage_bytes(), cudaMemcpyHostToDevice);
+  cudaMemcpy(dw2.ptr, w2.bytes.data(), w2.storage_bytes(), cudaMemcpyHostToDevice);
+  auto device_run = [&](std::vector<unsigned char>& out) {
+    ENCORE_ASSERT_CUDA(cudaMemset(dbase.ptr, 0xff, bytes));  // every buffer poisoned (bf16 / fp32 NaN, int -1)
+    ENCORE_ASSERT_CUDA(cudaMemset(dout.ptr, 0xff, cpu_out.storage_bytes()));
+    const Status rs = run(da, o);
+    ASSERT_TRUE(rs) << rs.to_string();
+    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+    out = download(da.out);
+  };
+  std::vector<unsigned char> gout, gout2;
+  device_run(gout);
+  if (::testing::Test::HasFatalFailure()) return;
+
+  // Maps bit-equal to the CPU's.
+  auto host_bytes = [](const TensorView& v) {
+    int64_t n = 1;
+    for (int i = 0; i < v.ndim; ++i) n *= v.shape[i];
+    const auto* p = static_cast<const unsigned char*>(v.data);
+    return std::vector<unsigned char>(p, p + size_t(n) * dtype_size(v.dtype));
+  };
+  const std::vector<unsigned char> g_ids = download(db.topk_ids), g_off = download(db.expert_offsets), g_cnt = download(db.expert_counts),
+                                   g_slots = download(db.slot_rows);
+  ASSERT_EQ(diff(g_ids, host_bytes(hb.topk_ids)), "") << "topk_ids differ from the CPU routing";
+  ASSERT_EQ(diff(g_cnt, host_bytes(hb.expert_counts)), "") << "expert_counts";
+  ASSERT_EQ(diff(g_off, host_bytes(hb.expert_offsets)), "") << "expert_offsets";
+  ASSERT_EQ(diff(g_slots, host_bytes(hb.slot_rows)), "") << "slot_rows";
+  const int32_t* off = ints(g_off);
+  const int32_t* cnt = ints(g_cnt);
+  const int64_t used = off[E];
+  const std::vector<unsigned char> g_xp = download(db.x_permuted), g_h = download(db.gate_up), g_act = download(db.activation),
+                                   g_y = download(db.expert_out);
+  {
+    const std::vector<unsigned char> c_xp = host_bytes(hb.x_permuted);
+    ASSERT_EQ(0, std::memcmp(g_xp.data(), c_xp.data(), size_t(used * D) * 2)) << "x_permuted differs from the CPU dispatch";
+  }
+
+  // The grouped GEMMs alone, row by row from the device's own inputs.
+  int bad_h = 0, bad_act = 0, bad_y = 0;
+  std::ostringstream msg;
+  std::vector<double> xr(static_cast<size_t>(D)), ar(static_cast<size_t>(F));
+  for (int64_t r = 0; r < used; ++r) {
+    const int e = expert_of_row(off, E, r);
+    if (r >= off[e] + cnt[e]) {  // a padding row: activation and expert_out exactly zero
+      for (int64_t f = 0; f < F; ++f)
+        if (at(g_act, DType::kBF16, r * F + f) != 0 && bad_act++ < 5) msg << "activation padding row " << r << " (expert " << e << ") col " << f << " not zero\n";
+      for (int64_t d = 0; d < D; ++d)
+        if (at(g_y, DType::kBF16, r * D + d) != 0 && bad_y++ < 5) msg << "expert_out padding row " << r << " (expert " << e << ") col " << d << " not zero\n";
+      continue;
+    }
+    for (int64_t d = 0; d < D; ++d) xr[size_t(d)] = at(g_xp, DType::kBF16, r * D + d);
+    for (int64_t n = 0; n < 2 * F; ++n) {
+      double ref = 0, scale = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const double w = w13.get(int64_t(e) * 2 * F + n, d);
+        ref += xr[size_t(d)] * w;
+        scale += std::fabs(xr[size_t(d)] * w);
+      }
+      const double got = at(g_h, DType::kFP32, r * 2 * F + n);
+      if (!(std::fabs(got - ref) <= 1e-4 * scale + 1e-30) && bad_h++ < 5)
+        msg << "gate_up expert " << e << " row " << r << " col " << n << ": " << got << " vs fp64 " << ref << "\n";
+    }
+    for (int64_t f = 0; f < F; ++f) {
+      const double g = at(g_h, DType::kFP32, r * 2 * F + f), u = at(g_h, DType::kFP32, r * 2 * F + F + f);
+      const double ref = bf16_round(g / (1 + std::exp(-g)) * u), got = at(g_act, DType::kBF16, r * F + f);
+      ar[size_t(f)] = got;
+      if (!(std::fabs(got - ref) <= std::fabs(ref) * (1.0 / 128) + 1e-30) && bad_act++ < 5)
+        msg << "activation expert " << e << " row " << r << " col " << f << ": " << got << " vs " << ref << "\n";
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      double ref = 0, scale = 0;
+      for (int64_t f = 0; f < F; ++f) {
+        const double w = w2.get(int64_t(e) * D + d, f);
+        ref += ar[size_t(f)] * w;
+        scale += std::fabs(ar[size_t(f)] * w);
+      }
+      const double got = at(g_y, DType::kBF16, r * D + d);
+      if (!(std::fabs(got - ref) <= std::fabs(ref) * (1.0 / 128) + 1e-4 * scale + 1e-30) && bad_y++ < 5)
+        msg << "expert_out expert " << e << " row " << r << " col " << d << ": " << got << " vs " << ref << "\n";
+    }
+  }
+  EXPECT_EQ(bad_h + bad_act + bad_y, 0) << bad_h << " gate_up, " << bad_act << " activation, " << bad_y << " expert_out mismatches\n" << msg.str();
+
+  // The output against the CPU layer (fp64 accumulation, bf16 rounding of act and y on both sides).
+  double max_ref = 0;
+  for (int64_t i = 0; i < T * D; ++i) max_ref = std::max(max_ref, std::fabs(cpu_out.get(i / D, i % D)));
+  int bad = 0;
+  std::ostringstream omsg;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      const double ref = cpu_out.get(t, d), got = at(gout, DType::kBF16, t * D + d);
+      if (!(std::fabs(got - ref) <= 0.02 * std::fabs(ref) + 0.01 * max_ref) && bad++ < 5)
+        omsg << "out[" << t << ", " << d << "] = " << got << " vs CPU " << ref << " (max |ref| " << max_ref << ")\n";
+    }
+  EXPECT_EQ(bad, 0) << bad << " output mismatches\n" << omsg.str();
+
+  // Rerun bit-identical (output and expert outputs).
+  device_run(gout2);
+  EXPECT_EQ(diff(gout, gout2), "") << "rerun output differs";
+  EXPECT_EQ(diff(g_y, download(db.expert_out)), "") << "rerun expert_out differs";
+}
+
+TEST_F(MoeForwardGpu, MatchesCpu) {
+  const ForwardCase cases[] = {
+      {"empty_expert", 64, 128, 64, 8, 2, 8, Logits::kExpertLastEmpty},
+      {"all_to_expert0", 50, 64, 32, 8, 2, 16, Logits::kAllToExpert0},
+      {"ties", 40, 64, 48, 12, 3, 8, Logits::kTies},
+      {"one_token", 1, 128, 64, 16, 4, 128, Logits::kRandom},
+      {"t37", 37, 96, 40, 16, 4, 1, Logits::kRandom},
+      {"t1000", 1000, 64, 32, 32, 4, 16, Logits::kRandom},
+      {"e1", 33, 64, 56, 1, 1, 8, Logits::kRandom},
+      {"k_equals_e", 20, 64, 32, 4, 4, 128, Logits::kRandom},
+      {"align1_many_experts", 300, 64, 64, 128, 8, 1, Logits::kRandom},
+      {"qwen3_t4", 4, 2048, 768, 128, 8, 16, Logits::kRandom},
+  };
+  for (const ForwardCase& c : cases) {
+    run_forward_case(c);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST_F(MoeForwardGpu, BadInputs) {
+  MoeOptions o;
+  o.routing.top_k = 2;
+  auto check = [&](int64_t D, int64_t F, DType dt, const std::string& needle) {
+    const int E = 4;
+    const int64_t T = 4;
+    const MoeLayerShape s{T, D, F, E, dt};
+    DeviceBuffer base(moe_buffers_bytes(s, o)), a(1 << 20), b(1 << 20), c(1 << 20), d(1 << 20), f(1 << 20);
+    MoeBuffers buf;
+    ASSERT_TRUE(moe_buffers_carve(s, o, base.ptr, moe_buffers_bytes(s, o), kGpu, &buf));
+    const MoeForwardArgs fa{TensorView::contiguous(a.ptr, dt, {T, D}, kGpu), TensorView::contiguous(b.ptr, DType::kFP32, {T, E}, kGpu), {},
+                            TensorView::contiguous(c.ptr, dt, {E, 2 * F, D}, kGpu), TensorView::contiguous(d.ptr, dt, {E, D, F}, kGpu), buf,
+                            TensorView::contiguous(f.ptr, dt, {T, D}, kGpu)};
+    const Status st = validate(fa, o);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.message() << "\nexpected: " << needle;
+    const Status rs = run(fa, o);
+    EXPECT_FALSE(rs.is_ok());
+  };
+  check(64, 32, DType::kFP32, "takes bf16");
+  check(64, 32, DType::kFP16, "takes bf16");
+  check(12, 32, DType::kBF16, "multiples of 8");
+  check(64, 20, DType::kBF16, "multiples of 8");
+}
+
+}  // namespace
+}  // namespace encore::test
