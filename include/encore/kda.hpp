@@ -19,7 +19,13 @@
 // initial/final state, A_log, dt_bias; cu_seqlens on the host (<= 1024 sequences), as for the CPU
 // backend; needs workspace_bytes(args, opts) bytes of device workspace (96.5 KB per chunk of 64
 // tokens and head).
-// The backward is CPU only.
+// Backward: CPU (the chunked backward reading the forward's residuals when given, else the token-level
+// BPTT) and CUDA (src/kda/cuda/kda_backward.cu: the chunked backward in fp32 on CUDA cores, five
+// launches, deterministic). The CUDA backward needs the forward's residuals G, Aqk, Akk (and h for
+// the saved-h mode; without h it rematerializes the chunk-start states), bf16/fp32 q, k, v, g, beta,
+// d_o and gradients, fp32 contiguous states, A_log, dt_bias and their gradients, K, V <= 128, and
+// workspace_bytes(args, opts) bytes of device workspace (per chunk of 64 tokens and head at
+// K = V = 128: 274 KB saved-h, 338 KB rematerializing).
 #pragma once
 #include <cstddef>
 
@@ -67,8 +73,7 @@ Status validate(const KdaForwardArgs& args, const KdaOptions& opts);
 size_t workspace_bytes(const KdaForwardArgs& args, const KdaOptions& opts);
 Status run(const KdaForwardArgs& args, const KdaOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 
-// Gradients of loss = sum(o * d_o) + sum(final_state * d_final_state), CPU backend (token-level
-// backpropagation through time). dg is with respect to the g that was passed in (raw gate with
+// Gradients of loss = sum(o * d_o) + sum(final_state * d_final_state), on the tensors' device. dg is with respect to the g that was passed in (raw gate with
 // use_gate_in_kernel); dq, dk with respect to q, k before the L2 norm.
 struct KdaBackwardArgs {
   KdaForwardArgs fwd;          // the forward's inputs (its o and final_state are not read)
@@ -81,6 +86,9 @@ struct KdaBackwardArgs {
 };
 
 Status validate(const KdaBackwardArgs& args, const KdaOptions& opts);
-Status run(const KdaBackwardArgs& args, const KdaOptions& opts);
+// Device workspace of the CUDA backward (0 on the CPU backend or for arguments that do not validate).
+size_t workspace_bytes(const KdaBackwardArgs& args, const KdaOptions& opts);
+// CPU: workspace and stream unused. CUDA: never allocates or synchronizes; `workspace` 16-byte aligned.
+Status run(const KdaBackwardArgs& args, const KdaOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 
 }  // namespace encore

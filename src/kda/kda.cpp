@@ -8,6 +8,7 @@
 #include "encore/kda.hpp"
 #include "kda/problem.hpp"
 #include "kda/cuda/launch.hpp"  // host-only declarations and limits
+#include "kda/cuda/kda_bwd_launch.hpp"
 #include "kda/reference/kda_chunked_bwd.hpp"
 #include "kda/reference/kda_ref.hpp"
 
@@ -36,12 +37,6 @@ Status validate_state(const char* name, const TensorView& t, const kda::KdaProbl
                            std::to_string(p.K) + ", " + std::to_string(p.V) + "], got " + t.shape_string());
   ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, kState));
   ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "q", q));
-  return Status::ok();
-}
-
-Status cpu_only(const TensorView& q) {
-  if (q.device.is_cuda())
-    return Status::unsupported("q: on " + q.device.to_string() + ": the CUDA KDA backward is not implemented yet (CPU backend only)");
   return Status::ok();
 }
 
@@ -207,6 +202,107 @@ void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::
 }
 #endif
 
+// What the CUDA backward takes beyond validate(KdaBackwardArgs): the forward's residuals, dtypes,
+// contiguity and the CUDA limits.
+Status validate_cuda_backward(const KdaBackwardArgs& b, const kda::KdaProblem& p) {
+  const KdaForwardArgs& a = b.fwd;
+  const KdaResiduals& r = a.residuals;
+  std::string missing;
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"G", &r.G}, {"Aqk", &r.Aqk}, {"Akk", &r.Akk}})
+    if (!t->defined()) missing += std::string(missing.empty() ? "" : ", ") + name;
+  if (!missing.empty())
+    return Status::invalid("residuals: the CUDA backward needs the forward's residuals G, Aqk, Akk (and h for the saved-h mode; without h "
+                           "the states are rematerialized); missing: " + missing);
+  constexpr int64_t kMaxDim = cuda::kKdaMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
+  if (p.K > kMaxDim || p.V > kMaxDim)
+    return Status::unsupported("q: the CUDA KDA backward takes K, V <= " + std::to_string(kMaxDim) + ", got K = " + std::to_string(p.K) +
+                               ", V = " + std::to_string(p.V));
+  if (int64_t(p.seqs.size()) > kMaxSeqs)
+    return Status::unsupported("cu_seqlens: the CUDA KDA backward takes at most " + std::to_string(kMaxSeqs) + " sequences per call, got " +
+                               std::to_string(p.seqs.size()));
+  if (p.T >= (int64_t(1) << 31)) return Status::unsupported("q: T must be < 2^31");
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
+                         {"d_o", &b.d_o}, {"dq", &b.dq}, {"dk", &b.dk}, {"dv", &b.dv}, {"dg", &b.dg}, {"dbeta", &b.dbeta}}) {
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP32}));
+    ENCORE_RETURN_IF_ERROR(checks::same_device(name, *t, "q", a.q));
+    if (t->ndim == 4) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, *t));
+  }
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"initial_state", &a.initial_state}, {"A_log", &a.A_log},
+                         {"dt_bias", &a.dt_bias}, {"d_final_state", &b.d_final_state}, {"dh0", &b.dh0}, {"dA_log", &b.dA_log},
+                         {"ddt_bias", &b.ddt_bias}, {"residuals.G", &r.G}}) {
+    if (!t->defined()) continue;
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kFP32}));
+    if (!t->is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous on CUDA");
+    ENCORE_RETURN_IF_ERROR(checks::same_device(name, *t, "q", a.q));
+  }
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"residuals.Aqk", &r.Aqk}, {"residuals.Akk", &r.Akk}, {"residuals.h", &r.h}}) {
+    if (!t->defined()) continue;
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP32}));
+    if (!t->is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous on CUDA");
+  }
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"dq", &b.dq}, {"dk", &b.dk}, {"dv", &b.dv}, {"dg", &b.dg}, {"dbeta", &b.dbeta}})
+    for (auto [iname, in] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
+                             {"d_o", &b.d_o}})
+      ENCORE_RETURN_IF_ERROR(checks::no_overlap(name, *t, iname, *in));
+  return Status::ok();
+}
+
+#ifdef ENCORE_WITH_CUDA
+void fill_cuda_backward(const KdaBackwardArgs& b, const KdaOptions& o, const kda::KdaProblem& p, cuda::KdaBwdCudaProblem& cp) {
+  const KdaForwardArgs& a = b.fwd;
+  cp.B = int(p.B);
+  cp.T = int(p.T);
+  cp.H = int(p.H);
+  cp.K = int(p.K);
+  cp.V = int(p.V);
+  cp.N = int(p.seqs.size());
+  cp.scale = float(p.scale);
+  cp.l2norm = o.use_qk_l2norm;
+  cp.gate_in_kernel = o.use_gate_in_kernel;
+  cp.lower_bound_gate = o.use_lower_bound;
+  cp.lower_bound = float(o.lower_bound);
+  auto in = [](const TensorView& t) { return cuda::KdaTensor{t.data, t.dtype, t.strides[0], t.strides[1], t.strides[2]}; };
+  auto out = [](const TensorView& t) { return cuda::KdaOutTensor{t.data, t.dtype, t.strides[0], t.strides[1], t.strides[2]}; };
+  cp.q = in(a.q);
+  cp.k = in(a.k);
+  cp.v = in(a.v);
+  cp.g = in(a.g);
+  cp.beta = in(a.beta);
+  cp.d_o = in(b.d_o);
+  cp.A_log = static_cast<const float*>(a.A_log.data);
+  cp.dt_bias = static_cast<const float*>(a.dt_bias.data);
+  cp.h0 = static_cast<const float*>(a.initial_state.data);
+  cp.dht = static_cast<const float*>(b.d_final_state.data);
+  const KdaResiduals& r = a.residuals;
+  cp.G = static_cast<const float*>(r.G.data);
+  cp.Aqk = r.Aqk.data;
+  cp.aqk_dtype = r.Aqk.dtype;
+  cp.Akk = r.Akk.data;
+  cp.akk_dtype = r.Akk.dtype;
+  cp.h = r.h.defined() ? r.h.data : nullptr;
+  cp.h_dtype = r.h.defined() ? r.h.dtype : DType::kFP32;
+  cp.dq = out(b.dq);
+  cp.dk = out(b.dk);
+  cp.dv = out(b.dv);
+  cp.dg = out(b.dg);
+  cp.dbeta = out(b.dbeta);
+  cp.dh0 = static_cast<float*>(b.dh0.data);
+  cp.dA_log = static_cast<float*>(b.dA_log.data);
+  cp.ddt_bias = static_cast<float*>(b.ddt_bias.data);
+  cp.ws = cuda::kda_bwd_layout(p.K, p.V, !r.h.defined());
+  cp.varlen = a.cu_seqlens.defined();
+  int32_t chunk = 0;
+  for (size_t n = 0; n < p.seqs.size(); ++n) {
+    cp.seq_begin[n] = int32_t(p.seqs[n].begin);
+    cp.seq_end[n] = int32_t(p.seqs[n].end);
+    cp.chunk_start[n] = chunk;
+    chunk += int32_t(seq_chunks(p.seqs[n]));
+  }
+  cp.chunk_start[p.seqs.size()] = chunk;
+  cp.device = a.q.device.index;
+}
+#endif
+
 }  // namespace
 
 Status validate(const KdaForwardArgs& a, const KdaOptions& o) {
@@ -293,11 +389,35 @@ Status validate(const KdaBackwardArgs& a, const KdaOptions& o) {
   return Status::ok();
 }
 
-Status run(const KdaBackwardArgs& a, const KdaOptions& o) {
+size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
+  kda::KdaProblem p;
+  if (!a.fwd.q.defined() || !a.fwd.q.device.is_cuda() || !kda::make_problem(a.fwd, o, &p)) return 0;
+#ifdef ENCORE_WITH_CUDA
+  return cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !a.fwd.residuals.h.defined());
+#else
+  return 0;
+#endif
+}
+
+Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
-  ENCORE_RETURN_IF_ERROR(cpu_only(a.fwd.q));
   kda::KdaProblem p;
   ENCORE_RETURN_IF_ERROR(kda::make_problem(a.fwd, o, &p));
+  if (a.fwd.q.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(validate_cuda_backward(a, p));
+#ifdef ENCORE_WITH_CUDA
+    if (workspace == nullptr && chunk_count(p) > 0)
+      return Status::invalid("workspace: the CUDA KDA backward needs workspace_bytes(args, opts) bytes, got a null pointer");
+    if (!checks::aligned(workspace, 16)) return Status::invalid("workspace: must be 16-byte aligned");
+    cuda::KdaBwdCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
+    fill_cuda_backward(a, o, p, cp);
+    return cuda::launch_kda_backward(cp, workspace, stream);
+#else
+    (void)workspace;
+    (void)stream;
+    return Status::unsupported("q: on " + a.fwd.q.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+  }
   const reference::KdaInputs in = reference::kda_prepare(p, a.fwd);
   const std::vector<double> d_o = load_dense(a.d_o);
   const std::vector<double> d_final = a.d_final_state.defined() ? load_dense(a.d_final_state) : std::vector<double>{};

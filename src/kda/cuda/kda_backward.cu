@@ -1,0 +1,104 @@
+// KDA chunked backward on CUDA (math-kda.md §6; docs/kda.md), five launches connected by the
+// per-(chunk, head) fp32 workspace record of kda_bwd_launch.hpp:
+//   1 recompute (kda_bwd_recompute.cu): Qg, Kg, W, U from the residuals G and Akk, chunk-parallel;
+//     then Vnew = U - W S per chunk from the saved h, or the rematerialized state pass;
+//   2 dAv (kda_bwd_dav.cu): dAqk, dVnew(intra), chunk-parallel;
+//   3a dh (kda_bwd_reverse.cu): the serial reverse state-cotangent pass per (sequence, head, 32 columns);
+//   3b grads (kda_bwd_grads.cu): WY, intra-chunk, reverse cumsum, gate and L2-norm tails, chunk-parallel;
+//   4 the gate reduction below: dA_log[h] and ddt_bias[h, k] summed over the chunks' partials in a
+//     fixed order (deterministic, no atomics).
+#include <string>
+
+#include "common/cuda/device_guard.hpp"
+#include "kda/cuda/kda_bwd_device.cuh"
+
+namespace encore::cuda {
+
+static_assert(sizeof(KdaBwdCudaProblem) <= 32764, "the problem travels as one kernel parameter");
+
+KdaBwdLayout kda_bwd_layout(int64_t K, int64_t V, bool remat) {
+  KdaBwdLayout l;
+  int64_t o = 0;
+  auto take = [&](int64_t n) {
+    const int64_t at = o;
+    o += (n + 3) / 4 * 4;  // 16-byte parts
+    return at;
+  };
+  l.qg = take(64 * K);
+  l.kg = take(64 * K);
+  l.w = take(64 * K);
+  l.vn = take(64 * V);
+  l.dvn = take(64 * V);
+  l.daqk = take(64 * 64);
+  l.dh = take(K * V);
+  l.hs = remat ? take(K * V) : 0;
+  l.gc = take(K);
+  l.pdt = take(K);
+  l.pda = take(K);
+  l.acc = take(64 * K);
+  l.rec = o;
+  return l;
+}
+
+size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V, bool remat) {
+  return size_t(chunks * H * kda_bwd_layout(K, V, remat).rec) * sizeof(float);
+}
+
+namespace kdabwd {
+namespace {
+
+// dA_log[h] = sum over chunks and channels of pdA; ddt_bias[h, k] = sum over chunks of pdt.
+// One thread per (h, k) (and per h), chunks in slot order.
+__global__ void kda_bwd_gate_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* ws, int slots) {
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  const int HK = p.H * p.K;
+  if (p.ddt_bias && idx < HK) {
+    const int h = idx / p.K, a = idx - h * p.K;
+    float s = 0.f;
+    for (int c = 0; c < slots; ++c) s += ws[(int64_t(c) * p.H + h) * p.ws.rec + p.ws.pdt + a];
+    p.ddt_bias[idx] = s;
+  }
+  if (p.dA_log && idx < p.H) {
+    float s = 0.f;
+    for (int c = 0; c < slots; ++c) {
+      const float* r = ws + (int64_t(c) * p.H + idx) * p.ws.rec + p.ws.pda;
+      float t = 0.f;
+      for (int a = 0; a < p.K; ++a) t += r[a];
+      s += t;
+    }
+    p.dA_log[idx] = s;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, cudaStream_t s) {
+  const int n = p.H * p.K;
+  kda_bwd_gate_reduce_kernel<<<(n + 255) / 256, 256, 0, s>>>(p, ws, slots);
+  return cudaGetLastError();
+}
+
+}  // namespace kdabwd
+
+Status launch_kda_backward(const KdaBwdCudaProblem& p, void* workspace, Stream stream) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(p.device));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  float* ws = static_cast<float*>(workspace);
+  const int slots = p.chunk_start[p.N];
+  auto check = [](cudaError_t e, const char* what) -> Status {
+    if (e != cudaSuccess) return Status::cuda_error(std::string("kda backward: ") + what + ": " + cudaGetErrorString(e));
+    return Status::ok();
+  };
+  if (slots > 0) {
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_prep(p, ws, slots, s), "recompute kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_states(p, ws, slots, s), "state kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, s), "dAv kernel"));
+  }
+  if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, s), "dh kernel"));
+  if (slots > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, s), "gradient kernel"));
+  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, s), "gate reduction"));
+  return Status::ok();
+}
+
+}  // namespace encore::cuda

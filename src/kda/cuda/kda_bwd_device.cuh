@@ -1,0 +1,103 @@
+// Device helpers of the CUDA KDA backward (kda_backward.cu and the kernels of kda_bwd_*.cu): the
+// chunk map, the workspace record, row loads (with the q/k L2 norm), residual and state reads, and
+// the launchers the host entry calls in order (math: /work/shared/docs/math-kda.md §6; the CPU ground
+// truth stage by stage: src/kda/reference/kda_chunked_bwd.cpp).
+//
+// This first version is SIMT fp32 (every product an fp32 FMA loop over shared or global operands),
+// written for correctness on every valid input; each kernel can be replaced by a tensor-core one
+// that keeps its workspace contract.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "kda/cuda/kda_bwd_launch.hpp"
+#include "kda/cuda/kda_device.cuh"
+
+namespace encore::cuda::kdabwd {
+
+using ::encore::cuda::kda::load;
+using ::encore::cuda::kda::store;
+
+constexpr int kC = 64;         // chunk rows
+constexpr int kMaxD = 128;     // K, V <= 128
+constexpr int kVs = 32;        // value columns per block of the serial kernels
+constexpr int kTile = kC * kMaxD;  // floats of a [64][128] shared tile
+
+struct ChunkInfo {
+  int n, b, t0, rows;
+};
+
+// Sequence of chunk slot `slot`: the last n with chunk_start[n] <= slot (empty sequences own none).
+__device__ __forceinline__ ChunkInfo chunk_info(const KdaBwdCudaProblem& p, int slot) {
+  int lo = 0, hi = p.N - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.chunk_start[mid] <= slot) lo = mid;
+    else hi = mid - 1;
+  }
+  ChunkInfo c;
+  c.n = lo;
+  c.b = p.varlen ? 0 : lo;
+  c.t0 = p.seq_begin[lo] + (slot - p.chunk_start[lo]) * kC;
+  c.rows = min(kC, p.seq_end[lo] - c.t0);
+  return c;
+}
+
+__device__ __forceinline__ float* ws_rec(float* ws, const KdaBwdCudaProblem& p, int slot, int h) {
+  return ws + (int64_t(slot) * p.H + h) * p.ws.rec;
+}
+
+__device__ __forceinline__ float load_any(const void* base, DType dt, int64_t off) {
+  return dt == DType::kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(base)[off]) : static_cast<const float*>(base)[off];
+}
+
+// Token index (b * T + t) * H + h of a contiguous [B, T, H, *] residual.
+__device__ __forceinline__ int64_t tok(const KdaBwdCudaProblem& p, int b, int t, int h) {
+  return (int64_t(b) * p.T + t) * p.H + h;
+}
+
+__device__ __forceinline__ void store_out(const KdaOutTensor& o, int b, int t, int h, int c, float x) {
+  store(o.data, o.dtype, int64_t(b) * o.sb + int64_t(t) * o.st + int64_t(h) * o.sh + c, x);
+}
+
+// Rows [t0, t0 + 64) of a [B, T, H, C] input into dst [64][C] (rows >= `rows` zero), one warp per
+// row: optionally L2-normalized (y = x / sqrt(sum x^2 + 1e-6)), then times `mult`; rstd[i] the
+// row's factor (1 without the norm). Needs the block's threads.
+__device__ __forceinline__ void load_rows(const KdaTensor& t, int b, int t0, int rows, int h, int C, bool l2, float mult, float* dst,
+                                          float* rstd) {
+  const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  for (int i = threadIdx.x >> 5; i < kC; i += nw) {
+    if (i >= rows) {
+      for (int c = lane; c < C; c += 32) dst[i * C + c] = 0.f;
+      if (lane == 0 && rstd) rstd[i] = 1.f;
+      continue;
+    }
+    float ss = 0.f;
+    for (int c = lane; c < C; c += 32) {
+      const float x = load(t, b, t0 + i, h, c);
+      dst[i * C + c] = x;
+      ss += x * x;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float r = l2 ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
+    for (int c = lane; c < C; c += 32) dst[i * C + c] *= r * mult;
+    if (lane == 0 && rstd) rstd[i] = r;
+  }
+}
+
+// The chunk-start state S[a][y] of chunk `slot`: the saved residual h, or the rematerialized copy in
+// the record.
+__device__ __forceinline__ float state_at(const KdaBwdCudaProblem& p, const float* rec, int slot, int h, int a, int y) {
+  if (p.h) return load_any(p.h, p.h_dtype, ((int64_t(slot) * p.H + h) * p.K + a) * p.V + y);
+  return rec[p.ws.hs + a * p.V + y];
+}
+
+// Launchers (one per kernel), in the order the host entry runs them.
+cudaError_t launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);    // kda_bwd_recompute.cu
+cudaError_t launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_recompute.cu
+cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);     // kda_bwd_dav.cu
+cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, cudaStream_t s);                 // kda_bwd_reverse.cu
+cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_grads.cu
+cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, cudaStream_t s);  // kda_backward.cu
+
+}  // namespace encore::cuda::kdabwd

@@ -1,0 +1,62 @@
+// Host entry of the CUDA KDA backward (no CUDA types). The dispatch (src/kda/kda.cpp) has validated
+// the problem and the forward's residuals; sequences travel as launch parameters (as the forward's),
+// so the launches read no host memory, never allocate and never synchronize.
+//
+// Workspace: one fp32 record per (chunk slot, head), KdaBwdLayout below (offsets in floats, rows
+// padded to 64 with zeros, head dims as given): Qg, Kg, W [64][K]; Vn (U, then Vnew) [64][V];
+// dVn (Aqk^T dO, then + Kg dS') [64][V]; dAqk [64][64]; dh (dS', the chunk-END state cotangent)
+// [K][V]; hs (the chunk-start state, rematerialize mode only) [K][V]; gC [K] (log2); the gate-gradient
+// partials pdt (sum over the chunk's rows of d(raw gate)) and pdA (of the dA_log terms) [K]; acc, an
+// accumulator tile [64][K] of kernel 3b (which also reuses Qg, Kg, W once kernel 3a is done with them).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kda/cuda/launch.hpp"
+
+namespace encore::cuda {
+
+struct KdaOutTensor {  // [B, T, H, C] (or [B, T, H], C = 1) output: element strides; bf16 or fp32
+  void* data = nullptr;
+  DType dtype = DType::kFP32;
+  int64_t sb = 0, st = 0, sh = 0;
+};
+
+struct KdaBwdLayout {  // offsets in floats inside one (chunk slot, head) record; rec = its size
+  int64_t qg = 0, kg = 0, w = 0, vn = 0, dvn = 0, daqk = 0, dh = 0, hs = 0, gc = 0, pdt = 0, pda = 0, acc = 0, rec = 0;
+};
+KdaBwdLayout kda_bwd_layout(int64_t K, int64_t V, bool remat);
+
+struct KdaBwdCudaProblem {
+  int B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
+  float scale = 1.0f;
+  bool l2norm = false, gate_in_kernel = false, lower_bound_gate = false;
+  float lower_bound = -5.0f;
+  KdaTensor q, k, v, g, beta, d_o;
+  const float* A_log = nullptr;    // [H] or null
+  const float* dt_bias = nullptr;  // [H * K] or null
+  const float* h0 = nullptr;       // [N, H, K, V] or null
+  const float* dht = nullptr;      // [N, H, K, V] or null (zero cotangent)
+  // The forward's residuals, contiguous: G fp32 [B, T, H, K]; Aqk, Akk [B, T, H, 64]; h [NT, H, K, V]
+  // (null: rematerialize the chunk-start states).
+  const float* G = nullptr;
+  const void* Aqk = nullptr;
+  const void* Akk = nullptr;
+  const void* h = nullptr;
+  DType aqk_dtype = DType::kFP32, akk_dtype = DType::kFP32, h_dtype = DType::kFP32;
+  KdaOutTensor dq, dk, dv, dg, dbeta;
+  float* dh0 = nullptr;       // [N, H, K, V] or null
+  float* dA_log = nullptr;    // [H] or null
+  float* ddt_bias = nullptr;  // [H * K] or null
+  KdaBwdLayout ws;
+  bool varlen = false;
+  int32_t seq_begin[kKdaMaxSeqs];
+  int32_t seq_end[kKdaMaxSeqs];
+  int32_t chunk_start[kKdaMaxSeqs + 1];
+  int device = 0;
+};
+
+size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V, bool remat);
+Status launch_kda_backward(const KdaBwdCudaProblem& p, void* workspace, Stream stream);
+
+}  // namespace encore::cuda
