@@ -22,6 +22,7 @@ int run_suites(const BenchOptions& opts) {
       {"kda_plans", run_kda_plans_suite},
       {"quant_plans", run_quant_plans_suite},
       {"host_overhead", run_host_overhead_suite},
+      {"moe", run_moe_suite},
   };
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "encore bench: no CUDA device: benchmarks need a GPU (try `encore check`)\n");

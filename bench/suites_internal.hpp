@@ -19,5 +19,6 @@ void run_kda_phases_suite(Report& report, const TimeOptions& topts, cudaStream_t
 void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_host_overhead_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 
 }  // namespace encore::bench

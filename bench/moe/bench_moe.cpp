@@ -1,0 +1,103 @@
+// Suite "moe": the whole moe_forward layer on CUDA (bf16; softmax top-8 routing, renormalized;
+// dispatch padded to 16-row groups as ../shared/docs/moe_anchor.py; grouped gate/up GEMM, SwiGLU,
+// grouped down GEMM, combine) at the Qwen3-30B-A3B shape (D 2048, E 128, k 8, F 768) and the
+// DeepSeek-V3-like shape (D 7168, E 256, k 8, F 2048), tokens 1, 16, 64, 512, 4096, 16384
+// (ENCORE_BENCH_SIZES selects). Device time per call from graph replays; metrics: time_us, the
+// grouped GEMMs' useful TFLOP/s (2 * T * k * 3 * F * D / time), the experts touched and the weight-
+// read floor (their w13 + w2 bytes at the copy ceiling measured in the same run).
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench/suites_internal.hpp"
+#include "encore/core/device_info.hpp"
+#include "encore/moe.hpp"
+
+namespace encore::bench {
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int64_t D, F;
+  int E, k;
+};
+const Shape kShapes[] = {{"qwen3_30b_a3b", 2048, 768, 128, 8}, {"deepseek_v3_like", 7168, 2048, 256, 8}};
+const int64_t kTokens[] = {1, 16, 64, 512, 4096, 16384};
+
+// Device memory for one shape: weights, inputs, output and the layer's buffers for max_tokens.
+struct MoeBenchCase {
+  std::vector<void*> allocs;
+  MoeOptions o;
+  MoeBuffers b;
+  void *x = nullptr, *logits = nullptr, *w13 = nullptr, *w2 = nullptr, *out = nullptr;
+
+  void* alloc(size_t bytes, FillKind kind, cudaStream_t stream, unsigned long long seed) {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, bytes), "moe bench alloc");
+    allocs.push_back(p);
+    if (seed) fill_random(p, bytes / (kind == FillKind::kFP32 ? 4 : 2), kind, seed, stream);
+    return p;
+  }
+  MoeBenchCase(const Shape& s, int64_t max_tokens, cudaStream_t stream) {
+    o.routing.top_k = s.k;
+    o.align_m = 16;
+    x = alloc(size_t(max_tokens * s.D) * 2, FillKind::kBF16, stream, 1);
+    logits = alloc(size_t(max_tokens * s.E) * 4, FillKind::kFP32, stream, 2);
+    w13 = alloc(size_t(s.E) * size_t(2 * s.F * s.D) * 2, FillKind::kBF16, stream, 3);
+    w2 = alloc(size_t(s.E) * size_t(s.D * s.F) * 2, FillKind::kBF16, stream, 4);
+    out = alloc(size_t(max_tokens * s.D) * 2, FillKind::kBF16, stream, 0);
+    const MoeLayerShape ls{max_tokens, s.D, s.F, s.E, DType::kBF16};
+    const size_t bytes = moe_buffers_bytes(ls, o);
+    void* base = alloc(bytes, FillKind::kBF16, stream, 0);
+    check_status(moe_buffers_carve(ls, o, base, bytes, Device{DeviceType::kCUDA, 0}, &b), "moe buffers");
+    check_cuda(cudaStreamSynchronize(stream), "moe bench fill");
+  }
+  MoeBenchCase(const MoeBenchCase&) = delete;
+  MoeBenchCase& operator=(const MoeBenchCase&) = delete;
+  ~MoeBenchCase() {
+    for (void* p : allocs) check_cuda(cudaFree(p), "free");
+  }
+  MoeForwardArgs args(const Shape& s, int64_t T) const {
+    const Device dev{DeviceType::kCUDA, 0};
+    return {TensorView::contiguous(x, DType::kBF16, {T, s.D}, dev), TensorView::contiguous(logits, DType::kFP32, {T, int64_t(s.E)}, dev), {},
+            TensorView::contiguous(w13, DType::kBF16, {s.E, 2 * s.F, s.D}, dev), TensorView::contiguous(w2, DType::kBF16, {s.E, s.D, s.F}, dev), b,
+            TensorView::contiguous(out, DType::kBF16, {T, s.D}, dev)};
+  }
+};
+
+}  // namespace
+
+void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
+  for (const Shape& s : kShapes) {
+    const MoeBenchCase mc(s, kTokens[sizeof(kTokens) / sizeof(kTokens[0]) - 1], stream);
+    for (int64_t T : kTokens) {
+      if (!size_selected(T)) continue;
+      const MoeForwardArgs a = mc.args(s, T);
+      check_status(run(a, mc.o, nullptr, stream), "moe_forward");
+      std::vector<int32_t> counts(size_t(s.E));
+      check_cuda(cudaMemcpyAsync(counts.data(), mc.b.expert_counts.data, counts.size() * 4, cudaMemcpyDeviceToHost, stream), "counts");
+      check_cuda(cudaStreamSynchronize(stream), "sync");
+      int touched = 0;
+      for (int32_t c : counts) touched += c > 0;
+      Timing t = time_launches([&](long long) { check_status(run(a, mc.o, nullptr, stream), "moe_forward"); }, stream, topts, 1);
+      const double flops = 2.0 * double(T) * s.k * 3.0 * double(s.F) * double(s.D);
+      const double weight_bytes = double(touched) * 3.0 * double(s.F) * double(s.D) * 2.0;
+      const double floor_us = report.ceilings.copy_gbps > 0 ? weight_bytes / (report.ceilings.copy_gbps * 1e3) : 0.0;
+      Record r;
+      r.suite = "moe";
+      r.name = "moe_forward";
+      r.params = {{"shape", s.name}, {"tokens", std::to_string(T)}, {"D", std::to_string(s.D)}, {"F", std::to_string(s.F)},
+                  {"E", std::to_string(s.E)}, {"k", std::to_string(s.k)}, {"align_m", "16"}, {"dtype", "bf16"},
+                  {"version", "ptr-array grouped GEMMs 128x128 coop + separate SwiGLU (fp32 gate_up)"}};
+      r.metrics = {{"time_us", t.median_us}, {"gemm_tflops", flops / (t.median_us * 1e6)}, {"experts_touched", double(touched)},
+                   {"weight_floor_us", floor_us}};
+      report.records.push_back(r);
+      std::printf("  moe_forward %-17s T %6lld %10.1f us  %6.1f TFLOP/s  experts %3d  weight floor %8.1f us\n", s.name, (long long)T,
+                  t.median_us, flops / (t.median_us * 1e6), touched, floor_us);
+      std::fflush(stdout);
+    }
+  }
+}
+
+}  // namespace encore::bench
