@@ -1,6 +1,6 @@
 // Suite "quant": FP8 e4m3 per-token-group quantization (groups of 128) of bf16 activations at
 // K = 7168 (DeepSeek-V3 hidden size), row- and column-major scales. Bytes = x read once, q and the
-// scales written once; L2-flushed.
+// scales written once; L2-flushed. Then the MXFP8 / NVFP4 records (bench_mx_quant.cpp).
 #include <cstdio>
 #include <string>
 
@@ -9,6 +9,8 @@
 #include "encore/quant.hpp"
 
 namespace encore::bench {
+
+void run_mx_quant_records(Report& report, const TimeOptions& topts, cudaStream_t stream);  // bench_mx_quant.cpp
 
 void run_quant_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
   const DeviceInfo* info = nullptr;
@@ -45,6 +47,7 @@ void run_quant_suite(Report& report, const TimeOptions& topts, cudaStream_t stre
       std::fflush(stdout);
     }
   }
+  run_mx_quant_records(report, topts, stream);
 }
 
 }  // namespace encore::bench

@@ -50,8 +50,11 @@ Status run(const Fp8GroupDequantArgs& args, const Fp8GroupQuantOptions& opts);
 uint8_t float_to_e4m3(float v);
 float e4m3_to_float(uint8_t b);
 
-// ---- MXFP8 and NVFP4 (docs/quant.md, "MXFP8 and NVFP4"): CPU backend only for now; CUDA tensors
-// get an unsupported Status ("not yet on CUDA"). ----
+// ---- MXFP8 and NVFP4 (docs/quant.md, "MXFP8 and NVFP4"): CPU backend and CUDA kernels, bit-identical.
+// On CUDA (all tensors on one device; asynchronous on `stream`, no allocation, CUDA-graph safe):
+// x's data pointer and row stride 16-byte aligned, q's a multiple of 8 bytes (MXFP8) / 4 (NVFP4),
+// M * K / 8 < 2^31. NVFP4 with a computed global scale makes two passes over x (amax, then the
+// quantization; global_scale holds the amax in between). ----
 //
 // MXFP8 (OCP Microscaling v1.0): per row and block of 32 consecutive columns, with amax the block's max |x|:
 //   e = floor(log2(amax)) - 8 (kFloor, the spec's rule) or the smallest e with 2^e >= fl32(amax / 448)
@@ -92,16 +95,16 @@ size_t workspace_bytes(const Nvfp4QuantArgs& args, const MxQuantOptions& opts);
 Status run(const Mxfp8QuantArgs& args, const MxQuantOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 Status run(const Nvfp4QuantArgs& args, const MxQuantOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 
-// The inverses (CPU): x = float(q) * 2^(s - 127), resp. e2m1(q) * float(s) * global (fp32, left to
-// right). x: fp32 or bf16 [M, K]; scales in the layout opts.scale_layout names.
+// The inverses (CPU or CUDA, same constraints): x = float(q) * 2^(s - 127), resp. e2m1(q) * float(s) *
+// global (fp32, left to right). x: fp32 or bf16 [M, K]; scales in the layout opts.scale_layout names.
 struct Mxfp8DequantArgs {
   TensorView q, scales, x;
 };
 struct Nvfp4DequantArgs {
   TensorView q, scales, global_scale, x;
 };
-Status run(const Mxfp8DequantArgs& args, const MxQuantOptions& opts);
-Status run(const Nvfp4DequantArgs& args, const MxQuantOptions& opts);
+Status run(const Mxfp8DequantArgs& args, const MxQuantOptions& opts, Stream stream = nullptr);
+Status run(const Nvfp4DequantArgs& args, const MxQuantOptions& opts, Stream stream = nullptr);
 
 // Host conversions: e2m1 round to nearest even, saturating at +-6 (code: sign bit 3); e8m0 (0xff NaN).
 uint8_t float_to_e2m1(float v);

@@ -1,4 +1,5 @@
-// MXFP8 / NVFP4 dispatch: validate -> problem -> CPU reference (CUDA: not yet, an unsupported Status); and the CPU dequantization.
+// MXFP8 / NVFP4 dispatch: validate -> problem -> CPU reference or CUDA kernels (src/quant/cuda/mx_quant.cu), for the
+// quantization and its inverse.
 #include <cmath>
 #include <string>
 
@@ -6,6 +7,9 @@
 #include "encore/quant.hpp"
 #include "quant/problem.hpp"
 #include "quant/reference/mx_quant_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "quant/cuda/launch.hpp"
+#endif
 
 namespace encore {
 namespace {
@@ -123,13 +127,39 @@ Status validate_quant(const Kind& k, const TensorView& x, const TensorView& q, c
   return Status::ok();
 }
 
-Status cpu_only(const TensorView& t, const Kind& k, const char* what) {
-  if (!t.device.is_cuda()) return Status::ok();
-  return Status::unsupported(std::string(k.op) + " " + what + ": not yet on CUDA (CPU backend only; " + t.device.to_string() + " given)");
+// The CUDA kernels' extra constraints: one thread per 8 elements (M * K / 8 < 2^31), 16-byte
+// vector access to x (pointer and row stride multiples of 16 bytes), 8-byte (MXFP8) or 4-byte
+// (NVFP4) stores of q (its pointer and row stride multiples of that).
+Status validate_cuda(const Kind& k, const TensorView& x, const TensorView& q) {
+  const int64_t rows = x.shape[0], cols = x.shape[1];
+  if (rows * (cols / 8) >= (int64_t(1) << 31))
+    return Status::unsupported(std::string(k.op) + " on CUDA: M * K / 8 must be < 2^31, got " + str(rows) + " x " + str(cols));
+  if (!checks::aligned(x.data, 16) || (rows > 1 && (x.strides[0] * int64_t(x.element_size())) % 16 != 0))
+    return Status::invalid(std::string(k.op) + " on CUDA: x's data pointer and row stride must be 16-byte aligned");
+  const int64_t qa = k.kind == MxKind::kMxfp8 ? 8 : 4;
+  if (!checks::aligned(q.data, size_t(qa)) || (rows > 1 && q.strides[0] % qa != 0))
+    return Status::invalid(std::string(k.op) + " on CUDA: q's data pointer and row stride must be multiples of " + str(qa) + " bytes");
+  return Status::ok();
+}
+
+// CPU reference, or the CUDA kernels (asynchronous on `stream`).
+Status dispatch(const Kind& k, const TensorView& x, const TensorView& q, const quant::MxProblem& p, bool quantize, Stream stream) {
+  if (!x.device.is_cuda()) {
+    if (quantize) reference::mx_quant(p);
+    else reference::mx_dequant(p);
+    return Status::ok();
+  }
+  ENCORE_RETURN_IF_ERROR(validate_cuda(k, x, q));
+#ifdef ENCORE_WITH_CUDA
+  return quantize ? cuda::launch_mx_quant(p, x.device.index, stream) : cuda::launch_mx_dequant(p, x.device.index, stream);
+#else
+  (void)stream;
+  return Status::unsupported(std::string(k.op) + ": x on " + x.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
 }
 
 Status run_dequant(const Kind& k, const TensorView& q, const TensorView& s, const TensorView* g, const TensorView& x,
-                   const MxQuantOptions& o) {
+                   const MxQuantOptions& o, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate_options(o, k));
   ENCORE_RETURN_IF_ERROR(validate_x(x, k, {DType::kFP32, DType::kBF16}, false));
   const int64_t rows = x.shape[0], cols = x.shape[1];
@@ -138,9 +168,7 @@ Status run_dequant(const Kind& k, const TensorView& q, const TensorView& s, cons
   if (g) ENCORE_RETURN_IF_ERROR(validate_global(*g, x));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("x", x, "q", q));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("x", x, "scales", s));
-  ENCORE_RETURN_IF_ERROR(cpu_only(x, k, "dequantization"));
-  reference::mx_dequant(make_problem(k, x, q, s, g ? static_cast<float*>(g->data) : nullptr, o));
-  return Status::ok();
+  return dispatch(k, x, q, make_problem(k, x, q, s, g ? static_cast<float*>(g->data) : nullptr, o), false, stream);
 }
 
 }  // namespace
@@ -152,23 +180,21 @@ Status validate(const Nvfp4QuantArgs& a, const MxQuantOptions& o) {
 size_t workspace_bytes(const Mxfp8QuantArgs&, const MxQuantOptions&) { return 0; }
 size_t workspace_bytes(const Nvfp4QuantArgs&, const MxQuantOptions&) { return 0; }
 
-Status run(const Mxfp8QuantArgs& a, const MxQuantOptions& o, void*, Stream) {
+Status run(const Mxfp8QuantArgs& a, const MxQuantOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
-  ENCORE_RETURN_IF_ERROR(cpu_only(a.x, kMx, "quantization"));
-  reference::mx_quant(make_problem(kMx, a.x, a.q, a.scales, nullptr, o));
-  return Status::ok();
+  return dispatch(kMx, a.x, a.q, make_problem(kMx, a.x, a.q, a.scales, nullptr, o), true, stream);
 }
 
-Status run(const Nvfp4QuantArgs& a, const MxQuantOptions& o, void*, Stream) {
+Status run(const Nvfp4QuantArgs& a, const MxQuantOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
-  ENCORE_RETURN_IF_ERROR(cpu_only(a.x, kNv, "quantization"));
-  reference::mx_quant(make_problem(kNv, a.x, a.q, a.scales, static_cast<float*>(a.global_scale.data), o));
-  return Status::ok();
+  return dispatch(kNv, a.x, a.q, make_problem(kNv, a.x, a.q, a.scales, static_cast<float*>(a.global_scale.data), o), true, stream);
 }
 
-Status run(const Mxfp8DequantArgs& a, const MxQuantOptions& o) { return run_dequant(kMx, a.q, a.scales, nullptr, a.x, o); }
-Status run(const Nvfp4DequantArgs& a, const MxQuantOptions& o) {
-  return run_dequant(kNv, a.q, a.scales, &a.global_scale, a.x, o);
+Status run(const Mxfp8DequantArgs& a, const MxQuantOptions& o, Stream stream) {
+  return run_dequant(kMx, a.q, a.scales, nullptr, a.x, o, stream);
+}
+Status run(const Nvfp4DequantArgs& a, const MxQuantOptions& o, Stream stream) {
+  return run_dequant(kNv, a.q, a.scales, &a.global_scale, a.x, o, stream);
 }
 
 }  // namespace encore

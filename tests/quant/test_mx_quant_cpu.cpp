@@ -408,20 +408,32 @@ TEST_F(MxBad, Shapes) {
   neg.global_scale = -1.f;
   expect(nv(), "global_scale: must be finite and >= 0", neg);
 }
-TEST_F(MxBad, CudaTensorsAreNotYetSupported) {
+// CUDA tensors (validation only: these host pointers are never launched on): mixed devices, and the
+// kernels' alignment rules.
+TEST_F(MxBad, CudaDeviceAndAlignmentChecks) {
+  const Device gpu{DeviceType::kCUDA, 0};
   auto a = mx();
-  for (TensorView* t : {&a.x, &a.q, &a.scales}) t->device = {DeviceType::kCUDA, 0};
-  Status st = run(a, {});
-  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-  EXPECT_NE(st.message().find("not yet on CUDA"), std::string::npos) << st.message();
+  a.x.device = gpu;
+  expect(a, "all tensors must be on one device");
+  for (TensorView* t : {&a.x, &a.q, &a.scales}) t->device = gpu;
+  a.x.data = x.data() + 1;  // 4-byte aligned, not 16
+  expect(a, "mxfp8 on CUDA: x's data pointer and row stride must be 16-byte aligned");
+  a = mx();
+  for (TensorView* t : {&a.x, &a.q, &a.scales}) t->device = gpu;
+  a.q.data = q.data() + 4;
+  expect(a, "mxfp8 on CUDA: q's data pointer and row stride must be multiples of 8 bytes");
   auto b = nv();
-  for (TensorView* t : {&b.x, &b.q, &b.scales, &b.global_scale}) t->device = {DeviceType::kCUDA, 0};
-  st = run(b, {});
-  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-  std::vector<float> out(4 * 64);
-  Mxfp8DequantArgs d{a.q, a.scales, TensorView::contiguous(out.data(), DType::kFP32, {4, 64}, {DeviceType::kCUDA, 0})};
-  st = run(d, {});
-  EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();
+  for (TensorView* t : {&b.x, &b.q, &b.scales, &b.global_scale}) t->device = gpu;
+  b.global_scale.device = {};
+  expect(b, "global_scale: on cpu");
+  b.global_scale.device = gpu;
+  b.q.data = q.data() + 2;
+  expect(b, "nvfp4 on CUDA: q's data pointer and row stride must be multiples of 4 bytes");
+  std::vector<float> out(4 * 64 + 1);
+  Mxfp8DequantArgs d{mx().q, mx().scales, TensorView::contiguous(out.data() + 1, DType::kFP32, {4, 64}, gpu)};
+  d.q.device = d.scales.device = gpu;
+  const Status st = run(d, {});
+  EXPECT_NE(st.message().find("x's data pointer and row stride must be 16-byte aligned"), std::string::npos) << st.message();
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Host entry of the CUDA FP8 group-quantization kernels (no CUDA types).
+// Host entries of the quant family's CUDA kernels (no CUDA types).
 #pragma once
 #include "encore/core/status.hpp"
 #include "encore/core/tensor_view.hpp"
@@ -7,5 +7,11 @@
 namespace encore::cuda {
 
 Status launch_fp8_group_quant(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunchPlan& plan, Stream stream);
+
+// MXFP8 / NVFP4 (src/quant/cuda/mx_quant.cu): the quantization of a validated problem (NVFP4 with
+// p.given_global == 0: amax pass, global scale, quantization pass), or its inverse; asynchronous on
+// `stream`, no allocation.
+Status launch_mx_quant(const quant::MxProblem& p, int device_index, Stream stream);
+Status launch_mx_dequant(const quant::MxProblem& p, int device_index, Stream stream);
 
 }  // namespace encore::cuda

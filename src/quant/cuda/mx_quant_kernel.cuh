@@ -1,0 +1,289 @@
+// MXFP8 / NVFP4 quantization and dequantization kernels, bit-exact with the CPU reference
+// (src/quant/reference/mx_quant_ref.cpp; the math in include/encore/quant.hpp and docs/quant.md).
+//
+// Mapping (every kernel): a thread owns one "unit" of 8 consecutive elements of a row (bf16/fp16:
+// one 16-byte load; fp32: two). Unit u is row u / (K / 8), column 8 * (u % (K / 8)) (FastDiv31, so
+// M * K / 8 < 2^31). An MXFP8 block of 32 is 4 consecutive lanes, an NVFP4 block of 16 is 2: the
+// block amax is a shuffle max over them; every lane of a block computes the (same) scale, the block's
+// first lane stores it. No shared memory, no atomics except the NVFP4 global amax.
+// Elements are handled as fp32 bit patterns: |x| ordering equals the unsigned order of (bits &
+// 0x7fffffff), a block is non-finite iff that maximum is >= 0x7f800000 (inf / NaN).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "core/fast_div.hpp"
+#include "quant/fp8_scale.hpp"
+
+namespace encore::cuda {
+
+struct MxParams {
+  const void* x;      // quant: input; dequant: output (T)
+  int64_t x_stride;   // elements
+  uint8_t* q;         // e4m3 bytes or e2m1 pairs
+  int64_t q_stride;   // bytes
+  uint8_t* scales;    // e8m0 / e4m3 bytes
+  int64_t scale_stride;
+  uint32_t units;           // M * K / 8
+  uint32_t units_per_row;   // K / 8
+  FastDiv31 row_of_unit;    // u / units_per_row
+  uint32_t scale_cols;      // K / block
+  bool swizzled;
+  bool rceil;               // MXFP8
+  const float* global_in;   // NVFP4: the global scale on the device (computed), or null: global_value
+  float global_value;       // NVFP4: the caller's global scale
+  float* global_out;        // NVFP4 quant with a given scale: written once by thread 0
+};
+
+__device__ __forceinline__ int64_t mx_scale_offset(const MxParams& p, int64_t row, int64_t col) {
+  return p.swizzled ? quant::mx_swizzled_offset(row, col, p.scale_cols) : row * p.scale_stride + col;
+}
+
+// 8 consecutive elements as fp32 bit patterns (conversions exact), by 16-byte streaming loads.
+template <typename T>
+__device__ __forceinline__ void load_unit_bits(const T* src, uint32_t (&b)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const uint4 a = __ldcs(reinterpret_cast<const uint4*>(src)), c = __ldcs(reinterpret_cast<const uint4*>(src) + 1);
+    b[0] = a.x, b[1] = a.y, b[2] = a.z, b[3] = a.w, b[4] = c.x, b[5] = c.y, b[6] = c.z, b[7] = c.w;
+  } else {
+    const uint4 a = __ldcs(reinterpret_cast<const uint4*>(src));
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        b[2 * i] = w[i] << 16;
+        b[2 * i + 1] = w[i] & 0xffff0000u;
+      } else {
+        __half2 h;
+        *reinterpret_cast<uint32_t*>(&h) = w[i];
+        const float2 f = __half22float2(h);
+        b[2 * i] = __float_as_uint(f.x);
+        b[2 * i + 1] = __float_as_uint(f.y);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t abs_max_bits(const uint32_t (&b)[8]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = max(m, b[i] & 0x7fffffffu);
+  return m;
+}
+
+// Four fp32 values to e4m3 (RNE, saturating to +-448, NaN -> 0x7f), x0 in the lowest byte.
+__device__ __forceinline__ uint32_t mx_e4m3x4(float x0, float x1, float x2, float x3) {
+  uint32_t w;
+  asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      " mov.b32 %0, {lo, hi};\n}"
+      : "=r"(w)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  return w;
+}
+
+// e4m3 byte to fp32, as encore::e4m3_to_float (0x7f / 0xff: the CPU's NaN, 0x7fc00000).
+__device__ __forceinline__ float mx_e4m3_decode(uint32_t b) {
+  if ((b & 0x7fu) == 0x7fu) return __uint_as_float(0x7fc00000u);
+  const uint32_t e = (b >> 3) & 0xfu, m = b & 7u;
+  const float mag = e == 0 ? float(m) * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+  return __uint_as_float(__float_as_uint(mag) | ((b & 0x80u) << 24));
+}
+
+// e8m0 byte to fp32: 2^(b - 127) (b = 0: the subnormal 2^-127), 0xff NaN (0x7fc00000).
+__device__ __forceinline__ float mx_e8m0_decode(uint32_t b) {
+  if (b == 0xffu) return __uint_as_float(0x7fc00000u);
+  return b == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
+}
+
+__device__ __forceinline__ uint32_t f32_rd_bits(double v) {
+  float f;
+  asm("cvt.rm.f32.f64 %0, %1;" : "=f"(f) : "d"(v));
+  return __float_as_uint(f);
+}
+__device__ __forceinline__ uint32_t f32_ru_bits(double v) {
+  float f;
+  asm("cvt.rp.f32.f64 %0, %1;" : "=f"(f) : "d"(v));
+  return __float_as_uint(f);
+}
+
+// NVFP4 element code without the division: the CPU computes a = fl32(|x| / d) and compares it with
+// the e2m1 midpoints 0.25 (<=), 0.75 (<), 1.25 (<=), 1.75 (<), 2.5 (<=), 3.5 (<), 5 (<=). Since
+// rounding is monotonic and every midpoint has an even last mantissa bit, fl32(z) > t iff
+// z > t + ulp(t) / 2 and fl32(z) >= t iff z >= t - ulp(t-) / 2 (z = |x| / d exactly). With T that
+// bound, z > T iff |x| > T d iff |x| > RD32(T d), and z >= T iff |x| >= RU32(T d); T d is exact in
+// fp64 (25 + 24 significant bits). So per block 7 fp32 bounds k[i] (as bit patterns, the ">=" ones
+// minus 1) and per element the magnitude code m = #{i : bits(|x|) > k[i]}. d may be +inf (all 0).
+struct E2m1Bounds {
+  uint32_t k[7];
+};
+__device__ __forceinline__ E2m1Bounds e2m1_bounds(float d) {
+  const double dd = double(d);
+  E2m1Bounds r;
+  r.k[0] = f32_rd_bits((0.25 + 0x1p-26) * dd);
+  r.k[1] = f32_ru_bits((0.75 - 0x1p-25) * dd) - 1u;
+  r.k[2] = f32_rd_bits((1.25 + 0x1p-24) * dd);
+  r.k[3] = f32_ru_bits((1.75 - 0x1p-24) * dd) - 1u;
+  r.k[4] = f32_rd_bits((2.5 + 0x1p-23) * dd);
+  r.k[5] = f32_ru_bits((3.5 - 0x1p-23) * dd) - 1u;
+  r.k[6] = f32_rd_bits((5.0 + 0x1p-22) * dd);
+  return r;
+}
+__device__ __forceinline__ uint32_t e2m1_code(uint32_t bits, const E2m1Bounds& k) {
+  const uint32_t a = bits & 0x7fffffffu;
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 7; ++i) m += a > k.k[i] ? 1u : 0u;
+  return m | ((bits >> 28) & 0x8u);
+}
+
+// ---- MXFP8 quantization: x [M, K] T -> q [M, K] e4m3, e8m0 scales per 32. ----
+// e = mxfp8_floor_exponent / mxfp8_rceil_exponent(amax) (fp8_scale.hpp, shared with the CPU);
+// q = e4m3_rn_satfinite(x * 2^-e) (2^-e a normal fp32 for e in [-127, 119], the product rounded
+// once, as the CPU's ldexp in fp64 then fp32). Non-finite block: scale 0xff, q 0x7f.
+template <typename T>
+__global__ void __launch_bounds__(256) mxfp8_quant_kernel(MxParams p) {
+  const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool valid = u < p.units;  // the invalid lanes are whole blocks of 4; they join the shuffles
+  const uint32_t uu = valid ? u : 0;
+  const uint32_t row = p.row_of_unit.div(uu), cu = uu - row * p.units_per_row;
+  uint32_t b[8];
+  load_unit_bits(static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8, b);
+  uint32_t amax = abs_max_bits(b);
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  if (!valid) return;
+  uint32_t w0 = 0x7f7f7f7fu, w1 = 0x7f7f7f7fu, sbyte = quant::kE8m0Nan;
+  if (amax < 0x7f800000u) {
+    const float a = __uint_as_float(amax);
+    const int e = p.rceil ? quant::mxfp8_rceil_exponent(a) : quant::mxfp8_floor_exponent(a);
+    sbyte = uint32_t(e + quant::kE8m0Bias);
+    const float f = __uint_as_float(uint32_t(quant::kE8m0Bias - e) << 23);  // 2^-e
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(__uint_as_float(b[i]), f);
+    w0 = mx_e4m3x4(v[0], v[1], v[2], v[3]);
+    w1 = mx_e4m3x4(v[4], v[5], v[6], v[7]);
+  }
+  *reinterpret_cast<uint2*>(p.q + int64_t(row) * p.q_stride + cu * 8) = make_uint2(w0, w1);
+  if ((cu & 3u) == 0) p.scales[mx_scale_offset(p, row, cu >> 2)] = uint8_t(sbyte);
+}
+
+// ---- NVFP4 global amax: max |x| over the finite elements into *amax_bits (zeroed before). ----
+template <typename T>
+__global__ void __launch_bounds__(256) nvfp4_amax_kernel(MxParams p, unsigned int* amax_bits) {
+  uint32_t m = 0;
+  for (uint32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < p.units; u += gridDim.x * blockDim.x) {
+    const uint32_t row = p.row_of_unit.div(u), cu = u - row * p.units_per_row;
+    uint32_t b[8];
+    load_unit_bits(static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t a = b[i] & 0x7fffffffu;
+      if (a < 0x7f800000u) m = max(m, a);
+    }
+  }
+  m = __reduce_max_sync(0xffffffffu, m);
+  if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(amax_bits, m);
+}
+
+// global = amax / 2688 (fp32), 1 where that is 0; in place over the amax bits.
+__global__ void nvfp4_global_kernel(float* global) {
+  const float g = __fdiv_rn(*global, quant::kE2m1Max * quant::kE4m3Max);
+  *global = g > 0.0f ? g : 1.0f;
+}
+
+// ---- NVFP4 quantization: x [M, K] T -> q [M, K / 2] e2m1 pairs, e4m3 scales per 16. ----
+// s = e4m3_rn_satfinite(fl32(fl32(amax / 6) / g)); d = fl32(float(s) * g); codes by e2m1_bounds(d)
+// (0 where d is 0); element 2j in the low nibble of byte j. Non-finite block: s = 0x7f, codes 0.
+template <typename T>
+__global__ void __launch_bounds__(256) nvfp4_quant_kernel(MxParams p) {
+  const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool valid = u < p.units;
+  const uint32_t uu = valid ? u : 0;
+  const uint32_t row = p.row_of_unit.div(uu), cu = uu - row * p.units_per_row;
+  uint32_t b[8];
+  load_unit_bits(static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8, b);
+  uint32_t amax = abs_max_bits(b);
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  if (!valid) return;
+  const float g = p.global_in ? *p.global_in : p.global_value;
+  if (p.global_out && u == 0) *p.global_out = g;
+  uint32_t word = 0, sbyte = 0x7fu;
+  if (amax < 0x7f800000u) {
+    const float t = __fdiv_rn(__fdiv_rn(__uint_as_float(amax), quant::kE2m1Max), g);
+    sbyte = mx_e4m3x4(t, 0.f, 0.f, 0.f) & 0xffu;
+    const float d = __fmul_rn(mx_e4m3_decode(sbyte), g);
+    if (d > 0.0f) {
+      const E2m1Bounds k = e2m1_bounds(d);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) word |= e2m1_code(b[i], k) << (4 * i);
+    }
+  }
+  *reinterpret_cast<uint32_t*>(p.q + int64_t(row) * p.q_stride + cu * 4) = word;
+  if ((cu & 1u) == 0) p.scales[mx_scale_offset(p, row, cu >> 1)] = uint8_t(sbyte);
+}
+
+// ---- Swizzled layout: zero the padding (rows M..pad128(M), and columns K/block..pad4) ----
+__global__ void mx_zero_padding_kernel(uint8_t* scales, int64_t rows, int64_t scale_cols) {
+  const int64_t prows = quant::mx_padded_rows(rows), pcols = quant::mx_padded_scale_cols(scale_cols);
+  const int64_t extra_cols = pcols - scale_cols, n_a = (prows - rows) * pcols, n = n_a + rows * extra_cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t r, c;
+    if (i < n_a) {
+      r = rows + i / pcols;
+      c = i % pcols;
+    } else {
+      r = (i - n_a) / extra_cols;
+      c = scale_cols + (i - n_a) % extra_cols;
+    }
+    scales[quant::mx_swizzled_offset(r, c, scale_cols)] = 0;
+  }
+}
+
+// ---- Dequantization: x [M, K] fp32 or bf16 (the CPU's NaN: 0x7fc00000 / 0x7fc0). ----
+// MXFP8 x = fl32(e4m3(q) * 2^(s - 127)); NVFP4 x = fl32(fl32(e2m1(q) * e4m3(s)) * g).
+template <typename O>
+__device__ __forceinline__ void store_unit(O* dst, const float (&v)[8]) {
+  if constexpr (std::is_same_v<O, float>) {
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = v[i] != v[i] ? 0x7fc00000u : __float_as_uint(v[i]);
+    __stcs(reinterpret_cast<uint4*>(dst), make_uint4(w[0], w[1], w[2], w[3]));
+    __stcs(reinterpret_cast<uint4*>(dst) + 1, make_uint4(w[4], w[5], w[6], w[7]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t lo = v[2 * i] != v[2 * i] ? 0x7fc0u : __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
+      const uint32_t hi = v[2 * i + 1] != v[2 * i + 1] ? 0x7fc0u : __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
+      w[i] = lo | (hi << 16);
+    }
+    __stcs(reinterpret_cast<uint4*>(dst), make_uint4(w[0], w[1], w[2], w[3]));
+  }
+}
+
+template <typename O, bool kNvfp4>
+__global__ void __launch_bounds__(256) mx_dequant_kernel(MxParams p) {
+  const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;
+  if (u >= p.units) return;
+  const uint32_t row = p.row_of_unit.div(u), cu = u - row * p.units_per_row;
+  float v[8];
+  if constexpr (kNvfp4) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p.q + int64_t(row) * p.q_stride + cu * 4);
+    const float s = mx_e4m3_decode(p.scales[mx_scale_offset(p, row, cu >> 1)]);
+    const float g = *p.global_in;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(__fmul_rn(quant::e2m1_code_to_float(uint8_t((w >> (4 * i)) & 0xfu)), s), g);
+  } else {
+    const uint2 w = *reinterpret_cast<const uint2*>(p.q + int64_t(row) * p.q_stride + cu * 8);
+    const float s = mx_e8m0_decode(p.scales[mx_scale_offset(p, row, cu >> 2)]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(mx_e4m3_decode(((i < 4 ? w.x : w.y) >> (8 * (i % 4))) & 0xffu), s);
+  }
+  store_unit(static_cast<O*>(const_cast<void*>(p.x)) + int64_t(row) * p.x_stride + cu * 8, v);
+}
+
+}  // namespace encore::cuda
