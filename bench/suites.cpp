@@ -12,6 +12,7 @@ int run_suites(const BenchOptions& opts) {
   const std::map<std::string, std::function<void(Report&, const TimeOptions&, cudaStream_t)>> suites = {
       {"norm", run_norm_suite},
       {"norm_plans", run_norm_plans_suite},
+      {"norm_jit", run_norm_jit_suite},
       {"qk_norm", run_qk_norm_suite},
       {"qk_norm_plans", run_qk_norm_plans_suite},
       {"quant", run_quant_suite},

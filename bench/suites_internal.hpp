@@ -9,6 +9,7 @@ namespace encore::bench {
 
 void run_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_norm_jit_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_qk_norm_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_qk_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_quant_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);

@@ -4,12 +4,14 @@
 //   encore bench [suite] [--out FILE.json] [--quick]
 //                               benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,
 //                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans, host_overhead; all by default): table + JSON
+//   encore jit warmup [--config FILE]  precompile run-time specializations into the JIT cache (jit_cmd.cpp)
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "check.hpp"
+#include "jit_cmd.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/gemm.hpp"
 #ifdef ENCORE_WITH_BENCH
@@ -25,7 +27,8 @@ int usage(int code) {
       "  check [--cpu]                run every op against the CPU backend (pass/fail table)\n"
       "  bench [suite ...] [--out FILE] [--quick]\n"
       "                               run benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,\n"
-      "                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans, host_overhead); write JSON to FILE\n");
+      "                               gemm_epilogue, kda, kda_phases, kda_plans, quant_plans, host_overhead); write JSON to FILE\n"
+      "  jit warmup [--config FILE]   precompile run-time specializations (JIT cache), print each compile time\n");
   return code;
 }
 
@@ -48,6 +51,7 @@ int info() {
 #else
   std::printf("  benchmarks:      no\n");
 #endif
+  encore::app::print_jit_info();
   int n = encore::cuda_device_count();
   if (n == 0) {
     std::printf("  GPU:             no CUDA device: CPU backend\n");
@@ -98,6 +102,7 @@ int main(int argc, char** argv) {
     return 2;
 #endif
   }
+  if (cmd == "jit") return encore::app::run_jit(args);
   if (cmd == "-h" || cmd == "--help" || cmd == "help") return usage(0);
   std::fprintf(stderr, "encore: unknown command '%s'\n", cmd.c_str());
   return usage(2);

@@ -1,10 +1,13 @@
 // Norm family dispatch: validate -> problem + plan -> CPU reference or CUDA kernel.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <mutex>
 
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
+#include "norm/jit.hpp"
 #include "norm/problem.hpp"
 #include "norm/reference/norm_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
@@ -115,6 +118,12 @@ Status execute(const norm::RmsNormProblem& p, Device device, const RmsNormOption
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(device.index, &info));
   norm::RmsNormLaunchPlan plan = norm::plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
+  if (norm::rms_norm_uses_jit(p.hidden)) {  // docs/jit.md: the hidden size baked in
+    Status st = norm::launch_rms_norm_jit(p, plan, stream);
+    if (st || jit::stream_capturing(stream)) return st;  // never compile inside a graph capture: the error says so
+    static std::once_flag once;
+    std::call_once(once, [&] { std::fprintf(stderr, "encore: rms_norm JIT failed, using the ahead-of-time kernels: %s\n", st.to_string().c_str()); });
+  }
   return cuda::launch_rms_norm(p, plan, stream);
 #else
   (void)stream;

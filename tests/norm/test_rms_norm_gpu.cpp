@@ -7,6 +7,7 @@
 
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
+#include "norm/jit.hpp"
 #include "norm/testing.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/common/device_buffer.hpp"
@@ -89,7 +90,9 @@ class NormGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    norm::set_rms_norm_jit_policy(norm::JitPolicy::kOff);  // these cover the ahead-of-time kernels; tests/jit the JIT
   }
+  void TearDown() override { norm::set_rms_norm_jit_policy(norm::JitPolicy::kEnv); }
 };
 
 TEST_F(NormGpu, MatchesCpuOnEveryVariant) {

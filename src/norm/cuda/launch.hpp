@@ -9,6 +9,11 @@ namespace encore::cuda {
 
 Status launch_rms_norm(const norm::RmsNormProblem& p, const norm::RmsNormLaunchPlan& plan, Stream stream);
 
+// The kernel argument (RmsNormParams<T>, whose layout does not depend on T) of a JIT-compiled
+// rms_norm_kernel, written to `out` (at least kRmsNormParamsMaxBytes bytes); returns its size.
+constexpr size_t kRmsNormParamsMaxBytes = 128;
+size_t rms_norm_kernel_params(const norm::RmsNormProblem& p, const norm::RmsNormLaunchPlan& plan, void* out);
+
 // Split-row decode paths (rows <= kSplitRowMaxRows): barrier = one cooperative launch with a grid
 // barrier between the phases, else two launches. The workspace is split_row_workspace_bytes.
 Status launch_rms_norm_split(const norm::RmsNormProblem& p, bool barrier, void* workspace, Stream stream);

@@ -3,6 +3,8 @@
 // picks one.
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "common/cuda/device_guard.hpp"
 #include "norm/cuda/rms_norm_kernel.cuh"
 #include "norm/cuda/launch.hpp"
@@ -60,6 +62,16 @@ Status launch_on_device(const norm::RmsNormProblem& p, const norm::RmsNormLaunch
 }
 
 }  // namespace
+
+size_t rms_norm_kernel_params(const norm::RmsNormProblem& p, const norm::RmsNormLaunchPlan& plan, void* out) {
+  using Params = RmsNormParams<float>;  // the same layout for every T: pointers and scalars only
+  static_assert(sizeof(Params) == sizeof(RmsNormParams<__nv_bfloat16>) && sizeof(Params) <= kRmsNormParamsMaxBytes);
+  Params k = make_rms_norm_params<float>(p);
+  k.warps_per_row = plan.warps_per_row;
+  k.rows_per_block = plan.rows_per_block;
+  std::memcpy(out, &k, sizeof(k));
+  return sizeof(k);
+}
 
 Status launch_rms_norm(const norm::RmsNormProblem& p, const norm::RmsNormLaunchPlan& plan, Stream stream) {
   DeviceGuard guard;  // launch on the tensors' device

@@ -10,14 +10,22 @@
 //   (for rows too long to cache; the re-read mostly hits L1/L2), 4 packs per thread at a time.
 // kAdd: residual add (reads residual, writes h) or plain RMSNorm.
 // Aliasing: h may be x or residual and y may be x — each element is read, then written, by one thread.
+// kHidden > 0: the hidden size is a compile-time constant (the JIT specialization, src/norm/rms_norm_jit.cpp;
+//   p.hidden must equal it); 0: read from p.hidden (the ahead-of-time kernels).
 // Constraints (checked in validate / plan): kVec > 1 needs 16-byte aligned pointers and hidden and
 //   row strides that are multiples of kVec; block size <= 512.
+// One source, two ways in: rms_norm.cu #includes this file; the build embeds it as a string that
+//   NVRTC compiles (__CUDACC_RTC__: no host headers, int64_t from the JIT prelude).
 #pragma once
+#ifndef __CUDACC_RTC__
 #include <cstdint>
+#endif
 
 #include "common/cuda/reduce.cuh"
 #include "common/cuda/vector_io.cuh"
+#ifndef __CUDACC_RTC__
 #include "norm/problem.hpp"
+#endif
 
 namespace encore::cuda {
 
@@ -42,6 +50,7 @@ struct RmsNormParams {
 
 constexpr int kRmsNormMaxThreads = 512;
 
+#ifndef __CUDACC_RTC__
 // Kernel parameters from a validated problem (the launch plan's fields are set by the caller).
 template <typename T>
 inline RmsNormParams<T> make_rms_norm_params(const norm::RmsNormProblem& p) {
@@ -63,6 +72,7 @@ inline RmsNormParams<T> make_rms_norm_params(const norm::RmsNormProblem& p) {
   k.weight_offset = p.weight_offset;
   return k;
 }
+#endif  // __CUDACC_RTC__
 
 template <typename T, int kVec>
 __device__ __forceinline__ Pack<T, kVec> add_rounded(const Pack<T, kVec>& a, const Pack<T, kVec>& b) {
@@ -84,8 +94,9 @@ __device__ __forceinline__ Pack<T, kVec> normalize(const Pack<T, kVec>& hv, cons
 // Loads of later packs must not wait behind stores of earlier ones (h and y may alias inputs, so
 // the compiler keeps program order between them): every phase loads all of its packs first, then
 // computes and stores.
-template <typename T, int kVec, int kCached, bool kAdd>
+template <typename T, int kVec, int kCached, bool kAdd, int kHidden = 0>
 __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormParams<T> p) {
+  const int hidden = kHidden > 0 ? kHidden : p.hidden;
   constexpr int kBatch = kCached > 0 ? kCached : 4;  // packs per thread held at once
   using P = Pack<T, kVec>;
   __shared__ float scratch[kRmsNormMaxThreads / 32];
@@ -94,7 +105,7 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
   const int tid = threadIdx.x % team_size;
   const int64_t row = int64_t(blockIdx.x) * p.rows_per_block + team;
   const bool valid = row < p.rows;  // invalid teams still join the block-wide barrier
-  const int num_packs = valid ? p.hidden / kVec : 0;
+  const int num_packs = valid ? hidden / kVec : 0;
 
   const T* x = p.x + row * p.x_stride;
   const T* res = kAdd ? p.residual + row * p.residual_stride : nullptr;
@@ -148,12 +159,12 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
 
   if constexpr (kCached > 0) {
     load_h(0);
-    const float rstd = rsqrtf(team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row) / float(p.hidden) + p.eps);
+    const float rstd = rsqrtf(team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row) / float(hidden) + p.eps);
     store_y(0, rstd, nullptr);
   } else {
     const int step = kBatch * team_size;
     for (int j0 = 0; j0 < num_packs; j0 += step) load_h(j0);
-    const float rstd = rsqrtf(team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row) / float(p.hidden) + p.eps);
+    const float rstd = rsqrtf(team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row) / float(hidden) + p.eps);
     const T* src = kAdd ? h : x;  // h was written by this same thread above
     for (int j0 = 0; j0 < num_packs; j0 += step) store_y(j0, rstd, src);
   }

@@ -1,0 +1,53 @@
+// The RMSNorm family's run-time specializations (docs/jit.md, docs/norm.md "JIT"): the kernel of
+// norm/cuda/rms_norm_kernel.cuh with the hidden size a compile-time constant, compiled by NVRTC
+// from the same header the ahead-of-time build includes. Internal (tests, bench, the CLI).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "encore/core/dtype.hpp"
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+#include "jit/jit.hpp"
+#include "norm/problem.hpp"
+
+namespace encore::norm {
+
+// One specialization: the template arguments of rms_norm_kernel.
+struct RmsNormJitVariant {
+  DType dtype = DType::kBF16;
+  int64_t hidden = 0;
+  int vec_elems = 1;  // 16 / element size, or 1
+  int cached = 0;     // kCached: 0, 1, 2, 4, 8
+  bool add = false;
+  bool operator==(const RmsNormJitVariant&) const = default;
+};
+jit::KernelSpec rms_norm_jit_spec(const RmsNormJitVariant& v);
+RmsNormJitVariant rms_norm_jit_variant(const RmsNormProblem& p, const RmsNormLaunchPlan& plan);
+
+// Hidden sizes the ahead-of-time kernels are tuned and benchmarked on (common model widths);
+// the AOT kernels run any hidden size, with run-time loop bounds.
+bool rms_norm_hidden_in_aot_list(int64_t hidden);
+
+// Policy: kEnv reads ENCORE_JIT (0 off, 1 auto = JIT outside the AOT list, 2 / always = every
+// shape). The test hook overrides it for the process.
+enum class JitPolicy { kEnv, kOff, kAuto, kAlways };
+void set_rms_norm_jit_policy(JitPolicy policy);
+// Whether the dispatcher takes the JIT path for this hidden size (JIT on, NVRTC present, policy).
+bool rms_norm_uses_jit(int64_t hidden);
+
+// The variants the launch plan can pick for (dtype, hidden, add) over batch sizes 1 .. 2^20 on a
+// device with `sm_count` SMs (vectorized when hidden allows): what `encore jit warmup` compiles.
+std::vector<RmsNormJitVariant> rms_norm_jit_variants(DType dtype, int64_t hidden, bool add, int sm_count);
+
+// Compiles (or finds in a cache) one variant. device >= 0: also loads it on that device (the
+// in-process function cache the dispatcher reads); device < 0: cubin only for `arch` (no GPU).
+Status rms_norm_jit_warmup(const RmsNormJitVariant& v, int device, const std::string& arch, jit::Origin* origin, double* ms);
+
+// The dispatcher's JIT launch (CUDA builds; plan from plan_rms_norm). Refused while `stream` is
+// capturing a graph and the kernel is not loaded yet.
+Status launch_rms_norm_jit(const RmsNormProblem& p, const RmsNormLaunchPlan& plan, Stream stream);
+// JIT launches so far in this process (tests: which path the dispatcher took).
+int64_t rms_norm_jit_launch_count();
+
+}  // namespace encore::norm
