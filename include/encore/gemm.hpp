@@ -11,7 +11,7 @@
 // gemm_partial_tile_n(epilogue, M, N, K), the width of the fastest CUDA tile for the shape.
 //
 // Backends: the CPU reference (fp64 accumulation) for every epilogue and finisher. CUDA: every
-// epilogue, rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
+// epilogue (the backward rows kSwigluBwd and kRmsnormBwd on the 128x128 ping-pong tile only), rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
 // (src/gemm/cuda), with these limits (refused with a clear error otherwise):
 //   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K a multiple of 8, N too where D, C or aux is given (lse without D: any N); 16-byte aligned
 //   matrix rows (SwiGLU aux: 8-byte); contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse) and
