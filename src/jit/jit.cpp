@@ -50,7 +50,9 @@ F entry(const char* name) {
     return nullptr;
   return reinterpret_cast<F>(f);
 }
+using CtxGetCurrent = CUresult (*)(CUcontext*);
 struct Driver {
+  CtxGetCurrent ctx = entry<CtxGetCurrent>("cuCtxGetCurrent");
   ModuleLoadData load = entry<ModuleLoadData>("cuModuleLoadData");
   ModuleGetFunction get = entry<ModuleGetFunction>("cuModuleGetFunction");
   LaunchKernel launch = entry<LaunchKernel>("cuLaunchKernel");
@@ -218,7 +220,10 @@ Status Jit::get_function(const KernelSpec& spec, int device, Stream stream, void
 Status launch(void* function, unsigned grid, unsigned block, unsigned smem, Stream stream, void** args) {
 #ifdef ENCORE_WITH_CUDA
   const Driver& d = driver();
-  if (!d.launch) return Status::cuda_error("jit: cuLaunchKernel entry point not found");
+  if (!d.launch || !d.ctx) return Status::cuda_error("jit: cuLaunchKernel / cuCtxGetCurrent entry points not found");
+  CUcontext ctx = nullptr;
+  // A thread that has made no runtime call yet has no current context: bind the device's primary one.
+  if (d.ctx(&ctx) != CUDA_SUCCESS || ctx == nullptr) cudaFree(nullptr);
   CUresult r = d.launch(static_cast<CUfunction>(function), grid, 1, 1, block, 1, 1, smem, static_cast<CUstream>(stream), args, nullptr);
   if (r != CUDA_SUCCESS) return Status::cuda_error("jit: cuLaunchKernel failed: CUresult " + std::to_string(int(r)));
   return Status::ok();

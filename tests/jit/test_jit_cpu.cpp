@@ -235,6 +235,24 @@ TEST(JitNvrtc, CompileDiskHitAndRecompileAfterCorruption) {
   fs::remove_all(dir);
 }
 
+// Every kind of template argument the dispatcher can ask for compiles (dtype, element access,
+// streaming kCached = 0, add), for sm_90a.
+TEST(JitNvrtc, RmsNormVariantKindsCompile) {
+  if (!nvrtc_info().available) GTEST_SKIP() << "NVRTC not available: " << nvrtc_info().library;
+  Jit j("", JitMode::kAuto);  // memory only
+  for (const norm::RmsNormJitVariant& v : {norm::RmsNormJitVariant{DType::kFP32, 3000, 4, 0, true},
+                                           norm::RmsNormJitVariant{DType::kFP16, 777, 1, 2, true},
+                                           norm::RmsNormJitVariant{DType::kBF16, 140000, 8, 0, false}}) {
+    const KernelSpec spec = norm::rms_norm_jit_spec(v);
+    std::shared_ptr<const Cubin> c;
+    double ms = 0;
+    Status st = j.get_cubin(spec, "sm_90a", &c, nullptr, &ms);
+    ASSERT_TRUE(st) << spec.name << ": " << st.to_string();
+    std::printf("  [jit] %s: %.1f ms\n", spec.name.c_str(), ms);
+    EXPECT_FALSE(c->lowered_name.empty());
+  }
+}
+
 TEST(JitNvrtc, UnwritableDirectoryStillCompilesIntoMemory) {
   if (!nvrtc_info().available) GTEST_SKIP() << "NVRTC not available: " << nvrtc_info().library;
   const std::string base = temp_dir("nvrtc-ro");

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "encore/norm.hpp"
 #include "jit/jit.hpp"
@@ -76,6 +77,17 @@ TEST_F(JitGpu, RmsNormOutsideTheListMatchesCpuAndAheadOfTime) {
       }
     }
   }
+}
+
+TEST_F(JitGpu, LaunchFromAFreshThread) {
+  // The JIT function cache is process-wide: a kernel compiled on one thread launches from another.
+  (void)run_gpu(DType::kBF16, 3, 5184, false, norm::JitPolicy::kAlways);  // compiled on this thread
+  std::thread t([] {
+    const int64_t before = norm::rms_norm_jit_launch_count();
+    (void)run_gpu(DType::kBF16, 3, 5184, false, norm::JitPolicy::kAlways);
+    EXPECT_EQ(norm::rms_norm_jit_launch_count(), before + 1);
+  });
+  t.join();
 }
 
 TEST_F(JitGpu, GraphCaptureNeverCompiles) {
