@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <mutex>
+#include <vector>
 
 namespace encore::jit {
 namespace {
@@ -50,8 +51,14 @@ std::string find_include_dir(void* any_symbol) {
 
 void load() {
   void* h = nullptr;
-  for (const char* name : {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}) {
-    h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+  // The loader path first, then the toolkit's lib64 (often not on the loader path).
+  std::vector<std::string> names = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"};
+  for (const char* env : {"CUDA_HOME", "CUDA_PATH"})
+    if (const char* v = std::getenv(env); v && *v) names.push_back(std::string(v) + "/lib64/libnvrtc.so.13");
+  names.push_back("/usr/local/cuda/lib64/libnvrtc.so.13");
+  names.push_back("/usr/local/cuda/lib64/libnvrtc.so.12");
+  for (const std::string& name : names) {
+    h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (h) {
       g_info.library = name;
       break;
