@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -283,6 +284,34 @@ TEST(JitNvrtc, CompileErrorIsReportedWithTheLog) {
   EXPECT_NE(st.message().find("toy.cuh"), std::string::npos) << st.to_string();
   EXPECT_EQ(DiskCache(dir).stats().files, 0);
   fs::remove_all(dir);
+}
+
+// NVRTC missing: run in a child process with ENCORE_JIT_NO_NVRTC=1 (NVRTC loads once per process).
+TEST(JitNoNvrtc, Child) {
+  const char* v = std::getenv("ENCORE_JIT_NO_NVRTC");
+  if (!v || std::string(v) != "1") GTEST_SKIP() << "runs in the child of JitNoNvrtc.MissingNvrtcMeansAheadOfTime";
+  EXPECT_FALSE(nvrtc_info().available);
+  EXPECT_FALSE(norm::rms_norm_uses_jit(5184)) << "without NVRTC the dispatcher must take the AOT kernels";
+  std::shared_ptr<const Cubin> c;
+  Status st = Jit("", JitMode::kAuto).get_cubin(toy_spec(), "sm_90a", &c);
+  EXPECT_FALSE(st);
+  EXPECT_NE(st.message().find("NVRTC is not available"), std::string::npos) << st.to_string();
+  std::printf("JIT_NO_NVRTC_CHILD_RAN\n");
+}
+
+TEST(JitNoNvrtc, MissingNvrtcMeansAheadOfTime) {
+  char exe[4096] = {0};
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  ASSERT_GT(n, 0);
+  const std::string cmd = std::string("ENCORE_JIT_NO_NVRTC=1 '") + exe + "' --gtest_filter=JitNoNvrtc.Child 2>&1";
+  FILE* f = popen(cmd.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  std::string out;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), f)) out += buf;
+  const int rc = pclose(f);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("JIT_NO_NVRTC_CHILD_RAN"), std::string::npos) << out;
 }
 
 }  // namespace
