@@ -55,7 +55,7 @@ class ChunkKdaFunction(torch.autograd.Function):
 
 def chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate, lower_bound, cu,
                     rematerialize):
-    if cu is not None and not isinstance(cu, torch.Tensor):
-        cu = torch.as_tensor(cu)
+    if cu is not None:  # the sequence table is read on the host: copied once here, not in each op
+        cu = cu.cpu() if isinstance(cu, torch.Tensor) else torch.as_tensor(cu)
     return ChunkKdaFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate,
                                   lower_bound, cu, bool(rematerialize))

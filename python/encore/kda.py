@@ -1,7 +1,8 @@
 """Kimi Delta Attention (include/encore/kda.hpp), the chunk_kda contract: q, k, g [B, T, H, K],
 v [B, T, H, V], beta [B, T, H]. Forward: CPU backend (fp64 reference) for numpy / CPU torch arrays,
 CUDA forward for CUDA torch tensors (bf16/fp32, K, V <= 128), optionally returning the residuals the
-backward reads. Backward: kda_backward (the gradients, given the forward's residuals or not). chunk_kda: fla's
+backward reads. Backward: kda_backward (the gradients; the CPU backend with or without the forward's
+residuals, CUDA with them). chunk_kda: fla's
 drop-in for torch, differentiable through torch.autograd."""
 from __future__ import annotations
 
@@ -142,7 +143,8 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
     initial_state, A_log, dt_bias are given (in their dtypes). residuals: the dict kda_forward returned with
     return_residuals (G, Aqk, Akk, and h for the saved-h mode; without h the backward
     rematerializes the chunk states); the CPU backend runs its chunked backward on them, or its
-    token-level backward without. stream: as for the forward (an explicit one takes the direct
+    token-level backward without; the CUDA backward needs them (its workspace is allocated per
+    call, kda_backward_workspace_bytes in C++). stream: as for the forward (an explicit one takes the direct
     path; the CPU backend ignores it)."""
     res = _residual_tuple(residuals)
     if _via_torch_op(stream, q, k, v, g, beta, d_o, d_final_state, initial_state, A_log, dt_bias, *res):
@@ -157,9 +159,12 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
     for name, src in opt.items():
         if src is not None:
             grads[name] = _empty(src, src.shape, "like")
-    _encore.kda_backward_out(*_dl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, d_o, d_final_state),
-                             *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
-                             *_dl(*(grads.get(x) for x in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")), *res))
+    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, d_o, d_final_state)
+    outs = tuple(grads.get(x) for x in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"))
+    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
+    nbytes = _encore.kda_backward_workspace_bytes(*_dl(*args), *opts, *_dl(*outs, *res))  # a capsule is used once: _dl per call
+    ws = _workspace(None, q, nbytes, 16, "kda_backward") if nbytes else None
+    _encore.kda_backward_out(*_dl(*args), *opts, *_dl(*outs, *res, ws), _stream_for(q, stream))
     return grads
 
 

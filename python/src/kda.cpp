@@ -68,31 +68,55 @@ void bind_kda(nb::module_& m) {
         nb::arg("dt_bias").none(), nb::arg("cu").none(), nb::arg("o"), nb::arg("fin").none(), nb::arg("scale"), nb::arg("l2"),
         nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("rG").none(), nb::arg("rAqk").none(), nb::arg("rAkk").none(),
         nb::arg("rh").none(), nb::arg("workspace").none(), nb::arg("stream"));
-  m.def("kda_backward_out",
-        [kda_args, kda_opts, kda_residuals](Array q, Array k, Array v, Array g, Array beta, Opt h0, Opt A_log, Opt dt_bias, Opt cu, Array d_o,
-                                            Opt d_fin,
+  auto bwd_args = [kda_args, kda_residuals](Array q, Array k, Array v, Array g, Array beta, const Opt& h0, const Opt& A_log,
+                                             const Opt& dt_bias, const Opt& cu, Array d_o, const Opt& d_fin, Array dq, Array dk, Array dv,
+                                             Array dg, Array dbeta, const Opt& dh0, const Opt& dA_log, const Opt& ddt_bias, const Opt& rG,
+                                             const Opt& rAqk, const Opt& rAkk, const Opt& rh) {
+    KdaBackwardArgs a;
+    a.fwd = kda_args(q, k, v, g, beta, h0, A_log, dt_bias, cu, {}, {});
+    a.fwd.residuals = kda_residuals(rG, rAqk, rAkk, rh);
+    a.d_o = to_view(d_o, "d_o");
+    a.d_final_state = opt_view(d_fin, "d_final_state");
+    a.dq = to_view(dq, "dq");
+    a.dk = to_view(dk, "dk");
+    a.dv = to_view(dv, "dv");
+    a.dg = to_view(dg, "dg");
+    a.dbeta = to_view(dbeta, "dbeta");
+    a.dh0 = opt_view(dh0, "dh0");
+    a.dA_log = opt_view(dA_log, "dA_log");
+    a.ddt_bias = opt_view(ddt_bias, "ddt_bias");
+    return a;
+  };
+  // kda_backward_workspace_bytes / kda_backward_out take the same arguments (+ workspace, stream for _out).
+  m.def("kda_backward_workspace_bytes",
+        [bwd_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt h0, Opt A_log, Opt dt_bias, Opt cu, Array d_o, Opt d_fin,
                              double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Array dq, Array dk, Array dv, Array dg,
                              Array dbeta, Opt dh0, Opt dA_log, Opt ddt_bias, Opt rG, Opt rAqk, Opt rAkk, Opt rh) {
-          KdaBackwardArgs a;
-          a.fwd = kda_args(q, k, v, g, beta, h0, A_log, dt_bias, cu, {}, {});
-          a.fwd.residuals = kda_residuals(rG, rAqk, rAkk, rh);
-          a.d_o = to_view(d_o, "d_o");
-          a.d_final_state = opt_view(d_fin, "d_final_state");
-          a.dq = to_view(dq, "dq");
-          a.dk = to_view(dk, "dk");
-          a.dv = to_view(dv, "dv");
-          a.dg = to_view(dg, "dg");
-          a.dbeta = to_view(dbeta, "dbeta");
-          a.dh0 = opt_view(dh0, "dh0");
-          a.dA_log = opt_view(dA_log, "dA_log");
-          a.ddt_bias = opt_view(ddt_bias, "ddt_bias");
-          raise_if_error(run(a, kda_opts(scale, false, l2, gate_in_kernel, lower, lb)));
+          const KdaBackwardArgs a = bwd_args(q, k, v, g, beta, h0, A_log, dt_bias, cu, d_o, d_fin, dq, dk, dv, dg, dbeta, dh0, dA_log,
+                                             ddt_bias, rG, rAqk, rAkk, rh);
+          const KdaOptions opts = kda_opts(scale, false, l2, gate_in_kernel, lower, lb);
+          raise_if_error(validate(a, opts));
+          return workspace_bytes(a, opts);
         },
         nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("h0").none(), nb::arg("A_log").none(),
         nb::arg("dt_bias").none(), nb::arg("cu").none(), nb::arg("d_o"), nb::arg("d_fin").none(), nb::arg("scale"), nb::arg("l2"),
         nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("dg"),
         nb::arg("dbeta"), nb::arg("dh0").none(), nb::arg("dA_log").none(), nb::arg("ddt_bias").none(), nb::arg("rG").none(),
         nb::arg("rAqk").none(), nb::arg("rAkk").none(), nb::arg("rh").none());
+  m.def("kda_backward_out",
+        [bwd_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt h0, Opt A_log, Opt dt_bias, Opt cu, Array d_o, Opt d_fin,
+                             double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Array dq, Array dk, Array dv, Array dg,
+                             Array dbeta, Opt dh0, Opt dA_log, Opt ddt_bias, Opt rG, Opt rAqk, Opt rAkk, Opt rh, Opt workspace,
+                             uintptr_t stream) {
+          const KdaBackwardArgs a = bwd_args(q, k, v, g, beta, h0, A_log, dt_bias, cu, d_o, d_fin, dq, dk, dv, dg, dbeta, dh0, dA_log,
+                                             ddt_bias, rG, rAqk, rAkk, rh);
+          raise_if_error(run(a, kda_opts(scale, false, l2, gate_in_kernel, lower, lb), opt_ptr(workspace), as_stream(stream)));
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("h0").none(), nb::arg("A_log").none(),
+        nb::arg("dt_bias").none(), nb::arg("cu").none(), nb::arg("d_o"), nb::arg("d_fin").none(), nb::arg("scale"), nb::arg("l2"),
+        nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("dg"),
+        nb::arg("dbeta"), nb::arg("dh0").none(), nb::arg("dA_log").none(), nb::arg("ddt_bias").none(), nb::arg("rG").none(),
+        nb::arg("rAqk").none(), nb::arg("rAkk").none(), nb::arg("rh").none(), nb::arg("workspace").none(), nb::arg("stream"));
 }
 
 }  // namespace encore::python
