@@ -1,6 +1,6 @@
 """The moe family (single GPU, TP = 1): routing, dispatch, combine and the layer. Routing, dispatch
-and combine run on numpy / CPU torch (CPU backend) and CUDA torch tensors; moe_forward on the CPU
-backend only for now (CUDA tensors raise "not yet on CUDA"). The math, shapes
+and combine run on numpy / CPU torch (CPU backend) and CUDA torch tensors; moe_forward too (on CUDA
+bf16 only: its grouped GEMMs; D and F multiples of 8). The math, shapes
 and conventions are in include/encore/moe.hpp and docs/moe.md. torch.library registration (torch.ops.encore)
 registers routing, dispatch, combine and the layer as torch.ops.encore.moe_* (traced by torch.compile;
 moe_forward with caller-given buffers or out takes the direct path). encore.nn.MoE is the layer as a
