@@ -139,6 +139,12 @@ def kda_cases(dev):
                                        res["G"], res["Aqk"], res["Akk"], res["h"])))
         cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, 0.3, h0, False, True, make(dev, F32)(2), None, None, None,
                                        *none4)))
+    else:  # the CUDA backward reads the forward's residuals (saved h, and rematerialized without it)
+        d_o = make(dev, BF16)(*v.shape)
+        _, _, res = encore.kda_forward(q, k, v, g, beta, use_qk_l2norm=True, return_residuals=True, residual_dtype="bfloat16")
+        for names in (("G", "Aqk", "Akk", "h"), ("G", "Aqk", "Akk")):
+            cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, None, None, True, False, None, None, None, None,
+                                           *(res.get(x) if x in names else None for x in ("G", "Aqk", "Akk", "h")))))
     return cases
 
 
