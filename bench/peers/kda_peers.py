@@ -12,7 +12,6 @@ clock of two separate jobs; and encore's o and final state are compared with fla
 difference; both compute the same forward from the same bf16 inputs). Usage: kda_peers.py OUT.json
 (KDA_PEER_CONFIGS=fixed_B4_T8192,... picks configurations; ROUNDS, default 3)."""
 import json
-import os
 import statistics
 import sys
 
@@ -22,19 +21,10 @@ from triton.testing import do_bench
 
 from fla.ops.kda import chunk_kda
 
-try:
-    import encore
-    HAVE_ENCORE = encore.built_with_cuda() and encore.cuda_device_count() > 0
-except ImportError:
-    HAVE_ENCORE = False
-ROUNDS = int(os.environ.get("ROUNDS", "3"))
+from kda_configs import CONFIGS, HAVE_ENCORE, ROUNDS, H, K, V, bf, dev  # noqa: E402 (the script's folder is on sys.path)
 
-dev, bf = "cuda", torch.bfloat16
-H, K, V = 16, 128, 128
-CONFIGS = {"varlen_std": (1, [1800, 1500, 2000, 1200, 800]), "fixed_B1_T8192": (1, None), "fixed_B4_T8192": (4, None)}
-# KDA_PEER_CONFIGS=name,name... measures those configurations only, in that order.
-if os.environ.get("KDA_PEER_CONFIGS"):
-    CONFIGS = {n: CONFIGS[n] for n in os.environ["KDA_PEER_CONFIGS"].split(",")}
+if HAVE_ENCORE:
+    import encore
 
 
 def main(out):

@@ -11,7 +11,6 @@ same gradients from the same bf16 inputs). Needs fla-core (carried in .whl) and 
 Python (PYTHONPATH=build-cuda/python). Usage: kda_train_peers.py OUT.json (KDA_PEER_CONFIGS=name,...; ROUNDS,
 default 3)."""
 import json
-import os
 import statistics
 import sys
 
@@ -20,19 +19,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-try:
-    import encore
-    from encore.kda import chunk_kda as encore_chunk_kda
-    HAVE_ENCORE = encore.built_with_cuda() and encore.cuda_device_count() > 0
-except ImportError:
-    HAVE_ENCORE = False
-ROUNDS = int(os.environ.get("ROUNDS", "3"))
+from kda_configs import CONFIGS, HAVE_ENCORE, ROUNDS, H, K, V, bf, dev  # noqa: E402 (the script's folder is on sys.path)
 
-dev, bf = "cuda", torch.bfloat16
-H, K, V = 16, 128, 128
-CONFIGS = {"varlen_std": (1, [1800, 1500, 2000, 1200, 800]), "fixed_B1_T8192": (1, None), "fixed_B4_T8192": (4, None)}
-if os.environ.get("KDA_PEER_CONFIGS"):
-    CONFIGS = {n: CONFIGS[n] for n in os.environ["KDA_PEER_CONFIGS"].split(",")}
+if HAVE_ENCORE:
+    from encore.kda import chunk_kda as encore_chunk_kda
 GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
 
 
