@@ -4,8 +4,12 @@
 // DeepSeek-V3-like shape (D 7168, E 256, k 8, F 2048), tokens 1, 16, 64, 512, 4096, 16384
 // (ENCORE_BENCH_SIZES selects). Device time per call from graph replays; metrics: time_us, the
 // grouped GEMMs' useful TFLOP/s (2 * T * k * 3 * F * D / time), the experts touched and the weight-
-// read floor (their w13 + w2 bytes at the copy ceiling measured in the same run).
+// read floor (their w13 + w2 bytes at the copy ceiling measured in the same run). Then dispatch (with
+// the x gather) and combine alone on the layer's buffers (the routing of the layer call), each against
+// the bytes it must move at the copy ceiling (moe_peers.py's definition: dispatch 2 * T * k * D * 2 +
+// T * k * 12, combine T * k * D * 2 + T * D * 2 + T * k * 8; the padding rows are not counted).
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -96,6 +100,42 @@ void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
       std::printf("  moe_forward %-17s T %6lld %10.1f us  %6.1f TFLOP/s  experts %3d  weight floor %8.1f us\n", s.name, (long long)T,
                   t.median_us, flops / (t.median_us * 1e6), touched, floor_us);
       std::fflush(stdout);
+      // Dispatch and combine alone, on the buffers as moe_forward uses them (row_slots / x_permuted of
+      // the buffers' R rows).
+      const Device dev{DeviceType::kCUDA, 0};
+      const MoeBuffers& b = mc.b;
+      const TensorView ids = TensorView::contiguous(b.topk_ids.data, DType::kInt32, {T, int64_t(s.k)}, dev);
+      const TensorView slots = TensorView::contiguous(b.slot_rows.data, DType::kInt32, {T, int64_t(s.k)}, dev);
+      const TensorView weights = TensorView::contiguous(b.topk_weights.data, DType::kFP32, {T, int64_t(s.k)}, dev);
+      const MoeDispatchArgs da{ids, a.x, b.expert_counts, b.expert_offsets, slots, b.row_slots, b.x_permuted};
+      const MoeDispatchOptions dopt{s.E, mc.o.align_m};
+      const MoeCombineArgs ca{b.expert_out, slots, weights, a.out};
+      const double tk = double(T) * s.k, D = double(s.D);
+      const struct {
+        const char *name, *version;
+        double bytes;
+        std::function<void()> launch;
+      } steps[] = {{"moe_dispatch", "maps (1 block | count-scatter) + PDL gather, warp per 2 KB", 2 * tk * D * 2 + tk * 12,
+                    [&] { check_status(run(da, dopt, b.dispatch_workspace.data, stream), "moe_dispatch"); }},
+                   {"moe_combine", "thread per (token, 8 columns), 8 slot loads in flight", tk * D * 2 + double(T) * D * 2 + tk * 8,
+                    [&] { check_status(run(ca, MoeCombineOptions{}, nullptr, stream), "moe_combine"); }}};
+      for (const auto& st : steps) {
+        st.launch();
+        check_cuda(cudaStreamSynchronize(stream), "sync");
+        const Timing ts = time_launches([&](long long) { st.launch(); }, stream, topts, 1);
+        const double copy_us = report.ceilings.copy_gbps > 0 ? st.bytes / (report.ceilings.copy_gbps * 1e3) : 0.0;
+        Record rs;
+        rs.suite = "moe";
+        rs.name = st.name;
+        rs.params = {{"shape", s.name}, {"tokens", std::to_string(T)}, {"D", std::to_string(s.D)}, {"E", std::to_string(s.E)},
+                     {"k", std::to_string(s.k)}, {"align_m", "16"}, {"dtype", "bf16"},
+                     {"version", st.version}};
+        rs.metrics = {{"time_us", ts.median_us}, {"copy_floor_us", copy_us}, {"of_copy_bandwidth", copy_us > 0 ? copy_us / ts.median_us : 0.0}};
+        report.records.push_back(rs);
+        std::printf("  %-12s %-17s T %6lld %10.1f us  copy floor %8.1f us (%4.0f%%)\n", st.name, s.name, (long long)T, ts.median_us, copy_us,
+                    copy_us > 0 ? 100.0 * copy_us / ts.median_us : 0.0);
+        std::fflush(stdout);
+      }
     }
   }
 }

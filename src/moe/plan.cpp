@@ -1,5 +1,6 @@
-// Launch plan of the CUDA MoE dispatch: one block for decode-sized batches, count-then-scatter
-// otherwise (thresholds from public code for now, docs/moe.md; to be measured on the H200).
+// Launch plan of the CUDA MoE dispatch: the maps in one block for decode-sized batches, count-then-scatter
+// otherwise (thresholds from public code for now, docs/moe.md; to be measured on the H200); the gather
+// on the whole GPU in both cases.
 #include "moe/problem.hpp"
 
 namespace encore::moe {
@@ -11,16 +12,9 @@ DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int s
   plan.threads = 256;
   plan.chunks = (long long)((pairs + kDispatchChunkPairs - 1) / kDispatchChunkPairs);
   if (plan.chunks < 1) plan.chunks = 1;
-  if (plan.path == DispatchPath::kSingleBlock) {
-    plan.grid = 1;
-  } else {
-    // The gather moves pairs rows of hidden elements: a warp per row, at most a few waves.
-    const int64_t warps = pairs, per_block = plan.threads / 32;
-    const long long cap = sm_count > 0 ? 4LL * sm_count : 1024;
-    plan.grid = (long long)((warps + per_block - 1) / per_block);
-    if (plan.grid > cap) plan.grid = cap;
-    if (plan.grid < 1) plan.grid = 1;
-  }
+  // The gather (both paths) runs on its own grid, sized at launch from the rows that can be in use
+  // (a warp per 2 KB of a row); plan.grid caps it at the blocks resident on the device at once.
+  plan.grid = sm_count > 0 ? (long long)kDispatchGatherBlocksPerSm * sm_count : 1024;
   const size_t cursors = size_t(num_experts) * sizeof(int32_t);
   const size_t hist = size_t(num_experts) * size_t(plan.chunks) * sizeof(int32_t);
   plan.workspace_bytes = round_up_bytes(cursors > hist ? cursors : hist);

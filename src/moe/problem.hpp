@@ -128,19 +128,21 @@ struct CombineProblem {
 };
 
 // How the CUDA dispatch runs (plan.cpp, cuda/dispatch.cu): decode (few (token, k) pairs): one block
-// counts, scans, ranks and gathers; prefill: per-chunk histograms, a scan over chunks and experts, a
-// stable per-chunk scatter (one warp per chunk), then the gather. Both give the reference's layout.
+// counts, scans and ranks; prefill: per-chunk histograms, a scan over chunks and experts, a stable
+// per-chunk scatter (one warp per chunk). Then, in both, the gather on a grid of up to plan.grid
+// blocks (a warp per 2 KB of a row). Both give the reference's layout.
 enum class DispatchPath : uint8_t { kSingleBlock, kCountThenScatter };
 
 // CUDA limits of the moe ops (validate returns unsupported beyond them).
 constexpr int kCudaRoutingMaxExperts = 512;    // routing: one warp per token, E / 32 scores per lane
 constexpr int kCudaDispatchMaxExperts = 1024;  // dispatch: E counters in shared memory
 constexpr int64_t kDispatchChunkPairs = 512;   // prefill: (token, k) pairs per histogram / scatter chunk
+constexpr int kDispatchGatherBlocksPerSm = 5;  // gather: 256-thread blocks per SM (its launch bounds: <= 48 registers)
 
 struct DispatchPlan {
   DispatchPath path = DispatchPath::kSingleBlock;
   int threads = 256;
-  long long grid = 1;          // blocks of the gather pass
+  long long grid = 1;          // at most this many blocks in the gather pass (both paths)
   long long chunks = 1;        // prefill: histogram / scatter chunks of kDispatchChunkPairs pairs
   // max(the CPU reference's E int32 cursors, the prefill histograms [E, chunks] int32), rounded up
   // to kBufferAlign; independent of the path and of sm_count, so either path can run in it.

@@ -302,6 +302,20 @@ TEST_F(MoeGpu, DispatchMatchesCpu) {
   run_dispatch_case("e1024", random_ids(200, 8, range(1024), 14), 1024, 8, b, 64);
 }
 
+// The decode / prefill flip of the host plan (pairs < 1024: T = 127 decode, T = 128 prefill at k = 8),
+// decode sizes whose gather spans many blocks, rows of a partial 2 KB gather chunk (D = 8 * 257: 16-byte
+// vectors, not a multiple of 64), the 2-byte gather with several chunks per row, DeepSeek-V3 rows.
+TEST_F(MoeGpu, DispatchGatherShapes) {
+  const DType b = DType::kBF16, f = DType::kFP32;
+  for (int64_t T : {int64_t(1), int64_t(64), int64_t(65), int64_t(127), int64_t(128), int64_t(1000)})
+    run_dispatch_case("qwen3_D2056", random_ids(T, 8, range(128), uint64_t(40 + T)), 128, 16, b, 2056);
+  run_dispatch_case("deepseek_T1", random_ids(1, 8, range(256), 41), 256, 16, b, 7168);
+  run_dispatch_case("deepseek_T64", random_ids(64, 8, range(256), 42), 256, 8, b, 7168);
+  run_dispatch_case("scalar_chunks_T65", random_ids(65, 8, range(128), 43), 128, 8, b, 300);   // 600-byte rows
+  run_dispatch_case("scalar_chunks_T200", random_ids(200, 6, range(64), 44), 64, 1, f, 131);   // 524-byte rows, prefill
+  run_dispatch_case("maps_only_T64", random_ids(64, 8, range(128), 45), 128, 16, b, 0);
+}
+
 // ---- combine ----------------------------------------------------------------------------------------
 
 void run_combine_case(int64_t T, int k, int64_t D, DType in, DType out) {
@@ -341,6 +355,14 @@ TEST_F(MoeGpu, CombineBitEqualToCpu) {
   run_combine_case(4096, 8, 2048, b, b);
   run_combine_case(333, 6, 1000, f, b);
   run_combine_case(64, 64, 256, b, f);
+  // Decode sizes (one thread per 8 columns of a token: many blocks for one token), k not a multiple of
+  // the 8 slots loaded together, D = 8 * 257.
+  run_combine_case(1, 8, 2048, b, b);
+  run_combine_case(64, 8, 7168, b, b);
+  run_combine_case(65, 8, 2056, b, b);
+  run_combine_case(1000, 8, 2056, b, f);
+  run_combine_case(65, 10, 264, b, b);
+  run_combine_case(7, 9, 33, h, f);
 }
 
 // ---- routing -> dispatch -> combine on the device -------------------------------------------------

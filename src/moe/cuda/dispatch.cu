@@ -1,18 +1,25 @@
 // MoE dispatch on CUDA: counts, padded offsets, slot_rows / row_slots and the gather, in exactly the
 // CPU reference's layout (within an expert, slots in row-major (t, j) order). Pair i = t * k + j.
 //
-// Decode (DispatchPath::kSingleBlock): one 256-thread block: shared-memory histogram (atomics: only
-// the counts depend on them), a block scan of the padded counts, row_slots = -1, then warp 0 walks
-// the pairs in order, 32 at a time: __match_any_sync groups the lanes of one expert, a lane's rank
-// is the popcount of its group's lower lanes, the group's lowest lane advances the expert's cursor;
-// then every warp gathers rows.
-// Prefill (kCountThenScatter): (1) one block per chunk of kDispatchChunkPairs pairs writes its
+// Maps, decode (DispatchPath::kSingleBlock): one 256-thread block stages the first 1024 ids in shared
+// memory, builds the shared-memory histogram (atomics: only the counts depend on them), a block scan
+// of the padded counts, writes -1 into each expert's padding rows, then warp 0 walks the pairs in
+// order, 32 at a time: __match_any_sync groups the lanes of one expert, a lane's rank is the popcount
+// of its group's lower lanes, the group's lowest lane advances the expert's cursor.
+// Maps, prefill (kCountThenScatter): (1) one block per chunk of kDispatchChunkPairs pairs writes its
 // histogram to the workspace hist[e][chunk] (and the blocks fill row_slots with -1); (2) one block
 // scans hist over the chunks for each expert (a warp per expert), then the padded counts over the
-// experts, and turns hist into each chunk's first row per expert; (3) one warp per chunk ranks its
-// pairs in order as in the decode path, from its cursors; (4) one warp per row gathers x (16-byte
-// vectors when every row is 16-byte aligned) or zeroes a padding row, up to offsets[E].
+// experts, and turns hist into each chunk's first row per expert (a lane per run of chunks, so the
+// loads of a lane are independent); (3) one warp per chunk stages its
+// ids in shared memory and ranks its pairs in order as in the decode path, from its cursors.
+// Gather (both paths, its own grid of up to plan.grid 256-thread blocks, launched as a programmatic
+// dependent of the map kernel: griddepcontrol.wait before it reads the maps): work item = (row r <
+// offsets[E], chunk of 32 lanes x kUnroll vectors); 16-byte vectors when rows, strides and pointers are
+// 16-byte aligned, else 2-byte; every load of an item is issued before its stores. A padding row is
+// zeroed. In the decode path it also writes row_slots[offsets[E], R) = -1.
 // Ids outside [0, E) (the host does not scan device ids) are skipped: slot_rows -1, no row.
+// NOTES: the gather used to run inside the decode block (8 warps, one load in flight per lane: 1.75 ms
+// for 512 rows of 14 KB on the H200); a 2 KB item per warp and the whole GPU make it bandwidth-bound.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -24,6 +31,7 @@ namespace encore::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kStagedIds = 1024;  // decode: ids staged in shared memory (the rest read from global)
 
 struct DispatchParams {
   const int32_t* ids;
@@ -41,26 +49,43 @@ struct DispatchParams {
   unsigned char* xp;
   int64_t xp_stride_bytes;
   int64_t row_bytes;
-  bool vec16;  // rows, strides and pointers 16-byte aligned
-  int32_t* hist;  // prefill: [E][chunks]
+  bool vec16;      // rows, strides and pointers 16-byte aligned
+  bool fill_tail;  // gather: row_slots[offsets[E], rows) = -1 (decode: the map block leaves them)
+  int32_t* hist;   // prefill: [E][chunks]
   long long chunks;
 };
 
+// Programmatic dependent launch (sm_90): the map kernels let the gather's blocks be scheduled early;
+// the gather waits for the map grid's completion (and memory flush) before it reads anything.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Pair indices are < 2^31 (validate: R < 2^31 and pairs <= R), so 32-bit division splits them.
 __device__ __forceinline__ int expert_of(const DispatchParams& p, int64_t i) {
-  const int64_t t = i / p.k;
+  const int64_t t = unsigned(i) / unsigned(p.k);
   const int j = int(i - t * p.k);
   const int e = p.ids[t * p.ids_stride + j];
   return e >= 0 && e < p.E ? e : -1;
 }
 
 // Warp-level stable scatter of pairs [begin, end) with per-expert cursors cur[] (shared memory,
-// advanced). Called by all 32 lanes of one warp.
-__device__ void rank_and_scatter(const DispatchParams& p, int64_t begin, int64_t end, int* cur) {
+// advanced). The experts of pairs [sid_begin, sid_end) are read from sid[] (shared memory, already
+// validated), the others from global memory. Called by all 32 lanes of one warp.
+__device__ void rank_and_scatter(const DispatchParams& p, int64_t begin, int64_t end, int* cur, const int* sid, int64_t sid_begin,
+                                 int64_t sid_end) {
   const int lane = int(threadIdx.x) & 31;
   const unsigned lower = (1u << lane) - 1u;
   for (int64_t base = begin; base < end; base += 32) {
     const int64_t i = base + lane;
-    const int e = i < end ? expert_of(p, i) : -2;
+    const int e = i >= end ? -2 : i >= sid_begin && i < sid_end ? sid[i - sid_begin] : expert_of(p, i);
     const unsigned group = __match_any_sync(0xffffffffu, e);
     const int rank = __popc(group & lower);
     int row = -1;
@@ -68,33 +93,11 @@ __device__ void rank_and_scatter(const DispatchParams& p, int64_t begin, int64_t
     __syncwarp();
     if (e >= 0 && rank == 0) cur[e] += __popc(group);
     if (i < end) {
-      const int64_t t = i / p.k;
+      const int64_t t = unsigned(i) / unsigned(p.k);
       p.slot_rows[t * p.slot_stride + (i - t * p.k)] = row;
       if (row >= 0) p.row_slots[row] = int32_t(i);
     }
     __syncwarp();
-  }
-}
-
-// One warp copies (or zeroes) permuted row r.
-__device__ __forceinline__ void gather_row(const DispatchParams& p, int32_t r, int lane) {
-  const int32_t slot = p.row_slots[r];
-  unsigned char* dst = p.xp + int64_t(r) * p.xp_stride_bytes;
-  if (slot >= 0) {
-    const unsigned char* src = p.x + (int64_t(slot) / p.k) * p.x_stride_bytes;
-    if (p.vec16) {
-      for (int64_t b = int64_t(lane) * 16; b < p.row_bytes; b += 32 * 16)
-        *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<const uint4*>(src + b);
-    } else {
-      for (int64_t b = int64_t(lane) * 2; b < p.row_bytes; b += 32 * 2)  // element sizes are 2 or 4 bytes
-        *reinterpret_cast<uint16_t*>(dst + b) = *reinterpret_cast<const uint16_t*>(src + b);
-    }
-  } else {
-    if (p.vec16) {
-      for (int64_t b = int64_t(lane) * 16; b < p.row_bytes; b += 32 * 16) *reinterpret_cast<uint4*>(dst + b) = make_uint4(0, 0, 0, 0);
-    } else {
-      for (int64_t b = int64_t(lane) * 2; b < p.row_bytes; b += 32 * 2) *reinterpret_cast<uint16_t*>(dst + b) = 0;
-    }
   }
 }
 
@@ -127,31 +130,33 @@ __device__ void block_scan_offsets(const int* cnt, int* off, int E, int align_m,
   __syncthreads();
 }
 
+// Decode maps: counts, offsets, slot_rows, row_slots[0, offsets[E]) (data rows and padding rows);
+// row_slots[offsets[E], R) and the gather are the gather kernel's.
 __global__ void __launch_bounds__(kThreads) dispatch_single_block_kernel(DispatchParams p) {
+  launch_dependents();
   extern __shared__ int smem[];
-  int* cnt = smem;              // [E]
-  int* off = smem + p.E;        // [E + 1], then the cursors
+  int* cnt = smem;               // [E]
+  int* off = smem + p.E;         // [E + 1], then the cursors
   int* scratch = off + p.E + 1;  // [32]
+  int* sid = scratch + 32;       // [kStagedIds]
   const int tid = int(threadIdx.x);
+  const int64_t staged = p.pairs < kStagedIds ? p.pairs : kStagedIds;
+  for (int64_t i = tid; i < staged; i += blockDim.x) sid[i] = expert_of(p, i);
   for (int e = tid; e < p.E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
   for (int64_t i = tid; i < p.pairs; i += blockDim.x) {
-    const int e = expert_of(p, i);
+    const int e = i < staged ? sid[i] : expert_of(p, i);
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
   block_scan_offsets(cnt, off, p.E, p.align_m, scratch);
+  const int lane = tid & 31, warp = tid >> 5, nwarps = int(blockDim.x) >> 5;
   for (int e = tid; e < p.E; e += blockDim.x) p.counts[e] = cnt[e];
   for (int e = tid; e <= p.E; e += blockDim.x) p.offsets[e] = off[e];
-  for (int64_t r = tid; r < p.rows; r += blockDim.x) p.row_slots[r] = -1;
-  const int total = off[p.E];
-  __syncthreads();  // everyone has read off[E] and written row_slots before warp 0 advances the cursors
-  if (tid < 32) rank_and_scatter(p, 0, p.pairs, off);
-  __syncthreads();  // row_slots complete (global writes of this block are visible after the barrier)
-  if (p.x) {
-    const int warp = tid >> 5, lane = tid & 31, nwarps = int(blockDim.x) >> 5;
-    for (int r = warp; r < total; r += nwarps) gather_row(p, r, lane);
-  }
+  for (int e = warp; e < p.E; e += nwarps)  // padding rows (disjoint from the data rows ranked below)
+    for (int r = off[e] + cnt[e] + lane; r < off[e + 1]; r += 32) p.row_slots[r] = -1;
+  __syncthreads();  // everyone has read off[] before warp 0 advances the cursors
+  if (tid < 32) rank_and_scatter(p, 0, p.pairs, off, sid, 0, staged);
 }
 
 __global__ void __launch_bounds__(kThreads) dispatch_histogram_kernel(DispatchParams p) {
@@ -170,29 +175,31 @@ __global__ void __launch_bounds__(kThreads) dispatch_histogram_kernel(DispatchPa
   for (int64_t r = int64_t(blockIdx.x) * blockDim.x + tid; r < p.rows; r += int64_t(gridDim.x) * blockDim.x) p.row_slots[r] = -1;
 }
 
-// One block of 1024 threads: hist[e][c] -> first row of chunk c's pairs of expert e.
+// Sum over the lanes of a warp of the lane's chunks [lo, hi) of one expert's histogram h (read-only
+// loop: the loads of a lane are independent and pipelined).
+__device__ __forceinline__ int lane_chunk_sum(const int32_t* h, long long lo, long long hi) {
+  int s = 0;
+#pragma unroll 4
+  for (long long c = lo; c < hi; ++c) s += h[c];
+  return s;
+}
+
+// One block of 1024 threads: hist[e][c] -> first row of chunk c's pairs of expert e. A warp per
+// expert, lane l owns the contiguous chunks [l * per, (l + 1) * per): (1) counts = the warp's sum;
+// (2) the block scan of the padded counts; (3) each lane re-reads its chunks, the warp scans the lane
+// sums, and the lane writes its chunks' first rows in order.
 __global__ void __launch_bounds__(1024) dispatch_scan_kernel(DispatchParams p) {
   extern __shared__ int smem[];
   int* cnt = smem;               // [E]
   int* off = smem + p.E;         // [E + 1]
   int* scratch = off + p.E + 1;  // [32]
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5, nwarps = int(blockDim.x) >> 5;
+  const long long per = (p.chunks + 31) / 32;
+  const long long lo = lane * per < p.chunks ? lane * per : p.chunks;
+  const long long hi = lo + per < p.chunks ? lo + per : p.chunks;
   for (int e = warp; e < p.E; e += nwarps) {
-    int32_t* h = p.hist + int64_t(e) * p.chunks;
-    int running = 0;
-    for (long long base = 0; base < p.chunks; base += 32) {
-      const long long c = base + lane;
-      const int v = c < p.chunks ? h[c] : 0;
-      int inc = v;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += n;
-      }
-      if (c < p.chunks) h[c] = running + inc - v;
-      running += __shfl_sync(0xffffffffu, inc, 31);
-    }
-    if (lane == 0) cnt[e] = running;
+    const int s = __reduce_add_sync(0xffffffffu, lane_chunk_sum(p.hist + int64_t(e) * p.chunks, lo, hi));
+    if (lane == 0) cnt[e] = s;
   }
   __syncthreads();
   block_scan_offsets(cnt, off, p.E, p.align_m, scratch);
@@ -200,31 +207,124 @@ __global__ void __launch_bounds__(1024) dispatch_scan_kernel(DispatchParams p) {
   for (int e = tid; e <= p.E; e += blockDim.x) p.offsets[e] = off[e];
   for (int e = warp; e < p.E; e += nwarps) {
     int32_t* h = p.hist + int64_t(e) * p.chunks;
-    for (long long c = lane; c < p.chunks; c += 32) h[c] += off[e];
+    const int s = lane_chunk_sum(h, lo, hi);
+    int inc = s;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, inc, o);
+      if (lane >= o) inc += n;
+    }
+    int run = off[e] + inc - s;
+    for (long long c = lo; c < hi; ++c) {
+      const int v = h[c];
+      h[c] = run;
+      run += v;
+    }
   }
 }
 
-// One warp per chunk.
+// One warp per chunk: its ids staged in shared memory (one round of independent loads), then ranked.
 __global__ void __launch_bounds__(32) dispatch_scatter_kernel(DispatchParams p) {
-  extern __shared__ int cur[];  // [E]
+  launch_dependents();
+  extern __shared__ int cur[];  // [E], then the chunk's experts [kDispatchChunkPairs]
+  int* sid = cur + p.E;
   const int lane = int(threadIdx.x);
-  for (int e = lane; e < p.E; e += 32) cur[e] = p.hist[int64_t(e) * p.chunks + blockIdx.x];
-  __syncwarp();
   const int64_t begin = int64_t(blockIdx.x) * moe::kDispatchChunkPairs;
   const int64_t end = begin + moe::kDispatchChunkPairs < p.pairs ? begin + moe::kDispatchChunkPairs : p.pairs;
-  rank_and_scatter(p, begin, end, cur);
+  for (int e = lane; e < p.E; e += 32) cur[e] = p.hist[int64_t(e) * p.chunks + blockIdx.x];
+  for (int64_t i = begin + lane; i < end; i += 32) sid[i - begin] = expert_of(p, i);
+  __syncwarp();
+  rank_and_scatter(p, begin, end, cur, sid, begin, end);
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_gather_kernel(DispatchParams p) {
-  const int lane = int(threadIdx.x) & 31;
+template <int kBytes> struct VecOf;
+template <> struct VecOf<16> { using type = uint4; };
+template <> struct VecOf<2> { using type = unsigned short; };
+
+__device__ __forceinline__ uint4 load_ro(const uint4* p) { return __ldg(p); }
+__device__ __forceinline__ unsigned short load_ro(const unsigned short* p) { return __ldg(p); }
+__device__ __forceinline__ void set_zero(uint4& v) { v = make_uint4(0u, 0u, 0u, 0u); }
+__device__ __forceinline__ void set_zero(unsigned short& v) { v = 0; }
+
+// One warp per (row, chunk) item: the chunk is 32 lanes x kUnroll vectors of kBytes (2 KB for 16-byte
+// vectors); rows [0, offsets[E]) only. Launched with programmatic stream serialization.
+template <int kBytes, int kUnroll>
+__global__ void __launch_bounds__(kThreads, moe::kDispatchGatherBlocksPerSm) dispatch_gather_kernel(DispatchParams p) {
+  using V = typename VecOf<kBytes>::type;
+  constexpr int64_t kChunk = int64_t(32) * kBytes * kUnroll;
+  wait_for_primary();
   const int total = p.offsets[p.E];
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); r < total; r += warps) gather_row(p, int32_t(r), lane);
+  if (p.fill_tail) {
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    for (int64_t r = int64_t(total) + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < p.rows; r += stride) p.row_slots[r] = -1;
+  }
+  if (p.x == nullptr) return;
+  const int lane = int(threadIdx.x) & 31;
+  // 32-bit item indices: items < 2^31, since the rows of more than one chunk fit in device memory.
+  const unsigned per_row = unsigned((p.row_bytes + kChunk - 1) / kChunk);
+  const unsigned items = unsigned(total) * per_row;
+  const unsigned warps = gridDim.x * (blockDim.x >> 5);
+  for (unsigned it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+    const unsigned r = it / per_row;
+    const int start = int(it - r * per_row) * int(kChunk);
+    const int left = int(p.row_bytes) - start;  // bytes of the row from this chunk on
+    const int32_t slot = p.row_slots[r];
+    V* dst = reinterpret_cast<V*>(p.xp + int64_t(r) * p.xp_stride_bytes + start);
+    V v[kUnroll];
+    if (slot >= 0) {
+      const V* src = reinterpret_cast<const V*>(p.x + int64_t(unsigned(slot) / unsigned(p.k)) * p.x_stride_bytes + start);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = u * 32 + lane;
+        if (idx * kBytes < left) v[u] = load_ro(src + idx);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) set_zero(v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int idx = u * 32 + lane;
+      if (idx * kBytes < left) dst[idx] = v[u];
+    }
+  }
 }
 
 Status check_launch(const char* what) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string("moe dispatch ") + what + " launch: " + cudaGetErrorString(e));
+  return Status::ok();
+}
+
+// The gather (and, for decode, the row_slots tail) as a programmatic dependent of the map kernel
+// just launched on s. Its grid: enough warps for the rows that can be in use, at most plan.grid blocks.
+Status launch_gather(const DispatchParams& k, const moe::DispatchProblem& p, const moe::DispatchPlan& plan, cudaStream_t s) {
+  const int64_t pairs = k.pairs;
+  int64_t rows_bound = pairs + (pairs < p.num_experts ? pairs : int64_t(p.num_experts)) * (p.align_m - 1);
+  if (rows_bound > k.rows) rows_bound = k.rows;
+  const int64_t chunk = k.vec16 ? 32 * 16 * 4 : 32 * 2 * 4;  // bytes per item, as the kernels
+  const int64_t warps_per_block = kThreads / 32;
+  long long blocks = 1;
+  if (k.x) blocks = (long long)((rows_bound * ((k.row_bytes + chunk - 1) / chunk) + warps_per_block - 1) / warps_per_block);
+  if (k.fill_tail) {
+    const long long tail = (long long)((k.rows + kThreads - 1) / kThreads);
+    if (tail > blocks) blocks = tail;
+  }
+  const long long cap = plan.grid < 1 ? 1 : plan.grid;
+  if (blocks > cap) blocks = cap;
+  if (blocks < 1) blocks = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = k.vec16 ? cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<16, 4>, k) : cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<2, 4>, k);
+  if (e != cudaSuccess) return Status::cuda_error(std::string("moe dispatch gather launch: ") + cudaGetErrorString(e));
   return Status::ok();
 }
 
@@ -269,8 +369,10 @@ Status launch_moe_dispatch(const moe::DispatchProblem& p, const moe::DispatchPla
   k.chunks = chunks < 1 ? 1 : chunks;
   const size_t smem_scan = (size_t(2) * size_t(p.num_experts) + 1 + 32) * sizeof(int);
   if (plan.path == moe::DispatchPath::kSingleBlock || pairs == 0) {
-    dispatch_single_block_kernel<<<1, kThreads, smem_scan, s>>>(k);
-    return check_launch("single-block");
+    dispatch_single_block_kernel<<<1, kThreads, smem_scan + kStagedIds * sizeof(int), s>>>(k);
+    ENCORE_RETURN_IF_ERROR(check_launch("single-block"));
+    k.fill_tail = true;  // row_slots[offsets[E], R): the gather kernel's, even without x
+    return launch_gather(k, p, plan, s);
   }
   const unsigned nchunks = unsigned(chunks);
   const size_t smem_e = size_t(p.num_experts) * sizeof(int);
@@ -278,12 +380,9 @@ Status launch_moe_dispatch(const moe::DispatchProblem& p, const moe::DispatchPla
   ENCORE_RETURN_IF_ERROR(check_launch("histogram"));
   dispatch_scan_kernel<<<1, 1024, smem_scan, s>>>(k);
   ENCORE_RETURN_IF_ERROR(check_launch("scan"));
-  dispatch_scatter_kernel<<<nchunks, 32, smem_e, s>>>(k);
+  dispatch_scatter_kernel<<<nchunks, 32, smem_e + moe::kDispatchChunkPairs * sizeof(int), s>>>(k);
   ENCORE_RETURN_IF_ERROR(check_launch("scatter"));
-  if (p.x) {
-    dispatch_gather_kernel<<<unsigned(plan.grid < 1 ? 1 : plan.grid), kThreads, 0, s>>>(k);
-    ENCORE_RETURN_IF_ERROR(check_launch("gather"));
-  }
+  if (p.x) return launch_gather(k, p, plan, s);
   return Status::ok();
 }
 
