@@ -2,10 +2,12 @@
 // CPU reference's layout (within an expert, slots in row-major (t, j) order). Pair i = t * k + j.
 //
 // Maps, decode (DispatchPath::kSingleBlock): one 256-thread block stages the first 1024 ids in shared
-// memory, builds the shared-memory histogram (atomics: only the counts depend on them), a block scan
-// of the padded counts, writes -1 into each expert's padding rows, then warp 0 walks the pairs in
-// order, 32 at a time: __match_any_sync groups the lanes of one expert, a lane's rank is the popcount
-// of its group's lower lanes, the group's lowest lane advances the expert's cursor.
+// memory; up to 1024 pairs and 256 experts, each warp ranks its eighth of the pairs with its own
+// counters (__match_any_sync groups the lanes of one expert, a lane's rank is the popcount of its
+// group's lower lanes, the group's lowest lane advances the counter), counts = the sums of the warps'
+// counters; beyond, a shared-memory histogram (atomics: only the counts depend on them). Then a block
+// scan of the padded counts, -1 into each expert's padding rows, and the rows: warp w's rows of expert
+// e start after the lower warps' (parallel), or warp 0 walks all pairs from the cursors (beyond).
 // Maps, prefill (kCountThenScatter): (1) one block per chunk of kDispatchChunkPairs pairs writes its
 // histogram to the workspace hist[e][chunk] (and the blocks fill row_slots with -1); (2) one block
 // scans hist over the chunks for each expert (a warp per expert), then the padded counts over the
@@ -131,7 +133,19 @@ __device__ void block_scan_offsets(const int* cnt, int* off, int E, int align_m,
 }
 
 // Decode maps: counts, offsets, slot_rows, row_slots[0, offsets[E]) (data rows and padding rows);
-// row_slots[offsets[E], R) and the gather are the gather kernel's.
+// row_slots[offsets[E], R) and the gather are the gather kernel's. Two ways to rank, same layout:
+// - parallel (pairs <= kStagedIds and E <= kParallelRankMaxExperts, every plan-chosen decode): warp w
+//   ranks its contiguous segment of the staged pairs with its own counters whist[w][e]; counts are
+//   the sums over the warps; after the scan, whist[w][e] becomes warp w's first row of expert e
+//   (offsets[e] + the counts of the lower warps), so row = whist[w][e] + local rank: experts' slots
+//   in (warp, pair) order = pair order, as the serial walk gives.
+// - serial (any size: the forced-path tests): shared-memory histogram (atomics), the scan, then warp 0
+//   walks all pairs 32 at a time from the cursors.
+constexpr int kParallelRankMaxExperts = 256;
+constexpr int kWarps = kThreads / 32;
+
+__host__ __device__ constexpr bool parallel_rank(int64_t pairs, int E) { return pairs <= kStagedIds && E <= kParallelRankMaxExperts; }
+
 __global__ void __launch_bounds__(kThreads) dispatch_single_block_kernel(DispatchParams p) {
   launch_dependents();
   extern __shared__ int smem[];
@@ -139,22 +153,69 @@ __global__ void __launch_bounds__(kThreads) dispatch_single_block_kernel(Dispatc
   int* off = smem + p.E;         // [E + 1], then the cursors
   int* scratch = off + p.E + 1;  // [32]
   int* sid = scratch + 32;       // [kStagedIds]
-  const int tid = int(threadIdx.x);
+  int* lrank = sid + kStagedIds;  // parallel: [kStagedIds] rank within the warp's segment
+  int* whist = lrank + kStagedIds;  // parallel: [kWarps][E]
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int64_t staged = p.pairs < kStagedIds ? p.pairs : kStagedIds;
+  const bool parallel = parallel_rank(p.pairs, p.E);
   for (int64_t i = tid; i < staged; i += blockDim.x) sid[i] = expert_of(p, i);
-  for (int e = tid; e < p.E; e += blockDim.x) cnt[e] = 0;
-  __syncthreads();
-  for (int64_t i = tid; i < p.pairs; i += blockDim.x) {
-    const int e = i < staged ? sid[i] : expert_of(p, i);
-    if (e >= 0) atomicAdd(&cnt[e], 1);
+  const int seg = int((staged + kWarps - 1) / kWarps);  // parallel: pairs per warp
+  if (parallel) {
+    int* h = whist + warp * p.E;
+    for (int e = lane; e < p.E; e += 32) h[e] = 0;
+    __syncthreads();  // sid complete
+    const unsigned lower = (1u << lane) - 1u;
+    const int begin = warp * seg, end = begin + seg < int(staged) ? begin + seg : int(staged);
+    for (int base = begin; base < end; base += 32) {
+      const int i = base + lane;
+      const int e = i < end ? sid[i] : -2;
+      const unsigned group = __match_any_sync(0xffffffffu, e);
+      const int rank = __popc(group & lower);
+      if (e >= 0) lrank[i] = h[e] + rank;
+      __syncwarp();
+      if (e >= 0 && rank == 0) h[e] += __popc(group);
+      __syncwarp();
+    }
+    __syncthreads();  // every warp's counters complete
+    for (int e = tid; e < p.E; e += blockDim.x) {
+      int c = 0;
+      for (int w = 0; w < kWarps; ++w) c += whist[w * p.E + e];
+      cnt[e] = c;
+    }
+  } else {
+    for (int e = tid; e < p.E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int64_t i = tid; i < p.pairs; i += blockDim.x) {
+      const int e = i < staged ? sid[i] : expert_of(p, i);
+      if (e >= 0) atomicAdd(&cnt[e], 1);
+    }
   }
   __syncthreads();
   block_scan_offsets(cnt, off, p.E, p.align_m, scratch);
-  const int lane = tid & 31, warp = tid >> 5, nwarps = int(blockDim.x) >> 5;
+  const int nwarps = int(blockDim.x) >> 5;
   for (int e = tid; e < p.E; e += blockDim.x) p.counts[e] = cnt[e];
   for (int e = tid; e <= p.E; e += blockDim.x) p.offsets[e] = off[e];
   for (int e = warp; e < p.E; e += nwarps)  // padding rows (disjoint from the data rows ranked below)
     for (int r = off[e] + cnt[e] + lane; r < off[e + 1]; r += 32) p.row_slots[r] = -1;
+  if (parallel) {
+    for (int e = tid; e < p.E; e += blockDim.x) {  // whist[w][e] -> warp w's first row of expert e
+      int run = off[e];
+      for (int w = 0; w < kWarps; ++w) {
+        const int c = whist[w * p.E + e];
+        whist[w * p.E + e] = run;
+        run += c;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < int(staged); i += blockDim.x) {
+      const int e = sid[i];
+      const int row = e >= 0 ? whist[(i / seg) * p.E + e] + lrank[i] : -1;
+      const int t = i / p.k;
+      p.slot_rows[int64_t(t) * p.slot_stride + (i - t * p.k)] = row;
+      if (row >= 0) p.row_slots[row] = i;
+    }
+    return;
+  }
   __syncthreads();  // everyone has read off[] before warp 0 advances the cursors
   if (tid < 32) rank_and_scatter(p, 0, p.pairs, off, sid, 0, staged);
 }
@@ -369,7 +430,8 @@ Status launch_moe_dispatch(const moe::DispatchProblem& p, const moe::DispatchPla
   k.chunks = chunks < 1 ? 1 : chunks;
   const size_t smem_scan = (size_t(2) * size_t(p.num_experts) + 1 + 32) * sizeof(int);
   if (plan.path == moe::DispatchPath::kSingleBlock || pairs == 0) {
-    dispatch_single_block_kernel<<<1, kThreads, smem_scan + kStagedIds * sizeof(int), s>>>(k);
+    const size_t smem_rank = parallel_rank(pairs, p.num_experts) ? (size_t(kStagedIds) + size_t(kWarps) * size_t(p.num_experts)) * sizeof(int) : 0;
+    dispatch_single_block_kernel<<<1, kThreads, smem_scan + kStagedIds * sizeof(int) + smem_rank, s>>>(k);
     ENCORE_RETURN_IF_ERROR(check_launch("single-block"));
     k.fill_tail = true;  // row_slots[offsets[E], R): the gather kernel's, even without x
     return launch_gather(k, p, plan, s);
