@@ -15,15 +15,15 @@
 // Backends: the CPU reference (fp64 arithmetic on any float input; fp64 tensors are accepted too,
 // for finite-difference tests). CUDA forward (src/kda/cuda/, tensor cores: bf16 operands, fp32
 // accumulation and state; relative RMS error ~3e-3 against fp64 in the contractive regime
-// β|k|² < 2, docs/kda.md): bf16/fp32 q, k, v, g, beta, o; K, V <= 128; fp32 contiguous
+// β|k|² < 2, docs/kda.md): bf16/fp16/fp32 q, k, v, g, beta, o (fp16 converted on load); K, V <= 128; fp32 contiguous
 // initial/final state, A_log, dt_bias; cu_seqlens on the host (<= 1024 sequences), as for the CPU
 // backend; needs workspace_bytes(args, opts) bytes of device workspace (96.5 KB per chunk of 64
 // tokens and head).
 // Backward: CPU (the chunked backward reading the forward's residuals when given, else the token-level
 // BPTT) and CUDA (src/kda/cuda/kda_backward.cu: the chunked backward in fp32 on CUDA cores, five
 // launches, deterministic). The CUDA backward needs the forward's residuals G, Aqk, Akk (and h for
-// the saved-h mode; without h it rematerializes the chunk-start states), bf16/fp32 q, k, v, g, beta,
-// d_o and gradients, fp32 contiguous states, A_log, dt_bias and their gradients, K, V <= 128, and
+// the saved-h mode; without h it rematerializes the chunk-start states), bf16/fp16/fp32 q, k, v, g,
+// beta, d_o and gradients (residuals bf16/fp32), fp32 contiguous states, A_log, dt_bias and their gradients, K, V <= 128, and
 // workspace_bytes(args, opts) bytes of device workspace (per chunk of 64 tokens and head at
 // K = V = 128: 274 KB saved-h, 338 KB rematerializing).
 #pragma once

@@ -15,7 +15,7 @@
 namespace encore {
 namespace {
 
-const std::initializer_list<DType> kFloat = {DType::kBF16, DType::kFP32, DType::kFP64};
+const std::initializer_list<DType> kFloat = {DType::kBF16, DType::kFP16, DType::kFP32, DType::kFP64};
 const std::initializer_list<DType> kState = {DType::kFP32, DType::kFP64};
 
 // An output of exactly `like`'s shape.
@@ -81,7 +81,7 @@ Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
                                ", V = " + std::to_string(p.V));
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
                          {"o", &a.o}})
-    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP32}));
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP16, DType::kFP32}));
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"initial_state", &a.initial_state}, {"final_state", &a.final_state},
                          {"A_log", &a.A_log}, {"dt_bias", &a.dt_bias}}) {
     if (!t->defined()) continue;
@@ -223,7 +223,7 @@ Status validate_cuda_backward(const KdaBackwardArgs& b, const kda::KdaProblem& p
   if (p.T >= (int64_t(1) << 31)) return Status::unsupported("q: T must be < 2^31");
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
                          {"d_o", &b.d_o}, {"dq", &b.dq}, {"dk", &b.dk}, {"dv", &b.dv}, {"dg", &b.dg}, {"dbeta", &b.dbeta}}) {
-    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP32}));
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP16, DType::kFP32}));
     ENCORE_RETURN_IF_ERROR(checks::same_device(name, *t, "q", a.q));
     if (t->ndim == 4) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, *t));
   }

@@ -8,7 +8,7 @@
 namespace encore::kda {
 namespace {
 
-const std::initializer_list<DType> kFloat = {DType::kBF16, DType::kFP32, DType::kFP64};
+const std::initializer_list<DType> kFloat = {DType::kBF16, DType::kFP16, DType::kFP32, DType::kFP64};
 const std::initializer_list<DType> kState = {DType::kFP32, DType::kFP64};
 
 Status expect_shape(const char* name, const TensorView& t, std::initializer_list<int64_t> shape, const char* layout,

@@ -184,6 +184,76 @@ TEST(KdaForward, Bf16InputsMatchFp64Reference) {
   EXPECT_LT(rel_err(f_d, kc.fin), 5e-2);
 }
 
+// fp16 inputs and outputs (fla's test matrix uses them): the forward and the backward read and write
+// them, close to the fp64 run on the unrounded inputs.
+TEST(KdaForward, Fp16InputsMatchFp64Reference) {
+  KdaCase kc{1, 150, 2, 16, 16, {0, 70, 150}, Gate::kSoftplusBias, true, true};
+  kc.fill(4);
+  KdaForwardArgs a64 = kc.args();
+  ASSERT_TRUE(run(a64, kc.opts));
+  auto to_h = [](const std::vector<double>& x) {
+    std::vector<uint16_t> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = float_to_fp16(float(x[i]));
+    return y;
+  };
+  auto from_h = [](const std::vector<uint16_t>& x) {
+    std::vector<double> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = fp16_to_float(x[i]);
+    return y;
+  };
+  auto q = to_h(kc.q), k = to_h(kc.k), v = to_h(kc.v), g = to_h(kc.g), be = to_h(kc.beta);
+  std::vector<uint16_t> o(kc.o.size());
+  std::vector<float> fin(kc.fin.size(), NAN);
+  KdaForwardArgs a = a64;
+  auto half = [](TensorView& t, std::vector<uint16_t>& x) {
+    t.data = x.data();
+    t.dtype = DType::kFP16;
+  };
+  half(a.q, q), half(a.k, k), half(a.v, v), half(a.g, g), half(a.beta, be), half(a.o, o);
+  a.final_state.data = fin.data();
+  a.final_state.dtype = DType::kFP32;
+  Status st = run(a, kc.opts);
+  ASSERT_TRUE(st) << st.to_string();
+  const std::vector<double> f_d(fin.begin(), fin.end());
+  EXPECT_LT(rel_err(from_h(o), kc.o), 5e-3);  // fp16 rounding (2^-11) of every input and of o
+  EXPECT_LT(rel_err(f_d, kc.fin), 5e-3);
+
+  // The backward: fp16 d_o and fp16 gradients, against the fp64 backward.
+  std::vector<double> d_o(kc.o.size());
+  std::mt19937_64 rng(3);
+  std::normal_distribution<double> nd;
+  for (auto& e : d_o) e = nd(rng);
+  std::vector<double> dq(kc.q.size()), dk(kc.k.size()), dv(kc.v.size()), dg(kc.g.size()), db(kc.beta.size());
+  KdaBackwardArgs b;
+  b.fwd = a64;
+  auto like = [](auto& x, const TensorView& t, DType dt) {
+    TensorView r = t;
+    r.data = x.data();
+    r.dtype = dt;
+    return r;
+  };
+  b.d_o = like(d_o, a64.o, DType::kFP64);
+  b.dq = like(dq, a64.q, DType::kFP64), b.dk = like(dk, a64.k, DType::kFP64), b.dv = like(dv, a64.v, DType::kFP64);
+  b.dg = like(dg, a64.g, DType::kFP64), b.dbeta = like(db, a64.beta, DType::kFP64);
+  ASSERT_TRUE(run(b, kc.opts));
+  auto d_oh = to_h(d_o);
+  std::vector<uint16_t> hq(dq.size()), hk(dk.size()), hv(dv.size()), hg(dg.size()), hb(db.size());
+  KdaBackwardArgs bh;
+  bh.fwd = a;
+  bh.fwd.o = TensorView{};
+  bh.fwd.final_state = TensorView{};
+  bh.d_o = like(d_oh, a64.o, DType::kFP16);
+  bh.dq = like(hq, a64.q, DType::kFP16), bh.dk = like(hk, a64.k, DType::kFP16), bh.dv = like(hv, a64.v, DType::kFP16);
+  bh.dg = like(hg, a64.g, DType::kFP16), bh.dbeta = like(hb, a64.beta, DType::kFP16);
+  st = run(bh, kc.opts);
+  ASSERT_TRUE(st) << st.to_string();
+  EXPECT_LT(rel_err(from_h(hq), dq), 1e-2);
+  EXPECT_LT(rel_err(from_h(hk), dk), 1e-2);
+  EXPECT_LT(rel_err(from_h(hv), dv), 1e-2);
+  EXPECT_LT(rel_err(from_h(hg), dg), 1e-2);
+  EXPECT_LT(rel_err(from_h(hb), db), 1e-2);
+}
+
 // The GPU test's strong-decay case (tests/kda/test_kda_gpu.cpp, "varlen strong decays") is meant to
 // send diagonal blocks down each of the chunk kernel's three paths (one reference, two references,
 // halving references); the GPU test checks its own draw, this checks that the draw does so reliably.
@@ -307,7 +377,7 @@ TEST_F(KdaBad, CudaLimitsAreCheckedBeforeDeviceAccess) {
   a.initial_state.shape[0] = 1;
   a.final_state.shape[0] = 1;
   // The CUDA forward's own limits are checked before any device access.
-  expect_error(a, kc.opts, "q: dtype must be one of {bf16, fp32}, got fp64");  // the CUDA forward takes bf16/fp32
+  expect_error(a, kc.opts, "q: dtype must be one of {bf16, fp16, fp32}, got fp64");  // the CUDA forward takes bf16/fp16/fp32
 }
 
 }  // namespace

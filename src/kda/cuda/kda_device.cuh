@@ -19,6 +19,7 @@
 // scripts/kda_rounding_model.py).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -70,8 +71,9 @@ __device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, i
 
 __device__ __forceinline__ float load(const KdaTensor& t, int b, int tok, int h, int c) {
   const int64_t off = int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh + c;
-  return t.dtype == DType::kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(t.data)[off])
-                                 : static_cast<const float*>(t.data)[off];
+  if (t.dtype == DType::kBF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(t.data)[off]);
+  if (t.dtype == DType::kFP16) return __half2float(static_cast<const __half*>(t.data)[off]);
+  return static_cast<const float*>(t.data)[off];
 }
 
 // Eight bf16 values (one 16-byte word) as floats.
@@ -85,15 +87,28 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&x)[8]) {
   }
 }
 
-// Channels c0..c0+7 of token `tok` (zeros at c >= C): one 16-byte load (bf16) or two (fp32) when the
-// address is 16-byte aligned and all eight are in range, element loads otherwise.
+// Eight fp16 values (one 16-byte word) as floats.
+__device__ __forceinline__ void unpack8_half(const uint4& u, float (&x)[8]) {
+  const auto* p2 = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __half22float2(p2[e]);
+    x[2 * e] = f.x;
+    x[2 * e + 1] = f.y;
+  }
+}
+
+// Channels c0..c0+7 of token `tok` (zeros at c >= C): one 16-byte load (bf16, fp16) or two (fp32) when
+// the address is 16-byte aligned and all eight are in range, element loads otherwise.
 __device__ __forceinline__ void load8(const KdaTensor& t, int b, int tok, int h, int c0, int C, float (&x)[8]) {
   const int64_t off = int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh + c0;
-  const bool bf = t.dtype == DType::kBF16;
-  const char* ptr = static_cast<const char*>(t.data) + off * (bf ? 2 : 4);
+  const bool bf = t.dtype == DType::kBF16, hf = t.dtype == DType::kFP16;
+  const char* ptr = static_cast<const char*>(t.data) + off * (bf || hf ? 2 : 4);
   if (c0 + 8 <= C && (reinterpret_cast<uintptr_t>(ptr) & 15) == 0) {
     if (bf) {
       unpack8(__ldg(reinterpret_cast<const uint4*>(ptr)), x);
+    } else if (hf) {
+      unpack8_half(__ldg(reinterpret_cast<const uint4*>(ptr)), x);
     } else {
       const float4 lo = __ldg(reinterpret_cast<const float4*>(ptr)), hi = __ldg(reinterpret_cast<const float4*>(ptr) + 1);
       x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
@@ -106,6 +121,7 @@ __device__ __forceinline__ void load8(const KdaTensor& t, int b, int tok, int h,
 
 __device__ __forceinline__ void store(void* base, DType dt, int64_t off, float x) {
   if (dt == DType::kBF16) static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16(x);
+  else if (dt == DType::kFP16) static_cast<__half*>(base)[off] = __float2half_rn(x);
   else static_cast<float*>(base)[off] = x;
 }
 
@@ -121,14 +137,20 @@ __device__ __forceinline__ void split_bf16(float x, float y, __nv_bfloat16* hi, 
   *reinterpret_cast<uint32_t*>(hi + plane) = pack_bf16(rx, ry);
 }
 
-// Elements off and off + 1 (of which the first `n` exist: n <= 0 stores nothing): one 4-byte (bf16)
-// or 8-byte (fp32) store when both exist and the address is aligned for it, element stores otherwise.
+// Elements off and off + 1 (of which the first `n` exist: n <= 0 stores nothing): one 4-byte (bf16,
+// fp16) or 8-byte (fp32) store when both exist and the address is aligned for it, element stores otherwise.
 __device__ __forceinline__ void store_pair(void* base, DType dt, int64_t off, float x, float y, int n) {
   if (n <= 0) return;
   if (dt == DType::kBF16) {
     auto* p = static_cast<__nv_bfloat16*>(base) + off;
     if (n >= 2 && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
       *reinterpret_cast<uint32_t*>(p) = pack_bf16(x, y);
+      return;
+    }
+  } else if (dt == DType::kFP16) {
+    auto* p = static_cast<__half*>(base) + off;
+    if (n >= 2 && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+      *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
       return;
     }
   } else {
