@@ -5,10 +5,12 @@
 //     Sbar_t = Diag(exp g_t) S_{t-1};  e_t = v_t - Sbar_t^T k_t;  S_t = Sbar_t + beta_t k_t e_t^T
 //     o_t = scale * S_t^T q_t        (the updated state: token t sees its own write)
 //
-// Tensors: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V] fp32;
-// cu_seqlens [N + 1] int32/int64 (varlen, B = 1); o [B, T, H, V]; final_state [N, H, K, V] fp32.
+// Tensors: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; initial_state
+// [N, HV, K, V] fp32; cu_seqlens [N + 1] int32/int64 (varlen, B = 1); o [B, T, HV, V]; final_state
+// [N, HV, K, V] fp32. HV, the value heads, is a multiple of H (grouped value heads, fla's GVA; HV = H
+// the plain case): value head h reads q/k head h / (HV / H); every other tensor is per value head.
 // g is the log-decay (natural log, <= 0), or, with use_gate_in_kernel, the raw gate x:
-//   softplus:     g = -exp(A_log[h]) * softplus(x + dt_bias[h, k])
+//   softplus:     g = -exp(A_log[h]) * softplus(x + dt_bias[h, k])     (A_log [HV], dt_bias [HV * K])
 //   lower bound:  g = lower_bound * sigmoid(exp(A_log[h]) * (x + dt_bias[h, k]))   (A_log optional)
 // use_qk_l2norm: q and k are divided by sqrt(sum_k x^2 + 1e-6) per head first.
 //
@@ -23,9 +25,11 @@
 // BPTT) and CUDA (src/kda/cuda/kda_backward.cu: the chunked backward in fp32 on CUDA cores, five
 // launches, deterministic). The CUDA backward needs the forward's residuals G, Aqk, Akk (and h for
 // the saved-h mode; without h it rematerializes the chunk-start states), bf16/fp16/fp32 q, k, v, g,
-// beta, d_o and gradients (residuals bf16/fp32), fp32 contiguous states, A_log, dt_bias and their gradients, K, V <= 128, and
-// workspace_bytes(args, opts) bytes of device workspace (per chunk of 64 tokens and head at
-// K = V = 128: 274 KB saved-h, 338 KB rematerializing).
+// beta, d_o and gradients (residuals bf16/fp32), fp32 contiguous states, A_log, dt_bias and their
+// gradients, K, V <= 128, and workspace_bytes(args, opts) bytes of device workspace (per chunk of 64
+// tokens and value head at K = V = 128: 274 KB saved-h, 338 KB rematerializing; with HV > H also
+// 8 · K bytes per token and value head of dq, dk partials). dq, dk are the sums over each q/k head's
+// value heads, in a fixed order (deterministic).
 #pragma once
 #include <cstddef>
 
@@ -44,10 +48,11 @@ struct KdaOptions {
 };
 
 // What the forward saves for a chunked backward (docs/kda.md, "Residuals for the backward"), all optional:
-//   G    [B, T, H, K] fp32: the chunk-local inclusive cumsum of the activated gate, in log2;
-//   Aqk  [B, T, H, 64]: row t holds Aqk[t, j] for the rows j of t's chunk (scale included, 0 for j > t);
-//   Akk  [B, T, H, 64]: the rows of A = (I + L)^-1 (unit lower triangular);
-//   h    [NT, H, K, V]: the chunk-start states, chunks of all sequences in order (NT =
+// (per value head: HV heads)
+//   G    [B, T, HV, K] fp32: the chunk-local inclusive cumsum of the activated gate, in log2;
+//   Aqk  [B, T, HV, 64]: row t holds Aqk[t, j] for the rows j of t's chunk (scale included, 0 for j > t);
+//   Akk  [B, T, HV, 64]: the rows of A = (I + L)^-1 (unit lower triangular);
+//   h    [NT, HV, K, V]: the chunk-start states, chunks of all sequences in order (NT =
 //        kda_chunk_count); given = the saved-h mode, absent = the rematerialize mode.
 // Aqk, Akk, h take bf16 or fp32 (or fp64 on the CPU backend); on CUDA contiguous and in one dtype.
 struct KdaResiduals {
@@ -58,11 +63,11 @@ struct KdaResiduals {
 struct KdaForwardArgs {
   TensorView q, k, v, g, beta;
   TensorView initial_state;  // optional
-  TensorView A_log;          // [H] fp32; required for the softplus gate, optional for the lower bound
-  TensorView dt_bias;        // optional [H * K] fp32
+  TensorView A_log;          // [HV] fp32; required for the softplus gate, optional for the lower bound
+  TensorView dt_bias;        // optional [HV * K] fp32
   TensorView cu_seqlens;     // optional [N + 1]
-  TensorView o;              // output [B, T, H, V]
-  TensorView final_state;    // output [N, H, K, V] when output_final_state
+  TensorView o;              // output [B, T, HV, V]
+  TensorView final_state;    // output [N, HV, K, V] when output_final_state
   KdaResiduals residuals;    // optional outputs for the backward
 };
 
@@ -77,12 +82,12 @@ Status run(const KdaForwardArgs& args, const KdaOptions& opts, void* workspace =
 // use_gate_in_kernel); dq, dk with respect to q, k before the L2 norm.
 struct KdaBackwardArgs {
   KdaForwardArgs fwd;          // the forward's inputs (its o and final_state are not read)
-  TensorView d_o;              // [B, T, H, V]
-  TensorView d_final_state;    // optional [N, H, K, V]
-  TensorView dq, dk, dv, dg, dbeta;  // outputs, shaped like q, k, v, g, beta
-  TensorView dh0;              // output [N, H, K, V] when initial_state is given (optional)
-  TensorView dA_log;           // output [H] when A_log is given (optional)
-  TensorView ddt_bias;         // output [H * K] when dt_bias is given (optional)
+  TensorView d_o;              // [B, T, HV, V]
+  TensorView d_final_state;    // optional [N, HV, K, V]
+  TensorView dq, dk, dv, dg, dbeta;  // outputs, shaped like q, k, v, g, beta (dq, dk: summed over each group)
+  TensorView dh0;              // output [N, HV, K, V] when initial_state is given (optional)
+  TensorView dA_log;           // output [HV] when A_log is given (optional)
+  TensorView ddt_bias;         // output [HV * K] when dt_bias is given (optional)
 };
 
 Status validate(const KdaBackwardArgs& args, const KdaOptions& opts);

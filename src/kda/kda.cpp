@@ -33,7 +33,7 @@ Status validate_state(const char* name, const TensorView& t, const kda::KdaProbl
   ENCORE_RETURN_IF_ERROR(checks::present(name, t));
   const int64_t n = int64_t(p.seqs.size());
   if (t.ndim != 4 || t.shape[0] != n || t.shape[1] != p.H || t.shape[2] != p.K || t.shape[3] != p.V)
-    return Status::invalid(std::string(name) + ": expected [N, H, K, V] = [" + std::to_string(n) + ", " + std::to_string(p.H) + ", " +
+    return Status::invalid(std::string(name) + ": expected [N, HV, K, V] = [" + std::to_string(n) + ", " + std::to_string(p.H) + ", " +
                            std::to_string(p.K) + ", " + std::to_string(p.V) + "], got " + t.shape_string());
   ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, kState));
   ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "q", q));
@@ -66,10 +66,10 @@ Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {
     return Status::ok();
   };
   const std::initializer_list<DType> lo = {DType::kBF16, DType::kFP32, DType::kFP64};
-  ENCORE_RETURN_IF_ERROR(check("residuals.G", r.G, {p.B, p.T, p.H, p.K}, "[B, T, H, K]", {DType::kFP32, DType::kFP64}));
-  ENCORE_RETURN_IF_ERROR(check("residuals.Aqk", r.Aqk, {p.B, p.T, p.H, kda::kChunk}, "[B, T, H, 64]", lo));
-  ENCORE_RETURN_IF_ERROR(check("residuals.Akk", r.Akk, {p.B, p.T, p.H, kda::kChunk}, "[B, T, H, 64]", lo));
-  ENCORE_RETURN_IF_ERROR(check("residuals.h", r.h, {chunk_count(p), p.H, p.K, p.V}, "[NT, H, K, V]", lo));
+  ENCORE_RETURN_IF_ERROR(check("residuals.G", r.G, {p.B, p.T, p.H, p.K}, "[B, T, HV, K]", {DType::kFP32, DType::kFP64}));
+  ENCORE_RETURN_IF_ERROR(check("residuals.Aqk", r.Aqk, {p.B, p.T, p.H, kda::kChunk}, "[B, T, HV, 64]", lo));
+  ENCORE_RETURN_IF_ERROR(check("residuals.Akk", r.Akk, {p.B, p.T, p.H, kda::kChunk}, "[B, T, HV, 64]", lo));
+  ENCORE_RETURN_IF_ERROR(check("residuals.h", r.h, {chunk_count(p), p.H, p.K, p.V}, "[NT, HV, K, V]", lo));
   return Status::ok();
 }
 
@@ -156,6 +156,7 @@ void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::
   cp.H = int(p.H);
   cp.K = int(p.K);
   cp.V = int(p.V);
+  cp.group = int(p.group());
   cp.N = int(p.seqs.size());
   cp.scale = float(p.scale);
   cp.l2norm = o.use_qk_l2norm;
@@ -255,6 +256,7 @@ void fill_cuda_backward(const KdaBackwardArgs& b, const KdaOptions& o, const kda
   cp.H = int(p.H);
   cp.K = int(p.K);
   cp.V = int(p.V);
+  cp.group = int(p.group());
   cp.N = int(p.seqs.size());
   cp.scale = float(p.scale);
   cp.l2norm = o.use_qk_l2norm;
@@ -393,7 +395,7 @@ size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   if (!a.fwd.q.defined() || !a.fwd.q.device.is_cuda() || !kda::make_problem(a.fwd, o, &p)) return 0;
 #ifdef ENCORE_WITH_CUDA
-  return cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !a.fwd.residuals.h.defined());
+  return cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !a.fwd.residuals.h.defined(), p.B * p.T, p.group());
 #else
   return 0;
 #endif

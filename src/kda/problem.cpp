@@ -46,20 +46,24 @@ Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* ou
   ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("q", a.q));
   p.B = a.q.shape[0];
   p.T = a.q.shape[1];
-  p.H = a.q.shape[2];
+  p.Hq = a.q.shape[2];
   p.K = a.q.shape[3];
   if (p.K > kMaxHeadDim) return Status::unsupported("q: head dim K = " + std::to_string(p.K) + " exceeds 256");
-  ENCORE_RETURN_IF_ERROR(expect_shape("k", a.k, {p.B, p.T, p.H, p.K}, "[B, T, H, K]", a.q));
+  ENCORE_RETURN_IF_ERROR(expect_shape("k", a.k, {p.B, p.T, p.Hq, p.K}, "[B, T, H, K]", a.q));
   ENCORE_RETURN_IF_ERROR(checks::same_dtype("k", a.k, "q", a.q));
   ENCORE_RETURN_IF_ERROR(checks::present("v", a.v));
-  ENCORE_RETURN_IF_ERROR(checks::ndim("v", a.v, 4, "[B, T, H, V]"));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("v", a.v, 4, "[B, T, HV, V]"));
   p.V = a.v.shape[3];
+  p.H = a.v.shape[2];  // value heads
   if (p.V > kMaxHeadDim) return Status::unsupported("v: head dim V = " + std::to_string(p.V) + " exceeds 256");
-  ENCORE_RETURN_IF_ERROR(expect_shape("v", a.v, {p.B, p.T, p.H, p.V}, "[B, T, H, V]", a.q));
+  if (a.v.shape[0] != p.B || a.v.shape[1] != p.T || (p.Hq > 0 ? p.H < p.Hq || p.H % p.Hq != 0 : p.H != 0))
+    return Status::invalid("v: expected [B, T, HV, V] with B = " + std::to_string(p.B) + ", T = " + std::to_string(p.T) +
+                           " and HV a multiple of H = " + std::to_string(p.Hq) + " (q's heads), got " + a.v.shape_string());
+  ENCORE_RETURN_IF_ERROR(expect_shape("v", a.v, {p.B, p.T, p.H, p.V}, "[B, T, HV, V]", a.q));
   ENCORE_RETURN_IF_ERROR(checks::same_dtype("v", a.v, "q", a.q));
-  ENCORE_RETURN_IF_ERROR(expect_shape("g", a.g, {p.B, p.T, p.H, p.K}, "[B, T, H, K]", a.q));
+  ENCORE_RETURN_IF_ERROR(expect_shape("g", a.g, {p.B, p.T, p.H, p.K}, "[B, T, HV, K]", a.q));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("g", a.g, kFloat));
-  ENCORE_RETURN_IF_ERROR(expect_shape("beta", a.beta, {p.B, p.T, p.H}, "[B, T, H]", a.q));
+  ENCORE_RETURN_IF_ERROR(expect_shape("beta", a.beta, {p.B, p.T, p.H}, "[B, T, HV]", a.q));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("beta", a.beta, kFloat));
 
   // Sequences.
@@ -88,7 +92,7 @@ Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* ou
   const int64_t N = int64_t(p.seqs.size());
 
   if (a.initial_state.defined()) {
-    ENCORE_RETURN_IF_ERROR(expect_shape("initial_state", a.initial_state, {N, p.H, p.K, p.V}, "[N, H, K, V]", a.q));
+    ENCORE_RETURN_IF_ERROR(expect_shape("initial_state", a.initial_state, {N, p.H, p.K, p.V}, "[N, HV, K, V]", a.q));
     ENCORE_RETURN_IF_ERROR(checks::dtype_in("initial_state", a.initial_state, kState));
   }
   // Gates.
@@ -97,14 +101,14 @@ Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* ou
     return Status::invalid("lower_bound: must lie in [-5, 0), got " + std::to_string(o.lower_bound));
   if (a.A_log.defined()) {
     if (!o.use_gate_in_kernel) return Status::invalid("A_log: only used with use_gate_in_kernel");
-    ENCORE_RETURN_IF_ERROR(expect_shape("A_log", a.A_log, {p.H}, "[H]", a.q));
+    ENCORE_RETURN_IF_ERROR(expect_shape("A_log", a.A_log, {p.H}, "[HV]", a.q));
     ENCORE_RETURN_IF_ERROR(checks::dtype_in("A_log", a.A_log, kState));
   } else if (o.use_gate_in_kernel && !o.use_lower_bound) {
     return Status::invalid("A_log: required by the softplus in-kernel gate");
   }
   if (a.dt_bias.defined()) {
     if (!o.use_gate_in_kernel) return Status::invalid("dt_bias: only used with use_gate_in_kernel");
-    ENCORE_RETURN_IF_ERROR(expect_shape("dt_bias", a.dt_bias, {p.H * p.K}, "[H * K]", a.q));
+    ENCORE_RETURN_IF_ERROR(expect_shape("dt_bias", a.dt_bias, {p.H * p.K}, "[HV * K]", a.q));
     ENCORE_RETURN_IF_ERROR(checks::dtype_in("dt_bias", a.dt_bias, kState));
   }
   if (!std::isfinite(o.scale)) return Status::invalid("scale: must be finite");

@@ -14,8 +14,13 @@ struct Sequence {
   int64_t batch = 0, begin = 0, end = 0;  // tokens [begin, end) of batch row `batch`
 };
 
+// H is the number of value heads (HV: v, g, beta, o, states, A_log, dt_bias and every residual are
+// per value head); Hq (<= H, dividing it) the number of q/k heads: value head h reads q/k head
+// h / group() (fla's grouped value attention; Hq = H without it).
 struct KdaProblem {
   int64_t B = 0, T = 0, H = 0, K = 0, V = 0;
+  int64_t Hq = 0;
+  int64_t group() const { return Hq > 0 ? H / Hq : 1; }
   double scale = 0.0;  // resolved
   KdaOptions opts;
   std::vector<Sequence> seqs;  // N sequences, in order

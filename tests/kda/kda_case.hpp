@@ -25,10 +25,12 @@ struct KdaCase {
   // N(0, 1) (the range of fla's peer-script inputs, A_log ~ N(0, 1)), so some heads' 16-row blocks
   // decay by more than 2^100 and others do not; else e^A_log in [0.37, 1.5) and dt_bias ~ N(0, 0.25).
   bool strong_decays = false;
+  int64_t HV = 0;  // value heads (grouped value attention: a multiple of H); 0: H
   std::vector<double> q, k, v, g, beta, init, A_log, dt_bias, o, fin;
   KdaOptions opts;
 
   int64_t N() const { return cu.empty() ? B : int64_t(cu.size()) - 1; }
+  int64_t Hv() const { return HV > 0 ? HV : H; }
   void fill(uint64_t seed) {
     std::mt19937_64 rng(seed ^ std::random_device{}());
     std::normal_distribution<double> nd;
@@ -37,46 +39,65 @@ struct KdaCase {
       x.resize(n);
       for (auto& e : x) e = sd * nd(rng);
     };
-    const size_t nk = size_t(B * T * H * K), nv = size_t(B * T * H * V);
+    const int64_t Hv = this->Hv();
+    const size_t nk = size_t(B * T * H * K), nv = size_t(B * T * Hv * V);
     randn(q, nk, 1.0);
     randn(k, nk, k_sd > 0 ? k_sd : (l2 ? 3.0 : 0.4));
     randn(v, nv, 1.0);
-    beta.resize(size_t(B * T * H));
+    beta.resize(size_t(B * T * Hv));
     for (auto& e : beta) e = 0.1 + 0.8 * ud(rng);
-    g.resize(nk);
+    g.resize(size_t(B * T * Hv * K));
     for (auto& e : g) {
       if (gate == Gate::kPrecomputed) e = std::log(1.0 / (1.0 + std::exp(-nd(rng)))) / 4.0;  // log-sigmoid / norm
       else e = 2.0 * nd(rng);                                                                // raw gate
     }
-    if (h0) randn(init, size_t(N() * H * K * V), 0.5);
+    if (h0) randn(init, size_t(N() * Hv * K * V), 0.5);
     if (gate != Gate::kPrecomputed) {
-      A_log.resize(size_t(H));
+      A_log.resize(size_t(Hv));
       for (size_t h = 0; h < A_log.size(); ++h)
-        A_log[h] = strong_decays ? -1.0 + 3.5 * double(h) / double(std::max<int64_t>(H - 1, 1)) : std::log(1.0 + 3.0 * ud(rng)) - 1.0;
+        A_log[h] = strong_decays ? -1.0 + 3.5 * double(h) / double(std::max<int64_t>(Hv - 1, 1)) : std::log(1.0 + 3.0 * ud(rng)) - 1.0;
     }
-    if (gate == Gate::kSoftplusBias || gate == Gate::kLowerBound) randn(dt_bias, size_t(H * K), strong_decays ? 1.0 : 0.5);
+    if (gate == Gate::kSoftplusBias || gate == Gate::kLowerBound) randn(dt_bias, size_t(Hv * K), strong_decays ? 1.0 : 0.5);
     opts.use_gate_in_kernel = gate != Gate::kPrecomputed;
     opts.use_lower_bound = gate == Gate::kLowerBound;
     opts.lower_bound = -5.0;
     opts.use_qk_l2norm = l2;
     opts.output_final_state = final_state;
     o.assign(nv, NAN);
-    fin.assign(size_t(N() * H * K * V), NAN);
+    fin.assign(size_t(N() * Hv * K * V), NAN);
+  }
+  // The same problem with H = HV heads and q, k repeated explicitly (value head h reads q/k head
+  // h / (HV / H)): the reference for grouped value heads.
+  KdaCase head_repeated() const {
+    KdaCase r = *this;
+    const int64_t Hv = this->Hv(), group = Hv / H;
+    r.H = Hv;
+    r.HV = 0;
+    r.q.assign(size_t(B * T * Hv * K), 0.0);
+    r.k.assign(size_t(B * T * Hv * K), 0.0);
+    for (int64_t bt = 0; bt < B * T; ++bt)
+      for (int64_t h = 0; h < Hv; ++h)
+        for (int64_t c = 0; c < K; ++c) {
+          r.q[size_t((bt * Hv + h) * K + c)] = q[size_t((bt * H + h / group) * K + c)];
+          r.k[size_t((bt * Hv + h) * K + c)] = k[size_t((bt * H + h / group) * K + c)];
+        }
+    return r;
   }
   KdaForwardArgs args() {
-    auto t4 = [&](std::vector<double>& x, int64_t d) { return TensorView::contiguous(x.data(), DType::kFP64, {B, T, H, d}); };
+    const int64_t Hv = this->Hv();
+    auto t4 = [&](std::vector<double>& x, int64_t heads, int64_t d) { return TensorView::contiguous(x.data(), DType::kFP64, {B, T, heads, d}); };
     KdaForwardArgs a;
-    a.q = t4(q, K);
-    a.k = t4(k, K);
-    a.v = t4(v, V);
-    a.g = t4(g, K);
-    a.beta = TensorView::contiguous(beta.data(), DType::kFP64, {B, T, H});
-    if (h0) a.initial_state = TensorView::contiguous(init.data(), DType::kFP64, {N(), H, K, V});
-    if (!A_log.empty()) a.A_log = TensorView::contiguous(A_log.data(), DType::kFP64, {H});
-    if (!dt_bias.empty()) a.dt_bias = TensorView::contiguous(dt_bias.data(), DType::kFP64, {H * K});
+    a.q = t4(q, H, K);
+    a.k = t4(k, H, K);
+    a.v = t4(v, Hv, V);
+    a.g = t4(g, Hv, K);
+    a.beta = TensorView::contiguous(beta.data(), DType::kFP64, {B, T, Hv});
+    if (h0) a.initial_state = TensorView::contiguous(init.data(), DType::kFP64, {N(), Hv, K, V});
+    if (!A_log.empty()) a.A_log = TensorView::contiguous(A_log.data(), DType::kFP64, {Hv});
+    if (!dt_bias.empty()) a.dt_bias = TensorView::contiguous(dt_bias.data(), DType::kFP64, {Hv * K});
     if (!cu.empty()) a.cu_seqlens = TensorView::contiguous(cu.data(), DType::kInt64, {int64_t(cu.size())});
-    a.o = t4(o, V);
-    if (final_state) a.final_state = TensorView::contiguous(fin.data(), DType::kFP64, {N(), H, K, V});
+    a.o = t4(o, Hv, V);
+    if (final_state) a.final_state = TensorView::contiguous(fin.data(), DType::kFP64, {N(), Hv, K, V});
     return a;
   }
 
@@ -95,13 +116,13 @@ struct KdaCase {
     const reference::KdaInputs in = reference::kda_prepare(p, args());
     DiagBlockPaths n;
     for (const kda::Sequence& sq : p.seqs)
-      for (int64_t h = 0; h < H; ++h)
+      for (int64_t h = 0; h < Hv(); ++h)
         for (int64_t r = sq.begin; r < sq.end; r += 16) {  // chunks start at sq.begin: 16 divides 64
           double span = 0, span_lo = 0, span_hi = 0;
           for (int64_t kc = 0; kc < K; ++kc) {
             double d = 0, d8 = 0;  // G_r − G_i and G_{r+8} − G_i
             for (int64_t i = r + 1; i < std::min(r + 16, sq.end); ++i) {
-              const double x = -in.g[size_t(((sq.batch * T + i) * H + h) * K + kc)];
+              const double x = -in.g[size_t(((sq.batch * T + i) * Hv() + h) * K + kc)];
               d += x;
               span = std::max(span, d);
               if (i < r + 8) span_lo = std::max(span_lo, d);

@@ -8,7 +8,8 @@
 //            relative RMS <= 5e-3, 1e-2 for dg and dbeta (math-kda.md §12, issue 29).
 // Matrix: varlen 1/63/64/65/1000, empty segments, B = 2 fixed length, with and without initial state
 // and d_final_state, precomputed, softplus (with and without dt_bias) and lower-bound (-5) gates, L2
-// norm on and off, K = V = 128 and odd K, V (60/100, 48/40), bf16 and fp32, saved-h and
+// norm on and off, K = V = 128 and odd K, V (60/100, 48/40), bf16, fp16 and fp32, grouped value heads
+// (HV = 2H, 4H), saved-h and
 // rematerialize; a second run gives the same bits. On failure each line printed names the case and every gradient's two errors.
 #include <gtest/gtest.h>
 
@@ -74,9 +75,11 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
   if (!c.l2 && bc.key_sd == 0) bc.key_sd = 0.08 * std::sqrt(128.0 / double(c.K));
   c.k_sd = bc.key_sd;
   c.fill(uint64_t(c.T * 13 + c.K * 7 + c.V));
-  const int64_t B = c.B, T = c.T, H = c.H, K = c.K, V = c.V, N = c.N();
+  // H: value heads (v, g, beta, states, residuals, dv, dg, ...); Hq: q/k heads (dq, dk).
+  const int64_t B = c.B, T = c.T, H = c.Hv(), Hq = c.H, K = c.K, V = c.V, N = c.N();
   const DType gdt = c.opts.use_gate_in_kernel ? dt : DType::kFP32;
-  auto q = dev(c.q, dt, {B, T, H, K}), k = dev(c.k, dt, {B, T, H, K}), v = dev(c.v, dt, {B, T, H, V}), g = dev(c.g, gdt, {B, T, H, K}),
+  const DType rdt = dt == DType::kFP16 ? DType::kBF16 : dt;  // residuals: bf16 or fp32
+  auto q = dev(c.q, dt, {B, T, Hq, K}), k = dev(c.k, dt, {B, T, Hq, K}), v = dev(c.v, dt, {B, T, H, V}), g = dev(c.g, gdt, {B, T, H, K}),
        beta = dev(c.beta, dt, {B, T, H});
   std::unique_ptr<DevVec> h0, A_log, dt_bias;
   auto o = poisoned(c.o.size(), dt, {B, T, H, V}), fin = poisoned(c.fin.size(), DType::kFP32, {N, H, K, V});
@@ -94,13 +97,13 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
   if (!c.cu.empty()) a.cu_seqlens = TensorView::contiguous(c.cu.data(), DType::kInt64, {int64_t(c.cu.size())});
   int64_t nt = 0;
   ASSERT_TRUE(kda_chunk_count(a, c.opts, &nt));
-  const size_t nG = size_t(B * T * H * K), nA = size_t(B * T * H * 64), nH = size_t(nt * H * K * V);
-  auto rG = poisoned(nG, DType::kFP32, {B, T, H, K}), rAqk = poisoned(nA, dt, {B, T, H, 64}), rAkk = poisoned(nA, dt, {B, T, H, 64});
+  const size_t nG = size_t(B * T * H * K), nQ = size_t(B * T * Hq * K), nA = size_t(B * T * H * 64), nH = size_t(nt * H * K * V);
+  auto rG = poisoned(nG, DType::kFP32, {B, T, H, K}), rAqk = poisoned(nA, rdt, {B, T, H, 64}), rAkk = poisoned(nA, rdt, {B, T, H, 64});
   std::unique_ptr<DevVec> rh;
   a.residuals.G = rG->view;
   a.residuals.Aqk = rAqk->view;
   a.residuals.Akk = rAkk->view;
-  if (!remat) a.residuals.h = (rh = poisoned(nH, dt, {nt, H, K, V}))->view;
+  if (!remat) a.residuals.h = (rh = poisoned(nH, rdt, {nt, H, K, V}))->view;
   {
     DeviceBuffer fws(std::max<size_t>(workspace_bytes(a, c.opts), 16));
     const Status st = run(a, c.opts, fws.ptr);
@@ -120,7 +123,7 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
   b.fwd = a;
   b.d_o = ddo->view;
   if (bc.dht) b.d_final_state = (ddfin = dev(d_fin, DType::kFP32, {N, H, K, V}))->view;
-  auto dq = poisoned(nG, dt, {B, T, H, K}), dk = poisoned(nG, dt, {B, T, H, K}), dv = poisoned(c.v.size(), dt, {B, T, H, V}),
+  auto dq = poisoned(nQ, dt, {B, T, Hq, K}), dk = poisoned(nQ, dt, {B, T, Hq, K}), dv = poisoned(c.v.size(), dt, {B, T, H, V}),
        dg = poisoned(nG, dt, {B, T, H, K}), dbeta = poisoned(c.beta.size(), dt, {B, T, H});
   b.dq = dq->view;
   b.dk = dk->view;
@@ -159,10 +162,10 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
     r.d_o = TensorView::contiguous(d_o.data(), DType::kFP64, {B, T, H, V});
     if (bc.dht) r.d_final_state = TensorView::contiguous(d_fin.data(), DType::kFP64, {N, H, K, V});
     out.assign(8, {});
-    out[0].assign(nG, NAN), out[1].assign(nG, NAN), out[2].assign(c.v.size(), NAN), out[3].assign(nG, NAN), out[4].assign(c.beta.size(), NAN);
+    out[0].assign(nQ, NAN), out[1].assign(nQ, NAN), out[2].assign(c.v.size(), NAN), out[3].assign(nG, NAN), out[4].assign(c.beta.size(), NAN);
     out[5].assign(c.init.size(), NAN), out[6].assign(size_t(H), NAN), out[7].assign(size_t(H * K), NAN);
-    r.dq = TensorView::contiguous(out[0].data(), DType::kFP64, {B, T, H, K});
-    r.dk = TensorView::contiguous(out[1].data(), DType::kFP64, {B, T, H, K});
+    r.dq = TensorView::contiguous(out[0].data(), DType::kFP64, {B, T, Hq, K});
+    r.dk = TensorView::contiguous(out[1].data(), DType::kFP64, {B, T, Hq, K});
     r.dv = TensorView::contiguous(out[2].data(), DType::kFP64, {B, T, H, V});
     r.dg = TensorView::contiguous(out[3].data(), DType::kFP64, {B, T, H, K});
     r.dbeta = TensorView::contiguous(out[4].data(), DType::kFP64, {B, T, H});
@@ -177,7 +180,7 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
   cpu_grads(true, stage);
   const char* names[8] = {"dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"};
   const DevVec* gpu[8] = {dq.get(), dk.get(), dv.get(), dg.get(), dbeta.get(), dh0.get(), dA.get(), ddt.get()};
-  const bool bf = dt == DType::kBF16;
+  const bool bf = dt != DType::kFP32;  // bf16 / fp16 outputs (fp16's rounding is finer; same bounds)
   std::string line;
   for (int i = 0; i < 8; ++i) {
     if (!gpu[i]) continue;
@@ -194,11 +197,11 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
     EXPECT_LE(e_stage, tol_stage) << names[i] << " against the CPU chunked backward on the GPU's residuals";
     EXPECT_LE(e_exact, tol_exact) << names[i] << " against the fp64 BPTT";
   }
-  // Deterministic: a second run (workspace reused) gives the same bits.
-  const std::vector<double> dg1 = dg->fetch(), db1 = dbeta->fetch();
+  // Deterministic: a second run (workspace reused) gives the same bits (dq, dk: the group sums too).
+  const std::vector<double> dg1 = dg->fetch(), db1 = dbeta->fetch(), dq1 = dq->fetch(), dk1 = dk->fetch();
   ASSERT_TRUE(run(b, c.opts, ws.ptr));
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
-  EXPECT_TRUE(dg->fetch() == dg1 && dbeta->fetch() == db1) << "a second run differs";
+  EXPECT_TRUE(dg->fetch() == dg1 && dbeta->fetch() == db1 && dq->fetch() == dq1 && dk->fetch() == dk1) << "a second run differs";
   std::printf("  kda bwd %-34s %-4s %-7s (stage/fp64)%s\n", bc.label, dtype_name(dt), remat ? "remat" : "saved-h", line.c_str());
 }
 
@@ -228,6 +231,26 @@ TEST_F(KdaBwdGpu, SavedHMatchesReferences) {
 TEST_F(KdaBwdGpu, RematerializeMatchesReferences) {
   for (const BwdCase& bc : matrix())
     for (DType dt : {DType::kFP32, DType::kBF16}) run_bwd(bc, dt, true);
+}
+
+// fp16 inputs and gradients (residuals in bf16), and grouped value heads (HV = 2H, 4H; dq, dk summed
+// over each group's value heads by the last launch), saved-h and rematerialize.
+TEST_F(KdaBwdGpu, Fp16AndGroupedValueHeads) {
+  for (const BwdCase& bc : matrix())
+    for (bool remat : {false, true}) run_bwd(bc, DType::kFP16, remat);
+  auto grouped = [](KdaCase c, int64_t hv) {
+    c.HV = hv;
+    return c;
+  };
+  const std::vector<BwdCase> cases = {
+      {grouped(KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplusBias, true, true}, 4), "HV=2H varlen sp+b h0 l2"},
+      {grouped(KdaCase{2, 130, 1, 60, 100, {}, Gate::kSoftplus, true, true}, 4), "HV=4H fixed B2 K60 V100 sp h0 l2"},
+      {grouped(KdaCase{1, 300, 2, 128, 128, {0, 37, 300}, Gate::kLowerBound, true, false}, 8), "HV=4H varlen lower bound -5", false},
+      {grouped(KdaCase{1, 200, 2, 48, 40, {0, 0, 70, 70, 200}, Gate::kPrecomputed, false, true}, 4), "HV=2H varlen empty K48 V40"},
+  };
+  for (const BwdCase& bc : cases)
+    for (DType dt : {DType::kFP32, DType::kBF16, DType::kFP16})
+      for (bool remat : {false, true}) run_bwd(bc, dt, remat);
 }
 
 // Refusals that need device tensors: missing residuals, a null workspace, fp64 on CUDA.

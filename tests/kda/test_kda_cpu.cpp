@@ -23,7 +23,12 @@ struct ShapeCase {
   std::vector<int64_t> cu;
   Gate gate;
   bool h0, l2;
-  KdaCase make() const { return KdaCase{B, T, H, K, V, cu, gate, h0, l2}; }
+  int64_t HV = 0;  // value heads (0: H)
+  KdaCase make() const {
+    KdaCase c{B, T, H, K, V, cu, gate, h0, l2};
+    c.HV = HV;
+    return c;
+  }
 };
 
 void PrintTo(const ShapeCase& c, std::ostream* os) { *os << c.name; }
@@ -61,7 +66,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ShapeCase{"fixed_B2_T130", 2, 130, 2, 8, 6, {}, Gate::kPrecomputed, true, false},
                       ShapeCase{"varlen_short_segments", 1, 171, 2, 8, 8, {0, 15, 100, 100, 171}, Gate::kSoftplusBias, true, true},
                       ShapeCase{"varlen_1_63_64_65", 1, 193, 1, 6, 5, {0, 1, 64, 128, 193}, Gate::kLowerBound, false, true},
-                      ShapeCase{"softplus_no_bias_T64", 1, 64, 3, 4, 7, {}, Gate::kSoftplus, false, false}),
+                      ShapeCase{"softplus_no_bias_T64", 1, 64, 3, 4, 7, {}, Gate::kSoftplus, false, false},
+                      ShapeCase{"grouped_hv4_varlen", 1, 150, 1, 8, 6, {0, 70, 150}, Gate::kSoftplusBias, true, true, 4}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Central finite differences of loss = sum(o * d_o) + sum(final * d_final) against the backward.
@@ -107,7 +113,7 @@ TEST_P(KdaBackward, MatchesFiniteDifferences) {
   // gradients, with h saved (G, Aqk, Akk, h) and rematerialized (h absent).
   int64_t chunks = 0;
   ASSERT_TRUE(kda_chunk_count(b.fwd, kc.opts, &chunks));
-  const int64_t B = kc.B, T = kc.T, H = kc.H, K = kc.K, V = kc.V;
+  const int64_t B = kc.B, T = kc.T, H = kc.Hv(), K = kc.K, V = kc.V;  // residuals per value head
   std::vector<double> G(size_t(B * T * H * K)), Aqk(size_t(B * T * H * 64)), Akk(Aqk.size()), h(size_t(chunks * H * K * V));
   KdaForwardArgs f = kc.args();
   f.residuals = {TensorView::contiguous(G.data(), DType::kFP64, {B, T, H, K}), TensorView::contiguous(Aqk.data(), DType::kFP64, {B, T, H, 64}),
@@ -138,7 +144,7 @@ TEST_P(KdaBackward, MatchesFiniteDifferences) {
   bad.fwd.residuals.h.shape[0] = chunks + 1;
   Status sb = run(bad, kc.opts);
   EXPECT_FALSE(sb.is_ok());
-  EXPECT_NE(sb.message().find("residuals.h: expected [NT, H, K, V]"), std::string::npos) << sb.message();
+  EXPECT_NE(sb.message().find("residuals.h: expected [NT, HV, K, V]"), std::string::npos) << sb.message();
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -146,7 +152,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ShapeCase{"precomputed_h0_l2", 2, 5, 2, 3, 2, {}, Gate::kPrecomputed, true, true},
                       ShapeCase{"varlen_softplus_bias", 1, 7, 2, 3, 2, {0, 3, 3, 7}, Gate::kSoftplusBias, true, false},
                       ShapeCase{"softplus_no_bias_l2", 1, 4, 1, 4, 3, {}, Gate::kSoftplus, false, true},
-                      ShapeCase{"lower_bound", 1, 6, 2, 2, 3, {0, 2, 6}, Gate::kLowerBound, true, true}),
+                      ShapeCase{"lower_bound", 1, 6, 2, 2, 3, {0, 2, 6}, Gate::kLowerBound, true, true},
+                      ShapeCase{"grouped_hv2_softplus_bias_l2", 1, 7, 1, 3, 2, {0, 3, 7}, Gate::kSoftplusBias, true, true, 2},
+                      ShapeCase{"grouped_hv4_precomputed_B2", 2, 4, 1, 2, 2, {}, Gate::kPrecomputed, true, true, 4}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The public forward on bf16 inputs writes bf16 o and fp32 final state close to the fp64 reference.
@@ -188,6 +196,7 @@ TEST(KdaForward, Bf16InputsMatchFp64Reference) {
 // them, close to the fp64 run on the unrounded inputs.
 TEST(KdaForward, Fp16InputsMatchFp64Reference) {
   KdaCase kc{1, 150, 2, 16, 16, {0, 70, 150}, Gate::kSoftplusBias, true, true};
+  kc.HV = 4;
   kc.fill(4);
   KdaForwardArgs a64 = kc.args();
   ASSERT_TRUE(run(a64, kc.opts));
@@ -254,6 +263,87 @@ TEST(KdaForward, Fp16InputsMatchFp64Reference) {
   EXPECT_LT(rel_err(from_h(hb), db), 1e-2);
 }
 
+// Grouped value heads (HV = 2H): forward and backward (token-level, and chunked from the forward's
+// residuals with and without h) equal an explicit head-repeat computation in fp64, dq and dk being
+// the sums over each q/k head's value heads.
+TEST(KdaGrouped, EqualsHeadRepeat) {
+  for (bool l2 : {false, true}) {
+    SCOPED_TRACE(l2 ? "l2" : "no l2");
+    KdaCase gc{1, 150, 2, 8, 6, {0, 70, 71, 150}, Gate::kSoftplusBias, true, l2};
+    gc.HV = 4;
+    gc.fill(l2 ? 8 : 9);
+    KdaCase rc = gc.head_repeated();
+    ASSERT_EQ(rc.H, 4);
+    KdaForwardArgs ga = gc.args(), ra = rc.args();
+    ASSERT_TRUE(run(ga, gc.opts));
+    ASSERT_TRUE(run(ra, rc.opts));
+    for (size_t i = 0; i < gc.o.size(); ++i) ASSERT_NEAR(gc.o[i], rc.o[i], 1e-12 * (1 + std::fabs(rc.o[i]))) << i;
+    for (size_t i = 0; i < gc.fin.size(); ++i) ASSERT_NEAR(gc.fin[i], rc.fin[i], 1e-12 * (1 + std::fabs(rc.fin[i]))) << i;
+
+    std::mt19937_64 rng(13);
+    std::normal_distribution<double> nd;
+    std::vector<double> d_o(gc.o.size()), d_fin(gc.fin.size());
+    for (auto& e : d_o) e = nd(rng);
+    for (auto& e : d_fin) e = 0.1 * nd(rng);
+    struct Grads {
+      std::vector<double> dq, dk, dv, dg, db, dh0, dA, ddt;
+    };
+    auto backward = [&](KdaCase& c, KdaForwardArgs f, const KdaResiduals& res) {
+      Grads r{std::vector<double>(c.q.size()), std::vector<double>(c.k.size()), std::vector<double>(c.v.size()), std::vector<double>(c.g.size()),
+              std::vector<double>(c.beta.size()), std::vector<double>(c.init.size()), std::vector<double>(c.A_log.size()),
+              std::vector<double>(c.dt_bias.size())};
+      auto like = [](std::vector<double>& x, const TensorView& t) {
+        TensorView v = t;
+        v.data = x.data();
+        return v;
+      };
+      KdaBackwardArgs b;
+      b.fwd = f;
+      b.fwd.residuals = res;
+      b.d_o = like(d_o, f.o);
+      b.d_final_state = like(d_fin, f.final_state);
+      b.dq = like(r.dq, f.q), b.dk = like(r.dk, f.k), b.dv = like(r.dv, f.v), b.dg = like(r.dg, f.g), b.dbeta = like(r.db, f.beta);
+      b.dh0 = like(r.dh0, f.initial_state), b.dA_log = like(r.dA, f.A_log), b.ddt_bias = like(r.ddt, f.dt_bias);
+      Status st = run(b, c.opts);
+      EXPECT_TRUE(st) << st.to_string();
+      return r;
+    };
+    const Grads rg = backward(rc, rc.args(), {});
+    // The grouped forward's residuals (per value head).
+    int64_t nt = 0;
+    ASSERT_TRUE(kda_chunk_count(ga, gc.opts, &nt));
+    const int64_t T = gc.T, HV = 4, K = gc.K, V = gc.V;
+    std::vector<double> G(size_t(T * HV * K)), Aqk(size_t(T * HV * 64)), Akk(Aqk.size()), h(size_t(nt * HV * K * V));
+    const KdaResiduals res{TensorView::contiguous(G.data(), DType::kFP64, {1, T, HV, K}),
+                           TensorView::contiguous(Aqk.data(), DType::kFP64, {1, T, HV, 64}),
+                           TensorView::contiguous(Akk.data(), DType::kFP64, {1, T, HV, 64}),
+                           TensorView::contiguous(h.data(), DType::kFP64, {nt, HV, K, V})};
+    KdaForwardArgs gr = gc.args();
+    gr.residuals = res;
+    ASSERT_TRUE(run(gr, gc.opts));
+    KdaResiduals remat = res;
+    remat.h = TensorView{};
+    for (int mode = 0; mode < 3; ++mode) {
+      SCOPED_TRACE(mode == 0 ? "token-level" : mode == 1 ? "chunked, saved h" : "chunked, rematerialized");
+      const Grads gg = backward(gc, gc.args(), mode == 0 ? KdaResiduals{} : mode == 1 ? res : remat);
+      auto near = [](const std::vector<double>& x, const std::vector<double>& y, const char* name) {
+        ASSERT_EQ(x.size(), y.size()) << name;
+        for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(x[i], y[i], 1e-10 * (1 + std::fabs(y[i]))) << name << " " << i;
+      };
+      near(gg.dv, rg.dv, "dv"), near(gg.dg, rg.dg, "dg"), near(gg.db, rg.db, "dbeta"), near(gg.dh0, rg.dh0, "dh0");
+      near(gg.dA, rg.dA, "dA_log"), near(gg.ddt, rg.ddt, "ddt_bias");
+      std::vector<double> sq(gc.q.size(), 0.0), sk(gc.k.size(), 0.0);  // the repeat's dq, dk summed over each group
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t hv = 0; hv < HV; ++hv)
+          for (int64_t c = 0; c < K; ++c) {
+            sq[size_t((t * 2 + hv / 2) * K + c)] += rg.dq[size_t((t * HV + hv) * K + c)];
+            sk[size_t((t * 2 + hv / 2) * K + c)] += rg.dk[size_t((t * HV + hv) * K + c)];
+          }
+      near(gg.dq, sq, "dq"), near(gg.dk, sk, "dk");
+    }
+  }
+}
+
 // The GPU test's strong-decay case (tests/kda/test_kda_gpu.cpp, "varlen strong decays") is meant to
 // send diagonal blocks down each of the chunk kernel's three paths (one reference, two references,
 // halving references); the GPU test checks its own draw, this checks that the draw does so reliably.
@@ -304,7 +394,7 @@ TEST(KdaForward, ResidualsForTheBackward) {
   // Wrong residual shapes are refused by name.
   a.residuals.h = TensorView::contiguous(h.data(), DType::kFP64, {nt - 1, 2, 16, 8});
   st = run(a, kc.opts);
-  EXPECT_NE(st.message().find("residuals.h: expected [NT, H, K, V] = [5, 2, 16, 8]"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("residuals.h: expected [NT, HV, K, V] = [5, 2, 16, 8]"), std::string::npos) << st.message();
 }
 
 // ---- bad input -------------------------------------------------------------------------------
@@ -341,13 +431,22 @@ TEST_F(KdaBad, BatchWithCuSeqlens) {
 TEST_F(KdaBad, Shapes) {
   auto a = kc.args();
   a.beta.shape[2] = 3;
-  expect_error(a, kc.opts, "beta: expected shape [B, T, H] = [1, 10, 2], got [1, 10, 3]");
+  expect_error(a, kc.opts, "beta: expected shape [B, T, HV] = [1, 10, 2], got [1, 10, 3]");
   a = kc.args();
   a.g.shape[3] = 5;
-  expect_error(a, kc.opts, "g: expected shape [B, T, H, K]");
+  expect_error(a, kc.opts, "g: expected shape [B, T, HV, K]");
   a = kc.args();
   a.initial_state.shape[0] = 3;
-  expect_error(a, kc.opts, "initial_state: expected shape [N, H, K, V] = [2, 2, 4, 4]");
+  expect_error(a, kc.opts, "initial_state: expected shape [N, HV, K, V] = [2, 2, 4, 4]");
+  // Value heads: a multiple of q's heads (grouped value attention), named in the message.
+  std::vector<double> v3(size_t(10 * 3 * 4));
+  a = kc.args();
+  a.v = TensorView::contiguous(v3.data(), DType::kFP64, {1, 10, 3, 4});
+  expect_error(a, kc.opts, "v: expected [B, T, HV, V] with B = 1, T = 10 and HV a multiple of H = 2 (q's heads), got [1, 10, 3, 4]");
+  std::vector<double> v4(size_t(10 * 4 * 4));
+  a = kc.args();
+  a.v = TensorView::contiguous(v4.data(), DType::kFP64, {1, 10, 4, 4});  // HV = 4 = 2H: g, beta, ... must follow
+  expect_error(a, kc.opts, "g: expected shape [B, T, HV, K] = [1, 10, 4, 4], got [1, 10, 2, 4]");
   a = kc.args();
   a.initial_state.dtype = DType::kBF16;
   expect_error(a, kc.opts, "initial_state: dtype must be one of {fp32, fp64}");
@@ -373,7 +472,7 @@ TEST_F(KdaBad, CudaLimitsAreCheckedBeforeDeviceAccess) {
   auto a = kc.args();
   for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.initial_state, &a.o, &a.final_state}) t->device = Device{DeviceType::kCUDA, 0};
   a.cu_seqlens = TensorView{};
-  expect_error(a, kc.opts, "initial_state: expected shape [N, H, K, V] = [1, 2, 4, 4]");  // N changes without cu_seqlens
+  expect_error(a, kc.opts, "initial_state: expected shape [N, HV, K, V] = [1, 2, 4, 4]");  // N changes without cu_seqlens
   a.initial_state.shape[0] = 1;
   a.final_state.shape[0] = 1;
   // The CUDA forward's own limits are checked before any device access.

@@ -2,7 +2,7 @@
 // the device dtype: fixed length with B > 1, varlen with segments of 1, 63, 64, 65 and 1000 tokens
 // and with empty ones, with and without initial state, precomputed gates, in-kernel softplus gates
 // with and without dt_bias, the lower-bound gate at -5, extreme gates (-1000), large keys with and
-// without q/k L2 norm, bf16 and fp32. Outputs poisoned; relative RMS of o and the final state <= 5e-3, no NaN.
+// without q/k L2 norm, bf16, fp16 and fp32, grouped value heads (HV = 2H, 4H). Outputs poisoned; relative RMS of o and the final state <= 5e-3, no NaN.
 //
 // Without the L2 norm the keys are drawn with β|k|² < 1 (sd 0.08 at K = 128), the contractive
 // regime the delta rule is used in. With β|k|² ≈ 10 (sd 0.4) the recurrence is expansive and
@@ -71,14 +71,16 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
   c.fill(uint64_t(c.T * 7 + c.K));
   if (extreme_gate != 0.0)
     for (size_t i = 0; i < c.g.size(); i += 97) c.g[i] = extreme_gate;
-  const int64_t B = c.B, T = c.T, H = c.H, K = c.K, V = c.V, N = c.N();
+  // H: value heads (v, g, beta, o, states, residuals); Hq: q/k heads (grouped value heads: H = c.HV).
+  const int64_t B = c.B, T = c.T, H = c.Hv(), Hq = c.H, K = c.K, V = c.V, N = c.N();
   // The raw gate of the in-kernel activation comes in the inputs' dtype (as in the bench: bf16 tiles
   // take the chunk kernel's TMA path); a precomputed log-decay in fp32 (the element-load path).
   const DType gdt = c.opts.use_gate_in_kernel ? dt : DType::kFP32;
-  auto input = [&](std::vector<double>& host, DType t, int64_t C) {
-    return row_pad > 0 ? DeviceVec(host, t, B, T, H, C, row_pad) : DeviceVec(host, t, {B, T, H, C});
+  auto input = [&](std::vector<double>& host, DType t, int64_t heads, int64_t C) {
+    return row_pad > 0 ? DeviceVec(host, t, B, T, heads, C, row_pad) : DeviceVec(host, t, {B, T, heads, C});
   };
-  DeviceVec q = input(c.q, dt, K), k = input(c.k, dt, K), v = input(c.v, dt, V), g = input(c.g, gdt, K), beta(c.beta, dt, {B, T, H});
+  DeviceVec q = input(c.q, dt, Hq, K), k = input(c.k, dt, Hq, K), v = input(c.v, dt, H, V), g = input(c.g, gdt, H, K),
+            beta(c.beta, dt, {B, T, H});
   if (c.strong_decays) {  // the drawn (rounded) inputs take all three paths of the diagonal blocks
     const auto paths = c.diag_block_paths();
     EXPECT_GT(paths.one_ref, 0) << "no diagonal block on one reference";
@@ -195,6 +197,28 @@ TEST_F(KdaGpu, ForwardMatchesRecurrence) {
              "varlen strong decays");
     run_case(with_keys(KdaCase{2, 200, 2, 128, 128, {}, Gate::kPrecomputed, true, false}, 0.4), dt, "expansive keys (reported)", 0.0, false,
              0.0);
+  }
+}
+
+// fp16 inputs and o (the element-load path of the chunk kernel: no TMA map for fp16), and grouped
+// value heads (HV = 2H, 4H: value head h reads q/k head h / (HV / H); bf16 keeps the TMA path with
+// q/k maps of H heads) against the CPU recurrence on the same rounded inputs.
+TEST_F(KdaGpu, Fp16AndGroupedValueHeads) {
+  auto grouped = [](KdaCase c, int64_t hv) {
+    c.HV = hv;
+    return c;
+  };
+  for (DType dt : {DType::kFP16, DType::kBF16, DType::kFP32}) {
+    if (dt == DType::kFP16) {
+      run_case(KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, "fixed K64 V96 h0 l2");
+      run_case(KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt, "varlen 1/63/64/65/1000");
+      run_case(KdaCase{1, 300, 2, 64, 64, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, "varlen with residuals", 0.0, true);
+      run_case(KdaCase{1, 300, 2, 128, 128, {0, 37, 300}, Gate::kLowerBound, true, true}, dt, "varlen lower bound -5 l2");
+    }
+    run_case(grouped(KdaCase{1, 300, 2, 128, 128, {0, 100, 300}, Gate::kSoftplusBias, true, true}, 4), dt, "HV=2H varlen sp+b h0 l2");
+    run_case(grouped(KdaCase{2, 130, 1, 64, 96, {}, Gate::kPrecomputed, true, true}, 4), dt, "HV=4H fixed K64 V96 h0 l2");
+    run_case(grouped(KdaCase{1, 200, 2, 48, 40, {0, 0, 70, 70, 200}, Gate::kSoftplus, true, true}, 8), dt, "HV=4H varlen empty K48 V40",
+             0.0, true);
   }
 }
 

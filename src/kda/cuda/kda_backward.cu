@@ -6,7 +6,8 @@
 //   3a dh (kda_bwd_reverse.cu): the serial reverse state-cotangent pass per (sequence, head, 32 columns);
 //   3b grads (kda_bwd_grads.cu): WY, intra-chunk, reverse cumsum, gate and L2-norm tails, chunk-parallel;
 //   4 the gate reduction below: dA_log[h] and ddt_bias[h, k] summed over the chunks' partials in a
-//     fixed order (deterministic, no atomics).
+//     fixed order (deterministic, no atomics);
+//   5 with grouped value heads only: dq, dk summed over each q/k head's value heads (fixed order).
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
@@ -40,8 +41,9 @@ KdaBwdLayout kda_bwd_layout(int64_t K, int64_t V, bool remat) {
   return l;
 }
 
-size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V, bool remat) {
-  return size_t(chunks * H * kda_bwd_layout(K, V, remat).rec) * sizeof(float);
+size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V, bool remat, int64_t tokens, int64_t group) {
+  const int64_t partials = group > 1 ? 2 * tokens * H * K : 0;
+  return size_t(chunks * H * kda_bwd_layout(K, V, remat).rec + partials) * sizeof(float);
 }
 
 namespace kdabwd {
@@ -70,7 +72,39 @@ __global__ void kda_bwd_gate_reduce_kernel(const __grid_constant__ KdaBwdCudaPro
   }
 }
 
+// Grouped value heads: dq[b, t, hq, a] = sum over j < group (in order) of the partial at value head
+// hq * group + j; one thread per (b, t, hq, a). `dq`, `dk`: the caller's outputs; the partials are
+// the problem's (fp32, contiguous [B, T, H, K]).
+__global__ void kda_bwd_group_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, KdaOutTensor dq, KdaOutTensor dk) {
+  const int Hq = p.H / p.group;
+  const int64_t n = int64_t(p.B) * p.T * Hq * p.K;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n) return;
+  const int a = int(idx % p.K);
+  int64_t r = idx / p.K;
+  const int hq = int(r % Hq);
+  r /= Hq;
+  const int t = int(r % p.T), b = int(r / p.T);
+  const float* pq = static_cast<const float*>(p.dq.data);
+  const float* pk = static_cast<const float*>(p.dk.data);
+  float sq = 0.f, sk = 0.f;
+  for (int j = 0; j < p.group; ++j) {
+    const int64_t off = ((int64_t(b) * p.T + t) * p.H + hq * p.group + j) * p.K + a;
+    sq += pq[off];
+    sk += pk[off];
+  }
+  store_out(dq, b, t, hq, a, sq);
+  store_out(dk, b, t, hq, a, sk);
+}
+
 }  // namespace
+
+cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s) {
+  const int64_t n = int64_t(p.B) * p.T * (p.H / p.group) * p.K;
+  if (n == 0) return cudaSuccess;
+  kda_bwd_group_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, dq, dk);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, cudaStream_t s) {
   const int n = p.H * p.K;
@@ -80,12 +114,24 @@ cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int 
 
 }  // namespace kdabwd
 
-Status launch_kda_backward(const KdaBwdCudaProblem& p, void* workspace, Stream stream) {
+Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stream stream) {
   DeviceGuard guard;
-  ENCORE_RETURN_IF_ERROR(guard.set(p.device));
+  ENCORE_RETURN_IF_ERROR(guard.set(given.device));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   float* ws = static_cast<float*>(workspace);
-  const int slots = p.chunk_start[p.N];
+  const int slots = given.chunk_start[given.N];
+  // Grouped value heads: the kernels write dq, dk per value head into fp32 partials after the
+  // records (a copy of the problem points there; ~12 KB on the stack), summed per q/k head last.
+  KdaBwdCudaProblem grouped;
+  const bool groups = given.group > 1;
+  if (groups) {
+    grouped = given;
+    float* part = ws + int64_t(slots) * given.H * given.ws.rec;
+    const int64_t st = int64_t(given.H) * given.K, sb = int64_t(given.T) * st, n = int64_t(given.B) * sb;
+    grouped.dq = KdaOutTensor{part, DType::kFP32, sb, st, given.K};
+    grouped.dk = KdaOutTensor{part + n, DType::kFP32, sb, st, given.K};
+  }
+  const KdaBwdCudaProblem& p = groups ? grouped : given;
   auto check = [](cudaError_t e, const char* what) -> Status {
     if (e != cudaSuccess) return Status::cuda_error(std::string("kda backward: ") + what + ": " + cudaGetErrorString(e));
     return Status::ok();
@@ -98,6 +144,7 @@ Status launch_kda_backward(const KdaBwdCudaProblem& p, void* workspace, Stream s
   if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, s), "dh kernel"));
   if (slots > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, s), "gradient kernel"));
   if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, s), "gate reduction"));
+  if (groups) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_group_reduce(p, given.dq, given.dk, s), "group reduction"));
   return Status::ok();
 }
 

@@ -99,5 +99,6 @@ cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStr
 cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, cudaStream_t s);                 // kda_bwd_reverse.cu
 cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_grads.cu
 cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, cudaStream_t s);  // kda_backward.cu
+cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s);  // kda_backward.cu
 
 }  // namespace encore::cuda::kdabwd

@@ -12,7 +12,8 @@
 //   tails:  dg = the chunk-local reverse cumsum of dG (fp32, one thread per channel), then the
 //           in-kernel gate backward (per-chunk partials of dA_log, ddt_bias into the record, summed
 //           by kda_backward.cu's reduction: deterministic); dq = s dQ~ and dk through the L2-norm
-//           backward dx = rstd (dy - y (dy . y)).
+//           backward dx = rstd (dy - y (dy . y)). With grouped value heads (group > 1) dq, dk
+//           here are per value head, into fp32 partials that kda_backward.cu sums per q/k head.
 // Each thread owns (row, channel) elements e = tid + 512 r of the [64][K] tiles; their dq, dk, dG and
 // dbeta accumulators live in the record (the Qg, Kg, W areas, consumed by kernel 3a, and acc),
 // read and written by their owner only;
@@ -54,8 +55,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
   const float* dSp = rec + p.ws.dh;
 
   // Loads.
-  load_rows(p.q, b, t0, rows, h, K, p.l2norm, p.scale, sQ, sRq);
-  load_rows(p.k, b, t0, rows, h, K, p.l2norm, 1.0f, sK, sRk);
+  load_rows(p.q, b, t0, rows, h / p.group, K, p.l2norm, p.scale, sQ, sRq);  // q, k: the group's head
+  load_rows(p.k, b, t0, rows, h / p.group, K, p.l2norm, 1.0f, sK, sRk);
   for (int e = tid; e < kC * K; e += blockDim.x) {
     const int i = e / K, a = e - i * K;
     sG[e] = i < rows ? p.G[tok(p, b, t0 + i, h) * K + a] : 0.f;
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
       dq = sRq[i] * (dqn - sQ[e] * inv_scale * sDotq[i]);
       dk = sRk[i] * (dkn - sK[e] * sDotk[i]);
     }
-    store_out(p.dq, b, t0 + i, h, a, dq);
+    store_out(p.dq, b, t0 + i, h, a, dq);  // with grouped heads: per-value-head partials (kda_backward.cu)
     store_out(p.dk, b, t0 + i, h, a, dk);
   }
 }

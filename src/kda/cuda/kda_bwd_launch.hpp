@@ -28,7 +28,8 @@ struct KdaBwdLayout {  // offsets in floats inside one (chunk slot, head) record
 KdaBwdLayout kda_bwd_layout(int64_t K, int64_t V, bool remat);
 
 struct KdaBwdCudaProblem {
-  int B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
+  int B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;  // H: value heads
+  int group = 1;                                 // value heads per q/k head: q, k, dq, dk have H / group heads
   float scale = 1.0f;
   bool l2norm = false, gate_in_kernel = false, lower_bound_gate = false;
   float lower_bound = -5.0f;
@@ -56,7 +57,9 @@ struct KdaBwdCudaProblem {
   int device = 0;
 };
 
-size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V, bool remat);
+// tokens = B * T. With group > 1 the workspace also holds fp32 per-value-head partials of dq and dk
+// ([B, T, H, K] each, after the records), summed over each group in head order by a last launch.
+size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V, bool remat, int64_t tokens = 0, int64_t group = 1);
 Status launch_kda_backward(const KdaBwdCudaProblem& p, void* workspace, Stream stream);
 
 }  // namespace encore::cuda

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_bwd_prep_kernel(const __grid
     sV[e] = i < rows ? load(p.v, ci.b, ci.t0 + i, h, y) : 0.f;
   }
   if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, ci.b, ci.t0 + tid, h, 0) : 0.f;
-  load_rows(p.q, ci.b, ci.t0, rows, h, K, p.l2norm, p.scale, sX, sR);
+  load_rows(p.q, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, p.scale, sX, sR);  // q, k: the group's head
   __syncthreads();
   if (tid < K) {
     sGc[tid] = sG[(rows - 1) * K + tid];
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_bwd_prep_kernel(const __grid
   }
   for (int e = tid; e < kC * K; e += blockDim.x) rec[p.ws.qg + e] = sX[e] * exp2f(sG[e]);  // zero rows stay zero
   __syncthreads();
-  load_rows(p.k, ci.b, ci.t0, rows, h, K, p.l2norm, 1.0f, sX, sR);
+  load_rows(p.k, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, 1.0f, sX, sR);
   __syncthreads();
   for (int e = tid; e < kC * K; e += blockDim.x) {
     const int i = e / K, a = e - i * K;

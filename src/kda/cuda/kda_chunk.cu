@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
     float* rn = reinterpret_cast<float*>(sm + ChunkSmem::kRn);
     int* span = reinterpret_cast<int*>(sm + ChunkSmem::kSafe);  // [4] decay span of diagonal block s (float bits, >= 0)
     const ChunkItem it(item_desc + 8 * parity);
-    const int slot = it.slot, h = it.h, b = it.b, t0 = it.t0, rows = it.rows;
+    const int slot = it.slot, h = it.h, hq = it.hq, b = it.b, t0 = it.t0, rows = it.rows;
     const ItemScalars cur = next;
     unsigned char* rec = ws_record(ws, slot, p.H, h);
     PhaseClock clk(tid == 0 && g_phase_on);
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
           const int C = t == 3 ? V : K;
           if (kFull || (i < rows && c0 < C)) {
             if (kFull || (fast >> t & 1)) unpack8(*reinterpret_cast<const uint4*>(raw_tile(sm, t) + raw_at(i, c0)), x[u]);
-            else load8(input(p, t), b, t0 + i, h, c0, C, x[u]);
+            else load8(input(p, t), b, t0 + i, t < 2 ? hq : h, c0, C, x[u]);  // q, k: the group's head
           } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) x[u][e] = 0.f;

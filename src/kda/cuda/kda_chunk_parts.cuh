@@ -70,19 +70,20 @@ __device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
 // twice per item), and kept in shared memory (ChunkSmem::kItem, two buffers by item parity) rather
 // than in registers: the kernel sits at the 128-register limit of a 512-thread block.
 struct ChunkItem {
-  int slot, h, b, t0, rows;
+  int slot, h, b, t0, rows, hq;  // hq: the q/k head of value head h (h / group)
   __device__ ChunkItem(const KdaCudaProblem& p, int item) {
     const int slots = p.chunk_start[p.N];
     slot = item % slots;
     h = item / slots;
+    hq = h / p.group;
     const int n = find_seq(p, slot);
     b = p.varlen ? 0 : n;
     t0 = p.seq_begin[n] + (slot - p.chunk_start[n]) * kC;
     rows = min(kC, p.seq_end[n] - t0);
   }
-  __device__ explicit ChunkItem(const int* d) : slot(d[0]), h(d[1]), b(d[2]), t0(d[3]), rows(d[4]) {}
+  __device__ explicit ChunkItem(const int* d) : slot(d[0]), h(d[1]), b(d[2]), t0(d[3]), rows(d[4]), hq(d[5]) {}
   __device__ void put(int* d) const {
-    d[0] = slot, d[1] = h, d[2] = b, d[3] = t0, d[4] = rows;
+    d[0] = slot, d[1] = h, d[2] = b, d[3] = t0, d[4] = rows, d[5] = hq;
   }
 };
 
@@ -117,7 +118,7 @@ __device__ __forceinline__ void issue_raw(const KdaCudaProblem& p, const ChunkIt
   for (int t = 0; t < 4; ++t)
     if ((fast & mask) >> t & 1)
       for (int box = 0; box < raw_boxes(p, t); ++box)
-        tma_load_4d(raw_tile(smem, t) + box * (kC * 64), p.tmap[t], 64 * box, it.h, it.t0, it.b, bar);
+        tma_load_4d(raw_tile(smem, t) + box * (kC * 64), p.tmap[t], 64 * box, t < 2 ? it.hq : it.h, it.t0, it.b, bar);
 }
 
 // An item's scalars, loaded one step ahead into registers: this thread's β (row tid), dt_bias

@@ -78,7 +78,7 @@ Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream) {
     p.raw_fast = 0;
     const KdaTensor* inputs[4] = {&p.q, &p.k, &p.g, &p.v};
     for (int t = 0; t < 4; ++t)
-      if (encode_input_map(p.tmap[t], *inputs[t], p.B, p.T, p.H, t == 3 ? p.V : p.K)) p.raw_fast |= 1 << t;
+      if (encode_input_map(p.tmap[t], *inputs[t], p.B, p.T, t < 2 ? p.H / p.group : p.H, t == 3 ? p.V : p.K)) p.raw_fast |= 1 << t;
     const int chunk_blocks = g_chunk_blocks > 0 ? g_chunk_blocks : info->sm_count;
     ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, chunk_blocks, s), "chunk kernel"));
   }

@@ -20,7 +20,8 @@ struct KdaTensor {  // [B, T, H, C] (or [B, T, H] with C = 1): element strides; 
 };
 
 struct KdaCudaProblem {
-  int B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
+  int B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;  // H: value heads (v, g, beta, o, states, residuals)
+  int group = 1;                                 // value heads per q/k head: q, k have H / group heads
   float scale = 1.0f;
   bool l2norm = false, gate_in_kernel = false, lower_bound_gate = false;
   float lower_bound = -5.0f;

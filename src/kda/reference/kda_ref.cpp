@@ -33,6 +33,10 @@ int64_t state_at(const kda::KdaProblem& p, int64_t n, int64_t h, int64_t k, int6
 
 }  // namespace
 
+// The L2-norm backward per value-head row (kda_l2norm_backward's first step).
+void l2norm_rows(const kda::KdaProblem& p, const KdaInputs& in, const std::vector<double>& dqn, const std::vector<double>& dkn,
+                 std::vector<double>& out_q, std::vector<double>& out_k);
+
 KdaInputs kda_prepare(const kda::KdaProblem& p, const KdaForwardArgs& a) {
   KdaInputs in;
   const Idx I{p.T, p.H};
@@ -44,12 +48,13 @@ KdaInputs kda_prepare(const kda::KdaProblem& p, const KdaForwardArgs& a) {
   in.beta.resize(nt);
   in.rstd_q.assign(nt, 1.0);
   in.rstd_k.assign(nt, 1.0);
+  const int64_t group = p.group();  // value head h reads q/k head h / group (expanded copies here)
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t t = 0; t < p.T; ++t)
       for (int64_t h = 0; h < p.H; ++h) {
         double sq = 0, sk = 0;
         for (int64_t c = 0; c < p.K; ++c) {
-          const double qv = at4(a.q, b, t, h, c), kv = at4(a.k, b, t, h, c);
+          const double qv = at4(a.q, b, t, h / group, c), kv = at4(a.k, b, t, h / group, c);
           in.q[I(b, t, h, c, p.K)] = qv;
           in.k[I(b, t, h, c, p.K)] = kv;
           sq += qv * qv;
@@ -331,17 +336,38 @@ KdaGrads kda_backward(const kda::KdaProblem& p, const KdaForwardArgs& a, const K
 
 void kda_l2norm_backward(const kda::KdaProblem& p, const KdaInputs& in, const std::vector<double>& dqn, const std::vector<double>& dkn,
                          KdaGrads& gr) {
-  // L2-norm backward: dx = rstd * (dy - y * (dy . y)).
+  // L2-norm backward: dx = rstd * (dy - y * (dy . y)), per value head (q, k expanded), then the sum
+  // over each q/k head's group of value heads in head order.
+  const int64_t K = p.K, group = p.group();
+  const size_t nt = size_t(p.B * p.T * p.H);
+  std::vector<double> dq = dqn, dk = dkn;
+  if (p.opts.use_qk_l2norm) l2norm_rows(p, in, dqn, dkn, dq, dk);
+  if (group == 1) {
+    gr.dq = std::move(dq);
+    gr.dk = std::move(dk);
+    return;
+  }
+  const size_t nq = nt / size_t(group) * size_t(K);
+  gr.dq.assign(nq, 0.0);
+  gr.dk.assign(nq, 0.0);
+  for (size_t r = 0; r < nt; ++r) {  // rows (b, t, h) in order: h = hq * group + j, j ascending
+    const size_t rq = r / size_t(group);
+    for (int64_t c = 0; c < K; ++c) {
+      gr.dq[rq * size_t(K) + size_t(c)] += dq[r * size_t(K) + size_t(c)];
+      gr.dk[rq * size_t(K) + size_t(c)] += dk[r * size_t(K) + size_t(c)];
+    }
+  }
+}
+
+void l2norm_rows(const kda::KdaProblem& p, const KdaInputs& in, const std::vector<double>& dqn, const std::vector<double>& dkn,
+                 std::vector<double>& out_q, std::vector<double>& out_k) {
   const int64_t K = p.K;
   const size_t nt = size_t(p.B * p.T * p.H);
-  gr.dq = dqn;
-  gr.dk = dkn;
-  if (!p.opts.use_qk_l2norm) return;
   for (size_t r = 0; r < nt; ++r) {
     for (int which = 0; which < 2; ++which) {
       const std::vector<double>& y = which ? in.k : in.q;
       const std::vector<double>& dy = which ? dkn : dqn;
-      std::vector<double>& dx = which ? gr.dk : gr.dq;
+      std::vector<double>& dx = which ? out_k : out_q;
       const double rstd = which ? in.rstd_k[r] : in.rstd_q[r];
       double dot = 0;
       for (int64_t c = 0; c < K; ++c) dot += dy[r * size_t(K) + size_t(c)] * y[r * size_t(K) + size_t(c)];

@@ -2,7 +2,9 @@
 //   (a) the token recurrence (forward),
 //   (b) the chunked algorithm (chunk 64, log2 gates, WY form) exposing its intermediates,
 //   (c) the token-level backpropagation through time, with the gate and L2-norm backward.
-// Dense arrays are [B, T, H, C] row-major (index ((b * T + t) * H + h) * C + c); states [N, H, K, V].
+// Dense arrays are [B, T, H, C] row-major (index ((b * T + t) * H + h) * C + c); states [N, H, K, V],
+// H = the value heads (KdaProblem::H): q and k are expanded to one copy per value head by kda_prepare,
+// and only KdaGrads::dq, dk are per q/k head ([B, T, Hq, K], the sums over each group).
 #pragma once
 #include <vector>
 
@@ -32,7 +34,7 @@ void kda_chunked_forward(const kda::KdaProblem& p, const KdaInputs& in, std::vec
                          KdaChunkTrace* trace);
 
 struct KdaGrads {
-  std::vector<double> dq, dk, dv, dg, dbeta;  // with respect to the raw inputs (pre-norm q, k; g as passed)
+  std::vector<double> dq, dk, dv, dg, dbeta;  // with respect to the raw inputs (pre-norm q, k; g as passed); dq, dk [B, T, Hq, K]
   std::vector<double> dh0;                    // [N, H, K, V]
   std::vector<double> dA_log, ddt_bias;       // [H], [H * K] (zeros when unused)
 };
