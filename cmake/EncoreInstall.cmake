@@ -16,9 +16,7 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/encore" DESTINATION "${CMAKE_IN
 
 set(_encore_install_targets encore encore_core encore_reference)
 if(ENCORE_CUDA)
-  foreach(_family IN LISTS ENCORE_FAMILIES)
-    list(APPEND _encore_install_targets encore_kernels_${_family})
-  endforeach()
+  list(APPEND _encore_install_targets ${_encore_kernels})  # encore_kernels_<family> (and moe_sm90)
 endif()
 install(TARGETS ${_encore_install_targets} EXPORT encoreTargets
         ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}")

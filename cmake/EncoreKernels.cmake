@@ -1,5 +1,6 @@
 # encore_add_kernel_family(<family> <sources...>): a static CUDA library encore_kernels_<family>
-# compiled for CMAKE_CUDA_ARCHITECTURES (90a by default) with the project's device flags.
+# compiled for CMAKE_CUDA_ARCHITECTURES (90a by default), plus ENCORE_PORTABLE_ARCHS for the families in
+# ENCORE_PORTABLE_FAMILIES, with the project's device flags.
 function(encore_add_kernel_family family)
   set(target encore_kernels_${family})
   if(NOT ARGN)  # a family with no kernels yet (moe: CPU only): an empty interface library
@@ -13,4 +14,7 @@ function(encore_add_kernel_family family)
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>
     $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${ENCORE_PTXAS_VERBOSE}>>:-Xptxas=-v,--warn-on-spills>)
   set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
+  if(ENCORE_PORTABLE_ARCHS AND family IN_LIST ENCORE_PORTABLE_FAMILIES)
+    set_target_properties(${target} PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES};${ENCORE_PORTABLE_ARCHS}")
+  endif()
 endfunction()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All tests, from a fresh clone: installs dependencies, builds the CPU-only configuration and (when
-# nvcc is present) the CUDA configuration for sm_90a, runs every ctest suite of both (GPU tests skip
+# nvcc is present) the CUDA configuration for sm_90a (norm, quant, MoE routing/dispatch/combine also for
+# sm_100a: ENCORE_PORTABLE_ARCHS), runs every ctest suite of both (GPU tests skip
 # cleanly without a device), the packaging checks and the Python tests on the CPU backend; first the
 # layout rules (scripts/check_layout.py).
 set -euo pipefail
@@ -13,7 +14,7 @@ python3 scripts/check_layout.py
 ./scripts/build.sh cpu
 (cd build-cpu && ctest --output-on-failure -j 2)
 if command -v nvcc >/dev/null; then
-  ./scripts/build.sh cuda
+  ./scripts/build.sh cuda -DENCORE_PORTABLE_ARCHS=100a  # the portable families also for Blackwell (compiled, not run)
   (cd build-cuda && ctest --output-on-failure -j 2)
 else
   echo "nvcc not found: CUDA configuration not built"
