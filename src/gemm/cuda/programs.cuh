@@ -203,16 +203,13 @@ struct RmsnormDx {
 // RMSNorm backward (gemm_residual_partial_rmsnorm_bwd): A = dz [M, N_fwd], W = the consumer's weight
 // [N_fwd, d] (K = N_fwd, N = d); da = α·acc (α from device memory, 1 when absent); x̂ = r[m]·x (C = x);
 // D = c2 + r[m]·(γ⊙da − x̂·zdz[m]) (c2, the incoming residual gradient, direct loads, 0 when absent);
-// aux = x̂⊙γ; dγ partials Σ_{m in CTA tile} da·x̂ by the stock row reduction, written packed
+// aux = x̂⊙γ; dγ partials Σ_{m in CTA tile} da·x̂ by nodes::ColumnPartials, written packed
 // [ceil(M / CTA_M), round_up(N, CTA_N)] (no final reduction: deterministic, a finisher sums them).
 template <class T>
 struct RmsnormBwd {
   using ElementC = T;
   using ElementD = T;
   static constexpr bool kWeightKN = true;
-  template <class TileShape>
-  using DgammaPartials = fusion::Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, float, float, kRound,
-                                                  cute::Stride<cute::_0, cute::_1, cute::_0>, 4, true, /*FinalReduction=*/false>;
   template <class TileShape>
   using Evt = fusion::Sm90TopologicalVisitor<
       float,
@@ -228,7 +225,7 @@ struct RmsnormBwd {
       Mul<float>,                                                              // 7 x̂·γ
       fusion::Sm90AuxStore<0, void, T, kRound, RowMajorStride, void, void>,    // 8 aux <- x̂·γ
       Mul<float>,                                                              // 9 da·x̂
-      DgammaPartials<TileShape>,                                               // 10 dγ partials
+      nodes::ColumnPartials,                                                   // 10 dγ partials
       RowScaleLoad<TileShape>,                                                 // 11 zdz[m]
       fusion::Sm90AuxLoad<0, void, T, RowMajorStride, void, void, 8, true>,    // 12 c2 (null: 0)
       fusion::Sm90Compute<RmsnormDx, T, float, kRound>>;                       // 13 D
@@ -244,7 +241,7 @@ struct RmsnormBwd {
             {},
             {static_cast<T*>(p.aux), RowMajorStride{p.ld_aux, cute::_1{}, int64_t(0)}},
             {},
-            {p.partials, 0.0f, {}},
+            {p.partials, p.ld_partials},
             {p.zdz, 0.0f, {}},
             {static_cast<const T*>(p.c2), T(0), RowMajorStride{p.ldc2, cute::_1{}, int64_t(0)}},
             {}};
