@@ -1,6 +1,7 @@
-"""Kimi Delta Attention (include/encore/kda.hpp), the chunk_kda contract: q, k, g [B, T, H, K],
-v [B, T, H, V], beta [B, T, H]. Forward: CPU backend (fp64 reference) for numpy / CPU torch arrays,
-CUDA forward for CUDA torch tensors (bf16/fp32, K, V <= 128), optionally returning the residuals the
+"""Kimi Delta Attention (include/encore/kda.hpp), the chunk_kda contract: q, k [B, T, H, K], g
+[B, T, HV, K], v [B, T, HV, V], beta [B, T, HV] (HV a multiple of H: grouped value heads, fla's GVA).
+Forward: CPU backend (fp64 reference) for numpy / CPU torch arrays, CUDA forward for CUDA torch
+tensors (bf16/fp16/fp32, K, V <= 128), optionally returning the residuals the
 backward reads. Backward: kda_backward (the gradients; the CPU backend with or without the forward's
 residuals, CUDA with them). chunk_kda: fla's
 drop-in for torch, differentiable through torch.autograd."""
@@ -74,8 +75,8 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     tensors go through torch.ops.encore.kda_forward (kda_forward_out with out or workspace), except
     out or workspace together with return_residuals (the direct call: eager only, not traceable).
     """
-    b, t, h, kd = q.shape
-    vd = v.shape[3]
+    b, t, _, kd = q.shape
+    h, vd = v.shape[2], v.shape[3]  # h: the value heads HV (a multiple of q's heads; fla's GVA)
     # Torch tensors: torch.ops.encore.kda_forward, or kda_forward_out (no residuals) with out or workspace.
     given = out is not None or workspace is not None
     if _via_torch_op(stream, q, k, v, g, beta, initial_state, A_log, dt_bias, workspace) and not (given and return_residuals):

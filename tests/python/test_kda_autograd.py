@@ -135,12 +135,14 @@ def test_bad_input():
 
 
 @needs_torch_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,groups", [(torch.bfloat16, 1), (torch.float32, 1), (torch.float16, 1), (torch.bfloat16, 2)])
 @pytest.mark.parametrize("rematerialize", [False, True])
-def test_cuda_gradients_match_fp64_cpu(dtype, rematerialize):
+def test_cuda_gradients_match_fp64_cpu(dtype, groups, rematerialize):
     cu = torch.tensor([0, 1, 64, 129, 129, 1000], dtype=torch.int64)
     h, kd, vd = 2, 128, 128
     base = make(1, 1000, h, kd, vd, gate=True, seed=6)
+    if groups > 1:  # grouped value heads: q, k with h // groups heads
+        base = (base[0][:, :, ::groups].contiguous(), base[1][:, :, ::groups].contiguous(), *base[2:])
     A_log = torch.tensor([0.1, -0.5], dtype=torch.float64)
     dt_bias = torch.randn(h * kd, dtype=torch.float64)
     h0 = torch.randn(5, h, kd, vd, dtype=torch.float64) * 0.1
@@ -162,3 +164,33 @@ def test_cuda_gradients_match_fp64_cpu(dtype, rematerialize):
         assert torch.isfinite(a).all(), name
         tol = 1e-2 if name in ("g", "beta", "A_log", "dt_bias") else 5e-3
         assert rel(a, ref) < tol, (name, rel(a, ref))
+
+
+def test_grouped_value_heads_equal_repeated_qk_heads():
+    # HV = 2H: value head hv reads q/k head hv // 2; the same as repeating q, k per value head.
+    q, k, _, _, _ = leaves(*make(1, 13, 2, 4, 3, seed=7))
+    _, _, v, g, beta = leaves(*make(1, 13, 4, 4, 3, seed=8))
+    o, _ = chunk_kda(q, k, v, g, beta)
+    assert o.shape == (1, 13, 4, 3)
+    q2, k2 = (x.detach().repeat_interleave(2, dim=2).requires_grad_(True) for x in (q, k))
+    o2, _ = chunk_kda(q2, k2, v, g, beta)
+    torch.testing.assert_close(o, o2, rtol=1e-12, atol=1e-12)
+    d_o = torch.randn_like(o)
+    gq, gk = torch.autograd.grad(o, (q, k), d_o)
+    gq2, gk2 = torch.autograd.grad(o2, (q2, k2), d_o)
+    torch.testing.assert_close(gq, gq2.view(1, 13, 2, 2, 4).sum(3), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gk, gk2.view(1, 13, 2, 2, 4).sum(3), rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda q, k, v, g, beta: chunk_kda(q, k, v, g, beta)[0], (q, k, v, g, beta), eps=1e-6,
+                                    atol=1e-6, rtol=1e-5)
+
+
+def test_fp16_inputs_cpu():
+    base = make(1, 40, 2, 8, 8, seed=9)
+    ins = leaves(*(x.half() for x in base))
+    o, _ = chunk_kda(*ins)
+    assert o.dtype == torch.float16
+    o.float().square().sum().backward()
+    ref = leaves(*(x.half().double() for x in base))
+    chunk_kda(*ref)[0].square().sum().backward()
+    for a, b in zip(ins, ref):
+        assert a.grad.dtype == torch.float16 and rel(a.grad, b.grad) < 5e-3
