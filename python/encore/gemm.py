@@ -1,4 +1,5 @@
-"""GEMM-epilogue programs (include/encore/gemm.hpp): ``D = epilogue(a @ w.T)`` with a [M, K] and weights w [N, K].
+"""GEMM-epilogue programs (include/encore/gemm.hpp): ``D = epilogue(a @ w.T)`` with a [M, K] and weights w [N, K]
+(the backward rows with weight_kn, e.g. swiglu_bwd and rmsnorm_bwd: ``epilogue(a @ w)`` with w [K, N]).
 
 CPU backend for numpy / CPU torch arrays (fp64 reference), CUDA (CUTLASS Sm90) for CUDA torch
 tensors: bf16/fp16, K a multiple of 8, N too unless an lse without logits. Outputs are allocated here in a's dtype (statistics
@@ -25,19 +26,20 @@ def _tile_name(tile):
     return name
 
 
-def _run(epilogue, a, w, *, d=None, aux=None, c=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None,
+def _run(epilogue, a, w, *, d=None, aux=None, c=None, c2=None, zdz=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None,
          partials=None, target=None, target_logit=None, partial_tile_n=0, head_dim=128, ignore_index=-100, tile="auto",
          stream=None):
-    _no_autograd(a, w, c, gamma)
+    _no_autograd(a, w, c, c2, gamma)
     tile = _tile_name(tile)
-    _encore.gemm_epilogue_out(epilogue, *_dl(a, w, d, aux, c, gamma, row_scale, pos, freq, alpha, partials, target, target_logit),
+    _encore.gemm_epilogue_out(epilogue, *_dl(a, w, d, aux, c, c2, zdz, gamma, row_scale, pos, freq, alpha, partials, target, target_logit),
                               int(partial_tile_n), int(head_dim), int(ignore_index), _TILES[tile], _stream_for(a, stream))
 
 
-def _mn(a, w):
+def _mn(a, w, weight_kn=False):
+    """(M, N): N is w's rows, or its columns for a weight_kn row (w [K, N], acc = a @ w)."""
     if getattr(a, "ndim", 0) != 2 or getattr(w, "ndim", 0) != 2:
-        raise ValueError("a, w: expected a [M, K] and w [N, K]")
-    return a.shape[0], w.shape[0]
+        raise ValueError("a, w: expected a [M, K] and w [K, N]" if weight_kn else "a, w: expected a [M, K] and w [N, K]")
+    return a.shape[0], w.shape[1 if weight_kn else 0]
 
 
 def _tiles(epilogue, a, w, partial_tile_n):
@@ -45,6 +47,9 @@ def _tiles(epilogue, a, w, partial_tile_n):
     t = partial_tile_n or _encore.gemm_partial_tile_n(epilogue, m, n, a.shape[1])
     return (n + t - 1) // t, t
 
+
+# Rows of column partials per M (kColumnPartialsTileM, include/encore/gemm.hpp: the CUDA tile M).
+_COLUMN_PARTIALS_TILE_M = 128
 
 # The catalogue read once (plain Python, so torch.compile traces the wrappers without calling the
 # binding): row name -> (Epilogue, {operand flag name: bool}).
@@ -63,44 +68,56 @@ def _as_epilogue(epilogue):
 def _epilogue_keys(name, store_d, has_target):
     """The outputs the row writes, in the order d, aux, partials, target_logit."""
     uses = _ROWS[name][1]
-    return ([k for k, on in (("d", uses["d"] or (uses["d_optional"] and store_d)), ("aux", uses["aux"] or uses["aux_half"]),
-                             ("partials", uses["tile_partials"] or uses["head_partials"]),
+    return ([k for k, on in (("d", uses["d"] or (uses["d_optional"] and store_d)),
+                             ("aux", uses["aux"] or uses["aux_half"] or uses["aux_double"]),
+                             ("partials", uses["tile_partials"] or uses["head_partials"] or uses["column_partials"]),
                              ("target_logit", uses["target"] and has_target)) if on])
 
 
 def _epilogue_outputs(name, a, w, store_d, partial_tile_n, head_dim, has_target):
     """What row `name` writes: [(key, shape, kind)] in _epilogue_keys' order, and the partials' tile
-    width (0 without per-tile partials). M and N may be symbolic (torch fakes): the width query
-    reads K only, so they are passed as 1 there."""
+    width (0 without per-tile or column partials). M and N may be symbolic (torch fakes): the width
+    query reads K only, so they are passed as 1 there. Shapes: aux [M, N / 2] (aux_half), [M, 2N]
+    (aux_double: packed pairs) or [M, N]; tile partials [M, ceil(N / tile)]; column partials
+    [ceil(M / 128), round_up(N, tile)] (one row per 128-row M-tile)."""
     epilogue, uses = _ROWS[name]
-    m, n = _mn(a, w)
+    m, n = _mn(a, w, uses["weight_kn"])
     tile_n = 0
-    if uses["tile_partials"]:
+    if uses["tile_partials"] or uses["column_partials"]:
         tile_n = partial_tile_n or _encore.gemm_partial_tile_n(epilogue, m if isinstance(m, int) else 1,
                                                                n if isinstance(n, int) else 1, int(a.shape[1]))
-    shapes = {"d": ((m, n), "like"), "aux": ((m, n // 2 if uses["aux_half"] else n), "like"),
-              "partials": ((m, (n + tile_n - 1) // tile_n) if tile_n else (m, n // head_dim if head_dim > 0 else 0), "f32"),
-              "target_logit": ((m,), "f32")}
+    if uses["column_partials"]:
+        rows = (m + _COLUMN_PARTIALS_TILE_M - 1) // _COLUMN_PARTIALS_TILE_M
+        partials = (rows, (n + tile_n - 1) // tile_n * tile_n)
+    elif tile_n:
+        partials = (m, (n + tile_n - 1) // tile_n)
+    else:
+        partials = (m, n // head_dim if head_dim > 0 else 0)
+    aux_n = n // 2 if uses["aux_half"] else 2 * n if uses["aux_double"] else n
+    shapes = {"d": ((m, n), "like"), "aux": ((m, aux_n), "like"), "partials": (partials, "f32"), "target_logit": ((m,), "f32")}
     return [(k, *shapes[k]) for k in _epilogue_keys(name, store_d, has_target)], tile_n
 
 
 def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=None, freq=None, alpha=None, target=None,
-                  store_d=True, partial_tile_n=0, head_dim=128, ignore_index=-100, tile="auto", stream=None):
-    """Any epilogue of the catalogue, by name or encore.Epilogue: ``D = epilogue(a @ w.T)``.
+                  store_d=True, partial_tile_n=0, head_dim=128, ignore_index=-100, tile="auto", stream=None, c2=None, zdz=None):
+    """Any epilogue of the catalogue, by name or encore.Epilogue: ``D = epilogue(a @ w.T)`` (``a @ w``
+    with w [K, N] for the weight_kn rows: swiglu_bwd, rmsnorm_bwd).
 
-    Pass the inputs the epilogue reads (see encore/gemm_epilogues.def: c, gamma, row_scale, pos,
-    freq, alpha, target); the outputs it writes are allocated here and returned in a dict with keys
-    among "d", "aux", "partials", "target_logit" (store_d=False skips an optional D).
-    E.g. ``gemm_epilogue("residual_add", a, w, c=c)["d"]`` = a @ w.T + c.
+    Pass the inputs the epilogue reads (see encore/gemm_epilogues.def: c, c2, zdz, gamma, row_scale,
+    pos, freq, alpha, target); the outputs it writes are allocated here and returned in a dict with
+    keys among "d", "aux", "partials", "target_logit" (store_d=False skips an optional D).
+    E.g. ``gemm_epilogue("residual_add", a, w, c=c)["d"]`` = a @ w.T + c;
+    ``gemm_epilogue("swiglu_bwd", dx, w_down, c=z)`` gives d = y, aux = dZ [M, 2F] and the zdz
+    partials (finish with partials_sum(p, scale=1 / hidden)).
     """
     name = _as_epilogue(epilogue)
-    if _via_torch_op(stream, a, w, c, gamma, row_scale, pos, freq, alpha, target):
+    if _via_torch_op(stream, a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz):
         got = _ops().gemm_epilogue(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n, head_dim,
-                                   ignore_index, _tile_name(tile))
+                                   ignore_index, _tile_name(tile), c2, zdz)
         return dict(zip(_epilogue_keys(name, store_d, target is not None), got))
     outs, tile_n = _epilogue_outputs(name, a, w, store_d, partial_tile_n, head_dim, target is not None)
     out = {key: _empty(a, shape, kind) for key, shape, kind in outs}
-    _run(_ROWS[name][0], a, w, d=out.get("d"), aux=out.get("aux"), c=c, gamma=gamma, row_scale=row_scale, pos=pos, freq=freq,
+    _run(_ROWS[name][0], a, w, d=out.get("d"), aux=out.get("aux"), c=c, c2=c2, zdz=zdz, gamma=gamma, row_scale=row_scale, pos=pos, freq=freq,
          alpha=alpha, partials=out.get("partials"), target=target, target_logit=out.get("target_logit"), partial_tile_n=tile_n,
          head_dim=head_dim, ignore_index=ignore_index, tile=tile, stream=stream)
     return out
@@ -220,6 +237,20 @@ def lse_finish(partials, target=None, target_logit=None, ignore_index=-100, stre
     loss = _empty(partials, (m,), "f32") if target is not None else None
     _encore.lse_finish_out(partials, lse, target, target_logit, loss, int(ignore_index), _stream_for(partials, stream))
     return lse if loss is None else (lse, loss)
+
+
+def partials_sum(partials, per_column=False, scale: float = 1.0, n=None, stream=None):
+    """Deterministic sums of a backward epilogue's float32 partials, tiles in order:
+    per row ``scale * partials.sum(1)`` [rows] (zdz from swiglu_bwd's tile partials, scale = 1 / hidden),
+    per column ``scale * partials[:, :n].sum(0)`` [n] (dγ from rmsnorm_bwd's column partials; n
+    defaults to all columns, the partials' N is rounded up to the tile)."""
+    cols = partials.shape[1]
+    n = cols if n is None else int(n)
+    if _via_torch_op(stream, partials):
+        return _ops().partials_sum(partials, bool(per_column), float(scale), n)
+    out = _empty(partials, (n if per_column else partials.shape[0],), "f32")
+    _encore.partials_sum_out(partials, out, bool(per_column), float(scale), _stream_for(partials, stream))
+    return out
 
 
 def rope_freq_turns(num_heads: int, rotary_heads: int, head_dim: int, base: float = 10000.0):

@@ -144,13 +144,18 @@ _define("gemm_lse(Tensor a, Tensor w, Tensor? r, Tensor? target, bool store_logi
         _gemm_lse_fake, gemm.gemm_lse, _present)
 # gemm_epilogue: any catalogue row by name; [d, aux, partials, target_logit], the ones the row writes
 _define("gemm_epilogue(str epilogue, Tensor a, Tensor w, Tensor? c, Tensor? gamma, Tensor? row_scale, Tensor? pos, Tensor? freq, "
-        "Tensor? alpha, Tensor? target, bool store_d, int partial_tile_n, int head_dim, int ignore_index, str tile) -> Tensor[]",
+        "Tensor? alpha, Tensor? target, bool store_d, int partial_tile_n, int head_dim, int ignore_index, str tile, "
+        "Tensor? c2=None, Tensor? zdz=None) -> Tensor[]",
         lambda e, a, w, c, g, r, p, f, al, target, store_d, ptn, hd, *_: [
             _new(a, shape, _F32 if kind == "f32" else None)
             for _, shape, kind in gemm._epilogue_outputs(gemm._as_epilogue(e), a, w, store_d, ptn, hd, target is not None)[0]],
-        kernel=lambda e, a, w, c, g, r, p, f, al, target, store_d, ptn, hd, ii, tile: list(gemm.gemm_epilogue(
+        kernel=lambda e, a, w, c, g, r, p, f, al, target, store_d, ptn, hd, ii, tile, c2=None, zdz=None: list(gemm.gemm_epilogue(
             e, a, w, c=c, gamma=g, row_scale=r, pos=p, freq=f, alpha=al, target=target, store_d=store_d, partial_tile_n=ptn,
-            head_dim=hd, ignore_index=ii, tile=tile, stream=_torch_stream(a)).values()))
+            head_dim=hd, ignore_index=ii, tile=tile, stream=_torch_stream(a), c2=c2, zdz=zdz).values()))
+# partials_sum: zdz [rows] (per row) or dγ [n] (per column) of the backward epilogues' partials
+_define("partials_sum(Tensor partials, bool per_column, float scale, int n) -> Tensor",
+        lambda p, per_column, scale, n: _new(p, (n if per_column else p.shape[0],), _F32),
+        kernel=lambda p, per_column, scale, n: gemm.partials_sum(p, per_column, scale, n, stream=_torch_stream(p)))
 # lse_finish: [lse, loss if target]
 _define("lse_finish(Tensor partials, Tensor? target, Tensor? target_logit, int ignore_index) -> Tensor[]",
         lambda p, target, *_: [_new(p, (p.shape[0],), _F32) for _ in range(1 if target is None else 2)],

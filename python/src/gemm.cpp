@@ -23,13 +23,16 @@ void bind_gemm(nb::module_& m) {
                             {"aux_half", kOperandAuxHalf}, {"c", kOperandC}, {"gamma", kOperandGamma}, {"row_scale", kOperandRowScale},
                             {"row_scale_optional", kOperandRowScaleOptional}, {"pos", kOperandPos}, {"freq", kOperandFreq},
                             {"alpha", kOperandAlpha}, {"tile_partials", kOperandTilePartials}, {"head_partials", kOperandHeadPartials},
-                            {"target", kOperandTarget}, {"column_pairs", kOperandColumnPairs}})
+                            {"target", kOperandTarget}, {"column_pairs", kOperandColumnPairs},
+                            {"weight_kn", kOperandWeightKN}, {"c_pairs", kOperandCPairs}, {"aux_double", kOperandAuxDouble},
+                            {"c2_optional", kOperandC2Optional}, {"zdz", kOperandZdz}, {"alpha_optional", kOperandAlphaOptional},
+                            {"column_partials", kOperandColumnPartials}})
     operand_flags[name] = flag;
   m.attr("gemm_operand_flags") = operand_flags;
   m.def("gemm_epilogue_operands", [](Epilogue e) { return gemm_epilogue_info(e)->operands; });
 
   m.def("gemm_epilogue_out",
-        [](Epilogue epilogue, Array a, Array w, Opt d, Opt aux, Opt c, Opt gamma, Opt row_scale, Opt pos, Opt freq, Opt alpha, Opt partials,
+        [](Epilogue epilogue, Array a, Array w, Opt d, Opt aux, Opt c, Opt c2, Opt zdz, Opt gamma, Opt row_scale, Opt pos, Opt freq, Opt alpha, Opt partials,
            Opt target, Opt target_logit, int partial_tile_n, int head_dim, int ignore_index, GemmTile tile, uintptr_t stream) {
           GemmEpilogueArgs g;
           g.a = to_view(a, "a");
@@ -37,6 +40,8 @@ void bind_gemm(nb::module_& m) {
           g.d = opt_view(d, "d");
           g.aux = opt_view(aux, "aux");
           g.c = opt_view(c, "c");
+          g.c2 = opt_view(c2, "c2");
+          g.zdz = opt_view(zdz, "zdz");
           g.gamma = opt_view(gamma, "gamma");
           g.row_scale = opt_view(row_scale, "row_scale");
           g.pos = opt_view(pos, "pos");
@@ -54,7 +59,7 @@ void bind_gemm(nb::module_& m) {
           raise_if_error(run(g, o, nullptr, as_stream(stream)));
         },
         nb::arg("epilogue"), nb::arg("a"), nb::arg("w"), nb::arg("d").none(), nb::arg("aux").none(), nb::arg("c").none(),
-        nb::arg("gamma").none(), nb::arg("row_scale").none(), nb::arg("pos").none(), nb::arg("freq").none(), nb::arg("alpha").none(),
+        nb::arg("c2").none(), nb::arg("zdz").none(), nb::arg("gamma").none(), nb::arg("row_scale").none(), nb::arg("pos").none(), nb::arg("freq").none(), nb::arg("alpha").none(),
         nb::arg("partials").none(), nb::arg("target").none(), nb::arg("target_logit").none(), nb::arg("partial_tile_n"),
         nb::arg("head_dim"), nb::arg("ignore_index"), nb::arg("tile"), nb::arg("stream"));
   m.def("gemm_partial_tile_n", [](Epilogue e, int64_t M, int64_t N, int64_t K) { return gemm_partial_tile_n(e, M, N, K); });
@@ -64,6 +69,13 @@ void bind_gemm(nb::module_& m) {
           raise_if_error(run(RmsFinalReduceArgs{to_view(partials, "partials"), to_view(r, "r")}, hidden, eps, as_stream(stream)));
         },
         nb::arg("partials"), nb::arg("r"), nb::arg("hidden"), nb::arg("eps"), nb::arg("stream"));
+  // Deterministic sums of the backward epilogues' partials: per row (zdz) or per column (dγ).
+  m.def("partials_sum_out",
+        [](Array partials, Array out, bool per_column, float scale, uintptr_t stream) {
+          raise_if_error(run(PartialsSumArgs{to_view(partials, "partials"), to_view(out, "out")},
+                             per_column ? PartialsSum::kPerColumn : PartialsSum::kPerRow, scale, as_stream(stream)));
+        },
+        nb::arg("partials"), nb::arg("out"), nb::arg("per_column"), nb::arg("scale"), nb::arg("stream"));
   m.def("lse_finish_out",
         [](Array partials, Array lse, Opt target, Opt target_logit, Opt loss, int ignore_index, uintptr_t stream) {
           LseFinishArgs a{to_view(partials, "partials"), to_view(lse, "lse"), opt_view(target, "target"), opt_view(target_logit, "target_logit"),

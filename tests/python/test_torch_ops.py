@@ -88,7 +88,14 @@ def gemm_cases(dev):
             ("gemm_epilogue", ("residual_add", a, w, r(m, n), None, None, None, None, None, None, True, 0, 128, -100, "auto")),
             ("gemm_epilogue", ("lse", a, w, None, None, rs, None, None, None, target, False, 0, 128, -100, "auto")),
             ("lse_finish", (parts, target, tl, -100)),
-            ("lse_finish", (parts, None, None, -100))]
+            ("lse_finish", (parts, None, None, -100)),
+            # the backward rows: w [K, N] un-transposed, Z / dZ packed [M, 2N], c2 and zdz
+            ("gemm_epilogue", ("swiglu_bwd", a, r(k, n, scale=k ** -0.5), r(m, 2 * n), None, None, None, None, None, None, True, 0,
+                               128, -100, "auto")),
+            ("gemm_epilogue", ("rmsnorm_bwd", a, r(k, n, scale=k ** -0.5), r(m, n), r(n, scale=0.1) + 1, rs, None, None, None, None,
+                               True, 0, 128, -100, "auto", r(m, n), make(dev, F32)(m))),
+            ("partials_sum", (make(dev, F32)(m, 4), False, 0.5, 4)),
+            ("partials_sum", (make(dev, F32)(3, 256), True, 1.0, 200))]
 
 
 def block_inputs(dev):
