@@ -182,6 +182,64 @@ TEST(GemmEpilogueCpu, RopeSignAndFrequencies) {
   ENCORE_EXPECT_CLOSE(out, ref, DType::kFP32, "rope");
 }
 
+// rope_bwd rotates by −θ: the quarter turn back ((0, 1) -> (1, 0)); it inverts rope (Rᵀ·R = 1) and is
+// its adjoint (Σ dy·R(z) = Σ Rᵀ(dy)·z: the gradient through the rotation), V heads and large
+// positions included; the optional row scale applies before the rotation as in rope.
+TEST(GemmEpilogueCpu, RopeBwdIsTheInverseRotation) {
+  HostTensor a(DType::kFP32, 1, 2), w(DType::kFP32, 2, 2), d = f32(1, 2);
+  a.set(0, 0, 0.0);
+  a.set(0, 1, 1.0);
+  w.set(0, 0, 1.0); w.set(0, 1, 0.0); w.set(1, 0, 0.0); w.set(1, 1, 1.0);  // identity
+  std::vector<int32_t> pos1 = {1};
+  std::vector<float> freq1 = {0.25f, 0.0f};
+  GemmEpilogueArgs args;
+  args.a = a.view();
+  args.w = w.view();
+  args.d = d.view();
+  args.pos = TensorView::contiguous(pos1.data(), DType::kInt32, {1});
+  args.freq = vec_view(freq1);
+  ASSERT_TRUE(run(args, GemmEpilogueOptions{Epilogue::kRopeBwd}));
+  EXPECT_NEAR(d.get(0, 0), 1.0, 1e-7);
+  EXPECT_NEAR(d.get(0, 1), 0.0, 1e-7);
+
+  auto rng = make_rng(14);
+  const int heads = 4, rot = 3, hd = 16, n = heads * hd, M = 5;
+  std::vector<float> f(static_cast<size_t>(n));
+  ASSERT_TRUE(rope_freq_turns(heads, rot, hd, 500000.0, vec_view(f)));
+  std::vector<int32_t> p = {0, 1, 1000, 131071, 524287};
+  std::vector<float> r = {0.5f, 1.0f, 2.0f, 1.5f, 0.75f};
+  HostTensor eye = f32(n, n), x = f32(M, n), dy = f32(M, n), y = f32(M, n), back = f32(M, n), dx = f32(M, n);
+  for (int i = 0; i < n; ++i) eye.set(i, i, 1.0);
+  x.fill_normal(rng);
+  dy.fill_normal(rng);
+  auto rotate = [&](HostTensor& in, HostTensor& out, Epilogue e, bool scaled) {
+    GemmEpilogueArgs g;
+    g.a = in.view();
+    g.w = eye.view();
+    g.d = out.view();
+    g.pos = TensorView::contiguous(p.data(), DType::kInt32, {M});
+    g.freq = vec_view(f);
+    if (scaled) g.row_scale = vec_view(r);
+    return run(g, GemmEpilogueOptions{e});
+  };
+  ASSERT_TRUE(rotate(x, y, Epilogue::kRope, false));
+  ASSERT_TRUE(rotate(y, back, Epilogue::kRopeBwd, false));
+  ENCORE_EXPECT_CLOSE(back, x, DType::kFP32, "rope_bwd(rope(x)) = x");
+  ASSERT_TRUE(rotate(dy, dx, Epilogue::kRopeBwd, false));
+  double lhs = 0, rhs = 0;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      lhs += dy.get(i, j) * y.get(i, j);
+      rhs += dx.get(i, j) * x.get(i, j);
+    }
+  EXPECT_NEAR(lhs, rhs, 1e-4 * std::max(1.0, std::abs(lhs))) << "rope_bwd is the adjoint of rope";
+  HostTensor scaled = f32(M, n), ref = f32(M, n);
+  ASSERT_TRUE(rotate(dy, scaled, Epilogue::kRopeBwd, true));
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < n; ++j) ref.set(i, j, r[size_t(i)] * dx.get(i, j));
+  ENCORE_EXPECT_CLOSE(scaled, ref, DType::kFP32, "rope_bwd with a row scale");
+}
+
 TEST(GemmEpilogueCpu, LseTargetAndLoss) {
   auto rng = make_rng(5);
   const int64_t M = 6, N = 300, tile = 128;  // 3 tiles, the last one ragged

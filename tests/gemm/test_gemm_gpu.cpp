@@ -165,6 +165,16 @@ TEST_F(GemmEpilogueGpu, Rope) {
       }
 }
 
+// The RoPE backward (inverse rotation) on its one tile, with and without the row scale, large
+// positions (make_gemm_case draws them up to 200000) and V-like heads (f = 0) included.
+TEST_F(GemmEpilogueGpu, RopeBwd) {
+  for (DType t : {DType::kBF16, DType::kFP16})
+    for (const auto& s : kShapes) {
+      run_case({Epilogue::kRopeBwd, t, s[0], s[1], s[2], s[3], true, true, true, GemmTile::kPingpong128x128});
+      run_case({Epilogue::kRopeBwd, t, s[0], s[1], s[2], s[3], false, true, true, GemmTile::kAuto});
+    }
+}
+
 TEST_F(GemmEpilogueGpu, QkvHeadSqsum) {
   // One head per 128x128 ping-pong tile, two per cooperative 128x256 tile (N = 640: the last tile
   // holds one head).

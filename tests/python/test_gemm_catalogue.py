@@ -212,3 +212,22 @@ def test_backward_rows_through_torch_ops_and_compile():
     torch.testing.assert_close(got[0], eager["d"])
     torch.testing.assert_close(got[1], eager["aux"])
     torch.testing.assert_close(got[2], eager["partials"][:, :n].sum(0))
+
+
+def test_rope_bwd_inverts_rope_and_is_its_adjoint():
+    rng = np.random.default_rng(8)
+    m, heads, hd = 6, 3, 16
+    n = heads * hd
+    eye = np.eye(n, dtype=np.float32)
+    x, dy = rng.standard_normal((m, n)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
+    pos = np.array([0, 1, 7, 1000, 65535, 524287], np.int32)
+    freq = encore.rope_freq_turns(heads, heads - 1, hd, 500000.0)  # the last head passes through
+    y = encore.gemm_rope(x, eye, pos, freq)
+    back = encore.gemm_epilogue("rope_bwd", y, eye, pos=pos, freq=freq)["d"]
+    np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-5)
+    dx = encore.gemm_epilogue("rope_bwd", dy, eye, pos=pos, freq=freq)["d"]
+    np.testing.assert_allclose((dy.astype(np.float64) * y).sum(), (dx.astype(np.float64) * x).sum(), rtol=1e-5)
+    np.testing.assert_array_equal(dx[:, -hd:], dy[:, -hd:])
+    r = rng.uniform(0.5, 2, m).astype(np.float32)
+    np.testing.assert_allclose(encore.gemm_epilogue("rope_bwd", dy, eye, pos=pos, freq=freq, row_scale=r)["d"], r[:, None] * dx,
+                               rtol=1e-5, atol=1e-5)

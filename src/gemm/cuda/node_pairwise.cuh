@@ -13,6 +13,8 @@
 //                      f_j = 0 pass through. The phase is reduced to [−1/2, 1/2] turns exactly
 //                      (pos·hi split into its rounded product and error by fma) before the hardware
 //                      sin/cos (absolute error ~1e-6 on [−π, π]), so large positions stay accurate.
+//   RopeRotateT<true>  the inverse rotation (θ → −θ): (a, b) → (a·cosθ + b·sinθ, b·cosθ − a·sinθ), the
+//                      RoPE backward (rope_bwd); RopeRotate = RopeRotateT<false>.
 #pragma once
 #include "gemm/cuda/node_support.cuh"
 
@@ -137,7 +139,8 @@ struct RopeArgs {
   const float* freq = nullptr;   // [N]: (hi, lo) per pair
 };
 
-struct RopeRotate : NodeBase<RopeArgs> {
+template <bool kInverse>
+struct RopeRotateT : NodeBase<RopeArgs> {
   using NodeBase<RopeArgs>::NodeBase;
 
   template <class PTensor, class CTensor, class Residue, class Origin>
@@ -174,6 +177,7 @@ struct RopeRotate : NodeBase<RopeArgs> {
         const float turns = (prod - rintf(prod)) + fmaf(p, lo, err);
         float s, co;
         __sincosf(6.283185307179586f * turns, &s, &co);  // |θ| <= π: absolute error ~1e-6
+        if constexpr (kInverse) s = -s;                  // sin(−θ)
         out[i] = a * co - b * s;
         out[i + 1] = b * co + a * s;
       }
@@ -191,5 +195,6 @@ struct RopeRotate : NodeBase<RopeArgs> {
                                                                                                         origin, this->params);
   }
 };
+using RopeRotate = RopeRotateT<false>;
 
 }  // namespace encore::cuda::sm90::nodes

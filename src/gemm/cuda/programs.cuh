@@ -117,6 +117,20 @@ struct Rope {
   }
 };
 
+// z = r[m] · acc;  D = RoPE⁻¹(z) (pairs rotated by −2π·pos[m]·f_j: the RoPE backward, e.g. in the
+// epilogue of a dQ / dK GEMM, giving the gradient before the rotation)
+template <class T>
+struct RopeBwd {
+  using ElementC = void;
+  using ElementD = T;
+  template <class TileShape>
+  using Evt = fusion::Sm90EVT<Identity<T>, fusion::Sm90EVT<nodes::RopeRotateT<true>, ScaledAcc<TileShape>>>;
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem& p) {
+    return {{{{p.row_scale, 1.0f, {}}, {}, {}}, {p.pos, p.freq}}, {}};
+  }
+};
+
 // D = acc;  partials[m, h] = Σ_{n in head h} acc²  (groups of head_dim = 128 columns: one head per
 // 128x128 tile, two per 128x256 tile)
 template <class T>

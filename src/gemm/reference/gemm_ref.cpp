@@ -55,13 +55,14 @@ void online_lse_tiles(const TensorView& partials, int64_t m, const std::vector<d
 }
 // Pairwise transforms on columns (2j, 2j+1).
 double silu(double x) { return x / (1.0 + std::exp(-x)); }
-void rope_pairs(std::vector<double>& z, int64_t pos, const TensorView& freq) {
+// inverse: rotate by −θ (the RoPE backward, Rᵀ).
+void rope_pairs(std::vector<double>& z, int64_t pos, const TensorView& freq, bool inverse = false) {
   for (size_t j = 0; 2 * j + 1 < z.size(); ++j) {
     const double f = at1(freq, int64_t(2 * j)) + at1(freq, int64_t(2 * j + 1));  // turns per position (hi + lo)
     if (f == 0.0) continue;
     double turns = double(pos) * f;
     turns -= std::nearbyint(turns);  // range-reduce to [-1/2, 1/2]
-    const double th = kTwoPi * turns, c = std::cos(th), s = std::sin(th);
+    const double th = kTwoPi * turns, c = std::cos(th), s = inverse ? -std::sin(th) : std::sin(th);
     const double a = z[2 * j], b = z[2 * j + 1];
     z[2 * j] = a * c - b * s;
     z[2 * j + 1] = b * c + a * s;
@@ -123,6 +124,11 @@ void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
       case Epilogue::kRope:
         if (has_r) scale_row(acc, at1(a.row_scale, m));
         rope_pairs(acc, int64_t(at1(a.pos, m)), a.freq);
+        store_row(a.d, m, acc);
+        break;
+      case Epilogue::kRopeBwd:
+        if (has_r) scale_row(acc, at1(a.row_scale, m));
+        rope_pairs(acc, int64_t(at1(a.pos, m)), a.freq, /*inverse=*/true);
         store_row(a.d, m, acc);
         break;
       case Epilogue::kQkvHeadSqsum:
