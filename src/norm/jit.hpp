@@ -29,7 +29,7 @@ RmsNormJitVariant rms_norm_jit_variant(const RmsNormProblem& p, const RmsNormLau
 // the AOT kernels run any hidden size, with run-time loop bounds.
 bool rms_norm_hidden_in_aot_list(int64_t hidden);
 
-// Policy: kEnv reads ENCORE_JIT (0 off, 1 auto = JIT outside the AOT list, 2 / always = every
+// Policy: kEnv reads ENCORE_JIT (unset / 0 off, 1 auto = JIT outside the AOT list, 2 / always = every
 // shape). The test hook overrides it for the process.
 enum class JitPolicy { kEnv, kOff, kAuto, kAlways };
 void set_rms_norm_jit_policy(JitPolicy policy);
