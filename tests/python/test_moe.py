@@ -177,29 +177,32 @@ def test_cuda_ops_match_cpu():
         encore.moe_forward(xl, logits_l, w13, w2, top_k=2)
 
 
-@needs_torch_cuda
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_torch_cuda)])
 @pytest.mark.parametrize("tokens", [1, 37, 1000])
-def test_cuda_moe_forward_and_module_match_torch_loop(tokens):
-    import torch
-
+def test_bf16_moe_module_matches_torch_loop(device, tokens):
+    torch = pytest.importorskip("torch")
     torch.manual_seed(5)
-    layer = encore.nn.MoE(256, 128, 16, top_k=4, align_m=16, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(tokens, 256, device="cuda").to(torch.bfloat16)
+    layer = encore.nn.MoE(256, 128, 16, top_k=4, align_m=16, device=device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, 256, device=device).to(torch.bfloat16)
     y = layer(x)
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
-    ref = torch_moe_loop(x.cpu(), layer.gate.weight.cpu(), layer.w13.cpu(), layer.w2.cpu(), 4)
+    # The same router logits (bf16, as the module computes them): near-ties must pick the same experts.
+    logits = layer.gate(x).cpu()
+    ref = torch_moe_loop(x.cpu(), layer.gate.weight.cpu(), layer.w13.cpu(), layer.w2.cpu(), 4, logits=logits)
     assert rel(y.float().cpu().numpy(), ref.numpy()) < 1.5e-2
     assert torch.equal(layer(x), y)  # reruns are bit-identical
     compiled = torch.compile(lambda t: layer(t), fullgraph=True)
     assert torch.equal(compiled(x), y)
 
 
-def torch_moe_loop(x, router, w13, w2, k):
-    """The plain PyTorch loop: softmax top-k, renormalized, each expert's SwiGLU MLP over its tokens."""
+def torch_moe_loop(x, router, w13, w2, k, logits=None):
+    """The plain PyTorch loop: softmax top-k (of `logits`, default x @ router^T), renormalized, each
+    expert's SwiGLU MLP over its tokens, in fp64."""
     import torch
 
-    probs = (x.float() @ router.float().T).softmax(-1)
-    w, ids = probs.topk(k, dim=-1)
+    probs = (x.double() @ router.double().T if logits is None else logits.double()).softmax(-1)
+    w, ids = probs.sort(dim=-1, descending=True, stable=True)  # ties to the lower expert, as encore
+    w, ids = w[:, :k], ids[:, :k]
     w = w / w.sum(-1, keepdim=True)
     out = torch.zeros(x.shape, dtype=torch.float64)
     f = w2.shape[2]
