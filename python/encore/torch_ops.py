@@ -192,8 +192,8 @@ def _state_dtype(q):
 
 
 def _kda_forward_fake(q, k, v, g, beta, scale, h0, final, l2, gate, A_log, dt_bias, lower, cu, residuals, residual_dtype):
-    b, t, h, kd = q.shape
-    vd = v.shape[3]
+    b, t, _, kd = q.shape
+    h, vd = v.shape[2], v.shape[3]  # h: the value heads HV (a multiple of q's heads; fla's GVA)
     n = b if cu is None else cu.shape[0] - 1
     outs = [_new(v, (b, t, h, vd))] + ([_new(q, (n, h, kd, vd), _state_dtype(q))] if final else [])
     if not residuals:
