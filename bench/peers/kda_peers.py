@@ -11,7 +11,6 @@ encore alternating over ROUNDS rounds (medians reported), so the ratio does not 
 clock of two separate jobs; and encore's o and final state are compared with fla's (relative RMS
 difference; both compute the same forward from the same bf16 inputs). Usage: kda_peers.py OUT.json
 (KDA_PEER_CONFIGS=fixed_B4_T8192,... picks configurations; ROUNDS, default 3)."""
-import json
 import statistics
 import sys
 
@@ -21,7 +20,7 @@ from triton.testing import do_bench
 
 from fla.ops.kda import chunk_kda
 
-from kda_configs import CONFIGS, HAVE_ENCORE, ROUNDS, H, K, V, bf, dev  # noqa: E402 (the script's folder is on sys.path)
+from kda_configs import CONFIGS, HAVE_ENCORE, ROUNDS, H, K, V, bf, dev, write  # noqa: E402 (the script's folder is on sys.path)
 
 if HAVE_ENCORE:
     import encore
@@ -109,13 +108,6 @@ def main(out):
         write(out, res)  # after every configuration: a run cut by its timeout keeps what it measured
     res["complete"] = True
     write(out, res)
-
-
-def write(out, res):
-    res["gpu"] = torch.cuda.get_device_name(0)
-    res["encore_timed"] = HAVE_ENCORE
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

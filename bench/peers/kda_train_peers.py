@@ -10,7 +10,6 @@ backward above the inputs; and each encore gradient against fla's (relative RMS 
 same gradients from the same bf16 inputs). Needs fla-core (carried in .whl) and the encore module built for this
 Python (PYTHONPATH=build-cuda/python). Usage: kda_train_peers.py OUT.json (KDA_PEER_CONFIGS=name,...; ROUNDS,
 default 3)."""
-import json
 import statistics
 import sys
 
@@ -19,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-from kda_configs import CONFIGS, HAVE_ENCORE, ROUNDS, H, K, V, bf, dev  # noqa: E402 (the script's folder is on sys.path)
+from kda_configs import CONFIGS, HAVE_ENCORE, ROUNDS, H, K, V, bf, dev, write  # noqa: E402 (the script's folder is on sys.path)
 
 if HAVE_ENCORE:
     from encore.kda import chunk_kda as encore_chunk_kda
@@ -133,13 +132,6 @@ def main(out):
         write(out, res)
     res["complete"] = True
     write(out, res)
-
-
-def write(out, res):
-    res["gpu"] = torch.cuda.get_device_name(0)
-    res["encore_timed"] = HAVE_ENCORE
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

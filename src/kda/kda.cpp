@@ -150,7 +150,11 @@ Status validate_forward(const KdaForwardArgs& a, const KdaOptions& o, kda::KdaPr
 
 #ifdef ENCORE_WITH_CUDA
 // The launch parameters of the CUDA forward (sequences and their first chunk slots by value).
-void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaProblem& p, cuda::KdaCudaProblem& cp) {
+cuda::KdaTensor kda_tensor(const TensorView& t) { return cuda::KdaTensor{t.data, t.dtype, t.strides[0], t.strides[1], t.strides[2]}; }
+
+// The fields the forward's and the backward's launch parameters share: sizes, options, the inputs.
+template <class CudaProblem>
+void fill_common(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaProblem& p, CudaProblem& cp) {
   cp.B = int(p.B);
   cp.T = int(p.T);
   cp.H = int(p.H);
@@ -163,15 +167,18 @@ void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::
   cp.gate_in_kernel = o.use_gate_in_kernel;
   cp.lower_bound_gate = o.use_lower_bound;
   cp.lower_bound = float(o.lower_bound);
-  auto tensor = [](const TensorView& t) { return cuda::KdaTensor{t.data, t.dtype, t.strides[0], t.strides[1], t.strides[2]}; };
-  cp.q = tensor(a.q);
-  cp.k = tensor(a.k);
-  cp.v = tensor(a.v);
-  cp.g = tensor(a.g);
-  cp.beta = tensor(a.beta);
+  cp.q = kda_tensor(a.q);
+  cp.k = kda_tensor(a.k);
+  cp.v = kda_tensor(a.v);
+  cp.g = kda_tensor(a.g);
+  cp.beta = kda_tensor(a.beta);
   cp.A_log = static_cast<const float*>(a.A_log.data);
   cp.dt_bias = static_cast<const float*>(a.dt_bias.data);
   cp.h0 = static_cast<const float*>(a.initial_state.data);
+}
+
+void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaProblem& p, cuda::KdaCudaProblem& cp) {
+  fill_common(a, o, p, cp);
   cp.o = a.o.data;
   cp.o_dtype = a.o.dtype;
   cp.o_sb = a.o.strides[0];
@@ -251,29 +258,9 @@ Status validate_cuda_backward(const KdaBackwardArgs& b, const kda::KdaProblem& p
 #ifdef ENCORE_WITH_CUDA
 void fill_cuda_backward(const KdaBackwardArgs& b, const KdaOptions& o, const kda::KdaProblem& p, cuda::KdaBwdCudaProblem& cp) {
   const KdaForwardArgs& a = b.fwd;
-  cp.B = int(p.B);
-  cp.T = int(p.T);
-  cp.H = int(p.H);
-  cp.K = int(p.K);
-  cp.V = int(p.V);
-  cp.group = int(p.group());
-  cp.N = int(p.seqs.size());
-  cp.scale = float(p.scale);
-  cp.l2norm = o.use_qk_l2norm;
-  cp.gate_in_kernel = o.use_gate_in_kernel;
-  cp.lower_bound_gate = o.use_lower_bound;
-  cp.lower_bound = float(o.lower_bound);
-  auto in = [](const TensorView& t) { return cuda::KdaTensor{t.data, t.dtype, t.strides[0], t.strides[1], t.strides[2]}; };
+  fill_common(a, o, p, cp);
   auto out = [](const TensorView& t) { return cuda::KdaOutTensor{t.data, t.dtype, t.strides[0], t.strides[1], t.strides[2]}; };
-  cp.q = in(a.q);
-  cp.k = in(a.k);
-  cp.v = in(a.v);
-  cp.g = in(a.g);
-  cp.beta = in(a.beta);
-  cp.d_o = in(b.d_o);
-  cp.A_log = static_cast<const float*>(a.A_log.data);
-  cp.dt_bias = static_cast<const float*>(a.dt_bias.data);
-  cp.h0 = static_cast<const float*>(a.initial_state.data);
+  cp.d_o = kda_tensor(b.d_o);
   cp.dht = static_cast<const float*>(b.d_final_state.data);
   const KdaResiduals& r = a.residuals;
   cp.G = static_cast<const float*>(r.G.data);
