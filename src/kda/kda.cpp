@@ -316,22 +316,36 @@ size_t workspace_bytes(const KdaForwardArgs& a, const KdaOptions& o) {
 #endif
 }
 
+namespace {
+
+// The CUDA runs' workspace: given whenever there is a chunk to work on, 16-byte aligned.
+[[maybe_unused]] Status check_cuda_workspace(const void* workspace, const kda::KdaProblem& p, const char* pass) {
+  if (workspace == nullptr && chunk_count(p) > 0)
+    return Status::invalid(std::string("workspace: the CUDA KDA ") + pass + " needs workspace_bytes(args, opts) bytes, got a null pointer");
+  if (!checks::aligned(workspace, 16)) return Status::invalid("workspace: must be 16-byte aligned");
+  return Status::ok();
+}
+
+[[maybe_unused]] Status no_cuda(const TensorView& q) {
+  return Status::unsupported("q: on " + q.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+}
+
+}  // namespace
+
 Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
   kda::KdaProblem p;
   ENCORE_RETURN_IF_ERROR(validate_forward(a, o, &p));
   if (a.q.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, p));
 #ifdef ENCORE_WITH_CUDA
-    if (workspace == nullptr && chunk_count(p) > 0)
-      return Status::invalid("workspace: the CUDA KDA forward needs workspace_bytes(args, opts) bytes, got a null pointer");
-    if (!checks::aligned(workspace, 16)) return Status::invalid("workspace: must be 16-byte aligned");
+    ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
     cuda::KdaCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_problem(a, o, p, cp);
     return cuda::launch_kda_forward(cp, workspace, stream);
 #else
     (void)workspace;
     (void)stream;
-    return Status::unsupported("q: on " + a.q.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+    return no_cuda(a.q);
 #endif
   }
   const reference::KdaInputs in = reference::kda_prepare(p, a);
@@ -352,8 +366,11 @@ Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream
   return Status::ok();
 }
 
-Status validate(const KdaBackwardArgs& a, const KdaOptions& o) {
-  kda::KdaProblem p;
+namespace {
+
+// Validates the backward's arguments and fills `out` (the forward's problem).
+Status validate_backward(const KdaBackwardArgs& a, const KdaOptions& o, kda::KdaProblem* out) {
+  kda::KdaProblem& p = *out;
   ENCORE_RETURN_IF_ERROR(kda::make_problem(a.fwd, o, &p));
   ENCORE_RETURN_IF_ERROR(validate_residuals(a.fwd, p));  // the forward's saved tensors, when given
   ENCORE_RETURN_IF_ERROR(validate_like("d_o", a.d_o, a.fwd.v, "v", kFloat));
@@ -378,6 +395,13 @@ Status validate(const KdaBackwardArgs& a, const KdaOptions& o) {
   return Status::ok();
 }
 
+}  // namespace
+
+Status validate(const KdaBackwardArgs& a, const KdaOptions& o) {
+  kda::KdaProblem p;
+  return validate_backward(a, o, &p);
+}
+
 size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   if (!a.fwd.q.defined() || !a.fwd.q.device.is_cuda() || !kda::make_problem(a.fwd, o, &p)) return 0;
@@ -389,22 +413,19 @@ size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
 }
 
 Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(validate(a, o));
   kda::KdaProblem p;
-  ENCORE_RETURN_IF_ERROR(kda::make_problem(a.fwd, o, &p));
+  ENCORE_RETURN_IF_ERROR(validate_backward(a, o, &p));
   if (a.fwd.q.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(validate_cuda_backward(a, p));
 #ifdef ENCORE_WITH_CUDA
-    if (workspace == nullptr && chunk_count(p) > 0)
-      return Status::invalid("workspace: the CUDA KDA backward needs workspace_bytes(args, opts) bytes, got a null pointer");
-    if (!checks::aligned(workspace, 16)) return Status::invalid("workspace: must be 16-byte aligned");
+    ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "backward"));
     cuda::KdaBwdCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_backward(a, o, p, cp);
     return cuda::launch_kda_backward(cp, workspace, stream);
 #else
     (void)workspace;
     (void)stream;
-    return Status::unsupported("q: on " + a.fwd.q.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+    return no_cuda(a.fwd.q);
 #endif
   }
   const reference::KdaInputs in = reference::kda_prepare(p, a.fwd);

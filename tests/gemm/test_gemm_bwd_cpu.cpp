@@ -240,6 +240,23 @@ TEST(GemmBwdCpu, ComposedFfnBackwardMatchesFiniteDifferences) {
 
 // ---- bad input -------------------------------------------------------------------------------
 
+// rmsnorm_bwd's operands: A = dz, W, C = the saved x, gamma, the row rstd, zdz; D = dx, aux, dγ partials.
+GemmEpilogueArgs rmsnorm_bwd_args(const HostTensor& a, const HostTensor& w, const HostTensor& x, const HostTensor& gamma,
+                                  const HostTensor& rstd, const HostTensor& zdz, HostTensor& d, HostTensor& aux,
+                                  HostTensor& partials) {
+  GemmEpilogueArgs n;
+  n.a = a.view();
+  n.w = w.view();
+  n.c = x.view();
+  n.gamma = gamma.view();
+  n.row_scale = rstd.view();
+  n.zdz = zdz.view();
+  n.d = d.view();
+  n.aux = aux.view();
+  n.partials = partials.view();
+  return n;
+}
+
 void expect_error(const Status& st, const std::string& needle) {
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find(needle), std::string::npos) << st.message();
@@ -274,16 +291,7 @@ TEST(GemmBwdCpu, RefusesBadShapesAndDtypes) {
   HostTensor x(DType::kBF16, M, N), aux(DType::kBF16, M, N), gamma = HostTensor::vector(DType::kBF16, N), cparts(DType::kFP32, 1, 128),
       c2_int(DType::kInt32, M, N), wide(DType::kFP32, 1, 64);
   HostTensor r = HostTensor::vector(DType::kFP32, M), zdz = HostTensor::vector(DType::kFP32, M);
-  GemmEpilogueArgs n;
-  n.a = a.view();
-  n.w = w.view();
-  n.c = x.view();
-  n.gamma = gamma.view();
-  n.row_scale = r.view();
-  n.zdz = zdz.view();
-  n.d = y.view();
-  n.aux = aux.view();
-  n.partials = cparts.view();
+  GemmEpilogueArgs n = rmsnorm_bwd_args(a, w, x, gamma, r, zdz, y, aux, cparts);
   const GemmEpilogueOptions no{Epilogue::kRmsnormBwd, 128};
   Status ok = run(n, no);
   EXPECT_TRUE(ok) << ok.to_string();
@@ -321,16 +329,7 @@ TEST(GemmBwdCpu, RefusesCudaLimits) {
   HostTensor a(DType::kBF16, M, K), w(DType::kBF16, K, N), x(DType::kBF16, M, N), y(DType::kBF16, M, N), aux(DType::kBF16, M, N),
       gamma = HostTensor::vector(DType::kBF16, N), cparts(DType::kFP32, 2, 256), cparts_pad(DType::kFP32, 2, 128, 136);
   HostTensor r = HostTensor::vector(DType::kFP32, M), zdz = HostTensor::vector(DType::kFP32, M);
-  GemmEpilogueArgs n;
-  n.a = a.view();
-  n.w = w.view();
-  n.c = x.view();
-  n.gamma = gamma.view();
-  n.row_scale = r.view();
-  n.zdz = zdz.view();
-  n.d = y.view();
-  n.aux = aux.view();
-  n.partials = cparts.view();
+  GemmEpilogueArgs n = rmsnorm_bwd_args(a, w, x, gamma, r, zdz, y, aux, cparts);
   for (TensorView* t : {&n.a, &n.w, &n.c, &n.gamma, &n.row_scale, &n.zdz, &n.d, &n.aux, &n.partials}) t->device = Device{DeviceType::kCUDA, 0};
   GemmEpilogueOptions o{Epilogue::kRmsnormBwd, 256};
   o.n_slices = 2;
