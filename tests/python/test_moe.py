@@ -189,7 +189,7 @@ def test_bf16_moe_module_matches_torch_loop(device, tokens):
     # The same router logits (bf16, as the module computes them): near-ties must pick the same experts.
     logits = layer.gate(x).cpu()
     ref = torch_moe_loop(x.cpu(), layer.gate.weight.cpu(), layer.w13.cpu(), layer.w2.cpu(), 4, logits=logits)
-    assert rel(y.float().cpu().numpy(), ref.numpy()) < 1.5e-2
+    assert rel(y.float().cpu().numpy(), ref.numpy()) < 8e-3  # the bf16 rel-RMS policy (measured 2.9e-3 on the CPU)
     assert torch.equal(layer(x), y)  # reruns are bit-identical
     compiled = torch.compile(lambda t: layer(t), fullgraph=True)
     assert torch.equal(compiled(x), y)
