@@ -9,7 +9,9 @@ backward (memory allocated after the forward minus before, the output included),
 backward above the inputs; and each encore gradient against fla's (relative RMS difference: both compute the
 same gradients from the same bf16 inputs). Needs fla-core (carried in .whl) and the encore module built for this
 Python (PYTHONPATH=build-cuda/python). Usage: kda_train_peers.py OUT.json (KDA_PEER_CONFIGS=name,...; ROUNDS,
-default 3)."""
+default 3; KDA_TRAIN_WHO=fla,encore,encore_remat picks the implementations, e.g. encore alone for a profile
+without fla's minutes of Triton autotuning)."""
+import os
 import statistics
 import sys
 
@@ -97,6 +99,8 @@ def rel(a, b):
 def main(out):
     res = {}
     whos = ["fla"] + (["encore", "encore_remat"] if HAVE_ENCORE else [])
+    if os.environ.get("KDA_TRAIN_WHO"):
+        whos = [w for w in os.environ["KDA_TRAIN_WHO"].split(",") if w in whos]
     for name, (B, lens) in CONFIGS.items():
         t, cot, cu = inputs(B, lens)
         tokens = sum(lens) if lens else B * 8192
