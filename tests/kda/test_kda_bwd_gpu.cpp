@@ -189,7 +189,9 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
     char buf[96];
     std::snprintf(buf, sizeof buf, " %s %.2e/%.2e", names[i], e_stage, e_exact);
     line += buf;
-    const bool fragile = i == 3 || i == 4;
+    // dg, dbeta, and dA_log / ddt_bias (sums over every token of a head, with cancellation: the bf16
+    // inputs' rounding alone gave dA_log 5.2e-3 against the fp64 BPTT, the kernels 1.8e-5 against their stage).
+    const bool fragile = i == 3 || i == 4 || i >= 6;
     // Stage: the kernels' own fp32 error (bf16 outputs: their rounding, ~1.1e-3 relative RMS).
     const double tol_stage = bf ? (fragile ? 8e-3 : 4e-3) : (fragile ? 1e-3 : 2e-4);
     const double tol_exact = fragile ? 1e-2 : 5e-3;
