@@ -1,0 +1,210 @@
+"""Trains a small LLaMA-style decoder with encore's training modules and with plain PyTorch from the same seed
+and the same data, and prints both loss curves (issue 30's example).
+
+The model: token embedding, `layers` pre-norm decoder layers (attention norm + fused QKV projection, RoPE,
+causal scaled-dot-product attention, output projection + residual; MLP norm + SwiGLU MLP + residual), final
+norm, LM head, mean cross-entropy on next-token targets. Implementations:
+  torch    every piece in plain PyTorch (F.rms_norm, nn.Linear, F.silu, F.cross_entropy)
+  encore   attention norm + QKV = encore.nn.RMSNormLinear; MLP norm + SwiGLU MLP = encore.nn.SwiGLUMLP (the norm
+           fused into the gate/up GEMM, the backward on the swiglu_bwd / rmsnorm_bwd epilogues); LM head + loss =
+           encore.nn.FusedLinearCrossEntropyLoss (no float logits); attention, RoPE, the final norm and the
+           output projection stay PyTorch's
+A third run, torch_permuted, is the torch model on the same batches with the sequences of each batch in another
+order: the same math with other reduction orders, whose distance to `torch` is the spread the encore curve is
+judged against.
+
+Data: a fixed random first-order Markov chain over the vocabulary (each token has 4 likely successors), so the
+loss falls from log(vocab) towards the chain's entropy.
+
+Usage: python3 examples/train_llama.py [--steps 50] [--layers 4] [--hidden 1024] [--device cuda] [--out curves.json]
+(bf16 on CUDA, fp32 on the CPU backend). Needs encore built with its Python module (PYTHONPATH=build/python)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+import encore.nn
+
+
+class Config:
+    def __init__(self, vocab=4096, hidden=1024, layers=4, heads=8, ffn=2816, seq=256, batch=8, eps=1e-5, lr=3e-4):
+        self.vocab, self.hidden, self.layers, self.heads, self.ffn = vocab, hidden, layers, heads, ffn
+        self.seq, self.batch, self.eps, self.lr = seq, batch, eps, lr
+
+
+def rope_tables(cfg, device):
+    hd = cfg.hidden // cfg.heads
+    inv = 10000.0 ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd)
+    ang = torch.arange(cfg.seq, device=device, dtype=torch.float64)[:, None] * inv[None]
+    return ang.cos().float(), ang.sin().float()
+
+
+def rope(x, cos, sin):  # x [B, H, T, hd], rotate-half convention
+    h = x.shape[-1] // 2
+    a, b = x[..., :h].float(), x[..., h:].float()
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), -1).to(x.dtype)
+
+
+def attention(qkv, cfg, cos, sin):
+    B, T = qkv.shape[0], qkv.shape[1]
+    hd = cfg.hidden // cfg.heads
+    q, k, v = qkv.view(B, T, 3, cfg.heads, hd).permute(2, 0, 3, 1, 4)
+    o = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True)
+    return o.transpose(1, 2).reshape(B, T, cfg.hidden)
+
+
+class TorchLayer(torch.nn.Module):
+    def __init__(self, cfg, **kw):
+        super().__init__()
+        d, f = cfg.hidden, cfg.ffn
+        self.cfg = cfg
+        self.attn_norm = torch.nn.Parameter(torch.ones(d, **kw))
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False, **kw)
+        self.o = torch.nn.Linear(d, d, bias=False, **kw)
+        self.mlp_norm = torch.nn.Parameter(torch.ones(d, **kw))
+        self.gate = torch.nn.Linear(d, f, bias=False, **kw)
+        self.up = torch.nn.Linear(d, f, bias=False, **kw)
+        self.down = torch.nn.Linear(f, d, bias=False, **kw)
+
+    def forward(self, x, cos, sin):
+        eps = self.cfg.eps
+        x = x + self.o(attention(self.qkv(F.rms_norm(x, (x.shape[-1],), self.attn_norm, eps)), self.cfg, cos, sin))
+        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, eps)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class EncoreLayer(torch.nn.Module):
+    def __init__(self, cfg, src: TorchLayer):
+        super().__init__()
+        d = cfg.hidden
+        kw = {"device": src.qkv.weight.device, "dtype": src.qkv.weight.dtype}
+        self.cfg = cfg
+        self.qkv = encore.nn.RMSNormLinear(d, 3 * d, eps=cfg.eps, **kw)
+        self.o = torch.nn.Linear(d, d, bias=False, **kw)
+        self.mlp = encore.nn.SwiGLUMLP.from_linear(src.gate, src.up, src.down, norm_weight=src.mlp_norm, eps=cfg.eps)
+        with torch.no_grad():
+            self.qkv.weight.copy_(src.qkv.weight)
+            self.qkv.norm_weight.copy_(src.attn_norm)
+            self.o.weight.copy_(src.o.weight)
+
+    def forward(self, x, cos, sin):
+        x = x + self.o(attention(self.qkv(x), self.cfg, cos, sin))
+        return x + self.mlp(x)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, cfg, impl, src=None, **kw):
+        super().__init__()
+        self.cfg, self.impl = cfg, impl
+        if impl == "encore":
+            kw = {"device": src.embed.weight.device, "dtype": src.embed.weight.dtype}
+        self.embed = torch.nn.Embedding(cfg.vocab, cfg.hidden, **kw)
+        self.norm = torch.nn.Parameter(torch.ones(cfg.hidden, **kw))
+        self.head = torch.nn.Linear(cfg.hidden, cfg.vocab, bias=False, **kw)
+        if impl == "encore":
+            self.layers = torch.nn.ModuleList(EncoreLayer(cfg, s) for s in src.layers)
+            self.loss_fn = encore.nn.FusedLinearCrossEntropyLoss()
+            with torch.no_grad():
+                self.embed.weight.copy_(src.embed.weight)
+                self.norm.copy_(src.norm)
+                self.head.weight.copy_(src.head.weight)
+        else:
+            self.layers = torch.nn.ModuleList(TorchLayer(cfg, **kw) for _ in range(cfg.layers))
+            with torch.no_grad():
+                for n, p in self.named_parameters():
+                    if p.dim() == 2:
+                        p.normal_(0.0, 0.02 if "embed" in n else p.shape[1] ** -0.5)
+
+    def forward(self, tokens, targets, cos, sin):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        h = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.eps).reshape(-1, self.cfg.hidden)
+        if self.impl == "encore":
+            return self.loss_fn(self.head.weight, h, targets.reshape(-1))
+        return F.cross_entropy(self.head(h).float(), targets.reshape(-1))
+
+
+def markov_batches(cfg, steps, device, seed=0):
+    """`steps` batches of [batch, seq + 1] tokens from a fixed random Markov chain (4 likely successors each)."""
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randint(0, cfg.vocab, (cfg.vocab, 4), generator=g)
+    out = []
+    for _ in range(steps):
+        t = torch.empty(cfg.batch, cfg.seq + 1, dtype=torch.long)
+        t[:, 0] = torch.randint(0, cfg.vocab, (cfg.batch,), generator=g)
+        for i in range(cfg.seq):
+            pick = torch.randint(0, 4, (cfg.batch,), generator=g)
+            noise = torch.rand(cfg.batch, generator=g) < 0.1
+            t[:, i + 1] = torch.where(noise, torch.randint(0, cfg.vocab, (cfg.batch,), generator=g), succ[t[:, i], pick])
+        out.append(t.to(device))
+    return out
+
+
+def train(model, batches, cfg, permute=False, log=None):
+    cos, sin = rope_tables(cfg, batches[0].device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    losses = []
+    for step, b in enumerate(batches):
+        if permute:
+            b = b.flip(0)
+        loss = model(b[:, :-1], b[:, 1:], cos, sin)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if log and (step % 10 == 0 or step == len(batches) - 1):
+            log(f"  {model.impl:7s}{' permuted' if permute else ''} step {step:3d} loss {losses[-1]:.4f}")
+    return losses
+
+
+def build(cfg, device, dtype, seed=0):
+    torch.manual_seed(seed)
+    ref = Model(cfg, "torch", device=device, dtype=dtype)
+    twin = Model(cfg, "torch", device=device, dtype=dtype)
+    twin.load_state_dict(ref.state_dict())
+    ours = Model(cfg, "encore", src=ref)
+    return ref, twin, ours
+
+
+def run(cfg, steps, device, dtype, log=print):
+    batches = markov_batches(cfg, steps, device)
+    ref, twin, ours = build(cfg, device, dtype)
+    res = {}
+    for name, model, perm in (("torch", ref, False), ("torch_permuted", twin, True), ("encore", ours, False)):
+        t0 = time.time()
+        res[name] = train(model, batches, cfg, permute=perm, log=log)
+        log(f"  {name}: {time.time() - t0:.1f} s")
+    spread = max(abs(a - b) for a, b in zip(res["torch"], res["torch_permuted"]))
+    dist = max(abs(a - b) for a, b in zip(res["torch"], res["encore"]))
+    res["spread_torch_vs_permuted"], res["encore_vs_torch"] = spread, dist
+    log(f"max |loss difference| over {steps} steps: torch vs torch permuted {spread:.4g}, encore vs torch {dist:.4g} "
+        f"(start {res['torch'][0]:.3f} ~ log(vocab) {math.log(cfg.vocab):.3f}, end {res['torch'][-1]:.3f})")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    cfg = Config(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=max(1, a.hidden // 128), ffn=(a.hidden * 11 // 4 + 7) // 8 * 8)
+    print(f"training {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, {a.steps} steps on {a.device} ({dtype})", flush=True)
+    res = run(cfg, a.steps, a.device, dtype)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
