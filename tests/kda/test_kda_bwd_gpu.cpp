@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -253,6 +254,19 @@ TEST_F(KdaBwdGpu, Fp16AndGroupedValueHeads) {
   for (const BwdCase& bc : cases)
     for (DType dt : {DType::kFP32, DType::kBF16, DType::kFP16})
       for (bool remat : {false, true}) run_bwd(bc, dt, remat);
+}
+
+// The first SIMT fp32 version of the gradient kernel (ENCORE_KDA_BWD_SIMT=1, the A/B fallback of the
+// tensor-core kernel 3b-1, read at each call): the same references, bf16 saved-h and fp32 remat.
+TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
+  struct EnvGuard {
+    EnvGuard() { setenv("ENCORE_KDA_BWD_SIMT", "1", 1); }
+    ~EnvGuard() { unsetenv("ENCORE_KDA_BWD_SIMT"); }
+  } guard;
+  for (const BwdCase& bc : matrix()) {
+    run_bwd(bc, DType::kBF16, false);
+    run_bwd(bc, DType::kFP32, true);
+  }
 }
 
 // Refusals that need device tensors: missing residuals, a null workspace, fp64 on CUDA.

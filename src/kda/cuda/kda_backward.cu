@@ -4,10 +4,15 @@
 //     then Vnew = U - W S per chunk from the saved h, or the rematerialized state pass;
 //   2 dAv (kda_bwd_dav.cu): dAqk, dVnew(intra), chunk-parallel;
 //   3a dh (kda_bwd_reverse.cu): the serial reverse state-cotangent pass per (sequence, head, 32 columns);
+//   3b-1 inter (kda_bwd_inter.cu): the GEMM-shaped inter-chunk and dVnew products on tensor cores;
 //   3b grads (kda_bwd_grads.cu): WY, intra-chunk, reverse cumsum, gate and L2-norm tails, chunk-parallel;
 //   4 the gate reduction below: dA_log[h] and ddt_bias[h, k] summed over the chunks' partials in a
 //     fixed order (deterministic, no atomics);
 //   5 with grouped value heads only: dq, dk summed over each q/k head's value heads (fixed order).
+// ENCORE_KDA_BWD_SIMT=1 (read at each call, so a test can run both) selects the first SIMT fp32
+// version of kernel 3b (no 3b-1): the A/B fallback of the tensor-core path.
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
@@ -37,6 +42,10 @@ KdaBwdLayout kda_bwd_layout(int64_t K, int64_t V, bool remat) {
   l.pdt = take(K);
   l.pda = take(K);
   l.acc = take(64 * K);
+  l.dw = take(64 * K);
+  l.da = take(64 * 64);
+  l.dbv = take(64);
+  l.sd = take(K);
   l.rec = o;
   return l;
 }
@@ -106,6 +115,11 @@ cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& 
   return cudaGetLastError();
 }
 
+bool simt_backward() {
+  const char* e = std::getenv("ENCORE_KDA_BWD_SIMT");
+  return e && *e && std::strcmp(e, "0") != 0;
+}
+
 cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, cudaStream_t s) {
   const int n = p.H * p.K;
   kda_bwd_gate_reduce_kernel<<<(n + 255) / 256, 256, 0, s>>>(p, ws, slots);
@@ -142,7 +156,11 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, s), "dAv kernel"));
   }
   if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, s), "dh kernel"));
-  if (slots > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, s), "gradient kernel"));
+  if (slots > 0) {
+    const bool simt = kdabwd::simt_backward();
+    if (!simt) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_inter(p, ws, slots, s), "inter-chunk product kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, simt, s), "gradient kernel"));
+  }
   if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, s), "gate reduction"));
   if (groups) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_group_reduce(p, given.dq, given.dk, s), "group reduction"));
   return Status::ok();

@@ -18,6 +18,9 @@
 // dbeta accumulators live in the record (the Qg, Kg, W areas, consumed by kernel 3a, and acc),
 // read and written by their owner only;
 // row and column sums go through shared tiles in a fixed order. K, V <= 128; 210 KB shared.
+// Unless simt, the GEMM-shaped products (dO S^T, Vn dS'^T, dVn S^T, dVn v^T, A^T dVn with dv and its
+// dbeta row sums, rowsum(S . dS')) come from kernel 3b-1 (kda_bwd_inter.cu, tensor cores) through the
+// record; this kernel then applies the decays and does the rest (the exact per-channel intra terms).
 #include "kda/cuda/kda_bwd_device.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -27,7 +30,7 @@ constexpr int kThreads = 512;
 constexpr int kSmall = 64 * 6 + 128 * 2;
 constexpr size_t kSmem = (6 * kTile + kC * kC + kSmall) * sizeof(float);
 
-__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
+__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws, bool simt) {
   extern __shared__ float smem[];
   float* sG = smem;          // [64][K] G; then k-side L2-norm products
   float* sQ = sG + kTile;    // Q~
@@ -78,9 +81,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
   for (int e = tid; e < kC * K; e += kThreads) {
     const int i = e / K, a = e - i * K;
     if (e >= kC * K) continue;
-    acc_dq[e] = acc_dk[e] = acc_dG[e] = acc_db[e] = 0.f;
+    if (simt || i >= rows) acc_dq[e] = acc_dk[e] = acc_dG[e] = acc_db[e] = 0.f;
     float kdk = 0.f, dw = 0.f;
-    if (i < rows) {
+    if (i < rows && !simt) {  // kernel 3b-1's products: P1 = dO S^T in acc_dq, P2 = Vn dS'^T in acc_dk
+      const float dqt = acc_dq[e] * exp2f(sG[e]), dki = acc_dk[e] * exp2f(sGc[a] - sG[e]);
+      acc_dq[e] = dqt;
+      acc_dk[e] = dki;
+      acc_dG[e] = sQ[e] * dqt - sK[e] * dki;
+      acc_db[e] = 0.f;
+      kdk = sK[e] * dki;
+      dw = rec[p.ws.dw + e];
+    } else if (i < rows) {
       float so = 0.f, sv = 0.f, sw = 0.f;
       for (int y = 0; y < V; ++y) {
         const float s = state_at(p, rec, slot, h, a, y), ds = dSp[a * V + y];
@@ -101,7 +112,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
   __syncthreads();
   if (tid < K) {  // the gC terms, added to every row by the reverse cumsum
     float sd = 0.f, kdk = 0.f;
-    for (int y = 0; y < V; ++y) sd += state_at(p, rec, slot, h, tid, y) * dSp[tid * V + y];
+    if (simt)
+      for (int y = 0; y < V; ++y) sd += state_at(p, rec, slot, h, tid, y) * dSp[tid * V + y];
+    else
+      sd = rec[p.ws.sd + tid];
     for (int i = 0; i < rows; ++i) kdk += sT[i * K + tid];
     sExtra[tid] = exp2f(sGc[tid]) * sd + kdk;
   }
@@ -112,13 +126,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
     const int i = e / kC, j = e - i * kC;
     float s = 0.f;
     if (i < rows && j <= i) {
-      for (int y = 0; y < V; ++y) s += dVn[i * V + y] * load(p.v, b, t0 + j, h, y);
+      if (simt)
+        for (int y = 0; y < V; ++y) s += dVn[i * V + y] * load(p.v, b, t0 + j, h, y);
+      else
+        s = rec[p.ws.da + e];
       for (int a = 0; a < K; ++a) s += sW[i * K + a] * sK[j * K + a] * exp2f(sG[j * K + a]);
       s *= sBeta[j];
     }
     sM[e] = s;
   }
-  for (int e = tid; e < kC * V; e += blockDim.x) {
+  for (int e = tid; simt && e < kC * V; e += blockDim.x) {  // else kernel 3b-1 wrote dv
     const int j = e / V, y = e - j * V;
     float part = 0.f;
     if (j < rows) {
@@ -142,7 +159,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
   __syncthreads();
   if (tid < kC) {
     float s = 0.f;
-    for (int y = 0; y < V; ++y) s += sT[tid * V + y];
+    if (simt)
+      for (int y = 0; y < V; ++y) s += sT[tid * V + y];
+    else
+      s = rec[p.ws.dbv + tid];
     sDb[tid] = s;
   }
   __syncthreads();
@@ -246,10 +266,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
 
 }  // namespace
 
-cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_grads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (e != cudaSuccess) return e;
-  kda_bwd_grads_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
+  kda_bwd_grads_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws, simt);
   return cudaGetLastError();
 }
 

@@ -7,7 +7,9 @@
 // dVn (Aqk^T dO, then + Kg dS') [64][V]; dAqk [64][64]; dh (dS', the chunk-END state cotangent)
 // [K][V]; hs (the chunk-start state, rematerialize mode only) [K][V]; gC [K] (log2); the gate-gradient
 // partials pdt (sum over the chunk's rows of d(raw gate)) and pdA (of the dA_log terms) [K]; acc, an
-// accumulator tile [64][K] of kernel 3b (which also reuses Qg, Kg, W once kernel 3a is done with them).
+// accumulator tile [64][K] of kernel 3b (which also reuses Qg, Kg, W once kernel 3a is done with them);
+// the tensor-core kernel 3b-1's products for kernel 3b: dw (-dVn S^T) [64][K], da (dVn v^T) [64][64],
+// dbv (rowsum(A^T dVn . v)) [64], sd (rowsum(S . dS')) [K].
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -23,7 +25,8 @@ struct KdaOutTensor {  // [B, T, H, C] (or [B, T, H], C = 1) output: element str
 };
 
 struct KdaBwdLayout {  // offsets in floats inside one (chunk slot, head) record; rec = its size
-  int64_t qg = 0, kg = 0, w = 0, vn = 0, dvn = 0, daqk = 0, dh = 0, hs = 0, gc = 0, pdt = 0, pda = 0, acc = 0, rec = 0;
+  int64_t qg = 0, kg = 0, w = 0, vn = 0, dvn = 0, daqk = 0, dh = 0, hs = 0, gc = 0, pdt = 0, pda = 0, acc = 0;
+  int64_t dw = 0, da = 0, dbv = 0, sd = 0, rec = 0;
 };
 KdaBwdLayout kda_bwd_layout(int64_t K, int64_t V, bool remat);
 

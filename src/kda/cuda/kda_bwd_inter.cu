@@ -1,0 +1,210 @@
+// KDA backward, kernel 3b-1 (math-kda.md §6 stages 3-4, the GEMM-shaped terms of kernel 3b), grid
+// (chunk slots, H), 256 threads (8 warps), chunk-parallel after kernel 3a (dh). With S the chunk-start
+// state [K][V], dS' the record's dh [K][V], dO, v [64][V] (inputs), Vn, dVn [64][V] (record), A the
+// residual Akk (lower triangle incl. the diagonal, valid rows only):
+//   P1 = dO S^T      -> record Qg-slot "w"  [64][K]   (kernel 3b: dQ~ = P1 . 2^G)
+//   P2 = Vn dS'^T    -> record "acc"        [64][K]   (kernel 3b: dK  = P2 . 2^(gC - G))
+//   dW = -dVn S^T    -> record "dw"         [64][K]
+//   dVv = dVn v^T    -> record "da"         [64][64]  (unmasked; kernel 3b takes i >= j and beta_j)
+//   dVbeta = A^T dVn -> dv = beta dVbeta (output);  record "dbv"[j] = rowsum_y(dVbeta . v)
+//   sd[a] = rowsum_y(S . dS')                    -> record "sd" [K]
+// Every product on bf16 tensor cores (mma.sync m16n8k16) with both operands split into bf16 hi + lo
+// (hi·hi + hi·lo + lo·hi, ~2^-16 relative: near fp32), from fp32 shared tiles zero-padded to 128
+// (K, V <= 128, any sizes). Warp w owns rows 16 (w % 4) .. + 16 and columns 64 (w / 4) .. + 64 of
+// each [64][128] product (32 of a [64][64] one). Row sums: within a warp by shuffles, across the two
+// column halves in a fixed order (deterministic). 203 KB shared.
+#include "kda/cuda/kda_bwd_device.cuh"
+
+namespace encore::cuda::kdabwd {
+namespace {
+
+using ::encore::cuda::kda::mma_split;
+using ::encore::cuda::kda::split_pair;
+using ::encore::cuda::kda::store_pair;
+
+constexpr int kThreads = 256;
+constexpr int kLd = kMaxD + 4;  // fp32 row stride of the [*][128] tiles (float2 fragment loads, few conflicts)
+constexpr int kLdA = kC + 4;    // of the [64][64] tile A
+constexpr size_t kSmem = (2 * kMaxD * kLd + 2 * kC * kLd + 3 * kC) * sizeof(float);
+
+// The A fragment (16 x 16) of A(m, k) at a: kRow: a[m * ld + k] (k contiguous), else a[k * ld + m];
+// as bf16 hi + lo.
+template <bool kRow>
+__device__ __forceinline__ void frag_a(const float* a, int ld, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int m = g + 8 * (q & 1), k = 2 * t + 8 * (q >> 1);
+    float x, y;
+    if constexpr (kRow) {
+      const float2 v = *reinterpret_cast<const float2*>(a + m * ld + k);
+      x = v.x, y = v.y;
+    } else {
+      x = a[k * ld + m], y = a[(k + 1) * ld + m];
+    }
+    split_pair(x, y, hi[q], lo[q]);
+  }
+}
+
+// The B fragment (16 x 8, k x n) of B(k, n) at b: kNK: b[n * ld + k] (k contiguous), else b[k * ld + n].
+template <bool kNK>
+__device__ __forceinline__ void frag_b(const float* b, int ld, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int k = 2 * t + 8 * q;
+    float x, y;
+    if constexpr (kNK) {
+      const float2 v = *reinterpret_cast<const float2*>(b + g * ld + k);
+      x = v.x, y = v.y;
+    } else {
+      x = b[k * ld + g], y = b[(k + 1) * ld + g];
+    }
+    split_pair(x, y, hi[q], lo[q]);
+  }
+}
+
+// c[n] (16 x 8 tiles, columns 8 n ..) += A B over k in [0, 16 ksteps): a at the warp's first row
+// (A(m, k) as frag_a<kRow>), b at its first column (B(k, n) as frag_b<kNK>).
+template <int NT, bool kRow, bool kNK>
+__device__ __forceinline__ void warp_gemm(float (&c)[NT][4], const float* a, int lda, const float* b, int ldb, int ksteps) {
+#pragma unroll 1
+  for (int ks = 0; ks < ksteps; ++ks) {
+    uint32_t ahi[4], alo[4], bhi[NT][2], blo[NT][2];
+    frag_a<kRow>(kRow ? a + 16 * ks : a + 16 * ks * lda, lda, ahi, alo);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) frag_b<kNK>(kNK ? b + 8 * n * ldb + 16 * ks : b + 16 * ks * ldb + 8 * n, ldb, bhi[n], blo[n]);
+    mma_split<NT>(c, ahi, alo, bhi, blo);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&c)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+}
+
+// dst[i * ld + c] = mult * acc (rows m0 + .., columns n0 + ..), columns c < C only.
+template <int NT>
+__device__ __forceinline__ void store_acc(const float (&c)[NT][4], float* dst, int ld, int m0, int n0, int C, float mult) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = m0 + g + 8 * (q >> 1), col = n0 + 8 * n + 2 * t + (q & 1);
+      if (col < C) dst[i * ld + col] = mult * c[n][q];
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
+  extern __shared__ float smem[];
+  float* sS = smem;                // [128][kLd] S
+  float* sX = sS + kMaxD * kLd;    // [128][kLd] dS'; then A [64][kLdA]
+  float* sP = sX + kMaxD * kLd;    // [64][kLd] dO; then dVn
+  float* sR = sP + kC * kLd;       // [64][kLd] Vn; then v
+  float* sPart = sR + kC * kLd;    // [2][64] row-sum halves
+  float* sBeta = sPart + 2 * kC;   // [64]
+  const int slot = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int m0 = 16 * (warp & 3), nh = warp >> 2, n0 = 64 * nh;
+  const ChunkInfo ci = chunk_info(p, slot);
+  const int rows = ci.rows, b = ci.b, t0 = ci.t0;
+  float* rec = ws_rec(ws, p, slot, h);
+
+  // Phase 1 operands: S, dS' (rows a < K, columns y < V; zero to 128), dO, Vn (rows < `rows`).
+  for (int e = tid; e < kMaxD * kMaxD; e += kThreads) {
+    const int a = e / kMaxD, y = e - a * kMaxD;
+    const bool in = a < K && y < V;
+    sS[a * kLd + y] = in ? state_at(p, rec, slot, h, a, y) : 0.f;
+    sX[a * kLd + y] = in ? rec[p.ws.dh + a * V + y] : 0.f;
+  }
+  for (int e = tid; e < kC * kMaxD; e += kThreads) {
+    const int i = e / kMaxD, y = e - i * kMaxD;
+    const bool in = i < rows && y < V;
+    sP[i * kLd + y] = in ? load(p.d_o, b, t0 + i, h, y) : 0.f;
+    sR[i * kLd + y] = in ? rec[p.ws.vn + i * V + y] : 0.f;
+  }
+  __syncthreads();
+  {
+    float c[8][4];
+    zero(c);
+    warp_gemm<8, true, true>(c, sP + m0 * kLd, kLd, sS + n0 * kLd, kLd, kMaxD / 16);  // dO S^T
+    store_acc(c, rec + p.ws.w, K, m0, n0, K, 1.0f);
+    zero(c);
+    warp_gemm<8, true, true>(c, sR + m0 * kLd, kLd, sX + n0 * kLd, kLd, kMaxD / 16);  // Vn dS'^T
+    store_acc(c, rec + p.ws.acc, K, m0, n0, K, 1.0f);
+  }
+  for (int a = warp; a < K; a += kThreads / 32) {  // sd[a] = sum_y S . dS' (fixed shuffle order)
+    float s = 0.f;
+    for (int y = lane; y < kMaxD; y += 32) s += sS[a * kLd + y] * sX[a * kLd + y];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) rec[p.ws.sd + a] = s;
+  }
+  __syncthreads();
+
+  // Phase 2 operands: dVn, v, A (S stays).
+  for (int e = tid; e < kC * kMaxD; e += kThreads) {
+    const int i = e / kMaxD, y = e - i * kMaxD;
+    const bool in = i < rows && y < V;
+    sP[i * kLd + y] = in ? rec[p.ws.dvn + i * V + y] : 0.f;
+    sR[i * kLd + y] = in ? load(p.v, b, t0 + i, h, y) : 0.f;
+  }
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e - i * kC;
+    sX[i * kLdA + j] = (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j) : 0.f;
+  }
+  if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
+  __syncthreads();
+  {
+    float c[8][4];
+    zero(c);
+    warp_gemm<8, true, true>(c, sP + m0 * kLd, kLd, sS + n0 * kLd, kLd, kMaxD / 16);  // dVn S^T
+    store_acc(c, rec + p.ws.dw, K, m0, n0, K, -1.0f);
+  }
+  {
+    float c[4][4];
+    zero(c);
+    warp_gemm<4, true, true>(c, sP + m0 * kLd, kLd, sR + 32 * nh * kLd, kLd, kMaxD / 16);  // dVn v^T
+    store_acc(c, rec + p.ws.da, kC, m0, 32 * nh, kC, 1.0f);
+  }
+  {
+    float c[8][4];
+    zero(c);
+    warp_gemm<8, false, false>(c, sX + m0, kLdA, sP + n0, kLd, kC / 16);  // dVbeta = A^T dVn (rows j)
+    float part[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int j = m0 + g + 8 * r, y = n0 + 8 * n + 2 * t;
+        const float x0 = c[n][2 * r], x1 = c[n][2 * r + 1];
+        part[r] += x0 * sR[j * kLd + y] + x1 * sR[j * kLd + y + 1];
+        if (j < rows && y < V) {
+          const float bj = sBeta[j];
+          store_pair(p.dv.data, p.dv.dtype, int64_t(b) * p.dv.sb + int64_t(t0 + j) * p.dv.st + int64_t(h) * p.dv.sh + y, bj * x0,
+                     bj * x1, V - y);
+        }
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      part[r] += __shfl_xor_sync(0xffffffffu, part[r], 1);
+      part[r] += __shfl_xor_sync(0xffffffffu, part[r], 2);
+      if (t == 0) sPart[nh * kC + m0 + g + 8 * r] = part[r];
+    }
+  }
+  __syncthreads();
+  if (tid < kC) rec[p.ws.dbv + tid] = sPart[tid] + sPart[kC + tid];
+}
+
+}  // namespace
+
+cudaError_t launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  cudaError_t e = cudaFuncSetAttribute(kda_bwd_inter_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+  if (e != cudaSuccess) return e;
+  kda_bwd_inter_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
+  return cudaGetLastError();
+}
+
+}  // namespace encore::cuda::kdabwd
