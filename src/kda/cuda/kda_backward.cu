@@ -150,14 +150,14 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
     if (e != cudaSuccess) return Status::cuda_error(std::string("kda backward: ") + what + ": " + cudaGetErrorString(e));
     return Status::ok();
   };
+  const bool simt = kdabwd::simt_backward();
   if (slots > 0) {
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_prep(p, ws, slots, s), "recompute kernel"));
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_states(p, ws, slots, s), "state kernel"));
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, s), "dAv kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, simt, s), "dAv kernel"));
   }
   if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, s), "dh kernel"));
   if (slots > 0) {
-    const bool simt = kdabwd::simt_backward();
     if (!simt) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_inter(p, ws, slots, s), "inter-chunk product kernel"));
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, simt, s), "gradient kernel"));
   }

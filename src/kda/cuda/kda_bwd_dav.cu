@@ -2,7 +2,10 @@
 // chunk-parallel: from dO, the record's Vnew and the residual Aqk (scale included):
 //   dAqk = tril(dO Vnew^T) (diagonal included)  [64][64]     dVnew(intra) = Aqk^T dO  [64][V]
 // into the record (fp32; entries outside the valid rows' triangle zero). K, V <= 128; 80 KB shared.
-#include "kda/cuda/kda_bwd_device.cuh"
+// Two versions: kda_bwd_dav_kernel (SIMT fp32, ENCORE_KDA_BWD_SIMT=1) and kda_bwd_dav_tc_kernel (both
+// products on tensor cores, split bf16 operands from zero-padded fp32 tiles; warp w owns rows
+// 16 (w % 4) .. + 16 and half the columns of each product; 85 KB shared).
+#include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
 namespace {
@@ -44,9 +47,59 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dav_kernel(const __grid_cons
   }
 }
 
+constexpr size_t kSmemTc = (2 * kC * kLd + kC * kLdA) * sizeof(float);
+
+__global__ void __launch_bounds__(kThreads) kda_bwd_dav_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
+  extern __shared__ float smem[];
+  float* sdO = smem;              // [64][kLd] dO (zero-padded to 128 columns, rows >= `rows` zero)
+  float* sVn = sdO + kC * kLd;    // [64][kLd] Vnew
+  float* sAqk = sVn + kC * kLd;   // [64][kLdA] Aqk, valid triangle only
+  const int slot = blockIdx.x, h = blockIdx.y, V = p.V, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int m0 = 16 * (warp & 3), nh = warp >> 2;
+  const ChunkInfo ci = chunk_info(p, slot);
+  const int rows = ci.rows;
+  float* rec = ws_rec(ws, p, slot, h);
+  for (int e = tid; e < kC * kMaxD; e += kThreads) {
+    const int i = e / kMaxD, y = e - i * kMaxD;
+    const bool in = i < rows && y < V;
+    sdO[i * kLd + y] = in ? load(p.d_o, ci.b, ci.t0 + i, h, y) : 0.f;
+    sVn[i * kLd + y] = in ? rec[p.ws.vn + i * V + y] : 0.f;
+  }
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e - i * kC;
+    sAqk[i * kLdA + j] = (i < rows && j <= i) ? load_any(p.Aqk, p.aqk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
+  }
+  __syncthreads();
+  {
+    float c[4][4];  // dAqk = tril(dO Vnew^T): rows m0 .., columns 32 nh ..
+    zero(c);
+    warp_gemm<4, true, true>(c, sdO + m0 * kLd, kLd, sVn + 32 * nh * kLd, kLd, kMaxD / 16);
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int i = m0 + g + 8 * (q >> 1), j = 32 * nh + 8 * n + 2 * t + (q & 1);
+        rec[p.ws.daqk + i * kC + j] = (i < rows && j <= i) ? c[n][q] : 0.f;
+      }
+  }
+  {
+    float c[8][4];  // dVnew = Aqk^T dO: rows (j) m0 .., columns 64 nh ..
+    zero(c);
+    warp_gemm<8, false, false>(c, sAqk + m0, kLdA, sdO + 64 * nh, kLd, kC / 16);
+    store_acc(c, rec + p.ws.dvn, V, m0, 64 * nh, V, 1.0f);
+  }
+}
+
 }  // namespace
 
-cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
+  if (!simt) {
+    cudaError_t e = cudaFuncSetAttribute(kda_bwd_dav_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemTc));
+    if (e != cudaSuccess) return e;
+    kda_bwd_dav_tc_kernel<<<dim3(slots, p.H), kThreads, kSmemTc, s>>>(p, ws);
+    return cudaGetLastError();
+  }
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_dav_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (e != cudaSuccess) return e;
   kda_bwd_dav_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);

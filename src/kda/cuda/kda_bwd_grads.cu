@@ -120,6 +120,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
     sExtra[tid] = exp2f(sGc[tid]) * sd + kdk;
   }
   __syncthreads();
+  if (!simt) {  // Kbeta / beta = K 2^G once (sT is free in this mode until M below)
+    for (int e = tid; e < kC * K; e += kThreads) sT[e] = sK[e] * exp2f(sG[e]);
+    __syncthreads();
+  }
 
   // WY: dA (into sM), dVbeta (dv out; dbeta parts into sT), dKbeta (into the accumulators).
   for (int e = tid; e < kC * kC; e += blockDim.x) {
@@ -130,7 +134,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
         for (int y = 0; y < V; ++y) s += dVn[i * V + y] * load(p.v, b, t0 + j, h, y);
       else
         s = rec[p.ws.da + e];
-      for (int a = 0; a < K; ++a) s += sW[i * K + a] * sK[j * K + a] * exp2f(sG[j * K + a]);
+      if (simt)
+        for (int a = 0; a < K; ++a) s += sW[i * K + a] * sK[j * K + a] * exp2f(sG[j * K + a]);
+      else
+        for (int a = 0; a < K; ++a) s += sW[i * K + a] * sT[j * K + a];
       s *= sBeta[j];
     }
     sM[e] = s;

@@ -13,89 +13,15 @@
 // (K, V <= 128, any sizes). Warp w owns rows 16 (w % 4) .. + 16 and columns 64 (w / 4) .. + 64 of
 // each [64][128] product (32 of a [64][64] one). Row sums: within a warp by shuffles, across the two
 // column halves in a fixed order (deterministic). 203 KB shared.
-#include "kda/cuda/kda_bwd_device.cuh"
+#include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
 namespace {
 
-using ::encore::cuda::kda::mma_split;
-using ::encore::cuda::kda::split_pair;
 using ::encore::cuda::kda::store_pair;
 
 constexpr int kThreads = 256;
-constexpr int kLd = kMaxD + 4;  // fp32 row stride of the [*][128] tiles (float2 fragment loads, few conflicts)
-constexpr int kLdA = kC + 4;    // of the [64][64] tile A
 constexpr size_t kSmem = (2 * kMaxD * kLd + 2 * kC * kLd + 3 * kC) * sizeof(float);
-
-// The A fragment (16 x 16) of A(m, k) at a: kRow: a[m * ld + k] (k contiguous), else a[k * ld + m];
-// as bf16 hi + lo.
-template <bool kRow>
-__device__ __forceinline__ void frag_a(const float* a, int ld, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int m = g + 8 * (q & 1), k = 2 * t + 8 * (q >> 1);
-    float x, y;
-    if constexpr (kRow) {
-      const float2 v = *reinterpret_cast<const float2*>(a + m * ld + k);
-      x = v.x, y = v.y;
-    } else {
-      x = a[k * ld + m], y = a[(k + 1) * ld + m];
-    }
-    split_pair(x, y, hi[q], lo[q]);
-  }
-}
-
-// The B fragment (16 x 8, k x n) of B(k, n) at b: kNK: b[n * ld + k] (k contiguous), else b[k * ld + n].
-template <bool kNK>
-__device__ __forceinline__ void frag_b(const float* b, int ld, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int k = 2 * t + 8 * q;
-    float x, y;
-    if constexpr (kNK) {
-      const float2 v = *reinterpret_cast<const float2*>(b + g * ld + k);
-      x = v.x, y = v.y;
-    } else {
-      x = b[k * ld + g], y = b[(k + 1) * ld + g];
-    }
-    split_pair(x, y, hi[q], lo[q]);
-  }
-}
-
-// c[n] (16 x 8 tiles, columns 8 n ..) += A B over k in [0, 16 ksteps): a at the warp's first row
-// (A(m, k) as frag_a<kRow>), b at its first column (B(k, n) as frag_b<kNK>).
-template <int NT, bool kRow, bool kNK>
-__device__ __forceinline__ void warp_gemm(float (&c)[NT][4], const float* a, int lda, const float* b, int ldb, int ksteps) {
-#pragma unroll 1
-  for (int ks = 0; ks < ksteps; ++ks) {
-    uint32_t ahi[4], alo[4], bhi[NT][2], blo[NT][2];
-    frag_a<kRow>(kRow ? a + 16 * ks : a + 16 * ks * lda, lda, ahi, alo);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) frag_b<kNK>(kNK ? b + 8 * n * ldb + 16 * ks : b + 16 * ks * ldb + 8 * n, ldb, bhi[n], blo[n]);
-    mma_split<NT>(c, ahi, alo, bhi, blo);
-  }
-}
-
-template <int NT>
-__device__ __forceinline__ void zero(float (&c)[NT][4]) {
-#pragma unroll
-  for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
-}
-
-// dst[i * ld + c] = mult * acc (rows m0 + .., columns n0 + ..), columns c < C only.
-template <int NT>
-__device__ __forceinline__ void store_acc(const float (&c)[NT][4], float* dst, int ld, int m0, int n0, int C, float mult) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int i = m0 + g + 8 * (q >> 1), col = n0 + 8 * n + 2 * t + (q & 1);
-      if (col < C) dst[i * ld + col] = mult * c[n][q];
-    }
-}
 
 __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
   extern __shared__ float smem[];

@@ -1,0 +1,87 @@
+// Warp-level tensor-core products on fp32 shared-memory tiles for the CUDA KDA backward kernels:
+// mma.sync m16n8k16 bf16 with both operands split into bf16 hi + lo (kda::mma_split: hi·hi + hi·lo +
+// lo·hi, ~2^-16 relative, near fp32), each operand read in either orientation (k contiguous or
+// strided), so that A^T B and A B^T products need no transposed copies. Tiles are zero-padded to
+// multiples of 16 in k and of the warp's tile in m, n by the caller.
+#pragma once
+#include "kda/cuda/kda_bwd_device.cuh"
+
+namespace encore::cuda::kdabwd {
+
+using ::encore::cuda::kda::mma_split;
+using ::encore::cuda::kda::split_pair;
+
+constexpr int kLd = kMaxD + 4;  // fp32 row stride of [*][128] tiles (float2 fragment loads, few conflicts)
+constexpr int kLdA = kC + 4;    // of [*][64] tiles
+
+// The A fragment (16 x 16) of A(m, k) at a: kRow: a[m * ld + k] (k contiguous), else a[k * ld + m];
+// as bf16 hi + lo.
+template <bool kRow>
+__device__ __forceinline__ void frag_a(const float* a, int ld, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int m = g + 8 * (q & 1), k = 2 * t + 8 * (q >> 1);
+    float x, y;
+    if constexpr (kRow) {
+      const float2 v = *reinterpret_cast<const float2*>(a + m * ld + k);
+      x = v.x, y = v.y;
+    } else {
+      x = a[k * ld + m], y = a[(k + 1) * ld + m];
+    }
+    split_pair(x, y, hi[q], lo[q]);
+  }
+}
+
+// The B fragment (16 x 8, k x n) of B(k, n) at b: kNK: b[n * ld + k] (k contiguous), else b[k * ld + n].
+template <bool kNK>
+__device__ __forceinline__ void frag_b(const float* b, int ld, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int k = 2 * t + 8 * q;
+    float x, y;
+    if constexpr (kNK) {
+      const float2 v = *reinterpret_cast<const float2*>(b + g * ld + k);
+      x = v.x, y = v.y;
+    } else {
+      x = b[k * ld + g], y = b[(k + 1) * ld + g];
+    }
+    split_pair(x, y, hi[q], lo[q]);
+  }
+}
+
+// c[n] (16 x 8 tiles, columns 8 n ..) += A B over k in [0, 16 ksteps): a at the warp's first row
+// (A(m, k) as frag_a<kRow>), b at its first column (B(k, n) as frag_b<kNK>).
+template <int NT, bool kRow, bool kNK>
+__device__ __forceinline__ void warp_gemm(float (&c)[NT][4], const float* a, int lda, const float* b, int ldb, int ksteps) {
+#pragma unroll 1
+  for (int ks = 0; ks < ksteps; ++ks) {
+    uint32_t ahi[4], alo[4], bhi[NT][2], blo[NT][2];
+    frag_a<kRow>(kRow ? a + 16 * ks : a + 16 * ks * lda, lda, ahi, alo);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) frag_b<kNK>(kNK ? b + 8 * n * ldb + 16 * ks : b + 16 * ks * ldb + 8 * n, ldb, bhi[n], blo[n]);
+    mma_split<NT>(c, ahi, alo, bhi, blo);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&c)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+}
+
+// dst[i * ld + c] = mult * acc (rows m0 + .., columns n0 + ..), columns c < C only.
+template <int NT>
+__device__ __forceinline__ void store_acc(const float (&c)[NT][4], float* dst, int ld, int m0, int n0, int C, float mult) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = m0 + g + 8 * (q >> 1), col = n0 + 8 * n + 2 * t + (q & 1);
+      if (col < C) dst[i * ld + col] = mult * c[n][q];
+    }
+}
+
+}  // namespace encore::cuda::kdabwd
