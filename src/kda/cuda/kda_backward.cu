@@ -156,7 +156,7 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_states(p, ws, slots, s), "state kernel"));
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, simt, s), "dAv kernel"));
   }
-  if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, s), "dh kernel"));
+  if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, simt, s), "dh kernel"));
   if (slots > 0) {
     if (!simt) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_inter(p, ws, slots, s), "inter-chunk product kernel"));
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, simt, s), "gradient kernel"));

@@ -96,7 +96,7 @@ __device__ __forceinline__ float state_at(const KdaBwdCudaProblem& p, const floa
 cudaError_t launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);    // kda_bwd_recompute.cu
 cudaError_t launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_recompute.cu
 cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_dav.cu
-cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, cudaStream_t s);                 // kda_bwd_reverse.cu
+cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s);      // kda_bwd_reverse.cu
 bool simt_backward();  // ENCORE_KDA_BWD_SIMT set (not "0"): the SIMT fp32 kernels (kda_backward.cu)
 cudaError_t launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_inter.cu (tensor cores)
 // simt: kernel 3b computes the inter-chunk and dVnew products itself (the first fp32 version), else it

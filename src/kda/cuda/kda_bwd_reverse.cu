@@ -6,7 +6,12 @@
 // fp32 state in shared memory; sequences without chunks write dh0 = dht (or 0). The chunk-parallel
 // rest of the reverse pass (WY, intra-chunk, reverse cumsum, gate and L2-norm tails) reads dh from
 // the record: kda_bwd_grads.cu. K, V <= 128; 129 KB shared.
-#include "kda/cuda/kda_bwd_device.cuh"
+// Two versions: kda_bwd_dh_kernel (SIMT fp32, ENCORE_KDA_BWD_SIMT=1) and kda_bwd_dh_tc_kernel (64
+// value columns per block, grid (N, H, ceil(V / 64)); both products on tensor cores with split bf16
+// operands: the A operands Kg, Qg^T, W^T straight from the record (global, guarded to a < K) into
+// fragments, the B operands dS', dO, -dVnew from fp32 shared tiles; the state dS stays fp32 in
+// shared memory, each element updated by its owner; 70 KB shared).
+#include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
 namespace {
@@ -89,9 +94,139 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_kernel(const __grid_const
     }
 }
 
+constexpr int kCols = 64;           // value columns per block of the tensor-core version
+constexpr int kLdS = kCols + 4;     // fp32 row stride of its [*][64] tiles
+constexpr size_t kSmemTc = (kMaxD * kLdS + 2 * kC * kLdS + kMaxD) * sizeof(float);
+
+// The A fragment of A(m, k) = x[m * K + k] (rows m0 + .., channels k0 + ..; 0 at k >= K): Kg.
+__device__ __forceinline__ void frag_rows(const float* __restrict__ x, int K, int m0, int k0, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int m = m0 + g + 8 * (q & 1), k = k0 + 2 * t + 8 * (q >> 1);
+    const float u = k < K ? __ldg(x + m * K + k) : 0.f, v = k + 1 < K ? __ldg(x + m * K + k + 1) : 0.f;
+    split_pair(u, v, hi[q], lo[q]);
+  }
+}
+// The A fragment of A(m, k) = x[k * K + m] (channels m0 + .., 0 at m >= K; rows k0 + ..): Qg^T, W^T.
+__device__ __forceinline__ void frag_cols(const float* __restrict__ x, int K, int m0, int k0, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int m = m0 + g + 8 * (q & 1), k = k0 + 2 * t + 8 * (q >> 1);
+    const bool in = m < K;
+    const float u = in ? __ldg(x + k * K + m) : 0.f, v = in ? __ldg(x + (k + 1) * K + m) : 0.f;
+    split_pair(u, v, hi[q], lo[q]);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
+  extern __shared__ float smem[];
+  float* sdS = smem;                // [128][kLdS] dS' (rows >= K, columns >= nc zero)
+  float* sdO = sdS + kMaxD * kLdS;  // [64][kLdS] dO columns
+  float* sdV = sdO + kC * kLdS;     // [64][kLdS] -dVnew columns
+  float* sGc = sdV + kC * kLdS;     // [128]
+  const int n = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int y0 = blockIdx.z * kCols, nc = min(kCols, V - y0);
+  const int b = p.varlen ? 0 : n;
+  const int64_t s0 = (int64_t(n) * p.H + h) * K * V;
+  const int ksteps = (K + 15) / 16;
+  for (int e = tid; e < kMaxD * kCols; e += kThreads) {
+    const int a = e / kCols, y = e - a * kCols;
+    sdS[a * kLdS + y] = (a < K && y < nc && p.dht) ? p.dht[s0 + a * V + y0 + y] : 0.f;
+  }
+  __syncthreads();
+  const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
+  for (int slot = last - 1; slot >= first; --slot) {
+    float* rec = ws_rec(ws, p, slot, h);
+    const int t0 = p.seq_begin[n] + (slot - first) * kC, rows = min(kC, p.seq_end[n] - t0);
+    for (int e = tid; e < K * kCols; e += kThreads) {
+      const int a = e / kCols, y = e - a * kCols;
+      if (y < nc) rec[p.ws.dh + a * V + y0 + y] = sdS[a * kLdS + y];
+    }
+    for (int e = tid; e < kC * kCols; e += kThreads) {
+      const int i = e / kCols, y = e - i * kCols;
+      sdO[i * kLdS + y] = (i < rows && y < nc) ? load(p.d_o, b, t0 + i, h, y0 + y) : 0.f;
+    }
+    if (tid < K) sGc[tid] = rec[p.ws.gc + tid];
+    __syncthreads();
+    {  // dVnew += Kg dS': warp rows 16 (w % 4) .., columns 32 (w / 4) ..
+      const int m0 = 16 * (warp & 3), c0 = 32 * (warp >> 2);
+      float c[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = m0 + g + 8 * (q >> 1), y = c0 + 8 * nt + 2 * t + (q & 1);
+          c[nt][q] = y < nc ? rec[p.ws.dvn + i * V + y0 + y] : 0.f;
+        }
+#pragma unroll 2
+      for (int ks = 0; ks < ksteps; ++ks) {
+        uint32_t ahi[4], alo[4], bhi[4][2], blo[4][2];
+        frag_rows(rec + p.ws.kg, K, m0, 16 * ks, ahi, alo);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) frag_b<false>(sdS + 16 * ks * kLdS + c0 + 8 * nt, kLdS, bhi[nt], blo[nt]);
+        mma_split<4>(c, ahi, alo, bhi, blo);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = m0 + g + 8 * (q >> 1), y = c0 + 8 * nt + 2 * t + (q & 1);
+          if (y < nc) rec[p.ws.dvn + i * V + y0 + y] = c[nt][q];
+          sdV[i * kLdS + y] = -c[nt][q];  // 0 at y >= nc (dS' and dVnew columns there are 0)
+        }
+    }
+    __syncthreads();
+    const int a0 = 16 * warp;
+    if (a0 < K) {  // dS = Diag(2^gC) dS' + Qg^T dO + W^T (-dVnew): warp rows (channels) a0 .., all 64 columns
+      float c[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int a = a0 + g + 8 * (q >> 1), y = 8 * nt + 2 * t + (q & 1);
+          c[nt][q] = a < K ? exp2f(sGc[a]) * sdS[a * kLdS + y] : 0.f;
+        }
+#pragma unroll 1
+      for (int ks = 0; ks < kC / 16; ++ks) {
+        uint32_t ahi[4], alo[4], bhi[8][2], blo[8][2];
+        frag_cols(rec + p.ws.qg, K, a0, 16 * ks, ahi, alo);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) frag_b<false>(sdO + 16 * ks * kLdS + 8 * nt, kLdS, bhi[nt], blo[nt]);
+        mma_split<8>(c, ahi, alo, bhi, blo);
+        frag_cols(rec + p.ws.w, K, a0, 16 * ks, ahi, alo);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) frag_b<false>(sdV + 16 * ks * kLdS + 8 * nt, kLdS, bhi[nt], blo[nt]);
+        mma_split<8>(c, ahi, alo, bhi, blo);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int a = a0 + g + 8 * (q >> 1), y = 8 * nt + 2 * t + (q & 1);
+          if (a < K) sdS[a * kLdS + y] = c[nt][q];
+        }
+    }
+    __syncthreads();
+  }
+  if (p.dh0)
+    for (int e = tid; e < K * kCols; e += kThreads) {
+      const int a = e / kCols, y = e - a * kCols;
+      if (y < nc) p.dh0[s0 + a * V + y0 + y] = sdS[a * kLdS + y];
+    }
+}
+
 }  // namespace
 
-cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, cudaStream_t s) {
+cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s) {
+  if (!simt) {
+    cudaError_t e = cudaFuncSetAttribute(kda_bwd_dh_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemTc));
+    if (e != cudaSuccess) return e;
+    kda_bwd_dh_tc_kernel<<<dim3(p.N, p.H, (p.V + kCols - 1) / kCols), kThreads, kSmemTc, s>>>(p, ws);
+    return cudaGetLastError();
+  }
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_dh_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (e != cudaSuccess) return e;
   kda_bwd_dh_kernel<<<dim3(p.N, p.H, (p.V + kVs - 1) / kVs), kThreads, kSmem, s>>>(p, ws);
