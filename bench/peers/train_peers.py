@@ -292,7 +292,7 @@ def block(name, M):
     fns = {"eager": step(lambda: blk(*leaves)), "compile": step(lambda: comp(*leaves))}
     if HAVE_ENCORE:
         try:
-            mod = encore.nn.LlamaBlock(d, Fi, Nq, rotary_dim=nrot, device=dev, dtype=bf)
+            mod = encore.nn.LlamaBlock(d, Fi, hq, hkv, 128, device=dev, dtype=bf)
             pos = torch.arange(M, device=dev, dtype=torch.int32)
 
             def ours():
