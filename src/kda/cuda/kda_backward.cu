@@ -158,7 +158,6 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
   }
   if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, simt, s), "dh kernel"));
   if (slots > 0) {
-    if (!simt) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_inter(p, ws, slots, s), "inter-chunk product kernel"));
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, simt, s), "gradient kernel"));
   }
   if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, s), "gate reduction"));

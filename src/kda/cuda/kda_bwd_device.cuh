@@ -99,8 +99,9 @@ cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool si
 cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s);      // kda_bwd_reverse.cu
 bool simt_backward();  // ENCORE_KDA_BWD_SIMT set (not "0"): the SIMT fp32 kernels (kda_backward.cu)
 cudaError_t launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_inter.cu (tensor cores)
-// simt: kernel 3b computes the inter-chunk and dVnew products itself (the first fp32 version), else it
-// reads kernel 3b-1's (launch_inter) from the record.
+cudaError_t launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_grads_tc.cu
+// simt: the first fp32 SIMT kernel 3b alone (kda_bwd_grads.cu); else kernels 3b-1 (launch_inter) and
+// 3b (launch_grads_tc).
 cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_grads.cu
 cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, cudaStream_t s);  // kda_backward.cu
 cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s);  // kda_backward.cu

@@ -18,9 +18,8 @@
 // dbeta accumulators live in the record (the Qg, Kg, W areas, consumed by kernel 3a, and acc),
 // read and written by their owner only;
 // row and column sums go through shared tiles in a fixed order. K, V <= 128; 210 KB shared.
-// Unless simt, the GEMM-shaped products (dO S^T, Vn dS'^T, dVn S^T, dVn v^T, A^T dVn with dv and its
-// dbeta row sums, rowsum(S . dS')) come from kernel 3b-1 (kda_bwd_inter.cu, tensor cores) through the
-// record; this kernel then applies the decays and does the rest (the exact per-channel intra terms).
+// This is the SIMT fp32 version (ENCORE_KDA_BWD_SIMT=1); the default is kernels 3b-1 + 3b in
+// kda_bwd_inter.cu and kda_bwd_grads_tc.cu (tensor cores; the same math and outputs).
 #include "kda/cuda/kda_bwd_device.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -30,7 +29,7 @@ constexpr int kThreads = 512;
 constexpr int kSmall = 64 * 6 + 128 * 2;
 constexpr size_t kSmem = (6 * kTile + kC * kC + kSmall) * sizeof(float);
 
-__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws, bool simt) {
+__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
   extern __shared__ float smem[];
   float* sG = smem;          // [64][K] G; then k-side L2-norm products
   float* sQ = sG + kTile;    // Q~
@@ -81,17 +80,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
   for (int e = tid; e < kC * K; e += kThreads) {
     const int i = e / K, a = e - i * K;
     if (e >= kC * K) continue;
-    if (simt || i >= rows) acc_dq[e] = acc_dk[e] = acc_dG[e] = acc_db[e] = 0.f;
+    acc_dq[e] = acc_dk[e] = acc_dG[e] = acc_db[e] = 0.f;
     float kdk = 0.f, dw = 0.f;
-    if (i < rows && !simt) {  // kernel 3b-1's products: P1 = dO S^T in acc_dq, P2 = Vn dS'^T in acc_dk
-      const float dqt = acc_dq[e] * exp2f(sG[e]), dki = acc_dk[e] * exp2f(sGc[a] - sG[e]);
-      acc_dq[e] = dqt;
-      acc_dk[e] = dki;
-      acc_dG[e] = sQ[e] * dqt - sK[e] * dki;
-      acc_db[e] = 0.f;
-      kdk = sK[e] * dki;
-      dw = rec[p.ws.dw + e];
-    } else if (i < rows) {
+    if (i < rows) {
       float so = 0.f, sv = 0.f, sw = 0.f;
       for (int y = 0; y < V; ++y) {
         const float s = state_at(p, rec, slot, h, a, y), ds = dSp[a * V + y];
@@ -112,37 +103,24 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
   __syncthreads();
   if (tid < K) {  // the gC terms, added to every row by the reverse cumsum
     float sd = 0.f, kdk = 0.f;
-    if (simt)
-      for (int y = 0; y < V; ++y) sd += state_at(p, rec, slot, h, tid, y) * dSp[tid * V + y];
-    else
-      sd = rec[p.ws.sd + tid];
+    for (int y = 0; y < V; ++y) sd += state_at(p, rec, slot, h, tid, y) * dSp[tid * V + y];
     for (int i = 0; i < rows; ++i) kdk += sT[i * K + tid];
     sExtra[tid] = exp2f(sGc[tid]) * sd + kdk;
   }
   __syncthreads();
-  if (!simt) {  // Kbeta / beta = K 2^G once (sT is free in this mode until M below)
-    for (int e = tid; e < kC * K; e += kThreads) sT[e] = sK[e] * exp2f(sG[e]);
-    __syncthreads();
-  }
 
   // WY: dA (into sM), dVbeta (dv out; dbeta parts into sT), dKbeta (into the accumulators).
   for (int e = tid; e < kC * kC; e += blockDim.x) {
     const int i = e / kC, j = e - i * kC;
     float s = 0.f;
     if (i < rows && j <= i) {
-      if (simt)
-        for (int y = 0; y < V; ++y) s += dVn[i * V + y] * load(p.v, b, t0 + j, h, y);
-      else
-        s = rec[p.ws.da + e];
-      if (simt)
-        for (int a = 0; a < K; ++a) s += sW[i * K + a] * sK[j * K + a] * exp2f(sG[j * K + a]);
-      else
-        for (int a = 0; a < K; ++a) s += sW[i * K + a] * sT[j * K + a];
+      for (int y = 0; y < V; ++y) s += dVn[i * V + y] * load(p.v, b, t0 + j, h, y);
+      for (int a = 0; a < K; ++a) s += sW[i * K + a] * sK[j * K + a] * exp2f(sG[j * K + a]);
       s *= sBeta[j];
     }
     sM[e] = s;
   }
-  for (int e = tid; simt && e < kC * V; e += blockDim.x) {  // else kernel 3b-1 wrote dv
+  for (int e = tid; e < kC * V; e += blockDim.x) {
     const int j = e / V, y = e - j * V;
     float part = 0.f;
     if (j < rows) {
@@ -166,10 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
   __syncthreads();
   if (tid < kC) {
     float s = 0.f;
-    if (simt)
-      for (int y = 0; y < V; ++y) s += sT[tid * V + y];
-    else
-      s = rec[p.ws.dbv + tid];
+    for (int y = 0; y < V; ++y) s += sT[tid * V + y];
     sDb[tid] = s;
   }
   __syncthreads();
@@ -274,9 +249,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
 }  // namespace
 
 cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
+  if (!simt) {
+    cudaError_t e = launch_inter(p, ws, slots, s);
+    if (e != cudaSuccess) return e;
+    return launch_grads_tc(p, ws, slots, s);
+  }
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_grads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (e != cudaSuccess) return e;
-  kda_bwd_grads_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws, simt);
+  kda_bwd_grads_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
   return cudaGetLastError();
 }
 

@@ -1,13 +1,15 @@
 // KDA backward, kernel 3b-1 (math-kda.md §6 stages 3-4, the GEMM-shaped terms of kernel 3b), grid
 // (chunk slots, H), 256 threads (8 warps), chunk-parallel after kernel 3a (dh). With S the chunk-start
 // state [K][V], dS' the record's dh [K][V], dO, v [64][V] (inputs), Vn, dVn [64][V] (record), A the
-// residual Akk (lower triangle incl. the diagonal, valid rows only):
+// residual Akk (lower triangle incl. the diagonal, valid rows only), KE = k 2^G (k L2-normed when
+// asked; Kbeta = beta KE):
 //   P1 = dO S^T      -> record Qg-slot "w"  [64][K]   (kernel 3b: dQ~ = P1 . 2^G)
 //   P2 = Vn dS'^T    -> record "acc"        [64][K]   (kernel 3b: dK  = P2 . 2^(gC - G))
-//   dW = -dVn S^T    -> record "dw"         [64][K]
-//   dVv = dVn v^T    -> record "da"         [64][64]  (unmasked; kernel 3b takes i >= j and beta_j)
+//   sd[a] = rowsum_y(S . dS')               -> record "sd" [K]
+//   dW = -dVn S^T    (registers, then shared)
 //   dVbeta = A^T dVn -> dv = beta dVbeta (output);  record "dbv"[j] = rowsum_y(dVbeta . v)
-//   sd[a] = rowsum_y(S . dS')                    -> record "sd" [K]
+//   dA' = dVn v^T + dW KE^T  -> record "da"  [64][64]  (unmasked; kernel 3b: dA = tril(dA') beta_j)
+//   dKb' = A^T dW            -> record "dw"  [64][K]   (kernel 3b: dKbeta = dKb' as its loop's s)
 // Every product on bf16 tensor cores (mma.sync m16n8k16) with both operands split into bf16 hi + lo
 // (hi·hi + hi·lo + lo·hi, ~2^-16 relative: near fp32), from fp32 shared tiles zero-padded to 128
 // (K, V <= 128, any sizes). Warp w owns rows 16 (w % 4) .. + 16 and columns 64 (w / 4) .. + 64 of
@@ -83,18 +85,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
   }
   if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
   __syncthreads();
-  {
-    float c[8][4];
-    zero(c);
-    warp_gemm<8, true, true>(c, sP + m0 * kLd, kLd, sS + n0 * kLd, kLd, kMaxD / 16);  // dVn S^T
-    store_acc(c, rec + p.ws.dw, K, m0, n0, K, -1.0f);
-  }
-  {
-    float c[4][4];
-    zero(c);
-    warp_gemm<4, true, true>(c, sP + m0 * kLd, kLd, sR + 32 * nh * kLd, kLd, kMaxD / 16);  // dVn v^T
-    store_acc(c, rec + p.ws.da, kC, m0, 32 * nh, kC, 1.0f);
-  }
+  float cw[8][4];  // dVn S^T = -dW, kept to phase 3 (columns >= K are 0: S rows there are 0)
+  zero(cw);
+  warp_gemm<8, true, true>(cw, sP + m0 * kLd, kLd, sS + n0 * kLd, kLd, kMaxD / 16);
   {
     float c[8][4];
     zero(c);
@@ -122,6 +115,42 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
   }
   __syncthreads();
   if (tid < kC) rec[p.ws.dbv + tid] = sPart[tid] + sPart[kC + tid];
+
+  // Phase 3 (S is done): KE into sS rows 0..63, dW into rows 64..127; dVn, v, A stay.
+  float* sKE = sS;
+  float* sDW = sS + kC * kLd;
+  store_acc(cw, sDW, kLd, m0, n0, kMaxD, -1.0f);
+  for (int i = warp; i < kC; i += kThreads / 32) {  // one warp per row: the L2 norm as load_rows's
+    float x[kMaxD / 32], ss = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxD / 32; ++r) {
+      const int c = lane + 32 * r;
+      x[r] = (i < rows && c < K) ? load(p.k, b, t0 + i, h / p.group, c) : 0.f;
+      ss += x[r] * x[r];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float rs = p.l2norm ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxD / 32; ++r) {
+      const int c = lane + 32 * r;
+      sKE[i * kLd + c] = (i < rows && c < K) ? (x[r] * rs) * exp2f(p.G[tok(p, b, t0 + i, h) * K + c]) : 0.f;
+    }
+  }
+  __syncthreads();
+  {
+    float c[4][4];  // dA' = dVn v^T + dW KE^T
+    zero(c);
+    warp_gemm<4, true, true>(c, sP + m0 * kLd, kLd, sR + 32 * nh * kLd, kLd, kMaxD / 16);
+    warp_gemm<4, true, true>(c, sDW + m0 * kLd, kLd, sKE + 32 * nh * kLd, kLd, kMaxD / 16);
+    store_acc(c, rec + p.ws.da, kC, m0, 32 * nh, kC, 1.0f);
+  }
+  {
+    float c[8][4];  // dKb' = A^T dW (rows j)
+    zero(c);
+    warp_gemm<8, false, false>(c, sX + m0, kLdA, sDW + n0, kLd, kC / 16);
+    store_acc(c, rec + p.ws.dw, K, m0, n0, K, 1.0f);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,209 @@
+// KDA backward, kernel 3b in the tensor-core mode (math-kda.md §6 stages 3-5 and the tails), grid
+// (chunk slots, H), 512 threads, after kernel 3b-1 (kda_bwd_inter.cu) has left the GEMM-shaped
+// products in the record: P1 = dO S^T, P2 = Vn dS'^T [64][K], dA' = dVn v^T + dW KE^T [64][64],
+// dKb' = A^T dW [64][K], dbv = rowsum(A^T dVn . v) [64], sd = rowsum(S . dS') [K] (dv written there).
+// With Q~ = s q, K (L2-normed when asked), E_ij = 2^(G_i - G_j) per channel, as kda_bwd_grads.cu:
+//   inter:  dQ~ = P1 . 2^G    dK = P2 . 2^(gC - G)    dG = Q~ . dQ~ - K . dK
+//           last row: dG += 2^gC . sd + sum_rows K . dK (added to every row by the reverse cumsum)
+//   WY:     dA = tril(dA') beta_j;  dk += beta 2^G dKb', dbeta += dKb' . K 2^G, dG += beta K 2^G dKb';
+//           dbeta += dbv;  dL = -StrictTril(A^T dA A^T)  (fp32 loops over shared [64][64] tiles)
+//   intra:  exact per channel (no factorization of E): dQ~_i += sum_{j<=i} dAqk_ij K_j E_ij,
+//           dKrow_i = sum_{j<i} dL_ij K_j E_ij, dKcol_j = sum_{i>=j} (dAqk_ij Q~_i + dL_ij beta_i K_i) E_ij
+//   tails:  dg = the chunk-local reverse cumsum of dG (one thread per channel, shared memory only), the
+//           gate backward elementwise by all threads with per-chunk partials of dA_log, ddt_bias summed
+//           per channel in row order; dq = s dQ~, dk through the L2-norm backward.
+// Each thread owns elements e = tid + 512 r of the [64][K] tiles: one fused pass gathers every term of
+// its (row, channel) in registers and leaves dQ~, dK in the record (over P1, P2: owner only), dbeta
+// and dG parts in shared tiles. Deterministic (fixed orders). K, V <= 128; 210 KB shared.
+#include "kda/cuda/kda_bwd_device.cuh"
+
+namespace encore::cuda::kdabwd {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kSmall = 64 * 6 + 128 * 2;
+constexpr size_t kSmem = (6 * kTile + kC * kC + kSmall) * sizeof(float);
+
+__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
+  extern __shared__ float smem[];
+  float* sG = smem;          // [64][K] G; then dk . k
+  float* sQ = sG + kTile;    // Q~
+  float* sK = sQ + kTile;    // K
+  float* sW = sK + kTile;    // dG, then dy (the reverse cumsum)
+  float* sT = sW + kTile;    // K . dK(inter); M = A^T dA; dbeta parts; then the ddt_bias parts
+  float* sA = sT + kTile;    // [64][64] A
+  float* sD = sA + kC * kC;  // [64][64] dAqk  (sA, sD: one [64][128] tile for dq . q, then the dA_log parts)
+  float* sM = sD + kC * kC;  // [64][64] dA, then dL
+  float* sBeta = sM + kC * kC;
+  float* sRq = sBeta + kC;
+  float* sRk = sRq + kC;
+  float* sDb = sRk + kC;
+  float* sDotq = sDb + kC;
+  float* sDotk = sDotq + kC;
+  float* sGc = sDotk + kC;
+  float* sExtra = sGc + kMaxD;
+  const int slot = blockIdx.x, h = blockIdx.y, K = p.K, tid = threadIdx.x;
+  const ChunkInfo ci = chunk_info(p, slot);
+  const int rows = ci.rows, b = ci.b, t0 = ci.t0;
+  float* rec = ws_rec(ws, p, slot, h);
+  float* dQt = rec + p.ws.w;          // P1, then dQ~ (owner-only overwrite)
+  float* dKt = rec + p.ws.acc;        // P2, then dK
+  const float* dKb = rec + p.ws.dw;   // A^T dW
+
+  load_rows(p.q, b, t0, rows, h / p.group, K, p.l2norm, p.scale, sQ, sRq);  // q, k: the group's head
+  load_rows(p.k, b, t0, rows, h / p.group, K, p.l2norm, 1.0f, sK, sRk);
+  for (int e = tid; e < kC * K; e += kThreads) {
+    const int i = e / K, a = e - i * K;
+    sG[e] = i < rows ? p.G[tok(p, b, t0 + i, h) * K + a] : 0.f;
+  }
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e - i * kC;
+    sA[e] = (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j) : 0.f;
+    sD[e] = rec[p.ws.daqk + e];
+  }
+  if (tid < kC) {
+    sBeta[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
+    sDb[tid] = rec[p.ws.dbv + tid];
+  }
+  if (tid < K) sGc[tid] = rec[p.ws.gc + tid];
+  __syncthreads();
+
+  // K . dK(inter) for the gC term's column sums; dA = tril(dA') beta_j.
+  for (int e = tid; e < kC * K; e += kThreads) {
+    const int i = e / K, a = e - i * K;
+    sT[e] = i < rows ? sK[e] * (dKt[e] * exp2f(sGc[a] - sG[e])) : 0.f;
+  }
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e - i * kC;
+    sM[e] = (i < rows && j <= i) ? rec[p.ws.da + e] * sBeta[j] : 0.f;
+  }
+  __syncthreads();
+  if (tid < K) {
+    float kdk = 0.f;
+    for (int i = 0; i < rows; ++i) kdk += sT[i * K + tid];
+    sExtra[tid] = exp2f(sGc[tid]) * rec[p.ws.sd + tid] + kdk;
+  }
+  __syncthreads();
+  for (int e = tid; e < kC * kC; e += kThreads) {  // M = A^T dA
+    const int i = e / kC, j = e - i * kC;
+    float s = 0.f;
+    if (i < rows && j < rows)
+      for (int m = max(i, j); m < rows; ++m) s += sA[m * kC + i] * sM[m * kC + j];
+    sT[e] = s;
+  }
+  __syncthreads();
+  for (int e = tid; e < kC * kC; e += kThreads) {  // dL = -StrictTril(M A^T)
+    const int i = e / kC, j = e - i * kC;
+    float s = 0.f;
+    if (i < rows && j < i)
+      for (int m = 0; m <= j; ++m) s -= sT[i * kC + m] * sA[j * kC + m];
+    sM[e] = s;
+  }
+  __syncthreads();
+
+  // The fused pass: inter, WY (dKbeta) and intra terms of each owned (row, channel).
+  for (int e = tid; e < kC * K; e += kThreads) {
+    const int i = e / K, a = e - i * K;
+    if (i >= rows) {
+      sT[e] = 0.f;
+      sW[e] = 0.f;
+      continue;
+    }
+    const float gi = sG[e], eg = exp2f(gi), ke = sK[e] * eg, bi = sBeta[i];
+    const float dqt = dQt[e] * eg, dki = dKt[e] * exp2f(sGc[a] - gi), kb = dKb[e];
+    float dqi = 0.f, dkr = 0.f, dkc = 0.f;
+    for (int j = 0; j <= i; ++j) {
+      const float kx = sK[j * K + a] * exp2f(gi - sG[j * K + a]);
+      dqi += sD[i * kC + j] * kx;
+      dkr += sM[i * kC + j] * kx;  // dL_ii = 0
+    }
+    for (int m = i; m < rows; ++m)
+      dkc += (sD[m * kC + i] * sQ[m * K + a] + sM[m * kC + i] * sBeta[m] * sK[m * K + a]) * exp2f(sG[m * K + a] - gi);
+    dQt[e] = dqt + dqi;
+    dKt[e] = dki + bi * eg * kb + (bi * dkr + dkc);
+    sT[e] = kb * ke + sK[e] * dkr;
+    sW[e] = (sQ[e] * dqt - sK[e] * dki) + bi * ke * kb + (sQ[e] * dqi + sK[e] * (bi * dkr - dkc));
+  }
+  __syncthreads();
+  const float inv_scale = 1.0f / p.scale;
+  for (int e = tid; e < kC * K; e += kThreads) {
+    const bool in = e / K < rows;
+    sA[e] = in ? p.scale * dQt[e] * sQ[e] * inv_scale : 0.f;  // dqn . qn (sA, sD: one [64][128] tile)
+    sG[e] = in ? dKt[e] * sK[e] : 0.f;                        // dkn . kn
+  }
+  __syncthreads();
+  if (tid < kC) {  // row sums: dbeta, the L2-norm dots
+    float db = sDb[tid], dq = 0.f, dk = 0.f;
+    for (int a = 0; a < K; ++a) {
+      db += sT[tid * K + a];
+      dq += sA[tid * K + a];
+      dk += sG[tid * K + a];
+    }
+    sDotq[tid] = dq;
+    sDotk[tid] = dk;
+    if (tid < rows) store_out(p.dbeta, b, t0 + tid, h, 0, db);
+  } else if (tid >= kC && tid < kC + K) {  // channel a: dy = the reverse cumsum of dG + the gC terms, in place
+    const int a = tid - kC;
+    float acc = 0.f;
+    for (int i = rows - 1; i >= 0; --i) {
+      acc += sW[i * K + a];
+      sW[i * K + a] = acc + sExtra[a];
+    }
+  }
+  __syncthreads();
+  const float ea = (p.gate_in_kernel && p.A_log) ? expf(p.A_log[h]) : 1.0f;
+  for (int e = tid; e < kC * K; e += kThreads) {  // the gate backward, dq, dk
+    const int i = e / K, a = e - i * K;
+    float pdt = 0.f, pda = 0.f;
+    if (i < rows) {
+      const float dy = sW[e];
+      float dx = dy;
+      if (p.gate_in_kernel) {
+        const float bias = p.dt_bias ? p.dt_bias[h * K + a] : 0.f;
+        const float x = load(p.g, b, t0 + i, h, a) + bias;
+        if (p.lower_bound_gate) {
+          const float sg = 1.0f / (1.0f + expf(-ea * x));
+          dx = dy * p.lower_bound * sg * (1.0f - sg) * ea;
+          pda = dx * x;
+        } else {
+          const float sp = x > 20.f ? x : log1pf(expf(x)), sg = x > 20.f ? 1.0f : 1.0f / (1.0f + expf(-x));
+          dx = dy * (-ea) * sg;
+          pda = dy * (-ea * sp);
+        }
+        pdt = dx;
+      }
+      store_out(p.dg, b, t0 + i, h, a, dx);
+      const float dqn = p.scale * dQt[e], dkn = dKt[e];
+      float dq = dqn, dk = dkn;
+      if (p.l2norm) {
+        dq = sRq[i] * (dqn - sQ[e] * inv_scale * sDotq[i]);
+        dk = sRk[i] * (dkn - sK[e] * sDotk[i]);
+      }
+      store_out(p.dq, b, t0 + i, h, a, dq);  // with grouped heads: per-value-head partials (kda_backward.cu)
+      store_out(p.dk, b, t0 + i, h, a, dk);
+    }
+    sT[e] = pdt;
+    sA[e] = pda;
+  }
+  __syncthreads();
+  if (tid < K) {  // per-chunk gate partials, rows in order
+    float pdt = 0.f, pda = 0.f;
+    for (int i = 0; i < rows; ++i) {
+      pdt += sT[i * K + tid];
+      pda += sA[i * K + tid];
+    }
+    rec[p.ws.pdt + tid] = pdt;
+    rec[p.ws.pda + tid] = pda;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  cudaError_t e = cudaFuncSetAttribute(kda_bwd_grads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+  if (e != cudaSuccess) return e;
+  kda_bwd_grads_tc_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
+  return cudaGetLastError();
+}
+
+}  // namespace encore::cuda::kdabwd
