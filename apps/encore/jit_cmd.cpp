@@ -1,9 +1,10 @@
 // encore jit warmup [--config FILE] [--arch sm_XY] [--device N] [--sms N]
 //   Compiles (or loads from the disk cache) the run-time specializations listed in FILE, one per
-//   line: `rms_norm <bf16|fp16|fp32> <hidden> [add]` ('#' starts a comment); without --config the
-//   built-in list below. Every launch-plan variant (batch sizes 1 .. 2^20) of each line is
-//   compiled; prints each one's origin and time. With a GPU the kernels are also loaded; without
-//   one (or with --arch) only the cubins are cached, for --sms multiprocessors (default 132, H200).
+//   line (the forms in src/jit/warmup.hpp: rms_norm, qk_norm, fp8_group_quant); without --config
+//   the built-in list (jit::default_warmup_config). Every launch-plan variant (batch sizes 1 .. 2^20)
+//   of each line is compiled; prints each one's origin and time. With a GPU the kernels are also
+//   loaded; without one (or with --arch) only the cubins are cached, for --sms multiprocessors
+//   (default 132, H200).
 // encore jit info: the same lines as in `encore info`.
 #include "jit_cmd.hpp"
 
@@ -13,55 +14,10 @@
 
 #include "encore/core/device_info.hpp"
 #include "jit/jit.hpp"
-#include "norm/jit.hpp"
+#include "jit/warmup.hpp"
 
 namespace encore::app {
 namespace {
-
-struct Line {
-  std::string kernel;
-  DType dtype = DType::kBF16;
-  int64_t hidden = 0;
-  bool add = false;
-};
-
-const char* kDefaultConfig =
-    "rms_norm bf16 5184\n"
-    "rms_norm bf16 5184 add\n"
-    "rms_norm bf16 3000\n";
-
-bool parse(std::istream& in, std::vector<Line>* out, std::string* err) {
-  std::string text;
-  int n = 0;
-  while (std::getline(in, text)) {
-    ++n;
-    if (auto h = text.find('#'); h != std::string::npos) text.resize(h);
-    std::istringstream ls(text);
-    Line l;
-    std::string dt, extra;
-    if (!(ls >> l.kernel)) continue;
-    if (l.kernel != "rms_norm" || !(ls >> dt >> l.hidden) || l.hidden <= 0) {
-      *err = "line " + std::to_string(n) + ": expected `rms_norm <bf16|fp16|fp32> <hidden> [add]`";
-      return false;
-    }
-    if (dt == "bf16") l.dtype = DType::kBF16;
-    else if (dt == "fp16") l.dtype = DType::kFP16;
-    else if (dt == "fp32") l.dtype = DType::kFP32;
-    else {
-      *err = "line " + std::to_string(n) + ": unknown dtype '" + dt + "'";
-      return false;
-    }
-    while (ls >> extra) {
-      if (extra == "add") l.add = true;
-      else {
-        *err = "line " + std::to_string(n) + ": unknown word '" + extra + "'";
-        return false;
-      }
-    }
-    out->push_back(l);
-  }
-  return true;
-}
 
 int warmup(const std::vector<std::string>& args) {
   std::string config, arch;
@@ -76,19 +32,18 @@ int warmup(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  std::vector<Line> lines;
-  std::string err;
+  std::vector<jit::WarmupLine> lines;
   if (config.empty()) {
-    std::istringstream in(kDefaultConfig);
-    parse(in, &lines, &err);
+    std::istringstream in(jit::default_warmup_config());
+    (void)jit::parse_warmup_config(in, &lines);
   } else {
     std::ifstream in(config);
     if (!in) {
       std::fprintf(stderr, "encore jit warmup: cannot open %s\n", config.c_str());
       return 2;
     }
-    if (!parse(in, &lines, &err)) {
-      std::fprintf(stderr, "encore jit warmup: %s: %s\n", config.c_str(), err.c_str());
+    if (Status st = jit::parse_warmup_config(in, &lines); !st) {
+      std::fprintf(stderr, "encore jit warmup: %s: %s\n", config.c_str(), st.message().c_str());
       return 2;
     }
   }
@@ -112,19 +67,18 @@ int warmup(const std::vector<std::string>& args) {
               jit::Jit::global().disk().dir().empty() ? "(memory only)" : jit::Jit::global().disk().dir().c_str());
   int failures = 0;
   double total = 0;
-  for (const Line& l : lines) {
-    for (const auto& v : norm::rms_norm_jit_variants(l.dtype, l.hidden, l.add, sms)) {
+  for (const jit::WarmupLine& l : lines) {
+    for (const jit::WarmupItem& item : jit::warmup_items(l, sms)) {
       jit::Origin o{};
       double ms = 0;
-      Status st = norm::rms_norm_jit_warmup(v, gpu ? device : -1, arch, &o, &ms);
-      const std::string name = norm::rms_norm_jit_spec(v).name;
+      Status st = item.run(gpu ? device : -1, arch, &o, &ms);
       if (!st) {
         ++failures;
-        std::printf("  %-36s FAILED: %s\n", name.c_str(), st.to_string().c_str());
+        std::printf("  %-44s FAILED: %s\n", item.name.c_str(), st.to_string().c_str());
         continue;
       }
       total += ms;
-      std::printf("  %-36s %-8s %9.2f ms\n", name.c_str(), jit::origin_name(o), ms);
+      std::printf("  %-44s %-8s %9.2f ms\n", item.name.c_str(), jit::origin_name(o), ms);
     }
   }
   std::printf("  total %.1f ms%s\n", total, failures ? ", with failures" : "");

@@ -1,13 +1,16 @@
-// The RMSNorm family's run-time specializations (docs/jit.md, docs/norm.md "JIT"): the kernel of
-// norm/cuda/rms_norm_kernel.cuh with the hidden size a compile-time constant, compiled by NVRTC
-// from the same header the ahead-of-time build includes. Internal (tests, bench, the CLI).
+// The norm family's run-time specializations (docs/jit.md): RMSNorm (norm/cuda/rms_norm_kernel.cuh
+// with the hidden size a compile-time constant) and QK-norm (qk_norm_kernel.cuh with the head
+// layout constant), compiled by NVRTC from the same headers the ahead-of-time build includes.
+// Internal (tests, bench, the CLI).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "encore/core/dtype.hpp"
 #include "encore/core/status.hpp"
 #include "encore/core/tensor_view.hpp"
+#include "jit/family.hpp"
 #include "jit/jit.hpp"
 #include "norm/problem.hpp"
 
@@ -29,9 +32,9 @@ RmsNormJitVariant rms_norm_jit_variant(const RmsNormProblem& p, const RmsNormLau
 // the AOT kernels run any hidden size, with run-time loop bounds.
 bool rms_norm_hidden_in_aot_list(int64_t hidden);
 
-// Policy: kEnv reads ENCORE_JIT (unset / 0 off, 1 auto = JIT outside the AOT list, 2 / always = every
-// shape). The test hook overrides it for the process.
-enum class JitPolicy { kEnv, kOff, kAuto, kAlways };
+// Policy (jit/family.hpp): kEnv reads ENCORE_JIT; the test hook overrides it for the process.
+using JitPolicy = jit::JitPolicy;
+jit::Family& rms_norm_jit_family();
 void set_rms_norm_jit_policy(JitPolicy policy);
 // Whether the dispatcher takes the JIT path for this hidden size (JIT on, NVRTC present, policy).
 bool rms_norm_uses_jit(int64_t hidden);
@@ -49,5 +52,31 @@ Status rms_norm_jit_warmup(const RmsNormJitVariant& v, int device, const std::st
 Status launch_rms_norm_jit(const RmsNormProblem& p, const RmsNormLaunchPlan& plan, Stream stream);
 // JIT launches so far in this process (tests: which path the dispatcher took).
 int64_t rms_norm_jit_launch_count();
+
+// ---- QK-norm (qk_norm_jit.cpp) ----
+// One specialization: the template arguments of qk_norm_kernel, the head layout included.
+struct QkNormJitVariant {
+  DType dtype = DType::kBF16;
+  int head_dim = 128;
+  int q_heads = 0, kv_heads = 0;
+  bool offset = false;       // weight_offset != 0
+  int heads_per_thread = 1;  // from plan_qk_norm
+  bool operator==(const QkNormJitVariant&) const = default;
+};
+// Head layouts the JIT specializes at most (Hq + Hkv); larger ones stay ahead-of-time.
+constexpr int kQkNormJitMaxHeads = 1024;
+jit::KernelSpec qk_norm_jit_spec(const QkNormJitVariant& v);
+QkNormJitVariant qk_norm_jit_variant(const QkNormProblem& p, const QkNormLaunchPlan& plan);
+// (head_dim, Hq, Hkv) layouts the ahead-of-time kernel is benchmarked on (bench/norm/bench_qk_norm.cpp
+// and common models); it runs any layout, the head split at run time.
+bool qk_norm_heads_in_aot_list(int head_dim, int q_heads, int kv_heads);
+jit::Family& qk_norm_jit_family();
+void set_qk_norm_jit_policy(JitPolicy policy);
+bool qk_norm_uses_jit(const QkNormProblem& p);
+// The variants plan_qk_norm picks for tokens 1 .. 2^20 (what `encore jit warmup` compiles).
+std::vector<QkNormJitVariant> qk_norm_jit_variants(DType dtype, int head_dim, int q_heads, int kv_heads, bool offset, int sm_count);
+Status qk_norm_jit_warmup(const QkNormJitVariant& v, int device, const std::string& arch, jit::Origin* origin, double* ms);
+Status launch_qk_norm_jit(const QkNormProblem& p, const QkNormLaunchPlan& plan, Stream stream);
+int64_t qk_norm_jit_launch_count();
 
 }  // namespace encore::norm

@@ -4,6 +4,7 @@
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
+#include "norm/jit.hpp"
 #include "norm/problem.hpp"
 #include "norm/reference/norm_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
@@ -76,8 +77,12 @@ Status run(const QkNormArgs& a, const QkNormOptions& o, void*, Stream stream) {
 #ifdef ENCORE_WITH_CUDA
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(a.qkv.device.index, &info));
-  return cuda::launch_qk_norm(p, norm::plan_qk_norm(p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype, info->sm_count),
-                              stream);
+  const norm::QkNormLaunchPlan plan = norm::plan_qk_norm(p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype, info->sm_count);
+  if (norm::qk_norm_uses_jit(p)) {  // docs/jit.md: the head layout baked in
+    Status st = norm::launch_qk_norm_jit(p, plan, stream);
+    if (norm::qk_norm_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture
+  }
+  return cuda::launch_qk_norm(p, plan, stream);
 #else
   (void)stream;
   return Status::unsupported("qkv: on " + a.qkv.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");

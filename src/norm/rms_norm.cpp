@@ -1,8 +1,6 @@
 // Norm family dispatch: validate -> problem + plan -> CPU reference or CUDA kernel.
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <mutex>
 
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
@@ -120,9 +118,7 @@ Status execute(const norm::RmsNormProblem& p, Device device, const RmsNormOption
   norm::RmsNormLaunchPlan plan = norm::plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
   if (norm::rms_norm_uses_jit(p.hidden)) {  // docs/jit.md: the hidden size baked in
     Status st = norm::launch_rms_norm_jit(p, plan, stream);
-    if (st || jit::stream_capturing(stream)) return st;  // never compile inside a graph capture: the error says so
-    static std::once_flag once;
-    std::call_once(once, [&] { std::fprintf(stderr, "encore: rms_norm JIT failed, using the ahead-of-time kernels: %s\n", st.to_string().c_str()); });
+    if (norm::rms_norm_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture
   }
   return cuda::launch_rms_norm(p, plan, stream);
 #else

@@ -1,80 +1,37 @@
 // RMSNorm run-time specializations (src/norm/jit.hpp): source generation from the embedded kernel
 // header, the policy, the dispatcher's function cache and launch.
 #include <algorithm>
-#include <atomic>
-#include <cstdio>
-#include <mutex>
-#include <unordered_map>
 
 #include "norm/jit.hpp"
 #ifdef ENCORE_WITH_CUDA
-#include "common/cuda/device_guard.hpp"
 #include "norm/cuda/launch.hpp"
 #endif
 
 namespace encore::norm {
 namespace {
 
-std::atomic<JitPolicy> g_policy{JitPolicy::kEnv};
-std::atomic<int64_t> g_launches{0};
-
-const char* device_type_name(DType t) {
-  switch (t) {
-    case DType::kBF16: return "__nv_bfloat16";
-    case DType::kFP16: return "__half";
-    default: return "float";
-  }
+jit::Family& family() {
+  static jit::Family f("rms_norm");
+  return f;
 }
 
-// One uint64 per (variant, device) for the dispatcher's lock-cheap lookup.
-uint64_t fast_key(const RmsNormJitVariant& v, int device) {
-  return (uint64_t(v.hidden) << 24) | (uint64_t(device & 0xff) << 16) | (uint64_t(int(v.dtype) & 0xff) << 8) |
-         (uint64_t(v.vec_elems & 0xf) << 4) | (uint64_t(v.cached & 0xf) << 1) | uint64_t(v.add);
-}
-std::mutex g_fn_mu;
-std::unordered_map<uint64_t, void*> g_functions;
-std::unordered_map<uint64_t, Status> g_failures;  // a compile or load that failed is not retried
-
-Status load_function(const RmsNormJitVariant& v, int device, Stream stream, void** fn, jit::Origin* origin, double* ms) {
-  const uint64_t k = fast_key(v, device);
-  {
-    std::lock_guard<std::mutex> lock(g_fn_mu);
-    auto it = g_functions.find(k);
-    if (it != g_functions.end()) {
-      *fn = it->second;
-      if (origin) *origin = jit::Origin::kMemory;
-      if (ms) *ms = 0.0;
-      return Status::ok();
-    }
-    auto failed = g_failures.find(k);
-    if (failed != g_failures.end()) return failed->second;
-  }
-  Status st = jit::Jit::global().get_function(rms_norm_jit_spec(v), device, stream, fn, origin, ms);
-  std::lock_guard<std::mutex> lock(g_fn_mu);
-  if (!st) {
-    if (!jit::stream_capturing(stream)) g_failures.emplace(k, st);
-    return st;
-  }
-  g_functions.emplace(k, *fn);
-  return Status::ok();
+// One uint64 per variant for the dispatcher's lookup.
+uint64_t variant_key(const RmsNormJitVariant& v) {
+  return (uint64_t(v.hidden) << 16) | (uint64_t(int(v.dtype) & 0xff) << 8) | (uint64_t(v.vec_elems & 0xf) << 4) |
+         (uint64_t(v.cached & 0xf) << 1) | uint64_t(v.add);
 }
 
 }  // namespace
 
 jit::KernelSpec rms_norm_jit_spec(const RmsNormJitVariant& v) {
-  jit::KernelSpec s;
-  s.name = std::string("rms_norm-") + dtype_name(v.dtype) + "-h" + std::to_string(v.hidden) + "-v" +
-           std::to_string(v.vec_elems) + "-c" + std::to_string(v.cached) + (v.add ? "-add" : "");
-  // NVRTC has no host <cstdint>: the kernel header skips it under __CUDACC_RTC__, the prelude types it.
-  s.source = "typedef long long int64_t;\n#include \"norm/cuda/rms_norm_kernel.cuh\"\n";
-  for (const char* h : {"common/cuda/reduce.cuh", "common/cuda/vector_io.cuh", "norm/cuda/rms_norm_kernel.cuh"}) {
-    const char* text = jit::embedded_source(h);
-    s.headers.emplace_back(h, text ? text : "#error \"encore jit: header not embedded in this build\"\n");
-  }
-  s.name_expression = std::string("&encore::cuda::rms_norm_kernel<") + device_type_name(v.dtype) + ", " +
-                      std::to_string(v.vec_elems) + ", " + std::to_string(v.cached) + ", " + (v.add ? "true" : "false") +
-                      ", " + std::to_string(v.hidden) + ">";
-  s.options = {"-std=c++17"};
+  jit::KernelSpec s = jit::embedded_spec(
+      std::string("rms_norm-") + dtype_name(v.dtype) + "-h" + std::to_string(v.hidden) + "-v" + std::to_string(v.vec_elems) + "-c" +
+          std::to_string(v.cached) + (v.add ? "-add" : ""),
+      "norm/cuda/rms_norm_kernel.cuh", {"common/cuda/reduce.cuh", "common/cuda/vector_io.cuh", "norm/cuda/rms_norm_kernel.cuh"},
+      std::string("&encore::cuda::rms_norm_kernel<") + jit::device_type_name(v.dtype) + ", " + std::to_string(v.vec_elems) + ", " +
+          std::to_string(v.cached) + ", " + (v.add ? "true" : "false") + ", " + std::to_string(v.hidden) + ">");
+  // The kernel header skips <cstdint> under __CUDACC_RTC__: the prelude types int64_t.
+  s.source = "typedef long long int64_t;\n" + s.source;
   return s;
 }
 
@@ -87,17 +44,9 @@ bool rms_norm_hidden_in_aot_list(int64_t hidden) {
   return std::find(std::begin(kList), std::end(kList), hidden) != std::end(kList);
 }
 
-void set_rms_norm_jit_policy(JitPolicy policy) { g_policy = policy; }
-
-bool rms_norm_uses_jit(int64_t hidden) {
-  JitPolicy p = g_policy.load(std::memory_order_relaxed);
-  jit::Jit& j = jit::Jit::global();
-  if (p == JitPolicy::kEnv) {
-    p = j.mode() == jit::JitMode::kOff ? JitPolicy::kOff : j.mode() == jit::JitMode::kAlways ? JitPolicy::kAlways : JitPolicy::kAuto;
-  }
-  if (p == JitPolicy::kOff || !jit::nvrtc_info().available) return false;
-  return p == JitPolicy::kAlways || !rms_norm_hidden_in_aot_list(hidden);
-}
+jit::Family& rms_norm_jit_family() { return family(); }
+void set_rms_norm_jit_policy(JitPolicy policy) { family().set_policy(policy); }
+bool rms_norm_uses_jit(int64_t hidden) { return family().uses_jit(rms_norm_hidden_in_aot_list(hidden)); }
 
 std::vector<RmsNormJitVariant> rms_norm_jit_variants(DType dtype, int64_t hidden, bool add, int sm_count) {
   std::vector<RmsNormJitVariant> out;
@@ -111,30 +60,19 @@ std::vector<RmsNormJitVariant> rms_norm_jit_variants(DType dtype, int64_t hidden
 }
 
 Status rms_norm_jit_warmup(const RmsNormJitVariant& v, int device, const std::string& arch, jit::Origin* origin, double* ms) {
-  if (device < 0) {
-    std::shared_ptr<const jit::Cubin> cubin;
-    return jit::Jit::global().get_cubin(rms_norm_jit_spec(v), arch, &cubin, origin, ms);
-  }
-  void* fn = nullptr;
-  return load_function(v, device, nullptr, &fn, origin, ms);
+  return family().warm(variant_key(v), rms_norm_jit_spec(v), device, arch, origin, ms);
 }
 
-int64_t rms_norm_jit_launch_count() { return g_launches.load(); }
+int64_t rms_norm_jit_launch_count() { return family().launch_count(); }
 
 Status launch_rms_norm_jit(const RmsNormProblem& p, const RmsNormLaunchPlan& plan, Stream stream) {
 #ifdef ENCORE_WITH_CUDA
+  const RmsNormJitVariant v = rms_norm_jit_variant(p, plan);
   void* fn = nullptr;
-  ENCORE_RETURN_IF_ERROR(load_function(rms_norm_jit_variant(p, plan), p.device_index, stream, &fn, nullptr, nullptr));
+  ENCORE_RETURN_IF_ERROR(family().function(variant_key(v), p.device_index, stream, [&] { return rms_norm_jit_spec(v); }, &fn));
   alignas(16) unsigned char params[cuda::kRmsNormParamsMaxBytes];
   cuda::rms_norm_kernel_params(p, plan, params);
-  void* args[] = {params};
-  const unsigned threads = unsigned(32 * plan.warps_per_row * plan.rows_per_block);
-  // The JIT function belongs to the device's primary context: launch with that device current.
-  cuda::DeviceGuard guard;
-  ENCORE_RETURN_IF_ERROR(guard.set(p.device_index));
-  ENCORE_RETURN_IF_ERROR(jit::launch(fn, unsigned(plan.grid), threads, 0, stream, args));
-  g_launches.fetch_add(1, std::memory_order_relaxed);
-  return Status::ok();
+  return family().launch(fn, plan.grid, 32 * plan.warps_per_row * plan.rows_per_block, p.device_index, stream, params);
 #else
   (void)p, (void)plan, (void)stream;
   return Status::unsupported("rms_norm jit: encore was built without CUDA");

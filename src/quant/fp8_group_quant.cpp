@@ -5,6 +5,7 @@
 #include "core/checks.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/quant.hpp"
+#include "quant/jit.hpp"
 #include "quant/problem.hpp"
 #include "quant/reference/quant_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
@@ -96,7 +97,12 @@ Status run(const Fp8GroupQuantArgs& a, const Fp8GroupQuantOptions& o, void*, Str
 #ifdef ENCORE_WITH_CUDA
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(a.x.device.index, &info));
-  return cuda::launch_fp8_group_quant(p, quant::plan_fp8_group_quant(p, info->sm_count), stream);
+  const quant::Fp8QuantLaunchPlan plan = quant::plan_fp8_group_quant(p, info->sm_count);
+  if (quant::fp8_group_quant_uses_jit(p)) {  // docs/jit.md: K baked in
+    Status st = quant::launch_fp8_group_quant_jit(p, plan, stream);
+    if (quant::fp8_group_quant_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture
+  }
+  return cuda::launch_fp8_group_quant(p, plan, stream);
 #else
   (void)stream;
   return Status::unsupported("x: on " + a.x.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");

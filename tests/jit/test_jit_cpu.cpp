@@ -1,5 +1,7 @@
-// JIT cache tests that need no GPU (NVRTC compiles on the CPU; those tests skip without it): key
-// stability, the file format, corrupt / truncated files, an unwritable directory, concurrent writers.
+// JIT tests that need no GPU (NVRTC compiles on the CPU; those tests skip without it): key
+// stability, the file format, corrupt / truncated files, an unwritable directory, concurrent writers;
+// the families' policies, variants and specs (RMSNorm, QK-norm, FP8 group quant), the shared
+// dispatcher pieces (jit/family.hpp) and the warm-up config (jit/warmup.hpp).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,7 +15,10 @@
 
 #include "jit/cache.hpp"
 #include "jit/jit.hpp"
+#include "jit/family.hpp"
+#include "jit/warmup.hpp"
 #include "norm/jit.hpp"
+#include "quant/jit.hpp"
 
 namespace encore::jit {
 namespace {
@@ -292,6 +297,14 @@ TEST(JitNoNvrtc, Child) {
   if (!v || std::string(v) != "1") GTEST_SKIP() << "runs in the child of JitNoNvrtc.MissingNvrtcMeansAheadOfTime";
   EXPECT_FALSE(nvrtc_info().available);
   EXPECT_FALSE(norm::rms_norm_uses_jit(5184)) << "without NVRTC the dispatcher must take the AOT kernels";
+  norm::set_qk_norm_jit_policy(JitPolicy::kAlways);
+  norm::QkNormProblem qp;
+  qp.num_q_heads = 24, qp.num_kv_heads = 4, qp.head_dim = 128;
+  EXPECT_FALSE(norm::qk_norm_uses_jit(qp)) << "QK-norm: without NVRTC, even with policy always";
+  quant::set_fp8_group_quant_jit_policy(JitPolicy::kAlways);
+  quant::Fp8QuantProblem fp;
+  fp.cols = 5248;
+  EXPECT_FALSE(quant::fp8_group_quant_uses_jit(fp)) << "FP8 quant: without NVRTC, even with policy always";
   std::shared_ptr<const Cubin> c;
   Status st = Jit("", JitMode::kAuto).get_cubin(toy_spec(), "sm_90a", &c);
   EXPECT_FALSE(st);

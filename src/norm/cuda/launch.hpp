@@ -20,5 +20,9 @@ Status launch_rms_norm_split(const norm::RmsNormProblem& p, bool barrier, void* 
 Status zero_split_barrier(void* workspace, int device_index, Stream stream);
 
 Status launch_qk_norm(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& plan, Stream stream);
+// The kernel argument (QkNormParams<T>, the same layout for bf16 and fp16) of a JIT-compiled
+// qk_norm_kernel, written to `out` (at least kQkNormParamsMaxBytes bytes); returns its size.
+constexpr size_t kQkNormParamsMaxBytes = 96;
+size_t qk_norm_kernel_params(const norm::QkNormProblem& p, void* out);
 
 }  // namespace encore::cuda

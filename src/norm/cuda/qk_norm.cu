@@ -2,6 +2,8 @@
 // {no offset, offset} x heads per thread {1, 2, 4}. norm::plan_qk_norm (src/norm/plan.cpp) picks one.
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "common/cuda/device_guard.hpp"
 #include "norm/cuda/qk_norm_kernel.cuh"
 #include "norm/cuda/launch.hpp"
@@ -28,7 +30,7 @@ KernelFn<T> pick(bool offset, int heads_per_thread) {
 }
 
 template <typename T>
-Status launch_typed(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& plan, cudaStream_t stream) {
+QkNormParams<T> make_params(const norm::QkNormProblem& p) {
   QkNormParams<T> k{};
   k.qkv = static_cast<T*>(p.qkv);
   k.token_stride = p.token_stride;
@@ -40,6 +42,12 @@ Status launch_typed(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& 
   k.num_q_heads = p.num_q_heads;
   k.eps = p.eps;
   k.weight_offset = p.weight_offset;
+  return k;
+}
+
+template <typename T>
+Status launch_typed(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& plan, cudaStream_t stream) {
+  const QkNormParams<T> k = make_params<T>(p);
   const bool offset = p.weight_offset != 0.0f;
   KernelFn<T> fn = nullptr;
   switch (p.head_dim) {
@@ -56,6 +64,14 @@ Status launch_typed(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& 
 }
 
 }  // namespace
+
+size_t qk_norm_kernel_params(const norm::QkNormProblem& p, void* out) {
+  using Params = QkNormParams<__nv_bfloat16>;  // the same layout for __half: pointers and scalars only
+  static_assert(sizeof(Params) == sizeof(QkNormParams<__half>) && sizeof(Params) <= kQkNormParamsMaxBytes);
+  const Params k = make_params<__nv_bfloat16>(p);
+  std::memcpy(out, &k, sizeof(k));
+  return sizeof(k);
+}
 
 Status launch_qk_norm(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& plan, Stream stream) {
   DeviceGuard guard;

@@ -8,8 +8,13 @@
 //   butterfly over the group. Heads are numbered g = t * (Hq + Hkv) + j, so consecutive groups touch
 //   consecutive memory within a token. Each group handles kHeadsPerThread consecutive heads, all
 //   loaded before any is stored, in a grid-stride loop over chunks of kHeadsPerThread heads.
-// Specializations: T, D, kOffset (weight_offset != 0), kHeadsPerThread (1 decode, 2/4 prefill).
+// Specializations: T, D, kOffset (weight_offset != 0), kHeadsPerThread (1 decode, 2/4 prefill);
+//   the JIT (docs/jit.md) also bakes in the head layout: kHeadsPerToken = Hq + Hkv and kQHeads = Hq
+//   (0 in the ahead-of-time kernels: read from the params), so the token / head split of the head
+//   index is a division by a constant. The math is the same either way.
 // Constraints (validate): 16-byte aligned qkv rows and weights, D in {64, 128, 256}.
+// One source, two ways in: qk_norm.cu #includes this file; the build embeds it for NVRTC
+//   (cmake/EncoreJitSources.cmake; <cstdint> is a stand-in there, jit/family.cpp).
 #pragma once
 #include <cstdint>
 
@@ -33,12 +38,15 @@ struct QkNormParams {
   float weight_offset;
 };
 
-template <typename T, int kHeadDim, bool kOffset, int kHeadsPerThread>
+template <typename T, int kHeadDim, bool kOffset, int kHeadsPerThread, int kHeadsPerToken = 0, int kQHeads = 0>
 __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
   constexpr int kVec = 16 / int(sizeof(T));
   constexpr int kLanes = kHeadDim / kVec;
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "head_dim must give 1-32 lanes");
   using P = Pack<T, kVec>;
+  static_assert(kHeadsPerToken == 0 || (kQHeads >= 1 && kQHeads < kHeadsPerToken), "JIT head layout: 1 <= Hq < Hq + Hkv");
+  const uint32_t heads_per_token = kHeadsPerToken ? uint32_t(kHeadsPerToken) : p.heads_per_token;
+  const uint32_t num_q_heads = kHeadsPerToken ? uint32_t(kQHeads) : uint32_t(p.num_q_heads);
 
   // A lane group takes kHeadsPerThread consecutive heads (one multiply-shift division per chunk,
   // then the head index steps): per-head index math, not memory, had bounded the kernel (74% of copy).
@@ -50,20 +58,20 @@ __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
 
   for (uint32_t chunk = group0; chunk < (p.num_heads_total + kHeadsPerThread - 1) / kHeadsPerThread; chunk += groups_in_grid) {
     const uint32_t g0 = chunk * kHeadsPerThread;
-    uint32_t t = p.token_of_head.div(g0);
-    uint32_t j = g0 - t * p.heads_per_token;
+    uint32_t t = kHeadsPerToken ? g0 / uint32_t(kHeadsPerToken) : p.token_of_head.div(g0);
+    uint32_t j = g0 - t * heads_per_token;
     P v[kHeadsPerThread];
     T* ptr[kHeadsPerThread];
     bool is_q[kHeadsPerThread];
 #pragma unroll
     for (int i = 0; i < kHeadsPerThread; ++i) {
       ptr[i] = nullptr;
-      is_q[i] = j < uint32_t(p.num_q_heads);
+      is_q[i] = j < num_q_heads;
       if (g0 + i < p.num_heads_total) {
         ptr[i] = p.qkv + int64_t(t) * p.token_stride + j * kHeadDim + lane * kVec;
         v[i] = load_pack_once<T, kVec>(ptr[i]);
       }
-      if (++j == p.heads_per_token) {
+      if (++j == heads_per_token) {
         j = 0;
         ++t;
       }

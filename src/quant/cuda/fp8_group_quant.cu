@@ -4,6 +4,7 @@
 // The rule is in quant::plan_fp8_group_quant (quant/plan.cpp).
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
@@ -32,8 +33,9 @@ void (*pick_kernel(int groups_per_thread, int packs_per_lane))(Fp8QuantParams<T>
 }
 
 template <typename T>
-Status launch_typed(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunchPlan& plan, cudaStream_t stream) {
-  Fp8QuantParams<T> k{};
+Status make_params(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunchPlan& plan, Fp8QuantParams<T>* out) {
+  Fp8QuantParams<T>& k = *out;
+  k = Fp8QuantParams<T>{};
   k.x = static_cast<const T*>(p.x);
   k.x_stride = p.x_stride;
   k.q = p.q;
@@ -55,6 +57,13 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunch
   k.num_groups = uint32_t(padded);
   k.power_of_two = p.power_of_two;
   k.eps = p.eps;
+  return Status::ok();
+}
+
+template <typename T>
+Status launch_typed(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunchPlan& plan, cudaStream_t stream) {
+  Fp8QuantParams<T> k;
+  ENCORE_RETURN_IF_ERROR(make_params(p, plan, &k));
   void (*fn)(Fp8QuantParams<T>) = plan.tile_rows > 1 ? pick_kernel<T, true>(plan.groups_per_thread, plan.packs_per_lane)
                                                      : pick_kernel<T, false>(plan.groups_per_thread, plan.packs_per_lane);
   if (!fn)
@@ -67,6 +76,15 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunch
 }
 
 }  // namespace
+
+Status fp8_group_quant_kernel_params(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunchPlan& plan, void* out) {
+  using Params = Fp8QuantParams<float>;  // the same layout for every T: pointers and scalars only
+  static_assert(sizeof(Params) == sizeof(Fp8QuantParams<__nv_bfloat16>) && sizeof(Params) <= kFp8QuantParamsMaxBytes);
+  Params k;
+  ENCORE_RETURN_IF_ERROR(make_params(p, plan, &k));
+  std::memcpy(out, &k, sizeof(k));
+  return Status::ok();
+}
 
 Status launch_fp8_group_quant(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunchPlan& plan, Stream stream) {
   DeviceGuard guard;

@@ -15,6 +15,10 @@
 //   instead of one 4-byte piece per 32-byte sector). Rows past M in the last tile are skipped.
 //   The instruction count per byte is what bounds it at 4096 x 7168 (docs/quant.md): packed
 //   abs/max, bit-level bf16 unpacking and cvt-merged e4m3 words keep it at ~95 per group.
+// JIT (docs/jit.md): kGroupsPerRow = K / 128 baked in (0 in the ahead-of-time kernels: read from
+//   the params), so the tile / group split is a shift and a division by a constant; same math.
+//   One source, two ways in: fp8_group_quant.cu #includes this file, the build embeds it for NVRTC
+//   (cmake/EncoreJitSources.cmake; the host headers are stand-ins there, jit/family.cpp).
 // Constraints (validate): K % 128 == 0, M * K / 128 < 2^31, 16-byte aligned x and q rows.
 #pragma once
 #include <cuda_fp8.h>
@@ -141,7 +145,8 @@ __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kN
 // 128 / (kVec kPacksPerLane) lanes: 16 or 8 for bf16), loads them with 16-byte loads and writes its
 // e4m3 bytes with one store (16 bytes for bf16 with two packs): fewer shuffles and stores per byte.
 // kTiled: false = row order (tile_rows_log2 taken as 0, the index math folds to the row-order one).
-template <typename T, int kGroupsPerThread, int kPacksPerLane, bool kTiled>
+// kGroupsPerRow: K / 128 as a constant (JIT), or 0 (p.groups_per_row).
+template <typename T, int kGroupsPerThread, int kPacksPerLane, bool kTiled, int kGroupsPerRow = 0>
 __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> p) {
   constexpr int kElems = 16 / int(sizeof(T)) * kPacksPerLane;  // elements per lane and group
   constexpr int kLanes = kFp8GroupSize / kElems;
@@ -150,13 +155,15 @@ __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> 
   const uint32_t groups_in_grid = gridDim.x * (blockDim.x / kLanes);
   const uint32_t group0 = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
   const uint32_t num_chunks = (p.num_groups + kGroupsPerThread - 1) / kGroupsPerThread;
+  const uint32_t groups_per_row = kGroupsPerRow ? uint32_t(kGroupsPerRow) : p.groups_per_row;
 
   for (uint32_t chunk = group0; chunk < num_chunks; chunk += groups_in_grid) {
     // kGroupsPerThread consecutive groups: one division per chunk, then the group index steps.
     const uint32_t g0 = chunk * kGroupsPerThread;
     const uint32_t log2r = kTiled ? p.tile_rows_log2 : 0;
-    const uint32_t tile = p.tile_of_group.div(g0);
-    const uint32_t within = g0 - tile * (p.groups_per_row << log2r);
+    // floor(g0 / (R * G)) = floor(floor(g0 / R) / G): with G constant, a shift and a constant division.
+    const uint32_t tile = kGroupsPerRow ? (g0 >> log2r) / uint32_t(kGroupsPerRow) : p.tile_of_group.div(g0);
+    const uint32_t within = g0 - tile * (groups_per_row << log2r);
     const uint32_t row_mask = (1u << log2r) - 1;
     uint32_t r = within & row_mask;  // row in the tile
     uint32_t gi = within >> log2r;
@@ -173,7 +180,7 @@ __global__ void __launch_bounds__(512) fp8_group_quant_kernel(Fp8QuantParams<T> 
       if (r++ == row_mask) {
         r = 0;
         m -= row_mask;
-        if (++gi == p.groups_per_row) {
+        if (++gi == groups_per_row) {
           gi = 0;
           m += row_mask + 1;
         }

@@ -7,6 +7,10 @@
 namespace encore::cuda {
 
 Status launch_fp8_group_quant(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunchPlan& plan, Stream stream);
+// The kernel argument (Fp8QuantParams<T>, the same layout for every T) of a JIT-compiled
+// fp8_group_quant_kernel, written to `out` (at least kFp8QuantParamsMaxBytes bytes).
+constexpr size_t kFp8QuantParamsMaxBytes = 128;
+Status fp8_group_quant_kernel_params(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunchPlan& plan, void* out);
 
 // MXFP8 / NVFP4 (src/quant/cuda/mx_quant.cu): the quantization of a validated problem (NVFP4 with
 // p.given_global == 0: amax pass, global scale, quantization pass), or its inverse; asynchronous on
