@@ -26,6 +26,7 @@
 #   ENCORE_DEADLINE        seconds the whole script may take (default 570, inside a 600 s call);
 #                          each step's timeout is cut to what is left, so the summary always returns
 #   ENCORE_TEST_FILTER     gtest filter for `test` (default *)
+#   ENCORE_PYTEST_ARGS     pytest arguments for `pytest` (default tests/python; e.g. test files, -k EXPR)
 #   ENCORE_SANITIZE_FILTER gtest filter for both tools of `sanitize` (default: tests of each family,
 #                          see memcheck_default and racecheck_default below)
 #   ENCORE_SANITIZE_TOOLS  default "memcheck racecheck"
@@ -205,7 +206,8 @@ wheels() {  # the carried peer wheels into /tmp/site, once
 pass_pytest() {
   need "$BUILD/python/encore" "the Python module: run the build pass first" || return
   wheels
-  step 300 env PYTHONPATH="$root/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs tests/python
+  # shellcheck disable=SC2086
+  step 300 env PYTHONPATH="$root/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs ${ENCORE_PYTEST_ARGS:-tests/python}
   detail=$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)
 }
 
