@@ -152,8 +152,8 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
   };
   const bool simt = kdabwd::simt_backward();
   if (slots > 0) {
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_prep(p, ws, slots, s), "recompute kernel"));
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_states(p, ws, slots, s), "state kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_prep(p, ws, slots, simt, s), "recompute kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_states(p, ws, slots, simt, s), "state kernel"));
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, simt, s), "dAv kernel"));
   }
   if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, simt, s), "dh kernel"));

@@ -93,8 +93,11 @@ __device__ __forceinline__ float state_at(const KdaBwdCudaProblem& p, const floa
 }
 
 // Launchers (one per kernel), in the order the host entry runs them.
-cudaError_t launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);    // kda_bwd_recompute.cu
-cudaError_t launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_recompute.cu
+// simt (ENCORE_KDA_BWD_SIMT=1): the first fp32 SIMT kernels; else the tensor-core ones (*_tc).
+cudaError_t launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);    // kda_bwd_recompute.cu
+cudaError_t launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_recompute.cu
+cudaError_t launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);    // kda_bwd_recompute_tc.cu
+cudaError_t launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_recompute_tc.cu
 cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_dav.cu
 cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s);      // kda_bwd_reverse.cu
 bool simt_backward();  // ENCORE_KDA_BWD_SIMT set (not "0"): the SIMT fp32 kernels (kda_backward.cu)

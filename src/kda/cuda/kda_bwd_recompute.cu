@@ -9,6 +9,7 @@
 //   mode: one block walks its sequence's chunks in order from the initial state (or 0), writes each
 //   chunk-start state into the record (hs) and advances S <- Diag(2^gC) S + Kg^T Vnew (fp32).
 // Shapes: K, V <= 128; shared memory 148 KB (prep), 97 KB (states).
+// These are the SIMT fp32 versions (ENCORE_KDA_BWD_SIMT=1); the default: kda_bwd_recompute_tc.cu.
 #include "kda/cuda/kda_bwd_device.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -142,14 +143,16 @@ __global__ void __launch_bounds__(kStateThreads) kda_bwd_states_kernel(const __g
 
 }  // namespace
 
-cudaError_t launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+cudaError_t launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
+  if (!simt) return launch_prep_tc(p, ws, slots, s);
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPrepSmem));
   if (e != cudaSuccess) return e;
   kda_bwd_prep_kernel<<<dim3(slots, p.H), kPrepThreads, kPrepSmem, s>>>(p, ws);
   return cudaGetLastError();
 }
 
-cudaError_t launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+cudaError_t launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
+  if (!simt) return launch_states_tc(p, ws, slots, s);
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_states_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStateSmem));
   if (e != cudaSuccess) return e;
   const int x = p.h ? slots : p.N;

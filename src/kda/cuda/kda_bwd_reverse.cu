@@ -98,28 +98,6 @@ constexpr int kCols = 64;           // value columns per block of the tensor-cor
 constexpr int kLdS = kCols + 4;     // fp32 row stride of its [*][64] tiles
 constexpr size_t kSmemTc = (kMaxD * kLdS + 2 * kC * kLdS + kMaxD) * sizeof(float);
 
-// The A fragment of A(m, k) = x[m * K + k] (rows m0 + .., channels k0 + ..; 0 at k >= K): Kg.
-__device__ __forceinline__ void frag_rows(const float* __restrict__ x, int K, int m0, int k0, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int m = m0 + g + 8 * (q & 1), k = k0 + 2 * t + 8 * (q >> 1);
-    const float u = k < K ? __ldg(x + m * K + k) : 0.f, v = k + 1 < K ? __ldg(x + m * K + k + 1) : 0.f;
-    split_pair(u, v, hi[q], lo[q]);
-  }
-}
-// The A fragment of A(m, k) = x[k * K + m] (channels m0 + .., 0 at m >= K; rows k0 + ..): Qg^T, W^T.
-__device__ __forceinline__ void frag_cols(const float* __restrict__ x, int K, int m0, int k0, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int m = m0 + g + 8 * (q & 1), k = k0 + 2 * t + 8 * (q >> 1);
-    const bool in = m < K;
-    const float u = in ? __ldg(x + k * K + m) : 0.f, v = in ? __ldg(x + (k + 1) * K + m) : 0.f;
-    split_pair(u, v, hi[q], lo[q]);
-  }
-}
-
 __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
   extern __shared__ float smem[];
   float* sdS = smem;                // [128][kLdS] dS' (rows >= K, columns >= nc zero)

@@ -1,0 +1,191 @@
+// KDA backward, kernel 1 in the tensor-core mode (math-kda.md §6 stage 0; the SIMT version and its
+// contract: kda_bwd_recompute.cu, ENCORE_KDA_BWD_SIMT=1). Same record outputs:
+// kda_bwd_prep_tc_kernel, grid (chunk slots, H), 256 threads: Qg = s q . 2^G, Kg = k . 2^(gC - G),
+//   gC elementwise as the SIMT kernel; W = A Kbeta [64x64]x[64xK] and U = A (beta v) [64x64]x[64xV]
+//   on tensor cores (split bf16 operands from zero-padded fp32 tiles; warp w: rows 16 (w % 4) ..,
+//   columns 64 (w / 4) ..). 150 KB shared.
+// kda_bwd_states_tc_kernel, grid (slots or sequences, H, ceil(V / 64)), 256 threads: Vnew = U - W S
+//   (W from the record straight into fragments, S [K][64] fp32 in shared memory); rematerialize mode:
+//   the chunk-start state into the record and S <- Diag(2^gC) S + Kg^T Vnew (fp32 state, products on
+//   tensor cores, each state element updated by its owner). 53 KB shared.
+#include "kda/cuda/kda_bwd_mma.cuh"
+
+namespace encore::cuda::kdabwd {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr size_t kPrepSmem = (2 * kTile + 2 * kC * kLd + kC * kLdA + kC + kMaxD + kC) * sizeof(float);
+
+__global__ void __launch_bounds__(kThreads) kda_bwd_prep_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
+  extern __shared__ float smem[];
+  float* sX = smem;              // [64][K] q~, then k (normalized)
+  float* sG = sX + kTile;        // [64][K] G
+  float* sKb = sG + kTile;       // [64][kLd] beta k 2^G (zero-padded)
+  float* sV = sKb + kC * kLd;    // [64][kLd] beta v
+  float* sA = sV + kC * kLd;     // [64][kLdA] A (lower, diagonal included)
+  float* sBeta = sA + kC * kLdA;
+  float* sGc = sBeta + kC;
+  float* sR = sGc + kMaxD;
+  const int slot = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V, tid = threadIdx.x;
+  const int warp = tid >> 5, m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
+  const ChunkInfo ci = chunk_info(p, slot);
+  const int rows = ci.rows;
+  float* rec = ws_rec(ws, p, slot, h);
+  if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, ci.b, ci.t0 + tid, h, 0) : 0.f;
+  for (int e = tid; e < kC * K; e += kThreads) {
+    const int i = e / K, a = e - i * K;
+    sG[e] = i < rows ? p.G[tok(p, ci.b, ci.t0 + i, h) * K + a] : 0.f;
+  }
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e - i * kC;
+    sA[i * kLdA + j] = (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
+  }
+  load_rows(p.q, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, p.scale, sX, sR);  // q, k: the group's head
+  __syncthreads();
+  for (int e = tid; e < kC * kMaxD; e += kThreads) {  // beta v (needs sBeta)
+    const int i = e / kMaxD, y = e - i * kMaxD;
+    sV[i * kLd + y] = (i < rows && y < V) ? sBeta[i] * load(p.v, ci.b, ci.t0 + i, h, y) : 0.f;
+  }
+  if (tid < K) {
+    sGc[tid] = sG[(rows - 1) * K + tid];
+    rec[p.ws.gc + tid] = sGc[tid];
+  }
+  for (int e = tid; e < kC * K; e += kThreads) rec[p.ws.qg + e] = sX[e] * exp2f(sG[e]);  // zero rows stay zero
+  __syncthreads();
+  load_rows(p.k, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, 1.0f, sX, sR);
+  __syncthreads();
+  for (int e = tid; e < kC * kMaxD; e += kThreads) {
+    const int i = e / kMaxD, a = e - i * kMaxD;
+    const bool ok = i < rows && a < K;
+    const float x = ok ? sX[i * K + a] : 0.f, g = ok ? sG[i * K + a] : 0.f;
+    if (a < K) rec[p.ws.kg + i * K + a] = ok ? x * exp2f(sGc[a] - g) : 0.f;
+    sKb[i * kLd + a] = ok ? sBeta[i] * x * exp2f(g) : 0.f;
+  }
+  __syncthreads();
+  {
+    float c[8][4];  // W = A Kbeta
+    zero(c);
+    warp_gemm<8, true, false>(c, sA + m0 * kLdA, kLdA, sKb + n0, kLd, kC / 16);
+    store_acc(c, rec + p.ws.w, K, m0, n0, K, 1.0f);
+    zero(c);  // U = A (beta v)
+    warp_gemm<8, true, false>(c, sA + m0 * kLdA, kLdA, sV + n0, kLd, kC / 16);
+    store_acc(c, rec + p.ws.vn, V, m0, n0, V, 1.0f);
+  }
+}
+
+constexpr int kCols = 64;        // value columns per state block
+constexpr int kLdS = kCols + 4;  // fp32 row stride of its [*][64] tiles
+constexpr size_t kStateSmem = (kMaxD * kLdS + kC * kLdS + kMaxD) * sizeof(float);
+
+__global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
+  extern __shared__ float smem[];
+  float* sS = smem;                 // [128][kLdS] state columns (rows >= K, columns >= nc zero)
+  float* sVn = sS + kMaxD * kLdS;   // [64][kLdS] Vnew columns
+  float* sGc = sVn + kC * kLdS;     // [128]
+  const int h = blockIdx.y, K = p.K, V = p.V, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int y0 = blockIdx.z * kCols, nc = min(kCols, V - y0);
+  const bool remat = p.h == nullptr;
+  const int ksteps = (K + 15) / 16;
+  int first, last;
+  if (remat) {
+    const int n = blockIdx.x;
+    first = p.chunk_start[n];
+    last = p.chunk_start[n + 1];
+    for (int e = tid; e < kMaxD * kCols; e += kThreads) {
+      const int a = e / kCols, y = e - a * kCols;
+      sS[a * kLdS + y] = (a < K && y < nc && p.h0) ? p.h0[((int64_t(n) * p.H + h) * K + a) * V + y0 + y] : 0.f;
+    }
+  } else {
+    first = blockIdx.x;
+    last = first + 1;
+    for (int e = tid; e < kMaxD * kCols; e += kThreads) {
+      const int a = e / kCols, y = e - a * kCols;
+      sS[a * kLdS + y] = (a < K && y < nc) ? load_any(p.h, p.h_dtype, ((int64_t(first) * p.H + h) * K + a) * V + y0 + y) : 0.f;
+    }
+  }
+  __syncthreads();
+  for (int slot = first; slot < last; ++slot) {
+    float* rec = ws_rec(ws, p, slot, h);
+    if (tid < K) sGc[tid] = rec[p.ws.gc + tid];
+    if (remat)
+      for (int e = tid; e < K * kCols; e += kThreads) {
+        const int a = e / kCols, y = e - a * kCols;
+        if (y < nc) rec[p.ws.hs + a * V + y0 + y] = sS[a * kLdS + y];
+      }
+    {  // Vnew = U - W S: warp rows 16 (w % 4) .., columns 32 (w / 4) ..; c = W S - U, Vnew = -c
+      const int m0 = 16 * (warp & 3), c0 = 32 * (warp >> 2);
+      float c[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = m0 + g + 8 * (q >> 1), y = c0 + 8 * nt + 2 * t + (q & 1);
+          c[nt][q] = y < nc ? -rec[p.ws.vn + i * V + y0 + y] : 0.f;
+        }
+#pragma unroll 2
+      for (int ks = 0; ks < ksteps; ++ks) {
+        uint32_t ahi[4], alo[4], bhi[4][2], blo[4][2];
+        frag_rows(rec + p.ws.w, K, m0, 16 * ks, ahi, alo);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) frag_b<false>(sS + 16 * ks * kLdS + c0 + 8 * nt, kLdS, bhi[nt], blo[nt]);
+        mma_split<4>(c, ahi, alo, bhi, blo);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = m0 + g + 8 * (q >> 1), y = c0 + 8 * nt + 2 * t + (q & 1);
+          if (y < nc) rec[p.ws.vn + i * V + y0 + y] = -c[nt][q];
+          sVn[i * kLdS + y] = -c[nt][q];
+        }
+    }
+    __syncthreads();
+    const int a0 = 16 * warp;
+    if (remat && slot + 1 < last && a0 < K) {  // S <- Diag(2^gC) S + Kg^T Vnew: warp rows (channels) a0 .., 64 columns
+      float c[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int a = a0 + g + 8 * (q >> 1), y = 8 * nt + 2 * t + (q & 1);
+          c[nt][q] = a < K ? exp2f(sGc[a]) * sS[a * kLdS + y] : 0.f;
+        }
+#pragma unroll 1
+      for (int ks = 0; ks < kC / 16; ++ks) {
+        uint32_t ahi[4], alo[4], bhi[8][2], blo[8][2];
+        frag_cols(rec + p.ws.kg, K, a0, 16 * ks, ahi, alo);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) frag_b<false>(sVn + 16 * ks * kLdS + 8 * nt, kLdS, bhi[nt], blo[nt]);
+        mma_split<8>(c, ahi, alo, bhi, blo);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int a = a0 + g + 8 * (q >> 1), y = 8 * nt + 2 * t + (q & 1);
+          if (a < K) sS[a * kLdS + y] = c[nt][q];
+        }
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  cudaError_t e = cudaFuncSetAttribute(kda_bwd_prep_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPrepSmem));
+  if (e != cudaSuccess) return e;
+  kda_bwd_prep_tc_kernel<<<dim3(slots, p.H), kThreads, kPrepSmem, s>>>(p, ws);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  cudaError_t e = cudaFuncSetAttribute(kda_bwd_states_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStateSmem));
+  if (e != cudaSuccess) return e;
+  const int x = p.h ? slots : p.N;
+  kda_bwd_states_tc_kernel<<<dim3(x, p.H, (p.V + kCols - 1) / kCols), kThreads, kStateSmem, s>>>(p, ws);
+  return cudaGetLastError();
+}
+
+}  // namespace encore::cuda::kdabwd
