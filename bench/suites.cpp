@@ -8,6 +8,10 @@
 
 namespace encore::bench {
 
+// The JIT suites of the families beyond RMSNorm (bench/norm/bench_qk_norm_jit.cpp, bench/quant/bench_fp8_group_quant_jit.cpp).
+void run_qk_norm_jit_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_quant_jit_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+
 int run_suites(const BenchOptions& opts) {
   const std::map<std::string, std::function<void(Report&, const TimeOptions&, cudaStream_t)>> suites = {
       {"norm", run_norm_suite},
@@ -15,6 +19,8 @@ int run_suites(const BenchOptions& opts) {
       {"norm_jit", run_norm_jit_suite},
       {"qk_norm", run_qk_norm_suite},
       {"qk_norm_plans", run_qk_norm_plans_suite},
+      {"qk_norm_jit", run_qk_norm_jit_suite},
+      {"quant_jit", run_quant_jit_suite},
       {"quant", run_quant_suite},
       {"decode_path", run_decode_path_suite},
       {"gemm_epilogue", run_gemm_epilogue_suite},
