@@ -18,6 +18,8 @@ constexpr Form kForms[] = {
     {"rms_norm", 1, "rms_norm <bf16|fp16|fp32> <hidden> [add]"},
     {"qk_norm", 3, "qk_norm <bf16|fp16> <head_dim 64|128|256> <q_heads> <kv_heads> [offset]"},
     {"fp8_group_quant", 1, "fp8_group_quant <bf16|fp16|fp32> <K, a multiple of 128> [group_size: 128]"},
+    {"mxfp8_quant", 1, "mxfp8_quant <bf16|fp16|fp32> <K, a multiple of 32>"},
+    {"nvfp4_quant", 1, "nvfp4_quant <bf16|fp16|fp32> <K, a multiple of 16>"},
 };
 
 bool parse_dtype(const std::string& s, DType* t) {
@@ -39,6 +41,12 @@ std::string check(const WarmupLine& l) {
     if (d[1] + d[2] > norm::kQkNormJitMaxHeads) return "q_heads + kv_heads above " + std::to_string(norm::kQkNormJitMaxHeads) + " stay ahead-of-time";
     return "";
   }
+  if (l.kernel == "mxfp8_quant" || l.kernel == "nvfp4_quant") {
+    const int64_t block = l.kernel == "mxfp8_quant" ? quant::kMxfp8Block : quant::kNvfp4Block;
+    if (d[0] <= 0 || d[0] % block != 0) return "K must be a positive multiple of " + std::to_string(block);
+    if (d[0] > quant::kMxQuantJitMaxCols) return "K above " + std::to_string(quant::kMxQuantJitMaxCols) + " stays ahead-of-time";
+    return "";
+  }
   if (d.size() < 2) return "internal: no group size";
   if (d[1] != quant::kFp8GroupSize) return "group_size must be 128";
   if (d[0] <= 0 || d[0] % quant::kFp8GroupSize != 0) return "K must be a positive multiple of 128";
@@ -53,7 +61,9 @@ const char* default_warmup_config() {
          "rms_norm bf16 5184 add\n"
          "rms_norm bf16 3000\n"
          "qk_norm bf16 128 24 4\n"
-         "fp8_group_quant bf16 5248\n";
+         "fp8_group_quant bf16 5248\n"
+         "mxfp8_quant bf16 5248\n"
+         "nvfp4_quant bf16 5248\n";
 }
 
 Status parse_warmup_config(std::istream& in, std::vector<WarmupLine>* out) {
@@ -70,7 +80,7 @@ Status parse_warmup_config(std::istream& in, std::vector<WarmupLine>* out) {
     const Form* form = nullptr;
     for (const Form& f : kForms)
       if (l.kernel == f.kernel) form = &f;
-    if (!form) return Status::invalid(at + "unknown kernel '" + l.kernel + "' (rms_norm, qk_norm, fp8_group_quant)");
+    if (!form) return Status::invalid(at + "unknown kernel '" + l.kernel + "' (rms_norm, qk_norm, fp8_group_quant, mxfp8_quant, nvfp4_quant)");
     std::string dt, word;
     if (!(ls >> dt) || !parse_dtype(dt, &l.dtype)) return Status::invalid(at + "expected `" + form->usage + "`: bad dtype '" + dt + "'");
     l.dims.resize(form->dims);
@@ -108,6 +118,11 @@ std::vector<WarmupItem> warmup_items(const WarmupLine& l, int sm_count) {
       items.push_back({quant::fp8_group_quant_jit_spec(v).name, [v](int dev, const std::string& arch, Origin* o, double* ms) {
                          return quant::fp8_group_quant_jit_warmup(v, dev, arch, o, ms);
                        }});
+  } else if (l.kernel == "mxfp8_quant" || l.kernel == "nvfp4_quant") {
+    const quant::MxQuantJitVariant v{l.kernel == "mxfp8_quant" ? quant::MxKind::kMxfp8 : quant::MxKind::kNvfp4, l.dtype, l.dims[0]};
+    items.push_back({quant::mx_quant_jit_spec(v).name, [v](int dev, const std::string& arch, Origin* o, double* ms) {
+                       return quant::mx_quant_jit_warmup(v, dev, arch, o, ms);
+                     }});
   }
   return items;
 }

@@ -3,6 +3,7 @@
 //   rms_norm <bf16|fp16|fp32> <hidden> [add]
 //   qk_norm <bf16|fp16> <head_dim 64|128|256> <q_heads> <kv_heads> [offset]
 //   fp8_group_quant <bf16|fp16|fp32> <K, a multiple of 128> [group_size: 128]
+//   mxfp8_quant <bf16|fp16|fp32> <K, a multiple of 32>     nvfp4_quant <bf16|fp16|fp32> <K, a multiple of 16>
 // '#' starts a comment; blank lines are skipped.
 #pragma once
 #include <cstdint>
@@ -18,9 +19,9 @@
 namespace encore::jit {
 
 struct WarmupLine {
-  std::string kernel;  // rms_norm, qk_norm, fp8_group_quant
+  std::string kernel;  // rms_norm, qk_norm, fp8_group_quant, mxfp8_quant, nvfp4_quant
   DType dtype = DType::kBF16;
-  std::vector<int64_t> dims;  // hidden | head_dim, q_heads, kv_heads | K, group_size
+  std::vector<int64_t> dims;  // hidden | head_dim, q_heads, kv_heads | K, group_size | K
   bool add = false;           // rms_norm
   bool offset = false;        // qk_norm
   int line = 0;               // 1-based line number in the config

@@ -1,6 +1,7 @@
 // The quant family's run-time specializations (docs/jit.md): the FP8 group quantization kernel of
-// quant/cuda/fp8_group_quant_kernel.cuh with K / group_size a compile-time constant, compiled by
-// NVRTC from the same header the ahead-of-time build includes. Internal (tests, bench, the CLI).
+// quant/cuda/fp8_group_quant_kernel.cuh with K / group_size a compile-time constant, and the MXFP8 /
+// NVFP4 quantization kernels of mx_quant_kernel.cuh with K / 8 constant, compiled by NVRTC from the
+// same headers the ahead-of-time build includes. Internal (tests, bench, the CLI).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -41,5 +42,27 @@ std::vector<Fp8QuantJitVariant> fp8_group_quant_jit_variants(DType dtype, int64_
 Status fp8_group_quant_jit_warmup(const Fp8QuantJitVariant& v, int device, const std::string& arch, jit::Origin* origin, double* ms);
 Status launch_fp8_group_quant_jit(const Fp8QuantProblem& p, const Fp8QuantLaunchPlan& plan, Stream stream);
 int64_t fp8_group_quant_jit_launch_count();
+
+// ---- MXFP8 / NVFP4 quantization (mx_quant_jit.cpp): the quantization kernel only; the swizzled
+// padding and NVFP4's global-scale passes stay ahead-of-time (cuda::mx_quant_prologue). ----
+struct MxQuantJitVariant {
+  MxKind kind = MxKind::kMxfp8;
+  DType dtype = DType::kBF16;
+  int64_t cols = 0;  // K
+  bool operator==(const MxQuantJitVariant&) const = default;
+};
+constexpr int64_t kMxQuantJitMaxCols = int64_t(1) << 20;
+jit::KernelSpec mx_quant_jit_spec(const MxQuantJitVariant& v);
+MxQuantJitVariant mx_quant_jit_variant(const MxProblem& p);
+// The same K list as FP8 group quantization (model hidden and expert sizes).
+bool mx_quant_cols_in_aot_list(int64_t cols);
+jit::Family& mx_quant_jit_family();
+void set_mx_quant_jit_policy(JitPolicy policy);
+bool mx_quant_uses_jit(const MxProblem& p);
+Status mx_quant_jit_warmup(const MxQuantJitVariant& v, int device, const std::string& arch, jit::Origin* origin, double* ms);
+// The prologue (AOT), then the JIT kernel; the kernel is found (or compiled) first, so a refusal
+// during a graph capture records nothing.
+Status launch_mx_quant_jit(const MxProblem& p, int device_index, Stream stream);
+int64_t mx_quant_jit_launch_count();
 
 }  // namespace encore::quant

@@ -5,6 +5,7 @@
 
 #include "core/checks.hpp"
 #include "encore/quant.hpp"
+#include "quant/jit.hpp"
 #include "quant/problem.hpp"
 #include "quant/reference/mx_quant_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
@@ -151,6 +152,10 @@ Status dispatch(const Kind& k, const TensorView& x, const TensorView& q, const q
   }
   ENCORE_RETURN_IF_ERROR(validate_cuda(k, x, q));
 #ifdef ENCORE_WITH_CUDA
+  if (quantize && quant::mx_quant_uses_jit(p)) {  // docs/jit.md: K baked in
+    Status st = quant::launch_mx_quant_jit(p, x.device.index, stream);
+    if (quant::mx_quant_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture
+  }
   return quantize ? cuda::launch_mx_quant(p, x.device.index, stream) : cuda::launch_mx_dequant(p, x.device.index, stream);
 #else
   (void)stream;

@@ -1,4 +1,4 @@
-// Host-side tests of the JIT families beyond RMSNorm (QK-norm, FP8 group quant), the shared
+// Host-side tests of the JIT families beyond RMSNorm (QK-norm, FP8 group quant, MXFP8 / NVFP4), the shared
 // dispatcher pieces (jit/family.hpp) and the warm-up config (jit/warmup.hpp): policies, variant
 // lists, specs and keys; with NVRTC (else skipped) every kind of variant compiles for sm_90a.
 #include <gtest/gtest.h>
@@ -122,12 +122,38 @@ TEST(JitFp8Quant, PolicyVariantsAndSpec) {
   quant::set_fp8_group_quant_jit_policy(JitPolicy::kEnv);
 }
 
+TEST(JitMxQuant, PolicyAndSpec) {
+  const KernelSpec m = quant::mx_quant_jit_spec({quant::MxKind::kMxfp8, DType::kBF16, 5248});
+  EXPECT_EQ(m.name, "mxfp8_quant-bf16-k5248");
+  EXPECT_EQ(m.name_expression, "&encore::cuda::mxfp8_quant_kernel<__nv_bfloat16, 656>");
+  const KernelSpec n = quant::mx_quant_jit_spec({quant::MxKind::kNvfp4, DType::kFP32, 784});
+  EXPECT_EQ(n.name_expression, "&encore::cuda::nvfp4_quant_kernel<float, 98>");
+  EXPECT_NE(cache_key(m, "sm_90a", kTc), cache_key(quant::mx_quant_jit_spec({quant::MxKind::kNvfp4, DType::kBF16, 5248}), "sm_90a", kTc));
+  ASSERT_NE(embedded_source("quant/cuda/mx_quant_kernel.cuh"), nullptr);
+  quant::MxProblem p;
+  p.cols = 5248;
+  quant::set_mx_quant_jit_policy(JitPolicy::kAuto);
+  EXPECT_EQ(quant::mx_quant_uses_jit(p), nvrtc_info().available);
+  p.cols = 7168;
+  EXPECT_FALSE(quant::mx_quant_uses_jit(p)) << "auto: a listed K stays AOT";
+  quant::set_mx_quant_jit_policy(JitPolicy::kAlways);
+  EXPECT_EQ(quant::mx_quant_uses_jit(p), nvrtc_info().available);
+  p.cols = quant::kMxQuantJitMaxCols + 32;
+  EXPECT_FALSE(quant::mx_quant_uses_jit(p));
+  quant::set_mx_quant_jit_policy(JitPolicy::kOff);
+  p.cols = 5248;
+  EXPECT_FALSE(quant::mx_quant_uses_jit(p));
+  quant::set_mx_quant_jit_policy(JitPolicy::kEnv);
+}
+
 TEST(JitWarmupConfig, ParsesEveryForm) {
   std::vector<WarmupLine> lines;
   ASSERT_TRUE(parse("# comment\n\nrms_norm bf16 5184 add  # trailing\nqk_norm fp16 64 7 3 offset\nqk_norm bf16 128 24 4\n"
-                    "fp8_group_quant fp32 384\nfp8_group_quant bf16 5248 128\n",
+                    "fp8_group_quant fp32 384\nfp8_group_quant bf16 5248 128\nmxfp8_quant fp16 96\nnvfp4_quant fp32 16\n",
                     &lines));
-  ASSERT_EQ(lines.size(), 5u);
+  ASSERT_EQ(lines.size(), 7u);
+  EXPECT_EQ(lines[5].kernel, "mxfp8_quant");
+  EXPECT_EQ(lines[6].dims, (std::vector<int64_t>{16}));
   EXPECT_EQ(lines[0].kernel, "rms_norm");
   EXPECT_TRUE(lines[0].add);
   EXPECT_EQ(lines[0].line, 3);
@@ -141,7 +167,8 @@ TEST(JitWarmupConfig, ParsesEveryForm) {
   ASSERT_TRUE(parse(default_warmup_config(), &def));
   std::set<std::string> kernels;
   for (const auto& l : def) kernels.insert(l.kernel);
-  EXPECT_EQ(kernels, (std::set<std::string>{"rms_norm", "qk_norm", "fp8_group_quant"})) << "the default list covers every family";
+  EXPECT_EQ(kernels, (std::set<std::string>{"rms_norm", "qk_norm", "fp8_group_quant", "mxfp8_quant", "nvfp4_quant"}))
+      << "the default list covers every family";
 }
 
 TEST(JitWarmupConfig, BadLinesNameTheLineAndTheForm) {
@@ -159,6 +186,9 @@ TEST(JitWarmupConfig, BadLinesNameTheLineAndTheForm) {
       {"fp8_group_quant bf16 5000", "multiple of 128"},
       {"fp8_group_quant bf16 5248 64", "group_size must be 128"},
       {"fp8_group_quant bf16 5248 128 128", "unexpected '128'"},
+      {"mxfp8_quant bf16 48", "multiple of 32"},
+      {"nvfp4_quant bf16 40", "multiple of 16"},
+      {"nvfp4_quant bf16 32 swizzled", "unexpected 'swizzled'"},
   };
   for (const auto& [text, expect] : cases) {
     std::vector<WarmupLine> lines;
@@ -179,9 +209,9 @@ TEST(JitWarmupConfig, ItemsAreTheFamiliesVariants) {
   EXPECT_EQ(warmup_items(lines[2], 132).size(), norm::rms_norm_jit_variants(DType::kBF16, 5184, false, 132).size());
 }
 
-// Every kind of template argument the QK-norm and FP8 dispatchers can ask for compiles for sm_90a
+// Every kind of template argument the QK-norm, FP8 and MX dispatchers can ask for compiles for sm_90a
 // from the embedded headers (memory-only cache).
-TEST(JitNvrtcFamilies, QkNormAndFp8QuantVariantKindsCompile) {
+TEST(JitNvrtcFamilies, QkNormAndQuantVariantKindsCompile) {
   if (!nvrtc_info().available) GTEST_SKIP() << "NVRTC not available: " << nvrtc_info().library;
   Jit j("", JitMode::kAuto);
   std::vector<KernelSpec> specs = {
@@ -189,7 +219,8 @@ TEST(JitNvrtcFamilies, QkNormAndFp8QuantVariantKindsCompile) {
       norm::qk_norm_jit_spec({DType::kBF16, 256, 1, 1, false, 4}),
       quant::fp8_group_quant_jit_spec({DType::kBF16, 5248, 128, 1, 2, false}),
       quant::fp8_group_quant_jit_spec({DType::kFP16, 128, 128, 2, 1, true}),
-      quant::fp8_group_quant_jit_spec({DType::kFP32, 384, 128, 8, 1, true})};
+      quant::fp8_group_quant_jit_spec({DType::kFP32, 384, 128, 8, 1, true}),
+      quant::mx_quant_jit_spec({quant::MxKind::kMxfp8, DType::kFP16, 96}), quant::mx_quant_jit_spec({quant::MxKind::kNvfp4, DType::kBF16, 5248})};
   for (const KernelSpec& spec : specs) {
     std::shared_ptr<const Cubin> c;
     double ms = 0;

@@ -17,5 +17,12 @@ Status fp8_group_quant_kernel_params(const quant::Fp8QuantProblem& p, const quan
 // `stream`, no allocation.
 Status launch_mx_quant(const quant::MxProblem& p, int device_index, Stream stream);
 Status launch_mx_dequant(const quant::MxProblem& p, int device_index, Stream stream);
+// The JIT's split of launch_mx_quant (quant/mx_quant_jit.cpp): everything before the quantization
+// kernel (zeroing the swizzled padding; NVFP4's global-scale passes) on `stream`, and that kernel's
+// argument (MxParams) written to `params` (at least kMxParamsMaxBytes bytes). *units: the kernel's
+// threads, one per 8 elements (0: nothing to quantize), in blocks of kMxQuantThreads.
+constexpr size_t kMxParamsMaxBytes = 128;
+constexpr int kMxQuantThreads = 256;
+Status mx_quant_prologue(const quant::MxProblem& p, int device_index, Stream stream, void* params, uint32_t* units);
 
 }  // namespace encore::cuda

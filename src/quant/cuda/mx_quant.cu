@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
@@ -51,15 +52,13 @@ Status zero_padding(const quant::MxProblem& p, const MxParams& k, cudaStream_t s
   return check_launch("mx_zero_padding");
 }
 
+// Everything before the quantization kernel: the swizzled padding and NVFP4's global scale.
 template <typename T>
-Status quant_typed(const quant::MxProblem& p, cudaStream_t s) {
-  MxParams k = make_params(p);
+Status prologue_typed(const quant::MxProblem& p, cudaStream_t s, MxParams* out) {
+  MxParams& k = *out;
+  k = make_params(p);
   ENCORE_RETURN_IF_ERROR(zero_padding(p, k, s));
-  if (k.units == 0) return Status::ok();
-  if (p.kind == quant::MxKind::kMxfp8) {
-    mxfp8_quant_kernel<T><<<grid_of(k.units), kThreads, 0, s>>>(k);
-    return check_launch("mxfp8_quant");
-  }
+  if (k.units == 0 || p.kind == quant::MxKind::kMxfp8) return Status::ok();
   if (p.given_global > 0.0f) {
     k.global_value = p.given_global;
     k.global_out = p.global_scale;
@@ -71,6 +70,18 @@ Status quant_typed(const quant::MxProblem& p, cudaStream_t s) {
     nvfp4_global_kernel<<<1, 1, 0, s>>>(p.global_scale);
     ENCORE_RETURN_IF_ERROR(check_launch("nvfp4_global"));
     k.global_in = p.global_scale;
+  }
+  return Status::ok();
+}
+
+template <typename T>
+Status quant_typed(const quant::MxProblem& p, cudaStream_t s) {
+  MxParams k;
+  ENCORE_RETURN_IF_ERROR(prologue_typed<T>(p, s, &k));
+  if (k.units == 0) return Status::ok();
+  if (p.kind == quant::MxKind::kMxfp8) {
+    mxfp8_quant_kernel<T><<<grid_of(k.units), kThreads, 0, s>>>(k);
+    return check_launch("mxfp8_quant");
   }
   nvfp4_quant_kernel<T><<<grid_of(k.units), kThreads, 0, s>>>(k);
   return check_launch("nvfp4_quant");
@@ -98,6 +109,23 @@ Status launch_mx_quant(const quant::MxProblem& p, int device_index, Stream strea
     case DType::kFP32: return quant_typed<float>(p, s);
     default: return Status::internal(std::string("mx_quant: no CUDA kernel for dtype ") + dtype_name(p.dtype));
   }
+}
+
+Status mx_quant_prologue(const quant::MxProblem& p, int device_index, Stream stream, void* params, uint32_t* units) {
+  static_assert(sizeof(MxParams) <= kMxParamsMaxBytes && kThreads == kMxQuantThreads);
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  MxParams k{};
+  switch (p.dtype) {
+    case DType::kBF16: ENCORE_RETURN_IF_ERROR(prologue_typed<__nv_bfloat16>(p, s, &k)); break;
+    case DType::kFP16: ENCORE_RETURN_IF_ERROR(prologue_typed<__half>(p, s, &k)); break;
+    case DType::kFP32: ENCORE_RETURN_IF_ERROR(prologue_typed<float>(p, s, &k)); break;
+    default: return Status::internal(std::string("mx_quant: no CUDA kernel for dtype ") + dtype_name(p.dtype));
+  }
+  std::memcpy(params, &k, sizeof(k));
+  *units = k.units;
+  return Status::ok();
 }
 
 Status launch_mx_dequant(const quant::MxProblem& p, int device_index, Stream stream) {

@@ -8,6 +8,9 @@
 // first lane stores it. No shared memory, no atomics except the NVFP4 global amax.
 // Elements are handled as fp32 bit patterns: |x| ordering equals the unsigned order of (bits &
 // 0x7fffffff), a block is non-finite iff that maximum is >= 0x7f800000 (inf / NaN).
+// JIT (docs/jit.md): the two quantization kernels take kUnitsPerRow = K / 8 as a constant (0 in the
+//   ahead-of-time kernels: p.units_per_row), so the row / unit split is a constant division; same
+//   math. One source, two ways in: mx_quant.cu #includes this file, the build embeds it for NVRTC.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,6 +40,14 @@ struct MxParams {
   float global_value;       // NVFP4: the caller's global scale
   float* global_out;        // NVFP4 quant with a given scale: written once by thread 0
 };
+
+// Row and unit-in-row of unit u: by the constant kUnitsPerRow (JIT), or p.units_per_row by multiply-shift.
+template <int kUnitsPerRow>
+__device__ __forceinline__ void mx_split_unit(const MxParams& p, uint32_t u, uint32_t& row, uint32_t& cu) {
+  const uint32_t per_row = kUnitsPerRow ? uint32_t(kUnitsPerRow) : p.units_per_row;
+  row = kUnitsPerRow ? u / per_row : p.row_of_unit.div(u);
+  cu = u - row * per_row;
+}
 
 __device__ __forceinline__ int64_t mx_scale_offset(const MxParams& p, int64_t row, int64_t col) {
   return p.swizzled ? quant::mx_swizzled_offset(row, col, p.scale_cols) : row * p.scale_stride + col;
@@ -143,12 +154,13 @@ __device__ __forceinline__ uint32_t e2m1_code(uint32_t bits, const E2m1Bounds& k
 // e = mxfp8_floor_exponent / mxfp8_rceil_exponent(amax) (fp8_scale.hpp, shared with the CPU);
 // q = e4m3_rn_satfinite(x * 2^-e) (2^-e a normal fp32 for e in [-127, 119], the product rounded
 // once, as the CPU's ldexp in fp64 then fp32). Non-finite block: scale 0xff, q 0x7f.
-template <typename T>
+template <typename T, int kUnitsPerRow = 0>
 __global__ void __launch_bounds__(256) mxfp8_quant_kernel(MxParams p) {
   const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;
   const bool valid = u < p.units;  // the invalid lanes are whole blocks of 4; they join the shuffles
   const uint32_t uu = valid ? u : 0;
-  const uint32_t row = p.row_of_unit.div(uu), cu = uu - row * p.units_per_row;
+  uint32_t row, cu;
+  mx_split_unit<kUnitsPerRow>(p, uu, row, cu);
   uint32_t b[8];
   load_unit_bits(static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8, b);
   uint32_t amax = abs_max_bits(b);
@@ -198,12 +210,13 @@ __global__ void nvfp4_global_kernel(float* global) {
 // ---- NVFP4 quantization: x [M, K] T -> q [M, K / 2] e2m1 pairs, e4m3 scales per 16. ----
 // s = e4m3_rn_satfinite(fl32(fl32(amax / 6) / g)); d = fl32(float(s) * g); codes by e2m1_bounds(d)
 // (0 where d is 0); element 2j in the low nibble of byte j. Non-finite block: s = 0x7f, codes 0.
-template <typename T>
+template <typename T, int kUnitsPerRow = 0>
 __global__ void __launch_bounds__(256) nvfp4_quant_kernel(MxParams p) {
   const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;
   const bool valid = u < p.units;
   const uint32_t uu = valid ? u : 0;
-  const uint32_t row = p.row_of_unit.div(uu), cu = uu - row * p.units_per_row;
+  uint32_t row, cu;
+  mx_split_unit<kUnitsPerRow>(p, uu, row, cu);
   uint32_t b[8];
   load_unit_bits(static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8, b);
   uint32_t amax = abs_max_bits(b);
