@@ -15,6 +15,7 @@
 #include "norm/jit.hpp"
 #include "quant/jit.hpp"
 #include "tests/common/compare.hpp"
+#include "tests/jit/capture.hpp"
 #include "tests/common/device_buffer.hpp"
 
 namespace encore::test {
@@ -127,16 +128,12 @@ TEST_F(JitFamiliesGpu, QkNormListedLayoutStaysAheadOfTimeUnderAuto) {
 TEST_F(JitFamiliesGpu, QkNormGraphCaptureNeverCompilesThenWarmupFirst) {
   const int hq = 5, hkv = 3, d = 128;  // a layout no other test compiles in this process
   const QkInputs in = qk_inputs(DType::kBF16, 4, hq, hkv, d, 0, 0.f, 5);
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  TestStream ts;
   DeviceBuffer dq(in.qkv.storage_bytes()), dwq(in.wq.storage_bytes()), dwk(in.wk.storage_bytes());
   const QkNormArgs args{to_device(in.qkv, dq), to_device(in.wq, dwq), to_device(in.wk, dwk)};
+  auto op = [&](cudaStream_t s) { return run(args, in.o, nullptr, s); };
   norm::set_qk_norm_jit_policy(norm::JitPolicy::kAlways);
-  cudaGraph_t g = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  Status st = run(args, in.o, nullptr, s);
-  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
-  if (g) cudaGraphDestroy(g);
+  Status st = run_captured(ts.s, op);
   EXPECT_FALSE(st) << "a compile was allowed inside a graph capture";
   EXPECT_NE(st.message().find("encore jit warmup"), std::string::npos) << st.to_string();
   // Warm up (what `encore jit warmup` does on a GPU), then the capture records the JIT kernel.
@@ -145,21 +142,15 @@ TEST_F(JitFamiliesGpu, QkNormGraphCaptureNeverCompilesThenWarmupFirst) {
     ASSERT_TRUE(w) << w.to_string();
   }
   const int64_t before = norm::qk_norm_jit_launch_count();
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  st = run(args, in.o, nullptr, s);
-  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  st = run_captured(ts.s, op, &g);
   ASSERT_TRUE(st) << st.to_string();
   EXPECT_EQ(norm::qk_norm_jit_launch_count(), before + 1) << "the capture recorded the AOT kernel, not the JIT one";
-  cudaGraphExec_t ge = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);  // capture ran nothing: qkv still holds the inputs
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  Status r = replay(g, ts.s);  // the capture ran nothing: qkv still holds the inputs
+  ASSERT_TRUE(r) << r.to_string();
   HostTensor out = in.qkv;
   from_device(out, dq);
   ENCORE_EXPECT_CLOSE(out, qk_cpu(in), DType::kBF16, "qkv from the graph replay");
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  cudaStreamDestroy(s);
 }
 
 // ---- FP8 group quantization ----
@@ -250,14 +241,10 @@ TEST_F(JitFamiliesGpu, Fp8QuantGraphCaptureNeverCompilesThenWarmupFirst) {
   std::memset(q.bytes.data(), 0x7f, q.bytes.size());
   DeviceBuffer dx(x.storage_bytes()), dq(q.storage_bytes()), ds(size_t(rows * groups) * 4);
   const Fp8GroupQuantArgs args{to_device(x, dx), to_device(q, dq), scale_view(ds.ptr, rows, groups, false, Device{DeviceType::kCUDA, 0})};
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  TestStream ts;
+  auto op = [&](cudaStream_t s) { return run(args, Fp8GroupQuantOptions{}, nullptr, s); };
   quant::set_fp8_group_quant_jit_policy(quant::JitPolicy::kAlways);
-  cudaGraph_t g = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  Status st = run(args, Fp8GroupQuantOptions{}, nullptr, s);
-  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
-  if (g) cudaGraphDestroy(g);
+  Status st = run_captured(ts.s, op);
   EXPECT_FALSE(st) << "a compile was allowed inside a graph capture";
   EXPECT_NE(st.message().find("encore jit warmup"), std::string::npos) << st.to_string();
   for (const auto& v : quant::fp8_group_quant_jit_variants(DType::kBF16, cols, sm_count())) {
@@ -265,22 +252,16 @@ TEST_F(JitFamiliesGpu, Fp8QuantGraphCaptureNeverCompilesThenWarmupFirst) {
     ASSERT_TRUE(w) << w.to_string();
   }
   const int64_t before = quant::fp8_group_quant_jit_launch_count();
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  st = run(args, Fp8GroupQuantOptions{}, nullptr, s);
-  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  st = run_captured(ts.s, op, &g);
   ASSERT_TRUE(st) << st.to_string();
   EXPECT_EQ(quant::fp8_group_quant_jit_launch_count(), before + 1) << "the capture recorded the AOT kernel, not the JIT one";
-  cudaGraphExec_t ge = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  Status r = replay(g, ts.s);
+  ASSERT_TRUE(r) << r.to_string();
   QuantOut got{q, std::vector<float>(size_t(rows * groups))};
   from_device(got.q, dq);
   ASSERT_EQ(cudaMemcpy(got.scales.data(), ds.ptr, got.scales.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
   expect_same(got, quant_run(x, false, false, quant::JitPolicy::kEnv, true), "graph replay vs CPU reference");
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  cudaStreamDestroy(s);
 }
 
 }  // namespace

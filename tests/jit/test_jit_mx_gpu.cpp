@@ -14,6 +14,7 @@
 #include "jit/jit.hpp"
 #include "quant/jit.hpp"
 #include "tests/common/device_buffer.hpp"
+#include "tests/jit/capture.hpp"
 
 namespace encore::test {
 namespace {
@@ -148,36 +149,26 @@ TEST_F(JitMxGpu, GraphCaptureNeverCompilesThenWarmupFirst) {
   DeviceBuffer dx(x.storage_bytes()), dq(q.storage_bytes()), ds(s.size()), dg(4);
   ASSERT_EQ(cudaMemcpy(ds.ptr, s.data(), s.size(), cudaMemcpyHostToDevice), cudaSuccess);
   const Nvfp4QuantArgs args{to_device(x, dx), to_device(q, dq), scale_view(c, ds.ptr, kDev), TensorView::contiguous(dg.ptr, DType::kFP32, {1}, kDev)};
-  cudaStream_t st_ = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&st_, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t g = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  Status st = run(args, c.opts, nullptr, st_);
-  ASSERT_EQ(cudaStreamEndCapture(st_, &g), cudaSuccess);
-  if (g) cudaGraphDestroy(g);
+  TestStream ts;
+  auto op = [&](cudaStream_t s) { return run(args, c.opts, nullptr, s); };
+  Status st = run_captured(ts.s, op);
   EXPECT_FALSE(st) << "a compile was allowed inside a graph capture";
   EXPECT_NE(st.message().find("encore jit warmup"), std::string::npos) << st.to_string();
   Status w = quant::mx_quant_jit_warmup({quant::MxKind::kNvfp4, DType::kBF16, c.cols}, 0, "", nullptr, nullptr);
   ASSERT_TRUE(w) << w.to_string();
   const int64_t before = quant::mx_quant_jit_launch_count();
-  ASSERT_EQ(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  st = run(args, c.opts, nullptr, st_);
-  ASSERT_EQ(cudaStreamEndCapture(st_, &g), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  st = run_captured(ts.s, op, &g);
   ASSERT_TRUE(st) << st.to_string();
   EXPECT_EQ(quant::mx_quant_jit_launch_count(), before + 1) << "the capture recorded the AOT kernel, not the JIT one";
-  cudaGraphExec_t ge = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(ge, st_), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(st_), cudaSuccess);
+  Status r = replay(g, ts.s);
+  ASSERT_TRUE(r) << r.to_string();
   MxOut got{{}, s, NAN};
   from_device(q, dq);
   got.q.assign(q.bytes.begin(), q.bytes.end());
   ASSERT_EQ(cudaMemcpy(got.s.data(), ds.ptr, got.s.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(&got.g, dg.ptr, 4, cudaMemcpyDeviceToHost), cudaSuccess);
   expect_same(got, mx_run(x, c, false, quant::JitPolicy::kEnv), true, "graph replay vs CPU reference");
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  cudaStreamDestroy(st_);
 }
 
 }  // namespace
