@@ -305,6 +305,10 @@ TEST(JitNoNvrtc, Child) {
   quant::Fp8QuantProblem fp;
   fp.cols = 5248;
   EXPECT_FALSE(quant::fp8_group_quant_uses_jit(fp)) << "FP8 quant: without NVRTC, even with policy always";
+  quant::set_mx_quant_jit_policy(JitPolicy::kAlways);
+  quant::MxProblem mp;
+  mp.cols = 5248;
+  EXPECT_FALSE(quant::mx_quant_uses_jit(mp)) << "MX quant: without NVRTC, even with policy always";
   std::shared_ptr<const Cubin> c;
   Status st = Jit("", JitMode::kAuto).get_cubin(toy_spec(), "sm_90a", &c);
   EXPECT_FALSE(st);
