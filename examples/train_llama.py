@@ -9,6 +9,13 @@ norm, LM head, mean cross-entropy on next-token targets. Implementations:
            fused into the gate/up GEMM, the backward on the swiglu_bwd / rmsnorm_bwd epilogues); LM head + loss =
            encore.nn.FusedLinearCrossEntropyLoss (no float logits); attention, RoPE, the final norm and the
            output projection stay PyTorch's
+  encore_block  the decoder as encore's shifted blocks: encore.nn.LlamaBlock l covers layer l's output projection +
+           residual + MLP norm + SwiGLU MLP + residual and layer l+1's attention norm + QKV projection + RoPE (forward
+           and backward each a handful of fused GEMM-epilogue kernels); layer 0's attention norm + QKV (RMSNormLinear),
+           the last layer's output projection + MLP (SwiGLUMLP) and the loss (FusedLinearCrossEntropyLoss) around
+           them. The blocks keep Q and K in the pair-adjacent RoPE order (the rotate-half partners of each head at
+           adjacent columns: the QKV weight's Q and K rows permuted so); attention is invariant to that common
+           permutation of q's and k's head dimensions, so scaled-dot-product attention takes them as they are.
 A third run, torch_permuted, is the torch model on the same batches with the sequences of each batch in another
 order: the same math with other reduction orders, whose distance to `torch` is the spread the encore curve is
 judged against.
@@ -97,6 +104,70 @@ class EncoreLayer(torch.nn.Module):
         return x + self.mlp(x)
 
 
+def attention_rotated(qkv, cfg):
+    """Causal attention on a QKV whose Q and K are already rotated (in any common order of their head dims)."""
+    B, T = qkv.shape[0], qkv.shape[1]
+    hd = cfg.hidden // cfg.heads
+    q, k, v = qkv.view(B, T, 3, cfg.heads, hd).permute(2, 0, 3, 1, 4)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return o.transpose(1, 2).reshape(B, T, cfg.hidden)
+
+
+def pair_adjacent_qk(w_qkv, cfg):
+    """The QKV weight [3d, d] with each Q and K head's rows (i, i + hd/2) moved to (2i, 2i + 1); V as is."""
+    hd = cfg.hidden // cfg.heads
+    w = w_qkv.view(3, cfg.heads, 2, hd // 2, -1)
+    qk = w[:2].transpose(2, 3).reshape(2, cfg.heads, hd, -1)
+    return torch.cat((qk.reshape(2 * cfg.hidden, -1), w_qkv[2 * cfg.hidden:]))
+
+
+class EncoreBlockModel(torch.nn.Module):
+    """The decoder on encore.nn.LlamaBlock (see the module docstring), with the weights of a torch Model."""
+
+    def __init__(self, cfg, src):
+        super().__init__()
+        self.cfg, self.impl = cfg, "encore_block"
+        d, hd = cfg.hidden, cfg.hidden // cfg.heads
+        kw = {"device": src.embed.weight.device, "dtype": src.embed.weight.dtype}
+        L = src.layers
+        self.embed = torch.nn.Embedding(cfg.vocab, d, **kw)
+        self.qkv0 = encore.nn.RMSNormLinear(d, 3 * d, eps=cfg.eps, **kw)
+        self.blocks = torch.nn.ModuleList(encore.nn.LlamaBlock(d, cfg.ffn, cfg.heads, cfg.heads, hd, rope_base=10000.0, eps=cfg.eps,
+                                                               **kw) for _ in range(len(L) - 1))
+        self.o_last = torch.nn.Linear(d, d, bias=False, **kw)
+        self.mlp_last = encore.nn.SwiGLUMLP.from_linear(L[-1].gate, L[-1].up, L[-1].down, norm_weight=L[-1].mlp_norm, eps=cfg.eps)
+        self.norm = torch.nn.Parameter(torch.ones(d, **kw))
+        self.head = torch.nn.Linear(d, cfg.vocab, bias=False, **kw)
+        self.loss_fn = encore.nn.FusedLinearCrossEntropyLoss()
+        with torch.no_grad():
+            self.embed.weight.copy_(src.embed.weight)
+            self.qkv0.weight.copy_(L[0].qkv.weight)
+            self.qkv0.norm_weight.copy_(L[0].attn_norm)
+            for l, b in enumerate(self.blocks):
+                b.w0.copy_(L[l].o.weight)
+                b.w1.copy_(torch.stack((L[l].gate.weight, L[l].up.weight), 1).reshape(2 * cfg.ffn, d))
+                b.w2.copy_(L[l].down.weight)
+                b.gamma0.copy_(L[l].mlp_norm)
+                b.w3.copy_(pair_adjacent_qk(L[l + 1].qkv.weight, cfg))
+                b.gamma1.copy_(L[l + 1].attn_norm)
+            self.o_last.weight.copy_(L[-1].o.weight)
+            self.norm.copy_(src.norm)
+            self.head.weight.copy_(src.head.weight)
+
+    def forward(self, tokens, targets, cos, sin):
+        B, T, d = tokens.shape[0], tokens.shape[1], self.cfg.hidden
+        x = self.embed(tokens).reshape(B * T, d)
+        y = attention(self.qkv0(x).view(B, T, 3 * d), self.cfg, cos, sin).reshape(B * T, d)
+        pos = torch.arange(T, device=tokens.device, dtype=torch.int32).repeat(B)
+        for b in self.blocks:
+            x, qkv = b(y, x, pos)
+            y = attention_rotated(qkv.view(B, T, 3 * d), self.cfg).reshape(B * T, d)
+        x = x + self.o_last(y)
+        x = x + self.mlp_last(x)
+        h = F.rms_norm(x, (d,), self.norm, self.cfg.eps)
+        return self.loss_fn(self.head.weight, h, targets.reshape(-1))
+
+
 class Model(torch.nn.Module):
     def __init__(self, cfg, impl, src=None, **kw):
         super().__init__()
@@ -169,21 +240,24 @@ def build(cfg, device, dtype, seed=0):
     twin = Model(cfg, "torch", device=device, dtype=dtype)
     twin.load_state_dict(ref.state_dict())
     ours = Model(cfg, "encore", src=ref)
-    return ref, twin, ours
+    return ref, twin, ours, EncoreBlockModel(cfg, ref)
 
 
 def run(cfg, steps, device, dtype, log=print):
     batches = markov_batches(cfg, steps, device)
-    ref, twin, ours = build(cfg, device, dtype)
+    ref, twin, ours, blocks = build(cfg, device, dtype)
     res = {}
-    for name, model, perm in (("torch", ref, False), ("torch_permuted", twin, True), ("encore", ours, False)):
+    for name, model, perm in (("torch", ref, False), ("torch_permuted", twin, True), ("encore", ours, False),
+                              ("encore_block", blocks, False)):
         t0 = time.time()
         res[name] = train(model, batches, cfg, permute=perm, log=log)
         log(f"  {name}: {time.time() - t0:.1f} s")
     spread = max(abs(a - b) for a, b in zip(res["torch"], res["torch_permuted"]))
     dist = max(abs(a - b) for a, b in zip(res["torch"], res["encore"]))
-    res["spread_torch_vs_permuted"], res["encore_vs_torch"] = spread, dist
-    log(f"max |loss difference| over {steps} steps: torch vs torch permuted {spread:.4g}, encore vs torch {dist:.4g} "
+    dist_b = max(abs(a - b) for a, b in zip(res["torch"], res["encore_block"]))
+    res["spread_torch_vs_permuted"], res["encore_vs_torch"], res["encore_block_vs_torch"] = spread, dist, dist_b
+    log(f"max |loss difference| over {steps} steps: torch vs torch permuted {spread:.4g}, encore vs torch {dist:.4g}, "
+        f"encore_block vs torch {dist_b:.4g} "
         f"(start {res['torch'][0]:.3f} ~ log(vocab) {math.log(cfg.vocab):.3f}, end {res['torch'][-1]:.3f})")
     return res
 

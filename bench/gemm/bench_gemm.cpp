@@ -78,14 +78,14 @@ void fill_valid(const Rotation& rot, const Layout& L) {
 TensorView mat(char* b, size_t off, int64_t r, int64_t c, DType t = kT) { return TensorView::contiguous(b + off, t, {r, c}, kDev); }
 TensorView vec(char* b, size_t off, int64_t n, DType t) { return TensorView::contiguous(b + off, t, {n}, kDev); }
 
-// The operands of epilogue `e` over set `b` (A [M, K], W [N, K] or [K, N]), as its catalogue row
+// The operands of epilogue `e` over set `b` (A [M, K] or [K, M], W [N, K] or [K, N]), as its catalogue row
 // declares; optional inputs (c2, alpha) given.
 GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d, int partial_tile_n) {
   const int64_t M = L.M, N = L.N, K = L.K;
   const uint32_t ops = gemm_epilogue_info(e)->operands;
   auto uses = [ops](uint32_t flags) { return (ops & flags) != 0; };
   GemmEpilogueArgs g;
-  g.a = mat(b, L.a, M, K);
+  g.a = uses(kOperandATransposed) ? mat(b, L.a, K, M) : mat(b, L.a, M, K);  // wgrad: A stored [K, M]
   g.w = uses(kOperandWeightKN) ? mat(b, L.w, K, N) : mat(b, L.w, N, K);
   if (uses(kOperandD) || (uses(kOperandDOptional) && store_d)) g.d = mat(b, L.d, M, N);
   if (uses(kOperandC | kOperandCPairs)) g.c = mat(b, L.c, M, uses(kOperandCPairs) ? 2 * N : N);
@@ -106,6 +106,10 @@ GemmEpilogueArgs make_args(Epilogue e, char* b, const Layout& L, bool store_d, i
     g.target = vec(b, L.target, M, DType::kInt32);
     g.target_logit = vec(b, L.logit, M, DType::kFP32);
   }
+  if (uses(kOperandLse)) {  // ce_bwd: lse = 1 (the r buffer), targets in range
+    g.target = vec(b, L.target, M, DType::kInt32);
+    g.lse = vec(b, L.r, M, DType::kFP32);
+  }
   return g;
 }
 
@@ -119,11 +123,12 @@ bool selected(const std::string& key) {
 }
 
 
-// cuBLAS D [M, N] = A [M, K] · W [N, K]ᵀ (w_kn: A · W with W [K, N], the dgrad layout), bf16 in/out,
-// fp32 accumulate.
-void cublas_gemm(cublasHandle_t h, const void* a, const void* w, void* d, int M, int N, int K, bool w_kn = false) {
+// cuBLAS D [M, N] = A [M, K] · W [N, K]ᵀ (w_kn: A · W with W [K, N], the dgrad layout; a_t: A stored
+// [K, M], the wgrad layout), bf16 in/out, fp32 accumulate.
+void cublas_gemm(cublasHandle_t h, const void* a, const void* w, void* d, int M, int N, int K, bool w_kn = false, bool a_t = false) {
   const float one = 1.f, zero = 0.f;
-  cublasGemmEx(h, w_kn ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, CUDA_R_16BF, w_kn ? N : K, a, CUDA_R_16BF, K, &zero, d,
+  cublasGemmEx(h, w_kn ? CUBLAS_OP_N : CUBLAS_OP_T, a_t ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &one, w, CUDA_R_16BF, w_kn ? N : K, a,
+               CUDA_R_16BF, a_t ? M : K, &zero, d,
                CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
@@ -225,7 +230,8 @@ void kernel_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   }
   std::vector<std::function<void(long long)>> contenders = {[&](long long i) {
     char* b = rot.set(i);
-    cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K), operands_of(e) & kOperandWeightKN);
+    cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K), operands_of(e) & kOperandWeightKN,
+                operands_of(e) & kOperandATransposed);
   }};
   for (const auto& [o, tile] : variants)
     contenders.push_back([&, o](long long i) {
@@ -269,7 +275,8 @@ void sliced_vs_cublas(Ctx& x, Epilogue e, const std::string& size, int64_t M, in
   const GemmEpilogueOptions o = tile_options(e, tile);
   std::vector<std::function<void(long long)>> contenders = {[&](long long i) {
     char* b = rot.set(i);
-    cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K), operands_of(e) & kOperandWeightKN);
+    cublas_gemm(x.handle, b + L.a, b + L.w, b + L.d, int(M), int(N), int(K), operands_of(e) & kOperandWeightKN,
+                operands_of(e) & kOperandATransposed);
   }};
   for (int S : slices)
     contenders.push_back([&, S](long long i) {

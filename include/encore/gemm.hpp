@@ -5,7 +5,8 @@
 //
 // Finishers: rms_final_reduce (r from the sum-of-squares partials), lse_finish (per-row log-sum-exp
 // and cross-entropy loss from the LSE partials), partials sums (zdz and dγ of the backward epilogues,
-// PartialsSumArgs), and the QK-norm + RoPE finish after kQkvHeadSqsum (QkNormRopeArgs; CPU and CUDA).
+// PartialsSumArgs), the QK-norm + RoPE finish after kQkvHeadSqsum (QkNormRopeArgs; CPU and CUDA), and
+// the elementwise RoPE backward with its zdz statistic (RopeBwdZdzArgs; CPU and CUDA).
 // Statistics are fp32; D and aux take A's dtype (bf16, fp16, fp32). `partial_tile_n` fixes the column tiles of the partials so every backend
 // produces the same layout [M, ceil(N / partial_tile_n)]; 0 (the default) means
 // gemm_partial_tile_n(epilogue, M, N, K), the width of the fastest CUDA tile for the shape.
@@ -13,11 +14,13 @@
 // Backends: the CPU reference (fp64 accumulation) for every epilogue and finisher. CUDA: every
 // epilogue (the backward rows kSwigluBwd and kRmsnormBwd on the 128x128 ping-pong tile only), rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
 // (src/gemm/cuda), with these limits (refused with a clear error otherwise):
-//   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K a multiple of 8, N too where D, C or aux is given (lse without D: any N); 16-byte aligned
+//   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K a multiple of 8 (kWgrad, A stored [K, M]: M instead), N too where D, C or aux is given (lse without D: any N; lse with D and ce_bwd: any N
+//   with D's rows 16-byte aligned, e.g. N odd in a D view of rows padded to a multiple of 8); 16-byte aligned
 //   matrix rows (SwiGLU aux: 8-byte); contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse) and
 //   head_dim = 128 (kQkvHeadSqsum). Tails in M and N are masked. kRope positions must lie in
 //   [0, 2^24). kLse targets are device data and cannot be checked before the launch: a target
-//   outside [0, N) other than ignore_index yields target_logit = NaN (the CPU backend refuses it).
+//   outside [0, N) other than ignore_index yields target_logit = NaN (the CPU backend refuses it); kCeBwd
+//   writes such a row NaN.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -62,6 +65,11 @@ enum GemmOperand : uint32_t {
   kOperandAlphaOptional = 1u << 20,    // alpha [1] fp32, optional (absent: 1)
   kOperandColumnPartials = 1u << 21,   // partials [ceil(M / 128), round_up(N, partial_tile_n)] fp32, written:
                                        //   per-M-tile column sums (block reduction along M); columns >= N are 0
+  kOperandLse = 1u << 22,              // lse [M] fp32 and target [M] int32, required together (kCeBwd; ignore_index rows: D = 0)
+  // (bit 28, apart from the bits above, which other rows' flags extend)
+  kOperandATransposed = 1u << 28,      // a is [K, M] (M contiguous), used transposed: acc = Aᵀ-stored · W (the weight
+                                       //   gradients dW = dzᵀ·x over the tokens: a = dz [tokens, N_out] as stored); M a
+                                       //   multiple of 8 on CUDA (16-byte TMA rows)
 };
 
 // The CUDA tiles an epilogue is instantiated on (GemmEpilogueInfo::tiles).
@@ -111,7 +119,7 @@ struct GemmEpilogueOptions {
   int partial_tile_n = 0;    // epilogues with partials: 0 = gemm_partial_tile_n(...); CUDA: 128 or 256
 
   int head_dim = 128;        // kQkvHeadSqsum
-  int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0
+  int ignore_index = -100;   // kLse with target: rows whose target equals it get target_logit 0; kCeBwd: D = 0 there
   GemmTile tile = GemmTile::kAuto;
   int swizzle = 0;  // CUDA tile-scheduler swizzle (1, 2, 4 or 8 tiles); 0 = auto
   GemmRaster raster = GemmRaster::kAuto;  // CUDA tile-scheduler order
@@ -125,7 +133,7 @@ struct GemmEpilogueOptions {
 };
 
 struct GemmEpilogueArgs {
-  TensorView a;             // [M, K]
+  TensorView a;             // [M, K] ([K, M] for kOperandATransposed rows)
   TensorView w;             // [N, K] ([K, N] for kOperandWeightKN rows)
   TensorView d;             // [M, N] (optional for kLse)
   TensorView aux;           // [M, N] (kResidualSqsumAux) or [M, N/2] (kSwiglu)
@@ -139,8 +147,9 @@ struct GemmEpilogueArgs {
   TensorView alpha;         // [1] fp32 (kScalarScale)
   TensorView partials;      // fp32 [M, tiles] (tile partials), [M, N / head_dim] (kQkvHeadSqsum) or
                             // [ceil(M / 128), round_up(N, partial_tile_n)] (column partials, kRmsnormBwd)
-  TensorView target;        // [M] int32 (kLse, optional)
+  TensorView target;        // [M] int32 (kLse, optional; kCeBwd, required)
   TensorView target_logit;  // [M] fp32 (kLse with target)
+  TensorView lse;           // [M] fp32 (kCeBwd: the forward's log-sum-exp, lse_finish)
 };
 
 Status validate(const GemmEpilogueArgs& args, const GemmEpilogueOptions& opts);
@@ -165,6 +174,22 @@ struct LseFinishArgs {
 };
 Status run(const LseFinishArgs& args, int ignore_index = -100, Stream stream = nullptr);
 
+// Cross-entropy backward on stored logits (the path that keeps the forward's kLse D; math-coda §4.5),
+// elementwise: dlogits[m, n] = α·(e^(logits[m, n] − lse[m]) − [n == target[m]]), 0 on rows whose
+// target == ignore_index; α = alpha[0] read from (device) memory, 1 when absent (e.g. grad_output /
+// count: graph-safe). logits and dlogits [M, N] of one dtype (bf16/fp16; fp32 on the CPU backend), any
+// N and row strides; dlogits may be logits itself (in place) but must not overlap it otherwise. The
+// CPU backend refuses a target outside [0, N) other than ignore_index; on CUDA (device data, not
+// checkable before the launch) such a row is written NaN. CPU and CUDA backends.
+struct CrossEntropyBwdArgs {
+  TensorView logits;   // [M, N], read
+  TensorView lse;      // [M] fp32
+  TensorView target;   // [M] int32
+  TensorView alpha;    // [1] fp32, optional
+  TensorView dlogits;  // [M, N] logits' dtype, written (may be logits)
+};
+Status run(const CrossEntropyBwdArgs& args, int ignore_index = -100, Stream stream = nullptr);
+
 // QK-norm + RoPE finish after kQkvHeadSqsum (models with QK-norm), in place on
 // qkv [M, (num_q_heads + 2 * num_kv_heads) * head_dim] (head order Q, K, V):
 //   each Q / K head h of row m:  x ← x · rsqrt(partials[m, h] / head_dim + eps) · w  (w = q_weight for
@@ -184,6 +209,44 @@ struct QkNormRopeOptions {
   float eps = 1e-6f;
 };
 Status run(const QkNormRopeArgs& args, const QkNormRopeOptions& opts, Stream stream = nullptr);
+
+// Backward of the QK-norm + RoPE finish (training, models with QK-norm): x is the forward's input qkv
+// (the kQkvHeadSqsum GEMM's output, saved before the in-place finish), dy the gradient of its output.
+// Per Q / K head h of row m, with r = rsqrt(partials[m, h] / D + eps), w = q_weight or k_weight:
+//   dn = Rᵀ·dy per column pair (the inverse rotation);  dx = r·(w⊙dn) − r³·x·(1/D)·Σ_e w_e·dn_e·x_e;
+//   dq_weight[e] = Σ_{m, Q heads} dn_e·r·x_e (dk_weight over the K heads), summed in a fixed order;
+// V heads: dx = dy. dx may be dy (in place). dq_weight, dk_weight: fp32 [head_dim], outputs.
+// CPU and CUDA backends; CUDA: workspace_bytes of device memory (the weight gradients' partials).
+struct QkNormRopeBwdArgs {
+  TensorView dy;                    // [M, N] qkv's dtype
+  TensorView x;                     // [M, N] the forward's input (pre-norm qkv)
+  TensorView partials;              // [M, N / head_dim] fp32: the forward's kQkvHeadSqsum partials
+  TensorView q_weight, k_weight;    // [head_dim], as in the forward
+  TensorView pos;                   // [M] int32
+  TensorView freq;                  // [N] fp32
+  TensorView dx;                    // [M, N] output (may alias dy)
+  TensorView dq_weight, dk_weight;  // [head_dim] fp32 outputs
+};
+size_t workspace_bytes(const QkNormRopeBwdArgs& args, const QkNormRopeOptions& opts);
+Status run(const QkNormRopeBwdArgs& args, const QkNormRopeOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
+
+// RoPE backward with the zdz row statistic (math-coda.md §4.3; stage (a) of the LLaMA block backward),
+// elementwise (not a GEMM). With y = the forward's kRope output (post-RoPE, saved) and dy its gradient:
+//   dz[m, 2j], dz[m, 2j+1] = Rᵀ(θ)·(dy[m, 2j], dy[m, 2j+1]):  (a·cosθ + b·sinθ, b·cosθ − a·sinθ),
+//                            θ = 2π·pos[m]·f_j, f_j = freq[2j] + freq[2j+1] (rope_freq_turns; f = 0 passes through)
+//   zdz[m] = scale · Σ_j y[m, j]·dy[m, j]   (= scale · Σ_j z·dz for the pre-RoPE z: R is orthogonal)
+// zdz feeds kRmsnormBwd (scale = 1/hidden). y, dy, dz [M, N] in one dtype (bf16/fp16; fp32 on the CPU
+// backend), N even; dz must not overlap y or dy; zdz [M] fp32. CPU and CUDA backends (the CUDA kernel
+// reduces each row in a fixed order: deterministic).
+struct RopeBwdZdzArgs {
+  TensorView y;     // [M, N] saved post-RoPE output
+  TensorView dy;    // [M, N] its gradient
+  TensorView pos;   // [M] int32
+  TensorView freq;  // [N] fp32 (hi, lo) pairs
+  TensorView dz;    // [M, N] output: the gradient before the rotation
+  TensorView zdz;   // [M] fp32 output
+};
+Status run(const RopeBwdZdzArgs& args, float scale, Stream stream = nullptr);
 
 // Deterministic sums of an epilogue's partials, in index order:
 //   kPerRow     out[m] = scale · Σ_t partials[m, t]  (zdz = (1/d)·Σ_t of kSwigluBwd's tile partials)

@@ -12,9 +12,11 @@ import sys as _sys
 
 from . import _encore
 from .blocks import llama_block_forward, llama_block_workspace_bytes
+from .blocks import llama_block_backward, qkv_norm_backward
+from .gemm import cross_entropy_bwd, cross_entropy_bwd_
 from .gemm import (Epilogue, GemmTile, gemm_epilogue, gemm_lse, gemm_qkv_head_sqsum, gemm_residual_rms_partial, gemm_rope,
-                   gemm_row_scale, gemm_scalar_scale, gemm_swiglu, interleave_gate_up, lse_finish, partials_sum, qk_norm_rope_, rms_final_reduce,
-                   rope_freq_turns)
+                   gemm_row_scale, gemm_scalar_scale, gemm_swiglu, interleave_gate_up, lse_finish, partials_sum, qk_norm_rope_,
+                   qk_norm_rope_backward, rms_final_reduce, rope_freq_turns)
 from .kda import chunk_kda, kda_backward, kda_forward, kda_forward_workspace_bytes
 from .moe import moe_buffers_bytes, moe_combine, moe_dispatch, moe_forward, moe_permuted_rows, moe_routing
 from .norm import add_rms_norm, qk_norm_, rms_norm
@@ -22,9 +24,9 @@ from .quant import fp8_group_dequant, fp8_group_quant, mxfp8_dequant, mxfp8_quan
 
 __all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group_dequant", "mxfp8_quant", "mxfp8_dequant", "nvfp4_quant", "nvfp4_dequant", "built_with_cuda",
            "cuda_device_count", "gemm_row_scale", "gemm_scalar_scale", "gemm_residual_rms_partial",
-           "rms_final_reduce", "partials_sum", "gemm_swiglu", "gemm_rope", "gemm_qkv_head_sqsum", "gemm_lse", "lse_finish",
-           "rope_freq_turns", "interleave_gate_up", "llama_block_forward", "llama_block_workspace_bytes",
-           "kda_forward", "kda_forward_workspace_bytes", "kda_backward", "chunk_kda", "qk_norm_rope_", "gemm_epilogue", "Epilogue", "GemmTile",
+           "rms_final_reduce", "partials_sum", "gemm_swiglu", "gemm_rope", "gemm_qkv_head_sqsum", "gemm_lse", "lse_finish", "cross_entropy_bwd", "cross_entropy_bwd_",
+           "rope_freq_turns", "interleave_gate_up", "llama_block_forward", "llama_block_workspace_bytes", "llama_block_backward", "qkv_norm_backward",
+           "kda_forward", "kda_forward_workspace_bytes", "kda_backward", "chunk_kda", "qk_norm_rope_", "qk_norm_rope_backward", "gemm_epilogue", "Epilogue", "GemmTile",
            "moe_routing", "moe_dispatch", "moe_combine", "moe_forward", "moe_permuted_rows", "moe_buffers_bytes"]
 
 __version__ = _encore.__version__  # project(encore VERSION ...) in CMakeLists.txt

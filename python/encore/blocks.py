@@ -1,12 +1,13 @@
-"""Compositions of ops: the shifted LLaMA block forward (include/encore/blocks/llama.hpp), on the
-CPU backend for numpy / CPU torch arrays and on CUDA for CUDA torch tensors. Inference only (no
-autograd yet)."""
+"""Compositions of ops: the shifted LLaMA block forward and backward and the first layer's QKV-norm
+backward (include/encore/blocks/llama.hpp), on the CPU backend for numpy / CPU torch arrays and on
+CUDA for CUDA torch tensors. These functions take no autograd; encore.nn.LlamaBlock is the
+trainable module over them (python/encore/_block_autograd.py)."""
 from __future__ import annotations
 
 from . import _encore
 from ._util import _dl, _empty, _given_outputs, _ops, _stream_for, _via_torch_op, _workspace
 
-__all__ = ["llama_block_forward", "llama_block_workspace_bytes"]
+__all__ = ["llama_block_forward", "llama_block_workspace_bytes", "llama_block_backward", "qkv_norm_backward"]
 
 _BLOCK_OUTPUTS = ("x1", "x2", "z1", "qkv", "r1", "r2")
 
@@ -46,3 +47,59 @@ def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, fre
     outputs `out` = (x1, x2, z1, qkv, r1, r2): what the block needs plus 256 for alignment."""
     args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *_given_outputs(out, _BLOCK_OUTPUTS))
     return int(_encore.llama_block_workspace_bytes(*_dl(*args), float(eps))) + 256
+
+
+_BWD_OUTPUTS = ("d_y0", "d_x0", "dw0", "dw1", "dw2", "dw3", "dgamma0", "dgamma1")
+
+
+def llama_block_backward(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2, out=None,
+                         workspace=None, stream=None):
+    """The shifted block's backward (math-coda.md §5): from the forward's inputs (x0 is not read) and
+    saved outputs (x1, x2, z1, qkv, r1, r2 as llama_block_forward returned them) and the incoming
+    gradients d_qkv [M, Nqkv] and d_x2 [M, d], returns (d_y0, d_x0, dw0, dw1, dw2, dw3, dgamma0,
+    dgamma1): d_y0, d_x0 [M, d] and the weight gradients in y0's dtype and the weights' shapes,
+    dgamma0, dgamma1 [d] float32.
+
+    out: optional outputs to write into (d_x0 may be d_x2 itself: the residual gradient in place),
+    returned as given; workspace: optional 1-D uint8 array (see llama_block_forward)."""
+    ins = (y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2)
+    if _via_torch_op(stream, *ins, workspace):
+        if out is None:
+            return tuple(_ops().llama_block_backward(*ins, workspace))
+        out = _given_outputs(out, _BWD_OUTPUTS)
+        _ops().llama_block_backward_out(*ins, *out, workspace)
+        return out
+    m, d = y0.shape[0], y0.shape[1]
+    if out is None:
+        out = (_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, tuple(w0.shape), "like"),
+               _empty(y0, tuple(w1.shape), "like"), _empty(y0, tuple(w2.shape), "like"), _empty(y0, tuple(w3.shape), "like"),
+               _empty(y0, (d,), "f32"), _empty(y0, (d,), "f32"))
+    else:
+        out = _given_outputs(out, _BWD_OUTPUTS)
+    args = (*ins, *out)
+    nbytes = _encore.llama_block_backward_workspace_bytes(*_dl(*args))
+    ws = _workspace(workspace, y0, nbytes, 256, "llama_block_backward_workspace_bytes")
+    _encore.llama_block_backward_out(*_dl(*args), *_dl(ws), _stream_for(y0, stream))
+    return tuple(out)
+
+
+def qkv_norm_backward(x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev=None, out=None, workspace=None, stream=None):
+    """The first layer's backward of qkv = RoPE(rmsnorm(x) * gamma @ w3.T) (r = rsqrt(mean(x**2) + eps),
+    the forward's row scale, float32 [M]): returns (dx [M, d], dw3 [Nqkv, d], dgamma [d] float32), dx
+    including d_x_prev (the residual gradient of x from above) when given."""
+    ins = (x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev)
+    if _via_torch_op(stream, *ins, workspace):
+        if out is None:
+            return tuple(_ops().qkv_norm_backward(*ins, workspace))
+        out = _given_outputs(out, ("dx", "dw3", "dgamma"))
+        _ops().qkv_norm_backward_out(*ins, *out, workspace)
+        return out
+    if out is None:
+        out = (_empty(x, tuple(x.shape), "like"), _empty(x, tuple(w3.shape), "like"), _empty(x, (x.shape[1],), "f32"))
+    else:
+        out = _given_outputs(out, ("dx", "dw3", "dgamma"))
+    args = (*ins, *out)
+    nbytes = _encore.qkv_norm_backward_workspace_bytes(*_dl(*args))
+    ws = _workspace(workspace, x, nbytes, 256, "qkv_norm_backward_workspace_bytes")
+    _encore.qkv_norm_backward_out(*_dl(*args), *_dl(ws), _stream_for(x, stream))
+    return tuple(out)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 
 from . import moe as _moe
+from ._block_autograd import LlamaBlock
+from ._ce_autograd import FusedLinearCrossEntropyLoss
+from ._mlp_autograd import RMSNormLinear, SwiGLUMLP
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "LlamaBlock", "FusedLinearCrossEntropyLoss", "SwiGLUMLP", "RMSNormLinear"]
 
 
 class MoE(torch.nn.Module):

@@ -116,7 +116,7 @@ def _partials(epilogue, a, w, partial_tile_n):
 
 def _gemm_lse_fake(a, w, r, target, store_logits, ignore_index, partial_tile_n):
     m, n = _mn(a, w)
-    return _present([_partials(gemm._LSE, a, w, partial_tile_n), _new(a, (m, n)) if store_logits else None,
+    return _present([_partials(gemm._LSE, a, w, partial_tile_n), gemm._padded_rows(a, m, n, _new) if store_logits else None,
                      _new(a, (m,), _F32) if target is not None else None])
 
 
@@ -139,23 +139,36 @@ _define("gemm_qkv_head_sqsum(Tensor a, Tensor w, int head_dim) -> (Tensor, Tenso
 _define("qk_norm_rope_(Tensor(a!) qkv, Tensor partials, Tensor q_weight, Tensor k_weight, Tensor pos, Tensor freq, "
         "int num_q_heads, int num_kv_heads, int head_dim, float eps) -> ()",
         lambda *_: None, gemm.qk_norm_rope_, _nothing)
+_define("qk_norm_rope_backward(Tensor dy, Tensor x, Tensor partials, Tensor q_weight, Tensor k_weight, Tensor pos, Tensor freq, "
+        "int num_q_heads, int num_kv_heads, int head_dim, float eps) -> (Tensor, Tensor, Tensor)",
+        lambda dy, *a: (_new(dy, dy.shape), _new(dy, (a[-2],), _F32), _new(dy, (a[-2],), _F32)), gemm.qk_norm_rope_backward)
 _define("gemm_lse(Tensor a, Tensor w, Tensor? r, Tensor? target, bool store_logits, int ignore_index, int partial_tile_n) "
         "-> Tensor[]",  # [partials, logits if store_logits, target_logit if target]
         _gemm_lse_fake, gemm.gemm_lse, _present)
 # gemm_epilogue: any catalogue row by name; [d, aux, partials, target_logit], the ones the row writes
 _define("gemm_epilogue(str epilogue, Tensor a, Tensor w, Tensor? c, Tensor? gamma, Tensor? row_scale, Tensor? pos, Tensor? freq, "
         "Tensor? alpha, Tensor? target, bool store_d, int partial_tile_n, int head_dim, int ignore_index, str tile, "
-        "Tensor? c2=None, Tensor? zdz=None) -> Tensor[]",
+        "Tensor? c2=None, Tensor? zdz=None, Tensor? lse=None) -> Tensor[]",
         lambda e, a, w, c, g, r, p, f, al, target, store_d, ptn, hd, *_: [
-            _new(a, shape, _F32 if kind == "f32" else None)
+            gemm._padded_rows(a, *shape, _new) if kind == "padded" else _new(a, shape, _F32 if kind == "f32" else None)
             for _, shape, kind in gemm._epilogue_outputs(gemm._as_epilogue(e), a, w, store_d, ptn, hd, target is not None)[0]],
-        kernel=lambda e, a, w, c, g, r, p, f, al, target, store_d, ptn, hd, ii, tile, c2=None, zdz=None: list(gemm.gemm_epilogue(
+        kernel=lambda e, a, w, c, g, r, p, f, al, target, store_d, ptn, hd, ii, tile, c2=None, zdz=None, lse=None: list(gemm.gemm_epilogue(
             e, a, w, c=c, gamma=g, row_scale=r, pos=p, freq=f, alpha=al, target=target, store_d=store_d, partial_tile_n=ptn,
-            head_dim=hd, ignore_index=ii, tile=tile, stream=_torch_stream(a), c2=c2, zdz=zdz).values()))
+            head_dim=hd, ignore_index=ii, tile=tile, stream=_torch_stream(a), c2=c2, zdz=zdz, lse=lse).values()))
 # partials_sum: zdz [rows] (per row) or dγ [n] (per column) of the backward epilogues' partials
 _define("partials_sum(Tensor partials, bool per_column, float scale, int n) -> Tensor",
         lambda p, per_column, scale, n: _new(p, (n if per_column else p.shape[0],), _F32),
         kernel=lambda p, per_column, scale, n: gemm.partials_sum(p, per_column, scale, n, stream=_torch_stream(p)))
+# cross_entropy_bwd: dlogits = alpha * (softmax(logits) - onehot(target)) from stored logits; the in-place form
+# overwrites the logits (the stored-logits path of encore.nn.FusedLinearCrossEntropyLoss)
+_define("cross_entropy_bwd(Tensor logits, Tensor lse, Tensor target, Tensor? alpha, int ignore_index) -> Tensor",
+        lambda logits, *_: _new(logits, logits.shape),
+        kernel=lambda logits, lse, target, alpha, ii: gemm.cross_entropy_bwd(logits, lse, target, alpha, ii,
+                                                                             out=torch.empty_like(logits, memory_format=torch.contiguous_format),
+                                                                             stream=_torch_stream(logits)))
+_define("cross_entropy_bwd_(Tensor(a!) logits, Tensor lse, Tensor target, Tensor? alpha, int ignore_index) -> ()", lambda *_: None,
+        kernel=lambda logits, lse, target, alpha, ii: _nothing(gemm.cross_entropy_bwd_(logits, lse, target, alpha, ii,
+                                                                                        stream=_torch_stream(logits))))
 # lse_finish: [lse, loss if target]
 _define("lse_finish(Tensor partials, Tensor? target, Tensor? target_logit, int ignore_index) -> Tensor[]",
         lambda p, target, *_: [_new(p, (p.shape[0],), _F32) for _ in range(1 if target is None else 2)],
@@ -180,6 +193,32 @@ _define(f"llama_block_forward_out({_BLOCK_IN}, Tensor(a!) x1, Tensor(b!) x2, Ten
         "Tensor(f!) r2, Tensor(g!)? workspace) -> ()",
         lambda *_: None, kernel=lambda *args: _nothing(
             blocks.llama_block_forward(*args[:11], out=args[11:17], workspace=args[17], stream=_torch_stream(args[0]))))
+
+_BLOCK_BWD_IN = ("Tensor y0, Tensor w0, Tensor w1, Tensor w2, Tensor w3, Tensor gamma0, Tensor gamma1, Tensor pos, Tensor freq, "
+                 "Tensor x1, Tensor x2, Tensor z1, Tensor qkv, Tensor r1, Tensor r2, Tensor d_qkv, Tensor d_x2")
+
+
+def _llama_block_backward_fake(y0, w0, w1, w2, w3, *_):
+    m, d = y0.shape
+    return (_new(y0, (m, d)), _new(y0, (m, d)), _new(y0, w0.shape), _new(y0, w1.shape), _new(y0, w2.shape), _new(y0, w3.shape),
+            _new(y0, (d,), _F32), _new(y0, (d,), _F32))
+
+
+_define(f"llama_block_backward({_BLOCK_BWD_IN}, Tensor(a!)? workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _llama_block_backward_fake,
+        kernel=lambda *args: blocks.llama_block_backward(*args[:17], workspace=args[17], stream=_torch_stream(args[0])))
+_define(f"llama_block_backward_out({_BLOCK_BWD_IN}, Tensor(a!) d_y0, Tensor(b!) d_x0, Tensor(c!) dw0, Tensor(d!) dw1, "
+        "Tensor(e!) dw2, Tensor(f!) dw3, Tensor(g!) dgamma0, Tensor(h!) dgamma1, Tensor(i!)? workspace) -> ()",
+        lambda *_: None, kernel=lambda *args: _nothing(
+            blocks.llama_block_backward(*args[:17], out=args[17:25], workspace=args[25], stream=_torch_stream(args[0]))))
+
+_QKV_BWD_IN = "Tensor x, Tensor gamma, Tensor w3, Tensor pos, Tensor freq, Tensor r, Tensor qkv, Tensor d_qkv, Tensor? d_x_prev"
+_define(f"qkv_norm_backward({_QKV_BWD_IN}, Tensor(a!)? workspace) -> (Tensor, Tensor, Tensor)",
+        lambda x, gamma, w3, *_: (_new(x, x.shape), _new(x, w3.shape), _new(x, (x.shape[1],), _F32)),
+        kernel=lambda *args: blocks.qkv_norm_backward(*args[:9], workspace=args[9], stream=_torch_stream(args[0])))
+_define(f"qkv_norm_backward_out({_QKV_BWD_IN}, Tensor(a!) dx, Tensor(b!) dw3, Tensor(c!) dgamma, Tensor(d!)? workspace) -> ()",
+        lambda *_: None, kernel=lambda *args: _nothing(
+            blocks.qkv_norm_backward(*args[:9], out=args[9:12], workspace=args[12], stream=_torch_stream(args[0]))))
 
 # --- kda --------------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-// Bindings of the compositions (the LLaMA block forward).
+// Bindings of the compositions (the LLaMA block forward and backward, the first layer's QKV-norm backward).
 #include "convert.hpp"
 #include "encore/blocks/llama.hpp"
 #include "encore/gemm.hpp"
@@ -26,6 +26,83 @@ void bind_blocks(nb::module_& m) {
           LlamaBlockArgs a = block_args(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2);
           raise_if_error(run(a, LlamaBlockOptions{eps}, workspace.data(), as_stream(stream)));
         });
+
+  // The backward: 17 inputs (the forward's inputs but x0, its saved outputs, d_qkv, d_x2), then 8 outputs.
+  auto bwd_args = [](Array y0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq, Array x1, Array x2,
+                     Array z1, Array qkv, Array r1, Array r2, Array d_qkv, Array d_x2, Array d_y0, Array d_x0, Array dw0, Array dw1, Array dw2,
+                     Array dw3, Array dgamma0, Array dgamma1) {
+    LlamaBlockBwdArgs a;
+    a.y0 = to_view(y0, "y0");
+    a.w0 = to_view(w0, "w0");
+    a.w1 = to_view(w1, "w1");
+    a.w2 = to_view(w2, "w2");
+    a.w3 = to_view(w3, "w3");
+    a.gamma0 = to_view(gamma0, "gamma0");
+    a.gamma1 = to_view(gamma1, "gamma1");
+    a.pos = to_view(pos, "pos");
+    a.freq = to_view(freq, "freq");
+    a.x1 = to_view(x1, "x1");
+    a.x2 = to_view(x2, "x2");
+    a.z1 = to_view(z1, "z1");
+    a.qkv = to_view(qkv, "qkv");
+    a.r1 = to_view(r1, "r1");
+    a.r2 = to_view(r2, "r2");
+    a.d_qkv = to_view(d_qkv, "d_qkv");
+    a.d_x2 = to_view(d_x2, "d_x2");
+    a.d_y0 = to_view(d_y0, "d_y0");
+    a.d_x0 = to_view(d_x0, "d_x0");
+    a.dw0 = to_view(dw0, "dw0");
+    a.dw1 = to_view(dw1, "dw1");
+    a.dw2 = to_view(dw2, "dw2");
+    a.dw3 = to_view(dw3, "dw3");
+    a.dgamma0 = to_view(dgamma0, "dgamma0");
+    a.dgamma1 = to_view(dgamma1, "dgamma1");
+    return a;
+  };
+  m.def("llama_block_backward_workspace_bytes",
+        [bwd_args](Array y0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq, Array x1, Array x2,
+                   Array z1, Array qkv, Array r1, Array r2, Array d_qkv, Array d_x2, Array d_y0, Array d_x0, Array dw0, Array dw1, Array dw2,
+                   Array dw3, Array dgamma0, Array dgamma1) {
+          LlamaBlockBwdArgs a = bwd_args(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2, d_y0, d_x0, dw0,
+                                         dw1, dw2, dw3, dgamma0, dgamma1);
+          raise_if_error(validate(a));
+          return workspace_bytes(a);
+        });
+  m.def("llama_block_backward_out",
+        [bwd_args](Array y0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq, Array x1, Array x2,
+                   Array z1, Array qkv, Array r1, Array r2, Array d_qkv, Array d_x2, Array d_y0, Array d_x0, Array dw0, Array dw1, Array dw2,
+                   Array dw3, Array dgamma0, Array dgamma1, Array workspace, uintptr_t stream) {
+          LlamaBlockBwdArgs a = bwd_args(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2, d_y0, d_x0, dw0,
+                                         dw1, dw2, dw3, dgamma0, dgamma1);
+          raise_if_error(run(a, workspace.data(), as_stream(stream)));
+        });
+
+  // The first layer's QKV-norm backward: x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev (optional), then dx, dw3, dgamma.
+  auto qkv_args = [](Array x, Array gamma, Array w3, Array pos, Array freq, Array r, Array qkv, Array d_qkv, Opt d_x_prev, Array dx,
+                     Array dw3, Array dgamma) {
+    return QkvNormBwdArgs{to_view(x, "x"),         to_view(gamma, "gamma"),         to_view(w3, "w3"),   to_view(pos, "pos"),
+                          to_view(freq, "freq"),   to_view(r, "r"),                 to_view(qkv, "qkv"), to_view(d_qkv, "d_qkv"),
+                          opt_view(d_x_prev, "d_x_prev"), to_view(dx, "dx"), to_view(dw3, "dw3"), to_view(dgamma, "dgamma")};
+  };
+  m.def(
+      "qkv_norm_backward_workspace_bytes",
+      [qkv_args](Array x, Array gamma, Array w3, Array pos, Array freq, Array r, Array qkv, Array d_qkv, Opt d_x_prev, Array dx, Array dw3,
+                 Array dgamma) {
+        QkvNormBwdArgs a = qkv_args(x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev, dx, dw3, dgamma);
+        raise_if_error(validate(a));
+        return workspace_bytes(a);
+      },
+      nb::arg("x"), nb::arg("gamma"), nb::arg("w3"), nb::arg("pos"), nb::arg("freq"), nb::arg("r"), nb::arg("qkv"), nb::arg("d_qkv"),
+      nb::arg("d_x_prev").none(), nb::arg("dx"), nb::arg("dw3"), nb::arg("dgamma"));
+  m.def(
+      "qkv_norm_backward_out",
+      [qkv_args](Array x, Array gamma, Array w3, Array pos, Array freq, Array r, Array qkv, Array d_qkv, Opt d_x_prev, Array dx, Array dw3,
+                 Array dgamma, Array workspace, uintptr_t stream) {
+        QkvNormBwdArgs a = qkv_args(x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev, dx, dw3, dgamma);
+        raise_if_error(run(a, workspace.data(), as_stream(stream)));
+      },
+      nb::arg("x"), nb::arg("gamma"), nb::arg("w3"), nb::arg("pos"), nb::arg("freq"), nb::arg("r"), nb::arg("qkv"), nb::arg("d_qkv"),
+      nb::arg("d_x_prev").none(), nb::arg("dx"), nb::arg("dw3"), nb::arg("dgamma"), nb::arg("workspace"), nb::arg("stream"));
 }
 
 }  // namespace encore::python

@@ -26,14 +26,14 @@ void bind_gemm(nb::module_& m) {
                             {"target", kOperandTarget}, {"column_pairs", kOperandColumnPairs},
                             {"weight_kn", kOperandWeightKN}, {"c_pairs", kOperandCPairs}, {"aux_double", kOperandAuxDouble},
                             {"c2_optional", kOperandC2Optional}, {"zdz", kOperandZdz}, {"alpha_optional", kOperandAlphaOptional},
-                            {"column_partials", kOperandColumnPartials}})
+                            {"column_partials", kOperandColumnPartials}, {"a_transposed", kOperandATransposed}, {"lse", kOperandLse}})
     operand_flags[name] = flag;
   m.attr("gemm_operand_flags") = operand_flags;
   m.def("gemm_epilogue_operands", [](Epilogue e) { return gemm_epilogue_info(e)->operands; });
 
   m.def("gemm_epilogue_out",
         [](Epilogue epilogue, Array a, Array w, Opt d, Opt aux, Opt c, Opt c2, Opt zdz, Opt gamma, Opt row_scale, Opt pos, Opt freq, Opt alpha, Opt partials,
-           Opt target, Opt target_logit, int partial_tile_n, int head_dim, int ignore_index, GemmTile tile, uintptr_t stream) {
+           Opt target, Opt target_logit, Opt lse, int partial_tile_n, int head_dim, int ignore_index, GemmTile tile, uintptr_t stream) {
           GemmEpilogueArgs g;
           g.a = to_view(a, "a");
           g.w = to_view(w, "w");
@@ -50,6 +50,7 @@ void bind_gemm(nb::module_& m) {
           g.partials = opt_view(partials, "partials");
           g.target = opt_view(target, "target");
           g.target_logit = opt_view(target_logit, "target_logit");
+          g.lse = opt_view(lse, "lse");
           GemmEpilogueOptions o;
           o.epilogue = epilogue;
           o.partial_tile_n = partial_tile_n;
@@ -60,7 +61,7 @@ void bind_gemm(nb::module_& m) {
         },
         nb::arg("epilogue"), nb::arg("a"), nb::arg("w"), nb::arg("d").none(), nb::arg("aux").none(), nb::arg("c").none(),
         nb::arg("c2").none(), nb::arg("zdz").none(), nb::arg("gamma").none(), nb::arg("row_scale").none(), nb::arg("pos").none(), nb::arg("freq").none(), nb::arg("alpha").none(),
-        nb::arg("partials").none(), nb::arg("target").none(), nb::arg("target_logit").none(), nb::arg("partial_tile_n"),
+        nb::arg("partials").none(), nb::arg("target").none(), nb::arg("target_logit").none(), nb::arg("lse").none(), nb::arg("partial_tile_n"),
         nb::arg("head_dim"), nb::arg("ignore_index"), nb::arg("tile"), nb::arg("stream"));
   m.def("gemm_partial_tile_n", [](Epilogue e, int64_t M, int64_t N, int64_t K) { return gemm_partial_tile_n(e, M, N, K); });
 
@@ -84,6 +85,15 @@ void bind_gemm(nb::module_& m) {
         },
         nb::arg("partials"), nb::arg("lse"), nb::arg("target").none(), nb::arg("target_logit").none(), nb::arg("loss").none(),
         nb::arg("ignore_index"), nb::arg("stream"));
+  // Cross-entropy backward on stored logits: dlogits = alpha·(softmax − one-hot), in place when dlogits is logits.
+  m.def("cross_entropy_bwd_out",
+        [](Array logits, Array lse, Array target, Opt alpha, Array dlogits, int ignore_index, uintptr_t stream) {
+          CrossEntropyBwdArgs a{to_view(logits, "logits"), to_view(lse, "lse"), to_view(target, "target"), opt_view(alpha, "alpha"),
+                                to_view(dlogits, "dlogits")};
+          raise_if_error(run(a, ignore_index, as_stream(stream)));
+        },
+        nb::arg("logits"), nb::arg("lse"), nb::arg("target"), nb::arg("alpha").none(), nb::arg("dlogits"), nb::arg("ignore_index"),
+        nb::arg("stream"));
   m.def("qk_norm_rope_",
         [](Array qkv, Array partials, Array q_weight, Array k_weight, Array pos, Array freq, int num_q_heads, int num_kv_heads,
            int head_dim, float eps, uintptr_t stream) {
@@ -93,6 +103,26 @@ void bind_gemm(nb::module_& m) {
         },
         nb::arg("qkv"), nb::arg("partials"), nb::arg("q_weight"), nb::arg("k_weight"), nb::arg("pos"), nb::arg("freq"),
         nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("eps"), nb::arg("stream"));
+  // QK-norm + RoPE backward: dx (may be dy), dq_weight, dk_weight from the forward's input x and partials.
+  m.def("qk_norm_rope_bwd_workspace_bytes",
+        [](Array dy, int num_q_heads, int num_kv_heads, int head_dim) {
+          QkNormRopeBwdArgs a;
+          a.dy = to_view(dy, "dy");
+          return workspace_bytes(a, QkNormRopeOptions{num_q_heads, num_kv_heads, head_dim, 0.0f});
+        },
+        nb::arg("dy"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"));
+  m.def("qk_norm_rope_bwd_out",
+        [](Array dy, Array x, Array partials, Array q_weight, Array k_weight, Array pos, Array freq, Array dx, Array dq_weight,
+           Array dk_weight, int num_q_heads, int num_kv_heads, int head_dim, float eps, Opt workspace, uintptr_t stream) {
+          QkNormRopeBwdArgs a{to_view(dy, "dy"),         to_view(x, "x"),       to_view(partials, "partials"),   to_view(q_weight, "q_weight"),
+                              to_view(k_weight, "k_weight"), to_view(pos, "pos"), to_view(freq, "freq"),       to_view(dx, "dx"),
+                              to_view(dq_weight, "dq_weight"), to_view(dk_weight, "dk_weight")};
+          void* ws = workspace ? workspace->data() : nullptr;
+          raise_if_error(run(a, QkNormRopeOptions{num_q_heads, num_kv_heads, head_dim, eps}, ws, as_stream(stream)));
+        },
+        nb::arg("dy"), nb::arg("x"), nb::arg("partials"), nb::arg("q_weight"), nb::arg("k_weight"), nb::arg("pos"), nb::arg("freq"),
+        nb::arg("dx"), nb::arg("dq_weight"), nb::arg("dk_weight"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
+        nb::arg("eps"), nb::arg("workspace").none(), nb::arg("stream"));
   m.def("rope_freq_turns_out",
         [](int num_heads, int rotary_heads, int head_dim, double base, Array freq) {
           raise_if_error(rope_freq_turns(num_heads, rotary_heads, head_dim, base, to_view(freq, "freq")));

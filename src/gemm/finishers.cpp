@@ -69,6 +69,44 @@ Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
   return Status::ok();
 }
 
+Status run(const CrossEntropyBwdArgs& a, int ignore_index, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("logits", a.logits));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("logits", a.logits, 2, "[M, N]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("logits", a.logits, kIo));
+  const int64_t M = a.logits.shape[0], N = a.logits.shape[1];
+  ENCORE_RETURN_IF_ERROR(matrix("dlogits", a.dlogits, M, N, "[M, N] (logits' shape)", a.logits, {a.logits.dtype}));
+  ENCORE_RETURN_IF_ERROR(vector("lse", a.lse, M, "[M]", a.logits, {DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("target", a.target, M, "[M]", a.logits, {DType::kInt32}));
+  if (a.alpha.defined()) ENCORE_RETURN_IF_ERROR(vector("alpha", a.alpha, 1, "[1]", a.logits, {DType::kFP32}));
+  const bool in_place = a.dlogits.data == a.logits.data && a.dlogits.strides[0] == a.logits.strides[0] && a.dlogits.strides[1] == a.logits.strides[1];
+  if (!in_place) ENCORE_RETURN_IF_ERROR(checks::no_overlap("dlogits", a.dlogits, "logits", a.logits));
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"lse", &a.lse}, {"target", &a.target}, {"alpha", &a.alpha}})
+    if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::no_overlap("dlogits", a.dlogits, name, *t));
+  if (a.logits.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("logits", a.logits));
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("dlogits", a.dlogits));
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"lse", &a.lse}, {"target", &a.target}})
+      ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+    if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31)) return Status::unsupported("logits: M and N must be < 2^31");
+#ifdef ENCORE_WITH_CUDA
+    return cuda::launch_cross_entropy_bwd(a.logits.data, a.logits.strides[0], a.dlogits.data, a.dlogits.strides[0], a.logits.dtype, int(M), int(N),
+                                          static_cast<const float*>(a.lse.data), static_cast<const int32_t*>(a.target.data),
+                                          static_cast<const float*>(a.alpha.data), ignore_index, stream);
+#else
+    (void)stream;
+    return gemm::no_cuda(a.logits, "logits");
+#endif
+  }
+  for (int64_t m = 0; m < M; ++m) {  // host data: check the targets
+    const int32_t t = static_cast<const int32_t*>(a.target.data)[m * a.target.strides[0]];
+    if (t != ignore_index && (t < 0 || t >= N))
+      return Status::invalid("target: row " + std::to_string(m) + " has target " + std::to_string(t) + ", outside [0, " + std::to_string(N) +
+                             ") and not ignore_index (" + std::to_string(ignore_index) + ")");
+  }
+  reference::cross_entropy_bwd(a, ignore_index);
+  return Status::ok();
+}
+
 Status run(const PartialsSumArgs& a, PartialsSum axis, float scale, Stream stream) {
   ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
   ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[rows, cols]"));
@@ -154,6 +192,53 @@ Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream stream) {
 #endif
   }
   reference::qk_norm_rope(a, o);
+  return Status::ok();
+}
+
+Status run(const RopeBwdZdzArgs& a, float scale, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("y", a.y));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("y", a.y, 2, "[M, N]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("y", a.y, kIo));
+  const int64_t M = a.y.shape[0], N = a.y.shape[1];
+  if (N % 2 != 0) return Status::invalid("y: N = " + std::to_string(N) + " must be even (RoPE column pairs)");
+  ENCORE_RETURN_IF_ERROR(matrix("dy", a.dy, M, N, "[M, N] (y's shape)", a.y, {a.y.dtype}));
+  ENCORE_RETURN_IF_ERROR(matrix("dz", a.dz, M, N, "[M, N] (y's shape)", a.y, {a.y.dtype}));
+  ENCORE_RETURN_IF_ERROR(vector("pos", a.pos, M, "[M]", a.y, {DType::kInt32}));
+  ENCORE_RETURN_IF_ERROR(vector("freq", a.freq, N, "[N] (hi, lo) pairs", a.y, {DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("zdz", a.zdz, M, "[M]", a.y, {DType::kFP32}));
+  if (!std::isfinite(scale)) return Status::invalid("scale: must be finite");
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("dz", a.dz, "y", a.y));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("dz", a.dz, "dy", a.dy));
+  ENCORE_RETURN_IF_ERROR(checks::no_overlap("zdz", a.zdz, "dz", a.dz));
+  if (a.y.device.is_cuda()) {
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"pos", &a.pos}, {"freq", &a.freq}, {"zdz", &a.zdz}})
+      ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+    if (!checks::aligned(a.freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"y", &a.y}, {"dy", &a.dy}, {"dz", &a.dz}})
+      ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, *t));
+    if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31)) return Status::unsupported("y: M and N must be < 2^31");
+#ifdef ENCORE_WITH_CUDA
+    gemm::RopeBwdZdzProblem p;
+    p.y = a.y.data;
+    p.dy = a.dy.data;
+    p.dz = a.dz.data;
+    p.ld_y = a.y.strides[0];
+    p.ld_dy = a.dy.strides[0];
+    p.ld_dz = a.dz.strides[0];
+    p.dtype = a.y.dtype;
+    p.pos = static_cast<const int32_t*>(a.pos.data);
+    p.freq = static_cast<const float*>(a.freq.data);
+    p.zdz = static_cast<float*>(a.zdz.data);
+    p.M = int(M);
+    p.N = int(N);
+    p.scale = scale;
+    return cuda::launch_rope_bwd_zdz(p, stream);
+#else
+    (void)stream;
+    return gemm::no_cuda(a.y, "y");
+#endif
+  }
+  reference::rope_bwd_zdz(a, scale);
   return Status::ok();
 }
 

@@ -41,6 +41,9 @@ Status unused(const char* name, const TensorView& t, Epilogue e) {
 
 // N of the GEMM: w's rows, or its columns for a row that uses w un-transposed (kOperandWeightKN).
 int64_t gemm_n(const GemmEpilogueArgs& a, const GemmEpilogueInfo& info) { return a.w.shape[(info.operands & kOperandWeightKN) ? 1 : 0]; }
+// M and K of the GEMM: a is [M, K], or [K, M] for a row that uses a transposed (kOperandATransposed).
+int64_t gemm_m(const GemmEpilogueArgs& a, const GemmEpilogueInfo& info) { return a.a.shape[(info.operands & kOperandATransposed) ? 1 : 0]; }
+int64_t gemm_k(const GemmEpilogueArgs& a, const GemmEpilogueInfo& info) { return a.a.shape[(info.operands & kOperandATransposed) ? 0 : 1]; }
 
 uint8_t tile_flag(GemmTile t) {
   switch (t) {
@@ -81,7 +84,7 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, con
                                  " kernel's tile " + gemm_tile_name(fixed) + " (set by partial_tile_n)");
     chosen = fixed;
   } else if (chosen == GemmTile::kAuto) {
-    chosen = gemm::auto_tile(e, a.a.shape[0], gemm_n(a, info), a.a.shape[1]);
+    chosen = gemm::auto_tile(e, gemm_m(a, info), gemm_n(a, info), gemm_k(a, info));
     if (!(info.tiles & tile_flag(chosen)))
       chosen = chosen == GemmTile::kPingpong128x128 ? GemmTile::kCooperative128x256 : GemmTile::kPingpong128x128;
   }
@@ -100,12 +103,24 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, co
   for (auto [name, t] :
        {std::pair<const char*, const TensorView*>{"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"c2", &a.c2}, {"gamma", &a.gamma}})
     if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::same_dtype(name, *t, "a", a.a));
-  const int64_t M = a.a.shape[0], K = a.a.shape[1], N = gemm_n(a, info);
-  if (K % 8 != 0) return Status::unsupported("a: K = " + std::to_string(K) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
+  const int64_t M = gemm_m(a, info), K = gemm_k(a, info), N = gemm_n(a, info);
+  if (info.operands & kOperandATransposed) {
+    if (M % 8 != 0)
+      return Status::unsupported("a: M = " + std::to_string(M) + " must be a multiple of 8 on CUDA (a is [K, M], M contiguous: 16-byte TMA rows)");
+  } else if (K % 8 != 0) {
+    return Status::unsupported("a: K = " + std::to_string(K) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
+  }
   // [M, N] tiles (D, C, aux) move by TMA, which needs 16-byte rows; without them (lse with no D)
   // any N works: W's rows are K-contiguous and the epilogue masks the columns past N.
   const bool n_tiles = a.d.defined() || a.c.defined() || a.aux.defined();
-  if (n_tiles && N % 8 != 0)
+  // kLse and kCeBwd move only D and read no column vector: any N where D's rows stay 16-byte aligned
+  // (TMA clips the columns past N; CUTLASS's own alignment check sees N rounded up, sm90_gemm.cuh).
+  const bool ragged_d = (o.epilogue == Epilogue::kLse || o.epilogue == Epilogue::kCeBwd) && !a.c.defined() && !a.aux.defined();
+  if (ragged_d && N % 8 != 0 && a.d.defined() && a.d.shape[0] > 1 && (a.d.strides[0] * int64_t(dtype_size(a.d.dtype))) % 16 != 0)
+    return Status::unsupported("d: row stride " + std::to_string(a.d.strides[0]) + " elements is not 16-byte aligned (N = " + std::to_string(N) +
+                               "); on CUDA pass a D view of rows padded to a multiple of " + std::to_string(16 / dtype_size(a.d.dtype)) +
+                               " elements, e.g. torch.empty(M, round_up(N, 8))[:, :N]");
+  if (n_tiles && !ragged_d && N % 8 != 0)
     return Status::unsupported("w: N = " + std::to_string(N) +
                                " must be a multiple of 8 on CUDA when the epilogue stores or reads [M, N] tiles (16-byte TMA rows)");
   if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31) || K >= (int64_t(1) << 31)) return Status::unsupported("a: M, N, K must be < 2^31");
@@ -123,7 +138,7 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, co
   if ((info.operands & kOperandAuxHalf) && (!checks::aligned(a.aux.data, 8) || (a.aux.shape[0] > 1 && a.aux.strides[0] % 4 != 0)))
     return Status::invalid("aux: data pointer and row stride must be 8-byte aligned on CUDA (4 outputs per store)");
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"gamma", &a.gamma}, {"row_scale", &a.row_scale}, {"pos", &a.pos},
-                         {"freq", &a.freq}, {"target", &a.target}, {"target_logit", &a.target_logit}, {"zdz", &a.zdz}})
+                         {"freq", &a.freq}, {"target", &a.target}, {"target_logit", &a.target_logit}, {"zdz", &a.zdz}, {"lse", &a.lse}})
     ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
   if (a.freq.defined() && !checks::aligned(a.freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
   if (a.partials.defined()) ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
@@ -150,9 +165,9 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   p.ldw = a.w.strides[0];
   p.d = a.d.data;
   p.ldd = a.d.defined() ? a.d.strides[0] : 0;
-  p.M = int(a.a.shape[0]);
+  p.M = int(gemm_m(a, info));
   p.N = int(gemm_n(a, info));
-  p.K = int(a.a.shape[1]);
+  p.K = int(gemm_k(a, info));
   p.dtype = a.a.dtype;
   p.c = a.c.data;
   // (g, u) pairs travel as one 32-bit element of the kernel's C: its row stride counts pairs
@@ -171,6 +186,7 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   p.freq = static_cast<const float*>(a.freq.data);
   p.target = static_cast<const int32_t*>(a.target.data);
   p.target_logit = static_cast<float*>(a.target_logit.data);
+  p.lse = static_cast<const float*>(a.lse.data);
   p.ignore_index = o.ignore_index;
   p.swizzle = o.swizzle > 0 ? o.swizzle : gemm::auto_swizzle(p.M, p.N);
   const GemmRaster raster = o.raster != GemmRaster::kAuto ? o.raster : gemm::auto_raster(tile);
@@ -240,20 +256,21 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
   if (info == nullptr)
     return Status::invalid("epilogue: value " + std::to_string(int(o.epilogue)) + " is not in the catalogue (0 to " +
                            std::to_string(kCatalogueSize - 1) + ")");
+  const uint32_t ops = info->operands;
+  const bool a_t = (ops & kOperandATransposed) != 0;  // a [K, M]
   ENCORE_RETURN_IF_ERROR(checks::present("a", a.a));
-  ENCORE_RETURN_IF_ERROR(checks::ndim("a", a.a, 2, "[M, K]"));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("a", a.a, 2, a_t ? "[K, M]" : "[M, K]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("a", a.a, kIo));
   ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("a", a.a));
-  const int64_t M = a.a.shape[0], K = a.a.shape[1];
+  const int64_t M = gemm_m(a, *info), K = gemm_k(a, *info);
   const Epilogue e = o.epilogue;
-  const uint32_t ops = info->operands;
   auto uses = [ops](uint32_t flags) { return (ops & flags) != 0; };
   const bool w_kn = uses(kOperandWeightKN);  // w [K, N], acc = A · W
   ENCORE_RETURN_IF_ERROR(checks::present("w", a.w));
   ENCORE_RETURN_IF_ERROR(checks::ndim("w", a.w, 2, w_kn ? "[K, N]" : "[N, K]"));
   if (a.w.shape[w_kn ? 0 : 1] != K)
     return Status::invalid(std::string("w: expected ") + (w_kn ? "[K, N]" : "[N, K]") + " with K = " + std::to_string(K) + " (a's columns), got " +
-                           a.w.shape_string() + (w_kn ? " (the " + std::string(epilogue_name(e)) + " epilogue multiplies by w un-transposed)" : ""));
+                           a.w.shape_string() + (a_t ? " (a is [K, M])" : "") + (w_kn ? " (the " + std::string(epilogue_name(e)) + " epilogue multiplies by w un-transposed)" : ""));
   ENCORE_RETURN_IF_ERROR(checks::same_dtype("w", a.w, "a", a.a));
   ENCORE_RETURN_IF_ERROR(checks::same_device("w", a.w, "a", a.a));
   ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("w", a.w));
@@ -273,11 +290,12 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
   const std::pair<const char*, const TensorView*> operands[] = {
       {"d", &a.d},         {"aux", &a.aux},     {"c", &a.c},               {"c2", &a.c2},         {"zdz", &a.zdz},
       {"gamma", &a.gamma}, {"row_scale", &a.row_scale}, {"pos", &a.pos},   {"freq", &a.freq},     {"alpha", &a.alpha},
-      {"partials", &a.partials}, {"target", &a.target}, {"target_logit", &a.target_logit}};
+      {"partials", &a.partials}, {"target", &a.target}, {"target_logit", &a.target_logit}, {"lse", &a.lse}};
   const uint32_t flags[] = {kOperandD | kOperandDOptional, kOperandAux | kOperandAuxHalf | kOperandAuxDouble, kOperandC | kOperandCPairs,
                             kOperandC2Optional, kOperandZdz, kOperandGamma, kOperandRowScale | kOperandRowScaleOptional, kOperandPos,
                             kOperandFreq, kOperandAlpha | kOperandAlphaOptional,
-                            kOperandTilePartials | kOperandHeadPartials | kOperandColumnPartials, kOperandTarget, kOperandTarget};
+                            kOperandTilePartials | kOperandHeadPartials | kOperandColumnPartials, kOperandTarget | kOperandLse, kOperandTarget,
+                            kOperandLse};
   for (size_t i = 0; i < std::size(operands); ++i)
     if (!uses(flags[i])) ENCORE_RETURN_IF_ERROR(unused(operands[i].first, *operands[i].second, e));
 
@@ -317,6 +335,10 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
       ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, gemm_column_partials_rows(M), tiles * tile,
                                     "[ceil(M / 128), round_up(N, partial_tile_n)]", a.a, f32));
   }
+  if (uses(kOperandLse)) {
+    ENCORE_RETURN_IF_ERROR(vector("lse", a.lse, M, "[M]", a.a, f32));
+    ENCORE_RETURN_IF_ERROR(vector("target", a.target, M, "[M]", a.a, {DType::kInt32}));
+  }
   if (uses(kOperandTarget) && a.target.defined()) {
     ENCORE_RETURN_IF_ERROR(vector("target", a.target, M, "[M]", a.a, {DType::kInt32}));
     ENCORE_RETURN_IF_ERROR(vector("target_logit", a.target_logit, M, "[M]", a.a, f32));
@@ -332,7 +354,7 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
   ENCORE_RETURN_IF_ERROR(validate(a, opts));
   const GemmEpilogueInfo& info = *gemm_epilogue_info(opts.epilogue);
   GemmEpilogueOptions o = opts;  // partial_tile_n resolved: every backend writes the same layout
-  if (o.partial_tile_n == 0) o.partial_tile_n = gemm_partial_tile_n(o.epilogue, a.a.shape[0], gemm_n(a, info), a.a.shape[1]);
+  if (o.partial_tile_n == 0) o.partial_tile_n = gemm_partial_tile_n(o.epilogue, gemm_m(a, info), gemm_n(a, info), gemm_k(a, info));
   if (a.a.device.is_cuda()) {
     GemmTile tile = GemmTile::kAuto;
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, o, info, &tile));
@@ -351,7 +373,7 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
     return gemm::no_cuda(a.a);
 #endif
   }
-  if ((info.operands & kOperandTarget) && a.target.defined()) {  // host data: check the targets
+  if ((info.operands & (kOperandTarget | kOperandLse)) && a.target.defined()) {  // host data: check the targets
     const int64_t N = gemm_n(a, info);
     for (int64_t m = 0; m < a.a.shape[0]; ++m) {
       const int32_t t = static_cast<const int32_t*>(a.target.data)[m * a.target.strides[0]];

@@ -38,6 +38,7 @@ struct GemmProblem {
   const float* freq = nullptr;    // [N] contiguous (kRope)
   const int32_t* target = nullptr;  // [M] contiguous (kLse, optional)
   float* target_logit = nullptr;    // [M] contiguous
+  const float* lse = nullptr;       // [M] contiguous (kCeBwd)
   int ignore_index = -100;
   int col0 = 0;     // kLse over an N-slice: global column of the slice's column 0 (target select)
   int n_total = 0;  // kLse over an N-slice: the whole N (0: N)
@@ -61,6 +62,20 @@ struct QkNormRopeProblem {
   const float* freq = nullptr;   // contiguous, 8-byte aligned
   int M = 0, num_q_heads = 0, qk_heads = 0, head_dim = 0;
   float eps = 1e-6f;
+};
+
+// RoPE backward + zdz (gemm/cuda/rope_bwd_zdz.cu).
+struct RopeBwdZdzProblem {
+  const void* y = nullptr;
+  const void* dy = nullptr;
+  void* dz = nullptr;
+  int64_t ld_y = 0, ld_dy = 0, ld_dz = 0;
+  DType dtype = DType::kBF16;
+  const int32_t* pos = nullptr;  // contiguous
+  const float* freq = nullptr;   // contiguous, 8-byte aligned
+  float* zdz = nullptr;          // contiguous
+  int M = 0, N = 0;
+  float scale = 1.0f;
 };
 
 // ---- CUDA launch plans (plan.cpp; the measurements behind each rule are in docs/gemm.md) ------

@@ -27,7 +27,7 @@ struct GemmCaseChoice {
 struct GemmCase {
   using Tensor = std::optional<test::HostTensor>;
   GemmEpilogueOptions opts;
-  Tensor a, w, d, aux, c, c2, zdz, gamma, row_scale, pos, freq, alpha, partials, target, target_logit;
+  Tensor a, w, d, aux, c, c2, zdz, gamma, row_scale, pos, freq, alpha, partials, target, target_logit, lse;
 
   // Each GemmEpilogueArgs field with the case's tensor behind it (absent ones left out), and
   // whether the epilogue writes it.
@@ -57,6 +57,7 @@ struct GemmCase {
     add("partials", &GemmEpilogueArgs::partials, partials, true);
     add("target", &GemmEpilogueArgs::target, target, false);
     add("target_logit", &GemmEpilogueArgs::target_logit, target_logit, true);
+    add("lse", &GemmEpilogueArgs::lse, lse, false);
     return f;
   }
   GemmEpilogueArgs host_args() {
@@ -68,7 +69,9 @@ struct GemmCase {
 
 // The operands of epilogue e over A [M, K] and W [N, K] of dtype t (matrix rows padded by `pad`
 // elements); opts.epilogue, partial_tile_n, head_dim (128) and tile set. N must suit the row (even
-// for column pairs; a multiple of 128 for head partials on CUDA).
+// for column pairs; a multiple of 128 for head partials on CUDA). Rows with W [K, N]
+// (kOperandWeightKN) get it so; rows with A stored [K, M] (kOperandATransposed) get it so, with M
+// rounded up to a multiple of 8 (its rows are M-contiguous: 16-byte TMA rows on CUDA).
 inline GemmCase make_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_t K, int64_t pad, const GemmCaseChoice& ch,
                                std::mt19937_64& rng) {
   using test::HostTensor;
@@ -86,7 +89,12 @@ inline GemmCase make_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_
     h.poison();
     return h;
   };
-  gc.a = HostTensor(t, M, K, K + pad);
+  if (uses(kOperandATransposed)) {
+    M = (M + 7) / 8 * 8;
+    gc.a = HostTensor(t, K, M, M + pad);
+  } else {
+    gc.a = HostTensor(t, M, K, K + pad);
+  }
   gc.a->fill_normal(rng);
   if (uses(kOperandWeightKN)) gc.w = HostTensor(t, K, N, N + pad);  // acc = A · W
   else gc.w = HostTensor(t, N, K, K + pad);
@@ -144,6 +152,14 @@ inline GemmCase make_gemm_case(Epilogue e, DType t, int64_t M, int64_t N, int64_
     for (int64_t m = 0; m < M; ++m)
       gc.target->set(0, m, m % 7 == 3 ? double(gc.opts.ignore_index) : double(int64_t(rng() % uint64_t(N))));
     gc.target_logit = output(HostTensor::vector(DType::kFP32, M));
+  }
+  if (uses(kOperandLse)) {  // kCeBwd: targets always (ignore_index rows among them), lse near the rows' true values
+    gc.target = HostTensor::vector(DType::kInt32, M);
+    gc.lse = HostTensor::vector(DType::kFP32, M);
+    for (int64_t m = 0; m < M; ++m) {
+      gc.target->set(0, m, m % 7 == 3 ? double(gc.opts.ignore_index) : double(int64_t(rng() % uint64_t(N))));
+      gc.lse->set(0, m, std::log(double(N)) + 1.0 + double(int64_t(rng() % 1000)) / 1000.0);
+    }
   }
   if (uses(kOperandAlpha) || (uses(kOperandAlphaOptional) && ch.alpha)) {
     gc.alpha = HostTensor::vector(DType::kFP32, 1);

@@ -90,7 +90,7 @@ def _row_inputs(name, m, k, n, rng, head_dim=16):
     """The inputs row `name` reads, built from its operand flags (float32, CPU)."""
     uses = encore.gemm._ROWS[name][1]
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    a = f32(m, k)
+    a = f32(k, m) if uses["a_transposed"] else f32(m, k)  # wgrad: a stored [K, M]
     w = f32(k, n) if uses["weight_kn"] else f32(n, k)
     kw = {}
     if uses["c"] or uses["c_pairs"]:
@@ -111,6 +111,9 @@ def _row_inputs(name, m, k, n, rng, head_dim=16):
         kw["alpha"] = np.array([-1.25], np.float32)
     if uses["target"]:
         kw["target"] = rng.integers(0, n, m).astype(np.int32)
+    if uses["lse"]:  # ce_bwd: the forward's lse and the targets
+        kw["target"] = rng.integers(0, n, m).astype(np.int32)
+        kw["lse"] = np.full(m, np.log(n) + 2.0, np.float32)
     return a, w, kw
 
 

@@ -70,6 +70,8 @@ def gemm_cases(dev):
     target = torch.randint(0, n, (m,), generator=gen(1), dtype=torch.int32).to(dev)
     target[3] = -100
     parts, _, tl = encore.gemm_lse(a, w, target=target)
+    _, logits, _ = encore.gemm_lse(a, w, store_logits=True)
+    lse = encore.lse_finish(parts)
     hq, hkv = heads - 2, 1
     qkv, hparts = encore.gemm_qkv_head_sqsum(a, w, head_dim=hd)
     qw, kw = r(hd, scale=0.1) + 1, r(hd, scale=0.1) + 1
@@ -95,7 +97,18 @@ def gemm_cases(dev):
             ("gemm_epilogue", ("rmsnorm_bwd", a, r(k, n, scale=k ** -0.5), r(m, n), r(n, scale=0.1) + 1, rs, None, None, None, None,
                                True, 0, 128, -100, "auto", r(m, n), make(dev, F32)(m))),
             ("partials_sum", (make(dev, F32)(m, 4), False, 0.5, 4)),
-            ("partials_sum", (make(dev, F32)(3, 256), True, 1.0, 200))]
+            ("partials_sum", (make(dev, F32)(3, 256), True, 1.0, 200)),
+            # the cross-entropy backward: ce_bwd (recomputed logits; N odd: D rows padded), cross_entropy_bwd (stored)
+            ("gemm_epilogue", ("ce_bwd", a, w, None, None, rs, None, None, torch.tensor([0.5], device=dev), target, True, 0, 128, -100,
+                               "auto", None, None, lse)),
+            ("gemm_epilogue", ("ce_bwd", a, w[:n - 3], None, None, None, None, None, None, target.clamp(max=n - 4), True, 0, 128, -100,
+                               "auto", None, None, lse)),
+            ("gemm_lse", (a, w[:n - 3], None, None, True, -100, 0)),
+            ("cross_entropy_bwd", (logits, lse, target, torch.tensor([0.5], device=dev), -100)),
+            ("cross_entropy_bwd", (logits, lse, target, None, -100)),
+            ("cross_entropy_bwd_", (logits.clone(), lse, target, None, -100)),
+            # the QK-norm + RoPE backward on the forward's input (qkv before qk_norm_rope_) and its partials
+            ("qk_norm_rope_backward", (r(m, n), qkv, hparts, qw, kw, pos, freq_turns(heads, hq + hkv, hd, dev), hq, hkv, hd, 1e-6))]
 
 
 def block_inputs(dev):
@@ -111,9 +124,21 @@ def block_cases(dev):
     ins = block_inputs(dev)
     outs = [torch.empty_like(t) for t in encore.llama_block_forward(*ins)]
     ws = torch.empty(encore.llama_block_workspace_bytes(*ins, outs), dtype=torch.uint8, device=dev)
+    # the backward over this forward's saved tensors, random incoming gradients
+    x1, x2, z1, qkv, r1, r2 = encore.llama_block_forward(*ins)
+    y0, _, w0, w1, w2, w3, g0, g1, pos, freq = ins
+    bins = (y0, w0, w1, w2, w3, g0, g1, pos, freq, x1, x2, z1, qkv, r1, r2, torch.randn_like(qkv), torch.randn_like(x2))
+    bouts = list(encore.llama_block_backward(*bins))
+    qins = (x2, g1, w3, pos, freq, r2, qkv, bins[15], bins[16])
+    qouts = list(encore.qkv_norm_backward(*qins))
     return [("llama_block_forward", (*ins, 1e-5, None)),
             ("llama_block_forward", (*ins, 1e-5, ws)),
-            ("llama_block_forward_out", (*ins, 1e-5, *outs, ws))]
+            ("llama_block_forward_out", (*ins, 1e-5, *outs, ws)),
+            ("llama_block_backward", (*bins, None)),
+            ("llama_block_backward_out", (*bins, *[torch.empty_like(t) for t in bouts], None)),
+            ("qkv_norm_backward", (*qins, None)),
+            ("qkv_norm_backward", (*qins[:8], None, None)),
+            ("qkv_norm_backward_out", (*qins, *[torch.empty_like(t) for t in qouts], None))]
 
 
 def kda_inputs(dev, b=1, t=100, h=2, kd=8, vd=6):

@@ -4,11 +4,16 @@
 //                     (0 when target[m] == ignore_index)
 //   partials_sum      out[m] = scale · Σ_t partials[m, t] (per row: zdz) or out[n] = scale · Σ_t partials[t, n]
 //                     (per column: dγ; consecutive threads read consecutive columns)
+//   cross_entropy_bwd dlogits[m, n] = α·(e^(logits[m, n] − lse[m]) − [n == target[m]]), 0 on ignore_index rows,
+//                     NaN on rows whose target is outside [0, N) (one block per row; 16-byte accesses where aligned)
 // One thread per output, tiles summed in order (deterministic); partials fp32, row stride ld.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 
+#include "common/cuda/fast_math.cuh"
 #include "gemm/cuda/launch.hpp"
 
 namespace encore::cuda {
@@ -54,6 +59,35 @@ __global__ void partials_sum_kernel(const float* __restrict__ partials, int64_t 
   out[i] = scale * s;
 }
 
+// One block per row (grid-strided over rows). kVec elements per access where the row pointers and
+// N allow 16-byte accesses, else one. In place allowed: no __restrict__ on logits / dlogits, and
+// each element is read before it is written by the same thread.
+template <class T>
+__global__ void cross_entropy_bwd_kernel(const T* logits, int64_t ld, T* dlogits, int64_t ld_out, int M, int N, const float* __restrict__ lse,
+                                         const int32_t* __restrict__ target, const float* __restrict__ alpha, int ignore_index, bool vec) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  const float a = alpha != nullptr ? __ldg(alpha) : 1.0f;
+  for (int m = blockIdx.x; m < M; m += gridDim.x) {
+    const int t = target[m];
+    const T* in = logits + int64_t(m) * ld;
+    T* out = dlogits + int64_t(m) * ld_out;
+    // ignore_index: e^(x − inf) = 0 and no one-hot; a target outside [0, N): NaN for the whole row
+    const float l2 = t == ignore_index ? INFINITY : (t < 0 || t >= N) ? NAN : lse[m] * kLog2e;
+    auto grad = [&](float x, int n) { return a * (fast_exp2(fmaf(x, kLog2e, -l2)) - (n == t ? 1.0f : 0.0f)); };
+    if (vec) {
+      for (int n = threadIdx.x * kVec; n < N; n += blockDim.x * kVec) {
+        uint4 raw = *reinterpret_cast<const uint4*>(in + n);
+        T* v = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) v[i] = T(grad(float(v[i]), n + i));
+        *reinterpret_cast<uint4*>(out + n) = raw;
+      }
+    } else {
+      for (int n = threadIdx.x; n < N; n += blockDim.x) out[n] = T(grad(float(in[n]), n));
+    }
+  }
+}
+
 Status launched(const char* name) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(e));
@@ -84,6 +118,34 @@ Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, fl
   lse_finish_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       partials, ld, M, tiles, lse, target, target_logit, loss, ignore_index);
   return launched("lse_finish");
+}
+
+Status launch_cross_entropy_bwd(const void* logits, int64_t ld, void* dlogits, int64_t ld_out, DType dtype, int M, int N, const float* lse,
+                                const int32_t* target, const float* alpha, int ignore_index, Stream stream) {
+  if (M == 0 || N == 0) return Status::ok();
+  const size_t es = dtype_size(dtype);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const int64_t vec_elems = int64_t(16 / es);
+  const bool vec = aligned(logits) && aligned(dlogits) && N % vec_elems == 0 && (M == 1 || (ld % vec_elems == 0 && ld_out % vec_elems == 0));
+  const int blocks = M < 65535 * 8 ? M : 65535 * 8;
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case DType::kBF16:
+      cross_entropy_bwd_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(logits), ld,
+                                                                          static_cast<__nv_bfloat16*>(dlogits), ld_out, M, N, lse, target,
+                                                                          alpha, ignore_index, vec);
+      break;
+    case DType::kFP16:
+      cross_entropy_bwd_kernel<__half><<<blocks, kThreads, 0, s>>>(static_cast<const __half*>(logits), ld, static_cast<__half*>(dlogits), ld_out,
+                                                                   M, N, lse, target, alpha, ignore_index, vec);
+      break;
+    case DType::kFP32:
+      cross_entropy_bwd_kernel<float><<<blocks, kThreads, 0, s>>>(static_cast<const float*>(logits), ld, static_cast<float*>(dlogits), ld_out, M,
+                                                                  N, lse, target, alpha, ignore_index, vec);
+      break;
+    default: return Status::unsupported(std::string("logits: cross_entropy_bwd on CUDA takes bf16, fp16 or fp32, got ") + dtype_name(dtype));
+  }
+  return launched("cross_entropy_bwd");
 }
 
 }  // namespace encore::cuda

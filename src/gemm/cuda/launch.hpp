@@ -22,6 +22,7 @@ using GemmLauncher = Status (*)(const GemmProblem& p, Stream stream);
 GemmLauncher gemm_launcher(Epilogue e, GemmTile tile);
 
 Status launch_qk_norm_rope(const QkNormRopeProblem& p, Stream stream);
+Status launch_rope_bwd_zdz(const gemm::RopeBwdZdzProblem& p, Stream stream);
 
 // Finishers (src/gemm/cuda/finishers.cu); contiguous fp32 vectors, partials row stride ld.
 Status launch_rms_final_reduce(const float* partials, int64_t ld, int M, int tiles, float* r, int64_t hidden, float eps, Stream stream);
@@ -30,5 +31,9 @@ Status launch_partials_sum(const float* partials, int64_t ld, int rows, int cols
                            Stream stream);
 Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, float* lse, const int32_t* target, const float* target_logit,
                          float* loss, int ignore_index, Stream stream);
+// dlogits = α·(softmax − one-hot) per row (cross_entropy_bwd); logits and dlogits [M, N] of `dtype`, unit
+// last stride, row strides ld / ld_out (dlogits may be logits); lse, target contiguous; alpha null = 1.
+Status launch_cross_entropy_bwd(const void* logits, int64_t ld, void* dlogits, int64_t ld_out, DType dtype, int M, int N, const float* lse,
+                                const int32_t* target, const float* alpha, int ignore_index, Stream stream);
 
 }  // namespace encore::cuda

@@ -10,7 +10,8 @@
 // Each program names its C and D element types (void = not read / not written), builds its EVT from
 // the CTA tile shape, and fills the EVT's arguments from a GemmProblem. A program with
 // kWeightKN = true multiplies by W [K, N] un-transposed (acc = A · W: the dgrad programs). A program whose D is
-// optional (kOperandDOptional) names its D-less twin in NoStoreTwin; the launcher picks by p.d.
+// optional (kOperandDOptional) names its D-less twin in NoStoreTwin; the launcher picks by p.d. A
+// program with kATransposed = true reads A stored [K, M] (M-major; the weight-gradient GEMM).
 #pragma once
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
@@ -20,6 +21,7 @@
 #include "cutlass/epilogue/thread/activation.h"
 #include "gemm/cuda/launch.hpp"
 #include "gemm/cuda/node_backward.cuh"
+#include "gemm/cuda/node_ce.cuh"
 #include "gemm/cuda/node_pairwise.cuh"
 #include "gemm/cuda/node_reductions.cuh"
 
@@ -259,6 +261,53 @@ struct RmsnormBwd {
             {p.zdz, 0.0f, {}},
             {static_cast<const T*>(p.c2), T(0), RowMajorStride{p.ldc2, cute::_1{}, int64_t(0)}},
             {}};
+  }
+};
+
+// ---- plain GEMMs of the backward ----
+
+// D = acc = A · W, W [K, N] un-transposed (a dgrad through a forward weight stored out x in: d_y0 = dx1 · w0)
+template <class T>
+struct Dgrad {
+  using ElementC = void;
+  using ElementD = T;
+  static constexpr bool kWeightKN = true;
+  template <class TileShape>
+  using Evt = fusion::Sm90EVT<Identity<T>, fusion::Sm90AccFetch>;
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem&) {
+    return {{}, {}};  // {AccFetch, identity}
+  }
+};
+
+// D = α·acc (α from device memory, 1 when absent), acc = Aᵀ · W with A stored [K, M] (M-major: the
+// tokens run along K) and W [K, N] (N-major): the weight gradient dW = dzᵀ · x
+template <class T>
+struct Wgrad {
+  using ElementC = void;
+  using ElementD = T;
+  static constexpr bool kWeightKN = true;
+  static constexpr bool kATransposed = true;
+  template <class TileShape>
+  using Evt = fusion::Sm90EVT<Mul<T>, fusion::Sm90ScalarBroadcast<float>, fusion::Sm90AccFetch>;
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem& p) {
+    return {{{1.0f}, {p.alpha}, {}}, {}, {}};  // {ScalarBroadcast {value 1, device pointer (null: the value)}, AccFetch, multiplies}
+  }
+};
+
+// Cross-entropy backward on the recomputed logits (kCeBwd): z = r[m]·acc (A = the normed hidden, W = W_lm);
+// D = α·(e^(z − lse[m]) − [n == target[m]]), 0 on ignore_index rows (nodes::CrossEntropyGrad). D may have
+// N odd with 16-byte rows (TMA clips the columns past N).
+template <class T>
+struct CeBwd {
+  using ElementC = void;
+  using ElementD = T;
+  template <class TileShape>
+  using Evt = fusion::Sm90EVT<Identity<T>, fusion::Sm90EVT<nodes::CrossEntropyGrad, ScaledAcc<TileShape>>>;
+  template <class Fusion>
+  static typename Fusion::Arguments arguments(const GemmProblem& p) {
+    return {{{{p.row_scale, 1.0f, {}}, {}, {}}, {p.lse, p.target, p.alpha, p.ignore_index, p.col0, p.n_total}}, {}};
   }
 };
 

@@ -1,7 +1,7 @@
 // The fixed Hopper GEMM mainloop of the GEMM-epilogue family, parameterized by an epilogue visitor
 // tree (EVT) and a tile configuration.
 //
-// Math:    acc = A · Wᵀ in fp32 (A [M, K] row-major, W [N, K] row-major = K-major B; or acc = A · W for a
+// Math:    acc = A · Wᵀ in fp32 (A [M, K] row-major, or stored [K, M] for a program with kATransposed, W [N, K] row-major = K-major B; or acc = A · W for a
 //          program with kWeightKN, W [K, N] row-major = N-major B, the dgrad GEMMs), then D = EVT(acc)
 //          stored row-major [M, N] (no C operand unless the EVT fetches it).
 // Mainloop: CUTLASS 3.x Sm90 TMA + WGMMA, warp-specialized, persistent (cooperative or ping-pong
@@ -51,6 +51,12 @@ struct WeightKN : std::false_type {};
 template <class Program>
 struct WeightKN<Program, std::void_t<decltype(Program::kWeightKN)>> : std::bool_constant<Program::kWeightKN> {};
 
+// Whether a program reads A stored [K, M] (Program::kATransposed; default A [M, K]).
+template <class Program, class = void>
+struct ATransposed : std::false_type {};
+template <class Program>
+struct ATransposed<Program, std::void_t<decltype(Program::kATransposed)>> : std::bool_constant<Program::kATransposed> {};
+
 // GEMM for element type T with epilogue program `Program` (its Evt<TileShape>, ElementC and
 // ElementD; void C = no source tile, void D = no output tile).
 template <class T, class Config, class Program>
@@ -62,6 +68,10 @@ struct Sm90Gemm {
   static constexpr bool kWeightKN = WeightKN<Program>::value;
   // B = Wᵀ: W [N, K] is K-major (column-major B); W [K, N] un-transposed is N-major (row-major B).
   using LayoutB = cute::conditional_t<kWeightKN, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
+  static constexpr bool kATransposed = ATransposed<Program>::value;
+  // A [M, K] row-major is K-major; A stored [K, M] (M contiguous) is column-major A, M-major in shared
+  // memory (GMMA reads either major for 16-bit types).
+  using LayoutA = cute::conditional_t<kATransposed, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using Fusion = typename Program::template Evt<typename Config::TileShape>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -73,7 +83,7 @@ struct Sm90Gemm {
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      T, cutlass::layout::RowMajor, kAlign,          // A [M, K]
+      T, LayoutA, kAlign,                            // A [M, K] or stored [K, M]
       T, LayoutB, kAlign,                            // B = Wᵀ (W [N, K]) or W [K, N]
       float, typename Config::TileShape, typename Config::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -94,11 +104,15 @@ struct Sm90Gemm {
     StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, make_shape(N, K, 1));
     StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, make_shape(M, N, 1));
     StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(M, N, 1));
-    get<0>(sa) = p.lda;  // row strides may exceed the packed ones
+    if constexpr (kATransposed) get<1>(sa) = p.lda;  // A [K, M]: stride along K
+    else get<0>(sa) = p.lda;  // row strides may exceed the packed ones
     if constexpr (kWeightKN) get<1>(sb) = p.ldw;  // W [K, N]: stride along K
     else get<0>(sb) = p.ldw;
     if constexpr (!cute::is_void_v<ElementC>) get<0>(sc) = p.ldc;
     if constexpr (!cute::is_void_v<ElementD>) get<0>(sd) = p.ldd;
+    // The batch stride enters D's TMA descriptor, which needs every stride 16-byte aligned: the packed
+    // M·N is not when N is odd (kLse / kCeBwd with padded D rows), ldd·M is (L = 1: never stepped).
+    if constexpr (!cute::is_void_v<ElementD>) get<2>(sd) = p.ldd * int64_t(M);
     cutlass::KernelHardwareInfo hw;
     hw.device_id = p.device;
     hw.sm_count = p.sm_count;
@@ -117,10 +131,15 @@ struct Sm90Gemm {
 };
 
 // can_implement -> initialize -> run on `stream`; the kernels used here need no workspace.
+// can_implement sees N rounded up to the 16-byte alignment: the dispatch has checked every operand's
+// rows (validate_cuda), the TMA descriptors take any N and clip the columns past it, and kLse / kCeBwd
+// store D with N odd where D's rows are padded (CUTLASS's check would ask N itself to be aligned).
 template <class G>
 Status run_gemm(const typename G::Gemm::Arguments& args, cudaStream_t stream, const char* name) {
   typename G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+  typename G::Gemm::Arguments check = args;
+  cute::get<1>(check.problem_shape) = (cute::get<1>(args.problem_shape) + G::kAlign - 1) / G::kAlign * G::kAlign;
+  if (gemm.can_implement(check) != cutlass::Status::kSuccess)
     return Status::unsupported(std::string(name) + ": CUTLASS cannot implement this problem (alignment or shape)");
   if (G::Gemm::get_workspace_size(args) != 0) return Status::internal(std::string(name) + ": kernel unexpectedly needs a workspace");
   if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)

@@ -78,11 +78,19 @@ SwigluGrad swiglu_grad(double dy, double g, double u) {
   return {g * s * u, dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s};
 }
 
+// Cross-entropy gradient of one row of logits z, in place: α·(e^(z − lse) − [n == target]); 0 when
+// target == ignore_index.
+void ce_grad_row(std::vector<double>& z, double lse, int64_t target, int ignore_index, double alpha) {
+  for (size_t n = 0; n < z.size(); ++n)
+    z[n] = target == ignore_index ? 0.0 : alpha * (std::exp(z[n] - lse) - (int64_t(n) == target ? 1.0 : 0.0));
+}
+
 }  // namespace
 
 void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
   const bool w_kn = gemm_epilogue_info(o.epilogue)->operands & kOperandWeightKN;  // w [K, N]: acc = A · W
-  const int64_t M = a.a.shape[0], K = a.a.shape[1], N = a.w.shape[w_kn ? 1 : 0];
+  const bool a_t = gemm_epilogue_info(o.epilogue)->operands & kOperandATransposed;  // a [K, M]
+  const int64_t M = a.a.shape[a_t ? 1 : 0], K = a.a.shape[a_t ? 0 : 1], N = a.w.shape[w_kn ? 1 : 0];
   std::vector<double> w(static_cast<size_t>(N * K)), arow(static_cast<size_t>(K)), acc(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k) w[size_t(n * K + k)] = w_kn ? at2(a.w, k, n) : at2(a.w, n, k);
@@ -91,7 +99,7 @@ void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
   const int64_t pcols = col_parts ? a.partials.shape[1] : 0;
   std::vector<double> col_sums(col_parts ? size_t(a.partials.shape[0] * pcols) : 0, 0.0);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; ++k) arow[size_t(k)] = at2(a.a, m, k);
+    for (int64_t k = 0; k < K; ++k) arow[size_t(k)] = a_t ? at2(a.a, k, m) : at2(a.a, m, k);
     for (int64_t n = 0; n < N; ++n) {
       double s = 0;
       const double* wr = &w[size_t(n * K)];
@@ -151,6 +159,18 @@ void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
         break;
       case Epilogue::kResidualAdd:
         add_tile_row(acc, a.c, m);
+        store_row(a.d, m, acc);
+        break;
+      case Epilogue::kCeBwd:  // row vector loads (r, lse, target), elementwise softmax − one-hot, scalar α
+        if (has_r) scale_row(acc, at1(a.row_scale, m));
+        ce_grad_row(acc, at1(a.lse, m), int64_t(at1(a.target, m)), o.ignore_index, a.alpha.defined() ? at1(a.alpha, 0) : 1.0);
+        store_row(a.d, m, acc);
+        break;
+      case Epilogue::kDgrad:
+        store_row(a.d, m, acc);
+        break;
+      case Epilogue::kWgrad:
+        if (a.alpha.defined()) scale_row(acc, at1(a.alpha, 0));
         store_row(a.d, m, acc);
         break;
       case Epilogue::kSwigluBwd: {  // acc = dy; pairwise over the saved (g, u); block reduction along N
@@ -241,6 +261,60 @@ void qk_norm_rope(const QkNormRopeArgs& a, const QkNormRopeOptions& o) {
     }
     rope_pairs(row, int64_t(at1(a.pos, m)), a.freq);  // pairwise (V heads have frequency 0)
     for (int64_t n = 0; n < qk_heads * D; ++n) put2(a.qkv, m, n, row[size_t(n)]);
+  }
+}
+
+void rope_bwd_zdz(const RopeBwdZdzArgs& a, float scale) {
+  const int64_t M = a.y.shape[0], N = a.y.shape[1];
+  std::vector<double> dy(static_cast<size_t>(N));
+  for (int64_t m = 0; m < M; ++m) {
+    double zdz = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      dy[size_t(n)] = at2(a.dy, m, n);
+      zdz += at2(a.y, m, n) * dy[size_t(n)];  // Σ y·dy over the post-RoPE y (R orthogonal)
+    }
+    rope_pairs(dy, int64_t(at1(a.pos, m)), a.freq, /*inverse=*/true);  // pairwise: Rᵀ
+    store_row(a.dz, m, dy);
+    put1(a.zdz, m, double(scale) * zdz);
+  }
+}
+
+void cross_entropy_bwd(const CrossEntropyBwdArgs& a, int ignore_index) {
+  const int64_t M = a.logits.shape[0], N = a.logits.shape[1];
+  const double alpha = a.alpha.defined() ? at1(a.alpha, 0) : 1.0;
+  std::vector<double> row(static_cast<size_t>(N));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) row[size_t(n)] = at2(a.logits, m, n);  // read the whole row first: dlogits may be logits
+    ce_grad_row(row, at1(a.lse, m), int64_t(at1(a.target, m)), ignore_index, alpha);
+    store_row(a.dlogits, m, row);
+  }
+}
+
+
+void qk_norm_rope_bwd(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o) {
+  const int64_t M = a.dy.shape[0], N = a.dy.shape[1], D = o.head_dim, qk_heads = o.num_q_heads + o.num_kv_heads;
+  std::vector<double> dn(static_cast<size_t>(N)), dx(static_cast<size_t>(N)), dw(size_t(2 * D), 0.0);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) dn[size_t(n)] = at2(a.dy, m, n);
+    rope_pairs(dn, int64_t(at1(a.pos, m)), a.freq, /*inverse=*/true);  // pairwise: Rᵀ (V heads: frequency 0)
+    for (int64_t n = qk_heads * D; n < N; ++n) dx[size_t(n)] = dn[size_t(n)];
+    for (int64_t h = 0; h < qk_heads; ++h) {  // per-head statistic, then the norm's backward
+      const double r = 1.0 / std::sqrt(at2(a.partials, m, h) / double(D) + double(o.eps));
+      const bool q = h < o.num_q_heads;
+      const TensorView& w = q ? a.q_weight : a.k_weight;
+      double dot = 0;
+      for (int64_t e = 0; e < D; ++e) dot += at1(w, e) * dn[size_t(h * D + e)] * at2(a.x, m, h * D + e);
+      for (int64_t e = 0; e < D; ++e) {
+        const double x = at2(a.x, m, h * D + e), g = dn[size_t(h * D + e)];
+        dx[size_t(h * D + e)] = r * at1(w, e) * g - r * r * r * x * dot / double(D);
+        dw[size_t((q ? 0 : D) + e)] += g * r * x;
+      }
+    }
+    store_row(a.dx, m, dx);
+  }
+  for (int64_t e = 0; e < D; ++e) {
+    put1(a.dq_weight, e, dw[size_t(e)]);
+    put1(a.dk_weight, e, dw[size_t(D + e)]);
   }
 }
 

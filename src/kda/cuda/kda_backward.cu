@@ -81,6 +81,33 @@ __global__ void kda_bwd_gate_reduce_kernel(const __grid_constant__ KdaBwdCudaPro
   }
 }
 
+// The same sums, one block per head and one thread per channel (the tensor-core mode's): thread a
+// sums its channel's pdt and pdA over the chunks in slot order (independent loads, no serial chain
+// over K); dA_log[h] = the channels' pdA sums added in channel order by thread 0. Deterministic; the
+// order differs from kda_bwd_gate_reduce_kernel's (channels then chunks), so the bits may too.
+__global__ void __launch_bounds__(kMaxD) kda_bwd_gate_reduce_fast_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* ws, int slots) {
+  __shared__ float part[kMaxD];
+  const int h = blockIdx.x, a = threadIdx.x;
+  float sdt = 0.f, sda = 0.f;
+  if (a < p.K) {
+    const float* r = ws + int64_t(h) * p.ws.rec + a;
+    const int64_t step = int64_t(p.H) * p.ws.rec;
+#pragma unroll 4
+    for (int c = 0; c < slots; ++c) {
+      sdt += r[c * step + p.ws.pdt];
+      sda += r[c * step + p.ws.pda];
+    }
+    if (p.ddt_bias) p.ddt_bias[h * p.K + a] = sdt;
+  }
+  part[a] = sda;
+  __syncthreads();
+  if (a == 0 && p.dA_log) {
+    float s = 0.f;
+    for (int x = 0; x < p.K; ++x) s += part[x];
+    p.dA_log[h] = s;
+  }
+}
+
 // Grouped value heads: dq[b, t, hq, a] = sum over j < group (in order) of the partial at value head
 // hq * group + j; one thread per (b, t, hq, a). `dq`, `dk`: the caller's outputs; the partials are
 // the problem's (fp32, contiguous [B, T, H, K]).
@@ -120,7 +147,11 @@ bool simt_backward() {
   return e && *e && std::strcmp(e, "0") != 0;
 }
 
-cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, cudaStream_t s) {
+cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s) {
+  if (!simt) {
+    kda_bwd_gate_reduce_fast_kernel<<<p.H, kMaxD, 0, s>>>(p, ws, slots);
+    return cudaGetLastError();
+  }
   const int n = p.H * p.K;
   kda_bwd_gate_reduce_kernel<<<(n + 255) / 256, 256, 0, s>>>(p, ws, slots);
   return cudaGetLastError();
@@ -160,7 +191,7 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
   if (slots > 0) {
     ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, simt, s), "gradient kernel"));
   }
-  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, s), "gate reduction"));
+  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, simt, s), "gate reduction"));
   if (groups) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_group_reduce(p, given.dq, given.dk, s), "group reduction"));
   return Status::ok();
 }

@@ -106,7 +106,7 @@ cudaError_t launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cu
 // simt: the first fp32 SIMT kernel 3b alone (kda_bwd_grads.cu); else kernels 3b-1 (launch_inter) and
 // 3b (launch_grads_tc).
 cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_grads.cu
-cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, cudaStream_t s);  // kda_backward.cu
+cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s);  // kda_backward.cu
 cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s);  // kda_backward.cu
 
 }  // namespace encore::cuda::kdabwd

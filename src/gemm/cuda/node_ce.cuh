@@ -1,0 +1,75 @@
+// encore's cross-entropy backward EVT node (math-coda.md §4.5), the epilogue of the recomputed LM-head
+// GEMM (kCeBwd): from the logits z of the accumulator tile,
+//   out[m, n] = α·(e^(z[m, n] − lse[m]) − [n == target[m]])
+// with lse[m] and target[m] read once per row and tile, α once per tile from device memory (null: 1).
+// Rows whose target == ignore_index give 0 (lse taken as +inf: e^(z − inf) = 0, no one-hot); a row
+// whose target lies outside [0, N) otherwise gives NaN (lse taken as NaN), so a bad target on the device
+// is visible in the gradient. Columns past N are computed but never stored (TMA clips D).
+#pragma once
+#include <cmath>
+
+#include "gemm/cuda/node_support.cuh"
+
+namespace encore::cuda::sm90::nodes {
+
+struct CeGradArgs {
+  const float* lse = nullptr;       // [M]
+  const int32_t* target = nullptr;  // [M]
+  const float* alpha = nullptr;     // [1] device memory, null = 1
+  int ignore_index = -100;
+  int col0 = 0;     // global column of this launch's column 0 (a launch over an N-slice)
+  int n_total = 0;  // the whole N (0: this launch's N)
+};
+
+struct CrossEntropyGrad : NodeBase<CeGradArgs> {
+  using NodeBase<CeGradArgs>::NodeBase;
+
+  template <class LTensor, class ITensor, class CTensor>
+  struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE Callbacks(LTensor l, ITensor t, CTensor c, float a) : lse2(l), t_rel(t), coord(c), alpha(a) {}
+    LTensor lse2;   // per row: lse·log2e (+inf: ignored row, NaN: target out of range)
+    ITensor t_rel;  // per row: target − this thread's first global column (out of reach for ignored rows)
+    CTensor coord;  // tCcD
+    float alpha;
+
+    template <class ElementAcc, class ElementIn, int kFrag>
+    CUTLASS_DEVICE Array<float, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
+                                             Array<ElementIn, kFrag> const& in) {
+      Tensor l_mn = lse2(_, _, _, epi_m, epi_n);
+      Tensor t_mn = t_rel(_, _, _, epi_m, epi_n);
+      Tensor c_mn = coord(_, _, _, epi_m, epi_n);
+      Array<float, kFrag> out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kFrag; ++i) {
+        const int v = epi_v * kFrag + i;
+        const float p = fast_exp2(fmaf(float(in[i]), kLog2e, -l_mn(v)));
+        out[i] = alpha * (int(get<1>(c_mn(v))) == t_mn(v) ? p - 1.0f : p);
+      }
+      return out;
+    }
+  };
+
+  template <bool kRefSrc, class... A>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<A...> const& args) {
+    auto lse2 = make_row_registers<float, kRefSrc>(args);
+    auto t_rel = make_row_registers<int, kRefSrc>(args);
+    auto origin = thread_origin(args);
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    const CeGradArgs& p = this->params;
+    const int n_total = p.n_total > 0 ? p.n_total : int(N);
+    const int n0 = p.col0 + get<1>(origin);  // global column of this thread's first column
+    constexpr int kNone = -(1 << 30);
+    fill_rows(lse2, args, 0.0f, [&](int m) {
+      const int t = __ldg(p.target + m);
+      return t == p.ignore_index ? INFINITY : (t < 0 || t >= n_total) ? NAN : __ldg(p.lse + m) * kLog2e;
+    });
+    fill_rows(t_rel, args, kNone, [&](int m) {
+      const int t = __ldg(p.target + m);
+      return t == p.ignore_index ? kNone : t - n0;
+    });
+    const float alpha = p.alpha != nullptr ? __ldg(p.alpha) : 1.0f;
+    return Callbacks<decltype(lse2), decltype(t_rel), decltype(args.tCcD)>(lse2, t_rel, args.tCcD, alpha);
+  }
+};
+
+}  // namespace encore::cuda::sm90::nodes
