@@ -15,7 +15,7 @@
 // Each thread owns elements e = tid + 512 r of the [64][K] tiles: one fused pass gathers every term of
 // its (row, channel) in registers and leaves dQ~, dK in the record (over P1, P2: owner only), dbeta
 // and dG parts in shared tiles. Deterministic (fixed orders). K, V <= 128; 210 KB shared.
-#include "kda/cuda/kda_bwd_device.cuh"
+#include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
 namespace {
@@ -50,17 +50,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   float* dKt = rec + p.ws.acc;        // P2, then dK
   const float* dKb = rec + p.ws.dw;   // A^T dW
 
-  load_rows(p.q, b, t0, rows, h / p.group, K, p.l2norm, p.scale, sQ, sRq);  // q, k: the group's head
-  load_rows(p.k, b, t0, rows, h / p.group, K, p.l2norm, 1.0f, sK, sRk);
-  for (int e = tid; e < kC * K; e += kThreads) {
-    const int i = e / K, a = e - i * K;
-    sG[e] = i < rows ? p.G[tok(p, b, t0 + i, h) * K + a] : 0.f;
-  }
-  for (int e = tid; e < kC * kC; e += kThreads) {
-    const int i = e / kC, j = e - i * kC;
-    sA[e] = (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j) : 0.f;
-    sD[e] = rec[p.ws.daqk + e];
-  }
+  const float* cre = rec;
+  load_rows_batched<kThreads>(p.q, b, t0, rows, h / p.group, K, p.l2norm, p.scale, sQ, K, false, sRq);  // the group's head
+  load_rows_batched<kThreads>(p.k, b, t0, rows, h / p.group, K, p.l2norm, 1.0f, sK, K, false, sRk);
+  stage<16, kThreads>(
+      kC * K, [&](int e) { const int i = e / K; return i < rows ? p.G[tok(p, b, t0 + i, h) * K + (e - i * K)] : 0.f; },
+      [&](int e, float x) { sG[e] = x; });
+  stage<8, kThreads>(
+      kC * kC,
+      [&](int e) {
+        const int i = e >> 6, j = e & 63;
+        return (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j) : 0.f;
+      },
+      [&](int e, float x) { sA[e] = x; });
+  stage<8, kThreads>(kC * kC, [&](int e) { return cre[p.ws.daqk + e]; }, [&](int e, float x) { sD[e] = x; });
   if (tid < kC) {
     sBeta[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
     sDb[tid] = rec[p.ws.dbv + tid];
@@ -69,10 +72,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   __syncthreads();
 
   // K . dK(inter) for the gC term's column sums; dA = tril(dA') beta_j.
-  for (int e = tid; e < kC * K; e += kThreads) {
-    const int i = e / K, a = e - i * K;
-    sT[e] = i < rows ? sK[e] * (dKt[e] * exp2f(sGc[a] - sG[e])) : 0.f;
-  }
+  stage<16, kThreads>(
+      kC * K, [&](int e) { return e / K < rows ? dKt[e] : 0.f; },
+      [&](int e, float p2) { sT[e] = e / K < rows ? sK[e] * (p2 * exp2f(sGc[e % K] - sG[e])) : 0.f; });
   for (int e = tid; e < kC * kC; e += kThreads) {
     const int i = e / kC, j = e - i * kC;
     sM[e] = (i < rows && j <= i) ? rec[p.ws.da + e] * sBeta[j] : 0.f;
@@ -102,6 +104,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   __syncthreads();
 
   // The fused pass: inter, WY (dKbeta) and intra terms of each owned (row, channel).
+  const int nrow = rows * K;  // elements of the valid rows
+  float n1 = tid < nrow ? dQt[tid] : 0.f, n2 = tid < nrow ? dKt[tid] : 0.f, n3 = tid < nrow ? dKb[tid] : 0.f;
   for (int e = tid; e < kC * K; e += kThreads) {
     const int i = e / K, a = e - i * K;
     if (i >= rows) {
@@ -109,8 +113,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
       sW[e] = 0.f;
       continue;
     }
+    const float p1 = n1, p2 = n2, kb = n3;  // this element's record values; the next one's loads go out now
+    const int en = e + kThreads;
+    n1 = en < nrow ? dQt[en] : 0.f;
+    n2 = en < nrow ? dKt[en] : 0.f;
+    n3 = en < nrow ? dKb[en] : 0.f;
     const float gi = sG[e], eg = exp2f(gi), ke = sK[e] * eg, bi = sBeta[i];
-    const float dqt = dQt[e] * eg, dki = dKt[e] * exp2f(sGc[a] - gi), kb = dKb[e];
+    const float dqt = p1 * eg, dki = p2 * exp2f(sGc[a] - gi);
     float dqi = 0.f, dkr = 0.f, dkc = 0.f;
     for (int j = 0; j <= i; ++j) {
       const float kx = sK[j * K + a] * exp2f(gi - sG[j * K + a]);
@@ -126,11 +135,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   }
   __syncthreads();
   const float inv_scale = 1.0f / p.scale;
-  for (int e = tid; e < kC * K; e += kThreads) {
-    const bool in = e / K < rows;
-    sA[e] = in ? p.scale * dQt[e] * sQ[e] * inv_scale : 0.f;  // dqn . qn (sA, sD: one [64][128] tile)
-    sG[e] = in ? dKt[e] * sK[e] : 0.f;                        // dkn . kn
-  }
+  stage<16, kThreads>(  // dqn . qn (sA, sD: one [64][128] tile)
+      kC * K, [&](int e) { return e / K < rows ? dQt[e] : 0.f; }, [&](int e, float x) { sA[e] = p.scale * x * sQ[e] * inv_scale; });
+  stage<16, kThreads>(  // dkn . kn
+      kC * K, [&](int e) { return e / K < rows ? dKt[e] : 0.f; }, [&](int e, float x) { sG[e] = x * sK[e]; });
   __syncthreads();
   if (tid < kC) {  // row sums: dbeta, the L2-norm dots
     float db = sDb[tid], dq = 0.f, dk = 0.f;
@@ -152,38 +160,52 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   }
   __syncthreads();
   const float ea = (p.gate_in_kernel && p.A_log) ? expf(p.A_log[h]) : 1.0f;
-  for (int e = tid; e < kC * K; e += kThreads) {  // the gate backward, dq, dk
-    const int i = e / K, a = e - i * K;
-    float pdt = 0.f, pda = 0.f;
-    if (i < rows) {
-      const float dy = sW[e];
-      float dx = dy;
-      if (p.gate_in_kernel) {
-        const float bias = p.dt_bias ? p.dt_bias[h * K + a] : 0.f;
-        const float x = load(p.g, b, t0 + i, h, a) + bias;
-        if (p.lower_bound_gate) {
-          const float sg = 1.0f / (1.0f + expf(-ea * x));
-          dx = dy * p.lower_bound * sg * (1.0f - sg) * ea;
-          pda = dx * x;
-        } else {
-          const float sp = x > 20.f ? x : log1pf(expf(x)), sg = x > 20.f ? 1.0f : 1.0f / (1.0f + expf(-x));
-          dx = dy * (-ea) * sg;
-          pda = dy * (-ea * sp);
-        }
-        pdt = dx;
-      }
-      store_out(p.dg, b, t0 + i, h, a, dx);
-      const float dqn = p.scale * dQt[e], dkn = dKt[e];
-      float dq = dqn, dk = dkn;
-      if (p.l2norm) {
-        dq = sRq[i] * (dqn - sQ[e] * inv_scale * sDotq[i]);
-        dk = sRk[i] * (dkn - sK[e] * sDotk[i]);
-      }
-      store_out(p.dq, b, t0 + i, h, a, dq);  // with grouped heads: per-value-head partials (kda_backward.cu)
-      store_out(p.dk, b, t0 + i, h, a, dk);
+  constexpr int kU = 8;  // elements per batch of loads
+  for (int base = tid; base < kC * K; base += kU * kThreads) {  // the gate backward, dq, dk
+    float xg[kU], vq[kU], vk[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int e = base + u * kThreads, i = e / K;
+      const bool in = e < kC * K && i < rows;
+      xg[u] = (in && p.gate_in_kernel) ? load(p.g, b, t0 + i, h, e - i * K) : 0.f;
+      vq[u] = in ? dQt[e] : 0.f;
+      vk[u] = in ? dKt[e] : 0.f;
     }
-    sT[e] = pdt;
-    sA[e] = pda;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int e = base + u * kThreads, i = e / K, a = e - i * K;
+      if (e >= kC * K) continue;
+      float pdt = 0.f, pda = 0.f;
+      if (i < rows) {
+        const float dy = sW[e];
+        float dx = dy;
+        if (p.gate_in_kernel) {
+          const float bias = p.dt_bias ? p.dt_bias[h * K + a] : 0.f;
+          const float x = xg[u] + bias;
+          if (p.lower_bound_gate) {
+            const float sg = 1.0f / (1.0f + expf(-ea * x));
+            dx = dy * p.lower_bound * sg * (1.0f - sg) * ea;
+            pda = dx * x;
+          } else {
+            const float sp = x > 20.f ? x : log1pf(expf(x)), sg = x > 20.f ? 1.0f : 1.0f / (1.0f + expf(-x));
+            dx = dy * (-ea) * sg;
+            pda = dy * (-ea * sp);
+          }
+          pdt = dx;
+        }
+        store_out(p.dg, b, t0 + i, h, a, dx);
+        const float dqn = p.scale * vq[u], dkn = vk[u];
+        float dq = dqn, dk = dkn;
+        if (p.l2norm) {
+          dq = sRq[i] * (dqn - sQ[e] * inv_scale * sDotq[i]);
+          dk = sRk[i] * (dkn - sK[e] * sDotk[i]);
+        }
+        store_out(p.dq, b, t0 + i, h, a, dq);  // with grouped heads: per-value-head partials (kda_backward.cu)
+        store_out(p.dk, b, t0 + i, h, a, dk);
+      }
+      sT[e] = pdt;
+      sA[e] = pda;
+    }
   }
   __syncthreads();
   if (tid < K) {  // per-chunk gate partials, rows in order

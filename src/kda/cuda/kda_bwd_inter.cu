@@ -41,18 +41,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
   float* rec = ws_rec(ws, p, slot, h);
 
   // Phase 1 operands: S, dS' (rows a < K, columns y < V; zero to 128), dO, Vn (rows < `rows`).
-  for (int e = tid; e < kMaxD * kMaxD; e += kThreads) {
-    const int a = e / kMaxD, y = e - a * kMaxD;
-    const bool in = a < K && y < V;
-    sS[a * kLd + y] = in ? state_at(p, rec, slot, h, a, y) : 0.f;
-    sX[a * kLd + y] = in ? rec[p.ws.dh + a * V + y] : 0.f;
-  }
-  for (int e = tid; e < kC * kMaxD; e += kThreads) {
-    const int i = e / kMaxD, y = e - i * kMaxD;
-    const bool in = i < rows && y < V;
-    sP[i * kLd + y] = in ? load(p.d_o, b, t0 + i, h, y) : 0.f;
-    sR[i * kLd + y] = in ? rec[p.ws.vn + i * V + y] : 0.f;
-  }
+  const float* cre = rec;
+  stage<32, kThreads>(
+      kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return (a < K && y < V) ? state_at(p, cre, slot, h, a, y) : 0.f; },
+      [&](int e, float x) { sS[(e >> 7) * kLd + (e & 127)] = x; });
+  stage<32, kThreads>(
+      kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return (a < K && y < V) ? __ldg(cre + p.ws.dh + a * V + y) : 0.f; },
+      [&](int e, float x) { sX[(e >> 7) * kLd + (e & 127)] = x; });
+  stage<32, kThreads>(
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? load(p.d_o, b, t0 + i, h, y) : 0.f; },
+      [&](int e, float x) { sP[(e >> 7) * kLd + (e & 127)] = x; });
+  stage<32, kThreads>(
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? __ldg(cre + p.ws.vn + i * V + y) : 0.f; },
+      [&](int e, float x) { sR[(e >> 7) * kLd + (e & 127)] = x; });
   __syncthreads();
   {
     float c[8][4];
@@ -73,16 +74,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
   __syncthreads();
 
   // Phase 2 operands: dVn, v, A (S stays).
-  for (int e = tid; e < kC * kMaxD; e += kThreads) {
-    const int i = e / kMaxD, y = e - i * kMaxD;
-    const bool in = i < rows && y < V;
-    sP[i * kLd + y] = in ? rec[p.ws.dvn + i * V + y] : 0.f;
-    sR[i * kLd + y] = in ? load(p.v, b, t0 + i, h, y) : 0.f;
-  }
-  for (int e = tid; e < kC * kC; e += kThreads) {
-    const int i = e / kC, j = e - i * kC;
-    sX[i * kLdA + j] = (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j) : 0.f;
-  }
+  stage<32, kThreads>(
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? __ldg(cre + p.ws.dvn + i * V + y) : 0.f; },
+      [&](int e, float x) { sP[(e >> 7) * kLd + (e & 127)] = x; });
+  stage<32, kThreads>(
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? load(p.v, b, t0 + i, h, y) : 0.f; },
+      [&](int e, float x) { sR[(e >> 7) * kLd + (e & 127)] = x; });
+  stage<16, kThreads>(
+      kC * kC,
+      [&](int e) {
+        const int i = e >> 6, j = e & 63;
+        return (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j) : 0.f;
+      },
+      [&](int e, float x) { sX[(e >> 6) * kLdA + (e & 63)] = x; });
   if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
   __syncthreads();
   float cw[8][4];  // dVn S^T = -dW, kept to phase 3 (columns >= K are 0: S rows there are 0)
@@ -120,23 +124,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
   float* sKE = sS;
   float* sDW = sS + kC * kLd;
   store_acc(cw, sDW, kLd, m0, n0, kMaxD, -1.0f);
-  for (int i = warp; i < kC; i += kThreads / 32) {  // one warp per row: the L2 norm as load_rows's
-    float x[kMaxD / 32], ss = 0.f;
-#pragma unroll
-    for (int r = 0; r < kMaxD / 32; ++r) {
-      const int c = lane + 32 * r;
-      x[r] = (i < rows && c < K) ? load(p.k, b, t0 + i, h / p.group, c) : 0.f;
-      ss += x[r] * x[r];
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float rs = p.l2norm ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
-#pragma unroll
-    for (int r = 0; r < kMaxD / 32; ++r) {
-      const int c = lane + 32 * r;
-      sKE[i * kLd + c] = (i < rows && c < K) ? (x[r] * rs) * exp2f(p.G[tok(p, b, t0 + i, h) * K + c]) : 0.f;
-    }
-  }
+  load_rows_batched<kThreads>(p.k, b, t0, rows, h / p.group, K, p.l2norm, 1.0f, sKE, kLd, true, nullptr);
+  __syncthreads();
+  stage<32, kThreads>(  // KE = k 2^G (zero rows and pad columns stay zero)
+      kC * kMaxD,
+      [&](int e) { const int i = e >> 7, c = e & 127; return (i < rows && c < K) ? p.G[tok(p, b, t0 + i, h) * K + c] : 0.f; },
+      [&](int e, float g) { sKE[(e >> 7) * kLd + (e & 127)] *= exp2f(g); });
   __syncthreads();
   {
     float c[4][4];  // dA' = dVn v^T + dW KE^T

@@ -107,4 +107,60 @@ __device__ __forceinline__ void frag_cols(const float* __restrict__ x, int K, in
   }
 }
 
+// dst(e, src(e)) for e in [0, n) over the block's kN threads, U loads in flight per thread before
+// their stores (generic loads followed by shared stores would otherwise go one latency at a time).
+template <int U, int kN, class Src, class Dst>
+__device__ __forceinline__ void stage(int n, Src src, Dst dst) {
+  for (int base = threadIdx.x; base < n; base += U * kN) {
+    float r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = base + u * kN;
+      r[u] = e < n ? src(e) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = base + u * kN;
+      if (e < n) dst(e, r[u]);
+    }
+  }
+}
+
+// load_rows (kda_bwd_device.cuh) with every load of the warp's rows in flight at once: rows
+// i = warp + (kN / 32) r of a [B, T, H, C] input into dst[i * ld + c] (C <= 128; rows >= `rows` and,
+// when pad, columns C..127 zero), L2-normalized when asked (the same arithmetic), times mult;
+// rstd[i] the row's factor (1 without the norm; null: not kept). kN / 32 * kRpw = 64.
+template <int kN>
+__device__ __forceinline__ void load_rows_batched(const KdaTensor& t, int b, int t0, int rows, int h, int C, bool l2, float mult,
+                                                  float* dst, int ld, bool pad, float* rstd) {
+  constexpr int kRpw = kC / (kN / 32);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float x[kRpw][kMaxD / 32];
+#pragma unroll
+  for (int r = 0; r < kRpw; ++r) {
+    const int i = warp + (kN / 32) * r;
+#pragma unroll
+    for (int u = 0; u < kMaxD / 32; ++u) {
+      const int c = lane + 32 * u;
+      x[r][u] = (i < rows && c < C) ? load(t, b, t0 + i, h, c) : 0.f;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRpw; ++r) {
+    const int i = warp + (kN / 32) * r;
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < kMaxD / 32; ++u) ss += x[r][u] * x[r][u];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float f = (l2 && i < rows) ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
+#pragma unroll
+    for (int u = 0; u < kMaxD / 32; ++u) {
+      const int c = lane + 32 * u;
+      if (c < C || pad) dst[i * ld + c] = x[r][u] * (f * mult);
+    }
+    if (lane == 0 && rstd) rstd[i] = f;
+  }
+}
+
 }  // namespace encore::cuda::kdabwd
