@@ -60,16 +60,20 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dav_tc_kernel(const __grid_c
   const ChunkInfo ci = chunk_info(p, slot);
   const int rows = ci.rows;
   float* rec = ws_rec(ws, p, slot, h);
-  for (int e = tid; e < kC * kMaxD; e += kThreads) {
-    const int i = e / kMaxD, y = e - i * kMaxD;
-    const bool in = i < rows && y < V;
-    sdO[i * kLd + y] = in ? load(p.d_o, ci.b, ci.t0 + i, h, y) : 0.f;
-    sVn[i * kLd + y] = in ? rec[p.ws.vn + i * V + y] : 0.f;
-  }
-  for (int e = tid; e < kC * kC; e += kThreads) {
-    const int i = e / kC, j = e - i * kC;
-    sAqk[i * kLdA + j] = (i < rows && j <= i) ? load_any(p.Aqk, p.aqk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
-  }
+  const float* cre = rec;
+  stage<32, kThreads>(
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? load(p.d_o, ci.b, ci.t0 + i, h, y) : 0.f; },
+      [&](int e, float x) { sdO[(e >> 7) * kLd + (e & 127)] = x; });
+  stage<32, kThreads>(
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? __ldg(cre + p.ws.vn + i * V + y) : 0.f; },
+      [&](int e, float x) { sVn[(e >> 7) * kLd + (e & 127)] = x; });
+  stage<16, kThreads>(
+      kC * kC,
+      [&](int e) {
+        const int i = e >> 6, j = e & 63;
+        return (i < rows && j <= i) ? load_any(p.Aqk, p.aqk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
+      },
+      [&](int e, float x) { sAqk[(e >> 6) * kLdA + (e & 63)] = x; });
   __syncthreads();
   {
     float c[4][4];  // dAqk = tril(dO Vnew^T): rows m0 .., columns 32 nh ..

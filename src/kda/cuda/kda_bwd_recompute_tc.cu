@@ -32,27 +32,28 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_prep_tc_kernel(const __grid_
   const int rows = ci.rows;
   float* rec = ws_rec(ws, p, slot, h);
   if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, ci.b, ci.t0 + tid, h, 0) : 0.f;
-  for (int e = tid; e < kC * K; e += kThreads) {
-    const int i = e / K, a = e - i * K;
-    sG[e] = i < rows ? p.G[tok(p, ci.b, ci.t0 + i, h) * K + a] : 0.f;
-  }
-  for (int e = tid; e < kC * kC; e += kThreads) {
-    const int i = e / kC, j = e - i * kC;
-    sA[i * kLdA + j] = (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
-  }
-  load_rows(p.q, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, p.scale, sX, sR);  // q, k: the group's head
+  stage<32, kThreads>(
+      kC * K, [&](int e) { const int i = e / K; return i < rows ? p.G[tok(p, ci.b, ci.t0 + i, h) * K + (e - i * K)] : 0.f; },
+      [&](int e, float x) { sG[e] = x; });
+  stage<16, kThreads>(
+      kC * kC,
+      [&](int e) {
+        const int i = e >> 6, j = e & 63;
+        return (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
+      },
+      [&](int e, float x) { sA[(e >> 6) * kLdA + (e & 63)] = x; });
+  load_rows_batched<kThreads>(p.q, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, p.scale, sX, K, false, sR);  // the group's head
   __syncthreads();
-  for (int e = tid; e < kC * kMaxD; e += kThreads) {  // beta v (needs sBeta)
-    const int i = e / kMaxD, y = e - i * kMaxD;
-    sV[i * kLd + y] = (i < rows && y < V) ? sBeta[i] * load(p.v, ci.b, ci.t0 + i, h, y) : 0.f;
-  }
+  stage<32, kThreads>(  // beta v (needs sBeta)
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? load(p.v, ci.b, ci.t0 + i, h, y) : 0.f; },
+      [&](int e, float x) { sV[(e >> 7) * kLd + (e & 127)] = sBeta[e >> 7] * x; });
   if (tid < K) {
     sGc[tid] = sG[(rows - 1) * K + tid];
     rec[p.ws.gc + tid] = sGc[tid];
   }
   for (int e = tid; e < kC * K; e += kThreads) rec[p.ws.qg + e] = sX[e] * exp2f(sG[e]);  // zero rows stay zero
   __syncthreads();
-  load_rows(p.k, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, 1.0f, sX, sR);
+  load_rows_batched<kThreads>(p.k, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, 1.0f, sX, K, false, sR);
   __syncthreads();
   for (int e = tid; e < kC * kMaxD; e += kThreads) {
     const int i = e / kMaxD, a = e - i * kMaxD;
@@ -74,6 +75,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_prep_tc_kernel(const __grid_
 }
 
 constexpr int kCols = 64;        // value columns per state block
+static_assert(kCols == 64 && kMaxD == 128, "the staged loads index by shifts");
 constexpr int kLdS = kCols + 4;  // fp32 row stride of its [*][64] tiles
 constexpr size_t kStateSmem = (kMaxD * kLdS + kC * kLdS + kMaxD) * sizeof(float);
 
@@ -92,17 +94,20 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
     const int n = blockIdx.x;
     first = p.chunk_start[n];
     last = p.chunk_start[n + 1];
-    for (int e = tid; e < kMaxD * kCols; e += kThreads) {
-      const int a = e / kCols, y = e - a * kCols;
-      sS[a * kLdS + y] = (a < K && y < nc && p.h0) ? p.h0[((int64_t(n) * p.H + h) * K + a) * V + y0 + y] : 0.f;
-    }
+    stage<32, kThreads>(
+        kMaxD * kCols,
+        [&](int e) { const int a = e >> 6, y = e & 63; return (a < K && y < nc && p.h0) ? p.h0[((int64_t(n) * p.H + h) * K + a) * V + y0 + y] : 0.f; },
+        [&](int e, float x) { sS[(e >> 6) * kLdS + (e & 63)] = x; });
   } else {
     first = blockIdx.x;
     last = first + 1;
-    for (int e = tid; e < kMaxD * kCols; e += kThreads) {
-      const int a = e / kCols, y = e - a * kCols;
-      sS[a * kLdS + y] = (a < K && y < nc) ? load_any(p.h, p.h_dtype, ((int64_t(first) * p.H + h) * K + a) * V + y0 + y) : 0.f;
-    }
+    stage<32, kThreads>(
+        kMaxD * kCols,
+        [&](int e) {
+          const int a = e >> 6, y = e & 63;
+          return (a < K && y < nc) ? load_any(p.h, p.h_dtype, ((int64_t(first) * p.H + h) * K + a) * V + y0 + y) : 0.f;
+        },
+        [&](int e, float x) { sS[(e >> 6) * kLdS + (e & 63)] = x; });
   }
   __syncthreads();
   for (int slot = first; slot < last; ++slot) {

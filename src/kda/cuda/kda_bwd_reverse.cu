@@ -95,6 +95,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_kernel(const __grid_const
 }
 
 constexpr int kCols = 64;           // value columns per block of the tensor-core version
+static_assert(kCols == 64 && kMaxD == 128, "the staged loads index by shifts");
 constexpr int kLdS = kCols + 4;     // fp32 row stride of its [*][64] tiles
 constexpr size_t kSmemTc = (kMaxD * kLdS + 2 * kC * kLdS + kMaxD) * sizeof(float);
 
@@ -110,10 +111,9 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
   const int b = p.varlen ? 0 : n;
   const int64_t s0 = (int64_t(n) * p.H + h) * K * V;
   const int ksteps = (K + 15) / 16;
-  for (int e = tid; e < kMaxD * kCols; e += kThreads) {
-    const int a = e / kCols, y = e - a * kCols;
-    sdS[a * kLdS + y] = (a < K && y < nc && p.dht) ? p.dht[s0 + a * V + y0 + y] : 0.f;
-  }
+  stage<32, kThreads>(
+      kMaxD * kCols, [&](int e) { const int a = e >> 6, y = e & 63; return (a < K && y < nc && p.dht) ? p.dht[s0 + a * V + y0 + y] : 0.f; },
+      [&](int e, float x) { sdS[(e >> 6) * kLdS + (e & 63)] = x; });
   __syncthreads();
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
   for (int slot = last - 1; slot >= first; --slot) {
@@ -123,10 +123,9 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
       const int a = e / kCols, y = e - a * kCols;
       if (y < nc) rec[p.ws.dh + a * V + y0 + y] = sdS[a * kLdS + y];
     }
-    for (int e = tid; e < kC * kCols; e += kThreads) {
-      const int i = e / kCols, y = e - i * kCols;
-      sdO[i * kLdS + y] = (i < rows && y < nc) ? load(p.d_o, b, t0 + i, h, y0 + y) : 0.f;
-    }
+    stage<16, kThreads>(
+        kC * kCols, [&](int e) { const int i = e >> 6, y = e & 63; return (i < rows && y < nc) ? load(p.d_o, b, t0 + i, h, y0 + y) : 0.f; },
+        [&](int e, float x) { sdO[(e >> 6) * kLdS + (e & 63)] = x; });
     if (tid < K) sGc[tid] = rec[p.ws.gc + tid];
     __syncthreads();
     {  // dVnew += Kg dS': warp rows 16 (w % 4) .., columns 32 (w / 4) ..
