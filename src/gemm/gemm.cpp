@@ -164,7 +164,10 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   p.w = a.w.data;
   p.ldw = a.w.strides[0];
   p.d = a.d.data;
-  p.ldd = a.d.defined() ? a.d.strides[0] : 0;
+  // D's row stride goes into its TMA descriptor, which needs a 16-byte multiple; a single row's stride
+  // addresses nothing, so an aligned one stands in (e.g. a packed [1, N] D with N odd).
+  const int64_t d_vec = a.d.defined() ? 16 / int64_t(dtype_size(a.d.dtype)) : 1;
+  p.ldd = !a.d.defined() ? 0 : a.d.shape[0] == 1 ? (a.d.shape[1] + d_vec - 1) / d_vec * d_vec : a.d.strides[0];
   p.M = int(gemm_m(a, info));
   p.N = int(gemm_n(a, info));
   p.K = int(gemm_k(a, info));

@@ -42,6 +42,9 @@ Status validate(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o) {
   else if (a.dx.strides != a.dy.strides) return Status::invalid("dx: in place on dy needs dy's strides");
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("dx", a.dx, "x", a.x));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("dq_weight", a.dq_weight, "dk_weight", a.dk_weight));
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"partials", &a.partials}, {"dq_weight", &a.dq_weight},
+                         {"dk_weight", &a.dk_weight}, {"pos", &a.pos}, {"freq", &a.freq}})
+    ENCORE_RETURN_IF_ERROR(checks::no_overlap("dx", a.dx, name, *t));
   if (a.dy.device.is_cuda()) {
     if (o.head_dim > 256) return Status::unsupported("head_dim: at most 256 on CUDA, got " + std::to_string(o.head_dim));
     if (a.q_weight.dtype != a.k_weight.dtype) return Status::invalid("k_weight: dtype must match q_weight's on CUDA");

@@ -6,6 +6,7 @@
 // finisher out of place and in place (16-byte and scalar paths). Outputs are poisoned before each run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -105,8 +106,27 @@ void run_ce_case(const CeCase& c) {
   ENCORE_EXPECT_CLOSE(got, d, c.t, "d");
   for (int64_t m = 3; m < c.M; m += 7)
     for (int64_t n = 0; n < c.N; ++n) ASSERT_EQ(got.get(m, n), 0.0) << "ignored row " << m << ", column " << n;
-  // the padding columns of D's rows stay untouched (TMA clips at N)
-  for (int64_t m = 0; m < c.M && got.row_stride > c.N; ++m) ASSERT_TRUE(std::isnan(got.get(m, c.N))) << "row " << m << " written past N";
+  // The softmax part on its own (the one-hot entries dominate D's RMS): α·p = D + α·onehot against the
+  // reference's, and each counted row sums to 0 (Σ p = 1), to a bf16 rounding of each of its terms.
+  const double al = c.with_alpha ? 1.0 / 37.0 : 1.0;
+  double num = 0, den = 0;
+  for (int64_t m = 0; m < c.M; ++m) {
+    const int64_t t = int64_t(target.get(0, m));
+    if (t < 0) continue;
+    double sum = 0, mag = 0;
+    for (int64_t n = 0; n < c.N; ++n) {
+      const double oh = n == t ? al : 0.0, gp = got.get(m, n) + oh, rp = d.get(m, n) + oh;
+      num += (gp - rp) * (gp - rp);
+      den += rp * rp;
+      sum += got.get(m, n);
+      mag += std::abs(got.get(m, n));
+    }
+    ASSERT_LE(std::abs(sum), 1e-2 * mag + 1e-6) << "row " << m << ": the softmax does not sum to 1";
+  }
+  EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), 1e-2) << "softmax part alpha * p, relative RMS";
+  // the padding columns of D's rows stay untouched (TMA clips at N; the last row's padding is not stored)
+  for (int64_t m = 0; m + 1 < c.M && got.row_stride > c.N; ++m)
+    ASSERT_TRUE(std::isnan(got.get(m, c.N))) << "row " << m << " written past N";
 }
 
 TEST_F(GemmCeGpu, CeBwdOnEveryTile) {
@@ -140,6 +160,7 @@ TEST_F(GemmCeGpu, CeBwdBadDeviceTargetGivesNanRow) {
   const int32_t ts[M] = {0, 200, 5, -1, -100};
   for (int64_t m = 0; m < M; ++m) target.set(0, m, ts[m]);
   HostTensor lse = cpu_lse(a, w, nullptr);
+  d.poison();  // so that the ignored row's zeros are the kernel's
   Mirror ga(a), gw(w), gt(target), gd(d), gl(lse);
   GemmEpilogueArgs g;
   g.a = ga.gpu;

@@ -30,7 +30,7 @@ double loss(const std::vector<double>& x, const std::vector<double>& wq, const s
       const double r = 1.0 / std::sqrt(ss / double(D) + eps);
       for (int64_t e = 0; e < D; ++e) row[size_t(h * D + e)] *= r * (h < c.q_heads ? wq : wk)[size_t(e)];
     }
-    for (int64_t j = 0; 2 * j < N; ++j) {
+    for (int64_t j = 0; 2 * j < qk * D; ++j) {  // the forward rotates the Q and K heads only
       double t = pos.get(0, m) * (freq.get(0, 2 * j) + freq.get(0, 2 * j + 1));
       t -= std::nearbyint(t);
       const double th = 6.283185307179586 * t, a = row[size_t(2 * j)], b = row[size_t(2 * j + 1)];
@@ -66,7 +66,8 @@ TEST(QkNormRopeBwdCpu, MatchesFiniteDifferences) {
     wq.fill_normal(rng, 1.0, 0.3);
     wk.fill_normal(rng, 1.0, 0.3);
     for (int64_t m = 0; m < c.M; ++m) pos.set(0, m, double(17 * m + 3));
-    ASSERT_TRUE(rope_freq_turns(heads, c.q_heads + c.kv_heads, c.head_dim, 10000.0, freq.view()));
+    // Every head with a frequency, V included: the forward leaves V unrotated whatever freq holds.
+    ASSERT_TRUE(rope_freq_turns(heads, heads, c.head_dim, 10000.0, freq.view()));
     for (int64_t m = 0; m < c.M; ++m)
       for (int h = 0; h < heads; ++h) {
         double s = 0;

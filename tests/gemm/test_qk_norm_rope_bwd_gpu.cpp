@@ -1,6 +1,6 @@
 // CUDA QK-norm + RoPE backward against the CPU reference (run on the CPU backend with the same
 // inputs, itself checked against finite differences in test_qk_norm_rope_bwd_cpu.cpp): bf16 / fp16 /
-// fp32, fp32 or qkv-dtype weights, odd M (1, 77, 1000), head_dim 64 / 128 / 256 / 40, padded row
+// fp32, fp32 or qkv-dtype weights, M 1, 45, 77, 301, 1000, head_dim 64 / 128 / 256 / 40, padded row
 // strides, outputs poisoned; in place; a second run gives the same bits; M = 0 zeroes the weight grads.
 #include <gtest/gtest.h>
 
@@ -54,7 +54,8 @@ void run_case(const Case& c, bool in_place) {
   wq.fill_normal(rng, 1.0, 0.3);
   wk.fill_normal(rng, 1.0, 0.3);
   for (int64_t m = 0; m < c.M; ++m) pos.set(0, m, double((m * 977) % 32768));
-  ASSERT_TRUE(rope_freq_turns(heads, c.q_heads + c.kv_heads, c.head_dim, 1e6, freq.view()));
+  // Every head with a frequency (V included: the forward and backward leave V unrotated whatever freq holds).
+  ASSERT_TRUE(rope_freq_turns(heads, heads, c.head_dim, 1e6, freq.view()));
   for (int64_t m = 0; m < c.M; ++m)
     for (int h = 0; h < heads; ++h) {
       double s = 0;

@@ -154,9 +154,10 @@ def test_bad_input():
         loss_fn(w.double(), x.double(), t)
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_torch_compile_fullgraph(recompute):
     x, w, t = make(40, 16, 67)
-    loss_fn = FusedLinearCrossEntropyLoss()
+    loss_fn = FusedLinearCrossEntropyLoss(recompute=recompute)
     compiled = torch.compile(lambda w_, x_, t_: loss_fn(w_, x_, t_), fullgraph=True)
     wc, xc = w.clone().requires_grad_(True), x.clone().requires_grad_(True)
     loss = compiled(wc, xc, t)

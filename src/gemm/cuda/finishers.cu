@@ -73,7 +73,9 @@ __global__ void cross_entropy_bwd_kernel(const T* logits, int64_t ld, T* dlogits
     T* out = dlogits + int64_t(m) * ld_out;
     // ignore_index: e^(x − inf) = 0 and no one-hot; a target outside [0, N): NaN for the whole row
     const float l2 = t == ignore_index ? INFINITY : (t < 0 || t >= N) ? NAN : lse[m] * kLog2e;
-    auto grad = [&](float x, int n) { return a * (fast_exp2(fmaf(x, kLog2e, -l2)) - (n == t ? 1.0f : 0.0f)); };
+    // (an ignored row is selected to 0: exact even for a non-finite logit)
+    const bool ignored = t == ignore_index;
+    auto grad = [&](float x, int n) { return ignored ? 0.0f : a * (fast_exp2(fmaf(x, kLog2e, -l2)) - (n == t ? 1.0f : 0.0f)); };
     if (vec) {
       for (int n = threadIdx.x * kVec; n < N; n += blockDim.x * kVec) {
         uint4 raw = *reinterpret_cast<const uint4*>(in + n);

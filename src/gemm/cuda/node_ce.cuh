@@ -2,7 +2,7 @@
 // GEMM (kCeBwd): from the logits z of the accumulator tile,
 //   out[m, n] = α·(e^(z[m, n] − lse[m]) − [n == target[m]])
 // with lse[m] and target[m] read once per row and tile, α once per tile from device memory (null: 1).
-// Rows whose target == ignore_index give 0 (lse taken as +inf: e^(z − inf) = 0, no one-hot); a row
+// Rows whose target == ignore_index give exactly 0 (selected, so even a non-finite logit gives 0); a row
 // whose target lies outside [0, N) otherwise gives NaN (lse taken as NaN), so a bad target on the device
 // is visible in the gradient. Columns past N are computed but never stored (TMA clips D).
 #pragma once
@@ -23,6 +23,7 @@ struct CeGradArgs {
 
 struct CrossEntropyGrad : NodeBase<CeGradArgs> {
   using NodeBase<CeGradArgs>::NodeBase;
+  static constexpr int kIgnored = -(1 << 30);  // t_rel of an ignored row (no column matches it)
 
   template <class LTensor, class ITensor, class CTensor>
   struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
@@ -43,7 +44,7 @@ struct CrossEntropyGrad : NodeBase<CeGradArgs> {
       for (int i = 0; i < kFrag; ++i) {
         const int v = epi_v * kFrag + i;
         const float p = fast_exp2(fmaf(float(in[i]), kLog2e, -l_mn(v)));
-        out[i] = alpha * (int(get<1>(c_mn(v))) == t_mn(v) ? p - 1.0f : p);
+        out[i] = t_mn(v) == kIgnored ? 0.0f : alpha * (int(get<1>(c_mn(v))) == t_mn(v) ? p - 1.0f : p);
       }
       return out;
     }
@@ -58,14 +59,13 @@ struct CrossEntropyGrad : NodeBase<CeGradArgs> {
     const CeGradArgs& p = this->params;
     const int n_total = p.n_total > 0 ? p.n_total : int(N);
     const int n0 = p.col0 + get<1>(origin);  // global column of this thread's first column
-    constexpr int kNone = -(1 << 30);
     fill_rows(lse2, args, 0.0f, [&](int m) {
       const int t = __ldg(p.target + m);
       return t == p.ignore_index ? INFINITY : (t < 0 || t >= n_total) ? NAN : __ldg(p.lse + m) * kLog2e;
     });
-    fill_rows(t_rel, args, kNone, [&](int m) {
+    fill_rows(t_rel, args, kIgnored, [&](int m) {
       const int t = __ldg(p.target + m);
-      return t == p.ignore_index ? kNone : t - n0;
+      return t == p.ignore_index ? kIgnored : t - n0;
     });
     const float alpha = p.alpha != nullptr ? __ldg(p.alpha) : 1.0f;
     return Callbacks<decltype(lse2), decltype(t_rel), decltype(args.tCcD)>(lse2, t_rel, args.tCcD, alpha);

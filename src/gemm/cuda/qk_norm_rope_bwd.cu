@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kWarps * 32) qk_norm_rope_bwd_kernel(QkNormRop
   const int lane = threadIdx.x & 31, warp = int(blockIdx.x) * kWarps + int(threadIdx.x >> 5);
   const int total_warps = int(gridDim.x) * kWarps, D = p.head_dim, pairs = D / 2;
   const int64_t items = int64_t(p.M) * p.qk_heads;
-  float acc[2][kMaxPairsPerLane][2] = {};
+  float acc_q[kMaxPairsPerLane][2] = {}, acc_k[kMaxPairsPerLane][2] = {};  // named: no run-time index into registers
   for (int64_t it = warp; it < items; it += total_warps) {
     const int m = int(it / p.qk_heads), h = int(it % p.qk_heads);
     const bool q = h < p.num_q_heads;
@@ -71,21 +71,23 @@ __global__ void __launch_bounds__(kWarps * 32) qk_norm_rope_bwd_kernel(QkNormRop
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         dx[2 * j + i] = from_float<T>(r * wv[k][i] * dn[k][i] - c3 * xv[k][i]);
-        acc[q ? 0 : 1][k][i] += dn[k][i] * r * xv[k][i];
+        const float gw = dn[k][i] * r * xv[k][i];
+        acc_q[k][i] += q ? gw : 0.f;
+        acc_k[k][i] += q ? 0.f : gw;
       }
     }
   }
   float* part = ws + int64_t(warp) * 2 * D;
 #pragma unroll
-  for (int kind = 0; kind < 2; ++kind)
-#pragma unroll
-    for (int k = 0; k < kMaxPairsPerLane; ++k) {
-      const int j = lane + 32 * k;
-      if (j < pairs) {
-        part[kind * D + 2 * j] = acc[kind][k][0];
-        part[kind * D + 2 * j + 1] = acc[kind][k][1];
-      }
+  for (int k = 0; k < kMaxPairsPerLane; ++k) {
+    const int j = lane + 32 * k;
+    if (j < pairs) {
+      part[2 * j] = acc_q[k][0];
+      part[2 * j + 1] = acc_q[k][1];
+      part[D + 2 * j] = acc_k[k][0];
+      part[D + 2 * j + 1] = acc_k[k][1];
     }
+  }
   // V heads pass through (dx = dy) unless in place.
   if (p.dx != p.dy) {
     const int v0 = p.qk_heads * D, vn = p.N - v0;

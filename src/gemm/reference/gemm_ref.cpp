@@ -296,8 +296,8 @@ void qk_norm_rope_bwd(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o) {
   std::vector<double> dn(static_cast<size_t>(N)), dx(static_cast<size_t>(N)), dw(size_t(2 * D), 0.0);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) dn[size_t(n)] = at2(a.dy, m, n);
-    rope_pairs(dn, int64_t(at1(a.pos, m)), a.freq, /*inverse=*/true);  // pairwise: Rᵀ (V heads: frequency 0)
-    for (int64_t n = qk_heads * D; n < N; ++n) dx[size_t(n)] = dn[size_t(n)];
+    for (int64_t n = qk_heads * D; n < N; ++n) dx[size_t(n)] = dn[size_t(n)];  // V heads: untouched by the forward
+    rope_pairs(dn, int64_t(at1(a.pos, m)), a.freq, /*inverse=*/true);        // pairwise: Rᵀ (the Q / K columns are read)
     for (int64_t h = 0; h < qk_heads; ++h) {  // per-head statistic, then the norm's backward
       const double r = 1.0 / std::sqrt(at2(a.partials, m, h) / double(D) + double(o.eps));
       const bool q = h < o.num_q_heads;
