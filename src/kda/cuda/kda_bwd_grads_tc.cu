@@ -121,7 +121,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
     const float gi = sG[e], eg = exp2f(gi), ke = sK[e] * eg, bi = sBeta[i];
     const float dqt = p1 * eg, dki = p2 * exp2f(sGc[a] - gi);
     float dqi = 0.f, dkr = 0.f, dkc = 0.f;
-    for (int j = 0; j <= i; ++j) {
+    int j = 0;
+    for (; j + 3 <= i; j += 4) {  // rows i of dAqk and dL four at a time (one broadcast load each)
+      const float4 d4 = *reinterpret_cast<const float4*>(sD + i * kC + j), m4 = *reinterpret_cast<const float4*>(sM + i * kC + j);
+      const float dd[4] = {d4.x, d4.y, d4.z, d4.w}, mm[4] = {m4.x, m4.y, m4.z, m4.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float kx = sK[(j + u) * K + a] * exp2f(gi - sG[(j + u) * K + a]);
+        dqi += dd[u] * kx;
+        dkr += mm[u] * kx;
+      }
+    }
+    for (; j <= i; ++j) {
       const float kx = sK[j * K + a] * exp2f(gi - sG[j * K + a]);
       dqi += sD[i * kC + j] * kx;
       dkr += sM[i * kC + j] * kx;  // dL_ii = 0
