@@ -203,7 +203,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     lower-bound gate; safe_gate accepted), disable_recompute (accepted: the saved-h mode is
     encore's default), chunk_size 64. Refused with a ValueError: use_beta_sigmoid_in_kernel,
     allow_neg_eigval, return_intermediate_states, state_v_first, cp_context, use_graph and any other
-    keyword."""
+    keyword.
+
+    encore's context parallelism: cp_group=<torch.distributed process group>, each rank passing its
+    contiguous slice along T of a varlen batch (B = 1) and the global cu_seqlens; returns (this rank's o,
+    None). The ranks exchange one packed summary per direction (encore/_kda_cp.py); CPU tensors today
+    (the CUDA summary kernels are not written)."""
+    cp_group = kwargs.pop("cp_group", None)
     cu_cpu = kwargs.pop("cu_seqlens_cpu", None)
     kwargs.pop("safe_gate", None)
     kwargs.pop("disable_recompute", None)
@@ -219,6 +225,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         raise ValueError("A_log: must be given with use_gate_in_kernel unless lower_bound is set")
     if not use_gate_in_kernel:
         A_log = dt_bias = None  # fla ignores them for a precomputed gate
+    if cp_group is not None:
+        if initial_state is not None or output_final_state:
+            raise ValueError("cp_group: context parallelism takes no initial_state and no output_final_state")
+        if rematerialize:
+            raise ValueError("cp_group: rematerialize is not supported with context parallelism yet")
+        from ._kda_cp import chunk_kda_cp
+
+        return chunk_kda_cp(q, k, v, g, beta, cu_cpu if cu_cpu is not None else cu_seqlens, cp_group, scale, use_qk_l2norm_in_kernel,
+                            use_gate_in_kernel, lower_bound, A_log, dt_bias), None
     from ._kda_autograd import chunk_kda_apply
 
     return chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,

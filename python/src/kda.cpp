@@ -1,6 +1,10 @@
 // Bindings of the Kimi Delta Attention family.
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
 #include "convert.hpp"
 #include "encore/kda.hpp"
+#include "encore/kda_cp.hpp"
 
 namespace encore::python {
 
@@ -117,6 +121,35 @@ void bind_kda(nb::module_& m) {
         nb::arg("gate_in_kernel"), nb::arg("lower"), nb::arg("lb"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("dg"),
         nb::arg("dbeta"), nb::arg("dh0").none(), nb::arg("dA_log").none(), nb::arg("ddt_bias").none(), nb::arg("rG").none(),
         nb::arg("rAqk").none(), nb::arg("rAkk").none(), nb::arg("rh").none(), nb::arg("workspace").none(), nb::arg("stream"));
+  // Context parallelism (encore/kda_cp.hpp): the summaries of one local piece (d_o given: the backward's) and the merge.
+  m.def("kda_cp_summary_out",
+        [kda_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt A_log, Opt dt_bias, Opt cu, Opt d_o, int64_t piece,
+                             double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Array S, Array M) {
+          KdaCpSummaryArgs a;
+          a.fwd = kda_args(q, k, v, g, beta, {}, A_log, dt_bias, cu, {}, {});
+          a.d_o = opt_view(d_o, "d_o");
+          a.piece = piece;
+          a.S = to_view(S, "S");
+          a.M = to_view(M, "M");
+          const KdaOptions o = kda_opts(scale, false, l2, gate_in_kernel, lower, lb);
+          raise_if_error(d_o ? run_cp_backward_summary(a, o) : run_cp_forward_summary(a, o));
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("A_log").none(), nb::arg("dt_bias").none(),
+        nb::arg("cu").none(), nb::arg("d_o").none(), nb::arg("piece"), nb::arg("scale"), nb::arg("l2"), nb::arg("gate_in_kernel"),
+        nb::arg("lower"), nb::arg("lb"), nb::arg("S"), nb::arg("M"));
+  // The split of a varlen batch over ranks: per rank (local cu_seqlens, pre_num_ranks, post_num_ranks).
+  m.def("kda_cp_split",
+        [](const std::vector<int64_t>& cu, const std::vector<int64_t>& bounds) {
+          std::vector<KdaCpRankSplit> split;
+          raise_if_error(kda_cp_split(cu, bounds, &split));
+          std::vector<std::tuple<std::vector<int64_t>, int, int>> out;
+          for (const auto& r : split) out.emplace_back(r.cu, r.pre_num_ranks, r.post_num_ranks);
+          return out;
+        },
+        nb::arg("cu"), nb::arg("bounds"));
+  m.def("kda_cp_merge_out",
+        [](Array S, Array M, Array out) { raise_if_error(run_cp_merge(to_view(S, "S"), to_view(M, "M"), to_view(out, "out"))); },
+        nb::arg("S"), nb::arg("M"), nb::arg("out"));
 }
 
 }  // namespace encore::python
