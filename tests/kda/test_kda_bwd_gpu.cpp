@@ -11,6 +11,8 @@
 // norm on and off, K = V = 128 and odd K, V (60/100, 48/40), bf16, fp16 and fp32, grouped value heads
 // (HV = 2H, 4H), saved-h and
 // rematerialize; a second run gives the same bits. On failure each line printed names the case and every gradient's two errors.
+// The default path is the tensor-core kernels; SimtFallbackMatchesReferences runs the SIMT ones
+// (ENCORE_KDA_BWD_SIMT, kda_backward.cu).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -256,16 +258,26 @@ TEST_F(KdaBwdGpu, Fp16AndGroupedValueHeads) {
       for (bool remat : {false, true}) run_bwd(bc, dt, remat);
 }
 
-// The first SIMT fp32 version of the gradient kernel (ENCORE_KDA_BWD_SIMT=1, the A/B fallback of the
-// tensor-core kernel 3b-1, read at each call): the same references, bf16 saved-h and fp32 remat.
+// The first SIMT fp32 kernels (ENCORE_KDA_BWD_SIMT=1, the A/B fallback of the tensor-core ones, read
+// at each call): the same references, bf16 saved-h and fp32 remat; then two mixes of the two versions
+// (ENCORE_KDA_BWD_SIMT as a list of stages) on two cases.
 TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
   struct EnvGuard {
-    EnvGuard() { setenv("ENCORE_KDA_BWD_SIMT", "1", 1); }
+    explicit EnvGuard(const char* v) { setenv("ENCORE_KDA_BWD_SIMT", v, 1); }
     ~EnvGuard() { unsetenv("ENCORE_KDA_BWD_SIMT"); }
-  } guard;
-  for (const BwdCase& bc : matrix()) {
-    run_bwd(bc, DType::kBF16, false);
-    run_bwd(bc, DType::kFP32, true);
+  };
+  {
+    EnvGuard all("1");
+    for (const BwdCase& bc : matrix()) {
+      run_bwd(bc, DType::kBF16, false);
+      run_bwd(bc, DType::kFP32, true);
+    }
+  }
+  for (const char* mix : {"states,dh", "prep,dav,grads"}) {
+    EnvGuard some(mix);
+    std::printf("  ENCORE_KDA_BWD_SIMT=%s\n", mix);
+    const std::vector<BwdCase> cases = matrix();
+    for (int i : {1, 4}) run_bwd(cases[size_t(i)], DType::kFP32, true);
   }
 }
 

@@ -9,8 +9,10 @@
 //   4 the gate reduction below: dA_log[h] and ddt_bias[h, k] summed over the chunks' partials in a
 //     fixed order (deterministic, no atomics);
 //   5 with grouped value heads only: dq, dk summed over each q/k head's value heads (fixed order).
-// ENCORE_KDA_BWD_SIMT=1 (read at each call, so a test can run both) selects the first SIMT fp32
-// version of kernel 3b (no 3b-1): the A/B fallback of the tensor-core path.
+// ENCORE_KDA_BWD_SIMT (read at each call, so a test can run both): "1" or "all" selects the first
+// SIMT fp32 version of every kernel, the A/B fallback of the tensor-core ones; a comma list of
+// prep, states, dav, dh, grads (grads: kernels 3b-1 + 3b and the gate reduction) only those. The
+// versions of each stage share the record contract, so any mix is valid.
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -142,9 +144,17 @@ cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& 
   return cudaGetLastError();
 }
 
-bool simt_backward() {
+unsigned simt_backward() {
   const char* e = std::getenv("ENCORE_KDA_BWD_SIMT");
-  return e && *e && std::strcmp(e, "0") != 0;
+  if (!e || !*e || std::strcmp(e, "0") == 0) return 0;
+  static const char* const names[] = {"prep", "states", "dav", "dh", "grads"};  // bit i: names[i]
+  unsigned m = 0;
+  for (int i = 0; i < 5; ++i)
+    for (const char* at = std::strstr(e, names[i]); at; at = std::strstr(at + 1, names[i])) {
+      const size_t n = std::strlen(names[i]);
+      if ((at == e || at[-1] == ',') && (at[n] == '\0' || at[n] == ',')) m |= 1u << i;
+    }
+  return m ? m : kSimtAll;  // "1", "all" or anything else: every kernel
 }
 
 cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s) {
@@ -181,17 +191,18 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
     if (e != cudaSuccess) return Status::cuda_error(std::string("kda backward: ") + what + ": " + cudaGetErrorString(e));
     return Status::ok();
   };
-  const bool simt = kdabwd::simt_backward();
+  const unsigned simt = kdabwd::simt_backward();
+  auto on = [&](unsigned bit) { return (simt & bit) != 0; };
+  using kdabwd::kSimtDav, kdabwd::kSimtDh, kdabwd::kSimtGrads, kdabwd::kSimtPrep, kdabwd::kSimtStates;
   if (slots > 0) {
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_prep(p, ws, slots, simt, s), "recompute kernel"));
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_states(p, ws, slots, simt, s), "state kernel"));
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, simt, s), "dAv kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_prep(p, ws, slots, on(kSimtPrep), s), "recompute kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_states(p, ws, slots, on(kSimtStates), s), "state kernel"));
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, on(kSimtDav), s), "dAv kernel"));
   }
-  if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, simt, s), "dh kernel"));
-  if (slots > 0) {
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, simt, s), "gradient kernel"));
-  }
-  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, simt, s), "gate reduction"));
+  if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, on(kSimtDh), s), "dh kernel"));
+  if (slots > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, on(kSimtGrads), s), "gradient kernel"));
+  if (p.dA_log || p.ddt_bias)
+    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, on(kSimtGrads), s), "gate reduction"));
   if (groups) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_group_reduce(p, given.dq, given.dk, s), "group reduction"));
   return Status::ok();
 }

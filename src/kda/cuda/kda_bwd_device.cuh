@@ -100,7 +100,9 @@ cudaError_t launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cud
 cudaError_t launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_recompute_tc.cu
 cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_dav.cu
 cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s);      // kda_bwd_reverse.cu
-bool simt_backward();  // ENCORE_KDA_BWD_SIMT set (not "0"): the SIMT fp32 kernels (kda_backward.cu)
+// ENCORE_KDA_BWD_SIMT (kda_backward.cu): the stages to run with the first SIMT fp32 kernels, as bits.
+constexpr unsigned kSimtPrep = 1, kSimtStates = 2, kSimtDav = 4, kSimtDh = 8, kSimtGrads = 16, kSimtAll = 31;
+unsigned simt_backward();
 cudaError_t launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_inter.cu (tensor cores)
 cudaError_t launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_grads_tc.cu
 // simt: the first fp32 SIMT kernel 3b alone (kda_bwd_grads.cu); else kernels 3b-1 (launch_inter) and
