@@ -4,8 +4,11 @@
 #include <initializer_list>
 #include <string>
 
+#include <cmath>
+
 #include "core/checks.hpp"
 #include "encore/core/tensor_view.hpp"
+#include "encore/gemm.hpp"
 
 namespace encore::gemm {
 
@@ -55,6 +58,30 @@ inline Status contiguous_vector(const char* name, const TensorView& t) {
 
 inline Status no_cuda(const TensorView& t, const char* name = "a") {
   return Status::unsupported(std::string(name) + ": on " + t.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+}
+
+// The QK-norm + RoPE finish's and its backward's shared operands: t (named `name`, the [M, N] qkv-shaped
+// tensor the call is about) with N = (num_q_heads + 2 num_kv_heads)·head_dim, the options, partials
+// [M, heads] fp32, q_weight / k_weight [head_dim], pos [M] int32, freq [N] fp32.
+inline Status qk_norm_rope_operands(const char* name, const TensorView& t, const TensorView& partials, const TensorView& q_weight,
+                                    const TensorView& k_weight, const TensorView& pos, const TensorView& freq, const QkNormRopeOptions& o) {
+  ENCORE_RETURN_IF_ERROR(checks::present(name, t));
+  ENCORE_RETURN_IF_ERROR(checks::ndim(name, t, 2, "[M, N]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, kIo));
+  if (o.num_q_heads < 1 || o.num_kv_heads < 1 || o.head_dim < 2 || o.head_dim % 2 != 0)
+    return Status::invalid("num_q_heads, num_kv_heads: must be >= 1 and head_dim even (got " + std::to_string(o.num_q_heads) + ", " +
+                           std::to_string(o.num_kv_heads) + ", " + std::to_string(o.head_dim) + ")");
+  const int64_t M = t.shape[0], heads = int64_t(o.num_q_heads) + 2 * o.num_kv_heads, N = heads * o.head_dim;
+  if (t.shape[1] != N)
+    return Status::invalid(std::string(name) + ": expected [M, (num_q_heads + 2 * num_kv_heads) * head_dim] = [" + std::to_string(M) + ", " +
+                           std::to_string(N) + "], got " + t.shape_string());
+  ENCORE_RETURN_IF_ERROR(matrix("partials", partials, M, heads, "[M, heads]", t, {DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("q_weight", q_weight, o.head_dim, "[head_dim]", t, {t.dtype, DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("k_weight", k_weight, o.head_dim, "[head_dim]", t, {t.dtype, DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(vector("pos", pos, M, "[M]", t, {DType::kInt32}));
+  ENCORE_RETURN_IF_ERROR(vector("freq", freq, N, "[N] (hi, lo) pairs", t, {DType::kFP32}));
+  if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
+  return Status::ok();
 }
 
 }  // namespace encore::gemm

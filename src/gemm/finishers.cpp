@@ -142,22 +142,8 @@ Status run(const PartialsSumArgs& a, PartialsSum axis, float scale, Stream strea
 }
 
 Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(checks::present("qkv", a.qkv));
-  ENCORE_RETURN_IF_ERROR(checks::ndim("qkv", a.qkv, 2, "[M, N]"));
-  ENCORE_RETURN_IF_ERROR(checks::dtype_in("qkv", a.qkv, kIo));
-  if (o.num_q_heads < 1 || o.num_kv_heads < 1 || o.head_dim < 2 || o.head_dim % 2 != 0)
-    return Status::invalid("num_q_heads, num_kv_heads: must be >= 1 and head_dim even (got " + std::to_string(o.num_q_heads) + ", " +
-                           std::to_string(o.num_kv_heads) + ", " + std::to_string(o.head_dim) + ")");
-  const int64_t M = a.qkv.shape[0], heads = int64_t(o.num_q_heads) + 2 * o.num_kv_heads, N = heads * o.head_dim;
-  if (a.qkv.shape[1] != N)
-    return Status::invalid("qkv: expected [M, (num_q_heads + 2 * num_kv_heads) * head_dim] = [" + std::to_string(M) + ", " + std::to_string(N) +
-                           "], got " + a.qkv.shape_string());
-  ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, heads, "[M, heads]", a.qkv, {DType::kFP32}));
-  ENCORE_RETURN_IF_ERROR(vector("q_weight", a.q_weight, o.head_dim, "[head_dim]", a.qkv, {a.qkv.dtype, DType::kFP32}));
-  ENCORE_RETURN_IF_ERROR(vector("k_weight", a.k_weight, o.head_dim, "[head_dim]", a.qkv, {a.qkv.dtype, DType::kFP32}));
-  ENCORE_RETURN_IF_ERROR(vector("pos", a.pos, M, "[M]", a.qkv, {DType::kInt32}));
-  ENCORE_RETURN_IF_ERROR(vector("freq", a.freq, N, "[N] (hi, lo) pairs", a.qkv, {DType::kFP32}));
-  if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
+  ENCORE_RETURN_IF_ERROR(gemm::qk_norm_rope_operands("qkv", a.qkv, a.partials, a.q_weight, a.k_weight, a.pos, a.freq, o));
+  const int64_t M = a.qkv.shape[0];
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("qkv", a.qkv, "partials", a.partials));
   if (a.qkv.device.is_cuda()) {
     if (a.q_weight.dtype != a.k_weight.dtype) return Status::invalid("k_weight: dtype must match q_weight's on CUDA");

@@ -18,26 +18,12 @@ using gemm::matrix;
 using gemm::vector;
 
 Status validate(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o) {
-  ENCORE_RETURN_IF_ERROR(checks::present("dy", a.dy));
-  ENCORE_RETURN_IF_ERROR(checks::ndim("dy", a.dy, 2, "[M, N]"));
-  ENCORE_RETURN_IF_ERROR(checks::dtype_in("dy", a.dy, kIo));
-  if (o.num_q_heads < 1 || o.num_kv_heads < 1 || o.head_dim < 2 || o.head_dim % 2 != 0)
-    return Status::invalid("num_q_heads, num_kv_heads: must be >= 1 and head_dim even (got " + std::to_string(o.num_q_heads) + ", " +
-                           std::to_string(o.num_kv_heads) + ", " + std::to_string(o.head_dim) + ")");
-  const int64_t M = a.dy.shape[0], heads = int64_t(o.num_q_heads) + 2 * o.num_kv_heads, N = heads * o.head_dim;
-  if (a.dy.shape[1] != N)
-    return Status::invalid("dy: expected [M, (num_q_heads + 2 * num_kv_heads) * head_dim] = [" + std::to_string(M) + ", " + std::to_string(N) +
-                           "], got " + a.dy.shape_string());
+  ENCORE_RETURN_IF_ERROR(gemm::qk_norm_rope_operands("dy", a.dy, a.partials, a.q_weight, a.k_weight, a.pos, a.freq, o));
+  const int64_t M = a.dy.shape[0], N = a.dy.shape[1];
   ENCORE_RETURN_IF_ERROR(matrix("x", a.x, M, N, "[M, N] (the forward's input)", a.dy, {a.dy.dtype}));
   ENCORE_RETURN_IF_ERROR(matrix("dx", a.dx, M, N, "[M, N]", a.dy, {a.dy.dtype}));
-  ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, heads, "[M, heads]", a.dy, {DType::kFP32}));
-  ENCORE_RETURN_IF_ERROR(vector("q_weight", a.q_weight, o.head_dim, "[head_dim]", a.dy, {a.dy.dtype, DType::kFP32}));
-  ENCORE_RETURN_IF_ERROR(vector("k_weight", a.k_weight, o.head_dim, "[head_dim]", a.dy, {a.dy.dtype, DType::kFP32}));
-  ENCORE_RETURN_IF_ERROR(vector("pos", a.pos, M, "[M]", a.dy, {DType::kInt32}));
-  ENCORE_RETURN_IF_ERROR(vector("freq", a.freq, N, "[N] (hi, lo) pairs", a.dy, {DType::kFP32}));
   ENCORE_RETURN_IF_ERROR(vector("dq_weight", a.dq_weight, o.head_dim, "[head_dim]", a.dy, {DType::kFP32}));
   ENCORE_RETURN_IF_ERROR(vector("dk_weight", a.dk_weight, o.head_dim, "[head_dim]", a.dy, {DType::kFP32}));
-  if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
   if (a.dx.data != a.dy.data) ENCORE_RETURN_IF_ERROR(checks::no_overlap("dx", a.dx, "dy", a.dy));
   else if (a.dx.strides != a.dy.strides) return Status::invalid("dx: in place on dy needs dy's strides");
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("dx", a.dx, "x", a.x));
