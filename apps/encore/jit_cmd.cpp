@@ -1,6 +1,7 @@
 // encore jit warmup [--config FILE] [--arch sm_XY] [--device N] [--sms N]
 //   Compiles (or loads from the disk cache) the run-time specializations listed in FILE, one per
-//   line (the forms in src/jit/warmup.hpp: rms_norm, qk_norm, fp8_group_quant); without --config
+//   line (the forms in src/jit/warmup.hpp: rms_norm, qk_norm, fp8_group_quant, mxfp8_quant, nvfp4_quant,
+//   moe_routing, moe_dispatch, moe_combine); without --config
 //   the built-in list (jit::default_warmup_config). Every launch-plan variant (batch sizes 1 .. 2^20)
 //   of each line is compiled; prints each one's origin and time. With a GPU the kernels are also
 //   loaded; without one (or with --arch) only the cubins are cached, for --sms multiprocessors

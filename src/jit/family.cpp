@@ -109,7 +109,7 @@ Status Family::warm(uint64_t key, const KernelSpec& spec, int device, const std:
   return function(key, device, nullptr, [&] { return spec; }, &fn, origin, ms);
 }
 
-Status Family::launch(void* fn, long long grid, int block, int device, Stream stream, void* params) {
+Status Family::launch(void* fn, long long grid, int block, int device, Stream stream, void* params, size_t smem) {
 #ifdef ENCORE_WITH_CUDA
   void* args[] = {params};
   // A JIT function belongs to the device's primary context: launch with that device current.
@@ -117,11 +117,12 @@ Status Family::launch(void* fn, long long grid, int block, int device, Stream st
   ENCORE_RETURN_IF_ERROR(guard.set(device));
   if (grid == 0) return Status::ok();  // nothing to do (an empty problem)
   if (grid < 0 || grid > 0x7fffffffLL) return Status::internal(name_ + " jit: grid " + std::to_string(grid) + " out of range");
-  ENCORE_RETURN_IF_ERROR(jit::launch(fn, unsigned(grid), unsigned(block), 0, stream, args));
+  if (smem > 48 * 1024) return Status::internal(name_ + " jit: " + std::to_string(smem) + " bytes of shared memory (at most 48 KB without an opt-in)");
+  ENCORE_RETURN_IF_ERROR(jit::launch(fn, unsigned(grid), unsigned(block), unsigned(smem), stream, args));
   launches_.fetch_add(1, std::memory_order_relaxed);
   return Status::ok();
 #else
-  (void)fn, (void)grid, (void)block, (void)device, (void)stream, (void)params;
+  (void)fn, (void)grid, (void)block, (void)device, (void)stream, (void)params, (void)smem;
   return Status::unsupported(name_ + " jit: encore was built without CUDA");
 #endif
 }

@@ -60,9 +60,9 @@ class Family {
   // for `arch` only (no GPU needed).
   Status warm(uint64_t variant_key, const KernelSpec& spec, int device, const std::string& arch, Origin* origin, double* ms);
 
-  // cuLaunchKernel of `fn` with one by-value kernel argument at `params`, with `device` current;
-  // counts the launch.
-  Status launch(void* fn, long long grid, int block, int device, Stream stream, void* params);
+  // cuLaunchKernel of `fn` with one by-value kernel argument at `params` and `smem` bytes of dynamic
+  // shared memory, with `device` current; counts the launch.
+  Status launch(void* fn, long long grid, int block, int device, Stream stream, void* params, size_t smem = 0);
   int64_t launch_count() const { return launches_.load(); }
 
   // The dispatcher's step after a JIT launch returned `st`: true when it must return `st` (the JIT

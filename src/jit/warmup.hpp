@@ -4,6 +4,9 @@
 //   qk_norm <bf16|fp16> <head_dim 64|128|256> <q_heads> <kv_heads> [offset]
 //   fp8_group_quant <bf16|fp16|fp32> <K, a multiple of 128> [group_size: 128]
 //   mxfp8_quant <bf16|fp16|fp32> <K, a multiple of 32>     nvfp4_quant <bf16|fp16|fp32> <K, a multiple of 16>
+//   moe_routing <bf16|fp16|fp32> <experts> <top_k> [<n_group> <topk_group>]
+//   moe_dispatch <experts> <top_k>
+//   moe_combine <bf16|fp16|fp32> <hidden> <top_k> [<out dtype>]
 // '#' starts a comment; blank lines are skipped.
 #pragma once
 #include <cstdint>
@@ -19,9 +22,12 @@
 namespace encore::jit {
 
 struct WarmupLine {
-  std::string kernel;  // rms_norm, qk_norm, fp8_group_quant, mxfp8_quant, nvfp4_quant
-  DType dtype = DType::kBF16;
-  std::vector<int64_t> dims;  // hidden | head_dim, q_heads, kv_heads | K, group_size | K
+  std::string kernel;  // rms_norm, qk_norm, fp8_group_quant, mxfp8_quant, nvfp4_quant, moe_routing, moe_dispatch, moe_combine
+  DType dtype = DType::kBF16;      // moe_dispatch: none (unused)
+  DType out_dtype = DType::kBF16;  // moe_combine: out's dtype (default: dtype)
+  // hidden | head_dim, q_heads, kv_heads | K, group_size | K | experts, top_k, n_group, topk_group |
+  // experts, top_k | hidden, top_k
+  std::vector<int64_t> dims;
   bool add = false;           // rms_norm
   bool offset = false;        // qk_norm
   int line = 0;               // 1-based line number in the config

@@ -9,6 +9,7 @@
 #include "moe/reference/moe_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
 #include "moe/cuda/launch.hpp"
+#include "moe/jit.hpp"
 #endif
 
 namespace encore {
@@ -53,7 +54,7 @@ Status run(const MoeCombineArgs& a, const MoeCombineOptions& o, void*, Stream st
   ENCORE_RETURN_IF_ERROR(validate(a, o));
   if (a.expert_out.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
-    return cuda::launch_moe_combine(moe::make_combine_problem(a), a.expert_out.shape[0], a.expert_out.device.index, stream);
+    return moe::cuda_combine(moe::make_combine_problem(a), a.expert_out.shape[0], a.expert_out.device.index, stream);
 #endif
   }
   (void)stream;

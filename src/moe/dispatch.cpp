@@ -10,6 +10,7 @@
 #ifdef ENCORE_WITH_CUDA
 #include "encore/core/device_info.hpp"
 #include "moe/cuda/launch.hpp"
+#include "moe/jit.hpp"
 #endif
 
 namespace encore {
@@ -93,7 +94,7 @@ Status run(const MoeDispatchArgs& a, const MoeDispatchOptions& o, void* workspac
     const DeviceInfo* info = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.topk_ids.device.index, &info));
     const moe::DispatchPlan plan = moe::plan_moe_dispatch(a.topk_ids.shape[0], int(a.topk_ids.shape[1]), o.num_experts, info->sm_count);
-    return cuda::launch_moe_dispatch(moe::make_dispatch_problem(a, o, workspace), plan, a.topk_ids.device.index, stream);
+    return moe::cuda_dispatch(moe::make_dispatch_problem(a, o, workspace), plan, a.topk_ids.device.index, stream);
 #endif
   }
   (void)stream;

@@ -11,6 +11,7 @@
 #ifdef ENCORE_WITH_CUDA
 #include "encore/core/device_info.hpp"
 #include "moe/cuda/launch.hpp"
+#include "moe/jit.hpp"
 #endif
 
 namespace encore {
@@ -174,9 +175,9 @@ Status run_cuda(const MoeForwardArgs& a, const MoeOptions& o, const Parts& p, St
   ENCORE_RETURN_IF_ERROR(get_device_info(dev, &info));
   const int64_t T = a.x.shape[0];
   const int k = o.routing.top_k, E = p.dispatch_opts.num_experts;
-  ENCORE_RETURN_IF_ERROR(cuda::launch_moe_routing(moe::make_routing_problem(p.routing, o.routing), dev, stream));
+  ENCORE_RETURN_IF_ERROR(moe::cuda_routing(moe::make_routing_problem(p.routing, o.routing), dev, stream));
   const moe::DispatchProblem d = moe::make_dispatch_problem(p.dispatch, p.dispatch_opts, b.dispatch_workspace.data);
-  ENCORE_RETURN_IF_ERROR(cuda::launch_moe_dispatch(d, moe::plan_moe_dispatch(T, k, E, info->sm_count), dev, stream));
+  ENCORE_RETURN_IF_ERROR(moe::cuda_dispatch(d, moe::plan_moe_dispatch(T, k, E, info->sm_count), dev, stream));
   moe::ExpertGemmProblem g;
   g.mlp = mlp_problem(a, p, d);
   g.gate_up = static_cast<float*>(b.gate_up.data);
@@ -186,7 +187,7 @@ Status run_cuda(const MoeForwardArgs& a, const MoeOptions& o, const Parts& p, St
   g.rows_bound = moe_permuted_rows(T, k, E, o.align_m);
   g.sm_count = info->sm_count;
   ENCORE_RETURN_IF_ERROR(cuda::launch_moe_expert_gemms(g, dev, stream));
-  return cuda::launch_moe_combine(moe::make_combine_problem(p.combine), b.expert_out.shape[0], dev, stream);
+  return moe::cuda_combine(moe::make_combine_problem(p.combine), b.expert_out.shape[0], dev, stream);
 }
 #endif
 

@@ -8,6 +8,10 @@
 #include "core/host_device.hpp"
 #include "encore/core/dtype.hpp"
 
+#if defined(__CUDACC_RTC__) && !defined(INFINITY)
+#define INFINITY __int_as_float(0x7f800000)  // NVRTC (the JIT'd moe kernels, docs/jit.md) has no <cmath> macros
+#endif
+
 namespace encore::moe {
 
 // A group's score in the grouped top-k: the sum of its two largest values with a correction bias
@@ -132,9 +136,18 @@ struct CombineProblem {
 // per-chunk scatter (one warp per chunk). Then, in both, the gather on a grid of up to plan.grid
 // blocks (a warp per 2 KB of a row). Both give the reference's layout.
 enum class DispatchPath : uint8_t { kSingleBlock, kCountThenScatter };
+// The kernels that write the maps (cuda/dispatch_kernel.cuh): decode runs the first, prefill the other
+// three, in this order; the gather follows either.
+enum class DispatchMapKernel : uint8_t { kSingleBlock, kHistogram, kScan, kScatter };
 
 // CUDA limits of the moe ops (validate returns unsupported beyond them).
 constexpr int kCudaRoutingMaxExperts = 512;    // routing: one warp per token, E / 32 scores per lane
+// The routing kernel's scores per lane: ceil(E / 32) rounded up to a power of two (1 .. 16).
+inline int routing_per_lane(int num_experts) {
+  int per_lane = 1;
+  while (per_lane * 32 < num_experts) per_lane *= 2;
+  return per_lane;
+}
 constexpr int kCudaDispatchMaxExperts = 1024;  // dispatch: E counters in shared memory
 constexpr int64_t kDispatchChunkPairs = 512;   // prefill: (token, k) pairs per histogram / scatter chunk
 constexpr int kDispatchGatherBlocksPerSm = 5;  // gather: 256-thread blocks per SM (its launch bounds: <= 48 registers)

@@ -8,6 +8,7 @@
 #include "moe/reference/moe_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
 #include "moe/cuda/launch.hpp"
+#include "moe/jit.hpp"
 #endif
 
 namespace encore {
@@ -49,7 +50,7 @@ Status run(const MoeRoutingArgs& a, const MoeRoutingOptions& o, void*, Stream st
   ENCORE_RETURN_IF_ERROR(validate(a, o));
   if (a.logits.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
-    return cuda::launch_moe_routing(moe::make_routing_problem(a, o), a.logits.device.index, stream);
+    return moe::cuda_routing(moe::make_routing_problem(a, o), a.logits.device.index, stream);
 #endif
   }
   (void)stream;

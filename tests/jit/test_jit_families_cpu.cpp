@@ -167,7 +167,8 @@ TEST(JitWarmupConfig, ParsesEveryForm) {
   ASSERT_TRUE(parse(default_warmup_config(), &def));
   std::set<std::string> kernels;
   for (const auto& l : def) kernels.insert(l.kernel);
-  EXPECT_EQ(kernels, (std::set<std::string>{"rms_norm", "qk_norm", "fp8_group_quant", "mxfp8_quant", "nvfp4_quant"}))
+  EXPECT_EQ(kernels, (std::set<std::string>{"rms_norm", "qk_norm", "fp8_group_quant", "mxfp8_quant", "nvfp4_quant", "moe_routing",
+                                            "moe_dispatch", "moe_combine"}))
       << "the default list covers every family";
 }
 

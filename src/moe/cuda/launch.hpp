@@ -3,6 +3,9 @@
 // never allocate or synchronize. Ids / slot rows are not scanned on the host for CUDA tensors: the
 // kernels skip out-of-range entries instead of reading or writing out of bounds (docs/moe.md).
 #pragma once
+#include <cstddef>
+#include <cstdint>
+
 #include "encore/core/status.hpp"
 #include "encore/core/tensor_view.hpp"
 #include "moe/problem.hpp"
@@ -21,5 +24,35 @@ Status launch_moe_combine(const moe::CombineProblem& p, int64_t eo_rows, int dev
 // moe_forward's expert compute: the grouped gate/up GEMM, the SwiGLU and the grouped down GEMM
 // (grouped_gemm.cu). bf16 only; D and F multiples of 8; rows, strides and pointers 16-byte aligned.
 Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index, Stream stream);
+
+// ---- What the JIT launches (moe/moe_jit.cpp, docs/jit.md) share with the ahead-of-time ones: the
+// kernel argument (one layout for every dtype), the grid, block and shared memory. ----
+constexpr int kMoeRoutingBlock = 128;  // routing_kernel.cuh: kRoutingWarps tokens per block
+constexpr size_t kMoeRoutingParamsMaxBytes = 128;
+size_t moe_routing_smem_bytes(int num_experts);
+long long moe_routing_grid(int64_t tokens);
+size_t moe_routing_kernel_params(const moe::RoutingProblem& p, void* out);  // RoutingParams; returns its size
+
+constexpr int kMoeCombineBlock = 128;  // combine_kernel.cuh: kCombineThreads
+constexpr size_t kMoeCombineParamsMaxBytes = 128;
+bool moe_combine_vectorized(const moe::CombineProblem& p);  // kVec = 8 (rows aligned to 8 elements), else 1
+long long moe_combine_grid(const moe::CombineProblem& p, bool vec);
+size_t moe_combine_kernel_params(const moe::CombineProblem& p, int64_t eo_rows, void* out);
+
+// The dispatch's map kernels (dispatch_kernel.cuh) in launch order: one (decode) or three (prefill).
+using moe::DispatchMapKernel;
+struct DispatchMapLaunch {
+  DispatchMapKernel kernel;
+  unsigned grid, block;
+  size_t smem;
+};
+constexpr size_t kMoeDispatchParamsMaxBytes = 256;
+// The launch's limits (E range, the prefill workspace): checked before any kernel is launched.
+Status moe_dispatch_check(const moe::DispatchProblem& p, const moe::DispatchPlan& plan);
+// Fills out[0, n) and the kernel argument they share (`params`, kMoeDispatchParamsMaxBytes); returns n.
+int moe_dispatch_map_launches(const moe::DispatchProblem& p, const moe::DispatchPlan& plan, DispatchMapLaunch out[3], void* params);
+// The gather after the map kernels: a programmatic dependent of the last kernel launched on `stream`.
+Status launch_moe_dispatch_gather(const moe::DispatchProblem& p, const moe::DispatchPlan& plan, const void* params, int device_index,
+                                  Stream stream);
 
 }  // namespace encore::cuda
