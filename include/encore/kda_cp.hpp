@@ -1,4 +1,4 @@
-// KDA context parallelism (/work/shared/docs/math-kda.md §10, docs/kda.md "Context parallelism"): the
+// KDA context parallelism (docs/kda.md "Context parallelism"): the
 // per-rank summaries that let ranks holding consecutive slices of the same sequences exchange only
 // their state maps. For local sequence `piece` of a rank's inputs, per value head:
 //   forward:  S_end = M·S_start + S_ext over the piece (M [K, K], S_ext [K, V]: the end state from 0)
