@@ -13,8 +13,9 @@
 //           gate backward elementwise by all threads with per-chunk partials of dA_log, ddt_bias summed
 //           per channel in row order; dq = s dQ~, dk through the L2-norm backward.
 // Each thread owns elements e = tid + 512 r of the [64][K] tiles: one fused pass gathers every term of
-// its (row, channel) in registers and leaves dQ~, dK in the record (over P1, P2: owner only), dbeta
-// and dG parts in shared tiles. Deterministic (fixed orders). K, V <= 128; 210 KB shared.
+// its (row, channel) in registers and leaves dQ~, dK, the dbeta and dG parts in the record (over P1,
+// P2, Qg, Kg: owner only), reading dAqk and dL by rows and, through transposed copies, by columns
+// four at a time. Deterministic (fixed orders). K, V <= 128; 210 KB shared.
 #include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -42,6 +43,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   float* sDotk = sDotq + kC;
   float* sGc = sDotk + kC;
   float* sExtra = sGc + kMaxD;
+  float* sMt = sW;            // dL^T, dAqk^T [64][64] each during the fused pass (sW is free then)
+  float* sDt = sW + kC * kC;
   const int slot = blockIdx.x, h = blockIdx.y, K = p.K, tid = threadIdx.x;
   const ChunkInfo ci = chunk_info(p, slot);
   const int rows = ci.rows, b = ci.b, t0 = ci.t0;
@@ -49,6 +52,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   float* dQt = rec + p.ws.w;          // P1, then dQ~ (owner-only overwrite)
   float* dKt = rec + p.ws.acc;        // P2, then dK
   const float* dKb = rec + p.ws.dw;   // A^T dW
+  float* dbR = rec + p.ws.qg;         // the fused pass's dbeta and dG parts (the record's Qg, Kg areas are
+  float* dGR = rec + p.ws.kg;         // done with: kernel 3a was their last reader)
 
   const float* cre = rec;
   load_rows_batched<kThreads>(p.q, b, t0, rows, h / p.group, K, p.l2norm, p.scale, sQ, K, false, sRq);  // the group's head
@@ -100,6 +105,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
     if (i < rows && j < i)
       for (int m = 0; m <= j; ++m) s -= sT[i * kC + m] * sA[j * kC + m];
     sM[e] = s;
+    sMt[j * kC + i] = s;      // the transposes, for the column walks of the fused pass
+    sDt[j * kC + i] = sD[e];
   }
   __syncthreads();
 
@@ -108,11 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   float n1 = tid < nrow ? dQt[tid] : 0.f, n2 = tid < nrow ? dKt[tid] : 0.f, n3 = tid < nrow ? dKb[tid] : 0.f;
   for (int e = tid; e < kC * K; e += kThreads) {
     const int i = e / K, a = e - i * K;
-    if (i >= rows) {
-      sT[e] = 0.f;
-      sW[e] = 0.f;
-      continue;
-    }
+    if (i >= rows) break;  // rows are contiguous in e
     const float p1 = n1, p2 = n2, kb = n3;  // this element's record values; the next one's loads go out now
     const int en = e + kThreads;
     n1 = en < nrow ? dQt[en] : 0.f;
@@ -137,14 +140,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
       dqi += sD[i * kC + j] * kx;
       dkr += sM[i * kC + j] * kx;  // dL_ii = 0
     }
-    for (int m = i; m < rows; ++m)
-      dkc += (sD[m * kC + i] * sQ[m * K + a] + sM[m * kC + i] * sBeta[m] * sK[m * K + a]) * exp2f(sG[m * K + a] - gi);
+    const float* dti = sDt + i * kC;  // dAqk[m][i], dL[m][i] along m
+    const float* mti = sMt + i * kC;
+    int m = i;
+    for (; m < rows && (m & 3); ++m)
+      dkc += (dti[m] * sQ[m * K + a] + mti[m] * sBeta[m] * sK[m * K + a]) * exp2f(sG[m * K + a] - gi);
+    for (; m + 3 < rows; m += 4) {
+      const float4 d4 = *reinterpret_cast<const float4*>(dti + m), m4 = *reinterpret_cast<const float4*>(mti + m),
+                   b4 = *reinterpret_cast<const float4*>(sBeta + m);
+      const float dd[4] = {d4.x, d4.y, d4.z, d4.w}, mm[4] = {m4.x, m4.y, m4.z, m4.w}, bb[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        dkc += (dd[u] * sQ[(m + u) * K + a] + mm[u] * bb[u] * sK[(m + u) * K + a]) * exp2f(sG[(m + u) * K + a] - gi);
+    }
+    for (; m < rows; ++m)
+      dkc += (dti[m] * sQ[m * K + a] + mti[m] * sBeta[m] * sK[m * K + a]) * exp2f(sG[m * K + a] - gi);
     dQt[e] = dqt + dqi;
     dKt[e] = dki + bi * eg * kb + (bi * dkr + dkc);
-    sT[e] = kb * ke + sK[e] * dkr;
-    sW[e] = (sQ[e] * dqt - sK[e] * dki) + bi * ke * kb + (sQ[e] * dqi + sK[e] * (bi * dkr - dkc));
+    dbR[e] = kb * ke + sK[e] * dkr;  // to the record (owner only; sT, sW are busy)
+    dGR[e] = (sQ[e] * dqt - sK[e] * dki) + bi * ke * kb + (sQ[e] * dqi + sK[e] * (bi * dkr - dkc));
   }
   __syncthreads();
+  stage<16, kThreads>(
+      kC * K, [&](int e) { return e / K < rows ? dbR[e] : 0.f; }, [&](int e, float x) { sT[e] = x; });
+  stage<16, kThreads>(
+      kC * K, [&](int e) { return e / K < rows ? dGR[e] : 0.f; }, [&](int e, float x) { sW[e] = x; });
   const float inv_scale = 1.0f / p.scale;
   stage<16, kThreads>(  // dqn . qn (sA, sD: one [64][128] tile)
       kC * K, [&](int e) { return e / K < rows ? dQt[e] : 0.f; }, [&](int e, float x) { sA[e] = p.scale * x * sQ[e] * inv_scale; });
