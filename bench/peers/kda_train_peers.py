@@ -9,8 +9,9 @@ backward (memory allocated after the forward minus before, the output included),
 backward above the inputs; and each encore gradient against fla's (relative RMS difference: both compute the
 same gradients from the same bf16 inputs). Needs fla-core (carried in .whl) and the encore module built for this
 Python (PYTHONPATH=build-cuda/python). Usage: kda_train_peers.py OUT.json (KDA_PEER_CONFIGS=name,...; ROUNDS,
-default 3; KDA_TRAIN_WHO=fla,encore,encore_remat picks the implementations, e.g. encore alone for a profile
-without fla's minutes of Triton autotuning)."""
+default 3; KDA_TRAIN_WHO=fla,encore,encore_remat,encore_tc,encore_tc_remat picks the implementations, e.g.
+encore alone for a profile without fla's minutes of Triton autotuning; encore_tc* run the tensor-core backward
+kernels, ENCORE_KDA_BWD_SIMT=0, the others the SIMT ones)."""
 import os
 import statistics
 import sys
@@ -49,7 +50,7 @@ def runner(who, t, cu):
         kw.update(cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu)
     if who == "fla":
         return lambda: fla_chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
-    remat = who == "encore_remat"
+    remat = who.endswith("_remat")
     return lambda: encore_chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], rematerialize=remat, **kw)
 
 
@@ -62,6 +63,8 @@ def kernel_ms(f, calls=3):
 
 
 def measure(who, t, cot, cu):
+    # encore's backward kernels: the tensor-core ones for encore_tc*, the SIMT ones (the default) otherwise
+    os.environ["ENCORE_KDA_BWD_SIMT"] = "0" if who.startswith("encore_tc") else "1"
     fwd = runner(who, t, cu)
     leaves = list(t.values())
 
@@ -98,7 +101,7 @@ def rel(a, b):
 
 def main(out):
     res = {}
-    whos = ["fla"] + (["encore", "encore_remat"] if HAVE_ENCORE else [])
+    whos = ["fla"] + (["encore", "encore_remat", "encore_tc", "encore_tc_remat"] if HAVE_ENCORE else [])
     if os.environ.get("KDA_TRAIN_WHO"):
         whos = [w for w in os.environ["KDA_TRAIN_WHO"].split(",") if w in whos]
     for name, (B, lens) in CONFIGS.items():
