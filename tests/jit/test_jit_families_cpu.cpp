@@ -190,6 +190,21 @@ TEST(JitWarmupConfig, BadLinesNameTheLineAndTheForm) {
       {"mxfp8_quant bf16 48", "multiple of 32"},
       {"nvfp4_quant bf16 40", "multiple of 16"},
       {"nvfp4_quant bf16 32 swizzled", "unexpected 'swizzled'"},
+      {"moe_routing bf16 160", "moe_routing <bf16|fp16|fp32> <experts> <top_k>"},
+      {"moe_routing int8 160 6", "bad dtype"},
+      {"moe_routing bf16 160 6 8", "given together"},
+      {"moe_routing bf16 160 6 8 3 1", "unexpected '1'"},
+      {"moe_routing bf16 600 6", "[1, 512]"},
+      {"moe_routing bf16 160 6 7 1", "divide"},
+      {"moe_routing bf16 4294967424 6", "[0, 2^31)"},
+      {"moe_dispatch bf16 160 6", "moe_dispatch <experts> <top_k>"},
+      {"moe_dispatch 160", "moe_dispatch <experts> <top_k>"},
+      {"moe_dispatch 2000 6", "[1, 1024]"},
+      {"moe_dispatch 8 9", "top_k"},
+      {"moe_combine bf16 5120", "moe_combine <bf16|fp16|fp32> <hidden> <top_k>"},
+      {"moe_combine bf16 5120 6 fp32 fp16", "unexpected 'fp16'"},
+      {"moe_combine bf16 5120 0", "top_k"},
+      {"moe_combine bf16 200000 6", "ahead-of-time"},
   };
   for (const auto& [text, expect] : cases) {
     std::vector<WarmupLine> lines;

@@ -153,31 +153,7 @@ TEST(JitWarmupConfig, MoeForms) {
   std::set<std::string> kernels;
   for (const auto& d : def) kernels.insert(d.kernel);
   for (const char* k : {"moe_routing", "moe_dispatch", "moe_combine"}) EXPECT_TRUE(kernels.count(k)) << k << " missing from the default list";
-
-  const std::pair<const char*, const char*> bad[] = {
-      {"moe_routing bf16 160", "moe_routing <bf16|fp16|fp32> <experts> <top_k>"},
-      {"moe_routing int8 160 6", "bad dtype"},
-      {"moe_routing bf16 160 6 8", "given together"},
-      {"moe_routing bf16 160 6 8 3 1", "unexpected '1'"},
-      {"moe_routing bf16 600 6", "[1, 512]"},
-      {"moe_routing bf16 160 6 7 1", "divide"},
-      {"moe_routing bf16 4294967424 6", "[0, 2^31)"},
-      {"moe_dispatch bf16 160 6", "moe_dispatch <experts> <top_k>"},
-      {"moe_dispatch 160", "moe_dispatch <experts> <top_k>"},
-      {"moe_dispatch 2000 6", "[1, 1024]"},
-      {"moe_dispatch 8 9", "top_k"},
-      {"moe_combine bf16 5120", "moe_combine <bf16|fp16|fp32> <hidden> <top_k>"},
-      {"moe_combine bf16 5120 6 fp32 fp16", "unexpected 'fp16'"},
-      {"moe_combine bf16 5120 0", "top_k"},
-      {"moe_combine bf16 200000 6", "ahead-of-time"},
-  };
-  for (const auto& [text, expect] : bad) {
-    std::vector<WarmupLine> lines;
-    Status st = parse(std::string("\n") + text + "\n", &lines);
-    EXPECT_FALSE(st) << text;
-    EXPECT_NE(st.message().find("line 2: "), std::string::npos) << text << ": " << st.to_string();
-    EXPECT_NE(st.message().find(expect), std::string::npos) << text << ": " << st.to_string();
-  }
+  // Bad moe lines: JitWarmupConfig.BadLinesNameTheLineAndTheForm (test_jit_families_cpu.cpp).
 }
 
 // Every moe specialization kind compiles from the embedded headers through the warm-up path (what

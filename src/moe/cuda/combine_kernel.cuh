@@ -12,6 +12,7 @@
 // Specializations: TI, TO, kVec; the JIT (docs/jit.md) also bakes in k and D (0 in the ahead-of-time
 //   kernels: read from the params): the slot loop has a constant trip count and the item's (token,
 //   pack) split is a division by a constant. Same fmas in the same order: bit-identical output.
+// sm_100+: an fp32 pack (32 bytes) is one 256-bit load / store (vector_io.cuh's load_pack_global).
 // One source, two ways in: combine.cu #includes this file; the build embeds it for NVRTC.
 #pragma once
 #include <cstdint>
@@ -68,7 +69,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(CombinePar
         const int32_t r = j < K ? __ldg(rows + j) : -1;
         use[b] = r >= 0 && r < p.eo_rows;
         wj[b] = j < K ? __ldg(w + j) : 0.0f;
-        if (use[b]) y[b] = load_pack<TI, kVec>(eo + int64_t(r) * p.eo_stride + c * kVec);
+        if (use[b]) y[b] = load_pack_global<TI, kVec>(eo + int64_t(r) * p.eo_stride + c * kVec);
       }
 #pragma unroll
       for (int b = 0; b < kCombineBatch; ++b) {
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(CombinePar
     Pack<TO, kVec> o;
 #pragma unroll
     for (int i = 0; i < kVec; ++i) o.v[i] = from_float<TO>(acc[i]);
-    store_pack<TO, kVec>(out + t * p.out_stride + c * kVec, o);
+    store_pack_global<TO, kVec>(out + t * p.out_stride + c * kVec, o);  // fp32: one 256-bit access on sm_100+
   }
 }
 

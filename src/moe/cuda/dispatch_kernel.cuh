@@ -26,10 +26,13 @@
 //   0 in the ahead-of-time kernels (k and E read from the params), the problem's k and E in a JIT
 //   specialization (docs/jit.md): the pair -> (token, slot) split is a division by a constant and the
 //   per-expert loops have constant bounds. Same layout either way. The gather is ahead-of-time only.
+// sm_100+ (ENCORE_GLOBAL_256, common/cuda/vector_io.cuh): the 16-byte gather moves 32 bytes per access
+//   where both rows are 32-byte aligned; the sm_90 code is unchanged.
 // One source, two ways in: dispatch.cu #includes this file; the build embeds it for NVRTC.
 #pragma once
 #include <cstdint>
 
+#include "common/cuda/vector_io.cuh"
 #include "moe/problem.hpp"
 
 namespace encore::cuda {
@@ -351,6 +354,31 @@ __global__ void __launch_bounds__(kDispatchThreads, moe::kDispatchGatherBlocksPe
     const int start = int(it - r * per_row) * int(kChunk);
     const int left = int(p.row_bytes) - start;  // bytes of the row from this chunk on
     const int32_t slot = p.row_slots[r];
+#if ENCORE_GLOBAL_256
+    if constexpr (kBytes == 16 && kUnroll % 2 == 0) {
+      // sm_100+: the same chunk with lane l taking the 32-byte pairs (u * 32 + l): one 256-bit load and
+      // store each when both rows are 32-byte aligned (a 16-byte tail at the row's end: 128-bit).
+      unsigned char* dst8 = p.xp + int64_t(r) * p.xp_stride_bytes + start;
+      const unsigned char* src8 = slot >= 0 ? p.x + int64_t(unsigned(slot) / unsigned(p.k)) * p.x_stride_bytes + start : nullptr;
+      if (aligned32(dst8) && (src8 == nullptr || aligned32(src8))) {
+        Bits256 w[kUnroll / 2];
+#pragma unroll
+        for (int u = 0; u < kUnroll / 2; ++u) {
+          const int at = (u * 32 + lane) * 32;
+          w[u] = Bits256{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+          if (src8 && at + 32 <= left) w[u] = ld_global_v8<kCacheReadOnly>(src8 + at);
+          else if (src8 && at < left) w[u].lo = __ldg(reinterpret_cast<const uint4*>(src8 + at));
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll / 2; ++u) {
+          const int at = (u * 32 + lane) * 32;
+          if (at + 32 <= left) st_global_v8<false>(dst8 + at, w[u]);
+          else if (at < left) *reinterpret_cast<uint4*>(dst8 + at) = w[u].lo;
+        }
+        continue;
+      }
+    }
+#endif
     V* dst = reinterpret_cast<V*>(p.xp + int64_t(r) * p.xp_stride_bytes + start);
     V v[kUnroll];
     if (slot >= 0) {

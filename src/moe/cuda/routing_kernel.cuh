@@ -23,6 +23,13 @@
 namespace encore::cuda {
 
 constexpr int kNoIndex = 0x7fffffff;  // an argmax with no candidate yet: loses every tie
+
+// The JIT's constants (all 0 in the ahead-of-time kernels) describe a shape the kernel handles.
+constexpr bool routing_shape_ok(int per_lane, int experts, int top_k, int n_group, int topk_group) {
+  if (experts == 0) return true;
+  return experts <= 32 * per_lane && top_k >= 1 && top_k <= experts && n_group >= 1 && experts % n_group == 0 && topk_group >= 1 &&
+         topk_group <= n_group;
+}
 constexpr int kRoutingWarps = 4;  // tokens per block
 
 struct RoutingParams {  // the same layout for every logits dtype
@@ -84,8 +91,7 @@ __device__ __forceinline__ double warp_sum(double v) {
 // values in a JIT specialization (all four constant together).
 template <int kPerLane, typename TL, int kExperts = 0, int kTopK = 0, int kNGroup = 0, int kTopkGroup = 0>
 __global__ void __launch_bounds__(kRoutingWarps * 32) moe_routing_kernel(RoutingParams p) {
-  static_assert(kExperts == 0 || (kExperts <= 32 * kPerLane && kTopK >= 1 && kTopK <= kExperts && kNGroup >= 1 &&
-                                  kExperts % kNGroup == 0 && kTopkGroup >= 1 && kTopkGroup <= kNGroup),
+  static_assert(routing_shape_ok(kPerLane, kExperts, kTopK, kNGroup, kTopkGroup),
                 "JIT routing: 1 <= k <= E <= 32 * kPerLane, n_group divides E, 1 <= topk_group <= n_group");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;

@@ -19,6 +19,8 @@
 //   the params), so the tile / group split is a shift and a division by a constant; same math.
 //   One source, two ways in: fp8_group_quant.cu #includes this file, the build embeds it for NVRTC
 //   (cmake/EncoreJitSources.cmake; the host headers are stand-ins there, jit/family.cpp).
+// sm_100+ (vector_io.cuh's load_span_once): a lane's two packs (32 bytes) are one 256-bit load when
+//   32-byte aligned; the sm_90 code is unchanged.
 // Constraints (validate): K % 128 == 0, M * K / 128 < 2^31, 16-byte aligned x and q rows.
 #pragma once
 #include <cuda_fp8.h>
@@ -118,19 +120,11 @@ __device__ __forceinline__ float quantize_pack(const Pack<T, kVec>& v, bool vali
   return s;
 }
 
-// kN consecutive elements (a multiple of one 16-byte pack) by 16-byte streaming loads.
+// kN consecutive elements (a multiple of one 16-byte pack) by streaming loads: 16-byte ones, or
+// 32-byte ones on sm_100+ where the lane's span is 32-byte aligned (vector_io.cuh).
 template <typename T, int kN>
 __device__ __forceinline__ Pack<T, kN> load_lane(const T* p) {
-  constexpr int kVec = 16 / int(sizeof(T));
-  static_assert(kN % kVec == 0, "whole 16-byte packs");
-  Pack<T, kN> r;
-#pragma unroll
-  for (int j = 0; j < kN / kVec; ++j) {
-    const Pack<T, kVec> h = load_pack_once<T, kVec>(p + j * kVec);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) r.v[j * kVec + e] = h.v[e];
-  }
-  return r;
+  return load_span_once<T, kN>(p);
 }
 
 // kN / 4 words of e4m3 bytes by one 4-, 8- or 16-byte store.
