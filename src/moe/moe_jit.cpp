@@ -94,9 +94,9 @@ jit::Family& routing_jit_family() { return routing_family(); }
 void set_routing_jit_policy(JitPolicy policy) { routing_family().set_policy(policy); }
 int64_t routing_jit_launch_count() { return routing_family().launch_count(); }
 
+// The policy first: the shape checks (strings on a refusal) only when the JIT is on.
 bool routing_uses_jit(const RoutingProblem& p) {
-  if (!routing_jit_check(routing_jit_variant(p)).empty()) return false;
-  return routing_family().uses_jit(routing_shape_in_aot_list(p.num_experts, p.top_k));
+  return routing_family().uses_jit(routing_shape_in_aot_list(p.num_experts, p.top_k)) && routing_jit_check(routing_jit_variant(p)).empty();
 }
 
 Status routing_jit_warmup(const RoutingJitVariant& v, int device, const std::string& arch, jit::Origin* origin, double* ms) {
@@ -106,8 +106,8 @@ Status routing_jit_warmup(const RoutingJitVariant& v, int device, const std::str
 Status launch_routing_jit(const RoutingProblem& p, int device, Stream stream) {
 #ifdef ENCORE_WITH_CUDA
   if (p.tokens == 0) return Status::ok();
-  const RoutingJitVariant v = routing_jit_variant(p);
-  if (std::string e = routing_jit_check(v); !e.empty()) return Status::unsupported("moe_routing jit: " + e);
+  const RoutingJitVariant v = routing_jit_variant(p);  // options validated by run(); E checked by routing_uses_jit
+  if (p.num_experts < 1 || p.num_experts > kCudaRoutingMaxExperts) return Status::unsupported("moe_routing jit: " + routing_jit_check(v));
   void* fn = nullptr;
   ENCORE_RETURN_IF_ERROR(routing_family().function(routing_key(v), device, stream, [&] { return routing_jit_spec(v); }, &fn));
   alignas(16) unsigned char params[cuda::kMoeRoutingParamsMaxBytes];
@@ -144,8 +144,7 @@ void set_dispatch_jit_policy(JitPolicy policy) { dispatch_family().set_policy(po
 int64_t dispatch_jit_launch_count() { return dispatch_family().launch_count(); }
 
 bool dispatch_uses_jit(const DispatchProblem& p) {
-  if (!dispatch_jit_check(p.num_experts, p.top_k).empty()) return false;
-  return dispatch_family().uses_jit(dispatch_shape_in_aot_list(p.num_experts, p.top_k));
+  return dispatch_family().uses_jit(dispatch_shape_in_aot_list(p.num_experts, p.top_k)) && dispatch_jit_check(p.num_experts, p.top_k).empty();
 }
 
 std::vector<DispatchJitVariant> dispatch_jit_variants(int experts, int top_k) {
@@ -211,8 +210,7 @@ int64_t combine_jit_launch_count() { return combine_family().launch_count(); }
 
 bool combine_uses_jit(const CombineProblem& p) {
   const CombineJitVariant v{p.eo_dtype, p.out_dtype, p.hidden % 8 == 0 ? 8 : 1, p.top_k, p.hidden};
-  if (!combine_jit_check(v).empty()) return false;
-  return combine_family().uses_jit(combine_shape_in_aot_list(p.hidden, p.top_k));
+  return combine_family().uses_jit(combine_shape_in_aot_list(p.hidden, p.top_k)) && combine_jit_check(v).empty();
 }
 
 Status combine_jit_warmup(const CombineJitVariant& v, int device, const std::string& arch, jit::Origin* origin, double* ms) {
