@@ -2,8 +2,8 @@
 // and the ahead-of-time kernels on the SAME inputs (generated once per case), each against the CPU
 // reference, and against each other bit for bit (same source, same math: only E, k, D and the groups
 // are constants); outputs poisoned before every run; shapes outside the AOT lists (E not a multiple
-// of 32, odd k, odd D), both dispatch paths forced; graph capture refusing to compile, then
-// `warm-up first` capturing the JIT kernels.
+// of 32, odd k, odd D), both dispatch paths forced; moe_forward with the three JIT paths equal to
+// the AOT layer; graph capture refusing to compile, then `warm-up first` capturing the JIT kernels.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -298,6 +298,65 @@ TEST_F(JitMoeGpu, CombineOutsideTheListMatchesCpuAndAheadOfTime) {
       EXPECT_EQ(bytes_differ(j, cpu), 0u) << "JIT vs CPU reference (the kernel's fma chain is the reference's: bit-equal)";
       EXPECT_EQ(bytes_differ(a, cpu), 0u) << "AOT vs CPU reference";
     }
+  }
+}
+
+// ---- the layer: moe_forward's routing, dispatch and combine through the same dispatchers ----
+TEST_F(JitMoeGpu, ForwardJitEqualsAheadOfTime) {
+  struct Case {
+    int64_t T, D, F;
+    int E, k, align;
+  };
+  const Case cases[] = {{37, 200, 64, 40, 3, 8}, {1, 128, 64, 24, 5, 128}, {700, 64, 32, 160, 6, 1}};
+  std::mt19937_64 rng(fresh_seed());
+  const Device gpu{DeviceType::kCUDA, 0};
+  for (const Case& c : cases) {
+    SCOPED_TRACE("T" + std::to_string(c.T) + " D" + std::to_string(c.D) + " F" + std::to_string(c.F) + " E" + std::to_string(c.E) + " k" +
+                 std::to_string(c.k));
+    HostTensor x(DType::kBF16, c.T, c.D), logits(DType::kFP32, c.T, c.E), w13(DType::kBF16, int64_t(c.E) * 2 * c.F, c.D),
+        w2(DType::kBF16, int64_t(c.E) * c.D, c.F);
+    x.fill_normal(rng);
+    logits.fill_normal(rng, 0.0, 2.0);
+    w13.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(c.D)));
+    w2.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(c.F)));
+    MoeOptions o;
+    o.routing.top_k = c.k;
+    o.align_m = c.align;
+    const MoeLayerShape shape{c.T, c.D, c.F, c.E, DType::kBF16};
+    const size_t bytes = moe_buffers_bytes(shape, o);
+    DeviceBuffer dx(x.storage_bytes()), dl(logits.storage_bytes()), dw13(w13.storage_bytes()), dw2(w2.storage_bytes()),
+        dout(size_t(c.T * c.D) * 2), dbase(bytes);
+    MoeBuffers b;
+    ASSERT_TRUE(moe_buffers_carve(shape, o, dbase.ptr, bytes, gpu, &b));
+    const MoeForwardArgs a{to_device(x, dx),
+                           to_device(logits, dl),
+                           {},
+                           TensorView::contiguous(dw13.ptr, DType::kBF16, {c.E, 2 * c.F, c.D}, gpu),
+                           TensorView::contiguous(dw2.ptr, DType::kBF16, {c.E, c.D, c.F}, gpu),
+                           b,
+                           TensorView::contiguous(dout.ptr, DType::kBF16, {c.T, c.D}, gpu)};
+    ASSERT_EQ(cudaMemcpy(dw13.ptr, w13.bytes.data(), w13.storage_bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dw2.ptr, w2.bytes.data(), w2.storage_bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    auto forward = [&](moe::JitPolicy policy) {
+      moe::set_routing_jit_policy(policy);
+      moe::set_dispatch_jit_policy(policy);
+      moe::set_combine_jit_policy(policy);
+      EXPECT_EQ(cudaMemset(dbase.ptr, 0xff, bytes), cudaSuccess);  // every buffer poisoned
+      EXPECT_EQ(cudaMemset(dout.ptr, 0xff, size_t(c.T * c.D) * 2), cudaSuccess);
+      Status st = run(a, o);
+      EXPECT_TRUE(st) << st.to_string();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      HostTensor out(DType::kBF16, c.T, c.D);
+      from_device(out, dout);
+      return out;
+    };
+    const int64_t r0 = moe::routing_jit_launch_count(), d0 = moe::dispatch_jit_launch_count(), c0 = moe::combine_jit_launch_count();
+    const HostTensor j = forward(moe::JitPolicy::kAlways);
+    EXPECT_EQ(moe::routing_jit_launch_count(), r0 + 1);
+    EXPECT_GT(moe::dispatch_jit_launch_count(), d0);
+    EXPECT_EQ(moe::combine_jit_launch_count(), c0 + 1) << "the layer did not take the JIT paths";
+    const HostTensor aot = forward(moe::JitPolicy::kOff);
+    EXPECT_EQ(bytes_differ(j, aot), 0u) << "moe_forward: JIT and AOT outputs differ (same routing, maps and combine: expected bit-identical)";
   }
 }
 
