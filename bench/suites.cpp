@@ -8,10 +8,6 @@
 
 namespace encore::bench {
 
-// The JIT suites of the families beyond RMSNorm (bench/norm/bench_qk_norm_jit.cpp, bench/quant/bench_fp8_group_quant_jit.cpp).
-void run_qk_norm_jit_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
-void run_quant_jit_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
-
 int run_suites(const BenchOptions& opts) {
   const std::map<std::string, std::function<void(Report&, const TimeOptions&, cudaStream_t)>> suites = {
       {"norm", run_norm_suite},
@@ -30,6 +26,7 @@ int run_suites(const BenchOptions& opts) {
       {"quant_plans", run_quant_plans_suite},
       {"host_overhead", run_host_overhead_suite},
       {"moe", run_moe_suite},
+      {"moe_jit", run_moe_jit_suite},
   };
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "encore bench: no CUDA device: benchmarks need a GPU (try `encore check`)\n");

@@ -21,5 +21,10 @@ void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t 
 void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_host_overhead_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+// The JIT suites of the families beyond RMSNorm: JIT against AOT on the same buffers
+// (bench/norm/bench_qk_norm_jit.cpp, bench/quant/bench_fp8_group_quant_jit.cpp, bench/moe/bench_moe_jit.cpp).
+void run_qk_norm_jit_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_quant_jit_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_moe_jit_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 
 }  // namespace encore::bench

@@ -1,4 +1,4 @@
-// Suite "moe_jit" (run_moe_jit_suite; to be listed in bench/suites.cpp): the JIT MoE routing,
+// Suite "moe_jit" (run_moe_jit_suite): the JIT MoE routing,
 // dispatch (map kernels; the gather is AOT in both) and combine (docs/jit.md) against the
 // ahead-of-time kernels on the same buffers, bf16: DeepSeek-V2's E 160, k 6, D 5120 (outside the
 // AOT lists) and DeepSeek-V3's E 256, k 8, D 7168 (inside: the JIT must be no slower), tokens
