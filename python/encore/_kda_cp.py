@@ -18,6 +18,7 @@ import torch
 
 from . import _encore
 from ._kda_autograd import _residual_request
+from .kda import _opts
 from ._util import _dl, _ops
 
 
@@ -65,8 +66,7 @@ class ChunkKdaCpFunction(torch.autograd.Function):
 
         r = dist.get_rank(group)
         hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-        opts = (float(scale or 0.0), bool(l2), bool(gate), lower_bound is not None,
-                float(lower_bound if lower_bound is not None else -5.0))
+        opts = _opts(scale, l2, gate, lower_bound)
         n_local = cu_local.numel() - 1
         packed = (_summary(q, k, v, g, beta, A_log, dt_bias, cu_local, opts, n_local - 1) if post > 0
                   else torch.zeros(hv * K * (V + K), dtype=torch.float64))

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include <cmath>
 
@@ -81,6 +82,16 @@ inline Status qk_norm_rope_operands(const char* name, const TensorView& t, const
   ENCORE_RETURN_IF_ERROR(vector("pos", pos, M, "[M]", t, {DType::kInt32}));
   ENCORE_RETURN_IF_ERROR(vector("freq", freq, N, "[N] (hi, lo) pairs", t, {DType::kFP32}));
   if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
+  if (t.device.is_cuda()) {  // what both CUDA kernels read: one weight dtype, contiguous vectors, float2 freq pairs
+    if (q_weight.dtype != k_weight.dtype) return Status::invalid("k_weight: dtype must match q_weight's on CUDA");
+    for (auto [vname, v] : {std::pair<const char*, const TensorView*>{"q_weight", &q_weight}, {"k_weight", &k_weight}, {"pos", &pos},
+                            {"freq", &freq}})
+      ENCORE_RETURN_IF_ERROR(contiguous_vector(vname, *v));
+    if (!checks::aligned(freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, t));
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", partials));
+    if (M >= (int64_t(1) << 31)) return Status::unsupported(std::string(name) + ": M must be < 2^31");
+  }
   return Status::ok();
 }
 

@@ -146,14 +146,6 @@ Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream stream) {
   const int64_t M = a.qkv.shape[0];
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("qkv", a.qkv, "partials", a.partials));
   if (a.qkv.device.is_cuda()) {
-    if (a.q_weight.dtype != a.k_weight.dtype) return Status::invalid("k_weight: dtype must match q_weight's on CUDA");
-    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q_weight", &a.q_weight}, {"k_weight", &a.k_weight}, {"pos", &a.pos},
-                           {"freq", &a.freq}})
-      ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
-    if (!checks::aligned(a.freq.data, 8)) return Status::invalid("freq: must be 8-byte aligned on CUDA ((hi, lo) pairs)");
-    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("qkv", a.qkv));
-    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
-    if (M >= (int64_t(1) << 31)) return Status::unsupported("qkv: M must be < 2^31");
 #ifdef ENCORE_WITH_CUDA
     cuda::QkNormRopeProblem p;
     p.qkv = a.qkv.data;

@@ -157,35 +157,11 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
     }
     __syncthreads();
     const int a0 = 16 * warp;
-    if (a0 < K) {  // dS = Diag(2^gC) dS' + Qg^T dO + W^T (-dVnew): warp rows (channels) a0 .., all 64 columns
-      float c[8][4];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int a = a0 + g + 8 * (q >> 1), y = 8 * nt + 2 * t + (q & 1);
-          c[nt][q] = a < K ? exp2f(sGc[a]) * sdS[a * kLdS + y] : 0.f;
-        }
-#pragma unroll 1
-      for (int ks = 0; ks < kC / 16; ++ks) {
-        uint32_t ahi[4], alo[4], bhi[8][2], blo[8][2];
-        frag_cols(rec + p.ws.qg, K, a0, 16 * ks, ahi, alo);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) frag_b<false>(sdO + 16 * ks * kLdS + 8 * nt, kLdS, bhi[nt], blo[nt]);
-        mma_split<8>(c, ahi, alo, bhi, blo);
-        frag_cols(rec + p.ws.w, K, a0, 16 * ks, ahi, alo);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) frag_b<false>(sdV + 16 * ks * kLdS + 8 * nt, kLdS, bhi[nt], blo[nt]);
-        mma_split<8>(c, ahi, alo, bhi, blo);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int a = a0 + g + 8 * (q >> 1), y = 8 * nt + 2 * t + (q & 1);
-          if (a < K) sdS[a * kLdS + y] = c[nt][q];
-        }
-    }
+    if (a0 < K)  // dS = Diag(2^gC) dS' + Qg^T dO + W^T (-dVnew): warp rows (channels) a0 .., all 64 columns
+      decayed_state_step(sdS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) {
+        state_term(c, rec + p.ws.qg, K, a0, ks, sdO, kLdS);
+        state_term(c, rec + p.ws.w, K, a0, ks, sdV, kLdS);
+      });
     __syncthreads();
   }
   if (p.dh0)
