@@ -133,4 +133,4 @@ def test_swiglu_mlp_cuda_bf16(norm):
     for name, a, b, r in zip(["out", "dx", "dw13", "dw2", "dgamma"], [out, *grads], [bout, *bgrads], [rout, *rgrads]):
         assert torch.isfinite(a).all(), name
         ea, eb = rel(a, r), rel(b, r)
-        assert ea <= 2 * eb + 1e-3, (name, ea, eb)
+        assert ea <= 2 * eb, (name, ea, eb)  # issue 30's rule: no worse than 2x the unfused bf16 computation
