@@ -76,7 +76,7 @@ Status run(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o, void* workspa
     p.qk_heads = o.num_q_heads + o.num_kv_heads;
     p.head_dim = o.head_dim;
     p.eps = o.eps;
-    return cuda::launch_qk_norm_rope_bwd(p, static_cast<float*>(workspace), stream);  // M = 0: zero weight gradients
+    return cuda::launch_qk_norm_rope_bwd(p, static_cast<float*>(workspace), stream);
 #else
     (void)stream;
     return gemm::no_cuda(a.dy, "dy");

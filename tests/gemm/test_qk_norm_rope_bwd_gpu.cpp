@@ -106,30 +106,36 @@ TEST_F(QkNormRopeBwdGpu, MatchesCpuReference) {
     for (bool in_place : {false, true}) run_case(c, in_place);
 }
 
-TEST_F(QkNormRopeBwdGpu, EmptyBatchZeroesWeightGradients) {
+// An empty batch is refused like every empty tensor in encore (checks::present), naming dy; a CUDA
+// run without its workspace is refused too.
+TEST_F(QkNormRopeBwdGpu, EmptyBatchAndMissingWorkspaceRefused) {
   const int64_t D = 64, N = 4 * D;
-  DeviceBuffer b(4096), dq(D * 4), dk(D * 4), wq(D * 2), fr(N * 4);
-  HostTensor poison_q = HostTensor::vector(DType::kFP32, D);
-  poison_q.poison();
-  QkNormRopeBwdArgs a;
+  DeviceBuffer b(8192), dq(D * 4), dk(D * 4), wq(D * 2), fr(N * 4);
   const Device dev{DeviceType::kCUDA, 0};
-  a.dy = TensorView::contiguous(b.ptr, DType::kBF16, {0, N}, dev);
-  a.x = TensorView::contiguous(b.at(1024), DType::kBF16, {0, N}, dev);
-  a.dx = TensorView::contiguous(b.at(2048), DType::kBF16, {0, N}, dev);
-  a.partials = TensorView::contiguous(b.at(3072), DType::kFP32, {0, 4}, dev);
-  a.q_weight = a.k_weight = TensorView::contiguous(wq.ptr, DType::kBF16, {D}, dev);
-  a.pos = TensorView::contiguous(b.at(3584), DType::kInt32, {0}, dev);
-  a.freq = TensorView::contiguous(fr.ptr, DType::kFP32, {N}, dev);
-  a.dq_weight = to_device(poison_q, dq);
-  a.dk_weight = to_device(poison_q, dk);
+  for (DeviceBuffer* x : {&b, &dq, &dk, &wq, &fr}) ENCORE_ASSERT_CUDA(cudaMemset(x->ptr, 0, x->bytes));
+  auto args = [&](int64_t M) {
+    QkNormRopeBwdArgs a;
+    a.dy = TensorView::contiguous(b.ptr, DType::kBF16, {M, N}, dev);
+    a.x = TensorView::contiguous(b.at(1024), DType::kBF16, {M, N}, dev);
+    a.dx = TensorView::contiguous(b.at(2048), DType::kBF16, {M, N}, dev);
+    a.partials = TensorView::contiguous(b.at(3072), DType::kFP32, {M, 4}, dev);
+    a.q_weight = a.k_weight = TensorView::contiguous(wq.ptr, DType::kBF16, {D}, dev);
+    a.pos = TensorView::contiguous(b.at(3584), DType::kInt32, {M}, dev);
+    a.freq = TensorView::contiguous(fr.ptr, DType::kFP32, {N}, dev);
+    a.dq_weight = TensorView::contiguous(dq.ptr, DType::kFP32, {D}, dev);
+    a.dk_weight = TensorView::contiguous(dk.ptr, DType::kFP32, {D}, dev);
+    return a;
+  };
   const QkNormRopeOptions o{2, 1, int(D), 1e-6f};
-  DeviceBuffer ws(workspace_bytes(a, o));
-  ASSERT_TRUE(run(a, o, ws.ptr));
+  DeviceBuffer ws(workspace_bytes(args(1), o));
+  Status st = run(args(0), o, ws.ptr);
+  EXPECT_FALSE(st);
+  EXPECT_NE(st.message().find("dy: empty tensor"), std::string::npos) << st.to_string();
+  st = run(args(1), o, nullptr);
+  EXPECT_FALSE(st) << "a CUDA run without workspace must be refused";
+  EXPECT_NE(st.message().find("workspace"), std::string::npos) << st.to_string();
+  ASSERT_TRUE(run(args(1), o, ws.ptr));
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
-  HostTensor q = poison_q;
-  from_device(q, dq);
-  for (int64_t e = 0; e < D; ++e) EXPECT_EQ(q.get(0, e), 0.0) << e;
-  EXPECT_FALSE(run(a, o, nullptr)) << "a CUDA run without workspace must be refused";
 }
 
 }  // namespace

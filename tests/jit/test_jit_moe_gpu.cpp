@@ -387,24 +387,24 @@ TEST_F(JitMoeGpu, GraphCaptureNeverCompilesThenWarmupFirst) {
   from_device(got.w, dw);
   expect_routing_close(got, routing_run(rin, false, moe::JitPolicy::kEnv), "routing graph replay vs CPU reference");
 
-  // Dispatch (decode path through the host plan): E 40, k 3.
-  const HostTensor dids = random_ids(rng, 6, 3, 40);
+  // Dispatch (decode path through the host plan): E 44, k 3 (no other test compiles E 44: ForwardJitEqualsAheadOfTime has E 40).
+  const HostTensor dids = random_ids(rng, 6, 3, 44);
   HostTensor x(DType::kBF16, 6, 64);
   x.fill_normal(rng);
-  const int64_t R = moe_permuted_rows(6, 3, 40, 8);
-  DispatchOut d{poisoned_vec(40), poisoned_vec(41), poisoned(DType::kInt32, 6, 3, 0x7f), poisoned_vec(R), poisoned(DType::kBF16, R, 64, 0xff)};
+  const int64_t R = moe_permuted_rows(6, 3, 44, 8);
+  DispatchOut d{poisoned_vec(44), poisoned_vec(45), poisoned(DType::kInt32, 6, 3, 0x7f), poisoned_vec(R), poisoned(DType::kBF16, R, 64, 0xff)};
   DeviceBuffer b_ids(dids.storage_bytes()), b_x(x.storage_bytes()), b_c(d.counts.storage_bytes()), b_o(d.offsets.storage_bytes()),
       b_s(d.slots.storage_bytes()), b_r(d.rows.storage_bytes()), b_xp(d.xp.storage_bytes());
   const MoeDispatchArgs da{to_device(dids, b_ids), to_device(x, b_x), to_device(d.counts, b_c), to_device(d.offsets, b_o),
                            to_device(d.slots, b_s), to_device(d.rows, b_r), to_device(d.xp, b_xp)};
-  const MoeDispatchOptions dopt{40, 8};
+  const MoeDispatchOptions dopt{44, 8};
   DeviceBuffer b_ws(workspace_bytes(da, dopt));
   auto dop = [&](cudaStream_t s) { return run(da, dopt, b_ws.ptr, s); };
   moe::set_dispatch_jit_policy(moe::JitPolicy::kAlways);
   st = run_captured(ts.s, dop);
   EXPECT_FALSE(st) << "dispatch: a compile was allowed inside a graph capture";
   EXPECT_NE(st.message().find("encore jit warmup"), std::string::npos) << st.to_string();
-  for (const auto& v : moe::dispatch_jit_variants(40, 3)) ASSERT_TRUE(moe::dispatch_jit_warmup(v, 0, "", nullptr, nullptr));
+  for (const auto& v : moe::dispatch_jit_variants(44, 3)) ASSERT_TRUE(moe::dispatch_jit_warmup(v, 0, "", nullptr, nullptr));
   before = moe::dispatch_jit_launch_count();
   st = run_captured(ts.s, dop, &g);
   ASSERT_TRUE(st) << st.to_string();

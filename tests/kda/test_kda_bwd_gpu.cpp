@@ -210,8 +210,8 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
   std::printf("  kda bwd %-34s %-4s %-7s (stage/fp64)%s\n", bc.label, dtype_name(dt), remat ? "remat" : "saved-h", line.c_str());
 }
 
-// Every test runs the tensor-core kernels (ENCORE_KDA_BWD_SIMT=0; the library's default is still the
-// SIMT version until these pass on a GPU) but SimtFallbackMatchesReferences.
+// Every test runs the tensor-core kernels (ENCORE_KDA_BWD_SIMT=0, the library's default, set explicitly
+// so an environment of the caller cannot change it) but SimtFallbackMatchesReferences.
 class KdaBwdGpu : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -9,11 +9,11 @@
 //   4 the gate reduction below: dA_log[h] and ddt_bias[h, k] summed over the chunks' partials in a
 //     fixed order (deterministic, no atomics);
 //   5 with grouped value heads only: dq, dk summed over each q/k head's value heads (fixed order).
-// ENCORE_KDA_BWD_SIMT (read at each call, so a test can run both): unset, "1" or "all" selects the
-// first SIMT fp32 version of every kernel (the default until the tensor-core kernels are verified on a
-// GPU); "0" the tensor-core kernels; a comma list of prep, states, dav, dh, grads (grads: kernels
-// 3b-1 + 3b and the gate reduction) SIMT for those stages only. The versions of each stage share the
-// record contract, so any mix is valid.
+// ENCORE_KDA_BWD_SIMT (read at each call, so a test can run both): unset or "0" selects the
+// tensor-core kernels (the default); "1" or "all" the first SIMT fp32 version of every kernel (the A/B
+// reference); a comma list of prep, states, dav, dh, grads (grads: kernels 3b-1 + 3b and the gate
+// reduction) SIMT for those stages only. The versions of each stage share the record contract, so
+// any mix is valid.
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -147,10 +147,7 @@ cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& 
 
 unsigned simt_backward() {
   const char* e = std::getenv("ENCORE_KDA_BWD_SIMT");
-  // Unset: the SIMT kernels, the version verified on the H200, until the tensor-core kernels have run
-  // there too (so far they are checked against the SIMT ones by a CPU emulation only); "0": tensor cores.
-  if (!e || !*e) return kSimtAll;
-  if (std::strcmp(e, "0") == 0) return 0;
+  if (!e || !*e || std::strcmp(e, "0") == 0) return 0;  // unset or "0": the tensor-core kernels
   static const char* const names[] = {"prep", "states", "dav", "dh", "grads"};  // bit i: names[i]
   unsigned m = 0;
   for (int i = 0; i < 5; ++i)
