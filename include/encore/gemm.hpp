@@ -15,7 +15,9 @@
 // epilogue (the backward rows kSwigluBwd and kRmsnormBwd on the 128x128 ping-pong tile only), rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
 // (src/gemm/cuda), with these limits (refused with a clear error otherwise):
 //   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K a multiple of 8 (kWgrad, A stored [K, M]: M instead), N too where D, C or aux is given (lse without D: any N; lse with D and ce_bwd: any N
-//   with D's rows 16-byte aligned, e.g. N odd in a D view of rows padded to a multiple of 8); 16-byte aligned
+//   with D's rows 16-byte aligned, e.g. N odd in a D view of rows padded to a multiple of 8: the TMA store writes
+//   whole 16-byte units, so columns [N, round_up(N, 8)) of every row, the last one included, are scratch
+//   and must be allocated, as in torch.empty(M, round_up(N, 8))[:, :N]); 16-byte aligned
 //   matrix rows (SwiGLU aux: 8-byte); contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse) and
 //   head_dim = 128 (kQkvHeadSqsum). Tails in M and N are masked. kRope positions must lie in
 //   [0, 2^24). kLse targets are device data and cannot be checked before the launch: a target
