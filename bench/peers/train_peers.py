@@ -139,6 +139,7 @@ def swiglu_mlp(name, M):
     try:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         w13s = param(2 * Fi, d, scale=d ** -0.5)  # Liger's layout: gate rows then up rows
+        leaves.append(w13s)  # every contender's parameters lose their .grad each step (no accumulation adds)
 
         def liger():
             gg, u = (x @ w13s.t()).chunk(2, dim=-1)
@@ -149,6 +150,7 @@ def swiglu_mlp(name, M):
     if HAVE_ENCORE:
         plain = encore.nn.SwiGLUMLP(d, Fi, norm=False, device=dev, dtype=bf)
         normed = encore.nn.SwiGLUMLP(d, Fi, norm=True, device=dev, dtype=bf)
+        leaves.extend(list(plain.parameters()) + list(normed.parameters()))
         fns["encore"] = step(lambda: plain(x))
         fns["encore_norm"] = step(lambda: normed(x))
     A = {"x": x.detach(), "y": torch.randn(M, Fi, device=dev).to(bf), "dz": torch.randn(M, 2 * Fi, device=dev).to(bf)}
@@ -263,6 +265,7 @@ def block(name, M):
     cos, sin = posf.cos().to(bf)[:, None], posf.sin().to(bf)[:, None]
     dqkv, dx2 = torch.randn(M, Nq, device=dev).to(bf), torch.randn(M, d, device=dev).to(bf)
     leaves = [y0, x0, w0, w13, w2, w3, g0, g1]
+    with_grad = list(leaves)  # + the encore module's parameters: every .grad reset each step
 
     def rms(x, g, eps=1e-5):
         xf = x.float()
@@ -285,7 +288,7 @@ def block(name, M):
 
     def step(f):
         def s():
-            zero_grads(leaves)
+            zero_grads(with_grad)
             qkv, x2 = f()
             torch.autograd.backward([qkv, x2], [dqkv, dx2])
         return s
@@ -293,6 +296,7 @@ def block(name, M):
     if HAVE_ENCORE:
         try:
             mod = encore.nn.LlamaBlock(d, Fi, hq, hkv, 128, device=dev, dtype=bf)
+            with_grad.extend(mod.parameters())
             pos = torch.arange(M, device=dev, dtype=torch.int32)
 
             def ours():
