@@ -9,9 +9,9 @@ backward (memory allocated after the forward minus before, the output included),
 backward above the inputs; and each encore gradient against fla's (relative RMS difference: both compute the
 same gradients from the same bf16 inputs). Needs fla-core (carried in .whl) and the encore module built for this
 Python (PYTHONPATH=build-cuda/python). Usage: kda_train_peers.py OUT.json (KDA_PEER_CONFIGS=name,...; ROUNDS,
-default 3; KDA_TRAIN_WHO=fla,encore,encore_remat,encore_tc,encore_tc_remat picks the implementations, e.g.
-encore alone for a profile without fla's minutes of Triton autotuning; encore_tc* run the tensor-core backward
-kernels, ENCORE_KDA_BWD_SIMT=0, the others the SIMT ones)."""
+default 3; KDA_TRAIN_WHO=fla,encore,encore_remat,encore_simt,encore_simt_remat picks the implementations, e.g.
+encore alone for a profile without fla's minutes of Triton autotuning; encore and encore_remat run the default
+tensor-core backward kernels, ENCORE_KDA_BWD_SIMT=0, encore_simt* the first SIMT ones, =1)."""
 import os
 import statistics
 import sys
@@ -63,8 +63,8 @@ def kernel_ms(f, calls=3):
 
 
 def measure(who, t, cot, cu):
-    # encore's backward kernels: the tensor-core ones for encore_tc*, the SIMT ones (the default) otherwise
-    os.environ["ENCORE_KDA_BWD_SIMT"] = "0" if who.startswith("encore_tc") else "1"
+    # encore's backward kernels: the SIMT ones for encore_simt*, the tensor-core ones (the default) otherwise
+    os.environ["ENCORE_KDA_BWD_SIMT"] = "1" if who.startswith("encore_simt") else "0"
     fwd = runner(who, t, cu)
     leaves = list(t.values())
 
@@ -101,7 +101,7 @@ def rel(a, b):
 
 def main(out):
     res = {}
-    whos = ["fla"] + (["encore", "encore_remat", "encore_tc", "encore_tc_remat"] if HAVE_ENCORE else [])
+    whos = ["fla"] + (["encore", "encore_remat", "encore_simt", "encore_simt_remat"] if HAVE_ENCORE else [])
     if os.environ.get("KDA_TRAIN_WHO"):
         whos = [w for w in os.environ["KDA_TRAIN_WHO"].split(",") if w in whos]
     for name, (B, lens) in CONFIGS.items():
