@@ -23,6 +23,7 @@ struct RmsNormJitVariant {
   int vec_elems = 1;  // 16 / element size, or 1
   int cached = 0;     // kCached: 0, 1, 2, 4, 8
   bool add = false;
+  int warps_per_row = 0;  // kWarpsPerRow: the launch plan's team size in warps (0: read at run time)
   bool operator==(const RmsNormJitVariant&) const = default;
 };
 jit::KernelSpec rms_norm_jit_spec(const RmsNormJitVariant& v);

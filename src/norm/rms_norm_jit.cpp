@@ -17,8 +17,8 @@ jit::Family& family() {
 
 // One uint64 per variant for the dispatcher's lookup.
 uint64_t variant_key(const RmsNormJitVariant& v) {
-  return (uint64_t(v.hidden) << 16) | (uint64_t(int(v.dtype) & 0xff) << 8) | (uint64_t(v.vec_elems & 0xf) << 4) |
-         (uint64_t(v.cached & 0xf) << 1) | uint64_t(v.add);
+  return (uint64_t(v.hidden) << 24) | (uint64_t(int(v.dtype) & 0xff) << 16) | (uint64_t(v.warps_per_row & 0x1f) << 11) |
+         (uint64_t(v.vec_elems & 0x1f) << 6) | (uint64_t(v.cached & 0x1f) << 1) | uint64_t(v.add);
 }
 
 }  // namespace
@@ -26,17 +26,18 @@ uint64_t variant_key(const RmsNormJitVariant& v) {
 jit::KernelSpec rms_norm_jit_spec(const RmsNormJitVariant& v) {
   jit::KernelSpec s = jit::embedded_spec(
       std::string("rms_norm-") + dtype_name(v.dtype) + "-h" + std::to_string(v.hidden) + "-v" + std::to_string(v.vec_elems) + "-c" +
-          std::to_string(v.cached) + (v.add ? "-add" : ""),
+          std::to_string(v.cached) + (v.warps_per_row > 0 ? "-w" + std::to_string(v.warps_per_row) : std::string()) + (v.add ? "-add" : ""),
       "norm/cuda/rms_norm_kernel.cuh", {"common/cuda/reduce.cuh", "common/cuda/vector_io.cuh", "norm/cuda/rms_norm_kernel.cuh"},
       std::string("&encore::cuda::rms_norm_kernel<") + jit::device_type_name(v.dtype) + ", " + std::to_string(v.vec_elems) + ", " +
-          std::to_string(v.cached) + ", " + (v.add ? "true" : "false") + ", " + std::to_string(v.hidden) + ">");
+          std::to_string(v.cached) + ", " + (v.add ? "true" : "false") + ", " + std::to_string(v.hidden) + ", " +
+          std::to_string(v.warps_per_row) + ">");
   // The kernel header skips <cstdint> under __CUDACC_RTC__: the prelude types int64_t.
   s.source = "typedef long long int64_t;\n" + s.source;
   return s;
 }
 
 RmsNormJitVariant rms_norm_jit_variant(const RmsNormProblem& p, const RmsNormLaunchPlan& plan) {
-  return RmsNormJitVariant{p.dtype, p.hidden, plan.vec_elems, plan.vecs_per_thread, p.residual != nullptr};
+  return RmsNormJitVariant{p.dtype, p.hidden, plan.vec_elems, plan.vecs_per_thread, p.residual != nullptr, plan.warps_per_row};
 }
 
 bool rms_norm_hidden_in_aot_list(int64_t hidden) {
@@ -53,7 +54,7 @@ std::vector<RmsNormJitVariant> rms_norm_jit_variants(DType dtype, int64_t hidden
   const bool vec = hidden % (16 / int64_t(dtype_size(dtype))) == 0;
   for (int64_t rows = 1; rows <= (int64_t(1) << 20); rows *= 2) {
     const RmsNormLaunchPlan plan = plan_rms_norm(rows, hidden, dtype, vec, add, sm_count);
-    const RmsNormJitVariant v{dtype, hidden, plan.vec_elems, plan.vecs_per_thread, add};
+    const RmsNormJitVariant v{dtype, hidden, plan.vec_elems, plan.vecs_per_thread, add, plan.warps_per_row};
     if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
   }
   return out;

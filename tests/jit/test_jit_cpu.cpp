@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstdio>
@@ -187,8 +188,15 @@ TEST(JitCache, RmsNormPolicyAndVariants) {
   ASSERT_FALSE(vs.empty());
   for (const auto& v : vs) EXPECT_EQ(v.vec_elems, 8);
   EXPECT_EQ(norm::rms_norm_jit_variants(DType::kBF16, 3001, true, 132)[0].vec_elems, 1);
-  const KernelSpec s = norm::rms_norm_jit_spec(vs[0]);
-  EXPECT_NE(s.name_expression.find("5184>"), std::string::npos) << s.name_expression;
+  std::vector<std::string> names;
+  for (const auto& v : vs) {  // the plan's team size is a template argument too (offsets as immediates)
+    EXPECT_GT(v.warps_per_row, 0);
+    const KernelSpec s = norm::rms_norm_jit_spec(v);
+    EXPECT_NE(s.name_expression.find("5184, " + std::to_string(v.warps_per_row) + ">"), std::string::npos) << s.name_expression;
+    EXPECT_NE(s.name.find("-w" + std::to_string(v.warps_per_row)), std::string::npos) << s.name;
+    EXPECT_EQ(std::count(names.begin(), names.end(), s.name), 0) << "two variants share the name " << s.name;
+    names.push_back(s.name);
+  }
   ASSERT_NE(embedded_source("norm/cuda/rms_norm_kernel.cuh"), nullptr) << "the kernel header is not embedded";
   EXPECT_NE(std::string(embedded_source("norm/cuda/rms_norm_kernel.cuh")).find("rms_norm_kernel"), std::string::npos);
 }

@@ -11,7 +11,11 @@
 // kAdd: residual add (reads residual, writes h) or plain RMSNorm.
 // Aliasing: h may be x or residual and y may be x — each element is read, then written, by one thread.
 // kHidden > 0: the hidden size is a compile-time constant (the JIT specialization, src/norm/rms_norm_jit.cpp;
-//   p.hidden must equal it); 0: read from p.hidden (the ahead-of-time kernels).
+//   p.hidden must equal it); 0: read from p.hidden (the ahead-of-time kernels). kWarpsPerRow > 0: the
+//   team size too (p.warps_per_row must equal it), so each thread's pack offsets are immediates: a
+//   constant hidden alone (run-time team size) needs more registers than the AOT kernel and spills at
+//   the 128-register cap of 512-thread blocks (bf16 hidden 5184 / 3000 with 8 cached packs: 128
+//   registers + 104 bytes of stack against 117 and none; with the team size constant 111 / 93, none).
 // Constraints (checked in validate / plan): kVec > 1 needs 16-byte aligned pointers and hidden and
 //   row strides that are multiples of kVec; block size <= 512.
 // One source, two ways in: rms_norm.cu #includes this file; the build embeds it as a string that
@@ -94,13 +98,14 @@ __device__ __forceinline__ Pack<T, kVec> normalize(const Pack<T, kVec>& hv, cons
 // Loads of later packs must not wait behind stores of earlier ones (h and y may alias inputs, so
 // the compiler keeps program order between them): every phase loads all of its packs first, then
 // computes and stores.
-template <typename T, int kVec, int kCached, bool kAdd, int kHidden = 0>
+template <typename T, int kVec, int kCached, bool kAdd, int kHidden = 0, int kWarpsPerRow = 0>
 __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormParams<T> p) {
   const int hidden = kHidden > 0 ? kHidden : p.hidden;
   constexpr int kBatch = kCached > 0 ? kCached : 4;  // packs per thread held at once
   using P = Pack<T, kVec>;
   __shared__ float scratch[kRmsNormMaxThreads / 32];
-  const int team_size = 32 * p.warps_per_row;
+  const int warps_per_row = kWarpsPerRow > 0 ? kWarpsPerRow : p.warps_per_row;
+  const int team_size = 32 * warps_per_row;
   const int team = threadIdx.x / team_size;
   const int tid = threadIdx.x % team_size;
   const int64_t row = int64_t(blockIdx.x) * p.rows_per_block + team;
@@ -159,12 +164,12 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
 
   if constexpr (kCached > 0) {
     load_h(0);
-    const float rstd = rsqrtf(team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row) / float(hidden) + p.eps);
+    const float rstd = rsqrtf(team_sum(sumsq, warps_per_row, scratch, team * warps_per_row) / float(hidden) + p.eps);
     store_y(0, rstd, nullptr);
   } else {
     const int step = kBatch * team_size;
     for (int j0 = 0; j0 < num_packs; j0 += step) load_h(j0);
-    const float rstd = rsqrtf(team_sum(sumsq, p.warps_per_row, scratch, team * p.warps_per_row) / float(hidden) + p.eps);
+    const float rstd = rsqrtf(team_sum(sumsq, warps_per_row, scratch, team * warps_per_row) / float(hidden) + p.eps);
     const T* src = kAdd ? h : x;  // h was written by this same thread above
     for (int j0 = 0; j0 < num_packs; j0 += step) store_y(j0, rstd, src);
   }
