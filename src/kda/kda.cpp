@@ -75,9 +75,10 @@ Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {
 
 // What the CUDA forward takes beyond validate().
 Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
-  constexpr int64_t kMaxDim = cuda::kKdaMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
+  constexpr int64_t kMaxDim = cuda::kKdaRecurrentMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
   if (p.K > kMaxDim || p.V > kMaxDim)
-    return Status::unsupported("q: the CUDA KDA forward takes K, V <= " + std::to_string(kMaxDim) + ", got K = " + std::to_string(p.K) +
+    return Status::unsupported("q: the CUDA KDA forward takes K, V <= " + std::to_string(kMaxDim) + " (above " +
+                               std::to_string(cuda::kKdaMaxHeadDim) + " the token-recurrent fp32 path), got K = " + std::to_string(p.K) +
                                ", V = " + std::to_string(p.V));
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
                          {"o", &a.o}})
@@ -215,15 +216,16 @@ void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::
 Status validate_cuda_backward(const KdaBackwardArgs& b, const kda::KdaProblem& p) {
   const KdaForwardArgs& a = b.fwd;
   const KdaResiduals& r = a.residuals;
-  std::string missing;
+  std::string missing;  // the token-recurrent path (K or V > 128) reads h at most
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"G", &r.G}, {"Aqk", &r.Aqk}, {"Akk", &r.Akk}})
     if (!t->defined()) missing += std::string(missing.empty() ? "" : ", ") + name;
-  if (!missing.empty())
+  if (!missing.empty() && !cuda::kda_use_recurrent(p.K, p.V))
     return Status::invalid("residuals: the CUDA backward needs the forward's residuals G, Aqk, Akk (and h for the saved-h mode; without h "
                            "the states are rematerialized); missing: " + missing);
-  constexpr int64_t kMaxDim = cuda::kKdaMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
+  constexpr int64_t kMaxDim = cuda::kKdaRecurrentMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
   if (p.K > kMaxDim || p.V > kMaxDim)
-    return Status::unsupported("q: the CUDA KDA backward takes K, V <= " + std::to_string(kMaxDim) + ", got K = " + std::to_string(p.K) +
+    return Status::unsupported("q: the CUDA KDA backward takes K, V <= " + std::to_string(kMaxDim) + " (above " +
+                               std::to_string(cuda::kKdaMaxHeadDim) + " the token-recurrent fp32 path), got K = " + std::to_string(p.K) +
                                ", V = " + std::to_string(p.V));
   if (int64_t(p.seqs.size()) > kMaxSeqs)
     return Status::unsupported("cu_seqlens: the CUDA KDA backward takes at most " + std::to_string(kMaxSeqs) + " sequences per call, got " +
@@ -310,6 +312,7 @@ size_t workspace_bytes(const KdaForwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   if (!a.q.defined() || !a.q.device.is_cuda() || !kda::make_problem(a, o, &p)) return 0;
 #ifdef ENCORE_WITH_CUDA
+  if (cuda::kda_use_recurrent(p.K, p.V)) return 0;  // the token-recurrent forward needs none
   return cuda::kda_forward_workspace_bytes(chunk_count(p), p.H);
 #else
   return 0;
@@ -338,10 +341,11 @@ Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream
   if (a.q.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, p));
 #ifdef ENCORE_WITH_CUDA
-    ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
+    const bool recurrent = cuda::kda_use_recurrent(p.K, p.V);
+    if (!recurrent) ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
     cuda::KdaCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_problem(a, o, p, cp);
-    return cuda::launch_kda_forward(cp, workspace, stream);
+    return recurrent ? cuda::launch_kda_recurrent_forward(cp, stream) : cuda::launch_kda_forward(cp, workspace, stream);
 #else
     (void)workspace;
     (void)stream;
@@ -406,6 +410,9 @@ size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   if (!a.fwd.q.defined() || !a.fwd.q.device.is_cuda() || !kda::make_problem(a.fwd, o, &p)) return 0;
 #ifdef ENCORE_WITH_CUDA
+  if (cuda::kda_use_recurrent(p.K, p.V))
+    return cuda::kda_recurrent_backward_workspace_bytes(chunk_count(p), int64_t(p.seqs.size()), p.H, p.K, p.V, !a.fwd.residuals.h.defined(),
+                                                        p.B * p.T);
   return cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !a.fwd.residuals.h.defined(), p.B * p.T, p.group());
 #else
   return 0;
@@ -421,7 +428,8 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
     ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "backward"));
     cuda::KdaBwdCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_backward(a, o, p, cp);
-    return cuda::launch_kda_backward(cp, workspace, stream);
+    return cuda::kda_use_recurrent(p.K, p.V) ? cuda::launch_kda_recurrent_backward(cp, workspace, stream)
+                                              : cuda::launch_kda_backward(cp, workspace, stream);
 #else
     (void)workspace;
     (void)stream;

@@ -2,7 +2,7 @@
 // (never read: every case here is refused before a launch), and CPU-backend gradient shapes. The
 // CUDA backward's refusals: missing residuals (naming the missing ones), residual dtypes, shapes of
 // the residuals of a forward with other cu_seqlens, gradient dtypes and layouts, fp32-only states,
-// K, V > 128, the workspace size query.
+// K, V > 256, the workspace size query.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -146,9 +146,9 @@ TEST(KdaBwdValidate, GradientShapesDtypesDevices) {
 }
 
 TEST(KdaBwdValidate, HeadDimLimitAndWorkspace) {
-  BwdArgs big(160, 32);
+  BwdArgs big(300, 32);  // 128 < K, V <= 256 take the token-recurrent path (kda_recurrent_bwd.cu)
   big.b.fwd.residuals.h = big.mem.t(DType::kBF16, {3, big.H, big.K, big.V});
-  EXPECT_REFUSED(big, "K, V <= 128");
+  EXPECT_REFUSED(big, "exceeds 256");
   BwdArgs s;
   const Status st = run(s.b, s.o, nullptr);
   EXPECT_FALSE(st.is_ok());

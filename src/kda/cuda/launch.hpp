@@ -11,7 +11,10 @@
 namespace encore::cuda {
 
 constexpr int kKdaMaxSeqs = 1024;    // sequences per launch (the table is a launch parameter)
-constexpr int kKdaMaxHeadDim = 128;  // K and V on CUDA
+constexpr int kKdaMaxHeadDim = 128;  // K and V of the chunked (tensor-core) path on CUDA
+constexpr int kKdaRecurrentMaxHeadDim = 256;  // K and V of the token-recurrent path (kda_recurrent.cu)
+// Problems with K or V above kKdaMaxHeadDim take the token-recurrent path.
+constexpr bool kda_use_recurrent(int64_t K, int64_t V) { return K > kKdaMaxHeadDim || V > kKdaMaxHeadDim; }
 
 struct KdaTensor {  // [B, T, H, C] (or [B, T, H] with C = 1): element strides; dtype bf16 or fp32
   const void* data = nullptr;
@@ -59,6 +62,9 @@ struct KdaCudaProblem {
 // (kda_device.cuh's WsLayout, 96.5 KB), so it depends on the chunk and head counts only.
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
 Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  // fills p.tmap, p.raw_fast
+// The token-recurrent forward for large head dims (kda_recurrent.cu; no workspace): o, the final state,
+// residuals.h from the recurrence, G, Aqk, Akk by a per-(chunk, head) kernel.
+Status launch_kda_recurrent_forward(const KdaCudaProblem& p, Stream stream);
 
 // Phases of the chunk kernel's cycle profile (kda/testing.hpp).
 constexpr int kKdaChunkPhases = 8;
