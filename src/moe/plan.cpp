@@ -1,6 +1,9 @@
 // Launch plan of the CUDA MoE dispatch: the maps in one block for decode-sized batches, count-then-scatter
 // otherwise (thresholds from public code for now, docs/moe.md; to be measured on the H200); the gather
-// on the whole GPU in both cases.
+// on the whole GPU in both cases. Also the expert GEMMs' path switch (moe_fused_swiglu_enabled).
+#include <cstdlib>
+#include <string>
+
 #include "moe/problem.hpp"
 
 namespace encore::moe {
@@ -27,6 +30,11 @@ DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int s
   const int64_t pairs = tokens * top_k;
   const DispatchPath path = pairs < 1024 && num_experts <= 256 ? DispatchPath::kSingleBlock : DispatchPath::kCountThenScatter;
   return plan_moe_dispatch(tokens, top_k, num_experts, sm_count, path);
+}
+
+bool moe_fused_swiglu_enabled() {
+  const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU");
+  return v == nullptr || std::string(v) != "0";
 }
 
 }  // namespace encore::moe

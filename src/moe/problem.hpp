@@ -92,11 +92,15 @@ struct ExpertMlpProblem {
   DType dtype = DType::kBF16;
 };
 
-// moe_forward's expert compute on CUDA (cuda/grouped_gemm.cu): two bf16 grouped GEMMs over the
+// moe_forward's expert compute on CUDA (cuda/grouped_gemm.cu): bf16 grouped GEMMs over the
 // expert-contiguous rows, group e = rows [offsets[e], offsets[e + 1]) (the padding rows included:
-// x_permuted's are zero, so act's and y's come out zero), and the SwiGLU between them:
-//   gate_up[r] = x_permuted[r] . w13[e]^T (fp32, [R, 2F]);  act = silu(gate) * up (x's dtype);
-//   y[r] = act[r] . w2[e]^T (x's dtype). Group sizes are read on the device (offsets).
+// x_permuted's are zero, so act's and y's come out zero), and the SwiGLU between them. Two paths with
+// the same numbers (h in fp32 from the fp32 accumulator, silu in fp32, act rounded once):
+//   fused (fused_swiglu, the default):  gate_up[r, 0:F] = x_permuted[r] . w13[e][0:F]^T (fp32);
+//     act[r] = bf16(silu(gate_up[r, 0:F]) * (x_permuted[r] . w13[e][F:2F]^T)) in the up GEMM's
+//     epilogue (the gate read back as its C operand); columns [F, 2F) of gate_up are not written;
+//   unfused: gate_up[r] = x_permuted[r] . w13[e]^T (fp32, [R, 2F]), then a row kernel for act;
+// then y[r] = act[r] . w2[e]^T (x's dtype). Group sizes are read on the device (offsets).
 struct ExpertGemmProblem {
   ExpertMlpProblem mlp;
   float* gate_up = nullptr;  // [R, 2F] fp32
@@ -105,15 +109,52 @@ struct ExpertGemmProblem {
   size_t workspace_bytes = 0;
   int64_t rows_bound = 0;  // rows that may be in use this call: moe_permuted_rows(T, k, E, align_m)
   int sm_count = 0;
+  bool fused_swiglu = true;  // moe_fused_swiglu_enabled(): env ENCORE_MOE_FUSED_SWIGLU=0 selects the unfused path
 };
 
-// Bytes of the grouped GEMMs' workspace for E experts: per group and GEMM a problem shape, three
-// pointers and three strides (rounded generously), plus kGroupedGemmCutlassBytes per GEMM for
-// CUTLASS's own workspace (its TMA descriptors per SM; checked against the real size at run).
+// ENCORE_MOE_FUSED_SWIGLU, read at every call: "0" runs the unfused SwiGLU (gate_up [R, 2F] fp32 and
+// a row kernel), anything else or unset the fused one (plan.cpp).
+bool moe_fused_swiglu_enabled();
+
+// One grouped GEMM D_e = A_e . B_e^T (+ C_e) over the expert blocks, as element offsets from each
+// operand's base: A_e and C_e, D_e start at row offsets[e] (row strides lda, ldc, ldd), B_e at
+// e * b_stride_e + b_row0 * ldb (b_row0: the first weight row, F for the up half of w13).
+struct GroupedGemmSpec {
+  int64_t lda = 0, b_stride_e = 0, b_row0 = 0, ldb = 0, ldc = 0, ldd = 0;
+  int n = 0, k = 0;
+};
+struct GroupedOperands {
+  int32_t m;  // offsets[e + 1] - offsets[e] (0: an empty expert, no tile)
+  int64_t a, b, c, d;
+};
+ENCORE_HOST_DEVICE inline GroupedOperands grouped_operands(const GroupedGemmSpec& s, const int32_t* offsets, int e) {
+  const int64_t r0 = offsets[e];
+  return {offsets[e + 1] - offsets[e], r0 * s.lda, int64_t(e) * s.b_stride_e + s.b_row0 * s.ldb, r0 * s.ldc, r0 * s.ldd};
+}
+// The specs of the fused path: gate (N = F, D = gate_up's first F columns), up (N = F, C = the
+// gate, D = act), down (N = D, K = F). The unfused gate/up GEMM is `gate` with n = 2F.
+struct ExpertGemmSpecs {
+  GroupedGemmSpec gate, up, down;
+};
+inline ExpertGemmSpecs expert_gemm_specs(const ExpertGemmProblem& p) {
+  const ExpertMlpProblem& m = p.mlp;
+  const int F = int(m.intermediate), D = int(m.hidden);
+  ExpertGemmSpecs s;
+  s.gate = {m.xp_stride, m.w13_stride_e, 0, m.w13_stride_n, 0, p.gate_up_stride, F, D};
+  s.up = {m.xp_stride, m.w13_stride_e, F, m.w13_stride_n, p.gate_up_stride, m.act_stride, F, D};
+  s.down = {m.act_stride, m.w2_stride_e, 0, m.w2_stride_n, 0, m.y_stride, D, F};
+  return s;
+}
+
+// Bytes of the grouped GEMMs' workspace for E experts: per group and GEMM (three on the fused path)
+// a problem shape, four pointers and four strides (rounded generously), plus kGroupedGemmCutlassBytes
+// per GEMM for CUTLASS's own workspace (its TMA descriptors per SM; checked against the real size at run).
 constexpr size_t kGroupedGemmPerExpertBytes = 256;
 constexpr size_t kGroupedGemmCutlassBytes = size_t(1) << 20;
+constexpr int kGroupedGemmCount = 3;
 inline size_t grouped_gemm_workspace_bytes(int num_experts) {
-  return round_up_bytes(size_t(num_experts) * kGroupedGemmPerExpertBytes * 2 + 16 * kBufferAlign) + 2 * kGroupedGemmCutlassBytes;
+  return round_up_bytes(size_t(num_experts) * kGroupedGemmPerExpertBytes * kGroupedGemmCount + 32 * kBufferAlign) +
+         kGroupedGemmCount * kGroupedGemmCutlassBytes;
 }
 
 struct CombineProblem {

@@ -7,13 +7,19 @@
 //     against an fp64 act . w2[e]^T of the device's activation; padding rows of act and y exactly zero;
 //   - out within bf16 rounding of the CPU layer (which accumulates in fp64);
 //   - a rerun bit-identical.
+// Each case runs on both SwiGLU paths (ENCORE_MOE_FUSED_SWIGLU=0: gate_up [R, 2F] fp32 and a row
+// kernel; =1: the SwiGLU in the up GEMM's epilogue, only gate_up's gate half written, so the
+// activation is checked against bf16(silu(g) * u) with u in fp64), and FusedSwigluMatchesUnfused
+// requires act, expert_out, out and the gate half bit-identical between the two.
 // Cases: an expert with no token, all tokens to one expert, top-k ties, 1 token, 37 and 1000 tokens,
 // E = 1, top-k = E, align_m 1 / 8 / 16 / 128, the Qwen3-30B-A3B shape (D 2048, E 128, k 8, F 768) at
-// small T. Failures name the case, the expert and the row.
+// small T; T = 1 / 7 / 333 / 4099 with F 64 / 768 for the two paths. Failures name the case, the
+// path, the expert and the row.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -80,8 +86,30 @@ int expert_of_row(const int32_t* offsets, int E, int64_t r) {
   return -1;
 }
 
-void run_forward_case(const ForwardCase& c) {
-  SCOPED_TRACE(c.name);
+// Sets ENCORE_MOE_FUSED_SWIGLU for the scope (read by every moe_forward call), then restores it.
+class FusedSwigluEnv {
+ public:
+  explicit FusedSwigluEnv(bool fused) {
+    if (const char* v = std::getenv(kName)) saved_ = v, had_ = true;
+    setenv(kName, fused ? "1" : "0", 1);
+  }
+  ~FusedSwigluEnv() { had_ ? setenv(kName, saved_.c_str(), 1) : unsetenv(kName); }
+
+ private:
+  static constexpr const char* kName = "ENCORE_MOE_FUSED_SWIGLU";
+  std::string saved_;
+  bool had_ = false;
+};
+
+// What a device run leaves, for comparing the two SwiGLU paths.
+struct ForwardRun {
+  std::vector<unsigned char> gate_up, act, y, out;
+  int64_t used = 0;
+};
+
+void run_forward_case(const ForwardCase& c, bool fused, ForwardRun* keep = nullptr) {
+  SCOPED_TRACE(std::string(c.name) + (fused ? " (fused SwiGLU)" : " (unfused SwiGLU)"));
+  const FusedSwigluEnv env(fused);
   const int64_t T = c.T, D = c.D, F = c.F;
   const int E = c.E, k = c.k;
   auto rng = make_rng(uint64_t(T * 131 + E * 7 + k));
@@ -162,7 +190,7 @@ void run_forward_case(const ForwardCase& c) {
   // The grouped GEMMs alone, row by row from the device's own inputs.
   int bad_h = 0, bad_act = 0, bad_y = 0;
   std::ostringstream msg;
-  std::vector<double> xr(static_cast<size_t>(D)), ar(static_cast<size_t>(F));
+  std::vector<double> xr(static_cast<size_t>(D)), ar(static_cast<size_t>(F)), hr(static_cast<size_t>(2 * F)), hs(static_cast<size_t>(2 * F));
   for (int64_t r = 0; r < used; ++r) {
     const int e = expert_of_row(off, E, r);
     if (r >= off[e] + cnt[e]) {  // a padding row: activation and expert_out exactly zero
@@ -173,6 +201,8 @@ void run_forward_case(const ForwardCase& c) {
       continue;
     }
     for (int64_t d = 0; d < D; ++d) xr[size_t(d)] = at(g_xp, DType::kBF16, r * D + d);
+    // fp64 x_permuted . w13[e]^T of all 2F columns; the device's gate_up holds both halves on the
+    // unfused path, the gate half only on the fused one (its up values stay in the accumulator).
     for (int64_t n = 0; n < 2 * F; ++n) {
       double ref = 0, scale = 0;
       for (int64_t d = 0; d < D; ++d) {
@@ -180,15 +210,21 @@ void run_forward_case(const ForwardCase& c) {
         ref += xr[size_t(d)] * w;
         scale += std::fabs(xr[size_t(d)] * w);
       }
+      hr[size_t(n)] = ref;
+      hs[size_t(n)] = scale;
+      if (fused && n >= F) continue;
       const double got = at(g_h, DType::kFP32, r * 2 * F + n);
       if (!(std::fabs(got - ref) <= 1e-4 * scale + 1e-30) && bad_h++ < 5)
         msg << "gate_up expert " << e << " row " << r << " col " << n << ": " << got << " vs fp64 " << ref << "\n";
     }
     for (int64_t f = 0; f < F; ++f) {
-      const double g = at(g_h, DType::kFP32, r * 2 * F + f), u = at(g_h, DType::kFP32, r * 2 * F + F + f);
-      const double ref = bf16_round(g / (1 + std::exp(-g)) * u), got = at(g_act, DType::kBF16, r * F + f);
+      const double g = at(g_h, DType::kFP32, r * 2 * F + f), u = fused ? hr[size_t(F + f)] : at(g_h, DType::kFP32, r * 2 * F + F + f);
+      const double s = g / (1 + std::exp(-g));
+      const double ref = bf16_round(s * u), got = at(g_act, DType::kBF16, r * F + f);
+      // Fused: u in fp64, so also the fp32 accumulation error of u (as for gate_up above).
+      const double tol = std::fabs(ref) * (1.0 / 128) + (fused ? std::fabs(s) * 1e-4 * hs[size_t(F + f)] : 0.0) + 1e-30;
       ar[size_t(f)] = got;
-      if (!(std::fabs(got - ref) <= std::fabs(ref) * (1.0 / 128) + 1e-30) && bad_act++ < 5)
+      if (!(std::fabs(got - ref) <= tol) && bad_act++ < 5)
         msg << "activation expert " << e << " row " << r << " col " << f << ": " << got << " vs " << ref << "\n";
     }
     for (int64_t d = 0; d < D; ++d) {
@@ -222,6 +258,7 @@ void run_forward_case(const ForwardCase& c) {
   device_run(gout2);
   EXPECT_EQ(diff(gout, gout2), "") << "rerun output differs";
   EXPECT_EQ(diff(g_y, download(db.expert_out)), "") << "rerun expert_out differs";
+  if (keep != nullptr) *keep = ForwardRun{g_h, g_act, g_y, gout, used};
 }
 
 TEST_F(MoeForwardGpu, MatchesCpu) {
@@ -237,9 +274,49 @@ TEST_F(MoeForwardGpu, MatchesCpu) {
       {"align1_many_experts", 300, 64, 64, 128, 8, 1, Logits::kRandom},
       {"qwen3_t4", 4, 2048, 768, 128, 8, 16, Logits::kRandom},
   };
+  for (const ForwardCase& c : cases)
+    for (bool fused : {false, true}) {
+      run_forward_case(c, fused);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+}
+
+// The two SwiGLU paths compute the same fp32 values (same K order, one accumulator per element),
+// apply the same silu_mul and round once: act, expert_out and out must be bit-identical, and so
+// must the gate half of gate_up (rows below offsets[E]; the up half is only written unfused).
+TEST_F(MoeForwardGpu, FusedSwigluMatchesUnfused) {
+  const ForwardCase cases[] = {
+      {"t1_f64_align16", 1, 128, 64, 8, 2, 16, Logits::kRandom},
+      {"t7_f768_align1", 7, 256, 768, 8, 2, 1, Logits::kRandom},
+      {"t7_all_to_expert0_align1", 7, 64, 64, 8, 2, 1, Logits::kAllToExpert0},
+      {"t333_f768_align128_empty_expert", 333, 256, 768, 8, 4, 128, Logits::kExpertLastEmpty},
+      {"t333_f64_align16_ties", 333, 128, 64, 12, 3, 16, Logits::kTies},
+      {"t4099_f64_align16", 4099, 128, 64, 16, 2, 16, Logits::kRandom},
+      {"t4099_f768_align128_empty_expert", 4099, 128, 768, 32, 2, 128, Logits::kExpertLastEmpty},
+  };
   for (const ForwardCase& c : cases) {
-    run_forward_case(c);
+    SCOPED_TRACE(c.name);
+    ForwardRun unfused, fused;
+    run_forward_case(c, false, &unfused);
     if (::testing::Test::HasFatalFailure()) return;
+    run_forward_case(c, true, &fused);
+    if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_EQ(unfused.used, fused.used);
+    const int64_t used = fused.used, F = c.F, D = c.D;
+    auto rows = [&](const std::vector<unsigned char>& v, int64_t row_bytes) {
+      return std::vector<unsigned char>(v.begin(), v.begin() + used * row_bytes);
+    };
+    EXPECT_EQ(diff(rows(unfused.act, F * 2), rows(fused.act, F * 2)), "") << "activation differs between the paths";
+    EXPECT_EQ(diff(rows(unfused.y, D * 2), rows(fused.y, D * 2)), "") << "expert_out differs between the paths";
+    EXPECT_EQ(diff(unfused.out, fused.out), "") << "out differs between the paths";
+    std::vector<unsigned char> gu, gf;
+    for (int64_t r = 0; r < used; ++r) {
+      const auto* a = unfused.gate_up.data() + r * 2 * F * 4;
+      const auto* b = fused.gate_up.data() + r * 2 * F * 4;
+      gu.insert(gu.end(), a, a + F * 4);
+      gf.insert(gf.end(), b, b + F * 4);
+    }
+    EXPECT_EQ(diff(gu, gf), "") << "gate half of gate_up differs between the paths";
   }
 }
 

@@ -1,29 +1,42 @@
-// moe_forward's expert compute on CUDA: two bf16 grouped GEMMs on CUTLASS's Sm90 pointer-array
-// mainloop (TMA + WGMMA, warp-specialized cooperative, persistent group tile scheduler) and the
-// SwiGLU between them.
+// moe_forward's expert compute on CUDA: bf16 grouped GEMMs on CUTLASS's Sm90 pointer-array
+// mainloop (TMA + WGMMA, warp-specialized, persistent group tile scheduler) with the SwiGLU fused into
+// the up GEMM's epilogue (default) or in a row kernel between them (ENCORE_MOE_FUSED_SWIGLU=0).
 //
 // Math (group e = expert e = rows [offsets[e], offsets[e + 1]) of the permuted buffers, padding
 // rows included; M_e is read on the device, so empty experts are zero-size groups):
-//   gate/up  h[r, 0:2F]  = x_permuted[r] . w13[e]^T    fp32 accumulate, stored fp32   [R, 2F]
-//   swiglu   act[r, f]   = bf16(silu(h[r, f]) * h[r, F + f])   (silu(g) = g / (1 + e^-g), fp32)
+//   fused (three grouped GEMMs):
+//     gate     h[r, 0:F]   = x_permuted[r] . w13[e][0:F]^T     fp32 accumulate, stored fp32 (gate_up's
+//                                                               first F columns, row stride ldh)
+//     up+act   act[r, f]   = bf16(silu(h[r, f]) * (x_permuted[r] . w13[e][F + f]^T))   the up GEMM's
+//                            epilogue: h read back as its C operand (TMA, per-group descriptors),
+//                            the up value straight from the fp32 accumulator; nothing else stored
+//   unfused: h[r, 0:2F] = x_permuted[r] . w13[e]^T (fp32), then swiglu_rows_kernel for act;
 //   down     y[r, 0:D]   = bf16(act[r] . w2[e]^T)      fp32 accumulate                 [R, D]
-// Shapes: x_permuted [R, D], w13 [E, 2F, D], w2 [E, D, F], act [R, F], y [R, D] bf16 (unit last
-// stride); D, F multiples of 8 and every row / pointer 16-byte aligned (TMA). Padding rows of
-// x_permuted are zero, so their h, act and y rows are zero (finite weights). Rows past offsets[E]
-// are not touched.
-// Launch: a one-block kernel writes each GEMM's per-group problem shapes, A / B / D pointers and
+//   silu_mul(g, u) = g / (1 + expf(-g)) * u in fp32 (IEEE division, each step rounded), rounded to bf16
+//   once (RNE), the same function in both paths, so act and y are bit-identical between them.
+// Shapes: x_permuted [R, D], w13 [E, 2F, D] (gate rows then up rows), w2 [E, D, F], h [R, >= 2F]
+// fp32, act [R, F], y [R, D] bf16 (unit last stride); D, F multiples of 8 and every row / pointer
+// 16-byte aligned (TMA). Padding rows of x_permuted are zero, so their h, act and y rows are zero
+// (finite weights). Rows past offsets[E] are not touched.
+// Kernels: gate/up and down on the cooperative 128x128x64 tile (two consumer warpgroups, 64 rows
+// each); the fused up GEMM on the ping-pong 128x128x64 tile (one warpgroup per tile, so one
+// warpgroup's silu epilogue overlaps the other's mainloop). Cluster 1x1; stages: what remains of
+// shared memory after the epilogue's (StageCountAutoCarveout).
+// Launch: a one-block kernel writes each GEMM's per-group problem shapes, A / B / C / D pointers and
 // strides into the workspace from offsets (no host sync); CUTLASS's own workspace (per-SM TMA
-// descriptors) follows. No allocation; everything is enqueued on `stream`.
+// descriptors) follows, one region per GEMM. No allocation; everything is enqueued on `stream`.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <string>
+#include <type_traits>
 
 #include "common/cuda/device_guard.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/thread/activation.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -38,39 +51,81 @@ namespace {
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 
-// One bf16 grouped GEMM D_g = A_g . B_g^T (A_g [M_g, K] row-major, B_g [N, K] K-major), D of TOut.
+// silu(g) * u = g / (1 + e^-g) * u in fp32 as the CPU reference writes it; both SwiGLU paths call
+// this one function. Each step rounds on its own (__fadd_rn / __fdiv_rn / __fmul_rn: nothing is
+// contracted into an fma with expf's last multiply, whatever code surrounds it), so the two paths
+// agree bit for bit.
+__device__ __forceinline__ float silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
+
+// Sm90Compute's functor: out[i] = silu_mul(gate[i], up[i]) (gate = the C fragment, up = the
+// accumulator fragment, both fp32).
+template <class T>
+struct SiluMul {
+  CUTLASS_DEVICE T operator()(T const& g, T const& u) const {
+    if constexpr (std::is_same_v<T, float>) {
+      return silu_mul(g, u);
+    } else {
+      T out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < int(T::kElements); ++i) out[i] = silu_mul(g[i], u[i]);
+      return out;
+    }
+  }
+};
+
+using Bf16 = cutlass::bfloat16_t;
+constexpr auto kRoundNearest = cutlass::FloatRoundStyle::round_to_nearest;
+// D = TOut(acc).
 template <class TOut>
+using StoreAcc = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, TOut, float, kRoundNearest>, fusion::Sm90AccFetch>;
+// D = bf16(silu_mul(C, acc)), C fp32.
+using StoreSiluMul = fusion::Sm90EVT<fusion::Sm90Compute<SiluMul, Bf16, float, kRoundNearest>, fusion::Sm90SrcFetch<float>, fusion::Sm90AccFetch>;
+
+struct Cooperative {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// One bf16 grouped GEMM D_g = program(A_g . B_g^T, C_g) (A_g [M_g, K] row-major, B_g [N, K] K-major),
+// D of TOut, C of TC (void: none).
+template <class TOut, class TC, class Program, class Schedule>
 struct GroupedGemm {
-  using T = cutlass::bfloat16_t;
+  using T = Bf16;
+  using Out = TOut;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using TileShape = Shape<_128, _128, _64>;
   using ClusterShape = Shape<_1, _1, _1>;
   static constexpr int kAlign = 16 / sizeof(T);
   static constexpr int kAlignOut = 16 / sizeof(TOut);
-  using Fusion = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, TOut, float, cutlass::FloatRoundStyle::round_to_nearest>,
-                                 fusion::Sm90AccFetch>;
+  static constexpr int kAlignC = std::is_void_v<TC> ? kAlignOut : int(16 / sizeof(std::conditional_t<std::is_void_v<TC>, char, TC>));
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
-      float, float, void, cutlass::layout::RowMajor*, kAlignOut, TOut, cutlass::layout::RowMajor*, kAlignOut,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+      float, float, TC, cutlass::layout::RowMajor*, kAlignC, TOut, cutlass::layout::RowMajor*, kAlignOut, typename Schedule::Epilogue,
+      Program>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor*, kAlign, T, cutlass::layout::ColumnMajor*, kAlign,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::Mainloop>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
 };
 
-using GateUpGemm = GroupedGemm<float>;
-using DownGemm = GroupedGemm<cutlass::bfloat16_t>;
+using GateUpGemm = GroupedGemm<float, void, StoreAcc<float>, Cooperative>;  // gate (N = F) or the unfused gate/up (N = 2F)
+using UpSwigluGemm = GroupedGemm<Bf16, float, StoreSiluMul, Pingpong>;      // up (N = F), C = gate, D = act
+using DownGemm = GroupedGemm<Bf16, void, StoreAcc<Bf16>, Cooperative>;
 
 // Per-group arrays of one GEMM in the workspace.
 template <class G>
@@ -78,50 +133,49 @@ struct GroupArrays {
   typename G::Shape3* shapes;
   const typename G::T** a;
   const typename G::T** b;
-  void** d;  // TOut** (reinterpreted at the arguments)
+  const void** c;  // TC const** (reinterpreted at the arguments); unused without C
+  void** d;        // TOut**
   typename G::StrideA* sa;
   typename G::StrideB* sb;
+  typename G::StrideC* sc;
   typename G::StrideD* sd;
 };
 
-// One GEMM's group description: A rows start at offsets[e] * lda, B at e * b_stride_e, D at
-// offsets[e] * ldd (elements); N, K fixed.
-struct GroupSpec {
+// One GEMM's operands: bases, element sizes and the group spec (moe::grouped_operands).
+template <class G>
+struct FillJob {
+  GroupArrays<G> g;
+  moe::GroupedGemmSpec s;
   const void* a;
-  int64_t lda;
   const void* b;
-  int64_t b_stride_e, ldb;
+  const void* c;  // nullptr: no C
   void* d;
-  int64_t ldd;
-  int n, k;
-  int d_bytes;  // bytes of one D element
+  int c_bytes, d_bytes;  // bytes of one C / D element
 };
 
-// Fills both GEMMs' arrays: thread e (grid-stride) writes group e. M_e = offsets[e + 1] - offsets[e].
-template <class G1, class G2>
-__global__ void fill_groups_kernel(const int32_t* offsets, int E, GroupArrays<G1> g1, GroupSpec s1, GroupArrays<G2> g2, GroupSpec s2) {
-  for (int e = int(threadIdx.x); e < E; e += int(blockDim.x)) {
-    const int32_t r0 = offsets[e], m = offsets[e + 1] - r0;
-    using T = cutlass::bfloat16_t;
-    g1.shapes[e] = typename G1::Shape3(m, s1.n, s1.k);
-    g1.a[e] = static_cast<const T*>(s1.a) + int64_t(r0) * s1.lda;
-    g1.b[e] = static_cast<const T*>(s1.b) + int64_t(e) * s1.b_stride_e;
-    g1.d[e] = static_cast<char*>(s1.d) + int64_t(r0) * s1.ldd * s1.d_bytes;
-    g1.sa[e] = make_stride(s1.lda, _1{}, _0{});
-    g1.sb[e] = make_stride(s1.ldb, _1{}, _0{});
-    g1.sd[e] = make_stride(s1.ldd, _1{}, _0{});
-    g2.shapes[e] = typename G2::Shape3(m, s2.n, s2.k);
-    g2.a[e] = static_cast<const T*>(s2.a) + int64_t(r0) * s2.lda;
-    g2.b[e] = static_cast<const T*>(s2.b) + int64_t(e) * s2.b_stride_e;
-    g2.d[e] = static_cast<char*>(s2.d) + int64_t(r0) * s2.ldd * s2.d_bytes;
-    g2.sa[e] = make_stride(s2.lda, _1{}, _0{});
-    g2.sb[e] = make_stride(s2.ldb, _1{}, _0{});
-    g2.sd[e] = make_stride(s2.ldd, _1{}, _0{});
-  }
+template <class G>
+__device__ void fill_group(const FillJob<G>& j, const int32_t* offsets, int e) {
+  using T = Bf16;
+  const moe::GroupedOperands o = moe::grouped_operands(j.s, offsets, e);
+  j.g.shapes[e] = typename G::Shape3(o.m, j.s.n, j.s.k);
+  j.g.a[e] = static_cast<const T*>(j.a) + o.a;
+  j.g.b[e] = static_cast<const T*>(j.b) + o.b;
+  j.g.c[e] = j.c == nullptr ? nullptr : static_cast<const char*>(j.c) + o.c * j.c_bytes;
+  j.g.d[e] = static_cast<char*>(j.d) + o.d * j.d_bytes;
+  j.g.sa[e] = make_stride(j.s.lda, _1{}, _0{});
+  j.g.sb[e] = make_stride(j.s.ldb, _1{}, _0{});
+  j.g.sc[e] = make_stride(j.s.ldc, _1{}, _0{});
+  j.g.sd[e] = make_stride(j.s.ldd, _1{}, _0{});
 }
 
-// act[r, f] = bf16(silu(h[r, f]) * h[r, F + f]) for rows r < min(offsets[E], rows_bound); 4 columns
-// per thread (F % 8 == 0, rows 16-byte aligned), a grid-stride loop over rows.
+// Fills every job's arrays: thread e (grid-stride) writes group e of each.
+template <class... G>
+__global__ void fill_groups_kernel(const int32_t* offsets, int E, FillJob<G>... jobs) {
+  for (int e = int(threadIdx.x); e < E; e += int(blockDim.x)) (fill_group(jobs, offsets, e), ...);
+}
+
+// act[r, f] = bf16(silu_mul(h[r, f], h[r, F + f])) for rows r < min(offsets[E], rows_bound); 4
+// columns per thread (F % 8 == 0, rows 16-byte aligned), a grid-stride loop over rows.
 __global__ void __launch_bounds__(256) swiglu_rows_kernel(const float* h, int64_t ldh, __nv_bfloat16* act, int64_t lda, const int32_t* offsets,
                                                           int E, int64_t F, int64_t rows_bound) {
   int64_t rows = offsets[E];
@@ -133,14 +187,9 @@ __global__ void __launch_bounds__(256) swiglu_rows_kernel(const float* h, int64_
     for (int64_t c = threadIdx.x; c < packs; c += blockDim.x) {
       const float4 g = *reinterpret_cast<const float4*>(hr + 4 * c);
       const float4 u = *reinterpret_cast<const float4*>(hr + F + 4 * c);
-      const float gv[4] = {g.x, g.y, g.z, g.w}, uv[4] = {u.x, u.y, u.z, u.w};
       __nv_bfloat162 o[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float a0 = gv[2 * i] / (1.0f + expf(-gv[2 * i])) * uv[2 * i];
-        const float a1 = gv[2 * i + 1] / (1.0f + expf(-gv[2 * i + 1])) * uv[2 * i + 1];
-        o[i] = __floats2bfloat162_rn(a0, a1);
-      }
+      o[0] = __floats2bfloat162_rn(silu_mul(g.x, u.x), silu_mul(g.y, u.y));
+      o[1] = __floats2bfloat162_rn(silu_mul(g.z, u.z), silu_mul(g.w, u.w));
       *reinterpret_cast<uint2*>(ar + 4 * c) = *reinterpret_cast<const uint2*>(o);
     }
   }
@@ -165,23 +214,27 @@ GroupArrays<G> carve(Carver& c, int E) {
   g.shapes = c.take<typename G::Shape3>(size_t(E));
   g.a = c.take<const typename G::T*>(size_t(E));
   g.b = c.take<const typename G::T*>(size_t(E));
+  g.c = c.take<const void*>(size_t(E));
   g.d = c.take<void*>(size_t(E));
   g.sa = c.take<typename G::StrideA>(size_t(E));
   g.sb = c.take<typename G::StrideB>(size_t(E));
+  g.sc = c.take<typename G::StrideC>(size_t(E));
   g.sd = c.take<typename G::StrideD>(size_t(E));
   return g;
 }
 
 template <class G>
 typename G::Gemm::Arguments arguments(const GroupArrays<G>& g, int E, int device, int sm_count) {
-  using TOut = typename G::CollectiveEpilogue::ElementD;
+  using TOut = typename G::Out;
+  using TC = typename G::CollectiveEpilogue::ElementC;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sm_count;
   typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                    {E, g.shapes, nullptr},
                                    {g.a, g.sa, g.b, g.sb},
-                                   {{}, nullptr, nullptr, reinterpret_cast<TOut**>(g.d), g.sd},
+                                   {{}, std::is_void_v<TC> ? nullptr : reinterpret_cast<TC const**>(g.c), std::is_void_v<TC> ? nullptr : g.sc,
+                                    reinterpret_cast<TOut**>(g.d), g.sd},
                                    hw};
   return args;
 }
@@ -209,37 +262,48 @@ Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index
   const moe::ExpertMlpProblem& m = p.mlp;
   if (m.dtype != DType::kBF16) return Status::unsupported(std::string("x: moe_forward on CUDA takes bf16, got ") + dtype_name(m.dtype));
   const int E = m.num_experts;
-  const int64_t D = m.hidden, F = m.intermediate;
+  const int64_t F = m.intermediate;
   if (p.rows_bound == 0 || E == 0) return Status::ok();
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
   auto s = static_cast<cudaStream_t>(stream);
 
   Carver c{static_cast<char*>(p.workspace), p.workspace_bytes};
-  const GroupArrays<GateUpGemm> g1 = carve<GateUpGemm>(c, E);
-  const GroupArrays<DownGemm> g2 = carve<DownGemm>(c, E);
-  char* cutlass_ws1 = c.take<char>(moe::kGroupedGemmCutlassBytes);
-  char* cutlass_ws2 = c.take<char>(moe::kGroupedGemmCutlassBytes);
+  const GroupArrays<GateUpGemm> g_gate = carve<GateUpGemm>(c, E);
+  const GroupArrays<UpSwigluGemm> g_up = carve<UpSwigluGemm>(c, E);
+  const GroupArrays<DownGemm> g_down = carve<DownGemm>(c, E);
+  char* cutlass_ws[moe::kGroupedGemmCount];
+  for (char*& w : cutlass_ws) w = c.take<char>(moe::kGroupedGemmCutlassBytes);
   if (!c.fits())
     return Status::internal("moe grouped gemm: workspace of " + std::to_string(p.workspace_bytes) + " bytes, " + std::to_string(c.at) +
                             " needed (moe::grouped_gemm_workspace_bytes)");
 
-  const GroupSpec s1{m.x_permuted, m.xp_stride, m.w13, m.w13_stride_e, m.w13_stride_n, p.gate_up, p.gate_up_stride, int(2 * F), int(D), 4};
-  const GroupSpec s2{m.act, m.act_stride, m.w2, m.w2_stride_e, m.w2_stride_n, m.y, m.y_stride, int(D), int(F), 2};
-  fill_groups_kernel<GateUpGemm, DownGemm><<<1, 1024, 0, s>>>(m.offsets, E, g1, s1, g2, s2);
+  moe::ExpertGemmSpecs sp = moe::expert_gemm_specs(p);
+  if (!p.fused_swiglu) sp.gate.n = int(2 * F);  // the unfused gate/up GEMM: both halves of w13
+  const FillJob<GateUpGemm> j_gate{g_gate, sp.gate, m.x_permuted, m.w13, nullptr, p.gate_up, 4, 4};
+  const FillJob<UpSwigluGemm> j_up{g_up, sp.up, m.x_permuted, m.w13, p.gate_up, m.act, 4, 2};
+  const FillJob<DownGemm> j_down{g_down, sp.down, m.act, m.w2, nullptr, m.y, 2, 2};
+  fill_groups_kernel<GateUpGemm, UpSwigluGemm, DownGemm><<<1, 1024, 0, s>>>(m.offsets, E, j_gate, j_up, j_down);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string("moe grouped gemm: group fill launch: ") + cudaGetErrorString(e));
 
-  ENCORE_RETURN_IF_ERROR(run_grouped<GateUpGemm>(arguments(g1, E, device_index, p.sm_count), cutlass_ws1, moe::kGroupedGemmCutlassBytes, s,
-                                                 "moe gate/up grouped gemm"));
-  const long long cap = 8LL * (p.sm_count > 0 ? p.sm_count : 132);
-  const unsigned grid = unsigned(p.rows_bound < cap ? p.rows_bound : cap);
-  swiglu_rows_kernel<<<grid, 256, 0, s>>>(p.gate_up, p.gate_up_stride, static_cast<__nv_bfloat16*>(m.act), m.act_stride, m.offsets, E, F,
-                                          p.rows_bound);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string("moe swiglu launch: ") + cudaGetErrorString(e));
-  return run_grouped<DownGemm>(arguments(g2, E, device_index, p.sm_count), cutlass_ws2, moe::kGroupedGemmCutlassBytes, s,
-                               "moe down grouped gemm");
+  const size_t ws = moe::kGroupedGemmCutlassBytes;
+  if (p.fused_swiglu) {
+    ENCORE_RETURN_IF_ERROR(
+        run_grouped<GateUpGemm>(arguments(g_gate, E, device_index, p.sm_count), cutlass_ws[0], ws, s, "moe gate grouped gemm"));
+    ENCORE_RETURN_IF_ERROR(run_grouped<UpSwigluGemm>(arguments(g_up, E, device_index, p.sm_count), cutlass_ws[1], ws, s,
+                                                     "moe up + swiglu grouped gemm"));
+  } else {
+    ENCORE_RETURN_IF_ERROR(
+        run_grouped<GateUpGemm>(arguments(g_gate, E, device_index, p.sm_count), cutlass_ws[0], ws, s, "moe gate/up grouped gemm"));
+    const long long cap = 8LL * (p.sm_count > 0 ? p.sm_count : 132);
+    const unsigned grid = unsigned(p.rows_bound < cap ? p.rows_bound : cap);
+    swiglu_rows_kernel<<<grid, 256, 0, s>>>(p.gate_up, p.gate_up_stride, static_cast<__nv_bfloat16*>(m.act), m.act_stride, m.offsets, E, F,
+                                            p.rows_bound);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return Status::cuda_error(std::string("moe swiglu launch: ") + cudaGetErrorString(e));
+  }
+  return run_grouped<DownGemm>(arguments(g_down, E, device_index, p.sm_count), cutlass_ws[2], ws, s, "moe down grouped gemm");
 }
 
 }  // namespace encore::cuda
