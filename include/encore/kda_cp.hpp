@@ -6,9 +6,15 @@
 //             outputs through d_o alone)
 // A rank merges the summaries gathered from its neighbours (X = 0; X = M_j·X + S_j in order) into the
 // initial state of its first piece (forward) or the d_final_state of its last piece (backward).
-// Backends: CPU (fp64 arithmetic, any float inputs; S, M fp32 or fp64). The CUDA summary kernels are
-// not written yet: CUDA tensors are refused (unsupported).
+// Backends: CPU (fp64 arithmetic, any float inputs; S, M fp32 or fp64) and CUDA, composed from the
+// existing CUDA forward and backward on the piece's tokens (no summary kernel; docs/kda.md):
+//   S_ext = the final state of the forward from 0;  M = the final state of the forward with v = 0 (V = K) from
+//   h0 = I per value head;  dS_ext = dh0 of the backward (from 0, d_final_state 0, the piece's d_o);  dM = Mᵀ.
+// CUDA takes what the CUDA forward and backward take (K, V <= 128, bf16/fp16/fp32 inputs, fp32 A_log,
+// dt_bias) and S, M fp32 contiguous, with the workspace the *_workspace_bytes functions give (16-byte
+// aligned); run neither allocates nor synchronizes. Precision: the CUDA forward's (bf16 operands, fp32 state).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -35,12 +41,17 @@ struct KdaCpSummaryArgs {
   TensorView M;        // output [HV, K, K]: M (forward) or dM = Mᵀ (backward)
 };
 
-Status run_cp_forward_summary(const KdaCpSummaryArgs& args, const KdaOptions& opts, Stream stream = nullptr);
-Status run_cp_backward_summary(const KdaCpSummaryArgs& args, const KdaOptions& opts, Stream stream = nullptr);
+// Device workspace of the summaries (0 on the CPU backend or for arguments that do not validate).
+size_t cp_forward_summary_workspace_bytes(const KdaCpSummaryArgs& args, const KdaOptions& opts);
+size_t cp_backward_summary_workspace_bytes(const KdaCpSummaryArgs& args, const KdaOptions& opts);
+// CPU: workspace and stream unused.
+Status run_cp_forward_summary(const KdaCpSummaryArgs& args, const KdaOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
+Status run_cp_backward_summary(const KdaCpSummaryArgs& args, const KdaOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 
 // out = the merge of n summaries in order (X = 0; X = M_i·X + S_i): S_i [HV, K, V], M_i [HV, K, K] given as
 // S [n, HV, K, V] and M [n, HV, K, K] (the all-gathered summaries of the ranks that matter, in merge order).
-// out [HV, K, V]. CPU backend.
-Status run_cp_merge(const TensorView& S, const TensorView& M, const TensorView& out);
+// out [HV, K, V]. CPU: fp32 / fp64, fp64 arithmetic. CUDA: fp32 contiguous, fp32 arithmetic (one small
+// kernel, n steps per head and block of value columns; no workspace).
+Status run_cp_merge(const TensorView& S, const TensorView& M, const TensorView& out, Stream stream = nullptr);
 
 }  // namespace encore

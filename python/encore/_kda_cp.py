@@ -10,8 +10,11 @@ ordinary backward of its slice. The gradients of q, k, v, g, beta are the rank's
 those of A_log and dt_bias are the rank's contributions (sum them over the group, as for any replicated
 parameter). Restrictions (as fla's): no initial_state, no output_final_state.
 
-The summaries and the merge run on the CPU backend today (the CUDA summary kernels are not written): CPU
-tensors only; the exchange works over any torch.distributed backend (gloo for CPU tensors)."""
+CPU tensors: the fp64 reference summaries and merge, any torch.distributed backend (gloo). CUDA tensors: the
+summaries composed from the CUDA forward and backward (encore/kda_cp.hpp; fp32 [S_ext | M]), the merge in
+torch (fp32), the exchange over the group's backend (NCCL: on the current CUDA device; others: through the
+host). `group` may also be an exchange object with rank, world_size and all_gather(tensor) -> list (the
+single-process rank emulation of tests/python/test_kda_cp.py)."""
 from __future__ import annotations
 
 import torch
@@ -19,39 +22,88 @@ import torch
 from . import _encore
 from ._kda_autograd import _residual_request
 from .kda import _opts
-from ._util import _dl, _ops
+from ._util import _dl, _ops, _torch_stream, _workspace
 
 
-def _slice_bounds(t_local, group):
-    import torch.distributed as dist
+class _DistExchange:
+    """The collectives of one CP rank over a torch.distributed process group."""
 
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([t_local], dtype=torch.long), group=group)
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.nccl = "nccl" in str(dist.get_backend(group))
+
+    def all_gather(self, t):
+        import torch.distributed as dist
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.nccl else torch.device("cpu")
+        x = t.to(dev).contiguous()
+        out = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(out, x, group=self.group)
+        return [y.to(t.device) for y in out]
+
+
+def _exchange(group):
+    return group if hasattr(group, "all_gather") and hasattr(group, "world_size") else _DistExchange(group)
+
+
+def _slice_bounds(t_local, ex):
+    sizes = ex.all_gather(torch.tensor([t_local], dtype=torch.long))
     bounds = [0]
     for s in sizes:
         bounds.append(bounds[-1] + int(s))
     return bounds
 
 
-def _gather(packed, group):
-    import torch.distributed as dist
-
-    out = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, packed.contiguous(), group=group)
-    return out
-
-
 def _summary(q, k, v, g, beta, A_log, dt_bias, cu, opts, piece, d_o=None):
+    """The packed [S | M] of local piece `piece` (d_o given: the backward's [dS_ext | dM]): float64 on the CPU,
+    float32 on CUDA (composed from the CUDA forward / backward, on torch's current stream)."""
     hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-    S = torch.zeros(hv, K, V, dtype=torch.float64)
-    M = torch.zeros(hv, K, K, dtype=torch.float64)
-    _encore.kda_cp_summary_out(*_dl(q, k, v, g, beta, A_log, dt_bias, cu, d_o), int(piece), *opts, *_dl(S, M))
+    dt = torch.float32 if q.is_cuda else torch.float64
+    S = torch.empty(hv, K, V, dtype=dt, device=q.device)
+    M = torch.empty(hv, K, K, dtype=dt, device=q.device)
+    ins = (q, k, v, g, beta, A_log, dt_bias, cu, d_o)
+    if q.is_cuda:
+        nbytes = _encore.kda_cp_summary_workspace_bytes(*_dl(*ins), int(piece), *opts, *_dl(S, M))
+        ws = _workspace(None, q, nbytes, 16, "kda_cp_summary_workspace_bytes") if nbytes else None
+        _encore.kda_cp_summary_out(*_dl(*ins), int(piece), *opts, *_dl(S, M, ws), _torch_stream(q))
+    else:
+        _encore.kda_cp_summary_out(*_dl(*ins), int(piece), *opts, *_dl(S, M))
     return torch.cat((S.flatten(), M.flatten()))
 
 
+def _forward_packed(q, k, v, g, beta, A_log, dt_bias, cu_local, opts, post):
+    """This rank's contribution to the forward all-gather: the summary of its last piece, zeros when no later
+    rank continues that sequence."""
+    if post > 0:
+        return _summary(q, k, v, g, beta, A_log, dt_bias, cu_local, opts, cu_local.numel() - 2)
+    return _zeros_packed(q, v)
+
+
+def _backward_packed(q, k, v, g, beta, A_log, dt_bias, cu_local, opts, pre, d_o):
+    """The backward all-gather's: the backward summary of its first piece, zeros when it starts its sequence."""
+    if pre > 0:
+        return _summary(q, k, v, g, beta, A_log, dt_bias, cu_local, opts, 0, d_o=d_o)
+    return _zeros_packed(q, v)
+
+
+def _zeros_packed(q, v):
+    hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+    return torch.zeros(hv * K * (V + K), dtype=torch.float32 if q.is_cuda else torch.float64, device=q.device)
+
+
 def _merge(parts, ranks, hv, K, V):
-    """X = 0; X = M_j·X + S_j over the gathered summaries of `ranks`, in order; [hv, K, V] float64."""
+    """X = 0; X = M_j·X + S_j over the gathered summaries of `ranks`, in order; [hv, K, V] (float64 on the CPU
+    through the reference, float32 in torch on CUDA)."""
     n = hv * K * V
+    if parts[0].is_cuda:
+        X = torch.zeros(hv, K, V, dtype=torch.float32, device=parts[0].device)
+        for j in ranks:
+            X = torch.baddbmm(parts[j][:n].view(hv, K, V), parts[j][n:].view(hv, K, K), X)
+        return X
     S = torch.stack([parts[j][:n].view(hv, K, V) for j in ranks])
     M = torch.stack([parts[j][n:].view(hv, K, K) for j in ranks])
     out = torch.empty(hv, K, V, dtype=torch.float64)
@@ -61,17 +113,13 @@ def _merge(parts, ranks, hv, K, V):
 
 class ChunkKdaCpFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, l2, gate, lower_bound, cu_local, pre, post, group):
-        import torch.distributed as dist
-
-        r = dist.get_rank(group)
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, l2, gate, lower_bound, cu_local, pre, post, ex):
+        r = ex.rank
         hv, K, V = v.shape[2], q.shape[3], v.shape[3]
         opts = _opts(scale, l2, gate, lower_bound)
         n_local = cu_local.numel() - 1
-        packed = (_summary(q, k, v, g, beta, A_log, dt_bias, cu_local, opts, n_local - 1) if post > 0
-                  else torch.zeros(hv * K * (V + K), dtype=torch.float64))
-        parts = _gather(packed, group)
-        h0 = torch.zeros(n_local, hv, K, V, dtype=torch.float32 if q.dtype != torch.float64 else torch.float64)
+        parts = ex.all_gather(_forward_packed(q, k, v, g, beta, A_log, dt_bias, cu_local, opts, post))
+        h0 = torch.zeros(n_local, hv, K, V, dtype=torch.float32 if q.dtype != torch.float64 else torch.float64, device=q.device)
         if pre > 0:
             h0[0] = _merge(parts, range(r - pre, r), hv, K, V).to(h0.dtype)
         names, rdt = _residual_request(q, False)
@@ -79,18 +127,16 @@ class ChunkKdaCpFunction(torch.autograd.Function):
                                   dt_bias, None if lower_bound is None else float(lower_bound), cu_local, names, rdt)
         res = list(outs[1:]) + [None] * (4 - len(outs[1:]))
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_local, *res)
-        ctx.meta = (scale, bool(l2), bool(gate), lower_bound, opts, pre, post, group, r)
+        ctx.meta = (scale, bool(l2), bool(gate), lower_bound, opts, pre, post, ex, r)
         return outs[0]
 
     @staticmethod
     def backward(ctx, d_o):
         q, k, v, g, beta, A_log, dt_bias, h0, cu, *res = ctx.saved_tensors
-        scale, l2, gate, lower, opts, pre, post, group, r = ctx.meta
+        scale, l2, gate, lower, opts, pre, post, ex, r = ctx.meta
         hv, K, V = v.shape[2], q.shape[3], v.shape[3]
         d_o = d_o.contiguous()
-        packed = (_summary(q, k, v, g, beta, A_log, dt_bias, cu, opts, 0, d_o=d_o) if pre > 0
-                  else torch.zeros(hv * K * (V + K), dtype=torch.float64))
-        parts = _gather(packed, group)
+        parts = ex.all_gather(_backward_packed(q, k, v, g, beta, A_log, dt_bias, cu, opts, pre, d_o))
         d_fin = torch.zeros_like(h0)
         if post > 0:
             d_fin[-1] = _merge(parts, range(r + post, r, -1), hv, K, V).to(h0.dtype)
@@ -109,14 +155,10 @@ def chunk_kda_cp(q, k, v, g, beta, cu_seqlens, group, scale=None, use_qk_l2norm_
     same on every rank; q, k, v, g, beta: this rank's contiguous slice, ranks in group order)."""
     if q.shape[0] != 1:
         raise ValueError(f"q: context parallelism takes the varlen layout B = 1, got {tuple(q.shape)}")
-    if q.is_cuda:
-        raise NotImplementedError("chunk_kda with cp_group: the CUDA summary kernels are not written yet; CPU tensors only")
-    import torch.distributed as dist
-
-    bounds = _slice_bounds(q.shape[1], group)
+    ex = _exchange(group)
+    bounds = _slice_bounds(q.shape[1], ex)
     cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    split = _encore.kda_cp_split(cu, bounds)
-    local, pre, post = split[dist.get_rank(group)]
+    local, pre, post = _encore.kda_cp_split(cu, bounds)[ex.rank]
     cu_local = torch.tensor(local, dtype=torch.long)
     return ChunkKdaCpFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-                                    cu_local, pre, post, group)
+                                    cu_local, pre, post, ex)

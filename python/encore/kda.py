@@ -207,8 +207,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     encore's context parallelism: cp_group=<torch.distributed process group>, each rank passing its
     contiguous slice along T of a varlen batch (B = 1) and the global cu_seqlens; returns (this rank's o,
-    None). The ranks exchange one packed summary per direction (encore/_kda_cp.py); CPU tensors today
-    (the CUDA summary kernels are not written)."""
+    None). The ranks exchange one packed summary per direction (encore/_kda_cp.py); CPU tensors (fp64
+    reference summaries) and CUDA tensors (summaries composed from the CUDA forward and backward, NCCL)."""
     cp_group = kwargs.pop("cp_group", None)
     cu_cpu = kwargs.pop("cu_seqlens_cpu", None)
     kwargs.pop("safe_gate", None)

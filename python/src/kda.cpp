@@ -122,21 +122,38 @@ void bind_kda(nb::module_& m) {
         nb::arg("dbeta"), nb::arg("dh0").none(), nb::arg("dA_log").none(), nb::arg("ddt_bias").none(), nb::arg("rG").none(),
         nb::arg("rAqk").none(), nb::arg("rAkk").none(), nb::arg("rh").none(), nb::arg("workspace").none(), nb::arg("stream"));
   // Context parallelism (encore/kda_cp.hpp): the summaries of one local piece (d_o given: the backward's) and the merge.
-  m.def("kda_cp_summary_out",
-        [kda_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt A_log, Opt dt_bias, Opt cu, Opt d_o, int64_t piece,
-                             double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Array S, Array M) {
-          KdaCpSummaryArgs a;
-          a.fwd = kda_args(q, k, v, g, beta, {}, A_log, dt_bias, cu, {}, {});
-          a.d_o = opt_view(d_o, "d_o");
-          a.piece = piece;
-          a.S = to_view(S, "S");
-          a.M = to_view(M, "M");
+  auto cp_args = [kda_args](Array q, Array k, Array v, Array g, Array beta, const Opt& A_log, const Opt& dt_bias, const Opt& cu,
+                            const Opt& d_o, int64_t piece, Array S, Array M) {
+    KdaCpSummaryArgs a;
+    a.fwd = kda_args(q, k, v, g, beta, {}, A_log, dt_bias, cu, {}, {});
+    a.d_o = opt_view(d_o, "d_o");
+    a.piece = piece;
+    a.S = to_view(S, "S");
+    a.M = to_view(M, "M");
+    return a;
+  };
+  m.def("kda_cp_summary_workspace_bytes",
+        [cp_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt A_log, Opt dt_bias, Opt cu, Opt d_o, int64_t piece,
+                            double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Array S, Array M) {
+          const KdaCpSummaryArgs a = cp_args(q, k, v, g, beta, A_log, dt_bias, cu, d_o, piece, S, M);
           const KdaOptions o = kda_opts(scale, false, l2, gate_in_kernel, lower, lb);
-          raise_if_error(d_o ? run_cp_backward_summary(a, o) : run_cp_forward_summary(a, o));
+          return d_o ? cp_backward_summary_workspace_bytes(a, o) : cp_forward_summary_workspace_bytes(a, o);
         },
         nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("A_log").none(), nb::arg("dt_bias").none(),
         nb::arg("cu").none(), nb::arg("d_o").none(), nb::arg("piece"), nb::arg("scale"), nb::arg("l2"), nb::arg("gate_in_kernel"),
         nb::arg("lower"), nb::arg("lb"), nb::arg("S"), nb::arg("M"));
+  m.def("kda_cp_summary_out",
+        [cp_args, kda_opts](Array q, Array k, Array v, Array g, Array beta, Opt A_log, Opt dt_bias, Opt cu, Opt d_o, int64_t piece,
+                            double scale, bool l2, bool gate_in_kernel, bool lower, double lb, Array S, Array M, Opt workspace,
+                            uintptr_t stream) {
+          const KdaCpSummaryArgs a = cp_args(q, k, v, g, beta, A_log, dt_bias, cu, d_o, piece, S, M);
+          const KdaOptions o = kda_opts(scale, false, l2, gate_in_kernel, lower, lb);
+          void* ws = opt_ptr(workspace);
+          raise_if_error(d_o ? run_cp_backward_summary(a, o, ws, as_stream(stream)) : run_cp_forward_summary(a, o, ws, as_stream(stream)));
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("A_log").none(), nb::arg("dt_bias").none(),
+        nb::arg("cu").none(), nb::arg("d_o").none(), nb::arg("piece"), nb::arg("scale"), nb::arg("l2"), nb::arg("gate_in_kernel"),
+        nb::arg("lower"), nb::arg("lb"), nb::arg("S"), nb::arg("M"), nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
   // The split of a varlen batch over ranks: per rank (local cu_seqlens, pre_num_ranks, post_num_ranks).
   m.def("kda_cp_split",
         [](const std::vector<int64_t>& cu, const std::vector<int64_t>& bounds) {
@@ -148,8 +165,10 @@ void bind_kda(nb::module_& m) {
         },
         nb::arg("cu"), nb::arg("bounds"));
   m.def("kda_cp_merge_out",
-        [](Array S, Array M, Array out) { raise_if_error(run_cp_merge(to_view(S, "S"), to_view(M, "M"), to_view(out, "out"))); },
-        nb::arg("S"), nb::arg("M"), nb::arg("out"));
+        [](Array S, Array M, Array out, uintptr_t stream) {
+          raise_if_error(run_cp_merge(to_view(S, "S"), to_view(M, "M"), to_view(out, "out"), as_stream(stream)));
+        },
+        nb::arg("S"), nb::arg("M"), nb::arg("out"), nb::arg("stream") = 0);
 }
 
 }  // namespace encore::python

@@ -1,11 +1,15 @@
 // KDA context-parallel summaries and merge (encore/kda_cp.hpp): validation, then the fp64 CPU
-// reference (src/kda/reference/kda_cp.cpp). CUDA tensors are refused until the summary kernels exist.
+// reference (src/kda/reference/kda_cp.cpp) or, for CUDA tensors, the composition of the CUDA forward and
+// backward (kda_cp_compose.cpp) and the merge kernel (cuda/kda_cp_fill.cu).
 #include "encore/kda_cp.hpp"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/checks.hpp"
+#include "kda/cuda/kda_cp_fill.hpp"
+#include "kda/kda_cp_compose.hpp"
 #include "kda/problem.hpp"
 #include "kda/reference/kda_cp.hpp"
 
@@ -36,10 +40,13 @@ double at(const TensorView& t, int64_t a, int64_t b, int64_t c, int64_t d) {
   return load_as_double(t.data, t.dtype, a * t.strides[0] + b * t.strides[1] + c * t.strides[2] + d * t.strides[3]);
 }
 
-Status summary(const KdaCpSummaryArgs& a, const KdaOptions& o, bool backward) {
-  const char* what = backward ? "kda cp backward summary" : "kda cp forward summary";
-  kda::KdaProblem p;
-  ENCORE_RETURN_IF_ERROR(kda::make_problem(a.fwd, o, &p));
+}  // namespace
+
+namespace kda {
+
+Status cp_summary_problem(const KdaCpSummaryArgs& a, const KdaOptions& o, bool backward, KdaProblem* out) {
+  KdaProblem& p = *out;
+  ENCORE_RETURN_IF_ERROR(make_problem(a.fwd, o, &p));
   if (a.piece < 0 || a.piece >= int64_t(p.seqs.size()))
     return Status::invalid("piece: expected a local sequence in [0, " + std::to_string(p.seqs.size()) + "), got " + std::to_string(a.piece));
   ENCORE_RETURN_IF_ERROR(shaped("S", a.S, {p.H, p.K, p.V}, "[HV, K, V]"));
@@ -48,11 +55,21 @@ Status summary(const KdaCpSummaryArgs& a, const KdaOptions& o, bool backward) {
     ENCORE_RETURN_IF_ERROR(checks::present("d_o", a.d_o));
     if (a.d_o.ndim != 4 || a.d_o.shape[0] != p.B || a.d_o.shape[1] != p.T || a.d_o.shape[2] != p.H || a.d_o.shape[3] != p.V)
       return Status::invalid("d_o: expected [B, T, HV, V], got " + a.d_o.shape_string());
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("d_o", a.d_o));
   }
-  for (const TensorView* t : {&a.fwd.q, &a.S, &a.M, &a.d_o})
-    if (t->defined() && t->device.is_cuda())
-      return Status::unsupported(std::string(what) + ": CUDA tensors are not supported yet (the summary kernels are not written); "
-                                 "pass CPU tensors");
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"S", &a.S}, {"M", &a.M}, {"d_o", &a.d_o}})
+    if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::same_device(name, *t, "q", a.fwd.q));
+  return Status::ok();
+}
+
+}  // namespace kda
+
+namespace {
+
+Status summary(const KdaCpSummaryArgs& a, const KdaOptions& o, bool backward, void* workspace, Stream stream) {
+  if (a.fwd.q.defined() && a.fwd.q.device.is_cuda()) return kda::cp_compose_summary(a, o, backward, workspace, stream);
+  kda::KdaProblem p;
+  ENCORE_RETURN_IF_ERROR(kda::cp_summary_problem(a, o, backward, &p));
   const reference::KdaInputs in = reference::kda_prepare(p, a.fwd);
   reference::KdaCpSummary s;
   if (backward) {
@@ -86,10 +103,20 @@ Status kda_cp_split(const std::vector<int64_t>& cu, const std::vector<int64_t>& 
   return Status::ok();
 }
 
-Status run_cp_forward_summary(const KdaCpSummaryArgs& a, const KdaOptions& o, Stream) { return summary(a, o, false); }
-Status run_cp_backward_summary(const KdaCpSummaryArgs& a, const KdaOptions& o, Stream) { return summary(a, o, true); }
+size_t cp_forward_summary_workspace_bytes(const KdaCpSummaryArgs& a, const KdaOptions& o) {
+  return a.fwd.q.defined() && a.fwd.q.device.is_cuda() ? kda::cp_compose_workspace_bytes(a, o, false) : 0;
+}
+size_t cp_backward_summary_workspace_bytes(const KdaCpSummaryArgs& a, const KdaOptions& o) {
+  return a.fwd.q.defined() && a.fwd.q.device.is_cuda() ? kda::cp_compose_workspace_bytes(a, o, true) : 0;
+}
+Status run_cp_forward_summary(const KdaCpSummaryArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
+  return summary(a, o, false, workspace, stream);
+}
+Status run_cp_backward_summary(const KdaCpSummaryArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
+  return summary(a, o, true, workspace, stream);
+}
 
-Status run_cp_merge(const TensorView& S, const TensorView& M, const TensorView& out) {
+Status run_cp_merge(const TensorView& S, const TensorView& M, const TensorView& out, Stream stream) {
   ENCORE_RETURN_IF_ERROR(checks::present("S", S));
   if (S.ndim != 4) return Status::invalid("S: expected [n, HV, K, V], got " + S.shape_string());
   const int64_t n = S.shape[0], H = S.shape[1], K = S.shape[2], V = S.shape[3];
@@ -99,8 +126,21 @@ Status run_cp_merge(const TensorView& S, const TensorView& M, const TensorView& 
     return Status::invalid("M: expected [n, HV, K, K] matching S " + S.shape_string() + ", got " + M.shape_string());
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("M", M, {DType::kFP32, DType::kFP64}));
   ENCORE_RETURN_IF_ERROR(shaped("out", out, {H, K, V}, "[HV, K, V]"));
-  for (const TensorView* t : {&S, &M, &out})
-    if (t->device.is_cuda()) return Status::unsupported("kda cp merge: CUDA tensors are not supported yet; pass CPU tensors");
+  ENCORE_RETURN_IF_ERROR(checks::same_device("M", M, "S", S));
+  ENCORE_RETURN_IF_ERROR(checks::same_device("out", out, "S", S));
+  if (S.device.is_cuda()) {
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"S", &S}, {"M", &M}, {"out", &out}}) {
+      ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kFP32}));
+      if (!t->is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous on CUDA");
+    }
+#ifdef ENCORE_WITH_CUDA
+    return cuda::kda_cp_merge(static_cast<const float*>(S.data), static_cast<const float*>(M.data), static_cast<float*>(out.data), n, H, K,
+                              V, S.device.index, stream);
+#else
+    (void)stream;
+    return Status::unsupported("S: on " + S.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+  }
   std::vector<reference::KdaCpSummary> sums(static_cast<size_t>(n));
   std::vector<const reference::KdaCpSummary*> chain;
   for (int64_t j = 0; j < n; ++j) {

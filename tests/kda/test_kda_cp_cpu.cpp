@@ -2,16 +2,23 @@
 // global varlen batch split over simulated ranks, each rank running the public CPU forward and
 // backward on its own slice with the merged initial state (forward) and the merged d_final_state
 // (backward) of the sequences it shares with its neighbours, against the whole batch in one pass:
-// outputs and every gradient equal to fp64 rounding; the split's metadata.
+// outputs and every gradient equal to fp64 rounding; the split's metadata. And the identities the CUDA
+// summaries are composed of (kda/kda_cp_compose.hpp), run on the CPU backend: S_ext = the forward's final
+// state from 0, M = the final state of the forward with v = 0 from h0 = I, dS_ext = the backward's dh0,
+// dM = Mᵀ, against the token-by-token reference summaries.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
 #include "encore/kda.hpp"
+#include "encore/kda_cp.hpp"
+#include "kda/kda_cp_compose.hpp"
 #include "kda/problem.hpp"
 #include "kda/reference/kda_cp.hpp"
 #include "tests/kda/kda_case.hpp"
+#include "tests/kda/kda_cp_case.hpp"
 
 namespace encore::test {
 namespace {
@@ -19,37 +26,10 @@ namespace {
 using reference::KdaCpRank;
 using reference::KdaCpSummary;
 
-// Rows [t0, t1) of a [1, T, heads, C] vector.
-std::vector<double> rows(const std::vector<double>& x, int64_t t0, int64_t t1, int64_t per_token) {
-  return {x.begin() + t0 * per_token, x.begin() + t1 * per_token};
-}
-
-struct Grads {
-  std::vector<double> dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias;
-};
-
-// The public CPU backward of case c (its forward arguments) with d_o and d_final (empty: none).
 Grads backward(KdaCase& c, std::vector<double>& d_o, std::vector<double>* d_final) {
-  const int64_t T = c.T, H = c.H, Hv = c.Hv(), K = c.K, V = c.V;
-  Grads g{std::vector<double>(size_t(T * H * K)), std::vector<double>(size_t(T * H * K)), std::vector<double>(size_t(T * Hv * V)),
-          std::vector<double>(size_t(T * Hv * K)), std::vector<double>(size_t(T * Hv)), std::vector<double>(size_t(c.N() * Hv * K * V)),
-          std::vector<double>(size_t(Hv)), std::vector<double>(size_t(Hv * K))};
-  auto t4 = [&](std::vector<double>& x, int64_t heads, int64_t d) { return TensorView::contiguous(x.data(), DType::kFP64, {1, T, heads, d}); };
-  KdaBackwardArgs b;
-  b.fwd = c.args();
-  b.d_o = t4(d_o, Hv, V);
-  if (d_final) b.d_final_state = TensorView::contiguous(d_final->data(), DType::kFP64, {c.N(), Hv, K, V});
-  b.dq = t4(g.dq, H, K);
-  b.dk = t4(g.dk, H, K);
-  b.dv = t4(g.dv, Hv, V);
-  b.dg = t4(g.dg, Hv, K);
-  b.dbeta = TensorView::contiguous(g.dbeta.data(), DType::kFP64, {1, T, Hv});
-  if (c.h0) b.dh0 = TensorView::contiguous(g.dh0.data(), DType::kFP64, {c.N(), Hv, K, V});
-  if (!c.A_log.empty()) b.dA_log = TensorView::contiguous(g.dA_log.data(), DType::kFP64, {Hv});
-  if (!c.dt_bias.empty()) b.ddt_bias = TensorView::contiguous(g.ddt_bias.data(), DType::kFP64, {Hv * K});
-  KdaOptions o = c.opts;
-  o.output_final_state = false;
-  EXPECT_TRUE(run(b, o));
+  bool ok = false;
+  Grads g = cpu_backward(c, d_o, d_final, &ok);
+  EXPECT_TRUE(ok);
   return g;
 }
 
@@ -173,6 +153,84 @@ TEST(KdaCpCpu, SplitMetadata) {
   }
   const auto aligned = reference::kda_cp_split({0, 64, 128, 300}, {0, 64, 128, 300});
   for (const auto& k : aligned) EXPECT_TRUE(k.pre_num_ranks == 0 && k.post_num_ranks == 0);
+}
+
+
+// The composed summaries (the CUDA path's runs, on the CPU backend in fp64) against the reference, per
+// piece of a local problem with an empty piece; the reference is also what run_cp_*_summary gives on CPU.
+void composed_matches_reference(Gate gate, bool l2, int64_t HV) {
+  SCOPED_TRACE(std::string("gate ") + std::to_string(int(gate)) + (l2 ? " l2" : "") + " HV " + std::to_string(HV));
+  const std::vector<int64_t> cu = {0, 37, 37, 130, 200};
+  const int64_t T = cu.back(), H = 2, K = 8, V = 6;
+  KdaCase c{1, T, H, K, V, cu, gate, false, l2};
+  c.HV = HV;
+  c.final_state = false;
+  c.fill(uint64_t(T) * 7 + uint64_t(HV));
+  const int64_t Hv = c.Hv();
+  std::vector<double> d_o(size_t(T * Hv * V));
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> nd;
+  for (auto& e : d_o) e = nd(rng);
+  kda::KdaProblem p;
+  ASSERT_TRUE(kda::make_problem(c.args(), c.opts, &p));
+  const reference::KdaInputs in = reference::kda_prepare(p, c.args());
+  double worst[4] = {0, 0, 0, 0};
+  for (int64_t n = 0; n < int64_t(cu.size()) - 1; ++n) {
+    for (bool backward : {false, true}) {
+      const KdaCpSummary want = backward ? reference::kda_cp_backward_summary(p, in, d_o, n) : reference::kda_cp_forward_summary(p, in, n);
+      std::vector<double> S(size_t(Hv * K * V), NAN), M(size_t(Hv * K * K), NAN);
+      KdaCpSummaryArgs a;
+      a.fwd = c.args();
+      a.fwd.o = TensorView{};
+      a.piece = n;
+      a.S = TensorView::contiguous(S.data(), DType::kFP64, {Hv, K, V});
+      a.M = TensorView::contiguous(M.data(), DType::kFP64, {Hv, K, K});
+      if (backward) a.d_o = TensorView::contiguous(d_o.data(), DType::kFP64, {1, T, Hv, V});
+      const size_t bytes = kda::cp_compose_workspace_bytes(a, c.opts, backward);
+      EXPECT_EQ(bytes == 0, cu[size_t(n)] == cu[size_t(n) + 1]) << "piece " << n;
+      std::vector<double> ws(bytes / sizeof(double) + 32, NAN);  // NaN scratch: a read of an unwritten value shows
+      void* base = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 255) / 256 * 256);
+      const Status st = kda::cp_compose_summary(a, c.opts, backward, base, nullptr);
+      ASSERT_TRUE(st) << st.to_string();
+      const double eS = rel_err(S, want.S), eM = rel_err(M, want.M);
+      EXPECT_LT(eS, 1e-11) << (backward ? "dS_ext" : "S_ext") << " piece " << n;
+      EXPECT_LT(eM, 1e-11) << (backward ? "dM" : "M") << " piece " << n;
+      worst[backward ? 2 : 0] = std::max(worst[backward ? 2 : 0], eS);
+      worst[backward ? 3 : 1] = std::max(worst[backward ? 3 : 1], eM);
+      // The public entry on CPU tensors (the reference) gives the same.
+      std::vector<double> S2(S.size()), M2(M.size());
+      a.S.data = S2.data();
+      a.M.data = M2.data();
+      ASSERT_TRUE(backward ? run_cp_backward_summary(a, c.opts) : run_cp_forward_summary(a, c.opts));
+      EXPECT_EQ(rel_err(S2, want.S), 0.0);
+      EXPECT_EQ(rel_err(M2, want.M), 0.0);
+    }
+  }
+  std::printf("[ composed ] relative RMS vs reference: S_ext %.1e  M %.1e  dS_ext %.1e  dM %.1e\n", worst[0], worst[1], worst[2], worst[3]);
+}
+
+TEST(KdaCpCpu, ComposedSummariesEqualTheReference) {
+  composed_matches_reference(Gate::kSoftplusBias, true, 0);
+  composed_matches_reference(Gate::kPrecomputed, false, 0);
+  composed_matches_reference(Gate::kLowerBound, true, 4);  // grouped value heads
+}
+
+TEST(KdaCpCpu, SummaryRefusals) {
+  KdaCase c{1, 16, 1, 4, 4, {0, 16}, Gate::kPrecomputed, false, false};
+  c.final_state = false;
+  c.fill(3);
+  std::vector<double> S(16), M(16);
+  KdaCpSummaryArgs a;
+  a.fwd = c.args();
+  a.piece = 1;
+  a.S = TensorView::contiguous(S.data(), DType::kFP64, {1, 4, 4});
+  a.M = TensorView::contiguous(M.data(), DType::kFP64, {1, 4, 4});
+  EXPECT_EQ(run_cp_forward_summary(a, c.opts).code(), StatusCode::kInvalidArgument);  // piece out of range
+  a.piece = 0;
+  EXPECT_EQ(run_cp_backward_summary(a, c.opts).code(), StatusCode::kInvalidArgument);  // no d_o
+  EXPECT_EQ(cp_forward_summary_workspace_bytes(a, c.opts), 0u);  // CPU: no workspace
+  a.M = TensorView::contiguous(M.data(), DType::kFP64, {1, 4, 3});
+  EXPECT_EQ(run_cp_forward_summary(a, c.opts).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace
