@@ -32,6 +32,7 @@
 #   ENCORE_SANITIZE_TOOLS  default "memcheck racecheck"
 #   ENCORE_BENCH_SUITES    suites for bench/ncu (default: all); ENCORE_BENCH_FILTER, ENCORE_BENCH_SIZES
 #                          are read by the suites themselves
+#   ENCORE_PEERS_NPROC     processes (GPUs) per peer script, via torch.distributed.run (default 1; moe_ep: 2-8)
 #   ENCORE_PEERS           peer names (qk_norm kda block; default all three) or paths of .py scripts
 #                          (run with ENCORE_PEERS_ARGS and OUT); ROUNDS, BLOCK_SIZES, KDA_PEER_CONFIGS
 #                          are read by the peer scripts
@@ -229,15 +230,18 @@ pass_peers() {
   local pp="$root/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" p
   [ -d "$BUILD/python/encore" ] || echo "no encore Python module: the peers run without encore" | tee -a "$log"
   detail=
+  # ENCORE_PEERS_NPROC > 1: one process per GPU (torch.distributed.run), for the multi-GPU scripts (moe_ep)
+  local -a py=(python3)
+  [ "${ENCORE_PEERS_NPROC:-1}" -gt 1 ] && py=(python3 -m torch.distributed.run --standalone --nproc-per-node "$ENCORE_PEERS_NPROC")
   for p in ${ENCORE_PEERS:-qk_norm kda block}; do
     local rc
     if [[ $p == *.py ]]; then
       need "$p" "peer script" || continue
       # shellcheck disable=SC2086
-      step 540 env OUT="$OUT" PYTHONPATH="$pp" PYTHONUNBUFFERED=1 python3 "$p" ${ENCORE_PEERS_ARGS:-}
+      step 540 env OUT="$OUT" PYTHONPATH="$pp" PYTHONUNBUFFERED=1 "${py[@]}" "$p" ${ENCORE_PEERS_ARGS:-}
     else
       need "bench/peers/${p}_peers.py" "peer script" || continue
-      step 540 env OUT="$OUT" PYTHONPATH="$pp" PYTHONUNBUFFERED=1 python3 "bench/peers/${p}_peers.py" "$OUT/${p}_peers.json"
+      step 540 env OUT="$OUT" PYTHONPATH="$pp" PYTHONUNBUFFERED=1 "${py[@]}" "bench/peers/${p}_peers.py" "$OUT/${p}_peers.json"
     fi
     rc=$?
     detail+="$p rc=$rc; "

@@ -36,11 +36,13 @@ cuda_device_count = _encore.cuda_device_count
 
 
 def __getattr__(name):
-    """encore.nn (torch modules) on first use: `import encore` alone never imports torch."""
-    if name == "nn":
+    """encore.nn (torch modules) and encore.moe_forward_ep (torch.distributed) on first use: `import encore`
+    alone never imports torch."""
+    if name in ("nn", "moe_forward_ep"):
         import importlib
 
-        return importlib.import_module(".nn", __name__)
+        mod = importlib.import_module(".nn" if name == "nn" else "._moe_ep", __name__)
+        return mod if name == "nn" else mod.moe_forward_ep
     raise AttributeError(f"module 'encore' has no attribute {name!r}")
 
 

@@ -4,7 +4,8 @@ MoE: the single-GPU mixture-of-experts layer (encore.moe_forward: routing, dispa
 SwiGLU MLPs, combine), for inference: its parameters do not require grad (the layer has no backward
 yet). The weights are in the common layouts: router [E, D] (an nn.Linear named `gate`, as in
 Hugging Face's Qwen3-MoE and DeepSeek-V3), w13 [E, 2F, D] (each expert's gate rows, then its up
-rows) and w2 [E, D, F]."""
+rows) and w2 [E, D, F]. ExpertParallelMoE: the same layer over a torch.distributed process group, each rank holding
+E / W experts (expert or tensor parallel on the collective path, encore/_moe_ep.py)."""
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,9 @@ from . import moe as _moe
 from ._block_autograd import LlamaBlock
 from ._ce_autograd import FusedLinearCrossEntropyLoss
 from ._mlp_autograd import RMSNormLinear, SwiGLUMLP
+from ._moe_ep import ExpertParallelMoE
 
-__all__ = ["MoE", "LlamaBlock", "FusedLinearCrossEntropyLoss", "SwiGLUMLP", "RMSNormLinear"]
+__all__ = ["MoE", "ExpertParallelMoE", "LlamaBlock", "FusedLinearCrossEntropyLoss", "SwiGLUMLP", "RMSNormLinear"]
 
 
 class MoE(torch.nn.Module):

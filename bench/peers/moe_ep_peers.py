@@ -1,0 +1,91 @@
+"""MoE across GPUs (issue 33): encore.moe_forward_ep on the collective path (NCCL all-to-all for expert parallel,
+NCCL all-reduce for tensor parallel) against NCCL alone moving the same bytes, in one job, one process per GPU.
+
+Launch: python3 -m torch.distributed.run --standalone --nproc-per-node N bench/peers/moe_ep_peers.py OUT.json
+(`scripts/gpu.sh peers` with ENCORE_PEERS=moe_ep and ENCORE_PEERS_NPROC=N). Per shape (DeepSeek-V3-like: hidden
+7168, 256 experts, top-8, expert FFN 2048; Qwen3-30B-A3B: 2048, 128, top-8, 768) and tokens per GPU
+(MOE_EP_TOKENS, default 128,4096), medians over ROUNDS (default 5) of wall time per call between barriers
+(CUDA events; the collective path synchronizes the host once per call for the split sizes):
+  ep_layer        the whole EP layer: routing, the counts / rows / ids all-to-alls, the local experts, the rows
+                  back, the combine
+  nccl_a2a_rows   all_to_all_single of the dispatch rows alone with the same splits (bf16 [T * k, hidden]),
+                  the floor of one direction on this path
+  tp_layer        the TP layer (every GPU the same tokens): local experts, fp32 partial combine, all-reduce
+  nccl_allreduce  all_reduce of the fp32 [T, hidden] partials alone
+Rank 0 writes OUT.json (one key per figure, plus the world size and GPU)."""
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+import encore
+
+SHAPES = {"deepseek_v3": (7168, 256, 8, 2048), "qwen3_30b_a3b": (2048, 128, 8, 768)}
+TOKENS = [int(t) for t in os.environ.get("MOE_EP_TOKENS", "128,4096").split(",")]
+ROUNDS = int(os.environ.get("ROUNDS", "5"))
+
+
+def timed(fn, reps=10):
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(ROUNDS):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / reps * 1e3)
+    t = torch.tensor([statistics.median(out)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's median
+    return float(t.item())
+
+
+def main(path):
+    dist.init_process_group("nccl")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    res = {"world": world, "gpu": torch.cuda.get_device_name()}
+    for name, (d, e, k, f) in SHAPES.items():
+        el = e // world
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        w13 = (torch.randn(el, 2 * f, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
+        w2 = (torch.randn(el, d, f, device="cuda", generator=g) * f ** -0.5).bfloat16()
+        for t in TOKENS:
+            key = f"{name}_T{t}_ep{world}"
+            x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+            logits = torch.randn(t, e, device="cuda", generator=g)
+            try:
+                res[f"{key}_ep_layer_us"] = timed(lambda: encore.moe_forward_ep(x, logits, w13, w2, k))
+                ids, _ = encore.moe_routing(logits, k)
+                dest = torch.div(ids.reshape(-1).long(), el, rounding_mode="floor")
+                send = torch.bincount(dest, minlength=world)
+                recv = torch.empty_like(send)
+                dist.all_to_all_single(recv, send)
+                s_l, r_l = send.tolist(), recv.tolist()
+                rows = x.index_select(0, torch.div(torch.argsort(dest, stable=True), k, rounding_mode="floor"))
+                rows_in = rows.new_empty(sum(r_l), d)
+                res[f"{key}_nccl_a2a_rows_us"] = timed(lambda: dist.all_to_all_single(rows_in, rows, r_l, s_l))
+                res[f"{key}_tp_layer_us"] = timed(lambda: encore.moe_forward_ep(x, logits, w13, w2, k, mode="tp"))
+                part = torch.randn(t, d, device="cuda")
+                res[f"{key}_nccl_allreduce_us"] = timed(lambda: dist.all_reduce(part))
+            except Exception as err:  # noqa: BLE001 (recorded; the other shapes still run)
+                res[f"{key}_error"] = repr(err)[:300]
+            if rank == 0:
+                print({k_: v for k_, v in res.items() if k_.startswith(key)}, flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    if rank == 0:
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "moe_ep_peers.json")

@@ -1,0 +1,173 @@
+"""The MoE layer across the ranks of a torch.distributed process group, on the collective path (issue 33;
+docs/moe.md "Across GPUs"): NCCL's all-to-all / all-reduce on CUDA tensors, gloo's on CPU tensors. It is
+the path every deployment can take, the fallback of the peer-memory exchange and its baseline.
+
+Rank r of W owns the experts [r * E / W, (r + 1) * E / W) (E_local = E / W, w13 [E_local, 2F, D],
+w2 [E_local, D, F]); the router logits span all E experts on every rank.
+
+- mode "ep" (expert parallel, data-parallel tokens): x [T_r, D] are this rank's own tokens. Routing on
+  the rank; the (t, j) pairs, stably sorted by destination rank, go out by one all-to-all of their rows
+  (and one of their local expert ids, after one of the counts); each rank runs its local experts on the
+  rows it received (in (source rank, token, j) order) through moe_forward with a one-hot top-1 routing
+  (weight exactly 1, so each output row is the expert's own rounded output); the rows go back by the
+  reverse all-to-all and moe_combine sums them in j order in fp32 with the routing weights: the result
+  equals moe_forward on all ranks' tokens in one process bit for bit (each expert row is computed
+  independently of the rows beside it, and the combine order is the same).
+- mode "tp" (replicated tokens): x [T, D] is the same on every rank. Each rank computes the pairs routed
+  to its experts, combines them in fp32 with the other pairs' weights zeroed, and an all-reduce sums the
+  fp32 partial outputs, rounded to x's dtype once: equal to the single-GPU layer up to the order of that
+  fp32 sum (bit-exact when each token's k experts sit on one rank).
+
+Every call first agrees on the inputs (one all-reduce of an error flag; on an error, one all-gather of the
+messages): a rank with bad inputs makes every rank raise a ValueError naming it, instead of leaving its
+peers waiting. Every other wait is bounded by the process group's timeout."""
+import torch
+import torch.distributed as dist
+
+from . import moe as _moe
+
+
+def _world(group):
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _agree(group, error, device):
+    """Raises on every rank if any rank's `error` (a message, or None) is set."""
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()) == 0:
+        return
+    world, rank = _world(group)
+    msgs = [None] * world
+    dist.all_gather_object(msgs, error, group=group)
+    bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m is not None)
+    raise ValueError(f"moe_forward_ep (rank {rank} of {world}): refused on {bad}")
+
+
+def _check(x, router_logits, w13, w2, top_k, world, mode):
+    if getattr(x, "ndim", 0) != 2:
+        return f"x: expected [T, D], got shape {tuple(getattr(x, 'shape', ()))}"
+    if getattr(router_logits, "ndim", 0) != 2 or router_logits.shape[0] != x.shape[0]:
+        return f"router_logits: expected [T, E] with T = {x.shape[0]}, got {tuple(router_logits.shape)}"
+    E = router_logits.shape[1]
+    if E % world != 0:
+        return f"router_logits: E = {E} experts must divide over the {world} ranks"
+    el = E // world
+    if getattr(w13, "ndim", 0) != 3 or w13.shape[0] != el or w13.shape[2] != x.shape[1] or w13.shape[1] % 2 != 0:
+        return f"w13: expected this rank's [E / W = {el}, 2F, D = {x.shape[1]}], got {tuple(w13.shape)}"
+    if getattr(w2, "ndim", 0) != 3 or tuple(w2.shape) != (el, x.shape[1], w13.shape[1] // 2):
+        return f"w2: expected [{el}, {x.shape[1]}, {w13.shape[1] // 2}], got {tuple(w2.shape)}"
+    if not 1 <= top_k <= E:
+        return f"top_k: must be in [1, E = {E}], got {top_k}"
+    if mode not in ("ep", "tp"):
+        return f"mode: must be 'ep' or 'tp', got {mode!r}"
+    if x.dtype != w13.dtype or w2.dtype != w13.dtype:
+        return f"w13, w2: must have x's dtype {x.dtype}, got {w13.dtype}, {w2.dtype}"
+    return None
+
+
+def _experts(rows, local_ids, w13, w2, align_m):
+    """Each row through its local expert: moe_forward with a one-hot top-1 routing (weight exactly 1)."""
+    if rows.shape[0] == 0:
+        return rows.new_empty(0, rows.shape[1])
+    logits = torch.full((rows.shape[0], w13.shape[0]), -30000.0, dtype=torch.float32, device=rows.device)
+    logits.scatter_(1, local_ids.long()[:, None], 0.0)
+    return _moe.moe_forward(rows, logits, w13, w2, 1, scoring="softmax", renormalize=True, align_m=align_m)
+
+
+def _route(x, router_logits, top_k, routing):
+    if x.shape[0] == 0:
+        return (torch.empty(0, top_k, dtype=torch.int32, device=x.device), torch.empty(0, top_k, dtype=torch.float32, device=x.device))
+    return _moe.moe_routing(router_logits, top_k, **routing)
+
+
+def _combine(y_pairs, weights, out_dtype):
+    t, k = weights.shape
+    if t == 0:
+        return y_pairs.new_empty(0, y_pairs.shape[1], dtype=out_dtype)
+    slots = torch.arange(t * k, dtype=torch.int32, device=y_pairs.device).view(t, k)
+    out = torch.empty(t, y_pairs.shape[1], dtype=out_dtype, device=y_pairs.device)
+    return _moe.moe_combine(y_pairs, slots, weights, out=out)
+
+
+def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str = "ep", scoring: str = "softmax",
+                   renormalize: bool = True, n_group: int = 1, topk_group: int = 1, correction_bias=None,
+                   routed_scaling_factor: float = 1.0, align_m: int = 1):
+    """The MoE layer over `group` (default: the world). x [T, D] (this rank's tokens for "ep", every rank's
+    same tokens for "tp"); router_logits [T, E] over all experts; w13 [E / W, 2F, D] and w2 [E / W, D, F] the
+    experts of this rank (rank r: experts r * E / W ...). Routing options as moe_forward's. Returns [T, D]."""
+    world, rank = _world(group)
+    _agree(group, _check(x, router_logits, w13, w2, int(top_k), world, mode), x.device)
+    k, el = int(top_k), router_logits.shape[1] // world
+    routing = dict(scoring=scoring, renormalize=renormalize, n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
+                   routed_scaling_factor=routed_scaling_factor)
+    ids, weights = _route(x, router_logits, k, routing)
+    flat = ids.reshape(-1).long()
+    dest = torch.div(flat, el, rounding_mode="floor")
+    if mode == "tp":
+        sel = torch.nonzero(dest == rank).flatten()
+        y_local = _experts(x.index_select(0, torch.div(sel, k, rounding_mode="floor")), flat[sel] - rank * el, w13, w2, align_m)
+        y_pairs = x.new_zeros(flat.numel(), x.shape[1])
+        y_pairs[sel] = y_local
+        mine = torch.zeros_like(weights).reshape(-1)
+        mine[sel] = weights.reshape(-1)[sel]
+        partial = _combine(y_pairs, mine.view_as(weights), torch.float32)
+        dist.all_reduce(partial, group=group)
+        return partial.to(x.dtype)
+    order = torch.argsort(dest, stable=True)  # (destination, token, j): a stable order every receiver sees
+    send = torch.bincount(dest, minlength=world).to(torch.int64)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_l, recv_l = send.tolist(), recv.tolist()
+    rows_out = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    ids_out = (flat[order] - dest[order] * el).to(torch.int32)
+    rows_in = x.new_empty(sum(recv_l), x.shape[1])
+    ids_in = torch.empty(sum(recv_l), dtype=torch.int32, device=x.device)
+    dist.all_to_all_single(rows_in, rows_out, output_split_sizes=recv_l, input_split_sizes=send_l, group=group)
+    dist.all_to_all_single(ids_in, ids_out, output_split_sizes=recv_l, input_split_sizes=send_l, group=group)
+    y_in = _experts(rows_in, ids_in, w13, w2, align_m)
+    y_back = x.new_empty(flat.numel(), x.shape[1])
+    dist.all_to_all_single(y_back, y_in, output_split_sizes=send_l, input_split_sizes=recv_l, group=group)
+    y_pairs = torch.empty_like(y_back)
+    y_pairs[order] = y_back
+    return _combine(y_pairs, weights, x.dtype)
+
+
+class ExpertParallelMoE(torch.nn.Module):
+    """encore.nn.MoE over a process group: the router (all E experts) on every rank, this rank's E / W experts'
+    weights (w13 [E / W, 2F, D], w2 [E / W, D, F]); forward(x [..., D]) as moe_forward_ep with `mode` ("ep":
+    x holds this rank's tokens; "tp": the same tokens on every rank)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, group=None, mode: str = "ep",
+                 device=None, dtype=None, **options):
+        super().__init__()
+        world, rank = _world(group)
+        if num_experts % world != 0:
+            raise ValueError(f"num_experts: {num_experts} must divide over the {world} ranks")
+        kw = {"device": device, "dtype": dtype}
+        self.group, self.mode, self.top_k, self.options = group, mode, top_k, options
+        self.hidden_size, self.num_experts, self.first_expert = hidden_size, num_experts, rank * (num_experts // world)
+        self.gate = torch.nn.Linear(hidden_size, num_experts, bias=False, **kw)
+        self.w13 = torch.nn.Parameter(torch.empty(num_experts // world, 2 * intermediate_size, hidden_size, **kw), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.empty(num_experts // world, hidden_size, intermediate_size, **kw), requires_grad=False)
+        self.gate.requires_grad_(False)
+        self.register_buffer("correction_bias", None)
+
+    @classmethod
+    def from_layer(cls, layer, group=None, mode: str = "ep"):
+        """This rank's share of an encore.nn.MoE holding all experts (weights sliced, not copied)."""
+        world, rank = _world(group)
+        el = layer.num_experts // world
+        m = cls(layer.hidden_size, layer.intermediate_size, layer.num_experts, layer.top_k, group, mode, device="meta",
+                dtype=layer.w13.dtype, **layer.options)
+        m.gate.weight = torch.nn.Parameter(layer.gate.weight, requires_grad=False)
+        m.w13 = torch.nn.Parameter(layer.w13[rank * el:(rank + 1) * el], requires_grad=False)
+        m.w2 = torch.nn.Parameter(layer.w2[rank * el:(rank + 1) * el], requires_grad=False)
+        m.correction_bias = layer.e_score_correction_bias
+        return m
+
+    def forward(self, x):
+        rows = x.reshape(-1, self.hidden_size)
+        out = moe_forward_ep(rows, self.gate(rows), self.w13, self.w2, self.top_k, self.group, self.mode,
+                             correction_bias=self.correction_bias, **self.options)
+        return out.reshape(x.shape)

@@ -1,0 +1,139 @@
+"""encore.moe_forward_ep / encore.nn.ExpertParallelMoE over gloo process groups of 2 and 4 CPU processes (the
+collective path; NCCL takes the same calls on CUDA tensors): expert parallel equals moe_forward on every rank's
+tokens in one process bit for bit (ranks with no tokens, experts nobody picks, the grouped sigmoid routing with
+a bias and a scaling factor, bf16 and fp32), reruns are identical, tensor parallel equals it to the fp32 sum
+order, and a rank with bad inputs makes every rank raise instead of hanging."""
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+import encore  # noqa: E402
+
+D, F = 16, 12
+
+
+def data(counts, E, dtype, seed=0):
+    """Every rank's tokens and router logits (the same on every rank: each takes its slice), the weights of all E experts."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(counts)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g) * 2.0
+    logits[:, E - 1] -= 1e4  # the last expert: never picked
+    w13 = (torch.randn(E, 2 * F, D, generator=g) * D ** -0.5).to(dtype)
+    w2 = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dtype)
+    bias = torch.randn(E, generator=g) * 0.1
+    return x, logits, w13, w2, bias
+
+
+def check_case(rank, world, case, device="cpu"):
+    counts, E, k, dtype, routing = case["counts"], case["E"], case["k"], case["dtype"], dict(case["routing"])
+    x, logits, w13, w2, bias = (t.to(device) for t in data(counts, E, dtype))
+    if routing.pop("bias", False):
+        routing["correction_bias"] = bias
+    ref = encore.moe_forward(x, logits, w13, w2, k, **routing)  # every token in one process
+    el = E // world
+    mine = slice(rank * el, (rank + 1) * el)
+    lo = sum(counts[:rank])
+    tok = slice(lo, lo + counts[rank])
+    out = encore.moe_forward_ep(x[tok], logits[tok], w13[mine], w2[mine], k, **routing)
+    assert out.dtype == x.dtype and out.shape == (counts[rank], D)
+    assert torch.equal(out, ref[tok]), f"ep: {float((out.float() - ref[tok].float()).abs().max())}"
+    again = encore.moe_forward_ep(x[tok], logits[tok], w13[mine], w2[mine], k, **routing)
+    assert torch.equal(again, out), "ep rerun differs"
+    tp = encore.moe_forward_ep(x, logits, w13[mine], w2[mine], k, mode="tp", **routing)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    err = float((tp.float() - ref.float()).abs().max() / ref.float().abs().max())
+    assert err <= tol, f"tp: {err}"
+    layer = encore.nn.MoE.from_weights(torch.randn(E, D, generator=torch.Generator().manual_seed(3)).to(dtype).to(device), w13, w2, k,
+                                       **{n: v for n, v in routing.items() if n != "correction_bias"})
+    ep_layer = encore.nn.ExpertParallelMoE.from_layer(layer)
+    y = ep_layer(x[tok].view(1, -1, D)).view(-1, D)  # every rank joins, the one without tokens too
+    if counts[rank] > 0:  # the router GEMM on the same rows as the module's (CPU GEMM results may depend on M)
+        assert torch.equal(y, layer(x[tok])), "ExpertParallelMoE"
+
+
+def check_bad_input(rank, world):
+    """Rank 1 passes w13 with D - 1 columns: every rank raises, naming rank 1, and nothing waits."""
+    x, logits, w13, w2, _ = data([5] * world, 4 * world, torch.float32)
+    el = 4
+    w = w13[rank * el:(rank + 1) * el]
+    if rank == 1:
+        w = w[:, :, :-1]
+    with pytest.raises(ValueError, match=r"rank 1: w13: expected"):
+        encore.moe_forward_ep(x[:5], logits[:5], w, w2[rank * el:(rank + 1) * el], 2)
+
+
+def worker(rank, world, init, names, errq, backend="gloo"):
+    try:
+        device = "cpu"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+        for name in names:
+            if name == "bad_input":
+                check_bad_input(rank, world)
+            else:
+                check_case(rank, world, CASES[name], device)
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 (sent to the parent, which fails the test with it)
+        errq.put(f"rank {rank}: {e!r}")
+        raise
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(target, world, *args, backend="gloo"):
+    if not dist.is_available() or not (dist.is_gloo_available() if backend == "gloo" else dist.is_nccl_available()):
+        pytest.skip(f"torch.distributed with {backend} is not available")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=target, args=(r, world, init, *args, errq, backend)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    assert not alive, "a rank hung"
+    assert not errors and all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
+
+
+CASES = {  # by world size (the length of counts: tokens per rank)
+    "ep1_fp32": dict(counts=[37], E=8, k=3, dtype=torch.float32, routing={}),
+    "ep1_bf16": dict(counts=[61], E=8, k=2, dtype=torch.bfloat16, routing={"align_m": 8}),
+    "ep2_softmax_fp32": dict(counts=[37, 0], E=8, k=3, dtype=torch.float32, routing={}),
+    "ep4_softmax_bf16": dict(counts=[13, 1, 40, 7], E=8, k=2, dtype=torch.bfloat16, routing={"align_m": 8}),
+    "ep4_grouped_sigmoid_bias": dict(counts=[9, 20, 0, 33], E=16, k=4, dtype=torch.float32,
+                                     routing={"scoring": "sigmoid", "n_group": 4, "topk_group": 2, "bias": True,
+                                              "routed_scaling_factor": 2.5}),
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_equals_one_process(world):
+    """One process group per world size runs its cases (and, at world 2, the bad-input check)."""
+    names = [n for n, c in CASES.items() if len(c["counts"]) == world] + (["bad_input"] if world == 2 else [])
+    spawn(worker, world, names)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_nccl_on_cuda(world):
+    """The same cases on CUDA tensors over NCCL, one process per GPU (world 1 on a single GPU: the CUDA kernels and
+    NCCL's calls with one rank); skipped without that many GPUs."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world or not encore.built_with_cuda():
+        pytest.skip(f"needs {world} CUDA device(s) and encore built with CUDA")
+    spawn(worker, world, [n for n, c in CASES.items() if len(c["counts"]) == world], backend="nccl")
