@@ -186,7 +186,7 @@ Status run_cuda(const MoeForwardArgs& a, const MoeOptions& o, const Parts& p, St
   g.workspace_bytes = size_t(b.gemm_workspace.shape[0]);
   g.rows_bound = moe_permuted_rows(T, k, E, o.align_m);
   g.sm_count = info->sm_count;
-  g.fused_swiglu = moe::moe_fused_swiglu_enabled();
+  g.fused_swiglu = moe::moe_fused_swiglu(T, k, E, p.intermediate, info->sm_count);
   ENCORE_RETURN_IF_ERROR(cuda::launch_moe_expert_gemms(g, dev, stream));
   return moe::cuda_combine(moe::make_combine_problem(p.combine), b.expert_out.shape[0], dev, stream);
 }

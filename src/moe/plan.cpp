@@ -1,6 +1,7 @@
 // Launch plan of the CUDA MoE dispatch: the maps in one block for decode-sized batches, count-then-scatter
 // otherwise (thresholds from public code for now, docs/moe.md; to be measured on the H200); the gather
-// on the whole GPU in both cases. Also the expert GEMMs' path switch (moe_fused_swiglu_enabled).
+// on the whole GPU in both cases. Also which SwiGLU path the expert GEMMs take (moe_fused_swiglu).
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -32,9 +33,12 @@ DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int s
   return plan_moe_dispatch(tokens, top_k, num_experts, sm_count, path);
 }
 
-bool moe_fused_swiglu_enabled() {
-  const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU");
-  return v == nullptr || std::string(v) != "0";
+bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count) {
+  if (const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU"); v != nullptr && *v != '\0') return std::string(v) != "0";
+  const int64_t pairs = tokens * top_k;
+  const int64_t m_tiles = std::min<int64_t>(num_experts, pairs) + pairs / kExpertGemmTileM;
+  const int64_t gate_tiles = m_tiles * ((intermediate + kExpertGemmTileN - 1) / kExpertGemmTileN);
+  return gate_tiles >= int64_t(kFusedSwigluMinWaves) * (sm_count > 0 ? sm_count : 132);
 }
 
 }  // namespace encore::moe

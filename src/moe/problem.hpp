@@ -109,12 +109,18 @@ struct ExpertGemmProblem {
   size_t workspace_bytes = 0;
   int64_t rows_bound = 0;  // rows that may be in use this call: moe_permuted_rows(T, k, E, align_m)
   int sm_count = 0;
-  bool fused_swiglu = true;  // moe_fused_swiglu_enabled(): env ENCORE_MOE_FUSED_SWIGLU=0 selects the unfused path
+  bool fused_swiglu = true;  // moe_fused_swiglu(...)
 };
 
-// ENCORE_MOE_FUSED_SWIGLU, read at every call: "0" runs the unfused SwiGLU (gate_up [R, 2F] fp32 and
-// a row kernel), anything else or unset the fused one (plan.cpp).
-bool moe_fused_swiglu_enabled();
+// Which SwiGLU path a call takes (plan.cpp). ENCORE_MOE_FUSED_SWIGLU, read at every call: "0" the
+// unfused one (gate_up [R, 2F] fp32 and a row kernel), any other non-empty value the fused one.
+// Unset: fused when its gate GEMM alone has kFusedSwigluMinWaves waves of 128x128 tiles (estimated
+// as (min(E, T k) + T k / 128) M-tiles x ceil(F / 128)); below that (decode sizes) the unfused
+// path's single N = 2F launch keeps twice the SMs streaming weights, and its fp32 round trip is a
+// few hundred KB. A guess to be replaced by H200 measurements (docs/moe.md).
+constexpr int kExpertGemmTileM = 128, kExpertGemmTileN = 128;
+constexpr int kFusedSwigluMinWaves = 2;
+bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count);
 
 // One grouped GEMM D_e = A_e . B_e^T (+ C_e) over the expert blocks, as element offsets from each
 // operand's base: A_e and C_e, D_e start at row offsets[e] (row strides lda, ldc, ldd), B_e at
