@@ -2,7 +2,7 @@
 // kda_recurrent.cu / kda_recurrent_bwd.cu). Per case: the CUDA forward with poisoned (NaN) outputs
 // writes o, the final state and the residuals (G fp32; Aqk, Akk and, saved-h, h in the inputs' dtype,
 // bf16 for fp16); the CUDA backward then runs with poisoned gradients and a NaN-filled workspace,
-// with h (saved-h) or without (rematerialize). Compared on the same rounded inputs against the CPU
+// with all the residuals (saved-h) or none (rematerialize). Compared on the same rounded inputs against the CPU
 // fp64 references: o, final state against the recurrence; G, Aqk, Akk, h against the chunked
 // reference's trace; every gradient (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) against the BPTT.
 // Bounds: relative RMS <= 5e-3 (o, state, dq, dk, dv, dh0), 1e-2 (dg, dbeta, dA_log, ddt_bias), the
@@ -98,6 +98,7 @@ void run_large(LargeCase lc, DType dt, bool remat) {
   std::unique_ptr<DevVec> ddfin;
   KdaBackwardArgs b;
   b.fwd = a;
+  if (remat) b.fwd.residuals = KdaResiduals{};  // this path reads h at most: rematerialize from no residuals at all
   b.d_o = ddo->view;
   if (lc.dht) b.d_final_state = (ddfin = dev(d_fin, DType::kFP32, {N, H, K, V}))->view;
   auto dq = poisoned(nQ, dt, {B, T, Hq, K}), dk = poisoned(nQ, dt, {B, T, Hq, K}), dv = poisoned(c.v.size(), dt, {B, T, H, V}),
@@ -109,6 +110,10 @@ void run_large(LargeCase lc, DType dt, bool remat) {
   if (!c.dt_bias.empty()) b.ddt_bias = (ddt = poisoned(size_t(H * K), DType::kFP32, {H * K}))->view;
   const size_t ws_bytes = workspace_bytes(b, c.opts);
   EXPECT_GT(ws_bytes, size_t(0));
+  {
+    const Status st = run(b, c.opts, nullptr);
+    EXPECT_NE(st.to_string().find("workspace"), std::string::npos) << st.to_string();
+  }
   DeviceBuffer ws(std::max<size_t>(ws_bytes, 16));
   ASSERT_NE(ws.ptr, nullptr) << ws_bytes << " bytes of workspace";
   ENCORE_ASSERT_CUDA(cudaMemset(ws.ptr, 0xff, ws.bytes));  // NaN: a read of an unwritten slot shows
