@@ -1,6 +1,7 @@
 // moe_forward's expert compute on CUDA: bf16 grouped GEMMs on CUTLASS's Sm90 pointer-array
 // mainloop (TMA + WGMMA, warp-specialized, persistent group tile scheduler) with the SwiGLU fused into
-// the up GEMM's epilogue (default) or in a row kernel between them (ENCORE_MOE_FUSED_SWIGLU=0).
+// the up GEMM's epilogue or in a row kernel between them (p.fused_swiglu: moe::moe_fused_swiglu,
+// plan.cpp; ENCORE_MOE_FUSED_SWIGLU=0 / 1 forces either). Compiled for sm_90a, not yet run on a GPU.
 //
 // Math (group e = expert e = rows [offsets[e], offsets[e + 1]) of the permuted buffers, padding
 // rows included; M_e is read on the device, so empty experts are zero-size groups):
@@ -13,7 +14,8 @@
 //   unfused: h[r, 0:2F] = x_permuted[r] . w13[e]^T (fp32), then swiglu_rows_kernel for act;
 //   down     y[r, 0:D]   = bf16(act[r] . w2[e]^T)      fp32 accumulate                 [R, D]
 //   silu_mul(g, u) = g / (1 + expf(-g)) * u in fp32 (IEEE division, each step rounded), rounded to bf16
-//   once (RNE), the same function in both paths, so act and y are bit-identical between them.
+//   once (RNE), the same function in both paths, so act and y are meant to be bit-identical
+//   between them (MoeForwardGpu.FusedSwigluMatchesUnfused).
 // Shapes: x_permuted [R, D], w13 [E, 2F, D] (gate rows then up rows), w2 [E, D, F], h [R, >= 2F]
 // fp32, act [R, F], y [R, D] bf16 (unit last stride); D, F multiples of 8 and every row / pointer
 // 16-byte aligned (TMA). Padding rows of x_permuted are zero, so their h, act and y rows are zero
