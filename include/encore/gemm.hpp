@@ -14,7 +14,8 @@
 // Backends: the CPU reference (fp64 accumulation) for every epilogue and finisher. CUDA: every
 // epilogue (the backward rows kSwigluBwd and kRmsnormBwd on the 128x128 ping-pong tile only), rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
 // (src/gemm/cuda), with these limits (refused with a clear error otherwise):
-//   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K a multiple of 8 (kWgrad, A stored [K, M]: M instead), N too where D, C or aux is given (lse without D: any N; lse with D and ce_bwd: any N
+//   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K a multiple of 8 (kWgrad, A stored [K, M]: M instead; rows with
+//   W [K, N] take any K, or M, where A's rows are 16-byte aligned, e.g. dlogits [M, V] with V odd in padded rows), N too where D, C or aux is given (lse without D: any N; lse with D and ce_bwd: any N
 //   with D's rows 16-byte aligned, e.g. N odd in a D view of rows padded to a multiple of 8: the TMA store writes
 //   whole 16-byte units, so columns [N, round_up(N, 8)) of every row, the last one included, are scratch
 //   and must be allocated, as in torch.empty(M, round_up(N, 8))[:, :N]); 16-byte aligned
@@ -68,6 +69,8 @@ enum GemmOperand : uint32_t {
   kOperandColumnPartials = 1u << 21,   // partials [ceil(M / 128), round_up(N, partial_tile_n)] fp32, written:
                                        //   per-M-tile column sums (block reduction along M); columns >= N are 0
   kOperandLse = 1u << 22,              // lse [M] fp32 and target [M] int32, required together (kCeBwd; ignore_index rows: D = 0)
+  kOperandTilePartialsOptional = 1u << 23,  // partials [M, ceil(N / partial_tile_n)] fp32, written when given (kCeBwd:
+                                            //   Σ_tile z·D, the zdz of the norm before the LM head)
   // (bit 28, apart from the bits above, which other rows' flags extend)
   kOperandATransposed = 1u << 28,      // a is [K, M] (M contiguous), used transposed: acc = Aᵀ-stored · W (the weight
                                        //   gradients dW = dzᵀ·x over the tokens: a = dz [tokens, N_out] as stored); M a
@@ -175,6 +178,20 @@ struct LseFinishArgs {
   TensorView loss;          // [M] fp32, output (with target)
 };
 Status run(const LseFinishArgs& args, int ignore_index = -100, Stream stream = nullptr);
+
+// The mean cross-entropy over the rows that count and its backward scale, as device scalars (graph-safe:
+// the count n = #{m : target[m] != ignore_index} is device data):
+//   loss[0] = Σ_{counted m} loss_rows[m] / n,   alpha[0] = d_loss[0] / n   (both 0 when n = 0: no NaN)
+// loss needs loss_rows (lse_finish's per-row loss), alpha needs d_loss; either pair may be absent. One CTA,
+// fixed-order sums (deterministic). CPU and CUDA backends.
+struct CeMeanArgs {
+  TensorView target;     // [M] int32
+  TensorView loss_rows;  // [M] fp32 (with loss)
+  TensorView loss;       // [1] fp32, output (optional)
+  TensorView d_loss;     // [1] fp32 (with alpha): the gradient of the mean loss
+  TensorView alpha;      // [1] fp32, output (optional): d_loss / n, the α of kCeBwd
+};
+Status run(const CeMeanArgs& args, int ignore_index = -100, Stream stream = nullptr);
 
 // Cross-entropy backward on stored logits (the path that keeps the forward's kLse D; math-coda §4.5),
 // elementwise: dlogits[m, n] = α·(e^(logits[m, n] − lse[m]) − [n == target[m]]), 0 on rows whose

@@ -1,4 +1,4 @@
-// GEMM-epilogue family finishers and host helpers: rms_final_reduce, lse_finish and the partials
+// GEMM-epilogue family finishers and host helpers: rms_final_reduce, lse_finish, ce_mean and the partials
 // sums (the row / column statistics from the epilogues' partials), the QK-norm + RoPE finish after qkv_head_sqsum, and the
 // weight / frequency layouts the epilogues read (interleave_gate_up, rope_freq_turns).
 #include <cmath>
@@ -104,6 +104,42 @@ Status run(const CrossEntropyBwdArgs& a, int ignore_index, Stream stream) {
                              ") and not ignore_index (" + std::to_string(ignore_index) + ")");
   }
   reference::cross_entropy_bwd(a, ignore_index);
+  return Status::ok();
+}
+
+Status run(const CeMeanArgs& a, int ignore_index, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(checks::present("target", a.target));
+  ENCORE_RETURN_IF_ERROR(checks::ndim("target", a.target, 1, "[M]"));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("target", a.target, {DType::kInt32}));
+  const int64_t M = a.target.shape[0];
+  if (a.loss.defined() || a.loss_rows.defined()) {
+    ENCORE_RETURN_IF_ERROR(vector("loss_rows", a.loss_rows, M, "[M] (target's length)", a.target, {DType::kFP32}));
+    ENCORE_RETURN_IF_ERROR(vector("loss", a.loss, 1, "[1]", a.target, {DType::kFP32}));
+  }
+  if (a.alpha.defined() || a.d_loss.defined()) {
+    ENCORE_RETURN_IF_ERROR(vector("d_loss", a.d_loss, 1, "[1]", a.target, {DType::kFP32}));
+    ENCORE_RETURN_IF_ERROR(vector("alpha", a.alpha, 1, "[1]", a.target, {DType::kFP32}));
+  }
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"loss", &a.loss}, {"alpha", &a.alpha}}) {
+    if (!t->defined()) continue;
+    for (auto [iname, in] : {std::pair<const char*, const TensorView*>{"target", &a.target}, {"loss_rows", &a.loss_rows}, {"d_loss", &a.d_loss}})
+      if (in->defined()) ENCORE_RETURN_IF_ERROR(checks::no_overlap(name, *t, iname, *in));
+  }
+  if (a.loss.defined() && a.alpha.defined()) ENCORE_RETURN_IF_ERROR(checks::no_overlap("alpha", a.alpha, "loss", a.loss));
+  if (a.target.device.is_cuda()) {
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"target", &a.target}, {"loss_rows", &a.loss_rows}})
+      ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+    if (M >= (int64_t(1) << 31)) return Status::unsupported("target: M must be < 2^31");
+#ifdef ENCORE_WITH_CUDA
+    return cuda::launch_ce_mean(static_cast<const int32_t*>(a.target.data), int(M), static_cast<const float*>(a.loss_rows.data),
+                                static_cast<float*>(a.loss.data), static_cast<const float*>(a.d_loss.data), static_cast<float*>(a.alpha.data),
+                                ignore_index, stream);
+#else
+    (void)stream;
+    return gemm::no_cuda(a.target, "target");
+#endif
+  }
+  reference::ce_mean(a, ignore_index);
   return Status::ok();
 }
 

@@ -63,6 +63,13 @@ std::string epilogues_on(GemmTile t) {
   return s;
 }
 
+// Whether this call writes partials whose layout follows the kernel's tile (required ones, or optional
+// tile partials that are given).
+bool tile_fixed_by_partials(const GemmEpilogueArgs& a, const GemmEpilogueInfo& info) {
+  return (info.operands & (kOperandTilePartials | kOperandColumnPartials)) ||
+         ((info.operands & kOperandTilePartialsOptional) && a.partials.defined());
+}
+
 // The CUDA tile for these options (partial_tile_n resolved): fixed by the partials' column tile
 // for epilogues with per-tile partials (the partials are per CTA tile N), else the requested one
 // or, for kAuto, the plan's (gemm::auto_tile). Every tile must be instantiated for the epilogue.
@@ -72,7 +79,7 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, con
     return Status::unsupported(std::string("tile: ") + gemm_tile_name(o.tile) + " exists for " + epilogues_on(o.tile) + ", not " +
                                epilogue_name(e));
   GemmTile chosen = o.tile;
-  if (info.operands & (kOperandTilePartials | kOperandColumnPartials)) {
+  if (tile_fixed_by_partials(a, info)) {
     GemmTile fixed = GemmTile::kAuto;
     if (o.partial_tile_n == 256) fixed = o.tile == GemmTile::kPingpong64x256 ? GemmTile::kPingpong64x256 : GemmTile::kCooperative128x256;
     else if (o.partial_tile_n == 128) fixed = GemmTile::kPingpong128x128;
@@ -104,12 +111,16 @@ Status validate_cuda(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, co
        {std::pair<const char*, const TensorView*>{"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"c2", &a.c2}, {"gamma", &a.gamma}})
     if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::same_dtype(name, *t, "a", a.a));
   const int64_t M = gemm_m(a, info), K = gemm_k(a, info), N = gemm_n(a, info);
-  if (info.operands & kOperandATransposed) {
-    if (M % 8 != 0)
-      return Status::unsupported("a: M = " + std::to_string(M) + " must be a multiple of 8 on CUDA (a is [K, M], M contiguous: 16-byte TMA rows)");
-  } else if (K % 8 != 0) {
-    return Status::unsupported("a: K = " + std::to_string(K) + " must be a multiple of 8 on CUDA (16-byte TMA rows)");
-  }
+  // A's contiguous extent (K, or M for A stored [K, M]) may be ragged where A's rows are padded to
+  // 16 bytes and W holds it along its rows (W [K, N]: the dgrad and wgrad rows): the TMA loads take any
+  // extent and zero-fill past it (e.g. the LM head's dlogits [M, V] with V odd in rows padded to 8).
+  const bool a_t = (info.operands & kOperandATransposed) != 0;
+  const int64_t a_inner = a_t ? M : K;
+  const bool a_padded = (a.a.strides[0] * int64_t(dtype_size(a.a.dtype))) % 16 == 0 && (info.operands & kOperandWeightKN);
+  if (a_inner % 8 != 0 && !a_padded)
+    return Status::unsupported(std::string("a: ") + (a_t ? "M = " : "K = ") + std::to_string(a_inner) + " must be a multiple of 8 on CUDA (" +
+                               (a_t ? "a is [K, M], M contiguous: " : "") + "16-byte TMA rows), or a's rows padded to 16 bytes" +
+                               ((info.operands & kOperandWeightKN) ? "" : " with w [K, N]"));
   // [M, N] tiles (D, C, aux) move by TMA, which needs 16-byte rows; without them (lse with no D)
   // any N works: W's rows are K-contiguous and the epilogue masks the columns past N.
   const bool n_tiles = a.d.defined() || a.c.defined() || a.aux.defined();
@@ -297,7 +308,8 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
   const uint32_t flags[] = {kOperandD | kOperandDOptional, kOperandAux | kOperandAuxHalf | kOperandAuxDouble, kOperandC | kOperandCPairs,
                             kOperandC2Optional, kOperandZdz, kOperandGamma, kOperandRowScale | kOperandRowScaleOptional, kOperandPos,
                             kOperandFreq, kOperandAlpha | kOperandAlphaOptional,
-                            kOperandTilePartials | kOperandHeadPartials | kOperandColumnPartials, kOperandTarget | kOperandLse, kOperandTarget,
+                            kOperandTilePartials | kOperandTilePartialsOptional | kOperandHeadPartials | kOperandColumnPartials,
+                            kOperandTarget | kOperandLse, kOperandTarget,
                             kOperandLse};
   for (size_t i = 0; i < std::size(operands); ++i)
     if (!uses(flags[i])) ENCORE_RETURN_IF_ERROR(unused(operands[i].first, *operands[i].second, e));
@@ -330,10 +342,11 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
       return Status::invalid("head_dim: " + std::to_string(o.head_dim) + " must be positive and divide N = " + std::to_string(N));
     ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, N / o.head_dim, "[M, tiles]", a.a, f32));
   }
-  if (uses(kOperandTilePartials | kOperandColumnPartials)) {
+  if (uses(kOperandTilePartials | kOperandColumnPartials) || (uses(kOperandTilePartialsOptional) && a.partials.defined())) {
     if (o.partial_tile_n < 0) return Status::invalid("partial_tile_n: must be positive or 0 (auto), got " + std::to_string(o.partial_tile_n));
     const int64_t tile = o.partial_tile_n > 0 ? o.partial_tile_n : gemm_partial_tile_n(e, M, N, K), tiles = gemm::ceil_div(N, tile);
-    if (uses(kOperandTilePartials)) ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, tiles, "[M, tiles]", a.a, f32));
+    if (uses(kOperandTilePartials | kOperandTilePartialsOptional))
+      ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, M, tiles, "[M, tiles]", a.a, f32));
     else
       ENCORE_RETURN_IF_ERROR(matrix("partials", a.partials, gemm_column_partials_rows(M), tiles * tile,
                                     "[ceil(M / 128), round_up(N, partial_tile_n)]", a.a, f32));

@@ -15,7 +15,7 @@ namespace encore {
 // 1.01-1.08x ping-pong), so the partials are per 256.
 int gemm_partial_tile_n(Epilogue e, int64_t, int64_t, int64_t K) {
   const GemmEpilogueInfo* info = gemm_epilogue_info(e);
-  if (info == nullptr || !(info->operands & (kOperandTilePartials | kOperandColumnPartials))) return 0;
+  if (info == nullptr || !(info->operands & (kOperandTilePartials | kOperandTilePartialsOptional | kOperandColumnPartials))) return 0;
   return e == Epilogue::kResidualSqsumAux && K >= 12288 ? 256 : 128;
 }
 

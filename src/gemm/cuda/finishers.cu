@@ -6,6 +6,8 @@
 //                     (per column: dγ; consecutive threads read consecutive columns)
 //   cross_entropy_bwd dlogits[m, n] = α·(e^(logits[m, n] − lse[m]) − [n == target[m]]), 0 on ignore_index rows,
 //                     NaN on rows whose target is outside [0, N) (one block per row; 16-byte accesses where aligned)
+//   ce_mean           loss = Σ_{counted} loss_rows / n, alpha = d_loss / n (n rows with target != ignore_index;
+//                     0 when n = 0): one CTA, per-thread strided sums, then a fixed tree over shared memory
 // One thread per output, tiles summed in order (deterministic); partials fp32, row stride ld.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -90,6 +92,33 @@ __global__ void cross_entropy_bwd_kernel(const T* logits, int64_t ld, T* dlogits
   }
 }
 
+__global__ void ce_mean_kernel(const int32_t* __restrict__ target, int M, const float* __restrict__ loss_rows, float* __restrict__ loss,
+                               const float* __restrict__ d_loss, float* __restrict__ alpha, int ignore_index) {
+  __shared__ float s_sum[kThreads];
+  __shared__ int s_cnt[kThreads];
+  float sum = 0.0f;
+  int cnt = 0;
+  for (int m = threadIdx.x; m < M; m += kThreads)
+    if (target[m] != ignore_index) {
+      ++cnt;
+      if (loss_rows != nullptr) sum += loss_rows[m];
+    }
+  s_sum[threadIdx.x] = sum;
+  s_cnt[threadIdx.x] = cnt;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) {
+      s_sum[threadIdx.x] += s_sum[threadIdx.x + w];
+      s_cnt[threadIdx.x] += s_cnt[threadIdx.x + w];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x != 0) return;
+  const int n = s_cnt[0];
+  if (loss != nullptr) *loss = n > 0 ? s_sum[0] / float(n) : 0.0f;
+  if (alpha != nullptr) *alpha = n > 0 ? *d_loss / float(n) : 0.0f;
+}
+
 Status launched(const char* name) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(e));
@@ -120,6 +149,14 @@ Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, fl
   lse_finish_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       partials, ld, M, tiles, lse, target, target_logit, loss, ignore_index);
   return launched("lse_finish");
+}
+
+Status launch_ce_mean(const int32_t* target, int M, const float* loss_rows, float* loss, const float* d_loss, float* alpha, int ignore_index,
+                      Stream stream) {
+  if (loss == nullptr && alpha == nullptr) return Status::ok();
+  ce_mean_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(target, M, loss != nullptr ? loss_rows : nullptr, loss, d_loss, alpha,
+                                                                       ignore_index);
+  return launched("ce_mean");
 }
 
 Status launch_cross_entropy_bwd(const void* logits, int64_t ld, void* dlogits, int64_t ld_out, DType dtype, int M, int N, const float* lse,

@@ -31,6 +31,9 @@ Status launch_partials_sum(const float* partials, int64_t ld, int rows, int cols
                            Stream stream);
 Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, float* lse, const int32_t* target, const float* target_logit,
                          float* loss, int ignore_index, Stream stream);
+// loss[0] = Σ_{counted} loss_rows / n, alpha[0] = d_loss[0] / n (0 when n = 0); one CTA; null outputs skipped.
+Status launch_ce_mean(const int32_t* target, int M, const float* loss_rows, float* loss, const float* d_loss, float* alpha, int ignore_index,
+                      Stream stream);
 // dlogits = α·(softmax − one-hot) per row (cross_entropy_bwd); logits and dlogits [M, N] of `dtype`, unit
 // last stride, row strides ld / ld_out (dlogits may be logits); lse, target contiguous; alpha null = 1.
 Status launch_cross_entropy_bwd(const void* logits, int64_t ld, void* dlogits, int64_t ld_out, DType dtype, int M, int N, const float* lse,

@@ -5,6 +5,10 @@
 // Rows whose target == ignore_index give exactly 0 (selected, so even a non-finite logit gives 0); a row
 // whose target lies outside [0, N) otherwise gives NaN (lse taken as NaN), so a bad target on the device
 // is visible in the gradient. Columns past N are computed but never stored (TMA clips D).
+// Optional (partials non-null): the per-(row, CTA tile) partials Σ_n z·out (fp32 [M, ceil(N / CTA_N)], row
+// stride ld_partials), the zdz of the RMSNorm before the LM head (math-coda §2), like SwigluBwdPairs' zdz
+// partials: one register per row, the quad's sum stored by its leader (rows past M are marked in t_rel
+// and skipped). Past N, z = 0 (TMA zero-fills W), so those terms are 0 without a mask.
 #pragma once
 #include <cmath>
 
@@ -19,19 +23,28 @@ struct CeGradArgs {
   int ignore_index = -100;
   int col0 = 0;     // global column of this launch's column 0 (a launch over an N-slice)
   int n_total = 0;  // the whole N (0: this launch's N)
+  float* partials = nullptr;  // [M, ceil(N / CTA_N)], optional
+  int64_t ld_partials = 0;
 };
 
 struct CrossEntropyGrad : NodeBase<CeGradArgs> {
   using NodeBase<CeGradArgs>::NodeBase;
   static constexpr int kIgnored = -(1 << 30);  // t_rel of an ignored row (no column matches it)
+  static constexpr int kOutside = kIgnored - 1;  // t_rel of a row past M (computed, never stored)
 
   template <class LTensor, class ITensor, class CTensor>
   struct Callbacks : fusion::detail::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE Callbacks(LTensor l, ITensor t, CTensor c, float a) : lse2(l), t_rel(t), coord(c), alpha(a) {}
+    CUTLASS_DEVICE Callbacks(LTensor l, ITensor t, LTensor s, CTensor c, float a, float* part, int ld_part)
+        : lse2(l), t_rel(t), sums(s), coord(c), alpha(a), partials(part), ld_partials(ld_part) {
+      fill(sums, 0.0f);
+    }
     LTensor lse2;   // per row: lse·log2e (+inf: ignored row, NaN: target out of range)
-    ITensor t_rel;  // per row: target − this thread's first global column (out of reach for ignored rows)
+    ITensor t_rel;  // per row: target − this thread's first global column (kIgnored, kOutside: no column matches)
+    LTensor sums;   // per row: Σ z·out over this tile's columns (kept also without partials: one FFMA)
     CTensor coord;  // tCcD
     float alpha;
+    float* partials;  // the partial of the thread's first row and this tile, or null
+    int ld_partials;
 
     template <class ElementAcc, class ElementIn, int kFrag>
     CUTLASS_DEVICE Array<float, kFrag> visit(Array<ElementAcc, kFrag> const&, int epi_v, int epi_m, int epi_n,
@@ -39,14 +52,30 @@ struct CrossEntropyGrad : NodeBase<CeGradArgs> {
       Tensor l_mn = lse2(_, _, _, epi_m, epi_n);
       Tensor t_mn = t_rel(_, _, _, epi_m, epi_n);
       Tensor c_mn = coord(_, _, _, epi_m, epi_n);
+      Tensor s_mn = sums(_, _, _, epi_m, epi_n);
       Array<float, kFrag> out;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kFrag; ++i) {
         const int v = epi_v * kFrag + i;
-        const float p = fast_exp2(fmaf(float(in[i]), kLog2e, -l_mn(v)));
+        const float z = float(in[i]);
+        const float p = fast_exp2(fmaf(z, kLog2e, -l_mn(v)));
         out[i] = t_mn(v) == kIgnored ? 0.0f : alpha * (int(get<1>(c_mn(v))) == t_mn(v) ? p - 1.0f : p);
+        s_mn(v) = fmaf(z, out[i], s_mn(v));
       }
       return out;
+    }
+
+    CUTLASS_DEVICE void end() {
+      if (partials == nullptr) return;  // uniform over the CTA: the quad shuffles below see every lane
+      const bool leader = quad_leader();
+      Tensor r_flt = filter_zeros(sums);
+      Tensor t_flt = filter_zeros(t_rel);
+      Tensor c_flt = filter_zeros(coord, sums.stride());
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(r_flt); ++i) {
+        const float v = quad_sum(r_flt(i));
+        if (leader && t_flt(i) != kOutside) partials[int64_t(get<0>(c_flt(i))) * ld_partials] = v;
+      }
     }
   };
 
@@ -63,12 +92,15 @@ struct CrossEntropyGrad : NodeBase<CeGradArgs> {
       const int t = __ldg(p.target + m);
       return t == p.ignore_index ? INFINITY : (t < 0 || t >= n_total) ? NAN : __ldg(p.lse + m) * kLog2e;
     });
-    fill_rows(t_rel, args, kIgnored, [&](int m) {
+    fill_rows(t_rel, args, kOutside, [&](int m) {
       const int t = __ldg(p.target + m);
       return t == p.ignore_index ? kIgnored : t - n0;
     });
     const float alpha = p.alpha != nullptr ? __ldg(p.alpha) : 1.0f;
-    return Callbacks<decltype(lse2), decltype(t_rel), decltype(args.tCcD)>(lse2, t_rel, args.tCcD, alpha);
+    auto sums = make_row_registers<float, kRefSrc>(args);
+    auto [m_tile, n_tile, k_tile, l_tile] = args.tile_coord_mnkl;
+    float* part = p.partials != nullptr ? p.partials + int64_t(get<0>(origin)) * p.ld_partials + int64_t(n_tile) : nullptr;
+    return Callbacks<decltype(lse2), decltype(t_rel), decltype(args.tCcD)>(lse2, t_rel, sums, args.tCcD, alpha, part, int(p.ld_partials));
   }
 };
 

@@ -298,7 +298,7 @@ struct Wgrad {
 
 // Cross-entropy backward on the recomputed logits (kCeBwd): z = r[m]·acc (A = the normed hidden, W = W_lm);
 // D = α·(e^(z − lse[m]) − [n == target[m]]), 0 on ignore_index rows (nodes::CrossEntropyGrad). D may have
-// N odd with 16-byte rows (TMA clips the columns past N).
+// N odd with 16-byte rows (TMA clips the columns past N). Optional partials Σ_tile z·D (null: none).
 template <class T>
 struct CeBwd {
   using ElementC = void;
@@ -307,7 +307,7 @@ struct CeBwd {
   using Evt = fusion::Sm90EVT<Identity<T>, fusion::Sm90EVT<nodes::CrossEntropyGrad, ScaledAcc<TileShape>>>;
   template <class Fusion>
   static typename Fusion::Arguments arguments(const GemmProblem& p) {
-    return {{{{p.row_scale, 1.0f, {}}, {}, {}}, {p.lse, p.target, p.alpha, p.ignore_index, p.col0, p.n_total}}, {}};
+    return {{{{p.row_scale, 1.0f, {}}, {}, {}}, {p.lse, p.target, p.alpha, p.ignore_index, p.col0, p.n_total, p.partials, p.ld_partials}}, {}};
   }
 };
 

@@ -7,7 +7,8 @@
 // Mainloop: CUTLASS 3.x Sm90 TMA + WGMMA, warp-specialized, persistent (cooperative or ping-pong
 //          schedule per TileConfig), stages = what shared memory leaves after the epilogue.
 // Constraints (validated by the dispatch): bf16/fp16 A and W, K and N multiples of 8 (16-byte TMA
-//          rows), 16-byte aligned base pointers and row strides. M is free (TMA masks the tail).
+//          rows; a ragged K or N where the rows are padded to 16 bytes), 16-byte aligned base pointers
+//          and row strides. M is free (TMA masks the tail).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -113,6 +114,8 @@ struct Sm90Gemm {
     // The batch stride enters D's TMA descriptor, which needs every stride 16-byte aligned: the packed
     // M·N is not when N is odd (kLse / kCeBwd with padded D rows), ldd·M is (L = 1: never stepped).
     if constexpr (!cute::is_void_v<ElementD>) get<2>(sd) = p.ldd * int64_t(M);
+    // Likewise A's (its contiguous K, or M when stored [K, M], may be odd in padded rows).
+    get<2>(sa) = p.lda * int64_t(kATransposed ? K : M);
     cutlass::KernelHardwareInfo hw;
     hw.device_id = p.device;
     hw.sm_count = p.sm_count;
@@ -131,14 +134,19 @@ struct Sm90Gemm {
 };
 
 // can_implement -> initialize -> run on `stream`; the kernels used here need no workspace.
-// can_implement sees N rounded up to the 16-byte alignment: the dispatch has checked every operand's
-// rows (validate_cuda), the TMA descriptors take any N and clip the columns past it, and kLse / kCeBwd
-// store D with N odd where D's rows are padded (CUTLASS's check would ask N itself to be aligned).
+// can_implement sees M, N and K rounded up to the 16-byte alignment: the dispatch has checked every
+// operand's rows (validate_cuda), the TMA descriptors take any extent and clip (stores) or zero-fill
+// (loads) past it: kLse / kCeBwd store D with N odd where D's rows are padded, and the dgrad / wgrad rows
+// read an A whose contiguous K (or M) is odd in padded rows (CUTLASS's check would ask the extents
+// themselves to be aligned).
 template <class G>
 Status run_gemm(const typename G::Gemm::Arguments& args, cudaStream_t stream, const char* name) {
   typename G::Gemm gemm;
   typename G::Gemm::Arguments check = args;
-  cute::get<1>(check.problem_shape) = (cute::get<1>(args.problem_shape) + G::kAlign - 1) / G::kAlign * G::kAlign;
+  auto up = [](int x) { return (x + G::kAlign - 1) / G::kAlign * G::kAlign; };
+  cute::get<0>(check.problem_shape) = up(cute::get<0>(args.problem_shape));
+  cute::get<1>(check.problem_shape) = up(cute::get<1>(args.problem_shape));
+  cute::get<2>(check.problem_shape) = up(cute::get<2>(args.problem_shape));
   if (gemm.can_implement(check) != cutlass::Status::kSuccess)
     return Status::unsupported(std::string(name) + ": CUTLASS cannot implement this problem (alignment or shape)");
   if (G::Gemm::get_workspace_size(args) != 0) return Status::internal(std::string(name) + ": kernel unexpectedly needs a workspace");

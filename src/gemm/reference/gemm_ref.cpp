@@ -161,11 +161,17 @@ void gemm_epilogue(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
         add_tile_row(acc, a.c, m);
         store_row(a.d, m, acc);
         break;
-      case Epilogue::kCeBwd:  // row vector loads (r, lse, target), elementwise softmax − one-hot, scalar α
+      case Epilogue::kCeBwd: {  // row vector loads (r, lse, target), elementwise softmax − one-hot, scalar α
         if (has_r) scale_row(acc, at1(a.row_scale, m));
+        const std::vector<double> z = acc;
         ce_grad_row(acc, at1(a.lse, m), int64_t(at1(a.target, m)), o.ignore_index, a.alpha.defined() ? at1(a.alpha, 0) : 1.0);
         store_row(a.d, m, acc);
+        if (a.partials.defined()) {  // block reduction along N of z·D (the zdz of the final norm)
+          for (size_t n = 0; n < z.size(); ++n) acc[n] *= z[n];
+          reduce_tiles(a.partials, m, acc, o.partial_tile_n, [](double v) { return v; });
+        }
         break;
+      }
       case Epilogue::kDgrad:
         store_row(a.d, m, acc);
         break;
@@ -290,6 +296,17 @@ void cross_entropy_bwd(const CrossEntropyBwdArgs& a, int ignore_index) {
   }
 }
 
+void ce_mean(const CeMeanArgs& a, int ignore_index) {
+  int64_t n = 0;
+  double total = 0;
+  for (int64_t m = 0; m < a.target.shape[0]; ++m) {
+    if (int64_t(at1(a.target, m)) == ignore_index) continue;
+    ++n;
+    if (a.loss_rows.defined()) total += at1(a.loss_rows, m);
+  }
+  if (a.loss.defined()) put1(a.loss, 0, n > 0 ? total / double(n) : 0.0);
+  if (a.alpha.defined()) put1(a.alpha, 0, n > 0 ? at1(a.d_loss, 0) / double(n) : 0.0);
+}
 
 void qk_norm_rope_bwd(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o) {
   const int64_t M = a.dy.shape[0], N = a.dy.shape[1], D = o.head_dim, qk_heads = o.num_q_heads + o.num_kv_heads;

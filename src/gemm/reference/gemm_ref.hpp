@@ -14,6 +14,7 @@ void partials_sum(const PartialsSumArgs& a, PartialsSum axis, float scale);
 void qk_norm_rope(const QkNormRopeArgs& a, const QkNormRopeOptions& o);
 void qk_norm_rope_bwd(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o);
 void cross_entropy_bwd(const CrossEntropyBwdArgs& a, int ignore_index);
+void ce_mean(const CeMeanArgs& a, int ignore_index);
 void rope_bwd_zdz(const RopeBwdZdzArgs& a, float scale);
 
 }  // namespace encore::reference
