@@ -8,6 +8,7 @@
 #include "encore/core/tensor_view.hpp"
 
 #include "encore/blocks/llama.hpp"
+#include "encore/blocks/llama_last.hpp"
 #include "encore/gemm.hpp"
 #include "encore/kda.hpp"
 #include "encore/moe.hpp"

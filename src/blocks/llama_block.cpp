@@ -1,6 +1,7 @@
 // LLaMA shifted-block forward: four GEMM-epilogue runs and two finishers over views of the
-// workspace (encore/blocks/llama.hpp). Backend-agnostic: each step dispatches on the tensors' device, so the
-// CPU backend runs the same schedule on the CPU references.
+// workspace (encore/blocks/llama.hpp; steps 1-3 shared with the last layer, blocks/plan.hpp).
+// Backend-agnostic: each step dispatches on the tensors' device, so the CPU backend runs the same
+// schedule on the CPU references.
 #include "encore/blocks/llama.hpp"
 
 #include <cmath>
@@ -8,102 +9,42 @@
 #include <utility>
 
 #include "core/checks.hpp"
+#include "blocks/plan.hpp"
 #include "encore/gemm.hpp"
 
 namespace encore {
 namespace {
 
-size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+using namespace blocks;
 
-struct Steps {
-  GemmEpilogueArgs g[4];
-  GemmEpilogueOptions o[4];
-  RmsFinalReduceArgs f[2];
-  int64_t d = 0;
-  size_t bytes = 0;  // workspace
-};
-
-// x = a·wᵀ + c (written to d), h = x ⊙ γ (aux), partials of Σ x² per 128 columns.
-void residual_step(GemmEpilogueArgs& g, GemmEpilogueOptions& o, const TensorView& a, const TensorView& w, const TensorView& c,
-                   const TensorView& d, const TensorView& aux, const TensorView& gamma, const TensorView& partials, int partial_tile_n) {
-  g.a = a;
-  g.w = w;
-  g.c = c;
-  g.d = d;
-  g.aux = aux;
-  g.gamma = gamma;
-  g.partials = partials;
-  o = GemmEpilogueOptions{Epilogue::kResidualSqsumAux};
-  o.partial_tile_n = partial_tile_n;
-}
-
-// The six steps over a workspace at `ws` (any 256-aligned address for validation and sizing).
-Steps plan(const LlamaBlockArgs& a, char* ws) {
-  Steps s;
-  const int64_t M = a.y0.shape[0], d = a.y0.shape[1], F = a.w2.defined() && a.w2.ndim == 2 ? a.w2.shape[1] : 0;
-  const DType t = a.y0.dtype;
-  const Device dev = a.y0.device;
-  const size_t es = dtype_size(t);
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* p = ws + off;
-    off = align256(off + bytes);
-    return p;
-  };
-  const int ptn1 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, d);
-  const int ptn2 = gemm_partial_tile_n(Epilogue::kResidualSqsumAux, M, d, F);
-  TensorView h1 = TensorView::contiguous(take(size_t(M * d) * es), t, {M, d}, dev);
-  TensorView y1 = TensorView::contiguous(take(size_t(M * F) * es), t, {M, F}, dev);
-  TensorView h2 = TensorView::contiguous(take(size_t(M * d) * es), t, {M, d}, dev);
-  TensorView p1 = TensorView::contiguous(take(size_t(M * ((d + ptn1 - 1) / ptn1)) * 4), DType::kFP32, {M, (d + ptn1 - 1) / ptn1}, dev);
-  TensorView p2 = TensorView::contiguous(take(size_t(M * ((d + ptn2 - 1) / ptn2)) * 4), DType::kFP32, {M, (d + ptn2 - 1) / ptn2}, dev);
-  s.bytes = off;
-  s.d = d;
-  // 1: x1 = y0·w0ᵀ + x0, h1 = x1 ⊙ γ0, partials of Σ x1²
-  residual_step(s.g[0], s.o[0], a.y0, a.w0, a.x0, a.x1, h1, a.gamma0, p1, ptn1);
-  s.f[0] = RmsFinalReduceArgs{p1, a.r1};
-  // 2: z1 = r1 ⊙ (h1·w1ᵀ), y1 = swiglu(z1)
-  s.g[1].a = h1;
-  s.g[1].w = a.w1;
-  s.g[1].d = a.z1;
-  s.g[1].aux = y1;
-  s.g[1].row_scale = a.r1;
-  s.o[1] = GemmEpilogueOptions{Epilogue::kSwiglu};
-  // 3: x2 = y1·w2ᵀ + x1, h2 = x2 ⊙ γ1, partials of Σ x2²
-  residual_step(s.g[2], s.o[2], y1, a.w2, a.x1, a.x2, h2, a.gamma1, p2, ptn2);
-  s.f[1] = RmsFinalReduceArgs{p2, a.r2};
+// The six steps in four groups over a workspace at `ws` (any 256-aligned address for validation and sizing).
+Plan plan(const LlamaBlockArgs& a, float eps, char* base) {
+  Plan p;
+  const int64_t M = a.y0.shape[0], d = a.y0.shape[1];
+  Carve ws{base, 0, a.y0.device};
+  TensorView h2 = ws.take(a.y0.dtype, M, d);
+  forward_mlp_steps(p, ws, a.y0, a.x0, a.w0, a.w1, a.w2, a.gamma0, a.gamma1, a.x1, a.z1, a.x2, a.r1, a.r2, h2, eps);
   // 4: qkv = RoPE(r2 ⊙ (h2·w3ᵀ))
-  s.g[3].a = h2;
-  s.g[3].w = a.w3;
-  s.g[3].d = a.qkv;
-  s.g[3].row_scale = a.r2;
-  s.g[3].pos = a.pos;
-  s.g[3].freq = a.freq;
-  s.o[3] = GemmEpilogueOptions{Epilogue::kRope};
-  return s;
+  Step rope = gemm_step("step 4 (QKV + RoPE)", Epilogue::kRope);
+  rope.group = 3;
+  rope.g.a = h2;
+  rope.g.w = a.w3;
+  rope.g.d = a.qkv;
+  rope.g.row_scale = a.r2;
+  rope.g.pos = a.pos;
+  rope.g.freq = a.freq;
+  p.steps.push_back(rope);
+  p.bytes = ws.off;
+  return p;
 }
 
-const char* kStepNames[4] = {"step 1 (o-proj + residual + sqsum)", "step 2 (gate/up + SwiGLU)", "step 3 (down-proj + residual + sqsum)",
-                             "step 4 (QKV + RoPE)"};
-
-Status in_step(int i, Status st) {
-  if (st) return st;
-  return Status(st.code(), std::string("llama_block ") + kStepNames[i] + ": " + st.message());
-}
+const char* kBlock = "llama_block";
 
 // Validates, checks the workspace and plans the steps over it.
-Status checked_plan(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, Steps* s) {
+Status checked_plan(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, Plan* p) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
-  if (workspace == nullptr) return Status::invalid("workspace: needs workspace_bytes(args, opts) bytes, got a null pointer");
-  if (!checks::aligned(workspace, 256)) return Status::invalid("workspace: must be 256-byte aligned");
-  *s = plan(a, static_cast<char*>(workspace));
-  return Status::ok();
-}
-
-// Step i's GEMM-epilogue run and, after steps 0 and 2, its rms_final_reduce.
-Status run_planned(const Steps& s, int i, float eps, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(in_step(i, run(s.g[i], s.o[i], nullptr, stream)));
-  if (i == 0 || i == 2) return in_step(i, run(s.f[i / 2], s.d, eps, stream));
+  ENCORE_RETURN_IF_ERROR(check_workspace(workspace, "workspace_bytes(args, opts)"));
+  *p = plan(a, o.eps, static_cast<char*>(workspace));
   return Status::ok();
 }
 
@@ -119,8 +60,8 @@ Status validate(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
     return Status::invalid("w0: expected [d, d] with d = " + std::to_string(a.y0.shape[1]) + " (y0's columns), got " + a.w0.shape_string());
   if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
   // Shapes, dtypes, devices and overlaps of every step, on a placeholder workspace address.
-  Steps s = plan(a, reinterpret_cast<char*>(uintptr_t(1) << 12));
-  for (int i = 0; i < 4; ++i) ENCORE_RETURN_IF_ERROR(in_step(i, validate(s.g[i], s.o[i])));
+  const Plan p = plan(a, o.eps, placeholder_workspace());
+  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(validate_step(kBlock, s));
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"r1", &a.r1}, {"r2", &a.r2}}) {
     ENCORE_RETURN_IF_ERROR(checks::present(name, *t));
     ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kFP32}));
@@ -133,21 +74,23 @@ Status validate(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
 
 size_t workspace_bytes(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
   if (!validate(a, o)) return 0;
-  return plan(a, nullptr).bytes;
+  return plan(a, o.eps, nullptr).bytes;
 }
 
 Status run(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, Stream stream) {
-  Steps s;
-  ENCORE_RETURN_IF_ERROR(checked_plan(a, o, workspace, &s));
-  for (int i = 0; i < 4; ++i) ENCORE_RETURN_IF_ERROR(run_planned(s, i, o.eps, stream));
+  Plan p;
+  ENCORE_RETURN_IF_ERROR(checked_plan(a, o, workspace, &p));
+  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(run_step(kBlock, s, stream));
   return Status::ok();
 }
 
 Status run_step(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, int step, Stream stream) {
   if (step < 0 || step > 3) return Status::invalid("step: must be 0, 1, 2 or 3, got " + std::to_string(step));
-  Steps s;
-  ENCORE_RETURN_IF_ERROR(checked_plan(a, o, workspace, &s));
-  return run_planned(s, step, o.eps, stream);
+  Plan p;
+  ENCORE_RETURN_IF_ERROR(checked_plan(a, o, workspace, &p));
+  for (const Step& s : p.steps)
+    if (s.group == step) ENCORE_RETURN_IF_ERROR(run_step(kBlock, s, stream));
+  return Status::ok();
 }
 
 }  // namespace encore
