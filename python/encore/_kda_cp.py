@@ -100,15 +100,21 @@ def _merge(parts, ranks, hv, K, V):
     through the reference, float32 in torch on CUDA)."""
     n = hv * K * V
     if parts[0].is_cuda:
-        X = torch.zeros(hv, K, V, dtype=torch.float32, device=parts[0].device)
-        for j in ranks:
-            X = torch.baddbmm(parts[j][:n].view(hv, K, V), parts[j][n:].view(hv, K, K), X)
-        return X
+        return _merge_torch(parts, ranks, hv, K, V)
     S = torch.stack([parts[j][:n].view(hv, K, V) for j in ranks])
     M = torch.stack([parts[j][n:].view(hv, K, K) for j in ranks])
     out = torch.empty(hv, K, V, dtype=torch.float64)
     _encore.kda_cp_merge_out(*_dl(S, M, out))
     return out
+
+
+def _merge_torch(parts, ranks, hv, K, V):
+    """The merge in torch, in the parts' dtype and device (CUDA: fp32)."""
+    n = hv * K * V
+    X = torch.zeros(hv, K, V, dtype=parts[0].dtype, device=parts[0].device)
+    for j in ranks:
+        X = torch.baddbmm(parts[j][:n].view(hv, K, V), parts[j][n:].view(hv, K, K), X)
+    return X
 
 
 class ChunkKdaCpFunction(torch.autograd.Function):

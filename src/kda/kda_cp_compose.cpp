@@ -182,7 +182,7 @@ Status transpose(const TensorView& src, const TensorView& dst, int64_t H, int64_
 
 // What the composition takes beyond cp_summary_problem: the CUDA forward's head-dim limit, the outputs'
 // device and, on CUDA, fp32 contiguous S and M (the forward's final-state layout).
-Status validate_compose(const KdaCpSummaryArgs& a, const KdaProblem& p, bool backward, const char* what) {
+Status validate_compose(const KdaCpSummaryArgs& a, const KdaProblem& p, const char* what) {
   const bool cuda = a.fwd.q.device.is_cuda();
 #ifndef ENCORE_WITH_CUDA
   if (cuda) return Status::unsupported(std::string(what) + ": q on " + a.fwd.q.device.to_string() + " but encore was built without CUDA");
@@ -199,7 +199,6 @@ Status validate_compose(const KdaCpSummaryArgs& a, const KdaProblem& p, bool bac
       if (!t->is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous on CUDA");
     }
   }
-  (void)backward;
   return Status::ok();
 }
 
@@ -207,7 +206,7 @@ Status validate_compose(const KdaCpSummaryArgs& a, const KdaProblem& p, bool bac
 
 size_t cp_compose_workspace_bytes(const KdaCpSummaryArgs& a, const KdaOptions& o, bool backward) {
   KdaProblem p;
-  if (!cp_summary_problem(a, o, backward, &p) || !validate_compose(a, p, backward, "")) return 0;
+  if (!cp_summary_problem(a, o, backward, &p) || !validate_compose(a, p, "")) return 0;
   const Sequence& s = p.seqs[size_t(a.piece)];
   if (s.end == s.begin) return 0;
   return make_plan(a, o, backward, p, nullptr).total;
@@ -217,7 +216,7 @@ Status cp_compose_summary(const KdaCpSummaryArgs& a, const KdaOptions& o, bool b
   const char* what = backward ? "kda cp backward summary" : "kda cp forward summary";
   KdaProblem p;
   ENCORE_RETURN_IF_ERROR(cp_summary_problem(a, o, backward, &p));
-  ENCORE_RETURN_IF_ERROR(validate_compose(a, p, backward, what));
+  ENCORE_RETURN_IF_ERROR(validate_compose(a, p, what));
   const Sequence& s = p.seqs[size_t(a.piece)];
   const Device dev = a.fwd.q.device;
   if (s.end == s.begin) {  // an empty piece: S_ext = 0 (dS_ext = 0), M = I (dM = I)

@@ -5,8 +5,9 @@
 // piece's d_final_state, then its local CUDA forward and backward. Compared, assembled over the ranks:
 // o, the final states of the sequences, dq, dk, dv, dg, dbeta and the rank-summed dA_log, ddt_bias against
 // the unsplit CUDA forward / backward and the fp64 CPU reference (relative RMS <= 5e-3, 1e-2 for dg, dbeta,
-// dA_log, ddt_bias: the CUDA backward's bounds, tests/kda/test_kda_bwd_gpu.cpp); each rank's summaries and
-// merged states against the fp64 reference summaries (<= 1e-2). Not run on a GPU yet.
+// dA_log, ddt_bias: the CUDA backward's bounds, tests/kda/test_kda_bwd_gpu.cpp); each rank's summaries
+// against the fp64 reference summaries (<= 1e-2), the CUDA merge against an fp64 merge of the same
+// summaries (<= 1e-4). Not run on a GPU yet.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -230,7 +231,8 @@ void run_cp(const CpCase& cc, DType dt) {
     const reference::KdaCpRank& rk = ranks[size_t(r)];
     KdaCase& lc = local[size_t(r)];
     const int64_t n_local = int64_t(lc.cu.size()) - 1, t0 = rk.t0, t1 = rk.t1;
-    // Merge a chain of gathered summaries on the GPU into `out` and check it against the fp64 merge.
+    // Merge a chain of gathered summaries on the GPU into `out` and check it against the fp64 merge of the
+    // same (GPU) summaries: the merge kernel alone.
     auto merge = [&](const std::vector<int>& chain, bool bwd, const TensorView& out) {
       DevPtr S = filled(0.0, DType::kFP32, {int64_t(chain.size()), H, K, V}), M = filled(0.0, DType::kFP32, {int64_t(chain.size()), H, K, K});
       std::vector<reference::KdaCpSummary> host(chain.size());
@@ -282,7 +284,7 @@ void run_cp(const CpCase& cc, DType dt) {
       for (size_t i = 0; i < x.size(); ++i) ddt[i] += x[i];
     }
   }
-  EXPECT_LT(e_merge, 1e-2) << "merged states against the fp64 merge of the reference summaries";
+  EXPECT_LT(e_merge, 1e-4) << "the CUDA merge (fp32) against the fp64 merge of the same summaries";
 
   struct Row {
     const char* name;

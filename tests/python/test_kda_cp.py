@@ -15,7 +15,8 @@ import encore  # noqa: E402
 H, K, V = 2, 8, 6
 
 
-def inputs(T, seed=0):
+def inputs(T, seed=0, dims=(H, K, V)):
+    H, K, V = dims
     g = torch.Generator().manual_seed(seed)
     r = lambda *s, sd=1.0: (torch.randn(*s, generator=g, dtype=torch.float64) * sd)  # noqa: E731
     return {"q": r(1, T, H, K), "k": r(1, T, H, K, sd=0.4), "v": r(1, T, H, V), "g": r(1, T, H, K, sd=2.0),
@@ -164,9 +165,12 @@ def emulated(t, cot, cu, bounds, device, dtype):
     return outs
 
 
+CUDA_DIMS = (2, 64, 64)  # H, K, V of the CUDA tests (the chunk kernels' usual tiles)
+
+
 def check_emulated(cu, bounds, device, dtype, tol):
     T = cu[-1]
-    t, cot = inputs(T, seed=3)
+    t, cot = inputs(T, seed=3, dims=CUDA_DIMS if device != "cpu" else (H, K, V))
     if dtype is not None:  # the inputs rounded to dtype, so every run sees the same values
         t = {n: (x.to(dtype).double() if n not in ("A_log", "dt_bias") else x.float().double()) for n, x in t.items()}
     o_ref, lr = run(t, cu)  # float64 on the CPU
@@ -197,6 +201,36 @@ def check_emulated(cu, bounds, device, dtype, tol):
     print(f"[ cp emulated {device} {dtype} ] " + " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
+def test_torch_merge_equals_the_reference_merge():
+    from encore import _kda_cp
+
+    hv, k, v = 3, 5, 4
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randn(hv * k * (v + k), generator=g, dtype=torch.float64) for _ in range(4)]
+    for ranks in ([0], [2, 0, 3], range(3, 0, -1)):
+        want = _kda_cp._merge(parts, ranks, hv, k, v)  # the CPU reference
+        assert rel(_kda_cp._merge_torch(parts, ranks, hv, k, v), want) < 1e-14
+
+
+def test_summary_binding_on_cpu():
+    """The summary entry points as _kda_cp calls them on CUDA, on CPU tensors: no workspace, the reference."""
+    from encore import _encore
+    from encore import _kda_cp
+    from encore._util import _dl
+    from encore.kda import _opts
+
+    t, cot = inputs(70, seed=2)
+    x = [t[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    cu = torch.tensor([0, 30, 70], dtype=torch.long)
+    opts = _opts(None, True, True, None)
+    S, M = torch.empty(H, K, V, dtype=torch.float64), torch.empty(H, K, K, dtype=torch.float64)
+    for d_o in (None, cot):
+        assert _encore.kda_cp_summary_workspace_bytes(*_dl(*x, cu, d_o), 1, *opts, *_dl(S, M)) == 0
+        _encore.kda_cp_summary_out(*_dl(*x, cu, d_o), 1, *opts, *_dl(S, M, None), 0)
+        want = _kda_cp._summary(*x, cu, opts, 1, d_o=d_o)
+        assert torch.equal(torch.cat((S.flatten(), M.flatten())), want)
+
+
 LAYOUTS = [([0, 150, 220, 520], [0, 130, 260, 390, 520]), ([0, 400], [0, 100, 250, 400]),
            ([0, 10, 25, 60, 61, 90, 130, 200], [0, 100, 200])]
 
@@ -218,7 +252,7 @@ def nccl_worker(rank, world, init, cu, bounds, errq):
     try:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
-        t, cot = inputs(cu[-1], seed=5)
+        t, cot = inputs(cu[-1], seed=5, dims=CUDA_DIMS)
         t = {n: x.float().double() for n, x in t.items()}  # float32 values throughout
         o_ref, lr = run(t, cu)
         (o_ref * cot).sum().backward()
