@@ -24,44 +24,25 @@
 #include "tests/common/device_buffer.hpp"
 #include "tests/kda/kda_case.hpp"
 #include "tests/kda/kda_cp_case.hpp"
+#include "tests/kda/kda_device_vec.hpp"
 
 namespace encore::test {
 namespace {
 
-constexpr Device kGpu{DeviceType::kCUDA, 0};
-
-// A device array in `dt` (contiguous), from a host vector (rounded to dt in place, so the CPU references
-// see the device's inputs) or NaN-filled.
-struct Dev {
-  DeviceBuffer buf;
-  TensorView view;
-  Dev(std::vector<double>& host, DType dt, std::initializer_list<int64_t> shape)
-      : buf(std::max<size_t>(host.size(), 1) * dtype_size(dt)), view(TensorView::contiguous(buf.ptr, dt, shape, kGpu)) {
-    std::vector<unsigned char> bytes(buf.bytes);
-    for (size_t i = 0; i < host.size(); ++i) {
-      store_from_double(bytes.data(), dt, int64_t(i), host[i]);
-      host[i] = load_as_double(bytes.data(), dt, int64_t(i));
-    }
-    cudaMemcpy(buf.ptr, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
-  }
-  std::vector<double> fetch() const;
-};
-// A contiguous device view's values.
+using DevPtr = std::unique_ptr<DevVec>;
+DevPtr filled(double x, DType dt, std::initializer_list<int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t e : shape) n *= e;
+  std::vector<double> h(size_t(n), x);
+  return dev(h, dt, shape);
+}
+// A contiguous device view's values (a sub-view of a DevVec too).
 std::vector<double> fetch(const TensorView& t) {
   std::vector<unsigned char> bytes(size_t(t.numel()) * dtype_size(t.dtype));
   cudaMemcpy(bytes.data(), t.data, bytes.size(), cudaMemcpyDeviceToHost);
   std::vector<double> out(size_t(t.numel()));
   for (size_t i = 0; i < out.size(); ++i) out[i] = load_as_double(bytes.data(), t.dtype, int64_t(i));
   return out;
-}
-std::vector<double> Dev::fetch() const { return encore::test::fetch(view); }
-using DevPtr = std::unique_ptr<Dev>;
-DevPtr dev(std::vector<double>& host, DType dt, std::initializer_list<int64_t> shape) { return std::make_unique<Dev>(host, dt, shape); }
-DevPtr filled(double x, DType dt, std::initializer_list<int64_t> shape) {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  std::vector<double> h(size_t(n), x);
-  return dev(h, dt, shape);
 }
 // Rows [t0, t1) of a device [1, T, ...] tensor.
 TensorView rows_of(const TensorView& t, int64_t t0, int64_t t1) {
@@ -238,10 +219,10 @@ void run_cp(const CpCase& cc, DType dt) {
       std::vector<reference::KdaCpSummary> host(chain.size());
       std::vector<const reference::KdaCpSummary*> ptrs;
       for (size_t i = 0; i < chain.size(); ++i) {
-        const Dev& s = *(bwd ? bS : fS)[size_t(chain[i])];
-        const Dev& m = *(bwd ? bM : fM)[size_t(chain[i])];
-        cudaMemcpy(slot(S->view, int64_t(i)).data, s.view.data, s.buf.bytes, cudaMemcpyDeviceToDevice);
-        cudaMemcpy(slot(M->view, int64_t(i)).data, m.view.data, m.buf.bytes, cudaMemcpyDeviceToDevice);
+        const DevVec& s = *(bwd ? bS : fS)[size_t(chain[i])];
+        const DevVec& m = *(bwd ? bM : fM)[size_t(chain[i])];
+        cudaMemcpy(slot(S->view, int64_t(i)).data, s.view.data, s.buf->bytes, cudaMemcpyDeviceToDevice);
+        cudaMemcpy(slot(M->view, int64_t(i)).data, m.view.data, m.buf->bytes, cudaMemcpyDeviceToDevice);
         host[i] = {s.fetch(), m.fetch()};
         ptrs.push_back(&host[i]);
       }
