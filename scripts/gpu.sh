@@ -164,7 +164,7 @@ pass_check() {
 # every catalogue epilogue on every tile, the LSE variants and the finishers, KDA and the block;
 # racecheck on the kernels with hand-written shared-memory synchronization (norm, QK-norm, KDA,
 # the finishers).
-memcheck_default='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:QuantGpu.EveryKernelVariant:GemmEpilogueGpu.EveryEpilogueOnEveryTile:GemmEpilogueGpu.LseVariants:GemmEpilogueGpu.Finishers:GemmEpilogueGpu.QkNormRopeFinish:KdaGpu.*:LlamaBlockGpu.*:MoeGpu.SmallShapesEveryKernel:MoeGpu.BadInputsOnCuda'
+memcheck_default='NormGpu.HAliasesResidual:NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:QuantGpu.EveryKernelVariant:GemmEpilogueGpu.EveryEpilogueOnEveryTile:GemmEpilogueGpu.LseVariants:GemmEpilogueGpu.Finishers:GemmEpilogueGpu.QkNormRopeFinish:KdaGpu.*:LlamaBlockGpu.*:MoeGpu.SmallShapesEveryKernel:MoeGpu.BadInputsOnCuda:MoeForwardGpu.FusedSwigluMatchesUnfused'
 racecheck_default='NormGpu.RunsOnRequestedStream:NormGpu.SplitRowPaths:QkNormGpu.EveryKernelVariant:GemmEpilogueGpu.Finishers:KdaGpu.*:MoeGpu.SmallShapesEveryKernel'
 pass_sanitize() {
   need "$BUILD/tests/encore_tests_gpu" "run the build pass first" || return

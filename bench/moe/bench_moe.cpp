@@ -93,7 +93,7 @@ void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
       r.name = "moe_forward";
       r.params = {{"shape", s.name}, {"tokens", std::to_string(T)}, {"D", std::to_string(s.D)}, {"F", std::to_string(s.F)},
                   {"E", std::to_string(s.E)}, {"k", std::to_string(s.k)}, {"align_m", "16"}, {"dtype", "bf16"},
-                  {"version", "ptr-array grouped GEMMs 128x128 coop + separate SwiGLU (fp32 gate_up)"}};
+                  {"version", "ptr-array grouped GEMMs 128x128: gate (coop) + up with the SwiGLU epilogue (ping-pong) from 2 waves of gate tiles, else gate/up + SwiGLU row kernel; down (coop)"}};
       r.metrics = {{"time_us", t.median_us}, {"gemm_tflops", flops / (t.median_us * 1e6)}, {"experts_touched", double(touched)},
                    {"weight_floor_us", floor_us}};
       report.records.push_back(r);

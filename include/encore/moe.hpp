@@ -31,8 +31,10 @@
 // unit last stride. The three ops run alone (serving engines own their GEMMs) or inside moe_forward,
 // whose intermediate buffers the caller allocates once (moe_buffers_bytes, moe_buffers_carve).
 // Backends: the CPU reference for every op; CUDA for all of them (src/moe/cuda). moe_forward on CUDA:
-// routing -> dispatch -> grouped gate/up GEMM (fp32 gate_up buffer) -> SwiGLU (rounded to bf16) ->
-// grouped down GEMM -> combine, all enqueued on the stream (no allocation, no sync); bf16 only, D and
+// routing -> dispatch -> grouped gate GEMM (fp32 gate) -> grouped up GEMM with the SwiGLU in its
+// epilogue (act rounded to bf16), or at decode sizes one gate/up GEMM (fp32 gate_up) and a SwiGLU row
+// kernel (ENCORE_MOE_FUSED_SWIGLU=0/1 forces either) -> grouped down GEMM -> combine, all enqueued on
+// the stream (no allocation, no sync); bf16 only, D and
 // F multiples of 8, E <= 512 (the routing kernel), on CUTLASS's Sm90 pointer-array grouped GEMM whose
 // group sizes come from expert_offsets on the device (docs/moe.md). The GEMMs accumulate in fp32 (the
 // reference in fp64), so CUDA results agree with the CPU backend to bf16 rounding, not bit for bit;
@@ -133,7 +135,8 @@ struct MoeBuffers {
   TensorView activation;          // [R, F] dtype: silu(gate) * up
   TensorView expert_out;          // [R, D] dtype
   TensorView dispatch_workspace;  // [W] int32: the dispatch's workspace (W * 4 = its workspace_bytes)
-  TensorView gate_up;             // [R, 2F] fp32: x_permuted . w13[e]^T (CUDA only; unused on the CPU)
+  TensorView gate_up;             // [R, 2F] fp32: x_permuted . w13[e]^T, only columns [0, F) (the gate) on the
+                                  // fused-SwiGLU path (CUDA only; unused on the CPU)
   TensorView gemm_workspace;      // [G] uint8: the grouped GEMMs' per-expert arguments (CUDA only)
 };
 
