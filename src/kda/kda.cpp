@@ -410,9 +410,12 @@ size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   if (!a.fwd.q.defined() || !a.fwd.q.device.is_cuda() || !kda::make_problem(a.fwd, o, &p)) return 0;
 #ifdef ENCORE_WITH_CUDA
-  if (cuda::kda_use_recurrent(p.K, p.V))
+  if (cuda::kda_use_recurrent(p.K, p.V)) {
+    int64_t window_rows = 0;  // the backward's partials hold one chunk of every sequence
+    for (const auto& sq : p.seqs) window_rows += std::min<int64_t>(kda::kChunk, sq.end - sq.begin);
     return cuda::kda_recurrent_backward_workspace_bytes(chunk_count(p), int64_t(p.seqs.size()), p.H, p.K, p.V, !a.fwd.residuals.h.defined(),
-                                                        p.B * p.T);
+                                                        p.B * p.T, window_rows, o.use_gate_in_kernel);
+  }
   return cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !a.fwd.residuals.h.defined(), p.B * p.T, p.group());
 #else
   return 0;

@@ -64,17 +64,22 @@ struct KdaBwdCudaProblem {
 // ([B, T, H, K] each, after the records), summed over each group in head order by a last launch.
 // The backward for large head dims (128 < K or V <= 256; kda_recurrent_bwd.cu): token-recurrent,
 // fp32 on CUDA cores, residuals.h optional (absent: it rematerializes the chunk-start states), G, Aqk,
-// Akk not read. Workspace in floats (16-byte aligned parts): ckpt, the chunk-start states [NT][H][K][V]
-// (rematerialize only); slab, per persistent block (at most kKdaRecurrentMaxBlocks) the states of one
-// chunk, slab_floats = 64 · ceil(K / 8) · 256; pq, pk, pg [tokens][H][tiles][K] and pb [tokens][H][tiles],
-// the per-32-column-tile partials of dq̂, dk̂, dg, dβ (tiles = ceil(V / 32)).
+// Akk not read; one pass per window (the w-th chunk from the end of every sequence). Workspace in
+// floats (16-byte aligned parts): ckpt, the chunk-start states [NT][H][K][V] (rematerialize only);
+// carry, dS between windows [N][H][K][V]; slab, per persistent block (at most kKdaRecurrentMaxBlocks)
+// the states of one chunk, slab_floats = 64 · ceil(K / 8) · 256; pq, pk, pg [rows][H][tiles][K] and
+// pb [rows][H][tiles], the per-32-column-tile partials of dq̂, dk̂, dg, dβ of one window (tiles =
+// ceil(V / 32), rows = window_rows = Σ_n min(64, len_n)); gdx [tokens][H][K], gda [tokens][H], the
+// per-token ddt_bias and dA_log terms (gate_terms: the in-kernel gate only).
 constexpr int kKdaRecurrentMaxBlocks = 512;
 struct KdaRecBwdLayout {
-  int64_t ckpt = 0, slab = 0, pq = 0, pk = 0, pg = 0, pb = 0, floats = 0, slab_floats = 0;
+  int64_t ckpt = 0, carry = 0, slab = 0, pq = 0, pk = 0, pg = 0, pb = 0, gdx = 0, gda = 0, floats = 0, slab_floats = 0;
   int blocks = 0;
 };
-KdaRecBwdLayout kda_recurrent_bwd_layout(int64_t chunks, int64_t N, int64_t H, int64_t K, int64_t V, bool remat, int64_t tokens);
-size_t kda_recurrent_backward_workspace_bytes(int64_t chunks, int64_t N, int64_t H, int64_t K, int64_t V, bool remat, int64_t tokens);
+KdaRecBwdLayout kda_recurrent_bwd_layout(int64_t chunks, int64_t N, int64_t H, int64_t K, int64_t V, bool remat, int64_t tokens,
+                                         int64_t window_rows, bool gate_terms);
+size_t kda_recurrent_backward_workspace_bytes(int64_t chunks, int64_t N, int64_t H, int64_t K, int64_t V, bool remat, int64_t tokens,
+                                              int64_t window_rows, bool gate_terms);
 Status launch_kda_recurrent_backward(const KdaBwdCudaProblem& p, void* workspace, Stream stream);
 
 size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V, bool remat, int64_t tokens = 0, int64_t group = 1);
