@@ -1,13 +1,16 @@
 """Compositions of ops: the shifted LLaMA block forward and backward and the first layer's QKV-norm
-backward (include/encore/blocks/llama.hpp), on the CPU backend for numpy / CPU torch arrays and on
+backward (include/encore/blocks/llama.hpp), the last layer + loss forward and backward
+(include/encore/blocks/llama_last.hpp), on the CPU backend for numpy / CPU torch arrays and on
 CUDA for CUDA torch tensors. These functions take no autograd; encore.nn.LlamaBlock is the
-trainable module over them (python/encore/_block_autograd.py)."""
+trainable module over the block's (python/encore/_block_autograd.py). The last layer's have no
+torch.library op yet (not traceable by torch.compile)."""
 from __future__ import annotations
 
 from . import _encore
 from ._util import _dl, _empty, _given_outputs, _ops, _stream_for, _via_torch_op, _workspace
 
-__all__ = ["llama_block_forward", "llama_block_workspace_bytes", "llama_block_backward", "qkv_norm_backward"]
+__all__ = ["llama_block_forward", "llama_block_workspace_bytes", "llama_block_backward", "qkv_norm_backward",
+           "llama_last_block_forward", "llama_last_block_backward"]
 
 _BLOCK_OUTPUTS = ("x1", "x2", "z1", "qkv", "r1", "r2")
 
@@ -102,4 +105,49 @@ def qkv_norm_backward(x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev=None, out
     nbytes = _encore.qkv_norm_backward_workspace_bytes(*_dl(*args))
     ws = _workspace(workspace, x, nbytes, 256, "qkv_norm_backward_workspace_bytes")
     _encore.qkv_norm_backward_out(*_dl(*args), *_dl(ws), _stream_for(x, stream))
+    return tuple(out)
+
+
+_LAST_OUTPUTS = ("x1", "x2", "z1", "h2", "r1", "r2", "lse", "loss")
+
+
+def llama_last_block_forward(y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, target, eps: float = 1e-5, ignore_index: int = -100,
+                             out=None, workspace=None, stream=None):
+    """The last layer + loss: x1 = y0 @ w0.T + x0; x2 = swiglu(rmsnorm(x1)*gamma0 @ w1.T) @ w2.T + x1;
+    logits = rmsnorm(x2)*gamma_final @ w_lm.T (never stored); loss = mean cross-entropy over the rows
+    whose target (int32 [M]) is not ignore_index (0 when none). Returns (x1, x2, z1, h2, r1, r2, lse,
+    loss): what llama_last_block_backward reads (h2 = x2*gamma_final, the LM head's input; lse, loss
+    float32 [M], [1]). out / workspace as for llama_block_forward."""
+    m, d, f2 = y0.shape[0], y0.shape[1], w1.shape[0]
+    if out is None:
+        out = (_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, d), "like"),
+               _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32"), _empty(y0, (1,), "f32"))
+    else:
+        out = _given_outputs(out, _LAST_OUTPUTS)
+    args = (y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, target, *out)
+    nbytes = _encore.llama_last_block_workspace_bytes(list(_dl(*args)), float(eps), int(ignore_index))
+    ws = _workspace(workspace, y0, nbytes, 256, "llama_last_block_workspace_bytes")
+    _encore.llama_last_block_forward_out(list(_dl(*args)), float(eps), int(ignore_index), *_dl(ws), _stream_for(y0, stream))
+    return tuple(out)
+
+
+_LAST_BWD_OUTPUTS = ("d_y0", "d_x0", "dw0", "dw1", "dw2", "dw_lm", "dgamma0", "dgamma_final")
+
+
+def llama_last_block_backward(y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss,
+                              ignore_index: int = -100, out=None, workspace=None, stream=None):
+    """The last layer + loss's backward from d_loss (float32 [1], the gradient of the mean loss) and the
+    forward's inputs (x0 is not read) and saved outputs: returns (d_y0, d_x0, dw0, dw1, dw2, dw_lm,
+    dgamma0, dgamma_final), the matrices in y0's dtype and the weights' shapes, the dgammas float32."""
+    m, d = y0.shape[0], y0.shape[1]
+    if out is None:
+        out = (_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, tuple(w0.shape), "like"),
+               _empty(y0, tuple(w1.shape), "like"), _empty(y0, tuple(w2.shape), "like"), _empty(y0, tuple(w_lm.shape), "like"),
+               _empty(y0, (d,), "f32"), _empty(y0, (d,), "f32"))
+    else:
+        out = _given_outputs(out, _LAST_BWD_OUTPUTS)
+    args = (y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss, *out)
+    nbytes = _encore.llama_last_block_backward_workspace_bytes(list(_dl(*args)), int(ignore_index))
+    ws = _workspace(workspace, y0, nbytes, 256, "llama_last_block_backward_workspace_bytes")
+    _encore.llama_last_block_backward_out(list(_dl(*args)), int(ignore_index), *_dl(ws), _stream_for(y0, stream))
     return tuple(out)

@@ -1,9 +1,70 @@
-// Bindings of the compositions (the LLaMA block forward and backward, the first layer's QKV-norm backward).
+// Bindings of the compositions (the LLaMA block forward and backward, the first layer's QKV-norm backward,
+// the last layer + loss forward and backward).
+#include <nanobind/stl/vector.h>
+
+#include <vector>
+
 #include "convert.hpp"
 #include "encore/blocks/llama.hpp"
+#include "encore/blocks/llama_last.hpp"
 #include "encore/gemm.hpp"
 
 namespace encore::python {
+
+namespace {
+
+// One TensorView member of an Args struct and its name (for the errors).
+template <class Args>
+struct Member {
+  const char* name;
+  TensorView Args::*field;
+};
+
+// Args from a list of arrays, one per member in `members` order.
+template <class Args, size_t n>
+Args args_from(const std::vector<Array>& arrays, const Member<Args> (&members)[n]) {
+  if (arrays.size() != n) throw nb::value_error(("expected " + std::to_string(n) + " arrays, got " + std::to_string(arrays.size())).c_str());
+  Args a;
+  for (size_t i = 0; i < n; ++i) a.*members[i].field = to_view(arrays[i], members[i].name);
+  return a;
+}
+
+using L = LlamaLastBlockArgs;
+using B = LlamaLastBlockBwdArgs;
+constexpr Member<L> kLastNames[] = {{"y0", &L::y0},   {"x0", &L::x0},   {"w0", &L::w0},   {"w1", &L::w1},   {"w2", &L::w2},
+                                    {"gamma0", &L::gamma0}, {"gamma_final", &L::gamma_final}, {"w_lm", &L::w_lm}, {"target", &L::target},
+                                    {"x1", &L::x1},   {"x2", &L::x2},   {"z1", &L::z1},   {"h2", &L::h2},   {"r1", &L::r1},
+                                    {"r2", &L::r2},   {"lse", &L::lse}, {"loss", &L::loss}};
+constexpr Member<B> kLastBwdNames[] = {
+    {"y0", &B::y0},         {"w0", &B::w0},       {"w1", &B::w1},     {"w2", &B::w2},       {"gamma0", &B::gamma0}, {"gamma_final", &B::gamma_final},
+    {"w_lm", &B::w_lm},     {"target", &B::target}, {"x1", &B::x1},   {"x2", &B::x2},       {"z1", &B::z1},         {"h2", &B::h2},
+    {"r1", &B::r1},         {"r2", &B::r2},       {"lse", &B::lse},   {"d_loss", &B::d_loss}, {"d_y0", &B::d_y0},   {"d_x0", &B::d_x0},
+    {"dw0", &B::dw0},       {"dw1", &B::dw1},     {"dw2", &B::dw2},   {"dw_lm", &B::dw_lm}, {"dgamma0", &B::dgamma0}, {"dgamma_final", &B::dgamma_final}};
+
+// The last layer + loss: the forward's 17 arrays (9 inputs, 8 outputs) and the backward's 24 (16 inputs, 8
+// outputs), each in LlamaLastBlockArgs / LlamaLastBlockBwdArgs order.
+void bind_last_block(nb::module_& m) {
+  m.def("llama_last_block_workspace_bytes", [](const std::vector<Array>& arrays, float eps, int ignore_index) {
+    const auto a = args_from<LlamaLastBlockArgs>(arrays, kLastNames);
+    raise_if_error(validate(a, LlamaLastBlockOptions{eps, ignore_index}));
+    return workspace_bytes(a, LlamaLastBlockOptions{eps, ignore_index});
+  });
+  m.def("llama_last_block_forward_out", [](const std::vector<Array>& arrays, float eps, int ignore_index, Array workspace, uintptr_t stream) {
+    const auto a = args_from<LlamaLastBlockArgs>(arrays, kLastNames);
+    raise_if_error(run(a, LlamaLastBlockOptions{eps, ignore_index}, workspace.data(), as_stream(stream)));
+  });
+  m.def("llama_last_block_backward_workspace_bytes", [](const std::vector<Array>& arrays, int ignore_index) {
+    const auto a = args_from<LlamaLastBlockBwdArgs>(arrays, kLastBwdNames);
+    raise_if_error(validate(a, LlamaLastBlockBwdOptions{ignore_index}));
+    return workspace_bytes(a, LlamaLastBlockBwdOptions{ignore_index});
+  });
+  m.def("llama_last_block_backward_out", [](const std::vector<Array>& arrays, int ignore_index, Array workspace, uintptr_t stream) {
+    const auto a = args_from<LlamaLastBlockBwdArgs>(arrays, kLastBwdNames);
+    raise_if_error(run(a, LlamaLastBlockBwdOptions{ignore_index}, workspace.data(), as_stream(stream)));
+  });
+}
+
+}  // namespace
 
 void bind_blocks(nb::module_& m) {
   auto block_args = [](Array y0, Array x0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq,
@@ -103,6 +164,8 @@ void bind_blocks(nb::module_& m) {
       },
       nb::arg("x"), nb::arg("gamma"), nb::arg("w3"), nb::arg("pos"), nb::arg("freq"), nb::arg("r"), nb::arg("qkv"), nb::arg("d_qkv"),
       nb::arg("d_x_prev").none(), nb::arg("dx"), nb::arg("dw3"), nb::arg("dgamma"), nb::arg("workspace"), nb::arg("stream"));
+
+  bind_last_block(m);
 }
 
 }  // namespace encore::python
