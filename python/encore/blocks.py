@@ -1,9 +1,9 @@
 """Compositions of ops: the shifted LLaMA block forward and backward and the first layer's QKV-norm
 backward (include/encore/blocks/llama.hpp), the last layer + loss forward and backward
 (include/encore/blocks/llama_last.hpp), on the CPU backend for numpy / CPU torch arrays and on
-CUDA for CUDA torch tensors. These functions take no autograd; encore.nn.LlamaBlock is the
-trainable module over the block's (python/encore/_block_autograd.py). The last layer's have no
-torch.library op yet (not traceable by torch.compile)."""
+CUDA for CUDA torch tensors. These functions take no autograd; encore.nn.LlamaBlock and
+encore.nn.LlamaLastLayer are the trainable modules over them (python/encore/_block_autograd.py,
+_last_autograd.py)."""
 from __future__ import annotations
 
 from . import _encore
@@ -117,7 +117,11 @@ def llama_last_block_forward(y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, targ
     logits = rmsnorm(x2)*gamma_final @ w_lm.T (never stored); loss = mean cross-entropy over the rows
     whose target (int32 [M]) is not ignore_index (0 when none). Returns (x1, x2, z1, h2, r1, r2, lse,
     loss): what llama_last_block_backward reads (h2 = x2*gamma_final, the LM head's input; lse, loss
-    float32 [M], [1]). out / workspace as for llama_block_forward."""
+    float32 [M], [1]). out / workspace as for llama_block_forward (torch.ops.encore.llama_last_block_forward:
+    no out=)."""
+    ins = (y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, target)
+    if out is None and _via_torch_op(stream, *ins, workspace):
+        return tuple(_ops().llama_last_block_forward(*ins, float(eps), int(ignore_index), workspace))
     m, d, f2 = y0.shape[0], y0.shape[1], w1.shape[0]
     if out is None:
         out = (_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, d), "like"),
@@ -139,6 +143,9 @@ def llama_last_block_backward(y0, w0, w1, w2, gamma0, gamma_final, w_lm, target,
     """The last layer + loss's backward from d_loss (float32 [1], the gradient of the mean loss) and the
     forward's inputs (x0 is not read) and saved outputs: returns (d_y0, d_x0, dw0, dw1, dw2, dw_lm,
     dgamma0, dgamma_final), the matrices in y0's dtype and the weights' shapes, the dgammas float32."""
+    ins = (y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss)
+    if out is None and _via_torch_op(stream, *ins, workspace):
+        return tuple(_ops().llama_last_block_backward(*ins, int(ignore_index), workspace))
     m, d = y0.shape[0], y0.shape[1]
     if out is None:
         out = (_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, tuple(w0.shape), "like"),

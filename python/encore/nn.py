@@ -13,10 +13,11 @@ import torch
 from . import moe as _moe
 from ._block_autograd import LlamaBlock
 from ._ce_autograd import FusedLinearCrossEntropyLoss
+from ._last_autograd import LlamaLastLayer
 from ._mlp_autograd import RMSNormLinear, SwiGLUMLP
 from ._moe_ep import ExpertParallelMoE
 
-__all__ = ["MoE", "ExpertParallelMoE", "LlamaBlock", "FusedLinearCrossEntropyLoss", "SwiGLUMLP", "RMSNormLinear"]
+__all__ = ["MoE", "ExpertParallelMoE", "LlamaBlock", "LlamaLastLayer", "FusedLinearCrossEntropyLoss", "SwiGLUMLP", "RMSNormLinear"]
 
 
 class MoE(torch.nn.Module):

@@ -212,6 +212,35 @@ _define(f"llama_block_backward_out({_BLOCK_BWD_IN}, Tensor(a!) d_y0, Tensor(b!) 
         lambda *_: None, kernel=lambda *args: _nothing(
             blocks.llama_block_backward(*args[:17], out=args[17:25], workspace=args[25], stream=_torch_stream(args[0]))))
 
+_LAST_IN = ("Tensor y0, Tensor x0, Tensor w0, Tensor w1, Tensor w2, Tensor gamma0, Tensor gamma_final, Tensor w_lm, Tensor target, "
+            "float eps, int ignore_index")
+
+
+def _llama_last_fake(y0, x0, w0, w1, *_):
+    m, d = y0.shape
+    return (_new(y0, (m, d)), _new(y0, (m, d)), _new(y0, (m, w1.shape[0])), _new(y0, (m, d)), _new(y0, (m,), _F32),
+            _new(y0, (m,), _F32), _new(y0, (m,), _F32), _new(y0, (1,), _F32))
+
+
+_define(f"llama_last_block_forward({_LAST_IN}, Tensor(a!)? workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _llama_last_fake,
+        kernel=lambda *args: blocks.llama_last_block_forward(*args[:11], workspace=args[11], stream=_torch_stream(args[0])))
+
+_LAST_BWD_IN = ("Tensor y0, Tensor w0, Tensor w1, Tensor w2, Tensor gamma0, Tensor gamma_final, Tensor w_lm, Tensor target, "
+                "Tensor x1, Tensor x2, Tensor z1, Tensor h2, Tensor r1, Tensor r2, Tensor lse, Tensor d_loss, int ignore_index")
+
+
+def _llama_last_backward_fake(y0, w0, w1, w2, gamma0, gamma_final, w_lm, *_):
+    m, d = y0.shape
+    return (_new(y0, (m, d)), _new(y0, (m, d)), _new(y0, w0.shape), _new(y0, w1.shape), _new(y0, w2.shape), _new(y0, w_lm.shape),
+            _new(y0, (d,), _F32), _new(y0, (d,), _F32))
+
+
+_define(f"llama_last_block_backward({_LAST_BWD_IN}, Tensor(a!)? workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)",
+        _llama_last_backward_fake,
+        kernel=lambda *args: blocks.llama_last_block_backward(*args[:17], workspace=args[17], stream=_torch_stream(args[0])))
+
 _QKV_BWD_IN = "Tensor x, Tensor gamma, Tensor w3, Tensor pos, Tensor freq, Tensor r, Tensor qkv, Tensor d_qkv, Tensor? d_x_prev"
 _define(f"qkv_norm_backward({_QKV_BWD_IN}, Tensor(a!)? workspace) -> (Tensor, Tensor, Tensor)",
         lambda x, gamma, w3, *_: (_new(x, x.shape), _new(x, w3.shape), _new(x, (x.shape[1],), _F32)),

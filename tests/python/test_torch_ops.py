@@ -138,7 +138,21 @@ def block_cases(dev):
             ("llama_block_backward_out", (*bins, *[torch.empty_like(t) for t in bouts], None)),
             ("qkv_norm_backward", (*qins, None)),
             ("qkv_norm_backward", (*qins[:8], None, None)),
-            ("qkv_norm_backward_out", (*qins, *[torch.empty_like(t) for t in qouts], None))]
+            ("qkv_norm_backward_out", (*qins, *[torch.empty_like(t) for t in qouts], None))] + last_block_cases(dev, ins)
+
+
+def last_block_cases(dev, ins):
+    """The last layer + loss over the block's y0, x0, w0, w1, w2, gamma0 with gamma1 as the final norm and a
+    head of V = 37 (odd), two ignored rows."""
+    y0, x0, w0, w1, w2, _, g0, g1, _, _ = ins
+    w_lm = make(dev, y0.dtype)(37, y0.shape[1], scale=y0.shape[1] ** -0.5)
+    target = torch.arange(y0.shape[0], dtype=torch.int32, device=dev) % 37
+    target[1::4] = -100
+    fins = (y0, x0, w0, w1, w2, g0, g1, w_lm, target, 1e-5, -100)
+    x1, x2, z1, h2, r1, r2, lse, _ = encore.blocks.llama_last_block_forward(*fins[:9])
+    d_loss = torch.full((1,), 0.5, device=dev)
+    bins = (y0, w0, w1, w2, g0, g1, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss, -100)
+    return [("llama_last_block_forward", (*fins, None)), ("llama_last_block_backward", (*bins, None))]
 
 
 def kda_inputs(dev, b=1, t=100, h=2, kd=8, vd=6):
