@@ -4,6 +4,8 @@
 // on the device first. Each output's max error against fp64 at most 2x that of the same schedule on the
 // CPU backend in bf16 + 1e-6, and a relative RMS error <= 8e-3 (the loss: relative error <= 1e-3).
 // Deterministic: a second backward gives the same bits. An all-ignored batch: loss 0, zero gradients.
+// The workspaces start as NaN (0xff bytes): a step reading what no step wrote (e.g. dℓ's padding columns
+// [V, round_up(V, 8))) shows as NaN.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -85,6 +87,7 @@ void run_case(int64_t M, int64_t V, int ignore_every, uint64_t seed) {
     const size_t bytes = workspace_bytes(g.f, {});
     ASSERT_GT(bytes, 0u) << validate(g.f, {}).to_string();
     DeviceBuffer ws(bytes);
+    ENCORE_ASSERT_CUDA(cudaMemset(ws.ptr, 0xff, bytes));  // NaN everywhere: nothing may read what no step wrote
     const Status st = run(g.f, {}, ws.ptr);
     ASSERT_TRUE(st) << st.to_string();
     ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
@@ -102,6 +105,7 @@ void run_case(int64_t M, int64_t V, int ignore_every, uint64_t seed) {
   const size_t bytes = workspace_bytes(g.b);
   ASSERT_GT(bytes, 0u) << validate(g.b).to_string();
   DeviceBuffer ws(bytes);
+  ENCORE_ASSERT_CUDA(cudaMemset(ws.ptr, 0xff, bytes));  // NaN, dℓ's padding columns included
   Status st = run(g.b, {}, ws.ptr);
   ASSERT_TRUE(st) << st.to_string();
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
