@@ -6,8 +6,9 @@
 // independent, so a block of 256 threads owns (sequence, value head, 32 value columns): lane =
 // column, warp w holds the state rows k = w + 8 r (r < ceil(K / 8) <= 32) in registers; sums over
 // K go through shared memory across the 8 warps, sums over the columns (backward) by a 32-way
-// transposing warp reduction. The token's q̃, k̂, exp(g), v, β (and d_o) are staged in shared
-// memory, double-buffered by token parity, so a token costs three barriers (four with o).
+// transposing warp reduction. A token's inputs are loaded one token ahead into registers, then
+// q̃, k̂, exp(g), v, β (and d_o) are staged in shared memory, double-buffered by token parity, so a
+// token costs three barriers (four with o).
 //
 // This header: the shared constants, the gate, the token staging and the forward kernel, which
 // the backward also launches (on its problem type) to rematerialize the chunk-start states.
@@ -95,27 +96,44 @@ struct Stage {
   float red2[2][kWarps][kCols];
 };
 
-// Stages token `tok` of batch row b, value head h, columns col0.. into buffer `buf` (with d_o when
-// dout is given). Two barriers; the caller alternates buf from token to token, so no barrier is
-// needed before the writes (the buffer's last readers passed this token's first barrier).
+// This thread's share of one token's inputs, loaded (and the gate activated) one token ahead so the
+// loads overlap the current token's work: channel tid of q, k, g (tid < K), column col0 + tid of v
+// and d_o (tid < 32), β.
+struct TokenRegs {
+  float q = 0.f, k = 0.f, g = 0.f, v = 0.f, dout = 0.f, beta = 0.f;
+};
 template <class P>
-__device__ __forceinline__ void stage_token(const P& p, Stage& s, int buf, int b, int tok, int h, int col0, const KdaTensor* dout) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int hq = h / p.group;
-  float q = 0.f, k = 0.f, g = 0.f;
+__device__ __forceinline__ TokenRegs fetch_token(const P& p, int b, int tok, int h, int col0, const KdaTensor* dout) {
+  const int tid = threadIdx.x;
+  TokenRegs r;
   if (tid < p.K) {
-    q = load(p.q, b, tok, hq, tid);
-    k = load(p.k, b, tok, hq, tid);
-    g = gate_act(p, load(p.g, b, tok, h, tid), h, tid);
+    const int hq = h / p.group;
+    r.q = load(p.q, b, tok, hq, tid);
+    r.k = load(p.k, b, tok, hq, tid);
+    r.g = gate_act(p, load(p.g, b, tok, h, tid), h, tid);
   }
+  const int c = col0 + tid;
+  if (tid < kCols && c < p.V) {
+    r.v = load(p.v, b, tok, h, c);
+    if (dout) r.dout = load(*dout, b, tok, h, c);
+  }
+  if (tid == 0) r.beta = load(p.beta, b, tok, h, 0);
+  return r;
+}
+
+// Stages a fetched token into buffer `buf` (the L2 norm applied, exp(g) taken). Two barriers; the
+// caller alternates buf from token to token, so no barrier is needed before the writes (the
+// buffer's last readers passed this token's first barrier).
+template <class P>
+__device__ __forceinline__ void stage_token(const P& p, Stage& s, int buf, const TokenRegs& r) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (tid < kCols) {
-    const int c = col0 + tid;
-    s.v[buf][tid] = c < p.V ? load(p.v, b, tok, h, c) : 0.f;
-    if (dout) s.dout[buf][tid] = c < p.V ? load(*dout, b, tok, h, c) : 0.f;
+    s.v[buf][tid] = r.v;
+    s.dout[buf][tid] = r.dout;
   }
-  if (tid == 0) s.beta[buf] = load(p.beta, b, tok, h, 0);
+  if (tid == 0) s.beta[buf] = r.beta;
   if (p.l2norm) {
-    const float sq = warp_sum(q * q), sk = warp_sum(k * k);
+    const float sq = warp_sum(r.q * r.q), sk = warp_sum(r.k * r.k);
     if (lane == 0) {
       s.sq[buf][0][warp] = sq;
       s.sq[buf][1][warp] = sk;
@@ -133,9 +151,9 @@ __device__ __forceinline__ void stage_token(const P& p, Stage& s, int buf, int b
     rq = 1.f / sqrtf(sq + 1e-6f);
     rk = 1.f / sqrtf(sk + 1e-6f);
   }
-  s.q[buf][tid] = p.scale * q * rq;
-  s.k[buf][tid] = k * rk;
-  s.dec[buf][tid] = tid < p.K ? expf(g) : 0.f;
+  s.q[buf][tid] = p.scale * r.q * rq;
+  s.k[buf][tid] = r.k * rk;
+  s.dec[buf][tid] = tid < p.K ? expf(r.g) : 0.f;
   __syncthreads();
 }
 
@@ -171,6 +189,7 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_fwd_kernel(const __gri
     const int k = warp + kWarps * r;
     S[r] = p.h0 && r < nr && k < p.K && cv ? p.h0[state_off(n, h, k, col, p.H, p.K, p.V)] : 0.f;
   }
+  TokenRegs next = begin < end ? fetch_token(p, b, begin, h, tile * kCols, nullptr) : TokenRegs{};
   for (int t = begin; t < end; ++t) {
     const int i = t - begin, buf = i & 1;
     if (out.h && i % kChunk == 0 && cv) {
@@ -181,7 +200,8 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_fwd_kernel(const __gri
         if (r < nr && k < p.K) kda::store(out.h, out.h_dtype, state_off(slot, h, k, col, p.H, p.K, p.V), S[r]);
       }
     }
-    stage_token(p, s, buf, b, t, h, tile * kCols, nullptr);
+    stage_token(p, s, buf, next);
+    if (t + 1 < end) next = fetch_token(p, b, t + 1, h, tile * kCols, nullptr);
     float a[kRows], part = 0.f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {

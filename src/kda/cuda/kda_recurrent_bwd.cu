@@ -105,12 +105,14 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_bwd_kernel(const __gri
         S[r] = r < nr && k < K && cv ? (p.h ? load_state(p.h, p.h_dtype, off) : ckpt[off]) : 0.f;
       }
       // The chunk's states S_{t−1} into the slab (this thread's elements), and e per token.
+      TokenRegs next = fetch_token(p, b, t0, h, tile * kCols, nullptr);
       for (int i = 0; i < rows; ++i, ++step) {
         const int buf = step & 1;
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
           if (r < nr) slab[(i * nr + r) * kThreads] = S[r];
-        stage_token(p, s, buf, b, t0 + i, h, tile * kCols, nullptr);
+        stage_token(p, s, buf, next);
+        next = fetch_token(p, b, i + 1 < rows ? t0 + i + 1 : t0 + rows - 1, h, tile * kCols, i + 1 < rows ? nullptr : &p.d_o);
         float a[kRows], part = 0.f;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
@@ -133,7 +135,8 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_bwd_kernel(const __gri
       for (int i = rows - 1; i >= 0; --i, ++step) {
         const int buf = step & 1, t = t0 + i;
         const int64_t row = win.row_start[n] + i;
-        stage_token(p, s, buf, b, t, h, tile * kCols, &p.d_o);
+        stage_token(p, s, buf, next);
+        if (i > 0) next = fetch_token(p, b, t - 1, h, tile * kCols, &p.d_o);
         const float e = es[i][lane], beta = s.beta[buf], dout = s.dout[buf][lane];
         float a[kRows], x[kRows], part = 0.f;
 #pragma unroll
