@@ -17,16 +17,19 @@
 // Backends: the CPU reference (fp64 arithmetic on any float input; fp64 tensors are accepted too,
 // for finite-difference tests). CUDA forward (src/kda/cuda/, tensor cores: bf16 operands, fp32
 // accumulation and state; relative RMS error ~3e-3 against fp64 in the contractive regime
-// β|k|² < 2, docs/kda.md): bf16/fp16/fp32 q, k, v, g, beta, o (fp16 converted on load); K, V <= 128; fp32 contiguous
+// β|k|² < 2, docs/kda.md): bf16/fp16/fp32 q, k, v, g, beta, o (fp16 converted on load); K, V <= 128 on
+// the chunked tensor-core kernels, K or V in (128, 256] on a token-recurrent fp32 path (docs/kda.md
+// "Large head dims"; its forward needs no workspace), > 256 refused; fp32 contiguous
 // initial/final state, A_log, dt_bias; cu_seqlens on the host (<= 1024 sequences), as for the CPU
 // backend; needs workspace_bytes(args, opts) bytes of device workspace (96.5 KB per chunk of 64
 // tokens and head).
 // Backward: CPU (the chunked backward reading the forward's residuals when given, else the token-level
-// BPTT) and CUDA (src/kda/cuda/kda_backward.cu: the chunked backward in fp32 on CUDA cores, five
-// launches, deterministic). The CUDA backward needs the forward's residuals G, Aqk, Akk (and h for
+// BPTT) and CUDA (src/kda/cuda/kda_backward.cu: the chunked backward on tensor cores, deterministic;
+// K or V > 128: the token-level BPTT by windows, kda_recurrent_bwd.cu, reading h at most). The
+// chunked CUDA backward needs the forward's residuals G, Aqk, Akk (and h for
 // the saved-h mode; without h it rematerializes the chunk-start states), bf16/fp16/fp32 q, k, v, g,
 // beta, d_o and gradients (residuals bf16/fp32), fp32 contiguous states, A_log, dt_bias and their
-// gradients, K, V <= 128, and workspace_bytes(args, opts) bytes of device workspace (per chunk of 64
+// gradients, and workspace_bytes(args, opts) bytes of device workspace (per chunk of 64
 // tokens and value head at K = V = 128: 274 KB saved-h, 338 KB rematerializing; with HV > H also
 // 8 · K bytes per token and value head of dq, dk partials). dq, dk are the sums over each q/k head's
 // value heads, in a fixed order (deterministic).

@@ -1,7 +1,7 @@
 """Kimi Delta Attention (include/encore/kda.hpp), the chunk_kda contract: q, k [B, T, H, K], g
 [B, T, HV, K], v [B, T, HV, V], beta [B, T, HV] (HV a multiple of H: grouped value heads, fla's GVA).
 Forward: CPU backend (fp64 reference) for numpy / CPU torch arrays, CUDA forward for CUDA torch
-tensors (bf16/fp16/fp32, K, V <= 128), optionally returning the residuals the
+tensors (bf16/fp16/fp32; K, V <= 128 on tensor cores, up to 256 on a token-recurrent path), optionally returning the residuals the
 backward reads. Backward: kda_backward (the gradients; the CPU backend with or without the forward's
 residuals, CUDA with them). chunk_kda: fla's
 drop-in for torch, differentiable through torch.autograd."""
