@@ -38,3 +38,35 @@ needs_cuda_device = pytest.mark.skipif(not (encore.built_with_cuda() and encore.
 # torch with CUDA and a CUDA build of encore.
 needs_torch_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available() or not encore.built_with_cuda(),
                                       reason="needs torch with CUDA and a CUDA build of encore")
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(target, world, *args, timeout=300):
+    """Runs target(rank, world, init_method, *args, errq) in `world` fresh processes (torch.multiprocessing,
+    spawn), one per rank of a process group the target creates with init_method; fails the calling test with
+    every rank's error (a target puts f"rank {rank}: {e!r}" on errq) or when a rank hangs past `timeout` s."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=target, args=(r, world, init, *args, errq)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    assert not alive, "a rank hung"
+    assert not errors and all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]

@@ -4,13 +4,12 @@ rounding), dA_log / dt_bias summed over the ranks; sequences crossing ranks, one
 The ranks emulated in one process (an exchange object as cp_group that hands each rank the contributions
 precomputed with _kda_cp's own summary functions): on CPU (float64, exact) and on CUDA (float32 / bf16
 against the unsplit CUDA chunk_kda and float64 on the CPU); NCCL over >= 2 GPUs (skipped with fewer)."""
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 import encore  # noqa: E402
+from helpers import spawn_ranks  # noqa: E402
 
 H, K, V = 2, 8, 6
 
@@ -71,12 +70,6 @@ def worker(rank, world, init, cu, bounds, errq):
         raise
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("cu,bounds", [
     ([0, 150, 220, 520], [0, 130, 260, 390, 520]),   # sequences crossing ranks, CP 4
     ([0, 400], [0, 100, 200, 300, 400]),             # one sequence over every rank
@@ -85,25 +78,7 @@ def free_port():
 def test_cp_equals_the_whole_batch(cu, bounds):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    world = len(bounds) - 1
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=worker, args=(r, world, init, cu, bounds, errq)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    assert not alive, "a rank hung"
-    assert not errors and all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
+    spawn_ranks(worker, len(bounds) - 1, cu, bounds)
 
 
 def test_cp_refuses_states_and_cuda():
@@ -277,23 +252,6 @@ def nccl_worker(rank, world, init, cu, bounds, errq):
 def test_cp_nccl_equals_the_whole_batch():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available():
         pytest.skip("needs >= 2 CUDA devices and NCCL")
-    import torch.multiprocessing as mp
-
     world = min(torch.cuda.device_count(), 4)
     cu, bounds = [0, 150, 220, 520], [0, 130, 260, 390, 520][:world] + [520]
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=nccl_worker, args=(r, world, init, cu, bounds, errq)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    assert not alive, "a rank hung"
-    assert not errors and all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
+    spawn_ranks(nccl_worker, world, cu, bounds)

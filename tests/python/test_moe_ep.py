@@ -3,13 +3,12 @@ collective path; NCCL takes the same calls on CUDA tensors): expert parallel equ
 tokens in one process bit for bit (ranks with no tokens, experts nobody picks, the grouped sigmoid routing with
 a bias and a scaling factor, bf16 and fp32), reruns are identical, tensor parallel equals it to the fp32 sum
 order, and a rank with bad inputs makes every rank raise instead of hanging."""
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 import encore  # noqa: E402
+from helpers import spawn_ranks  # noqa: E402
 
 D, F = 16, 12
 
@@ -65,7 +64,7 @@ def check_bad_input(rank, world):
         encore.moe_forward_ep(x[:5], logits[:5], w, w2[rank * el:(rank + 1) * el], 2)
 
 
-def worker(rank, world, init, names, errq, backend="gloo"):
+def worker(rank, world, init, names, backend, errq):
     try:
         device = "cpu"
         if backend == "nccl":
@@ -83,33 +82,10 @@ def worker(rank, world, init, names, errq, backend="gloo"):
         raise
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(target, world, *args, backend="gloo"):
+def spawn(world, names, backend="gloo"):
     if not dist.is_available() or not (dist.is_gloo_available() if backend == "gloo" else dist.is_nccl_available()):
         pytest.skip(f"torch.distributed with {backend} is not available")
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=target, args=(r, world, init, *args, errq, backend)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    assert not alive, "a rank hung"
-    assert not errors and all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
+    spawn_ranks(worker, world, names, backend)
 
 
 CASES = {  # by world size (the length of counts: tokens per rank)
@@ -127,7 +103,7 @@ CASES = {  # by world size (the length of counts: tokens per rank)
 def test_ep_equals_one_process(world):
     """One process group per world size runs its cases (and, at world 2, the bad-input check)."""
     names = [n for n, c in CASES.items() if len(c["counts"]) == world] + (["bad_input"] if world == 2 else [])
-    spawn(worker, world, names)
+    spawn(world, names)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -136,4 +112,4 @@ def test_nccl_on_cuda(world):
     NCCL's calls with one rank); skipped without that many GPUs."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < world or not encore.built_with_cuda():
         pytest.skip(f"needs {world} CUDA device(s) and encore built with CUDA")
-    spawn(worker, world, [n for n, c in CASES.items() if len(c["counts"]) == world], backend="nccl")
+    spawn(world, [n for n, c in CASES.items() if len(c["counts"]) == world], backend="nccl")
