@@ -14,13 +14,13 @@ the slowest rank's):
 Rank 0 writes OUT.json with the ratios single_step / cp_step and allgather_only / cp_step."""
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
 import encore
+from dist_timing import median_us  # the script's folder is on sys.path
 
 H, K, V = 16, 128, 128
 PER_RANK = int(os.environ.get("KDA_CP_TOKENS_PER_RANK", "8192"))
@@ -44,26 +44,6 @@ def step(t, cu, group, d_o):
     torch.autograd.grad(o, list(t.values()), d_o)
 
 
-def timed(fn, active=True):
-    if active:
-        for _ in range(2):
-            fn()
-    out = []
-    for _ in range(ROUNDS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        if active:
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    m = torch.tensor([statistics.median(out) if active else 0.0], device="cuda")
-    dist.all_reduce(m, op=dist.ReduceOp.MAX)
-    return float(m.item())
-
-
 def main(path):
     dist.init_process_group("nccl")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -78,11 +58,11 @@ def main(path):
     d_o = torch.randn(1, PER_RANK, H, V, device="cuda").bfloat16()
     d_full = torch.randn(1, T, H, V, device="cuda").bfloat16()
     try:
-        res[f"{key}_cp_step_us"] = timed(lambda: step(mine, cu, dist.group.WORLD, d_o))
-        res[f"{key}_single_step_us"] = timed(lambda: step(full, cu, None, d_full), active=rank == 0)
+        res[f"{key}_cp_step_us"] = median_us(lambda: step(mine, cu, dist.group.WORLD, d_o), ROUNDS)
+        res[f"{key}_single_step_us"] = median_us(lambda: step(full, cu, None, d_full), ROUNDS, active=rank == 0)
         packed = torch.empty(H * K * (V + K), device="cuda")
         gathered = torch.empty(world * packed.numel(), device="cuda")
-        res[f"{key}_allgather_only_us"] = timed(lambda: [dist.all_gather_into_tensor(gathered, packed) for _ in range(2)])
+        res[f"{key}_allgather_only_us"] = median_us(lambda: [dist.all_gather_into_tensor(gathered, packed) for _ in range(2)], ROUNDS)
         res[f"{key}_speedup_vs_one_gpu"] = res[f"{key}_single_step_us"] / res[f"{key}_cp_step_us"]
         res[f"{key}_allgather_share"] = res[f"{key}_allgather_only_us"] / res[f"{key}_cp_step_us"]
     except Exception as err:  # noqa: BLE001 (recorded in the JSON)

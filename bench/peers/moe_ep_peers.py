@@ -15,36 +15,17 @@ Launch: python3 -m torch.distributed.run --standalone --nproc-per-node N bench/p
 Rank 0 writes OUT.json (one key per figure, plus the world size and GPU)."""
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
 import encore
+from dist_timing import median_us  # the script's folder is on sys.path
 
 SHAPES = {"deepseek_v3": (7168, 256, 8, 2048), "qwen3_30b_a3b": (2048, 128, 8, 768)}
 TOKENS = [int(t) for t in os.environ.get("MOE_EP_TOKENS", "128,4096").split(",")]
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
-
-
-def timed(fn, reps=10):
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(ROUNDS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / reps * 1e3)
-    t = torch.tensor([statistics.median(out)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's median
-    return float(t.item())
 
 
 def main(path):
@@ -62,7 +43,7 @@ def main(path):
             x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
             logits = torch.randn(t, e, device="cuda", generator=g)
             try:
-                res[f"{key}_ep_layer_us"] = timed(lambda: encore.moe_forward_ep(x, logits, w13, w2, k))
+                res[f"{key}_ep_layer_us"] = median_us(lambda: encore.moe_forward_ep(x, logits, w13, w2, k), ROUNDS, reps=10)
                 ids, _ = encore.moe_routing(logits, k)
                 dest = torch.div(ids.reshape(-1).long(), el, rounding_mode="floor")
                 send = torch.bincount(dest, minlength=world)
@@ -71,10 +52,10 @@ def main(path):
                 s_l, r_l = send.tolist(), recv.tolist()
                 rows = x.index_select(0, torch.div(torch.argsort(dest, stable=True), k, rounding_mode="floor"))
                 rows_in = rows.new_empty(sum(r_l), d)
-                res[f"{key}_nccl_a2a_rows_us"] = timed(lambda: dist.all_to_all_single(rows_in, rows, r_l, s_l))
-                res[f"{key}_tp_layer_us"] = timed(lambda: encore.moe_forward_ep(x, logits, w13, w2, k, mode="tp"))
+                res[f"{key}_nccl_a2a_rows_us"] = median_us(lambda: dist.all_to_all_single(rows_in, rows, r_l, s_l), ROUNDS, reps=10)
+                res[f"{key}_tp_layer_us"] = median_us(lambda: encore.moe_forward_ep(x, logits, w13, w2, k, mode="tp"), ROUNDS, reps=10)
                 part = torch.randn(t, d, device="cuda")
-                res[f"{key}_nccl_allreduce_us"] = timed(lambda: dist.all_reduce(part))
+                res[f"{key}_nccl_allreduce_us"] = median_us(lambda: dist.all_reduce(part), ROUNDS, reps=10)
             except Exception as err:  # noqa: BLE001 (recorded; the other shapes still run)
                 res[f"{key}_error"] = repr(err)[:300]
             if rank == 0:
