@@ -60,7 +60,7 @@ def main(path):
                 res[f"{key}_error"] = repr(err)[:300]
             if rank == 0:
                 print({k_: v for k_, v in res.items() if k_.startswith(key)}, flush=True)
-        del w13, w2
+        w13 = w2 = None  # free this shape's experts before the next
         torch.cuda.empty_cache()
     if rank == 0:
         with open(path, "w") as fh:
