@@ -130,70 +130,86 @@ Status dims(const TensorView& y0, const TensorView& w2, const TensorView& w_lm, 
   return Status::ok();
 }
 
-}  // namespace
-
-Status validate(const LlamaLastBlockArgs& a, const LlamaLastBlockOptions& o) {
-  Dims n;
-  ENCORE_RETURN_IF_ERROR(dims(a.y0, a.w2, a.w_lm, &n));
-  const std::initializer_list<DType> t = {a.y0.dtype}, f32 = {DType::kFP32};
-  ENCORE_RETURN_IF_ERROR(matrix("x0", a.x0, n.M, n.d, "[M, d] (y0's shape)", a.y0, t));
+// The weights and targets: the same fields in the forward's and the backward's arguments.
+template <class A>
+Status check_weights(const A& a, const Dims& n) {
+  const std::initializer_list<DType> t = {a.y0.dtype};
   ENCORE_RETURN_IF_ERROR(matrix("w0", a.w0, n.d, n.d, "[d, d]", a.y0, t));
   ENCORE_RETURN_IF_ERROR(matrix("w1", a.w1, 2 * n.F, n.d, "[2F, d]", a.y0, t));
   ENCORE_RETURN_IF_ERROR(matrix("w2", a.w2, n.d, n.F, "[d, F]", a.y0, t));
   ENCORE_RETURN_IF_ERROR(matrix("w_lm", a.w_lm, n.V, n.d, "[V, d]", a.y0, t));
   ENCORE_RETURN_IF_ERROR(vector("gamma0", a.gamma0, n.d, "[d]", a.y0, t));
   ENCORE_RETURN_IF_ERROR(vector("gamma_final", a.gamma_final, n.d, "[d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(vector("target", a.target, n.M, "[M]", a.y0, {DType::kInt32}));
-  ENCORE_RETURN_IF_ERROR(matrix("x1", a.x1, n.M, n.d, "[M, d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("x2", a.x2, n.M, n.d, "[M, d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("z1", a.z1, n.M, 2 * n.F, "[M, 2F]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("h2", a.h2, n.M, n.d, "[M, d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(vector("r1", a.r1, n.M, "[M]", a.y0, f32));
-  ENCORE_RETURN_IF_ERROR(vector("r2", a.r2, n.M, "[M]", a.y0, f32));
-  ENCORE_RETURN_IF_ERROR(vector("lse", a.lse, n.M, "[M]", a.y0, f32));
-  ENCORE_RETURN_IF_ERROR(vector("loss", a.loss, 1, "[1]", a.y0, f32));
+  return vector("target", a.target, n.M, "[M]", a.y0, {DType::kInt32});
+}
+
+// The forward's outputs, which the backward reads back (`note`: what its messages add).
+template <class A>
+Status check_saved(const A& a, const Dims& n, const std::string& note) {
+  const std::initializer_list<DType> t = {a.y0.dtype}, f32 = {DType::kFP32};
+  const std::string md = "[M, d]" + note, m2f = "[M, 2F]" + note, m = "[M]" + note;
+  ENCORE_RETURN_IF_ERROR(matrix("x1", a.x1, n.M, n.d, md.c_str(), a.y0, t));
+  ENCORE_RETURN_IF_ERROR(matrix("x2", a.x2, n.M, n.d, md.c_str(), a.y0, t));
+  ENCORE_RETURN_IF_ERROR(matrix("z1", a.z1, n.M, 2 * n.F, m2f.c_str(), a.y0, t));
+  ENCORE_RETURN_IF_ERROR(matrix("h2", a.h2, n.M, n.d, md.c_str(), a.y0, t));
+  ENCORE_RETURN_IF_ERROR(vector("r1", a.r1, n.M, m.c_str(), a.y0, f32));
+  ENCORE_RETURN_IF_ERROR(vector("r2", a.r2, n.M, m.c_str(), a.y0, f32));
+  return vector("lse", a.lse, n.M, m.c_str(), a.y0, f32);
+}
+
+// The plan's checks after the arguments': every step's own validation on a placeholder workspace.
+template <class A, class O>
+Status check_plan(const char* what, const A& a, const O& o, const Dims& n) {
+  ENCORE_RETURN_IF_ERROR(check_targets(a.target, n.V, o.ignore_index));
+  const Plan p = plan(a, o, placeholder_workspace());
+  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(validate_step(what, s));
+  return Status::ok();
+}
+
+template <class A, class O>
+size_t planned_bytes(const A& a, const O& o) {
+  if (!validate(a, o)) return 0;
+  return plan(a, o, nullptr).bytes;
+}
+
+template <class A, class O>
+Status run_planned(const char* what, const A& a, const O& o, void* workspace, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(validate(a, o));
+  ENCORE_RETURN_IF_ERROR(check_workspace(workspace, "workspace_bytes(args, opts)"));
+  const Plan p = plan(a, o, static_cast<char*>(workspace));
+  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(run_step(what, s, stream));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status validate(const LlamaLastBlockArgs& a, const LlamaLastBlockOptions& o) {
+  Dims n;
+  ENCORE_RETURN_IF_ERROR(dims(a.y0, a.w2, a.w_lm, &n));
+  ENCORE_RETURN_IF_ERROR(matrix("x0", a.x0, n.M, n.d, "[M, d] (y0's shape)", a.y0, {a.y0.dtype}));
+  ENCORE_RETURN_IF_ERROR(check_weights(a, n));
+  ENCORE_RETURN_IF_ERROR(check_saved(a, n, ""));
+  ENCORE_RETURN_IF_ERROR(vector("loss", a.loss, 1, "[1]", a.y0, {DType::kFP32}));
   if (!(o.eps >= 0.0f) || !std::isfinite(o.eps)) return Status::invalid("eps: must be finite and >= 0");
   const std::vector<Named> outs = {{"x1", &a.x1}, {"x2", &a.x2}, {"z1", &a.z1}, {"h2", &a.h2}, {"r1", &a.r1}, {"r2", &a.r2}, {"lse", &a.lse}, {"loss", &a.loss}};
   const std::vector<Named> ins = {{"y0", &a.y0}, {"x0", &a.x0}, {"w0", &a.w0}, {"w1", &a.w1}, {"w2", &a.w2}, {"gamma0", &a.gamma0},
                                   {"gamma_final", &a.gamma_final}, {"w_lm", &a.w_lm}, {"target", &a.target}};
   ENCORE_RETURN_IF_ERROR(no_overlaps(outs, ins));
-  ENCORE_RETURN_IF_ERROR(check_targets(a.target, n.V, o.ignore_index));
-  const Plan p = plan(a, o, placeholder_workspace());
-  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(validate_step(kFwd, s));
-  return Status::ok();
+  return check_plan(kFwd, a, o, n);
 }
 
-size_t workspace_bytes(const LlamaLastBlockArgs& a, const LlamaLastBlockOptions& o) {
-  if (!validate(a, o)) return 0;
-  return plan(a, o, nullptr).bytes;
-}
+size_t workspace_bytes(const LlamaLastBlockArgs& a, const LlamaLastBlockOptions& o) { return planned_bytes(a, o); }
 
 Status run(const LlamaLastBlockArgs& a, const LlamaLastBlockOptions& o, void* workspace, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(validate(a, o));
-  ENCORE_RETURN_IF_ERROR(check_workspace(workspace, "workspace_bytes(args, opts)"));
-  const Plan p = plan(a, o, static_cast<char*>(workspace));
-  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(run_step(kFwd, s, stream));
-  return Status::ok();
+  return run_planned(kFwd, a, o, workspace, stream);
 }
 
 Status validate(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& o) {
   Dims n;
   ENCORE_RETURN_IF_ERROR(dims(a.y0, a.w2, a.w_lm, &n));
   const std::initializer_list<DType> t = {a.y0.dtype}, f32 = {DType::kFP32};
-  ENCORE_RETURN_IF_ERROR(matrix("w0", a.w0, n.d, n.d, "[d, d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("w1", a.w1, 2 * n.F, n.d, "[2F, d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("w2", a.w2, n.d, n.F, "[d, F]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("w_lm", a.w_lm, n.V, n.d, "[V, d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(vector("gamma0", a.gamma0, n.d, "[d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(vector("gamma_final", a.gamma_final, n.d, "[d]", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(vector("target", a.target, n.M, "[M]", a.y0, {DType::kInt32}));
-  ENCORE_RETURN_IF_ERROR(matrix("x1", a.x1, n.M, n.d, "[M, d] (saved by the forward)", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("x2", a.x2, n.M, n.d, "[M, d] (saved by the forward)", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("z1", a.z1, n.M, 2 * n.F, "[M, 2F] (saved by the forward)", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(matrix("h2", a.h2, n.M, n.d, "[M, d] (saved by the forward)", a.y0, t));
-  ENCORE_RETURN_IF_ERROR(vector("r1", a.r1, n.M, "[M] (saved by the forward)", a.y0, f32));
-  ENCORE_RETURN_IF_ERROR(vector("r2", a.r2, n.M, "[M] (saved by the forward)", a.y0, f32));
-  ENCORE_RETURN_IF_ERROR(vector("lse", a.lse, n.M, "[M] (saved by the forward)", a.y0, f32));
+  ENCORE_RETURN_IF_ERROR(check_weights(a, n));
+  ENCORE_RETURN_IF_ERROR(check_saved(a, n, " (saved by the forward)"));
   ENCORE_RETURN_IF_ERROR(vector("d_loss", a.d_loss, 1, "[1]", a.y0, f32));
   ENCORE_RETURN_IF_ERROR(matrix("d_y0", a.d_y0, n.M, n.d, "[M, d]", a.y0, t));
   ENCORE_RETURN_IF_ERROR(matrix("d_x0", a.d_x0, n.M, n.d, "[M, d]", a.y0, t));
@@ -210,23 +226,13 @@ Status validate(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& 
                                   {"z1", &a.z1},         {"h2", &a.h2},     {"r1", &a.r1},         {"r2", &a.r2},   {"lse", &a.lse},
                                   {"d_loss", &a.d_loss}};
   ENCORE_RETURN_IF_ERROR(no_overlaps(outs, ins));
-  ENCORE_RETURN_IF_ERROR(check_targets(a.target, n.V, o.ignore_index));
-  const Plan p = plan(a, o, placeholder_workspace());
-  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(validate_step(kBwd, s));
-  return Status::ok();
+  return check_plan(kBwd, a, o, n);
 }
 
-size_t workspace_bytes(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& o) {
-  if (!validate(a, o)) return 0;
-  return plan(a, o, nullptr).bytes;
-}
+size_t workspace_bytes(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& o) { return planned_bytes(a, o); }
 
 Status run(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& o, void* workspace, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(validate(a, o));
-  ENCORE_RETURN_IF_ERROR(check_workspace(workspace, "workspace_bytes(args, opts)"));
-  const Plan p = plan(a, o, static_cast<char*>(workspace));
-  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(run_step(kBwd, s, stream));
-  return Status::ok();
+  return run_planned(kBwd, a, o, workspace, stream);
 }
 
 }  // namespace encore
