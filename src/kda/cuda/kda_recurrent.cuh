@@ -172,6 +172,29 @@ __device__ __forceinline__ int64_t state_off(int64_t nslot, int h, int k, int co
   return ((nslot * H + h) * K + k) * int64_t(V) + col;
 }
 
+// One token's delta-rule step on this thread's state rows (k = warp + kWarps·r, its column = lane):
+// a = exp(g)·S, e = v − kᵀa (summed over the block's warps through s.red[buf], one barrier),
+// S = a + β·e·k. Returns e (the forward and the backward's recompute run the same arithmetic).
+__device__ __forceinline__ float delta_step(Stage& s, int buf, float (&S)[kRows], int nr, int warp, int lane) {
+  float a[kRows], part = 0.f;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int k = warp + kWarps * r;
+    a[r] = r < nr ? s.dec[buf][k] * S[r] : 0.f;
+    part += r < nr ? s.k[buf][k] * a[r] : 0.f;
+  }
+  s.red[buf][warp][lane] = part;
+  __syncthreads();
+  float ka = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) ka += s.red[buf][w][lane];
+  const float e = s.v[buf][lane] - ka, be = s.beta[buf] * e;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    if (r < nr) S[r] = fmaf(be, s.k[buf][warp + kWarps * r], a[r]);
+  return e;
+}
+
 // Forward: block = (sequence n, value head h, column tile), blockIdx.x = (n · H + h) · tiles + tile.
 // P is KdaCudaProblem or KdaBwdCudaProblem (the same input fields).
 template <class P>
@@ -202,28 +225,11 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_fwd_kernel(const __gri
     }
     stage_token(p, s, buf, next);
     if (t + 1 < end) next = fetch_token(p, b, t + 1, h, tile * kCols, nullptr);
-    float a[kRows], part = 0.f;
+    delta_step(s, buf, S, nr, warp, lane);
+    float part = 0.f;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int k = warp + kWarps * r;
-      a[r] = r < nr ? s.dec[buf][k] * S[r] : 0.f;
-      part += r < nr ? s.k[buf][k] * a[r] : 0.f;
-    }
-    s.red[buf][warp][lane] = part;
-    __syncthreads();
-    float ka = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) ka += s.red[buf][w][lane];
-    const float e = s.v[buf][lane] - ka, be = s.beta[buf] * e;
-    part = 0.f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int k = warp + kWarps * r;
-      if (r < nr) {
-        S[r] = fmaf(be, s.k[buf][k], a[r]);
-        part += s.q[buf][k] * S[r];
-      }
-    }
+    for (int r = 0; r < kRows; ++r)
+      if (r < nr) part += s.q[buf][warp + kWarps * r] * S[r];
     if (out.o) {
       s.red2[buf][warp][lane] = part;
       __syncthreads();

@@ -113,23 +113,8 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_bwd_kernel(const __gri
           if (r < nr) slab[(i * nr + r) * kThreads] = S[r];
         stage_token(p, s, buf, next);
         next = fetch_token(p, b, i + 1 < rows ? t0 + i + 1 : t0 + rows - 1, h, tile * kCols, i + 1 < rows ? nullptr : &p.d_o);
-        float a[kRows], part = 0.f;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const int k = warp + kWarps * r;
-          a[r] = r < nr ? s.dec[buf][k] * S[r] : 0.f;
-          part += r < nr ? s.k[buf][k] * a[r] : 0.f;
-        }
-        s.red[buf][warp][lane] = part;
-        __syncthreads();
-        float ka = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) ka += s.red[buf][w][lane];
-        const float e = s.v[buf][lane] - ka, be = s.beta[buf] * e;
+        const float e = delta_step(s, buf, S, nr, warp, lane);
         if (warp == 0) es[i][lane] = e;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          if (r < nr) S[r] = fmaf(be, s.k[buf][warp + kWarps * r], a[r]);
       }
       // Reverse over the chunk's tokens.
       for (int i = rows - 1; i >= 0; --i, ++step) {
