@@ -20,4 +20,4 @@ else
   echo "nvcc not found: CUDA configuration not built"
 fi
 ./scripts/test_packaging.sh  # wheel in a fresh venv; cmake --install + find_package consumer
-PYTHONPATH="$root/build-cpu/python" python3 -m pytest -q tests/python
+PYTHONPATH="$root/build-cpu/python" python3 -m pytest -q --durations=12 tests/python  # the slowest tests: CI time
