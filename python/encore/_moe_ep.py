@@ -18,9 +18,10 @@ w2 [E_local, D, F]); the router logits span all E experts on every rank.
   fp32 partial outputs, rounded to x's dtype once: equal to the single-GPU layer up to the order of that
   fp32 sum (bit-exact when each token's k experts sit on one rank).
 
-Every call first agrees on the inputs (one all-reduce of an error flag; on an error, one all-gather of the
-messages): a rank with bad inputs makes every rank raise a ValueError naming it, instead of leaving its
-peers waiting. Every other wait is bounded by the process group's timeout."""
+Every call agrees on the inputs (EP: an error flag beside the counts in their exchange; TP: one all-reduce of
+the flag first; on an error, one all-gather of the messages): a rank with bad inputs makes every rank raise a
+ValueError naming it, instead of leaving its peers waiting. Every other wait is bounded by the process group's
+timeout."""
 import torch
 import torch.distributed as dist
 
@@ -31,17 +32,22 @@ def _world(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _agree(group, error, device):
-    """Raises on every rank if any rank's `error` (a message, or None) is set."""
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag.item()) == 0:
-        return
+def _raise_refused(group, error):
+    """Every rank calls this once some rank's inputs were refused: gathers the messages and raises."""
     world, rank = _world(group)
     msgs = [None] * world
     dist.all_gather_object(msgs, error, group=group)
     bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m is not None)
     raise ValueError(f"moe_forward_ep (rank {rank} of {world}): refused on {bad}")
+
+
+def _agree(group, error, device):
+    """Raises on every rank if any rank's `error` (a message, or None) is set: one all-reduce of a flag (the
+    TP path; the EP path carries the flag in its counts exchange)."""
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()) != 0:
+        _raise_refused(group, error)
 
 
 def _check(x, router_logits, w13, w2, top_k, world, mode):
@@ -97,8 +103,12 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
     same tokens for "tp"); router_logits [T, E] over all experts; w13 [E / W, 2F, D] and w2 [E / W, D, F] the
     experts of this rank (rank r: experts r * E / W ...). Routing options as moe_forward's. Returns [T, D]."""
     world, rank = _world(group)
-    _agree(group, _check(x, router_logits, w13, w2, int(top_k), world, mode), x.device)
-    k, el = int(top_k), router_logits.shape[1] // world
+    error = _check(x, router_logits, w13, w2, int(top_k), world, mode)
+    if mode != "ep":  # "tp" (or a bad mode): one all-reduce of the error flag first
+        _agree(group, error, x.device)
+    k, el = (int(top_k), router_logits.shape[1] // world) if error is None else (1, 1)
+    if error is not None:  # "ep": no tokens, but still the counts exchange below, which carries the flag
+        x, router_logits = x.new_zeros(0, 1), None
     routing = dict(scoring=scoring, renormalize=renormalize, n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
                    routed_scaling_factor=routed_scaling_factor)
     ids, weights = _route(x, router_logits, k, routing)
@@ -116,9 +126,14 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
         return partial.to(x.dtype)
     order = torch.argsort(dest, stable=True)  # (destination, token, j): a stable order every receiver sees
     send = torch.bincount(dest, minlength=world).to(torch.int64)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    send_l, recv_l = send.tolist(), recv.tolist()
+    # one exchange of [count to r, my error flag] per destination r: the counts and the agreement on the inputs
+    msg = torch.stack((send, torch.full_like(send, 0 if error is None else 1)), 1).flatten()
+    got = torch.empty_like(msg)
+    dist.all_to_all_single(got, msg, group=group)
+    both = torch.cat((send, got)).tolist()  # one host synchronization
+    send_l, recv_l, flags = both[:world], both[world::2], both[world + 1::2]
+    if any(flags):
+        _raise_refused(group, error)
     rows_out = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
     ids_out = (flat[order] - dest[order] * el).to(torch.int32)
     rows_in = x.new_empty(sum(recv_l), x.shape[1])

@@ -42,7 +42,7 @@ def check_case(rank, world, case, device="cpu"):
     again = encore.moe_forward_ep(x[tok], logits[tok], w13[mine], w2[mine], k, **routing)
     assert torch.equal(again, out), "ep rerun differs"
     tp = encore.moe_forward_ep(x, logits, w13[mine], w2[mine], k, mode="tp", **routing)
-    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: two ulps of the largest output (one rounding flip)
     err = float((tp.float() - ref.float()).abs().max() / ref.float().abs().max())
     assert err <= tol, f"tp: {err}"
     layer = encore.nn.MoE.from_weights(torch.randn(E, D, generator=torch.Generator().manual_seed(3)).to(dtype).to(device), w13, w2, k,
