@@ -9,12 +9,12 @@
 #include <utility>
 #include <vector>
 
+#include "core/carve.hpp"
 #include "core/checks.hpp"
 #include "encore/gemm.hpp"
 
 namespace encore::blocks {
 
-inline size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Step {
   enum Kind { kGemm, kRope, kSum, kRms, kLseFinish, kCeMean } kind = kGemm;
@@ -37,25 +37,6 @@ struct Step {
 struct Plan {
   std::vector<Step> steps;
   size_t bytes = 0;  // workspace
-};
-
-// Bump allocation of workspace views (any 256-aligned base, also a placeholder for sizing).
-struct Carve {
-  char* base;
-  size_t off = 0;
-  Device dev;
-  // [rows, cols] with row stride ld >= cols (0: cols)
-  TensorView take(DType t, int64_t rows, int64_t cols, int64_t ld = 0) {
-    if (ld == 0) ld = cols;
-    char* p = base + off;
-    off = align256(off + size_t(rows * ld) * dtype_size(t));
-    return TensorView::strided(p, t, {rows, cols}, {ld, 1}, dev);
-  }
-  TensorView take(DType t, int64_t len) {
-    char* p = base + off;
-    off = align256(off + size_t(len) * dtype_size(t));
-    return TensorView::contiguous(p, t, {len}, dev);
-  }
 };
 
 // A placeholder workspace base for validation and sizing (never dereferenced).

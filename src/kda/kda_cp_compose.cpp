@@ -8,33 +8,13 @@
 #include <cstring>
 #include <string>
 
+#include "core/carve.hpp"
 #include "core/checks.hpp"
 #include "kda/cuda/kda_cp_fill.hpp"
 #include "kda/cuda/launch.hpp"
 
 namespace encore::kda {
 namespace {
-
-constexpr size_t kAlign = 256;
-
-size_t rounded(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-// Contiguous views carved out of the workspace in order (base 0: sizing only, nothing is dereferenced).
-struct Carver {
-  uintptr_t base = 0;
-  Device device;
-  size_t off = 0;
-  void* bytes(size_t n) {
-    void* p = reinterpret_cast<void*>(base + off);
-    off += rounded(n);
-    return p;
-  }
-  TensorView take(DType dt, std::initializer_list<int64_t> shape) {
-    TensorView t = TensorView::contiguous(nullptr, dt, shape, device);
-    t.data = bytes(size_t(t.numel()) * dtype_size(dt));
-    return t;
-  }
-};
 
 // Sequence s's tokens of a [B, T, ...] tensor as a [1, len, ...] view.
 TensorView piece_rows(const TensorView& t, const Sequence& s) {
@@ -74,7 +54,7 @@ Plan make_plan(const KdaCpSummaryArgs& a, const KdaOptions& o, bool backward, co
   const int64_t len = s.end - s.begin, H = p.H, K = p.K, V = p.V;
   const bool cuda = a.fwd.q.device.is_cuda();
   const DType st = cuda ? DType::kFP32 : DType::kFP64;  // states, residuals (fp64: the CPU backend's exact mode)
-  Carver c{reinterpret_cast<uintptr_t>(base), a.fwd.q.device};
+  Carve c{static_cast<char*>(base), 0, a.fwd.q.device};
   Plan pl;
   KdaForwardArgs in;
   in.q = piece_rows(a.fwd.q, s);
@@ -87,19 +67,19 @@ Plan make_plan(const KdaCpSummaryArgs& a, const KdaOptions& o, bool backward, co
   const TensorView zero_v = c.take(a.fwd.q.dtype, {1, len, H, K});  // v's dtype is q's
   const TensorView zero_h0 = backward ? c.take(st, {1, H, K, V}) : TensorView{};
   pl.zero = zero_v.data;
-  pl.zero_bytes = c.off - (reinterpret_cast<uintptr_t>(zero_v.data) - c.base);
+  pl.zero_bytes = c.off - size_t(reinterpret_cast<uintptr_t>(zero_v.data) - reinterpret_cast<uintptr_t>(c.base));
   pl.eye = c.take(st, {1, H, K, K});
   void* o_buf = c.bytes(size_t(len * H * std::max(K, V)) * dtype_size(a.fwd.v.dtype));
 
   pl.fs = in;
-  pl.fs.o = TensorView::contiguous(o_buf, a.fwd.v.dtype, {1, len, H, V}, c.device);
+  pl.fs.o = TensorView::contiguous(o_buf, a.fwd.v.dtype, {1, len, H, V}, c.dev);
   pl.os = o;
   pl.os.output_final_state = !backward;
   if (!backward) pl.fs.final_state = one_state(a.S);
   pl.fm = in;
   pl.fm.v = zero_v;
   pl.fm.initial_state = pl.eye;
-  pl.fm.o = TensorView::contiguous(o_buf, a.fwd.v.dtype, {1, len, H, K}, c.device);
+  pl.fm.o = TensorView::contiguous(o_buf, a.fwd.v.dtype, {1, len, H, K}, c.dev);
   pl.om = o;
   pl.om.output_final_state = true;
   size_t ws = std::max(workspace_bytes(pl.fs, pl.os), workspace_bytes(pl.fm, pl.om));
