@@ -103,7 +103,8 @@ def main(out):
     res = {}
     whos = ["fla"] + (["encore", "encore_remat", "encore_simt", "encore_simt_remat"] if HAVE_ENCORE else [])
     if os.environ.get("KDA_TRAIN_WHO"):
-        whos = [w for w in os.environ["KDA_TRAIN_WHO"].split(",") if w in whos]
+        picked = os.environ["KDA_TRAIN_WHO"].split(",")
+        whos = [w for w in whos if w in picked]  # fla first: the ratios divide by its times
     for name, (B, lens) in CONFIGS.items():
         t, cot, cu = inputs(B, lens)
         tokens = sum(lens) if lens else B * 8192
