@@ -137,13 +137,16 @@ struct KdaCase {
   }
 };
 
-inline double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+// Relative RMS error of a against b; with floor_rms > 0 the denominator is at least that RMS per element
+// (for quantities whose scale is known, e.g. a transition matrix against the identity's).
+inline double rel_err(const std::vector<double>& a, const std::vector<double>& b, double floor_rms = 0) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     if (!std::isfinite(a[i])) return INFINITY;
     num += (a[i] - b[i]) * (a[i] - b[i]);
     den += b[i] * b[i];
   }
+  den = std::max(den, floor_rms * floor_rms * double(b.size()));
   return std::sqrt(num / std::max(den, 1e-300));
 }
 

@@ -201,14 +201,16 @@ void run_cp(const CpCase& cc, DType dt) {
       std::vector<double> lo = rows(d_o, rk.t0, rk.t1, H * V);
       const reference::KdaCpSummary want = bwd ? reference::kda_cp_backward_summary(p, ri, lo, 0) : reference::kda_cp_forward_summary(p, ri, n_local - 1);
       e_S = std::max(e_S, rel_err(S->fetch(), want.S));
-      e_M = std::max(e_M, rel_err(M->fetch(), want.M));
+      e_M = std::max(e_M, rel_err(M->fetch(), want.M, 1e-6));
     }
   }
   // The summaries are composed from the CUDA forward and backward, whose tensor-core operands are bf16
-  // (fp32 inputs too): a product of a piece's transitions carries several roundings (measured on the
-  // H200 up to 1.4e-2); what they feed, the assembled outputs and gradients, is bounded below at 5e-3 / 1e-2.
-  EXPECT_LT(e_S, 3e-2) << "state summaries S against the fp64 reference";
-  EXPECT_LT(e_M, 3e-2) << "transition summaries M against the fp64 reference";
+  // (fp32 inputs too). M is a product of a piece's transitions: with the lower-bound gate (per-token
+  // log-decays down to -5) a 40-token piece's M is ~e^-100, below fp32's normal range, and its relative
+  // error is noise (measured 0.24 on the H200); its error is taken against max(its RMS, 1e-6), a scale at which
+  // M·h adds nothing an fp32 state can hold next to S. The assembled outputs below are bounded at 5e-3 / 1e-2.
+  EXPECT_LT(e_S, 1e-2) << "state summaries S against the fp64 reference";
+  EXPECT_LT(e_M, 2e-2) << "transition summaries M against the fp64 reference (floored at 1e-6 RMS)";
 
   // Each rank: merge, local forward and backward; assembled over the ranks.
   std::vector<double> o(c.o.size(), NAN), fin(c.fin.size(), NAN), dq(ref.dq.size(), NAN), dk(dq.size(), NAN), dv(ref.dv.size(), NAN),

@@ -90,5 +90,5 @@ def test_fifty_steps_bf16_cuda_within_the_torch_spread():
     assert res["torch"][-1] < res["torch"][0] - 0.5
     for impl in ("encore", "encore_block"):
         assert all(map(lambda v: v == v, res[impl])), impl  # no NaN
-        # issue 30's rule: within the spread of two torch runs with other reduction orders
-        assert res[f"{impl}_vs_torch"] <= res["spread_torch_vs_permuted"], (impl, res)
+        # issue 30's rule: within the spread of plain torch runs with other reduction orders (three)
+        assert res[f"{impl}_vs_torch"] <= res["spread_torch"], (impl, res)
