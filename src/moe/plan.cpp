@@ -34,7 +34,9 @@ DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int s
 }
 
 bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count) {
-  if (const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU"); v != nullptr && *v != '\0') return std::string(v) != "0";
+  const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU");
+  if (v == nullptr || *v == '\0') return false;  // opt-in until the fused kernel has passed on a GPU
+  if (std::string(v) != "auto") return std::string(v) != "0";
   const int64_t pairs = tokens * top_k;
   const int64_t m_tiles = std::min<int64_t>(num_experts, pairs) + pairs / kExpertGemmTileM;
   const int64_t gate_tiles = m_tiles * ((intermediate + kExpertGemmTileN - 1) / kExpertGemmTileN);

@@ -112,9 +112,10 @@ struct ExpertGemmProblem {
   bool fused_swiglu = true;  // moe_fused_swiglu(...)
 };
 
-// Which SwiGLU path a call takes (plan.cpp). ENCORE_MOE_FUSED_SWIGLU, read at every call: "0" the
-// unfused one (gate_up [R, 2F] fp32 and a row kernel), any other non-empty value the fused one.
-// Unset: fused when its gate GEMM alone has kFusedSwigluMinWaves waves of 128x128 tiles (estimated
+// Which SwiGLU path a call takes (plan.cpp). ENCORE_MOE_FUSED_SWIGLU, read at every call: unset, empty
+// or "0" the unfused one (gate_up [R, 2F] fp32 and a row kernel; the default until the fused kernel has
+// run on a GPU), "auto" the size rule below, any other value the fused one.
+// "auto": fused when its gate GEMM alone has kFusedSwigluMinWaves waves of 128x128 tiles (estimated
 // as (min(E, T k) + T k / 128) M-tiles x ceil(F / 128)); below that (decode sizes) the unfused
 // path's single N = 2F launch keeps twice the SMs streaming weights, and its fp32 round trip is a
 // few hundred KB. A guess to be replaced by H200 measurements (docs/moe.md).

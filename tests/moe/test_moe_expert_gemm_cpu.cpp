@@ -121,10 +121,13 @@ class EnvGuard {
 
 TEST(MoeExpertGemmSpecs, FusedSwigluSwitchIsReadPerCall) {
   EnvGuard guard("ENCORE_MOE_FUSED_SWIGLU");
-  // Unset: fused from 2 waves of gate tiles (132 SMs): Qwen3-30B-A3B (E 128, k 8, F 768: 6 N-tiles)
+  // Unset (and empty): unfused at every size (the fused kernel is opt-in until it has run on a GPU).
+  unsetenv("ENCORE_MOE_FUSED_SWIGLU");
+  EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
+  // "auto": fused from 2 waves of gate tiles (132 SMs): Qwen3-30B-A3B (E 128, k 8, F 768: 6 N-tiles)
   // unfused at T = 1 (8 x 6 = 48 tiles) and 4 (32 x 6 = 192), fused at T = 16 (129 x 6) and 4096;
   // DeepSeek-V3 (E 256, k 8, F 2048: 16 N-tiles) unfused at T = 1 (128), fused at T = 4 (512).
-  unsetenv("ENCORE_MOE_FUSED_SWIGLU");
+  setenv("ENCORE_MOE_FUSED_SWIGLU", "auto", 1);
   EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 128, 768, 132));
   EXPECT_FALSE(moe::moe_fused_swiglu(4, 8, 128, 768, 132));
   EXPECT_TRUE(moe::moe_fused_swiglu(16, 8, 128, 768, 132));
@@ -132,7 +135,7 @@ TEST(MoeExpertGemmSpecs, FusedSwigluSwitchIsReadPerCall) {
   EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 256, 2048, 132));
   EXPECT_TRUE(moe::moe_fused_swiglu(4, 8, 256, 2048, 132));
   setenv("ENCORE_MOE_FUSED_SWIGLU", "", 1);  // empty = unset
-  EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 128, 768, 132));
+  EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
   setenv("ENCORE_MOE_FUSED_SWIGLU", "1", 1);
   EXPECT_TRUE(moe::moe_fused_swiglu(1, 8, 128, 768, 132));
   setenv("ENCORE_MOE_FUSED_SWIGLU", "0", 1);
