@@ -25,7 +25,8 @@
 #   ENCORE_JOBS            build parallelism (default: all cores)
 #   ENCORE_DEADLINE        seconds the whole script may take (default 570, inside a 600 s call);
 #                          each step's timeout is cut to what is left, so the summary always returns
-#   ENCORE_TEST_FILTER     gtest filter for `test` (default *)
+#   ENCORE_TEST_FILTER     gtest filter for `test` (default *); ENCORE_TEST_SECONDS its GPU binary's limit
+#                          (default 450; every GPU test takes about 300 s on an H200)
 #   ENCORE_PYTEST_ARGS     pytest arguments for `pytest` (default tests/python; e.g. test files, -k EXPR)
 #   ENCORE_SANITIZE_FILTER gtest filter for both tools of `sanitize` (default: tests of each family,
 #                          see memcheck_default and racecheck_default below)
@@ -146,11 +147,13 @@ pass_test() {
   need "$BUILD/tests/encore_tests_gpu" "run the build pass first" || return
   local f=${ENCORE_TEST_FILTER:-*} m1 m2
   m1=$(mark)
-  step 300 "$BUILD/tests/encore_tests_gpu" --gtest_filter="$f" --gtest_brief=1
+  # Not brief: each test's [ RUN ] / [ OK ] lines (with its time) show what ran before a timeout.
+  step "${ENCORE_TEST_SECONDS:-450}" "$BUILD/tests/encore_tests_gpu" --gtest_filter="$f" ||
+    tail -n +"$m1" "$log" | grep -E '^\[ RUN +\]' | tail -1 | sed 's/^\[ RUN *\]/    last started:/'
   m2=$(mark)
   step 200 "$BUILD/tests/encore_tests_cpu" --gtest_filter="$f" --gtest_brief=1
   detail="gpu: $(gtest_line "$m1" "$m2"); cpu: $(gtest_line "$m2")"
-  grep -E '^\[  FAILED  \] [A-Za-z]' "$log" | sort -u | head -8 | sed 's/^/    /'
+  grep -E '^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$' "$log" | sort -u | head -8 | sed 's/^/    /'
 }
 
 pass_check() {
