@@ -18,6 +18,7 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
 void run_kda_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_kda_phases_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
+void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_host_overhead_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
