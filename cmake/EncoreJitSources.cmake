@@ -9,6 +9,7 @@ set(_encore_jit_embedded
   encore/core/dtype.hpp
   common/cuda/reduce.cuh
   common/cuda/vector_io.cuh
+  common/cuda/fp8_pack.cuh
   norm/cuda/rms_norm_kernel.cuh
   norm/cuda/qk_norm_kernel.cuh
   quant/fp8_scale.hpp

@@ -73,6 +73,10 @@ Status run(const MoeRoutingArgs& args, const MoeRoutingOptions& opts, void* work
 struct MoeDispatchOptions {
   int num_experts = 0;
   int align_m = 1;  // each expert's block padded to a multiple of align_m rows (a power of two, e.g. 1, 8, 64, 128)
+  // With x_scales: the FP8 quantization fused into the gather, as fp8_group_quant (encore/quant.hpp)
+  // would quantize x_permuted: power-of-two scales or not, the amax floor.
+  bool fp8_power_of_two_scales = false;
+  float fp8_eps = 1e-10f;
 };
 
 struct MoeDispatchArgs {
@@ -82,7 +86,13 @@ struct MoeDispatchArgs {
   TensorView expert_offsets;  // [E + 1] int32, output
   TensorView slot_rows;       // [T, k] int32, output: (t, j) -> row of the permuted buffer
   TensorView row_slots;       // [R] int32, output: row -> t * k + j, or -1
-  TensorView x_permuted;      // [R, D] x's dtype, output
+  TensorView x_permuted;      // [R, D] output: x's dtype, or fp8 e4m3 with x_scales
+  // Optional [R, D / 128] fp32 output (D a multiple of 128): the FP8 1x128 quantization fused into the
+  // gather (DeepGEMM's activation layout): x_permuted row r's group g of 128 columns is
+  // e4m3(x * (1 / s)) with s = x_scales[r, g] = fp8_group_scale(max |x| over the group), bit for bit
+  // what fp8_group_quant gives on the unquantized x_permuted; padding rows quantize a zero row
+  // (q 0, s = fp8_eps / 448 or its power of two).
+  TensorView x_scales;
 };
 
 // Rows the permuted buffer needs at most: T*k + min(E, T*k) * (align_m - 1).

@@ -127,6 +127,12 @@ DispatchProblem make_dispatch_problem(const MoeDispatchArgs& a, const MoeDispatc
     p.xp_stride = a.x_permuted.strides[0];
     p.hidden = a.x.shape[1];
     p.dtype = a.x.dtype;
+    if (a.x_scales.defined()) {
+      p.x_scales = static_cast<float*>(a.x_scales.data);
+      p.scales_stride = a.x_scales.strides[0];
+      p.fp8_power_of_two = o.fp8_power_of_two_scales;
+      p.fp8_eps = o.fp8_eps;
+    }
   }
   p.cursors = static_cast<int32_t*>(workspace);
   return p;

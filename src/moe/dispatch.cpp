@@ -1,6 +1,8 @@
 // MoE dispatch: validate -> problem + plan -> CPU reference or CUDA kernels (counts, padded offsets,
 // slot maps, gather; src/moe/cuda/dispatch.cu).
+#include <cmath>
 #include <string>
+#include <tuple>
 
 #include "core/checks.hpp"
 #include "encore/moe.hpp"
@@ -21,6 +23,30 @@ int64_t moe_permuted_rows(int64_t tokens, int top_k, int num_experts, int align_
 }
 
 namespace moe {
+namespace {
+
+// x_permuted fp8 e4m3 [R, D] and x_scales fp32 [R, D / 128] for the fused FP8 gather.
+Status validate_fp8_gather(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
+  const int64_t R = a.row_slots.shape[0], D = a.x.shape[1];
+  if (D % 128 != 0)
+    return Status::invalid("x_scales: the fused FP8 quantization takes groups of 128 columns: D must be a multiple of 128, got D = " +
+                           std::to_string(D));
+  if (!(o.fp8_eps > 0.0f) || !std::isfinite(o.fp8_eps)) return Status::invalid("fp8_eps: must be finite and > 0");
+  for (auto [name, t, dt, cols] : {std::tuple<const char*, const TensorView*, DType, int64_t>{"x_permuted", &a.x_permuted, DType::kFP8E4M3, D},
+                                   {"x_scales", &a.x_scales, DType::kFP32, D / 128}}) {
+    ENCORE_RETURN_IF_ERROR(checks::present(name, *t));
+    ENCORE_RETURN_IF_ERROR(checks::ndim(name, *t, 2, cols == D ? "[R, D]" : "[R, D / 128]"));
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {dt}));
+    ENCORE_RETURN_IF_ERROR(checks::dim_equals(name, *t, 0, R, "the rows of row_slots"));
+    ENCORE_RETURN_IF_ERROR(checks::dim_equals(name, *t, 1, cols, cols == D ? "x's columns" : "x's groups of 128 columns"));
+    ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, *t));
+    ENCORE_RETURN_IF_ERROR(checks::rows_disjoint(name, *t));
+    ENCORE_RETURN_IF_ERROR(checks::same_device(name, *t, "x", a.x));
+  }
+  return Status::ok();
+}
+
+}  // namespace
 
 Status validate_dispatch_shapes(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
   if (o.num_experts < 1 || o.num_experts >= (1 << 20))
@@ -43,12 +69,15 @@ Status validate_dispatch_shapes(const MoeDispatchArgs& a, const MoeDispatchOptio
   if (a.row_slots.shape[0] >= (int64_t(1) << 31)) return Status::unsupported("row_slots: at most 2^31 - 1 rows");
   if (a.x.defined() != a.x_permuted.defined())
     return Status::invalid(std::string(a.x.defined() ? "x_permuted" : "x") + ": x and x_permuted are given together or not at all");
+  if (a.x_scales.defined() && !a.x.defined()) return Status::invalid("x_scales: given without x and x_permuted (the fused FP8 gather needs both)");
   if (a.x.defined()) {
     ENCORE_RETURN_IF_ERROR(check_rows("x", a.x, T, a.x.ndim == 2 ? a.x.shape[1] : 0, "[T, D]", "topk_ids", ids));
-    ENCORE_RETURN_IF_ERROR(check_rows("x_permuted", a.x_permuted, a.row_slots.shape[0], a.x.shape[1], "[R, D]", "x", a.x, &a.x.dtype));
+    if (a.x_scales.defined()) ENCORE_RETURN_IF_ERROR(validate_fp8_gather(a, o));
+    else ENCORE_RETURN_IF_ERROR(check_rows("x_permuted", a.x_permuted, a.row_slots.shape[0], a.x.shape[1], "[R, D]", "x", a.x, &a.x.dtype));
   }
   ENCORE_RETURN_IF_ERROR(no_overlaps({{"expert_counts", &a.expert_counts}, {"expert_offsets", &a.expert_offsets}, {"slot_rows", &a.slot_rows},
-                                      {"row_slots", &a.row_slots}, {"x_permuted", &a.x_permuted}, {"topk_ids", &a.topk_ids}, {"x", &a.x}}));
+                                      {"row_slots", &a.row_slots}, {"x_permuted", &a.x_permuted}, {"topk_ids", &a.topk_ids}, {"x", &a.x},
+                                      {"x_scales", &a.x_scales}}));
   return Status::ok();
 }
 
@@ -62,6 +91,10 @@ Status validate(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
     if (o.num_experts > moe::kCudaDispatchMaxExperts)
       return Status::unsupported("num_experts: " + std::to_string(o.num_experts) + "; CUDA dispatch takes at most " +
                                  std::to_string(moe::kCudaDispatchMaxExperts) + " experts");
+    if (a.x_scales.defined())  // the fused FP8 gather moves 16-byte packs
+      for (auto [name, t] : {std::pair<const char*, const TensorView*>{"x", &a.x}, {"x_permuted", &a.x_permuted}})
+        if (!checks::aligned(t->data, 16) || (t->strides[0] * int64_t(t->element_size())) % 16 != 0)
+          return Status::unsupported(std::string(name) + ": the fused FP8 gather on CUDA needs 16-byte aligned rows (data and row stride)");
     return Status::ok();
 #else
     return Status::unsupported("topk_ids: on " + a.topk_ids.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");

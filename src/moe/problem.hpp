@@ -66,9 +66,13 @@ struct DispatchProblem {
   const void* x = nullptr;       // nullptr: maps only
   int64_t x_stride = 0;
   void* x_permuted = nullptr;
-  int64_t xp_stride = 0;
+  int64_t xp_stride = 0;  // elements of x_permuted (bytes when fp8)
   int64_t hidden = 0;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // x's
+  float* x_scales = nullptr;   // [R, D / 128]: x_permuted is fp8 e4m3, quantized in the gather
+  int64_t scales_stride = 0;
+  bool fp8_power_of_two = false;
+  float fp8_eps = 1e-10f;
   int32_t* cursors = nullptr;  // workspace: [E]
 };
 

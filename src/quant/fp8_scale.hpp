@@ -27,6 +27,22 @@ ENCORE_HOST_DEVICE inline float fp8_group_scale(float amax, bool power_of_two, f
 // is a power of two. One division per group instead of one per element.
 ENCORE_HOST_DEVICE inline float fp8_inverse_scale(float s) { return 1.0f / s; }
 
+// One group of n values on the CPU (the references of fp8_group_quant and of the MoE dispatch's fused
+// quantization): amax over x(i) (NaN ignored, as fmaxf), s, then store(i, x(i) * (1 / s)) for the
+// caller's e4m3 conversion; returns s. The CUDA kernels compute the same per lane team
+// (common/cuda/fp8_pack.cuh).
+#ifndef __CUDACC_RTC__  // host only (the JIT compiles this header for the kernels' formulas)
+template <class Load, class Store>
+inline float fp8_quantize_group(int64_t n, Load x, Store store, bool power_of_two, float eps) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x(i)));
+  const float s = fp8_group_scale(amax, power_of_two, eps);
+  const float inv = fp8_inverse_scale(s);
+  for (int64_t i = 0; i < n; ++i) store(i, x(i) * inv);
+  return s;
+}
+#endif
+
 // ---- MX formats (docs/quant.md, "MXFP8 and NVFP4") ----
 constexpr int kMxfp8Block = 32;   // elements per e8m0 scale
 constexpr int kNvfp4Block = 16;   // elements per e4m3 scale

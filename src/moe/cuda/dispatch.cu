@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "moe/cuda/dispatch_fp8_gather.cuh"
 #include "moe/cuda/dispatch_kernel.cuh"
 #include "moe/cuda/launch.hpp"
 
@@ -53,6 +54,31 @@ void* aot_map_kernel(DispatchMapKernel kind) {
     case DispatchMapKernel::kScatter: return reinterpret_cast<void*>(dispatch_scatter_kernel<0, 0>);
   }
   return nullptr;
+}
+
+// The fused FP8 gather's arguments and kernel for x's dtype (items: rows x chunks of 4 groups per lane team).
+constexpr int kFp8Unroll = 4;
+DispatchFp8Params fp8_params(const moe::DispatchProblem& p, const DispatchParams& k) {
+  DispatchFp8Params f{};
+  f.d = k;
+  f.x = p.x;
+  f.x_stride = p.x_stride;
+  f.q = static_cast<uint8_t*>(p.x_permuted);
+  f.q_stride = p.xp_stride;
+  f.scales = p.x_scales;
+  f.scales_stride = p.scales_stride;
+  f.groups_per_row = int(p.hidden / 128);
+  f.power_of_two = p.fp8_power_of_two;
+  f.eps = p.fp8_eps;
+  return f;
+}
+void* fp8_gather_kernel(DType dt) {
+  switch (dt) {
+    case DType::kBF16: return reinterpret_cast<void*>(dispatch_gather_fp8_kernel<__nv_bfloat16, kFp8Unroll>);
+    case DType::kFP16: return reinterpret_cast<void*>(dispatch_gather_fp8_kernel<__half, kFp8Unroll>);
+    case DType::kFP32: return reinterpret_cast<void*>(dispatch_gather_fp8_kernel<float, kFp8Unroll>);
+    default: return nullptr;
+  }
 }
 
 const char* map_kernel_what(DispatchMapKernel kind) {
@@ -111,7 +137,9 @@ Status launch_moe_dispatch_gather(const moe::DispatchProblem& p, const moe::Disp
   const int64_t pairs = k.pairs;
   int64_t rows_bound = pairs + (pairs < p.num_experts ? pairs : int64_t(p.num_experts)) * (p.align_m - 1);
   if (rows_bound > k.rows) rows_bound = k.rows;
-  const int64_t chunk = k.vec16 ? 32 * 16 * 4 : 32 * 2 * 4;  // bytes per item, as the kernels
+  const bool fp8 = k.x && p.x_scales;
+  // Bytes of x per item, as the kernels: 32 lanes x 4 vectors; fp8: 32 lanes x 4 packs of 16 bytes too.
+  const int64_t chunk = fp8 || k.vec16 ? 32 * 16 * 4 : 32 * 2 * 4;
   const int64_t warps_per_block = kDispatchThreads / 32;
   long long blocks = 1;
   if (k.x) blocks = (long long)((rows_bound * ((k.row_bytes + chunk - 1) / chunk) + warps_per_block - 1) / warps_per_block);
@@ -132,7 +160,16 @@ Status launch_moe_dispatch_gather(const moe::DispatchProblem& p, const moe::Disp
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  const cudaError_t e = k.vec16 ? cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<16, 4>, k) : cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<2, 4>, k);
+  cudaError_t e;
+  if (fp8) {
+    DispatchFp8Params f = fp8_params(p, k);
+    void* kernel = fp8_gather_kernel(p.dtype);
+    if (!kernel) return Status::unsupported(std::string("moe dispatch: the fused FP8 gather takes bf16, fp16 or fp32 x, got ") + dtype_name(p.dtype));
+    void* args[] = {&f};
+    e = cudaLaunchKernelExC(&cfg, kernel, args);
+  } else {
+    e = k.vec16 ? cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<16, 4>, k) : cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<2, 4>, k);
+  }
   if (e != cudaSuccess) return Status::cuda_error(std::string("moe dispatch gather launch: ") + cudaGetErrorString(e));
   return Status::ok();
 }

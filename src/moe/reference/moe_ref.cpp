@@ -6,6 +6,9 @@
 #include <cstring>
 #include <vector>
 
+#include "encore/quant.hpp"
+#include "quant/fp8_scale.hpp"
+
 namespace encore::reference {
 namespace {
 
@@ -85,13 +88,24 @@ void moe_dispatch(const moe::DispatchProblem& p) {
       const int32_t r = p.cursors[p.topk_ids[t * p.ids_stride + j]]++;
       p.slot_rows[t * p.slot_stride + j] = r;
       p.row_slots[r] = int32_t(t * k + j);
-      if (p.x)
+      if (p.x && !p.x_scales)
         std::memcpy(static_cast<char*>(p.x_permuted) + size_t(r * p.xp_stride) * dtype_size(p.dtype),
                     static_cast<const char*>(p.x) + size_t(t * p.x_stride) * dtype_size(p.dtype), row_bytes);
     }
-  if (p.x)
+  if (p.x && !p.x_scales)
     for (int e = 0; e < E; ++e)
       for (int32_t r = p.offsets[e] + p.counts[e]; r < p.offsets[e + 1]; ++r) zero_row(p.x_permuted, p.dtype, r, p.xp_stride, p.hidden);
+  if (p.x && p.x_scales) {  // the fused FP8 gather: each row's groups of 128 as fp8_group_quant; padding rows as zero rows
+    auto* q = static_cast<uint8_t*>(p.x_permuted);
+    for (int32_t r = 0; r < p.offsets[E]; ++r) {
+      const int32_t slot = p.row_slots[r];
+      const int64_t t = slot >= 0 ? slot / k : -1;
+      for (int64_t c0 = 0; c0 < p.hidden; c0 += 128)
+        p.x_scales[r * p.scales_stride + c0 / 128] = quant::fp8_quantize_group(
+            128, [&](int64_t i) { return t < 0 ? 0.f : float(load_as_double(p.x, p.dtype, t * p.x_stride + c0 + i)); },
+            [&](int64_t i, float v) { q[r * p.xp_stride + c0 + i] = float_to_e4m3(v); }, p.fp8_power_of_two, p.fp8_eps);
+    }
+  }
 }
 
 void moe_expert_mlp(const moe::ExpertMlpProblem& p) {

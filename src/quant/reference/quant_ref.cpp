@@ -44,16 +44,9 @@ void fp8_group_quant(const quant::Fp8QuantProblem& p) {
   for (int64_t m = 0; m < p.rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t c0 = g * p.group_size;
-      float amax = 0.f;
-      for (int64_t k = 0; k < p.group_size; ++k)
-        amax = std::max(amax, std::fabs(float(load_as_double(p.x, p.dtype, m * p.x_stride + c0 + k))));
-      const float s = quant::fp8_group_scale(amax, p.power_of_two, p.eps);
-      const float inv = quant::fp8_inverse_scale(s);
-      for (int64_t k = 0; k < p.group_size; ++k) {
-        const float v = float(load_as_double(p.x, p.dtype, m * p.x_stride + c0 + k));
-        p.q[m * p.q_stride + c0 + k] = float_to_e4m3(v * inv);
-      }
-      p.scales[m * p.scale_stride_m + g * p.scale_stride_g] = s;
+      p.scales[m * p.scale_stride_m + g * p.scale_stride_g] = quant::fp8_quantize_group(
+          p.group_size, [&](int64_t k) { return float(load_as_double(p.x, p.dtype, m * p.x_stride + c0 + k)); },
+          [&](int64_t k, float v) { p.q[m * p.q_stride + c0 + k] = float_to_e4m3(v); }, p.power_of_two, p.eps);
     }
   }
 }
