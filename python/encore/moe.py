@@ -42,15 +42,23 @@ def moe_routing(logits, top_k: int, scoring: str = "softmax", renormalize: bool 
 _DISPATCH_KEYS = ("expert_counts", "expert_offsets", "slot_rows", "row_slots")
 
 
-def moe_dispatch(topk_ids, num_experts: int, x=None, align_m: int = 1, stream=None):
+def moe_dispatch(topk_ids, num_experts: int, x=None, align_m: int = 1, fp8: bool = False, power_of_two_scales: bool = False,
+                 stream=None):
     """Expert-contiguous permutation of the (token, k) slots of topk_ids [T, k] int32. Returns a dict:
     expert_counts [E], expert_offsets [E + 1] (each expert's block padded to align_m rows), slot_rows
     [T, k] ((t, j) -> row), row_slots [R] (row -> t * k + j, -1 for rows without a token), and, with
     x [T, D], x_permuted [R, D] (gathered rows, padding rows zeroed; rows from expert_offsets[E] on
-    unspecified). R = moe_permuted_rows(T, k, E, align_m)."""
+    unspecified). R = moe_permuted_rows(T, k, E, align_m).
+    fp8=True (D a multiple of 128): the FP8 1x128 quantization fused into the gather: x_permuted as
+    fp8_group_quant returns it (torch.float8_e4m3fn, or raw e4m3 bytes as uint8 for numpy) and
+    x_scales [R, D // 128] float32, bit for bit fp8_group_quant of the unquantized rows (padding rows:
+    q 0 and the scale of a zero group)."""
     if _via_torch_op(stream, topk_ids, x):
-        got = _ops().moe_dispatch(topk_ids, int(num_experts), x, int(align_m))
-        return dict(zip(_DISPATCH_KEYS + (("x_permuted",) if x is not None else ()), got))
+        got = _ops().moe_dispatch(topk_ids, int(num_experts), x, int(align_m), bool(fp8), bool(power_of_two_scales))
+        keys = _DISPATCH_KEYS + (("x_permuted",) if x is not None else ()) + (("x_scales",) if x is not None and fp8 else ())
+        return dict(zip(keys, got))
+    if fp8 and x is None:
+        raise ValueError("x: fp8=True quantizes the gathered rows of x; pass x")
     if getattr(topk_ids, "ndim", 0) != 2:
         raise ValueError("topk_ids: expected 2 dimensions [T, k]")
     t, k = topk_ids.shape
@@ -62,17 +70,27 @@ def moe_dispatch(topk_ids, num_experts: int, x=None, align_m: int = 1, stream=No
         _no_autograd(x)
         if getattr(x, "ndim", 0) != 2:
             raise ValueError("x: expected 2 dimensions [T, D]")
-        xp = _empty(x, (rows, x.shape[1]), "like")
+        xp = _empty(x, (rows, x.shape[1]), "u8" if fp8 else "like")
         if _is_torch(xp):
             xp.zero_()  # the rows past expert_offsets[E] are not written: zeros rather than garbage
         else:
             xp.fill(0)
+        if fp8:
+            xs = _empty(x, (rows, x.shape[1] // 128), "f32")
+            xs[...] = 0
     nbytes = _encore.moe_dispatch_workspace_bytes(*_dl(topk_ids), int(num_experts), int(align_m))
     ws = _workspace(None, topk_ids, nbytes, 16, "moe_dispatch")
-    _encore.moe_dispatch_out(*_dl(topk_ids, x, r["expert_counts"], r["expert_offsets"], r["slot_rows"], r["row_slots"], xp, ws),
-                             int(num_experts), int(align_m), _stream_for(topk_ids, stream))
+    _encore.moe_dispatch_out(*_dl(topk_ids, x, r["expert_counts"], r["expert_offsets"], r["slot_rows"], r["row_slots"], xp,
+                                  xs if fp8 else None, ws),
+                             int(num_experts), int(align_m), bool(power_of_two_scales), _stream_for(topk_ids, stream))
     if xp is not None:
+        if fp8 and _is_torch(xp):
+            import torch
+
+            xp = xp.view(torch.float8_e4m3fn)
         r["x_permuted"] = xp
+        if fp8:
+            r["x_scales"] = xs
     return r
 
 

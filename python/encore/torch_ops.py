@@ -319,12 +319,19 @@ _define("moe_routing(Tensor logits, Tensor? correction_bias, int top_k, str scor
         lambda logits, bias, k, *_: (_new(logits, (logits.shape[0], k), torch.int32), _new(logits, (logits.shape[0], k), _F32)),
         kernel=lambda logits, bias, k, scoring, renorm, ng, tg, rsf: moe.moe_routing(
             logits, k, scoring, renorm, ng, tg, bias, rsf, stream=_torch_stream(logits)))
-# moe_dispatch: [expert_counts, expert_offsets, slot_rows, row_slots, x_permuted if x]
-_define("moe_dispatch(Tensor topk_ids, int num_experts, Tensor? x, int align_m) -> Tensor[]",
-        lambda ids, e, x, align: [_new(ids, (e,)), _new(ids, (e + 1,)), _new(ids, ids.shape),
-                                  _new(ids, (_moe_rows(ids.shape[0], ids.shape[1], e, align),))] +
-        ([] if x is None else [_new(x, (_moe_rows(ids.shape[0], ids.shape[1], e, align), x.shape[1]))]),
-        moe.moe_dispatch, lambda r: list(r.values()))
+# moe_dispatch: [expert_counts, expert_offsets, slot_rows, row_slots, x_permuted if x, x_scales if x and fp8]
+def _moe_dispatch_fake(ids, e, x, align, fp8=False, pow2=False):
+    rows = _moe_rows(ids.shape[0], ids.shape[1], e, align)
+    maps = [_new(ids, (e,)), _new(ids, (e + 1,)), _new(ids, ids.shape), _new(ids, (rows,))]
+    if x is None:
+        return maps
+    if not fp8:
+        return maps + [_new(x, (rows, x.shape[1]))]
+    return maps + [_new(x, (rows, x.shape[1]), torch.float8_e4m3fn), _new(x, (rows, x.shape[1] // 128), _F32)]
+
+
+_define("moe_dispatch(Tensor topk_ids, int num_experts, Tensor? x, int align_m, bool fp8=False, bool power_of_two_scales=False) "
+        "-> Tensor[]", _moe_dispatch_fake, moe.moe_dispatch, lambda r: list(r.values()))
 _define("moe_combine(Tensor expert_out, Tensor slot_rows, Tensor topk_weights) -> Tensor",
         lambda y, rows, w: _new(y, (rows.shape[0], y.shape[1])), moe.moe_combine)
 _define("moe_forward(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, str scoring, bool renormalize, "

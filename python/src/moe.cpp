@@ -30,16 +30,24 @@ void bind_moe(nb::module_& m) {
         },
         nb::arg("ids"), nb::arg("num_experts"), nb::arg("align_m"));
 
+  // x_scales given: x_permuted holds raw e4m3 bytes (the fused FP8 gather).
   m.def("moe_dispatch_out",
-        [](Array ids, Opt x, Array counts, Array offsets, Array slot_rows, Array row_slots, Opt x_permuted, Array workspace, int num_experts,
-           int align_m, uintptr_t stream) {
-          raise_if_error(run(MoeDispatchArgs{to_view(ids, "topk_ids"), opt_view(x, "x"), to_view(counts, "expert_counts"),
-                                             to_view(offsets, "expert_offsets"), to_view(slot_rows, "slot_rows"),
-                                             to_view(row_slots, "row_slots"), opt_view(x_permuted, "x_permuted")},
-                             MoeDispatchOptions{num_experts, align_m}, workspace.data(), as_stream(stream)));
+        [](Array ids, Opt x, Array counts, Array offsets, Array slot_rows, Array row_slots, Opt x_permuted, Opt x_scales, Array workspace,
+           int num_experts, int align_m, bool power_of_two, uintptr_t stream) {
+          MoeDispatchArgs a{to_view(ids, "topk_ids"), opt_view(x, "x"), to_view(counts, "expert_counts"),
+                            to_view(offsets, "expert_offsets"), to_view(slot_rows, "slot_rows"), to_view(row_slots, "row_slots"),
+                            x_scales ? TensorView{} : opt_view(x_permuted, "x_permuted")};
+          if (x_scales) {
+            a.x_permuted = x_permuted ? to_fp8_view(*x_permuted, "x_permuted") : TensorView{};
+            a.x_scales = to_view(*x_scales, "x_scales");
+          }
+          MoeDispatchOptions o{num_experts, align_m};
+          o.fp8_power_of_two_scales = power_of_two;
+          raise_if_error(run(a, o, workspace.data(), as_stream(stream)));
         },
         nb::arg("ids"), nb::arg("x").none(), nb::arg("counts"), nb::arg("offsets"), nb::arg("slot_rows"), nb::arg("row_slots"),
-        nb::arg("x_permuted").none(), nb::arg("workspace"), nb::arg("num_experts"), nb::arg("align_m"), nb::arg("stream"));
+        nb::arg("x_permuted").none(), nb::arg("x_scales").none(), nb::arg("workspace"), nb::arg("num_experts"), nb::arg("align_m"),
+        nb::arg("power_of_two"), nb::arg("stream"));
 
   m.def("moe_combine_out",
         [](Array expert_out, Array slot_rows, Array weights, Array out, uintptr_t stream) {

@@ -79,6 +79,33 @@ def test_dispatch_invariants(align):
     np.testing.assert_array_equal(r2["slot_rows"], rows)
 
 
+@pytest.mark.parametrize("device", ["numpy", "cpu", pytest.param("cuda", marks=needs_torch_cuda)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_dispatch_fp8_equals_dispatch_then_group_quant(device, pow2):
+    """fp8=True: x_permuted and x_scales bit for bit fp8_group_quant of the plain dispatch's rows in use."""
+    t, k, e, d, align = 23, 2, 6, 256, 16
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    x = (rng.standard_normal((t, d)) * np.where(np.arange(t) % 5 == 1, 100.0, 1.0)[:, None]).astype(np.float32)
+    if device != "numpy":
+        torch = pytest.importorskip("torch")
+        ids, x = torch.from_numpy(ids).to(device), torch.from_numpy(x).to(torch.bfloat16).to(device)
+    plain = encore.moe_dispatch(ids, e, x=x, align_m=align)
+    got = encore.moe_dispatch(ids, e, x=x, align_m=align, fp8=True, power_of_two_scales=pow2)
+    for key in ("expert_counts", "expert_offsets", "slot_rows", "row_slots"):
+        a, b = plain[key], got[key]
+        assert (a == b).all(), key
+    used = int(plain["expert_offsets"][e])
+    q, s = encore.fp8_group_quant(plain["x_permuted"][:used], power_of_two_scales=pow2)
+    gq, gs = got["x_permuted"][:used], got["x_scales"][:used]
+    if device != "numpy":
+        q, s, gq, gs = (v.cpu() for v in (q.view(torch.uint8), s, gq.view(torch.uint8), gs))
+        assert got["x_permuted"].dtype == torch.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(gq), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(gs).view(np.uint32), np.asarray(s).view(np.uint32))
+    with pytest.raises(ValueError, match="x: fp8=True"):
+        encore.moe_dispatch(ids, e, align_m=align, fp8=True)
+
+
 def test_combine_numpy():
     y = rng.standard_normal((40, 16)).astype(np.float32)
     rows = rng.integers(0, 40, (9, 4)).astype(np.int32)
