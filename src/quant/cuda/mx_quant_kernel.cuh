@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/cuda/fp8_pack.cuh"
 #include "core/fast_div.hpp"
 #include "quant/fp8_scale.hpp"
 
@@ -83,16 +84,6 @@ __device__ __forceinline__ uint32_t abs_max_bits(const uint32_t (&b)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) m = max(m, b[i] & 0x7fffffffu);
   return m;
-}
-
-// Four fp32 values to e4m3 (RNE, saturating to +-448, NaN -> 0x7f), x0 in the lowest byte.
-__device__ __forceinline__ uint32_t mx_e4m3x4(float x0, float x1, float x2, float x3) {
-  uint32_t w;
-  asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
-      " mov.b32 %0, {lo, hi};\n}"
-      : "=r"(w)
-      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
-  return w;
 }
 
 // e4m3 byte to fp32, as encore::e4m3_to_float (0x7f / 0xff: the CPU's NaN, 0x7fc00000).
@@ -176,8 +167,8 @@ __global__ void __launch_bounds__(256) mxfp8_quant_kernel(MxParams p) {
     float v[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(__uint_as_float(b[i]), f);
-    w0 = mx_e4m3x4(v[0], v[1], v[2], v[3]);
-    w1 = mx_e4m3x4(v[4], v[5], v[6], v[7]);
+    w0 = e4m3x4(v[0], v[1], v[2], v[3]);
+    w1 = e4m3x4(v[4], v[5], v[6], v[7]);
   }
   *reinterpret_cast<uint2*>(p.q + int64_t(row) * p.q_stride + cu * 8) = make_uint2(w0, w1);
   if ((cu & 3u) == 0) p.scales[mx_scale_offset(p, row, cu >> 2)] = uint8_t(sbyte);
@@ -227,7 +218,7 @@ __global__ void __launch_bounds__(256) nvfp4_quant_kernel(MxParams p) {
   uint32_t word = 0, sbyte = 0x7fu;
   if (amax < 0x7f800000u) {
     const float t = __fdiv_rn(__fdiv_rn(__uint_as_float(amax), quant::kE2m1Max), g);
-    sbyte = mx_e4m3x4(t, 0.f, 0.f, 0.f) & 0xffu;
+    sbyte = e4m3x4(t, 0.f, 0.f, 0.f) & 0xffu;
     const float d = __fmul_rn(mx_e4m3_decode(sbyte), g);
     if (d > 0.0f) {
       const E2m1Bounds k = e2m1_bounds(d);
