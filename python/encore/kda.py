@@ -178,15 +178,14 @@ def _residual_tuple(residuals):
     return tuple(residuals.get(x) for x in _RESIDUAL_NAMES)
 
 
-_FLA_REFUSED = ("use_beta_sigmoid_in_kernel", "allow_neg_eigval", "return_intermediate_states", "state_v_first", "cp_context",
-                "use_graph")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-              use_gate_in_kernel=False, lower_bound=None, cu_seqlens=None, *, A_log=None, dt_bias=None, rematerialize=False,
-              **kwargs):
+              use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
+              cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
     """fla's chunk_kda (fla.ops.kda.chunk_kda) for torch tensors, differentiable: the same
-    arguments, defaults and return value (o [B, T, H, V] in v's dtype, final_state [N, H, K, V]
+    arguments in the same positional order, defaults and return value (o [B, T, H, V] in v's dtype, final_state [N, H, K, V]
     float32 or None), with gradients for q, k, v, g, beta, A_log, dt_bias and initial_state through
     torch.autograd (a torch.autograd.Function over the torch.library ops kda_forward and
     kda_backward, so it also runs under torch.compile). A model that imports fla's chunk_kda trains
@@ -200,23 +199,28 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     fla options: cu_seqlens (or cu_seqlens_cpu, preferred since the sequence table is read on the
     host), A_log / dt_bias (keywords, as fla takes them), lower_bound with use_gate_in_kernel (the
-    lower-bound gate; safe_gate accepted), disable_recompute (accepted: the saved-h mode is
-    encore's default), chunk_size 64. Refused with a ValueError: use_beta_sigmoid_in_kernel,
-    allow_neg_eigval, return_intermediate_states, state_v_first, cp_context, use_graph and any other
-    keyword.
+    lower-bound gate; safe_gate accepted, with fla's check that lower_bound is in [-5, 0)),
+    disable_recompute (accepted: the saved-h mode is encore's default), max_num_seqs (ignored),
+    chunk_size 64. Refused with a ValueError when set: use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    return_intermediate_states, state_v_first, cp_context, use_graph, chunk_size 32 and any other
+    keyword. encore's own keywords: rematerialize (below) and cp_group.
 
     encore's context parallelism: cp_group=<torch.distributed process group>, each rank passing its
     contiguous slice along T of a varlen batch (B = 1) and the global cu_seqlens; returns (this rank's o,
     None). The ranks exchange one packed summary per direction (encore/_kda_cp.py); CPU tensors (fp64
     reference summaries) and CUDA tensors (summaries composed from the CUDA forward and backward, NCCL)."""
     cp_group = kwargs.pop("cp_group", None)
-    cu_cpu = kwargs.pop("cu_seqlens_cpu", None)
-    kwargs.pop("safe_gate", None)
-    kwargs.pop("disable_recompute", None)
-    kwargs.pop("max_num_seqs", None)
+    A_log, dt_bias, rematerialize = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None), bool(kwargs.pop("rematerialize", False))
+    cu_cpu = cu_seqlens_cpu
+    del disable_recompute, max_num_seqs  # accepted: saved-h is encore's default; the sequence table is read on the host
     if kwargs.pop("chunk_size", 64) != 64:
         raise ValueError("chunk_size: encore's chunked KDA uses chunks of 64 tokens")
-    bad = [x for x in _FLA_REFUSED if kwargs.pop(x, None)]
+    if safe_gate and use_gate_in_kernel and (lower_bound is None or not -5 <= lower_bound < 0):
+        raise ValueError(f"lower_bound: safe_gate with use_gate_in_kernel needs lower_bound in [-5, 0), got {lower_bound}")
+    refused = {"use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel, "allow_neg_eigval": allow_neg_eigval,
+               "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first,
+               "cp_context": cp_context is not None, "use_graph": use_graph}
+    bad = [name for name, on in refused.items() if on]
     if bad or kwargs:
         raise ValueError(f"chunk_kda: not supported by encore: {', '.join(bad + sorted(kwargs))}")
     if not _is_torch(q):

@@ -118,6 +118,42 @@ def test_torch_compile_fullgraph_forward_backward():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
 
 
+# fla-core 0.6.0's chunk_kda parameters, in order (fla/ops/kda/chunk.py), then **kwargs.
+FLA_CHUNK_KDA_PARAMS = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
+                        "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound",
+                        "disable_recompute", "return_intermediate_states", "state_v_first", "cu_seqlens", "cu_seqlens_cpu",
+                        "cp_context", "use_graph", "max_num_seqs"]
+
+
+def test_signature_is_flas():
+    """The same parameters in the same positional order and defaults as fla's (and as the installed fla, where it is)."""
+    import inspect
+
+    ours = inspect.signature(chunk_kda).parameters
+    names = [n for n, p in ours.items() if p.kind != p.VAR_KEYWORD]
+    assert names == FLA_CHUNK_KDA_PARAMS
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    except Exception:  # noqa: BLE001 (fla absent or without a GPU stack)
+        return
+    theirs = inspect.signature(fla_chunk_kda).parameters
+    assert [n for n, p in theirs.items() if p.kind != p.VAR_KEYWORD] == names
+    for n in names:
+        assert ours[n].default == theirs[n].default or ours[n].default is theirs[n].default, n
+
+
+def test_positional_arguments_as_fla_orders_them():
+    """A call with fla's positional order: scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    use_gate_in_kernel, ..., lower_bound at position 13."""
+    q, k, v, g, beta = make(1, 12, 1, 4, 4)
+    s0 = torch.randn(1, 1, 4, 4, dtype=torch.float64)
+    o, fin = chunk_kda(q, k, v, g, beta, 0.3, s0, True, True, False, False, False, False, None)
+    o2, fin2 = chunk_kda(q, k, v, g, beta, scale=0.3, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o, o2) and torch.equal(fin, fin2)
+    with pytest.raises(ValueError, match="lower_bound: safe_gate"):
+        chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, safe_gate=True, lower_bound=-7.0, A_log=torch.zeros(1))
+
+
 def test_bad_input():
     q, k, v, g, beta = make(1, 10, 1, 4, 4, dtype=torch.float32)
     with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
