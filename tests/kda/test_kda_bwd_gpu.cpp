@@ -254,6 +254,25 @@ TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
 }
 
 // Refusals that need device tensors: missing residuals, a null workspace, fp64 on CUDA.
+// The factored intra-chunk terms of kernel 3b (ENCORE_KDA_BWD_INTRA=factored, kda_bwd_intra.cuh; the
+// A/B candidate against the exact default): the same bounds on every case of the matrix, saved h in
+// bf16 and fp32, rematerialized in bf16, and grouped value heads in fp16.
+TEST_F(KdaBwdGpu, FactoredIntraMatchesReferences) {
+  struct EnvGuard {
+    EnvGuard() { setenv("ENCORE_KDA_BWD_INTRA", "factored", 1); }
+    ~EnvGuard() { unsetenv("ENCORE_KDA_BWD_INTRA"); }
+  } factored;
+  std::printf("  ENCORE_KDA_BWD_INTRA=factored\n");
+  for (const BwdCase& bc : matrix()) {
+    run_bwd(bc, DType::kBF16, false);
+    run_bwd(bc, DType::kFP32, false);
+    run_bwd(bc, DType::kBF16, true);
+  }
+  KdaCase g{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplusBias, true, true};
+  g.HV = 4;
+  run_bwd({g, "HV=2H varlen sp+b h0 l2"}, DType::kFP16, false);
+}
+
 TEST_F(KdaBwdGpu, BadInputsRefused) {
   KdaCase c{1, 100, 1, 32, 32, {}, Gate::kPrecomputed, false, true};
   c.fill(7);

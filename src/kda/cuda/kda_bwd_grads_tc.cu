@@ -15,7 +15,12 @@
 // Each thread owns elements e = tid + 512 r of the [64][K] tiles: one fused pass gathers every term of
 // its (row, channel) in registers and leaves dQ~, dK, the dbeta and dG parts in the record (over P1,
 // P2, Qg, Kg: owner only), reading dAqk and dL by rows and, through transposed copies, by columns
-// four at a time. Deterministic (fixed orders). K, V <= 128; 210 KB shared.
+// four at a time. Deterministic (fixed orders). K, V <= 128; 210 KB shared. ENCORE_KDA_BWD_INTRA=factored:
+// the intra terms by kda_bwd_intra.cuh's factored form instead (a thread per channel and 16-row sub-block).
+#include <cstdlib>
+#include <cstring>
+
+#include "kda/cuda/kda_bwd_intra.cuh"
 #include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -25,7 +30,10 @@ constexpr int kThreads = 512;
 constexpr int kSmall = 64 * 6 + 128 * 2;
 constexpr size_t kSmem = (6 * kTile + kC * kC + kSmall) * sizeof(float);
 
-__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
+// factored: the intra-chunk terms by kda_bwd_intra.cuh's intra_factored (a thread per channel and 16-row
+// sub-block), else exactly per element (the default; ENCORE_KDA_BWD_INTRA=factored selects the other
+// for A/B runs).
+__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws, bool factored) {
   extern __shared__ float smem[];
   float* sG = smem;          // [64][K] G; then dk . k
   float* sQ = sG + kTile;    // Q~
@@ -110,10 +118,34 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   }
   __syncthreads();
 
-  // The fused pass: inter, WY (dKbeta) and intra terms of each owned (row, channel).
+  // The fused pass: inter, WY (dKbeta) and intra terms of each owned (row, channel); `finish` combines
+  // an element's record values p1 = P1, p2 = P2, kb = dKb' with its intra sums.
+  auto finish = [&](int e, int i, int a, float p1, float p2, float kb, float dqi, float dkr, float dkc) {
+    const float gi = sG[e], eg = exp2f(gi), ke = sK[e] * eg, bi = sBeta[i];
+    const float dqt = p1 * eg, dki = p2 * exp2f(sGc[a] - gi);
+    dQt[e] = dqt + dqi;
+    dKt[e] = dki + bi * eg * kb + (bi * dkr + dkc);
+    dbR[e] = kb * ke + sK[e] * dkr;  // to the record (owner only; sT, sW are busy)
+    dGR[e] = (sQ[e] * dqt - sK[e] * dki) + bi * ke * kb + (sQ[e] * dqi + sK[e] * (bi * dkr - dkc));
+  };
   const int nrow = rows * K;  // elements of the valid rows
-  float n1 = tid < nrow ? dQt[tid] : 0.f, n2 = tid < nrow ? dKt[tid] : 0.f, n3 = tid < nrow ? dKb[tid] : 0.f;
-  for (int e = tid; e < kC * K; e += kThreads) {
+  if (factored) {
+    static_assert(kThreads == 4 * kMaxD, "a thread per channel and 16-row sub-block");
+    const int a = tid % kMaxD, I = tid / kMaxD;
+    const IntraTiles tiles{sG, sK, sQ, sD, sM, sDt, sMt, sBeta, K, rows};
+    float dqi[16], dkr[16], dkc[16];
+    if (a < K) {
+      intra_factored(tiles, I, a, dqi, dkr, dkc);
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        const int i = 16 * I + u, e = i * K + a;
+        if (i < rows) finish(e, i, a, dQt[e], dKt[e], dKb[e], dqi[u], dkr[u], dkc[u]);
+      }
+    }
+  }
+  float n1 = !factored && tid < nrow ? dQt[tid] : 0.f, n2 = !factored && tid < nrow ? dKt[tid] : 0.f,
+        n3 = !factored && tid < nrow ? dKb[tid] : 0.f;
+  for (int e = tid; !factored && e < kC * K; e += kThreads) {
     const int i = e / K, a = e - i * K;
     if (i >= rows) break;  // rows are contiguous in e
     const float p1 = n1, p2 = n2, kb = n3;  // this element's record values; the next one's loads go out now
@@ -121,8 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
     n1 = en < nrow ? dQt[en] : 0.f;
     n2 = en < nrow ? dKt[en] : 0.f;
     n3 = en < nrow ? dKb[en] : 0.f;
-    const float gi = sG[e], eg = exp2f(gi), ke = sK[e] * eg, bi = sBeta[i];
-    const float dqt = p1 * eg, dki = p2 * exp2f(sGc[a] - gi);
+    const float gi = sG[e];
     float dqi = 0.f, dkr = 0.f, dkc = 0.f;
     int j = 0;
     for (; j + 3 <= i; j += 4) {  // rows i of dAqk and dL four at a time (one broadcast load each)
@@ -155,10 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
     }
     for (; m < rows; ++m)
       dkc += (dti[m] * sQ[m * K + a] + mti[m] * sBeta[m] * sK[m * K + a]) * exp2f(sG[m * K + a] - gi);
-    dQt[e] = dqt + dqi;
-    dKt[e] = dki + bi * eg * kb + (bi * dkr + dkc);
-    dbR[e] = kb * ke + sK[e] * dkr;  // to the record (owner only; sT, sW are busy)
-    dGR[e] = (sQ[e] * dqt - sK[e] * dki) + bi * ke * kb + (sQ[e] * dqi + sK[e] * (bi * dkr - dkc));
+    finish(e, i, a, p1, p2, kb, dqi, dkr, dkc);
   }
   __syncthreads();
   stage<16, kThreads>(
@@ -255,7 +283,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
 cudaError_t launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_grads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (e != cudaSuccess) return e;
-  kda_bwd_grads_tc_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
+  const char* intra = std::getenv("ENCORE_KDA_BWD_INTRA");  // read at each call, as ENCORE_KDA_BWD_SIMT
+  const bool factored = intra && std::strcmp(intra, "factored") == 0;
+  kda_bwd_grads_tc_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws, factored);
   return cudaGetLastError();
 }
 
