@@ -254,23 +254,33 @@ TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
 }
 
 // Refusals that need device tensors: missing residuals, a null workspace, fp64 on CUDA.
-// The factored intra-chunk terms of kernel 3b (ENCORE_KDA_BWD_INTRA=factored, kda_bwd_intra.cuh; the
-// A/B candidate against the exact default): the same bounds on every case of the matrix, saved h in
-// bf16 and fp32, rematerialized in bf16, and grouped value heads in fp16.
-TEST_F(KdaBwdGpu, FactoredIntraMatchesReferences) {
+// The A/B candidates, the same bounds: kernel 3b's factored intra-chunk terms (ENCORE_KDA_BWD_INTRA=
+// factored, kda_bwd_intra.cuh) together with kernel 3a's staged record tiles (ENCORE_KDA_BWD_DH=staged)
+// on every case of the matrix, saved h in bf16 and fp32, rematerialized in bf16, grouped value heads in
+// fp16; then the staged dh alone on two cases.
+TEST_F(KdaBwdGpu, AbCandidatesMatchReferences) {
   struct EnvGuard {
-    EnvGuard() { setenv("ENCORE_KDA_BWD_INTRA", "factored", 1); }
-    ~EnvGuard() { unsetenv("ENCORE_KDA_BWD_INTRA"); }
-  } factored;
-  std::printf("  ENCORE_KDA_BWD_INTRA=factored\n");
-  for (const BwdCase& bc : matrix()) {
-    run_bwd(bc, DType::kBF16, false);
-    run_bwd(bc, DType::kFP32, false);
-    run_bwd(bc, DType::kBF16, true);
+    const char* name;
+    EnvGuard(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+    ~EnvGuard() { unsetenv(name); }
+  };
+  {
+    EnvGuard intra("ENCORE_KDA_BWD_INTRA", "factored"), dh("ENCORE_KDA_BWD_DH", "staged");
+    std::printf("  ENCORE_KDA_BWD_INTRA=factored ENCORE_KDA_BWD_DH=staged\n");
+    for (const BwdCase& bc : matrix()) {
+      run_bwd(bc, DType::kBF16, false);
+      run_bwd(bc, DType::kFP32, false);
+      run_bwd(bc, DType::kBF16, true);
+    }
+    KdaCase g{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplusBias, true, true};
+    g.HV = 4;
+    run_bwd({g, "HV=2H varlen sp+b h0 l2"}, DType::kFP16, false);
   }
-  KdaCase g{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplusBias, true, true};
-  g.HV = 4;
-  run_bwd({g, "HV=2H varlen sp+b h0 l2"}, DType::kFP16, false);
+  EnvGuard dh("ENCORE_KDA_BWD_DH", "staged");
+  std::printf("  ENCORE_KDA_BWD_DH=staged\n");
+  const std::vector<BwdCase> m = matrix();
+  run_bwd(m[0], DType::kBF16, false);
+  run_bwd(m[4], DType::kFP32, true);
 }
 
 TEST_F(KdaBwdGpu, BadInputsRefused) {

@@ -165,7 +165,7 @@ __device__ __forceinline__ void load_rows_batched(const KdaTensor& t, int b, int
 
 // The serial kernels' state step (states: S ← Diag(2^gC)·S + Kgᵀ·Vnew; dh: dS ← Diag(2^gC)·dS′ + Qgᵀ·dO +
 // Wᵀ·(−dVnew)) on a [K][64] fp32 shared tile X (row stride ld), this warp's rows (channels) a0 .. a0 + 15,
-// all 64 columns: the accumulators start at the decayed X, `terms(c, ks)` adds the k-step ks (rows 16·ks ..
+// all 64 columns: the accumulators start at the decayed X (kDecay false: X as it is, sGc unread), `terms(c, ks)` adds the k-step ks (rows 16·ks ..
 // of the chunk) of each product through state_term, and the rows < K go back into X.
 __device__ __forceinline__ void state_term(float (&c)[8][4], const float* __restrict__ a_rec, int K, int a0, int ks, const float* b,
                                            int ld) {
@@ -175,7 +175,16 @@ __device__ __forceinline__ void state_term(float (&c)[8][4], const float* __rest
   for (int nt = 0; nt < 8; ++nt) frag_b<false>(b + 16 * ks * ld + 8 * nt, ld, bhi[nt], blo[nt]);
   mma_split<8>(c, ahi, alo, bhi, blo);
 }
-template <class Terms>
+// state_term with the A operand (Qg^T, W^T) from a record tile staged in shared memory, s [64][kLd]
+// (rows of the chunk, channels; zero at channels >= K).
+__device__ __forceinline__ void state_term_staged(float (&c)[8][4], const float* s, int a0, int ks, const float* b, int ld) {
+  uint32_t ahi[4], alo[4], bhi[8][2], blo[8][2];
+  frag_a<false>(s + 16 * ks * kLd + a0, kLd, ahi, alo);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) frag_b<false>(b + 16 * ks * ld + 8 * nt, ld, bhi[nt], blo[nt]);
+  mma_split<8>(c, ahi, alo, bhi, blo);
+}
+template <bool kDecay = true, class Terms>
 __device__ __forceinline__ void decayed_state_step(float* X, int ld, const float* sGc, int K, int a0, Terms&& terms) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   float c[8][4];
@@ -184,7 +193,7 @@ __device__ __forceinline__ void decayed_state_step(float* X, int ld, const float
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int a = a0 + g + 8 * (q >> 1), y = 8 * nt + 2 * t + (q & 1);
-      c[nt][q] = a < K ? exp2f(sGc[a]) * X[a * ld + y] : 0.f;
+      c[nt][q] = a < K ? (kDecay ? exp2f(sGc[a]) : 1.0f) * X[a * ld + y] : 0.f;
     }
 #pragma unroll 1
   for (int ks = 0; ks < kC / 16; ++ks) terms(c, ks);
