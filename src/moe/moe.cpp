@@ -1,6 +1,7 @@
 // The MoE layer: routing -> dispatch -> per-expert SwiGLU MLP -> combine, through the caller's
 // persistent buffers (moe_buffers_bytes / moe_buffers_carve); no allocation (and on CUDA no sync) in
 // run. CPU: the reference; CUDA: the family's kernels and the grouped GEMMs (cuda/grouped_gemm.cu).
+#include <algorithm>
 #include <string>
 
 #include "core/checks.hpp"
@@ -187,7 +188,10 @@ Status run_cuda(const MoeForwardArgs& a, const MoeOptions& o, const Parts& p, St
   g.rows_bound = moe_permuted_rows(T, k, E, o.align_m);
   g.sm_count = info->sm_count;
   g.fused_swiglu = moe::moe_fused_swiglu(T, k, E, p.intermediate, info->sm_count);
-  ENCORE_RETURN_IF_ERROR(cuda::launch_moe_expert_gemms(g, dev, stream));
+  if (moe::moe_decode_gemv(T, g.mlp.hidden, p.intermediate))
+    ENCORE_RETURN_IF_ERROR(cuda::launch_moe_decode_mlp(g.mlp, T, std::min<int64_t>(E, T * k), dev, stream));
+  else
+    ENCORE_RETURN_IF_ERROR(cuda::launch_moe_expert_gemms(g, dev, stream));
   return moe::cuda_combine(moe::make_combine_problem(p.combine), b.expert_out.shape[0], dev, stream);
 }
 #endif

@@ -33,6 +33,12 @@ DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int s
   return plan_moe_dispatch(tokens, top_k, num_experts, sm_count, path);
 }
 
+bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate) {
+  const char* v = std::getenv("ENCORE_MOE_DECODE");
+  if (v == nullptr || *v == '\0' || std::string(v) == "0") return false;  // opt-in until it has passed on a GPU
+  return tokens >= 1 && tokens <= kDecodeMaxRows && tokens * std::max(hidden, intermediate) * 2 <= kDecodeMaxSmem;
+}
+
 bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count) {
   const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU");
   if (v == nullptr || *v == '\0') return false;  // opt-in until the fused kernel has passed on a GPU

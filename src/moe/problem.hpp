@@ -124,6 +124,14 @@ struct ExpertGemmProblem {
 // path's single N = 2F launch keeps twice the SMs streaming weights, and its fp32 round trip is a
 // few hundred KB. A guess to be replaced by H200 measurements (docs/moe.md).
 constexpr int kExpertGemmTileM = 128, kExpertGemmTileN = 128;
+
+// The decode GEMV (cuda/decode_mlp.cu) instead of the grouped GEMMs: ENCORE_MOE_DECODE, read at every
+// call: unset, empty or "0" never (the default until it has run on a GPU); any other value where it
+// applies: T <= kDecodeMaxRows (each expert then holds at most T rows: the routing picks k distinct
+// experts per token) and T * max(D, F) bf16 of staged rows fit kDecodeMaxSmem.
+constexpr int kDecodeMaxRows = 16;
+constexpr int64_t kDecodeMaxSmem = 96 * 1024;
+bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate);
 constexpr int kFusedSwigluMinWaves = 2;
 bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count);
 

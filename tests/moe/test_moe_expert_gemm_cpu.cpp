@@ -142,5 +142,20 @@ TEST(MoeExpertGemmSpecs, FusedSwigluSwitchIsReadPerCall) {
   EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
 }
 
+TEST(MoeExpertGemmSpecs, DecodeGemvSwitchIsReadPerCall) {
+  EnvGuard guard("ENCORE_MOE_DECODE");
+  unsetenv("ENCORE_MOE_DECODE");  // opt-in: never by default
+  EXPECT_FALSE(moe::moe_decode_gemv(1, 2048, 768));
+  setenv("ENCORE_MOE_DECODE", "0", 1);
+  EXPECT_FALSE(moe::moe_decode_gemv(1, 2048, 768));
+  setenv("ENCORE_MOE_DECODE", "1", 1);
+  EXPECT_TRUE(moe::moe_decode_gemv(1, 2048, 768));
+  EXPECT_TRUE(moe::moe_decode_gemv(16, 2048, 768));    // 16 x 2048 bf16 rows staged: 64 KB
+  EXPECT_FALSE(moe::moe_decode_gemv(17, 2048, 768));   // more rows than kDecodeMaxRows
+  EXPECT_TRUE(moe::moe_decode_gemv(6, 7168, 2048));    // 84 KB
+  EXPECT_FALSE(moe::moe_decode_gemv(7, 7168, 2048));   // 98 KB > kDecodeMaxSmem
+  EXPECT_FALSE(moe::moe_decode_gemv(0, 2048, 768));
+}
+
 }  // namespace
 }  // namespace encore::test

@@ -10,7 +10,8 @@
 // Each case runs on both SwiGLU paths (ENCORE_MOE_FUSED_SWIGLU=0: gate_up [R, 2F] fp32 and a row
 // kernel; =1: the SwiGLU in the up GEMM's epilogue, only gate_up's gate half written, so the
 // activation is checked against bf16(silu(g) * u) with u in fp64), and FusedSwigluMatchesUnfused
-// requires act, expert_out, out and the gate half bit-identical between the two.
+// requires act, expert_out, out and the gate half bit-identical between the two. DecodeGemvMatchesCpu
+// runs the decode GEMV (ENCORE_MOE_DECODE=1, T <= 16) through the same checks, g and u then in fp64.
 // Cases: an expert with no token, all tokens to one expert, top-k ties, 1 token, 37 and 1000 tokens,
 // E = 1, top-k = E, align_m 1 / 8 / 16 / 128, the Qwen3-30B-A3B shape (D 2048, E 128, k 8, F 768) at
 // small T; T = 1 / 7 / 333 / 4099 with F 64 / 768 for the two paths. Failures name the case, the
@@ -86,20 +87,25 @@ int expert_of_row(const int32_t* offsets, int E, int64_t r) {
   return -1;
 }
 
-// Sets ENCORE_MOE_FUSED_SWIGLU for the scope (read by every moe_forward call), then restores it.
-class FusedSwigluEnv {
+// Sets an environment variable for the scope (read by every moe_forward call), then restores it.
+class ScopedEnv {
  public:
-  explicit FusedSwigluEnv(bool fused) {
-    if (const char* v = std::getenv(kName)) saved_ = v, had_ = true;
-    setenv(kName, fused ? "1" : "0", 1);
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* v = std::getenv(name_)) saved_ = v, had_ = true;
+    setenv(name_, value, 1);
   }
-  ~FusedSwigluEnv() { had_ ? setenv(kName, saved_.c_str(), 1) : unsetenv(kName); }
+  ~ScopedEnv() { had_ ? setenv(name_, saved_.c_str(), 1) : unsetenv(name_); }
 
  private:
-  static constexpr const char* kName = "ENCORE_MOE_FUSED_SWIGLU";
+  const char* name_;
   std::string saved_;
   bool had_ = false;
 };
+
+// The expert-compute paths: unfused SwiGLU (ENCORE_MOE_FUSED_SWIGLU=0), fused (=1), the decode GEMV
+// (ENCORE_MOE_DECODE=1: gate_up never written, act from fp32 dots in registers).
+enum class Path { kUnfused, kFused, kDecode };
+const char* path_name(Path p) { return p == Path::kFused ? " (fused SwiGLU)" : p == Path::kDecode ? " (decode GEMV)" : " (unfused SwiGLU)"; }
 
 // What a device run leaves, for comparing the two SwiGLU paths.
 struct ForwardRun {
@@ -107,9 +113,10 @@ struct ForwardRun {
   int64_t used = 0;
 };
 
-void run_forward_case(const ForwardCase& c, bool fused, ForwardRun* keep = nullptr) {
-  SCOPED_TRACE(std::string(c.name) + (fused ? " (fused SwiGLU)" : " (unfused SwiGLU)"));
-  const FusedSwigluEnv env(fused);
+void run_forward_case(const ForwardCase& c, Path path, ForwardRun* keep = nullptr) {
+  SCOPED_TRACE(std::string(c.name) + path_name(path));
+  const bool fused = path == Path::kFused, decode = path == Path::kDecode;
+  const ScopedEnv env("ENCORE_MOE_FUSED_SWIGLU", fused ? "1" : "0"), denv("ENCORE_MOE_DECODE", decode ? "1" : "0");
   const int64_t T = c.T, D = c.D, F = c.F;
   const int E = c.E, k = c.k;
   auto rng = make_rng(uint64_t(T * 131 + E * 7 + k));
@@ -212,17 +219,20 @@ void run_forward_case(const ForwardCase& c, bool fused, ForwardRun* keep = nullp
       }
       hr[size_t(n)] = ref;
       hs[size_t(n)] = scale;
-      if (fused && n >= F) continue;
+      if ((fused && n >= F) || decode) continue;
       const double got = at(g_h, DType::kFP32, r * 2 * F + n);
       if (!(std::fabs(got - ref) <= 1e-4 * scale + 1e-30) && bad_h++ < 5)
         msg << "gate_up expert " << e << " row " << r << " col " << n << ": " << got << " vs fp64 " << ref << "\n";
     }
     for (int64_t f = 0; f < F; ++f) {
-      const double g = at(g_h, DType::kFP32, r * 2 * F + f), u = fused ? hr[size_t(F + f)] : at(g_h, DType::kFP32, r * 2 * F + F + f);
+      const double g = decode ? hr[size_t(f)] : at(g_h, DType::kFP32, r * 2 * F + f),
+                   u = fused || decode ? hr[size_t(F + f)] : at(g_h, DType::kFP32, r * 2 * F + F + f);
       const double s = g / (1 + std::exp(-g));
       const double ref = bf16_round(s * u), got = at(g_act, DType::kBF16, r * F + f);
-      // Fused: u in fp64, so also the fp32 accumulation error of u (as for gate_up above).
-      const double tol = std::fabs(ref) * (1.0 / 128) + (fused ? std::fabs(s) * 1e-4 * hs[size_t(F + f)] : 0.0) + 1e-30;
+      // Fused: u in fp64, so also the fp32 accumulation error of u (as for gate_up above); decode: g's
+      // too (d silu(g) / dg <= 1.1).
+      const double tol = std::fabs(ref) * (1.0 / 128) + (fused || decode ? std::fabs(s) * 1e-4 * hs[size_t(F + f)] : 0.0) +
+                         (decode ? 1.1 * std::fabs(u) * 1e-4 * hs[size_t(f)] : 0.0) + 1e-30;
       ar[size_t(f)] = got;
       if (!(std::fabs(got - ref) <= tol) && bad_act++ < 5)
         msg << "activation expert " << e << " row " << r << " col " << f << ": " << got << " vs " << ref << "\n";
@@ -275,10 +285,31 @@ TEST_F(MoeForwardGpu, MatchesCpu) {
       {"qwen3_t4", 4, 2048, 768, 128, 8, 16, Logits::kRandom},
   };
   for (const ForwardCase& c : cases)
-    for (bool fused : {false, true}) {
-      run_forward_case(c, fused);
+    for (Path path : {Path::kUnfused, Path::kFused}) {
+      run_forward_case(c, path);
       if (::testing::Test::HasFatalFailure()) return;
     }
+}
+
+// The decode GEMV (decode_mlp.cu) at the sizes it takes (T <= 16): the same checks, padding rows zero,
+// reruns bit-identical; Qwen3-30B-A3B's layer at T 1 and 4, a DeepSeek-V3-like hidden size (7168,
+// F 2048) with fewer experts, E = 1, k = E, all tokens to one expert, ties, align_m 1 / 16 / 128.
+TEST_F(MoeForwardGpu, DecodeGemvMatchesCpu) {
+  const ForwardCase cases[] = {
+      {"one_token", 1, 128, 64, 16, 4, 128, Logits::kRandom},
+      {"qwen3_t1", 1, 2048, 768, 128, 8, 16, Logits::kRandom},
+      {"qwen3_t4", 4, 2048, 768, 128, 8, 16, Logits::kRandom},
+      {"deepseek_like_t2", 2, 7168, 2048, 16, 8, 1, Logits::kRandom},
+      {"t16_f768_align1", 16, 256, 768, 8, 2, 1, Logits::kRandom},
+      {"t7_all_to_expert0", 7, 64, 64, 8, 2, 16, Logits::kAllToExpert0},
+      {"t12_ties", 12, 64, 48, 12, 3, 8, Logits::kTies},
+      {"e1", 9, 64, 56, 1, 1, 8, Logits::kRandom},
+      {"k_equals_e", 5, 64, 32, 4, 4, 128, Logits::kRandom},
+  };
+  for (const ForwardCase& c : cases) {
+    run_forward_case(c, Path::kDecode);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 // The two SwiGLU paths compute the same fp32 values (same K order, one accumulator per element),
@@ -297,9 +328,9 @@ TEST_F(MoeForwardGpu, FusedSwigluMatchesUnfused) {
   for (const ForwardCase& c : cases) {
     SCOPED_TRACE(c.name);
     ForwardRun unfused, fused;
-    run_forward_case(c, false, &unfused);
+    run_forward_case(c, Path::kUnfused, &unfused);
     if (::testing::Test::HasFatalFailure()) return;
-    run_forward_case(c, true, &fused);
+    run_forward_case(c, Path::kFused, &fused);
     if (::testing::Test::HasFatalFailure()) return;
     ASSERT_EQ(unfused.used, fused.used);
     const int64_t used = fused.used, F = c.F, D = c.D;

@@ -47,6 +47,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "moe/cuda/launch.hpp"
+#include "moe/cuda/silu_mul.cuh"
 
 namespace encore::cuda {
 namespace {
@@ -54,11 +55,6 @@ namespace {
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 
-// silu(g) * u = g / (1 + e^-g) * u in fp32 as the CPU reference writes it; both SwiGLU paths call
-// this one function. Each step rounds on its own (__fadd_rn / __fdiv_rn / __fmul_rn: nothing is
-// contracted into an fma with expf's last multiply, whatever code surrounds it), so the two paths
-// agree bit for bit.
-__device__ __forceinline__ float silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
 
 // Sm90Compute's functor: out[i] = silu_mul(gate[i], up[i]) (gate = the C fragment, up = the
 // accumulator fragment, both fp32).

@@ -24,6 +24,9 @@ Status launch_moe_combine(const moe::CombineProblem& p, int64_t eo_rows, int dev
 // moe_forward's expert compute: the grouped gate/up GEMM, the SwiGLU and the grouped down GEMM
 // (grouped_gemm.cu). bf16 only; D and F multiples of 8; rows, strides and pointers 16-byte aligned.
 Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index, Stream stream);
+// The decode GEMV (decode_mlp.cu): act and y of every expert with at most rows_max rows (<= kDecodeMaxRows),
+// over a grid of active_max expert slots (>= the experts with rows: min(E, T k)).
+Status launch_moe_decode_mlp(const moe::ExpertMlpProblem& m, int64_t rows_max, int64_t active_max, int device_index, Stream stream);
 
 // ---- What the JIT launches (moe/moe_jit.cpp, docs/jit.md) share with the ahead-of-time ones: the
 // kernel argument (one layout for every dtype), the grid, block and shared memory. ----
