@@ -2,13 +2,15 @@
 // dispatch padded to 16-row groups as ../shared/docs/moe_anchor.py; grouped gate/up GEMM, SwiGLU,
 // grouped down GEMM, combine) at the Qwen3-30B-A3B shape (D 2048, E 128, k 8, F 768) and the
 // DeepSeek-V3-like shape (D 7168, E 256, k 8, F 2048), tokens 1, 16, 64, 512, 4096, 16384
-// (ENCORE_BENCH_SIZES selects). Device time per call from graph replays; metrics: time_us, the
+// (ENCORE_BENCH_SIZES selects), on each expert-compute path (record param "path": unfused, fused
+// SwiGLU, and the decode GEMV where it applies). Device time per call from graph replays; metrics: time_us, the
 // grouped GEMMs' useful TFLOP/s (2 * T * k * 3 * F * D / time), the experts touched and the weight-
 // read floor (their w13 + w2 bytes at the copy ceiling measured in the same run). Then dispatch (with
 // the x gather) and combine alone on the layer's buffers (the routing of the layer call), each against
 // the bytes it must move at the copy ceiling (moe_peers.py's definition: dispatch 2 * T * k * D * 2 +
 // T * k * 12, combine T * k * D * 2 + T * D * 2 + T * k * 8; the padding rows are not counted).
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "bench/suites_internal.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/moe.hpp"
+#include "moe/problem.hpp"
 
 namespace encore::bench {
 
@@ -84,22 +87,39 @@ void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
       check_cuda(cudaStreamSynchronize(stream), "sync");
       int touched = 0;
       for (int32_t c : counts) touched += c > 0;
-      Timing t = time_launches([&](long long) { check_status(run(a, mc.o, nullptr, stream), "moe_forward"); }, stream, topts, 1);
       const double flops = 2.0 * double(T) * s.k * 3.0 * double(s.F) * double(s.D);
       const double weight_bytes = double(touched) * 3.0 * double(s.F) * double(s.D) * 2.0;
       const double floor_us = report.ceilings.copy_gbps > 0 ? weight_bytes / (report.ceilings.copy_gbps * 1e3) : 0.0;
-      Record r;
-      r.suite = "moe";
-      r.name = "moe_forward";
-      r.params = {{"shape", s.name}, {"tokens", std::to_string(T)}, {"D", std::to_string(s.D)}, {"F", std::to_string(s.F)},
-                  {"E", std::to_string(s.E)}, {"k", std::to_string(s.k)}, {"align_m", "16"}, {"dtype", "bf16"},
-                  {"version", "ptr-array grouped GEMMs 128x128: gate (coop) + up with the SwiGLU epilogue (ping-pong) from 2 waves of gate tiles, else gate/up + SwiGLU row kernel; down (coop)"}};
-      r.metrics = {{"time_us", t.median_us}, {"gemm_tflops", flops / (t.median_us * 1e6)}, {"experts_touched", double(touched)},
-                   {"weight_floor_us", floor_us}};
-      report.records.push_back(r);
-      std::printf("  moe_forward %-17s T %6lld %10.1f us  %6.1f TFLOP/s  experts %3d  weight floor %8.1f us\n", s.name, (long long)T,
-                  t.median_us, flops / (t.median_us * 1e6), touched, floor_us);
-      std::fflush(stdout);
+      // The expert-compute paths (environment read at every call): the grouped GEMMs with the SwiGLU in a
+      // row kernel or in the up GEMM's epilogue, and the decode GEMV where it applies (T <= 16).
+      struct Path {
+        const char *name, *fused, *decode, *version;
+      };
+      const Path paths[] = {
+          {"unfused", "0", "0", "ptr-array grouped GEMMs 128x128: gate/up (coop) + SwiGLU row kernel, down (coop)"},
+          {"fused", "1", "0", "ptr-array grouped GEMMs 128x128: gate (coop) + up with the SwiGLU epilogue (ping-pong), down (coop)"},
+          {"decode", "0", "1", "decode GEMV: weight-streaming kernels over the active experts' staged rows"},
+      };
+      for (const Path& path : paths) {
+        setenv("ENCORE_MOE_FUSED_SWIGLU", path.fused, 1);
+        setenv("ENCORE_MOE_DECODE", path.decode, 1);
+        if (std::string(path.name) == "decode" && !moe::moe_decode_gemv(T, s.D, s.F)) continue;  // T > 16, or its rows do not fit
+        Timing t = time_launches([&](long long) { check_status(run(a, mc.o, nullptr, stream), "moe_forward"); }, stream, topts, 1);
+        Record r;
+        r.suite = "moe";
+        r.name = "moe_forward";
+        r.params = {{"shape", s.name}, {"tokens", std::to_string(T)}, {"D", std::to_string(s.D)}, {"F", std::to_string(s.F)},
+                    {"E", std::to_string(s.E)}, {"k", std::to_string(s.k)}, {"align_m", "16"}, {"dtype", "bf16"},
+                    {"path", path.name}, {"version", path.version}};
+        r.metrics = {{"time_us", t.median_us}, {"gemm_tflops", flops / (t.median_us * 1e6)}, {"experts_touched", double(touched)},
+                     {"weight_floor_us", floor_us}};
+        report.records.push_back(r);
+        std::printf("  moe_forward %-17s T %6lld %-8s %10.1f us  %6.1f TFLOP/s  experts %3d  weight floor %8.1f us\n", s.name, (long long)T,
+                    path.name, t.median_us, flops / (t.median_us * 1e6), touched, floor_us);
+        std::fflush(stdout);
+      }
+      unsetenv("ENCORE_MOE_FUSED_SWIGLU");
+      unsetenv("ENCORE_MOE_DECODE");
       // Dispatch and combine alone, on the buffers as moe_forward uses them (row_slots / x_permuted of
       // the buffers' R rows).
       const Device dev{DeviceType::kCUDA, 0};
