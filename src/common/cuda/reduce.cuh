@@ -3,6 +3,15 @@
 
 namespace encore::cuda {
 
+// Inclusive prefix sum over the 32 lanes of a warp (lane l gets v_0 + .. + v_l); every lane calls it.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) >= unsigned(o)) v += n;
+  }
+  return v;
+}
 
 // Sum / max over aligned groups of kLanes consecutive lanes (kLanes a power of two <= 32). Every
 // lane of the warp must call these (the shuffles use the full mask).

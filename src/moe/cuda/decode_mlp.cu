@@ -20,6 +20,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/reduce.cuh"
 #include "moe/cuda/launch.hpp"
 #include "moe/cuda/silu_mul.cuh"
 
@@ -40,12 +41,7 @@ __device__ int active_expert(const int32_t* counts, int E, int j) {
   const int per = (E + kThreads - 1) / kThreads, e0 = tid * per;  // this thread's experts [e0, e0 + per)
   int mine = 0;
   for (int e = e0; e < e0 + per && e < E; ++e) mine += counts[e] > 0;
-  int incl = mine;  // inclusive scan over the block, warp by warp
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
+  const int incl = warp_inclusive_sum(mine);  // inclusive scan over the block, warp by warp
   if (lane == 31) s_warp[warp] = incl;
   __syncthreads();
   int before = 0;

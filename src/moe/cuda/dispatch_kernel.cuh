@@ -32,6 +32,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/cuda/reduce.cuh"
 #include "common/cuda/vector_io.cuh"
 #include "moe/problem.hpp"
 
@@ -127,12 +128,7 @@ __device__ void block_scan_offsets(const int* cnt, int* off, int E, int align_m,
   for (int base = 0; base < E; base += int(blockDim.x)) {
     const int e = base + tid;
     const int v = e < E ? (cnt[e] + align_m - 1) / align_m * align_m : 0;
-    int inc = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, inc, o);
-      if (lane >= o) inc += n;
-    }
+    const int inc = warp_inclusive_sum(v);
     if (lane == 31) scratch[warp] = inc;
     __syncthreads();
     int before = 0, total = 0;
@@ -291,12 +287,7 @@ __global__ void __launch_bounds__(1024) dispatch_scan_kernel(DispatchParams p) {
   for (int e = warp; e < E; e += nwarps) {
     int32_t* h = p.hist + int64_t(e) * p.chunks;
     const int s = lane_chunk_sum(h, lo, hi);
-    int inc = s;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, inc, o);
-      if (lane >= o) inc += n;
-    }
+    const int inc = warp_inclusive_sum(s);
     int run = off[e] + inc - s;
     for (long long c = lo; c < hi; ++c) {
       const int v = h[c];
