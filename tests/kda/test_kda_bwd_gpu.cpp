@@ -253,11 +253,10 @@ TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
   }
 }
 
-// Refusals that need device tensors: missing residuals, a null workspace, fp64 on CUDA.
 // The A/B candidates, the same bounds: kernel 3b's factored intra-chunk terms (ENCORE_KDA_BWD_INTRA=
-// factored, kda_bwd_intra.cuh) together with kernel 3a's staged record tiles (ENCORE_KDA_BWD_DH=staged)
-// on every case of the matrix, saved h in bf16 and fp32, rematerialized in bf16, grouped value heads in
-// fp16; then the staged dh alone on two cases.
+// factored, kda_bwd_intra.cuh) together with the serial kernels' (dh, states) staged record tiles
+// (ENCORE_KDA_BWD_STAGED=1) on every case of the matrix, saved h in bf16 and fp32, rematerialized in
+// bf16, grouped value heads in fp16; then the staged serial kernels alone on two cases.
 TEST_F(KdaBwdGpu, AbCandidatesMatchReferences) {
   struct EnvGuard {
     const char* name;
@@ -265,8 +264,8 @@ TEST_F(KdaBwdGpu, AbCandidatesMatchReferences) {
     ~EnvGuard() { unsetenv(name); }
   };
   {
-    EnvGuard intra("ENCORE_KDA_BWD_INTRA", "factored"), dh("ENCORE_KDA_BWD_DH", "staged");
-    std::printf("  ENCORE_KDA_BWD_INTRA=factored ENCORE_KDA_BWD_DH=staged\n");
+    EnvGuard intra("ENCORE_KDA_BWD_INTRA", "factored"), dh("ENCORE_KDA_BWD_STAGED", "1");
+    std::printf("  ENCORE_KDA_BWD_INTRA=factored ENCORE_KDA_BWD_STAGED=1\n");
     for (const BwdCase& bc : matrix()) {
       run_bwd(bc, DType::kBF16, false);
       run_bwd(bc, DType::kFP32, false);
@@ -276,13 +275,14 @@ TEST_F(KdaBwdGpu, AbCandidatesMatchReferences) {
     g.HV = 4;
     run_bwd({g, "HV=2H varlen sp+b h0 l2"}, DType::kFP16, false);
   }
-  EnvGuard dh("ENCORE_KDA_BWD_DH", "staged");
-  std::printf("  ENCORE_KDA_BWD_DH=staged\n");
+  EnvGuard dh("ENCORE_KDA_BWD_STAGED", "1");
+  std::printf("  ENCORE_KDA_BWD_STAGED=1\n");
   const std::vector<BwdCase> m = matrix();
   run_bwd(m[0], DType::kBF16, false);
   run_bwd(m[4], DType::kFP32, true);
 }
 
+// Refusals that need device tensors: missing residuals, a null workspace, fp64 on CUDA.
 TEST_F(KdaBwdGpu, BadInputsRefused) {
   KdaCase c{1, 100, 1, 32, 32, {}, Gate::kPrecomputed, false, true};
   c.fill(7);

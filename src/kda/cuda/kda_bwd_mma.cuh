@@ -4,6 +4,9 @@
 // strided), so that A^T B and A B^T products need no transposed copies. Tiles are zero-padded to
 // multiples of 16 in k and of the warp's tile in m, n by the caller.
 #pragma once
+#include <cstdlib>
+#include <cstring>
+
 #include "kda/cuda/kda_bwd_device.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -175,6 +178,22 @@ __device__ __forceinline__ void state_term(float (&c)[8][4], const float* __rest
   for (int nt = 0; nt < 8; ++nt) frag_b<false>(b + 16 * ks * ld + 8 * nt, ld, bhi[nt], blo[nt]);
   mma_split<8>(c, ahi, alo, bhi, blo);
 }
+// A record tile x [64][K] (global) into s [64][kLd] (zero at channels >= K) by the block's kN threads,
+// every thread's loads in flight (64 x 128 / kN of them): the staged serial kernels' operands.
+template <int kN>
+__device__ __forceinline__ void stage_record_tile(float* s, const float* __restrict__ x, int K) {
+  stage<kC * kMaxD / kN, kN>(
+      kC * kMaxD, [&](int e) { const int i = e >> 7, a = e & 127; return a < K ? __ldg(x + i * K + a) : 0.f; },
+      [&](int e, float v) { s[(e >> 7) * kLd + (e & 127)] = v; });
+}
+
+// The serial kernels (dh, states) with their record operands staged in shared memory: the A/B candidate
+// ENCORE_KDA_BWD_STAGED (unset, empty or "0": off), read at each call as ENCORE_KDA_BWD_SIMT.
+inline bool staged_serial_kernels() {
+  const char* v = std::getenv("ENCORE_KDA_BWD_STAGED");
+  return v && *v && std::strcmp(v, "0") != 0;
+}
+
 // state_term with the A operand (Qg^T, W^T) from a record tile staged in shared memory, s [64][kLd]
 // (rows of the chunk, channels; zero at channels >= K).
 __device__ __forceinline__ void state_term_staged(float (&c)[8][4], const float* s, int a0, int ks, const float* b, int ld) {

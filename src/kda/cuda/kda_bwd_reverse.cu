@@ -10,13 +10,10 @@
 // value columns per block, grid (N, H, ceil(V / 64)); both products on tensor cores with split bf16
 // operands: the A operands Kg, Qg^T, W^T straight from the record (global, guarded to a < K) into
 // fragments, the B operands dS', dO, -dVnew from fp32 shared tiles; the state dS stays fp32 in
-// shared memory, each element updated by its owner; 70 KB shared). Staged (ENCORE_KDA_BWD_DH=staged,
+// shared memory, each element updated by its owner; 70 KB shared). Staged (ENCORE_KDA_BWD_STAGED=1,
 // the A/B candidate): Kg, Qg and W each copied into one [64][132] shared tile with every load in
 // flight before the products that read it (104 KB: still two blocks per SM), instead of global loads
 // inside the k-loops; the state step then adds the Qg^T dO and W^T (-dVnew) products in two passes.
-#include <cstdlib>
-#include <cstring>
-
 #include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -106,13 +103,6 @@ constexpr int kLdS = kCols + 4;     // fp32 row stride of its [*][64] tiles
 constexpr size_t kSmemTc = (kMaxD * kLdS + 2 * kC * kLdS + kMaxD) * sizeof(float);
 constexpr size_t kSmemStaged = kSmemTc + size_t(kC) * kLd * sizeof(float);
 
-// A record tile x [64][K] into s [64][kLd] (zero at channels >= K), every thread's 32 loads in flight.
-__device__ __forceinline__ void stage_record_tile(float* s, const float* __restrict__ x, int K) {
-  stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, a = e & 127; return a < K ? __ldg(x + i * K + a) : 0.f; },
-      [&](int e, float v) { s[(e >> 7) * kLd + (e & 127)] = v; });
-}
-
 template <bool kStaged>
 __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
   extern __shared__ float smem[];
@@ -143,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
         kC * kCols, [&](int e) { const int i = e >> 6, y = e & 63; return (i < rows && y < nc) ? load(p.d_o, b, t0 + i, h, y0 + y) : 0.f; },
         [&](int e, float x) { sdO[(e >> 6) * kLdS + (e & 63)] = x; });
     if (tid < K) sGc[tid] = rec[p.ws.gc + tid];
-    if constexpr (kStaged) stage_record_tile(sX, rec + p.ws.kg, K);
+    if constexpr (kStaged) stage_record_tile<kThreads>(sX, rec + p.ws.kg, K);
     __syncthreads();
     {  // dVnew += Kg dS': warp rows 16 (w % 4) .., columns 32 (w / 4) ..
       const int m0 = 16 * (warp & 3), c0 = 32 * (warp >> 2);
@@ -177,12 +167,12 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
     const int a0 = 16 * warp;
     // dS = Diag(2^gC) dS' + Qg^T dO + W^T (-dVnew): warp rows (channels) a0 .., all 64 columns.
     if constexpr (kStaged) {
-      stage_record_tile(sX, rec + p.ws.qg, K);
+      stage_record_tile<kThreads>(sX, rec + p.ws.qg, K);
       __syncthreads();
       if (a0 < K)
         decayed_state_step(sdS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term_staged(c, sX, a0, ks, sdO, kLdS); });
       __syncthreads();
-      stage_record_tile(sX, rec + p.ws.w, K);
+      stage_record_tile<kThreads>(sX, rec + p.ws.w, K);
       __syncthreads();
       if (a0 < K)
         decayed_state_step<false>(sdS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term_staged(c, sX, a0, ks, sdV, kLdS); });
@@ -205,8 +195,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
 
 cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s) {
   if (!simt) {
-    const char* mode = std::getenv("ENCORE_KDA_BWD_DH");  // read at each call, as ENCORE_KDA_BWD_SIMT
-    const bool staged = mode && std::strcmp(mode, "staged") == 0;
+    const bool staged = staged_serial_kernels();
     auto kernel = staged ? kda_bwd_dh_tc_kernel<true> : kda_bwd_dh_tc_kernel<false>;
     const size_t smem = staged ? kSmemStaged : kSmemTc;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
