@@ -12,6 +12,7 @@
 #include <cstdlib>
 
 #include "bench/kda/kda_bench_case.hpp"
+#include "core/carve.hpp"
 
 namespace encore::bench {
 namespace {
@@ -22,17 +23,6 @@ using kdabench::KdaBenchCase;
 using kdabench::kH;
 using kdabench::kK;
 using kdabench::kV;
-
-// One device allocation carved into the step's extra tensors (residuals, d_o, gradients, workspaces).
-struct Arena {
-  char* base = nullptr;
-  size_t off = 0;
-  size_t take(size_t bytes) {
-    const size_t at = off;
-    off = (off + bytes + 255) / 256 * 256;
-    return at;
-  }
-};
 
 struct KdaTrainCase {
   KdaForwardArgs fwd;      // with residuals (h included: the saved-h forward)
@@ -47,45 +37,28 @@ struct KdaTrainCase {
     const int64_t B = kc.a.q.shape[0], T = kc.a.q.shape[1], H = kH, K = kK, V = kV;
     int64_t nt = 0;
     check_status(kda_chunk_count(kc.a, opts, &nt), "kda_chunk_count");
-    // Sizes first (the layout with a null base), then one allocation.
-    auto layout = [&](Arena& ar) {
-      struct Off {
-        size_t G, Aqk, Akk, h, d_o, dq, dk, dv, dg, dbeta, dA, ddt;
-      } o{};
-      o.G = ar.take(size_t(B * T * H * K) * 4);
-      o.Aqk = ar.take(size_t(B * T * H * 64) * 2);
-      o.Akk = ar.take(size_t(B * T * H * 64) * 2);
-      o.h = ar.take(size_t(nt * H * K * V) * 2);
-      o.d_o = ar.take(size_t(B * T * H * V) * 2);
-      o.dq = ar.take(size_t(B * T * H * K) * 2);
-      o.dk = ar.take(size_t(B * T * H * K) * 2);
-      o.dv = ar.take(size_t(B * T * H * V) * 2);
-      o.dg = ar.take(size_t(B * T * H * K) * 2);
-      o.dbeta = ar.take(size_t(B * T * H) * 2);
-      o.dA = ar.take(size_t(H) * 4);
-      o.ddt = ar.take(size_t(H * K) * 4);
-      return o;
+    // The step's extra tensors (residuals, d_o, gradients) carved out of one allocation: sized with a
+    // null base first (core/carve.hpp), then laid out on it.
+    auto layout = [&](char* base) {
+      Carve c{base, 0, dev};
+      fwd.residuals.G = c.take(DType::kFP32, {B, T, H, K});
+      fwd.residuals.Aqk = c.take(DType::kBF16, {B, T, H, 64});
+      fwd.residuals.Akk = c.take(DType::kBF16, {B, T, H, 64});
+      fwd.residuals.h = c.take(DType::kBF16, {nt, H, K, V});
+      saved.d_o = c.take(DType::kBF16, {B, T, H, V});
+      saved.dq = c.take(DType::kBF16, {B, T, H, K});
+      saved.dk = c.take(DType::kBF16, {B, T, H, K});
+      saved.dv = c.take(DType::kBF16, {B, T, H, V});
+      saved.dg = c.take(DType::kBF16, {B, T, H, K});
+      saved.dbeta = c.take(DType::kBF16, {B, T, H});
+      saved.dA_log = c.take(DType::kFP32, {H});
+      saved.ddt_bias = c.take(DType::kFP32, {H * K});
+      return c.off;
     };
-    Arena sizing;
-    layout(sizing);
-    check_cuda(cudaMalloc(&mem, sizing.off), "kda_bwd buffers");
-    Arena ar{static_cast<char*>(mem), 0};
-    const auto o = layout(ar);
-    char* b = ar.base;
-    fwd.residuals.G = TensorView::contiguous(b + o.G, DType::kFP32, {B, T, H, K}, dev);
-    fwd.residuals.Aqk = TensorView::contiguous(b + o.Aqk, DType::kBF16, {B, T, H, 64}, dev);
-    fwd.residuals.Akk = TensorView::contiguous(b + o.Akk, DType::kBF16, {B, T, H, 64}, dev);
-    fwd.residuals.h = TensorView::contiguous(b + o.h, DType::kBF16, {nt, H, K, V}, dev);
-    fill_random(b + o.d_o, size_t(B * T * H * V), FillKind::kBF16, 77, nullptr);
+    check_cuda(cudaMalloc(&mem, layout(nullptr)), "kda_bwd buffers");
+    layout(static_cast<char*>(mem));
+    fill_random(saved.d_o.data, size_t(B * T * H * V), FillKind::kBF16, 77, nullptr);
     saved.fwd = fwd;
-    saved.d_o = TensorView::contiguous(b + o.d_o, DType::kBF16, {B, T, H, V}, dev);
-    saved.dq = TensorView::contiguous(b + o.dq, DType::kBF16, {B, T, H, K}, dev);
-    saved.dk = TensorView::contiguous(b + o.dk, DType::kBF16, {B, T, H, K}, dev);
-    saved.dv = TensorView::contiguous(b + o.dv, DType::kBF16, {B, T, H, V}, dev);
-    saved.dg = TensorView::contiguous(b + o.dg, DType::kBF16, {B, T, H, K}, dev);
-    saved.dbeta = TensorView::contiguous(b + o.dbeta, DType::kBF16, {B, T, H}, dev);
-    saved.dA_log = TensorView::contiguous(b + o.dA, DType::kFP32, {H}, dev);
-    saved.ddt_bias = TensorView::contiguous(b + o.ddt, DType::kFP32, {H * K}, dev);
     remat = saved;
     remat.fwd.residuals.h = TensorView{};
     check_cuda(cudaMalloc(&ws_fwd, std::max<size_t>(workspace_bytes(fwd, opts), 16)), "kda forward workspace");

@@ -15,6 +15,14 @@ __all__ = ["llama_block_forward", "llama_block_workspace_bytes", "llama_block_ba
 _BLOCK_OUTPUTS = ("x1", "x2", "z1", "qkv", "r1", "r2")
 
 
+
+def _block_grads(y0, weights):
+    """The block backwards' outputs: d_y0, d_x0 [M, d] and each weight's gradient in y0's dtype, then the
+    two dgammas [d] float32."""
+    m, d = y0.shape[0], y0.shape[1]
+    return ((_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like")) + tuple(_empty(y0, tuple(w.shape), "like") for w in weights) +
+            (_empty(y0, (d,), "f32"), _empty(y0, (d,), "f32")))
+
 def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: float = 1e-5, out=None, workspace=None,
                         stream=None):
     """The shifted LLaMA block: x1 = y0 @ w0.T + x0; z1 = rmsnorm(x1)*gamma0 @ w1.T (gate/up
@@ -72,13 +80,7 @@ def llama_block_backward(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, 
         out = _given_outputs(out, _BWD_OUTPUTS)
         _ops().llama_block_backward_out(*ins, *out, workspace)
         return out
-    m, d = y0.shape[0], y0.shape[1]
-    if out is None:
-        out = (_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, tuple(w0.shape), "like"),
-               _empty(y0, tuple(w1.shape), "like"), _empty(y0, tuple(w2.shape), "like"), _empty(y0, tuple(w3.shape), "like"),
-               _empty(y0, (d,), "f32"), _empty(y0, (d,), "f32"))
-    else:
-        out = _given_outputs(out, _BWD_OUTPUTS)
+    out = _block_grads(y0, (w0, w1, w2, w3)) if out is None else _given_outputs(out, _BWD_OUTPUTS)
     args = (*ins, *out)
     nbytes = _encore.llama_block_backward_workspace_bytes(*_dl(*args))
     ws = _workspace(workspace, y0, nbytes, 256, "llama_block_backward_workspace_bytes")
@@ -146,13 +148,7 @@ def llama_last_block_backward(y0, w0, w1, w2, gamma0, gamma_final, w_lm, target,
     ins = (y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss)
     if out is None and _via_torch_op(stream, *ins, workspace):
         return tuple(_ops().llama_last_block_backward(*ins, int(ignore_index), workspace))
-    m, d = y0.shape[0], y0.shape[1]
-    if out is None:
-        out = (_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, tuple(w0.shape), "like"),
-               _empty(y0, tuple(w1.shape), "like"), _empty(y0, tuple(w2.shape), "like"), _empty(y0, tuple(w_lm.shape), "like"),
-               _empty(y0, (d,), "f32"), _empty(y0, (d,), "f32"))
-    else:
-        out = _given_outputs(out, _LAST_BWD_OUTPUTS)
+    out = _block_grads(y0, (w0, w1, w2, w_lm)) if out is None else _given_outputs(out, _LAST_BWD_OUTPUTS)
     args = (y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss, *out)
     nbytes = _encore.llama_last_block_backward_workspace_bytes(list(_dl(*args)), int(ignore_index))
     ws = _workspace(workspace, y0, nbytes, 256, "llama_last_block_backward_workspace_bytes")

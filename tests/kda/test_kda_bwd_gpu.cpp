@@ -26,6 +26,7 @@
 
 #include "encore/kda.hpp"
 #include "tests/common/device_buffer.hpp"
+#include "tests/common/scoped_env.hpp"
 #include "tests/kda/kda_case.hpp"
 #include "tests/kda/kda_device_vec.hpp"
 
@@ -234,19 +235,15 @@ TEST_F(KdaBwdGpu, Fp16AndGroupedValueHeads) {
 // at each call): the same references, bf16 saved-h and fp32 remat; then two mixes of the two versions
 // (ENCORE_KDA_BWD_SIMT as a list of stages) on two cases.
 TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
-  struct EnvGuard {
-    explicit EnvGuard(const char* v) { setenv("ENCORE_KDA_BWD_SIMT", v, 1); }
-    ~EnvGuard() { setenv("ENCORE_KDA_BWD_SIMT", "0", 1); }  // back to the fixture's tensor cores
-  };
-  {
-    EnvGuard all("1");
+  {  // each scope ends back at the fixture's "0" (the tensor cores)
+    ScopedEnv all("ENCORE_KDA_BWD_SIMT", "1");
     for (const BwdCase& bc : matrix()) {
       run_bwd(bc, DType::kBF16, false);
       run_bwd(bc, DType::kFP32, true);
     }
   }
   for (const char* mix : {"states,dh", "prep,dav,grads"}) {
-    EnvGuard some(mix);
+    ScopedEnv some("ENCORE_KDA_BWD_SIMT", mix);
     std::printf("  ENCORE_KDA_BWD_SIMT=%s\n", mix);
     const std::vector<BwdCase> cases = matrix();
     for (int i : {1, 4}) run_bwd(cases[size_t(i)], DType::kFP32, true);
@@ -258,13 +255,8 @@ TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
 // (ENCORE_KDA_BWD_STAGED=1) on every case of the matrix, saved h in bf16 and fp32, rematerialized in
 // bf16, grouped value heads in fp16; then the staged serial kernels alone on two cases.
 TEST_F(KdaBwdGpu, AbCandidatesMatchReferences) {
-  struct EnvGuard {
-    const char* name;
-    EnvGuard(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
-    ~EnvGuard() { unsetenv(name); }
-  };
   {
-    EnvGuard intra("ENCORE_KDA_BWD_INTRA", "factored"), dh("ENCORE_KDA_BWD_STAGED", "1");
+    ScopedEnv intra("ENCORE_KDA_BWD_INTRA", "factored"), staged("ENCORE_KDA_BWD_STAGED", "1");
     std::printf("  ENCORE_KDA_BWD_INTRA=factored ENCORE_KDA_BWD_STAGED=1\n");
     for (const BwdCase& bc : matrix()) {
       run_bwd(bc, DType::kBF16, false);
@@ -275,7 +267,7 @@ TEST_F(KdaBwdGpu, AbCandidatesMatchReferences) {
     g.HV = 4;
     run_bwd({g, "HV=2H varlen sp+b h0 l2"}, DType::kFP16, false);
   }
-  EnvGuard dh("ENCORE_KDA_BWD_STAGED", "1");
+  ScopedEnv staged("ENCORE_KDA_BWD_STAGED", "1");
   std::printf("  ENCORE_KDA_BWD_STAGED=1\n");
   const std::vector<BwdCase> m = matrix();
   run_bwd(m[0], DType::kBF16, false);

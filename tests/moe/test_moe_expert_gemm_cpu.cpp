@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "moe/problem.hpp"
+#include "tests/common/scoped_env.hpp"
 
 namespace encore::test {
 namespace {
@@ -105,22 +106,8 @@ TEST(MoeExpertGemmSpecs, WorkspaceHoldsThreeGemms) {
   }
 }
 
-// Restores the variable's value at scope exit.
-class EnvGuard {
- public:
-  explicit EnvGuard(const char* name) : name_(name) {
-    if (const char* v = std::getenv(name)) saved_ = v, had_ = true;
-  }
-  ~EnvGuard() { had_ ? setenv(name_, saved_.c_str(), 1) : unsetenv(name_); }
-
- private:
-  const char* name_;
-  std::string saved_;
-  bool had_ = false;
-};
-
 TEST(MoeExpertGemmSpecs, FusedSwigluSwitchIsReadPerCall) {
-  EnvGuard guard("ENCORE_MOE_FUSED_SWIGLU");
+  ScopedEnv guard("ENCORE_MOE_FUSED_SWIGLU");
   // Unset (and empty): unfused at every size (the fused kernel is opt-in until it has run on a GPU).
   unsetenv("ENCORE_MOE_FUSED_SWIGLU");
   EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
@@ -143,7 +130,7 @@ TEST(MoeExpertGemmSpecs, FusedSwigluSwitchIsReadPerCall) {
 }
 
 TEST(MoeExpertGemmSpecs, DecodeGemvSwitchIsReadPerCall) {
-  EnvGuard guard("ENCORE_MOE_DECODE");
+  ScopedEnv guard("ENCORE_MOE_DECODE");
   unsetenv("ENCORE_MOE_DECODE");  // opt-in: never by default
   EXPECT_FALSE(moe::moe_decode_gemv(1, 2048, 768));
   setenv("ENCORE_MOE_DECODE", "0", 1);

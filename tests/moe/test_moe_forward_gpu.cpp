@@ -28,6 +28,7 @@
 
 #include "encore/moe.hpp"
 #include "tests/common/device_buffer.hpp"
+#include "tests/common/scoped_env.hpp"
 
 namespace encore::test {
 namespace {
@@ -86,21 +87,6 @@ int expert_of_row(const int32_t* offsets, int E, int64_t r) {
     if (r >= offsets[e] && r < offsets[e + 1]) return e;
   return -1;
 }
-
-// Sets an environment variable for the scope (read by every moe_forward call), then restores it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* v = std::getenv(name_)) saved_ = v, had_ = true;
-    setenv(name_, value, 1);
-  }
-  ~ScopedEnv() { had_ ? setenv(name_, saved_.c_str(), 1) : unsetenv(name_); }
-
- private:
-  const char* name_;
-  std::string saved_;
-  bool had_ = false;
-};
 
 // The expert-compute paths: unfused SwiGLU (ENCORE_MOE_FUSED_SWIGLU=0), fused (=1), the decode GEMV
 // (ENCORE_MOE_DECODE=1: gate_up never written, act from fp32 dots in registers).
