@@ -29,7 +29,7 @@ struct DeviceCase {
   std::vector<size_t> off;
   static size_t total(const std::vector<std::pair<void*, size_t>>& h) {
     size_t n = 0;
-    for (const auto& [p, b] : h) n += (b + 255) / 256 * 256;
+    for (const auto& [p, b] : h) n += (b + 255) / 256 * 256 + 256;  // + 256: room for a shifted start
     return n;
   }
   explicit DeviceCase(Fp8DispatchHost& h, size_t x_shift = 0)
@@ -45,7 +45,7 @@ struct DeviceCase {
     size_t at = 0;
     for (size_t i = 0; i < host.size(); ++i) {
       off.push_back(at + (i == 1 ? x_shift : 0));
-      at += (host[i].second + 255) / 256 * 256;
+      at += (host[i].second + 255) / 256 * 256 + 256;
     }
     for (size_t i = 0; i < host.size(); ++i) cudaMemcpy(mem.at(off[i]), host[i].first, host[i].second, cudaMemcpyHostToDevice);
   }
