@@ -3,13 +3,10 @@
 // fla is timed on the same ones by bench/peers/kda_train_peers.py): the forward writing chunk_kda's
 // residuals (G fp32; Aqk, Akk and, saved-h, the chunk states h in bf16), and the backward on both
 // paths (saved h; rematerialize: residuals G, Aqk, Akk only), with dq, dk, dv, dg, dbeta, dA_log and
-// ddt_bias written and d_o random in [-1, 1); and the saved-h backward with the A/B candidates
-// (ENCORE_KDA_BWD_INTRA=factored, ENCORE_KDA_BWD_STAGED=1, both; both rematerializing). Device time per call from graph
-// replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
+// ddt_bias written and d_o random in [-1, 1). Device time per call from graph replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
 // bench kda_bwd).
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 
 #include "bench/kda/kda_bench_case.hpp"
 #include "core/carve.hpp"
@@ -103,19 +100,6 @@ void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t st
     check_cuda(cudaStreamSynchronize(stream), "sync");
     time("kda_backward", "saved_h", [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
     time("kda_backward", "remat", [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
-    // The A/B candidates (read at each call): kernel 3b's factored intra-chunk terms, the serial kernels'
-    // staged record tiles, both; on the saved-h path and, for the staged states kernel, rematerializing.
-    const auto candidate = [&](const char* path, const KdaBackwardArgs& args, void* ws, bool intra, bool staged) {
-      if (intra) setenv("ENCORE_KDA_BWD_INTRA", "factored", 1);
-      if (staged) setenv("ENCORE_KDA_BWD_STAGED", "1", 1);
-      time("kda_backward", path, [&] { return run(args, tc.opts, ws, stream); });
-      unsetenv("ENCORE_KDA_BWD_INTRA");
-      unsetenv("ENCORE_KDA_BWD_STAGED");
-    };
-    candidate("saved_h_factored", tc.saved, tc.ws_saved, true, false);
-    candidate("saved_h_staged", tc.saved, tc.ws_saved, false, true);
-    candidate("saved_h_both", tc.saved, tc.ws_saved, true, true);
-    candidate("remat_both", tc.remat, tc.ws_remat, true, true);
   }
 }
 

@@ -1,7 +1,7 @@
 // Suite "moe": the whole moe_forward layer on CUDA (bf16; softmax top-8 routing, renormalized;
 // dispatch padded to 16-row groups as ../shared/docs/moe_anchor.py; grouped gate/up GEMM, SwiGLU,
 // grouped down GEMM, combine) at the Qwen3-30B-A3B shape (D 2048, E 128, k 8, F 768) and the
-// DeepSeek-V3-like shape (D 7168, E 256, k 8, F 2048), tokens 1, 16, 64, 512, 4096, 16384
+// DeepSeek-V3-like shape (D 7168, E 256, k 8, F 2048), tokens 1, 2, 4, 8, 16, 64, 512, 4096, 16384
 // (ENCORE_BENCH_SIZES selects), on each expert-compute path (record param "path": unfused, fused
 // SwiGLU, and the decode GEMV where it applies). Device time per call from graph replays; metrics: time_us, the
 // grouped GEMMs' useful TFLOP/s (2 * T * k * 3 * F * D / time), the experts touched and the weight-
@@ -30,7 +30,7 @@ struct Shape {
   int E, k;
 };
 const Shape kShapes[] = {{"qwen3_30b_a3b", 2048, 768, 128, 8}, {"deepseek_v3_like", 7168, 2048, 256, 8}};
-const int64_t kTokens[] = {1, 16, 64, 512, 4096, 16384};
+const int64_t kTokens[] = {1, 2, 4, 8, 16, 64, 512, 4096, 16384};
 
 // Device memory for one shape: weights, inputs, output and the layer's buffers for max_tokens.
 struct MoeBenchCase {

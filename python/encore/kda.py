@@ -196,7 +196,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     and head in bfloat16, and more accurate, the chunk states staying fp32; on an H200 within 2% of
     the saved-h mode's time). disable_recompute=True (fla's switch) or rematerialize=False saves the
     chunk-start states h instead (the saved-h mode; h in the residual dtype). Residuals are bfloat16
-    for 16-bit inputs and float32 otherwise; the CPU backend with float64 inputs saves none (its
+    for bfloat16 inputs and float32 otherwise (fp16 inputs included: bfloat16 residuals would cost
+    them their precision); the CPU backend with float64 inputs saves none (its
     token-level backward, exact for gradcheck).
 
     fla options: cu_seqlens (or cu_seqlens_cpu, preferred since the sequence table is read on the

@@ -35,14 +35,16 @@ DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int s
 
 bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate) {
   const char* v = std::getenv("ENCORE_MOE_DECODE");
-  if (v == nullptr || *v == '\0' || std::string(v) == "0") return false;  // opt-in until it has passed on a GPU
-  return tokens >= 1 && tokens <= kDecodeMaxRows && tokens * std::max(hidden, intermediate) * 2 <= kDecodeMaxSmem;
+  const bool unset = v == nullptr || *v == '\0';
+  if (!unset && std::string(v) == "0") return false;
+  const int64_t max_rows = unset ? kDecodeDefaultRows : kDecodeMaxRows;
+  return tokens >= 1 && tokens <= max_rows && tokens * std::max(hidden, intermediate) * 2 <= kDecodeMaxSmem;
 }
 
 bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count) {
   const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU");
-  if (v == nullptr || *v == '\0') return false;  // opt-in until the fused kernel has passed on a GPU
-  if (std::string(v) != "auto") return std::string(v) != "0";
+  if (v != nullptr && *v != '\0' && std::string(v) != "auto") return std::string(v) != "0";
+  if (intermediate < kFusedSwigluMinF) return false;
   const int64_t pairs = tokens * top_k;
   const int64_t m_tiles = std::min<int64_t>(num_experts, pairs) + pairs / kExpertGemmTileM;
   const int64_t gate_tiles = m_tiles * ((intermediate + kExpertGemmTileN - 1) / kExpertGemmTileN);

@@ -113,26 +113,30 @@ struct ExpertGemmProblem {
   size_t workspace_bytes = 0;
   int64_t rows_bound = 0;  // rows that may be in use this call: moe_permuted_rows(T, k, E, align_m)
   int sm_count = 0;
-  bool fused_swiglu = true;  // moe_fused_swiglu(...)
+  bool fused_swiglu = false;  // moe_fused_swiglu(...)
 };
 
-// Which SwiGLU path a call takes (plan.cpp). ENCORE_MOE_FUSED_SWIGLU, read at every call: unset, empty
-// or "0" the unfused one (gate_up [R, 2F] fp32 and a row kernel; the default until the fused kernel has
-// run on a GPU), "auto" the size rule below, any other value the fused one.
-// "auto": fused when its gate GEMM alone has kFusedSwigluMinWaves waves of 128x128 tiles (estimated
-// as (min(E, T k) + T k / 128) M-tiles x ceil(F / 128)); below that (decode sizes) the unfused
-// path's single N = 2F launch keeps twice the SMs streaming weights, and its fp32 round trip is a
-// few hundred KB. A guess to be replaced by H200 measurements (docs/moe.md).
+// Which SwiGLU path a call takes (plan.cpp). ENCORE_MOE_FUSED_SWIGLU, read at every call: "0" the
+// unfused one (gate_up [R, 2F] fp32 and a row kernel), unset, empty or "auto" the size rule below,
+// any other value the fused one. The rule, from the H200 timings of both paths (docs/moe.md): fused
+// when F >= kFusedSwigluMinF and its gate GEMM alone has kFusedSwigluMinWaves waves of 128x128 tiles
+// (estimated as (min(E, T k) + T k / 128) M-tiles x ceil(F / 128)). DeepSeek-V3's F = 2048 gains
+// 5-9% from T = 4096 (62 waves) and ties at T = 512 (35); Qwen3-30B-A3B's F = 768 loses 3-15% at
+// every T, so F below 2048 stays unfused.
 constexpr int kExpertGemmTileM = 128, kExpertGemmTileN = 128;
+constexpr int64_t kFusedSwigluMinF = 2048;
+constexpr int kFusedSwigluMinWaves = 48;
 
 // The decode GEMV (cuda/decode_mlp.cu) instead of the grouped GEMMs: ENCORE_MOE_DECODE, read at every
-// call: unset, empty or "0" never (the default until it has run on a GPU); any other value where it
-// applies: T <= kDecodeMaxRows (each expert then holds at most T rows: the routing picks k distinct
-// experts per token) and T * max(D, F) bf16 of staged rows fit kDecodeMaxSmem.
+// call: "0" never; unset or empty at T <= kDecodeDefaultRows (measured faster at T = 1: 0.71x of the
+// unfused path's time at Qwen3-30B-A3B, 0.71x at the DeepSeek-V3-like shape; slower at T = 16); any
+// other value wherever it applies: T <= kDecodeMaxRows (each expert then holds at most T rows: the
+// routing picks k distinct experts per token). Always also T * max(D, F) bf16 of staged rows within
+// kDecodeMaxSmem.
+constexpr int kDecodeDefaultRows = 4;
 constexpr int kDecodeMaxRows = 16;
 constexpr int64_t kDecodeMaxSmem = 96 * 1024;
 bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate);
-constexpr int kFusedSwigluMinWaves = 2;
 bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count);
 
 // One grouped GEMM D_e = A_e . B_e^T (+ C_e) over the expert blocks, as element offsets from each

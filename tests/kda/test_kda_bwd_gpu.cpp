@@ -250,30 +250,6 @@ TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
   }
 }
 
-// The A/B candidates, the same bounds: kernel 3b's factored intra-chunk terms (ENCORE_KDA_BWD_INTRA=
-// factored, kda_bwd_intra.cuh) together with the serial kernels' (dh, states) staged record tiles
-// (ENCORE_KDA_BWD_STAGED=1) on every case of the matrix, saved h in bf16 and fp32, rematerialized in
-// bf16, grouped value heads in fp16; then the staged serial kernels alone on two cases.
-TEST_F(KdaBwdGpu, AbCandidatesMatchReferences) {
-  {
-    ScopedEnv intra("ENCORE_KDA_BWD_INTRA", "factored"), staged("ENCORE_KDA_BWD_STAGED", "1");
-    std::printf("  ENCORE_KDA_BWD_INTRA=factored ENCORE_KDA_BWD_STAGED=1\n");
-    for (const BwdCase& bc : matrix()) {
-      run_bwd(bc, DType::kBF16, false);
-      run_bwd(bc, DType::kFP32, false);
-      run_bwd(bc, DType::kBF16, true);
-    }
-    KdaCase g{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplusBias, true, true};
-    g.HV = 4;
-    run_bwd({g, "HV=2H varlen sp+b h0 l2"}, DType::kFP16, false);
-  }
-  ScopedEnv staged("ENCORE_KDA_BWD_STAGED", "1");
-  std::printf("  ENCORE_KDA_BWD_STAGED=1\n");
-  const std::vector<BwdCase> m = matrix();
-  run_bwd(m[0], DType::kBF16, false);
-  run_bwd(m[4], DType::kFP32, true);
-}
-
 // Refusals that need device tensors: missing residuals, a null workspace, fp64 on CUDA.
 TEST_F(KdaBwdGpu, BadInputsRefused) {
   KdaCase c{1, 100, 1, 32, 32, {}, Gate::kPrecomputed, false, true};

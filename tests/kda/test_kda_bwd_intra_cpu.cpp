@@ -1,5 +1,5 @@
 // The KDA backward's intra-chunk terms (src/kda/cuda/kda_bwd_intra.cuh), host-run: the factored form
-// (fla's per-16-row-sub-block references, what ENCORE_KDA_BWD_INTRA=factored runs in kda_bwd_grads_tc)
+// (fla's per-16-row-sub-block references, what kda_bwd_grads_tc runs)
 // and the exact per-pair form against an fp64 evaluation of the sums, on random tiles: K 128 / 60 /
 // 48, full and partial chunks (rows 64, 37, 17, 16, 1), mild, strong (per-token log2 decays down to
 // -20) and extreme (-1000) gates, where far pairs underflow. Bound: relative RMS <= 2e-6 per sum and

@@ -108,34 +108,37 @@ TEST(MoeExpertGemmSpecs, WorkspaceHoldsThreeGemms) {
 
 TEST(MoeExpertGemmSpecs, FusedSwigluSwitchIsReadPerCall) {
   ScopedEnv guard("ENCORE_MOE_FUSED_SWIGLU");
-  // Unset (and empty): unfused at every size (the fused kernel is opt-in until it has run on a GPU).
-  unsetenv("ENCORE_MOE_FUSED_SWIGLU");
-  EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
-  // "auto": fused from 2 waves of gate tiles (132 SMs): Qwen3-30B-A3B (E 128, k 8, F 768: 6 N-tiles)
-  // unfused at T = 1 (8 x 6 = 48 tiles) and 4 (32 x 6 = 192), fused at T = 16 (129 x 6) and 4096;
-  // DeepSeek-V3 (E 256, k 8, F 2048: 16 N-tiles) unfused at T = 1 (128), fused at T = 4 (512).
-  setenv("ENCORE_MOE_FUSED_SWIGLU", "auto", 1);
-  EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 128, 768, 132));
-  EXPECT_FALSE(moe::moe_fused_swiglu(4, 8, 128, 768, 132));
-  EXPECT_TRUE(moe::moe_fused_swiglu(16, 8, 128, 768, 132));
-  EXPECT_TRUE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
-  EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 256, 2048, 132));
-  EXPECT_TRUE(moe::moe_fused_swiglu(4, 8, 256, 2048, 132));
-  setenv("ENCORE_MOE_FUSED_SWIGLU", "", 1);  // empty = unset
-  EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
+  // Unset, empty and "auto": the size rule (132 SMs): F >= 2048 and 48 waves of gate tiles.
+  // Qwen3-30B-A3B (E 128, k 8, F 768) unfused at every T; DeepSeek-V3 (E 256, k 8, F 2048: 16
+  // N-tiles) unfused at T = 1 and 512 ((256 + 32) x 16 = 35 waves), fused at T = 4096 (62 waves).
+  for (const char* v : {static_cast<const char*>(nullptr), "", "auto"}) {
+    if (v == nullptr) unsetenv("ENCORE_MOE_FUSED_SWIGLU");
+    else setenv("ENCORE_MOE_FUSED_SWIGLU", v, 1);
+    EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 128, 768, 132));
+    EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
+    EXPECT_FALSE(moe::moe_fused_swiglu(16384, 8, 128, 768, 132));
+    EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 256, 2048, 132));
+    EXPECT_FALSE(moe::moe_fused_swiglu(512, 8, 256, 2048, 132));
+    EXPECT_TRUE(moe::moe_fused_swiglu(4096, 8, 256, 2048, 132));
+    EXPECT_TRUE(moe::moe_fused_swiglu(16384, 8, 256, 2048, 132));
+  }
   setenv("ENCORE_MOE_FUSED_SWIGLU", "1", 1);
   EXPECT_TRUE(moe::moe_fused_swiglu(1, 8, 128, 768, 132));
   setenv("ENCORE_MOE_FUSED_SWIGLU", "0", 1);
-  EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
+  EXPECT_FALSE(moe::moe_fused_swiglu(16384, 8, 256, 2048, 132));
 }
 
 TEST(MoeExpertGemmSpecs, DecodeGemvSwitchIsReadPerCall) {
   ScopedEnv guard("ENCORE_MOE_DECODE");
-  unsetenv("ENCORE_MOE_DECODE");  // opt-in: never by default
-  EXPECT_FALSE(moe::moe_decode_gemv(1, 2048, 768));
+  unsetenv("ENCORE_MOE_DECODE");  // the default: T <= 4
+  EXPECT_TRUE(moe::moe_decode_gemv(1, 2048, 768));
+  EXPECT_TRUE(moe::moe_decode_gemv(4, 2048, 768));
+  EXPECT_FALSE(moe::moe_decode_gemv(5, 2048, 768));
+  EXPECT_FALSE(moe::moe_decode_gemv(16, 2048, 768));
+  EXPECT_FALSE(moe::moe_decode_gemv(0, 2048, 768));
   setenv("ENCORE_MOE_DECODE", "0", 1);
   EXPECT_FALSE(moe::moe_decode_gemv(1, 2048, 768));
-  setenv("ENCORE_MOE_DECODE", "1", 1);
+  setenv("ENCORE_MOE_DECODE", "1", 1);  // wherever it applies
   EXPECT_TRUE(moe::moe_decode_gemv(1, 2048, 768));
   EXPECT_TRUE(moe::moe_decode_gemv(16, 2048, 768));    // 16 x 2048 bf16 rows staged: 64 KB
   EXPECT_FALSE(moe::moe_decode_gemv(17, 2048, 768));   // more rows than kDecodeMaxRows

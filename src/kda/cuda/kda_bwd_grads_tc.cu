@@ -7,19 +7,16 @@
 //           last row: dG += 2^gC . sd + sum_rows K . dK (added to every row by the reverse cumsum)
 //   WY:     dA = tril(dA') beta_j;  dk += beta 2^G dKb', dbeta += dKb' . K 2^G, dG += beta K 2^G dKb';
 //           dbeta += dbv;  dL = -StrictTril(A^T dA A^T)  (fp32 loops over shared [64][64] tiles)
-//   intra:  exact per channel (no factorization of E): dQ~_i += sum_{j<=i} dAqk_ij K_j E_ij,
-//           dKrow_i = sum_{j<i} dL_ij K_j E_ij, dKcol_j = sum_{i>=j} (dAqk_ij Q~_i + dL_ij beta_i K_i) E_ij
+//   intra:  dQ~_i += sum_{j<=i} dAqk_ij K_j E_ij, dKrow_i = sum_{j<i} dL_ij K_j E_ij,
+//           dKcol_j = sum_{i>=j} (dAqk_ij Q~_i + dL_ij beta_i K_i) E_ij, by kda_bwd_intra.cuh's factored form
+//           (a thread per channel and 16-row sub-block; every exp2 factor <= 1)
 //   tails:  dg = the chunk-local reverse cumsum of dG (one thread per channel, shared memory only), the
 //           gate backward elementwise by all threads with per-chunk partials of dA_log, ddt_bias summed
 //           per channel in row order; dq = s dQ~, dk through the L2-norm backward.
-// Each thread owns elements e = tid + 512 r of the [64][K] tiles: one fused pass gathers every term of
-// its (row, channel) in registers and leaves dQ~, dK, the dbeta and dG parts in the record (over P1,
-// P2, Qg, Kg: owner only), reading dAqk and dL by rows and, through transposed copies, by columns
-// four at a time. Deterministic (fixed orders). K, V <= 128; 210 KB shared. ENCORE_KDA_BWD_INTRA=factored:
-// the intra terms by kda_bwd_intra.cuh's factored form instead (a thread per channel and 16-row sub-block).
-#include <cstdlib>
-#include <cstring>
-
+// Thread (channel a, sub-block I) owns the 16 elements (16 I + u, a): one fused pass gathers every term
+// of each in registers and leaves dQ~, dK, the dbeta and dG parts in the record (over P1, P2, Qg, Kg:
+// owner only), reading dAqk and dL by rows and, through transposed copies, by columns 16 at a time.
+// Deterministic (fixed orders). K, V <= 128; 210 KB shared.
 #include "kda/cuda/kda_bwd_intra.cuh"
 #include "kda/cuda/kda_bwd_mma.cuh"
 
@@ -30,10 +27,7 @@ constexpr int kThreads = 512;
 constexpr int kSmall = 64 * 6 + 128 * 2;
 constexpr size_t kSmem = (6 * kTile + kC * kC + kSmall) * sizeof(float);
 
-// factored: the intra-chunk terms by kda_bwd_intra.cuh's intra_factored (a thread per channel and 16-row
-// sub-block), else exactly per element (the default; ENCORE_KDA_BWD_INTRA=factored selects the other
-// for A/B runs).
-__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws, bool factored) {
+__global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
   extern __shared__ float smem[];
   float* sG = smem;          // [64][K] G; then dk . k
   float* sQ = sG + kTile;    // Q~
@@ -128,8 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
     dbR[e] = kb * ke + sK[e] * dkr;  // to the record (owner only; sT, sW are busy)
     dGR[e] = (sQ[e] * dqt - sK[e] * dki) + bi * ke * kb + (sQ[e] * dqi + sK[e] * (bi * dkr - dkc));
   };
-  const int nrow = rows * K;  // elements of the valid rows
-  if (factored) {
+  {
     static_assert(kThreads == 4 * kMaxD, "a thread per channel and 16-row sub-block");
     const int a = tid % kMaxD, I = tid / kMaxD;
     const IntraTiles tiles{sG, sK, sQ, sD, sM, sDt, sMt, sBeta, K, rows};
@@ -142,51 +135,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
         if (i < rows) finish(e, i, a, dQt[e], dKt[e], dKb[e], dqi[u], dkr[u], dkc[u]);
       }
     }
-  }
-  float n1 = !factored && tid < nrow ? dQt[tid] : 0.f, n2 = !factored && tid < nrow ? dKt[tid] : 0.f,
-        n3 = !factored && tid < nrow ? dKb[tid] : 0.f;
-  for (int e = tid; !factored && e < kC * K; e += kThreads) {
-    const int i = e / K, a = e - i * K;
-    if (i >= rows) break;  // rows are contiguous in e
-    const float p1 = n1, p2 = n2, kb = n3;  // this element's record values; the next one's loads go out now
-    const int en = e + kThreads;
-    n1 = en < nrow ? dQt[en] : 0.f;
-    n2 = en < nrow ? dKt[en] : 0.f;
-    n3 = en < nrow ? dKb[en] : 0.f;
-    const float gi = sG[e];
-    float dqi = 0.f, dkr = 0.f, dkc = 0.f;
-    int j = 0;
-    for (; j + 3 <= i; j += 4) {  // rows i of dAqk and dL four at a time (one broadcast load each)
-      const float4 d4 = *reinterpret_cast<const float4*>(sD + i * kC + j), m4 = *reinterpret_cast<const float4*>(sM + i * kC + j);
-      const float dd[4] = {d4.x, d4.y, d4.z, d4.w}, mm[4] = {m4.x, m4.y, m4.z, m4.w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float kx = sK[(j + u) * K + a] * exp2f(gi - sG[(j + u) * K + a]);
-        dqi += dd[u] * kx;
-        dkr += mm[u] * kx;
-      }
-    }
-    for (; j <= i; ++j) {
-      const float kx = sK[j * K + a] * exp2f(gi - sG[j * K + a]);
-      dqi += sD[i * kC + j] * kx;
-      dkr += sM[i * kC + j] * kx;  // dL_ii = 0
-    }
-    const float* dti = sDt + i * kC;  // dAqk[m][i], dL[m][i] along m
-    const float* mti = sMt + i * kC;
-    int m = i;
-    for (; m < rows && (m & 3); ++m)
-      dkc += (dti[m] * sQ[m * K + a] + mti[m] * sBeta[m] * sK[m * K + a]) * exp2f(sG[m * K + a] - gi);
-    for (; m + 3 < rows; m += 4) {
-      const float4 d4 = *reinterpret_cast<const float4*>(dti + m), m4 = *reinterpret_cast<const float4*>(mti + m),
-                   b4 = *reinterpret_cast<const float4*>(sBeta + m);
-      const float dd[4] = {d4.x, d4.y, d4.z, d4.w}, mm[4] = {m4.x, m4.y, m4.z, m4.w}, bb[4] = {b4.x, b4.y, b4.z, b4.w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        dkc += (dd[u] * sQ[(m + u) * K + a] + mm[u] * bb[u] * sK[(m + u) * K + a]) * exp2f(sG[(m + u) * K + a] - gi);
-    }
-    for (; m < rows; ++m)
-      dkc += (dti[m] * sQ[m * K + a] + mti[m] * sBeta[m] * sK[m * K + a]) * exp2f(sG[m * K + a] - gi);
-    finish(e, i, a, p1, p2, kb, dqi, dkr, dkc);
   }
   __syncthreads();
   stage<16, kThreads>(
@@ -283,9 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
 cudaError_t launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_grads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (e != cudaSuccess) return e;
-  const char* intra = std::getenv("ENCORE_KDA_BWD_INTRA");  // read at each call, as ENCORE_KDA_BWD_SIMT
-  const bool factored = intra && std::strcmp(intra, "factored") == 0;
-  kda_bwd_grads_tc_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws, factored);
+  kda_bwd_grads_tc_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
   return cudaGetLastError();
 }
 

@@ -4,7 +4,7 @@
 //   dkc_i = sum_{m >= i} (dAqk_mi Q~_m + dL_mi beta_m K_m) E_mi
 // Two forms over the same shared tiles (host-callable, so tests/kda/test_kda_bwd_intra_cpu.cpp checks one
 // against the other on the CPU):
-// - intra_exact: one element (i, a), one exp2 per pair (the arithmetic of the kernel's default pass).
+// - intra_exact: one element (i, a), one exp2 per pair (the direct evaluation, for the test).
 // - intra_factored: the 16 rows i of sub-block I = i / 16 for one channel, fla's factorization: with n
 //   the sub-block's first row and r its last valid one, E_ij = 2^(G_i - G_n) 2^(G_n - G_j) for j < n and
 //   E_mi = 2^(G_m - G_r) 2^(G_r - G_i) for m > r, every factor <= 1 (G non-increasing), so nothing

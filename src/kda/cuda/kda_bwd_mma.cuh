@@ -4,8 +4,6 @@
 // strided), so that A^T B and A B^T products need no transposed copies. Tiles are zero-padded to
 // multiples of 16 in k and of the warp's tile in m, n by the caller.
 #pragma once
-#include <cstdlib>
-#include <cstring>
 
 #include "kda/cuda/kda_bwd_device.cuh"
 
@@ -87,29 +85,6 @@ __device__ __forceinline__ void store_acc(const float (&c)[NT][4], float* dst, i
     }
 }
 
-// A fragments straight from a record tile x [64][K] in global memory (read-only in the kernel):
-// the A fragment of A(m, k) = x[m * K + k] (rows m0 + .., channels k0 + ..; 0 at k >= K): Kg.
-__device__ __forceinline__ void frag_rows(const float* __restrict__ x, int K, int m0, int k0, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int m = m0 + g + 8 * (q & 1), k = k0 + 2 * t + 8 * (q >> 1);
-    const float u = k < K ? __ldg(x + m * K + k) : 0.f, v = k + 1 < K ? __ldg(x + m * K + k + 1) : 0.f;
-    split_pair(u, v, hi[q], lo[q]);
-  }
-}
-// The A fragment of A(m, k) = x[k * K + m] (channels m0 + .., 0 at m >= K; rows k0 + ..): Qg^T, W^T.
-__device__ __forceinline__ void frag_cols(const float* __restrict__ x, int K, int m0, int k0, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int m = m0 + g + 8 * (q & 1), k = k0 + 2 * t + 8 * (q >> 1);
-    const bool in = m < K;
-    const float u = in ? __ldg(x + k * K + m) : 0.f, v = in ? __ldg(x + (k + 1) * K + m) : 0.f;
-    split_pair(u, v, hi[q], lo[q]);
-  }
-}
-
 // dst(e, src(e)) for e in [0, n) over the block's kN threads, U loads in flight per thread before
 // their stores (generic loads followed by shared stores would otherwise go one latency at a time).
 template <int U, int kN, class Src, class Dst>
@@ -166,18 +141,6 @@ __device__ __forceinline__ void load_rows_batched(const KdaTensor& t, int b, int
   }
 }
 
-// The serial kernels' state step (states: S ← Diag(2^gC)·S + Kgᵀ·Vnew; dh: dS ← Diag(2^gC)·dS′ + Qgᵀ·dO +
-// Wᵀ·(−dVnew)) on a [K][64] fp32 shared tile X (row stride ld), this warp's rows (channels) a0 .. a0 + 15,
-// all 64 columns: the accumulators start at the decayed X (kDecay false: X as it is, sGc unread), `terms(c, ks)` adds the k-step ks (rows 16·ks ..
-// of the chunk) of each product through state_term, and the rows < K go back into X.
-__device__ __forceinline__ void state_term(float (&c)[8][4], const float* __restrict__ a_rec, int K, int a0, int ks, const float* b,
-                                           int ld) {
-  uint32_t ahi[4], alo[4], bhi[8][2], blo[8][2];
-  frag_cols(a_rec, K, a0, 16 * ks, ahi, alo);
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) frag_b<false>(b + 16 * ks * ld + 8 * nt, ld, bhi[nt], blo[nt]);
-  mma_split<8>(c, ahi, alo, bhi, blo);
-}
 // A record tile x [64][K] (global) into s [64][kLd] (zero at channels >= K) by the block's kN threads,
 // every thread's loads in flight (64 x 128 / kN of them): the staged serial kernels' operands.
 template <int kN>
@@ -187,22 +150,20 @@ __device__ __forceinline__ void stage_record_tile(float* s, const float* __restr
       [&](int e, float v) { s[(e >> 7) * kLd + (e & 127)] = v; });
 }
 
-// The serial kernels (dh, states) with their record operands staged in shared memory: the A/B candidate
-// ENCORE_KDA_BWD_STAGED (unset, empty or "0": off), read at each call as ENCORE_KDA_BWD_SIMT.
-inline bool staged_serial_kernels() {
-  const char* v = std::getenv("ENCORE_KDA_BWD_STAGED");
-  return v && *v && std::strcmp(v, "0") != 0;
-}
-
-// state_term with the A operand (Qg^T, W^T) from a record tile staged in shared memory, s [64][kLd]
-// (rows of the chunk, channels; zero at channels >= K).
-__device__ __forceinline__ void state_term_staged(float (&c)[8][4], const float* s, int a0, int ks, const float* b, int ld) {
+// One k-step of a state product, the A operand (Qg^T, W^T, Kg^T) from a record tile staged in shared
+// memory, s [64][kLd] (rows of the chunk, channels; zero at channels >= K).
+__device__ __forceinline__ void state_term(float (&c)[8][4], const float* s, int a0, int ks, const float* b, int ld) {
   uint32_t ahi[4], alo[4], bhi[8][2], blo[8][2];
   frag_a<false>(s + 16 * ks * kLd + a0, kLd, ahi, alo);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) frag_b<false>(b + 16 * ks * ld + 8 * nt, ld, bhi[nt], blo[nt]);
   mma_split<8>(c, ahi, alo, bhi, blo);
 }
+
+// The serial kernels' state step (states: S ← Diag(2^gC)·S + Kgᵀ·Vnew; dh: dS ← Diag(2^gC)·dS′ + Qgᵀ·dO +
+// Wᵀ·(−dVnew)) on a [K][64] fp32 shared tile X (row stride ld), this warp's rows (channels) a0 .. a0 + 15,
+// all 64 columns: the accumulators start at the decayed X (kDecay false: X as it is, sGc unread), `terms(c, ks)` adds the k-step ks (rows 16·ks ..
+// of the chunk) of each product through state_term, and the rows < K go back into X.
 template <bool kDecay = true, class Terms>
 __device__ __forceinline__ void decayed_state_step(float* X, int ld, const float* sGc, int K, int a0, Terms&& terms) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;

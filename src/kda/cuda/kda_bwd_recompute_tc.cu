@@ -5,9 +5,9 @@
 //   on tensor cores (split bf16 operands from zero-padded fp32 tiles; warp w: rows 16 (w % 4) ..,
 //   columns 64 (w / 4) ..). 150 KB shared.
 // kda_bwd_states_tc_kernel, grid (slots or sequences, H, ceil(V / 64)), 256 threads: Vnew = U - W S
-//   (W from the record straight into fragments, S [K][64] fp32 in shared memory); rematerialize mode:
-//   the chunk-start state into the record and S <- Diag(2^gC) S + Kg^T Vnew (fp32 state, products on
-//   tensor cores, each state element updated by its owner). 53 KB shared.
+//   (W staged from the record into shared memory, S [K][64] fp32 in shared memory); rematerialize mode:
+//   the chunk-start state into the record and S <- Diag(2^gC) S + Kg^T Vnew (Kg staged; fp32 state,
+//   products on tensor cores, each state element updated by its owner). 87 KB shared.
 #include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -77,18 +77,16 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_prep_tc_kernel(const __grid_
 constexpr int kCols = 64;        // value columns per state block
 static_assert(kCols == 64 && kMaxD == 128, "the staged loads index by shifts");
 constexpr int kLdS = kCols + 4;  // fp32 row stride of its [*][64] tiles
-constexpr size_t kStateSmem = (kMaxD * kLdS + kC * kLdS + kMaxD) * sizeof(float);
-constexpr size_t kStateSmemStaged = kStateSmem + size_t(kC) * kLd * sizeof(float);
+constexpr size_t kStateSmem = (kMaxD * kLdS + kC * kLdS + kMaxD + size_t(kC) * kLd) * sizeof(float);
 
-// kStaged (ENCORE_KDA_BWD_STAGED, the A/B candidate): W and Kg staged in one shared [64][kLd] tile with
-// every load in flight (stage_record_tile) instead of global loads inside the k-loops.
-template <bool kStaged>
+// W and Kg staged in one shared [64][kLd] tile with every load in flight (stage_record_tile) before the
+// products that read them.
 __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
   extern __shared__ float smem[];
   float* sS = smem;                 // [128][kLdS] state columns (rows >= K, columns >= nc zero)
   float* sVn = sS + kMaxD * kLdS;   // [64][kLdS] Vnew columns
   float* sGc = sVn + kC * kLdS;     // [128]
-  float* sX = sGc + kMaxD;          // kStaged: [64][kLd] W, then Kg
+  float* sX = sGc + kMaxD;          // [64][kLd] W, then Kg
   const int h = blockIdx.y, K = p.K, V = p.V, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int y0 = blockIdx.z * kCols, nc = min(kCols, V - y0);
@@ -123,10 +121,8 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
         const int a = e / kCols, y = e - a * kCols;
         if (y < nc) rec[p.ws.hs + a * V + y0 + y] = sS[a * kLdS + y];
       }
-    if constexpr (kStaged) {
-      stage_record_tile<kThreads>(sX, rec + p.ws.w, K);
-      __syncthreads();
-    }
+    stage_record_tile<kThreads>(sX, rec + p.ws.w, K);
+    __syncthreads();
     {  // Vnew = U - W S: warp rows 16 (w % 4) .., columns 32 (w / 4) ..; c = W S - U, Vnew = -c
       const int m0 = 16 * (warp & 3), c0 = 32 * (warp >> 2);
       float c[4][4];
@@ -140,8 +136,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
 #pragma unroll 2
       for (int ks = 0; ks < ksteps; ++ks) {
         uint32_t ahi[4], alo[4], bhi[4][2], blo[4][2];
-        if constexpr (kStaged) frag_a<true>(sX + m0 * kLd + 16 * ks, kLd, ahi, alo);
-        else frag_rows(rec + p.ws.w, K, m0, 16 * ks, ahi, alo);
+        frag_a<true>(sX + m0 * kLd + 16 * ks, kLd, ahi, alo);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) frag_b<false>(sS + 16 * ks * kLdS + c0 + 8 * nt, kLdS, bhi[nt], blo[nt]);
         mma_split<4>(c, ahi, alo, bhi, blo);
@@ -158,15 +153,11 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
     __syncthreads();
     const int a0 = 16 * warp;
     // S <- Diag(2^gC) S + Kg^T Vnew: warp rows (channels) a0 .., 64 columns.
-    if constexpr (kStaged) {
-      if (remat && slot + 1 < last) {  // uniform over the block
-        stage_record_tile<kThreads>(sX, rec + p.ws.kg, K);
-        __syncthreads();
-        if (a0 < K)
-          decayed_state_step(sS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term_staged(c, sX, a0, ks, sVn, kLdS); });
-      }
-    } else if (remat && slot + 1 < last && a0 < K) {
-      decayed_state_step(sS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term(c, rec + p.ws.kg, K, a0, ks, sVn, kLdS); });
+    if (remat && slot + 1 < last) {  // uniform over the block
+      stage_record_tile<kThreads>(sX, rec + p.ws.kg, K);
+      __syncthreads();
+      if (a0 < K)
+        decayed_state_step(sS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term(c, sX, a0, ks, sVn, kLdS); });
     }
     __syncthreads();
   }
@@ -182,13 +173,10 @@ cudaError_t launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cud
 }
 
 cudaError_t launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
-  const bool staged = staged_serial_kernels();
-  auto kernel = staged ? kda_bwd_states_tc_kernel<true> : kda_bwd_states_tc_kernel<false>;
-  const size_t smem = staged ? kStateSmemStaged : kStateSmem;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  cudaError_t e = cudaFuncSetAttribute(kda_bwd_states_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStateSmem));
   if (e != cudaSuccess) return e;
   const int x = p.h ? slots : p.N;
-  kernel<<<dim3(x, p.H, (p.V + kCols - 1) / kCols), kThreads, smem, s>>>(p, ws);
+  kda_bwd_states_tc_kernel<<<dim3(x, p.H, (p.V + kCols - 1) / kCols), kThreads, kStateSmem, s>>>(p, ws);
   return cudaGetLastError();
 }
 

@@ -10,10 +10,9 @@
 // value columns per block, grid (N, H, ceil(V / 64)); both products on tensor cores with split bf16
 // operands: the A operands Kg, Qg^T, W^T straight from the record (global, guarded to a < K) into
 // fragments, the B operands dS', dO, -dVnew from fp32 shared tiles; the state dS stays fp32 in
-// shared memory, each element updated by its owner; 70 KB shared). Staged (ENCORE_KDA_BWD_STAGED=1,
-// the A/B candidate): Kg, Qg and W each copied into one [64][132] shared tile with every load in
-// flight before the products that read it (104 KB: still two blocks per SM), instead of global loads
-// inside the k-loops; the state step then adds the Qg^T dO and W^T (-dVnew) products in two passes.
+// shared memory, each element updated by its owner): Kg, Qg and W each copied into one [64][132]
+// shared tile with every load in flight before the products that read it (104 KB: two blocks per
+// SM); the state step adds the Qg^T dO and W^T (-dVnew) products in two passes.
 #include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
@@ -100,17 +99,15 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_kernel(const __grid_const
 constexpr int kCols = 64;           // value columns per block of the tensor-core version
 static_assert(kCols == 64 && kMaxD == 128, "the staged loads index by shifts");
 constexpr int kLdS = kCols + 4;     // fp32 row stride of its [*][64] tiles
-constexpr size_t kSmemTc = (kMaxD * kLdS + 2 * kC * kLdS + kMaxD) * sizeof(float);
-constexpr size_t kSmemStaged = kSmemTc + size_t(kC) * kLd * sizeof(float);
+constexpr size_t kSmemTc = (kMaxD * kLdS + 2 * kC * kLdS + kMaxD + size_t(kC) * kLd) * sizeof(float);
 
-template <bool kStaged>
 __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
   extern __shared__ float smem[];
   float* sdS = smem;                // [128][kLdS] dS' (rows >= K, columns >= nc zero)
   float* sdO = sdS + kMaxD * kLdS;  // [64][kLdS] dO columns
   float* sdV = sdO + kC * kLdS;     // [64][kLdS] -dVnew columns
   float* sGc = sdV + kC * kLdS;     // [128]
-  float* sX = sGc + kMaxD;          // kStaged: [64][kLd] the record tile of the products at hand
+  float* sX = sGc + kMaxD;          // [64][kLd] the record tile of the products at hand
   const int n = blockIdx.x, h = blockIdx.y, K = p.K, V = p.V, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int y0 = blockIdx.z * kCols, nc = min(kCols, V - y0);
@@ -133,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
         kC * kCols, [&](int e) { const int i = e >> 6, y = e & 63; return (i < rows && y < nc) ? load(p.d_o, b, t0 + i, h, y0 + y) : 0.f; },
         [&](int e, float x) { sdO[(e >> 6) * kLdS + (e & 63)] = x; });
     if (tid < K) sGc[tid] = rec[p.ws.gc + tid];
-    if constexpr (kStaged) stage_record_tile<kThreads>(sX, rec + p.ws.kg, K);
+    stage_record_tile<kThreads>(sX, rec + p.ws.kg, K);
     __syncthreads();
     {  // dVnew += Kg dS': warp rows 16 (w % 4) .., columns 32 (w / 4) ..
       const int m0 = 16 * (warp & 3), c0 = 32 * (warp >> 2);
@@ -148,8 +145,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
 #pragma unroll 2
       for (int ks = 0; ks < ksteps; ++ks) {
         uint32_t ahi[4], alo[4], bhi[4][2], blo[4][2];
-        if constexpr (kStaged) frag_a<true>(sX + m0 * kLd + 16 * ks, kLd, ahi, alo);
-        else frag_rows(rec + p.ws.kg, K, m0, 16 * ks, ahi, alo);
+        frag_a<true>(sX + m0 * kLd + 16 * ks, kLd, ahi, alo);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) frag_b<false>(sdS + 16 * ks * kLdS + c0 + 8 * nt, kLdS, bhi[nt], blo[nt]);
         mma_split<4>(c, ahi, alo, bhi, blo);
@@ -166,22 +162,15 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
     __syncthreads();
     const int a0 = 16 * warp;
     // dS = Diag(2^gC) dS' + Qg^T dO + W^T (-dVnew): warp rows (channels) a0 .., all 64 columns.
-    if constexpr (kStaged) {
-      stage_record_tile<kThreads>(sX, rec + p.ws.qg, K);
-      __syncthreads();
-      if (a0 < K)
-        decayed_state_step(sdS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term_staged(c, sX, a0, ks, sdO, kLdS); });
-      __syncthreads();
-      stage_record_tile<kThreads>(sX, rec + p.ws.w, K);
-      __syncthreads();
-      if (a0 < K)
-        decayed_state_step<false>(sdS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term_staged(c, sX, a0, ks, sdV, kLdS); });
-    } else if (a0 < K) {
-      decayed_state_step(sdS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) {
-        state_term(c, rec + p.ws.qg, K, a0, ks, sdO, kLdS);
-        state_term(c, rec + p.ws.w, K, a0, ks, sdV, kLdS);
-      });
-    }
+    stage_record_tile<kThreads>(sX, rec + p.ws.qg, K);
+    __syncthreads();
+    if (a0 < K)
+      decayed_state_step(sdS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term(c, sX, a0, ks, sdO, kLdS); });
+    __syncthreads();
+    stage_record_tile<kThreads>(sX, rec + p.ws.w, K);
+    __syncthreads();
+    if (a0 < K)
+      decayed_state_step<false>(sdS, kLdS, sGc, K, a0, [&](float (&c)[8][4], int ks) { state_term(c, sX, a0, ks, sdV, kLdS); });
     __syncthreads();
   }
   if (p.dh0)
@@ -195,12 +184,9 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
 
 cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s) {
   if (!simt) {
-    const bool staged = staged_serial_kernels();
-    auto kernel = staged ? kda_bwd_dh_tc_kernel<true> : kda_bwd_dh_tc_kernel<false>;
-    const size_t smem = staged ? kSmemStaged : kSmemTc;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    cudaError_t e = cudaFuncSetAttribute(kda_bwd_dh_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemTc));
     if (e != cudaSuccess) return e;
-    kernel<<<dim3(p.N, p.H, (p.V + kCols - 1) / kCols), kThreads, smem, s>>>(p, ws);
+    kda_bwd_dh_tc_kernel<<<dim3(p.N, p.H, (p.V + kCols - 1) / kCols), kThreads, kSmemTc, s>>>(p, ws);
     return cudaGetLastError();
   }
   cudaError_t e = cudaFuncSetAttribute(kda_bwd_dh_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
