@@ -121,15 +121,15 @@ struct ExpertGemmProblem {
 // any other value the fused one. The rule, from the H200 timings of both paths (docs/moe.md): fused
 // when F >= kFusedSwigluMinF and its gate GEMM alone has kFusedSwigluMinWaves waves of 128x128 tiles
 // (estimated as (min(E, T k) + T k / 128) M-tiles x ceil(F / 128)). DeepSeek-V3's F = 2048 gains
-// 5-9% from T = 4096 (62 waves) and ties at T = 512 (35); Qwen3-30B-A3B's F = 768 loses 3-15% at
+// 5-9% from T = 4096 (62 waves) and ties at T = 512 (35); Qwen3-30B-A3B's F = 768 loses 4-57% at
 // every T, so F below 2048 stays unfused.
 constexpr int kExpertGemmTileM = 128, kExpertGemmTileN = 128;
 constexpr int64_t kFusedSwigluMinF = 2048;
 constexpr int kFusedSwigluMinWaves = 48;
 
 // The decode GEMV (cuda/decode_mlp.cu) instead of the grouped GEMMs: ENCORE_MOE_DECODE, read at every
-// call: "0" never; unset or empty at T <= kDecodeDefaultRows (measured faster at T = 1: 0.71x of the
-// unfused path's time at Qwen3-30B-A3B, 0.71x at the DeepSeek-V3-like shape; slower at T = 16); any
+// call: "0" never; unset or empty at T <= kDecodeDefaultRows (H200: 0.68-0.90x of the unfused GEMMs'
+// time at T 1-4 on Qwen3-30B-A3B and the DeepSeek-V3-like shape, 1.06x at T 8, 1.20x at 16); any
 // other value wherever it applies: T <= kDecodeMaxRows (each expert then holds at most T rows: the
 // routing picks k distinct experts per token). Always also T * max(D, F) bf16 of staged rows within
 // kDecodeMaxSmem.

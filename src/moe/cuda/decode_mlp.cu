@@ -13,7 +13,7 @@
 //   ceil(columns / kCols); slots past the number of active experts exit.
 // Constraints (moe_decode_gemv, plan.cpp): bf16, D and F multiples of 8 with 16-byte aligned rows (the
 //   layer's CUDA contract), counts <= rows_max <= kDecodeMaxRows, rows_max * max(D, F) * 2 bytes of
-//   shared memory <= kDecodeMaxSmem. Opt-in (ENCORE_MOE_DECODE) until it has run on a GPU.
+//   shared memory <= kDecodeMaxSmem. The default at T <= 4 (moe_decode_gemv, plan.cpp).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

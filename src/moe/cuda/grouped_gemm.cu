@@ -1,8 +1,7 @@
 // moe_forward's expert compute on CUDA: bf16 grouped GEMMs on CUTLASS's Sm90 pointer-array
 // mainloop (TMA + WGMMA, warp-specialized, persistent group tile scheduler) with the SwiGLU fused into
 // the up GEMM's epilogue or in a row kernel between them (p.fused_swiglu: moe::moe_fused_swiglu,
-// plan.cpp; ENCORE_MOE_FUSED_SWIGLU: unset / 0 unfused, 1 fused, auto by size). The fused path is
-// compiled for sm_90a, not yet run on a GPU.
+// plan.cpp; ENCORE_MOE_FUSED_SWIGLU: 0 unfused, 1 fused, unset / auto by size: F >= 2048 at large T).
 //
 // Math (group e = expert e = rows [offsets[e], offsets[e + 1]) of the permuted buffers, padding
 // rows included; M_e is read on the device, so empty experts are zero-size groups):
