@@ -1,10 +1,12 @@
 // Testing helper (tests, `encore check`, benchmarks): an owning host buffer for a 2-D (or 1-D) row-strided tensor, random fills that are
 // never all-zero, and poison values (NaN) so unwritten outputs fail comparisons.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "encore/core/tensor_view.hpp"
@@ -41,9 +43,34 @@ struct HostTensor {
   // A host view (ops read inputs through it; outputs are written through it).
   TensorView view() const { return view(const_cast<unsigned char*>(bytes.data())); }
 
+  // Normal samples (Box-Muller over a splitmix64 stream per 1M-element chunk, seeded by one draw of
+  // `rng`, so the fill is a function of rng's state), on up to 16 threads for large tensors: the MoE
+  // tests' expert weights are 10^8-10^9 elements.
   void fill_normal(std::mt19937_64& rng, double mean = 0.0, double stddev = 1.0) {
-    std::normal_distribution<double> d(mean, stddev);
-    for (int64_t i = 0; i < storage_elems(); ++i) store_from_double(bytes.data(), dtype, i, d(rng));
+    const uint64_t seed = rng();
+    const int64_t n = storage_elems(), chunk = int64_t(1) << 20, chunks = (n + chunk - 1) / chunk;
+    auto fill_chunks = [&](int64_t c0, int64_t step) {
+      for (int64_t c = c0; c < chunks; c += step) {
+        uint64_t state = seed ^ (uint64_t(c) * 0xD1B54A32D192ED03ull);
+        auto next = [&state] {  // splitmix64, then 53 bits in (0, 1]
+          uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+          z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+          z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+          return (double((z ^ (z >> 31)) >> 11) + 1.0) * 0x1p-53;
+        };
+        const int64_t end = std::min(n, (c + 1) * chunk);
+        for (int64_t i = c * chunk; i < end; i += 2) {
+          const double r = std::sqrt(-2.0 * std::log(next())), a = 6.283185307179586 * next();
+          store_from_double(bytes.data(), dtype, i, mean + stddev * r * std::cos(a));
+          if (i + 1 < end) store_from_double(bytes.data(), dtype, i + 1, mean + stddev * r * std::sin(a));
+        }
+      }
+    };
+    const int64_t threads = std::min<int64_t>({16, chunks / 4, int64_t(std::thread::hardware_concurrency())});
+    if (threads < 2) return fill_chunks(0, 1);
+    std::vector<std::thread> pool;
+    for (int64_t t = 0; t < threads; ++t) pool.emplace_back(fill_chunks, t, threads);
+    for (auto& th : pool) th.join();
   }
   void fill_uniform(std::mt19937_64& rng, double lo, double hi) {
     std::uniform_real_distribution<double> d(lo, hi);
