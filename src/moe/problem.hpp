@@ -231,3 +231,63 @@ DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int s
 DispatchPlan plan_moe_dispatch(int64_t tokens, int top_k, int num_experts, int sm_count, DispatchPath path);
 
 }  // namespace encore::moe
+
+// ---- The CUDA expert-parallel all-to-all's kernel argument and error record (ep_device.cpp fills
+// them, cuda/ep_kernels.cu reads them). The memory layout, the cells and the protocol are the CPU
+// emulation's (reference/ep_emulation.hpp), with one difference: a receiver waits on each (sender,
+// local expert) count cell instead of a per-sender dispatch flag (each count is released after that
+// expert's rows), so the dispatch flag cell stays unused. ----
+namespace encore::moe::ep {
+
+constexpr int kEpMaxWorld = 8;
+
+// The group's first failure, written by the thread that wins the CAS on `abort` ({epoch << 32 | rank
+// + 1}; 0 while healthy); every spin loop of every rank gives up once it is set. Read by the host after
+// the streams are synchronized (EpDeviceAllToAll::status).
+struct EpErrorRecord {
+  unsigned long long abort;
+  uint32_t phase, what;  // EpPhase, EpWhat
+  int32_t peer, index;   // the other rank (or -1); the token, entry or expert concerned
+  unsigned long long expected, seen;
+};
+enum EpPhase : uint32_t { kEpPhaseDispatch = 1, kEpPhaseReceive = 2, kEpPhaseCombine = 3, kEpPhaseSync = 4 };
+enum EpWhat : uint32_t {
+  kEpBadExpert = 1,        // topk_ids entry outside [0, E): index = t * k + j, seen = the id
+  kEpDuplicateExpert = 2,  // a token lists an expert twice: index = t * k + j, seen = the id
+  kEpTimeoutCount = 3,     // a sender's count cell: peer = sender, index = the global expert
+  kEpBadCount = 4,         // a count above max_tokens
+  kEpBadSlot = 5,          // a received row's source slot outside [0, max_tokens * k)
+  kEpTimeoutToken = 6,     // a token's combine counter: index = t, expected {n | k}
+  kEpTimeoutFlag = 7,      // a peer's combine flag: peer = that rank
+};
+
+struct EpDeviceParams {
+  uint8_t* mem[kEpMaxWorld] = {};  // every rank's memory as this rank addresses it (mapped peers)
+  EpErrorRecord* err = nullptr;
+  int world = 1, rank = 0, e_local = 0, top_k = 0, num_experts = 0;
+  uint32_t epoch = 0;
+  unsigned long long timeout_ns = 0;
+  int64_t max_tokens = 0, m = 0;
+  int64_t row_bytes = 0, scale_bytes = 0, token_stride = 0, region_bytes = 0, region_header = 0, combine_header = 0,
+          combine_row_bytes = 0;
+  DType dtype = DType::kBF16;  // tokens and expert outputs
+  // dispatch inputs (device): x [m, H], topk_ids [m, k], scales [m, scale_bytes] (scale_bytes > 0)
+  const uint8_t* x = nullptr;
+  const int32_t* ids = nullptr;
+  const uint8_t* scales = nullptr;
+  // what this rank received (its device buffers): counts_from [W, E_l]; table [E_l * W + 1], the rows'
+  // exclusive prefix in (local expert, sender) order; counts [E_l]; offsets [E_l + 1]; per row the
+  // origin rank and slot t * k + j; rows [max_rows, row_bytes]; scales [max_rows, scale_bytes]
+  int32_t *counts_from = nullptr, *table = nullptr, *counts = nullptr, *offsets = nullptr, *src_rank = nullptr, *src_slot = nullptr;
+  uint8_t *rx = nullptr, *rscales = nullptr;
+  int64_t max_rows = 0;
+  // combine inputs: expert_out [rows, H] (dtype) in the received order; topk_weights [m, k] fp32;
+  // out [m, H] of out_dtype
+  const uint8_t* y = nullptr;
+  const float* weights = nullptr;
+  void* out = nullptr;
+  DType out_dtype = DType::kBF16;
+  int grid = 1;  // blocks of the row loops (the spin kernels stay small: on one GPU every rank's kernels share it)
+};
+
+}  // namespace encore::moe::ep

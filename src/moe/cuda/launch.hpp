@@ -28,6 +28,15 @@ Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index
 // over a grid of active_max expert slots (>= the experts with rows: min(E, T k)).
 Status launch_moe_decode_mlp(const moe::ExpertMlpProblem& m, int64_t rows_max, int64_t active_max, int device_index, Stream stream);
 
+// The expert-parallel all-to-all's kernels (ep_kernels.cu): dispatch (arm, send, receive counts,
+// receive copy) and combine (send, flags, receive, wait) of one rank, enqueued on `stream`.
+Status launch_ep_dispatch(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
+Status launch_ep_combine(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
+// The EP objects' device memory (allocated once at creation, zeroed) and their host reads.
+Status ep_device_alloc(size_t bytes, int device_index, void** out);
+void ep_device_free(void* p);
+Status ep_device_read(void* host, const void* device, size_t bytes);  // synchronous
+
 // ---- What the JIT launches (moe/moe_jit.cpp, docs/jit.md) share with the ahead-of-time ones: the
 // kernel argument (one layout for every dtype), the grid, block and shared memory. ----
 constexpr int kMoeRoutingBlock = 128;  // routing_kernel.cuh: kRoutingWarps tokens per block

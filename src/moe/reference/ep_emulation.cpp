@@ -31,9 +31,6 @@ void add_release(uint64_t* p, uint64_t v) { std::atomic_ref<uint64_t>(*p).fetch_
 
 size_t row_bytes(const EpConfig& c) { return size_t(c.hidden) * dtype_size(c.dtype); }
 size_t local_experts(const EpConfig& c) { return size_t(c.num_experts / c.world); }
-size_t region_header(const EpConfig& c) { return up16(16 + 8 * local_experts(c)); }
-size_t combine_row_bytes(const EpConfig& c) { return up16(row_bytes(c)); }
-size_t combine_header(const EpConfig& c) { return up16(8 * size_t(c.max_tokens)); }
 
 Status check_2d(const char* name, const TensorView& v, DType dt, int64_t rows, int64_t cols, const char* shape) {
   if (!v.defined() || (v.data == nullptr && v.ndim == 2 && v.shape[0] * v.shape[1] > 0)) return Status::invalid(std::string(name) + ": required, " + shape);
@@ -66,10 +63,13 @@ Status validate(const EpConfig& c) {
   return Status::ok();
 }
 
+size_t ep_region_header_bytes(const EpConfig& c) { return up16(16 + 8 * local_experts(c)); }
+size_t ep_combine_row_bytes(const EpConfig& c) { return up16(row_bytes(c)); }
+size_t ep_combine_header_bytes(const EpConfig& c) { return up16(8 * size_t(c.max_tokens)); }
 size_t ep_token_stride(const EpConfig& c) { return up16(row_bytes(c) + size_t(c.scale_bytes) + 4); }
-size_t ep_region_bytes(const EpConfig& c) { return region_header(c) + local_experts(c) * size_t(c.max_tokens) * ep_token_stride(c); }
+size_t ep_region_bytes(const EpConfig& c) { return ep_region_header_bytes(c) + local_experts(c) * size_t(c.max_tokens) * ep_token_stride(c); }
 size_t ep_rank_bytes(const EpConfig& c) {
-  return size_t(c.world) * ep_region_bytes(c) + combine_header(c) + size_t(c.max_tokens * c.top_k) * combine_row_bytes(c);
+  return size_t(c.world) * ep_region_bytes(c) + ep_combine_header_bytes(c) + size_t(c.max_tokens * c.top_k) * ep_combine_row_bytes(c);
 }
 
 void EpGroup::Free::operator()(uint8_t* p) const { ::operator delete[](p, std::align_val_t(kAlign)); }
@@ -103,7 +103,7 @@ uint64_t* EpAllToAll::counter(int owner, int64_t t) const {
   return reinterpret_cast<uint64_t*>(g_->memory(owner) + size_t(cfg_.world) * ep_region_bytes(cfg_)) + t;
 }
 uint8_t* EpAllToAll::combine_row(int owner, int64_t slot) const {
-  return g_->memory(owner) + size_t(cfg_.world) * ep_region_bytes(cfg_) + combine_header(cfg_) + size_t(slot) * combine_row_bytes(cfg_);
+  return g_->memory(owner) + size_t(cfg_.world) * ep_region_bytes(cfg_) + ep_combine_header_bytes(cfg_) + size_t(slot) * ep_combine_row_bytes(cfg_);
 }
 
 Status EpAllToAll::fail(const std::string& phase, Status s) {
@@ -195,7 +195,7 @@ Status EpAllToAll::dispatch(const TensorView& x, const TensorView& ids, const Te
     for (int j = 0; j < k; ++j) {
       const int e = id[t * k + j], dest = e / E_l, le = e % E_l;
       const uint32_t slot = cursor[size_t(dest * E_l + le)]++;
-      uint8_t* row = region(dest, rank_) + region_header(cfg_) + (size_t(le) * size_t(T) + slot) * stride;
+      uint8_t* row = region(dest, rank_) + ep_region_header_bytes(cfg_) + (size_t(le) * size_t(T) + slot) * stride;
       std::memcpy(row, xs + size_t(t) * rb, rb);
       if (sb) std::memcpy(row + rb, sc + size_t(t) * sb, sb);
       const int32_t src = int32_t(t * k + j);
@@ -243,7 +243,7 @@ Status EpAllToAll::dispatch(const TensorView& x, const TensorView& ids, const Te
   size_t i = 0;
   for (int le = 0; le < E_l; ++le)
     for (int s = 0; s < W; ++s) {
-      const uint8_t* base = region(rank_, s) + region_header(cfg_) + size_t(le) * size_t(T) * stride;
+      const uint8_t* base = region(rank_, s) + ep_region_header_bytes(cfg_) + size_t(le) * size_t(T) * stride;
       for (int32_t q = 0; q < r.counts_from[size_t(s * E_l + le)]; ++q, ++i) {
         const uint8_t* row = base + size_t(q) * stride;
         std::memcpy(r.x.data() + i * rb, row, rb);
@@ -302,7 +302,7 @@ Status EpAllToAll::combine(const TensorView& y, const TensorView& w, const Tenso
     }));
     CombineProblem p;
     p.expert_out = combine_row(rank_, t * k);
-    p.eo_stride = int64_t(combine_row_bytes(cfg_) / dtype_size(cfg_.dtype));
+    p.eo_stride = int64_t(ep_combine_row_bytes(cfg_) / dtype_size(cfg_.dtype));
     p.eo_dtype = cfg_.dtype;
     p.slot_rows = slots.data();
     p.slot_stride = k;

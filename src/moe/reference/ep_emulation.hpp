@@ -53,6 +53,9 @@ Status validate(const EpConfig& c);
 size_t ep_token_stride(const EpConfig& c);   // bytes of a token row in a receive region
 size_t ep_region_bytes(const EpConfig& c);   // one per-sender receive region
 size_t ep_rank_bytes(const EpConfig& c);     // world regions + the combine area
+size_t ep_region_header_bytes(const EpConfig& c);   // flags + counts, before a region's token rows
+size_t ep_combine_header_bytes(const EpConfig& c);  // the combine counters, before the combine rows
+size_t ep_combine_row_bytes(const EpConfig& c);     // one combine row (H * dtype bytes, to 16)
 
 // The mapped peer memory of all ranks (on GPUs: cuMem allocations exported as POSIX FDs and mapped by
 // every peer) and the group's abort cell.

@@ -1,0 +1,365 @@
+// The expert-parallel all-to-all on CUDA: the CPU emulation's protocol (moe/reference/ep_emulation.hpp,
+// docs/moe.md "Expert parallel") on peer memory, one rank's side, every kernel on the caller's stream.
+// Cells are 64-bit {epoch << 32 | value}, published with st.release.sys / red.release.sys and read with
+// ld.acquire.sys; every spin loop polls %globaltimer and the group's abort cell, and on a timeout or a
+// bad input records the first failure in the group's EpErrorRecord (one CAS) and returns (no trap: the
+// host reads the record, EpDeviceAllToAll::status).
+// Dispatch (round n):
+//   ep_arm_kernel        ids checked (range, distinct per token); own combine counters armed {n | 0}
+//   ep_send_kernel       block e per global expert: the (t, j) pairs with ids == e in token order (a
+//                        block scan: the stable slot), each row copied (16-byte stores) into region
+//                        `rank` of the owner's memory with its scales and int32 source slot t k + j;
+//                        then the count cell {n | count + 1} (fence.sys, st.release.sys)
+//   ep_recv_counts_kernel  one block: waits for every (sender, local expert) count, the row table
+//   ep_recv_copy_kernel  rows out of the regions, expert-contiguous in (local expert, sender, slot) order
+// Combine:
+//   ep_combine_send_kernel  each received row's expert output into its origin's combine area at slot
+//                           t k + j, then red.release.sys +1 on that token's counter
+//   ep_combine_flags_kernel {n | 1} into every peer's combine flag (this rank consumed its region)
+//   ep_combine_recv_kernel  per own token: wait for {n | k}, out = sum_j w_j y_j in fp32, one fma per j
+//                           in j order from 0 (the single-GPU combine: bit-equal), rounded once
+//   ep_combine_wait_kernel  every peer's combine flag (its outputs are out; the regions may be reused)
+// Constraints (ep_device.cpp checks them): world <= kEpMaxWorld, row bytes a multiple of 16, rows and
+// tensors 16-byte aligned.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "common/cuda/device_guard.hpp"
+#include "common/cuda/vector_io.cuh"
+#include "moe/cuda/launch.hpp"
+
+namespace encore::cuda {
+namespace {
+
+using moe::ep::EpDeviceParams;
+using moe::ep::EpErrorRecord;
+using u64 = unsigned long long;
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ u64 cell(uint32_t epoch, uint32_t value) { return u64(epoch) << 32 | value; }
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) { asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory"); }
+__device__ __forceinline__ void add_release_sys(u64* p, u64 v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ bool aborted(const EpDeviceParams& p) { return ld_acquire_sys(&p.err->abort) != 0; }
+
+// Records the group's first failure (later ones are dropped: the first is the cause).
+__device__ void fail(const EpDeviceParams& p, uint32_t phase, uint32_t what, int peer, int64_t index, u64 expected, u64 seen) {
+  if (atomicCAS_system(&p.err->abort, 0ull, cell(p.epoch, uint32_t(p.rank + 1))) != 0) return;
+  p.err->phase = phase;
+  p.err->what = what;
+  p.err->peer = peer;
+  p.err->index = int32_t(index);
+  p.err->expected = expected;
+  p.err->seen = seen;
+  __threadfence_system();
+}
+
+// Spins until done(value); false on the group's abort or a timeout (recorded).
+template <class Done>
+__device__ bool spin(const EpDeviceParams& p, const u64* c, Done done, uint32_t phase, uint32_t what, int peer, int64_t index, u64 expected) {
+  const u64 start = globaltimer();
+  for (uint32_t it = 0;; ++it) {
+    const u64 v = ld_acquire_sys(c);
+    if (done(v)) return true;
+    if ((it & 31) == 31) {
+      if (aborted(p)) return false;
+      if (globaltimer() - start > p.timeout_ns) {
+        fail(p, phase, what, peer, index, expected, v);
+        return false;
+      }
+      __nanosleep(200);
+    }
+  }
+}
+
+__device__ __forceinline__ uint8_t* region(const EpDeviceParams& p, int owner, int sender) { return p.mem[owner] + int64_t(sender) * p.region_bytes; }
+__device__ __forceinline__ u64* counter(const EpDeviceParams& p, int owner, int64_t t) {
+  return reinterpret_cast<u64*>(p.mem[owner] + int64_t(p.world) * p.region_bytes) + t;
+}
+__device__ __forceinline__ uint8_t* combine_row(const EpDeviceParams& p, int owner, int64_t slot) {
+  return p.mem[owner] + int64_t(p.world) * p.region_bytes + p.combine_header + slot * p.combine_row_bytes;
+}
+
+// n bytes (a multiple of 16, both 16-byte aligned) by the block's threads.
+__device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, int64_t n) {
+  for (int64_t i = int64_t(threadIdx.x) * 16; i < n; i += int64_t(blockDim.x) * 16)
+    *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+}
+
+__global__ void __launch_bounds__(kThreads) ep_arm_kernel(const __grid_constant__ EpDeviceParams p) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= p.m) return;
+  const int k = p.top_k;
+  for (int j = 0; j < k; ++j) {
+    const int32_t e = p.ids[t * k + j];
+    if (e < 0 || e >= p.num_experts) fail(p, moe::ep::kEpPhaseDispatch, moe::ep::kEpBadExpert, -1, t * k + j, 0, u64(uint32_t(e)));
+    for (int i = 0; i < j; ++i)
+      if (p.ids[t * k + i] == e) fail(p, moe::ep::kEpPhaseDispatch, moe::ep::kEpDuplicateExpert, -1, t * k + j, 0, u64(uint32_t(e)));
+  }
+  // Program order before this rank's release stores (next kernel, after its fence): a peer's add always
+  // lands on the armed value.
+  *counter(p, p.rank, t) = cell(p.epoch, 0);
+}
+
+__global__ void __launch_bounds__(kThreads) ep_send_kernel(const __grid_constant__ EpDeviceParams p) {
+  __shared__ int32_t warp_n[kThreads / 32];
+  __shared__ int32_t pairs[kThreads];
+  __shared__ int32_t chunk_n;
+  if (aborted(p)) return;
+  const int e = blockIdx.x, dest = e / p.e_local, le = e - dest * p.e_local, k = p.top_k;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t total = p.m * k;
+  uint8_t* rows = region(p, dest, p.rank) + p.region_header + int64_t(le) * p.max_tokens * p.token_stride;
+  int32_t base = 0;
+  for (int64_t i0 = 0; i0 < total; i0 += kThreads) {
+    const int64_t i = i0 + threadIdx.x;
+    const bool hit = i < total && __ldg(p.ids + i) == e;
+    const unsigned mask = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0) warp_n[warp] = __popc(mask);
+    __syncthreads();
+    int32_t before = 0, n = 0;
+    for (int w = 0; w < kThreads / 32; ++w) {
+      before += w < warp ? warp_n[w] : 0;
+      n += warp_n[w];
+    }
+    if (hit) pairs[before + __popc(mask & ((1u << lane) - 1))] = int32_t(i);
+    if (threadIdx.x == 0) chunk_n = n;
+    __syncthreads();
+    for (int q = 0; q < chunk_n; ++q) {  // rows in token order: slot base + q
+      const int32_t src = pairs[q];
+      uint8_t* row = rows + int64_t(base + q) * p.token_stride;
+      copy16(row, p.x + int64_t(src / k) * p.row_bytes, p.row_bytes);
+      for (int64_t b = threadIdx.x; b < p.scale_bytes + 4; b += blockDim.x)
+        row[p.row_bytes + b] = b < p.scale_bytes ? p.scales[int64_t(src / k) * p.scale_bytes + b]
+                                                 : uint8_t(uint32_t(src) >> (8 * (b - p.scale_bytes)));
+    }
+    base += chunk_n;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's rows (and the armed counters) before the count
+    u64* cells = reinterpret_cast<u64*>(region(p, dest, p.rank));
+    st_release_sys(cells + 2 + le, cell(p.epoch, uint32_t(base + 1)));
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) ep_recv_counts_kernel(const __grid_constant__ EpDeviceParams p) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  const int W = p.world, El = p.e_local;
+  for (int c = threadIdx.x; c < W * El; c += blockDim.x) {
+    const int s = c / El, le = c - s * El;
+    const u64* cells = reinterpret_cast<const u64*>(region(p, p.rank, s));
+    const u64 want = cell(p.epoch, 1);
+    u64 v = 0;
+    const bool got = spin(
+        p, cells + 2 + le, [&](u64 x) { return (x >> 32) == p.epoch && uint32_t(x) >= 1 && ((v = x), true); }, moe::ep::kEpPhaseReceive,
+        moe::ep::kEpTimeoutCount, s, int64_t(p.rank) * El + le, want);
+    if (!got) {
+      ok = 0;
+      continue;
+    }
+    const int64_t n = int64_t(uint32_t(v)) - 1;
+    if (n > p.max_tokens) {
+      fail(p, moe::ep::kEpPhaseReceive, moe::ep::kEpBadCount, s, int64_t(p.rank) * El + le, cell(p.epoch, uint32_t(p.max_tokens + 1)), v);
+      ok = 0;
+      continue;
+    }
+    p.counts_from[c] = int32_t(n);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (!ok) {  // nothing received this round: an empty table, so the copy and combine kernels do nothing
+    for (int c = 0; c <= W * El; ++c) p.table[c] = 0;
+    for (int le = 0; le <= El; ++le) p.offsets[le] = 0;
+    for (int le = 0; le < El; ++le) p.counts[le] = 0;
+    return;
+  }
+  int32_t at = 0;
+  for (int le = 0; le < El; ++le) {
+    p.offsets[le] = at;
+    for (int s = 0; s < W; ++s) {
+      p.table[le * W + s] = at;
+      at += p.counts_from[s * El + le];
+    }
+    p.counts[le] = at - p.offsets[le];
+  }
+  p.offsets[El] = at;
+  p.table[W * El] = at;
+}
+
+__global__ void __launch_bounds__(kThreads) ep_recv_copy_kernel(const __grid_constant__ EpDeviceParams p) {
+  const int W = p.world, cells = W * p.e_local;
+  const int32_t total = p.table[cells];
+  for (int32_t i = blockIdx.x; i < total; i += gridDim.x) {
+    int lo = 0, hi = cells - 1;  // the last table entry <= i (empty (le, s) pairs repeat an entry)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.table[mid] <= i) lo = mid;
+      else hi = mid - 1;
+    }
+    const int le = lo / W, s = lo - le * W;
+    const int32_t q = i - p.table[lo];
+    const uint8_t* row = region(p, p.rank, s) + p.region_header + (int64_t(le) * p.max_tokens + q) * p.token_stride;
+    copy16(p.rx + int64_t(i) * p.row_bytes, row, p.row_bytes);
+    for (int64_t b = threadIdx.x; b < p.scale_bytes; b += blockDim.x) p.rscales[int64_t(i) * p.scale_bytes + b] = row[p.row_bytes + b];
+    if (threadIdx.x == 0) {
+      uint32_t src = 0;
+      for (int b = 0; b < 4; ++b) src |= uint32_t(row[p.row_bytes + p.scale_bytes + b]) << (8 * b);
+      if (int64_t(src) >= p.max_tokens * p.top_k) fail(p, moe::ep::kEpPhaseReceive, moe::ep::kEpBadSlot, s, i, 0, src);
+      p.src_rank[i] = s;
+      p.src_slot[i] = int32_t(src);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) ep_combine_send_kernel(const __grid_constant__ EpDeviceParams p) {
+  if (aborted(p)) return;
+  const int32_t total = p.offsets[p.e_local];
+  for (int32_t i = blockIdx.x; i < total; i += gridDim.x) {
+    const int origin = p.src_rank[i];
+    const int32_t slot = p.src_slot[i];
+    copy16(combine_row(p, origin, slot), p.y + int64_t(i) * p.row_bytes, p.row_bytes);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      add_release_sys(counter(p, origin, slot / p.top_k), 1);
+    }
+  }
+}
+
+__global__ void ep_combine_flags_kernel(const __grid_constant__ EpDeviceParams p) {
+  const int s = threadIdx.x;
+  if (s >= p.world || aborted(p)) return;
+  __threadfence_system();  // the previous kernel's rows and adds before the flag
+  st_release_sys(reinterpret_cast<u64*>(region(p, s, p.rank)) + 1, cell(p.epoch, 1));
+}
+
+template <typename TI, typename TO>
+__global__ void __launch_bounds__(kThreads) ep_combine_recv_kernel(const __grid_constant__ EpDeviceParams p) {
+  __shared__ int ready;
+  const int k = p.top_k;
+  const int64_t H = p.row_bytes / int64_t(sizeof(TI));
+  for (int64_t t = blockIdx.x; t < p.m; t += gridDim.x) {
+    if (threadIdx.x == 0) {
+      const u64 want = cell(p.epoch, uint32_t(k));
+      ready = spin(p, counter(p, p.rank, t), [&](u64 v) { return v == want; }, moe::ep::kEpPhaseCombine, moe::ep::kEpTimeoutToken, -1, t, want);
+    }
+    __syncthreads();
+    if (!ready) return;
+    const TI* rows = reinterpret_cast<const TI*>(combine_row(p, p.rank, t * k));
+    const int64_t ld = p.combine_row_bytes / int64_t(sizeof(TI));
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+      float acc = 0.0f;
+      for (int j = 0; j < k; ++j) acc = __fmaf_rn(p.weights[t * k + j], to_float<TI>(rows[j * ld + h]), acc);
+      static_cast<TO*>(p.out)[t * H + h] = from_float<TO>(acc);
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void ep_combine_wait_kernel(const __grid_constant__ EpDeviceParams p) {
+  const int s = threadIdx.x;
+  if (s >= p.world) return;
+  const u64 want = cell(p.epoch, 1);
+  spin(p, reinterpret_cast<const u64*>(region(p, p.rank, s)) + 1, [&](u64 v) { return v == want; }, moe::ep::kEpPhaseSync,
+       moe::ep::kEpTimeoutFlag, s, -1, want);
+}
+
+template <typename TI>
+void* pick_combine(DType out) {
+  switch (out) {
+    case DType::kFP32: return reinterpret_cast<void*>(ep_combine_recv_kernel<TI, float>);
+    case DType::kBF16: return reinterpret_cast<void*>(ep_combine_recv_kernel<TI, __nv_bfloat16>);
+    case DType::kFP16: return reinterpret_cast<void*>(ep_combine_recv_kernel<TI, __half>);
+    default: return nullptr;
+  }
+}
+
+Status launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status::cuda_error(std::string("ep ") + what + " launch: " + cudaGetErrorString(e));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status launch_ep_dispatch(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (p.m > 0) {
+    ep_arm_kernel<<<unsigned((p.m + kThreads - 1) / kThreads), kThreads, 0, s>>>(p);
+    ENCORE_RETURN_IF_ERROR(launched("arm"));
+  }
+  ep_send_kernel<<<unsigned(p.num_experts), kThreads, 0, s>>>(p);
+  ENCORE_RETURN_IF_ERROR(launched("send"));
+  ep_recv_counts_kernel<<<1, kThreads, 0, s>>>(p);
+  ENCORE_RETURN_IF_ERROR(launched("receive counts"));
+  ep_recv_copy_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
+  return launched("receive copy");
+}
+
+Status launch_ep_combine(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  const auto s = static_cast<cudaStream_t>(stream);
+  void* recv = nullptr;
+  switch (p.dtype) {
+    case DType::kFP32: recv = pick_combine<float>(p.out_dtype); break;
+    case DType::kBF16: recv = pick_combine<__nv_bfloat16>(p.out_dtype); break;
+    case DType::kFP16: recv = pick_combine<__half>(p.out_dtype); break;
+    default: break;
+  }
+  if (!recv) return Status::internal(std::string("ep combine: no CUDA kernel for ") + dtype_name(p.dtype) + " -> " + dtype_name(p.out_dtype));
+  ep_combine_send_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
+  ENCORE_RETURN_IF_ERROR(launched("combine send"));
+  ep_combine_flags_kernel<<<1, 32, 0, s>>>(p);
+  ENCORE_RETURN_IF_ERROR(launched("combine flags"));
+  if (p.m > 0) {
+    const unsigned grid = unsigned(p.m < 8 ? p.m : 8);  // spinning blocks: few, so the peers' senders find SMs
+    void* args[] = {const_cast<moe::ep::EpDeviceParams*>(&p)};
+    const cudaError_t e = cudaLaunchKernel(recv, dim3(grid), dim3(kThreads), args, 0, s);
+    if (e != cudaSuccess) return Status::cuda_error(std::string("ep combine receive launch: ") + cudaGetErrorString(e));
+  }
+  ep_combine_wait_kernel<<<1, 32, 0, s>>>(p);
+  return launched("combine wait");
+}
+
+Status ep_device_alloc(size_t bytes, int device_index, void** out) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  cudaError_t e = cudaMalloc(out, bytes);
+  if (e == cudaSuccess) e = cudaMemset(*out, 0, bytes);
+  if (e != cudaSuccess) return Status::cuda_error(std::string("ep: cudaMalloc / cudaMemset of ") + std::to_string(bytes) + " bytes: " + cudaGetErrorString(e));
+  return Status::ok();
+}
+
+void ep_device_free(void* p) {
+  if (p) cudaFree(p);
+}
+
+Status ep_device_read(void* host, const void* device, size_t bytes) {
+  const cudaError_t e = cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost);
+  if (e != cudaSuccess) return Status::cuda_error(std::string("ep: reading device memory: ") + cudaGetErrorString(e));
+  return Status::ok();
+}
+
+}  // namespace encore::cuda

@@ -1,0 +1,242 @@
+// The CUDA expert-parallel all-to-all's host side (ep_device.hpp): memory, validation, the kernel
+// argument, and the device error record turned into a message.
+#include "moe/ep_device.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "core/checks.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "moe/cuda/launch.hpp"
+#endif
+
+namespace encore::moe::ep {
+namespace {
+
+size_t up256(size_t n) { return (n + 255) / 256 * 256; }
+std::string show(unsigned long long v) {
+  return "{epoch " + std::to_string(v >> 32) + ", value " + std::to_string(uint32_t(v)) + "}";
+}
+const char* phase_name(uint32_t p) {
+  switch (p) {
+    case kEpPhaseDispatch: return "dispatch";
+    case kEpPhaseReceive: return "dispatch (receive)";
+    case kEpPhaseCombine: return "combine";
+    case kEpPhaseSync: return "combine (sync)";
+    default: return "?";
+  }
+}
+
+// The record's failure in words, as the failing rank reports it.
+std::string describe(const EpErrorRecord& r, const EpConfig& c) {
+  const int k = c.top_k;
+  switch (r.what) {
+    case kEpBadExpert:
+      return "topk_ids: entry [" + std::to_string(r.index / k) + ", " + std::to_string(r.index % k) + "] = " + std::to_string(int32_t(r.seen)) +
+             " is outside [0, num_experts = " + std::to_string(c.num_experts) + ")";
+    case kEpDuplicateExpert:
+      return "topk_ids: token " + std::to_string(r.index / k) + " lists expert " + std::to_string(int32_t(r.seen)) + " twice";
+    case kEpTimeoutCount:
+      return "timed out after " + std::to_string(c.timeout.count()) + " ms waiting for rank " + std::to_string(r.peer) + "'s count of expert " +
+             std::to_string(r.index) + " (expected {epoch " + std::to_string(r.expected >> 32) + ", count + 1 >= 1}), saw " + show(r.seen);
+    case kEpBadCount:
+      return "rank " + std::to_string(r.peer) + "'s count of expert " + std::to_string(r.index) + " is " + show(r.seen) + ", above max_tokens + 1";
+    case kEpBadSlot:
+      return "received row " + std::to_string(r.index) + " from rank " + std::to_string(r.peer) + " has source slot " + std::to_string(r.seen) +
+             ", outside [0, max_tokens * k)";
+    case kEpTimeoutToken:
+      return "timed out after " + std::to_string(c.timeout.count()) + " ms waiting for token " + std::to_string(r.index) +
+             "'s combine counter (expected " + show(r.expected) + ": all top_k outputs), saw " + show(r.seen);
+    case kEpTimeoutFlag:
+      return "timed out after " + std::to_string(c.timeout.count()) + " ms waiting for rank " + std::to_string(r.peer) +
+             "'s combine flag (expected " + show(r.expected) + "), saw " + show(r.seen);
+    default: return "unknown failure " + std::to_string(r.what);
+  }
+}
+
+Status device_tensor(const char* name, const TensorView& v, DType dt, int64_t rows, int64_t cols, const char* shape, int device) {
+  if (!v.defined() || v.ndim != 2) return Status::invalid(std::string(name) + ": must be 2-d " + shape + ", got " + v.shape_string());
+  if (v.dtype != dt) return Status::invalid(std::string(name) + ": dtype must be " + dtype_name(dt) + ", got " + dtype_name(v.dtype));
+  if (!v.device.is_cuda() || v.device.index != device)
+    return Status::invalid(std::string(name) + ": must be on CUDA device " + std::to_string(device) + " (the group's)");
+  if ((rows >= 0 && v.shape[0] != rows) || v.shape[1] != cols)
+    return Status::invalid(std::string(name) + ": shape must be " + shape + " = [" + std::to_string(rows) + ", " + std::to_string(cols) + "], got " +
+                           v.shape_string());
+  if (!v.is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous");
+  if (v.shape[0] * v.shape[1] > 0 && !checks::aligned(v.data, 16)) return Status::invalid(std::string(name) + ": must be 16-byte aligned");
+  return Status::ok();
+}
+
+}  // namespace
+
+EpDeviceGroup::~EpDeviceGroup() {
+#ifdef ENCORE_WITH_CUDA
+  cuda::ep_device_free(block_);
+#endif
+}
+
+Status EpDeviceGroup::create_on_one_device(const EpConfig& c, int device, std::unique_ptr<EpDeviceGroup>* out) {
+  ENCORE_RETURN_IF_ERROR(validate(c));
+  if (!out) return Status::invalid("out: required");
+  if (c.world > kEpMaxWorld) return Status::unsupported("world: at most " + std::to_string(kEpMaxWorld) + " ranks, got " + std::to_string(c.world));
+  if ((size_t(c.hidden) * dtype_size(c.dtype)) % 16 != 0)
+    return Status::unsupported("hidden: H * dtype bytes must be a multiple of 16 on CUDA, got " + std::to_string(c.hidden) + " x " +
+                               std::to_string(dtype_size(c.dtype)));
+#ifdef ENCORE_WITH_CUDA
+  std::unique_ptr<EpDeviceGroup> g(new EpDeviceGroup());
+  g->cfg_ = c;
+  g->device_ = device;
+  const size_t rank_bytes = up256(ep_rank_bytes(c));
+  ENCORE_RETURN_IF_ERROR(cuda::ep_device_alloc(256 + size_t(c.world) * rank_bytes, device, &g->block_));
+  auto* base = static_cast<uint8_t*>(g->block_);
+  g->err_ = reinterpret_cast<EpErrorRecord*>(base);
+  for (int r = 0; r < c.world; ++r) g->mem_[r] = base + 256 + size_t(r) * rank_bytes;
+  *out = std::move(g);
+  return Status::ok();
+#else
+  (void)device;
+  return Status::unsupported("EpDeviceGroup: encore was built without CUDA");
+#endif
+}
+
+Status EpDeviceGroup::status(int asking) const {
+  EpErrorRecord r{};
+#ifdef ENCORE_WITH_CUDA
+  ENCORE_RETURN_IF_ERROR(cuda::ep_device_read(&r, err_, sizeof(r)));
+#endif
+  if (r.abort == 0) return Status::ok();
+  const int who = int(uint32_t(r.abort)) - 1;
+  const std::string round = std::to_string(r.abort >> 32);
+  const std::string what = "ep rank " + std::to_string(who) + ": " + phase_name(r.phase) + " round " + round + ": " + describe(r, cfg_);
+  if (who == asking) return Status::internal(what);
+  return Status::internal("ep rank " + std::to_string(asking) + ": aborted (round " + round + ") because rank " + std::to_string(who) + " failed: " + what);
+}
+
+EpDeviceAllToAll::~EpDeviceAllToAll() {
+#ifdef ENCORE_WITH_CUDA
+  cuda::ep_device_free(block_);
+#endif
+}
+
+Status EpDeviceAllToAll::create(EpDeviceGroup* group, int rank, std::unique_ptr<EpDeviceAllToAll>* out) {
+  if (!group) return Status::invalid("group: required");
+  if (!out) return Status::invalid("out: required");
+  const EpConfig& c = group->config();
+  if (rank < 0 || rank >= c.world) return Status::invalid("rank: must be in [0, world = " + std::to_string(c.world) + "), got " + std::to_string(rank));
+#ifdef ENCORE_WITH_CUDA
+  std::unique_ptr<EpDeviceAllToAll> a(new EpDeviceAllToAll());
+  a->g_ = group;
+  a->rank_ = rank;
+  const int W = c.world, El = c.num_experts / c.world;
+  const int64_t rows = int64_t(W) * c.max_tokens * std::min(c.top_k, El);
+  const size_t rb = size_t(c.hidden) * dtype_size(c.dtype), sb = size_t(c.scale_bytes);
+  const size_t ints = size_t(El) + size_t(El + 1) + size_t(W * El) + size_t(W * El + 1) + 2 * size_t(rows);
+  const size_t bytes = up256(ints * 4) + up256(size_t(rows) * rb) + up256(size_t(rows) * sb);
+  ENCORE_RETURN_IF_ERROR(cuda::ep_device_alloc(bytes, group->device(), &a->block_));
+  auto* i32 = static_cast<int32_t*>(a->block_);
+  EpDeviceReceived& r = a->recv_;
+  r.counts = i32;
+  r.offsets = r.counts + El;
+  r.counts_from = r.offsets + El + 1;
+  a->table_ = const_cast<int32_t*>(r.counts_from) + W * El;
+  r.src_rank = a->table_ + W * El + 1;
+  r.src_slot = r.src_rank + rows;
+  r.x = static_cast<const uint8_t*>(a->block_) + up256(ints * 4);
+  r.scales = r.x + up256(size_t(rows) * rb);
+  r.max_rows = rows;
+  *out = std::move(a);
+  return Status::ok();
+#else
+  return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
+#endif
+}
+
+EpDeviceParams EpDeviceAllToAll::params() const {
+  const EpConfig& c = g_->config();
+  EpDeviceParams p;
+  for (int r = 0; r < c.world; ++r) p.mem[r] = g_->memory(r);
+  p.err = g_->error_record();
+  p.world = c.world;
+  p.rank = rank_;
+  p.e_local = c.num_experts / c.world;
+  p.top_k = c.top_k;
+  p.num_experts = c.num_experts;
+  p.epoch = epoch_;
+  p.timeout_ns = static_cast<unsigned long long>(c.timeout.count()) * 1000000ull;
+  p.max_tokens = c.max_tokens;
+  p.m = m_;
+  p.row_bytes = int64_t(size_t(c.hidden) * dtype_size(c.dtype));
+  p.scale_bytes = c.scale_bytes;
+  p.token_stride = int64_t(ep_token_stride(c));
+  p.region_bytes = int64_t(ep_region_bytes(c));
+  p.region_header = int64_t(ep_region_header_bytes(c));
+  p.combine_header = int64_t(ep_combine_header_bytes(c));
+  p.combine_row_bytes = int64_t(ep_combine_row_bytes(c));
+  p.dtype = c.dtype;
+  p.counts = const_cast<int32_t*>(recv_.counts);
+  p.offsets = const_cast<int32_t*>(recv_.offsets);
+  p.counts_from = const_cast<int32_t*>(recv_.counts_from);
+  p.table = table_;
+  p.src_rank = const_cast<int32_t*>(recv_.src_rank);
+  p.src_slot = const_cast<int32_t*>(recv_.src_slot);
+  p.rx = const_cast<uint8_t*>(recv_.x);
+  p.rscales = const_cast<uint8_t*>(recv_.scales);
+  p.max_rows = recv_.max_rows;
+  p.grid = 132;
+  return p;
+}
+
+Status EpDeviceAllToAll::dispatch(const TensorView& x, const TensorView& ids, const TensorView& scales, Stream stream) {
+  const EpConfig& c = g_->config();
+  const std::string phase = "ep rank " + std::to_string(rank_) + ": dispatch round " + std::to_string(epoch_ + 1) + ": ";
+  if (in_round_) return Status::invalid(phase + "dispatch called twice without a combine between them");
+  if (!x.defined() || x.ndim != 2) return Status::invalid(phase + "x: must be 2-d [m, H], got " + x.shape_string());
+  const int64_t m = x.shape[0];
+  if (m > c.max_tokens) return Status::invalid(phase + "x: m = " + std::to_string(m) + " tokens exceeds max_tokens = " + std::to_string(c.max_tokens));
+  const int dev = g_->device();
+  Status s = device_tensor("x", x, c.dtype, m, c.hidden, "[m, H]", dev);
+  if (s) s = device_tensor("topk_ids", ids, DType::kInt32, m, c.top_k, "[m, k]", dev);
+  if (s && c.scale_bytes > 0) s = device_tensor("scales", scales, DType::kUInt8, m, c.scale_bytes, "[m, scale_bytes]", dev);
+  else if (s && scales.defined()) s = Status::invalid("scales: given but the config has scale_bytes = 0");
+  if (!s) return Status(s.code(), phase + s.message());
+#ifdef ENCORE_WITH_CUDA
+  ++epoch_;
+  m_ = m;
+  in_round_ = true;
+  EpDeviceParams p = params();
+  p.x = static_cast<const uint8_t*>(x.data);
+  p.ids = static_cast<const int32_t*>(ids.data);
+  p.scales = static_cast<const uint8_t*>(scales.data);
+  return cuda::launch_ep_dispatch(p, dev, stream);
+#else
+  (void)stream;
+  return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
+#endif
+}
+
+Status EpDeviceAllToAll::combine(const TensorView& y, const TensorView& w, const TensorView& out, Stream stream) {
+  const EpConfig& c = g_->config();
+  const std::string phase = "ep rank " + std::to_string(rank_) + ": combine round " + std::to_string(epoch_) + ": ";
+  if (!in_round_) return Status::invalid(phase + "combine called without a dispatch before it");
+  const int dev = g_->device();
+  Status s = device_tensor("expert_out", y, c.dtype, recv_.max_rows, c.hidden, "[max_rows, H]", dev);
+  if (s) s = device_tensor("topk_weights", w, DType::kFP32, m_, c.top_k, "[m, k]", dev);
+  if (s && out.defined() && out.dtype != DType::kBF16 && out.dtype != DType::kFP16 && out.dtype != DType::kFP32)
+    s = Status::invalid(std::string("out: dtype must be bf16, fp16 or fp32, got ") + dtype_name(out.dtype));
+  if (s) s = device_tensor("out", out, out.dtype, m_, c.hidden, "[m, H]", dev);
+  if (!s) return Status(s.code(), phase + s.message());
+  in_round_ = false;
+#ifdef ENCORE_WITH_CUDA
+  EpDeviceParams p = params();
+  p.y = static_cast<const uint8_t*>(y.data);
+  p.weights = static_cast<const float*>(w.data);
+  p.out = out.data;
+  p.out_dtype = out.dtype;
+  return cuda::launch_ep_combine(p, dev, stream);
+#else
+  (void)stream;
+  return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
+#endif
+}
+
+}  // namespace encore::moe::ep

@@ -1,0 +1,90 @@
+// The expert-parallel all-to-all on CUDA (issue 33's peer-memory path): the CPU emulation's protocol and
+// layout (reference/ep_emulation.hpp) run by the kernels of cuda/ep_kernels.cu on every rank's memory.
+// EpDeviceGroup owns every rank's memory; today only on one GPU (create_on_one_device: the protocol's
+// single-GPU test bed, each rank's kernels on its own stream); the multi-GPU mapping (cuMem VMM
+// allocations exported as POSIX file descriptors and mapped by every peer) is not built yet, nor the
+// NCCL fallback inside this class (the collective path is encore.moe_forward_ep).
+// EpDeviceAllToAll is one rank's end (pplx-kernels' AllToAll shape): dispatch and combine are enqueued
+// on the caller's stream (no allocation, no synchronization); a failure anywhere in the group (a bad
+// topk_ids entry, a timeout) is recorded on the device, every rank's kernels give up, and status() reads
+// the record as a message naming the rank, the round and the cell, once the caller has synchronized.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+#include "moe/problem.hpp"
+#include "moe/reference/ep_emulation.hpp"
+
+namespace encore::moe::ep {
+
+class EpDeviceGroup {
+ public:
+  // Every rank's ep_rank_bytes(c) and the error record on CUDA device `device`, zeroed. world <= 8;
+  // H * dtype bytes a multiple of 16.
+  static Status create_on_one_device(const EpConfig& c, int device, std::unique_ptr<EpDeviceGroup>* out);
+  ~EpDeviceGroup();
+  EpDeviceGroup(const EpDeviceGroup&) = delete;
+  EpDeviceGroup& operator=(const EpDeviceGroup&) = delete;
+  const EpConfig& config() const { return cfg_; }
+  int device() const { return device_; }
+  uint8_t* memory(int rank) const { return mem_[rank]; }
+  EpErrorRecord* error_record() const { return err_; }
+  // ok while healthy, else the group's first failure as rank `asking` reports it (reads device memory:
+  // call after synchronizing every rank's stream).
+  Status status(int asking) const;
+
+ private:
+  EpDeviceGroup() = default;
+  EpConfig cfg_;
+  int device_ = 0;
+  void* block_ = nullptr;  // one allocation: the error record, then every rank's memory
+  uint8_t* mem_[kEpMaxWorld] = {};
+  EpErrorRecord* err_ = nullptr;
+};
+
+// What a rank received in its last dispatch (device memory, valid until the next dispatch):
+// counts [E_l], offsets [E_l + 1], counts_from [W, E_l], src_rank / src_slot [max_rows] (origin rank,
+// t * k + j), x [max_rows, H] (config dtype), scales [max_rows, scale_bytes]; rows [offsets[E_l],
+// max_rows) unwritten. Row order as EpReceived: expert-contiguous, then (source rank, source token).
+struct EpDeviceReceived {
+  const int32_t *counts = nullptr, *offsets = nullptr, *counts_from = nullptr, *src_rank = nullptr, *src_slot = nullptr;
+  const uint8_t *x = nullptr, *scales = nullptr;
+  int64_t max_rows = 0;  // world * max_tokens * min(k, E_l)
+};
+
+class EpDeviceAllToAll {
+ public:
+  static Status create(EpDeviceGroup* group, int rank, std::unique_ptr<EpDeviceAllToAll>* out);
+  ~EpDeviceAllToAll();
+  EpDeviceAllToAll(const EpDeviceAllToAll&) = delete;
+  EpDeviceAllToAll& operator=(const EpDeviceAllToAll&) = delete;
+
+  // x [m, H] (config dtype), topk_ids [m, k] int32 (in [0, E), distinct per token: checked on the
+  // device), scales [m, scale_bytes] uint8 when scale_bytes > 0; CUDA tensors on the group's device,
+  // contiguous, 16-byte aligned; m in [0, max_tokens].
+  Status dispatch(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, Stream stream);
+  const EpDeviceReceived& received() const { return recv_; }
+  // expert_out [max_rows, H] (config dtype; its first offsets[E_l] rows in the received order),
+  // topk_weights [m, k] fp32, out [m, H] bf16 / fp16 / fp32: out[t] = sum_j w[t, j] y(t, j) in fp32, one
+  // fma per j in j order (the single-GPU combine, so the layer equals it bit for bit).
+  Status combine(const TensorView& expert_out, const TensorView& topk_weights, const TensorView& out, Stream stream);
+  Status status() const { return g_->status(rank_); }
+  int rank() const { return rank_; }
+  uint32_t epoch() const { return epoch_; }
+
+ private:
+  EpDeviceAllToAll() = default;
+  EpDeviceParams params() const;  // the layout, the group's pointers and this rank's buffers
+  EpDeviceGroup* g_ = nullptr;
+  int rank_ = 0;
+  uint32_t epoch_ = 0;
+  bool in_round_ = false;
+  int64_t m_ = 0;
+  void* block_ = nullptr;  // the received buffers
+  EpDeviceReceived recv_;
+  int32_t* table_ = nullptr;
+};
+
+}  // namespace encore::moe::ep

@@ -1,0 +1,310 @@
+// The CUDA EP all-to-all (src/moe/ep_device.hpp, cuda/ep_kernels.cu) on one GPU, every rank's memory
+// on it and every rank's kernels on their own stream, against the CPU emulation of the same protocol
+// (reference/ep_emulation.hpp) run on the same inputs: world 2 and 4, bf16 and fp32 with 12 scale bytes,
+// ranks with 0 tokens and at max_tokens, experts nobody picks. Identity experts (expert_out = the
+// received rows), so the combine sums each token's own row with its weights: received counts, offsets,
+// origins, rows and scales, and the combined output, all bit-equal to the emulation's; three rounds on
+// the same buffers (the second repeating the first bit for bit, the third with other token counts). A
+// rank that never dispatches makes its peer time out with a diagnostic (no hang); a bad expert id on one
+// rank fails every rank, naming it.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moe/ep_device.hpp"
+#include "moe/reference/ep_emulation.hpp"
+#include "testing/host_tensor.hpp"
+#include "tests/common/device_buffer.hpp"
+
+namespace encore::test {
+namespace {
+
+using namespace encore::moe::ep;
+using Bytes = std::vector<uint8_t>;
+
+TensorView mat(const void* p, DType t, int64_t r, int64_t c, Device d = {}) {
+  return TensorView::contiguous(const_cast<void*>(p), t, {r, c}, d);
+}
+const Device kGpu{DeviceType::kCUDA, 0};
+
+template <class T>
+std::vector<T> fetch(const T* dev, size_t n) {
+  std::vector<T> h(n);
+  if (n) EXPECT_EQ(cudaMemcpy(h.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
+}
+
+struct RankInput {
+  Bytes x, scales, w;          // [m, H] dtype, [m, sb], [m, k] fp32
+  std::vector<int32_t> ids;    // [m, k], distinct per token
+};
+
+RankInput make_input(const EpConfig& c, int64_t m, const std::vector<int>& dead, std::mt19937_64& rng) {
+  RankInput in;
+  in.x.resize(size_t(m * c.hidden) * dtype_size(c.dtype));
+  std::normal_distribution<double> nd(0.0, 1.0);
+  for (int64_t i = 0; i < m * c.hidden; ++i) store_from_double(in.x.data(), c.dtype, i, nd(rng));
+  in.scales.resize(size_t(m * c.scale_bytes));
+  for (auto& b : in.scales) b = uint8_t(rng());
+  in.w.resize(size_t(m * c.top_k) * 4);
+  std::vector<int> live;
+  for (int e = 0; e < c.num_experts; ++e)
+    if (std::find(dead.begin(), dead.end(), e) == dead.end()) live.push_back(e);
+  for (int64_t t = 0; t < m; ++t) {
+    std::shuffle(live.begin(), live.end(), rng);
+    for (int j = 0; j < c.top_k; ++j) {
+      in.ids.push_back(live[size_t(j)]);
+      const float wt = float(0.1 + 0.9 * std::uniform_real_distribution<double>(0, 1)(rng));
+      std::memcpy(in.w.data() + size_t(t * c.top_k + j) * 4, &wt, 4);
+    }
+  }
+  return in;
+}
+
+// What one rank ends a round with (the emulation's or the device's).
+struct RankResult {
+  std::vector<int32_t> counts, offsets, src_rank, src_slot;
+  Bytes x, scales, out;
+};
+
+void run_ranks(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) th.emplace_back(fn, r);
+  for (auto& t : th) t.join();
+}
+
+// The emulation: dispatch, identity experts, combine into fp32 out.
+std::vector<RankResult> emulate(EpGroup& g, std::vector<std::unique_ptr<EpAllToAll>>& ends, const std::vector<RankInput>& in) {
+  const EpConfig& c = g.config();
+  std::vector<RankResult> res(size_t(c.world));
+  run_ranks(c.world, [&](int r) {
+    const RankInput& ri = in[size_t(r)];
+    const int64_t m = int64_t(ri.ids.size()) / c.top_k;
+    EpReceived recv;
+    Status s = ends[size_t(r)]->dispatch(mat(ri.x.data(), c.dtype, m, c.hidden), mat(ri.ids.data(), DType::kInt32, m, c.top_k),
+                                         c.scale_bytes ? mat(ri.scales.data(), DType::kUInt8, m, c.scale_bytes) : TensorView{}, &recv);
+    EXPECT_TRUE(s) << s.to_string();
+    RankResult& o = res[size_t(r)];
+    o.counts = recv.counts;
+    o.offsets = recv.offsets;
+    o.src_rank = recv.src_rank;
+    for (int64_t i = 0; i < recv.rows(); ++i) o.src_slot.push_back(recv.src_token[size_t(i)] * c.top_k + recv.src_k[size_t(i)]);
+    o.x = recv.x;
+    o.scales = recv.scales;
+    o.out.resize(size_t(m * c.hidden) * 4);
+    s = ends[size_t(r)]->combine(mat(recv.x.data(), c.dtype, recv.rows(), c.hidden), mat(ri.w.data(), DType::kFP32, m, c.top_k),
+                                 mat(o.out.data(), DType::kFP32, m, c.hidden));
+    EXPECT_TRUE(s) << s.to_string();
+  });
+  return res;
+}
+
+// The device: every rank's dispatch enqueued, then every rank's combine (received rows as expert_out).
+struct DeviceRanks {
+  std::unique_ptr<EpDeviceGroup> g;
+  std::vector<std::unique_ptr<EpDeviceAllToAll>> ends;
+  std::vector<cudaStream_t> streams;
+  explicit DeviceRanks(const EpConfig& c) {
+    const Status s = EpDeviceGroup::create_on_one_device(c, 0, &g);
+    EXPECT_TRUE(s) << s.to_string();
+    if (!s) return;
+    for (int r = 0; r < c.world; ++r) {
+      std::unique_ptr<EpDeviceAllToAll> a;
+      const Status sa = EpDeviceAllToAll::create(g.get(), r, &a);
+      EXPECT_TRUE(sa) << sa.to_string();
+      ends.push_back(std::move(a));
+      cudaStream_t st;
+      EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+      streams.push_back(st);
+    }
+  }
+  ~DeviceRanks() {
+    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+  }
+  void sync() {
+    for (cudaStream_t s : streams) EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  }
+};
+
+std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& in) {
+  const EpConfig& c = d.g->config();
+  const int W = c.world, El = c.num_experts / W;
+  std::deque<DeviceBuffer> x, ids, sc, w, out;  // deque: DeviceBuffer does not move
+  for (int r = 0; r < W; ++r) {
+    const RankInput& ri = in[size_t(r)];
+    x.emplace_back(ri.x.size() + 16), ids.emplace_back(ri.ids.size() * 4 + 16), sc.emplace_back(ri.scales.size() + 16), w.emplace_back(ri.w.size() + 16);
+    const int64_t m = int64_t(ri.ids.size()) / c.top_k;
+    out.emplace_back(size_t(m * c.hidden) * 4 + 16);
+    cudaMemcpy(x.back().ptr, ri.x.data(), ri.x.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(ids.back().ptr, ri.ids.data(), ri.ids.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(sc.back().ptr, ri.scales.data(), ri.scales.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(w.back().ptr, ri.w.data(), ri.w.size(), cudaMemcpyHostToDevice);
+    cudaMemset(out.back().ptr, 0xff, size_t(m * c.hidden) * 4);  // poisoned: NaN
+  }
+  for (int r = 0; r < W; ++r) {
+    const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
+    const Status s = d.ends[size_t(r)]->dispatch(mat(x[size_t(r)].ptr, c.dtype, m, c.hidden, kGpu), mat(ids[size_t(r)].ptr, DType::kInt32, m, c.top_k, kGpu),
+                                                 c.scale_bytes ? mat(sc[size_t(r)].ptr, DType::kUInt8, m, c.scale_bytes, kGpu) : TensorView{},
+                                                 d.streams[size_t(r)]);
+    EXPECT_TRUE(s) << s.to_string();
+  }
+  for (int r = 0; r < W; ++r) {
+    const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
+    const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
+    const Status s = d.ends[size_t(r)]->combine(mat(rv.x, c.dtype, rv.max_rows, c.hidden, kGpu), mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, kGpu),
+                                                mat(out[size_t(r)].ptr, DType::kFP32, m, c.hidden, kGpu), d.streams[size_t(r)]);
+    EXPECT_TRUE(s) << s.to_string();
+  }
+  d.sync();
+  std::vector<RankResult> res(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    const Status st = d.ends[size_t(r)]->status();
+    EXPECT_TRUE(st) << st.to_string();
+    const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
+    RankResult& o = res[size_t(r)];
+    o.counts = fetch(rv.counts, size_t(El));
+    o.offsets = fetch(rv.offsets, size_t(El + 1));
+    const size_t rows = size_t(o.offsets.back());
+    o.src_rank = fetch(rv.src_rank, rows);
+    o.src_slot = fetch(rv.src_slot, rows);
+    o.x = fetch(rv.x, rows * size_t(c.hidden) * dtype_size(c.dtype));
+    o.scales = fetch(rv.scales, rows * size_t(c.scale_bytes));
+    const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
+    o.out = fetch(static_cast<const uint8_t*>(out[size_t(r)].ptr), size_t(m * c.hidden) * 4);
+  }
+  return res;
+}
+
+void expect_equal(const std::vector<RankResult>& dev, const std::vector<RankResult>& emu, const std::string& what) {
+  for (size_t r = 0; r < emu.size(); ++r) {
+    SCOPED_TRACE(what + ", rank " + std::to_string(r));
+    EXPECT_EQ(dev[r].counts, emu[r].counts);
+    EXPECT_EQ(dev[r].offsets, emu[r].offsets);
+    EXPECT_EQ(dev[r].src_rank, emu[r].src_rank);
+    EXPECT_EQ(dev[r].src_slot, emu[r].src_slot);
+    EXPECT_TRUE(dev[r].x == emu[r].x) << "received rows differ";
+    EXPECT_TRUE(dev[r].scales == emu[r].scales) << "received scales differ";
+    EXPECT_TRUE(dev[r].out == emu[r].out) << "combined output differs";
+  }
+}
+
+class MoeEpDeviceGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
+  struct Case {
+    EpConfig c;
+    std::vector<std::vector<int64_t>> m;  // per round, per rank
+    std::vector<int> dead;
+  };
+  const auto cfg = [](int world, int E, int k, int64_t H, int64_t T, DType dt, int64_t sb) {
+    EpConfig c;
+    c.world = world, c.num_experts = E, c.top_k = k, c.hidden = H, c.max_tokens = T, c.dtype = dt, c.scale_bytes = sb;
+    c.timeout = std::chrono::milliseconds(5000);
+    return c;
+  };
+  const Case cases[] = {
+      {cfg(2, 8, 2, 64, 37, DType::kBF16, 0), {{37, 0}, {37, 0}, {5, 29}}, {7}},
+      {cfg(4, 16, 4, 128, 300, DType::kBF16, 0), {{300, 1, 0, 123}, {300, 1, 0, 123}, {17, 300, 64, 2}}, {0, 9}},
+      {cfg(4, 8, 3, 36, 50, DType::kFP32, 12), {{50, 49, 3, 0}, {50, 49, 3, 0}, {1, 1, 50, 7}}, {}},
+  };
+  for (const Case& cs : cases) {
+    const EpConfig& c = cs.c;
+    SCOPED_TRACE("world " + std::to_string(c.world) + " E " + std::to_string(c.num_experts) + " k " + std::to_string(c.top_k) + " H " +
+                 std::to_string(c.hidden) + " " + dtype_name(c.dtype));
+    std::unique_ptr<EpGroup> eg;
+    ASSERT_TRUE(EpGroup::create(c, &eg));
+    std::vector<std::unique_ptr<EpAllToAll>> emu_ends;
+    for (int r = 0; r < c.world; ++r) {
+      std::unique_ptr<EpAllToAll> a;
+      ASSERT_TRUE(EpAllToAll::create(eg.get(), r, &a));
+      emu_ends.push_back(std::move(a));
+    }
+    DeviceRanks dev(c);
+    ASSERT_TRUE(dev.g != nullptr);
+    auto rng = make_rng(uint64_t(c.world * 31 + c.num_experts));
+    std::vector<RankInput> in;
+    for (size_t round = 0; round < cs.m.size(); ++round) {
+      if (round != 1) {  // round 2 repeats round 1's inputs
+        in.clear();
+        for (int r = 0; r < c.world; ++r) in.push_back(make_input(c, cs.m[round][size_t(r)], cs.dead, rng));
+      }
+      const auto emu = emulate(*eg, emu_ends, in);
+      const auto got = on_device(dev, in);
+      expect_equal(got, emu, "round " + std::to_string(round + 1));
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
+TEST_F(MoeEpDeviceGpu, SilentPeerTimesOutAndBadIdsFailEveryRank) {
+  EpConfig c;
+  c.world = 2, c.num_experts = 4, c.top_k = 2, c.hidden = 64, c.max_tokens = 8, c.dtype = DType::kBF16;
+  c.timeout = std::chrono::milliseconds(100);
+  auto rng = make_rng(5);
+  {  // rank 1 never dispatches: rank 0's receive gives up within the timeout, naming rank 1's count
+    DeviceRanks d(c);
+    ASSERT_TRUE(d.g != nullptr);
+    const RankInput in = make_input(c, 8, {}, rng);
+    DeviceBuffer x(in.x.size()), ids(in.ids.size() * 4);
+    cudaMemcpy(x.ptr, in.x.data(), in.x.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(ids.ptr, in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice);
+    ASSERT_TRUE(d.ends[0]->dispatch(mat(x.ptr, c.dtype, 8, c.hidden, kGpu), mat(ids.ptr, DType::kInt32, 8, c.top_k, kGpu), {}, d.streams[0]));
+    d.sync();
+    const Status s0 = d.ends[0]->status(), s1 = d.ends[1]->status();
+    EXPECT_FALSE(s0);
+    EXPECT_NE(s0.to_string().find("ep rank 0: dispatch (receive) round 1: timed out after 100 ms waiting for rank 1's count of expert"),
+              std::string::npos)
+        << s0.to_string();
+    EXPECT_NE(s1.to_string().find("ep rank 1: aborted (round 1) because rank 0 failed"), std::string::npos) << s1.to_string();
+  }
+  {  // an expert id out of range on rank 1: both ranks fail, naming the entry
+    DeviceRanks d(c);
+    ASSERT_TRUE(d.g != nullptr);
+    std::vector<RankInput> in = {make_input(c, 3, {}, rng), make_input(c, 3, {}, rng)};
+    in[1].ids[3] = 9;
+    std::deque<DeviceBuffer> x, ids;
+    for (int r = 0; r < 2; ++r) {
+      x.emplace_back(in[size_t(r)].x.size()), ids.emplace_back(in[size_t(r)].ids.size() * 4);
+      cudaMemcpy(x.back().ptr, in[size_t(r)].x.data(), in[size_t(r)].x.size(), cudaMemcpyHostToDevice);
+      cudaMemcpy(ids.back().ptr, in[size_t(r)].ids.data(), in[size_t(r)].ids.size() * 4, cudaMemcpyHostToDevice);
+    }
+    for (int r = 0; r < 2; ++r)
+      ASSERT_TRUE(d.ends[size_t(r)]->dispatch(mat(x[size_t(r)].ptr, c.dtype, 3, c.hidden, kGpu), mat(ids[size_t(r)].ptr, DType::kInt32, 3, c.top_k, kGpu), {},
+                                              d.streams[size_t(r)]));
+    d.sync();
+    for (int r = 0; r < 2; ++r) {
+      const Status s = d.ends[size_t(r)]->status();
+      EXPECT_NE(s.to_string().find("rank 1: dispatch round 1: topk_ids: entry [1, 1] = 9 is outside [0, num_experts = 4)"), std::string::npos)
+          << s.to_string();
+    }
+  }
+  {  // host-side refusals name the argument
+    DeviceRanks d(c);
+    ASSERT_TRUE(d.g != nullptr);
+    DeviceBuffer x(9 * 64 * 2), ids(9 * 2 * 4);
+    const Status s = d.ends[0]->dispatch(mat(x.ptr, c.dtype, 9, c.hidden, kGpu), mat(ids.ptr, DType::kInt32, 9, c.top_k, kGpu), {}, d.streams[0]);
+    EXPECT_NE(s.to_string().find("x: m = 9 tokens exceeds max_tokens = 8"), std::string::npos) << s.to_string();
+    const Status h = d.ends[0]->dispatch(mat(x.ptr, c.dtype, 2, c.hidden), mat(ids.ptr, DType::kInt32, 2, c.top_k, kGpu), {}, d.streams[0]);
+    EXPECT_NE(h.to_string().find("x: must be on CUDA device 0"), std::string::npos) << h.to_string();
+    const Status cb = d.ends[0]->combine({}, {}, {}, d.streams[0]);
+    EXPECT_NE(cb.to_string().find("combine called without a dispatch before it"), std::string::npos) << cb.to_string();
+  }
+}
+
+}  // namespace
+}  // namespace encore::test
