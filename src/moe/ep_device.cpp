@@ -2,6 +2,8 @@
 // argument, and the device error record turned into a message.
 #include "moe/ep_device.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <string>
 
@@ -72,6 +74,40 @@ Status device_tensor(const char* name, const TensorView& v, DType dt, int64_t ro
 EpDeviceGroup::~EpDeviceGroup() {
 #ifdef ENCORE_WITH_CUDA
   cuda::ep_device_free(block_);
+  for (EpPeerMemory& m : peer_) cuda::ep_peer_memory_release(&m);
+#endif
+}
+
+Status EpDeviceGroup::create_ipc(const EpConfig& c, int rank, int device, const std::string& name, std::unique_ptr<EpDeviceGroup>* out) {
+  ENCORE_RETURN_IF_ERROR(validate(c));
+  if (!out) return Status::invalid("out: required");
+  if (c.world > kEpMaxWorld) return Status::unsupported("world: at most " + std::to_string(kEpMaxWorld) + " ranks, got " + std::to_string(c.world));
+  if (rank < 0 || rank >= c.world) return Status::invalid("rank: must be in [0, world = " + std::to_string(c.world) + "), got " + std::to_string(rank));
+  if ((size_t(c.hidden) * dtype_size(c.dtype)) % 16 != 0)
+    return Status::unsupported("hidden: H * dtype bytes must be a multiple of 16 on CUDA");
+  if (name.empty()) return Status::invalid("name: required (unique per group on the node)");
+#ifdef ENCORE_WITH_CUDA
+  std::unique_ptr<EpDeviceGroup> g(new EpDeviceGroup());
+  g->cfg_ = c;
+  g->device_ = device;
+  const size_t bytes = 256 + up256(ep_rank_bytes(c));
+  ENCORE_RETURN_IF_ERROR(cuda::ep_peer_memory_create(bytes, device, &g->peer_[rank]));
+  std::vector<int> fds;
+  ENCORE_RETURN_IF_ERROR(ep_exchange_fds(name, rank, c.world, g->peer_[rank].fd, c.timeout, &fds));
+  Status s = Status::ok();
+  for (int r = 0; r < c.world; ++r) {
+    if (r == rank) continue;
+    if (s) s = cuda::ep_peer_memory_import(fds[size_t(r)], bytes, device, &g->peer_[r]);
+    close(fds[size_t(r)]);
+  }
+  ENCORE_RETURN_IF_ERROR(s);
+  for (int r = 0; r < c.world; ++r) g->mem_[r] = static_cast<uint8_t*>(g->peer_[r].ptr) + 256;
+  g->err_ = static_cast<EpErrorRecord*>(g->peer_[0].ptr);
+  *out = std::move(g);
+  return Status::ok();
+#else
+  (void)device;
+  return Status::unsupported("EpDeviceGroup: encore was built without CUDA");
 #endif
 }
 

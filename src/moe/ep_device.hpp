@@ -9,8 +9,11 @@
 // topk_ids entry, a timeout) is recorded on the device, every rank's kernels give up, and status() reads
 // the record as a message naming the rank, the round and the cell, once the caller has synchronized.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "encore/core/status.hpp"
 #include "encore/core/tensor_view.hpp"
@@ -24,6 +27,12 @@ class EpDeviceGroup {
   // Every rank's ep_rank_bytes(c) and the error record on CUDA device `device`, zeroed. world <= 8;
   // H * dtype bytes a multiple of 16.
   static Status create_on_one_device(const EpConfig& c, int device, std::unique_ptr<EpDeviceGroup>* out);
+  // This process's rank of a group of c.world processes on one node (one GPU each, or several on one
+  // GPU), each calling it with the same config and `name` (unique per group on the node): its memory
+  // allocated as peer memory (ep_vmm.cu), the descriptors exchanged (ep_exchange_fds, within c.timeout)
+  // and every peer's memory mapped here; the error record is rank 0's. Tear down after the last
+  // combine on every rank (no rank may still write into a peer's memory).
+  static Status create_ipc(const EpConfig& c, int rank, int device, const std::string& name, std::unique_ptr<EpDeviceGroup>* out);
   ~EpDeviceGroup();
   EpDeviceGroup(const EpDeviceGroup&) = delete;
   EpDeviceGroup& operator=(const EpDeviceGroup&) = delete;
@@ -39,10 +48,15 @@ class EpDeviceGroup {
   EpDeviceGroup() = default;
   EpConfig cfg_;
   int device_ = 0;
-  void* block_ = nullptr;  // one allocation: the error record, then every rank's memory
+  void* block_ = nullptr;  // create_on_one_device: the error record, then every rank's memory
+  EpPeerMemory peer_[kEpMaxWorld] = {};  // create_ipc: each rank's [error record | memory], this process's mapping
   uint8_t* mem_[kEpMaxWorld] = {};
   EpErrorRecord* err_ = nullptr;
 };
+
+// Sends my_fd to every other process of the group and receives theirs (abstract Unix sockets named
+// after `name`, SCM_RIGHTS): peer_fds[r] = rank r's descriptor (my_fd at `rank`), owned by the caller.
+Status ep_exchange_fds(const std::string& name, int rank, int world, int my_fd, std::chrono::milliseconds timeout, std::vector<int>* peer_fds);
 
 // What a rank received in its last dispatch (device memory, valid until the next dispatch):
 // counts [E_l], offsets [E_l + 1], counts_from [W, E_l], src_rank / src_slot [max_rows] (origin rank,

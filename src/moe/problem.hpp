@@ -290,4 +290,14 @@ struct EpDeviceParams {
   int grid = 1;  // blocks of the row loops (the spin kernels stay small: on one GPU every rank's kernels share it)
 };
 
+// One peer-memory allocation as this process maps it (cuda/ep_vmm.cu): its address, bytes (rounded to
+// the allocation granularity), the driver's allocation handle, and the exported file descriptor (-1 for
+// an imported one).
+struct EpPeerMemory {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  unsigned long long handle = 0;
+  int fd = -1;
+};
+
 }  // namespace encore::moe::ep

@@ -6,11 +6,16 @@
 // origins, rows and scales, and the combined output, all bit-equal to the emulation's; three rounds on
 // the same buffers (the second repeating the first bit for bit, the third with other token counts). A
 // rank that never dispatches makes its peer time out with a diagnostic (no hang); a bad expert id on one
-// rank fails every rank, naming it.
+// rank fails every rank, naming it. Then two processes on the GPU through the IPC group (peer memory
+// exported as file descriptors), each checking its rank against the emulation.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -109,16 +114,23 @@ std::vector<RankResult> emulate(EpGroup& g, std::vector<std::unique_ptr<EpAllToA
 }
 
 // The device: every rank's dispatch enqueued, then every rank's combine (received rows as expert_out).
+// Every rank of a one-GPU group (only_rank < 0), or this process's rank of an IPC group (ends of the
+// other ranks null: they run in other processes).
 struct DeviceRanks {
   std::unique_ptr<EpDeviceGroup> g;
   std::vector<std::unique_ptr<EpDeviceAllToAll>> ends;
   std::vector<cudaStream_t> streams;
-  explicit DeviceRanks(const EpConfig& c) {
-    const Status s = EpDeviceGroup::create_on_one_device(c, 0, &g);
+  explicit DeviceRanks(const EpConfig& c, int only_rank = -1, const std::string& ipc_name = "") {
+    const Status s = only_rank < 0 ? EpDeviceGroup::create_on_one_device(c, 0, &g) : EpDeviceGroup::create_ipc(c, only_rank, 0, ipc_name, &g);
     EXPECT_TRUE(s) << s.to_string();
     if (!s) return;
     for (int r = 0; r < c.world; ++r) {
       std::unique_ptr<EpDeviceAllToAll> a;
+      if (only_rank >= 0 && r != only_rank) {
+        ends.push_back(nullptr);
+        streams.push_back(nullptr);
+        continue;
+      }
       const Status sa = EpDeviceAllToAll::create(g.get(), r, &a);
       EXPECT_TRUE(sa) << sa.to_string();
       ends.push_back(std::move(a));
@@ -128,10 +140,12 @@ struct DeviceRanks {
     }
   }
   ~DeviceRanks() {
-    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+    for (cudaStream_t s : streams)
+      if (s) cudaStreamDestroy(s);
   }
   void sync() {
-    for (cudaStream_t s : streams) EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    for (cudaStream_t s : streams)
+      if (s) EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   }
 };
 
@@ -151,6 +165,7 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     cudaMemset(out.back().ptr, 0xff, size_t(m * c.hidden) * 4);  // poisoned: NaN
   }
   for (int r = 0; r < W; ++r) {
+    if (!d.ends[size_t(r)]) continue;
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
     const Status s = d.ends[size_t(r)]->dispatch(mat(x[size_t(r)].ptr, c.dtype, m, c.hidden, kGpu), mat(ids[size_t(r)].ptr, DType::kInt32, m, c.top_k, kGpu),
                                                  c.scale_bytes ? mat(sc[size_t(r)].ptr, DType::kUInt8, m, c.scale_bytes, kGpu) : TensorView{},
@@ -158,6 +173,7 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     EXPECT_TRUE(s) << s.to_string();
   }
   for (int r = 0; r < W; ++r) {
+    if (!d.ends[size_t(r)]) continue;
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
     const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
     const Status s = d.ends[size_t(r)]->combine(mat(rv.x, c.dtype, rv.max_rows, c.hidden, kGpu), mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, kGpu),
@@ -167,6 +183,7 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
   d.sync();
   std::vector<RankResult> res(static_cast<size_t>(W));
   for (int r = 0; r < W; ++r) {
+    if (!d.ends[size_t(r)]) continue;
     const Status st = d.ends[size_t(r)]->status();
     EXPECT_TRUE(st) << st.to_string();
     const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
@@ -184,8 +201,9 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
   return res;
 }
 
-void expect_equal(const std::vector<RankResult>& dev, const std::vector<RankResult>& emu, const std::string& what) {
+void expect_equal(const std::vector<RankResult>& dev, const std::vector<RankResult>& emu, const std::string& what, int only_rank = -1) {
   for (size_t r = 0; r < emu.size(); ++r) {
+    if (only_rank >= 0 && int(r) != only_rank) continue;
     SCOPED_TRACE(what + ", rank " + std::to_string(r));
     EXPECT_EQ(dev[r].counts, emu[r].counts);
     EXPECT_EQ(dev[r].offsets, emu[r].offsets);
@@ -303,6 +321,70 @@ TEST_F(MoeEpDeviceGpu, SilentPeerTimesOutAndBadIdsFailEveryRank) {
     EXPECT_NE(h.to_string().find("x: must be on CUDA device 0"), std::string::npos) << h.to_string();
     const Status cb = d.ends[0]->combine({}, {}, {}, d.streams[0]);
     EXPECT_NE(cb.to_string().find("combine called without a dispatch before it"), std::string::npos) << cb.to_string();
+  }
+}
+
+// Across processes: the IPC group (peer memory exported as file descriptors, ep_vmm.cu / ep_ipc.cpp),
+// here two processes on one GPU, each a child run of this binary with ENCORE_EP_IPC_CHILD set; each
+// child builds every rank's inputs from the same seed, runs the emulation of the whole group for the
+// expected results and its own rank on the device, three rounds.
+EpConfig ipc_config() {
+  EpConfig c;
+  c.world = 2, c.num_experts = 8, c.top_k = 3, c.hidden = 128, c.max_tokens = 40, c.dtype = DType::kBF16;
+  c.timeout = std::chrono::milliseconds(20000);  // two contexts share the GPU by time slices
+  return c;
+}
+
+TEST_F(MoeEpDeviceGpu, IpcChild) {
+  const char* env = std::getenv("ENCORE_EP_IPC_CHILD");
+  if (!env) GTEST_SKIP() << "run by IpcTwoProcessesOnOneGpu";
+  char name[128] = {};
+  int rank = -1;
+  ASSERT_EQ(std::sscanf(env, "%127s %d", name, &rank), 2);
+  const EpConfig c = ipc_config();
+  std::unique_ptr<EpGroup> eg;
+  ASSERT_TRUE(EpGroup::create(c, &eg));
+  std::vector<std::unique_ptr<EpAllToAll>> emu_ends;
+  for (int r = 0; r < c.world; ++r) {
+    std::unique_ptr<EpAllToAll> a;
+    ASSERT_TRUE(EpAllToAll::create(eg.get(), r, &a));
+    emu_ends.push_back(std::move(a));
+  }
+  DeviceRanks dev(c, rank, name);
+  ASSERT_TRUE(dev.g != nullptr);
+  std::mt19937_64 rng(std::hash<std::string>{}(name));  // the same inputs in both processes
+  const std::vector<std::vector<int64_t>> m = {{40, 7}, {0, 40}, {13, 21}};
+  for (size_t round = 0; round < m.size(); ++round) {
+    std::vector<RankInput> in;
+    for (int r = 0; r < c.world; ++r) in.push_back(make_input(c, m[round][size_t(r)], {}, rng));
+    const auto emu = emulate(*eg, emu_ends, in);
+    const auto got = on_device(dev, in);
+    expect_equal(got, emu, "ipc round " + std::to_string(round + 1), rank);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TEST_F(MoeEpDeviceGpu, IpcTwoProcessesOnOneGpu) {
+  if (std::getenv("ENCORE_EP_IPC_CHILD")) GTEST_SKIP() << "a child";
+  char exe[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", exe, sizeof(exe) - 1), 0);
+  const std::string name = "gpu-test-" + std::to_string(getpid());
+  std::vector<pid_t> kids;
+  for (int r = 0; r < 2; ++r) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {  // exec at once: no CUDA call between fork and exec
+      const std::string v = name + " " + std::to_string(r);
+      setenv("ENCORE_EP_IPC_CHILD", v.c_str(), 1);
+      execl(exe, exe, "--gtest_filter=MoeEpDeviceGpu.IpcChild", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    kids.push_back(pid);
+  }
+  for (size_t r = 0; r < kids.size(); ++r) {
+    int st = 0;
+    ASSERT_EQ(waitpid(kids[r], &st, 0), kids[r]);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "rank " << r << " process failed (exit status " << st << "; its output is above)";
   }
 }
 

@@ -36,6 +36,13 @@ Status launch_ep_combine(const moe::ep::EpDeviceParams& p, int device_index, Str
 Status ep_device_alloc(size_t bytes, int device_index, void** out);
 void ep_device_free(void* p);
 Status ep_device_read(void* host, const void* device, size_t bytes);  // synchronous
+// Peer memory across processes (ep_vmm.cu): a zeroed VMM allocation on `device_index` exported as a
+// POSIX file descriptor (fd, owned), or another process's allocation imported from its fd and mapped
+// for this process's device (fd -1: the caller keeps or closes the one it received).
+using moe::ep::EpPeerMemory;
+Status ep_peer_memory_create(size_t bytes, int device_index, EpPeerMemory* out);
+Status ep_peer_memory_import(int fd, size_t bytes, int device_index, EpPeerMemory* out);
+void ep_peer_memory_release(EpPeerMemory* m);
 
 // ---- What the JIT launches (moe/moe_jit.cpp, docs/jit.md) share with the ahead-of-time ones: the
 // kernel argument (one layout for every dtype), the grid, block and shared memory. ----

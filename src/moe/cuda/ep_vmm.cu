@@ -1,0 +1,150 @@
+// Peer memory for the expert-parallel all-to-all across processes (ep_device.cpp's create_ipc): device
+// allocations made with the CUDA virtual memory API (cuMemCreate with a POSIX file descriptor as the
+// shareable handle), exported as a file descriptor, and imported and mapped by every peer process
+// (cuMemImportFromShareableHandle, cuMemAddressReserve, cuMemMap, cuMemSetAccess for this process's
+// device; peers on other GPUs reach it over NVLink / PCIe peer access). Not cudaIpcGetMemHandle
+// (inference.md §3.3). Driver entry points through cudaGetDriverEntryPointByVersion, as the JIT does:
+// no link against libcuda. Host code only.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "common/cuda/device_guard.hpp"
+#include "moe/cuda/launch.hpp"
+
+namespace encore::cuda {
+namespace {
+
+template <typename F>
+F entry(const char* name) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &q) != cudaSuccess || q != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return reinterpret_cast<F>(f);
+}
+
+struct Vmm {
+  decltype(&cuMemGetAllocationGranularity) granularity = entry<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity");
+  decltype(&cuMemCreate) create = entry<decltype(&cuMemCreate)>("cuMemCreate");
+  decltype(&cuMemRelease) release = entry<decltype(&cuMemRelease)>("cuMemRelease");
+  decltype(&cuMemExportToShareableHandle) export_fd = entry<decltype(&cuMemExportToShareableHandle)>("cuMemExportToShareableHandle");
+  decltype(&cuMemImportFromShareableHandle) import_fd = entry<decltype(&cuMemImportFromShareableHandle)>("cuMemImportFromShareableHandle");
+  decltype(&cuMemAddressReserve) reserve = entry<decltype(&cuMemAddressReserve)>("cuMemAddressReserve");
+  decltype(&cuMemAddressFree) address_free = entry<decltype(&cuMemAddressFree)>("cuMemAddressFree");
+  decltype(&cuMemMap) map = entry<decltype(&cuMemMap)>("cuMemMap");
+  decltype(&cuMemUnmap) unmap = entry<decltype(&cuMemUnmap)>("cuMemUnmap");
+  decltype(&cuMemSetAccess) access = entry<decltype(&cuMemSetAccess)>("cuMemSetAccess");
+  bool ok() const { return granularity && create && release && export_fd && import_fd && reserve && address_free && map && unmap && access; }
+};
+const Vmm& vmm() {
+  static const Vmm v;
+  return v;
+}
+
+Status check(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return Status::ok();
+  return Status::cuda_error(std::string("ep peer memory: ") + what + " failed: CUresult " + std::to_string(int(r)));
+}
+
+CUmemAllocationProp prop_for(int device) {
+  CUmemAllocationProp p{};
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = device;
+  return p;
+}
+
+// Reserves an address range for `handle`, maps it and grants this process's device read / write.
+Status map_here(unsigned long long handle, size_t bytes, int device, EpPeerMemory* out) {
+  const Vmm& v = vmm();
+  CUdeviceptr ptr = 0;
+  ENCORE_RETURN_IF_ERROR(check(v.reserve(&ptr, bytes, 0, 0, 0), "cuMemAddressReserve"));
+  if (Status s = check(v.map(ptr, bytes, 0, CUmemGenericAllocationHandle(handle), 0), "cuMemMap"); !s) {
+    v.address_free(ptr, bytes);
+    return s;
+  }
+  CUmemAccessDesc a{};
+  a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  a.location.id = device;
+  a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (Status s = check(v.access(ptr, bytes, &a, 1), "cuMemSetAccess (peer access between the GPUs?)"); !s) {
+    v.unmap(ptr, bytes);
+    v.address_free(ptr, bytes);
+    return s;
+  }
+  out->ptr = reinterpret_cast<void*>(ptr);
+  out->bytes = bytes;
+  out->handle = handle;
+  return Status::ok();
+}
+
+}  // namespace
+
+Status ep_peer_memory_create(size_t bytes, int device_index, EpPeerMemory* out) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  const Vmm& v = vmm();
+  if (!v.ok()) return Status::unsupported("ep peer memory: the driver lacks the virtual memory entry points (cuMemCreate ...)");
+  cudaFree(nullptr);  // the primary context exists before the driver calls
+  const CUmemAllocationProp prop = prop_for(device_index);
+  size_t gran = 0;
+  ENCORE_RETURN_IF_ERROR(check(v.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"));
+  bytes = (bytes + gran - 1) / gran * gran;
+  CUmemGenericAllocationHandle h = 0;
+  ENCORE_RETURN_IF_ERROR(check(v.create(&h, bytes, &prop, 0), "cuMemCreate (POSIX file descriptor handle)"));
+  int fd = -1;
+  if (Status s = check(v.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "cuMemExportToShareableHandle"); !s) {
+    v.release(h);
+    return s;
+  }
+  if (Status s = map_here(h, bytes, device_index, out); !s) {
+    close(fd);
+    v.release(h);
+    return s;
+  }
+  out->fd = fd;
+  const cudaError_t e = cudaMemset(out->ptr, 0, bytes);
+  if (e != cudaSuccess) {
+    ep_peer_memory_release(out);
+    return Status::cuda_error(std::string("ep peer memory: cudaMemset: ") + cudaGetErrorString(e));
+  }
+  return Status::ok();
+}
+
+Status ep_peer_memory_import(int fd, size_t bytes, int device_index, EpPeerMemory* out) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  const Vmm& v = vmm();
+  if (!v.ok()) return Status::unsupported("ep peer memory: the driver lacks the virtual memory entry points (cuMemCreate ...)");
+  cudaFree(nullptr);
+  const CUmemAllocationProp prop = prop_for(device_index);
+  size_t gran = 0;
+  ENCORE_RETURN_IF_ERROR(check(v.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"));
+  bytes = (bytes + gran - 1) / gran * gran;
+  CUmemGenericAllocationHandle h = 0;
+  ENCORE_RETURN_IF_ERROR(check(v.import_fd(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                               "cuMemImportFromShareableHandle"));
+  if (Status s = map_here(h, bytes, device_index, out); !s) {
+    v.release(h);
+    return s;
+  }
+  out->fd = -1;
+  return Status::ok();
+}
+
+void ep_peer_memory_release(EpPeerMemory* m) {
+  if (!m || !m->ptr) return;
+  const Vmm& v = vmm();
+  const auto ptr = reinterpret_cast<CUdeviceptr>(m->ptr);
+  v.unmap(ptr, m->bytes);
+  v.address_free(ptr, m->bytes);
+  v.release(CUmemGenericAllocationHandle(m->handle));
+  if (m->fd >= 0) close(m->fd);
+  *m = EpPeerMemory{};
+}
+
+}  // namespace encore::cuda

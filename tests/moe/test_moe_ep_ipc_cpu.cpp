@@ -1,0 +1,74 @@
+// The EP peer-memory descriptor exchange (src/moe/ep_ipc.cpp, ep_exchange_fds) between real processes:
+// three forked ranks each share a memfd holding its rank's bytes and read every peer's through the
+// descriptor it received; a rank whose peer never shows up times out with a message naming both.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "moe/ep_device.hpp"
+
+namespace encore::test {
+namespace {
+
+using moe::ep::ep_exchange_fds;
+
+// 0 when rank `rank` of `world` received every peer's memfd with the right contents.
+int exchange_and_check(const std::string& name, int rank, int world) {
+  const int fd = memfd_create(("encore-ep-test-" + std::to_string(rank)).c_str(), MFD_CLOEXEC);
+  if (fd < 0) return 2;
+  const std::string mine = "rank " + std::to_string(rank) + " memory";
+  if (write(fd, mine.data(), mine.size()) != ssize_t(mine.size())) return 3;
+  std::vector<int> fds;
+  const Status s = ep_exchange_fds(name, rank, world, fd, std::chrono::milliseconds(5000), &fds);
+  if (!s) return 4;
+  for (int r = 0; r < world; ++r) {
+    const std::string want = "rank " + std::to_string(r) + " memory";
+    std::string got(want.size(), '\0');
+    if (pread(fds[size_t(r)], got.data(), got.size(), 0) != ssize_t(got.size()) || got != want) return 10 + r;
+    if (r != rank) close(fds[size_t(r)]);
+  }
+  close(fd);
+  return 0;
+}
+
+TEST(MoeEpIpc, ThreeProcessesExchangeDescriptors) {
+  const std::string name = "test-" + std::to_string(getpid());
+  const int world = 3;
+  std::vector<pid_t> kids;
+  for (int r = 1; r < world; ++r) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) _exit(exchange_and_check(name, r, world));
+    kids.push_back(pid);
+  }
+  EXPECT_EQ(exchange_and_check(name, 0, world), 0);
+  for (pid_t pid : kids) {
+    int st = 0;
+    ASSERT_EQ(waitpid(pid, &st, 0), pid);
+    EXPECT_TRUE(WIFEXITED(st));
+    EXPECT_EQ(WEXITSTATUS(st), 0) << "child rank failed";
+  }
+}
+
+TEST(MoeEpIpc, MissingPeerTimesOut) {
+  const int fd = memfd_create("encore-ep-test", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  std::vector<int> fds;
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status s = ep_exchange_fds("lonely-" + std::to_string(getpid()), 0, 2, fd, std::chrono::milliseconds(150), &fds);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(s);
+  EXPECT_NE(s.to_string().find("rank 0 timed out after 150 ms connecting to rank 1"), std::string::npos) << s.to_string();
+  EXPECT_LT(ms, 2000.0);
+  const Status bad = ep_exchange_fds("x", 2, 2, fd, std::chrono::milliseconds(10), &fds);
+  EXPECT_NE(bad.to_string().find("rank: must be in [0, world = 2)"), std::string::npos) << bad.to_string();
+  close(fd);
+}
+
+}  // namespace
+}  // namespace encore::test
