@@ -120,8 +120,9 @@ struct DeviceRanks {
   std::unique_ptr<EpDeviceGroup> g;
   std::vector<std::unique_ptr<EpDeviceAllToAll>> ends;
   std::vector<cudaStream_t> streams;
-  explicit DeviceRanks(const EpConfig& c, int only_rank = -1, const std::string& ipc_name = "") {
-    const Status s = only_rank < 0 ? EpDeviceGroup::create_on_one_device(c, 0, &g) : EpDeviceGroup::create_ipc(c, only_rank, 0, ipc_name, &g);
+  explicit DeviceRanks(const EpConfig& c, int only_rank = -1, const std::string& ipc_name = "", int device = 0) {
+    const Status s = only_rank < 0 ? EpDeviceGroup::create_on_one_device(c, device, &g)
+                                   : EpDeviceGroup::create_ipc(c, only_rank, device, ipc_name, &g);
     EXPECT_TRUE(s) << s.to_string();
     if (!s) return;
     for (int r = 0; r < c.world; ++r) {
@@ -152,6 +153,7 @@ struct DeviceRanks {
 std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& in) {
   const EpConfig& c = d.g->config();
   const int W = c.world, El = c.num_experts / W;
+  const Device gd{DeviceType::kCUDA, d.g->device()};
   std::deque<DeviceBuffer> x, ids, sc, w, out;  // deque: DeviceBuffer does not move
   for (int r = 0; r < W; ++r) {
     const RankInput& ri = in[size_t(r)];
@@ -167,8 +169,8 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
   for (int r = 0; r < W; ++r) {
     if (!d.ends[size_t(r)]) continue;
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
-    const Status s = d.ends[size_t(r)]->dispatch(mat(x[size_t(r)].ptr, c.dtype, m, c.hidden, kGpu), mat(ids[size_t(r)].ptr, DType::kInt32, m, c.top_k, kGpu),
-                                                 c.scale_bytes ? mat(sc[size_t(r)].ptr, DType::kUInt8, m, c.scale_bytes, kGpu) : TensorView{},
+    const Status s = d.ends[size_t(r)]->dispatch(mat(x[size_t(r)].ptr, c.dtype, m, c.hidden, gd), mat(ids[size_t(r)].ptr, DType::kInt32, m, c.top_k, gd),
+                                                 c.scale_bytes ? mat(sc[size_t(r)].ptr, DType::kUInt8, m, c.scale_bytes, gd) : TensorView{},
                                                  d.streams[size_t(r)]);
     EXPECT_TRUE(s) << s.to_string();
   }
@@ -176,8 +178,8 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     if (!d.ends[size_t(r)]) continue;
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
     const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
-    const Status s = d.ends[size_t(r)]->combine(mat(rv.x, c.dtype, rv.max_rows, c.hidden, kGpu), mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, kGpu),
-                                                mat(out[size_t(r)].ptr, DType::kFP32, m, c.hidden, kGpu), d.streams[size_t(r)]);
+    const Status s = d.ends[size_t(r)]->combine(mat(rv.x, c.dtype, rv.max_rows, c.hidden, gd), mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, gd),
+                                                mat(out[size_t(r)].ptr, DType::kFP32, m, c.hidden, gd), d.streams[size_t(r)]);
     EXPECT_TRUE(s) << s.to_string();
   }
   d.sync();
@@ -325,7 +327,7 @@ TEST_F(MoeEpDeviceGpu, SilentPeerTimesOutAndBadIdsFailEveryRank) {
 }
 
 // Across processes: the IPC group (peer memory exported as file descriptors, ep_vmm.cu / ep_ipc.cpp),
-// here two processes on one GPU, each a child run of this binary with ENCORE_EP_IPC_CHILD set; each
+// two processes (on one GPU, or on GPUs 0 and 1 where there are two), each a child run of this binary with ENCORE_EP_IPC_CHILD set; each
 // child builds every rank's inputs from the same seed, runs the emulation of the whole group for the
 // expected results and its own rank on the device, three rounds.
 EpConfig ipc_config() {
@@ -350,7 +352,11 @@ TEST_F(MoeEpDeviceGpu, IpcChild) {
     ASSERT_TRUE(EpAllToAll::create(eg.get(), r, &a));
     emu_ends.push_back(std::move(a));
   }
-  DeviceRanks dev(c, rank, name);
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  const int device = rank % devices;  // one GPU each where there are two
+  ASSERT_EQ(cudaSetDevice(device), cudaSuccess);
+  DeviceRanks dev(c, rank, name, device);
   ASSERT_TRUE(dev.g != nullptr);
   std::mt19937_64 rng(std::hash<std::string>{}(name));  // the same inputs in both processes
   const std::vector<std::vector<int64_t>> m = {{40, 7}, {0, 40}, {13, 21}};
