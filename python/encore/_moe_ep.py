@@ -22,10 +22,15 @@ Every call agrees on the inputs (EP: an error flag beside the counts in their ex
 the flag first; on an error, one all-gather of the messages): a rank with bad inputs makes every rank raise a
 ValueError naming it, instead of leaving its peers waiting. Every other wait is bounded by the process group's
 timeout."""
+import os
+import secrets
+
 import torch
 import torch.distributed as dist
 
+from . import _encore
 from . import moe as _moe
+from ._util import _dl, _torch_stream
 
 
 def _world(group):
@@ -96,21 +101,79 @@ def _combine(y_pairs, weights, out_dtype):
     return _moe.moe_combine(y_pairs, slots, weights, out=out)
 
 
+_PEERS = {}  # (group, E, k, D, dtype, device, max_tokens) -> _encore.EpPeerRank, built collectively once
+PEER_TIMEOUT_MS = 20000  # every spin loop of the peer transport gives up after this (then every rank raises)
+
+
+def _peer_rank(group, world, rank, E, k, D, like, m_bound):
+    """This rank's end of the peer-memory group for these shapes (created on first use, by every rank at once:
+    they all see the same m_bound), max_tokens the next power of two >= m_bound."""
+    cap = 1 << max(0, (max(1, m_bound) - 1).bit_length())
+    key = (id(group), E, k, D, like.dtype, like.device.index, cap)
+    if key not in _PEERS:
+        name = [f"{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
+        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        dev = like.device.index if like.device.index is not None else torch.cuda.current_device()
+        _PEERS[key] = _encore.EpPeerRank(world, rank, E, k, D, cap, *_dl(like), 0, PEER_TIMEOUT_MS, dev, name[0])
+    return _PEERS[key]
+
+
+def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
+    """mode "ep" over peer memory (EpDeviceAllToAll, src/moe/ep_device.hpp): the rows go straight into the
+    owners' memory, the outputs straight back, the combine in fp32 in j order (the same chain as moe_combine),
+    so the result equals the collective path and moe_forward bit for bit. One all-reduce agrees on the
+    inputs and the token bound; the host reads the received counts once (a synchronization)."""
+    world, rank = _world(group)
+    if error is None and not x.is_cuda:
+        error = "transport 'peer': needs CUDA tensors (the collective path takes CPU ones)"
+    agree = torch.tensor([0 if error is None else 1, x.shape[0] if error is None else 0], dtype=torch.int64, device=x.device)
+    dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
+    flag, m_bound = agree.tolist()
+    if flag:
+        _raise_refused(group, error)
+    E, D = router_logits.shape[1], x.shape[1]
+    el = E // world
+    ep = _peer_rank(group, world, rank, E, k, D, x, m_bound)
+    ids, weights = _route(x, router_logits, k, routing)
+    stream = _torch_stream(x)
+    ep.dispatch(*_dl(x.contiguous(), ids.contiguous()), stream)
+    counts, _, rows = ep.received()
+    counts_h = counts.cpu()  # the host synchronization
+    n = int(counts_h.sum())
+    local = torch.repeat_interleave(torch.arange(el, dtype=torch.int32, device=x.device), counts_h.to(x.device))
+    y = torch.empty(ep.max_rows, D, dtype=x.dtype, device=x.device)
+    y[:n] = _experts(rows[:n], local, w13, w2, align_m)
+    out = torch.empty(x.shape[0], D, dtype=x.dtype, device=x.device)
+    ep.combine(*_dl(y, weights.contiguous(), out), stream)
+    torch.cuda.current_stream(x.device).synchronize()
+    ep.check()  # a timeout or bad ids anywhere in the group: raises with the failing rank's message
+    return out
+
+
 def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str = "ep", scoring: str = "softmax",
                    renormalize: bool = True, n_group: int = 1, topk_group: int = 1, correction_bias=None,
-                   routed_scaling_factor: float = 1.0, align_m: int = 1):
+                   routed_scaling_factor: float = 1.0, align_m: int = 1, transport: str = "collective"):
     """The MoE layer over `group` (default: the world). x [T, D] (this rank's tokens for "ep", every rank's
     same tokens for "tp"); router_logits [T, E] over all experts; w13 [E / W, 2F, D] and w2 [E / W, D, F] the
-    experts of this rank (rank r: experts r * E / W ...). Routing options as moe_forward's. Returns [T, D]."""
+    experts of this rank (rank r: experts r * E / W ...). Routing options as moe_forward's. Returns [T, D].
+    transport: "collective" (the group's all-to-all; any backend) or, for mode "ep" on CUDA, "peer" (the
+    rows written into the other ranks' GPU memory: every rank a process on one node, the GPUs able to map
+    each other's memory)."""
     world, rank = _world(group)
     error = _check(x, router_logits, w13, w2, int(top_k), world, mode)
+    if error is None and transport not in ("collective", "peer"):
+        error = f"transport: must be 'collective' or 'peer', got {transport!r}"
+    if error is None and transport == "peer" and mode != "ep":
+        error = "transport 'peer': only for mode 'ep'"
+    routing = dict(scoring=scoring, renormalize=renormalize, n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
+                   routed_scaling_factor=routed_scaling_factor)
+    if transport == "peer" and mode == "ep":
+        return _ep_peer(x, router_logits, w13, w2, int(top_k), group, routing, align_m, error)
     if mode != "ep":  # "tp" (or a bad mode): one all-reduce of the error flag first
         _agree(group, error, x.device)
     k, el = (int(top_k), router_logits.shape[1] // world) if error is None else (1, 1)
     if error is not None:  # "ep": no tokens, but still the counts exchange below, which carries the flag
         x, router_logits = x.new_zeros(0, 1), None
-    routing = dict(scoring=scoring, renormalize=renormalize, n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
-                   routed_scaling_factor=routed_scaling_factor)
     ids, weights = _route(x, router_logits, k, routing)
     flat = ids.reshape(-1).long()
     dest = torch.div(flat, el, rounding_mode="floor")

@@ -12,6 +12,7 @@ void bind_gemm(nb::module_& m);
 void bind_blocks(nb::module_& m);
 void bind_kda(nb::module_& m);
 void bind_moe(nb::module_& m);
+void bind_moe_ep(nb::module_& m);
 }  // namespace encore::python
 
 NB_MODULE(_encore, m) {
@@ -26,4 +27,5 @@ NB_MODULE(_encore, m) {
   bind_blocks(m);
   bind_kda(m);
   bind_moe(m);
+  bind_moe_ep(m);
 }

@@ -2,7 +2,8 @@
 collective path; NCCL takes the same calls on CUDA tensors): expert parallel equals moe_forward on every rank's
 tokens in one process bit for bit (ranks with no tokens, experts nobody picks, the grouped sigmoid routing with
 a bias and a scaling factor, bf16 and fp32), reruns are identical, tensor parallel equals it to the fp32 sum
-order, and a rank with bad inputs makes every rank raise instead of hanging."""
+order, and a rank with bad inputs makes every rank raise instead of hanging. On CUDA the peer-memory transport
+(transport="peer": rows written into the other ranks' GPU memory) equals it bit for bit too."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -41,6 +42,10 @@ def check_case(rank, world, case, device="cpu"):
     assert torch.equal(out, ref[tok]), f"ep: {float((out.float() - ref[tok].float()).abs().max())}"
     again = encore.moe_forward_ep(x[tok], logits[tok], w13[mine], w2[mine], k, **routing)
     assert torch.equal(again, out), "ep rerun differs"
+    if device != "cpu":  # the peer-memory transport: the same result bit for bit, twice on the same peer group
+        for _ in range(2):
+            peer = encore.moe_forward_ep(x[tok], logits[tok], w13[mine], w2[mine], k, transport="peer", **routing)
+            assert torch.equal(peer, ref[tok]), f"ep peer: {float((peer.float() - ref[tok].float()).abs().max())}"
     tp = encore.moe_forward_ep(x, logits, w13[mine], w2[mine], k, mode="tp", **routing)
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: two ulps of the largest output (one rounding flip)
     err = float((tp.float() - ref.float()).abs().max() / ref.float().abs().max())
@@ -62,6 +67,10 @@ def check_bad_input(rank, world):
         w = w[:, :, :-1]
     with pytest.raises(ValueError, match=r"rank 1: w13: expected"):
         encore.moe_forward_ep(x[:5], logits[:5], w, w2[rank * el:(rank + 1) * el], 2)
+    with pytest.raises(ValueError, match=r"rank 1: transport 'peer': needs CUDA tensors"):  # CPU tensors: refused on every rank
+        encore.moe_forward_ep(x[:5], logits[:5], w13[rank * el:(rank + 1) * el], w2[rank * el:(rank + 1) * el], 2, transport="peer")
+    with pytest.raises(ValueError, match=r"transport: must be 'collective' or 'peer'"):
+        encore.moe_forward_ep(x[:5], logits[:5], w13[rank * el:(rank + 1) * el], w2[rank * el:(rank + 1) * el], 2, transport="nvls")
 
 
 def worker(rank, world, init, names, backend, errq):
