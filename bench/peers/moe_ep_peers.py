@@ -10,6 +10,10 @@ Launch: python3 -m torch.distributed.run --standalone --nproc-per-node N bench/p
                   back, the combine
   nccl_a2a_rows   all_to_all_single of the dispatch rows alone with the same splits (bf16 [T * k, hidden]),
                   the floor of one direction on this path
+  ep_peer_layer   the EP layer on the peer-memory transport (transport="peer": rows written into the owners'
+                  GPU memory, outputs straight back; one host synchronization per call for the received counts)
+  ep_peer_a2a     the peer transport's dispatch + combine alone (no expert compute: the received rows sent
+                  back as the outputs), one round trip of the rows
   tp_layer        the TP layer (every GPU the same tokens): local experts, fp32 partial combine, all-reduce
   nccl_allreduce  all_reduce of the fp32 [T, hidden] partials alone
 Rank 0 writes OUT.json (one key per figure, plus the world size and GPU)."""
@@ -21,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 import encore
+from encore import _moe_ep
+from encore._util import _dl
 from dist_timing import median_us  # the script's folder is on sys.path
 
 SHAPES = {"deepseek_v3": (7168, 256, 8, 2048), "qwen3_30b_a3b": (2048, 128, 8, 768)}
@@ -53,6 +59,21 @@ def main(path):
                 rows = x.index_select(0, torch.div(torch.argsort(dest, stable=True), k, rounding_mode="floor"))
                 rows_in = rows.new_empty(sum(r_l), d)
                 res[f"{key}_nccl_a2a_rows_us"] = median_us(lambda: dist.all_to_all_single(rows_in, rows, r_l, s_l), ROUNDS, reps=10)
+                res[f"{key}_ep_peer_layer_us"] = median_us(lambda: encore.moe_forward_ep(x, logits, w13, w2, k, transport="peer"), ROUNDS,
+                                                           reps=10)
+                ep = _moe_ep._peer_rank(None, world, rank, e, k, d, x, t)
+                y = torch.zeros(ep.max_rows, d, dtype=x.dtype, device="cuda")
+                out = torch.empty_like(x)
+                w = torch.full((t, k), 1.0 / k, device="cuda")
+                stream = torch.cuda.current_stream().cuda_stream
+
+                def round_trip():
+                    ep.dispatch(*_dl(x, ids.contiguous()), stream)
+                    ep.combine(*_dl(y, w, out), stream)
+
+                res[f"{key}_ep_peer_a2a_us"] = median_us(round_trip, ROUNDS, reps=10)
+                torch.cuda.synchronize()
+                ep.check()
                 res[f"{key}_tp_layer_us"] = median_us(lambda: encore.moe_forward_ep(x, logits, w13, w2, k, mode="tp"), ROUNDS, reps=10)
                 part = torch.randn(t, d, device="cuda")
                 res[f"{key}_nccl_allreduce_us"] = median_us(lambda: dist.all_reduce(part), ROUNDS, reps=10)
