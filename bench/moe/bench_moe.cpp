@@ -8,7 +8,10 @@
 // read floor (their w13 + w2 bytes at the copy ceiling measured in the same run). Then dispatch (with
 // the x gather) and combine alone on the layer's buffers (the routing of the layer call), each against
 // the bytes it must move at the copy ceiling (moe_peers.py's definition: dispatch 2 * T * k * D * 2 +
-// T * k * 12, combine T * k * D * 2 + T * D * 2 + T * k * 8; the padding rows are not counted).
+// T * k * 12, combine T * k * D * 2 + T * D * 2 + T * k * 8; the padding rows are not counted). From
+// T = 512: the grouped GEMMs' dense equivalent on cuBLAS (moe_dense_cublas).
+#include <cublas_v2.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -31,6 +34,59 @@ struct Shape {
 };
 const Shape kShapes[] = {{"qwen3_30b_a3b", 2048, 768, 128, 8}, {"deepseek_v3_like", 7168, 2048, 256, 8}};
 const int64_t kTokens[] = {1, 2, 4, 8, 16, 64, 512, 4096, 16384};
+
+// The grouped GEMMs' dense equivalent on cuBLAS (issue 31's comparison): every (token, expert) pair's
+// row in one GEMM per projection, M = T k rows, gate/up [M, D] x [2F, D]^T and down [M, F] x [D, F]^T,
+// bf16 with fp32 accumulation, back to back; what the expert compute would cost with no grouping and
+// no padding (record "moe_dense_cublas": time_us and TFLOP/s).
+void time_dense_cublas(const Shape& s, int64_t T, cudaStream_t stream, const TimeOptions& topts, Report& report) {
+  const int64_t M = T * s.k;
+  std::vector<void*> mem;
+  auto alloc = [&](size_t elems, unsigned long long seed) {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, elems * 2), "moe dense alloc");
+    if (seed) fill_random(p, elems, FillKind::kBF16, seed, stream);
+    mem.push_back(p);
+    return p;
+  };
+  void *a = alloc(size_t(M * s.D), 5), *w13 = alloc(size_t(2 * s.F * s.D), 6), *h = alloc(size_t(M * 2 * s.F), 0);
+  void *act = alloc(size_t(M * s.F), 7), *w2 = alloc(size_t(s.D * s.F), 8), *y = alloc(size_t(M * s.D), 0);
+  cublasHandle_t handle;
+  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "encore bench: cublasCreate failed\n");
+    std::exit(3);
+  }
+  cublasSetStream(handle, stream);
+  const float one = 1.f, zero = 0.f;
+  // Row-major C[M, N] = A[M, K] B[N, K]^T as column-major C^T = B A^T.
+  auto gemm = [&](void* c, const void* aa, const void* bb, int64_t m, int64_t n, int64_t k) {
+    const cublasStatus_t st = cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(m), int(k), &one, bb, CUDA_R_16BF, int(k), aa,
+                                           CUDA_R_16BF, int(k), &zero, c, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      std::fprintf(stderr, "encore bench: cublasGemmEx failed (%d)\n", int(st));
+      std::exit(3);
+    }
+  };
+  const Timing t = time_launches(
+      [&](long long) {
+        gemm(h, a, w13, M, 2 * s.F, s.D);
+        gemm(y, act, w2, M, s.D, s.F);
+      },
+      stream, topts, 1);
+  cublasDestroy(handle);
+  for (void* p : mem) cudaFree(p);
+  const double flops = 2.0 * double(M) * 3.0 * double(s.F) * double(s.D);
+  Record r;
+  r.suite = "moe";
+  r.name = "moe_dense_cublas";
+  r.params = {{"shape", s.name}, {"tokens", std::to_string(T)}, {"D", std::to_string(s.D)}, {"F", std::to_string(s.F)},
+              {"k", std::to_string(s.k)}, {"dtype", "bf16"}, {"version", "cublasGemmEx gate/up [T k, 2F] + down [T k, D]"}};
+  r.metrics = {{"time_us", t.median_us}, {"gemm_tflops", flops / (t.median_us * 1e6)}};
+  report.records.push_back(r);
+  std::printf("  moe_dense_cublas %-12s T %6lld %10.1f us  %6.1f TFLOP/s (the grouped GEMMs' dense equivalent)\n", s.name, (long long)T,
+              t.median_us, flops / (t.median_us * 1e6));
+  std::fflush(stdout);
+}
 
 // Device memory for one shape: weights, inputs, output and the layer's buffers for max_tokens.
 struct MoeBenchCase {
@@ -139,6 +195,7 @@ void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
                     [&] { check_status(run(da, dopt, b.dispatch_workspace.data, stream), "moe_dispatch"); }},
                    {"moe_combine", "thread per (token, 8 columns), 8 slot loads in flight", tk * D * 2 + double(T) * D * 2 + tk * 8,
                     [&] { check_status(run(ca, MoeCombineOptions{}, nullptr, stream), "moe_combine"); }}};
+      if (T >= 512) time_dense_cublas(s, T, stream, topts, report);
       for (const auto& st : steps) {
         st.launch();
         check_cuda(cudaStreamSynchronize(stream), "sync");
