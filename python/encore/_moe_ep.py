@@ -111,6 +111,8 @@ def _peer_rank(group, world, rank, E, k, D, like, m_bound):
     cap = 1 << max(0, (max(1, m_bound) - 1).bit_length())
     key = (id(group), E, k, D, like.dtype, like.device.index, cap)
     if key not in _PEERS:
+        for old in [k_ for k_ in _PEERS if k_[:-1] == key[:-1] and k_[-1] < cap]:  # a smaller bound: superseded
+            del _PEERS[old]
         name = [f"{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         dev = like.device.index if like.device.index is not None else torch.cuda.current_device()
@@ -126,7 +128,11 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
     world, rank = _world(group)
     if error is None and not x.is_cuda:
         error = "transport 'peer': needs CUDA tensors (the collective path takes CPU ones)"
-    agree = torch.tensor([0 if error is None else 1, x.shape[0] if error is None else 0], dtype=torch.int64, device=x.device)
+    # NCCL takes CUDA tensors only: the agreement on a CUDA device there whatever x is, so a rank passing CPU
+    # tensors raises with the others instead of inside the collective
+    nccl = dist.get_backend(group) == "nccl"
+    where = torch.device("cuda", torch.cuda.current_device()) if nccl else x.device
+    agree = torch.tensor([0 if error is None else 1, x.shape[0] if error is None else 0], dtype=torch.int64, device=where)
     dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
     flag, m_bound = agree.tolist()
     if flag:
@@ -146,7 +152,11 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
     out = torch.empty(x.shape[0], D, dtype=x.dtype, device=x.device)
     ep.combine(*_dl(y, weights.contiguous(), out), stream)
     torch.cuda.current_stream(x.device).synchronize()
-    ep.check()  # a timeout or bad ids anywhere in the group: raises with the failing rank's message
+    try:
+        ep.check()  # a timeout or bad ids anywhere in the group: raises on every rank with the failing rank's message
+    except RuntimeError:
+        _PEERS.pop(next(k_ for k_, v in _PEERS.items() if v is ep), None)  # an aborted group is not reused
+        raise
     return out
 
 

@@ -52,7 +52,8 @@ void bind_moe_ep(nb::module_& m) {
              raise_if_error(EpDeviceAllToAll::create(self->group.get(), rank, &self->end));
            },
            nb::arg("world"), nb::arg("rank"), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("max_tokens"), nb::arg("like"),
-           nb::arg("scale_bytes"), nb::arg("timeout_ms"), nb::arg("device"), nb::arg("name"))
+           nb::arg("scale_bytes"), nb::arg("timeout_ms"), nb::arg("device"), nb::arg("name"),
+           nb::call_guard<nb::gil_scoped_release>())  // the descriptor exchange waits for the peers
       .def("dispatch",
            [](EpPeerRank& r, Array x, Array ids, uintptr_t stream) {
              raise_if_error(r.end->dispatch(to_view(x, "x"), to_view(ids, "topk_ids"), {}, as_stream(stream)));

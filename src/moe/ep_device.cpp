@@ -30,7 +30,7 @@ const char* phase_name(uint32_t p) {
 }
 
 // The record's failure in words, as the failing rank reports it.
-std::string describe(const EpErrorRecord& r, const EpConfig& c) {
+std::string describe(const EpErrorDetail& r, const EpConfig& c) {
   const int k = c.top_k;
   switch (r.what) {
     case kEpBadExpert:
@@ -42,6 +42,7 @@ std::string describe(const EpErrorRecord& r, const EpConfig& c) {
       return "timed out after " + std::to_string(c.timeout.count()) + " ms waiting for rank " + std::to_string(r.peer) + "'s count of expert " +
              std::to_string(r.index) + " (expected {epoch " + std::to_string(r.expected >> 32) + ", count + 1 >= 1}), saw " + show(r.seen);
     case kEpBadCount:
+      if (r.peer < 0) return std::to_string(r.seen) + " rows received in all, above the buffers' max_rows = " + std::to_string(r.expected);
       return "rank " + std::to_string(r.peer) + "'s count of expert " + std::to_string(r.index) + " is " + show(r.seen) + ", above max_tokens + 1";
     case kEpBadSlot:
       return "received row " + std::to_string(r.index) + " from rank " + std::to_string(r.peer) + " has source slot " + std::to_string(r.seen) +
@@ -90,18 +91,24 @@ Status EpDeviceGroup::create_ipc(const EpConfig& c, int rank, int device, const 
   std::unique_ptr<EpDeviceGroup> g(new EpDeviceGroup());
   g->cfg_ = c;
   g->device_ = device;
-  const size_t bytes = 256 + up256(ep_rank_bytes(c));
+  g->ipc_rank_ = rank;
+  const size_t bytes = kEpErrorRecordBytes + up256(ep_rank_bytes(c));
   ENCORE_RETURN_IF_ERROR(cuda::ep_peer_memory_create(bytes, device, &g->peer_[rank]));
+  // The tag every rank must share: its rounded allocation size and the config (a peer built with other
+  // shapes would map too much or too little).
+  uint64_t tag = uint64_t(g->peer_[rank].bytes);
+  for (int64_t v : {int64_t(c.world), int64_t(c.num_experts), int64_t(c.top_k), c.hidden, c.max_tokens, int64_t(c.dtype), c.scale_bytes})
+    tag = (tag ^ uint64_t(v)) * 0x100000001B3ull;
   std::vector<int> fds;
-  ENCORE_RETURN_IF_ERROR(ep_exchange_fds(name, rank, c.world, g->peer_[rank].fd, c.timeout, &fds));
+  ENCORE_RETURN_IF_ERROR(ep_exchange_fds(name, rank, c.world, g->peer_[rank].fd, tag, c.timeout, &fds));
   Status s = Status::ok();
   for (int r = 0; r < c.world; ++r) {
     if (r == rank) continue;
-    if (s) s = cuda::ep_peer_memory_import(fds[size_t(r)], bytes, device, &g->peer_[r]);
+    if (s) s = cuda::ep_peer_memory_import(fds[size_t(r)], g->peer_[rank].bytes, device, &g->peer_[r]);
     close(fds[size_t(r)]);
   }
   ENCORE_RETURN_IF_ERROR(s);
-  for (int r = 0; r < c.world; ++r) g->mem_[r] = static_cast<uint8_t*>(g->peer_[r].ptr) + 256;
+  for (int r = 0; r < c.world; ++r) g->mem_[r] = static_cast<uint8_t*>(g->peer_[r].ptr) + kEpErrorRecordBytes;
   g->err_ = static_cast<EpErrorRecord*>(g->peer_[0].ptr);
   *out = std::move(g);
   return Status::ok();
@@ -123,10 +130,10 @@ Status EpDeviceGroup::create_on_one_device(const EpConfig& c, int device, std::u
   g->cfg_ = c;
   g->device_ = device;
   const size_t rank_bytes = up256(ep_rank_bytes(c));
-  ENCORE_RETURN_IF_ERROR(cuda::ep_device_alloc(256 + size_t(c.world) * rank_bytes, device, &g->block_));
+  ENCORE_RETURN_IF_ERROR(cuda::ep_device_alloc(kEpErrorRecordBytes + size_t(c.world) * rank_bytes, device, &g->block_));
   auto* base = static_cast<uint8_t*>(g->block_);
   g->err_ = reinterpret_cast<EpErrorRecord*>(base);
-  for (int r = 0; r < c.world; ++r) g->mem_[r] = base + 256 + size_t(r) * rank_bytes;
+  for (int r = 0; r < c.world; ++r) g->mem_[r] = base + kEpErrorRecordBytes + size_t(r) * rank_bytes;
   *out = std::move(g);
   return Status::ok();
 #else
@@ -142,8 +149,10 @@ Status EpDeviceGroup::status(int asking) const {
 #endif
   if (r.abort == 0) return Status::ok();
   const int who = int(uint32_t(r.abort)) - 1;
+  if (who < 0 || who >= cfg_.world) return Status::internal("ep: corrupt error record (abort " + show(r.abort) + ")");
+  const EpErrorDetail& d = r.detail[who];
   const std::string round = std::to_string(r.abort >> 32);
-  const std::string what = "ep rank " + std::to_string(who) + ": " + phase_name(r.phase) + " round " + round + ": " + describe(r, cfg_);
+  const std::string what = "ep rank " + std::to_string(who) + ": " + phase_name(d.phase) + " round " + round + ": " + describe(d, cfg_);
   if (who == asking) return Status::internal(what);
   return Status::internal("ep rank " + std::to_string(asking) + ": aborted (round " + round + ") because rank " + std::to_string(who) + " failed: " + what);
 }
@@ -159,6 +168,8 @@ Status EpDeviceAllToAll::create(EpDeviceGroup* group, int rank, std::unique_ptr<
   if (!out) return Status::invalid("out: required");
   const EpConfig& c = group->config();
   if (rank < 0 || rank >= c.world) return Status::invalid("rank: must be in [0, world = " + std::to_string(c.world) + "), got " + std::to_string(rank));
+  if (group->ipc_rank() >= 0 && rank != group->ipc_rank())
+    return Status::invalid("rank: this process's IPC group is rank " + std::to_string(group->ipc_rank()) + "'s, got " + std::to_string(rank));
 #ifdef ENCORE_WITH_CUDA
   std::unique_ptr<EpDeviceAllToAll> a(new EpDeviceAllToAll());
   a->g_ = group;

@@ -5,7 +5,8 @@
 // allocations exported as POSIX file descriptors and mapped by every peer) is not built yet, nor the
 // NCCL fallback inside this class (the collective path is encore.moe_forward_ep).
 // EpDeviceAllToAll is one rank's end (pplx-kernels' AllToAll shape): dispatch and combine are enqueued
-// on the caller's stream (no allocation, no synchronization); a failure anywhere in the group (a bad
+// on the caller's stream (no allocation, no synchronization; every call of a rank on the same stream,
+// so a dispatch never overtakes the previous combine's final wait); a failure anywhere in the group (a bad
 // topk_ids entry, a timeout) is recorded on the device, every rank's kernels give up, and status() reads
 // the record as a message naming the rank, the round and the cell, once the caller has synchronized.
 #pragma once
@@ -40,6 +41,7 @@ class EpDeviceGroup {
   int device() const { return device_; }
   uint8_t* memory(int rank) const { return mem_[rank]; }
   EpErrorRecord* error_record() const { return err_; }
+  int ipc_rank() const { return ipc_rank_; }  // create_ipc's rank; -1 for create_on_one_device
   // ok while healthy, else the group's first failure as rank `asking` reports it (reads device memory:
   // call after synchronizing every rank's stream).
   Status status(int asking) const;
@@ -48,6 +50,7 @@ class EpDeviceGroup {
   EpDeviceGroup() = default;
   EpConfig cfg_;
   int device_ = 0;
+  int ipc_rank_ = -1;
   void* block_ = nullptr;  // create_on_one_device: the error record, then every rank's memory
   EpPeerMemory peer_[kEpMaxWorld] = {};  // create_ipc: each rank's [error record | memory], this process's mapping
   uint8_t* mem_[kEpMaxWorld] = {};
@@ -56,7 +59,10 @@ class EpDeviceGroup {
 
 // Sends my_fd to every other process of the group and receives theirs (abstract Unix sockets named
 // after `name`, SCM_RIGHTS): peer_fds[r] = rank r's descriptor (my_fd at `rank`), owned by the caller.
-Status ep_exchange_fds(const std::string& name, int rank, int world, int my_fd, std::chrono::milliseconds timeout, std::vector<int>* peer_fds);
+// Every rank passes the same `tag` (a hash of its config): a peer with another is refused. Names of at
+// most 80 characters.
+Status ep_exchange_fds(const std::string& name, int rank, int world, int my_fd, uint64_t tag, std::chrono::milliseconds timeout,
+                       std::vector<int>* peer_fds);
 
 // What a rank received in its last dispatch (device memory, valid until the next dispatch):
 // counts [E_l], offsets [E_l + 1], counts_from [W, E_l], src_rank / src_slot [max_rows] (origin rank,

@@ -241,15 +241,22 @@ namespace encore::moe::ep {
 
 constexpr int kEpMaxWorld = 8;
 
-// The group's first failure, written by the thread that wins the CAS on `abort` ({epoch << 32 | rank
-// + 1}; 0 while healthy); every spin loop of every rank gives up once it is set. Read by the host after
-// the streams are synchronized (EpDeviceAllToAll::status).
-struct EpErrorRecord {
-  unsigned long long abort;
+// The group's failures: each rank's first one in its detail slot (claimed by CAS, written, fenced),
+// then the group's first by a CAS on `abort` ({epoch << 32 | rank + 1}; 0 while healthy); every spin
+// loop of every rank gives up once it is set. Read by the host after the streams are synchronized
+// (EpDeviceAllToAll::status): detail[abort's rank] is complete by then.
+struct EpErrorDetail {
+  unsigned int claimed;
   uint32_t phase, what;  // EpPhase, EpWhat
   int32_t peer, index;   // the other rank (or -1); the token, entry or expert concerned
   unsigned long long expected, seen;
 };
+constexpr size_t kEpErrorRecordBytes = 1024;  // reserved before rank memory (>= sizeof(EpErrorRecord))
+struct EpErrorRecord {
+  unsigned long long abort;
+  EpErrorDetail detail[kEpMaxWorld];
+};
+static_assert(sizeof(EpErrorRecord) <= kEpErrorRecordBytes, "the reserved error record");
 enum EpPhase : uint32_t { kEpPhaseDispatch = 1, kEpPhaseReceive = 2, kEpPhaseCombine = 3, kEpPhaseSync = 4 };
 enum EpWhat : uint32_t {
   kEpBadExpert = 1,        // topk_ids entry outside [0, E): index = t * k + j, seen = the id

@@ -1,6 +1,7 @@
 // The CUDA EP all-to-all (src/moe/ep_device.hpp, cuda/ep_kernels.cu) on one GPU, every rank's memory
 // on it and every rank's kernels on their own stream, against the CPU emulation of the same protocol
-// (reference/ep_emulation.hpp) run on the same inputs: world 2 and 4, bf16 and fp32 with 12 scale bytes,
+// (reference/ep_emulation.hpp) run on the same inputs: world 2 and 4, bf16, fp32 with 12 scale bytes and
+// fp16 with 4 (combined into fp32, bf16 and fp16),
 // ranks with 0 tokens and at max_tokens, experts nobody picks. Identity experts (expert_out = the
 // received rows), so the combine sums each token's own row with its weights: received counts, offsets,
 // origins, rows and scales, and the combined output, all bit-equal to the emulation's; three rounds on
@@ -10,11 +11,13 @@
 // exported as file descriptors), each checking its rank against the emulation.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -88,7 +91,8 @@ void run_ranks(int world, const std::function<void(int)>& fn) {
 }
 
 // The emulation: dispatch, identity experts, combine into fp32 out.
-std::vector<RankResult> emulate(EpGroup& g, std::vector<std::unique_ptr<EpAllToAll>>& ends, const std::vector<RankInput>& in) {
+std::vector<RankResult> emulate(EpGroup& g, std::vector<std::unique_ptr<EpAllToAll>>& ends, const std::vector<RankInput>& in,
+                                DType out_dt = DType::kFP32) {
   const EpConfig& c = g.config();
   std::vector<RankResult> res(size_t(c.world));
   run_ranks(c.world, [&](int r) {
@@ -105,9 +109,9 @@ std::vector<RankResult> emulate(EpGroup& g, std::vector<std::unique_ptr<EpAllToA
     for (int64_t i = 0; i < recv.rows(); ++i) o.src_slot.push_back(recv.src_token[size_t(i)] * c.top_k + recv.src_k[size_t(i)]);
     o.x = recv.x;
     o.scales = recv.scales;
-    o.out.resize(size_t(m * c.hidden) * 4);
+    o.out.resize(size_t(m * c.hidden) * dtype_size(out_dt));
     s = ends[size_t(r)]->combine(mat(recv.x.data(), c.dtype, recv.rows(), c.hidden), mat(ri.w.data(), DType::kFP32, m, c.top_k),
-                                 mat(o.out.data(), DType::kFP32, m, c.hidden));
+                                 mat(o.out.data(), out_dt, m, c.hidden));
     EXPECT_TRUE(s) << s.to_string();
   });
   return res;
@@ -150,7 +154,7 @@ struct DeviceRanks {
   }
 };
 
-std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& in) {
+std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& in, DType out_dt = DType::kFP32) {
   const EpConfig& c = d.g->config();
   const int W = c.world, El = c.num_experts / W;
   const Device gd{DeviceType::kCUDA, d.g->device()};
@@ -159,12 +163,12 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     const RankInput& ri = in[size_t(r)];
     x.emplace_back(ri.x.size() + 16), ids.emplace_back(ri.ids.size() * 4 + 16), sc.emplace_back(ri.scales.size() + 16), w.emplace_back(ri.w.size() + 16);
     const int64_t m = int64_t(ri.ids.size()) / c.top_k;
-    out.emplace_back(size_t(m * c.hidden) * 4 + 16);
+    out.emplace_back(size_t(m * c.hidden) * dtype_size(out_dt) + 16);
     cudaMemcpy(x.back().ptr, ri.x.data(), ri.x.size(), cudaMemcpyHostToDevice);
     cudaMemcpy(ids.back().ptr, ri.ids.data(), ri.ids.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(sc.back().ptr, ri.scales.data(), ri.scales.size(), cudaMemcpyHostToDevice);
     cudaMemcpy(w.back().ptr, ri.w.data(), ri.w.size(), cudaMemcpyHostToDevice);
-    cudaMemset(out.back().ptr, 0xff, size_t(m * c.hidden) * 4);  // poisoned: NaN
+    cudaMemset(out.back().ptr, 0xff, size_t(m * c.hidden) * dtype_size(out_dt));  // poisoned: NaN
   }
   for (int r = 0; r < W; ++r) {
     if (!d.ends[size_t(r)]) continue;
@@ -179,7 +183,7 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
     const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
     const Status s = d.ends[size_t(r)]->combine(mat(rv.x, c.dtype, rv.max_rows, c.hidden, gd), mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, gd),
-                                                mat(out[size_t(r)].ptr, DType::kFP32, m, c.hidden, gd), d.streams[size_t(r)]);
+                                                mat(out[size_t(r)].ptr, out_dt, m, c.hidden, gd), d.streams[size_t(r)]);
     EXPECT_TRUE(s) << s.to_string();
   }
   d.sync();
@@ -198,7 +202,7 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     o.x = fetch(rv.x, rows * size_t(c.hidden) * dtype_size(c.dtype));
     o.scales = fetch(rv.scales, rows * size_t(c.scale_bytes));
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
-    o.out = fetch(static_cast<const uint8_t*>(out[size_t(r)].ptr), size_t(m * c.hidden) * 4);
+    o.out = fetch(static_cast<const uint8_t*>(out[size_t(r)].ptr), size_t(m * c.hidden) * dtype_size(out_dt));
   }
   return res;
 }
@@ -230,6 +234,7 @@ TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
     EpConfig c;
     std::vector<std::vector<int64_t>> m;  // per round, per rank
     std::vector<int> dead;
+    DType out = DType::kFP32;  // the combine's output dtype
   };
   const auto cfg = [](int world, int E, int k, int64_t H, int64_t T, DType dt, int64_t sb) {
     EpConfig c;
@@ -239,8 +244,9 @@ TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
   };
   const Case cases[] = {
       {cfg(2, 8, 2, 64, 37, DType::kBF16, 0), {{37, 0}, {37, 0}, {5, 29}}, {7}},
-      {cfg(4, 16, 4, 128, 300, DType::kBF16, 0), {{300, 1, 0, 123}, {300, 1, 0, 123}, {17, 300, 64, 2}}, {0, 9}},
+      {cfg(4, 16, 4, 128, 300, DType::kBF16, 0), {{300, 1, 0, 123}, {300, 1, 0, 123}, {17, 300, 64, 2}}, {0, 9}, DType::kBF16},
       {cfg(4, 8, 3, 36, 50, DType::kFP32, 12), {{50, 49, 3, 0}, {50, 49, 3, 0}, {1, 1, 50, 7}}, {}},
+      {cfg(2, 8, 2, 64, 20, DType::kFP16, 4), {{20, 20}, {20, 20}, {3, 0}}, {}, DType::kFP16},
   };
   for (const Case& cs : cases) {
     const EpConfig& c = cs.c;
@@ -263,8 +269,8 @@ TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
         in.clear();
         for (int r = 0; r < c.world; ++r) in.push_back(make_input(c, cs.m[round][size_t(r)], cs.dead, rng));
       }
-      const auto emu = emulate(*eg, emu_ends, in);
-      const auto got = on_device(dev, in);
+      const auto emu = emulate(*eg, emu_ends, in, cs.out);
+      const auto got = on_device(dev, in, cs.out);
       expect_equal(got, emu, "round " + std::to_string(round + 1));
       if (::testing::Test::HasFailure()) return;
     }
@@ -387,9 +393,18 @@ TEST_F(MoeEpDeviceGpu, IpcTwoProcessesOnOneGpu) {
     }
     kids.push_back(pid);
   }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   for (size_t r = 0; r < kids.size(); ++r) {
     int st = 0;
-    ASSERT_EQ(waitpid(kids[r], &st, 0), kids[r]);
+    pid_t got = 0;
+    while ((got = waitpid(kids[r], &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (got == 0) {  // hung past every timeout the kernels have: kill, and fail
+      for (pid_t k : kids) kill(k, SIGKILL);
+      waitpid(kids[r], &st, 0);
+      ADD_FAILURE() << "rank " << r << " process still running after 120 s: killed";
+      continue;
+    }
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "rank " << r << " process failed (exit status " << st << "; its output is above)";
   }
 }

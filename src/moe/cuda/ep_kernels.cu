@@ -57,17 +57,29 @@ __device__ __forceinline__ u64 globaltimer() {
 }
 
 __device__ __forceinline__ bool aborted(const EpDeviceParams& p) { return ld_acquire_sys(&p.err->abort) != 0; }
+// The abort cell read once for the whole block (thread 0, then a barrier): a block-uniform answer, so no
+// warp leaves while others go on to the block's barriers.
+__device__ __forceinline__ bool block_aborted(const EpDeviceParams& p) {
+  __shared__ int flag;
+  if (threadIdx.x == 0) flag = aborted(p);
+  __syncthreads();
+  return flag != 0;
+}
 
-// Records the group's first failure (later ones are dropped: the first is the cause).
+// Records the group's first failure: this rank's detail slot first (claimed by one thread of the rank),
+// then the release of the group's abort cell by CAS (a later failure of another rank finds it set and
+// leaves only its own slot), so whoever sees the abort sees the winner's detail.
 __device__ void fail(const EpDeviceParams& p, uint32_t phase, uint32_t what, int peer, int64_t index, u64 expected, u64 seen) {
-  if (atomicCAS_system(&p.err->abort, 0ull, cell(p.epoch, uint32_t(p.rank + 1))) != 0) return;
-  p.err->phase = phase;
-  p.err->what = what;
-  p.err->peer = peer;
-  p.err->index = int32_t(index);
-  p.err->expected = expected;
-  p.err->seen = seen;
+  moe::ep::EpErrorDetail& d = p.err->detail[p.rank];
+  if (atomicCAS_system(&d.claimed, 0u, 1u) != 0) return;  // this rank already recorded one
+  d.phase = phase;
+  d.what = what;
+  d.peer = peer;
+  d.index = int32_t(index);
+  d.expected = expected;
+  d.seen = seen;
   __threadfence_system();
+  atomicCAS_system(&p.err->abort, 0ull, cell(p.epoch, uint32_t(p.rank + 1)));
 }
 
 // Spins until done(value); false on the group's abort or a timeout (recorded).
@@ -121,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) ep_send_kernel(const __grid_constant
   __shared__ int32_t warp_n[kThreads / 32];
   __shared__ int32_t pairs[kThreads];
   __shared__ int32_t chunk_n;
-  if (aborted(p)) return;
+  if (block_aborted(p)) return;
   const int e = blockIdx.x, dest = e / p.e_local, le = e - dest * p.e_local, k = p.top_k;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t total = p.m * k;
@@ -192,6 +204,15 @@ __global__ void __launch_bounds__(kThreads) ep_recv_counts_kernel(const __grid_c
     for (int le = 0; le < El; ++le) p.counts[le] = 0;
     return;
   }
+  int64_t total = 0;
+  for (int c = 0; c < W * El; ++c) total += p.counts_from[c];
+  if (total > p.max_rows) {  // counts valid one by one, too many together: refuse before any copy
+    fail(p, moe::ep::kEpPhaseReceive, moe::ep::kEpBadCount, -1, -1, u64(p.max_rows), u64(total));
+    for (int c = 0; c <= W * El; ++c) p.table[c] = 0;
+    for (int le = 0; le <= El; ++le) p.offsets[le] = 0;
+    for (int le = 0; le < El; ++le) p.counts[le] = 0;
+    return;
+  }
   int32_t at = 0;
   for (int le = 0; le < El; ++le) {
     p.offsets[le] = at;
@@ -231,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) ep_recv_copy_kernel(const __grid_con
 }
 
 __global__ void __launch_bounds__(kThreads) ep_combine_send_kernel(const __grid_constant__ EpDeviceParams p) {
-  if (aborted(p)) return;
+  if (block_aborted(p)) return;
   const int32_t total = p.offsets[p.e_local];
   for (int32_t i = blockIdx.x; i < total; i += gridDim.x) {
     const int origin = p.src_rank[i];
@@ -348,6 +369,7 @@ Status ep_device_alloc(size_t bytes, int device_index, void** out) {
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
   cudaError_t e = cudaMalloc(out, bytes);
   if (e == cudaSuccess) e = cudaMemset(*out, 0, bytes);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();  // zeroed before any rank's kernel (other streams, other processes)
   if (e != cudaSuccess) return Status::cuda_error(std::string("ep: cudaMalloc / cudaMemset of ") + std::to_string(bytes) + " bytes: " + cudaGetErrorString(e));
   return Status::ok();
 }

@@ -107,7 +107,8 @@ Status ep_peer_memory_create(size_t bytes, int device_index, EpPeerMemory* out) 
     return s;
   }
   out->fd = fd;
-  const cudaError_t e = cudaMemset(out->ptr, 0, bytes);
+  cudaError_t e = cudaMemset(out->ptr, 0, bytes);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();  // zeroed before the descriptor leaves this process
   if (e != cudaSuccess) {
     ep_peer_memory_release(out);
     return Status::cuda_error(std::string("ep peer memory: cudaMemset: ") + cudaGetErrorString(e));
