@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/driver_entry.hpp"
 #endif
 
 namespace encore::jit {
@@ -44,11 +45,7 @@ using LaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsi
                                   CUstream, void**, void**);
 template <typename F>
 F entry(const char* name) {
-  void* f = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &q) != cudaSuccess || q != cudaDriverEntryPointSuccess)
-    return nullptr;
-  return reinterpret_cast<F>(f);
+  return cuda::driver_entry<F>(name);
 }
 using CtxGetCurrent = CUresult (*)(CUcontext*);
 struct Driver {

@@ -47,6 +47,22 @@ struct Message {  // beside the descriptor
   uint64_t tag;
 };
 
+// A one-message header with room for one descriptor (SCM_RIGHTS), over `payload`.
+struct FdMessage {
+  Message payload{-1, 0, 0};
+  iovec io{};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr m{};
+  FdMessage() {
+    io = {&payload, sizeof(payload)};
+    m.msg_iov = &io;
+    m.msg_iovlen = 1;
+    m.msg_control = ctrl;
+    m.msg_controllen = sizeof(ctrl);
+  }
+  FdMessage(const FdMessage&) = delete;
+};
+
 // On failure: the descriptors received so far are closed (the caller owns them only on success).
 Status failed(std::vector<int>* fds, int rank, Status s) {
   for (size_t r = 0; r < fds->size(); ++r)
@@ -89,20 +105,14 @@ Status ep_exchange_fds(const std::string& name, int rank, int world, int my_fd, 
                                 " ms connecting to rank " + std::to_string(s) + " (group '" + name + "')");
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    Message payload{rank, 0, tag};
-    iovec io{&payload, sizeof(payload)};
-    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-    msghdr m{};
-    m.msg_iov = &io;
-    m.msg_iovlen = 1;
-    m.msg_control = ctrl;
-    m.msg_controllen = sizeof(ctrl);
-    cmsghdr* cm = CMSG_FIRSTHDR(&m);
+    FdMessage msg;
+    msg.payload = {rank, 0, tag};
+    cmsghdr* cm = CMSG_FIRSTHDR(&msg.m);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     std::memcpy(CMSG_DATA(cm), &my_fd, sizeof(int));
-    if (sendmsg(c.fd, &m, 0) != ssize_t(sizeof(payload))) return errno_status("sendmsg to rank " + std::to_string(s));
+    if (sendmsg(c.fd, &msg.m, 0) != ssize_t(sizeof(Message))) return errno_status("sendmsg to rank " + std::to_string(s));
   }
   // Receive: one connection per peer, each read within the time left.
   for (int got = 0; got < world - 1; ++got) {
@@ -120,16 +130,10 @@ Status ep_exchange_fds(const std::string& name, int rank, int world, int my_fd, 
     tv.tv_sec = long(left / 1000);
     tv.tv_usec = long(left % 1000) * 1000;
     setsockopt(c.fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    Message payload{-1, 0, 0};
-    iovec io{&payload, sizeof(payload)};
-    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-    msghdr m{};
-    m.msg_iov = &io;
-    m.msg_iovlen = 1;
-    m.msg_control = ctrl;
-    m.msg_controllen = sizeof(ctrl);
-    const ssize_t n = recvmsg(c.fd, &m, MSG_CMSG_CLOEXEC);
-    cmsghdr* cm = n == ssize_t(sizeof(payload)) && !(m.msg_flags & MSG_CTRUNC) ? CMSG_FIRSTHDR(&m) : nullptr;
+    FdMessage msg;
+    const ssize_t n = recvmsg(c.fd, &msg.m, MSG_CMSG_CLOEXEC);
+    const Message& payload = msg.payload;
+    cmsghdr* cm = n == ssize_t(sizeof(Message)) && !(msg.m.msg_flags & MSG_CTRUNC) ? CMSG_FIRSTHDR(&msg.m) : nullptr;
     int fd = -1;
     if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
     const int s = payload.rank;

@@ -118,6 +118,20 @@ std::vector<RankResult> emulate(EpGroup& g, std::vector<std::unique_ptr<EpAllToA
 }
 
 // The device: every rank's dispatch enqueued, then every rank's combine (received rows as expert_out).
+// The emulated group of c and every rank's end of it.
+struct Emulation {
+  std::unique_ptr<EpGroup> g;
+  std::vector<std::unique_ptr<EpAllToAll>> ends;
+  explicit Emulation(const EpConfig& c) {
+    EXPECT_TRUE(EpGroup::create(c, &g));
+    for (int r = 0; g && r < c.world; ++r) {
+      std::unique_ptr<EpAllToAll> a;
+      EXPECT_TRUE(EpAllToAll::create(g.get(), r, &a));
+      ends.push_back(std::move(a));
+    }
+  }
+};
+
 // Every rank of a one-GPU group (only_rank < 0), or this process's rank of an IPC group (ends of the
 // other ranks null: they run in other processes).
 struct DeviceRanks {
@@ -252,14 +266,8 @@ TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
     const EpConfig& c = cs.c;
     SCOPED_TRACE("world " + std::to_string(c.world) + " E " + std::to_string(c.num_experts) + " k " + std::to_string(c.top_k) + " H " +
                  std::to_string(c.hidden) + " " + dtype_name(c.dtype));
-    std::unique_ptr<EpGroup> eg;
-    ASSERT_TRUE(EpGroup::create(c, &eg));
-    std::vector<std::unique_ptr<EpAllToAll>> emu_ends;
-    for (int r = 0; r < c.world; ++r) {
-      std::unique_ptr<EpAllToAll> a;
-      ASSERT_TRUE(EpAllToAll::create(eg.get(), r, &a));
-      emu_ends.push_back(std::move(a));
-    }
+    Emulation emu_group(c);
+    ASSERT_EQ(int(emu_group.ends.size()), c.world);
     DeviceRanks dev(c);
     ASSERT_TRUE(dev.g != nullptr);
     auto rng = make_rng(uint64_t(c.world * 31 + c.num_experts));
@@ -269,7 +277,7 @@ TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
         in.clear();
         for (int r = 0; r < c.world; ++r) in.push_back(make_input(c, cs.m[round][size_t(r)], cs.dead, rng));
       }
-      const auto emu = emulate(*eg, emu_ends, in, cs.out);
+      const auto emu = emulate(*emu_group.g, emu_group.ends, in, cs.out);
       const auto got = on_device(dev, in, cs.out);
       expect_equal(got, emu, "round " + std::to_string(round + 1));
       if (::testing::Test::HasFailure()) return;
@@ -350,14 +358,8 @@ TEST_F(MoeEpDeviceGpu, IpcChild) {
   int rank = -1;
   ASSERT_EQ(std::sscanf(env, "%127s %d", name, &rank), 2);
   const EpConfig c = ipc_config();
-  std::unique_ptr<EpGroup> eg;
-  ASSERT_TRUE(EpGroup::create(c, &eg));
-  std::vector<std::unique_ptr<EpAllToAll>> emu_ends;
-  for (int r = 0; r < c.world; ++r) {
-    std::unique_ptr<EpAllToAll> a;
-    ASSERT_TRUE(EpAllToAll::create(eg.get(), r, &a));
-    emu_ends.push_back(std::move(a));
-  }
+  Emulation emu_group(c);
+  ASSERT_EQ(int(emu_group.ends.size()), c.world);
   int devices = 0;
   ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
   const int device = rank % devices;  // one GPU each where there are two
@@ -369,7 +371,7 @@ TEST_F(MoeEpDeviceGpu, IpcChild) {
   for (size_t round = 0; round < m.size(); ++round) {
     std::vector<RankInput> in;
     for (int r = 0; r < c.world; ++r) in.push_back(make_input(c, m[round][size_t(r)], {}, rng));
-    const auto emu = emulate(*eg, emu_ends, in);
+    const auto emu = emulate(*emu_group.g, emu_group.ends, in);
     const auto got = on_device(dev, in);
     expect_equal(got, emu, "ipc round " + std::to_string(round + 1), rank);
     if (::testing::Test::HasFailure()) return;

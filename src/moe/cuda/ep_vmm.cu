@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/driver_entry.hpp"
 #include "moe/cuda/launch.hpp"
 
 namespace encore::cuda {
@@ -19,11 +20,7 @@ namespace {
 
 template <typename F>
 F entry(const char* name) {
-  void* f = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &q) != cudaSuccess || q != cudaDriverEntryPointSuccess)
-    return nullptr;
-  return reinterpret_cast<F>(f);
+  return driver_entry<F>(name);
 }
 
 struct Vmm {
