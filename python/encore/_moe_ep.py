@@ -224,7 +224,8 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
 class ExpertParallelMoE(torch.nn.Module):
     """encore.nn.MoE over a process group: the router (all E experts) on every rank, this rank's E / W experts'
     weights (w13 [E / W, 2F, D], w2 [E / W, D, F]); forward(x [..., D]) as moe_forward_ep with `mode` ("ep":
-    x holds this rank's tokens; "tp": the same tokens on every rank)."""
+    x holds this rank's tokens; "tp": the same tokens on every rank); moe_forward_ep's other keywords
+    (routing options, align_m, transport="peer" for the peer-memory path) pass through **options."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, group=None, mode: str = "ep",
                  device=None, dtype=None, **options):
