@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,28 @@ TEST(MoeEpIpc, PeerWithAnotherConfigIsRefused) {
   ASSERT_EQ(waitpid(pid, &st, 0), pid);
   EXPECT_TRUE(WIFEXITED(st));
   EXPECT_EQ(WEXITSTATUS(st), 5);
+}
+
+// The group's host-side refusals, before any device work (so on every build).
+TEST(MoeEpIpc, GroupArgumentsRefused) {
+  using moe::ep::EpConfig;
+  using moe::ep::EpDeviceGroup;
+  EpConfig c;
+  c.world = 2, c.num_experts = 4, c.top_k = 2, c.hidden = 64, c.max_tokens = 8, c.dtype = DType::kBF16;
+  std::unique_ptr<EpDeviceGroup> g;
+  auto refused = [&](const Status& s, const char* needle) { EXPECT_NE(s.to_string().find(needle), std::string::npos) << s.to_string(); };
+  refused(EpDeviceGroup::create_ipc(c, 2, 0, "n", &g), "rank: must be in [0, world = 2), got 2");
+  refused(EpDeviceGroup::create_ipc(c, 0, 0, "", &g), "name: required");
+  EpConfig odd = c;
+  odd.hidden = 7;  // 14 bytes a row
+  refused(EpDeviceGroup::create_ipc(odd, 0, 0, "n", &g), "hidden: H * dtype bytes must be a multiple of 16");
+  EpConfig big = c;
+  big.world = 16, big.num_experts = 16;
+  refused(EpDeviceGroup::create_ipc(big, 0, 0, "n", &g), "world: at most 8 ranks, got 16");
+  refused(EpDeviceGroup::create_on_one_device(big, 0, &g), "world: at most 8 ranks, got 16");
+  std::unique_ptr<moe::ep::EpDeviceAllToAll> a;
+  refused(moe::ep::EpDeviceAllToAll::create(nullptr, 0, &a), "group: required");
+  EXPECT_EQ(g, nullptr);
 }
 
 }  // namespace
