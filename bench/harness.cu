@@ -120,6 +120,16 @@ void free_rotation(Rotation& r) {
   r.base = nullptr;
 }
 
+cublasHandle_t cublas_on(cudaStream_t stream) {
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "encore bench: cublasCreate failed\n");
+    std::exit(3);
+  }
+  cublasSetStream(h, stream);
+  return h;
+}
+
 Timing time_launches(const std::function<void(long long)>& launch, cudaStream_t stream, const TimeOptions& o,
                      long long min_launches) {
   long long it = 0;
@@ -222,12 +232,7 @@ Ceilings measure_ceilings(cudaStream_t stream, const TimeOptions& o) {
   check_cuda(cudaMalloc(&C, size_t(M) * N * 2), "cudaMalloc (gemm)");
   fill_random(A, size_t(M) * K, FillKind::kBF16, 2, stream);
   fill_random(B, size_t(N) * K, FillKind::kBF16, 3, stream);
-  cublasHandle_t h;
-  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
-    std::fprintf(stderr, "encore bench: cublasCreate failed\n");
-    std::exit(3);
-  }
-  cublasSetStream(h, stream);
+  cublasHandle_t h = cublas_on(stream);
   const float alpha = 1.f, beta = 0.f;
   Timing tg = time_launches([&](long long) {
     // Column-major C[N,M] = B^T[N,K] * A[K,M]  <=>  row-major C[M,N] = A[M,K] * B[N,K]^T.

@@ -2,6 +2,7 @@
 // warm-up), input rotation so the working set exceeds L2, the copy-bandwidth and cuBLAS-GEMM
 // ceilings measured in the same run, and the environment (GPU, clocks, commit) for the JSON.
 #pragma once
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -24,6 +25,9 @@ struct Timing {
   double median_us = 0, min_us = 0, max_us = 0;
   int batch = 0, samples = 0;
 };
+
+// A cuBLAS handle bound to `stream` (exits with a message if cuBLAS cannot start); cublasDestroy it.
+cublasHandle_t cublas_on(cudaStream_t stream);
 
 // Times `launch(i)` (i = 0, 1, 2, ... for rotating inputs) on `stream` (not the legacy default
 // stream): a batch of consecutive launches is captured in a CUDA graph so host overhead and launch

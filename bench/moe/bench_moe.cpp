@@ -10,8 +10,6 @@
 // the bytes it must move at the copy ceiling (moe_peers.py's definition: dispatch 2 * T * k * D * 2 +
 // T * k * 12, combine T * k * D * 2 + T * D * 2 + T * k * 8; the padding rows are not counted). From
 // T = 512: the grouped GEMMs' dense equivalent on cuBLAS (moe_dense_cublas).
-#include <cublas_v2.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -51,12 +49,7 @@ void time_dense_cublas(const Shape& s, int64_t T, cudaStream_t stream, const Tim
   };
   void *a = alloc(size_t(M * s.D), 5), *w13 = alloc(size_t(2 * s.F * s.D), 6), *h = alloc(size_t(M * 2 * s.F), 0);
   void *act = alloc(size_t(M * s.F), 7), *w2 = alloc(size_t(s.D * s.F), 8), *y = alloc(size_t(M * s.D), 0);
-  cublasHandle_t handle;
-  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
-    std::fprintf(stderr, "encore bench: cublasCreate failed\n");
-    std::exit(3);
-  }
-  cublasSetStream(handle, stream);
+  cublasHandle_t handle = cublas_on(stream);
   const float one = 1.f, zero = 0.f;
   // Row-major C[M, N] = A[M, K] B[N, K]^T as column-major C^T = B A^T.
   auto gemm = [&](void* c, const void* aa, const void* bb, int64_t m, int64_t n, int64_t k) {

@@ -61,7 +61,7 @@ def main(path):
                 res[f"{key}_nccl_a2a_rows_us"] = median_us(lambda: dist.all_to_all_single(rows_in, rows, r_l, s_l), ROUNDS, reps=10)
                 res[f"{key}_ep_peer_layer_us"] = median_us(lambda: encore.moe_forward_ep(x, logits, w13, w2, k, transport="peer"), ROUNDS,
                                                            reps=10)
-                ep = _moe_ep._peer_rank(None, world, rank, e, k, d, x, t)
+                _, ep = _moe_ep._peer_rank(None, world, rank, e, k, d, x, t)
                 y = torch.zeros(ep.max_rows, d, dtype=x.dtype, device="cuda")
                 out = torch.empty_like(x)
                 w = torch.full((t, k), 1.0 / k, device="cuda")

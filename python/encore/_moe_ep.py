@@ -106,8 +106,8 @@ PEER_TIMEOUT_MS = 20000  # every spin loop of the peer transport gives up after 
 
 
 def _peer_rank(group, world, rank, E, k, D, like, m_bound):
-    """This rank's end of the peer-memory group for these shapes (created on first use, by every rank at once:
-    they all see the same m_bound), max_tokens the next power of two >= m_bound."""
+    """(key, this rank's end of the peer-memory group for these shapes): created on first use, by every rank at
+    once (they all see the same m_bound), max_tokens the next power of two >= m_bound."""
     cap = 1 << max(0, (max(1, m_bound) - 1).bit_length())
     key = (id(group), E, k, D, like.dtype, like.device.index, cap)
     if key not in _PEERS:
@@ -117,7 +117,7 @@ def _peer_rank(group, world, rank, E, k, D, like, m_bound):
         dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         dev = like.device.index if like.device.index is not None else torch.cuda.current_device()
         _PEERS[key] = _encore.EpPeerRank(world, rank, E, k, D, cap, *_dl(like), 0, PEER_TIMEOUT_MS, dev, name[0])
-    return _PEERS[key]
+    return key, _PEERS[key]
 
 
 def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
@@ -139,7 +139,7 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
         _raise_refused(group, error)
     E, D = router_logits.shape[1], x.shape[1]
     el = E // world
-    ep = _peer_rank(group, world, rank, E, k, D, x, m_bound)
+    key, ep = _peer_rank(group, world, rank, E, k, D, x, m_bound)
     ids, weights = _route(x, router_logits, k, routing)
     stream = _torch_stream(x)
     ep.dispatch(*_dl(x.contiguous(), ids.contiguous()), stream)
@@ -155,7 +155,7 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
     try:
         ep.check()  # a timeout or bad ids anywhere in the group: raises on every rank with the failing rank's message
     except RuntimeError:
-        _PEERS.pop(next(k_ for k_, v in _PEERS.items() if v is ep), None)  # an aborted group is not reused
+        _PEERS.pop(key, None)  # an aborted group is not reused
         raise
     return out
 

@@ -43,16 +43,12 @@ using ModuleLoadData = CUresult (*)(CUmodule*, const void*);
 using ModuleGetFunction = CUresult (*)(CUfunction*, CUmodule, const char*);
 using LaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                   CUstream, void**, void**);
-template <typename F>
-F entry(const char* name) {
-  return cuda::driver_entry<F>(name);
-}
 using CtxGetCurrent = CUresult (*)(CUcontext*);
 struct Driver {
-  CtxGetCurrent ctx = entry<CtxGetCurrent>("cuCtxGetCurrent");
-  ModuleLoadData load = entry<ModuleLoadData>("cuModuleLoadData");
-  ModuleGetFunction get = entry<ModuleGetFunction>("cuModuleGetFunction");
-  LaunchKernel launch = entry<LaunchKernel>("cuLaunchKernel");
+  CtxGetCurrent ctx = cuda::driver_entry<CtxGetCurrent>("cuCtxGetCurrent");
+  ModuleLoadData load = cuda::driver_entry<ModuleLoadData>("cuModuleLoadData");
+  ModuleGetFunction get = cuda::driver_entry<ModuleGetFunction>("cuModuleGetFunction");
+  LaunchKernel launch = cuda::driver_entry<LaunchKernel>("cuLaunchKernel");
 };
 const Driver& driver() {
   static const Driver d;

@@ -57,6 +57,16 @@ std::string describe(const EpErrorDetail& r, const EpConfig& c) {
   }
 }
 
+// The emulation's config checks and the CUDA kernels' limits.
+Status validate_for_cuda(const EpConfig& c) {
+  ENCORE_RETURN_IF_ERROR(validate(c));
+  if (c.world > kEpMaxWorld) return Status::unsupported("world: at most " + std::to_string(kEpMaxWorld) + " ranks, got " + std::to_string(c.world));
+  if ((size_t(c.hidden) * dtype_size(c.dtype)) % 16 != 0)
+    return Status::unsupported("hidden: H * dtype bytes must be a multiple of 16 on CUDA, got " + std::to_string(c.hidden) + " x " +
+                               std::to_string(dtype_size(c.dtype)));
+  return Status::ok();
+}
+
 Status device_tensor(const char* name, const TensorView& v, DType dt, int64_t rows, int64_t cols, const char* shape, int device) {
   if (!v.defined() || v.ndim != 2) return Status::invalid(std::string(name) + ": must be 2-d " + shape + ", got " + v.shape_string());
   if (v.dtype != dt) return Status::invalid(std::string(name) + ": dtype must be " + dtype_name(dt) + ", got " + dtype_name(v.dtype));
@@ -80,12 +90,9 @@ EpDeviceGroup::~EpDeviceGroup() {
 }
 
 Status EpDeviceGroup::create_ipc(const EpConfig& c, int rank, int device, const std::string& name, std::unique_ptr<EpDeviceGroup>* out) {
-  ENCORE_RETURN_IF_ERROR(validate(c));
+  ENCORE_RETURN_IF_ERROR(validate_for_cuda(c));
   if (!out) return Status::invalid("out: required");
-  if (c.world > kEpMaxWorld) return Status::unsupported("world: at most " + std::to_string(kEpMaxWorld) + " ranks, got " + std::to_string(c.world));
   if (rank < 0 || rank >= c.world) return Status::invalid("rank: must be in [0, world = " + std::to_string(c.world) + "), got " + std::to_string(rank));
-  if ((size_t(c.hidden) * dtype_size(c.dtype)) % 16 != 0)
-    return Status::unsupported("hidden: H * dtype bytes must be a multiple of 16 on CUDA");
   if (name.empty()) return Status::invalid("name: required (unique per group on the node)");
 #ifdef ENCORE_WITH_CUDA
   std::unique_ptr<EpDeviceGroup> g(new EpDeviceGroup());
@@ -119,12 +126,8 @@ Status EpDeviceGroup::create_ipc(const EpConfig& c, int rank, int device, const 
 }
 
 Status EpDeviceGroup::create_on_one_device(const EpConfig& c, int device, std::unique_ptr<EpDeviceGroup>* out) {
-  ENCORE_RETURN_IF_ERROR(validate(c));
+  ENCORE_RETURN_IF_ERROR(validate_for_cuda(c));
   if (!out) return Status::invalid("out: required");
-  if (c.world > kEpMaxWorld) return Status::unsupported("world: at most " + std::to_string(kEpMaxWorld) + " ranks, got " + std::to_string(c.world));
-  if ((size_t(c.hidden) * dtype_size(c.dtype)) % 16 != 0)
-    return Status::unsupported("hidden: H * dtype bytes must be a multiple of 16 on CUDA, got " + std::to_string(c.hidden) + " x " +
-                               std::to_string(dtype_size(c.dtype)));
 #ifdef ENCORE_WITH_CUDA
   std::unique_ptr<EpDeviceGroup> g(new EpDeviceGroup());
   g->cfg_ = c;

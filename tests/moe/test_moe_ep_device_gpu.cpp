@@ -351,6 +351,8 @@ EpConfig ipc_config() {
   return c;
 }
 
+std::string ipc_marker(const std::string& name, int rank) { return "/tmp/encore-" + name + "-rank" + std::to_string(rank) + ".done"; }
+
 TEST_F(MoeEpDeviceGpu, IpcChild) {
   const char* env = std::getenv("ENCORE_EP_IPC_CHILD");
   if (!env) GTEST_SKIP() << "run by IpcTwoProcessesOnOneGpu";
@@ -376,6 +378,10 @@ TEST_F(MoeEpDeviceGpu, IpcChild) {
     expect_equal(got, emu, "ipc round " + std::to_string(round + 1), rank);
     if (::testing::Test::HasFailure()) return;
   }
+  // Proof for the parent that this child ran every round (a child that selected no test also exits 0).
+  std::FILE* f = std::fopen(ipc_marker(name, rank).c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
 }
 
 TEST_F(MoeEpDeviceGpu, IpcTwoProcessesOnOneGpu) {
@@ -408,6 +414,7 @@ TEST_F(MoeEpDeviceGpu, IpcTwoProcessesOnOneGpu) {
       continue;
     }
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "rank " << r << " process failed (exit status " << st << "; its output is above)";
+    EXPECT_EQ(std::remove(ipc_marker(name, int(r)).c_str()), 0) << "rank " << r << " process did not finish its rounds";
   }
 }
 

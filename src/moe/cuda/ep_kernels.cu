@@ -198,16 +198,13 @@ __global__ void __launch_bounds__(kThreads) ep_recv_counts_kernel(const __grid_c
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (!ok) {  // nothing received this round: an empty table, so the copy and combine kernels do nothing
-    for (int c = 0; c <= W * El; ++c) p.table[c] = 0;
-    for (int le = 0; le <= El; ++le) p.offsets[le] = 0;
-    for (int le = 0; le < El; ++le) p.counts[le] = 0;
-    return;
-  }
   int64_t total = 0;
-  for (int c = 0; c < W * El; ++c) total += p.counts_from[c];
-  if (total > p.max_rows) {  // counts valid one by one, too many together: refuse before any copy
+  for (int c = 0; ok && c < W * El; ++c) total += p.counts_from[c];
+  if (ok && total > p.max_rows) {  // counts valid one by one, too many together: refuse before any copy
     fail(p, moe::ep::kEpPhaseReceive, moe::ep::kEpBadCount, -1, -1, u64(p.max_rows), u64(total));
+    ok = 0;
+  }
+  if (!ok) {  // nothing received this round: an empty table, so the copy and combine kernels do nothing
     for (int c = 0; c <= W * El; ++c) p.table[c] = 0;
     for (int le = 0; le <= El; ++le) p.offsets[le] = 0;
     for (int le = 0; le < El; ++le) p.counts[le] = 0;

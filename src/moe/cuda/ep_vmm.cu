@@ -18,22 +18,17 @@
 namespace encore::cuda {
 namespace {
 
-template <typename F>
-F entry(const char* name) {
-  return driver_entry<F>(name);
-}
-
 struct Vmm {
-  decltype(&cuMemGetAllocationGranularity) granularity = entry<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity");
-  decltype(&cuMemCreate) create = entry<decltype(&cuMemCreate)>("cuMemCreate");
-  decltype(&cuMemRelease) release = entry<decltype(&cuMemRelease)>("cuMemRelease");
-  decltype(&cuMemExportToShareableHandle) export_fd = entry<decltype(&cuMemExportToShareableHandle)>("cuMemExportToShareableHandle");
-  decltype(&cuMemImportFromShareableHandle) import_fd = entry<decltype(&cuMemImportFromShareableHandle)>("cuMemImportFromShareableHandle");
-  decltype(&cuMemAddressReserve) reserve = entry<decltype(&cuMemAddressReserve)>("cuMemAddressReserve");
-  decltype(&cuMemAddressFree) address_free = entry<decltype(&cuMemAddressFree)>("cuMemAddressFree");
-  decltype(&cuMemMap) map = entry<decltype(&cuMemMap)>("cuMemMap");
-  decltype(&cuMemUnmap) unmap = entry<decltype(&cuMemUnmap)>("cuMemUnmap");
-  decltype(&cuMemSetAccess) access = entry<decltype(&cuMemSetAccess)>("cuMemSetAccess");
+  decltype(&cuMemGetAllocationGranularity) granularity = driver_entry<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity");
+  decltype(&cuMemCreate) create = driver_entry<decltype(&cuMemCreate)>("cuMemCreate");
+  decltype(&cuMemRelease) release = driver_entry<decltype(&cuMemRelease)>("cuMemRelease");
+  decltype(&cuMemExportToShareableHandle) export_fd = driver_entry<decltype(&cuMemExportToShareableHandle)>("cuMemExportToShareableHandle");
+  decltype(&cuMemImportFromShareableHandle) import_fd = driver_entry<decltype(&cuMemImportFromShareableHandle)>("cuMemImportFromShareableHandle");
+  decltype(&cuMemAddressReserve) reserve = driver_entry<decltype(&cuMemAddressReserve)>("cuMemAddressReserve");
+  decltype(&cuMemAddressFree) address_free = driver_entry<decltype(&cuMemAddressFree)>("cuMemAddressFree");
+  decltype(&cuMemMap) map = driver_entry<decltype(&cuMemMap)>("cuMemMap");
+  decltype(&cuMemUnmap) unmap = driver_entry<decltype(&cuMemUnmap)>("cuMemUnmap");
+  decltype(&cuMemSetAccess) access = driver_entry<decltype(&cuMemSetAccess)>("cuMemSetAccess");
   bool ok() const { return granularity && create && release && export_fd && import_fd && reserve && address_free && map && unmap && access; }
 };
 const Vmm& vmm() {
@@ -53,6 +48,19 @@ CUmemAllocationProp prop_for(int device) {
   p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   p.location.id = device;
   return p;
+}
+
+// The driver's entry points present, the primary context current, and *bytes rounded up to the
+// recommended allocation granularity (the exporter and every importer compute the same size).
+Status round_to_granularity(int device, size_t* bytes) {
+  const Vmm& v = vmm();
+  if (!v.ok()) return Status::unsupported("ep peer memory: the driver lacks the virtual memory entry points (cuMemCreate ...)");
+  cudaFree(nullptr);  // the primary context exists before the driver calls
+  const CUmemAllocationProp prop = prop_for(device);
+  size_t gran = 0;
+  ENCORE_RETURN_IF_ERROR(check(v.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"));
+  *bytes = (*bytes + gran - 1) / gran * gran;
+  return Status::ok();
 }
 
 // Reserves an address range for `handle`, maps it and grants this process's device read / write.
@@ -84,13 +92,9 @@ Status map_here(unsigned long long handle, size_t bytes, int device, EpPeerMemor
 Status ep_peer_memory_create(size_t bytes, int device_index, EpPeerMemory* out) {
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  ENCORE_RETURN_IF_ERROR(round_to_granularity(device_index, &bytes));
   const Vmm& v = vmm();
-  if (!v.ok()) return Status::unsupported("ep peer memory: the driver lacks the virtual memory entry points (cuMemCreate ...)");
-  cudaFree(nullptr);  // the primary context exists before the driver calls
   const CUmemAllocationProp prop = prop_for(device_index);
-  size_t gran = 0;
-  ENCORE_RETURN_IF_ERROR(check(v.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"));
-  bytes = (bytes + gran - 1) / gran * gran;
   CUmemGenericAllocationHandle h = 0;
   ENCORE_RETURN_IF_ERROR(check(v.create(&h, bytes, &prop, 0), "cuMemCreate (POSIX file descriptor handle)"));
   int fd = -1;
@@ -116,13 +120,8 @@ Status ep_peer_memory_create(size_t bytes, int device_index, EpPeerMemory* out) 
 Status ep_peer_memory_import(int fd, size_t bytes, int device_index, EpPeerMemory* out) {
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  ENCORE_RETURN_IF_ERROR(round_to_granularity(device_index, &bytes));
   const Vmm& v = vmm();
-  if (!v.ok()) return Status::unsupported("ep peer memory: the driver lacks the virtual memory entry points (cuMemCreate ...)");
-  cudaFree(nullptr);
-  const CUmemAllocationProp prop = prop_for(device_index);
-  size_t gran = 0;
-  ENCORE_RETURN_IF_ERROR(check(v.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"));
-  bytes = (bytes + gran - 1) / gran * gran;
   CUmemGenericAllocationHandle h = 0;
   ENCORE_RETURN_IF_ERROR(check(v.import_fd(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                                "cuMemImportFromShareableHandle"));
