@@ -7,6 +7,8 @@
 // bench kda_bwd).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "bench/kda/kda_bench_case.hpp"
 #include "core/carve.hpp"
@@ -83,7 +85,10 @@ Record record(const char* name, const Config& c, const char* path) {
 void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
   const DeviceInfo* info = nullptr;
   if (!get_device_info(0, &info)) return;
+  // ENCORE_BENCH_FILTER: only the configurations whose name contains it (profiling one under ncu).
+  const char* filter = std::getenv("ENCORE_BENCH_FILTER");
   for (const Config& c : kConfigs) {
+    if (filter && *filter && std::string(c.name).find(filter) == std::string::npos) continue;
     const KdaBenchCase kc(c, *info);
     const KdaTrainCase tc(kc);
     const auto time = [&](const char* name, const char* path, auto&& call) {
