@@ -182,6 +182,7 @@ Status EpDeviceAllToAll::create(EpDeviceGroup* group, int rank, std::unique_ptr<
   const size_t rb = size_t(c.hidden) * dtype_size(c.dtype), sb = size_t(c.scale_bytes);
   const size_t ints = size_t(El) + size_t(El + 1) + size_t(W * El) + size_t(W * El + 1) + 2 * size_t(rows);
   const size_t bytes = up256(ints * 4) + up256(size_t(rows) * rb) + up256(size_t(rows) * sb);
+  ENCORE_RETURN_IF_ERROR(cuda::ep_load_kernels(group->device()));
   ENCORE_RETURN_IF_ERROR(cuda::ep_device_alloc(bytes, group->device(), &a->block_));
   auto* i32 = static_cast<int32_t*>(a->block_);
   EpDeviceReceived& r = a->recv_;

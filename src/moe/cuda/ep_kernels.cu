@@ -25,7 +25,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <iterator>
 #include <string>
+#include <vector>
 
 #include "common/cuda/device_guard.hpp"
 #include "common/cuda/vector_io.cuh"
@@ -311,6 +313,28 @@ void* pick_combine(DType out) {
   }
 }
 
+// Every kernel of the protocol, loaded now: with lazy module loading (CUDA's default) a kernel's first
+// launch may wait for the context's running kernels, and a peer's spinning receive kernel waits in turn
+// for this rank's sender: loading it then would stall every rank until the timeout.
+Status load_ep_kernels_now() {
+  const void* kernels[] = {reinterpret_cast<const void*>(ep_arm_kernel), reinterpret_cast<const void*>(ep_send_kernel),
+                           reinterpret_cast<const void*>(ep_recv_counts_kernel), reinterpret_cast<const void*>(ep_recv_copy_kernel),
+                           reinterpret_cast<const void*>(ep_combine_send_kernel), reinterpret_cast<const void*>(ep_combine_flags_kernel),
+                           reinterpret_cast<const void*>(ep_combine_wait_kernel)};
+  std::vector<const void*> all(std::begin(kernels), std::end(kernels));
+  for (DType out : {DType::kFP32, DType::kBF16, DType::kFP16}) {
+    all.push_back(pick_combine<float>(out));
+    all.push_back(pick_combine<__nv_bfloat16>(out));
+    all.push_back(pick_combine<__half>(out));
+  }
+  for (const void* k : all) {
+    cudaFuncAttributes attr;
+    const cudaError_t e = cudaFuncGetAttributes(&attr, k);
+    if (e != cudaSuccess) return Status::cuda_error(std::string("ep: loading the all-to-all's kernels: ") + cudaGetErrorString(e));
+  }
+  return Status::ok();
+}
+
 Status launched(const char* what) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string("ep ") + what + " launch: " + cudaGetErrorString(e));
@@ -359,6 +383,12 @@ Status launch_ep_combine(const moe::ep::EpDeviceParams& p, int device_index, Str
   }
   ep_combine_wait_kernel<<<1, 32, 0, s>>>(p);
   return launched("combine wait");
+}
+
+Status ep_load_kernels(int device_index) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  return load_ep_kernels_now();
 }
 
 Status ep_device_alloc(size_t bytes, int device_index, void** out) {

@@ -33,6 +33,8 @@ Status launch_moe_decode_mlp(const moe::ExpertMlpProblem& m, int64_t rows_max, i
 Status launch_ep_dispatch(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
 Status launch_ep_combine(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
 // The EP objects' device memory (allocated once at creation, zeroed) and their host reads.
+// Loads every all-to-all kernel on the device (no lazy load may wait on a spinning peer later).
+Status ep_load_kernels(int device_index);
 Status ep_device_alloc(size_t bytes, int device_index, void** out);
 void ep_device_free(void* p);
 Status ep_device_read(void* host, const void* device, size_t bytes);  // synchronous
