@@ -62,16 +62,16 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dav_tc_kernel(const __grid_c
   float* rec = ws_rec(ws, p, slot, h);
   const float* cre = rec;
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? load(p.d_o, ci.b, ci.t0 + i, h, y) : 0.f; },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return load_or0(p.d_o, ci.b, ci.t0 + i, h, y, i < rows && y < V); },
       [&](int e, float x) { sdO[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? __ldg(cre + p.ws.vn + i * V + y) : 0.f; },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ld_or0(cre + p.ws.vn, i * V + y, i < rows && y < V); },
       [&](int e, float x) { sVn[(e >> 7) * kLd + (e & 127)] = x; });
   stage<16, kThreads>(
       kC * kC,
       [&](int e) {
         const int i = e >> 6, j = e & 63;
-        return (i < rows && j <= i) ? load_any(p.Aqk, p.aqk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
+        return load_any_or0(p.Aqk, p.aqk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j, i < rows && j <= i);
       },
       [&](int e, float x) { sAqk[(e >> 6) * kLdA + (e & 63)] = x; });
   __syncthreads();

@@ -61,16 +61,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   load_rows_batched<kThreads>(p.q, b, t0, rows, h / p.group, K, p.l2norm, p.scale, sQ, K, false, sRq);  // the group's head
   load_rows_batched<kThreads>(p.k, b, t0, rows, h / p.group, K, p.l2norm, 1.0f, sK, K, false, sRk);
   stage<16, kThreads>(
-      kC * K, [&](int e) { const int i = e / K; return i < rows ? p.G[tok(p, b, t0 + i, h) * K + (e - i * K)] : 0.f; },
+      kC * K, [&](int e) { const int i = e / K; return ld_or0(p.G, tok(p, b, t0 + i, h) * K + (e - i * K), i < rows); },
       [&](int e, float x) { sG[e] = x; });
   stage<8, kThreads>(
       kC * kC,
       [&](int e) {
         const int i = e >> 6, j = e & 63;
-        return (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j) : 0.f;
+        return load_any_or0(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j, i < rows && j <= i);
       },
       [&](int e, float x) { sA[e] = x; });
-  stage<8, kThreads>(kC * kC, [&](int e) { return cre[p.ws.daqk + e]; }, [&](int e, float x) { sD[e] = x; });
+  stage<8, kThreads>(kC * kC, [&](int e) { return ld_or0(cre + p.ws.daqk, e, true); }, [&](int e, float x) { sD[e] = x; });
   if (tid < kC) {
     sBeta[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
     sDb[tid] = rec[p.ws.dbv + tid];
@@ -80,12 +80,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
 
   // K . dK(inter) for the gC term's column sums; dA = tril(dA') beta_j.
   stage<16, kThreads>(
-      kC * K, [&](int e) { return e / K < rows ? dKt[e] : 0.f; },
+      kC * K, [&](int e) { return ld_or0(dKt, e, e / K < rows); },
       [&](int e, float p2) { sT[e] = e / K < rows ? sK[e] * (p2 * exp2f(sGc[e % K] - sG[e])) : 0.f; });
-  for (int e = tid; e < kC * kC; e += kThreads) {
-    const int i = e / kC, j = e - i * kC;
-    sM[e] = (i < rows && j <= i) ? rec[p.ws.da + e] * sBeta[j] : 0.f;
-  }
+  stage<8, kThreads>(
+      kC * kC, [&](int e) { const int i = e >> 6, j = e & 63; return ld_or0(cre + p.ws.da, e, i < rows && j <= i); },
+      [&](int e, float x) { sM[e] = x * sBeta[e & 63]; });
   __syncthreads();
   if (tid < K) {
     float kdk = 0.f;
@@ -132,20 +131,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
 #pragma unroll
       for (int u = 0; u < 16; ++u) {
         const int i = 16 * I + u, e = i * K + a;
-        if (i < rows) finish(e, i, a, dQt[e], dKt[e], dKb[e], dqi[u], dkr[u], dkc[u]);
+        const float p1 = ld_or0(dQt, e, i < rows), p2 = ld_or0(dKt, e, i < rows), kb = ld_or0(dKb, e, i < rows);
+        if (i < rows) finish(e, i, a, p1, p2, kb, dqi[u], dkr[u], dkc[u]);
       }
     }
   }
   __syncthreads();
   stage<16, kThreads>(
-      kC * K, [&](int e) { return e / K < rows ? dbR[e] : 0.f; }, [&](int e, float x) { sT[e] = x; });
+      kC * K, [&](int e) { return ld_or0(dbR, e, e / K < rows); }, [&](int e, float x) { sT[e] = x; });
   stage<16, kThreads>(
-      kC * K, [&](int e) { return e / K < rows ? dGR[e] : 0.f; }, [&](int e, float x) { sW[e] = x; });
+      kC * K, [&](int e) { return ld_or0(dGR, e, e / K < rows); }, [&](int e, float x) { sW[e] = x; });
   const float inv_scale = 1.0f / p.scale;
   stage<16, kThreads>(  // dqn . qn (sA, sD: one [64][128] tile)
-      kC * K, [&](int e) { return e / K < rows ? dQt[e] : 0.f; }, [&](int e, float x) { sA[e] = p.scale * x * sQ[e] * inv_scale; });
+      kC * K, [&](int e) { return ld_or0(dQt, e, e / K < rows); }, [&](int e, float x) { sA[e] = p.scale * x * sQ[e] * inv_scale; });
   stage<16, kThreads>(  // dkn . kn
-      kC * K, [&](int e) { return e / K < rows ? dKt[e] : 0.f; }, [&](int e, float x) { sG[e] = x * sK[e]; });
+      kC * K, [&](int e) { return ld_or0(dKt, e, e / K < rows); }, [&](int e, float x) { sG[e] = x * sK[e]; });
   __syncthreads();
   if (tid < kC) {  // row sums: dbeta, the L2-norm dots
     float db = sDb[tid], dq = 0.f, dk = 0.f;

@@ -42,17 +42,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
 
   // Phase 1 operands: S, dS' (rows a < K, columns y < V; zero to 128), dO, Vn (rows < `rows`).
   const float* cre = rec;
+  // S: the saved h or the rematerialized copy in the record (state_at's two sources, chosen once).
+  const void* s_base = p.h ? p.h : static_cast<const void*>(cre + p.ws.hs);
+  const DType s_dtype = p.h ? p.h_dtype : DType::kFP32;
+  const int64_t s_off = p.h ? (int64_t(slot) * p.H + h) * p.K * p.V : 0;
   stage<32, kThreads>(
-      kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return (a < K && y < V) ? state_at(p, cre, slot, h, a, y) : 0.f; },
+      kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return load_any_or0(s_base, s_dtype, s_off + a * V + y, a < K && y < V); },
       [&](int e, float x) { sS[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
-      kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return (a < K && y < V) ? __ldg(cre + p.ws.dh + a * V + y) : 0.f; },
+      kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return ld_or0(cre + p.ws.dh, a * V + y, a < K && y < V); },
       [&](int e, float x) { sX[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? load(p.d_o, b, t0 + i, h, y) : 0.f; },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return load_or0(p.d_o, b, t0 + i, h, y, i < rows && y < V); },
       [&](int e, float x) { sP[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? __ldg(cre + p.ws.vn + i * V + y) : 0.f; },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ld_or0(cre + p.ws.vn, i * V + y, i < rows && y < V); },
       [&](int e, float x) { sR[(e >> 7) * kLd + (e & 127)] = x; });
   __syncthreads();
   {
@@ -75,16 +79,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
 
   // Phase 2 operands: dVn, v, A (S stays).
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? __ldg(cre + p.ws.dvn + i * V + y) : 0.f; },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ld_or0(cre + p.ws.dvn, i * V + y, i < rows && y < V); },
       [&](int e, float x) { sP[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? load(p.v, b, t0 + i, h, y) : 0.f; },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return load_or0(p.v, b, t0 + i, h, y, i < rows && y < V); },
       [&](int e, float x) { sR[(e >> 7) * kLd + (e & 127)] = x; });
   stage<16, kThreads>(
       kC * kC,
       [&](int e) {
         const int i = e >> 6, j = e & 63;
-        return (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j) : 0.f;
+        return load_any_or0(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j, i < rows && j <= i);
       },
       [&](int e, float x) { sX[(e >> 6) * kLdA + (e & 63)] = x; });
   if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
@@ -128,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
   __syncthreads();
   stage<32, kThreads>(  // KE = k 2^G (zero rows and pad columns stay zero)
       kC * kMaxD,
-      [&](int e) { const int i = e >> 7, c = e & 127; return (i < rows && c < K) ? p.G[tok(p, b, t0 + i, h) * K + c] : 0.f; },
+      [&](int e) { const int i = e >> 7, c = e & 127; return ld_or0(p.G, tok(p, b, t0 + i, h) * K + c, i < rows && c < K); },
       [&](int e, float g) { sKE[(e >> 7) * kLd + (e & 127)] *= exp2f(g); });
   __syncthreads();
   {

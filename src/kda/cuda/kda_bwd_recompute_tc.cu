@@ -33,19 +33,19 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_prep_tc_kernel(const __grid_
   float* rec = ws_rec(ws, p, slot, h);
   if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, ci.b, ci.t0 + tid, h, 0) : 0.f;
   stage<32, kThreads>(
-      kC * K, [&](int e) { const int i = e / K; return i < rows ? p.G[tok(p, ci.b, ci.t0 + i, h) * K + (e - i * K)] : 0.f; },
+      kC * K, [&](int e) { const int i = e / K; return ld_or0(p.G, tok(p, ci.b, ci.t0 + i, h) * K + (e - i * K), i < rows); },
       [&](int e, float x) { sG[e] = x; });
   stage<16, kThreads>(
       kC * kC,
       [&](int e) {
         const int i = e >> 6, j = e & 63;
-        return (i < rows && j <= i) ? load_any(p.Akk, p.akk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
+        return load_any_or0(p.Akk, p.akk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j, i < rows && j <= i);
       },
       [&](int e, float x) { sA[(e >> 6) * kLdA + (e & 63)] = x; });
   load_rows_batched<kThreads>(p.q, ci.b, ci.t0, rows, h / p.group, K, p.l2norm, p.scale, sX, K, false, sR);  // the group's head
   __syncthreads();
   stage<32, kThreads>(  // beta v (needs sBeta)
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return (i < rows && y < V) ? load(p.v, ci.b, ci.t0 + i, h, y) : 0.f; },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return load_or0(p.v, ci.b, ci.t0 + i, h, y, i < rows && y < V); },
       [&](int e, float x) { sV[(e >> 7) * kLd + (e & 127)] = sBeta[e >> 7] * x; });
   if (tid < K) {
     sGc[tid] = sG[(rows - 1) * K + tid];
@@ -96,10 +96,11 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
   if (remat) {
     const int n = blockIdx.x;
     first = p.chunk_start[n];
+    const float* h0 = p.h0 ? p.h0 : ws;  // a valid address for ld_or0's dropped loads
     last = p.chunk_start[n + 1];
     stage<32, kThreads>(
         kMaxD * kCols,
-        [&](int e) { const int a = e >> 6, y = e & 63; return (a < K && y < nc && p.h0) ? p.h0[((int64_t(n) * p.H + h) * K + a) * V + y0 + y] : 0.f; },
+        [&](int e) { const int a = e >> 6, y = e & 63; return ld_or0(h0, ((int64_t(n) * p.H + h) * K + a) * V + y0 + y, a < K && y < nc && p.h0); },
         [&](int e, float x) { sS[(e >> 6) * kLdS + (e & 63)] = x; });
   } else {
     first = blockIdx.x;
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
         kMaxD * kCols,
         [&](int e) {
           const int a = e >> 6, y = e & 63;
-          return (a < K && y < nc) ? load_any(p.h, p.h_dtype, ((int64_t(first) * p.H + h) * K + a) * V + y0 + y) : 0.f;
+          return load_any_or0(p.h, p.h_dtype, ((int64_t(first) * p.H + h) * K + a) * V + y0 + y, a < K && y < nc);
         },
         [&](int e, float x) { sS[(e >> 6) * kLdS + (e & 63)] = x; });
   }

@@ -114,8 +114,9 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
   const int b = p.varlen ? 0 : n;
   const int64_t s0 = (int64_t(n) * p.H + h) * K * V;
   const int ksteps = (K + 15) / 16;
+  const float* dht = p.dht ? p.dht : ws;  // a valid address for ld_or0's dropped loads
   stage<32, kThreads>(
-      kMaxD * kCols, [&](int e) { const int a = e >> 6, y = e & 63; return (a < K && y < nc && p.dht) ? p.dht[s0 + a * V + y0 + y] : 0.f; },
+      kMaxD * kCols, [&](int e) { const int a = e >> 6, y = e & 63; return ld_or0(dht, s0 + a * V + y0 + y, a < K && y < nc && p.dht); },
       [&](int e, float x) { sdS[(e >> 6) * kLdS + (e & 63)] = x; });
   __syncthreads();
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
       if (y < nc) rec[p.ws.dh + a * V + y0 + y] = sdS[a * kLdS + y];
     }
     stage<16, kThreads>(
-        kC * kCols, [&](int e) { const int i = e >> 6, y = e & 63; return (i < rows && y < nc) ? load(p.d_o, b, t0 + i, h, y0 + y) : 0.f; },
+        kC * kCols, [&](int e) { const int i = e >> 6, y = e & 63; return load_or0(p.d_o, b, t0 + i, h, y0 + y, i < rows && y < nc); },
         [&](int e, float x) { sdO[(e >> 6) * kLdS + (e & 63)] = x; });
     if (tid < K) sGc[tid] = rec[p.ws.gc + tid];
     stage_record_tile<kThreads>(sX, rec + p.ws.kg, K);
