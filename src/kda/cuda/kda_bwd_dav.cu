@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dav_tc_kernel(const __grid_c
       kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return load_or0(p.d_o, ci.b, ci.t0 + i, h, y, i < rows && y < V); },
       [&](int e, float x) { sdO[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ld_or0(cre + p.ws.vn, i * V + y, i < rows && y < V); },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ldg_or0(cre + p.ws.vn, i * V + y, i < rows && y < V); },
       [&](int e, float x) { sVn[(e >> 7) * kLd + (e & 127)] = x; });
   stage<16, kThreads>(
       kC * kC,

@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
   load_rows_batched<kThreads>(p.q, b, t0, rows, h / p.group, K, p.l2norm, p.scale, sQ, K, false, sRq);  // the group's head
   load_rows_batched<kThreads>(p.k, b, t0, rows, h / p.group, K, p.l2norm, 1.0f, sK, K, false, sRk);
   stage<16, kThreads>(
-      kC * K, [&](int e) { const int i = e / K; return ld_or0(p.G, tok(p, b, t0 + i, h) * K + (e - i * K), i < rows); },
+      kC * K, [&](int e) { const int i = e / K; return ldg_or0(p.G, tok(p, b, t0 + i, h) * K + (e - i * K), i < rows); },
       [&](int e, float x) { sG[e] = x; });
   stage<8, kThreads>(
       kC * kC,
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
         return load_any_or0(p.Akk, p.akk_dtype, tok(p, b, t0 + i, h) * kC + j, i < rows && j <= i);
       },
       [&](int e, float x) { sA[e] = x; });
-  stage<8, kThreads>(kC * kC, [&](int e) { return ld_or0(cre + p.ws.daqk, e, true); }, [&](int e, float x) { sD[e] = x; });
+  stage<8, kThreads>(kC * kC, [&](int e) { return ldg_or0(cre + p.ws.daqk, e, true); }, [&](int e, float x) { sD[e] = x; });
   if (tid < kC) {
     sBeta[tid] = tid < rows ? load(p.beta, b, t0 + tid, h, 0) : 0.f;
     sDb[tid] = rec[p.ws.dbv + tid];
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
       kC * K, [&](int e) { return ld_or0(dKt, e, e / K < rows); },
       [&](int e, float p2) { sT[e] = e / K < rows ? sK[e] * (p2 * exp2f(sGc[e % K] - sG[e])) : 0.f; });
   stage<8, kThreads>(
-      kC * kC, [&](int e) { const int i = e >> 6, j = e & 63; return ld_or0(cre + p.ws.da, e, i < rows && j <= i); },
+      kC * kC, [&](int e) { const int i = e >> 6, j = e & 63; return ldg_or0(cre + p.ws.da, e, i < rows && j <= i); },
       [&](int e, float x) { sM[e] = x * sBeta[e & 63]; });
   __syncthreads();
   if (tid < K) {

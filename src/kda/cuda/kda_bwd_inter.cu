@@ -50,13 +50,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
       kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return load_any_or0(s_base, s_dtype, s_off + a * V + y, a < K && y < V); },
       [&](int e, float x) { sS[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
-      kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return ld_or0(cre + p.ws.dh, a * V + y, a < K && y < V); },
+      kMaxD * kMaxD, [&](int e) { const int a = e >> 7, y = e & 127; return ldg_or0(cre + p.ws.dh, a * V + y, a < K && y < V); },
       [&](int e, float x) { sX[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
       kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return load_or0(p.d_o, b, t0 + i, h, y, i < rows && y < V); },
       [&](int e, float x) { sP[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ld_or0(cre + p.ws.vn, i * V + y, i < rows && y < V); },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ldg_or0(cre + p.ws.vn, i * V + y, i < rows && y < V); },
       [&](int e, float x) { sR[(e >> 7) * kLd + (e & 127)] = x; });
   __syncthreads();
   {
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
 
   // Phase 2 operands: dVn, v, A (S stays).
   stage<32, kThreads>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ld_or0(cre + p.ws.dvn, i * V + y, i < rows && y < V); },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return ldg_or0(cre + p.ws.dvn, i * V + y, i < rows && y < V); },
       [&](int e, float x) { sP[(e >> 7) * kLd + (e & 127)] = x; });
   stage<32, kThreads>(
       kC * kMaxD, [&](int e) { const int i = e >> 7, y = e & 127; return load_or0(p.v, b, t0 + i, h, y, i < rows && y < V); },
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
   __syncthreads();
   stage<32, kThreads>(  // KE = k 2^G (zero rows and pad columns stay zero)
       kC * kMaxD,
-      [&](int e) { const int i = e >> 7, c = e & 127; return ld_or0(p.G, tok(p, b, t0 + i, h) * K + c, i < rows && c < K); },
+      [&](int e) { const int i = e >> 7, c = e & 127; return ldg_or0(p.G, tok(p, b, t0 + i, h) * K + c, i < rows && c < K); },
       [&](int e, float g) { sKE[(e >> 7) * kLd + (e & 127)] *= exp2f(g); });
   __syncthreads();
   {

@@ -94,6 +94,11 @@ __device__ __forceinline__ float ld_or0(const float* x, int64_t off, bool ok) {
   const float v = x[ok ? off : 0];
   return ok ? v : 0.f;
 }
+// Through the read-only path: sources no thread of this kernel writes (inputs, earlier kernels' records).
+__device__ __forceinline__ float ldg_or0(const float* x, int64_t off, bool ok) {
+  const float v = __ldg(x + (ok ? off : 0));
+  return ok ? v : 0.f;
+}
 // bf16 or fp32 (the residuals' dtypes) at x[off].
 __device__ __forceinline__ float load_any_or0(const void* x, DType dt, int64_t off, bool ok) {
   off = ok ? off : 0;
@@ -176,7 +181,7 @@ __device__ __forceinline__ void load_rows_batched(const KdaTensor& t, int b, int
 template <int kN>
 __device__ __forceinline__ void stage_record_tile(float* s, const float* __restrict__ x, int K) {
   stage<kC * kMaxD / kN, kN>(
-      kC * kMaxD, [&](int e) { const int i = e >> 7, a = e & 127; return ld_or0(x, i * K + a, a < K); },
+      kC * kMaxD, [&](int e) { const int i = e >> 7, a = e & 127; return ldg_or0(x, i * K + a, a < K); },
       [&](int e, float v) { s[(e >> 7) * kLd + (e & 127)] = v; });
 }
 

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_prep_tc_kernel(const __grid_
   float* rec = ws_rec(ws, p, slot, h);
   if (tid < kC) sBeta[tid] = tid < rows ? load(p.beta, ci.b, ci.t0 + tid, h, 0) : 0.f;
   stage<32, kThreads>(
-      kC * K, [&](int e) { const int i = e / K; return ld_or0(p.G, tok(p, ci.b, ci.t0 + i, h) * K + (e - i * K), i < rows); },
+      kC * K, [&](int e) { const int i = e / K; return ldg_or0(p.G, tok(p, ci.b, ci.t0 + i, h) * K + (e - i * K), i < rows); },
       [&](int e, float x) { sG[e] = x; });
   stage<16, kThreads>(
       kC * kC,
@@ -96,11 +96,11 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
   if (remat) {
     const int n = blockIdx.x;
     first = p.chunk_start[n];
-    const float* h0 = p.h0 ? p.h0 : ws;  // a valid address for ld_or0's dropped loads
+    const float* h0 = p.h0 ? p.h0 : ws;  // a valid address for ldg_or0's dropped loads
     last = p.chunk_start[n + 1];
     stage<32, kThreads>(
         kMaxD * kCols,
-        [&](int e) { const int a = e >> 6, y = e & 63; return ld_or0(h0, ((int64_t(n) * p.H + h) * K + a) * V + y0 + y, a < K && y < nc && p.h0); },
+        [&](int e) { const int a = e >> 6, y = e & 63; return ldg_or0(h0, ((int64_t(n) * p.H + h) * K + a) * V + y0 + y, a < K && y < nc && p.h0); },
         [&](int e, float x) { sS[(e >> 6) * kLdS + (e & 63)] = x; });
   } else {
     first = blockIdx.x;

@@ -114,9 +114,9 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
   const int b = p.varlen ? 0 : n;
   const int64_t s0 = (int64_t(n) * p.H + h) * K * V;
   const int ksteps = (K + 15) / 16;
-  const float* dht = p.dht ? p.dht : ws;  // a valid address for ld_or0's dropped loads
+  const float* dht = p.dht ? p.dht : ws;  // a valid address for ldg_or0's dropped loads
   stage<32, kThreads>(
-      kMaxD * kCols, [&](int e) { const int a = e >> 6, y = e & 63; return ld_or0(dht, s0 + a * V + y0 + y, a < K && y < nc && p.dht); },
+      kMaxD * kCols, [&](int e) { const int a = e >> 6, y = e & 63; return ldg_or0(dht, s0 + a * V + y0 + y, a < K && y < nc && p.dht); },
       [&](int e, float x) { sdS[(e >> 6) * kLdS + (e & 63)] = x; });
   __syncthreads();
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
