@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from . import _encore
 from . import moe as _moe
+from . import quant as _quant
 from ._util import _dl, _torch_stream
 
 
@@ -92,6 +93,24 @@ def _route(x, router_logits, top_k, routing):
     return _moe.moe_routing(router_logits, top_k, **routing)
 
 
+def _fp8_rows(x):
+    """x [T, D] as e4m3 rows and their 1x128 fp32 scales (encore.fp8_group_quant)."""
+    if x.shape[0] == 0:
+        return (torch.empty(0, x.shape[1], dtype=torch.uint8, device=x.device),
+                torch.empty(0, x.shape[1] // 128, dtype=torch.float32, device=x.device))
+    q, scales = _quant.fp8_group_quant(x)
+    return q.view(torch.uint8), scales.contiguous()
+
+
+def fp8_roundtrip_rows(q, scales, dtype):
+    """What a receiver makes of e4m3 rows q [R, D] (bytes) and their scales [R, D / 128]: float(q) * scale in
+    fp32, rounded once to dtype. moe_forward on fp8_roundtrip_rows(*fp8 rows of x) is the layer an fp8 dispatch
+    equals bit for bit."""
+    if q.shape[0] == 0:
+        return torch.empty(0, q.shape[1], dtype=dtype, device=q.device)
+    return (q.view(torch.float8_e4m3fn).to(torch.float32) * scales.repeat_interleave(128, dim=1)).to(dtype)
+
+
 def _combine(y_pairs, weights, out_dtype):
     t, k = weights.shape
     if t == 0:
@@ -105,22 +124,23 @@ _PEERS = {}  # (group, E, k, D, dtype, device, max_tokens) -> _encore.EpPeerRank
 PEER_TIMEOUT_MS = 20000  # every spin loop of the peer transport gives up after this (then every rank raises)
 
 
-def _peer_rank(group, world, rank, E, k, D, like, m_bound):
+def _peer_rank(group, world, rank, E, k, D, like, m_bound, fp8=False):
     """(key, this rank's end of the peer-memory group for these shapes): created on first use, by every rank at
-    once (they all see the same m_bound), max_tokens the next power of two >= m_bound."""
+    once (they all see the same m_bound), max_tokens the next power of two >= m_bound. fp8: e4m3 rows with
+    their scales (D / 32 bytes), expert outputs in like's dtype."""
     cap = 1 << max(0, (max(1, m_bound) - 1).bit_length())
-    key = (id(group), E, k, D, like.dtype, like.device.index, cap)
+    key = (id(group), E, k, D, like.dtype, like.device.index, fp8, cap)
     if key not in _PEERS:
         for old in [k_ for k_ in _PEERS if k_[:-1] == key[:-1] and k_[-1] < cap]:  # a smaller bound: superseded
             del _PEERS[old]
         name = [f"{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         dev = like.device.index if like.device.index is not None else torch.cuda.current_device()
-        _PEERS[key] = _encore.EpPeerRank(world, rank, E, k, D, cap, *_dl(like), 0, PEER_TIMEOUT_MS, dev, name[0])
+        _PEERS[key] = _encore.EpPeerRank(world, rank, E, k, D, cap, *_dl(like), D // 32 if fp8 else 0, PEER_TIMEOUT_MS, dev, name[0], fp8)
     return key, _PEERS[key]
 
 
-def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
+def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error, fp8=False):
     """mode "ep" over peer memory (EpDeviceAllToAll, src/moe/ep_device.hpp): the rows go straight into the
     owners' memory, the outputs straight back, the combine in fp32 in j order (the same chain as moe_combine),
     so the result equals the collective path and moe_forward bit for bit. One all-reduce agrees on the
@@ -139,14 +159,20 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
         _raise_refused(group, error)
     E, D = router_logits.shape[1], x.shape[1]
     el = E // world
-    key, ep = _peer_rank(group, world, rank, E, k, D, x, m_bound)
+    key, ep = _peer_rank(group, world, rank, E, k, D, x, m_bound, fp8)
     ids, weights = _route(x, router_logits, k, routing)
     stream = _torch_stream(x)
-    ep.dispatch(*_dl(x.contiguous(), ids.contiguous()), stream)
-    counts, _, rows = ep.received()
+    if fp8:
+        q, scales = _fp8_rows(x)
+        ep.dispatch(*_dl(q, ids.contiguous(), scales.view(torch.uint8)), stream)
+    else:
+        ep.dispatch(*_dl(x.contiguous(), ids.contiguous()), None, stream)
+    counts, _, rows, rscales = ep.received()
     counts_h = counts.cpu()  # the host synchronization
     n = int(counts_h.sum())
     local = torch.repeat_interleave(torch.arange(el, dtype=torch.int32, device=x.device), counts_h.to(x.device))
+    if fp8:
+        rows = fp8_roundtrip_rows(rows[:n], rscales[:n].view(torch.float32), x.dtype)
     y = torch.empty(ep.max_rows, D, dtype=x.dtype, device=x.device)
     y[:n] = _experts(rows[:n], local, w13, w2, align_m)
     out = torch.empty(x.shape[0], D, dtype=x.dtype, device=x.device)
@@ -162,23 +188,29 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error):
 
 def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str = "ep", scoring: str = "softmax",
                    renormalize: bool = True, n_group: int = 1, topk_group: int = 1, correction_bias=None,
-                   routed_scaling_factor: float = 1.0, align_m: int = 1, transport: str = "collective"):
+                   routed_scaling_factor: float = 1.0, align_m: int = 1, transport: str = "collective", dispatch_fp8: bool = False):
     """The MoE layer over `group` (default: the world). x [T, D] (this rank's tokens for "ep", every rank's
     same tokens for "tp"); router_logits [T, E] over all experts; w13 [E / W, 2F, D] and w2 [E / W, D, F] the
     experts of this rank (rank r: experts r * E / W ...). Routing options as moe_forward's. Returns [T, D].
     transport: "collective" (the group's all-to-all; any backend) or, for mode "ep" on CUDA, "peer" (the
     rows written into the other ranks' GPU memory: every rank a process on one node, the GPUs able to map
-    each other's memory)."""
+    each other's memory). dispatch_fp8 (mode "ep"): the rows travel as e4m3 with their 1x128 fp32 scales
+    (encore.fp8_group_quant, D a multiple of 128) and the receivers dequantize them (fp8_roundtrip_rows)
+    before the experts; the expert outputs come back in x's dtype. The result equals moe_forward on
+    fp8_roundtrip_rows of the tokens bit for bit."""
     world, rank = _world(group)
     error = _check(x, router_logits, w13, w2, int(top_k), world, mode)
     if error is None and transport not in ("collective", "peer"):
         error = f"transport: must be 'collective' or 'peer', got {transport!r}"
     if error is None and transport == "peer" and mode != "ep":
         error = "transport 'peer': only for mode 'ep'"
+    if error is None and dispatch_fp8 and (mode != "ep" or x.shape[1] % 128 != 0):
+        error = (f"dispatch_fp8: needs mode 'ep' and a hidden size that is a multiple of 128, got mode {mode!r}, "
+                 f"hidden {x.shape[1]}")
     routing = dict(scoring=scoring, renormalize=renormalize, n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
                    routed_scaling_factor=routed_scaling_factor)
     if transport == "peer" and mode == "ep":
-        return _ep_peer(x, router_logits, w13, w2, int(top_k), group, routing, align_m, error)
+        return _ep_peer(x, router_logits, w13, w2, int(top_k), group, routing, align_m, error, bool(dispatch_fp8))
     if mode != "ep":  # "tp" (or a bad mode): one all-reduce of the error flag first
         _agree(group, error, x.device)
     k, el = (int(top_k), router_logits.shape[1] // world) if error is None else (1, 1)
@@ -207,11 +239,19 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
     send_l, recv_l, flags = both[:world], both[world::2], both[world + 1::2]
     if any(flags):
         _raise_refused(group, error)
-    rows_out = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    src = torch.div(order, k, rounding_mode="floor")
     ids_out = (flat[order] - dest[order] * el).to(torch.int32)
-    rows_in = x.new_empty(sum(recv_l), x.shape[1])
     ids_in = torch.empty(sum(recv_l), dtype=torch.int32, device=x.device)
-    dist.all_to_all_single(rows_in, rows_out, output_split_sizes=recv_l, input_split_sizes=send_l, group=group)
+    if dispatch_fp8:  # e4m3 bytes and fp32 scales over the wire, dequantized here
+        q, scales = _fp8_rows(x)
+        q_in = torch.empty(sum(recv_l), x.shape[1], dtype=torch.uint8, device=x.device)
+        s_in = torch.empty(sum(recv_l), x.shape[1] // 128, dtype=torch.float32, device=x.device)
+        dist.all_to_all_single(q_in, q.index_select(0, src), output_split_sizes=recv_l, input_split_sizes=send_l, group=group)
+        dist.all_to_all_single(s_in, scales.index_select(0, src), output_split_sizes=recv_l, input_split_sizes=send_l, group=group)
+        rows_in = fp8_roundtrip_rows(q_in, s_in, x.dtype)
+    else:
+        rows_in = x.new_empty(sum(recv_l), x.shape[1])
+        dist.all_to_all_single(rows_in, x.index_select(0, src), output_split_sizes=recv_l, input_split_sizes=send_l, group=group)
     dist.all_to_all_single(ids_in, ids_out, output_split_sizes=recv_l, input_split_sizes=send_l, group=group)
     y_in = _experts(rows_in, ids_in, w13, w2, align_m)
     y_back = x.new_empty(flat.numel(), x.shape[1])

@@ -61,9 +61,10 @@ std::string describe(const EpErrorDetail& r, const EpConfig& c) {
 Status validate_for_cuda(const EpConfig& c) {
   ENCORE_RETURN_IF_ERROR(validate(c));
   if (c.world > kEpMaxWorld) return Status::unsupported("world: at most " + std::to_string(kEpMaxWorld) + " ranks, got " + std::to_string(c.world));
-  if ((size_t(c.hidden) * dtype_size(c.dtype)) % 16 != 0)
-    return Status::unsupported("hidden: H * dtype bytes must be a multiple of 16 on CUDA, got " + std::to_string(c.hidden) + " x " +
-                               std::to_string(dtype_size(c.dtype)));
+  for (DType dt : {c.dtype, combine_dtype_of(c)})
+    if ((size_t(c.hidden) * dtype_size(dt)) % 16 != 0)
+      return Status::unsupported("hidden: H * dtype bytes must be a multiple of 16 on CUDA (the rows' and the expert outputs'), got " +
+                                 std::to_string(c.hidden) + " x " + std::to_string(dtype_size(dt)));
   return Status::ok();
 }
 
@@ -104,7 +105,8 @@ Status EpDeviceGroup::create_ipc(const EpConfig& c, int rank, int device, const 
   // The tag every rank must share: its rounded allocation size and the config (a peer built with other
   // shapes would map too much or too little).
   uint64_t tag = uint64_t(g->peer_[rank].bytes);
-  for (int64_t v : {int64_t(c.world), int64_t(c.num_experts), int64_t(c.top_k), c.hidden, c.max_tokens, int64_t(c.dtype), c.scale_bytes})
+  for (int64_t v : {int64_t(c.world), int64_t(c.num_experts), int64_t(c.top_k), c.hidden, c.max_tokens, int64_t(c.dtype), c.scale_bytes,
+                    int64_t(combine_dtype_of(c))})
     tag = (tag ^ uint64_t(v)) * 0x100000001B3ull;
   std::vector<int> fds;
   ENCORE_RETURN_IF_ERROR(ep_exchange_fds(name, rank, c.world, g->peer_[rank].fd, tag, c.timeout, &fds));
@@ -223,7 +225,8 @@ EpDeviceParams EpDeviceAllToAll::params() const {
   p.region_header = int64_t(ep_region_header_bytes(c));
   p.combine_header = int64_t(ep_combine_header_bytes(c));
   p.combine_row_bytes = int64_t(ep_combine_row_bytes(c));
-  p.dtype = c.dtype;
+  p.y_row_bytes = int64_t(size_t(c.hidden) * dtype_size(combine_dtype_of(c)));
+  p.dtype = combine_dtype_of(c);
   p.counts = const_cast<int32_t*>(recv_.counts);
   p.offsets = const_cast<int32_t*>(recv_.offsets);
   p.counts_from = const_cast<int32_t*>(recv_.counts_from);
@@ -270,7 +273,7 @@ Status EpDeviceAllToAll::combine(const TensorView& y, const TensorView& w, const
   const std::string phase = "ep rank " + std::to_string(rank_) + ": combine round " + std::to_string(epoch_) + ": ";
   if (!in_round_) return Status::invalid(phase + "combine called without a dispatch before it");
   const int dev = g_->device();
-  Status s = device_tensor("expert_out", y, c.dtype, recv_.max_rows, c.hidden, "[max_rows, H]", dev);
+  Status s = device_tensor("expert_out", y, combine_dtype_of(c), recv_.max_rows, c.hidden, "[max_rows, H]", dev);
   if (s) s = device_tensor("topk_weights", w, DType::kFP32, m_, c.top_k, "[m, k]", dev);
   if (s && out.defined() && out.dtype != DType::kBF16 && out.dtype != DType::kFP16 && out.dtype != DType::kFP32)
     s = Status::invalid(std::string("out: dtype must be bf16, fp16 or fp32, got ") + dtype_name(out.dtype));

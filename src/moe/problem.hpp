@@ -277,7 +277,8 @@ struct EpDeviceParams {
   int64_t max_tokens = 0, m = 0;
   int64_t row_bytes = 0, scale_bytes = 0, token_stride = 0, region_bytes = 0, region_header = 0, combine_header = 0,
           combine_row_bytes = 0;
-  DType dtype = DType::kBF16;  // tokens and expert outputs
+  int64_t y_row_bytes = 0;     // an expert output row: H * bytes of `dtype`
+  DType dtype = DType::kBF16;  // the expert outputs' (the combine's); the dispatched rows are row_bytes of bytes
   // dispatch inputs (device): x [m, H], topk_ids [m, k], scales [m, scale_bytes] (scale_bytes > 0)
   const uint8_t* x = nullptr;
   const int32_t* ids = nullptr;

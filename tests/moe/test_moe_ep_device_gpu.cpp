@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "encore/quant.hpp"
 #include "moe/ep_device.hpp"
 #include "moe/reference/ep_emulation.hpp"
 #include "testing/host_tensor.hpp"
@@ -60,7 +61,9 @@ RankInput make_input(const EpConfig& c, int64_t m, const std::vector<int>& dead,
   RankInput in;
   in.x.resize(size_t(m * c.hidden) * dtype_size(c.dtype));
   std::normal_distribution<double> nd(0.0, 1.0);
-  for (int64_t i = 0; i < m * c.hidden; ++i) store_from_double(in.x.data(), c.dtype, i, nd(rng));
+  for (int64_t i = 0; i < m * c.hidden; ++i)
+    if (c.dtype == DType::kFP8E4M3) in.x[size_t(i)] = float_to_e4m3(float(nd(rng)));
+    else store_from_double(in.x.data(), c.dtype, i, nd(rng));
   in.scales.resize(size_t(m * c.scale_bytes));
   for (auto& b : in.scales) b = uint8_t(rng());
   in.w.resize(size_t(m * c.top_k) * 4);
@@ -76,6 +79,16 @@ RankInput make_input(const EpConfig& c, int64_t m, const std::vector<int>& dead,
     }
   }
   return in;
+}
+
+// The identity experts' outputs: the received rows in the combine's dtype (fp8 rows: their e4m3 values,
+// scales not applied).
+Bytes expert_rows(const EpConfig& c, const Bytes& x, int64_t rows) {
+  const DType cd = combine_dtype_of(c);
+  if (cd == c.dtype) return x;
+  Bytes y(size_t(rows * c.hidden) * dtype_size(cd));
+  for (int64_t i = 0; i < rows * c.hidden; ++i) store_from_double(y.data(), cd, i, double(e4m3_to_float(x[size_t(i)])));
+  return y;
 }
 
 // What one rank ends a round with (the emulation's or the device's).
@@ -110,7 +123,8 @@ std::vector<RankResult> emulate(EpGroup& g, std::vector<std::unique_ptr<EpAllToA
     o.x = recv.x;
     o.scales = recv.scales;
     o.out.resize(size_t(m * c.hidden) * dtype_size(out_dt));
-    s = ends[size_t(r)]->combine(mat(recv.x.data(), c.dtype, recv.rows(), c.hidden), mat(ri.w.data(), DType::kFP32, m, c.top_k),
+    const Bytes y = expert_rows(c, recv.x, recv.rows());
+    s = ends[size_t(r)]->combine(mat(y.data(), combine_dtype_of(c), recv.rows(), c.hidden), mat(ri.w.data(), DType::kFP32, m, c.top_k),
                                  mat(o.out.data(), out_dt, m, c.hidden));
     EXPECT_TRUE(s) << s.to_string();
   });
@@ -192,11 +206,28 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
                                                  d.streams[size_t(r)]);
     EXPECT_TRUE(s) << s.to_string();
   }
+  // Expert outputs in another dtype than the rows (fp8 dispatch): converted on the host once every
+  // dispatch is done (a dispatch completes without any combine).
+  std::deque<DeviceBuffer> y;
+  const DType cd = combine_dtype_of(c);
+  for (int r = 0; cd != c.dtype && r < W; ++r) {
+    if (r == 0) d.sync();
+    if (!d.ends[size_t(r)]) {
+      y.emplace_back(16);
+      continue;
+    }
+    const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
+    const int64_t rows = fetch(rv.offsets, size_t(El + 1)).back();
+    const Bytes yr = expert_rows(c, fetch(rv.x, size_t(rows * c.hidden) * dtype_size(c.dtype)), rows);
+    y.emplace_back(size_t(rv.max_rows * c.hidden) * dtype_size(cd) + 16);
+    if (!yr.empty()) cudaMemcpy(y.back().ptr, yr.data(), yr.size(), cudaMemcpyHostToDevice);
+  }
   for (int r = 0; r < W; ++r) {
     if (!d.ends[size_t(r)]) continue;
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
     const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
-    const Status s = d.ends[size_t(r)]->combine(mat(rv.x, c.dtype, rv.max_rows, c.hidden, gd), mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, gd),
+    const void* ey = cd != c.dtype ? y[size_t(r)].ptr : static_cast<const void*>(rv.x);
+    const Status s = d.ends[size_t(r)]->combine(mat(ey, cd, rv.max_rows, c.hidden, gd), mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, gd),
                                                 mat(out[size_t(r)].ptr, out_dt, m, c.hidden, gd), d.streams[size_t(r)]);
     EXPECT_TRUE(s) << s.to_string();
   }
@@ -256,11 +287,17 @@ TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
     c.timeout = std::chrono::milliseconds(5000);
     return c;
   };
+  const auto fp8 = [](EpConfig c) {
+    c.combine_dtype = DType::kBF16;
+    return c;
+  };
   const Case cases[] = {
       {cfg(2, 8, 2, 64, 37, DType::kBF16, 0), {{37, 0}, {37, 0}, {5, 29}}, {7}},
       {cfg(4, 16, 4, 128, 300, DType::kBF16, 0), {{300, 1, 0, 123}, {300, 1, 0, 123}, {17, 300, 64, 2}}, {0, 9}, DType::kBF16},
       {cfg(4, 8, 3, 36, 50, DType::kFP32, 12), {{50, 49, 3, 0}, {50, 49, 3, 0}, {1, 1, 50, 7}}, {}},
       {cfg(2, 8, 2, 64, 20, DType::kFP16, 4), {{20, 20}, {20, 20}, {3, 0}}, {}, DType::kFP16},
+      // FP8 dispatch (e4m3 rows with 1x128 fp32 scales), bf16 combine: the DeepSeek-V3 deployment's split
+      {fp8(cfg(4, 16, 4, 256, 40, DType::kFP8E4M3, 8)), {{40, 0, 17, 40}, {40, 0, 17, 40}, {3, 40, 1, 0}}, {2}, DType::kBF16},
   };
   for (const Case& cs : cases) {
     const EpConfig& c = cs.c;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "encore/moe.hpp"
+#include "encore/quant.hpp"
 #include "moe/reference/ep_emulation.hpp"
 #include "moe/reference/moe_ref.hpp"
 
@@ -45,7 +46,26 @@ struct Case {
   int64_t scale_bytes;
   std::vector<int64_t> m;  // tokens per rank
   std::vector<int> dead;   // experts no token selects (a logit of -30 on every rank)
+  bool fp8 = false;        // rows dispatched as e4m3 with their 1x128 fp32 scales (scale_bytes H / 32), experts in dtype
+  DType row_dtype() const { return fp8 ? DType::kFP8E4M3 : dtype; }
+  int64_t row_scale_bytes() const { return fp8 ? H / 128 * 4 : scale_bytes; }
+  EpConfig config(std::chrono::milliseconds timeout = std::chrono::milliseconds(10000)) const {
+    EpConfig e{world, E, k, H, max_tokens, row_dtype(), row_scale_bytes(), timeout};
+    if (fp8) e.combine_dtype = dtype;
+    return e;
+  }
 };
+
+// x [n, H] in dtype quantized to e4m3 rows (q) with fp32 group scales (as bytes), and the dequantized rows.
+void fp8_rows(const Bytes& x, DType dt, int64_t n, int64_t H, Bytes* q, Bytes* scales, Bytes* deq) {
+  q->assign(size_t(n * H), 0), scales->assign(size_t(n * H / 128) * 4, 0), deq->assign(size_t(n * H) * dtype_size(dt), 0);
+  if (n == 0) return;
+  const Fp8GroupQuantOptions o;
+  const Status s = run(Fp8GroupQuantArgs{mat(x.data(), dt, n, H), mat(q->data(), DType::kFP8E4M3, n, H), mat(scales->data(), DType::kFP32, n, H / 128)}, o);
+  EXPECT_TRUE(s) << s.to_string();
+  const Status d = run(Fp8GroupDequantArgs{mat(q->data(), DType::kFP8E4M3, n, H), mat(scales->data(), DType::kFP32, n, H / 128), mat(deq->data(), dt, n, H)}, o);
+  EXPECT_TRUE(d) << d.to_string();
+}
 
 // One round's inputs for every rank and the single-process reference on their concatenation.
 struct Round {
@@ -66,11 +86,15 @@ struct Round {
     for (int r = 0; r < W; ++r) {
       const int64_t m = c.m[size_t(r)];
       x[size_t(r)] = random_rows(c.dtype, m * c.H, 1.0, rng);
+      Bytes deq;  // fp8: the reference layer's input is what the receivers dequantize
+      if (c.fp8) fp8_rows(Bytes(x[size_t(r)]), c.dtype, m, c.H, &x[size_t(r)], &scales[size_t(r)], &deq);
       logits[size_t(r)] = random_rows(DType::kFP32, m * c.E, 2.0, rng);
       for (int64_t t = 0; t < m; ++t)
         for (int e : c.dead) reinterpret_cast<float*>(logits[size_t(r)].data())[t * c.E + e] = -30.f;
-      scales[size_t(r)].resize(size_t(m * c.scale_bytes));
-      for (auto& b : scales[size_t(r)]) b = uint8_t(rng());
+      if (!c.fp8) {
+        scales[size_t(r)].resize(size_t(m * c.scale_bytes));
+        for (auto& b : scales[size_t(r)]) b = uint8_t(rng());
+      }
       ids[size_t(r)].resize(size_t(m * c.k));
       w[size_t(r)].resize(size_t(m * c.k) * 4);
       MoeRoutingOptions ro;
@@ -80,7 +104,8 @@ struct Round {
                                                     mat(ids[size_t(r)].data(), DType::kInt32, m, c.k), mat(w[size_t(r)].data(), DType::kFP32, m, c.k)},
                                      ro);
       EXPECT_TRUE(rs) << rs.to_string();
-      xa.insert(xa.end(), x[size_t(r)].begin(), x[size_t(r)].end());
+      const Bytes& xin = c.fp8 ? deq : x[size_t(r)];
+      xa.insert(xa.end(), xin.begin(), xin.end());
       la.insert(la.end(), logits[size_t(r)].begin(), logits[size_t(r)].end());
     }
     const MoeLayerShape s{std::max<int64_t>(T, 1), c.H, c.F, c.E, c.dtype};
@@ -103,13 +128,20 @@ struct Round {
 Status ep_layer(EpAllToAll& a, const Case& c, const Round& rd, const Bytes& w13, const Bytes& w2, EpReceived* recv, Bytes* out) {
   const int r = a.rank();
   const int64_t m = c.m[size_t(r)];
-  ENCORE_RETURN_IF_ERROR(a.dispatch(mat(rd.x[size_t(r)].data(), c.dtype, m, c.H), mat(rd.ids[size_t(r)].data(), DType::kInt32, m, c.k),
-                                    c.scale_bytes ? mat(rd.scales[size_t(r)].data(), DType::kUInt8, m, c.scale_bytes) : TensorView{}, recv));
+  const int64_t sb = c.row_scale_bytes();
+  ENCORE_RETURN_IF_ERROR(a.dispatch(mat(rd.x[size_t(r)].data(), c.row_dtype(), m, c.H), mat(rd.ids[size_t(r)].data(), DType::kInt32, m, c.k),
+                                    sb ? mat(rd.scales[size_t(r)].data(), DType::kUInt8, m, sb) : TensorView{}, recv));
   const int64_t rows = recv->rows();
   const size_t es = dtype_size(c.dtype);
-  Bytes act(size_t(rows * c.F) * es), y(size_t(rows * c.H) * es);
+  Bytes act(size_t(rows * c.F) * es), y(size_t(rows * c.H) * es), deq(size_t(rows * c.H) * es);
+  if (c.fp8 && rows > 0) {  // the received e4m3 rows and scales back to the experts' dtype
+    const Status d = run(Fp8GroupDequantArgs{mat(recv->x.data(), DType::kFP8E4M3, rows, c.H), mat(recv->scales.data(), DType::kFP32, rows, c.H / 128),
+                                             mat(deq.data(), c.dtype, rows, c.H)},
+                         Fp8GroupQuantOptions{});
+    ENCORE_RETURN_IF_ERROR(d);
+  }
   moe::ExpertMlpProblem p;
-  p.x_permuted = recv->x.data();
+  p.x_permuted = c.fp8 ? deq.data() : recv->x.data();
   p.xp_stride = c.H;
   p.act = act.data();
   p.act_stride = c.F;
@@ -134,7 +166,8 @@ Status ep_layer(EpAllToAll& a, const Case& c, const Round& rd, const Bytes& w13,
 
 // Received rows against their sources: bytes, scales, expert, (rank, token) order, histograms.
 void check_received(const Case& c, const Round& rd, const std::vector<EpReceived>& recv) {
-  const size_t rb = size_t(c.H) * dtype_size(c.dtype);
+  const size_t rb = size_t(c.H) * dtype_size(c.row_dtype());
+  const int64_t sb = c.row_scale_bytes();
   const int E_l = c.E / c.world;
   for (int r = 0; r < c.world; ++r) {
     const EpReceived& v = recv[size_t(r)];
@@ -151,9 +184,7 @@ void check_received(const Case& c, const Round& rd, const std::vector<EpReceived
         ASSERT_TRUE(s >= 0 && s < c.world && t >= 0 && t < c.m[size_t(s)] && j >= 0 && j < c.k) << "row " << i;
         EXPECT_EQ(rd.ids[size_t(s)][size_t(t * c.k + j)], r * E_l + le) << "row " << i;
         EXPECT_EQ(0, std::memcmp(v.x.data() + size_t(i) * rb, rd.x[size_t(s)].data() + size_t(t) * rb, rb)) << "row " << i;
-        if (c.scale_bytes)
-          EXPECT_EQ(0, std::memcmp(v.scales.data() + size_t(i * c.scale_bytes), rd.scales[size_t(s)].data() + size_t(t * c.scale_bytes),
-                                   size_t(c.scale_bytes)));
+        if (sb) EXPECT_EQ(0, std::memcmp(v.scales.data() + size_t(i * sb), rd.scales[size_t(s)].data() + size_t(t * sb), size_t(sb)));
         if (i > v.offsets[size_t(le)]) {
           const int ps = v.src_rank[size_t(i - 1)], pt = v.src_token[size_t(i - 1)];
           EXPECT_TRUE(ps < s || (ps == s && pt < t)) << "rows " << i - 1 << ", " << i << " out of (rank, token) order";
@@ -170,7 +201,7 @@ void run_case(const Case& c) {
   Case c2 = c;  // round 3: other token counts on the same buffers
   for (size_t r = 0; r < c.m.size(); ++r) c2.m[r] = c.m[(r + 1) % c.m.size()];
   const Round a(c, w13, w2, rng), b(c2, w13, w2, rng);
-  EpConfig cfg{c.world, c.E, c.k, c.H, c.max_tokens, c.dtype, c.scale_bytes};
+  const EpConfig cfg = c.config();
   std::unique_ptr<EpGroup> g;
   ASSERT_TRUE(EpGroup::create(cfg, &g));
   const int W = c.world;
@@ -206,12 +237,24 @@ void run_case(const Case& c) {
 TEST(MoeEpEmulation, World2) { run_case({2, 8, 2, 64, 32, 24, DType::kBF16, 0, {24, 0}, {7}}); }
 // Rank 3's experts (12..15) are dead: rank 3 receives no token but still takes part in every round.
 TEST(MoeEpEmulation, World4ScalesFp32) { run_case({4, 16, 3, 40, 24, 20, DType::kFP32, 10, {5, 20, 0, 13}, {12, 13, 14, 15}}); }
+// FP8 dispatch, bf16 combine (the DeepSeek-V3 deployment): e4m3 rows with their 1x128 scales over the
+// wire, dequantized by the receivers; equal bit for bit to moe_forward on the dequantized tokens.
+TEST(MoeEpEmulation, World4Fp8RowsBf16Combine) {
+  Case c{4, 16, 4, 256, 32, 24, DType::kBF16, 0, {24, 7, 0, 19}, {3}};
+  c.fp8 = true;
+  run_case(c);
+}
 TEST(MoeEpEmulation, World8) { run_case({8, 16, 4, 72, 16, 16, DType::kBF16, 0, {16, 0, 3, 11, 1, 16, 7, 9}, {0, 9}}); }
 
 TEST(MoeEpEmulation, ConfigAndOrderErrors) {
   std::unique_ptr<EpGroup> g;
   EXPECT_FALSE(EpGroup::create({3, 8, 2, 8, 4}, &g));  // E not a multiple of world
   EXPECT_NE(EpGroup::create({2, 8, 2, 8, 4, DType::kInt32}, &g).message().find("dtype"), std::string::npos);
+  // fp8 rows need the combine's dtype; the combine's must be a float type of 16 bits or more
+  EXPECT_NE(EpGroup::create({2, 8, 2, 16, 4, DType::kFP8E4M3, 4}, &g).message().find("need a combine_dtype"), std::string::npos);
+  EpConfig bad{2, 8, 2, 16, 4, DType::kFP8E4M3, 4};
+  bad.combine_dtype = DType::kFP8E4M3;
+  EXPECT_NE(EpGroup::create(bad, &g).message().find("combine_dtype"), std::string::npos);
   ASSERT_TRUE(EpGroup::create({1, 4, 2, 8, 4, DType::kFP32}, &g));
   std::unique_ptr<EpAllToAll> a;
   EXPECT_FALSE(EpAllToAll::create(g.get(), 1, &a));
@@ -232,7 +275,7 @@ struct Fixture {
     w13 = random_rows(c.dtype, c.E * 2 * c.F * c.H, 0.2, rng);
     w2 = random_rows(c.dtype, c.E * c.H * c.F, 0.2, rng);
     rd = std::make_unique<Round>(c, w13, w2, rng);
-    EpConfig cfg{c.world, c.E, c.k, c.H, c.max_tokens, c.dtype, 0, timeout};
+    const EpConfig cfg = c.config(timeout);
     EXPECT_TRUE(EpGroup::create(cfg, &g));
     ep.resize(size_t(c.world));
     for (int r = 0; r < c.world; ++r) EXPECT_TRUE(EpAllToAll::create(g.get(), r, &ep[size_t(r)]));

@@ -58,6 +58,34 @@ def check_case(rank, world, case, device="cpu"):
         assert torch.equal(y, layer(x[tok])), "ExpertParallelMoE"
 
 
+def check_fp8(rank, world, device="cpu"):
+    """dispatch_fp8: e4m3 rows and 1x128 scales over the wire, dequantized by the receivers; bit-equal to moe_forward
+    on the dequantized tokens (and not to moe_forward on the tokens themselves: the fp8 rows do travel)."""
+    D8, F8, E, k = 256, 32, 4 * world, 2
+    counts = {1: [29], 2: [17, 0], 4: [11, 0, 23, 5]}[world]
+    g = torch.Generator().manual_seed(5)
+    T = sum(counts)
+    x = (torch.randn(T, D8, generator=g) * 3).to(torch.bfloat16).to(device)
+    logits = (torch.randn(T, E, generator=g) * 2).to(device)
+    w13 = (torch.randn(E, 2 * F8, D8, generator=g) * D8 ** -0.5).to(torch.bfloat16).to(device)
+    w2 = (torch.randn(E, D8, F8, generator=g) * F8 ** -0.5).to(torch.bfloat16).to(device)
+    q, scales = encore.fp8_group_quant(x)
+    xq = (q.to(torch.float32) * scales.repeat_interleave(128, dim=1)).to(torch.bfloat16)
+    ref = encore.moe_forward(xq, logits, w13, w2, k)
+    assert not torch.equal(ref, encore.moe_forward(x, logits, w13, w2, k)), "the fp8 round trip changed nothing: no test"
+    el = E // world
+    mine = slice(rank * el, (rank + 1) * el)
+    lo = sum(counts[:rank])
+    tok = slice(lo, lo + counts[rank])
+    transports = ["collective"] + (["peer", "peer"] if device != "cpu" else [])
+    for transport in transports:
+        out = encore.moe_forward_ep(x[tok], logits[tok], w13[mine], w2[mine], k, transport=transport, dispatch_fp8=True)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref[tok]), \
+            f"{transport} fp8: {float((out.float() - ref[tok].float()).abs().max())}"
+    with pytest.raises(ValueError, match=r"dispatch_fp8: needs mode 'ep'"):  # refused on every rank
+        encore.moe_forward_ep(x, logits, w13[mine], w2[mine], k, mode="tp", dispatch_fp8=True)
+
+
 def check_bad_input(rank, world):
     """Rank 1 passes w13 with D - 1 columns: every rank raises, naming rank 1, and nothing waits."""
     x, logits, w13, w2, _ = data([5] * world, 4 * world, torch.float32)
@@ -83,6 +111,8 @@ def worker(rank, world, init, names, backend, errq):
         for name in names:
             if name == "bad_input":
                 check_bad_input(rank, world)
+            elif name == "fp8":
+                check_fp8(rank, world, device)
             else:  # moe_forward on CUDA takes bf16: the fp32 cases run in bf16 there
                 case = CASES[name] if device == "cpu" else dict(CASES[name], dtype=torch.bfloat16)
                 check_case(rank, world, case, device)
@@ -112,7 +142,7 @@ CASES = {  # by world size (the length of counts: tokens per rank)
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_equals_one_process(world):
     """One process group per world size runs its cases (and, at world 2, the bad-input check)."""
-    names = [n for n, c in CASES.items() if len(c["counts"]) == world] + (["bad_input"] if world == 2 else [])
+    names = [n for n, c in CASES.items() if len(c["counts"]) == world] + ["fp8"] + (["bad_input"] if world == 2 else [])
     spawn(world, names)
 
 
@@ -122,4 +152,4 @@ def test_nccl_on_cuda(world):
     NCCL's calls with one rank); skipped without that many GPUs."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < world or not encore.built_with_cuda():
         pytest.skip(f"needs {world} CUDA device(s) and encore built with CUDA")
-    spawn(world, [n for n, c in CASES.items() if len(c["counts"]) == world], backend="nccl")
+    spawn(world, [n for n, c in CASES.items() if len(c["counts"]) == world] + ["fp8"], backend="nccl")

@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) ep_combine_send_kernel(const __grid_
   for (int32_t i = blockIdx.x; i < total; i += gridDim.x) {
     const int origin = p.src_rank[i];
     const int32_t slot = p.src_slot[i];
-    copy16(combine_row(p, origin, slot), p.y + int64_t(i) * p.row_bytes, p.row_bytes);
+    copy16(combine_row(p, origin, slot), p.y + int64_t(i) * p.y_row_bytes, p.y_row_bytes);
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();
@@ -276,7 +276,7 @@ template <typename TI, typename TO>
 __global__ void __launch_bounds__(kThreads) ep_combine_recv_kernel(const __grid_constant__ EpDeviceParams p) {
   __shared__ int ready;
   const int k = p.top_k;
-  const int64_t H = p.row_bytes / int64_t(sizeof(TI));
+  const int64_t H = p.y_row_bytes / int64_t(sizeof(TI));
   for (int64_t t = blockIdx.x; t < p.m; t += gridDim.x) {
     if (threadIdx.x == 0) {
       const u64 want = cell(p.epoch, uint32_t(k));

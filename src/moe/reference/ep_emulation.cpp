@@ -56,15 +56,20 @@ Status validate(const EpConfig& c) {
   if (c.hidden < 1) return Status::invalid("hidden: must be >= 1, got " + std::to_string(c.hidden));
   if (c.max_tokens < 1 || c.max_tokens > (int64_t(1) << 24))
     return Status::invalid("max_tokens: must be in [1, 2^24], got " + std::to_string(c.max_tokens));
-  if (c.dtype != DType::kBF16 && c.dtype != DType::kFP16 && c.dtype != DType::kFP32)
-    return Status::invalid(std::string("dtype: must be bf16, fp16 or fp32, got ") + dtype_name(c.dtype));
+  if (c.dtype != DType::kBF16 && c.dtype != DType::kFP16 && c.dtype != DType::kFP32 && c.dtype != DType::kFP8E4M3)
+    return Status::invalid(std::string("dtype: must be bf16, fp16, fp32 or fp8_e4m3, got ") + dtype_name(c.dtype));
+  const DType cd = combine_dtype_of(c);
+  if (cd != DType::kBF16 && cd != DType::kFP16 && cd != DType::kFP32)
+    return Status::invalid(std::string(c.combine_dtype ? "combine_dtype" : "dtype") + ": the combine's expert outputs must be bf16, fp16 or fp32, got " +
+                           dtype_name(cd) + (c.combine_dtype ? "" : " (fp8 rows need a combine_dtype)"));
   if (c.scale_bytes < 0) return Status::invalid("scale_bytes: must be >= 0, got " + std::to_string(c.scale_bytes));
   if (c.timeout.count() <= 0) return Status::invalid("timeout: must be positive");
   return Status::ok();
 }
 
 size_t ep_region_header_bytes(const EpConfig& c) { return up16(16 + 8 * local_experts(c)); }
-size_t ep_combine_row_bytes(const EpConfig& c) { return up16(row_bytes(c)); }
+DType combine_dtype_of(const EpConfig& c) { return c.combine_dtype.value_or(c.dtype); }
+size_t ep_combine_row_bytes(const EpConfig& c) { return up16(size_t(c.hidden) * dtype_size(combine_dtype_of(c))); }
 size_t ep_combine_header_bytes(const EpConfig& c) { return up16(8 * size_t(c.max_tokens)); }
 size_t ep_token_stride(const EpConfig& c) { return up16(row_bytes(c) + size_t(c.scale_bytes) + 4); }
 size_t ep_region_bytes(const EpConfig& c) { return ep_region_header_bytes(c) + local_experts(c) * size_t(c.max_tokens) * ep_token_stride(c); }
@@ -264,7 +269,7 @@ Status EpAllToAll::dispatch(const TensorView& x, const TensorView& ids, const Te
 
 Status EpAllToAll::validate_combine(const TensorView& y, const TensorView& w, const TensorView& out) const {
   if (!in_round_) return Status::invalid("combine called without a dispatch before it");
-  ENCORE_RETURN_IF_ERROR(check_2d("expert_out", y, cfg_.dtype, int64_t(recv_rank_.size()), cfg_.hidden, "[received rows, H]"));
+  ENCORE_RETURN_IF_ERROR(check_2d("expert_out", y, combine_dtype_of(cfg_), int64_t(recv_rank_.size()), cfg_.hidden, "[received rows, H]"));
   ENCORE_RETURN_IF_ERROR(check_2d("topk_weights", w, DType::kFP32, m_, cfg_.top_k, "[m, k]"));
   if (out.defined() && out.dtype != DType::kBF16 && out.dtype != DType::kFP16 && out.dtype != DType::kFP32)
     return Status::invalid(std::string("out: dtype must be bf16, fp16 or fp32, got ") + dtype_name(out.dtype));
@@ -278,7 +283,7 @@ Status EpAllToAll::combine(const TensorView& y, const TensorView& w, const Tenso
   in_round_ = false;
   const uint32_t n = epoch_;
   const int k = cfg_.top_k, W = cfg_.world;
-  const size_t rb = row_bytes(cfg_);
+  const size_t rb = size_t(cfg_.hidden) * dtype_size(combine_dtype_of(cfg_));
 
   // Return every received row to its origin's combine area, then one release add on that token's
   // counter. GPU: 16-byte stores into the peer, then atom.add.release.sys per token and expert.
@@ -302,8 +307,8 @@ Status EpAllToAll::combine(const TensorView& y, const TensorView& w, const Tenso
     }));
     CombineProblem p;
     p.expert_out = combine_row(rank_, t * k);
-    p.eo_stride = int64_t(ep_combine_row_bytes(cfg_) / dtype_size(cfg_.dtype));
-    p.eo_dtype = cfg_.dtype;
+    p.eo_stride = int64_t(ep_combine_row_bytes(cfg_) / dtype_size(combine_dtype_of(cfg_)));
+    p.eo_dtype = combine_dtype_of(cfg_);
     p.slot_rows = slots.data();
     p.slot_stride = k;
     p.weights = ws + t * k;

@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,18 +45,20 @@ struct EpConfig {
   int top_k = 0;                  // k experts per token (distinct within a token)
   int64_t hidden = 0;             // H
   int64_t max_tokens = 0;         // tokens per rank and call, at most
-  DType dtype = DType::kBF16;     // tokens and expert outputs (bf16, fp16, fp32): the "dtype bytes"
+  DType dtype = DType::kBF16;     // dispatched token rows (bf16, fp16, fp32, or fp8_e4m3 with its scales)
   int64_t scale_bytes = 0;        // per-token scale bytes moved with the row (0: none)
   std::chrono::milliseconds timeout{10000};  // every spin loop gives up after this
+  std::optional<DType> combine_dtype;  // the combine's expert outputs (bf16, fp16, fp32); unset: dtype (fp8 rows need it)
 };
 
 Status validate(const EpConfig& c);
+DType combine_dtype_of(const EpConfig& c);   // the expert outputs' dtype: dtype, or combine_dtype
 size_t ep_token_stride(const EpConfig& c);   // bytes of a token row in a receive region
 size_t ep_region_bytes(const EpConfig& c);   // one per-sender receive region
 size_t ep_rank_bytes(const EpConfig& c);     // world regions + the combine area
 size_t ep_region_header_bytes(const EpConfig& c);   // flags + counts, before a region's token rows
 size_t ep_combine_header_bytes(const EpConfig& c);  // the combine counters, before the combine rows
-size_t ep_combine_row_bytes(const EpConfig& c);     // one combine row (H * dtype bytes, to 16)
+size_t ep_combine_row_bytes(const EpConfig& c);     // one combine row (H * combine dtype bytes, to 16)
 
 // The mapped peer memory of all ranks (on GPUs: cuMem allocations exported as POSIX FDs and mapped by
 // every peer) and the group's abort cell.
