@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from . import _encore
 from . import moe as _moe
+from . import norm as _norm
 from . import quant as _quant
 from ._util import _dl, _torch_stream
 
@@ -186,9 +187,29 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error, fp8=F
     return out
 
 
+def _check_norm(x, residual, norm_weight):
+    if residual is None or norm_weight is None:
+        return "residual, norm_weight: pass both (the residual add + RMSNorm after the layer) or neither"
+    if tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype or residual.device != x.device:
+        return f"residual: expected x's shape {tuple(x.shape)}, dtype {x.dtype} and device, got {tuple(residual.shape)} {residual.dtype} {residual.device}"
+    if tuple(norm_weight.shape) != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        return f"norm_weight: expected [{x.shape[1]}] of {x.dtype} on x's device, got {tuple(norm_weight.shape)} {norm_weight.dtype} {norm_weight.device}"
+    return None
+
+
+def _finish(out, residual, norm_weight, eps):
+    """The layer's output, or (rms_norm(residual + out), residual + out) when a norm follows."""
+    if norm_weight is None:
+        return out
+    if out.shape[0] == 0:
+        return out, out + residual
+    return _norm.add_rms_norm(out, residual, norm_weight, eps)
+
+
 def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str = "ep", scoring: str = "softmax",
                    renormalize: bool = True, n_group: int = 1, topk_group: int = 1, correction_bias=None,
-                   routed_scaling_factor: float = 1.0, align_m: int = 1, transport: str = "collective", dispatch_fp8: bool = False):
+                   routed_scaling_factor: float = 1.0, align_m: int = 1, transport: str = "collective", dispatch_fp8: bool = False,
+                   residual=None, norm_weight=None, norm_eps: float = 1e-6):
     """The MoE layer over `group` (default: the world). x [T, D] (this rank's tokens for "ep", every rank's
     same tokens for "tp"); router_logits [T, E] over all experts; w13 [E / W, 2F, D] and w2 [E / W, D, F] the
     experts of this rank (rank r: experts r * E / W ...). Routing options as moe_forward's. Returns [T, D].
@@ -197,9 +218,14 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
     each other's memory). dispatch_fp8 (mode "ep"): the rows travel as e4m3 with their 1x128 fp32 scales
     (encore.fp8_group_quant, D a multiple of 128) and the receivers dequantize them (fp8_roundtrip_rows)
     before the experts; the expert outputs come back in x's dtype. The result equals moe_forward on
-    fp8_roundtrip_rows of the tokens bit for bit."""
+    fp8_roundtrip_rows of the tokens bit for bit. residual [T, D] and norm_weight [D] (x's dtype): the next
+    residual add + RMSNorm on the layer's output, returning (y, h) with h = residual + out and y =
+    rms_norm(h) * norm_weight (encore.add_rms_norm, one kernel after the combine or the all-reduce; the
+    all-reduce itself stays NCCL's)."""
     world, rank = _world(group)
     error = _check(x, router_logits, w13, w2, int(top_k), world, mode)
+    if error is None and (residual is not None or norm_weight is not None):
+        error = _check_norm(x, residual, norm_weight)
     if error is None and transport not in ("collective", "peer"):
         error = f"transport: must be 'collective' or 'peer', got {transport!r}"
     if error is None and transport == "peer" and mode != "ep":
@@ -210,7 +236,8 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
     routing = dict(scoring=scoring, renormalize=renormalize, n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
                    routed_scaling_factor=routed_scaling_factor)
     if transport == "peer" and mode == "ep":
-        return _ep_peer(x, router_logits, w13, w2, int(top_k), group, routing, align_m, error, bool(dispatch_fp8))
+        return _finish(_ep_peer(x, router_logits, w13, w2, int(top_k), group, routing, align_m, error, bool(dispatch_fp8)), residual,
+                       norm_weight, norm_eps)
     if mode != "ep":  # "tp" (or a bad mode): one all-reduce of the error flag first
         _agree(group, error, x.device)
     k, el = (int(top_k), router_logits.shape[1] // world) if error is None else (1, 1)
@@ -228,7 +255,7 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
         mine[sel] = weights.reshape(-1)[sel]
         partial = _combine(y_pairs, mine.view_as(weights), torch.float32)
         dist.all_reduce(partial, group=group)
-        return partial.to(x.dtype)
+        return _finish(partial.to(x.dtype), residual, norm_weight, norm_eps)
     order = torch.argsort(dest, stable=True)  # (destination, token, j): a stable order every receiver sees
     send = torch.bincount(dest, minlength=world).to(torch.int64)
     # one exchange of [count to r, my error flag] per destination r: the counts and the agreement on the inputs
@@ -258,7 +285,7 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
     dist.all_to_all_single(y_back, y_in, output_split_sizes=send_l, input_split_sizes=recv_l, group=group)
     y_pairs = torch.empty_like(y_back)
     y_pairs[order] = y_back
-    return _combine(y_pairs, weights, x.dtype)
+    return _finish(_combine(y_pairs, weights, x.dtype), residual, norm_weight, norm_eps)
 
 
 class ExpertParallelMoE(torch.nn.Module):

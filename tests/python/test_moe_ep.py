@@ -3,7 +3,11 @@ collective path; NCCL takes the same calls on CUDA tensors): expert parallel equ
 tokens in one process bit for bit (ranks with no tokens, experts nobody picks, the grouped sigmoid routing with
 a bias and a scaling factor, bf16 and fp32), reruns are identical, tensor parallel equals it to the fp32 sum
 order, and a rank with bad inputs makes every rank raise instead of hanging. On CUDA the peer-memory transport
-(transport="peer": rows written into the other ranks' GPU memory) equals it bit for bit too."""
+(transport="peer": rows written into the other ranks' GPU memory) equals it bit for bit too. The FP8 dispatch
+(e4m3 rows and 1x128 scales) equals moe_forward on the dequantized tokens bit for bit; the residual add + RMSNorm
+after the layer equals encore.add_rms_norm on its output; NCCL's inter-node transport is forced on one node."""
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -50,6 +54,17 @@ def check_case(rank, world, case, device="cpu"):
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: two ulps of the largest output (one rounding flip)
     err = float((tp.float() - ref.float()).abs().max() / ref.float().abs().max())
     assert err <= tol, f"tp: {err}"
+    # the next residual add + RMSNorm on the layer's output: as encore.add_rms_norm on the plain outputs
+    gn = torch.Generator().manual_seed(11)
+    res = torch.randn(x.shape, generator=gn).to(dtype).to(device)
+    nw = (torch.rand(D, generator=gn) + 0.5).to(dtype).to(device)
+    y, h = encore.moe_forward_ep(x[tok], logits[tok], w13[mine], w2[mine], k, residual=res[tok], norm_weight=nw, **routing)
+    if counts[rank] > 0:
+        y_ref, h_ref = encore.add_rms_norm(out, res[tok], nw)
+        assert torch.equal(h, h_ref) and torch.equal(y, y_ref), "ep + add_rms_norm"
+    y, h = encore.moe_forward_ep(x, logits, w13[mine], w2[mine], k, mode="tp", residual=res, norm_weight=nw, **routing)
+    y_ref, h_ref = encore.add_rms_norm(tp, res, nw)
+    assert torch.equal(h, h_ref) and torch.equal(y, y_ref), "tp + add_rms_norm"
     layer = encore.nn.MoE.from_weights(torch.randn(E, D, generator=torch.Generator().manual_seed(3)).to(dtype).to(device), w13, w2, k,
                                        **{n: v for n, v in routing.items() if n != "correction_bias"})
     ep_layer = encore.nn.ExpertParallelMoE.from_layer(layer)
@@ -97,6 +112,11 @@ def check_bad_input(rank, world):
         encore.moe_forward_ep(x[:5], logits[:5], w, w2[rank * el:(rank + 1) * el], 2)
     with pytest.raises(ValueError, match=r"rank 1: transport 'peer': needs CUDA tensors"):  # CPU tensors: refused on every rank
         encore.moe_forward_ep(x[:5], logits[:5], w13[rank * el:(rank + 1) * el], w2[rank * el:(rank + 1) * el], 2, transport="peer")
+    res = torch.zeros(5 if rank != 1 else 4, D)  # rank 1's residual has a row too few: every rank raises, in both modes
+    for mode, xs, ls in (("ep", x[:5], logits[:5]), ("tp", x[:5], logits[:5])):
+        with pytest.raises(ValueError, match=r"rank 1: residual: expected"):
+            encore.moe_forward_ep(xs, ls, w13[rank * el:(rank + 1) * el], w2[rank * el:(rank + 1) * el], 2, mode=mode, residual=res,
+                                  norm_weight=torch.ones(D))
     with pytest.raises(ValueError, match=r"transport: must be 'collective' or 'peer'"):
         encore.moe_forward_ep(x[:5], logits[:5], w13[rank * el:(rank + 1) * el], w2[rank * el:(rank + 1) * el], 2, transport="nvls")
 
@@ -107,6 +127,9 @@ def worker(rank, world, init, names, backend, errq):
         if backend == "nccl":
             torch.cuda.set_device(rank)
             device = f"cuda:{rank}"
+        if "force_net" in names:  # NCCL's inter-node transport between GPUs of one node: no P2P, no shared memory
+            os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
+            names = [n for n in names if n != "force_net"]
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         for name in names:
             if name == "bad_input":
@@ -153,3 +176,12 @@ def test_nccl_on_cuda(world):
     if not torch.cuda.is_available() or torch.cuda.device_count() < world or not encore.built_with_cuda():
         pytest.skip(f"needs {world} CUDA device(s) and encore built with CUDA")
     spawn(world, [n for n, c in CASES.items() if len(c["counts"]) == world] + ["fp8"], backend="nccl")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_inter_node_transport_forced(world):
+    """The collective path is the inter-node path (NCCL's all-to-all-v picks its network transport across
+    nodes): here forced between the GPUs of one node (NCCL_P2P_DISABLE, NCCL_SHM_DISABLE), the same cases."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world or not encore.built_with_cuda():
+        pytest.skip(f"needs {world} CUDA devices and encore built with CUDA")
+    spawn(world, ["force_net"] + [n for n, c in CASES.items() if len(c["counts"]) == world], backend="nccl")
