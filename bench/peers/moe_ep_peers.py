@@ -14,6 +14,11 @@ Launch: python3 -m torch.distributed.run --standalone --nproc-per-node N bench/p
                   GPU memory, outputs straight back; one host synchronization per call for the received counts)
   ep_peer_a2a     the peer transport's dispatch + combine alone (no expert compute: the received rows sent
                   back as the outputs), one round trip of the rows
+  ep_peer_fp8_a2a the same with FP8 dispatch (e4m3 rows + 1x128 fp32 scales) and a bf16 combine, the rows
+                  quantized beforehand (the deployment the issue names for DeepSeek-V3 at 128 tokens)
+  nccl_a2a_fp8_rows  all_to_all_single of those e4m3 rows (bytes) alone
+  ep_peer_fp8_layer  the EP layer on the peer transport with dispatch_fp8=True (quantize, dispatch, dequantize,
+                  experts, bf16 combine)
   tp_layer        the TP layer (every GPU the same tokens): local experts, fp32 partial combine, all-reduce
   nccl_allreduce  all_reduce of the fp32 [T, hidden] partials alone
 Rank 0 writes OUT.json (one key per figure, plus the world size and GPU)."""
@@ -68,12 +73,29 @@ def main(path):
                 stream = torch.cuda.current_stream().cuda_stream
 
                 def round_trip():
-                    ep.dispatch(*_dl(x, ids.contiguous()), stream)
+                    ep.dispatch(*_dl(x, ids.contiguous()), None, stream)
                     ep.combine(*_dl(y, w, out), stream)
 
                 res[f"{key}_ep_peer_a2a_us"] = median_us(round_trip, ROUNDS, reps=10)
                 torch.cuda.synchronize()
                 ep.check()
+                if d % 128 == 0:  # FP8 dispatch, bf16 combine
+                    q, scales = encore.fp8_group_quant(x)
+                    qb, sb = q.view(torch.uint8), scales.contiguous().view(torch.uint8)
+                    _, ep8 = _moe_ep._peer_rank(None, world, rank, e, k, d, x, t, fp8=True)
+
+                    def round_trip_fp8():
+                        ep8.dispatch(*_dl(qb, ids.contiguous(), sb), stream)
+                        ep8.combine(*_dl(y, w, out), stream)
+
+                    res[f"{key}_ep_peer_fp8_a2a_us"] = median_us(round_trip_fp8, ROUNDS, reps=10)
+                    torch.cuda.synchronize()
+                    ep8.check()
+                    rows8 = qb.index_select(0, torch.div(torch.argsort(dest, stable=True), k, rounding_mode="floor"))
+                    rows8_in = rows8.new_empty(sum(r_l), d)
+                    res[f"{key}_nccl_a2a_fp8_rows_us"] = median_us(lambda: dist.all_to_all_single(rows8_in, rows8, r_l, s_l), ROUNDS, reps=10)
+                    res[f"{key}_ep_peer_fp8_layer_us"] = median_us(
+                        lambda: encore.moe_forward_ep(x, logits, w13, w2, k, transport="peer", dispatch_fp8=True), ROUNDS, reps=10)
                 res[f"{key}_tp_layer_us"] = median_us(lambda: encore.moe_forward_ep(x, logits, w13, w2, k, mode="tp"), ROUNDS, reps=10)
                 part = torch.randn(t, d, device="cuda")
                 res[f"{key}_nccl_allreduce_us"] = median_us(lambda: dist.all_reduce(part), ROUNDS, reps=10)
