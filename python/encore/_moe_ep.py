@@ -121,7 +121,7 @@ def _combine(y_pairs, weights, out_dtype):
     return _moe.moe_combine(y_pairs, slots, weights, out=out)
 
 
-_PEERS = {}  # (group, E, k, D, dtype, device, max_tokens) -> _encore.EpPeerRank, built collectively once
+_PEERS = {}  # (group, E, k, D, dtype, device, fp8, max_tokens) -> _encore.EpPeerRank, built collectively once
 PEER_TIMEOUT_MS = 20000  # every spin loop of the peer transport gives up after this (then every rank raises)
 
 
@@ -153,11 +153,15 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error, fp8=F
     # tensors raises with the others instead of inside the collective
     nccl = dist.get_backend(group) == "nccl"
     where = torch.device("cuda", torch.cuda.current_device()) if nccl else x.device
-    agree = torch.tensor([0 if error is None else 1, x.shape[0] if error is None else 0], dtype=torch.int64, device=where)
+    # [refused, token bound, dispatch_fp8, not dispatch_fp8]: every rank learns the same maxima
+    agree = torch.tensor([0 if error is None else 1, x.shape[0] if error is None else 0, int(fp8), int(not fp8)], dtype=torch.int64,
+                         device=where)
     dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
-    flag, m_bound = agree.tolist()
+    flag, m_bound, some_fp8, some_not = agree.tolist()
     if flag:
         _raise_refused(group, error)
+    if some_fp8 and some_not:
+        raise ValueError("moe_forward_ep: dispatch_fp8 differs between the ranks (every rank must pass the same value)")
     E, D = router_logits.shape[1], x.shape[1]
     el = E // world
     key, ep = _peer_rank(group, world, rank, E, k, D, x, m_bound, fp8)
@@ -216,12 +220,12 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
     transport: "collective" (the group's all-to-all; any backend) or, for mode "ep" on CUDA, "peer" (the
     rows written into the other ranks' GPU memory: every rank a process on one node, the GPUs able to map
     each other's memory). dispatch_fp8 (mode "ep"): the rows travel as e4m3 with their 1x128 fp32 scales
-    (encore.fp8_group_quant, D a multiple of 128) and the receivers dequantize them (fp8_roundtrip_rows)
-    before the experts; the expert outputs come back in x's dtype. The result equals moe_forward on
-    fp8_roundtrip_rows of the tokens bit for bit. residual [T, D] and norm_weight [D] (x's dtype): the next
-    residual add + RMSNorm on the layer's output, returning (y, h) with h = residual + out and y =
-    rms_norm(h) * norm_weight (encore.add_rms_norm, one kernel after the combine or the all-reduce; the
-    all-reduce itself stays NCCL's)."""
+    (encore.fp8_group_quant, D a multiple of 128; every rank passes the same value) and the receivers
+    dequantize them (float(q) * scale in fp32, rounded once to x's dtype) before the experts; the expert
+    outputs come back in x's dtype. The result equals moe_forward on the dequantized tokens bit for bit.
+    residual [T, D] and norm_weight [D] (x's dtype): the next residual add + RMSNorm on the layer's output,
+    returning (y, h) with h = residual + out and y = rms_norm(h) * norm_weight (encore.add_rms_norm, one
+    kernel after the combine or the all-reduce; the all-reduce itself stays NCCL's)."""
     world, rank = _world(group)
     error = _check(x, router_logits, w13, w2, int(top_k), world, mode)
     if error is None and (residual is not None or norm_weight is not None):
@@ -258,14 +262,17 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
         return _finish(partial.to(x.dtype), residual, norm_weight, norm_eps)
     order = torch.argsort(dest, stable=True)  # (destination, token, j): a stable order every receiver sees
     send = torch.bincount(dest, minlength=world).to(torch.int64)
-    # one exchange of [count to r, my error flag] per destination r: the counts and the agreement on the inputs
-    msg = torch.stack((send, torch.full_like(send, 0 if error is None else 1)), 1).flatten()
+    # one exchange of [count to r, my error flag, my dispatch_fp8] per destination r: the counts and the agreement
+    # on the inputs
+    msg = torch.stack((send, torch.full_like(send, 0 if error is None else 1), torch.full_like(send, int(dispatch_fp8))), 1).flatten()
     got = torch.empty_like(msg)
     dist.all_to_all_single(got, msg, group=group)
     both = torch.cat((send, got)).tolist()  # one host synchronization
-    send_l, recv_l, flags = both[:world], both[world::2], both[world + 1::2]
+    send_l, recv_l, flags, fp8s = both[:world], both[world::3], both[world + 1::3], both[world + 2::3]
     if any(flags):
         _raise_refused(group, error)
+    if len(set(fp8s)) > 1:  # every rank sees every rank's flag: all raise
+        raise ValueError("moe_forward_ep: dispatch_fp8 differs between the ranks (every rank must pass the same value)")
     src = torch.div(order, k, rounding_mode="floor")
     ids_out = (flat[order] - dest[order] * el).to(torch.int32)
     ids_in = torch.empty(sum(recv_l), dtype=torch.int32, device=x.device)

@@ -99,6 +99,10 @@ def check_fp8(rank, world, device="cpu"):
             f"{transport} fp8: {float((out.float() - ref[tok].float()).abs().max())}"
     with pytest.raises(ValueError, match=r"dispatch_fp8: needs mode 'ep'"):  # refused on every rank
         encore.moe_forward_ep(x, logits, w13[mine], w2[mine], k, mode="tp", dispatch_fp8=True)
+    if world > 1:  # ranks disagreeing on dispatch_fp8: every rank raises, none waits
+        for transport in transports[:2]:
+            with pytest.raises(ValueError, match=r"dispatch_fp8 differs between the ranks"):
+                encore.moe_forward_ep(x[tok], logits[tok], w13[mine], w2[mine], k, transport=transport, dispatch_fp8=rank == 0)
 
 
 def check_bad_input(rank, world):
