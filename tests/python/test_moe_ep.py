@@ -143,6 +143,9 @@ def worker(rank, world, init, names, backend, errq):
             else:  # moe_forward on CUDA takes bf16: the fp32 cases run in bf16 there
                 case = CASES[name] if device == "cpu" else dict(CASES[name], dtype=torch.bfloat16)
                 check_case(rank, world, case, device)
+        # every rank past its last collective before any tears the group down (CI once saw rank 1 abort at exit,
+        # "terminate called without an active exception", after both ranks had passed every check)
+        dist.barrier()
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 (sent to the parent, which fails the test with it)
         errq.put(f"rank {rank}: {e!r}")
