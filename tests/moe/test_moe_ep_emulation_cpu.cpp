@@ -47,6 +47,7 @@ struct Case {
   std::vector<int64_t> m;  // tokens per rank
   std::vector<int> dead;   // experts no token selects (a logit of -30 on every rank)
   bool fp8 = false;        // rows dispatched as e4m3 with their 1x128 fp32 scales (scale_bytes H / 32), experts in dtype
+  bool split = false;      // the layer through dispatch_send / dispatch_recv / combine_send / combine_recv, other work between
   DType row_dtype() const { return fp8 ? DType::kFP8E4M3 : dtype; }
   int64_t row_scale_bytes() const { return fp8 ? H / 128 * 4 : scale_bytes; }
   EpConfig config(std::chrono::milliseconds timeout = std::chrono::milliseconds(10000)) const {
@@ -129,8 +130,16 @@ Status ep_layer(EpAllToAll& a, const Case& c, const Round& rd, const Bytes& w13,
   const int r = a.rank();
   const int64_t m = c.m[size_t(r)];
   const int64_t sb = c.row_scale_bytes();
-  ENCORE_RETURN_IF_ERROR(a.dispatch(mat(rd.x[size_t(r)].data(), c.row_dtype(), m, c.H), mat(rd.ids[size_t(r)].data(), DType::kInt32, m, c.k),
-                                    sb ? mat(rd.scales[size_t(r)].data(), DType::kUInt8, m, sb) : TensorView{}, recv));
+  const TensorView xv = mat(rd.x[size_t(r)].data(), c.row_dtype(), m, c.H), iv = mat(rd.ids[size_t(r)].data(), DType::kInt32, m, c.k);
+  const TensorView sv = sb ? mat(rd.scales[size_t(r)].data(), DType::kUInt8, m, sb) : TensorView{};
+  const auto other_work = [r] { std::this_thread::sleep_for(std::chrono::microseconds(200 * (r + 1))); };  // ranks at other paces
+  if (c.split) {
+    ENCORE_RETURN_IF_ERROR(a.dispatch_send(xv, iv, sv));
+    other_work();
+    ENCORE_RETURN_IF_ERROR(a.dispatch_recv(recv));
+  } else {
+    ENCORE_RETURN_IF_ERROR(a.dispatch(xv, iv, sv, recv));
+  }
   const int64_t rows = recv->rows();
   const size_t es = dtype_size(c.dtype);
   Bytes act(size_t(rows * c.F) * es), y(size_t(rows * c.H) * es), deq(size_t(rows * c.H) * es);
@@ -161,7 +170,11 @@ Status ep_layer(EpAllToAll& a, const Case& c, const Round& rd, const Bytes& w13,
   p.dtype = c.dtype;
   reference::moe_expert_mlp(p);
   out->assign(size_t(m * c.H) * es, 0xCD);
-  return a.combine(mat(y.data(), c.dtype, rows, c.H), mat(rd.w[size_t(r)].data(), DType::kFP32, m, c.k), mat(out->data(), c.dtype, m, c.H));
+  const TensorView yv = mat(y.data(), c.dtype, rows, c.H), wv = mat(rd.w[size_t(r)].data(), DType::kFP32, m, c.k), ov = mat(out->data(), c.dtype, m, c.H);
+  if (!c.split) return a.combine(yv, wv, ov);
+  ENCORE_RETURN_IF_ERROR(a.combine_send(yv));
+  other_work();
+  return a.combine_recv(wv, ov);
 }
 
 // Received rows against their sources: bytes, scales, expert, (rank, token) order, histograms.
@@ -244,6 +257,12 @@ TEST(MoeEpEmulation, World4Fp8RowsBf16Combine) {
   c.fp8 = true;
   run_case(c);
 }
+// The split halves, each rank doing other work between a send and its receive: the same bits.
+TEST(MoeEpEmulation, World4SplitPhases) {
+  Case c{4, 16, 3, 48, 16, 20, DType::kBF16, 0, {20, 3, 0, 11}, {5}};
+  c.split = true;
+  run_case(c);
+}
 TEST(MoeEpEmulation, World8) { run_case({8, 16, 4, 72, 16, 16, DType::kBF16, 0, {16, 0, 3, 11, 1, 16, 7, 9}, {0, 9}}); }
 
 TEST(MoeEpEmulation, ConfigAndOrderErrors) {
@@ -262,6 +281,24 @@ TEST(MoeEpEmulation, ConfigAndOrderErrors) {
   float y = 0, w = 0, o = 0;
   const Status s = a->combine(mat(&y, DType::kFP32, 0, 8), mat(&w, DType::kFP32, 0, 2), mat(&o, DType::kFP32, 0, 8));
   EXPECT_NE(s.message().find("combine called without a dispatch"), std::string::npos) << s.to_string();
+  // the split halves out of order, each on a fresh group (a refusal aborts the group)
+  const auto fresh = [&] {
+    a.reset();
+    g.reset();
+    EXPECT_TRUE(EpGroup::create({1, 4, 2, 8, 4, DType::kFP32}, &g));
+    EXPECT_TRUE(EpAllToAll::create(g.get(), 0, &a));
+  };
+  fresh();
+  EpReceived v;
+  EXPECT_NE(a->dispatch_recv(&v).message().find("dispatch_recv called without a dispatch_send"), std::string::npos);
+  fresh();
+  EXPECT_NE(a->combine_recv(mat(&w, DType::kFP32, 0, 2), mat(&o, DType::kFP32, 0, 8)).message().find("combine_recv called without a combine_send"),
+            std::string::npos);
+  fresh();
+  int32_t id[2] = {0, 1};
+  float x[8] = {};
+  ASSERT_TRUE(a->dispatch_send(mat(x, DType::kFP32, 1, 8), mat(id, DType::kInt32, 1, 2), {}));
+  EXPECT_NE(a->combine_send(mat(&y, DType::kFP32, 0, 8)).message().find("combine called without a dispatch (send and receive)"), std::string::npos);
 }
 
 struct Fixture {

@@ -150,7 +150,7 @@ Status EpAllToAll::spin(const std::string& phase, const uint64_t* c, Done done, 
 }
 
 Status EpAllToAll::validate_dispatch(const TensorView& x, const TensorView& ids, const TensorView& scales) const {
-  if (in_round_) return Status::invalid("dispatch called twice without a combine between them");
+  if (phase_ != Phase::kIdle) return Status::invalid("dispatch called twice without a combine between them");
   if (!x.defined() || x.ndim != 2) return Status::invalid("x: must be 2-d [m, H], got " + x.shape_string());
   const int64_t m = x.shape[0];
   if (m > cfg_.max_tokens)
@@ -174,16 +174,21 @@ Status EpAllToAll::validate_dispatch(const TensorView& x, const TensorView& ids,
 }
 
 Status EpAllToAll::dispatch(const TensorView& x, const TensorView& ids, const TensorView& scales, EpReceived* out) {
+  if (!out) return fail("dispatch round " + std::to_string(epoch_ + 1), Status::invalid("out: required"));
+  ENCORE_RETURN_IF_ERROR(dispatch_send(x, ids, scales));
+  return dispatch_recv(out);
+}
+
+Status EpAllToAll::dispatch_send(const TensorView& x, const TensorView& ids, const TensorView& scales) {
   const std::string phase = "dispatch round " + std::to_string(epoch_ + 1);
   ENCORE_RETURN_IF_ERROR(aborted(phase));
-  if (!out) return fail(phase, Status::invalid("out: required"));
   if (Status s = validate_dispatch(x, ids, scales); !s) return fail(phase, s);
   const uint32_t n = ++epoch_;
   const int k = cfg_.top_k, E_l = e_local_, W = cfg_.world;
   const int64_t m = x.shape[0], T = cfg_.max_tokens;
   const size_t rb = row_bytes(cfg_), sb = size_t(cfg_.scale_bytes), stride = ep_token_stride(cfg_);
   m_ = m;
-  in_round_ = true;
+  phase_ = Phase::kSent;
 
   // Arm this rank's combine counters before any peer can see round n (program order before the
   // release stores below, so a peer's add always lands on the armed value).
@@ -212,6 +217,19 @@ Status EpAllToAll::dispatch(const TensorView& x, const TensorView& ids, const Te
     for (int le = 0; le < E_l; ++le) store_release(cells + 2 + le, cell(n, cursor[size_t(dest * E_l + le)] + 1));
     store_release(cells + 0, cell(n, kOk));
   }
+  return Status::ok();
+}
+
+Status EpAllToAll::dispatch_recv(EpReceived* out) {
+  const std::string phase = "dispatch round " + std::to_string(epoch_);
+  ENCORE_RETURN_IF_ERROR(aborted(phase));
+  if (phase_ != Phase::kSent) return fail(phase, Status::invalid("dispatch_recv called without a dispatch_send before it"));
+  if (!out) return fail(phase, Status::invalid("out: required"));
+  phase_ = Phase::kReceived;
+  const uint32_t n = epoch_;
+  const int k = cfg_.top_k, E_l = e_local_, W = cfg_.world;
+  const int64_t T = cfg_.max_tokens;
+  const size_t rb = row_bytes(cfg_), sb = size_t(cfg_.scale_bytes), stride = ep_token_stride(cfg_);
 
   // Receive: every sender's flag, then its counts, then copy the rows out (rows of expert le ordered
   // by (sender, slot)). GPU: one block per sender polls with ld.acquire.sys.
@@ -267,9 +285,12 @@ Status EpAllToAll::dispatch(const TensorView& x, const TensorView& ids, const Te
   return Status::ok();
 }
 
-Status EpAllToAll::validate_combine(const TensorView& y, const TensorView& w, const TensorView& out) const {
-  if (!in_round_) return Status::invalid("combine called without a dispatch before it");
-  ENCORE_RETURN_IF_ERROR(check_2d("expert_out", y, combine_dtype_of(cfg_), int64_t(recv_rank_.size()), cfg_.hidden, "[received rows, H]"));
+Status EpAllToAll::validate_combine_send(const TensorView& y) const {
+  if (phase_ != Phase::kReceived) return Status::invalid("combine called without a dispatch (send and receive) before it");
+  return check_2d("expert_out", y, combine_dtype_of(cfg_), int64_t(recv_rank_.size()), cfg_.hidden, "[received rows, H]");
+}
+
+Status EpAllToAll::validate_combine_recv(const TensorView& w, const TensorView& out) const {
   ENCORE_RETURN_IF_ERROR(check_2d("topk_weights", w, DType::kFP32, m_, cfg_.top_k, "[m, k]"));
   if (out.defined() && out.dtype != DType::kBF16 && out.dtype != DType::kFP16 && out.dtype != DType::kFP32)
     return Status::invalid(std::string("out: dtype must be bf16, fp16 or fp32, got ") + dtype_name(out.dtype));
@@ -279,8 +300,17 @@ Status EpAllToAll::validate_combine(const TensorView& y, const TensorView& w, co
 Status EpAllToAll::combine(const TensorView& y, const TensorView& w, const TensorView& out) {
   const std::string phase = "combine round " + std::to_string(epoch_);
   ENCORE_RETURN_IF_ERROR(aborted(phase));
-  if (Status s = validate_combine(y, w, out); !s) return fail(phase, s);
-  in_round_ = false;
+  if (Status s = validate_combine_send(y); !s) return fail(phase, s);
+  if (Status s = validate_combine_recv(w, out); !s) return fail(phase, s);
+  ENCORE_RETURN_IF_ERROR(combine_send(y));
+  return combine_recv(w, out);
+}
+
+Status EpAllToAll::combine_send(const TensorView& y) {
+  const std::string phase = "combine round " + std::to_string(epoch_);
+  ENCORE_RETURN_IF_ERROR(aborted(phase));
+  if (Status s = validate_combine_send(y); !s) return fail(phase, s);
+  phase_ = Phase::kCombineSent;
   const uint32_t n = epoch_;
   const int k = cfg_.top_k, W = cfg_.world;
   const size_t rb = size_t(cfg_.hidden) * dtype_size(combine_dtype_of(cfg_));
@@ -294,6 +324,17 @@ Status EpAllToAll::combine(const TensorView& y, const TensorView& w, const Tenso
   }
   // Tell every sender its region here is consumed and its outputs are out (the next round's sync).
   for (int s = 0; s < W; ++s) store_release(reinterpret_cast<uint64_t*>(region(s, rank_)) + 1, cell(n, kOk));
+  return Status::ok();
+}
+
+Status EpAllToAll::combine_recv(const TensorView& w, const TensorView& out) {
+  const std::string phase = "combine round " + std::to_string(epoch_);
+  ENCORE_RETURN_IF_ERROR(aborted(phase));
+  if (phase_ != Phase::kCombineSent) return fail(phase, Status::invalid("combine_recv called without a combine_send before it"));
+  if (Status s = validate_combine_recv(w, out); !s) return fail(phase, s);
+  phase_ = Phase::kIdle;
+  const uint32_t n = epoch_;
+  const int k = cfg_.top_k, W = cfg_.world;
 
   // As the origin: sum each token once its k outputs are in, with the single-GPU reference combine
   // (fp32, one fma per slot in k order) on the token's k rows.

@@ -97,12 +97,24 @@ class EpAllToAll {
 
   // x [m, H] (config dtype), topk_ids [m, k] int32 in [0, E), scales [m, scale_bytes] uint8 when
   // scale_bytes > 0 (else undefined); m in [0, max_tokens]. Fills `out` with this rank's rows.
+  // = dispatch_send then dispatch_recv.
   Status dispatch(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, EpReceived* out);
-  // expert_out [rows, H] (config dtype) in the order of the last dispatch's EpReceived; topk_weights
+  // expert_out [rows, H] (combine dtype) in the order of the last dispatch's EpReceived; topk_weights
   // [m, k] fp32 and out [m, H] bf16/fp16/fp32 for this rank's m tokens of that dispatch:
   // out[t] = sum_{j = 0..k-1} w[t, j] * y(t, j), fp32, one fma per j in j order (the single-GPU
-  // reference combine, so the result equals the single-GPU layer bit for bit).
+  // reference combine, so the result equals the single-GPU layer bit for bit). Every argument is
+  // checked before anything is sent; = combine_send then combine_recv.
   Status combine(const TensorView& expert_out, const TensorView& topk_weights, const TensorView& out);
+
+  // The two halves of each, for overlap (other work of the rank between a send and its receive):
+  // dispatch_send writes this rank's rows into the owners' regions and publishes the counts;
+  // dispatch_recv waits for every sender and fills `out`; combine_send returns the expert outputs to
+  // their origins; combine_recv waits for this rank's tokens, sums them and waits for every peer to
+  // have consumed this rank's rows. In that order, once each per round (else a clear error).
+  Status dispatch_send(const TensorView& x, const TensorView& topk_ids, const TensorView& scales);
+  Status dispatch_recv(EpReceived* out);
+  Status combine_send(const TensorView& expert_out);
+  Status combine_recv(const TensorView& topk_weights, const TensorView& out);
 
   int rank() const { return rank_; }
   uint32_t epoch() const { return epoch_; }
@@ -117,13 +129,15 @@ class EpAllToAll {
   template <class Done, class Describe>
   Status spin(const std::string& phase, const uint64_t* cell, Done done, Describe describe);
   Status validate_dispatch(const TensorView& x, const TensorView& ids, const TensorView& scales) const;
-  Status validate_combine(const TensorView& y, const TensorView& w, const TensorView& out) const;
+  Status validate_combine_send(const TensorView& y) const;
+  Status validate_combine_recv(const TensorView& w, const TensorView& out) const;
 
   EpGroup* g_;
   EpConfig cfg_;
   int rank_, e_local_;
   uint32_t epoch_ = 0;
-  bool in_round_ = false;  // dispatched, not yet combined
+  enum class Phase { kIdle, kSent, kReceived, kCombineSent };
+  Phase phase_ = Phase::kIdle;  // where this rank is in the round
   int64_t m_ = 0;          // this rank's tokens in the current round
   std::vector<int32_t> recv_rank_, recv_slot_;  // the current round's rows: origin rank and slot t * k + j
 };
