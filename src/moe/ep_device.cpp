@@ -241,9 +241,18 @@ EpDeviceParams EpDeviceAllToAll::params() const {
 }
 
 Status EpDeviceAllToAll::dispatch(const TensorView& x, const TensorView& ids, const TensorView& scales, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(dispatch_send(x, ids, scales, stream));
+  return dispatch_recv(stream);
+}
+
+std::string EpDeviceAllToAll::phase_prefix(const char* what, uint32_t round) const {
+  return "ep rank " + std::to_string(rank_) + ": " + what + " round " + std::to_string(round) + ": ";
+}
+
+Status EpDeviceAllToAll::dispatch_send(const TensorView& x, const TensorView& ids, const TensorView& scales, Stream stream) {
   const EpConfig& c = g_->config();
-  const std::string phase = "ep rank " + std::to_string(rank_) + ": dispatch round " + std::to_string(epoch_ + 1) + ": ";
-  if (in_round_) return Status::invalid(phase + "dispatch called twice without a combine between them");
+  const std::string phase = phase_prefix("dispatch", epoch_ + 1);
+  if (phase_ != Phase::kIdle) return Status::invalid(phase + "dispatch called twice without a combine between them");
   if (!x.defined() || x.ndim != 2) return Status::invalid(phase + "x: must be 2-d [m, H], got " + x.shape_string());
   const int64_t m = x.shape[0];
   if (m > c.max_tokens) return Status::invalid(phase + "x: m = " + std::to_string(m) + " tokens exceeds max_tokens = " + std::to_string(c.max_tokens));
@@ -256,37 +265,76 @@ Status EpDeviceAllToAll::dispatch(const TensorView& x, const TensorView& ids, co
 #ifdef ENCORE_WITH_CUDA
   ++epoch_;
   m_ = m;
-  in_round_ = true;
+  phase_ = Phase::kSent;
   EpDeviceParams p = params();
   p.x = static_cast<const uint8_t*>(x.data);
   p.ids = static_cast<const int32_t*>(ids.data);
   p.scales = static_cast<const uint8_t*>(scales.data);
-  return cuda::launch_ep_dispatch(p, dev, stream);
+  return cuda::launch_ep_dispatch_send(p, dev, stream);
 #else
   (void)stream;
   return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
 #endif
 }
 
-Status EpDeviceAllToAll::combine(const TensorView& y, const TensorView& w, const TensorView& out, Stream stream) {
+Status EpDeviceAllToAll::dispatch_recv(Stream stream) {
+  if (phase_ != Phase::kSent) return Status::invalid(phase_prefix("dispatch", epoch_) + "dispatch_recv called without a dispatch_send before it");
+#ifdef ENCORE_WITH_CUDA
+  phase_ = Phase::kReceived;
+  return cuda::launch_ep_dispatch_recv(params(), g_->device(), stream);
+#else
+  (void)stream;
+  return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
+#endif
+}
+
+Status EpDeviceAllToAll::check_combine_send(const TensorView& y) const {
+  const std::string phase = phase_prefix("combine", epoch_);
+  if (phase_ != Phase::kReceived) return Status::invalid(phase + "combine called without a dispatch (send and receive) before it");
+  const Status s = device_tensor("expert_out", y, combine_dtype_of(g_->config()), recv_.max_rows, g_->config().hidden, "[max_rows, H]", g_->device());
+  return s ? s : Status(s.code(), phase + s.message());
+}
+
+Status EpDeviceAllToAll::check_combine_recv(const TensorView& w, const TensorView& out) const {
   const EpConfig& c = g_->config();
-  const std::string phase = "ep rank " + std::to_string(rank_) + ": combine round " + std::to_string(epoch_) + ": ";
-  if (!in_round_) return Status::invalid(phase + "combine called without a dispatch before it");
   const int dev = g_->device();
-  Status s = device_tensor("expert_out", y, combine_dtype_of(c), recv_.max_rows, c.hidden, "[max_rows, H]", dev);
-  if (s) s = device_tensor("topk_weights", w, DType::kFP32, m_, c.top_k, "[m, k]", dev);
+  Status s = device_tensor("topk_weights", w, DType::kFP32, m_, c.top_k, "[m, k]", dev);
   if (s && out.defined() && out.dtype != DType::kBF16 && out.dtype != DType::kFP16 && out.dtype != DType::kFP32)
     s = Status::invalid(std::string("out: dtype must be bf16, fp16 or fp32, got ") + dtype_name(out.dtype));
   if (s) s = device_tensor("out", out, out.dtype, m_, c.hidden, "[m, H]", dev);
-  if (!s) return Status(s.code(), phase + s.message());
-  in_round_ = false;
+  return s ? s : Status(s.code(), phase_prefix("combine", epoch_) + s.message());
+}
+
+Status EpDeviceAllToAll::combine(const TensorView& y, const TensorView& w, const TensorView& out, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(check_combine_send(y));
+  ENCORE_RETURN_IF_ERROR(check_combine_recv(w, out));
+  ENCORE_RETURN_IF_ERROR(combine_send(y, stream));
+  return combine_recv(w, out, stream);
+}
+
+Status EpDeviceAllToAll::combine_send(const TensorView& y, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(check_combine_send(y));
 #ifdef ENCORE_WITH_CUDA
+  phase_ = Phase::kCombineSent;
   EpDeviceParams p = params();
   p.y = static_cast<const uint8_t*>(y.data);
+  return cuda::launch_ep_combine_send(p, g_->device(), stream);
+#else
+  (void)stream;
+  return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
+#endif
+}
+
+Status EpDeviceAllToAll::combine_recv(const TensorView& w, const TensorView& out, Stream stream) {
+  if (phase_ != Phase::kCombineSent) return Status::invalid(phase_prefix("combine", epoch_) + "combine_recv called without a combine_send before it");
+  ENCORE_RETURN_IF_ERROR(check_combine_recv(w, out));
+#ifdef ENCORE_WITH_CUDA
+  phase_ = Phase::kIdle;
+  EpDeviceParams p = params();
   p.weights = static_cast<const float*>(w.data);
   p.out = out.data;
   p.out_dtype = out.dtype;
-  return cuda::launch_ep_combine(p, dev, stream);
+  return cuda::launch_ep_combine_recv(p, g_->device(), stream);
 #else
   (void)stream;
   return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");

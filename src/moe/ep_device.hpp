@@ -84,12 +84,21 @@ class EpDeviceAllToAll {
   // x [m, H] (config dtype), topk_ids [m, k] int32 (in [0, E), distinct per token: checked on the
   // device), scales [m, scale_bytes] uint8 when scale_bytes > 0; CUDA tensors on the group's device,
   // contiguous, 16-byte aligned; m in [0, max_tokens].
+  // = dispatch_send then dispatch_recv.
   Status dispatch(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, Stream stream);
   const EpDeviceReceived& received() const { return recv_; }
   // expert_out [max_rows, H] (config dtype; its first offsets[E_l] rows in the received order),
   // topk_weights [m, k] fp32, out [m, H] bf16 / fp16 / fp32: out[t] = sum_j w[t, j] y(t, j) in fp32, one
   // fma per j in j order (the single-GPU combine, so the layer equals it bit for bit).
+  // Every argument checked before anything is enqueued; = combine_send then combine_recv.
   Status combine(const TensorView& expert_out, const TensorView& topk_weights, const TensorView& out, Stream stream);
+  // The halves, for overlap (the emulation's, moe/reference/ep_emulation.hpp): other work of the rank may
+  // go on its stream (or others) between a send and its receive. In order, once each per round, all on
+  // one stream per rank; out of order: a clear error, nothing enqueued.
+  Status dispatch_send(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, Stream stream);
+  Status dispatch_recv(Stream stream);
+  Status combine_send(const TensorView& expert_out, Stream stream);
+  Status combine_recv(const TensorView& topk_weights, const TensorView& out, Stream stream);
   Status status() const { return g_->status(rank_); }
   int rank() const { return rank_; }
   uint32_t epoch() const { return epoch_; }
@@ -97,10 +106,14 @@ class EpDeviceAllToAll {
  private:
   EpDeviceAllToAll() = default;
   EpDeviceParams params() const;  // the layout, the group's pointers and this rank's buffers
+  std::string phase_prefix(const char* what, uint32_t round) const;  // "ep rank r: dispatch round n: "
+  Status check_combine_send(const TensorView& expert_out) const;
+  Status check_combine_recv(const TensorView& topk_weights, const TensorView& out) const;
   EpDeviceGroup* g_ = nullptr;
   int rank_ = 0;
   uint32_t epoch_ = 0;
-  bool in_round_ = false;
+  enum class Phase { kIdle, kSent, kReceived, kCombineSent };
+  Phase phase_ = Phase::kIdle;
   int64_t m_ = 0;
   void* block_ = nullptr;  // the received buffers
   EpDeviceReceived recv_;

@@ -182,7 +182,9 @@ struct DeviceRanks {
   }
 };
 
-std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& in, DType out_dt = DType::kFP32) {
+// split: through dispatch_send / dispatch_recv / combine_send / combine_recv, every rank's send enqueued
+// before any rank's receive.
+std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& in, DType out_dt = DType::kFP32, bool split = false) {
   const EpConfig& c = d.g->config();
   const int W = c.world, El = c.num_experts / W;
   const Device gd{DeviceType::kCUDA, d.g->device()};
@@ -201,11 +203,16 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
   for (int r = 0; r < W; ++r) {
     if (!d.ends[size_t(r)]) continue;
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
-    const Status s = d.ends[size_t(r)]->dispatch(mat(x[size_t(r)].ptr, c.dtype, m, c.hidden, gd), mat(ids[size_t(r)].ptr, DType::kInt32, m, c.top_k, gd),
-                                                 c.scale_bytes ? mat(sc[size_t(r)].ptr, DType::kUInt8, m, c.scale_bytes, gd) : TensorView{},
-                                                 d.streams[size_t(r)]);
+    const TensorView xv = mat(x[size_t(r)].ptr, c.dtype, m, c.hidden, gd), iv = mat(ids[size_t(r)].ptr, DType::kInt32, m, c.top_k, gd);
+    const TensorView sv = c.scale_bytes ? mat(sc[size_t(r)].ptr, DType::kUInt8, m, c.scale_bytes, gd) : TensorView{};
+    const Status s = split ? d.ends[size_t(r)]->dispatch_send(xv, iv, sv, d.streams[size_t(r)]) : d.ends[size_t(r)]->dispatch(xv, iv, sv, d.streams[size_t(r)]);
     EXPECT_TRUE(s) << s.to_string();
   }
+  for (int r = 0; split && r < W; ++r)
+    if (d.ends[size_t(r)]) {
+      const Status s = d.ends[size_t(r)]->dispatch_recv(d.streams[size_t(r)]);
+      EXPECT_TRUE(s) << s.to_string();
+    }
   // Expert outputs in another dtype than the rows (fp8 dispatch): converted on the host once every
   // dispatch is done (a dispatch completes without any combine).
   std::deque<DeviceBuffer> y;
@@ -227,10 +234,18 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
     const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
     const void* ey = cd != c.dtype ? y[size_t(r)].ptr : static_cast<const void*>(rv.x);
-    const Status s = d.ends[size_t(r)]->combine(mat(ey, cd, rv.max_rows, c.hidden, gd), mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, gd),
-                                                mat(out[size_t(r)].ptr, out_dt, m, c.hidden, gd), d.streams[size_t(r)]);
+    const TensorView yv = mat(ey, cd, rv.max_rows, c.hidden, gd), wv = mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, gd);
+    const TensorView ov = mat(out[size_t(r)].ptr, out_dt, m, c.hidden, gd);
+    const Status s = split ? d.ends[size_t(r)]->combine_send(yv, d.streams[size_t(r)]) : d.ends[size_t(r)]->combine(yv, wv, ov, d.streams[size_t(r)]);
     EXPECT_TRUE(s) << s.to_string();
   }
+  for (int r = 0; split && r < W; ++r)
+    if (d.ends[size_t(r)]) {
+      const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
+      const Status s = d.ends[size_t(r)]->combine_recv(mat(w[size_t(r)].ptr, DType::kFP32, m, c.top_k, gd), mat(out[size_t(r)].ptr, out_dt, m, c.hidden, gd),
+                                                       d.streams[size_t(r)]);
+      EXPECT_TRUE(s) << s.to_string();
+    }
   d.sync();
   std::vector<RankResult> res(static_cast<size_t>(W));
   for (int r = 0; r < W; ++r) {
@@ -315,11 +330,29 @@ TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
         for (int r = 0; r < c.world; ++r) in.push_back(make_input(c, cs.m[round][size_t(r)], cs.dead, rng));
       }
       const auto emu = emulate(*emu_group.g, emu_group.ends, in, cs.out);
-      const auto got = on_device(dev, in, cs.out);
+      const auto got = on_device(dev, in, cs.out, round == 2);  // round 3 through the split halves
       expect_equal(got, emu, "round " + std::to_string(round + 1));
       if (::testing::Test::HasFailure()) return;
     }
   }
+}
+
+// The split halves out of order: refused on the host, nothing enqueued, the group still usable.
+TEST_F(MoeEpDeviceGpu, SplitHalvesOutOfOrderRefused) {
+  EpConfig c;
+  c.world = 1, c.num_experts = 2, c.top_k = 1, c.hidden = 64, c.max_tokens = 4, c.dtype = DType::kBF16;
+  DeviceRanks d(c);
+  ASSERT_TRUE(d.g != nullptr);
+  EpDeviceAllToAll& a = *d.ends[0];
+  DeviceBuffer y(size_t(a.received().max_rows * c.hidden) * 2 + 16), w(16), o(16);
+  const auto has = [](const Status& s, const char* what) { return s.to_string().find(what) != std::string::npos; };
+  EXPECT_TRUE(has(a.dispatch_recv(d.streams[0]), "dispatch_recv called without a dispatch_send"));
+  EXPECT_TRUE(has(a.combine_send(mat(y.ptr, c.dtype, a.received().max_rows, c.hidden, kGpu), d.streams[0]), "combine called without a dispatch"));
+  EXPECT_TRUE(has(a.combine_recv(mat(w.ptr, DType::kFP32, 0, 1, kGpu), mat(o.ptr, c.dtype, 0, c.hidden, kGpu), d.streams[0]),
+                  "combine_recv called without a combine_send"));
+  d.sync();
+  EXPECT_TRUE(a.status());
+  EXPECT_EQ(a.epoch(), 0u);
 }
 
 TEST_F(MoeEpDeviceGpu, SilentPeerTimesOutAndBadIdsFailEveryRank) {

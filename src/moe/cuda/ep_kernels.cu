@@ -343,7 +343,7 @@ Status launched(const char* what) {
 
 }  // namespace
 
-Status launch_ep_dispatch(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
+Status launch_ep_dispatch_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
   const auto s = static_cast<cudaStream_t>(stream);
@@ -352,14 +352,30 @@ Status launch_ep_dispatch(const moe::ep::EpDeviceParams& p, int device_index, St
     ENCORE_RETURN_IF_ERROR(launched("arm"));
   }
   ep_send_kernel<<<unsigned(p.num_experts), kThreads, 0, s>>>(p);
-  ENCORE_RETURN_IF_ERROR(launched("send"));
+  return launched("send");
+}
+
+Status launch_ep_dispatch_recv(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  const auto s = static_cast<cudaStream_t>(stream);
   ep_recv_counts_kernel<<<1, kThreads, 0, s>>>(p);
   ENCORE_RETURN_IF_ERROR(launched("receive counts"));
   ep_recv_copy_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
   return launched("receive copy");
 }
 
-Status launch_ep_combine(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
+Status launch_ep_combine_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  const auto s = static_cast<cudaStream_t>(stream);
+  ep_combine_send_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
+  ENCORE_RETURN_IF_ERROR(launched("combine send"));
+  ep_combine_flags_kernel<<<1, 32, 0, s>>>(p);
+  return launched("combine flags");
+}
+
+Status launch_ep_combine_recv(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
   const auto s = static_cast<cudaStream_t>(stream);
@@ -371,10 +387,6 @@ Status launch_ep_combine(const moe::ep::EpDeviceParams& p, int device_index, Str
     default: break;
   }
   if (!recv) return Status::internal(std::string("ep combine: no CUDA kernel for ") + dtype_name(p.dtype) + " -> " + dtype_name(p.out_dtype));
-  ep_combine_send_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
-  ENCORE_RETURN_IF_ERROR(launched("combine send"));
-  ep_combine_flags_kernel<<<1, 32, 0, s>>>(p);
-  ENCORE_RETURN_IF_ERROR(launched("combine flags"));
   if (p.m > 0) {
     const unsigned grid = unsigned(p.m < 8 ? p.m : 8);  // spinning blocks: few, so the peers' senders find SMs
     void* args[] = {const_cast<moe::ep::EpDeviceParams*>(&p)};

@@ -28,10 +28,13 @@ Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index
 // over a grid of active_max expert slots (>= the experts with rows: min(E, T k)).
 Status launch_moe_decode_mlp(const moe::ExpertMlpProblem& m, int64_t rows_max, int64_t active_max, int device_index, Stream stream);
 
-// The expert-parallel all-to-all's kernels (ep_kernels.cu): dispatch (arm, send, receive counts,
-// receive copy) and combine (send, flags, receive, wait) of one rank, enqueued on `stream`.
-Status launch_ep_dispatch(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
-Status launch_ep_combine(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
+// The expert-parallel all-to-all's kernels (ep_kernels.cu) of one rank, enqueued on `stream`: dispatch's
+// send half (arm, send) and receive half (receive counts, receive copy), combine's send half (send,
+// flags) and receive half (receive, wait).
+Status launch_ep_dispatch_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
+Status launch_ep_dispatch_recv(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
+Status launch_ep_combine_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
+Status launch_ep_combine_recv(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
 // The EP objects' device memory (allocated once at creation, zeroed) and their host reads.
 // Loads every all-to-all kernel on the device (no lazy load may wait on a spinning peer later).
 Status ep_load_kernels(int device_index);
