@@ -50,6 +50,9 @@ std::string describe(const EpErrorDetail& r, const EpConfig& c) {
     case kEpTimeoutToken:
       return "timed out after " + std::to_string(c.timeout.count()) + " ms waiting for token " + std::to_string(r.index) +
              "'s combine counter (expected " + show(r.expected) + ": all top_k outputs), saw " + show(r.seen);
+    case kEpBadTokenCount:
+      return "token_count: the device count is " + std::to_string(int32_t(uint32_t(r.seen))) + ", outside [0, m = " + std::to_string(r.expected) +
+             "] (x's rows)";
     case kEpTimeoutFlag:
       return "timed out after " + std::to_string(c.timeout.count()) + " ms waiting for rank " + std::to_string(r.peer) +
              "'s combine flag (expected " + show(r.expected) + "), saw " + show(r.seen);
@@ -183,7 +186,7 @@ Status EpDeviceAllToAll::create(EpDeviceGroup* group, int rank, std::unique_ptr<
   const int64_t rows = int64_t(W) * c.max_tokens * std::min(c.top_k, El);
   const size_t rb = size_t(c.hidden) * dtype_size(c.dtype), sb = size_t(c.scale_bytes);
   const size_t ints = size_t(El) + size_t(El + 1) + size_t(W * El) + size_t(W * El + 1) + 2 * size_t(rows);
-  const size_t bytes = up256(ints * 4) + up256(size_t(rows) * rb) + up256(size_t(rows) * sb);
+  const size_t bytes = up256(ints * 4) + up256(size_t(rows) * rb) + up256(size_t(rows) * sb) + 256;  // + the device round
   ENCORE_RETURN_IF_ERROR(cuda::ep_load_kernels(group->device()));
   ENCORE_RETURN_IF_ERROR(cuda::ep_device_alloc(bytes, group->device(), &a->block_));
   auto* i32 = static_cast<int32_t*>(a->block_);
@@ -197,6 +200,7 @@ Status EpDeviceAllToAll::create(EpDeviceGroup* group, int rank, std::unique_ptr<
   r.x = static_cast<const uint8_t*>(a->block_) + up256(ints * 4);
   r.scales = r.x + up256(size_t(rows) * rb);
   r.max_rows = rows;
+  a->epoch_dev_ = reinterpret_cast<uint32_t*>(const_cast<uint8_t*>(r.scales) + up256(size_t(rows) * sb));  // zeroed: round 0
   *out = std::move(a);
   return Status::ok();
 #else
@@ -214,10 +218,11 @@ EpDeviceParams EpDeviceAllToAll::params() const {
   p.e_local = c.num_experts / c.world;
   p.top_k = c.top_k;
   p.num_experts = c.num_experts;
-  p.epoch = epoch_;
+  p.epoch_dev = epoch_dev_;
   p.timeout_ns = static_cast<unsigned long long>(c.timeout.count()) * 1000000ull;
   p.max_tokens = c.max_tokens;
   p.m = m_;
+  p.m_dev = m_dev_;
   p.row_bytes = int64_t(size_t(c.hidden) * dtype_size(c.dtype));
   p.scale_bytes = c.scale_bytes;
   p.token_stride = int64_t(ep_token_stride(c));
@@ -240,8 +245,9 @@ EpDeviceParams EpDeviceAllToAll::params() const {
   return p;
 }
 
-Status EpDeviceAllToAll::dispatch(const TensorView& x, const TensorView& ids, const TensorView& scales, Stream stream) {
-  ENCORE_RETURN_IF_ERROR(dispatch_send(x, ids, scales, stream));
+Status EpDeviceAllToAll::dispatch(const TensorView& x, const TensorView& ids, const TensorView& scales, Stream stream,
+                                   const int32_t* token_count) {
+  ENCORE_RETURN_IF_ERROR(dispatch_send(x, ids, scales, stream, token_count));
   return dispatch_recv(stream);
 }
 
@@ -249,7 +255,8 @@ std::string EpDeviceAllToAll::phase_prefix(const char* what, uint32_t round) con
   return "ep rank " + std::to_string(rank_) + ": " + what + " round " + std::to_string(round) + ": ";
 }
 
-Status EpDeviceAllToAll::dispatch_send(const TensorView& x, const TensorView& ids, const TensorView& scales, Stream stream) {
+Status EpDeviceAllToAll::dispatch_send(const TensorView& x, const TensorView& ids, const TensorView& scales, Stream stream,
+                                        const int32_t* token_count) {
   const EpConfig& c = g_->config();
   const std::string phase = phase_prefix("dispatch", epoch_ + 1);
   if (phase_ != Phase::kIdle) return Status::invalid(phase + "dispatch called twice without a combine between them");
@@ -265,6 +272,7 @@ Status EpDeviceAllToAll::dispatch_send(const TensorView& x, const TensorView& id
 #ifdef ENCORE_WITH_CUDA
   ++epoch_;
   m_ = m;
+  m_dev_ = token_count;
   phase_ = Phase::kSent;
   EpDeviceParams p = params();
   p.x = static_cast<const uint8_t*>(x.data);
@@ -272,7 +280,7 @@ Status EpDeviceAllToAll::dispatch_send(const TensorView& x, const TensorView& id
   p.scales = static_cast<const uint8_t*>(scales.data);
   return cuda::launch_ep_dispatch_send(p, dev, stream);
 #else
-  (void)stream;
+  (void)stream, (void)token_count;
   return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
 #endif
 }

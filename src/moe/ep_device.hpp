@@ -84,8 +84,12 @@ class EpDeviceAllToAll {
   // x [m, H] (config dtype), topk_ids [m, k] int32 (in [0, E), distinct per token: checked on the
   // device), scales [m, scale_bytes] uint8 when scale_bytes > 0; CUDA tensors on the group's device,
   // contiguous, 16-byte aligned; m in [0, max_tokens].
-  // = dispatch_send then dispatch_recv.
-  Status dispatch(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, Stream stream);
+  // = dispatch_send then dispatch_recv. token_count (optional, device memory on the group's device, an
+  // int32 read by the kernels): the round's live tokens, the first token_count rows of x / topk_ids /
+  // scales (and of topk_weights / out at the combine), so one CUDA graph captured with x [m, H] serves any
+  // count in [0, m]; a count outside it fails the group (status() names it). Null: all m rows.
+  Status dispatch(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, Stream stream,
+                  const int32_t* token_count = nullptr);
   const EpDeviceReceived& received() const { return recv_; }
   // expert_out [max_rows, H] (config dtype; its first offsets[E_l] rows in the received order),
   // topk_weights [m, k] fp32, out [m, H] bf16 / fp16 / fp32: out[t] = sum_j w[t, j] y(t, j) in fp32, one
@@ -95,7 +99,8 @@ class EpDeviceAllToAll {
   // The halves, for overlap (the emulation's, moe/reference/ep_emulation.hpp): other work of the rank may
   // go on its stream (or others) between a send and its receive. In order, once each per round, all on
   // one stream per rank; out of order: a clear error, nothing enqueued.
-  Status dispatch_send(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, Stream stream);
+  Status dispatch_send(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, Stream stream,
+                       const int32_t* token_count = nullptr);
   Status dispatch_recv(Stream stream);
   Status combine_send(const TensorView& expert_out, Stream stream);
   Status combine_recv(const TensorView& topk_weights, const TensorView& out, Stream stream);
@@ -114,7 +119,9 @@ class EpDeviceAllToAll {
   uint32_t epoch_ = 0;
   enum class Phase { kIdle, kSent, kReceived, kCombineSent };
   Phase phase_ = Phase::kIdle;
-  int64_t m_ = 0;
+  int64_t m_ = 0;                     // x's rows this round
+  const int32_t* m_dev_ = nullptr;    // this round's device token count (or null)
+  uint32_t* epoch_dev_ = nullptr;     // the round on the device (in block_)
   void* block_ = nullptr;  // the received buffers
   EpDeviceReceived recv_;
   int32_t* table_ = nullptr;

@@ -266,15 +266,18 @@ enum EpWhat : uint32_t {
   kEpBadSlot = 5,          // a received row's source slot outside [0, max_tokens * k)
   kEpTimeoutToken = 6,     // a token's combine counter: index = t, expected {n | k}
   kEpTimeoutFlag = 7,      // a peer's combine flag: peer = that rank
+  kEpBadTokenCount = 8,    // the device token count outside [0, m]: seen = it, expected = m (x's rows)
 };
 
 struct EpDeviceParams {
   uint8_t* mem[kEpMaxWorld] = {};  // every rank's memory as this rank addresses it (mapped peers)
   EpErrorRecord* err = nullptr;
   int world = 1, rank = 0, e_local = 0, top_k = 0, num_experts = 0;
-  uint32_t epoch = 0;
+  uint32_t* epoch_dev = nullptr;  // this rank's round on the device: ep_round_kernel increments it first in every
+                                  // dispatch, so a CUDA graph's replays are rounds of their own
   unsigned long long timeout_ns = 0;
-  int64_t max_tokens = 0, m = 0;
+  int64_t max_tokens = 0, m = 0;  // m: x's rows (the token count, or its bound when m_dev is given)
+  const int32_t* m_dev = nullptr;  // the live token count on the device (CUDA graphs: one capture, any count <= m)
   int64_t row_bytes = 0, scale_bytes = 0, token_stride = 0, region_bytes = 0, region_header = 0, combine_header = 0,
           combine_row_bytes = 0;
   int64_t y_row_bytes = 0;     // an expert output row: H * bytes of `dtype`

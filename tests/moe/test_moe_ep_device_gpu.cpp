@@ -182,6 +182,21 @@ struct DeviceRanks {
   }
 };
 
+// What a rank's device buffers hold after a round (synchronized): m tokens' out rows of out_dt.
+RankResult device_result(const EpDeviceAllToAll& a, const EpConfig& c, const void* out, int64_t m, DType out_dt) {
+  const EpDeviceReceived& rv = a.received();
+  RankResult o;
+  o.counts = fetch(rv.counts, size_t(c.num_experts / c.world));
+  o.offsets = fetch(rv.offsets, size_t(c.num_experts / c.world + 1));
+  const size_t rows = size_t(o.offsets.back());
+  o.src_rank = fetch(rv.src_rank, rows);
+  o.src_slot = fetch(rv.src_slot, rows);
+  o.x = fetch(rv.x, rows * size_t(c.hidden) * dtype_size(c.dtype));
+  o.scales = fetch(rv.scales, rows * size_t(c.scale_bytes));
+  o.out = fetch(static_cast<const uint8_t*>(out), size_t(m * c.hidden) * dtype_size(out_dt));
+  return o;
+}
+
 // split: through dispatch_send / dispatch_recv / combine_send / combine_recv, every rank's send enqueued
 // before any rank's receive.
 std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& in, DType out_dt = DType::kFP32, bool split = false) {
@@ -252,17 +267,7 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     if (!d.ends[size_t(r)]) continue;
     const Status st = d.ends[size_t(r)]->status();
     EXPECT_TRUE(st) << st.to_string();
-    const EpDeviceReceived& rv = d.ends[size_t(r)]->received();
-    RankResult& o = res[size_t(r)];
-    o.counts = fetch(rv.counts, size_t(El));
-    o.offsets = fetch(rv.offsets, size_t(El + 1));
-    const size_t rows = size_t(o.offsets.back());
-    o.src_rank = fetch(rv.src_rank, rows);
-    o.src_slot = fetch(rv.src_slot, rows);
-    o.x = fetch(rv.x, rows * size_t(c.hidden) * dtype_size(c.dtype));
-    o.scales = fetch(rv.scales, rows * size_t(c.scale_bytes));
-    const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
-    o.out = fetch(static_cast<const uint8_t*>(out[size_t(r)].ptr), size_t(m * c.hidden) * dtype_size(out_dt));
+    res[size_t(r)] = device_result(*d.ends[size_t(r)], c, out[size_t(r)].ptr, int64_t(in[size_t(r)].ids.size()) / c.top_k, out_dt);
   }
   return res;
 }
@@ -335,6 +340,64 @@ TEST_F(MoeEpDeviceGpu, MatchesTheEmulationBitForBit) {
       if (::testing::Test::HasFailure()) return;
     }
   }
+}
+
+// One CUDA graph captured with x [40, H] and a device token count (world 1: the rank sends to itself),
+// replayed with counts 17, 40, 0, 5: each replay its own round (the round counter is on the device), its
+// received rows and outputs equal to the emulation's on the first `count` tokens, the rows past the count
+// untouched; then a count of 41 fails the group with a message naming it.
+TEST_F(MoeEpDeviceGpu, DeviceTokenCountInOneCudaGraph) {
+  EpConfig c;
+  c.world = 1, c.num_experts = 4, c.top_k = 2, c.hidden = 64, c.max_tokens = 40, c.dtype = DType::kBF16;
+  c.timeout = std::chrono::milliseconds(5000);
+  auto rng = make_rng(9);
+  const RankInput full = make_input(c, 40, {}, rng);
+  Emulation emu(c);
+  DeviceRanks d(c);
+  ASSERT_TRUE(d.g != nullptr);
+  EpDeviceAllToAll& a = *d.ends[0];
+  const EpDeviceReceived& rv = a.received();
+  const size_t out_bytes = size_t(40 * c.hidden) * 4;
+  DeviceBuffer x(full.x.size()), ids(full.ids.size() * 4), w(full.w.size()), out(out_bytes), count(16);
+  cudaMemcpy(x.ptr, full.x.data(), full.x.size(), cudaMemcpyHostToDevice);
+  cudaMemcpy(ids.ptr, full.ids.data(), full.ids.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(w.ptr, full.w.data(), full.w.size(), cudaMemcpyHostToDevice);
+  cudaStream_t s = d.streams[0];
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status sd = a.dispatch(mat(x.ptr, c.dtype, 40, c.hidden, kGpu), mat(ids.ptr, DType::kInt32, 40, c.top_k, kGpu), {}, s,
+                               static_cast<const int32_t*>(count.ptr));
+  const Status sc = a.combine(mat(rv.x, c.dtype, rv.max_rows, c.hidden, kGpu), mat(w.ptr, DType::kFP32, 40, c.top_k, kGpu),
+                              mat(out.ptr, DType::kFP32, 40, c.hidden, kGpu), s);
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_TRUE(sd) << sd.to_string();
+  ASSERT_TRUE(sc) << sc.to_string();
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int n : {17, 40, 0, 5}) {
+    SCOPED_TRACE("device token count " + std::to_string(n));
+    cudaMemcpy(count.ptr, &n, 4, cudaMemcpyHostToDevice);
+    cudaMemset(out.ptr, 0xff, out_bytes);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const Status st = a.status();
+    ASSERT_TRUE(st) << st.to_string();
+    RankInput part = full;  // the first n tokens
+    part.x.resize(size_t(n * c.hidden) * dtype_size(c.dtype)), part.ids.resize(size_t(n * c.top_k)), part.w.resize(size_t(n * c.top_k) * 4);
+    const auto want = emulate(*emu.g, emu.ends, {part});
+    expect_equal({device_result(a, c, out.ptr, n, DType::kFP32)}, want, "replay");
+    const Bytes rest = fetch(static_cast<const uint8_t*>(out.ptr) + size_t(n * c.hidden) * 4, size_t((40 - n) * c.hidden) * 4);
+    EXPECT_TRUE(std::all_of(rest.begin(), rest.end(), [](uint8_t b) { return b == 0xff; })) << "rows past the count were written";
+  }
+  const int bad = 41;
+  cudaMemcpy(count.ptr, &bad, 4, cudaMemcpyHostToDevice);
+  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const Status st = a.status();
+  EXPECT_FALSE(st);
+  EXPECT_NE(st.to_string().find("token_count: the device count is 41, outside [0, m = 40]"), std::string::npos) << st.to_string();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 
 // The split halves out of order: refused on the host, nothing enqueued, the group still usable.

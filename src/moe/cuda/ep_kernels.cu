@@ -58,6 +58,9 @@ __device__ __forceinline__ u64 globaltimer() {
   return t;
 }
 
+// This rank's current round (ep_round_kernel's count, stream-ordered before every other kernel of it).
+__device__ __forceinline__ uint32_t round_of(const EpDeviceParams& p) { return *p.epoch_dev; }
+
 __device__ __forceinline__ bool aborted(const EpDeviceParams& p) { return ld_acquire_sys(&p.err->abort) != 0; }
 // The abort cell read once for the whole block (thread 0, then a barrier): a block-uniform answer, so no
 // warp leaves while others go on to the block's barriers.
@@ -81,7 +84,7 @@ __device__ void fail(const EpDeviceParams& p, uint32_t phase, uint32_t what, int
   d.expected = expected;
   d.seen = seen;
   __threadfence_system();
-  atomicCAS_system(&p.err->abort, 0ull, cell(p.epoch, uint32_t(p.rank + 1)));
+  atomicCAS_system(&p.err->abort, 0ull, cell(round_of(p), uint32_t(p.rank + 1)));
 }
 
 // Spins until done(value); false on the group's abort or a timeout (recorded).
@@ -116,9 +119,22 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, int64_t
     *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
 }
 
+// This round's tokens: m, or the device count m_dev clamped to [0, m] (ep_arm_kernel records one
+// outside that range; every kernel reads the same clamped value).
+__device__ __forceinline__ int64_t live_tokens(const EpDeviceParams& p) {
+  if (!p.m_dev) return p.m;
+  const int64_t n = *p.m_dev;
+  return n < 0 ? 0 : (n > p.m ? p.m : n);
+}
+
+// Round n + 1 begins: the first kernel of every dispatch (one thread).
+__global__ void ep_round_kernel(const __grid_constant__ EpDeviceParams p) { ++*p.epoch_dev; }
+
 __global__ void __launch_bounds__(kThreads) ep_arm_kernel(const __grid_constant__ EpDeviceParams p) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= p.m) return;
+  if (t == 0 && p.m_dev && (*p.m_dev < 0 || *p.m_dev > p.m))
+    fail(p, moe::ep::kEpPhaseDispatch, moe::ep::kEpBadTokenCount, -1, 0, u64(p.m), u64(uint32_t(*p.m_dev)));
+  if (t >= live_tokens(p)) return;
   const int k = p.top_k;
   for (int j = 0; j < k; ++j) {
     const int32_t e = p.ids[t * k + j];
@@ -128,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) ep_arm_kernel(const __grid_constant_
   }
   // Program order before this rank's release stores (next kernel, after its fence): a peer's add always
   // lands on the armed value.
-  *counter(p, p.rank, t) = cell(p.epoch, 0);
+  *counter(p, p.rank, t) = cell(round_of(p), 0);
 }
 
 __global__ void __launch_bounds__(kThreads) ep_send_kernel(const __grid_constant__ EpDeviceParams p) {
@@ -138,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) ep_send_kernel(const __grid_constant
   if (block_aborted(p)) return;
   const int e = blockIdx.x, dest = e / p.e_local, le = e - dest * p.e_local, k = p.top_k;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t total = p.m * k;
+  const int64_t total = live_tokens(p) * k;
   uint8_t* rows = region(p, dest, p.rank) + p.region_header + int64_t(le) * p.max_tokens * p.token_stride;
   int32_t base = 0;
   for (int64_t i0 = 0; i0 < total; i0 += kThreads) {
@@ -169,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) ep_send_kernel(const __grid_constant
   if (threadIdx.x == 0) {
     __threadfence_system();  // this block's rows (and the armed counters) before the count
     u64* cells = reinterpret_cast<u64*>(region(p, dest, p.rank));
-    st_release_sys(cells + 2 + le, cell(p.epoch, uint32_t(base + 1)));
+    st_release_sys(cells + 2 + le, cell(round_of(p), uint32_t(base + 1)));
   }
 }
 
@@ -181,10 +197,10 @@ __global__ void __launch_bounds__(kThreads) ep_recv_counts_kernel(const __grid_c
   for (int c = threadIdx.x; c < W * El; c += blockDim.x) {
     const int s = c / El, le = c - s * El;
     const u64* cells = reinterpret_cast<const u64*>(region(p, p.rank, s));
-    const u64 want = cell(p.epoch, 1);
+    const u64 want = cell(round_of(p), 1);
     u64 v = 0;
     const bool got = spin(
-        p, cells + 2 + le, [&](u64 x) { return (x >> 32) == p.epoch && uint32_t(x) >= 1 && ((v = x), true); }, moe::ep::kEpPhaseReceive,
+        p, cells + 2 + le, [&](u64 x) { return (x >> 32) == round_of(p) && uint32_t(x) >= 1 && ((v = x), true); }, moe::ep::kEpPhaseReceive,
         moe::ep::kEpTimeoutCount, s, int64_t(p.rank) * El + le, want);
     if (!got) {
       ok = 0;
@@ -192,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) ep_recv_counts_kernel(const __grid_c
     }
     const int64_t n = int64_t(uint32_t(v)) - 1;
     if (n > p.max_tokens) {
-      fail(p, moe::ep::kEpPhaseReceive, moe::ep::kEpBadCount, s, int64_t(p.rank) * El + le, cell(p.epoch, uint32_t(p.max_tokens + 1)), v);
+      fail(p, moe::ep::kEpPhaseReceive, moe::ep::kEpBadCount, s, int64_t(p.rank) * El + le, cell(round_of(p), uint32_t(p.max_tokens + 1)), v);
       ok = 0;
       continue;
     }
@@ -269,7 +285,7 @@ __global__ void ep_combine_flags_kernel(const __grid_constant__ EpDeviceParams p
   const int s = threadIdx.x;
   if (s >= p.world || aborted(p)) return;
   __threadfence_system();  // the previous kernel's rows and adds before the flag
-  st_release_sys(reinterpret_cast<u64*>(region(p, s, p.rank)) + 1, cell(p.epoch, 1));
+  st_release_sys(reinterpret_cast<u64*>(region(p, s, p.rank)) + 1, cell(round_of(p), 1));
 }
 
 template <typename TI, typename TO>
@@ -277,9 +293,10 @@ __global__ void __launch_bounds__(kThreads) ep_combine_recv_kernel(const __grid_
   __shared__ int ready;
   const int k = p.top_k;
   const int64_t H = p.y_row_bytes / int64_t(sizeof(TI));
-  for (int64_t t = blockIdx.x; t < p.m; t += gridDim.x) {
+  const int64_t m = live_tokens(p);
+  for (int64_t t = blockIdx.x; t < m; t += gridDim.x) {
     if (threadIdx.x == 0) {
-      const u64 want = cell(p.epoch, uint32_t(k));
+      const u64 want = cell(round_of(p), uint32_t(k));
       ready = spin(p, counter(p, p.rank, t), [&](u64 v) { return v == want; }, moe::ep::kEpPhaseCombine, moe::ep::kEpTimeoutToken, -1, t, want);
     }
     __syncthreads();
@@ -298,7 +315,7 @@ __global__ void __launch_bounds__(kThreads) ep_combine_recv_kernel(const __grid_
 __global__ void ep_combine_wait_kernel(const __grid_constant__ EpDeviceParams p) {
   const int s = threadIdx.x;
   if (s >= p.world) return;
-  const u64 want = cell(p.epoch, 1);
+  const u64 want = cell(round_of(p), 1);
   spin(p, reinterpret_cast<const u64*>(region(p, p.rank, s)) + 1, [&](u64 v) { return v == want; }, moe::ep::kEpPhaseSync,
        moe::ep::kEpTimeoutFlag, s, -1, want);
 }
@@ -317,7 +334,7 @@ void* pick_combine(DType out) {
 // launch may wait for the context's running kernels, and a peer's spinning receive kernel waits in turn
 // for this rank's sender: loading it then would stall every rank until the timeout.
 Status load_ep_kernels_now() {
-  const void* kernels[] = {reinterpret_cast<const void*>(ep_arm_kernel), reinterpret_cast<const void*>(ep_send_kernel),
+  const void* kernels[] = {reinterpret_cast<const void*>(ep_round_kernel), reinterpret_cast<const void*>(ep_arm_kernel), reinterpret_cast<const void*>(ep_send_kernel),
                            reinterpret_cast<const void*>(ep_recv_counts_kernel), reinterpret_cast<const void*>(ep_recv_copy_kernel),
                            reinterpret_cast<const void*>(ep_combine_send_kernel), reinterpret_cast<const void*>(ep_combine_flags_kernel),
                            reinterpret_cast<const void*>(ep_combine_wait_kernel)};
@@ -347,8 +364,10 @@ Status launch_ep_dispatch_send(const moe::ep::EpDeviceParams& p, int device_inde
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
   const auto s = static_cast<cudaStream_t>(stream);
-  if (p.m > 0) {
-    ep_arm_kernel<<<unsigned((p.m + kThreads - 1) / kThreads), kThreads, 0, s>>>(p);
+  ep_round_kernel<<<1, 1, 0, s>>>(p);
+  ENCORE_RETURN_IF_ERROR(launched("round"));
+  if (p.m > 0 || p.m_dev) {  // with a device count: also its range check
+    ep_arm_kernel<<<unsigned(p.m > 0 ? (p.m + kThreads - 1) / kThreads : 1), kThreads, 0, s>>>(p);
     ENCORE_RETURN_IF_ERROR(launched("arm"));
   }
   ep_send_kernel<<<unsigned(p.num_experts), kThreads, 0, s>>>(p);
