@@ -270,6 +270,7 @@ Status EpDeviceAllToAll::dispatch_send(const TensorView& x, const TensorView& id
   else if (s && scales.defined()) s = Status::invalid("scales: given but the config has scale_bytes = 0");
   if (!s) return Status(s.code(), phase + s.message());
 #ifdef ENCORE_WITH_CUDA
+  if (token_count) ENCORE_RETURN_IF_ERROR(cuda::ep_check_device_int(token_count, dev, stream, (phase + "token_count").c_str()));
   ++epoch_;
   m_ = m;
   m_dev_ = token_count;

@@ -84,10 +84,12 @@ class EpDeviceAllToAll {
   // x [m, H] (config dtype), topk_ids [m, k] int32 (in [0, E), distinct per token: checked on the
   // device), scales [m, scale_bytes] uint8 when scale_bytes > 0; CUDA tensors on the group's device,
   // contiguous, 16-byte aligned; m in [0, max_tokens].
-  // = dispatch_send then dispatch_recv. token_count (optional, device memory on the group's device, an
-  // int32 read by the kernels): the round's live tokens, the first token_count rows of x / topk_ids /
-  // scales (and of topk_weights / out at the combine), so one CUDA graph captured with x [m, H] serves any
-  // count in [0, m]; a count outside it fails the group (status() names it). Null: all m rows.
+  // = dispatch_send then dispatch_recv. token_count (optional, an int32 in device memory of the group's
+  // device, read once at the round's start): the round's live tokens, the first token_count rows of x /
+  // topk_ids / scales (and of topk_weights / out at the combine), so one CUDA graph captured with x [m, H]
+  // serves any count in [0, m]; a count outside it fails the group (status() names it). Null: all m rows.
+  // Every half of a round and every round of a rank go on one stream (or streams ordered after it): the
+  // kernels read the round from the device.
   Status dispatch(const TensorView& x, const TensorView& topk_ids, const TensorView& scales, Stream stream,
                   const int32_t* token_count = nullptr);
   const EpDeviceReceived& received() const { return recv_; }
@@ -106,7 +108,7 @@ class EpDeviceAllToAll {
   Status combine_recv(const TensorView& topk_weights, const TensorView& out, Stream stream);
   Status status() const { return g_->status(rank_); }
   int rank() const { return rank_; }
-  uint32_t epoch() const { return epoch_; }
+  uint32_t epoch() const { return epoch_; }  // the host's count of dispatches (CUDA-graph replays not included)
 
  private:
   EpDeviceAllToAll() = default;

@@ -273,8 +273,9 @@ struct EpDeviceParams {
   uint8_t* mem[kEpMaxWorld] = {};  // every rank's memory as this rank addresses it (mapped peers)
   EpErrorRecord* err = nullptr;
   int world = 1, rank = 0, e_local = 0, top_k = 0, num_experts = 0;
-  uint32_t* epoch_dev = nullptr;  // this rank's round on the device: ep_round_kernel increments it first in every
-                                  // dispatch, so a CUDA graph's replays are rounds of their own
+  uint32_t* epoch_dev = nullptr;  // [round, live tokens] of this rank on the device: ep_round_kernel increments the
+                                  // round first in every dispatch (a CUDA graph's replays are rounds of their own)
+                                  // and copies the clamped m_dev
   unsigned long long timeout_ns = 0;
   int64_t max_tokens = 0, m = 0;  // m: x's rows (the token count, or its bound when m_dev is given)
   const int32_t* m_dev = nullptr;  // the live token count on the device (CUDA graphs: one capture, any count <= m)

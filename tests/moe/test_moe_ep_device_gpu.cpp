@@ -215,6 +215,7 @@ std::vector<RankResult> on_device(DeviceRanks& d, const std::vector<RankInput>& 
     cudaMemcpy(w.back().ptr, ri.w.data(), ri.w.size(), cudaMemcpyHostToDevice);
     cudaMemset(out.back().ptr, 0xff, size_t(m * c.hidden) * dtype_size(out_dt));  // poisoned: NaN
   }
+  cudaDeviceSynchronize();  // the inputs in place before the ranks' non-blocking streams run
   for (int r = 0; r < W; ++r) {
     if (!d.ends[size_t(r)]) continue;
     const int64_t m = int64_t(in[size_t(r)].ids.size()) / c.top_k;
@@ -358,6 +359,12 @@ TEST_F(MoeEpDeviceGpu, DeviceTokenCountInOneCudaGraph) {
   EpDeviceAllToAll& a = *d.ends[0];
   const EpDeviceReceived& rv = a.received();
   const size_t out_bytes = size_t(40 * c.hidden) * 4;
+  {  // a host pointer as the count: refused before anything is enqueued
+    const int32_t host_count = 3;
+    DeviceBuffer x0(64), i0(64);
+    const Status h = a.dispatch(mat(x0.ptr, c.dtype, 0, c.hidden, kGpu), mat(i0.ptr, DType::kInt32, 0, c.top_k, kGpu), {}, d.streams[0], &host_count);
+    EXPECT_NE(h.to_string().find("token_count: must point to device memory of CUDA device 0"), std::string::npos) << h.to_string();
+  }
   DeviceBuffer x(full.x.size()), ids(full.ids.size() * 4), w(full.w.size()), out(out_bytes), count(16);
   cudaMemcpy(x.ptr, full.x.data(), full.x.size(), cudaMemcpyHostToDevice);
   cudaMemcpy(ids.ptr, full.ids.data(), full.ids.size() * 4, cudaMemcpyHostToDevice);
@@ -376,8 +383,8 @@ TEST_F(MoeEpDeviceGpu, DeviceTokenCountInOneCudaGraph) {
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (int n : {17, 40, 0, 5}) {
     SCOPED_TRACE("device token count " + std::to_string(n));
-    cudaMemcpy(count.ptr, &n, 4, cudaMemcpyHostToDevice);
-    cudaMemset(out.ptr, 0xff, out_bytes);
+    cudaMemcpyAsync(count.ptr, &n, 4, cudaMemcpyHostToDevice, s);  // on s: ordered before the replay
+    cudaMemsetAsync(out.ptr, 0xff, out_bytes, s);
     ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     const Status st = a.status();
@@ -390,12 +397,14 @@ TEST_F(MoeEpDeviceGpu, DeviceTokenCountInOneCudaGraph) {
     EXPECT_TRUE(std::all_of(rest.begin(), rest.end(), [](uint8_t b) { return b == 0xff; })) << "rows past the count were written";
   }
   const int bad = 41;
-  cudaMemcpy(count.ptr, &bad, 4, cudaMemcpyHostToDevice);
+  cudaMemcpyAsync(count.ptr, &bad, 4, cudaMemcpyHostToDevice, s);
   ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   const Status st = a.status();
   EXPECT_FALSE(st);
-  EXPECT_NE(st.to_string().find("token_count: the device count is 41, outside [0, m = 40]"), std::string::npos) << st.to_string();
+  // round 5 (four replays before it): the round counter advanced on the device with every replay
+  EXPECT_NE(st.to_string().find("ep rank 0: dispatch round 5: token_count: the device count is 41, outside [0, m = 40]"), std::string::npos)
+      << st.to_string();
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
 }

@@ -119,16 +119,19 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, int64_t
     *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
 }
 
-// This round's tokens: m, or the device count m_dev clamped to [0, m] (ep_arm_kernel records one
-// outside that range; every kernel reads the same clamped value).
-__device__ __forceinline__ int64_t live_tokens(const EpDeviceParams& p) {
-  if (!p.m_dev) return p.m;
-  const int64_t n = *p.m_dev;
-  return n < 0 ? 0 : (n > p.m ? p.m : n);
-}
+// This round's tokens: m, or the device count m_dev clamped to [0, m] as ep_round_kernel copied it
+// (epoch_dev[1]) at the round's start, so every kernel of the round reads the same value even if the
+// caller's count changes meanwhile (ep_arm_kernel records a count outside the range).
+__device__ __forceinline__ int64_t live_tokens(const EpDeviceParams& p) { return p.m_dev ? int64_t(p.epoch_dev[1]) : p.m; }
 
 // Round n + 1 begins: the first kernel of every dispatch (one thread).
-__global__ void ep_round_kernel(const __grid_constant__ EpDeviceParams p) { ++*p.epoch_dev; }
+__global__ void ep_round_kernel(const __grid_constant__ EpDeviceParams p) {
+  ++p.epoch_dev[0];
+  if (p.m_dev) {
+    const int64_t n = *p.m_dev;
+    p.epoch_dev[1] = uint32_t(n < 0 ? 0 : (n > p.m ? p.m : n));
+  }
+}
 
 __global__ void __launch_bounds__(kThreads) ep_arm_kernel(const __grid_constant__ EpDeviceParams p) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -420,6 +423,20 @@ Status ep_load_kernels(int device_index) {
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
   return load_ep_kernels_now();
+}
+
+Status ep_check_device_int(const int32_t* p, int device_index, Stream stream, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % 4 != 0) return Status::invalid(std::string(what) + ": must be 4-byte aligned");
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)
+    return Status::ok();  // no pointer query inside a capture (some capture modes refuse other API calls)
+  cudaPointerAttributes a{};
+  const cudaError_t e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess || (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) || a.device != device_index) {
+    cudaGetLastError();  // clear a failed query
+    return Status::invalid(std::string(what) + ": must point to device memory of CUDA device " + std::to_string(device_index));
+  }
+  return Status::ok();
 }
 
 Status ep_device_alloc(size_t bytes, int device_index, void** out) {

@@ -39,6 +39,9 @@ Status launch_ep_combine_recv(const moe::ep::EpDeviceParams& p, int device_index
 // Loads every all-to-all kernel on the device (no lazy load may wait on a spinning peer later).
 Status ep_load_kernels(int device_index);
 Status ep_device_alloc(size_t bytes, int device_index, void** out);
+// p: a 4-byte-aligned int32 in device memory of device_index (else an invalid-argument error naming `what`;
+// the memory type is not queried while `stream` is being captured).
+Status ep_check_device_int(const int32_t* p, int device_index, Stream stream, const char* what);
 void ep_device_free(void* p);
 Status ep_device_read(void* host, const void* device, size_t bytes);  // synchronous
 // Peer memory across processes (ep_vmm.cu): a zeroed VMM allocation on `device_index` exported as a
