@@ -121,6 +121,7 @@ def _combine(y_pairs, weights, out_dtype):
     return _moe.moe_combine(y_pairs, slots, weights, out=out)
 
 
+_FP8_DISAGREE = "moe_forward_ep: dispatch_fp8 differs between the ranks (every rank must pass the same value)"
 _PEERS = {}  # (group, E, k, D, dtype, device, fp8, max_tokens) -> _encore.EpPeerRank, built collectively once
 PEER_TIMEOUT_MS = 20000  # every spin loop of the peer transport gives up after this (then every rank raises)
 
@@ -161,7 +162,7 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error, fp8=F
     if flag:
         _raise_refused(group, error)
     if some_fp8 and some_not:
-        raise ValueError("moe_forward_ep: dispatch_fp8 differs between the ranks (every rank must pass the same value)")
+        raise ValueError(_FP8_DISAGREE)
     E, D = router_logits.shape[1], x.shape[1]
     el = E // world
     key, ep = _peer_rank(group, world, rank, E, k, D, x, m_bound, fp8)
@@ -272,7 +273,7 @@ def moe_forward_ep(x, router_logits, w13, w2, top_k: int, group=None, mode: str 
     if any(flags):
         _raise_refused(group, error)
     if len(set(fp8s)) > 1:  # every rank sees every rank's flag: all raise
-        raise ValueError("moe_forward_ep: dispatch_fp8 differs between the ranks (every rank must pass the same value)")
+        raise ValueError(_FP8_DISAGREE)
     src = torch.div(order, k, rounding_mode="floor")
     ids_out = (flat[order] - dest[order] * el).to(torch.int32)
     ids_in = torch.empty(sum(recv_l), dtype=torch.int32, device=x.device)

@@ -317,26 +317,34 @@ Status EpDeviceAllToAll::check_combine_recv(const TensorView& w, const TensorVie
 Status EpDeviceAllToAll::combine(const TensorView& y, const TensorView& w, const TensorView& out, Stream stream) {
   ENCORE_RETURN_IF_ERROR(check_combine_send(y));
   ENCORE_RETURN_IF_ERROR(check_combine_recv(w, out));
-  ENCORE_RETURN_IF_ERROR(combine_send(y, stream));
-  return combine_recv(w, out, stream);
+  ENCORE_RETURN_IF_ERROR(enqueue_combine_send(y, stream));
+  return enqueue_combine_recv(w, out, stream);
 }
 
 Status EpDeviceAllToAll::combine_send(const TensorView& y, Stream stream) {
   ENCORE_RETURN_IF_ERROR(check_combine_send(y));
+  return enqueue_combine_send(y, stream);
+}
+
+Status EpDeviceAllToAll::combine_recv(const TensorView& w, const TensorView& out, Stream stream) {
+  if (phase_ != Phase::kCombineSent) return Status::invalid(phase_prefix("combine", epoch_) + "combine_recv called without a combine_send before it");
+  ENCORE_RETURN_IF_ERROR(check_combine_recv(w, out));
+  return enqueue_combine_recv(w, out, stream);
+}
+
+Status EpDeviceAllToAll::enqueue_combine_send(const TensorView& y, Stream stream) {
 #ifdef ENCORE_WITH_CUDA
   phase_ = Phase::kCombineSent;
   EpDeviceParams p = params();
   p.y = static_cast<const uint8_t*>(y.data);
   return cuda::launch_ep_combine_send(p, g_->device(), stream);
 #else
-  (void)stream;
+  (void)y, (void)stream;
   return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
 #endif
 }
 
-Status EpDeviceAllToAll::combine_recv(const TensorView& w, const TensorView& out, Stream stream) {
-  if (phase_ != Phase::kCombineSent) return Status::invalid(phase_prefix("combine", epoch_) + "combine_recv called without a combine_send before it");
-  ENCORE_RETURN_IF_ERROR(check_combine_recv(w, out));
+Status EpDeviceAllToAll::enqueue_combine_recv(const TensorView& w, const TensorView& out, Stream stream) {
 #ifdef ENCORE_WITH_CUDA
   phase_ = Phase::kIdle;
   EpDeviceParams p = params();
@@ -345,7 +353,7 @@ Status EpDeviceAllToAll::combine_recv(const TensorView& w, const TensorView& out
   p.out_dtype = out.dtype;
   return cuda::launch_ep_combine_recv(p, g_->device(), stream);
 #else
-  (void)stream;
+  (void)w, (void)out, (void)stream;
   return Status::unsupported("EpDeviceAllToAll: encore was built without CUDA");
 #endif
 }

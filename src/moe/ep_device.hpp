@@ -116,6 +116,8 @@ class EpDeviceAllToAll {
   std::string phase_prefix(const char* what, uint32_t round) const;  // "ep rank r: dispatch round n: "
   Status check_combine_send(const TensorView& expert_out) const;
   Status check_combine_recv(const TensorView& topk_weights, const TensorView& out) const;
+  Status enqueue_combine_send(const TensorView& expert_out, Stream stream);  // checked: the phase moves on
+  Status enqueue_combine_recv(const TensorView& topk_weights, const TensorView& out, Stream stream);
   EpDeviceGroup* g_ = nullptr;
   int rank_ = 0;
   uint32_t epoch_ = 0;

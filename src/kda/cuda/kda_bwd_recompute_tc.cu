@@ -96,8 +96,8 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
   if (remat) {
     const int n = blockIdx.x;
     first = p.chunk_start[n];
-    const float* h0 = p.h0 ? p.h0 : ws;  // a valid address for ldg_or0's dropped loads
     last = p.chunk_start[n + 1];
+    const float* h0 = p.h0 ? p.h0 : ws;  // a valid address for ldg_or0's dropped loads
     stage<32, kThreads>(
         kMaxD * kCols,
         [&](int e) { const int a = e >> 6, y = e & 63; return ldg_or0(h0, ((int64_t(n) * p.H + h) * K + a) * V + y0 + y, a < K && y < nc && p.h0); },

@@ -25,7 +25,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -324,7 +323,7 @@ __global__ void ep_combine_wait_kernel(const __grid_constant__ EpDeviceParams p)
 }
 
 template <typename TI>
-void* pick_combine(DType out) {
+void* combine_recv_kernel_from(DType out) {
   switch (out) {
     case DType::kFP32: return reinterpret_cast<void*>(ep_combine_recv_kernel<TI, float>);
     case DType::kBF16: return reinterpret_cast<void*>(ep_combine_recv_kernel<TI, __nv_bfloat16>);
@@ -332,27 +331,14 @@ void* pick_combine(DType out) {
     default: return nullptr;
   }
 }
-
-// Every kernel of the protocol, loaded now: with lazy module loading (CUDA's default) a kernel's first
-// launch may wait for the context's running kernels, and a peer's spinning receive kernel waits in turn
-// for this rank's sender: loading it then would stall every rank until the timeout.
-Status load_ep_kernels_now() {
-  const void* kernels[] = {reinterpret_cast<const void*>(ep_round_kernel), reinterpret_cast<const void*>(ep_arm_kernel), reinterpret_cast<const void*>(ep_send_kernel),
-                           reinterpret_cast<const void*>(ep_recv_counts_kernel), reinterpret_cast<const void*>(ep_recv_copy_kernel),
-                           reinterpret_cast<const void*>(ep_combine_send_kernel), reinterpret_cast<const void*>(ep_combine_flags_kernel),
-                           reinterpret_cast<const void*>(ep_combine_wait_kernel)};
-  std::vector<const void*> all(std::begin(kernels), std::end(kernels));
-  for (DType out : {DType::kFP32, DType::kBF16, DType::kFP16}) {
-    all.push_back(pick_combine<float>(out));
-    all.push_back(pick_combine<__nv_bfloat16>(out));
-    all.push_back(pick_combine<__half>(out));
+// The combine's receive kernel for expert outputs of `in` summed into `out` (null: none).
+void* combine_recv_kernel(DType in, DType out) {
+  switch (in) {
+    case DType::kFP32: return combine_recv_kernel_from<float>(out);
+    case DType::kBF16: return combine_recv_kernel_from<__nv_bfloat16>(out);
+    case DType::kFP16: return combine_recv_kernel_from<__half>(out);
+    default: return nullptr;
   }
-  for (const void* k : all) {
-    cudaFuncAttributes attr;
-    const cudaError_t e = cudaFuncGetAttributes(&attr, k);
-    if (e != cudaSuccess) return Status::cuda_error(std::string("ep: loading the all-to-all's kernels: ") + cudaGetErrorString(e));
-  }
-  return Status::ok();
 }
 
 Status launched(const char* what) {
@@ -361,68 +347,80 @@ Status launched(const char* what) {
   return Status::ok();
 }
 
+// enqueue(stream) with `device_index` current.
+template <class Enqueue>
+Status on_device(int device_index, Stream stream, Enqueue&& enqueue) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  return enqueue(static_cast<cudaStream_t>(stream));
+}
+
 }  // namespace
 
 Status launch_ep_dispatch_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
-  DeviceGuard guard;
-  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
-  const auto s = static_cast<cudaStream_t>(stream);
-  ep_round_kernel<<<1, 1, 0, s>>>(p);
-  ENCORE_RETURN_IF_ERROR(launched("round"));
-  if (p.m > 0 || p.m_dev) {  // with a device count: also its range check
-    ep_arm_kernel<<<unsigned(p.m > 0 ? (p.m + kThreads - 1) / kThreads : 1), kThreads, 0, s>>>(p);
-    ENCORE_RETURN_IF_ERROR(launched("arm"));
-  }
-  ep_send_kernel<<<unsigned(p.num_experts), kThreads, 0, s>>>(p);
-  return launched("send");
+  return on_device(device_index, stream, [&](cudaStream_t s) {
+    ep_round_kernel<<<1, 1, 0, s>>>(p);
+    ENCORE_RETURN_IF_ERROR(launched("round"));
+    if (p.m > 0 || p.m_dev) {  // with a device count: also its range check
+      ep_arm_kernel<<<unsigned(p.m > 0 ? (p.m + kThreads - 1) / kThreads : 1), kThreads, 0, s>>>(p);
+      ENCORE_RETURN_IF_ERROR(launched("arm"));
+    }
+    ep_send_kernel<<<unsigned(p.num_experts), kThreads, 0, s>>>(p);
+    return launched("send");
+  });
 }
 
 Status launch_ep_dispatch_recv(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
-  DeviceGuard guard;
-  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
-  const auto s = static_cast<cudaStream_t>(stream);
-  ep_recv_counts_kernel<<<1, kThreads, 0, s>>>(p);
-  ENCORE_RETURN_IF_ERROR(launched("receive counts"));
-  ep_recv_copy_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
-  return launched("receive copy");
+  return on_device(device_index, stream, [&](cudaStream_t s) {
+    ep_recv_counts_kernel<<<1, kThreads, 0, s>>>(p);
+    ENCORE_RETURN_IF_ERROR(launched("receive counts"));
+    ep_recv_copy_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
+    return launched("receive copy");
+  });
 }
 
 Status launch_ep_combine_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
-  DeviceGuard guard;
-  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
-  const auto s = static_cast<cudaStream_t>(stream);
-  ep_combine_send_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
-  ENCORE_RETURN_IF_ERROR(launched("combine send"));
-  ep_combine_flags_kernel<<<1, 32, 0, s>>>(p);
-  return launched("combine flags");
+  return on_device(device_index, stream, [&](cudaStream_t s) {
+    ep_combine_send_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
+    ENCORE_RETURN_IF_ERROR(launched("combine send"));
+    ep_combine_flags_kernel<<<1, 32, 0, s>>>(p);
+    return launched("combine flags");
+  });
 }
 
 Status launch_ep_combine_recv(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
-  DeviceGuard guard;
-  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
-  const auto s = static_cast<cudaStream_t>(stream);
-  void* recv = nullptr;
-  switch (p.dtype) {
-    case DType::kFP32: recv = pick_combine<float>(p.out_dtype); break;
-    case DType::kBF16: recv = pick_combine<__nv_bfloat16>(p.out_dtype); break;
-    case DType::kFP16: recv = pick_combine<__half>(p.out_dtype); break;
-    default: break;
-  }
+  void* recv = combine_recv_kernel(p.dtype, p.out_dtype);
   if (!recv) return Status::internal(std::string("ep combine: no CUDA kernel for ") + dtype_name(p.dtype) + " -> " + dtype_name(p.out_dtype));
-  if (p.m > 0) {
-    const unsigned grid = unsigned(p.m < 8 ? p.m : 8);  // spinning blocks: few, so the peers' senders find SMs
-    void* args[] = {const_cast<moe::ep::EpDeviceParams*>(&p)};
-    const cudaError_t e = cudaLaunchKernel(recv, dim3(grid), dim3(kThreads), args, 0, s);
-    if (e != cudaSuccess) return Status::cuda_error(std::string("ep combine receive launch: ") + cudaGetErrorString(e));
-  }
-  ep_combine_wait_kernel<<<1, 32, 0, s>>>(p);
-  return launched("combine wait");
+  return on_device(device_index, stream, [&](cudaStream_t s) {
+    if (p.m > 0) {
+      const unsigned grid = unsigned(p.m < 8 ? p.m : 8);  // spinning blocks: few, so the peers' senders find SMs
+      void* args[] = {const_cast<moe::ep::EpDeviceParams*>(&p)};
+      const cudaError_t e = cudaLaunchKernel(recv, dim3(grid), dim3(kThreads), args, 0, s);
+      if (e != cudaSuccess) return Status::cuda_error(std::string("ep combine receive launch: ") + cudaGetErrorString(e));
+    }
+    ep_combine_wait_kernel<<<1, 32, 0, s>>>(p);
+    return launched("combine wait");
+  });
 }
 
+// Every kernel of the protocol, loaded now: with lazy module loading (CUDA's default) a kernel's first
+// launch may wait for the context's running kernels, and a peer's spinning receive kernel waits in turn
+// for this rank's sender: loading it then would stall every rank until the timeout.
 Status ep_load_kernels(int device_index) {
+  std::vector<const void*> all = {reinterpret_cast<const void*>(ep_round_kernel),        reinterpret_cast<const void*>(ep_arm_kernel),
+                                  reinterpret_cast<const void*>(ep_send_kernel),         reinterpret_cast<const void*>(ep_recv_counts_kernel),
+                                  reinterpret_cast<const void*>(ep_recv_copy_kernel),    reinterpret_cast<const void*>(ep_combine_send_kernel),
+                                  reinterpret_cast<const void*>(ep_combine_flags_kernel), reinterpret_cast<const void*>(ep_combine_wait_kernel)};
+  for (DType in : {DType::kFP32, DType::kBF16, DType::kFP16})
+    for (DType out : {DType::kFP32, DType::kBF16, DType::kFP16}) all.push_back(combine_recv_kernel(in, out));
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
-  return load_ep_kernels_now();
+  for (const void* k : all) {
+    cudaFuncAttributes attr;
+    const cudaError_t e = cudaFuncGetAttributes(&attr, k);
+    if (e != cudaSuccess) return Status::cuda_error(std::string("ep: loading the all-to-all's kernels: ") + cudaGetErrorString(e));
+  }
+  return Status::ok();
 }
 
 Status ep_check_device_int(const int32_t* p, int device_index, Stream stream, const char* what) {
