@@ -53,10 +53,10 @@ Status launch_mx_quant_jit(const MxProblem& p, int device_index, Stream stream) 
   void* fn = nullptr;
   ENCORE_RETURN_IF_ERROR(family().function(variant_key(v), device_index, stream, [&] { return mx_quant_jit_spec(v); }, &fn));
   alignas(16) unsigned char params[cuda::kMxParamsMaxBytes];
-  uint32_t units = 0;
-  ENCORE_RETURN_IF_ERROR(cuda::mx_quant_prologue(p, device_index, stream, params, &units));
-  if (units == 0) return Status::ok();
-  const long long grid = (static_cast<long long>(units) + cuda::kMxQuantThreads - 1) / cuda::kMxQuantThreads;
+  uint32_t threads = 0;
+  ENCORE_RETURN_IF_ERROR(cuda::mx_quant_prologue(p, device_index, stream, params, &threads));
+  if (threads == 0) return Status::ok();
+  const long long grid = (static_cast<long long>(threads) + cuda::kMxQuantThreads - 1) / cuda::kMxQuantThreads;
   return family().launch(fn, grid, cuda::kMxQuantThreads, device_index, stream, params);
 #else
   (void)p, (void)device_index, (void)stream;

@@ -230,7 +230,7 @@ TEST_F(MxQuantGpu, Mxfp8EveryDtypeLayoutAndRule) {
 TEST_F(MxQuantGpu, Nvfp4EveryDtypeLayoutAndGlobal) {
   for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32})
     for (auto layout : {MxScaleLayout::kRowMajor, MxScaleLayout::kSwizzled})
-      for (float global : {0.0f, 1.0f, 3.7e-3f, 1e-30f, 1e30f}) {
+      for (float global : {0.0f, 1.0f, 3.7e-3f, 1e-30f, 1e-33f, 1e30f}) {  // 1e-33: d < 2^-100 (fp64 bounds)
         for (const auto& s : kShapes) {
           MxQuantOptions o;
           o.scale_layout = layout;

@@ -19,10 +19,11 @@ Status launch_mx_quant(const quant::MxProblem& p, int device_index, Stream strea
 Status launch_mx_dequant(const quant::MxProblem& p, int device_index, Stream stream);
 // The JIT's split of launch_mx_quant (quant/mx_quant_jit.cpp): everything before the quantization
 // kernel (zeroing the swizzled padding; NVFP4's global-scale passes) on `stream`, and that kernel's
-// argument (MxParams) written to `params` (at least kMxParamsMaxBytes bytes). *units: the kernel's
-// threads, one per 8 elements (0: nothing to quantize), in blocks of kMxQuantThreads.
+// argument (MxParams) written to `params` (at least kMxParamsMaxBytes bytes). *threads: the kernel's
+// threads, one per 8 elements for MXFP8 and per 16 for NVFP4 (0: nothing to quantize), in blocks of
+// kMxQuantThreads.
 constexpr size_t kMxParamsMaxBytes = 128;
 constexpr int kMxQuantThreads = 256;
-Status mx_quant_prologue(const quant::MxProblem& p, int device_index, Stream stream, void* params, uint32_t* units);
+Status mx_quant_prologue(const quant::MxProblem& p, int device_index, Stream stream, void* params, uint32_t* threads);
 
 }  // namespace encore::cuda

@@ -1,5 +1,6 @@
 // Launch of the MXFP8 / NVFP4 kernels (mx_quant_kernel.cuh): T in {bf16, fp16, fp32} for the
-// quantization, {fp32, bf16} for the dequantization; 256 threads, one thread per 8 elements.
+// quantization, {fp32, bf16} for the dequantization; 256 threads, one thread per 8 elements (NVFP4
+// quantization: per 16, one scale block).
 // NVFP4 with a computed global scale is four stream operations: zero the global (memset), amax over
 // the finite elements (atomicMax on its bits), global = amax / 2688 or 1, quantization. The
 // swizzled layout's padding is zeroed by its own small kernel (only when there is padding).
@@ -83,7 +84,7 @@ Status quant_typed(const quant::MxProblem& p, cudaStream_t s) {
     mxfp8_quant_kernel<T><<<grid_of(k.units), kThreads, 0, s>>>(k);
     return check_launch("mxfp8_quant");
   }
-  nvfp4_quant_kernel<T><<<grid_of(k.units), kThreads, 0, s>>>(k);
+  nvfp4_quant_kernel<T><<<grid_of(k.units / 2), kThreads, 0, s>>>(k);
   return check_launch("nvfp4_quant");
 }
 
@@ -111,7 +112,7 @@ Status launch_mx_quant(const quant::MxProblem& p, int device_index, Stream strea
   }
 }
 
-Status mx_quant_prologue(const quant::MxProblem& p, int device_index, Stream stream, void* params, uint32_t* units) {
+Status mx_quant_prologue(const quant::MxProblem& p, int device_index, Stream stream, void* params, uint32_t* threads) {
   static_assert(sizeof(MxParams) <= kMxParamsMaxBytes && kThreads == kMxQuantThreads);
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
@@ -124,7 +125,7 @@ Status mx_quant_prologue(const quant::MxProblem& p, int device_index, Stream str
     default: return Status::internal(std::string("mx_quant: no CUDA kernel for dtype ") + dtype_name(p.dtype));
   }
   std::memcpy(params, &k, sizeof(k));
-  *units = k.units;
+  *threads = p.kind == quant::MxKind::kMxfp8 ? k.units : k.units / 2;
   return Status::ok();
 }
 

@@ -1,11 +1,12 @@
 // MXFP8 / NVFP4 quantization and dequantization kernels, bit-exact with the CPU reference
 // (src/quant/reference/mx_quant_ref.cpp; the math in include/encore/quant.hpp and docs/quant.md).
 //
-// Mapping (every kernel): a thread owns one "unit" of 8 consecutive elements of a row (bf16/fp16:
-// one 16-byte load; fp32: two). Unit u is row u / (K / 8), column 8 * (u % (K / 8)) (FastDiv31, so
-// M * K / 8 < 2^31). An MXFP8 block of 32 is 4 consecutive lanes, an NVFP4 block of 16 is 2: the
-// block amax is a shuffle max over them; every lane of a block computes the (same) scale, the block's
-// first lane stores it. No shared memory, no atomics except the NVFP4 global amax.
+// Mapping: a "unit" is 8 consecutive elements of a row (bf16/fp16: one 16-byte load; fp32: two).
+// Unit u is row u / (K / 8), column 8 * (u % (K / 8)) (FastDiv31, so M * K / 8 < 2^31). MXFP8
+// quantization and both dequantizations: a thread per unit; an MXFP8 block of 32 is 4 consecutive
+// lanes, its amax a shuffle max over them, every lane computing the (same) scale and the first
+// storing it. NVFP4 quantization: a thread per block of 16 (two units), so its scale and the seven
+// code bounds are computed once. No shared memory, no atomics except the NVFP4 global amax.
 // Elements are handled as fp32 bit patterns: |x| ordering equals the unsigned order of (bits &
 // 0x7fffffff), a block is non-finite iff that maximum is >= 0x7f800000 (inf / NaN).
 // JIT (docs/jit.md): the two quantization kernels take kUnitsPerRow = K / 8 as a constant (0 in the
@@ -115,15 +116,29 @@ __device__ __forceinline__ uint32_t f32_ru_bits(double v) {
 // the e2m1 midpoints 0.25 (<=), 0.75 (<), 1.25 (<=), 1.75 (<), 2.5 (<=), 3.5 (<), 5 (<=). Since
 // rounding is monotonic and every midpoint has an even last mantissa bit, fl32(z) > t iff
 // z > t + ulp(t) / 2 and fl32(z) >= t iff z >= t - ulp(t-) / 2 (z = |x| / d exactly). With T that
-// bound, z > T iff |x| > T d iff |x| > RD32(T d), and z >= T iff |x| >= RU32(T d); T d is exact in
-// fp64 (25 + 24 significant bits). So per block 7 fp32 bounds k[i] (as bit patterns, the ">=" ones
-// minus 1) and per element the magnitude code m = #{i : bits(|x|) > k[i]}. d may be +inf (all 0).
+// bound, z > T iff |x| > T d iff |x| > RD32(T d), and z >= T iff |x| >= RU32(T d). So per block 7
+// fp32 bounds k[i] (as bit patterns, the ">=" ones minus 1) and per element the magnitude code
+// m = #{i : bits(|x|) > k[i]}. T = t + delta (t the midpoint, delta = +-2^-22 .. 2^-26), so T d is
+// one fused multiply-add t * d + delta * d rounded once (RD / RU), exact when delta * d is (d >=
+// 2^-100: normal); below that the product in fp64 (exact: 25 + 24 significant bits). d may be +inf
+// (all bounds inf or FLT_MAX: every code 0). The bounds are non-decreasing (T d increasing, RD(a) <
+// RU(b) - 1 ulp + 1 ulp for a < b), so the count is a 3-level search.
 struct E2m1Bounds {
   uint32_t k[7];
 };
 __device__ __forceinline__ E2m1Bounds e2m1_bounds(float d) {
-  const double dd = double(d);
   E2m1Bounds r;
+  if (d >= 0x1p-100f) {
+    r.k[0] = __float_as_uint(__fmaf_rd(0.25f, d, d * 0x1p-26f));
+    r.k[1] = __float_as_uint(__fmaf_ru(0.75f, d, -(d * 0x1p-25f))) - 1u;
+    r.k[2] = __float_as_uint(__fmaf_rd(1.25f, d, d * 0x1p-24f));
+    r.k[3] = __float_as_uint(__fmaf_ru(1.75f, d, -(d * 0x1p-24f))) - 1u;
+    r.k[4] = __float_as_uint(__fmaf_rd(2.5f, d, d * 0x1p-23f));
+    r.k[5] = __float_as_uint(__fmaf_ru(3.5f, d, -(d * 0x1p-23f))) - 1u;
+    r.k[6] = __float_as_uint(__fmaf_rd(5.0f, d, d * 0x1p-22f));
+    return r;
+  }
+  const double dd = double(d);
   r.k[0] = f32_rd_bits((0.25 + 0x1p-26) * dd);
   r.k[1] = f32_ru_bits((0.75 - 0x1p-25) * dd) - 1u;
   r.k[2] = f32_rd_bits((1.25 + 0x1p-24) * dd);
@@ -135,10 +150,10 @@ __device__ __forceinline__ E2m1Bounds e2m1_bounds(float d) {
 }
 __device__ __forceinline__ uint32_t e2m1_code(uint32_t bits, const E2m1Bounds& k) {
   const uint32_t a = bits & 0x7fffffffu;
-  uint32_t m = 0;
-#pragma unroll
-  for (int i = 0; i < 7; ++i) m += a > k.k[i] ? 1u : 0u;
-  return m | ((bits >> 28) & 0x8u);
+  const bool h = a > k.k[3];
+  const bool s1 = a > (h ? k.k[5] : k.k[1]);
+  const bool s2 = a > (h ? (s1 ? k.k[6] : k.k[4]) : (s1 ? k.k[2] : k.k[0]));
+  return (h ? 4u : 0u) | (s1 ? 2u : 0u) | (s2 ? 1u : 0u) | ((bits >> 28) & 0x8u);
 }
 
 // ---- MXFP8 quantization: x [M, K] T -> q [M, K] e4m3, e8m0 scales per 32. ----
@@ -199,23 +214,23 @@ __global__ void nvfp4_global_kernel(float* global) {
 }
 
 // ---- NVFP4 quantization: x [M, K] T -> q [M, K / 2] e2m1 pairs, e4m3 scales per 16. ----
+// One thread per block of 16 (units 2t and 2t + 1 of a row: K % 16 == 0, so kUnitsPerRow is even).
 // s = e4m3_rn_satfinite(fl32(fl32(amax / 6) / g)); d = fl32(float(s) * g); codes by e2m1_bounds(d)
 // (0 where d is 0); element 2j in the low nibble of byte j. Non-finite block: s = 0x7f, codes 0.
 template <typename T, int kUnitsPerRow = 0>
 __global__ void __launch_bounds__(256) nvfp4_quant_kernel(MxParams p) {
-  const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;
-  const bool valid = u < p.units;
-  const uint32_t uu = valid ? u : 0;
+  const uint32_t u = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+  if (u >= p.units) return;
   uint32_t row, cu;
-  mx_split_unit<kUnitsPerRow>(p, uu, row, cu);
-  uint32_t b[8];
-  load_unit_bits(static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8, b);
-  uint32_t amax = abs_max_bits(b);
-  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  if (!valid) return;
+  mx_split_unit<kUnitsPerRow>(p, u, row, cu);
+  const T* src = static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8;
+  uint32_t b0[8], b1[8];
+  load_unit_bits(src, b0);
+  load_unit_bits(src + 8, b1);
+  const uint32_t amax = max(abs_max_bits(b0), abs_max_bits(b1));
   const float g = p.global_in ? *p.global_in : p.global_value;
   if (p.global_out && u == 0) *p.global_out = g;
-  uint32_t word = 0, sbyte = 0x7fu;
+  uint32_t w0 = 0, w1 = 0, sbyte = 0x7fu;
   if (amax < 0x7f800000u) {
     const float t = __fdiv_rn(__fdiv_rn(__uint_as_float(amax), quant::kE2m1Max), g);
     sbyte = e4m3x4(t, 0.f, 0.f, 0.f) & 0xffu;
@@ -223,11 +238,20 @@ __global__ void __launch_bounds__(256) nvfp4_quant_kernel(MxParams p) {
     if (d > 0.0f) {
       const E2m1Bounds k = e2m1_bounds(d);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) word |= e2m1_code(b[i], k) << (4 * i);
+      for (int i = 0; i < 8; ++i) {
+        w0 |= e2m1_code(b0[i], k) << (4 * i);
+        w1 |= e2m1_code(b1[i], k) << (4 * i);
+      }
     }
   }
-  *reinterpret_cast<uint32_t*>(p.q + int64_t(row) * p.q_stride + cu * 4) = word;
-  if ((cu & 1u) == 0) p.scales[mx_scale_offset(p, row, cu >> 1)] = uint8_t(sbyte);
+  uint8_t* dst = p.q + int64_t(row) * p.q_stride + cu * 4;  // 4-byte aligned (validate_cuda), mostly 8
+  if ((reinterpret_cast<size_t>(dst) & 7u) == 0) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w0, w1);
+  } else {
+    reinterpret_cast<uint32_t*>(dst)[0] = w0;
+    reinterpret_cast<uint32_t*>(dst)[1] = w1;
+  }
+  p.scales[mx_scale_offset(p, row, cu >> 1)] = uint8_t(sbyte);
 }
 
 // ---- Swizzled layout: zero the padding (rows M..pad128(M), and columns K/block..pad4) ----
