@@ -91,9 +91,10 @@ int warmup(const std::vector<std::string>& args) {
 void print_jit_info() {
   const jit::NvrtcInfo& n = jit::nvrtc_info();
   jit::Jit& j = jit::Jit::global();
-  const char* mode = j.mode() == jit::JitMode::kOff ? "off (the default: ahead-of-time kernels only; ENCORE_JIT=1 turns it on)"
-                     : j.mode() == jit::JitMode::kAlways ? "on, every shape (ENCORE_JIT=always)"
-                                                         : "on, shapes outside the ahead-of-time list (ENCORE_JIT=1)";
+  const char* mode = j.mode() == jit::JitMode::kOff       ? "off: ahead-of-time kernels only (ENCORE_JIT=0)"
+                     : j.mode() == jit::JitMode::kAlways  ? "on, every shape (ENCORE_JIT=always)"
+                     : j.mode() == jit::JitMode::kDefault ? "on, shapes outside the ahead-of-time list (the default; ENCORE_JIT=0 turns it off)"
+                                                          : "on, shapes outside the ahead-of-time list (ENCORE_JIT=1)";
   std::printf("  JIT:             %s%s\n", mode, j.mode() != jit::JitMode::kOff && !n.available ? "; inactive: no NVRTC" : "");
   if (n.available) std::printf("  NVRTC:           %d.%d (%s, headers %s)\n", n.major, n.minor, n.library.c_str(), n.include_dir.empty() ? "not found" : n.include_dir.c_str());
   else std::printf("  NVRTC:           %s: ahead-of-time kernels only\n", n.library.c_str());

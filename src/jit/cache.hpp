@@ -26,9 +26,11 @@ class Hasher {
 uint64_t fnv1a64(const void* data, size_t n);
 std::string hex64(uint64_t v);
 
-// The resolved configuration: ENCORE_JIT (0 = off, 1 / unset = auto, 2 or "always" = every shape),
-// ENCORE_JIT_CACHE_DIR (default $XDG_CACHE_HOME/encore/jit, else $HOME/.cache/encore/jit; empty = memory only).
-enum class JitMode { kOff, kAuto, kAlways };
+// The resolved configuration: ENCORE_JIT (0 / off = off, 1 / auto / on = auto, 2 / always = every
+// shape; unset = kDefault: auto, but a graph capture that would need a kernel not yet loaded records
+// the ahead-of-time kernel instead of failing), ENCORE_JIT_CACHE_DIR (default
+// $XDG_CACHE_HOME/encore/jit, else $HOME/.cache/encore/jit; empty = memory only).
+enum class JitMode { kOff, kAuto, kAlways, kDefault };
 JitMode mode_from_env();
 std::string default_cache_dir();
 

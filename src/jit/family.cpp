@@ -67,6 +67,10 @@ JitPolicy Family::policy() const {
   return m == JitMode::kOff ? JitPolicy::kOff : m == JitMode::kAlways ? JitPolicy::kAlways : JitPolicy::kAuto;
 }
 
+bool Family::capture_falls_back() const {
+  return policy_.load(std::memory_order_relaxed) == JitPolicy::kEnv && Jit::global().mode() == JitMode::kDefault;
+}
+
 bool Family::uses_jit(bool shape_in_aot_list) const {
   const JitPolicy p = policy();
   if (p == JitPolicy::kOff || !nvrtc_info().available) return false;
@@ -128,7 +132,17 @@ Status Family::launch(void* fn, long long grid, int block, int device, Stream st
 }
 
 bool Family::handled(const Status& st, Stream stream) {
-  if (st || stream_capturing(stream)) return true;  // never compile inside a graph capture: the error says so
+  if (st) return true;
+  if (stream_capturing(stream)) {  // never compile inside a graph capture
+    if (!capture_falls_back()) return true;  // JIT asked for explicitly: the refusal says to warm up first
+    std::call_once(capture_said_, [&] {
+      std::fprintf(stderr,
+                   "encore: %s: a CUDA graph capture needed a JIT kernel not loaded yet; the graph records the ahead-of-time "
+                   "kernel (to capture the specialization, run the op once before capturing, or `encore jit warmup`)\n",
+                   name_.c_str());
+    });
+    return false;
+  }
   std::call_once(fallback_said_, [&] {
     std::fprintf(stderr, "encore: %s JIT failed, using the ahead-of-time kernels: %s\n", name_.c_str(), st.to_string().c_str());
   });

@@ -18,7 +18,7 @@
 
 namespace encore::jit {
 
-// kEnv reads ENCORE_JIT (unset / 0 off, 1 auto = JIT for shapes outside the AOT list, 2 / always =
+// kEnv reads ENCORE_JIT (0 off; unset or 1 auto = JIT for shapes outside the AOT list; 2 / always =
 // every shape); the others override it for the process (tests, bench).
 enum class JitPolicy { kEnv, kOff, kAuto, kAlways };
 
@@ -66,11 +66,13 @@ class Family {
   int64_t launch_count() const { return launches_.load(); }
 
   // The dispatcher's step after a JIT launch returned `st`: true when it must return `st` (the JIT
-  // kernel ran, or it was refused during a graph capture, whose message names `encore jit warmup`);
-  // false after a failure, printed once per family: run the ahead-of-time kernel.
+  // kernel ran, or it was refused during a graph capture under an explicit JIT policy, whose message
+  // names `encore jit warmup`); false after a failure, or a capture refusal under the default policy
+  // (ENCORE_JIT unset), each printed once per family: run the ahead-of-time kernel.
   bool handled(const Status& st, Stream stream);
 
  private:
+  bool capture_falls_back() const;  // policy kEnv with ENCORE_JIT unset (JitMode::kDefault)
   bool lookup(uint64_t key, int device, void** fn, Status* st, Origin* origin, double* ms);
   Status load(uint64_t key, int device, Stream stream, const KernelSpec& spec, void** fn, Origin* origin, double* ms);
 
@@ -78,6 +80,7 @@ class Family {
   std::atomic<JitPolicy> policy_{JitPolicy::kEnv};
   std::atomic<int64_t> launches_{0};
   std::once_flag fallback_said_;
+  std::once_flag capture_said_;
   std::mutex mu_;
   std::map<std::pair<uint64_t, int>, void*> functions_;
   std::map<std::pair<uint64_t, int>, Status> failures_;

@@ -1,6 +1,7 @@
 // The JIT RMSNorm on the GPU: the dispatcher's JIT path against the CPU reference and the
 // ahead-of-time kernels (bit-exact: same source, hidden size baked in), graph capture refusing to
-// compile, and the load time from a warm disk cache.
+// compile (explicit policy) or recording the AOT kernel (the default), and the load time from a warm
+// disk cache.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -133,6 +134,46 @@ TEST_F(JitGpu, GraphCaptureNeverCompiles) {
   HostTensor yc = y;
   ASSERT_TRUE(run(RmsNormArgs{x.view(), w.view(), yc.view()}, RmsNormOptions{}));
   ENCORE_EXPECT_CLOSE(y, yc, DType::kBF16, "y from the graph replay");
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+}
+
+// The default policy (ENCORE_JIT unset: auto): a capture that needs a specialization not loaded yet
+// records the ahead-of-time kernel (correct, not compiled, no error); outside a capture the same call
+// then compiles and runs the JIT kernel.
+TEST_F(JitGpu, DefaultPolicyCaptureRecordsTheAheadOfTimeKernel) {
+  if (std::getenv("ENCORE_JIT")) GTEST_SKIP() << "ENCORE_JIT is set: not the default policy";
+  const int64_t hidden = 4824;  // outside the AOT list, used by no other test
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  HostTensor x(DType::kBF16, 3, hidden), w = HostTensor::vector(DType::kBF16, hidden), y(DType::kBF16, 3, hidden);
+  auto rng = make_rng(11);
+  x.fill_normal(rng);
+  w.fill_normal(rng, 1.0, 0.2);
+  DeviceBuffer dx(x.storage_bytes()), dw(w.storage_bytes()), dy(y.storage_bytes());
+  const RmsNormArgs args{to_device(x, dx), to_device(w, dw), to_device(y, dy)};
+  norm::set_rms_norm_jit_policy(norm::JitPolicy::kEnv);
+  ASSERT_EQ(norm::rms_norm_jit_family().policy(), norm::JitPolicy::kAuto);
+  const int64_t before = norm::rms_norm_jit_launch_count();
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status st = run(args, RmsNormOptions{}, nullptr, s);
+  cudaGraph_t g = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  ASSERT_TRUE(st) << st.to_string();
+  EXPECT_EQ(norm::rms_norm_jit_launch_count(), before) << "the capture must record the AOT kernel, not compile";
+  cudaGraphExec_t ge = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dy.ptr, 0xff, y.storage_bytes()), cudaSuccess);  // poison: NaN bf16
+  ASSERT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  from_device(y, dy);
+  HostTensor yc = y;
+  ASSERT_TRUE(run(RmsNormArgs{x.view(), w.view(), yc.view()}, RmsNormOptions{}));
+  ENCORE_EXPECT_CLOSE(y, yc, DType::kBF16, "y from the graph replay (AOT kernel)");
+  ASSERT_TRUE(run(args, RmsNormOptions{}, nullptr, s));
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(norm::rms_norm_jit_launch_count(), before + 1) << "outside a capture the default compiles and runs the JIT kernel";
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);

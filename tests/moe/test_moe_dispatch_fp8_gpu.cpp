@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/common/aot_kernels.hpp"
 #include "tests/common/device_buffer.hpp"
 #include "tests/moe/fp8_dispatch_case.hpp"
 
@@ -19,7 +20,9 @@ class MoeDispatchFp8Gpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    pin_aot_kernels(true);
   }
+  void TearDown() override { pin_aot_kernels(false); }
 };
 
 // A device copy of each buffer of `h`, the arguments over them, and the copy back.

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "encore/moe.hpp"
+#include "tests/common/aot_kernels.hpp"
 #include "tests/common/device_buffer.hpp"
 #include "tests/common/scoped_env.hpp"
 
@@ -40,7 +41,9 @@ class MoeForwardGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    pin_aot_kernels(true);
   }
+  void TearDown() override { pin_aot_kernels(false); }
 };
 
 enum class Logits { kRandom, kTies, kAllToExpert0, kExpertLastEmpty };

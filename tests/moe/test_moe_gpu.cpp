@@ -19,6 +19,7 @@
 #include "moe/args.hpp"
 #include "moe/cuda/launch.hpp"
 #include "moe/problem.hpp"
+#include "tests/common/aot_kernels.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/common/device_buffer.hpp"
 
@@ -31,7 +32,9 @@ class MoeGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    pin_aot_kernels(true);
   }
+  void TearDown() override { pin_aot_kernels(false); }
 };
 
 void poison(HostTensor& h, unsigned char byte) { std::memset(h.bytes.data(), byte, h.bytes.size()); }

@@ -5,6 +5,7 @@
 
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
+#include "tests/common/aot_kernels.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/common/device_buffer.hpp"
 #include "norm/testing.hpp"
@@ -63,7 +64,9 @@ class QkNormGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    pin_aot_kernels(true);
   }
+  void TearDown() override { pin_aot_kernels(false); }
 };
 
 TEST_F(QkNormGpu, EveryKernelVariant) {

@@ -8,6 +8,7 @@
 
 #include "quant/testing.hpp"
 #include "encore/quant.hpp"
+#include "tests/common/aot_kernels.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/common/device_buffer.hpp"
 
@@ -91,7 +92,9 @@ class QuantGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    pin_aot_kernels(true);
   }
+  void TearDown() override { pin_aot_kernels(false); }
 };
 
 TEST_F(QuantGpu, HostPlanLayoutsAndDtypes) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "encore/quant.hpp"
+#include "tests/common/aot_kernels.hpp"
 #include "tests/common/device_buffer.hpp"
 
 namespace encore::test {
@@ -210,7 +211,9 @@ class MxQuantGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    pin_aot_kernels(true);
   }
+  void TearDown() override { pin_aot_kernels(false); }
 };
 
 const int64_t kShapes[][3] = {{1, 32, 0}, {4, 64, 8}, {37, 96, 0}, {129, 512, 16}, {300, 7168, 0}};
