@@ -14,7 +14,8 @@ namespace encore::bench {
 void run_norm_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
   const DeviceInfo* info = nullptr;
   if (!get_device_info(0, &info)) return;
-  const int64_t shapes[][2] = {{65536, 4096}, {8192, 4096}, {65536, 8192}, {64, 4096}, {1, 4096}, {65536, 5184}, {8192, 5184}};
+  const int64_t shapes[][2] = {{65536, 4096}, {8192, 4096}, {65536, 8192}, {64, 4096}, {1, 4096}, {65536, 5184}, {8192, 5184},
+                               {16384, 7168}, {16384, 6144}, {16384, 5120}, {16384, 3000}};
   void* weight = nullptr;
   check_cuda(cudaMalloc(&weight, 8192 * 2), "cudaMalloc (weight)");
   fill_random(weight, 8192, FillKind::kBF16, 7, stream);
