@@ -100,43 +100,61 @@ TEST_F(JitGpu, LaunchFromAFreshThread) {
   t.join();
 }
 
-TEST_F(JitGpu, GraphCaptureNeverCompiles) {
-  const int64_t hidden = 4808;  // used by no other test: not compiled in this process yet
+// One bf16 RMSNorm of `rows` x `hidden` on a non-blocking stream, for the capture tests: the op run
+// inside a capture (its status; the graph kept), and a graph replay on poisoned y against the CPU.
+struct CaptureCase {
+  HostTensor x, w, y;
+  DeviceBuffer dx, dw, dy;
+  RmsNormArgs args;
   cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  HostTensor x(DType::kBF16, 4, hidden), w = HostTensor::vector(DType::kBF16, hidden), y(DType::kBF16, 4, hidden);
-  auto rng = make_rng(5);
-  x.fill_normal(rng);
-  w.fill_normal(rng, 1.0, 0.2);
-  DeviceBuffer dx(x.storage_bytes()), dw(w.storage_bytes()), dy(y.storage_bytes());
-  RmsNormArgs args{to_device(x, dx), to_device(w, dw), to_device(y, dy)};
+  CaptureCase(int64_t rows, int64_t hidden, uint64_t seed)
+      : x(DType::kBF16, rows, hidden), w(HostTensor::vector(DType::kBF16, hidden)), y(DType::kBF16, rows, hidden),
+        dx(x.storage_bytes()), dw(w.storage_bytes()), dy(y.storage_bytes()) {
+    auto rng = make_rng(seed);
+    x.fill_normal(rng);
+    w.fill_normal(rng, 1.0, 0.2);
+    args = RmsNormArgs{to_device(x, dx), to_device(w, dw), to_device(y, dy)};
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  }
+  ~CaptureCase() { cudaStreamDestroy(s); }
+  Status run_op() { return run(args, RmsNormOptions{}, nullptr, s); }
+  Status captured(cudaGraph_t* g) {
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return Status::cuda_error("begin capture");
+    const Status st = run_op();
+    if (cudaStreamEndCapture(s, g) != cudaSuccess) ADD_FAILURE() << "cudaStreamEndCapture failed; the op said: " << st.to_string();
+    return st;
+  }
+  // Replays g (destroying it) on y poisoned with NaN and compares with the CPU reference.
+  void expect_replay_matches_cpu(cudaGraph_t g, const char* what) {
+    cudaGraphExec_t ge = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dy.ptr, 0xff, y.storage_bytes()), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    from_device(y, dy);
+    HostTensor yc = y;
+    ASSERT_TRUE(run(RmsNormArgs{x.view(), w.view(), yc.view()}, RmsNormOptions{}));
+    ENCORE_EXPECT_CLOSE(y, yc, DType::kBF16, what);
+  }
+};
+
+TEST_F(JitGpu, GraphCaptureNeverCompiles) {
+  CaptureCase c(4, 4808, 5);  // hidden 4808: used by no other test, not compiled in this process yet
   norm::set_rms_norm_jit_policy(norm::JitPolicy::kAlways);
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  Status st = run(args, RmsNormOptions{}, nullptr, s);
   cudaGraph_t g = nullptr;
-  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  Status st = c.captured(&g);
   if (g) cudaGraphDestroy(g);
   EXPECT_FALSE(st) << "a compile was allowed inside a graph capture";
   EXPECT_NE(st.message().find("encore jit warmup"), std::string::npos) << st.to_string();
   // Warm up outside the capture, then capturing works and replays correctly.
-  ASSERT_TRUE(run(args, RmsNormOptions{}, nullptr, s));
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  st = run(args, RmsNormOptions{}, nullptr, s);
-  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  ASSERT_TRUE(c.run_op());
+  ASSERT_EQ(cudaStreamSynchronize(c.s), cudaSuccess);
+  g = nullptr;
+  st = c.captured(&g);
   ASSERT_TRUE(st) << st.to_string();
-  cudaGraphExec_t ge = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dy.ptr, 0, y.storage_bytes()), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  from_device(y, dy);
-  HostTensor yc = y;
-  ASSERT_TRUE(run(RmsNormArgs{x.view(), w.view(), yc.view()}, RmsNormOptions{}));
-  ENCORE_EXPECT_CLOSE(y, yc, DType::kBF16, "y from the graph replay");
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  cudaStreamDestroy(s);
+  c.expect_replay_matches_cpu(g, "y from the graph replay");
 }
 
 // The default policy (ENCORE_JIT unset: auto): a capture that needs a specialization not loaded yet
@@ -144,39 +162,18 @@ TEST_F(JitGpu, GraphCaptureNeverCompiles) {
 // then compiles and runs the JIT kernel.
 TEST_F(JitGpu, DefaultPolicyCaptureRecordsTheAheadOfTimeKernel) {
   if (std::getenv("ENCORE_JIT")) GTEST_SKIP() << "ENCORE_JIT is set: not the default policy";
-  const int64_t hidden = 4824;  // outside the AOT list, used by no other test
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  HostTensor x(DType::kBF16, 3, hidden), w = HostTensor::vector(DType::kBF16, hidden), y(DType::kBF16, 3, hidden);
-  auto rng = make_rng(11);
-  x.fill_normal(rng);
-  w.fill_normal(rng, 1.0, 0.2);
-  DeviceBuffer dx(x.storage_bytes()), dw(w.storage_bytes()), dy(y.storage_bytes());
-  const RmsNormArgs args{to_device(x, dx), to_device(w, dw), to_device(y, dy)};
+  CaptureCase c(3, 4824, 11);  // hidden 4824: outside the AOT list, used by no other test
   norm::set_rms_norm_jit_policy(norm::JitPolicy::kEnv);
   ASSERT_EQ(norm::rms_norm_jit_family().policy(), norm::JitPolicy::kAuto);
   const int64_t before = norm::rms_norm_jit_launch_count();
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const Status st = run(args, RmsNormOptions{}, nullptr, s);
   cudaGraph_t g = nullptr;
-  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  const Status st = c.captured(&g);
   ASSERT_TRUE(st) << st.to_string();
   EXPECT_EQ(norm::rms_norm_jit_launch_count(), before) << "the capture must record the AOT kernel, not compile";
-  cudaGraphExec_t ge = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dy.ptr, 0xff, y.storage_bytes()), cudaSuccess);  // poison: NaN bf16
-  ASSERT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  from_device(y, dy);
-  HostTensor yc = y;
-  ASSERT_TRUE(run(RmsNormArgs{x.view(), w.view(), yc.view()}, RmsNormOptions{}));
-  ENCORE_EXPECT_CLOSE(y, yc, DType::kBF16, "y from the graph replay (AOT kernel)");
-  ASSERT_TRUE(run(args, RmsNormOptions{}, nullptr, s));
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  c.expect_replay_matches_cpu(g, "y from the graph replay (AOT kernel)");
+  ASSERT_TRUE(c.run_op());
+  ASSERT_EQ(cudaStreamSynchronize(c.s), cudaSuccess);
   EXPECT_EQ(norm::rms_norm_jit_launch_count(), before + 1) << "outside a capture the default compiles and runs the JIT kernel";
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  cudaStreamDestroy(s);
 }
 
 TEST_F(JitGpu, ColdCompileAndWarmDiskLoadTimes) {
