@@ -134,7 +134,9 @@ Status Family::launch(void* fn, long long grid, int block, int device, Stream st
 bool Family::handled(const Status& st, Stream stream) {
   if (st) return true;
   if (stream_capturing(stream)) {  // never compile inside a graph capture
-    if (!capture_falls_back()) return true;  // JIT asked for explicitly: the refusal says to warm up first
+    // Under the default policy the refusal (nothing enqueued yet) falls back; any other failure, or
+    // JIT asked for explicitly (the refusal says to warm up first), is returned.
+    if (!capture_falls_back() || !is_capture_refusal(st)) return true;
     std::call_once(capture_said_, [&] {
       std::fprintf(stderr,
                    "encore: %s: a CUDA graph capture needed a JIT kernel not loaded yet; the graph records the ahead-of-time "

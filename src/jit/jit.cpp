@@ -145,6 +145,10 @@ Status device_arch(int device, std::string* arch) {
 #endif
 }
 
+bool is_capture_refusal(const Status& st) {
+  return st.code() == StatusCode::kUnsupported && st.message().find(kCaptureRefusal) != std::string::npos;
+}
+
 bool stream_capturing(Stream stream) {
 #ifdef ENCORE_WITH_CUDA
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
@@ -177,7 +181,7 @@ Status Jit::get_function(const KernelSpec& spec, int device, Stream stream, void
     }
   }
   if (stream_capturing(stream))
-    return Status::unsupported("jit: kernel " + spec.name + " is not loaded and the stream is capturing a CUDA graph; "
+    return Status::unsupported("jit: kernel " + spec.name + kCaptureRefusal + "; "
                                "compile before capture: run the op once outside the capture, or `encore jit warmup`");
   std::shared_ptr<const Cubin> cubin;
   Origin o = Origin::kMemory;

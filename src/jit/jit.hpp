@@ -79,6 +79,9 @@ class Jit {
 Status device_arch(int device, std::string* arch);
 // Whether `stream` is capturing a CUDA graph (false without CUDA).
 bool stream_capturing(Stream stream);
+// get_function's refusal of a kernel not loaded while its stream captures (nothing was enqueued).
+inline constexpr const char* kCaptureRefusal = " is not loaded and the stream is capturing a CUDA graph";
+bool is_capture_refusal(const Status& st);
 // cuLaunchKernel through the driver entry point (no link against libcuda).
 Status launch(void* function, unsigned grid, unsigned block, unsigned smem, Stream stream, void** args);
 

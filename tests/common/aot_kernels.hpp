@@ -1,6 +1,6 @@
-// The ahead-of-time suites' JIT pin: their fixtures run every JIT family's dispatcher on the
-// ahead-of-time kernels (JIT is on by default for shapes outside the AOT lists); tests/jit covers the
-// JIT path against these kernels and the CPU reference.
+// The JIT pin of the ahead-of-time GPU suites of the JIT families (norm, quant, MoE): their fixtures
+// run every JIT family's dispatcher on the ahead-of-time kernels (JIT is on by default for shapes
+// outside the AOT lists); tests/jit covers the JIT path against these kernels and the CPU reference.
 #pragma once
 #include "moe/jit.hpp"
 #include "norm/jit.hpp"

@@ -20,6 +20,7 @@
 #include "jit/warmup.hpp"
 #include "norm/jit.hpp"
 #include "quant/jit.hpp"
+#include "tests/common/scoped_env.hpp"
 
 namespace encore::jit {
 namespace {
@@ -178,6 +179,26 @@ TEST(JitCache, ConcurrentWritersThreadsAndProcesses) {
   for (const auto& e : fs::directory_iterator(dir))
     EXPECT_EQ(e.path().filename().string().rfind(".tmp", 0), std::string::npos) << "temporary left: " << e.path();
   fs::remove_all(dir);
+}
+
+// ENCORE_JIT: unset is the default (auto, with the capture fallback), 0 / off off, 1 / auto / on auto,
+// 2 / always always, anything else off; and the capture refusal is recognized (what Family::handled
+// falls back on), other statuses are not.
+TEST(JitCache, ModeFromEnvironmentAndCaptureRefusal) {
+  test::ScopedEnv env("ENCORE_JIT");
+  unsetenv("ENCORE_JIT");
+  EXPECT_EQ(mode_from_env(), JitMode::kDefault);
+  const std::pair<const char*, JitMode> cases[] = {{"", JitMode::kDefault}, {"0", JitMode::kOff},    {"off", JitMode::kOff},
+                                                   {"1", JitMode::kAuto},   {"auto", JitMode::kAuto}, {"on", JitMode::kAuto},
+                                                   {"2", JitMode::kAlways}, {"always", JitMode::kAlways}, {"bogus", JitMode::kOff}};
+  for (const auto& [value, mode] : cases) {
+    setenv("ENCORE_JIT", value, 1);
+    EXPECT_EQ(mode_from_env(), mode) << "ENCORE_JIT=" << value;
+  }
+  EXPECT_TRUE(is_capture_refusal(Status::unsupported(std::string("jit: kernel k") + kCaptureRefusal + "; warm up")));
+  EXPECT_FALSE(is_capture_refusal(Status::unsupported("jit: NVRTC is not available")));
+  EXPECT_FALSE(is_capture_refusal(Status::cuda_error(std::string("x") + kCaptureRefusal)));
+  EXPECT_FALSE(is_capture_refusal(Status::ok()));
 }
 
 TEST(JitCache, RmsNormPolicyAndVariants) {

@@ -120,9 +120,10 @@ __device__ __forceinline__ uint32_t f32_ru_bits(double v) {
 // fp32 bounds k[i] (as bit patterns, the ">=" ones minus 1) and per element the magnitude code
 // m = #{i : bits(|x|) > k[i]}. T = t + delta (t the midpoint, delta = +-2^-22 .. 2^-26), so T d is
 // one fused multiply-add t * d + delta * d rounded once (RD / RU), exact when delta * d is (d >=
-// 2^-100: normal); below that the product in fp64 (exact: 25 + 24 significant bits). d may be +inf
-// (all bounds inf or FLT_MAX: every code 0). The bounds are non-decreasing (T d increasing, RD(a) <
-// RU(b) - 1 ulp + 1 ulp for a < b), so the count is a 3-level search.
+// 2^-100: normal); below that the product in fp64 (exact: 25 + 24 significant bits). d is finite and
+// positive (d ~ amax / 6 <= FLT_MAX / 6 since g is finite; d = 0 skips the codes). The bounds are
+// non-decreasing (T d increasing, RD(a) < RU(b) - 1 ulp + 1 ulp for a < b), so the count is a
+// 3-level search.
 struct E2m1Bounds {
   uint32_t k[7];
 };
