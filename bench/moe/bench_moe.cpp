@@ -140,19 +140,25 @@ void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
       const double weight_bytes = double(touched) * 3.0 * double(s.F) * double(s.D) * 2.0;
       const double floor_us = report.ceilings.copy_gbps > 0 ? weight_bytes / (report.ceilings.copy_gbps * 1e3) : 0.0;
       // The expert-compute paths (environment read at every call): the grouped GEMMs with the SwiGLU in a
-      // row kernel or in the up GEMM's epilogue, and the decode GEMV where it applies (T <= 16).
+      // row kernel or in the up GEMM's epilogue, each also with the cooperative GEMMs on 128x256 tiles
+      // (from T 64), and the decode GEMV where it applies (T <= 16).
       struct Path {
-        const char *name, *fused, *decode, *version;
+        const char *name, *fused, *decode, *tile, *version;
       };
       const Path paths[] = {
-          {"unfused", "0", "0", "ptr-array grouped GEMMs 128x128: gate/up (coop) + SwiGLU row kernel, down (coop)"},
-          {"fused", "1", "0", "ptr-array grouped GEMMs 128x128: gate (coop) + up with the SwiGLU epilogue (ping-pong), down (coop)"},
-          {"decode", "0", "1", "decode GEMV: weight-streaming kernels over the active experts' staged rows"},
+          {"unfused", "0", "0", "128x128", "ptr-array grouped GEMMs 128x128: gate/up (coop) + SwiGLU row kernel, down (coop)"},
+          {"fused", "1", "0", "128x128", "ptr-array grouped GEMMs 128x128: gate (coop) + up with the SwiGLU epilogue (ping-pong), down (coop)"},
+          {"unfused_wide", "0", "0", "128x256", "ptr-array grouped GEMMs: gate/up (coop 128x256) + SwiGLU row kernel, down (coop 128x256)"},
+          {"fused_wide", "1", "0", "128x256",
+           "ptr-array grouped GEMMs: gate (coop 128x256) + up with the SwiGLU epilogue (ping-pong 128x128), down (coop 128x256)"},
+          {"decode", "0", "1", "128x128", "decode GEMV: weight-streaming kernels over the active experts' staged rows"},
       };
       for (const Path& path : paths) {
         setenv("ENCORE_MOE_FUSED_SWIGLU", path.fused, 1);
         setenv("ENCORE_MOE_DECODE", path.decode, 1);
+        setenv("ENCORE_MOE_GEMM_TILE", path.tile, 1);
         if (std::string(path.name) == "decode" && !moe::moe_decode_gemv(T, s.D, s.F)) continue;  // T > 16, or its rows do not fit
+        if (std::string(path.tile) == "128x256" && T < 64) continue;
         Timing t = time_launches([&](long long) { check_status(run(a, mc.o, nullptr, stream), "moe_forward"); }, stream, topts, 1);
         Record r;
         r.suite = "moe";
@@ -163,11 +169,12 @@ void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
         r.metrics = {{"time_us", t.median_us}, {"gemm_tflops", flops / (t.median_us * 1e6)}, {"experts_touched", double(touched)},
                      {"weight_floor_us", floor_us}};
         report.records.push_back(r);
-        std::printf("  moe_forward %-17s T %6lld %-8s %10.1f us  %6.1f TFLOP/s  experts %3d  weight floor %8.1f us\n", s.name, (long long)T,
+        std::printf("  moe_forward %-17s T %6lld %-12s %10.1f us  %6.1f TFLOP/s  experts %3d  weight floor %8.1f us\n", s.name, (long long)T,
                     path.name, t.median_us, flops / (t.median_us * 1e6), touched, floor_us);
         std::fflush(stdout);
       }
       unsetenv("ENCORE_MOE_FUSED_SWIGLU");
+      unsetenv("ENCORE_MOE_GEMM_TILE");
       unsetenv("ENCORE_MOE_DECODE");
       // Dispatch and combine alone, on the buffers as moe_forward uses them (row_slots / x_permuted of
       // the buffers' R rows).

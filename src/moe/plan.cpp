@@ -41,6 +41,11 @@ bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate) {
   return tokens >= 1 && tokens <= max_rows && tokens * std::max(hidden, intermediate) * 2 <= kDecodeMaxSmem;
 }
 
+bool moe_wide_tile() {
+  const char* v = std::getenv("ENCORE_MOE_GEMM_TILE");
+  return v != nullptr && std::string(v) == "128x256";
+}
+
 bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count) {
   const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU");
   if (v != nullptr && *v != '\0' && std::string(v) != "auto") return std::string(v) != "0";

@@ -114,6 +114,7 @@ struct ExpertGemmProblem {
   int64_t rows_bound = 0;  // rows that may be in use this call: moe_permuted_rows(T, k, E, align_m)
   int sm_count = 0;
   bool fused_swiglu = false;  // moe_fused_swiglu(...)
+  bool wide_tile = false;     // moe_wide_tile(): gate / gate-up and down on 128x256 tiles
 };
 
 // Which SwiGLU path a call takes (plan.cpp). ENCORE_MOE_FUSED_SWIGLU, read at every call: "0" the
@@ -138,6 +139,12 @@ constexpr int kDecodeMaxRows = 16;
 constexpr int64_t kDecodeMaxSmem = 96 * 1024;
 bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate);
 bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count);
+// The cooperative grouped GEMMs' tile (a measurement switch until the H200 says when each wins):
+// ENCORE_MOE_GEMM_TILE, read at every call: "128x256" the 128 x 256 x 64 tile (two consumer
+// warpgroups of 64 x 256) for the gate (or unfused gate/up) and down GEMMs; unset, empty or
+// "128x128" the 128 x 128 x 64 tile; anything else 128x128. The fused up + SwiGLU GEMM keeps its
+// 128 x 128 ping-pong tile.
+bool moe_wide_tile();
 
 // One grouped GEMM D_e = A_e . B_e^T (+ C_e) over the expert blocks, as element offsets from each
 // operand's base: A_e and C_e, D_e start at row offsets[e] (row strides lda, ldc, ldd), B_e at

@@ -282,6 +282,24 @@ TEST_F(MoeForwardGpu, MatchesCpu) {
     }
 }
 
+// The cooperative GEMMs on 128x256 tiles (ENCORE_MOE_GEMM_TILE=128x256): the same checks on both
+// SwiGLU paths, N below, at and above one 256-column tile (D 64 / 96, F 768, 2F 1536).
+TEST_F(MoeForwardGpu, WideTileMatchesCpu) {
+  const ScopedEnv tile("ENCORE_MOE_GEMM_TILE", "128x256");
+  const ForwardCase cases[] = {
+      {"empty_expert", 64, 128, 64, 8, 2, 8, Logits::kExpertLastEmpty},
+      {"t37", 37, 96, 40, 16, 4, 1, Logits::kRandom},
+      {"t1000", 1000, 64, 32, 32, 4, 16, Logits::kRandom},
+      {"align1_many_experts", 300, 64, 64, 128, 8, 1, Logits::kRandom},
+      {"t333_f768_align128_empty_expert", 333, 256, 768, 8, 4, 128, Logits::kExpertLastEmpty},
+  };
+  for (const ForwardCase& c : cases)
+    for (Path path : {Path::kUnfused, Path::kFused}) {
+      run_forward_case(c, path);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+}
+
 // The decode GEMV (decode_mlp.cu) at the sizes it takes (T <= 16): the same checks, padding rows zero,
 // reruns bit-identical; Qwen3-30B-A3B's layer at T 1 and 4, a DeepSeek-V3-like hidden size (7168,
 // F 2048) with fewer experts, E = 1, k = E, all tokens to one expert, ties, align_m 1 / 16 / 128.

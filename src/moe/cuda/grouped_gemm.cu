@@ -21,7 +21,7 @@
 // 16-byte aligned (TMA). Padding rows of x_permuted are zero, so their h, act and y rows are zero
 // (finite weights). Rows past offsets[E] are not touched.
 // Kernels: gate/up and down on the cooperative 128x128x64 tile (two consumer warpgroups, 64 rows
-// each); the fused up GEMM on the ping-pong 128x128x64 tile (one warpgroup per tile, so one
+// each), or 128x256x64 with p.wide_tile (moe::moe_wide_tile); the fused up GEMM on the ping-pong 128x128x64 tile (one warpgroup per tile, so one
 // warpgroup's silu epilogue overlaps the other's mainloop). Cluster 1x1; stages: what remains of
 // shared memory after the epilogue's (StageCountAutoCarveout).
 // Launch: a one-block kernel writes each GEMM's per-group problem shapes, A / B / C / D pointers and
@@ -89,13 +89,13 @@ struct Pingpong {
 };
 
 // One bf16 grouped GEMM D_g = program(A_g . B_g^T, C_g) (A_g [M_g, K] row-major, B_g [N, K] K-major),
-// D of TOut, C of TC (void: none).
-template <class TOut, class TC, class Program, class Schedule>
+// D of TOut, C of TC (void: none), on Tile.
+template <class TOut, class TC, class Program, class Schedule, class Tile = Shape<_128, _128, _64>>
 struct GroupedGemm {
   using T = Bf16;
   using Out = TOut;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  using TileShape = Shape<_128, _128, _64>;
+  using TileShape = Tile;
   using ClusterShape = Shape<_1, _1, _1>;
   static constexpr int kAlign = 16 / sizeof(T);
   static constexpr int kAlignOut = 16 / sizeof(TOut);
@@ -124,6 +124,9 @@ struct GroupedGemm {
 using GateUpGemm = GroupedGemm<float, void, StoreAcc<float>, Cooperative>;  // gate (N = F) or the unfused gate/up (N = 2F)
 using UpSwigluGemm = GroupedGemm<Bf16, float, StoreSiluMul, Pingpong>;      // up (N = F), C = gate, D = act
 using DownGemm = GroupedGemm<Bf16, void, StoreAcc<Bf16>, Cooperative>;
+using Wide = Shape<_128, _256, _64>;
+using GateUpGemmWide = GroupedGemm<float, void, StoreAcc<float>, Cooperative, Wide>;
+using DownGemmWide = GroupedGemm<Bf16, void, StoreAcc<Bf16>, Cooperative, Wide>;
 
 // Per-group arrays of one GEMM in the workspace.
 template <class G>
@@ -221,8 +224,13 @@ GroupArrays<G> carve(Carver& c, int E) {
   return g;
 }
 
-template <class G>
-typename G::Gemm::Arguments arguments(const GroupArrays<G>& g, int E, int device, int sm_count) {
+// G's arguments over the arrays filled for A, a GEMM of the same operand types on another tile (the
+// arrays' types do not depend on the tile).
+template <class G, class A>
+typename G::Gemm::Arguments arguments(const GroupArrays<A>& g, int E, int device, int sm_count) {
+  static_assert(std::is_same_v<typename G::Shape3, typename A::Shape3> && std::is_same_v<typename G::StrideA, typename A::StrideA> &&
+                std::is_same_v<typename G::StrideB, typename A::StrideB> && std::is_same_v<typename G::StrideC, typename A::StrideC> &&
+                std::is_same_v<typename G::StrideD, typename A::StrideD> && std::is_same_v<typename G::Out, typename A::Out>);
   using TOut = typename G::Out;
   using TC = typename G::CollectiveEpilogue::ElementC;
   cutlass::KernelHardwareInfo hw;
@@ -286,14 +294,17 @@ Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index
   if (e != cudaSuccess) return Status::cuda_error(std::string("moe grouped gemm: group fill launch: ") + cudaGetErrorString(e));
 
   const size_t ws = moe::kGroupedGemmCutlassBytes;
+  // The gate (or gate/up) GEMM on the chosen tile, over g_gate's arrays.
+  auto gate = [&](const char* name) {
+    return p.wide_tile ? run_grouped<GateUpGemmWide>(arguments<GateUpGemmWide>(g_gate, E, device_index, p.sm_count), cutlass_ws[0], ws, s, name)
+                       : run_grouped<GateUpGemm>(arguments<GateUpGemm>(g_gate, E, device_index, p.sm_count), cutlass_ws[0], ws, s, name);
+  };
   if (p.fused_swiglu) {
-    ENCORE_RETURN_IF_ERROR(
-        run_grouped<GateUpGemm>(arguments(g_gate, E, device_index, p.sm_count), cutlass_ws[0], ws, s, "moe gate grouped gemm"));
-    ENCORE_RETURN_IF_ERROR(run_grouped<UpSwigluGemm>(arguments(g_up, E, device_index, p.sm_count), cutlass_ws[1], ws, s,
+    ENCORE_RETURN_IF_ERROR(gate("moe gate grouped gemm"));
+    ENCORE_RETURN_IF_ERROR(run_grouped<UpSwigluGemm>(arguments<UpSwigluGemm>(g_up, E, device_index, p.sm_count), cutlass_ws[1], ws, s,
                                                      "moe up + swiglu grouped gemm"));
   } else {
-    ENCORE_RETURN_IF_ERROR(
-        run_grouped<GateUpGemm>(arguments(g_gate, E, device_index, p.sm_count), cutlass_ws[0], ws, s, "moe gate/up grouped gemm"));
+    ENCORE_RETURN_IF_ERROR(gate("moe gate/up grouped gemm"));
     const long long cap = 8LL * (p.sm_count > 0 ? p.sm_count : 132);
     const unsigned grid = unsigned(p.rows_bound < cap ? p.rows_bound : cap);
     swiglu_rows_kernel<<<grid, 256, 0, s>>>(p.gate_up, p.gate_up_stride, static_cast<__nv_bfloat16*>(m.act), m.act_stride, m.offsets, E, F,
@@ -301,7 +312,9 @@ Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index
     e = cudaGetLastError();
     if (e != cudaSuccess) return Status::cuda_error(std::string("moe swiglu launch: ") + cudaGetErrorString(e));
   }
-  return run_grouped<DownGemm>(arguments(g_down, E, device_index, p.sm_count), cutlass_ws[2], ws, s, "moe down grouped gemm");
+  if (p.wide_tile)
+    return run_grouped<DownGemmWide>(arguments<DownGemmWide>(g_down, E, device_index, p.sm_count), cutlass_ws[2], ws, s, "moe down grouped gemm");
+  return run_grouped<DownGemm>(arguments<DownGemm>(g_down, E, device_index, p.sm_count), cutlass_ws[2], ws, s, "moe down grouped gemm");
 }
 
 }  // namespace encore::cuda
