@@ -14,6 +14,7 @@ encore alone for a profile without fla's minutes of Triton autotuning; encore an
 tensor-core backward kernels, ENCORE_KDA_BWD_SIMT=0, encore_simt* the first SIMT ones, =1)."""
 import os
 import statistics
+import time
 import sys
 
 import torch
@@ -110,11 +111,14 @@ def main(out):
         tokens = sum(lens) if lens else B * 8192
         runs = {who: [] for who in whos}
         grads = {}
-        for _ in range(ROUNDS):
+        for rnd in range(ROUNDS):
             for who in list(runs):
                 try:
+                    t0 = time.perf_counter()
                     r, grads[who] = measure(who, t, cot, cu)
                     runs[who].append(r)
+                    print(f"  [{name} round {rnd + 1}/{ROUNDS}] {who}: bwd {r['bwd_gpu_kernel_ms']:.3f} ms "
+                          f"({time.perf_counter() - t0:.1f} s with warm-up)", flush=True)
                 except Exception as e:  # noqa: BLE001 (an encore failure must not cost fla's numbers; reported)
                     res[f"kda_train_{who}_{name}_error"] = repr(e)
                     print(f"  {name} {who} failed: {e!r}", flush=True)
