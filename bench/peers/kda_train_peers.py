@@ -14,8 +14,8 @@ encore alone for a profile without fla's minutes of Triton autotuning; encore an
 tensor-core backward kernels, ENCORE_KDA_BWD_SIMT=0, encore_simt* the first SIMT ones, =1)."""
 import os
 import statistics
-import time
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
