@@ -128,6 +128,18 @@ TEST(MoeExpertGemmSpecs, FusedSwigluSwitchIsReadPerCall) {
   EXPECT_FALSE(moe::moe_fused_swiglu(16384, 8, 256, 2048, 132));
 }
 
+TEST(MoeExpertGemmSpecs, GemmTileSwitchIsReadPerCall) {
+  ScopedEnv guard("ENCORE_MOE_GEMM_TILE");
+  unsetenv("ENCORE_MOE_GEMM_TILE");
+  EXPECT_FALSE(moe::moe_wide_tile()) << "the default: 128x128";
+  for (const char* v : {"", "128x128", "256x128", "wide"}) {
+    setenv("ENCORE_MOE_GEMM_TILE", v, 1);
+    EXPECT_FALSE(moe::moe_wide_tile()) << v;
+  }
+  setenv("ENCORE_MOE_GEMM_TILE", "128x256", 1);
+  EXPECT_TRUE(moe::moe_wide_tile());
+}
+
 TEST(MoeExpertGemmSpecs, DecodeGemvSwitchIsReadPerCall) {
   ScopedEnv guard("ENCORE_MOE_DECODE");
   unsetenv("ENCORE_MOE_DECODE");  // the default: T <= 4
