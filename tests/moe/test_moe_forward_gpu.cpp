@@ -262,19 +262,9 @@ void run_forward_case(const ForwardCase& c, Path path, ForwardRun* keep = nullpt
   if (keep != nullptr) *keep = ForwardRun{g_h, g_act, g_y, gout, used};
 }
 
-TEST_F(MoeForwardGpu, MatchesCpu) {
-  const ForwardCase cases[] = {
-      {"empty_expert", 64, 128, 64, 8, 2, 8, Logits::kExpertLastEmpty},
-      {"all_to_expert0", 50, 64, 32, 8, 2, 16, Logits::kAllToExpert0},
-      {"ties", 40, 64, 48, 12, 3, 8, Logits::kTies},
-      {"one_token", 1, 128, 64, 16, 4, 128, Logits::kRandom},
-      {"t37", 37, 96, 40, 16, 4, 1, Logits::kRandom},
-      {"t1000", 1000, 64, 32, 32, 4, 16, Logits::kRandom},
-      {"e1", 33, 64, 56, 1, 1, 8, Logits::kRandom},
-      {"k_equals_e", 20, 64, 32, 4, 4, 128, Logits::kRandom},
-      {"align1_many_experts", 300, 64, 64, 128, 8, 1, Logits::kRandom},
-      {"qwen3_t4", 4, 2048, 768, 128, 8, 16, Logits::kRandom},
-  };
+// Every case on the unfused and the fused SwiGLU path, stopping at the first fatal failure.
+template <size_t N>
+void run_on_both_swiglu_paths(const ForwardCase (&cases)[N]) {
   for (const ForwardCase& c : cases)
     for (Path path : {Path::kUnfused, Path::kFused}) {
       run_forward_case(c, path);
@@ -282,22 +272,29 @@ TEST_F(MoeForwardGpu, MatchesCpu) {
     }
 }
 
+// MatchesCpu's cases (WideTileMatchesCpu runs them again on the other tile).
+const ForwardCase kCpuCases[] = {
+    {"empty_expert", 64, 128, 64, 8, 2, 8, Logits::kExpertLastEmpty},
+    {"all_to_expert0", 50, 64, 32, 8, 2, 16, Logits::kAllToExpert0},
+    {"ties", 40, 64, 48, 12, 3, 8, Logits::kTies},
+    {"one_token", 1, 128, 64, 16, 4, 128, Logits::kRandom},
+    {"t37", 37, 96, 40, 16, 4, 1, Logits::kRandom},
+    {"t1000", 1000, 64, 32, 32, 4, 16, Logits::kRandom},
+    {"e1", 33, 64, 56, 1, 1, 8, Logits::kRandom},
+    {"k_equals_e", 20, 64, 32, 4, 4, 128, Logits::kRandom},
+    {"align1_many_experts", 300, 64, 64, 128, 8, 1, Logits::kRandom},
+    {"qwen3_t4", 4, 2048, 768, 128, 8, 16, Logits::kRandom},
+};
+
+TEST_F(MoeForwardGpu, MatchesCpu) { run_on_both_swiglu_paths(kCpuCases); }
+
 // The cooperative GEMMs on 128x256 tiles (ENCORE_MOE_GEMM_TILE=128x256): the same checks on both
-// SwiGLU paths, N below, at and above one 256-column tile (D 64 / 96, F 768, 2F 1536).
+// SwiGLU paths, N below, at and above one 256-column tile (D 64 / 96 / 2048, F 768, 2F 1536).
 TEST_F(MoeForwardGpu, WideTileMatchesCpu) {
   const ScopedEnv tile("ENCORE_MOE_GEMM_TILE", "128x256");
-  const ForwardCase cases[] = {
-      {"empty_expert", 64, 128, 64, 8, 2, 8, Logits::kExpertLastEmpty},
-      {"t37", 37, 96, 40, 16, 4, 1, Logits::kRandom},
-      {"t1000", 1000, 64, 32, 32, 4, 16, Logits::kRandom},
-      {"align1_many_experts", 300, 64, 64, 128, 8, 1, Logits::kRandom},
-      {"t333_f768_align128_empty_expert", 333, 256, 768, 8, 4, 128, Logits::kExpertLastEmpty},
-  };
-  for (const ForwardCase& c : cases)
-    for (Path path : {Path::kUnfused, Path::kFused}) {
-      run_forward_case(c, path);
-      if (::testing::Test::HasFatalFailure()) return;
-    }
+  run_on_both_swiglu_paths(kCpuCases);
+  const ForwardCase f768[] = {{"t333_f768_align128_empty_expert", 333, 256, 768, 8, 4, 128, Logits::kExpertLastEmpty}};
+  run_on_both_swiglu_paths(f768);
 }
 
 // The decode GEMV (decode_mlp.cu) at the sizes it takes (T <= 16): the same checks, padding rows zero,
