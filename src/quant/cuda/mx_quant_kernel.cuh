@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "common/cuda/fp8_pack.cuh"
+#include "common/cuda/vector_io.cuh"
 #include "core/fast_div.hpp"
 #include "quant/fp8_scale.hpp"
 
@@ -55,28 +56,47 @@ __device__ __forceinline__ int64_t mx_scale_offset(const MxParams& p, int64_t ro
   return p.swizzled ? quant::mx_swizzled_offset(row, col, p.scale_cols) : row * p.scale_stride + col;
 }
 
-// 8 consecutive elements as fp32 bit patterns (conversions exact), by 16-byte streaming loads.
+// 8 consecutive 16-bit elements (one 16-byte word group) as fp32 bit patterns (conversions exact).
+template <typename T>
+__device__ __forceinline__ void unit_bits16(const uint4& a, uint32_t (&b)[8]) {
+  const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      b[2 * i] = w[i] << 16;
+      b[2 * i + 1] = w[i] & 0xffff0000u;
+    } else {
+      __half2 h;
+      *reinterpret_cast<uint32_t*>(&h) = w[i];
+      const float2 f = __half22float2(h);
+      b[2 * i] = __float_as_uint(f.x);
+      b[2 * i + 1] = __float_as_uint(f.y);
+    }
+  }
+}
+
+// 8 consecutive elements as fp32 bit patterns, by streaming loads (fp32: 32 bytes, one 256-bit load
+// on sm_100+ where 32-byte aligned, else two 128-bit ones; bf16 / fp16: one 128-bit load).
 template <typename T>
 __device__ __forceinline__ void load_unit_bits(const T* src, uint32_t (&b)[8]) {
   if constexpr (std::is_same_v<T, float>) {
-    const uint4 a = __ldcs(reinterpret_cast<const uint4*>(src)), c = __ldcs(reinterpret_cast<const uint4*>(src) + 1);
-    b[0] = a.x, b[1] = a.y, b[2] = a.z, b[3] = a.w, b[4] = c.x, b[5] = c.y, b[6] = c.z, b[7] = c.w;
+    const Bits256 v = load_global_32_once(src);
+    b[0] = v.lo.x, b[1] = v.lo.y, b[2] = v.lo.z, b[3] = v.lo.w, b[4] = v.hi.x, b[5] = v.hi.y, b[6] = v.hi.z, b[7] = v.hi.w;
   } else {
-    const uint4 a = __ldcs(reinterpret_cast<const uint4*>(src));
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        b[2 * i] = w[i] << 16;
-        b[2 * i + 1] = w[i] & 0xffff0000u;
-      } else {
-        __half2 h;
-        *reinterpret_cast<uint32_t*>(&h) = w[i];
-        const float2 f = __half22float2(h);
-        b[2 * i] = __float_as_uint(f.x);
-        b[2 * i + 1] = __float_as_uint(f.y);
-      }
-    }
+    unit_bits16<T>(__ldcs(reinterpret_cast<const uint4*>(src)), b);
+  }
+}
+
+// Two consecutive units (16 elements: an NVFP4 block): bf16 / fp16 as one 32-byte access.
+template <typename T>
+__device__ __forceinline__ void load_block16_bits(const T* src, uint32_t (&b0)[8], uint32_t (&b1)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    load_unit_bits(src, b0);
+    load_unit_bits(src + 8, b1);
+  } else {
+    const Bits256 v = load_global_32_once(src);
+    unit_bits16<T>(v.lo, b0);
+    unit_bits16<T>(v.hi, b1);
   }
 }
 
@@ -226,8 +246,7 @@ __global__ void __launch_bounds__(256) nvfp4_quant_kernel(MxParams p) {
   mx_split_unit<kUnitsPerRow>(p, u, row, cu);
   const T* src = static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8;
   uint32_t b0[8], b1[8];
-  load_unit_bits(src, b0);
-  load_unit_bits(src + 8, b1);
+  load_block16_bits(src, b0, b1);
   const uint32_t amax = max(abs_max_bits(b0), abs_max_bits(b1));
   const float g = p.global_in ? *p.global_in : p.global_value;
   if (p.global_out && u == 0) *p.global_out = g;
@@ -280,8 +299,7 @@ __device__ __forceinline__ void store_unit(O* dst, const float (&v)[8]) {
     uint32_t w[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) w[i] = v[i] != v[i] ? 0x7fc00000u : __float_as_uint(v[i]);
-    __stcs(reinterpret_cast<uint4*>(dst), make_uint4(w[0], w[1], w[2], w[3]));
-    __stcs(reinterpret_cast<uint4*>(dst) + 1, make_uint4(w[4], w[5], w[6], w[7]));
+    store_global_32_once(dst, Bits256{make_uint4(w[0], w[1], w[2], w[3]), make_uint4(w[4], w[5], w[6], w[7])});
   } else {
     uint32_t w[4];
 #pragma unroll
