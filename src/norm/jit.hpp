@@ -20,7 +20,7 @@ namespace encore::norm {
 struct RmsNormJitVariant {
   DType dtype = DType::kBF16;
   int64_t hidden = 0;
-  int vec_elems = 1;  // 16 / element size, or 1
+  int vec_elems = 1;  // 16 / element size, 32 / element size (sm_100+ plans), or 1
   int cached = 0;     // kCached: 0, 1, 2, 4, 8
   bool add = false;
   int warps_per_row = 0;  // kWarpsPerRow: the launch plan's team size in warps (0: read at run time)
@@ -41,7 +41,8 @@ void set_rms_norm_jit_policy(JitPolicy policy);
 bool rms_norm_uses_jit(int64_t hidden);
 
 // The variants the launch plan can pick for (dtype, hidden, add) over batch sizes 1 .. 2^20 on a
-// device with `sm_count` SMs (vectorized when hidden allows): what `encore jit warmup` compiles.
+// device with `sm_count` SMs (vectorized when hidden allows; with the 32-byte-pack forms the
+// dispatcher takes on sm_100+): what `encore jit warmup` compiles.
 std::vector<RmsNormJitVariant> rms_norm_jit_variants(DType dtype, int64_t hidden, bool add, int sm_count);
 
 // Compiles (or finds in a cache) one variant. device >= 0: also loads it on that device (the

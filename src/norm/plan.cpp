@@ -1,4 +1,7 @@
 // Launch heuristics of the norm family's CUDA kernels (docs/norm.md has the sweeps behind them).
+#include <cstdlib>
+#include <string>
+
 #include "norm/problem.hpp"
 
 namespace encore::norm {
@@ -36,6 +39,22 @@ RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool 
   plan.rows_per_block = (wpr == 1 && packs <= 32 && rows >= int64_t(8) * sm_count) ? kShortRowsPerBlock : 1;
   plan.grid = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
   return plan;
+}
+
+RmsNormLaunchPlan widen_rms_norm_plan(const RmsNormLaunchPlan& plan, DType dtype) {
+  RmsNormLaunchPlan w = plan;
+  if (plan.vec_elems == int(16 / dtype_size(dtype)) && plan.vecs_per_thread >= 2) {
+    w.vec_elems = 2 * plan.vec_elems;
+    w.vecs_per_thread = plan.vecs_per_thread / 2;
+  }
+  return w;
+}
+
+bool rms_norm_wide_packs(int cc_major) {
+  const char* v = std::getenv("ENCORE_NORM_PACK_BYTES");
+  if (v != nullptr && std::string(v) == "16") return false;
+  if (v != nullptr && std::string(v) == "32") return true;
+  return cc_major >= 10;
 }
 
 QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim, DType dtype, int sm_count) {

@@ -68,6 +68,15 @@ struct RmsNormLaunchPlan {
 // `vectorized`: whether 16-byte packs are allowed (alignment, hidden and strides permitting);
 // `add`: the residual-add variant.
 RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool vectorized, bool add, int sm_count);
+// The same plan in 32-byte packs (sm_100+: one 256-bit access each): twice the elements per pack, half
+// the cached packs per thread, so every thread holds the same elements; only for a 16-byte-pack plan
+// with >= 2 cached packs (others unchanged). The caller checks that hidden and the rows are whole
+// 32-byte packs, 32-byte aligned.
+RmsNormLaunchPlan widen_rms_norm_plan(const RmsNormLaunchPlan& plan, DType dtype);
+// Whether the dispatcher takes 32-byte packs on a device of compute capability `cc_major`:
+// ENCORE_NORM_PACK_BYTES, read at every call: "16" never, "32" on any device (the test hook that runs
+// them on Hopper, as two 128-bit accesses), unset or anything else from compute capability 10 on.
+bool rms_norm_wide_packs(int cc_major);
 
 // How the CUDA QK-norm kernel covers the heads.
 struct QkNormLaunchPlan {

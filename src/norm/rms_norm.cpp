@@ -77,11 +77,11 @@ norm::RmsNormProblem make_problem(const TensorView& x, const TensorView* residua
   return p;
 }
 
-// 16-byte packs are possible when every pointer is 16-byte aligned and hidden and every row stride
-// are whole packs.
-bool can_vectorize(const norm::RmsNormProblem& p) {
-  const int64_t pack = 16 / int64_t(dtype_size(p.dtype));
-  auto ok_ptr = [](const void* ptr) { return ptr == nullptr || checks::aligned(ptr, 16); };
+// Packs of `bytes` (16 or 32) are possible when every pointer is that aligned and hidden and every
+// row stride are whole packs.
+bool can_vectorize(const norm::RmsNormProblem& p, int64_t bytes = 16) {
+  const int64_t pack = bytes / int64_t(dtype_size(p.dtype));
+  auto ok_ptr = [&](const void* ptr) { return ptr == nullptr || checks::aligned(ptr, size_t(bytes)); };
   auto ok_stride = [&](int64_t s) { return p.rows == 1 || s % pack == 0; };
   return p.hidden % pack == 0 && ok_ptr(p.x) && ok_ptr(p.residual) && ok_ptr(p.weight) && ok_ptr(p.y) && ok_ptr(p.h) &&
          ok_stride(p.x_stride) && ok_stride(p.y_stride) && (!p.residual || (ok_stride(p.residual_stride) && ok_stride(p.h_stride)));
@@ -116,6 +116,7 @@ Status execute(const norm::RmsNormProblem& p, Device device, const RmsNormOption
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(device.index, &info));
   norm::RmsNormLaunchPlan plan = norm::plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
+  if (norm::rms_norm_wide_packs(info->cc_major) && can_vectorize(p, 32)) plan = norm::widen_rms_norm_plan(plan, p.dtype);
   if (norm::rms_norm_uses_jit(p.hidden)) {  // docs/jit.md: the hidden size baked in
     Status st = norm::launch_rms_norm_jit(p, plan, stream);
     if (norm::rms_norm_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture

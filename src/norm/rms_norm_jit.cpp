@@ -51,11 +51,14 @@ bool rms_norm_uses_jit(int64_t hidden) { return family().uses_jit(rms_norm_hidde
 
 std::vector<RmsNormJitVariant> rms_norm_jit_variants(DType dtype, int64_t hidden, bool add, int sm_count) {
   std::vector<RmsNormJitVariant> out;
-  const bool vec = hidden % (16 / int64_t(dtype_size(dtype))) == 0;
+  const bool vec = hidden % (16 / int64_t(dtype_size(dtype))) == 0, wide = hidden % (32 / int64_t(dtype_size(dtype))) == 0;
   for (int64_t rows = 1; rows <= (int64_t(1) << 20); rows *= 2) {
     const RmsNormLaunchPlan plan = plan_rms_norm(rows, hidden, dtype, vec, add, sm_count);
-    const RmsNormJitVariant v{dtype, hidden, plan.vec_elems, plan.vecs_per_thread, add, plan.warps_per_row};
-    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+    // The 16-byte-pack plan, and its 32-byte form (sm_100+: widen_rms_norm_plan) where hidden allows.
+    for (const RmsNormLaunchPlan& pl : {plan, wide ? widen_rms_norm_plan(plan, dtype) : plan}) {
+      const RmsNormJitVariant v{dtype, hidden, pl.vec_elems, pl.vecs_per_thread, add, pl.warps_per_row};
+      if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+    }
   }
   return out;
 }

@@ -207,7 +207,12 @@ TEST(JitCache, RmsNormPolicyAndVariants) {
   EXPECT_FALSE(norm::rms_norm_hidden_in_aot_list(3000));
   const auto vs = norm::rms_norm_jit_variants(DType::kBF16, 5184, false, 132);
   ASSERT_FALSE(vs.empty());
-  for (const auto& v : vs) EXPECT_EQ(v.vec_elems, 8);
+  // 16-byte packs, and their 32-byte forms (sm_100+, widen_rms_norm_plan: half the cached packs).
+  for (const auto& v : vs) EXPECT_TRUE(v.vec_elems == 8 || v.vec_elems == 16) << v.vec_elems;
+  for (const auto& v : vs)
+    if (v.vec_elems == 16)
+      EXPECT_TRUE(std::any_of(vs.begin(), vs.end(), [&](const auto& n) { return n.vec_elems == 8 && n.cached == 2 * v.cached && n.warps_per_row == v.warps_per_row; }));
+  EXPECT_TRUE(std::any_of(vs.begin(), vs.end(), [](const auto& v) { return v.vec_elems == 16; }));
   EXPECT_EQ(norm::rms_norm_jit_variants(DType::kBF16, 3001, true, 132)[0].vec_elems, 1);
   std::vector<std::string> names;
   for (const auto& v : vs) {  // the plan's team size is a template argument too (offsets as immediates)

@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 
 #include "encore/norm.hpp"
+#include "norm/problem.hpp"
 #include "tests/common/compare.hpp"
+#include "tests/common/scoped_env.hpp"
 
 namespace encore::test {
 namespace {
@@ -228,6 +230,38 @@ TEST(NormSplitRowValidate, RowsAlignmentAndWorkspace) {
   RmsNormArgs c{view(4, 4096), w, view(4, 4096, 70 * 4096)};
   EXPECT_EQ(workspace_bytes(c, o), size_t(16 + 4 * 8 * 4));  // 4096 bf16 = 512 packs = 8 slices of 64
   EXPECT_EQ(workspace_bytes(c, RmsNormOptions{}), size_t(0));
+}
+
+// The 32-byte-pack plans (sm_100+): the same elements per thread in half as many packs, only from
+// 16-byte plans with >= 2 cached packs; and the switch (ENCORE_NORM_PACK_BYTES, else the arch).
+TEST(NormPlan, WidenedPlansAndTheirSwitch) {
+  for (DType t : {DType::kBF16, DType::kFP32})
+    for (int64_t hidden : {int64_t(1024), int64_t(4096), int64_t(5184), int64_t(16384), int64_t(140000)})
+      for (int64_t rows : {int64_t(1), int64_t(64), int64_t(65536)})
+        for (bool add : {false, true}) {
+          const norm::RmsNormLaunchPlan p = norm::plan_rms_norm(rows, hidden, t, true, add, 132), w = norm::widen_rms_norm_plan(p, t);
+          SCOPED_TRACE(std::to_string(hidden) + " x " + std::to_string(rows) + (add ? " add" : ""));
+          EXPECT_EQ(w.warps_per_row, p.warps_per_row);
+          EXPECT_EQ(w.rows_per_block, p.rows_per_block);
+          EXPECT_EQ(w.grid, p.grid);
+          if (p.vecs_per_thread >= 2) {
+            EXPECT_EQ(w.vec_elems, 2 * p.vec_elems);
+            EXPECT_EQ(w.vecs_per_thread * w.vec_elems, p.vecs_per_thread * p.vec_elems);
+          } else {
+            EXPECT_EQ(w.vec_elems, p.vec_elems);  // one cached pack or the streaming path: unchanged
+            EXPECT_EQ(w.vecs_per_thread, p.vecs_per_thread);
+          }
+        }
+  const norm::RmsNormLaunchPlan scalar = norm::plan_rms_norm(64, 1001, DType::kBF16, false, false, 132);
+  EXPECT_EQ(norm::widen_rms_norm_plan(scalar, DType::kBF16).vec_elems, 1);
+  ScopedEnv env("ENCORE_NORM_PACK_BYTES");
+  unsetenv("ENCORE_NORM_PACK_BYTES");
+  EXPECT_FALSE(norm::rms_norm_wide_packs(9));
+  EXPECT_TRUE(norm::rms_norm_wide_packs(10));
+  setenv("ENCORE_NORM_PACK_BYTES", "16", 1);
+  EXPECT_FALSE(norm::rms_norm_wide_packs(10));
+  setenv("ENCORE_NORM_PACK_BYTES", "32", 1);
+  EXPECT_TRUE(norm::rms_norm_wide_packs(9));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "norm/testing.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/common/device_buffer.hpp"
+#include "tests/common/scoped_env.hpp"
 
 namespace encore::test {
 namespace {
@@ -120,6 +121,22 @@ TEST_F(NormGpu, MatchesCpuOnEveryVariant) {
         }
       }
     }
+  }
+}
+
+// The 32-byte-pack kernels (the sm_100+ plan, ENCORE_NORM_PACK_BYTES=32 runs them here as two
+// 128-bit accesses): hidden sizes of whole 32-byte packs at every cached count the widening gives
+// (4, 2, 1), strided rows, and pointers only 16-byte aligned (then the 16-byte plan) against the CPU.
+TEST_F(NormGpu, ThirtyTwoBytePacksMatchCpu) {
+  const ScopedEnv env("ENCORE_NORM_PACK_BYTES", "32");
+  for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    const int64_t pack32 = 32 / int64_t(dtype_size(t));
+    for (int64_t hid : {int64_t(64), int64_t(1024), int64_t(4096), int64_t(5184), int64_t(8192), int64_t(12288)})
+      for (bool add : {false, true}) {
+        for (int64_t rows : {int64_t(1), int64_t(3), int64_t(64), int64_t(1000)}) run_case({t, rows, hid, 0, add, 0, false}, nullptr);
+        run_case({t, 5, hid, hid + pack32, add, 0, false}, nullptr);       // strided rows, whole 32-byte packs
+        run_case({t, 7, hid, hid + pack32, add, int(pack32 / 2), false}, nullptr);  // 16-byte aligned only
+      }
   }
 }
 

@@ -51,27 +51,6 @@ __device__ __forceinline__ float pack_sumsq(const Pack<T, kN>& a) {
   return s;
 }
 
-// Streaming variants for data touched once: loads marked evict-first (ld.global.cs), stores
-// streaming (st.global.cs), so single-use rows do not push reused data (weights) out of L2.
-template <typename T, int kN>
-__device__ __forceinline__ Pack<T, kN> load_pack_once(const T* p) {
-  if constexpr (sizeof(Pack<T, kN>) == 16) {
-    uint4 u = __ldcs(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<Pack<T, kN>*>(&u);
-  } else {
-    return load_pack<T, kN>(p);
-  }
-}
-
-template <typename T, int kN>
-__device__ __forceinline__ void store_pack_once(T* p, const Pack<T, kN>& v) {
-  if constexpr (sizeof(Pack<T, kN>) == 16) {
-    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
-  } else {
-    store_pack(p, v);
-  }
-}
-
 // ---- 32-byte global accesses ----
 struct alignas(32) Bits256 {
   uint4 lo, hi;
@@ -125,6 +104,41 @@ __device__ __forceinline__ void store_global_32_once(void* p, const Bits256& v) 
   uint4* q = static_cast<uint4*>(p);
   __stcs(q, v.lo);
   __stcs(q + 1, v.hi);
+}
+
+// Streaming variants for data touched once: loads marked evict-first (ld.global.cs), stores
+// streaming (st.global.cs), so single-use rows do not push reused data (weights) out of L2.
+// A 32-byte pack (its type 32-byte aligned): one 256-bit access on sm_100+, two 128-bit ones elsewhere.
+template <typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> load_pack_once(const T* p) {
+  if constexpr (sizeof(Pack<T, kN>) == 16) {
+    uint4 u = __ldcs(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Pack<T, kN>*>(&u);
+  } else if constexpr (sizeof(Pack<T, kN>) == 32) {
+#if ENCORE_GLOBAL_256
+    const Bits256 b = ld_global_v8<kCacheStreaming>(p);  // the pack's type is 32-byte aligned
+#else
+    const Bits256 b = load_global_32_once(p);
+#endif
+    return *reinterpret_cast<const Pack<T, kN>*>(&b);
+  } else {
+    return load_pack<T, kN>(p);
+  }
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void store_pack_once(T* p, const Pack<T, kN>& v) {
+  if constexpr (sizeof(Pack<T, kN>) == 16) {
+    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+  } else if constexpr (sizeof(Pack<T, kN>) == 32) {
+#if ENCORE_GLOBAL_256
+    st_global_v8<true>(p, *reinterpret_cast<const Bits256*>(&v));
+#else
+    store_global_32_once(p, *reinterpret_cast<const Bits256*>(&v));
+#endif
+  } else {
+    store_pack(p, v);
+  }
 }
 
 // A pack in global memory with default caching: a 32-byte pack is one 256-bit access on sm_100+

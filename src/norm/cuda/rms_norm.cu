@@ -1,6 +1,6 @@
-// Instantiations and launch of rms_norm_kernel: T in {bf16, fp16, fp32} x {16-byte packs, element-wise}
-// x kCached in {0 (streaming), 1, 2, 4, 8} x {plain, residual add}. The plan (src/norm/rms_norm.cpp)
-// picks one.
+// Instantiations and launch of rms_norm_kernel: T in {bf16, fp16, fp32} x ({16-byte packs, element-wise}
+// x kCached in {0 (streaming), 1, 2, 4, 8}, and 32-byte packs (the sm_100+ plan, widen_rms_norm_plan)
+// x kCached in {1, 2, 4}) x {plain, residual add}. The plan (src/norm/rms_norm.cpp) picks one.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -26,9 +26,18 @@ KernelFn<T> pick(int cached) {
   return table[cached_slot(cached)];
 }
 
+// 32-byte packs: only the cached counts widen_rms_norm_plan gives (half of 2, 4, 8); null otherwise.
+template <typename T, int kVec, bool kAdd>
+KernelFn<T> pick_wide(int cached) {
+  constexpr KernelFn<T> table[] = {nullptr, rms_norm_kernel<T, kVec, 1, kAdd>, rms_norm_kernel<T, kVec, 2, kAdd>,
+                                   rms_norm_kernel<T, kVec, 4, kAdd>, nullptr};
+  return table[cached_slot(cached)];
+}
+
 template <typename T, bool kAdd>
 KernelFn<T> pick(int vec_elems, int cached) {
   constexpr int kPackElems = 16 / int(sizeof(T));
+  if (vec_elems == 2 * kPackElems) return pick_wide<T, 2 * kPackElems, kAdd>(cached);
   return vec_elems == 1 ? pick<T, 1, kAdd>(cached) : pick<T, kPackElems, kAdd>(cached);
 }
 
@@ -39,10 +48,12 @@ Status launch_typed(const norm::RmsNormProblem& p, const norm::RmsNormLaunchPlan
   k.rows_per_block = plan.rows_per_block;
 
   constexpr int kPackElems = 16 / int(sizeof(T));
-  if (plan.vec_elems != 1 && plan.vec_elems != kPackElems)
+  if (plan.vec_elems != 1 && plan.vec_elems != kPackElems && plan.vec_elems != 2 * kPackElems)
     return Status::internal("rms_norm plan: vec_elems " + std::to_string(plan.vec_elems) + " not instantiated");
   KernelFn<T> fn = p.residual ? pick<T, true>(plan.vec_elems, plan.vecs_per_thread)
                               : pick<T, false>(plan.vec_elems, plan.vecs_per_thread);
+  if (fn == nullptr)
+    return Status::internal("rms_norm plan: 32-byte packs with " + std::to_string(plan.vecs_per_thread) + " cached packs not instantiated");
   const int threads = 32 * plan.warps_per_row * plan.rows_per_block;
   if (threads > kRmsNormMaxThreads) return Status::internal("rms_norm plan: block of " + std::to_string(threads) + " threads");
 

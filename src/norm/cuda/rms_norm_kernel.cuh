@@ -4,7 +4,8 @@
 // Shapes: x, residual, y, h [rows, hidden] with row strides; w [hidden]; T in {bf16, fp16, fp32}.
 // Mapping: a block holds rows_per_block teams of 32 * warps_per_row threads; team t owns row
 //   blockIdx.x * rows_per_block + t and walks it in packs of kVec elements (16 bytes when
-//   vectorized, else 1 element), pack j of the row going to thread j % team_size (coalesced).
+//   vectorized, 32 bytes on sm_100+ where the plan widens them: one 256-bit access; else 1
+//   element), pack j of the row going to thread j % team_size (coalesced).
 // kCached > 0: each thread keeps its kCached packs of h in registers between the reduction and the
 //   output (one read, one write per element). kCached == 0: streaming, h is re-read for the output
 //   (for rows too long to cache; the re-read mostly hits L1/L2), 4 packs per thread at a time.
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
       const int j = j0 + tid + i * team_size;
       if (j < num_packs) {
         // Cached rows are read once: evict-first. Streamed rows are re-read: default caching.
-        hv[i] = kCached > 0 ? load_pack_once<T, kVec>(x + j * kVec) : load_pack<T, kVec>(x + j * kVec);
+        hv[i] = kCached > 0 ? load_pack_once<T, kVec>(x + j * kVec) : load_pack_global<T, kVec>(x + j * kVec);
         if constexpr (kAdd) rv[i] = load_pack_once<T, kVec>(res + j * kVec);
       }
     }
@@ -138,7 +139,7 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
         if constexpr (kAdd) {
           hv[i] = add_rounded(hv[i], rv[i]);
           if constexpr (kCached > 0) store_pack_once(h + j * kVec, hv[i]);
-          else store_pack(h + j * kVec, hv[i]);  // re-read below: keep it in L2
+          else store_pack_global(h + j * kVec, hv[i]);  // re-read below: keep it in L2
         }
         sumsq += pack_sumsq(hv[i]);
       }
@@ -151,8 +152,8 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads) rms_norm_kernel(RmsNormPar
     for (int i = 0; i < kBatch; ++i) {
       const int j = j0 + tid + i * team_size;
       if (j < num_packs) {
-        wv[i] = load_pack<T, kVec>(p.weight + j * kVec);
-        if (src) hv[i] = load_pack<T, kVec>(src + j * kVec);
+        wv[i] = load_pack_global<T, kVec>(p.weight + j * kVec);
+        if (src) hv[i] = load_pack_global<T, kVec>(src + j * kVec);
       }
     }
 #pragma unroll
