@@ -63,6 +63,7 @@ struct QkNormJitVariant {
   int q_heads = 0, kv_heads = 0;
   bool offset = false;       // weight_offset != 0
   int heads_per_thread = 1;  // from plan_qk_norm
+  int pack_bytes = 16;       // 16, or 32 (widen_qk_norm_plan, sm_100+)
   bool operator==(const QkNormJitVariant&) const = default;
 };
 // Head layouts the JIT specializes at most (Hq + Hkv); larger ones stay ahead-of-time.

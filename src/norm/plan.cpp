@@ -50,11 +50,21 @@ RmsNormLaunchPlan widen_rms_norm_plan(const RmsNormLaunchPlan& plan, DType dtype
   return w;
 }
 
-bool rms_norm_wide_packs(int cc_major) {
+bool norm_wide_packs(int cc_major) {
   const char* v = std::getenv("ENCORE_NORM_PACK_BYTES");
   if (v != nullptr && std::string(v) == "16") return false;
   if (v != nullptr && std::string(v) == "32") return true;
   return cc_major >= 10;
+}
+
+QkNormLaunchPlan widen_qk_norm_plan(const QkNormLaunchPlan& plan, int64_t tokens, int heads_per_token, int head_dim, DType dtype) {
+  QkNormLaunchPlan w = plan;
+  const int lanes = int(int64_t(head_dim) * int64_t(dtype_size(dtype)) / 32);
+  if (lanes < 1) return plan;
+  w.pack_bytes = 32;
+  const int64_t heads = tokens * heads_per_token, per_block = int64_t(w.threads / lanes) * w.heads_per_thread;
+  w.grid = (heads + per_block - 1) / per_block;
+  return w;
 }
 
 QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim, DType dtype, int sm_count) {

@@ -73,17 +73,21 @@ RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool 
 // with >= 2 cached packs (others unchanged). The caller checks that hidden and the rows are whole
 // 32-byte packs, 32-byte aligned.
 RmsNormLaunchPlan widen_rms_norm_plan(const RmsNormLaunchPlan& plan, DType dtype);
-// Whether the dispatcher takes 32-byte packs on a device of compute capability `cc_major`:
+// Whether the RMSNorm and QK-norm dispatchers take 32-byte packs on a device of compute capability `cc_major`:
 // ENCORE_NORM_PACK_BYTES, read at every call: "16" never, "32" on any device (the test hook that runs
 // them on Hopper, as two 128-bit accesses), unset or anything else from compute capability 10 on.
-bool rms_norm_wide_packs(int cc_major);
+bool norm_wide_packs(int cc_major);
 
 // How the CUDA QK-norm kernel covers the heads.
 struct QkNormLaunchPlan {
   int threads = 128;         // per block
   int heads_per_thread = 1;  // heads each lane group normalizes (loads of all issued together)
   long long grid = 0;
+  int pack_bytes = 16;       // bytes per lane access: 16, or 32 (widen_qk_norm_plan, sm_100+)
 };
 QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim, DType dtype, int sm_count);
+// The same plan with 32-byte lane accesses (sm_100+: one 256-bit access each): half the lanes a head,
+// so twice the heads a block and half the grid. The caller checks 32-byte aligned rows and weights.
+QkNormLaunchPlan widen_qk_norm_plan(const QkNormLaunchPlan& plan, int64_t tokens, int heads_per_token, int head_dim, DType dtype);
 
 }  // namespace encore::norm

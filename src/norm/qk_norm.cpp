@@ -26,6 +26,13 @@ Status validate_weight(const char* name, const TensorView& w, const TensorView& 
   return Status::ok();
 }
 
+// 32-byte lane accesses (the sm_100+ plan) need qkv, its token rows and both weights 32-byte aligned
+// (a head is D * element bytes >= 128 bytes, whole 32-byte packs).
+bool aligned32(const norm::QkNormProblem& p) {
+  return checks::aligned(p.qkv, 32) && checks::aligned(p.q_weight, 32) && checks::aligned(p.k_weight, 32) &&
+         (p.tokens == 1 || (p.token_stride * int64_t(dtype_size(p.dtype))) % 32 == 0);
+}
+
 }  // namespace
 
 Status validate(const QkNormArgs& a, const QkNormOptions& o) {
@@ -77,7 +84,9 @@ Status run(const QkNormArgs& a, const QkNormOptions& o, void*, Stream stream) {
 #ifdef ENCORE_WITH_CUDA
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(a.qkv.device.index, &info));
-  const norm::QkNormLaunchPlan plan = norm::plan_qk_norm(p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype, info->sm_count);
+  norm::QkNormLaunchPlan plan = norm::plan_qk_norm(p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype, info->sm_count);
+  if (norm::norm_wide_packs(info->cc_major) && aligned32(p))
+    plan = norm::widen_qk_norm_plan(plan, p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype);
   if (norm::qk_norm_uses_jit(p)) {  // docs/jit.md: the head layout baked in
     Status st = norm::launch_qk_norm_jit(p, plan, stream);
     if (norm::qk_norm_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture

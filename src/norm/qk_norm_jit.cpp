@@ -15,10 +15,11 @@ jit::Family& family() {
   return f;
 }
 
-// Injective: heads < 2^16 (kQkNormJitMaxHeads), head_dim < 2^10, heads per thread < 2^4.
+// Injective: heads < 2^16 (kQkNormJitMaxHeads), head_dim < 2^10, heads per thread < 2^4, packs 16 / 32.
 uint64_t variant_key(const QkNormJitVariant& v) {
   return (uint64_t(v.q_heads & 0xffff) << 40) | (uint64_t(v.kv_heads & 0xffff) << 24) | (uint64_t(v.head_dim & 0x3ff) << 14) |
-         (uint64_t(int(v.dtype) & 0xff) << 6) | (uint64_t(v.heads_per_thread & 0xf) << 1) | uint64_t(v.offset);
+         (uint64_t(int(v.dtype) & 0xff) << 6) | (uint64_t(v.pack_bytes == 32) << 5) | (uint64_t(v.heads_per_thread & 0xf) << 1) |
+         uint64_t(v.offset);
 }
 
 }  // namespace
@@ -26,16 +27,16 @@ uint64_t variant_key(const QkNormJitVariant& v) {
 jit::KernelSpec qk_norm_jit_spec(const QkNormJitVariant& v) {
   return jit::embedded_spec(
       std::string("qk_norm-") + dtype_name(v.dtype) + "-d" + std::to_string(v.head_dim) + "-q" + std::to_string(v.q_heads) + "-kv" +
-          std::to_string(v.kv_heads) + "-t" + std::to_string(v.heads_per_thread) + (v.offset ? "-off" : ""),
+          std::to_string(v.kv_heads) + "-t" + std::to_string(v.heads_per_thread) + (v.offset ? "-off" : "") + (v.pack_bytes == 32 ? "-p32" : ""),
       "norm/cuda/qk_norm_kernel.cuh",
       {"core/host_device.hpp", "core/fast_div.hpp", "common/cuda/reduce.cuh", "common/cuda/vector_io.cuh", "norm/cuda/qk_norm_kernel.cuh"},
       std::string("&encore::cuda::qk_norm_kernel<") + jit::device_type_name(v.dtype) + ", " + std::to_string(v.head_dim) + ", " +
           (v.offset ? "true" : "false") + ", " + std::to_string(v.heads_per_thread) + ", " + std::to_string(v.q_heads + v.kv_heads) +
-          ", " + std::to_string(v.q_heads) + ">");
+          ", " + std::to_string(v.q_heads) + (v.pack_bytes == 32 ? ", 32>" : ">"));
 }
 
 QkNormJitVariant qk_norm_jit_variant(const QkNormProblem& p, const QkNormLaunchPlan& plan) {
-  return QkNormJitVariant{p.dtype, p.head_dim, p.num_q_heads, p.num_kv_heads, p.weight_offset != 0.0f, plan.heads_per_thread};
+  return QkNormJitVariant{p.dtype, p.head_dim, p.num_q_heads, p.num_kv_heads, p.weight_offset != 0.0f, plan.heads_per_thread, plan.pack_bytes};
 }
 
 bool qk_norm_heads_in_aot_list(int head_dim, int q_heads, int kv_heads) {
@@ -56,8 +57,10 @@ std::vector<QkNormJitVariant> qk_norm_jit_variants(DType dtype, int head_dim, in
   std::vector<QkNormJitVariant> out;
   for (int64_t tokens = 1; tokens <= (int64_t(1) << 20); tokens *= 2) {
     const QkNormLaunchPlan plan = plan_qk_norm(tokens, q_heads + kv_heads, head_dim, dtype, sm_count);
-    const QkNormJitVariant v{dtype, head_dim, q_heads, kv_heads, offset, plan.heads_per_thread};
-    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+    for (int pack_bytes : {16, 32}) {  // 32: the sm_100+ plan (widen_qk_norm_plan)
+      const QkNormJitVariant v{dtype, head_dim, q_heads, kv_heads, offset, plan.heads_per_thread, pack_bytes};
+      if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+    }
   }
   return out;
 }

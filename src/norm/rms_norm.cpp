@@ -116,7 +116,7 @@ Status execute(const norm::RmsNormProblem& p, Device device, const RmsNormOption
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(device.index, &info));
   norm::RmsNormLaunchPlan plan = norm::plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
-  if (norm::rms_norm_wide_packs(info->cc_major) && can_vectorize(p, 32)) plan = norm::widen_rms_norm_plan(plan, p.dtype);
+  if (norm::norm_wide_packs(info->cc_major) && can_vectorize(p, 32)) plan = norm::widen_rms_norm_plan(plan, p.dtype);
   if (norm::rms_norm_uses_jit(p.hidden)) {  // docs/jit.md: the hidden size baked in
     Status st = norm::launch_rms_norm_jit(p, plan, stream);
     if (norm::rms_norm_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture

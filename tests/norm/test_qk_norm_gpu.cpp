@@ -8,6 +8,7 @@
 #include "tests/common/aot_kernels.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/common/device_buffer.hpp"
+#include "tests/common/scoped_env.hpp"
 #include "norm/testing.hpp"
 
 namespace encore::test {
@@ -70,16 +71,18 @@ class QkNormGpu : public ::testing::Test {
 };
 
 TEST_F(QkNormGpu, EveryKernelVariant) {
-  // Every instantiation (dtype x head_dim x offset x heads per thread) under small and large grids
-  // (grids smaller than the work exercise the grid-stride loop), odd token counts, padded rows.
+  // Every instantiation (dtype x head_dim x offset x heads per thread x 16- / 32-byte lane accesses)
+  // under small and large grids (grids smaller than the work exercise the grid-stride loop), odd token
+  // counts, padded rows (whole 32-byte packs for the 32-byte kernels).
   for (DType t : {DType::kBF16, DType::kFP16}) {
     for (int d : {64, 128, 256}) {
       for (float offset : {0.f, 1.f}) {
         for (int hpt : {1, 2, 4}) {
-          for (long long grid : {3LL, 1000LL}) {
-            norm::QkNormLaunchPlan plan{128, hpt, grid};
-            run_qk_case(t, 333, 3, 5, d, 24, offset, &plan);
-          }
+          for (long long grid : {3LL, 1000LL})
+            for (int pack_bytes : {16, 32}) {
+              norm::QkNormLaunchPlan plan{128, hpt, grid, pack_bytes};
+              run_qk_case(t, 333, 3, 5, d, pack_bytes == 32 ? 32 : 24, offset, &plan);
+            }
         }
       }
     }
@@ -93,6 +96,18 @@ TEST_F(QkNormGpu, HostPlanOddShapes) {
       run_qk_case(t, 777, 1, 1, d, 8, 1.f);
     }
   }
+}
+
+// The dispatcher's 32-byte plan (sm_100+; ENCORE_NORM_PACK_BYTES=32 takes it here, two 128-bit
+// accesses a pack): aligned rows take it, rows padded by 16 bytes keep 16-byte accesses.
+TEST_F(QkNormGpu, ThirtyTwoBytePacksHostPlan) {
+  const ScopedEnv env("ENCORE_NORM_PACK_BYTES", "32");
+  for (DType t : {DType::kBF16, DType::kFP16})
+    for (int d : {64, 128, 256}) {
+      for (int64_t tokens : {1, 3, 17, 1001, 4097}) run_qk_case(t, tokens, 32, 8, d, 0, 0.f);
+      run_qk_case(t, 777, 1, 1, d, 8, 1.f);  // 16-byte padded rows
+      run_qk_case(t, 99, 24, 4, d, 16, 0.f);  // 32-byte padded rows
+    }
 }
 
 TEST_F(QkNormGpu, Qwen3Shapes) {

@@ -232,8 +232,9 @@ TEST(NormSplitRowValidate, RowsAlignmentAndWorkspace) {
   EXPECT_EQ(workspace_bytes(c, RmsNormOptions{}), size_t(0));
 }
 
-// The 32-byte-pack plans (sm_100+): the same elements per thread in half as many packs, only from
-// 16-byte plans with >= 2 cached packs; and the switch (ENCORE_NORM_PACK_BYTES, else the arch).
+// The 32-byte-pack plans (sm_100+): RMSNorm's the same elements per thread in half as many packs,
+// only from 16-byte plans with >= 2 cached packs; QK-norm's half the lanes a head; and the switch
+// (ENCORE_NORM_PACK_BYTES, else the arch).
 TEST(NormPlan, WidenedPlansAndTheirSwitch) {
   for (DType t : {DType::kBF16, DType::kFP32})
     for (int64_t hidden : {int64_t(1024), int64_t(4096), int64_t(5184), int64_t(16384), int64_t(140000)})
@@ -252,16 +253,28 @@ TEST(NormPlan, WidenedPlansAndTheirSwitch) {
             EXPECT_EQ(w.vecs_per_thread, p.vecs_per_thread);
           }
         }
+  // QK-norm: 32-byte lane accesses halve the lanes a head, so a block holds twice the heads.
+  for (int d : {64, 128, 256})
+    for (int64_t tokens : {int64_t(1), int64_t(4097)}) {
+      const norm::QkNormLaunchPlan q = norm::plan_qk_norm(tokens, 40, d, DType::kBF16, 132),
+                                   w = norm::widen_qk_norm_plan(q, tokens, 40, d, DType::kBF16);
+      EXPECT_EQ(q.pack_bytes, 16);
+      EXPECT_EQ(w.pack_bytes, 32);
+      EXPECT_EQ(w.threads, q.threads);
+      EXPECT_EQ(w.heads_per_thread, q.heads_per_thread);
+      const int64_t per_block = int64_t(w.threads / (d * 2 / 32)) * w.heads_per_thread;
+      EXPECT_EQ(w.grid, (tokens * 40 + per_block - 1) / per_block) << d;
+    }
   const norm::RmsNormLaunchPlan scalar = norm::plan_rms_norm(64, 1001, DType::kBF16, false, false, 132);
   EXPECT_EQ(norm::widen_rms_norm_plan(scalar, DType::kBF16).vec_elems, 1);
   ScopedEnv env("ENCORE_NORM_PACK_BYTES");
   unsetenv("ENCORE_NORM_PACK_BYTES");
-  EXPECT_FALSE(norm::rms_norm_wide_packs(9));
-  EXPECT_TRUE(norm::rms_norm_wide_packs(10));
+  EXPECT_FALSE(norm::norm_wide_packs(9));
+  EXPECT_TRUE(norm::norm_wide_packs(10));
   setenv("ENCORE_NORM_PACK_BYTES", "16", 1);
-  EXPECT_FALSE(norm::rms_norm_wide_packs(10));
+  EXPECT_FALSE(norm::norm_wide_packs(10));
   setenv("ENCORE_NORM_PACK_BYTES", "32", 1);
-  EXPECT_TRUE(norm::rms_norm_wide_packs(9));
+  EXPECT_TRUE(norm::norm_wide_packs(9));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Instantiations and launch of qk_norm_kernel: T in {bf16, fp16} x head_dim {64, 128, 256} x
-// {no offset, offset} x heads per thread {1, 2, 4}. norm::plan_qk_norm (src/norm/plan.cpp) picks one.
+// {no offset, offset} x heads per thread {1, 2, 4} x {16-byte, 32-byte lane accesses (the sm_100+
+// plan, widen_qk_norm_plan)}. norm::plan_qk_norm (src/norm/plan.cpp) picks one.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -14,19 +15,25 @@ namespace {
 template <typename T>
 using KernelFn = void (*)(QkNormParams<T>);
 
-template <typename T, int kHeadDim, bool kOffset>
+template <typename T, int kHeadDim, bool kOffset, int kPackBytes>
 KernelFn<T> pick_heads(int heads_per_thread) {
   switch (heads_per_thread) {
-    case 1: return qk_norm_kernel<T, kHeadDim, kOffset, 1>;
-    case 2: return qk_norm_kernel<T, kHeadDim, kOffset, 2>;
-    case 4: return qk_norm_kernel<T, kHeadDim, kOffset, 4>;
+    case 1: return qk_norm_kernel<T, kHeadDim, kOffset, 1, 0, 0, kPackBytes>;
+    case 2: return qk_norm_kernel<T, kHeadDim, kOffset, 2, 0, 0, kPackBytes>;
+    case 4: return qk_norm_kernel<T, kHeadDim, kOffset, 4, 0, 0, kPackBytes>;
     default: return nullptr;
   }
 }
 
+template <typename T, int kHeadDim, int kPackBytes>
+KernelFn<T> pick_offset(bool offset, int heads_per_thread) {
+  return offset ? pick_heads<T, kHeadDim, true, kPackBytes>(heads_per_thread) : pick_heads<T, kHeadDim, false, kPackBytes>(heads_per_thread);
+}
+
 template <typename T, int kHeadDim>
-KernelFn<T> pick(bool offset, int heads_per_thread) {
-  return offset ? pick_heads<T, kHeadDim, true>(heads_per_thread) : pick_heads<T, kHeadDim, false>(heads_per_thread);
+KernelFn<T> pick(bool offset, int heads_per_thread, int pack_bytes) {
+  if (pack_bytes == 32) return pick_offset<T, kHeadDim, 32>(offset, heads_per_thread);
+  return pack_bytes == 16 ? pick_offset<T, kHeadDim, 16>(offset, heads_per_thread) : nullptr;
 }
 
 template <typename T>
@@ -51,12 +58,12 @@ Status launch_typed(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& 
   const bool offset = p.weight_offset != 0.0f;
   KernelFn<T> fn = nullptr;
   switch (p.head_dim) {
-    case 64: fn = pick<T, 64>(offset, plan.heads_per_thread); break;
-    case 128: fn = pick<T, 128>(offset, plan.heads_per_thread); break;
-    case 256: fn = pick<T, 256>(offset, plan.heads_per_thread); break;
+    case 64: fn = pick<T, 64>(offset, plan.heads_per_thread, plan.pack_bytes); break;
+    case 128: fn = pick<T, 128>(offset, plan.heads_per_thread, plan.pack_bytes); break;
+    case 256: fn = pick<T, 256>(offset, plan.heads_per_thread, plan.pack_bytes); break;
   }
   if (!fn) return Status::internal("qk_norm: no kernel for head_dim " + std::to_string(p.head_dim) + ", heads/thread " +
-                                   std::to_string(plan.heads_per_thread));
+                                   std::to_string(plan.heads_per_thread) + ", " + std::to_string(plan.pack_bytes) + "-byte packs");
   fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::cuda_error(std::string("qk_norm launch: ") + cudaGetErrorString(e));

@@ -3,8 +3,9 @@
 // Math:   u = qkv[t, j*D:(j+1)*D] for j < Hq + Hkv;  u <- u * rsqrt(mean(u^2) + eps) * (w_j + offset),
 //         w_j = q_weight (j < Hq) or k_weight. V heads untouched.
 // Shapes: qkv [tokens, (Hq + 2*Hkv) * D] with token stride (elements, multiple of 8); T bf16/fp16.
-// Mapping: a head is owned by a group of kLanes = D * sizeof(T) / 16 lanes (8, 16, 32 for D = 64,
-//   128, 256), each lane one 16-byte pack; a warp holds 32 / kLanes heads; the sum of squares is a
+// Mapping: a head is owned by a group of kLanes = D * sizeof(T) / kPackBytes lanes (8, 16, 32 for
+//   D = 64, 128, 256 with 16-byte packs; half that with the 32-byte packs of the sm_100+ plan, one
+//   256-bit access each), each lane one pack; a warp holds 32 / kLanes heads; the sum of squares is a
 //   butterfly over the group. Heads are numbered g = t * (Hq + Hkv) + j, so consecutive groups touch
 //   consecutive memory within a token. Each group handles kHeadsPerThread consecutive heads, all
 //   loaded before any is stored, in a grid-stride loop over chunks of kHeadsPerThread heads.
@@ -12,7 +13,8 @@
 //   the JIT (docs/jit.md) also bakes in the head layout: kHeadsPerToken = Hq + Hkv and kQHeads = Hq
 //   (0 in the ahead-of-time kernels: read from the params), so the token / head split of the head
 //   index is a division by a constant. The math is the same either way.
-// Constraints (validate): 16-byte aligned qkv rows and weights, D in {64, 128, 256}.
+// Constraints (validate): 16-byte aligned qkv rows and weights (32-byte for kPackBytes 32: the
+//   dispatcher checks), D in {64, 128, 256}.
 // One source, two ways in: qk_norm.cu #includes this file; the build embeds it for NVRTC
 //   (cmake/EncoreJitSources.cmake; <cstdint> is a stand-in there, jit/family.cpp).
 #pragma once
@@ -38,9 +40,10 @@ struct QkNormParams {
   float weight_offset;
 };
 
-template <typename T, int kHeadDim, bool kOffset, int kHeadsPerThread, int kHeadsPerToken = 0, int kQHeads = 0>
+template <typename T, int kHeadDim, bool kOffset, int kHeadsPerThread, int kHeadsPerToken = 0, int kQHeads = 0, int kPackBytes = 16>
 __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
-  constexpr int kVec = 16 / int(sizeof(T));
+  static_assert(kPackBytes == 16 || kPackBytes == 32, "16- or 32-byte lane accesses");
+  constexpr int kVec = kPackBytes / int(sizeof(T));
   constexpr int kLanes = kHeadDim / kVec;
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "head_dim must give 1-32 lanes");
   using P = Pack<T, kVec>;
@@ -53,8 +56,8 @@ __global__ void __launch_bounds__(512) qk_norm_kernel(QkNormParams<T> p) {
   const int lane = threadIdx.x % kLanes;
   const uint32_t groups_in_grid = gridDim.x * (blockDim.x / kLanes);
   const uint32_t group0 = blockIdx.x * (blockDim.x / kLanes) + threadIdx.x / kLanes;
-  const P wq = load_pack<T, kVec>(p.q_weight + lane * kVec);
-  const P wk = load_pack<T, kVec>(p.k_weight + lane * kVec);
+  const P wq = load_pack_global<T, kVec>(p.q_weight + lane * kVec);
+  const P wk = load_pack_global<T, kVec>(p.k_weight + lane * kVec);
 
   for (uint32_t chunk = group0; chunk < (p.num_heads_total + kHeadsPerThread - 1) / kHeadsPerThread; chunk += groups_in_grid) {
     const uint32_t g0 = chunk * kHeadsPerThread;
