@@ -77,6 +77,10 @@ RmsNormLaunchPlan widen_rms_norm_plan(const RmsNormLaunchPlan& plan, DType dtype
 // ENCORE_NORM_PACK_BYTES, read at every call: "16" never, "32" on any device (the test hook that runs
 // them on Hopper, as two 128-bit accesses), unset or anything else from compute capability 10 on.
 bool norm_wide_packs(int cc_major);
+// Calls whose CUDA plan the RMSNorm / QK-norm dispatchers widened to 32-byte packs, per process (tests
+// check which plan ran).
+int64_t rms_norm_wide_plan_count();
+int64_t qk_norm_wide_plan_count();
 
 // How the CUDA QK-norm kernel covers the heads.
 struct QkNormLaunchPlan {

@@ -1,4 +1,5 @@
 // QK-norm dispatch: validate -> problem + plan -> CPU reference or CUDA kernel.
+#include <atomic>
 #include <cmath>
 
 #include "core/checks.hpp"
@@ -25,6 +26,8 @@ Status validate_weight(const char* name, const TensorView& w, const TensorView& 
   ENCORE_RETURN_IF_ERROR(checks::no_overlap(name, w, "qkv", qkv));
   return Status::ok();
 }
+
+std::atomic<int64_t> g_wide_plans{0};
 
 // 32-byte lane accesses (the sm_100+ plan) need qkv, its token rows and both weights 32-byte aligned
 // (a head is D * element bytes >= 128 bytes, whole 32-byte packs).
@@ -85,8 +88,10 @@ Status run(const QkNormArgs& a, const QkNormOptions& o, void*, Stream stream) {
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(a.qkv.device.index, &info));
   norm::QkNormLaunchPlan plan = norm::plan_qk_norm(p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype, info->sm_count);
-  if (norm::norm_wide_packs(info->cc_major) && aligned32(p))
+  if (norm::norm_wide_packs(info->cc_major) && aligned32(p)) {
     plan = norm::widen_qk_norm_plan(plan, p.tokens, p.num_q_heads + p.num_kv_heads, p.head_dim, p.dtype);
+    if (plan.pack_bytes == 32) g_wide_plans.fetch_add(1, std::memory_order_relaxed);
+  }
   if (norm::qk_norm_uses_jit(p)) {  // docs/jit.md: the head layout baked in
     Status st = norm::launch_qk_norm_jit(p, plan, stream);
     if (norm::qk_norm_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture
@@ -97,5 +102,7 @@ Status run(const QkNormArgs& a, const QkNormOptions& o, void*, Stream stream) {
   return Status::unsupported("qkv: on " + a.qkv.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
 #endif
 }
+
+int64_t norm::qk_norm_wide_plan_count() { return g_wide_plans.load(); }
 
 }  // namespace encore

@@ -1,5 +1,6 @@
 // Norm family dispatch: validate -> problem + plan -> CPU reference or CUDA kernel.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "core/checks.hpp"
@@ -87,6 +88,8 @@ bool can_vectorize(const norm::RmsNormProblem& p, int64_t bytes = 16) {
          ok_stride(p.x_stride) && ok_stride(p.y_stride) && (!p.residual || (ok_stride(p.residual_stride) && ok_stride(p.h_stride)));
 }
 
+std::atomic<int64_t> g_wide_plans{0};
+
 bool is_split(RmsNormPath path) {
   return path == RmsNormPath::kSplitRowTwoLaunch || path == RmsNormPath::kSplitRowBarrier;
 }
@@ -116,7 +119,11 @@ Status execute(const norm::RmsNormProblem& p, Device device, const RmsNormOption
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(device.index, &info));
   norm::RmsNormLaunchPlan plan = norm::plan_rms_norm(p.rows, p.hidden, p.dtype, can_vectorize(p), p.residual != nullptr, info->sm_count);
-  if (norm::norm_wide_packs(info->cc_major) && can_vectorize(p, 32)) plan = norm::widen_rms_norm_plan(plan, p.dtype);
+  if (norm::norm_wide_packs(info->cc_major) && can_vectorize(p, 32)) {
+    const norm::RmsNormLaunchPlan wide = norm::widen_rms_norm_plan(plan, p.dtype);
+    if (wide.vec_elems != plan.vec_elems) g_wide_plans.fetch_add(1, std::memory_order_relaxed);
+    plan = wide;
+  }
   if (norm::rms_norm_uses_jit(p.hidden)) {  // docs/jit.md: the hidden size baked in
     Status st = norm::launch_rms_norm_jit(p, plan, stream);
     if (norm::rms_norm_jit_family().handled(st, stream)) return st;  // ran, or refused during a graph capture
@@ -191,5 +198,7 @@ Status run(const AddRmsNormArgs& a, const RmsNormOptions& opts, void* workspace,
 Status initialize_workspace(const AddRmsNormArgs& a, const RmsNormOptions& opts, void* workspace, Stream stream) {
   return init_workspace(a.x.device, opts, workspace, stream);
 }
+
+int64_t norm::rms_norm_wide_plan_count() { return g_wide_plans.load(); }
 
 }  // namespace encore

@@ -13,10 +13,12 @@
 #include "encore/quant.hpp"
 #include "jit/jit.hpp"
 #include "norm/jit.hpp"
+#include "norm/problem.hpp"
 #include "quant/jit.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/jit/capture.hpp"
 #include "tests/common/device_buffer.hpp"
+#include "tests/common/scoped_env.hpp"
 
 namespace encore::test {
 namespace {
@@ -84,6 +86,24 @@ void expect_v_untouched(const QkInputs& in, const HostTensor& out) {
     const size_t v1 = size_t(std::min(in.qkv.storage_elems(), (tok + 1) * in.qkv.row_stride)) * esz;
     ASSERT_EQ(0, std::memcmp(out.bytes.data() + v0, in.qkv.bytes.data() + v0, v1 - v0)) << "V/padding changed, token " << tok;
   }
+}
+
+// The 32-byte-lane specializations (the sm_100+ plan; ENCORE_NORM_PACK_BYTES=32 takes it here) against
+// the CPU reference, JIT and widening both counted.
+TEST_F(JitFamiliesGpu, QkNormThirtyTwoBytePacksMatchCpu) {
+  const ScopedEnv packs("ENCORE_NORM_PACK_BYTES", "32");
+  for (DType t : {DType::kBF16, DType::kFP16})
+    for (int d : {64, 128, 256})
+      for (int64_t tokens : {int64_t(1), int64_t(333)}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " d" + std::to_string(d) + " tokens " + std::to_string(tokens));
+        const QkInputs in = qk_inputs(t, tokens, 24, 4, d, 0, 0.f, uint64_t(std::random_device{}()) | 1);
+        const int64_t jit0 = norm::qk_norm_jit_launch_count(), wide0 = norm::qk_norm_wide_plan_count();
+        const HostTensor j = qk_gpu(in, norm::JitPolicy::kAuto);
+        EXPECT_EQ(norm::qk_norm_jit_launch_count(), jit0 + 1);
+        EXPECT_EQ(norm::qk_norm_wide_plan_count(), wide0 + 1);
+        ENCORE_EXPECT_CLOSE(j, qk_cpu(in), t, "qkv (32-byte JIT vs CPU reference)");
+        expect_v_untouched(in, j);
+      }
 }
 
 TEST_F(JitFamiliesGpu, QkNormOutsideTheListMatchesCpuAndAheadOfTime) {

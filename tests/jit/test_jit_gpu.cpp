@@ -12,11 +12,14 @@
 #include <random>
 #include <thread>
 
+#include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
 #include "jit/jit.hpp"
 #include "norm/jit.hpp"
+#include "norm/problem.hpp"
 #include "tests/common/compare.hpp"
 #include "tests/common/device_buffer.hpp"
+#include "tests/common/scoped_env.hpp"
 
 namespace encore::test {
 namespace {
@@ -60,6 +63,25 @@ Out run_gpu(DType t, int64_t rows, int64_t hidden, bool add, norm::JitPolicy pol
   ENCORE_EXPECT_CLOSE(y, yc, t, "y (JIT policy vs CPU reference)");
   if (add) ENCORE_EXPECT_CLOSE(h, hc, t, "h");
   return {y, h};
+}
+
+// The 32-byte-pack specializations (the sm_100+ plan; ENCORE_NORM_PACK_BYTES=32 takes it here): the
+// JIT kernel of the widened plan against the CPU reference (run_gpu compares), JIT and widening both
+// counted.
+TEST_F(JitGpu, RmsNormThirtyTwoBytePacksMatchCpu) {
+  const ScopedEnv packs("ENCORE_NORM_PACK_BYTES", "32");
+  const DeviceInfo* info = nullptr;
+  ASSERT_TRUE(get_device_info(0, &info));
+  for (DType t : {DType::kBF16, DType::kFP32})
+    for (int64_t rows : {int64_t(1), int64_t(300), int64_t(8192)})
+      for (bool add : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " rows " + std::to_string(rows) + (add ? " add" : ""));
+        const int64_t hidden = 5184, jit0 = norm::rms_norm_jit_launch_count(), wide0 = norm::rms_norm_wide_plan_count();
+        run_gpu(t, rows, hidden, add, norm::JitPolicy::kAuto);
+        EXPECT_EQ(norm::rms_norm_jit_launch_count(), jit0 + 1);
+        const bool widens = norm::plan_rms_norm(rows, hidden, t, true, add, info->sm_count).vecs_per_thread >= 2;
+        EXPECT_EQ(norm::rms_norm_wide_plan_count(), wide0 + (widens ? 1 : 0));
+      }
 }
 
 TEST_F(JitGpu, RmsNormOutsideTheListMatchesCpuAndAheadOfTime) {

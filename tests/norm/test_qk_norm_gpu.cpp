@@ -102,11 +102,16 @@ TEST_F(QkNormGpu, HostPlanOddShapes) {
 // accesses a pack): aligned rows take it, rows padded by 16 bytes keep 16-byte accesses.
 TEST_F(QkNormGpu, ThirtyTwoBytePacksHostPlan) {
   const ScopedEnv env("ENCORE_NORM_PACK_BYTES", "32");
+  auto expect_wide = [](DType t, int64_t tokens, int hq, int hkv, int d, int64_t pad, float offset, bool widens) {
+    const int64_t before = norm::qk_norm_wide_plan_count();
+    run_qk_case(t, tokens, hq, hkv, d, pad, offset);
+    EXPECT_EQ(norm::qk_norm_wide_plan_count(), before + (widens ? 1 : 0)) << "tokens " << tokens << " pad " << pad << " widened?";
+  };
   for (DType t : {DType::kBF16, DType::kFP16})
     for (int d : {64, 128, 256}) {
-      for (int64_t tokens : {1, 3, 17, 1001, 4097}) run_qk_case(t, tokens, 32, 8, d, 0, 0.f);
-      run_qk_case(t, 777, 1, 1, d, 8, 1.f);  // 16-byte padded rows
-      run_qk_case(t, 99, 24, 4, d, 16, 0.f);  // 32-byte padded rows
+      for (int64_t tokens : {1, 3, 17, 1001, 4097}) expect_wide(t, tokens, 32, 8, d, 0, 0.f, true);
+      expect_wide(t, 777, 1, 1, d, 8, 1.f, false);  // rows padded by 16 bytes: the 16-byte plan
+      expect_wide(t, 99, 24, 4, d, 16, 0.f, true);  // rows padded by 32 bytes
     }
 }
 

@@ -97,6 +97,7 @@ class NormGpu : public ::testing::Test {
 };
 
 TEST_F(NormGpu, MatchesCpuOnEveryVariant) {
+  const ScopedEnv packs("ENCORE_NORM_PACK_BYTES", "16");  // the plans recorded below are the 16-byte ones (also on sm_100+)
   std::set<std::tuple<int, int, int>> variants;
   const int64_t hiddens[] = {1, 7, 64, 100, 300, 1000, 1500, 4096, 4104, 8192, 12288, 20000, 40000, 140000};
   const int64_t rows_list[] = {1, 3, 64, 1000};
@@ -126,18 +127,35 @@ TEST_F(NormGpu, MatchesCpuOnEveryVariant) {
 
 // The 32-byte-pack kernels (the sm_100+ plan, ENCORE_NORM_PACK_BYTES=32 runs them here as two
 // 128-bit accesses): hidden sizes of whole 32-byte packs at every cached count the widening gives
-// (4, 2, 1), strided rows, and pointers only 16-byte aligned (then the 16-byte plan) against the CPU.
+// (4, 2, 1; add reaches 4 at hidden 20480), strided rows, and pointers only 16-byte aligned (then the
+// 16-byte plan) against the CPU; every widened call counted (rms_norm_wide_plan_count), every
+// 16-byte-aligned one not, and each (dtype, add, cached) of the 32-byte kernels run.
 TEST_F(NormGpu, ThirtyTwoBytePacksMatchCpu) {
   const ScopedEnv env("ENCORE_NORM_PACK_BYTES", "32");
+  const DeviceInfo* info = nullptr;
+  ASSERT_TRUE(get_device_info(0, &info));
+  std::set<std::tuple<int, int, int>> wide;  // (dtype, add, cached) of the 32-byte kernels that ran
   for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     const int64_t pack32 = 32 / int64_t(dtype_size(t));
-    for (int64_t hid : {int64_t(64), int64_t(1024), int64_t(4096), int64_t(5184), int64_t(8192), int64_t(12288)})
+    for (int64_t hid : {int64_t(64), int64_t(1024), int64_t(4096), int64_t(5184), int64_t(8192), int64_t(12288), int64_t(20480)})
       for (bool add : {false, true}) {
-        for (int64_t rows : {int64_t(1), int64_t(3), int64_t(64), int64_t(1000)}) run_case({t, rows, hid, 0, add, 0, false}, nullptr);
-        run_case({t, 5, hid, hid + pack32, add, 0, false}, nullptr);       // strided rows, whole 32-byte packs
-        run_case({t, 7, hid, hid + pack32, add, int(pack32 / 2), false}, nullptr);  // 16-byte aligned only
+        auto expect_wide = [&](int64_t rows, int64_t stride, int off, bool aligned32) {
+          const int64_t before = norm::rms_norm_wide_plan_count();
+          run_case({t, rows, hid, stride, add, off, false}, nullptr);
+          const norm::RmsNormLaunchPlan p = norm::plan_rms_norm(rows, hid, t, true, add, info->sm_count);
+          const bool widens = aligned32 && p.vecs_per_thread >= 2;
+          EXPECT_EQ(norm::rms_norm_wide_plan_count(), before + (widens ? 1 : 0)) << "rows " << rows << " widened?";
+          if (widens) wide.insert({int(t), int(add), p.vecs_per_thread / 2});
+        };
+        for (int64_t rows : {int64_t(1), int64_t(3), int64_t(64), int64_t(1000)}) expect_wide(rows, 0, 0, true);
+        expect_wide(5, hid + pack32, 0, true);                 // strided rows, whole 32-byte packs
+        expect_wide(7, hid + pack32, int(pack32 / 2), false);  // 16-byte aligned only: the 16-byte plan
       }
   }
+  for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32})
+    for (int add = 0; add < 2; ++add)
+      for (int cached : {1, 2, 4})
+        EXPECT_TRUE(wide.count({int(t), add, cached})) << "32-byte kernel not covered: " << dtype_name(t) << (add ? " add" : "") << " cached " << cached;
 }
 
 TEST_F(NormGpu, HAliasesResidual) {
