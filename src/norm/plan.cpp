@@ -57,13 +57,18 @@ bool norm_wide_packs(int cc_major) {
   return cc_major >= 10;
 }
 
+// Blocks for `heads` heads, each lane group (lanes per head) taking heads_per_thread of them.
+static long long qk_norm_grid(int64_t heads, int threads, int lanes, int heads_per_thread) {
+  const int64_t per_block = int64_t(threads / lanes) * heads_per_thread;
+  return (heads + per_block - 1) / per_block;
+}
+
 QkNormLaunchPlan widen_qk_norm_plan(const QkNormLaunchPlan& plan, int64_t tokens, int heads_per_token, int head_dim, DType dtype) {
   QkNormLaunchPlan w = plan;
   const int lanes = int(int64_t(head_dim) * int64_t(dtype_size(dtype)) / 32);
   if (lanes < 1) return plan;
   w.pack_bytes = 32;
-  const int64_t heads = tokens * heads_per_token, per_block = int64_t(w.threads / lanes) * w.heads_per_thread;
-  w.grid = (heads + per_block - 1) / per_block;
+  w.grid = qk_norm_grid(tokens * heads_per_token, w.threads, lanes, w.heads_per_thread);
   return w;
 }
 
@@ -84,8 +89,7 @@ QkNormLaunchPlan plan_qk_norm(int64_t tokens, int heads_per_token, int head_dim,
     plan.threads = 128;
     plan.heads_per_thread = 1;
   }
-  const int64_t groups_per_block = plan.threads / lanes;
-  plan.grid = (heads + groups_per_block * plan.heads_per_thread - 1) / (groups_per_block * plan.heads_per_thread);
+  plan.grid = qk_norm_grid(heads, plan.threads, lanes, plan.heads_per_thread);
   return plan;
 }
 

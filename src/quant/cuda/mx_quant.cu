@@ -44,6 +44,9 @@ Status check_launch(const char* what) {
 
 unsigned grid_of(uint32_t units) { return unsigned((uint64_t(units) + kThreads - 1) / kThreads); }
 
+// The quantization kernel's threads: one per unit of 8 (MXFP8), one per NVFP4 block of 16.
+uint32_t quant_threads(const quant::MxProblem& p, const MxParams& k) { return p.kind == quant::MxKind::kMxfp8 ? k.units : k.units / 2; }
+
 Status zero_padding(const quant::MxProblem& p, const MxParams& k, cudaStream_t s) {
   if (!p.swizzled) return Status::ok();
   const int64_t n = quant::mx_padded_rows(p.rows) * quant::mx_padded_scale_cols(k.scale_cols) - p.rows * int64_t(k.scale_cols);
@@ -81,10 +84,10 @@ Status quant_typed(const quant::MxProblem& p, cudaStream_t s) {
   ENCORE_RETURN_IF_ERROR(prologue_typed<T>(p, s, &k));
   if (k.units == 0) return Status::ok();
   if (p.kind == quant::MxKind::kMxfp8) {
-    mxfp8_quant_kernel<T><<<grid_of(k.units), kThreads, 0, s>>>(k);
+    mxfp8_quant_kernel<T><<<grid_of(quant_threads(p, k)), kThreads, 0, s>>>(k);
     return check_launch("mxfp8_quant");
   }
-  nvfp4_quant_kernel<T><<<grid_of(k.units / 2), kThreads, 0, s>>>(k);
+  nvfp4_quant_kernel<T><<<grid_of(quant_threads(p, k)), kThreads, 0, s>>>(k);
   return check_launch("nvfp4_quant");
 }
 
@@ -125,7 +128,7 @@ Status mx_quant_prologue(const quant::MxProblem& p, int device_index, Stream str
     default: return Status::internal(std::string("mx_quant: no CUDA kernel for dtype ") + dtype_name(p.dtype));
   }
   std::memcpy(params, &k, sizeof(k));
-  *threads = p.kind == quant::MxKind::kMxfp8 ? k.units : k.units / 2;
+  *threads = quant_threads(p, k);
   return Status::ok();
 }
 
