@@ -187,8 +187,8 @@ Status run_cuda(const MoeForwardArgs& a, const MoeOptions& o, const Parts& p, St
   g.workspace_bytes = size_t(b.gemm_workspace.shape[0]);
   g.rows_bound = moe_permuted_rows(T, k, E, o.align_m);
   g.sm_count = info->sm_count;
-  g.fused_swiglu = moe::moe_fused_swiglu(T, k, E, p.intermediate, info->sm_count);
-  g.wide_tile = moe::moe_wide_tile();
+  g.fused_swiglu = moe::moe_fused_swiglu();
+  g.wide_tile = moe::moe_wide_tile(T);
   if (moe::moe_decode_gemv(T, g.mlp.hidden, p.intermediate))
     ENCORE_RETURN_IF_ERROR(cuda::launch_moe_decode_mlp(g.mlp, T, std::min<int64_t>(E, T * k), dev, stream));
   else

@@ -1,6 +1,7 @@
 // Launch plan of the CUDA MoE dispatch: the maps in one block for decode-sized batches, count-then-scatter
 // otherwise (thresholds from public code for now, docs/moe.md; to be measured on the H200); the gather
-// on the whole GPU in both cases. Also which SwiGLU path the expert GEMMs take (moe_fused_swiglu).
+// on the whole GPU in both cases. Also which path the expert GEMMs take (moe_fused_swiglu,
+// moe_wide_tile, moe_decode_gemv).
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -41,19 +42,19 @@ bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate) {
   return tokens >= 1 && tokens <= max_rows && tokens * std::max(hidden, intermediate) * 2 <= kDecodeMaxSmem;
 }
 
-bool moe_wide_tile() {
+bool moe_wide_tile(int64_t tokens) {
   const char* v = std::getenv("ENCORE_MOE_GEMM_TILE");
-  return v != nullptr && std::string(v) == "128x256";
+  const std::string tile = v != nullptr ? v : "";
+  if (tile == "128x256") return true;
+  if (tile == "128x128") return false;
+  return tokens >= kWideTileMinTokens;
 }
 
-bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count) {
+bool moe_fused_swiglu() {
   const char* v = std::getenv("ENCORE_MOE_FUSED_SWIGLU");
-  if (v != nullptr && *v != '\0' && std::string(v) != "auto") return std::string(v) != "0";
-  if (intermediate < kFusedSwigluMinF) return false;
-  const int64_t pairs = tokens * top_k;
-  const int64_t m_tiles = std::min<int64_t>(num_experts, pairs) + pairs / kExpertGemmTileM;
-  const int64_t gate_tiles = m_tiles * ((intermediate + kExpertGemmTileN - 1) / kExpertGemmTileN);
-  return gate_tiles >= int64_t(kFusedSwigluMinWaves) * (sm_count > 0 ? sm_count : 132);
+  if (v == nullptr) return false;
+  const std::string s = v;
+  return !s.empty() && s != "auto" && s != "0";
 }
 
 }  // namespace encore::moe

@@ -113,20 +113,17 @@ struct ExpertGemmProblem {
   size_t workspace_bytes = 0;
   int64_t rows_bound = 0;  // rows that may be in use this call: moe_permuted_rows(T, k, E, align_m)
   int sm_count = 0;
-  bool fused_swiglu = false;  // moe_fused_swiglu(...)
-  bool wide_tile = false;     // moe_wide_tile(): gate / gate-up and down on 128x256 tiles
+  bool fused_swiglu = false;  // moe_fused_swiglu()
+  bool wide_tile = false;     // moe_wide_tile(T): gate / gate-up and down on 128x256 tiles
 };
 
-// Which SwiGLU path a call takes (plan.cpp). ENCORE_MOE_FUSED_SWIGLU, read at every call: "0" the
-// unfused one (gate_up [R, 2F] fp32 and a row kernel), unset, empty or "auto" the size rule below,
-// any other value the fused one. The rule, from the H200 timings of both paths (docs/moe.md): fused
-// when F >= kFusedSwigluMinF and its gate GEMM alone has kFusedSwigluMinWaves waves of 128x128 tiles
-// (estimated as (min(E, T k) + T k / 128) M-tiles x ceil(F / 128)). DeepSeek-V3's F = 2048 gains
-// 5-9% from T = 4096 (62 waves) and ties at T = 512 (35); Qwen3-30B-A3B's F = 768 loses 4-57% at
-// every T, so F below 2048 stays unfused.
+// Which SwiGLU path a call takes (plan.cpp). ENCORE_MOE_FUSED_SWIGLU, read at every call: unset,
+// empty, "auto" or "0" the unfused one (gate_up [R, 2F] fp32 and a row kernel); any other value the
+// fused one (the SwiGLU in the up GEMM's epilogue). On the H200 (docs/moe.md) the unfused path on
+// the 128x256 tiles beats both fused paths at every measured T on Qwen3-30B-A3B and the
+// DeepSeek-V3-like shape (by 2-19%), so the fused one is opt-in.
 constexpr int kExpertGemmTileM = 128, kExpertGemmTileN = 128;
-constexpr int64_t kFusedSwigluMinF = 2048;
-constexpr int kFusedSwigluMinWaves = 48;
+bool moe_fused_swiglu();
 
 // The decode GEMV (cuda/decode_mlp.cu) instead of the grouped GEMMs: ENCORE_MOE_DECODE, read at every
 // call: "0" never; unset or empty at T <= kDecodeDefaultRows (H200: 0.68-0.90x of the unfused GEMMs'
@@ -139,12 +136,13 @@ constexpr int kDecodeMaxRows = 16;
 constexpr int64_t kDecodeMaxSmem = 96 * 1024;
 bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate);
 bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count);
-// The cooperative grouped GEMMs' tile (a measurement switch until the H200 says when each wins):
-// ENCORE_MOE_GEMM_TILE, read at every call: "128x256" the 128 x 256 x 64 tile (two consumer
-// warpgroups of 64 x 256) for the gate (or unfused gate/up) and down GEMMs; unset, empty or
-// "128x128" the 128 x 128 x 64 tile; anything else 128x128. The fused up + SwiGLU GEMM keeps its
-// 128 x 128 ping-pong tile.
-bool moe_wide_tile();
+// The cooperative grouped GEMMs' tile: ENCORE_MOE_GEMM_TILE, read at every call: "128x256" the
+// 128 x 256 x 64 tile (two consumer warpgroups of 64 x 256) for the gate / up and down GEMMs,
+// "128x128" the 128 x 128 x 64 tile; unset or anything else the rule: 128x256 from
+// kWideTileMinTokens tokens (H200: 0.80-0.93x of the 128x128 time at T 64-16384 on both measured
+// shapes). The fused up + SwiGLU GEMM keeps its 128 x 128 ping-pong tile.
+constexpr int64_t kWideTileMinTokens = 64;
+bool moe_wide_tile(int64_t tokens);
 
 // One grouped GEMM D_e = A_e . B_e^T (+ C_e) over the expert blocks, as element offsets from each
 // operand's base: A_e and C_e, D_e start at row offsets[e] (row strides lda, ldc, ldd), B_e at

@@ -108,36 +108,31 @@ TEST(MoeExpertGemmSpecs, WorkspaceHoldsThreeGemms) {
 
 TEST(MoeExpertGemmSpecs, FusedSwigluSwitchIsReadPerCall) {
   ScopedEnv guard("ENCORE_MOE_FUSED_SWIGLU");
-  // Unset, empty and "auto": the size rule (132 SMs): F >= 2048 and 48 waves of gate tiles.
-  // Qwen3-30B-A3B (E 128, k 8, F 768) unfused at every T; DeepSeek-V3 (E 256, k 8, F 2048: 16
-  // N-tiles) unfused at T = 1 and 512 ((256 + 32) x 16 = 35 waves), fused at T = 4096 (62 waves).
-  for (const char* v : {static_cast<const char*>(nullptr), "", "auto"}) {
+  // Unset, empty, "auto" and "0": the unfused path (the faster one on the H200 at every size).
+  for (const char* v : {static_cast<const char*>(nullptr), "", "auto", "0"}) {
     if (v == nullptr) unsetenv("ENCORE_MOE_FUSED_SWIGLU");
     else setenv("ENCORE_MOE_FUSED_SWIGLU", v, 1);
-    EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 128, 768, 132));
-    EXPECT_FALSE(moe::moe_fused_swiglu(4096, 8, 128, 768, 132));
-    EXPECT_FALSE(moe::moe_fused_swiglu(16384, 8, 128, 768, 132));
-    EXPECT_FALSE(moe::moe_fused_swiglu(1, 8, 256, 2048, 132));
-    EXPECT_FALSE(moe::moe_fused_swiglu(512, 8, 256, 2048, 132));
-    EXPECT_TRUE(moe::moe_fused_swiglu(4096, 8, 256, 2048, 132));
-    EXPECT_TRUE(moe::moe_fused_swiglu(16384, 8, 256, 2048, 132));
+    EXPECT_FALSE(moe::moe_fused_swiglu()) << (v ? v : "unset");
   }
   setenv("ENCORE_MOE_FUSED_SWIGLU", "1", 1);
-  EXPECT_TRUE(moe::moe_fused_swiglu(1, 8, 128, 768, 132));
-  setenv("ENCORE_MOE_FUSED_SWIGLU", "0", 1);
-  EXPECT_FALSE(moe::moe_fused_swiglu(16384, 8, 256, 2048, 132));
+  EXPECT_TRUE(moe::moe_fused_swiglu());
 }
 
 TEST(MoeExpertGemmSpecs, GemmTileSwitchIsReadPerCall) {
   ScopedEnv guard("ENCORE_MOE_GEMM_TILE");
-  unsetenv("ENCORE_MOE_GEMM_TILE");
-  EXPECT_FALSE(moe::moe_wide_tile()) << "the default: 128x128";
-  for (const char* v : {"", "128x128", "256x128", "wide"}) {
-    setenv("ENCORE_MOE_GEMM_TILE", v, 1);
-    EXPECT_FALSE(moe::moe_wide_tile()) << v;
+  // Unset or any other value: 128x256 from kWideTileMinTokens tokens, 128x128 below.
+  for (const char* v : {static_cast<const char*>(nullptr), "", "auto", "256x128"}) {
+    if (v == nullptr) unsetenv("ENCORE_MOE_GEMM_TILE");
+    else setenv("ENCORE_MOE_GEMM_TILE", v, 1);
+    EXPECT_FALSE(moe::moe_wide_tile(1)) << (v ? v : "unset");
+    EXPECT_FALSE(moe::moe_wide_tile(moe::kWideTileMinTokens - 1)) << (v ? v : "unset");
+    EXPECT_TRUE(moe::moe_wide_tile(moe::kWideTileMinTokens)) << (v ? v : "unset");
+    EXPECT_TRUE(moe::moe_wide_tile(16384)) << (v ? v : "unset");
   }
+  setenv("ENCORE_MOE_GEMM_TILE", "128x128", 1);
+  EXPECT_FALSE(moe::moe_wide_tile(16384));
   setenv("ENCORE_MOE_GEMM_TILE", "128x256", 1);
-  EXPECT_TRUE(moe::moe_wide_tile());
+  EXPECT_TRUE(moe::moe_wide_tile(1));
 }
 
 TEST(MoeExpertGemmSpecs, DecodeGemvSwitchIsReadPerCall) {

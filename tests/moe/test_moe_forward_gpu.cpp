@@ -286,10 +286,14 @@ const ForwardCase kCpuCases[] = {
     {"qwen3_t4", 4, 2048, 768, 128, 8, 16, Logits::kRandom},
 };
 
-TEST_F(MoeForwardGpu, MatchesCpu) { run_on_both_swiglu_paths(kCpuCases); }
+// The cooperative GEMMs on 128x128 tiles (ENCORE_MOE_GEMM_TILE=128x128; the default below 64 tokens).
+TEST_F(MoeForwardGpu, MatchesCpu) {
+  const ScopedEnv tile("ENCORE_MOE_GEMM_TILE", "128x128");
+  run_on_both_swiglu_paths(kCpuCases);
+}
 
-// The cooperative GEMMs on 128x256 tiles (ENCORE_MOE_GEMM_TILE=128x256): the same checks on both
-// SwiGLU paths, N below, at and above one 256-column tile (D 64 / 96 / 2048, F 768, 2F 1536).
+// The cooperative GEMMs on 128x256 tiles (ENCORE_MOE_GEMM_TILE=128x256; the default from 64 tokens):
+// the same checks on both SwiGLU paths, N below, at and above one 256-column tile (D 64 / 96 / 2048, F 768, 2F 1536).
 TEST_F(MoeForwardGpu, WideTileMatchesCpu) {
   const ScopedEnv tile("ENCORE_MOE_GEMM_TILE", "128x256");
   run_on_both_swiglu_paths(kCpuCases);
@@ -320,8 +324,10 @@ TEST_F(MoeForwardGpu, DecodeGemvMatchesCpu) {
 
 // The two SwiGLU paths compute the same fp32 values (same K order, one accumulator per element),
 // apply the same silu_mul and round once: act, expert_out and out must be bit-identical, and so
-// must the gate half of gate_up (rows below offsets[E]; the up half is only written unfused).
+// must the gate half of gate_up (rows below offsets[E]; the up half is only written unfused). Both
+// on 128x128 tiles (the fused up GEMM's own), so each element comes from the same HGMMA shape.
 TEST_F(MoeForwardGpu, FusedSwigluMatchesUnfused) {
+  const ScopedEnv tile("ENCORE_MOE_GEMM_TILE", "128x128");
   const ForwardCase cases[] = {
       {"t1_f64_align16", 1, 128, 64, 8, 2, 16, Logits::kRandom},
       {"t7_f768_align1", 7, 256, 768, 8, 2, 1, Logits::kRandom},

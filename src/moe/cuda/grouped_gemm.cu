@@ -1,7 +1,7 @@
 // moe_forward's expert compute on CUDA: bf16 grouped GEMMs on CUTLASS's Sm90 pointer-array
 // mainloop (TMA + WGMMA, warp-specialized, persistent group tile scheduler) with the SwiGLU fused into
 // the up GEMM's epilogue or in a row kernel between them (p.fused_swiglu: moe::moe_fused_swiglu,
-// plan.cpp; ENCORE_MOE_FUSED_SWIGLU: 0 unfused, 1 fused, unset / auto by size: F >= 2048 at large T).
+// plan.cpp; the row kernel unless ENCORE_MOE_FUSED_SWIGLU asks for the fused one).
 //
 // Math (group e = expert e = rows [offsets[e], offsets[e + 1]) of the permuted buffers, padding
 // rows included; M_e is read on the device, so empty experts are zero-size groups):
@@ -21,8 +21,8 @@
 // 16-byte aligned (TMA). Padding rows of x_permuted are zero, so their h, act and y rows are zero
 // (finite weights). Rows past offsets[E] are not touched.
 // Kernels: gate/up and down on the cooperative 128x128x64 tile (two consumer warpgroups, 64 rows
-// each), or 128x256x64 with p.wide_tile (moe::moe_wide_tile); the fused up GEMM on the ping-pong 128x128x64 tile (one warpgroup per tile, so one
-// warpgroup's silu epilogue overlaps the other's mainloop). Cluster 1x1; stages: what remains of
+// each), or 128x256x64 with p.wide_tile (moe::moe_wide_tile: from T 64); the fused up GEMM on the
+// ping-pong 128x128x64 tile (one warpgroup per tile, so one warpgroup's silu epilogue overlaps the other's mainloop). Cluster 1x1; stages: what remains of
 // shared memory after the epilogue's (StageCountAutoCarveout).
 // Launch: a one-block kernel writes each GEMM's per-group problem shapes, A / B / C / D pointers and
 // strides into the workspace from offsets (no host sync); CUTLASS's own workspace (per-SM TMA
