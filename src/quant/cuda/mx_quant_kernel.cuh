@@ -238,6 +238,67 @@ __global__ void nvfp4_global_kernel(float* global) {
 // One thread per block of 16 (units 2t and 2t + 1 of a row: K % 16 == 0, so kUnitsPerRow is even).
 // s = e4m3_rn_satfinite(fl32(fl32(amax / 6) / g)); d = fl32(float(s) * g); codes by e2m1_bounds(d)
 // (0 where d is 0); element 2j in the low nibble of byte j. Non-finite block: s = 0x7f, codes 0.
+// bf16 / fp16: the elements stay two to a 32-bit word. |x| > k (k a bound, fp32) iff |x| > k16,
+// k16 = k rounded down to T (bf16: k's top 16 bits; fp16: cvt.rm), exact for any k since |x| is a T
+// value; so each word's two codes come from packed compares (HSET2, a 0xffff mask a half) and LOP3
+// muxes of the packed bounds (the 3-level search), the amax from packed 16-bit maxima. bf16 with
+// d < 2^-100 (bounds that may be subnormal) takes the fp32 path instead.
+
+// The block's scale byte and decoded scale d (0: non-finite block or a zero scale; *sbyte 0x7f for
+// a non-finite block) from the block's max |x| as fp32 bits.
+__device__ __forceinline__ float nvfp4_block_scale(uint32_t amax, float g, uint32_t* sbyte) {
+  *sbyte = 0x7fu;
+  if (amax >= 0x7f800000u) return 0.0f;
+  const float t = __fdiv_rn(__fdiv_rn(__uint_as_float(amax), quant::kE2m1Max), g);
+  *sbyte = e4m3x4(t, 0.f, 0.f, 0.f) & 0xffu;
+  return __fmul_rn(mx_e4m3_decode(*sbyte), g);
+}
+
+// 8 codes of 8 elements given as fp32 bit patterns, element i in nibble i.
+__device__ __forceinline__ uint32_t e2m1_word(const uint32_t (&b)[8], const E2m1Bounds& k) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w |= e2m1_code(b[i], k) << (4 * i);
+  return w;
+}
+
+// Packed 16-bit lanes: per lane 0xffff where a > b (T's ordering; both non-negative, not NaN).
+template <typename T>
+__device__ __forceinline__ uint32_t gt_mask2(uint32_t a, uint32_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 x, y;
+    *reinterpret_cast<uint32_t*>(&x) = a, *reinterpret_cast<uint32_t*>(&y) = b;
+    return __hgt2_mask(x, y);
+  } else {
+    __half2 x, y;
+    *reinterpret_cast<uint32_t*>(&x) = a, *reinterpret_cast<uint32_t*>(&y) = b;
+    return __hgt2_mask(x, y);
+  }
+}
+__device__ __forceinline__ uint32_t mux(uint32_t m, uint32_t a, uint32_t b) { return (m & a) | (~m & b); }
+
+// The two codes of word w (elements in its low and high halves) in bits 0-3 and 16-19.
+template <typename T>
+__device__ __forceinline__ uint32_t e2m1_code2(uint32_t w, const uint32_t (&k)[7]) {
+  const uint32_t a = w & 0x7fff7fffu;
+  const uint32_t h = gt_mask2<T>(a, k[3]);
+  const uint32_t s1 = gt_mask2<T>(a, mux(h, k[5], k[1]));
+  const uint32_t s2 = gt_mask2<T>(a, mux(h, mux(s1, k[6], k[4]), mux(s1, k[2], k[0])));
+  return (h & 0x00040004u) | (s1 & 0x00020002u) | (s2 & 0x00010001u) | ((w >> 12) & 0x00080008u);
+}
+
+// Codes of 8 elements in 4 words (word j: elements 2j, 2j + 1) as one 32-bit word, element i in nibble i.
+template <typename T>
+__device__ __forceinline__ uint32_t e2m1_word2(const uint32_t* w, const uint32_t (&k)[7]) {
+  uint32_t c[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t x = e2m1_code2<T>(w[j], k);
+    c[j] = x | (x >> 12);  // byte 0: the low code in bits 0-3, the high one in bits 4-7
+  }
+  return __byte_perm(__byte_perm(c[0], c[1], 0x0040), __byte_perm(c[2], c[3], 0x0040), 0x5410);
+}
+
 template <typename T, int kUnitsPerRow = 0>
 __global__ void __launch_bounds__(256) nvfp4_quant_kernel(MxParams p) {
   const uint32_t u = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
@@ -245,22 +306,47 @@ __global__ void __launch_bounds__(256) nvfp4_quant_kernel(MxParams p) {
   uint32_t row, cu;
   mx_split_unit<kUnitsPerRow>(p, u, row, cu);
   const T* src = static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8;
-  uint32_t b0[8], b1[8];
-  load_block16_bits(src, b0, b1);
-  const uint32_t amax = max(abs_max_bits(b0), abs_max_bits(b1));
   const float g = p.global_in ? *p.global_in : p.global_value;
   if (p.global_out && u == 0) *p.global_out = g;
-  uint32_t w0 = 0, w1 = 0, sbyte = 0x7fu;
-  if (amax < 0x7f800000u) {
-    const float t = __fdiv_rn(__fdiv_rn(__uint_as_float(amax), quant::kE2m1Max), g);
-    sbyte = e4m3x4(t, 0.f, 0.f, 0.f) & 0xffu;
-    const float d = __fmul_rn(mx_e4m3_decode(sbyte), g);
+  uint32_t w0 = 0, w1 = 0, sbyte;
+  if constexpr (std::is_same_v<T, float>) {
+    uint32_t b0[8], b1[8];
+    load_block16_bits(src, b0, b1);
+    const float d = nvfp4_block_scale(max(abs_max_bits(b0), abs_max_bits(b1)), g, &sbyte);
     if (d > 0.0f) {
       const E2m1Bounds k = e2m1_bounds(d);
+      w0 = e2m1_word(b0, k);
+      w1 = e2m1_word(b1, k);
+    }
+  } else {
+    const Bits256 v = load_global_32_once(src);
+    const uint32_t w[8] = {v.lo.x, v.lo.y, v.lo.z, v.lo.w, v.hi.x, v.hi.y, v.hi.z, v.hi.w};
+    uint32_t m = __vmaxu2(__vmaxu2(__vmaxu2(w[0] & 0x7fff7fffu, w[1] & 0x7fff7fffu), __vmaxu2(w[2] & 0x7fff7fffu, w[3] & 0x7fff7fffu)),
+                          __vmaxu2(__vmaxu2(w[4] & 0x7fff7fffu, w[5] & 0x7fff7fffu), __vmaxu2(w[6] & 0x7fff7fffu, w[7] & 0x7fff7fffu)));
+    m = max(m & 0xffffu, m >> 16);  // the block's max |x| as a T bit pattern
+    uint32_t amax;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) amax = m << 16;
+    else amax = __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(m))));
+    const float d = nvfp4_block_scale(amax, g, &sbyte);
+    if (d > 0.0f) {
+      const E2m1Bounds kb = e2m1_bounds(d);
+      if (std::is_same_v<T, __nv_bfloat16> && !(d >= 0x1p-100f)) {
+        uint32_t b0[8], b1[8];
+        unit_bits16<T>(v.lo, b0);
+        unit_bits16<T>(v.hi, b1);
+        w0 = e2m1_word(b0, kb);
+        w1 = e2m1_word(b1, kb);
+      } else {
+        uint32_t k[7];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        w0 |= e2m1_code(b0[i], k) << (4 * i);
-        w1 |= e2m1_code(b1[i], k) << (4 * i);
+        for (int i = 0; i < 7; ++i) {
+          uint32_t k16;
+          if constexpr (std::is_same_v<T, __nv_bfloat16>) k16 = kb.k[i] >> 16;
+          else k16 = __half_as_ushort(__float2half_rd(__uint_as_float(kb.k[i])));
+          k[i] = k16 * 0x10001u;
+        }
+        w0 = e2m1_word2<T>(w, k);
+        w1 = e2m1_word2<T>(w + 4, k);
       }
     }
   }
