@@ -211,18 +211,36 @@ __global__ void __launch_bounds__(256) mxfp8_quant_kernel(MxParams p) {
 }
 
 // ---- NVFP4 global amax: max |x| over the finite elements into *amax_bits (zeroed before). ----
+// Grid-stride, four units in flight per thread (their loads issued before any is used).
+template <typename T>
+__device__ __forceinline__ void nvfp4_amax_unit(const MxParams& p, uint32_t u, uint32_t (&b)[8]) {
+  const uint32_t row = p.row_of_unit.div(u), cu = u - row * p.units_per_row;
+  load_unit_bits(static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8, b);
+}
+__device__ __forceinline__ uint32_t finite_abs_max(uint32_t m, const uint32_t (&b)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t a = b[i] & 0x7fffffffu;
+    if (a < 0x7f800000u) m = max(m, a);
+  }
+  return m;
+}
 template <typename T>
 __global__ void __launch_bounds__(256) nvfp4_amax_kernel(MxParams p, unsigned int* amax_bits) {
-  uint32_t m = 0;
-  for (uint32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < p.units; u += gridDim.x * blockDim.x) {
-    const uint32_t row = p.row_of_unit.div(u), cu = u - row * p.units_per_row;
-    uint32_t b[8];
-    load_unit_bits(static_cast<const T*>(p.x) + int64_t(row) * p.x_stride + cu * 8, b);
+  constexpr int kInFlight = 4;
+  const uint32_t stride = gridDim.x * blockDim.x;  // units < 2^31 and stride <= 2^19: u + 4 stride fits
+  uint32_t m = 0, u = blockIdx.x * blockDim.x + threadIdx.x;
+  for (; u + (kInFlight - 1) * stride < p.units; u += kInFlight * stride) {
+    uint32_t b[kInFlight][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t a = b[i] & 0x7fffffffu;
-      if (a < 0x7f800000u) m = max(m, a);
-    }
+    for (int i = 0; i < kInFlight; ++i) nvfp4_amax_unit<T>(p, u + i * stride, b[i]);
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) m = finite_abs_max(m, b[i]);
+  }
+  for (; u < p.units; u += stride) {
+    uint32_t b[8];
+    nvfp4_amax_unit<T>(p, u, b);
+    m = finite_abs_max(m, b);
   }
   m = __reduce_max_sync(0xffffffffu, m);
   if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(amax_bits, m);
