@@ -532,6 +532,11 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
       kernel_vs_cublas(x, Epilogue::kResidualSqsumAux, s.name, m, s.D, s.F);  // the block's down projection
       kernel_vs_cublas(x, Epilogue::kRope, s.name, m, qkv, s.D);
       if (s.head_dim == 128) kernel_vs_cublas(x, Epilogue::kQkvHeadSqsum, s.name, m, qkv, s.D);
+      // The block backward's dgrads (W [K, N] un-transposed), each beside the plain dgrad of its shape:
+      // the down projection's through the SwiGLU, the gate/up and QKV ones through the RMSNorm.
+      for (Epilogue e : {Epilogue::kSwigluBwd, Epilogue::kDgrad}) kernel_vs_cublas(x, e, s.name, m, s.F, s.D);
+      for (Epilogue e : {Epilogue::kRmsnormBwd, Epilogue::kDgrad}) kernel_vs_cublas(x, e, s.name, m, s.D, 2 * s.F);
+      for (Epilogue e : {Epilogue::kRmsnormBwd, Epilogue::kDgrad}) kernel_vs_cublas(x, e, s.name, m, s.D, qkv);
     }
     chain_grg(x, s.name, M, s.D, s.F, 128);
     chain_grg(x, s.name, M, s.D, s.F, 256);

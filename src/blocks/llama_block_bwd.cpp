@@ -23,7 +23,7 @@ void stage_a(Plan& p, Carve& ws, const TensorView& qkv, const TensorView& d_qkv,
              const TensorView& dx, const TensorView& h, const TensorView& dw3, const TensorView& dgamma, int64_t M, int64_t d, int64_t N) {
   const DType t = qkv.dtype;
   TensorView dz2 = ws.take(t, M, N), zdz2 = ws.take(DType::kFP32, M);
-  TensorView part = ws.take(DType::kFP32, gemm_column_partials_rows(M), (d + kTileN - 1) / kTileN * kTileN);
+  TensorView part = column_partials(ws, M, d, N);
   Step rope;
   rope.kind = Step::kRope;
   rope.name = "stage (a) rope_bwd_zdz";

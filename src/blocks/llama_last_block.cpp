@@ -72,7 +72,7 @@ Plan plan(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& o, cha
   TensorView alpha = ws.take(DType::kFP32, 1), dl = ws.take(t, M, V, padded(V));
   TensorView zpart = ws.take(DType::kFP32, M, (V + kTileN - 1) / kTileN), zdz = ws.take(DType::kFP32, M);
   TensorView dx = ws.take(t, M, d), h = ws.take(t, M, d);  // h: x̂2⊙γf, then (c)'s x̂1⊙γ0 (dW_lm is taken before)
-  TensorView gpart = ws.take(DType::kFP32, gemm_column_partials_rows(M), (d + kTileN - 1) / kTileN * kTileN);
+  TensorView gpart = column_partials(ws, M, d, V);
   Step mean;
   mean.kind = Step::kCeMean;
   mean.name = "(a) alpha = d_loss / n";

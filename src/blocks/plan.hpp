@@ -65,10 +65,18 @@ inline Step partials_sum(const char* name, const TensorView& partials, const Ten
   return s;
 }
 
-constexpr int kTileN = 128;  // the dgrad kernels' partials tile (their one CUDA tile, ping-pong 128x128)
+constexpr int kTileN = 128;  // ce_bwd's partials tile (ping-pong 128x128)
+
+// The partials' column tile of rmsnorm_bwd over dz [M, K] and a consumer weight [K, d] (the launch
+// plan's, gemm_partial_tile_n), and its dγ column partials [ceil(M / 128), round_up(d, tile)].
+inline int rmsnorm_bwd_tile_n(int64_t M, int64_t d, int64_t K) { return gemm_partial_tile_n(Epilogue::kRmsnormBwd, M, d, K); }
+inline TensorView column_partials(Carve& ws, int64_t M, int64_t d, int64_t K) {
+  const int64_t tn = rmsnorm_bwd_tile_n(M, d, K);
+  return ws.take(DType::kFP32, gemm_column_partials_rows(M), (d + tn - 1) / tn * tn);
+}
 
 // rmsnorm_bwd over dz and the consumer weight w [N_fwd, d]: dx = dx_prev + r·(γ⊙da − x̂·zdz), aux h = x̂⊙γ,
-// dγ column partials `part`.
+// dγ column partials `part` (column_partials(ws, M, d, N_fwd)).
 inline Step rmsnorm_bwd_step(const char* name, const TensorView& dz, const TensorView& w, const TensorView& x, const TensorView& dx_prev,
                              const TensorView& gamma, const TensorView& r, const TensorView& zdz, const TensorView& dx, const TensorView& h,
                              const TensorView& part) {
@@ -83,7 +91,7 @@ inline Step rmsnorm_bwd_step(const char* name, const TensorView& dz, const Tenso
   s.g.d = dx;
   s.g.aux = h;
   s.g.partials = part;
-  s.o.partial_tile_n = kTileN;
+  s.o.partial_tile_n = rmsnorm_bwd_tile_n(dz.shape[0], w.shape[1], dz.shape[1]);
   return s;
 }
 
@@ -152,8 +160,9 @@ inline void stage_ffn_oproj(Plan& p, Carve& ws, const FfnOprojSaved& s, const Te
   const int64_t M = s.y0.shape[0], d = s.y0.shape[1], F = s.w2.shape[1];
   const DType t = s.y0.dtype;
   TensorView y1 = ws.take(t, M, F), dz1 = ws.take(t, M, 2 * F), zdz1 = ws.take(DType::kFP32, M);
-  TensorView zpart = ws.take(DType::kFP32, M, (F + kTileN - 1) / kTileN);
-  TensorView gpart = ws.take(DType::kFP32, gemm_column_partials_rows(M), (d + kTileN - 1) / kTileN * kTileN);
+  const int ztn = gemm_partial_tile_n(Epilogue::kSwigluBwd, M, F, d);
+  TensorView zpart = ws.take(DType::kFP32, M, (F + ztn - 1) / ztn);
+  TensorView gpart = column_partials(ws, M, d, 2 * F);
   Step sw = gemm_step("stage (b) swiglu_bwd through w2", Epilogue::kSwigluBwd);
   sw.g.a = dx;
   sw.g.w = s.w2;
@@ -161,7 +170,7 @@ inline void stage_ffn_oproj(Plan& p, Carve& ws, const FfnOprojSaved& s, const Te
   sw.g.d = y1;
   sw.g.aux = dz1;
   sw.g.partials = zpart;
-  sw.o.partial_tile_n = kTileN;
+  sw.o.partial_tile_n = ztn;
   p.steps.push_back(sw);
   p.steps.push_back(partials_sum("stage (b) zdz sum", zpart, zdz1, PartialsSum::kPerRow, 1.0f / float(d)));
   p.steps.push_back(wgrad("stage (b) wgrad dw2", dx, y1, g.dw2));

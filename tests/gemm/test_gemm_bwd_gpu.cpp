@@ -3,7 +3,8 @@
 // with math-coda.md §9's rule per output: max|gpu − fp64| <= 2·max|unfused − fp64| + 1e-6·max|fp64|,
 // where "unfused" is the same computation as a bf16/fp16 GEMM (fp32 accumulate, rounded output)
 // followed by the glue on the rounded GEMM output, each result rounded to the dtype. Fresh random
-// inputs each run, odd M, N multiples of 8 but not of the tile, padded rows, outputs poisoned (NaN).
+// inputs each run, odd M, N multiples of 8 but not of the tile, padded rows, outputs poisoned (NaN),
+// on both CUDA tiles (partial_tile_n 128 / 256).
 // Failures print each output's max and RMS error, where the max is, and the bound.
 #include <gtest/gtest.h>
 
@@ -99,15 +100,16 @@ struct Shape {
 const Shape kShapes[] = {{1, 136, 72, 0}, {77, 264, 1000, 8}, {301, 520, 256, 16}};
 
 // swiglu_bwd: A = dx [M, d = K], W = w_down [d, F = N], C = Z [M, 2F]; y, dZ, zdz partials; then zdz.
-void swiglu_bwd_case(DType t, const Shape& s) {
+void swiglu_bwd_case(DType t, const Shape& s, int tn) {
   const int64_t M = s.M, F = s.N, d = s.K;
-  SCOPED_TRACE(std::string("swiglu_bwd ") + dtype_name(t) + " M" + std::to_string(M) + " F" + std::to_string(F) + " d" + std::to_string(d));
+  SCOPED_TRACE(std::string("swiglu_bwd ") + dtype_name(t) + " M" + std::to_string(M) + " F" + std::to_string(F) + " d" + std::to_string(d) +
+               " partial_tile_n " + std::to_string(tn));
   auto rng = make_rng(uint64_t(M * 7 + F + d));
   HostTensor dx(t, M, d, d + s.pad), w2(t, d, F, F + s.pad), z(t, M, 2 * F, 2 * F + s.pad);
   dx.fill_normal(rng);
   w2.fill_normal(rng, 0.0, 1.0 / std::sqrt(double(d)));
   z.fill_normal(rng, 0.0, 2.0);
-  const int64_t tiles = (F + 127) / 128;
+  const int64_t tiles = (F + tn - 1) / tn;
   Dev a(dx), w(w2), c(z), y(HostTensor(t, M, F, F + s.pad), true), dz(HostTensor(t, M, 2 * F, 2 * F + s.pad), true),
       parts(HostTensor(DType::kFP32, M, tiles, tiles + 3), true), zdz(HostTensor::vector(DType::kFP32, M), true);
   GemmEpilogueArgs g;
@@ -117,14 +119,14 @@ void swiglu_bwd_case(DType t, const Shape& s) {
   g.d = y.view;
   g.aux = dz.view;
   g.partials = parts.view;
-  Status st = run(g, GemmEpilogueOptions{Epilogue::kSwigluBwd, 128});
+  Status st = run(g, GemmEpilogueOptions{Epilogue::kSwigluBwd, tn});
   ASSERT_TRUE(st) << st.to_string();
   st = run(PartialsSumArgs{parts.view, zdz.view}, PartialsSum::kPerRow, float(1.0 / double(d)));
   ASSERT_TRUE(st) << st.to_string();
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
 
   const Mat Z = to_mat(z);
-  const reference::SwigluDgrad hi = reference::swiglu_dgrad(to_mat(dx), M, d, to_mat(w2), F, Z, 1.0 / double(d), 128);
+  const reference::SwigluDgrad hi = reference::swiglu_dgrad(to_mat(dx), M, d, to_mat(w2), F, Z, 1.0 / double(d), tn);
   // Unfused: dy stored in the dtype, the glue on it, each output rounded.
   Mat dy_lo = rounded(t, hi.dy), y_lo(size_t(M * F)), dz_lo(size_t(M * 2 * F)), p_lo(size_t(M * tiles), 0.0), zdz_lo(size_t(M), 0.0);
   for (int64_t m = 0; m < M; ++m)
@@ -135,7 +137,7 @@ void swiglu_bwd_case(DType t, const Shape& s) {
       y_lo[size_t(m * F + j)] = round_to(t, gg * sg * u);
       dz_lo[size_t(m * 2 * F + 2 * j)] = dg;
       dz_lo[size_t(m * 2 * F + 2 * j + 1)] = du;
-      p_lo[size_t(m * tiles + j / 128)] += gg * dg + u * du;
+      p_lo[size_t(m * tiles + j / tn)] += gg * dg + u * du;
       zdz_lo[size_t(m)] += (gg * dg + u * du) / double(d);
     }
   Mat p_hi = hi.zdz_partials;
@@ -148,10 +150,10 @@ void swiglu_bwd_case(DType t, const Shape& s) {
 
 // rmsnorm_bwd: A = dz [M, N_fwd = K], W [N_fwd, d = N], C = x, C2 = the residual gradient, γ, r,
 // zdz, α; dx, aux = x̂⊙γ, dγ partials per 128 rows; then dγ.
-void rmsnorm_bwd_case(DType t, const Shape& s, bool with_c2_alpha) {
+void rmsnorm_bwd_case(DType t, const Shape& s, bool with_c2_alpha, int tn) {
   const int64_t M = s.M, d = s.N, Nf = s.K;
   SCOPED_TRACE(std::string("rmsnorm_bwd ") + dtype_name(t) + " M" + std::to_string(M) + " d" + std::to_string(d) + " N_fwd" + std::to_string(Nf) +
-               (with_c2_alpha ? " alpha + c2" : " no alpha, no c2"));
+               (with_c2_alpha ? " alpha + c2" : " no alpha, no c2") + " partial_tile_n " + std::to_string(tn));
   auto rng = make_rng(uint64_t(M * 5 + d + Nf * 3) + (with_c2_alpha ? 1 : 0));
   HostTensor dzt(t, M, Nf, Nf + s.pad), w3(t, Nf, d, d + s.pad), x(t, M, d, d + s.pad), prev(t, M, d, d + s.pad), gamma = HostTensor::vector(t, d);
   HostTensor r = HostTensor::vector(DType::kFP32, M), zdzv = HostTensor::vector(DType::kFP32, M), alpha = HostTensor::vector(DType::kFP32, 1);
@@ -164,7 +166,7 @@ void rmsnorm_bwd_case(DType t, const Shape& s, bool with_c2_alpha) {
   zdzv.fill_normal(rng, 0.0, 0.5);
   const double al = with_c2_alpha ? 0.375 : 1.0;
   alpha.set(0, 0, al);
-  const int64_t ptiles = gemm_column_partials_rows(M), pcols = (d + 127) / 128 * 128;
+  const int64_t ptiles = gemm_column_partials_rows(M), pcols = (d + tn - 1) / tn * tn;
   Dev a(dzt), w(w3), c(x), c2(prev), gm(gamma), rr(r), zz(zdzv), aa(alpha), dx(HostTensor(t, M, d, d + s.pad), true),
       aux(HostTensor(t, M, d, d + s.pad), true), parts(HostTensor(DType::kFP32, ptiles, pcols), true), dgamma(HostTensor::vector(DType::kFP32, d), true);
   GemmEpilogueArgs g;
@@ -181,7 +183,7 @@ void rmsnorm_bwd_case(DType t, const Shape& s, bool with_c2_alpha) {
     g.c2 = c2.view;
     g.alpha = aa.view;
   }
-  Status st = run(g, GemmEpilogueOptions{Epilogue::kRmsnormBwd, 128});
+  Status st = run(g, GemmEpilogueOptions{Epilogue::kRmsnormBwd, tn});
   ASSERT_TRUE(st) << st.to_string();
   st = run(PartialsSumArgs{parts.view, dgamma.view}, PartialsSum::kPerColumn);
   ASSERT_TRUE(st) << st.to_string();
@@ -208,15 +210,18 @@ void rmsnorm_bwd_case(DType t, const Shape& s, bool with_c2_alpha) {
   expect_rule("dgamma", dgamma.fetch(), hi.dgamma, dg_lo);
 }
 
+// partial_tile_n 128: the ping-pong 128x128 kernel; 256: the cooperative 128x256 one.
 TEST_F(GemmBwdGpu, SwigluBwd) {
-  for (DType t : {DType::kBF16, DType::kFP16})
-    for (const Shape& s : kShapes) swiglu_bwd_case(t, s);
+  for (int tn : {128, 256})
+    for (DType t : {DType::kBF16, DType::kFP16})
+      for (const Shape& s : kShapes) swiglu_bwd_case(t, s, tn);
 }
 
 TEST_F(GemmBwdGpu, RmsnormBwd) {
   for (DType t : {DType::kBF16, DType::kFP16})
     for (const Shape& s : kShapes)
-      for (bool full : {true, false}) rmsnorm_bwd_case(t, s, full);
+      for (bool full : {true, false})
+        for (int tn : {128, 256}) rmsnorm_bwd_case(t, s, full, tn);
 }
 
 // Shapes the kernels refuse on CUDA, with the reason.
