@@ -141,7 +141,7 @@ void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
       const double floor_us = report.ceilings.copy_gbps > 0 ? weight_bytes / (report.ceilings.copy_gbps * 1e3) : 0.0;
       // The expert-compute paths (environment read at every call): the grouped GEMMs with the SwiGLU in a
       // row kernel or in the up GEMM's epilogue, each also with the cooperative GEMMs on 128x256 tiles
-      // (the default from T 64), and the decode GEMV where it applies (T <= 16).
+      // (the default from T 2), and the decode GEMV where it applies (T <= 16).
       struct Path {
         const char *name, *fused, *decode, *tile, *version;
       };

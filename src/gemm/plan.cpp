@@ -13,9 +13,15 @@ namespace encore {
 // projection of 8B/70B) the residual epilogue's share of the time is small and the cooperative
 // tile's mainloop wins (the same shape without the residual: 0.97-1.01x of cuBLAS cooperative vs
 // 1.01-1.08x ping-pong), so the partials are per 256.
+// swiglu_bwd (the down projection's dgrad, K = d) on the cooperative tile from K 8192: at 70B
+// (M 8192 / 16384, N 28672, K 8192) 1.101x / 1.060x of cuBLAS against 1.168x / 1.145x ping-pong; at
+// 8B (K 4096) ping-pong 1.022x / 1.119x against 1.118x / 1.103x, at 1B ping-pong ahead too.
+// rmsnorm_bwd has the ping-pong tile only: cooperative measured 1.2-1.47x of cuBLAS at K 3072-6144
+// against 0.97-1.2x, and within 2% of ping-pong at K >= 10240.
 int gemm_partial_tile_n(Epilogue e, int64_t, int64_t, int64_t K) {
   const GemmEpilogueInfo* info = gemm_epilogue_info(e);
   if (info == nullptr || !(info->operands & (kOperandTilePartials | kOperandTilePartialsOptional | kOperandColumnPartials))) return 0;
+  if (e == Epilogue::kSwigluBwd) return K >= 8192 ? 256 : 128;
   return e == Epilogue::kResidualSqsumAux && K >= 12288 ? 256 : 128;
 }
 

@@ -122,7 +122,6 @@ struct ExpertGemmProblem {
 // fused one (the SwiGLU in the up GEMM's epilogue). On the H200 (docs/moe.md) the unfused path on
 // the 128x256 tiles beats both fused paths at every measured T on Qwen3-30B-A3B and the
 // DeepSeek-V3-like shape (by 2-19%), so the fused one is opt-in.
-constexpr int kExpertGemmTileM = 128, kExpertGemmTileN = 128;
 bool moe_fused_swiglu();
 
 // The decode GEMV (cuda/decode_mlp.cu) instead of the grouped GEMMs: ENCORE_MOE_DECODE, read at every
@@ -135,13 +134,13 @@ constexpr int kDecodeDefaultRows = 4;
 constexpr int kDecodeMaxRows = 16;
 constexpr int64_t kDecodeMaxSmem = 96 * 1024;
 bool moe_decode_gemv(int64_t tokens, int64_t hidden, int64_t intermediate);
-bool moe_fused_swiglu(int64_t tokens, int top_k, int num_experts, int64_t intermediate, int sm_count);
 // The cooperative grouped GEMMs' tile: ENCORE_MOE_GEMM_TILE, read at every call: "128x256" the
 // 128 x 256 x 64 tile (two consumer warpgroups of 64 x 256) for the gate / up and down GEMMs,
 // "128x128" the 128 x 128 x 64 tile; unset or anything else the rule: 128x256 from
-// kWideTileMinTokens tokens (H200: 0.80-0.93x of the 128x128 time at T 64-16384 on both measured
-// shapes). The fused up + SwiGLU GEMM keeps its 128 x 128 ping-pong tile.
-constexpr int64_t kWideTileMinTokens = 64;
+// kWideTileMinTokens tokens (H200, ae785e1: 0.80-0.87x of the 128x128 time at T 1-16384 on the
+// DeepSeek-V3-like shape, 0.86-0.95x at T 2-16384 on Qwen3-30B-A3B, 1.08x at its T 1; at T <= 4 the
+// decode GEMV runs by default). The fused up + SwiGLU GEMM keeps its 128 x 128 ping-pong tile.
+constexpr int64_t kWideTileMinTokens = 2;
 bool moe_wide_tile(int64_t tokens);
 
 // One grouped GEMM D_e = A_e . B_e^T (+ C_e) over the expert blocks, as element offsets from each

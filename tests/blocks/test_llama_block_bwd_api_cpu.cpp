@@ -40,8 +40,9 @@ TEST(LlamaBlockBwdApiCpu, Fp32MatchesStagedReference) {
     int64_t M, d, F, heads, rotary;
   };
   uint64_t seed = 3;
-  // M across several 128-row dγ tiles and F across several 128-column zdz tiles (the partials).
-  for (const S s : {S{1, 16, 8, 4, 3}, S{37, 40, 24, 5, 3}, S{300, 48, 136, 6, 4}}) {
+  // M across several 128-row dγ tiles and F across several 128-column zdz tiles (the partials); d
+  // 8192 puts swiglu_bwd's zdz partials on 256-column tiles (gemm_partial_tile_n from K 8192).
+  for (const S s : {S{1, 16, 8, 4, 3}, S{37, 40, 24, 5, 3}, S{300, 48, 136, 6, 4}, S{3, 8192, 264, 1, 3}}) {
     SCOPED_TRACE("M" + std::to_string(s.M) + " d" + std::to_string(s.d) + " F" + std::to_string(s.F));
     auto rng = make_rng(seed++);
     BlockBwdCase k(s.M, s.d, s.F, s.heads, s.rotary, 8, DType::kFP32, rng);

@@ -345,5 +345,14 @@ TEST(GemmBwdCpu, RefusesCudaLimits) {
   expect_error(run(n, o), "partials: the column partials must be contiguous on CUDA");
 }
 
+// The launch plan's partials tile (src/gemm/plan.cpp): swiglu_bwd on 256 columns (the cooperative
+// tile) from K 8192, rmsnorm_bwd on 128 (its one CUDA tile).
+TEST(GemmBwdPlan, PartialTileByShape) {
+  EXPECT_EQ(gemm_partial_tile_n(Epilogue::kSwigluBwd, 8192, 8192, 2048), 128);
+  EXPECT_EQ(gemm_partial_tile_n(Epilogue::kSwigluBwd, 8192, 14336, 4096), 128);
+  EXPECT_EQ(gemm_partial_tile_n(Epilogue::kSwigluBwd, 8192, 28672, 8192), 256);
+  EXPECT_EQ(gemm_partial_tile_n(Epilogue::kRmsnormBwd, 8192, 8192, 57344), 128);
+}
+
 }  // namespace
 }  // namespace encore::test

@@ -286,13 +286,13 @@ const ForwardCase kCpuCases[] = {
     {"qwen3_t4", 4, 2048, 768, 128, 8, 16, Logits::kRandom},
 };
 
-// The cooperative GEMMs on 128x128 tiles (ENCORE_MOE_GEMM_TILE=128x128; the default below 64 tokens).
+// The cooperative GEMMs on 128x128 tiles (ENCORE_MOE_GEMM_TILE=128x128; the default at 1 token).
 TEST_F(MoeForwardGpu, MatchesCpu) {
   const ScopedEnv tile("ENCORE_MOE_GEMM_TILE", "128x128");
   run_on_both_swiglu_paths(kCpuCases);
 }
 
-// The cooperative GEMMs on 128x256 tiles (ENCORE_MOE_GEMM_TILE=128x256; the default from 64 tokens):
+// The cooperative GEMMs on 128x256 tiles (ENCORE_MOE_GEMM_TILE=128x256; the default from 2 tokens):
 // the same checks on both SwiGLU paths, N below, at and above one 256-column tile (D 64 / 96 / 2048, F 768, 2F 1536).
 TEST_F(MoeForwardGpu, WideTileMatchesCpu) {
   const ScopedEnv tile("ENCORE_MOE_GEMM_TILE", "128x256");

@@ -21,7 +21,7 @@
 // 16-byte aligned (TMA). Padding rows of x_permuted are zero, so their h, act and y rows are zero
 // (finite weights). Rows past offsets[E] are not touched.
 // Kernels: gate/up and down on the cooperative 128x128x64 tile (two consumer warpgroups, 64 rows
-// each), or 128x256x64 with p.wide_tile (moe::moe_wide_tile: from T 64); the fused up GEMM on the
+// each), or 128x256x64 with p.wide_tile (moe::moe_wide_tile: from T 2); the fused up GEMM on the
 // ping-pong 128x128x64 tile (one warpgroup per tile, so one warpgroup's silu epilogue overlaps the other's mainloop). Cluster 1x1; stages: what remains of
 // shared memory after the epilogue's (StageCountAutoCarveout).
 // Launch: a one-block kernel writes each GEMM's per-group problem shapes, A / B / C / D pointers and
