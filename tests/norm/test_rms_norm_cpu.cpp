@@ -232,6 +232,23 @@ TEST(NormSplitRowValidate, RowsAlignmentAndWorkspace) {
   EXPECT_EQ(workspace_bytes(c, RmsNormOptions{}), size_t(0));
 }
 
+// add-RMSNorm rows of 513-1024 16-byte packs: 8 warps x 4 cached packs (the norm_plans sweep), unless the
+// batch is too small to fill the GPU (then 16 warps x 2); 16 x 1 up to 512 packs.
+TEST(NormPlan, AddPlanTakesEightWarpsForTwoPackRows) {
+  auto plan = [](int64_t rows, int64_t hidden) { return norm::plan_rms_norm(rows, hidden, DType::kBF16, true, true, 132); };
+  for (int64_t hidden : {int64_t(5120), int64_t(5184), int64_t(7168), int64_t(8192)}) {
+    EXPECT_EQ(plan(65536, hidden).warps_per_row, 8) << hidden;
+    EXPECT_EQ(plan(65536, hidden).vecs_per_thread, 4) << hidden;
+    EXPECT_EQ(plan(16, hidden).warps_per_row, 16) << hidden;
+    EXPECT_EQ(plan(16, hidden).vecs_per_thread, 2) << hidden;
+  }
+  EXPECT_EQ(plan(65536, 4096).warps_per_row, 16);
+  EXPECT_EQ(plan(65536, 4096).vecs_per_thread, 1);
+  EXPECT_EQ(plan(65536, 16384).warps_per_row, 16);  // 2048 packs: 4 each on 16 warps
+  EXPECT_EQ(plan(65536, 16384).vecs_per_thread, 4);
+  EXPECT_EQ(norm::plan_rms_norm(65536, 5184, DType::kBF16, true, false, 132).warps_per_row, 4);  // plain RMSNorm: unchanged
+}
+
 // The 32-byte-pack plans (sm_100+): RMSNorm's the same elements per thread in half as many packs,
 // only from 16-byte plans with >= 2 cached packs; QK-norm's half the lanes a head; and the switch
 // (ENCORE_NORM_PACK_BYTES, else the arch).
