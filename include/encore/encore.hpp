@@ -12,5 +12,6 @@
 #include "encore/gemm.hpp"
 #include "encore/kda.hpp"
 #include "encore/moe.hpp"
+#include "encore/moe_ep.hpp"
 #include "encore/norm.hpp"
 #include "encore/quant.hpp"

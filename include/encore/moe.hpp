@@ -31,9 +31,9 @@
 // unit last stride. The three ops run alone (serving engines own their GEMMs) or inside moe_forward,
 // whose intermediate buffers the caller allocates once (moe_buffers_bytes, moe_buffers_carve).
 // Backends: the CPU reference for every op; CUDA for all of them (src/moe/cuda). moe_forward on CUDA:
-// routing -> dispatch -> one grouped gate/up GEMM (fp32 gate_up) and a SwiGLU row kernel, or (F >= 2048
-// at large T) a grouped gate GEMM (fp32 gate) and an up GEMM with the SwiGLU in its epilogue
-// (ENCORE_MOE_FUSED_SWIGLU=0/1 forces either) -> grouped down GEMM, or at T <= 4 a weight-streaming
+// routing -> dispatch -> one grouped gate/up GEMM (fp32 gate_up; 128x256 tiles from 2 tokens,
+// ENCORE_MOE_GEMM_TILE) and a SwiGLU row kernel, or with ENCORE_MOE_FUSED_SWIGLU=1 a grouped gate GEMM
+// (fp32 gate) and an up GEMM with the SwiGLU in its epilogue -> grouped down GEMM, or at T <= 4 a weight-streaming
 // decode GEMV for both (ENCORE_MOE_DECODE=0 never, 1 up to T 16) -> combine, all enqueued on
 // the stream (no allocation, no sync); bf16 only, D and
 // F multiples of 8, E <= 512 (the routing kernel), on CUTLASS's Sm90 pointer-array grouped GEMM whose

@@ -3,7 +3,8 @@
 // EpDeviceGroup owns every rank's memory; today only on one GPU (create_on_one_device: the protocol's
 // single-GPU test bed, each rank's kernels on its own stream); the multi-GPU mapping (cuMem VMM
 // allocations exported as POSIX file descriptors and mapped by every peer) is not built yet, nor the
-// NCCL fallback inside this class (the collective path is encore.moe_forward_ep).
+// NCCL fallback inside this class (the collective path is encore.moe_forward_ep in Python and
+// moe_forward_ep of encore/moe_ep.hpp in C++).
 // EpDeviceAllToAll is one rank's end (pplx-kernels' AllToAll shape): dispatch and combine are enqueued
 // on the caller's stream (no allocation, no synchronization; every call of a rank on the same stream,
 // so a dispatch never overtakes the previous combine's final wait); a failure anywhere in the group (a bad

@@ -36,6 +36,9 @@ Status launch_ep_dispatch_recv(const moe::ep::EpDeviceParams& p, int device_inde
 Status launch_ep_combine_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
 Status launch_ep_combine_recv(const moe::ep::EpDeviceParams& p, int device_index, Stream stream);
 // The EP objects' device memory (allocated once at creation, zeroed) and their host reads.
+// moe_forward_ep's one-hot logits [rows, El] fp32 of the received rows (ep_onehot.cu): the (source,
+// expert) blocks b hold rows [starts[b], starts[b + 1]) (device memory, nstarts <= 8 * 512 + 1).
+Status launch_ep_one_hot_logits(float* logits, const int64_t* starts, int nstarts, int El, int64_t rows, int device_index, Stream stream);
 // Loads every all-to-all kernel on the device (no lazy load may wait on a spinning peer later).
 Status ep_load_kernels(int device_index);
 Status ep_device_alloc(size_t bytes, int device_index, void** out);
