@@ -16,7 +16,9 @@ triton.testing.do_bench (median), contenders rotated over ROUNDS rounds (medians
                textbook block (../shared/docs/block_train_anchor.py's math) and its 12 GEMMs alone
 
 Sizes: TRAIN_SIZES (default 1B,8B; 70B too), TRAIN_M (default 8192; e.g. 8192,16384), TRAIN_SECTIONS (default
-all four). Needs liger-kernel (carried in .whl) and the encore module (PYTHONPATH=build-cuda/python, set by
+all four). TRAIN_PROFILE=1: also each contender's kernels under torch.profiler (5 calls after the timing): per kernel
+name its calls and device us per call of the contender, in <prefix>_<contender>_kernels (the step's breakdown).
+Needs liger-kernel (carried in .whl) and the encore module (PYTHONPATH=build-cuda/python, set by
 `scripts/gpu.sh peers`). A contender that fails is recorded as <key>_error and the others still run.
 Usage: python3 bench/peers/train_peers.py OUT.json"""
 import json
@@ -35,6 +37,7 @@ SIZES = {k: SIZES[k] for k in os.environ.get("TRAIN_SIZES", "1B,8B").split(",")}
 MS = [int(m) for m in os.environ.get("TRAIN_M", "8192").split(",")]
 SECTIONS = os.environ.get("TRAIN_SECTIONS", "swiglu_mlp,lm_head_ce,bwd_kernels,block").split(",")
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
+PROFILE = os.environ.get("TRAIN_PROFILE", "0") not in ("", "0")
 torch.backends.cuda.matmul.allow_tf32 = False
 try:
     import encore
@@ -87,7 +90,37 @@ def timed(prefix, fns, rep=100, memory=False):
             fns[k]()
             torch.cuda.synchronize()
             rec(f"{prefix}_{k}_peak_extra_GB", (torch.cuda.max_memory_allocated() - base) / 1e9)
+    if PROFILE:
+        try:
+            kernel_breakdown(prefix, fns)
+        except Exception as e:  # noqa: BLE001 (the timings above stand)
+            rec(f"{prefix}_profile_error", repr(e)[:300])
+            traceback.print_exc()
     return out
+
+
+def kernel_breakdown(prefix, fns, calls=5):
+    """Device time per kernel name over `calls` calls of each contender (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+    for k, f in fns.items():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                f()
+            torch.cuda.synchronize()
+        rows = {}
+        for e in prof.key_averages():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                us = getattr(e, "self_device_time_total", None)
+                r = rows.setdefault(e.key[:120], [0, 0.0])
+                r[0] += e.count
+                r[1] += us if us is not None else e.self_cuda_time_total
+        table = sorted(([n, c / calls, us / calls] for n, (c, us) in rows.items()), key=lambda r: -r[2])
+        RES[f"{prefix}_{k}_kernels"] = table
+        print(f"{prefix}_{k}: {sum(r[2] for r in table):.1f} us of kernels per call", flush=True)
+        for n, c, us in table[:14]:
+            print(f"   {us:9.1f} us  x{c:g}  {n}", flush=True)
+    save()
 
 
 def ratios(prefix, t, base):

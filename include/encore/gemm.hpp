@@ -12,14 +12,14 @@
 // gemm_partial_tile_n(epilogue, M, N, K), the width of the fastest CUDA tile for the shape.
 //
 // Backends: the CPU reference (fp64 accumulation) for every epilogue and finisher. CUDA: every
-// epilogue (the backward rows kSwigluBwd and kRmsnormBwd on the 128x128 ping-pong tile only), rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
+// epilogue (on the tiles its catalogue row lists: kRmsnormBwd on the 128x128 ping-pong tile only), rms_final_reduce and lse_finish, on a CUTLASS Sm90 TMA + WGMMA warp-specialized persistent mainloop
 // (src/gemm/cuda), with these limits (refused with a clear error otherwise):
 //   bf16/fp16 A and W; D, aux, C and gamma in A's dtype; K a multiple of 8 (kWgrad, A stored [K, M]: M instead; rows with
 //   W [K, N] take any K, or M, where A's rows are 16-byte aligned, e.g. dlogits [M, V] with V odd in padded rows), N too where D, C or aux is given (lse without D: any N; lse with D and ce_bwd: any N
 //   with D's rows 16-byte aligned, e.g. N odd in a D view of rows padded to a multiple of 8: the TMA store writes
 //   whole 16-byte units, so columns [N, round_up(N, 8)) of every row, the last one included, are scratch
 //   and must be allocated, as in torch.empty(M, round_up(N, 8))[:, :N]); 16-byte aligned
-//   matrix rows (SwiGLU aux: 8-byte); contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse) and
+//   matrix rows (SwiGLU aux: 8-byte); contiguous vectors; partial_tile_n 128 or 256 (kResidualSqsumAux, kLse, kSwigluBwd, kCeBwd; 128 for the others) and
 //   head_dim = 128 (kQkvHeadSqsum). Tails in M and N are masked. kRope positions must lie in
 //   [0, 2^24). kLse targets are device data and cannot be checked before the launch: a target
 //   outside [0, N) other than ignore_index yields target_logit = NaN (the CPU backend refuses it); kCeBwd
@@ -94,8 +94,8 @@ const GemmEpilogueInfo* gemm_epilogue_info(Epilogue e);
 
 // CUDA tile configuration: cooperative 128x256x64 (two warpgroups share each tile) or ping-pong
 // 128x128x64 (a warpgroup's epilogue overlaps the other's mainloop); kAuto picks by epilogue and
-// shape (docs/gemm.md). For kResidualSqsumAux and kLse the partials' column tile is the
-// tile N, so partial_tile_n picks the tile (256: cooperative, 128: ping-pong); kQkvHeadSqsum writes
+// shape (docs/gemm.md). For kResidualSqsumAux, kLse, kSwigluBwd and kCeBwd the partials' column tile
+// is the tile N, so partial_tile_n picks the tile (256: cooperative, 128: ping-pong); kQkvHeadSqsum writes
 // one partial per head on either tile. Ignored by the CPU backend.
 // kPingpong64x256 (ping-pong with 64x256 tiles: the epilogue overlap of ping-pong with the wide
 // tile's operand reuse) exists for row_scale, swiglu, residual_sqsum_aux and lse (partials per 256
@@ -112,7 +112,7 @@ enum class GemmRaster : uint8_t { kAuto, kAlongM, kAlongN };
 
 // The partials' column tile that partial_tile_n = 0 stands for: 128 (the ping-pong tile, measured
 // fastest for both partials epilogues) for the epilogues with tile or column partials, 256 for
-// kResidualSqsumAux at K >= 12288; 0 for the other epilogues. Size tile partials [M, ceil(N / it)],
+// kResidualSqsumAux at K >= 12288 and for kSwigluBwd at K >= 8192; 0 for the other epilogues. Size tile partials [M, ceil(N / it)],
 // column partials [gemm_column_partials_rows(M), round_up(N, it)].
 int gemm_partial_tile_n(Epilogue e, int64_t M, int64_t N, int64_t K);
 // Rows of column partials (kOperandColumnPartials): one per 128 rows of A (the CUDA tile M).

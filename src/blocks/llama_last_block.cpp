@@ -70,7 +70,8 @@ Plan plan(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& o, cha
   const DType t = a.y0.dtype;
   Carve ws{base, 0, a.y0.device};
   TensorView alpha = ws.take(DType::kFP32, 1), dl = ws.take(t, M, V, padded(V));
-  TensorView zpart = ws.take(DType::kFP32, M, (V + kTileN - 1) / kTileN), zdz = ws.take(DType::kFP32, M);
+  const int ctn = gemm_partial_tile_n(Epilogue::kCeBwd, M, V, d);  // ce_bwd's partials tile
+  TensorView zpart = ws.take(DType::kFP32, M, (V + ctn - 1) / ctn), zdz = ws.take(DType::kFP32, M);
   TensorView dx = ws.take(t, M, d), h = ws.take(t, M, d);  // h: x̂2⊙γf, then (c)'s x̂1⊙γ0 (dW_lm is taken before)
   TensorView gpart = column_partials(ws, M, d, V);
   Step mean;
@@ -79,7 +80,7 @@ Plan plan(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& o, cha
   mean.mean = CeMeanArgs{a.target, {}, {}, a.d_loss, alpha};
   mean.ignore_index = o.ignore_index;
   p.steps.push_back(mean);
-  // dℓ = α·(softmax(r2 ⊙ (h2·W_lmᵀ)) − onehot), the logits recomputed; Σ z·dℓ per (row, 128 columns)
+  // dℓ = α·(softmax(r2 ⊙ (h2·W_lmᵀ)) − onehot), the logits recomputed; Σ z·dℓ per (row, ctn columns)
   Step ce = gemm_step("(a) ce_bwd through W_lm", Epilogue::kCeBwd);
   ce.g.a = a.h2;
   ce.g.w = a.w_lm;
@@ -89,7 +90,7 @@ Plan plan(const LlamaLastBlockBwdArgs& a, const LlamaLastBlockBwdOptions& o, cha
   ce.g.alpha = alpha;
   ce.g.d = dl;
   ce.g.partials = zpart;
-  ce.o.partial_tile_n = kTileN;
+  ce.o.partial_tile_n = ctn;
   ce.o.ignore_index = o.ignore_index;
   p.steps.push_back(ce);
   p.steps.push_back(partials_sum("(a) zdz sum", zpart, zdz, PartialsSum::kPerRow, 1.0f / float(d)));

@@ -65,8 +65,6 @@ inline Step partials_sum(const char* name, const TensorView& partials, const Ten
   return s;
 }
 
-constexpr int kTileN = 128;  // ce_bwd's partials tile (ping-pong 128x128)
-
 // The partials' column tile of rmsnorm_bwd over dz [M, K] and a consumer weight [K, d] (the launch
 // plan's, gemm_partial_tile_n), and its dγ column partials [ceil(M / 128), round_up(d, tile)].
 inline int rmsnorm_bwd_tile_n(int64_t M, int64_t d, int64_t K) { return gemm_partial_tile_n(Epilogue::kRmsnormBwd, M, d, K); }

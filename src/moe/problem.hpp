@@ -121,7 +121,7 @@ struct ExpertGemmProblem {
 // empty, "auto" or "0" the unfused one (gate_up [R, 2F] fp32 and a row kernel); any other value the
 // fused one (the SwiGLU in the up GEMM's epilogue). On the H200 (docs/moe.md) the unfused path on
 // the 128x256 tiles beats both fused paths at every measured T on Qwen3-30B-A3B and the
-// DeepSeek-V3-like shape (by 2-19%), so the fused one is opt-in.
+// DeepSeek-V3-like shape (the fused one 0.5-58% slower), so the fused one is opt-in.
 bool moe_fused_swiglu();
 
 // The decode GEMV (cuda/decode_mlp.cu) instead of the grouped GEMMs: ENCORE_MOE_DECODE, read at every

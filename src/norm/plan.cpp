@@ -18,8 +18,10 @@ constexpr int kMaxCachedPacks = 8;
 constexpr int kShortRowsPerBlock = 8;
 // add-RMSNorm rows of 513-1024 packs (16 warps would cache 2 each): 8 warps x 4 cached packs instead.
 // norm_plans at 1ab7984 (bf16): 1.16-1.21x faster at hidden 5120 / 5184 / 6144, 1.04x at 7168, level
-// at 8192 (docs/norm.md).
+// at 8192 (docs/norm.md). Measured for 16-bit rows in 16-byte packs only: fp32 and unvectorized rows
+// keep 16 warps.
 constexpr int kAddTwoPackWarps = 8;
+constexpr int kAddTwoPackVecElems = 8;
 
 }  // namespace
 
@@ -31,7 +33,7 @@ RmsNormLaunchPlan plan_rms_norm(int64_t rows, int64_t hidden, DType dtype, bool 
   // Fewest warps per row that keep each thread at <= target packs.
   int wpr = 1;
   while (wpr < kMaxWarpsPerRow && packs > int64_t(32) * wpr * target) wpr *= 2;
-  if (add && wpr == kMaxWarpsPerRow && packs > int64_t(32) * wpr && packs <= int64_t(32) * wpr * 2) wpr = kAddTwoPackWarps;
+  if (add && plan.vec_elems == kAddTwoPackVecElems && wpr == kMaxWarpsPerRow && packs > int64_t(32) * wpr && packs <= int64_t(32) * wpr * 2) wpr = kAddTwoPackWarps;
   // Too few rows to give every SM ~4 row-teams: more warps per row shorten each row's latency.
   while (wpr < kMaxWarpsPerRow && rows * wpr < int64_t(4) * sm_count && packs > int64_t(32) * wpr * kSmallBatchPacks) wpr *= 2;
   plan.warps_per_row = wpr;

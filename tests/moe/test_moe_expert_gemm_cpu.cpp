@@ -1,6 +1,6 @@
 // The CUDA expert GEMMs' host-side index math (src/moe/problem.hpp), checked without a GPU: the
 // per-group operand offsets of the fused path (gate, up + SwiGLU, down) and of the unfused one, the
-// workspace bound, and the path choice (ENCORE_MOE_FUSED_SWIGLU read at every call, else by size).
+// workspace bound, and the path choice (ENCORE_MOE_FUSED_SWIGLU read at every call; unfused unless set).
 #include <gtest/gtest.h>
 
 #include <cstdlib>

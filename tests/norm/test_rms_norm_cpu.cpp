@@ -247,6 +247,9 @@ TEST(NormPlan, AddPlanTakesEightWarpsForTwoPackRows) {
   EXPECT_EQ(plan(65536, 16384).warps_per_row, 16);  // 2048 packs: 4 each on 16 warps
   EXPECT_EQ(plan(65536, 16384).vecs_per_thread, 4);
   EXPECT_EQ(norm::plan_rms_norm(65536, 5184, DType::kBF16, true, false, 132).warps_per_row, 4);  // plain RMSNorm: unchanged
+  // fp32 rows (4 elements per pack: 640 and 1024 packs) keep the 16-warp plan.
+  EXPECT_EQ(norm::plan_rms_norm(65536, 2560, DType::kFP32, true, true, 132).warps_per_row, 16);
+  EXPECT_EQ(norm::plan_rms_norm(65536, 4096, DType::kFP32, true, true, 132).warps_per_row, 16);
 }
 
 // The 32-byte-pack plans (sm_100+): RMSNorm's the same elements per thread in half as many packs,

@@ -57,7 +57,8 @@ LlamaBlockBwdInputs load_block_bwd_inputs(const LlamaBlockArgs& a);
 
 struct LlamaBlockBwdOptions {
   int64_t dgamma_tile_m = 128;  // rows per dγ partial (the dgrad kernel's M tile)
-  int64_t zdz_tile_n = 128;     // columns of dy1 (of F) per zdz1 partial (the SwiGLU dgrad's N tile)
+  int64_t zdz_tile_n = 128;     // columns of dy1 (of F) per zdz1 partial; the reference's own layout (zdz1, their
+                                //   sum, does not depend on it; the CUDA block takes gemm_partial_tile_n)
 };
 
 // rope_bwd_zdz (§4.3).
