@@ -23,6 +23,7 @@ Needs liger-kernel (carried in .whl) and the encore module (PYTHONPATH=build-cud
 Usage: python3 bench/peers/train_peers.py OUT.json"""
 import json
 import os
+import zlib
 import statistics
 import sys
 import traceback
@@ -99,6 +100,23 @@ def timed(prefix, fns, rep=100, memory=False):
     return out
 
 
+SEQUENCE_OF = ("encore", "encore_norm", "gemms_only", "compile")  # contenders whose launches are listed in order
+
+
+ENCORE_NODES = ("SwigluBwdPairs", "SwigluAuxStore", "CrossEntropyGrad", "ColumnPartials", "RowPartials", "OnlineLse",
+                "RopeRotateT", "Sm90AuxLoad", "Sm90AuxStore", "Sm90SrcFetch", "Sm90ColBroadcast", "Sm90RowBroadcast")
+
+
+def short_kernel_name(name):
+    """A kernel's name cut to what tells the launches apart: encore's CUTLASS kernels by schedule, the epilogue
+    nodes their names hold and a hash of the whole name; cuBLAS's nvjet kernels by their tile name."""
+    if "cutlass" in name and "encore" in name:
+        sched = "pp" if "Pingpong" in name else "coop" if "Cooperative" in name else "?"
+        nodes = "+".join(n for n in ENCORE_NODES if n in name)
+        return f"encore:{sched}:{nodes}:{zlib.crc32(name.encode()) % 10000:04d}"
+    return name[:60]
+
+
 def kernel_breakdown(prefix, fns, calls=5):
     """Device time per kernel name over `calls` calls of each contender (torch.profiler, CUDA activity)."""
     from torch.profiler import ProfilerActivity, profile
@@ -117,6 +135,13 @@ def kernel_breakdown(prefix, fns, calls=5):
                 r[1] += us if us is not None else e.self_cuda_time_total
         table = sorted(([n, c / calls, us / calls] for n, (c, us) in rows.items()), key=lambda r: -r[2])
         RES[f"{prefix}_{k}_kernels"] = table
+        if k in SEQUENCE_OF:
+            ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+            one = ev[len(ev) - len(ev) // calls:]  # the last call's launches, in order
+            seq = [[short_kernel_name(e.name), round(e.time_range.elapsed_us(), 1)] for e in one]
+            RES[f"{prefix}_{k}_sequence"] = seq
+            print(f"{prefix}_{k} launches of one call: " + "; ".join(f"{n} {us:.0f}" for n, us in seq), flush=True)
         print(f"{prefix}_{k}: {sum(r[2] for r in table):.1f} us of kernels per call", flush=True)
         for n, c, us in table[:14]:
             print(f"   {us:9.1f} us  x{c:g}  {n}", flush=True)
