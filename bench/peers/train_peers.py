@@ -16,8 +16,9 @@ triton.testing.do_bench (median), contenders rotated over ROUNDS rounds (medians
                textbook block (../shared/docs/block_train_anchor.py's math) and its 12 GEMMs alone
 
 Sizes: TRAIN_SIZES (default 1B,8B; 70B too), TRAIN_M (default 8192; e.g. 8192,16384), TRAIN_SECTIONS (default
-all four). TRAIN_PROFILE=1: also each contender's kernels under torch.profiler (5 calls after the timing): per kernel
-name its calls and device us per call of the contender, in <prefix>_<contender>_kernels (the step's breakdown).
+all four). TRAIN_PROFILE=1: also each contender's kernels under torch.profiler (5 calls after the timing): per kernel its
+calls and device us per call (<prefix>_<contender>_kernels), each call's kernel sum (_call_sums_us) and the
+launches of a call in order with per-launch medians over the calls (_sequence).
 Needs liger-kernel (carried in .whl) and the encore module (PYTHONPATH=build-cuda/python, set by
 `scripts/gpu.sh peers`). A contender that fails is recorded as <key>_error and the others still run.
 Usage: python3 bench/peers/train_peers.py OUT.json"""
@@ -38,7 +39,7 @@ SIZES = {k: SIZES[k] for k in os.environ.get("TRAIN_SIZES", "1B,8B").split(",")}
 MS = [int(m) for m in os.environ.get("TRAIN_M", "8192").split(",")]
 SECTIONS = os.environ.get("TRAIN_SECTIONS", "swiglu_mlp,lm_head_ce,bwd_kernels,block").split(",")
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
-PROFILE = os.environ.get("TRAIN_PROFILE", "0") not in ("", "0")
+PROFILE = os.environ.get("TRAIN_PROFILE", "0").lower() in ("1", "true", "yes", "on")
 torch.backends.cuda.matmul.allow_tf32 = False
 try:
     import encore
@@ -100,7 +101,7 @@ def timed(prefix, fns, rep=100, memory=False):
     return out
 
 
-SEQUENCE_OF = ("encore", "encore_norm", "gemms_only", "compile")  # contenders whose launches are listed in order
+SEQUENCE_OF = ("encore", "encore_norm", "gemms_only", "gemm_only", "compile")  # contenders whose launches are listed in order
 
 
 ENCORE_NODES = ("SwigluBwdPairs", "SwigluAuxStore", "CrossEntropyGrad", "ColumnPartials", "RowPartials", "OnlineLse",
@@ -108,17 +109,20 @@ ENCORE_NODES = ("SwigluBwdPairs", "SwigluAuxStore", "CrossEntropyGrad", "ColumnP
 
 
 def short_kernel_name(name):
-    """A kernel's name cut to what tells the launches apart: encore's CUTLASS kernels by schedule, the epilogue
-    nodes their names hold and a hash of the whole name; cuBLAS's nvjet kernels by their tile name."""
-    if "cutlass" in name and "encore" in name:
+    """A kernel's name cut to what tells the launches apart: CUTLASS kernels (encore's; their mangled names need
+    not spell "encore") by schedule, the epilogue nodes their names hold and a hash of the whole name; others
+    (cuBLAS's nvjet kernels by their tile name) by their first 60 characters."""
+    if "cutlass" in name:
         sched = "pp" if "Pingpong" in name else "coop" if "Cooperative" in name else "?"
-        nodes = "+".join(n for n in ENCORE_NODES if n in name)
-        return f"encore:{sched}:{nodes}:{zlib.crc32(name.encode()) % 10000:04d}"
+        nodes = "+".join(n for n in ENCORE_NODES if n in name) or "plain"
+        return f"cutlass:{sched}:{nodes}:{zlib.crc32(name.encode()) % 10000:04d}"
     return name[:60]
 
 
 def kernel_breakdown(prefix, fns, calls=5):
-    """Device time per kernel name over `calls` calls of each contender (torch.profiler, CUDA activity)."""
+    """Device time per kernel (short_kernel_name) over `calls` calls of each contender (torch.profiler, CUDA
+    activity), each call's kernel sum, and for SEQUENCE_OF the launches of a call in order with the median over
+    the calls of each launch's time (the calls differ by several percent on a power-limited GPU)."""
     from torch.profiler import ProfilerActivity, profile
     for k, f in fns.items():
         torch.cuda.synchronize()
@@ -130,18 +134,25 @@ def kernel_breakdown(prefix, fns, calls=5):
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 us = getattr(e, "self_device_time_total", None)
-                r = rows.setdefault(e.key[:120], [0, 0.0])
+                r = rows.setdefault(short_kernel_name(e.key), [0, 0.0])
                 r[0] += e.count
                 r[1] += us if us is not None else e.self_cuda_time_total
         table = sorted(([n, c / calls, us / calls] for n, (c, us) in rows.items()), key=lambda r: -r[2])
         RES[f"{prefix}_{k}_kernels"] = table
-        if k in SEQUENCE_OF:
-            ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                        key=lambda e: e.time_range.start)
-            one = ev[len(ev) - len(ev) // calls:]  # the last call's launches, in order
-            seq = [[short_kernel_name(e.name), round(e.time_range.elapsed_us(), 1)] for e in one]
-            RES[f"{prefix}_{k}_sequence"] = seq
-            print(f"{prefix}_{k} launches of one call: " + "; ".join(f"{n} {us:.0f}" for n, us in seq), flush=True)
+        ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+        per = len(ev) // calls
+        if per and len(ev) == per * calls:
+            split = [ev[i * per:(i + 1) * per] for i in range(calls)]
+            RES[f"{prefix}_{k}_call_sums_us"] = [round(sum(e.time_range.elapsed_us() for e in c), 1) for c in split]
+            if k in SEQUENCE_OF:
+                seq = [[short_kernel_name(split[-1][i].name),
+                        round(statistics.median(c[i].time_range.elapsed_us() for c in split), 1)] for i in range(per)]
+                RES[f"{prefix}_{k}_sequence"] = seq
+                print(f"{prefix}_{k} launches of a call (medians of {calls}): " +
+                      "; ".join(f"{n} {us:.0f}" for n, us in seq), flush=True)
+        else:
+            RES[f"{prefix}_{k}_sequence_error"] = f"{len(ev)} launches in {calls} calls: not one sequence per call"
         print(f"{prefix}_{k}: {sum(r[2] for r in table):.1f} us of kernels per call", flush=True)
         for n, c, us in table[:14]:
             print(f"   {us:9.1f} us  x{c:g}  {n}", flush=True)
