@@ -4,7 +4,6 @@ and CUBLAS_GEMM_DEFAULT_TENSOR_OP, on the LLaMA block's GEMM shapes (bf16 in and
 contenders interleaved over ROUNDS rounds (medians), and the kernel each one launches (torch.profiler).
 No encore build needed. Usage: python3 bench/peers/cublas_baseline.py [OUT.json]   (gpu.sh: ENCORE_PEERS=<this path>)"""
 import ctypes
-import glob
 import json
 import os
 import statistics
@@ -20,22 +19,16 @@ ALGOS = {"default": -1, "tensor_op": 99}
 
 
 def load_cublas():
-    torch.zeros(1, device="cuda") @ torch.zeros(1, 1, device="cuda")[0]  # torch loads its libcublas first
-    names = ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
-    roots = [os.path.dirname(torch.__file__)] + [os.path.join(p, "nvidia") for p in sys.path if os.path.isdir(os.path.join(p, "nvidia"))]
-    for r in roots:
-        names += glob.glob(os.path.join(r, "**", "libcublas.so*"), recursive=True)
-    for n in names:
-        try:
-            return ctypes.CDLL(n), n
-        except OSError:
-            continue
-    raise OSError("libcublas not found")
+    """The libcublas torch has loaded (one cuBLAS in the process), opened again by its path."""
+    torch.zeros(1, 1, device="cuda") @ torch.zeros(1, 1, device="cuda")  # torch loads its libcublas
+    with open("/proc/self/maps") as fh:
+        paths = sorted({ln.split()[-1] for ln in fh if "/libcublas.so" in ln})
+    if not paths:
+        raise OSError("libcublas: not loaded by torch")
+    return ctypes.CDLL(paths[0]), paths[0]
 
 
 lib, libname = load_cublas()
-handle = ctypes.c_void_p()
-assert lib.cublasCreate_v2(ctypes.byref(handle)) == 0
 lib.cublasGemmEx.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                              ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -43,14 +36,21 @@ one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 workspace = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
 
 
-def set_stream_and_workspace(ws):
-    # cublasSetStream resets a user workspace to cuBLAS's default pool; set the workspace after it.
-    assert lib.cublasSetStream_v2(handle, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
+def make_handle(ws):
+    """A cuBLAS handle on torch's current stream; ws: a 32 MiB workspace set after the stream (cublasSetStream resets
+    a user workspace to cuBLAS's default pool)."""
+    h = ctypes.c_void_p()
+    assert lib.cublasCreate_v2(ctypes.byref(h)) == 0
+    assert lib.cublasSetStream_v2(h, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
     if ws:
-        assert lib.cublasSetWorkspace_v2(handle, ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(workspace.numel())) == 0
+        assert lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(workspace.numel())) == 0
+    return h
 
 
-def gemm_ex(a, w, c, w_kn, algo):
+HANDLES = {False: make_handle(False), True: make_handle(True)}
+
+
+def gemm_ex(handle, a, w, c, w_kn, algo):
     """Row-major c [M, N] = a [M, K] · wᵀ (w [N, K]) or a · w (w [K, N], w_kn), as bench_gemm.cpp's cublas_gemm."""
     M, K = a.shape
     N = w.shape[1] if w_kn else w.shape[0]
@@ -98,9 +98,8 @@ for name, (N, K, w_kn) in SHAPES.items():
     fns = {"torch.matmul": (lambda: torch.matmul(a, w, out=c)) if w_kn else (lambda: torch.matmul(a, w.t(), out=c))}
     for ws in (False, True):
         for an, av in ALGOS.items():
-            def f(ws=ws, av=av):
-                set_stream_and_workspace(ws)
-                gemm_ex(a, w, c, w_kn, av)
+            def f(h=HANDLES[ws], av=av):
+                gemm_ex(h, a, w, c, w_kn, av)
             fns[f"gemm_ex_{an}{'_ws32' if ws else ''}"] = f
     out = {}
     for k, f in fns.items():

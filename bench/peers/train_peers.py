@@ -24,10 +24,10 @@ Needs liger-kernel (carried in .whl) and the encore module (PYTHONPATH=build-cud
 Usage: python3 bench/peers/train_peers.py OUT.json"""
 import json
 import os
-import zlib
 import statistics
 import sys
 import traceback
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -102,8 +102,6 @@ def timed(prefix, fns, rep=100, memory=False):
 
 
 SEQUENCE_OF = ("encore", "encore_norm", "gemms_only", "gemm_only", "compile")  # contenders whose launches are listed in order
-
-
 ENCORE_NODES = ("SwigluBwdPairs", "SwigluAuxStore", "CrossEntropyGrad", "ColumnPartials", "RowPartials", "OnlineLse",
                 "RopeRotateT", "Sm90AuxLoad", "Sm90AuxStore", "Sm90SrcFetch", "Sm90ColBroadcast", "Sm90RowBroadcast")
 
@@ -130,17 +128,15 @@ def kernel_breakdown(prefix, fns, calls=5):
             for _ in range(calls):
                 f()
             torch.cuda.synchronize()
-        rows = {}
-        for e in prof.key_averages():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                us = getattr(e, "self_device_time_total", None)
-                r = rows.setdefault(short_kernel_name(e.key), [0, 0.0])
-                r[0] += e.count
-                r[1] += us if us is not None else e.self_cuda_time_total
-        table = sorted(([n, c / calls, us / calls] for n, (c, us) in rows.items()), key=lambda r: -r[2])
-        RES[f"{prefix}_{k}_kernels"] = table
         ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
+        rows = {}
+        for e in ev:
+            r = rows.setdefault(short_kernel_name(e.name), [0, 0.0])
+            r[0] += 1
+            r[1] += e.time_range.elapsed_us()
+        table = sorted(([n, c / calls, us / calls] for n, (c, us) in rows.items()), key=lambda r: -r[2])
+        RES[f"{prefix}_{k}_kernels"] = table
         per = len(ev) // calls
         if per and len(ev) == per * calls:
             split = [ev[i * per:(i + 1) * per] for i in range(calls)]
