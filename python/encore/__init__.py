@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys as _sys
 
 from . import _encore
+from ._core import register_torch_ops
 from .blocks import llama_block_forward, llama_block_workspace_bytes
 from .blocks import llama_block_backward, qkv_norm_backward
 from .gemm import cross_entropy_bwd, cross_entropy_bwd_
@@ -27,7 +28,7 @@ __all__ = ["rms_norm", "add_rms_norm", "qk_norm_", "fp8_group_quant", "fp8_group
            "rms_final_reduce", "partials_sum", "gemm_swiglu", "gemm_rope", "gemm_qkv_head_sqsum", "gemm_lse", "lse_finish", "cross_entropy_bwd", "cross_entropy_bwd_",
            "rope_freq_turns", "interleave_gate_up", "llama_block_forward", "llama_block_workspace_bytes", "llama_block_backward", "qkv_norm_backward",
            "kda_forward", "kda_forward_workspace_bytes", "kda_backward", "chunk_kda", "qk_norm_rope_", "qk_norm_rope_backward", "gemm_epilogue", "Epilogue", "GemmTile",
-           "moe_routing", "moe_dispatch", "moe_combine", "moe_forward", "moe_permuted_rows", "moe_buffers_bytes"]
+           "moe_routing", "moe_dispatch", "moe_combine", "moe_forward", "moe_permuted_rows", "moe_buffers_bytes", "register_torch_ops"]
 
 __version__ = _encore.__version__  # project(encore VERSION ...) in CMakeLists.txt
 built_with_cuda = _encore.built_with_cuda
@@ -49,4 +50,4 @@ def __getattr__(name):
 # torch.ops.encore (encore.torch_ops): registered now where torch is already loaded, else on the
 # first call with torch tensors; numpy-only use never imports torch.
 if "torch" in _sys.modules:
-    from . import torch_ops  # noqa: F401
+    from . import torch_ops  # noqa: F401  (transitional: registers _core's declared ops too)

@@ -27,13 +27,14 @@ import types
 
 import torch
 
-from . import _encore, blocks, gemm, kda, moe, norm, quant
-from ._util import _torch_stream
+from . import _core, _encore, blocks, gemm, kda, moe, quant
+from ._util import _torch_stream  # noqa
 
 __all__ = ["OPS"]
 
-OPS = types.SimpleNamespace()  # op name -> torch.ops.encore.<name>.default (what the wrappers call)
-_LIB = torch.library.Library("encore", "DEF")
+OPS = _core._OPS  # op name -> torch.ops.encore.<name>.default (transitional: shared with _core)
+_core.register_torch_ops()  # the ops the family modules declare (transitional)
+_LIB = torch.library.Library("encore", "FRAGMENT")
 _F32 = torch.float32
 
 
@@ -68,21 +69,6 @@ def _nothing(_):
 def _first(outs):
     return outs[0]
 
-
-# --- norm -------------------------------------------------------------------------------------------------
-
-_NORM = "Tensor x, Tensor residual, Tensor weight, float eps, float weight_offset"
-_define("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset) -> Tensor",
-        lambda x, *_: _new(x, x.shape), norm._rms_norm)
-_define(f"add_rms_norm({_NORM}) -> (Tensor, Tensor)",
-        lambda x, *_: (_new(x, x.shape), _new(x, x.shape)), norm._add_rms_norm)
-_define("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps, float weight_offset) -> Tensor",
-        lambda x, *_: _new(x, x.shape),
-        kernel=lambda x, r, w, eps, off: norm._add_rms_norm(x, r, w, eps, off, r, stream=_torch_stream(x))[0])
-_define(f"add_rms_norm_out({_NORM}, Tensor(a!) h_out) -> Tensor", lambda x, *_: _new(x, x.shape), norm._add_rms_norm, _first)
-_define("qk_norm_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int num_q_heads, int num_kv_heads, int head_dim, "
-        "float eps, float weight_offset) -> ()",
-        lambda *_: None, norm._qk_norm)
 
 # --- quant ------------------------------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
-// The binding's one converter (DLPack ndarray -> TensorView) and the Status -> exception mapping,
-// shared by the per-family binding files.
+// What the per-family binding files share: the converter (DLPack ndarray -> TensorView), the
+// Status -> exception mapping and ENCORE_BIND_OP, which binds an op's two calls over its C++ Args and
+// Options structs (each family binds those structs with named fields: `__init__` keywords that are
+// the C++ field names).
 #pragma once
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -81,6 +83,30 @@ inline Stream as_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
 
 using Opt = std::optional<Array>;
 inline TensorView opt_view(const Opt& a, const char* name) { return a ? to_view(*a, name) : TensorView{}; }
+inline TensorView opt_fp8_view(const Opt& a, const char* name) { return a ? to_fp8_view(*a, name) : TensorView{}; }
 inline void* opt_ptr(const Opt& a) { return a ? a->data() : nullptr; }
+
+// An op's run: an absent workspace where the call needs one is refused here (naming the size)
+// rather than left to the backend.
+template <class A, class O>
+void run_checked(const A& a, const O& o, const Opt& workspace, uintptr_t stream) {
+  if (!workspace) {
+    const size_t need = workspace_bytes(a, o);
+    if (need) throw nb::value_error(("workspace: this call needs " + std::to_string(need) + " bytes (query <op>_workspace)").c_str());
+  }
+  raise_if_error(run(a, o, opt_ptr(workspace), as_stream(stream)));
+}
+
+// The two calls of an op over its structs: <name>_workspace(args, opts) -> bytes (validates first)
+// and <name>_run(args, opts, workspace, stream).
+#define ENCORE_BIND_OP(m, name, A, O)                                                                                    \
+  (m).def(name "_workspace",                                                                                             \
+          [](const A& a, const O& o) {                                                                                   \
+            ::encore::python::raise_if_error(validate(a, o));                                                            \
+            return workspace_bytes(a, o);                                                                                \
+          },                                                                                                             \
+          nb::arg("args"), nb::arg("opts"));                                                                             \
+  (m).def(name "_run", &::encore::python::run_checked<A, O>, nb::arg("args"), nb::arg("opts"), nb::arg("workspace").none(), \
+          nb::arg("stream") = 0)
 
 }  // namespace encore::python

@@ -17,6 +17,7 @@ void bind_moe_ep(nb::module_& m);
 
 NB_MODULE(_encore, m) {
   using namespace encore::python;
+  nb::set_leak_warnings(false);  // options cached by the Python side live until interpreter exit
   m.doc() = "encore: fused transformer kernels (CPU reference backend + CUDA sm_90a)";
   m.attr("__version__") = ENCORE_VERSION;  // project(encore VERSION ...), python/CMakeLists.txt
   m.def("built_with_cuda", &encore::built_with_cuda);

@@ -1,0 +1,236 @@
+"""What the family modules share (and nothing else of encore: each family imports this module, this
+module imports no family). Arrays are numpy arrays (CPU backend) or torch tensors; torch is
+imported only once a torch tensor arrives or torch is already loaded.
+
+- Arrays: `dl` (the binding's form of an array), `empty` (outputs on the caller's framework and
+  device), `rows` / `rows_view`, `stream_for` (torch's current CUDA stream), `workspace`.
+- Ops: `torch_op` declares a family's torch.library op (namespace ``encore``) on its kernel, the
+  family's private launcher: the schema is derived from the kernel's Python signature
+  (torch.library.infer_schema), the fake and the autograd formula are registered beside it.
+  Declarations are recorded at import and registered with torch on first need (`ops()`, or
+  `register_torch_ops()` when torch is already loaded at ``import encore``).
+- `eager(*arrays)`: True when a public function may call its launcher directly (numpy arrays, or
+  plain torch tensors outside any tracing); False sends it through torch.ops.encore, which is what
+  torch.compile, export, fake / dispatch modes and tensor subclasses see.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+from . import _encore
+
+_TORCH = None   # the torch module, once needed
+_TENSOR = None  # torch.Tensor, once torch is loaded
+_TO_DLPACK = None
+_DECLARED = []  # (name, kernel, mutates, fake, autograd) in declaration order
+_OPS = types.SimpleNamespace()  # name -> torch.ops.encore.<name>.default, once registered
+_LIB = None
+
+
+def torch_module():
+    """torch, imported on first need; the declared ops are registered with it then."""
+    global _TORCH, _TENSOR, _TO_DLPACK
+    if _TORCH is None:
+        import torch
+        from torch.utils.dlpack import to_dlpack
+
+        _TORCH, _TENSOR, _TO_DLPACK = torch, torch.Tensor, to_dlpack
+        register_torch_ops()
+    return _TORCH
+
+
+def is_torch(a) -> bool:
+    if _TENSOR is None:
+        if "torch" not in sys.modules:
+            return False
+        torch_module()
+    return isinstance(a, _TENSOR)
+
+
+# --- the eager / traced decision ----------------------------------------------------------------------
+
+
+def eager(*arrays) -> bool:
+    """True: call the launcher directly (numpy arrays; plain torch tensors, eager, no mode active).
+    False: go through torch.ops.encore (torch.compile / export, FakeTensorMode, make_fx, dispatch or
+    torch-function modes, tensor subclasses). Tensors that require grad under grad mode are refused:
+    the ops without an autograd formula say so rather than silently dropping the gradient."""
+    t = _TENSOR
+    if t is None:
+        if "torch" not in sys.modules:
+            return True
+        torch_module()
+        t = _TENSOR
+    plain = True
+    for a in arrays:
+        if type(a) is t:
+            if a.requires_grad and _TORCH.is_grad_enabled():
+                raise RuntimeError("encore: autograd is not wired for this op; call it under torch.no_grad()")
+        elif a is not None and isinstance(a, t):
+            plain = False
+    c = _TORCH._C
+    return plain and not (_TORCH.compiler.is_compiling() or c._len_torch_dispatch_stack() or c._is_torch_function_mode_enabled())
+
+
+# --- arrays -------------------------------------------------------------------------------------------
+
+
+def dl(a):
+    """`a` as the binding takes it: a torch tensor as a DLPack capsule (torch.utils.dlpack.to_dlpack
+    costs a tenth of the Tensor.__dlpack__ the binding would call, and skips its stream sync: encore
+    launches on the stream it is given), anything else (numpy arrays, None) as it is."""
+    if _TENSOR is not None and isinstance(a, _TENSOR):
+        return _TO_DLPACK(a)
+    return a
+
+
+def stream_for(a, stream=None) -> int:
+    """The stream handle for a call on `a`: the caller's, else torch's current stream on a's CUDA
+    device, else 0."""
+    if stream is not None:
+        return int(stream)
+    if _TENSOR is not None and isinstance(a, _TENSOR) and a.is_cuda:
+        return _TORCH._C._cuda_getCurrentRawStream(a.get_device())
+    return 0
+
+
+_KINDS = {"f32": "float32", "u8": "uint8", "i32": "int32", "bf16": "bfloat16"}
+
+
+def empty(like, shape, kind="like"):
+    """An uninitialized array of `shape` on like's framework and device; kind "like" (like's
+    dtype), "f32", "u8", "i32" or "bf16" (torch only)."""
+    if _TENSOR is not None and isinstance(like, _TENSOR):
+        if kind == "like":
+            return like.new_empty(shape)
+        return like.new_empty(shape, dtype=getattr(_TORCH, _KINDS[kind]))
+    import numpy as np
+
+    if kind == "bf16":
+        raise ValueError("bfloat16 outputs need torch tensors (numpy has no bfloat16)")
+    return np.empty(shape, dtype=like.dtype if kind == "like" else getattr(np, _KINDS[kind]))
+
+
+def empty_like(a):
+    if _TENSOR is not None and isinstance(a, _TENSOR):
+        return _TORCH.empty_like(a, memory_format=_TORCH.contiguous_format)
+    import numpy as np
+
+    return np.empty(a.shape, a.dtype)
+
+
+def rows(a, name):
+    """`a` as [rows, hidden] (leading dimensions flattened; a copy where a view cannot be)."""
+    if getattr(a, "ndim", 0) < 1:
+        raise ValueError(f"{name}: expected at least 1 dimension [..., hidden]")
+    return a if a.ndim == 2 else a.reshape(-1, a.shape[-1])
+
+
+def rows_view(a, name):
+    """`a` as a [rows, hidden] view (an output written through it): raises where that needs a copy."""
+    if getattr(a, "ndim", 0) < 1:
+        raise ValueError(f"{name}: expected at least 1 dimension [..., hidden]")
+    if is_torch(a):
+        try:
+            return a.view(-1, a.shape[-1])
+        except RuntimeError:
+            pass
+    else:
+        v = a.view()
+        try:
+            v.shape = (-1, a.shape[-1])
+            return v
+        except AttributeError:
+            pass
+    raise ValueError(f"{name}: must be viewable as [rows, hidden] (it is written in place)")
+
+
+def address(a):
+    return a.data_ptr() if is_torch(a) else a.ctypes.data
+
+
+def given_outputs(out, names):
+    """The caller's output arrays `out`, checked to be one per name in `names`."""
+    if len(out) != len(names):
+        raise ValueError(f"out: expected the {len(names)} arrays ({', '.join(names)}), got {len(out)}")
+    return tuple(out)
+
+
+def workspace(ws, like, nbytes, align, sized_by):
+    """The aligned nbytes of a workspace: `ws` (the caller's; checked to be a 1-D uint8 array on
+    like's framework and device, large enough from an align-byte aligned address), or, when it is
+    None, a fresh one with room for the alignment; None when nbytes is 0 and none was given."""
+    if ws is None:
+        if not nbytes:
+            return None
+        ws = empty(like, (nbytes + align,), "u8")
+    elif getattr(ws, "ndim", 0) != 1 or str(ws.dtype).rsplit(".", 1)[-1] != "uint8":
+        raise ValueError("workspace: expected a 1-D uint8 array")
+    elif is_torch(ws) != is_torch(like) or (is_torch(ws) and ws.device != like.device):
+        raise ValueError("workspace: expected an array on the inputs' framework and device")
+    skip = (-address(ws)) % align
+    if ws.shape[0] < nbytes + skip:
+        raise ValueError(f"workspace: {ws.shape[0]} bytes, this call needs {nbytes} from a {align}-byte aligned address "
+                         f"(allocate {sized_by}(...) bytes)")
+    return ws[skip:skip + nbytes]
+
+
+def with_absent(outs, present):
+    """An op's outputs `outs` (the present ones, in order) spread over the flags `present`, None
+    where a flag is false."""
+    it = iter(outs)
+    return tuple(next(it) if p else None for p in present)
+
+
+def present(outs):
+    """The outputs that are not None, in order (an op's Tensor[])."""
+    return [t for t in outs if t is not None]
+
+
+# --- torch.library ops --------------------------------------------------------------------------------
+
+
+def torch_op(name, *, fake, mutates=(), autograd=None):
+    """Declares torch.ops.encore.<name> on the decorated kernel (the family's launcher, annotated
+    with Tensor / float / int / bool / str types as strings): its schema comes from the signature,
+    `fake(*args)` gives the outputs' shapes, dtypes and strides without running anything,
+    `mutates` names the arguments written in place, and `autograd` = (backward, setup_context) of
+    torch.library.register_autograd where the op has a gradient formula. The kernel is called with
+    the op's arguments and launches on torch's current stream."""
+    def record(kernel):
+        _DECLARED.append((name, kernel, tuple(mutates), fake, autograd))
+        if _LIB is not None:
+            _register(*_DECLARED[-1])
+        return kernel
+
+    return record
+
+
+def _register(name, kernel, mutates, fake, autograd):
+    torch = _TORCH
+    kernel.__globals__.setdefault("Tensor", torch.Tensor)  # the string annotations' name
+    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates))
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"encore::{name}", fake, lib=_LIB)
+    if autograd is not None:
+        torch.library.register_autograd(f"encore::{name}", autograd[0], setup_context=autograd[1], lib=_LIB)
+    setattr(_OPS, name, getattr(torch.ops.encore, name).default)
+
+
+def register_torch_ops():
+    """Registers every declared op with torch (once); returns the namespace of their overloads."""
+    global _LIB
+    if _LIB is None:
+        torch = torch_module() if _TORCH is None else _TORCH
+        if _LIB is not None:  # torch_module registered them
+            return _OPS
+        _LIB = torch.library.Library("encore", "DEF")
+        for d in _DECLARED:
+            _register(*d)
+    return _OPS
+
+
+def ops():
+    """The torch.ops.encore overloads by name (registering them on first use)."""
+    return _OPS if _LIB is not None else register_torch_ops()
