@@ -6,6 +6,7 @@
 set(_encore_jit_embedded
   core/host_device.hpp
   core/fast_div.hpp
+  core/fp8.hpp
   encore/core/dtype.hpp
   common/cuda/reduce.cuh
   common/cuda/vector_io.cuh

@@ -108,13 +108,17 @@ need() {  # need PATH WHAT: fails the pass when PATH is missing (dry runs only w
   pass_failed=1
   return 1
 }
-# gtest_line FROM [TO]: "N passed, M failed" from the gtest output in $log's lines FROM+1..TO.
+# gtest_line FROM [TO]: "N passed, M failed" from the gtest output in $log's lines FROM+1..TO. The
+# failures are the tests that ran less those that passed or skipped (gtest's own totals: --gtest_brief
+# drops the per-test FAILED lines); no "tests ... ran" total means the binary died: "crashed".
 gtest_line() {
-  local t p f
+  local t p s r
   t=$(sed -n "$(( $1 + 1 )),${2:-\$}p" "$log")
+  r=$(grep -E '^\[==========\] [0-9]+ tests? from .* ran' <<<"$t" | tail -1 | grep -oE '[0-9]+' | head -1)
   p=$(grep -E '^\[  PASSED  \] [0-9]+' <<<"$t" | tail -1 | grep -oE '[0-9]+' | head -1)
-  f=$(grep -E '^\[  FAILED  \] [0-9]+ test' <<<"$t" | tail -1 | grep -oE '[0-9]+' | head -1)
-  echo "${p:-0} passed, ${f:-0} failed"
+  s=$(grep -E '^\[  SKIPPED \] [0-9]+ test' <<<"$t" | tail -1 | grep -oE '[0-9]+' | head -1)
+  if [ -z "$r" ]; then echo "${p:-0} passed, crashed (no gtest totals)"; pass_failed=1; return; fi
+  echo "${p:-0} passed, $(( r - ${p:-0} - ${s:-0} )) failed"
 }
 mark() { wc -l <"$log"; }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything encore needs on a fresh Debian machine (idempotent).
 #  - Debian packages: GoogleTest, ccache, ninja (apt-get)
-#  - Python packages: nanobind, numpy, pytest (pip)
+#  - Python packages: nanobind, numpy, pytest, pytest-xdist, hypothesis (pip); torch (pip: PyPI's
+#    default wheel, which runs on the CPU of a machine without a GPU) for the PyTorch layer's tests
 #  - CUTLASS 4.2 headers: the nvidia-cutlass==4.2.0.0 wheel, downloaded without its Python
 #    dependencies and unpacked into .deps/cutlass (git-ignored). Nothing third-party is committed.
 #  - .deps/googletest: a copy of Debian's GoogleTest sources (/usr/src/googletest), carried to the
@@ -20,8 +21,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 py=${PYTHON:-python3}
-if ! "$py" -c "import nanobind, numpy, pytest" 2>/dev/null; then
-  "$py" -m pip install -q "nanobind>=2.0" numpy pytest
+if ! "$py" -c "import nanobind, numpy, pytest, xdist, hypothesis" 2>/dev/null; then
+  "$py" -m pip install -q "nanobind>=2.0" numpy pytest pytest-xdist hypothesis
+fi
+if ! "$py" -c "import torch" 2>/dev/null; then
+  t0=$SECONDS
+  "$py" -m pip install -q torch
+  echo "torch installed in $((SECONDS - t0)) s"
 fi
 # CMake >= 3.28 knows nvcc 13's C++20 dialect flag (Debian 12 ships 3.25): take it from PyPI.
 cmake_ok=$("$py" - <<'PY'

@@ -9,6 +9,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 ./scripts/install_deps.sh
 export PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"  # pip's cmake
+# ccache keyed on paths relative to the tree: the packaging check's wheel build reuses build-cpu's objects
+export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=true
 
 python3 scripts/check_layout.py
 ./scripts/build.sh cpu
@@ -20,4 +22,5 @@ else
   echo "nvcc not found: CUDA configuration not built"
 fi
 ./scripts/test_packaging.sh  # wheel in a fresh venv; cmake --install + find_package consumer
-PYTHONPATH="$root/build-cpu/python" python3 -m pytest -q --durations=12 tests/python  # the slowest tests: CI time
+# The Python tests on the CPU backend, torch included (CUDA-only tests skip); two workers, the slowest listed
+PYTHONPATH="$root/build-cpu/python" python3 -m pytest -q -n 2 --durations=12 tests/python

@@ -3,7 +3,8 @@
 // (seq_lens 1800, 1500, 2000, 1200, 800) and fixed B 1 / B 4, T 8192. Device time per call from
 // graph replays; fla's chunk_kda is measured by bench/peers/kda_peers.py in the same job.
 // Suite "kda_phases": the chunk kernel's per-phase cycles at the same configurations.
-// Suite "kda_plans": the forward with the state kernel on 64-, 32- and 16-column blocks.
+// Suite "kda_plans": the forward with the state kernel on 64-, 32- and 16-column blocks (launch plans
+// through kda/testing.hpp's run overload).
 #include <cstdio>
 #include <string>
 
@@ -32,7 +33,7 @@ void run_kda_suite(Report& report, const TimeOptions& topts, cudaStream_t stream
 }
 
 // Suite "kda_phases": cycles per block of each barrier-separated phase of the chunk kernel (thread
-// 0's clock64(), one profiled call after a warm-up call; see kda_launch.hpp for the phases).
+// 0's clock64(), one profiled call after a warm-up call; see kda/testing.hpp for the phases).
 void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t stream) {
   const DeviceInfo* info = nullptr;
   if (!get_device_info(0, &info)) return;
@@ -63,15 +64,17 @@ void run_kda_phases_suite(Report& report, const TimeOptions&, cudaStream_t strea
 }
 
 // Suite "kda_plans": the whole forward with the state kernel on 64-, 32- and 16-column blocks (the
-// launcher's rule is restored afterwards).
+// chunk kernel on the rule's grid).
 void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream) {
   const DeviceInfo* info = nullptr;
   if (!get_device_info(0, &info)) return;
   for (const Config& c : kConfigs) {
     const KdaBenchCase kc(c, *info);
     for (int columns : {64, 32, 16}) {
-      check_status(cuda::kda_state_columns_override(columns), "kda_plans");
-      Timing t = time_launches([&](long long) { kc.run_once(stream); }, stream, topts, 1);
+      kda::KdaLaunchPlan plan;
+      plan.state_columns = columns;
+      auto once = [&](long long) { check_status(kda::run(kc.a, kc.opts, plan, kc.ws, stream), "kda_plans"); };
+      Timing t = time_launches(once, stream, topts, 1);
       Record r = kda_record("kda_forward_plan", c);
       r.suite = "kda_plans";
       r.params.push_back({"state_columns", std::to_string(columns)});
@@ -80,7 +83,6 @@ void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t 
       std::printf("  kda_forward %-16s state columns %2d %9.1f us\n", c.name, columns, t.median_us);
       std::fflush(stdout);
     }
-    (void)cuda::kda_state_columns_override(0);
   }
 }
 

@@ -1,5 +1,5 @@
 // Suite "moe": the whole moe_forward layer on CUDA (bf16; softmax top-8 routing, renormalized;
-// dispatch padded to 16-row groups as ../shared/docs/moe_anchor.py; grouped gate/up GEMM, SwiGLU,
+// dispatch padded to 16-row groups as bench/peers/moe_peers.py's torch path; grouped gate/up GEMM, SwiGLU,
 // grouped down GEMM, combine) at the Qwen3-30B-A3B shape (D 2048, E 128, k 8, F 768) and the
 // DeepSeek-V3-like shape (D 7168, E 256, k 8, F 2048), tokens 1, 2, 4, 8, 16, 64, 512, 4096, 16384
 // (ENCORE_BENCH_SIZES selects), on each expert-compute path (record param "path": unfused, fused

@@ -31,7 +31,11 @@ import torch.distributed as dist
 
 import encore
 from encore import _moe_ep
-from encore._util import _dl
+from encore._core import dl
+
+
+def _dl(*arrays):
+    return tuple(dl(a) for a in arrays)
 from dist_timing import median_us  # the script's folder is on sys.path
 
 SHAPES = {"deepseek_v3": (7168, 256, 8, 2048), "qwen3_30b_a3b": (2048, 128, 8, 768)}

@@ -2,7 +2,7 @@
 Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, expert FFN 768) and DeepSeek-V3-like shapes
 (hidden 7168, 256 experts, top-8, expert FFN 2048), tokens 1, 16, 64, 512, 4096, 16384 (MOE_TOKENS):
 
-- torch: ../shared/docs/moe_anchor.py's torchtitan-style path (softmax top-8, sort-based permutation
+- torch: a torchtitan-style path (torch_layer below: softmax top-8, sort-based permutation
   padded to 16-row groups, two torch._grouped_mm, SwiGLU, weighted index_add_), and its two grouped GEMMs
   alone on the same groups;
 - eager: a per-expert Python loop (tokens <= 4096);

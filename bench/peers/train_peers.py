@@ -13,7 +13,7 @@ triton.testing.do_bench (median), contenders rotated over ROUNDS rounds (medians
                swiglu_bwd (dx [M, d] · w_down [d, F] with SwiGLU's backward) against the same GEMM alone (cuBLAS)
                and cuBLAS + the glue compiled by torch.compile, at each size (the glue's share grows as d shrinks)
   block        the shifted LLaMA block forward + backward: encore.nn.LlamaBlock against torch.compile of the
-               textbook block (../shared/docs/block_train_anchor.py's math) and its 12 GEMMs alone
+               textbook block (docs/math/gemm_epilogues.md §5) and its 12 GEMMs alone
 
 Sizes: TRAIN_SIZES (default 1B,8B; 70B too), TRAIN_M (default 8192; e.g. 8192,16384), TRAIN_SECTIONS (default
 all four). TRAIN_PROFILE=1: also each contender's kernels under torch.profiler (5 calls after the timing): per kernel its

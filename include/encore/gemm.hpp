@@ -193,13 +193,14 @@ struct CeMeanArgs {
 };
 Status run(const CeMeanArgs& args, int ignore_index = -100, Stream stream = nullptr);
 
-// Cross-entropy backward on stored logits (the path that keeps the forward's kLse D; math-coda §4.5),
-// elementwise: dlogits[m, n] = α·(e^(logits[m, n] − lse[m]) − [n == target[m]]), 0 on rows whose
-// target == ignore_index; α = alpha[0] read from (device) memory, 1 when absent (e.g. grad_output /
-// count: graph-safe). logits and dlogits [M, N] of one dtype (bf16/fp16; fp32 on the CPU backend), any
-// N and row strides; dlogits may be logits itself (in place) but must not overlap it otherwise. The
-// CPU backend refuses a target outside [0, N) other than ignore_index; on CUDA (device data, not
-// checkable before the launch) such a row is written NaN. CPU and CUDA backends.
+// Cross-entropy backward on stored logits (the path that keeps the forward's kLse D;
+// docs/math/gemm_epilogues.md §4.5), elementwise:
+//   dlogits[m, n] = α·(e^(logits[m, n] − lse[m]) − [n == target[m]]),
+// 0 on rows whose target == ignore_index; α = alpha[0] read from (device) memory, 1 when
+// absent (e.g. grad_output / count: graph-safe). logits and dlogits [M, N] of one dtype (bf16/fp16; fp32
+// on the CPU backend), any N and row strides; dlogits may be logits itself (in place) but must not
+// overlap it otherwise. The CPU backend refuses a target outside [0, N) other than ignore_index; on CUDA
+// (device data, not checkable before the launch) such a row is written NaN. CPU and CUDA backends.
 struct CrossEntropyBwdArgs {
   TensorView logits;   // [M, N], read
   TensorView lse;      // [M] fp32
@@ -249,8 +250,9 @@ struct QkNormRopeBwdArgs {
 size_t workspace_bytes(const QkNormRopeBwdArgs& args, const QkNormRopeOptions& opts);
 Status run(const QkNormRopeBwdArgs& args, const QkNormRopeOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 
-// RoPE backward with the zdz row statistic (math-coda.md §4.3; stage (a) of the LLaMA block backward),
-// elementwise (not a GEMM). With y = the forward's kRope output (post-RoPE, saved) and dy its gradient:
+// RoPE backward with the zdz row statistic (docs/math/gemm_epilogues.md §4.3; stage (a) of the LLaMA
+// block backward), elementwise (not a GEMM). With y = the forward's kRope output (post-RoPE, saved) and
+// dy its gradient:
 //   dz[m, 2j], dz[m, 2j+1] = Rᵀ(θ)·(dy[m, 2j], dy[m, 2j+1]):  (a·cosθ + b·sinθ, b·cosθ − a·sinθ),
 //                            θ = 2π·pos[m]·f_j, f_j = freq[2j] + freq[2j+1] (rope_freq_turns; f = 0 passes through)
 //   zdz[m] = scale · Σ_j y[m, j]·dy[m, j]   (= scale · Σ_j z·dz for the pre-RoPE z: R is orthogonal)

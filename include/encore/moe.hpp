@@ -17,12 +17,12 @@
 //             x_perm[slot_rows[t, j]] = x[t]; the padding rows of each expert's block are zeroed, rows from
 //             offsets[E] on are left untouched
 //   expert    y[r] = (silu(x_perm[r] . w13[e, 0:F]^T) * (x_perm[r] . w13[e, F:2F]^T)) . w2[e]^T for the rows r
-//             of expert e: w13 [E, 2F, D] holds the gate rows then the up rows (moe_anchor.py's
-//             h[:, :F], h[:, F:]), w2 [E, D, F]; the activation is rounded to x's dtype before the down
-//             projection, y rounded to x's dtype; padding rows of y are zeroed
+//             of expert e: w13 [E, 2F, D] holds the gate rows then the up rows (h[:, :F], h[:, F:] of the
+//             torch path of bench/peers/moe_peers.py), w2 [E, D, F]; the activation is rounded to x's dtype
+//             before the down projection, y rounded to x's dtype; padding rows of y are zeroed
 //   combine   out[t] = sum_{j = 0..k-1} w[t, j] * y[slot_rows[t, j]], accumulated in fp32 in slot order
 //             j = 0..k-1 with one fused multiply-add per slot, then rounded to out's dtype: bit-reproducible
-//             (no atomics). The routing weight is applied here, at combine, as in moe_anchor.py (which
+//             (no atomics). The routing weight is applied here, at combine, as in that torch path (which
 //             rounds w and w * y to bf16 first; encore keeps both in fp32).
 //
 // Shapes and dtypes: logits [T, E] bf16/fp16/fp32; bias [E] fp32 or bf16; ids [T, k] int32; weights

@@ -3,8 +3,11 @@
 Arrays are exchanged through DLPack: numpy arrays (CPU backend) and torch tensors (CPU backend, or
 the CUDA backend for CUDA tensors). Outputs are allocated with the caller's framework; CUDA work
 runs on torch's current stream unless ``stream`` is given. Invalid arguments raise ``ValueError``
-with encore's message, other failures ``RuntimeError``. Torch tensors go through torch.library ops
-(torch.ops.encore, see encore.torch_ops), so torch.compile(fullgraph=True) traces encore calls.
+with encore's message, other failures ``RuntimeError``. One module per family (norm, quant, gemm,
+blocks, kda, moe) holds its public functions, its launchers (one binding call over the family's C++
+Args / Options structs) and its torch.library ops (torch.ops.encore.<op>, with fakes and, where
+differentiable, autograd), so torch.compile(fullgraph=True) traces encore calls; _core holds what
+they share.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ def __getattr__(name):
     raise AttributeError(f"module 'encore' has no attribute {name!r}")
 
 
-# torch.ops.encore (encore.torch_ops): registered now where torch is already loaded, else on the
-# first call with torch tensors; numpy-only use never imports torch.
+# torch.ops.encore (each family module declares its ops): registered now where torch is already
+# loaded, else on the first call with torch tensors or register_torch_ops(); numpy-only use never
+# imports torch.
 if "torch" in _sys.modules:
-    from . import torch_ops  # noqa: F401  (transitional: registers _core's declared ops too)
+    register_torch_ops()

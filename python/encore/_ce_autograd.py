@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._util import _ops
+from ._core import ops as _ops
 
 _REDUCTIONS = ("mean", "sum", "none")
 

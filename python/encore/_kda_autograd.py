@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ._util import _ops
+from ._core import ops
+
 
 def _residual_request(q, rematerialize):
     """(names, dtype) of the residuals to save: none for float64 on the CPU (the token-level
@@ -26,7 +27,7 @@ class ChunkKdaFunction(torch.autograd.Function):
         names, rdt = _residual_request(q, rematerialize)
         scale = None if scale is None else float(scale)
         lower = None if lower_bound is None else float(lower_bound)
-        outs = _ops().kda_forward(q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(l2), bool(gate), A_log,
+        outs = ops().kda_forward(q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(l2), bool(gate), A_log,
                                   dt_bias, lower, cu, names, rdt)
         o = outs[0]
         fin = outs[1] if output_final_state else None
@@ -42,7 +43,7 @@ class ChunkKdaFunction(torch.autograd.Function):
         scale, l2, gate, lower = ctx.opts
         if d_o is None:
             d_o = torch.zeros_like(v)
-        grads = _ops().kda_backward(q, k, v, g, beta, d_o.contiguous(), None if d_fin is None else d_fin.contiguous(), scale, h0,
+        grads = ops().kda_backward(q, k, v, g, beta, d_o.contiguous(), None if d_fin is None else d_fin.contiguous(), scale, h0,
                                     l2, gate, A_log, dt_bias, lower, cu, *res)
         dq, dk, dv, dg, dbeta, *extra = grads
         extra = iter(extra)

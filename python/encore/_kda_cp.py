@@ -1,4 +1,4 @@
-"""chunk_kda with context parallelism (math-kda.md §10; encore/kda_cp.hpp): every rank of a torch.distributed
+"""chunk_kda with context parallelism (docs/math/kda.md §10; encore/kda_cp.hpp): every rank of a torch.distributed
 process group holds one contiguous slice along T of a varlen batch (B = 1) and the global cu_seqlens.
 
 Forward, per rank: the summary (S_ext, M) of its last local piece (zeros when that sequence ends on this rank),
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _encore
+from . import _core
+from . import _encore as _b
+from ._core import dl, ops, stream_for
 from ._kda_autograd import _residual_request
-from .kda import _opts
-from ._util import _dl, _ops, _torch_stream, _workspace
+from .kda import _forward_args, _opts
 
 
 class _DistExchange:
@@ -65,13 +66,12 @@ def _summary(q, k, v, g, beta, A_log, dt_bias, cu, opts, piece, d_o=None):
     dt = torch.float32 if q.is_cuda else torch.float64
     S = torch.empty(hv, K, V, dtype=dt, device=q.device)
     M = torch.empty(hv, K, K, dtype=dt, device=q.device)
-    ins = (q, k, v, g, beta, A_log, dt_bias, cu, d_o)
-    if q.is_cuda:
-        nbytes = _encore.kda_cp_summary_workspace_bytes(*_dl(*ins), int(piece), *opts, *_dl(S, M))
-        ws = _workspace(None, q, nbytes, 16, "kda_cp_summary_workspace_bytes") if nbytes else None
-        _encore.kda_cp_summary_out(*_dl(*ins), int(piece), *opts, *_dl(S, M, ws), _torch_stream(q))
-    else:
-        _encore.kda_cp_summary_out(*_dl(*ins), int(piece), *opts, *_dl(S, M))
+    args = _b.KdaCpSummaryArgs(fwd=_forward_args(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu), d_o=dl(d_o),
+                               piece=int(piece), S=dl(S), M=dl(M))
+    size, run = ((_b.kda_cp_forward_summary_workspace, _b.kda_cp_forward_summary_run) if d_o is None else
+                 (_b.kda_cp_backward_summary_workspace, _b.kda_cp_backward_summary_run))
+    nbytes = size(args, opts) if q.is_cuda else 0  # the CPU backend needs none
+    run(args, opts, _core.workspace(None, q, nbytes, 16, size.__name__) if nbytes else None, stream_for(q))
     return torch.cat((S.flatten(), M.flatten()))
 
 
@@ -104,7 +104,7 @@ def _merge(parts, ranks, hv, K, V):
     S = torch.stack([parts[j][:n].view(hv, K, V) for j in ranks])
     M = torch.stack([parts[j][n:].view(hv, K, K) for j in ranks])
     out = torch.empty(hv, K, V, dtype=torch.float64)
-    _encore.kda_cp_merge_out(*_dl(S, M, out))
+    _b.kda_cp_merge_run(S=dl(S), M=dl(M), out=dl(out))
     return out
 
 
@@ -129,7 +129,7 @@ class ChunkKdaCpFunction(torch.autograd.Function):
         if pre > 0:
             h0[0] = _merge(parts, range(r - pre, r), hv, K, V).to(h0.dtype)
         names, rdt = _residual_request(q, False)
-        outs = _ops().kda_forward(q, k, v, g, beta, None if scale is None else float(scale), h0, False, bool(l2), bool(gate), A_log,
+        outs = ops().kda_forward(q, k, v, g, beta, None if scale is None else float(scale), h0, False, bool(l2), bool(gate), A_log,
                                   dt_bias, None if lower_bound is None else float(lower_bound), cu_local, names, rdt)
         res = list(outs[1:]) + [None] * (4 - len(outs[1:]))
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_local, *res)
@@ -146,7 +146,7 @@ class ChunkKdaCpFunction(torch.autograd.Function):
         d_fin = torch.zeros_like(h0)
         if post > 0:
             d_fin[-1] = _merge(parts, range(r + post, r, -1), hv, K, V).to(h0.dtype)
-        grads = _ops().kda_backward(q, k, v, g, beta, d_o, d_fin, None if scale is None else float(scale), h0, l2, gate, A_log, dt_bias,
+        grads = ops().kda_backward(q, k, v, g, beta, d_o, d_fin, None if scale is None else float(scale), h0, l2, gate, A_log, dt_bias,
                                     None if lower is None else float(lower), cu, *res)
         dq, dk, dv, dg, dbeta, *extra = grads
         extra = iter(extra[1:])  # extra[0]: dh0 of the merged initial state (carried upstream by the merge instead)
@@ -164,7 +164,7 @@ def chunk_kda_cp(q, k, v, g, beta, cu_seqlens, group, scale=None, use_qk_l2norm_
     ex = _exchange(group)
     bounds = _slice_bounds(q.shape[1], ex)
     cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    local, pre, post = _encore.kda_cp_split(cu, bounds)[ex.rank]
+    local, pre, post = _b.kda_cp_split(cu, bounds)[ex.rank]
     cu_local = torch.tensor(local, dtype=torch.long)
     return ChunkKdaCpFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
                                     cu_local, pre, post, ex)

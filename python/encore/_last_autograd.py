@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ._util import _ops
+from ._core import ops as _ops
 
 __all__ = ["LlamaLastLayer", "LlamaLastLayerFunction"]
 

@@ -1,4 +1,4 @@
-"""Training modules over the GEMM-epilogue rows (math-coda.md §4): the SwiGLU MLP with its input RMSNorm
+"""Training modules over the GEMM-epilogue rows (docs/math/gemm_epilogues.md §4): the SwiGLU MLP with its input RMSNorm
 fused into the gate/up GEMM, and the RMSNorm fused into any following linear layer. Each is a
 torch.autograd.Function over torch.ops.encore (gemm_epilogue, partials_sum), so it traces under
 torch.compile; the weight gradients and the plain dgrad are torch.matmul (cuBLAS on CUDA).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._util import _ops
+from ._core import ops as _ops
 
 
 def _rstd(x, eps):

@@ -32,7 +32,9 @@ from . import _encore
 from . import moe as _moe
 from . import norm as _norm
 from . import quant as _quant
-from ._util import _dl, _torch_stream
+from ._core import dl, stream_for, torch_module
+
+torch_module()  # _core's torch: dl passes tensors as DLPack capsules
 
 
 def _world(group):
@@ -138,7 +140,7 @@ def _peer_rank(group, world, rank, E, k, D, like, m_bound, fp8=False):
         name = [f"{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         dev = like.device.index if like.device.index is not None else torch.cuda.current_device()
-        _PEERS[key] = _encore.EpPeerRank(world, rank, E, k, D, cap, *_dl(like), D // 32 if fp8 else 0, PEER_TIMEOUT_MS, dev, name[0], fp8)
+        _PEERS[key] = _encore.EpPeerRank(world, rank, E, k, D, cap, dl(like), D // 32 if fp8 else 0, PEER_TIMEOUT_MS, dev, name[0], fp8)
     return key, _PEERS[key]
 
 
@@ -167,12 +169,12 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error, fp8=F
     el = E // world
     key, ep = _peer_rank(group, world, rank, E, k, D, x, m_bound, fp8)
     ids, weights = _route(x, router_logits, k, routing)
-    stream = _torch_stream(x)
+    stream = stream_for(x)
     if fp8:
         q, scales = _fp8_rows(x)
-        ep.dispatch(*_dl(q, ids.contiguous(), scales.view(torch.uint8)), stream)
+        ep.dispatch(dl(q), dl(ids.contiguous()), dl(scales.view(torch.uint8)), stream)
     else:
-        ep.dispatch(*_dl(x.contiguous(), ids.contiguous()), None, stream)
+        ep.dispatch(dl(x.contiguous()), dl(ids.contiguous()), None, stream)
     counts, _, rows, rscales = ep.received()
     counts_h = counts.cpu()  # the host synchronization
     n = int(counts_h.sum())
@@ -182,7 +184,7 @@ def _ep_peer(x, router_logits, w13, w2, k, group, routing, align_m, error, fp8=F
     y = torch.empty(ep.max_rows, D, dtype=x.dtype, device=x.device)
     y[:n] = _experts(rows[:n], local, w13, w2, align_m)
     out = torch.empty(x.shape[0], D, dtype=x.dtype, device=x.device)
-    ep.combine(*_dl(y, weights.contiguous(), out), stream)
+    ep.combine(dl(y), dl(weights.contiguous()), dl(out), stream)
     torch.cuda.current_stream(x.device).synchronize()
     try:
         ep.check()  # a timeout or bad ids anywhere in the group: raises on every rank with the failing rank's message

@@ -3,25 +3,191 @@ backward (include/encore/blocks/llama.hpp), the last layer + loss forward and ba
 (include/encore/blocks/llama_last.hpp), on the CPU backend for numpy / CPU torch arrays and on
 CUDA for CUDA torch tensors. These functions take no autograd; encore.nn.LlamaBlock and
 encore.nn.LlamaLastLayer are the trainable modules over them (python/encore/_block_autograd.py,
-_last_autograd.py)."""
+_last_autograd.py).
+
+Each public function calls its launcher (the op's Args struct, then <op>_workspace and <op>_run)
+directly for numpy arrays and eager torch tensors, and torch.ops.encore.<op> (declared here on the
+same launcher) when traced (_core.eager)."""
 from __future__ import annotations
 
-from . import _encore
-from ._util import _dl, _empty, _given_outputs, _ops, _stream_for, _via_torch_op, _workspace
+from . import _encore as _b
+from ._core import dl, eager, empty, given_outputs, ops, stream_for, torch_op, workspace
 
 __all__ = ["llama_block_forward", "llama_block_workspace_bytes", "llama_block_backward", "qkv_norm_backward",
            "llama_last_block_forward", "llama_last_block_backward"]
 
 _BLOCK_OUTPUTS = ("x1", "x2", "z1", "qkv", "r1", "r2")
+_BWD_OUTPUTS = ("d_y0", "d_x0", "dw0", "dw1", "dw2", "dw3", "dgamma0", "dgamma1")
+_QKV_BWD_OUTPUTS = ("dx", "dw3", "dgamma")
+_LAST_OUTPUTS = ("x1", "x2", "z1", "h2", "r1", "r2", "lse", "loss")
+_LAST_BWD_OUTPUTS = ("d_y0", "d_x0", "dw0", "dw1", "dw2", "dw_lm", "dgamma0", "dgamma_final")
+_ALIGN = 256  # the workspaces' alignment
 
+_OPTIONS = {}  # (struct, values) -> options object: built once per distinct value
+
+
+def _options(cls, *values):
+    key = (cls, values)
+    o = _OPTIONS.get(key)
+    if o is None:
+        o = _OPTIONS[key] = cls(*values)
+    return o
+
+
+# --- outputs (the launchers' and the fakes': on the inputs' framework) ----------------------------------
+
+def _block_outputs(y0, w1, w3):
+    """x1, x2 [M, d], z1 [M, 2F], qkv [M, Nqkv] in y0's dtype, r1, r2 [M] float32."""
+    m, d = y0.shape[0], y0.shape[1]
+    return (empty(y0, (m, d)), empty(y0, (m, d)), empty(y0, (m, w1.shape[0])), empty(y0, (m, w3.shape[0])), empty(y0, (m,), "f32"),
+            empty(y0, (m,), "f32"))
 
 
 def _block_grads(y0, weights):
     """The block backwards' outputs: d_y0, d_x0 [M, d] and each weight's gradient in y0's dtype, then the
     two dgammas [d] float32."""
     m, d = y0.shape[0], y0.shape[1]
-    return ((_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like")) + tuple(_empty(y0, tuple(w.shape), "like") for w in weights) +
-            (_empty(y0, (d,), "f32"), _empty(y0, (d,), "f32")))
+    return ((empty(y0, (m, d)), empty(y0, (m, d))) + tuple(empty(y0, tuple(w.shape)) for w in weights) +
+            (empty(y0, (d,), "f32"), empty(y0, (d,), "f32")))
+
+
+def _qkv_grads(x, w3):
+    return empty(x, tuple(x.shape)), empty(x, tuple(w3.shape)), empty(x, (x.shape[1],), "f32")
+
+
+def _last_outputs(y0, w1):
+    m, d = y0.shape[0], y0.shape[1]
+    return (empty(y0, (m, d)), empty(y0, (m, d)), empty(y0, (m, w1.shape[0])), empty(y0, (m, d)), empty(y0, (m,), "f32"),
+            empty(y0, (m,), "f32"), empty(y0, (m,), "f32"), empty(y0, (1,), "f32"))
+
+
+# --- launchers: the op's workspace query (validates) and one run; stream None is torch's current stream ---
+
+def _launch(query, run, args, opts, ws, like, sized_by, stream):
+    """The op's workspace query (validates) then its run over `args` (opts None: an op without options)."""
+    call = (args,) if opts is None else (args, opts)
+    run(*call, dl(workspace(ws, like, query(*call), _ALIGN, sized_by)), stream_for(like, stream))
+
+
+def _llama_block_forward_launch(ins, eps, out, ws, stream):
+    y0 = ins[0]
+    out = _block_outputs(y0, ins[3], ins[5]) if out is None else given_outputs(out, _BLOCK_OUTPUTS)
+    _launch(_b.llama_block_forward_workspace, _b.llama_block_forward_run, _b.LlamaBlockArgs(*map(dl, (*ins, *out))),
+            _options(_b.LlamaBlockOptions, float(eps)), ws, y0, "llama_block_workspace_bytes", stream)
+    return out
+
+
+def _llama_block_backward_launch(ins, out, ws, stream):
+    y0 = ins[0]
+    out = _block_grads(y0, ins[1:5]) if out is None else given_outputs(out, _BWD_OUTPUTS)
+    _launch(_b.llama_block_backward_workspace, _b.llama_block_backward_run, _b.LlamaBlockBwdArgs(*map(dl, (*ins, *out))), None, ws,
+            y0, "encore._encore.llama_block_backward_workspace", stream)
+    return out
+
+
+def _qkv_norm_backward_launch(ins, out, ws, stream):
+    x = ins[0]
+    out = _qkv_grads(x, ins[2]) if out is None else given_outputs(out, _QKV_BWD_OUTPUTS)
+    _launch(_b.qkv_norm_backward_workspace, _b.qkv_norm_backward_run, _b.QkvNormBwdArgs(*map(dl, (*ins, *out))), None, ws, x,
+            "encore._encore.qkv_norm_backward_workspace", stream)
+    return out
+
+
+def _llama_last_block_forward_launch(ins, eps, ignore_index, out, ws, stream):
+    y0 = ins[0]
+    out = _last_outputs(y0, ins[3]) if out is None else given_outputs(out, _LAST_OUTPUTS)
+    _launch(_b.llama_last_block_forward_workspace, _b.llama_last_block_forward_run, _b.LlamaLastBlockArgs(*map(dl, (*ins, *out))),
+            _options(_b.LlamaLastBlockOptions, float(eps), int(ignore_index)), ws, y0,
+            "encore._encore.llama_last_block_forward_workspace", stream)
+    return out
+
+
+def _llama_last_block_backward_launch(ins, ignore_index, out, ws, stream):
+    y0 = ins[0]
+    out = _block_grads(y0, (*ins[1:4], ins[6])) if out is None else given_outputs(out, _LAST_BWD_OUTPUTS)
+    _launch(_b.llama_last_block_backward_workspace, _b.llama_last_block_backward_run, _b.LlamaLastBlockBwdArgs(*map(dl, (*ins, *out))),
+            _options(_b.LlamaLastBlockBwdOptions, int(ignore_index)), ws, y0, "encore._encore.llama_last_block_backward_workspace",
+            stream)
+    return out
+
+
+# --- torch.ops.encore: the launchers on torch's current stream ----------------------------------------
+
+def _nothing(*_):
+    return None
+
+
+@torch_op("llama_block_forward", fake=lambda y0, x0, w0, w1, w2, w3, *_: _block_outputs(y0, w1, w3), mutates=("workspace",))
+def _llama_block_forward(y0: Tensor, x0: Tensor, w0: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, gamma0: Tensor, gamma1: Tensor,
+                         pos: Tensor, freq: Tensor, eps: float, workspace: Tensor | None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _llama_block_forward_launch((y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq), eps, None, workspace, None)
+
+
+@torch_op("llama_block_forward_out", fake=_nothing, mutates=("x1", "x2", "z1", "qkv", "r1", "r2", "workspace"))
+def _llama_block_forward_out(y0: Tensor, x0: Tensor, w0: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, gamma0: Tensor, gamma1: Tensor,
+                             pos: Tensor, freq: Tensor, eps: float, x1: Tensor, x2: Tensor, z1: Tensor, qkv: Tensor, r1: Tensor, r2: Tensor,
+                             workspace: Tensor | None) -> None:
+    _llama_block_forward_launch((y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq), eps, (x1, x2, z1, qkv, r1, r2), workspace, None)
+
+
+def _block_backward_fake(y0, w0, w1, w2, w3, *_):
+    return _block_grads(y0, (w0, w1, w2, w3))
+
+
+@torch_op("llama_block_backward", fake=_block_backward_fake, mutates=("workspace",))
+def _llama_block_backward(y0: Tensor, w0: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, gamma0: Tensor, gamma1: Tensor, pos: Tensor,
+                          freq: Tensor, x1: Tensor, x2: Tensor, z1: Tensor, qkv: Tensor, r1: Tensor, r2: Tensor, d_qkv: Tensor,
+                          d_x2: Tensor, workspace: Tensor | None
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _llama_block_backward_launch((y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2), None,
+                                        workspace, None)
+
+
+@torch_op("llama_block_backward_out", fake=_nothing,
+          mutates=("d_y0", "d_x0", "dw0", "dw1", "dw2", "dw3", "dgamma0", "dgamma1", "workspace"))
+def _llama_block_backward_out(y0: Tensor, w0: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, gamma0: Tensor, gamma1: Tensor, pos: Tensor,
+                              freq: Tensor, x1: Tensor, x2: Tensor, z1: Tensor, qkv: Tensor, r1: Tensor, r2: Tensor, d_qkv: Tensor,
+                              d_x2: Tensor, d_y0: Tensor, d_x0: Tensor, dw0: Tensor, dw1: Tensor, dw2: Tensor, dw3: Tensor, dgamma0: Tensor,
+                              dgamma1: Tensor, workspace: Tensor | None) -> None:
+    _llama_block_backward_launch((y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2),
+                                 (d_y0, d_x0, dw0, dw1, dw2, dw3, dgamma0, dgamma1), workspace, None)
+
+
+@torch_op("qkv_norm_backward", fake=lambda x, gamma, w3, *_: _qkv_grads(x, w3), mutates=("workspace",))
+def _qkv_norm_backward(x: Tensor, gamma: Tensor, w3: Tensor, pos: Tensor, freq: Tensor, r: Tensor, qkv: Tensor, d_qkv: Tensor,
+                       d_x_prev: Tensor | None, workspace: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    return _qkv_norm_backward_launch((x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev), None, workspace, None)
+
+
+@torch_op("qkv_norm_backward_out", fake=_nothing, mutates=("dx", "dw3", "dgamma", "workspace"))
+def _qkv_norm_backward_out(x: Tensor, gamma: Tensor, w3: Tensor, pos: Tensor, freq: Tensor, r: Tensor, qkv: Tensor, d_qkv: Tensor,
+                           d_x_prev: Tensor | None, dx: Tensor, dw3: Tensor, dgamma: Tensor, workspace: Tensor | None) -> None:
+    _qkv_norm_backward_launch((x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev), (dx, dw3, dgamma), workspace, None)
+
+
+@torch_op("llama_last_block_forward", fake=lambda y0, x0, w0, w1, *_: _last_outputs(y0, w1), mutates=("workspace",))
+def _llama_last_block_forward(y0: Tensor, x0: Tensor, w0: Tensor, w1: Tensor, w2: Tensor, gamma0: Tensor, gamma_final: Tensor,
+                              w_lm: Tensor, target: Tensor, eps: float, ignore_index: int, workspace: Tensor | None
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _llama_last_block_forward_launch((y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, target), eps, ignore_index, None,
+                                            workspace, None)
+
+
+def _last_backward_fake(y0, w0, w1, w2, gamma0, gamma_final, w_lm, *_):
+    return _block_grads(y0, (w0, w1, w2, w_lm))
+
+
+@torch_op("llama_last_block_backward", fake=_last_backward_fake, mutates=("workspace",))
+def _llama_last_block_backward(y0: Tensor, w0: Tensor, w1: Tensor, w2: Tensor, gamma0: Tensor, gamma_final: Tensor, w_lm: Tensor,
+                               target: Tensor, x1: Tensor, x2: Tensor, z1: Tensor, h2: Tensor, r1: Tensor, r2: Tensor, lse: Tensor,
+                               d_loss: Tensor, ignore_index: int, workspace: Tensor | None
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _llama_last_block_backward_launch((y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss),
+                                             ignore_index, None, workspace, None)
+
+
+# --- public API ---------------------------------------------------------------------------------------
 
 def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: float = 1e-5, out=None, workspace=None,
                         stream=None):
@@ -33,39 +199,26 @@ def llama_block_forward(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, eps: 
     y0's dtype, r1 and r2 [M] float32), returned as given. workspace: optional 1-D uint8 array on y0's
     device of at least llama_block_workspace_bytes(...) bytes; without it each call allocates one.
     Both together make a call allocation-free (fixed addresses, e.g. for CUDA graph capture)."""
-    if _via_torch_op(stream, y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, workspace):
-        ins = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, float(eps))
+    ins = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq)
+    if stream is None and not eager(*ins, workspace):
         if out is None:
-            return _ops().llama_block_forward(*ins, workspace)
-        out = _given_outputs(out, _BLOCK_OUTPUTS)
-        _ops().llama_block_forward_out(*ins, *out, workspace)
+            return ops().llama_block_forward(*ins, float(eps), workspace)
+        out = given_outputs(out, _BLOCK_OUTPUTS)
+        ops().llama_block_forward_out(*ins, float(eps), *out, workspace)
         return out
-    m, d, f2, nq = y0.shape[0], y0.shape[1], w1.shape[0], w3.shape[0]
-    if out is None:
-        x1, x2, z1, qkv = _empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, nq), "like")
-        r1, r2 = _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32")
-    else:
-        x1, x2, z1, qkv, r1, r2 = _given_outputs(out, _BLOCK_OUTPUTS)
-    args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2)
-    nbytes = _encore.llama_block_workspace_bytes(*_dl(*args), float(eps))  # a capsule is used once: _dl per call
-    ws = _workspace(workspace, y0, nbytes, 256, "llama_block_workspace_bytes")
-    _encore.llama_block_forward_out(*_dl(*args), float(eps), *_dl(ws), _stream_for(y0, stream))
-    return x1, x2, z1, qkv, r1, r2
+    return tuple(_llama_block_forward_launch(ins, eps, out, workspace, stream))
 
 
 def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, out, eps: float = 1e-5) -> int:
     """The size in bytes to allocate for llama_block_forward's `workspace` with these arguments and
     outputs `out` = (x1, x2, z1, qkv, r1, r2): what the block needs plus 256 for alignment."""
-    args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *_given_outputs(out, _BLOCK_OUTPUTS))
-    return int(_encore.llama_block_workspace_bytes(*_dl(*args), float(eps))) + 256
-
-
-_BWD_OUTPUTS = ("d_y0", "d_x0", "dw0", "dw1", "dw2", "dw3", "dgamma0", "dgamma1")
+    args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *given_outputs(out, _BLOCK_OUTPUTS))
+    return int(_b.llama_block_forward_workspace(_b.LlamaBlockArgs(*map(dl, args)), _options(_b.LlamaBlockOptions, float(eps)))) + _ALIGN
 
 
 def llama_block_backward(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2, out=None,
                          workspace=None, stream=None):
-    """The shifted block's backward (math-coda.md §5): from the forward's inputs (x0 is not read) and
+    """The shifted block's backward (docs/math/gemm_epilogues.md §5): from the forward's inputs (x0 is not read) and
     saved outputs (x1, x2, z1, qkv, r1, r2 as llama_block_forward returned them) and the incoming
     gradients d_qkv [M, Nqkv] and d_x2 [M, d], returns (d_y0, d_x0, dw0, dw1, dw2, dw3, dgamma0,
     dgamma1): d_y0, d_x0 [M, d] and the weight gradients in y0's dtype and the weights' shapes,
@@ -74,18 +227,13 @@ def llama_block_backward(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, 
     out: optional outputs to write into (d_x0 may be d_x2 itself: the residual gradient in place),
     returned as given; workspace: optional 1-D uint8 array (see llama_block_forward)."""
     ins = (y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2)
-    if _via_torch_op(stream, *ins, workspace):
+    if stream is None and not eager(*ins, workspace):
         if out is None:
-            return tuple(_ops().llama_block_backward(*ins, workspace))
-        out = _given_outputs(out, _BWD_OUTPUTS)
-        _ops().llama_block_backward_out(*ins, *out, workspace)
+            return tuple(ops().llama_block_backward(*ins, workspace))
+        out = given_outputs(out, _BWD_OUTPUTS)
+        ops().llama_block_backward_out(*ins, *out, workspace)
         return out
-    out = _block_grads(y0, (w0, w1, w2, w3)) if out is None else _given_outputs(out, _BWD_OUTPUTS)
-    args = (*ins, *out)
-    nbytes = _encore.llama_block_backward_workspace_bytes(*_dl(*args))
-    ws = _workspace(workspace, y0, nbytes, 256, "llama_block_backward_workspace_bytes")
-    _encore.llama_block_backward_out(*_dl(*args), *_dl(ws), _stream_for(y0, stream))
-    return tuple(out)
+    return tuple(_llama_block_backward_launch(ins, out, workspace, stream))
 
 
 def qkv_norm_backward(x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev=None, out=None, workspace=None, stream=None):
@@ -93,24 +241,13 @@ def qkv_norm_backward(x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev=None, out
     the forward's row scale, float32 [M]): returns (dx [M, d], dw3 [Nqkv, d], dgamma [d] float32), dx
     including d_x_prev (the residual gradient of x from above) when given."""
     ins = (x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev)
-    if _via_torch_op(stream, *ins, workspace):
+    if stream is None and not eager(*ins, workspace):
         if out is None:
-            return tuple(_ops().qkv_norm_backward(*ins, workspace))
-        out = _given_outputs(out, ("dx", "dw3", "dgamma"))
-        _ops().qkv_norm_backward_out(*ins, *out, workspace)
+            return tuple(ops().qkv_norm_backward(*ins, workspace))
+        out = given_outputs(out, _QKV_BWD_OUTPUTS)
+        ops().qkv_norm_backward_out(*ins, *out, workspace)
         return out
-    if out is None:
-        out = (_empty(x, tuple(x.shape), "like"), _empty(x, tuple(w3.shape), "like"), _empty(x, (x.shape[1],), "f32"))
-    else:
-        out = _given_outputs(out, ("dx", "dw3", "dgamma"))
-    args = (*ins, *out)
-    nbytes = _encore.qkv_norm_backward_workspace_bytes(*_dl(*args))
-    ws = _workspace(workspace, x, nbytes, 256, "qkv_norm_backward_workspace_bytes")
-    _encore.qkv_norm_backward_out(*_dl(*args), *_dl(ws), _stream_for(x, stream))
-    return tuple(out)
-
-
-_LAST_OUTPUTS = ("x1", "x2", "z1", "h2", "r1", "r2", "lse", "loss")
+    return tuple(_qkv_norm_backward_launch(ins, out, workspace, stream))
 
 
 def llama_last_block_forward(y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, target, eps: float = 1e-5, ignore_index: int = -100,
@@ -122,22 +259,9 @@ def llama_last_block_forward(y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, targ
     float32 [M], [1]). out / workspace as for llama_block_forward (torch.ops.encore.llama_last_block_forward:
     no out=)."""
     ins = (y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, target)
-    if out is None and _via_torch_op(stream, *ins, workspace):
-        return tuple(_ops().llama_last_block_forward(*ins, float(eps), int(ignore_index), workspace))
-    m, d, f2 = y0.shape[0], y0.shape[1], w1.shape[0]
-    if out is None:
-        out = (_empty(y0, (m, d), "like"), _empty(y0, (m, d), "like"), _empty(y0, (m, f2), "like"), _empty(y0, (m, d), "like"),
-               _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32"), _empty(y0, (m,), "f32"), _empty(y0, (1,), "f32"))
-    else:
-        out = _given_outputs(out, _LAST_OUTPUTS)
-    args = (y0, x0, w0, w1, w2, gamma0, gamma_final, w_lm, target, *out)
-    nbytes = _encore.llama_last_block_workspace_bytes(list(_dl(*args)), float(eps), int(ignore_index))
-    ws = _workspace(workspace, y0, nbytes, 256, "llama_last_block_workspace_bytes")
-    _encore.llama_last_block_forward_out(list(_dl(*args)), float(eps), int(ignore_index), *_dl(ws), _stream_for(y0, stream))
-    return tuple(out)
-
-
-_LAST_BWD_OUTPUTS = ("d_y0", "d_x0", "dw0", "dw1", "dw2", "dw_lm", "dgamma0", "dgamma_final")
+    if out is None and stream is None and not eager(*ins, workspace):
+        return tuple(ops().llama_last_block_forward(*ins, float(eps), int(ignore_index), workspace))
+    return tuple(_llama_last_block_forward_launch(ins, eps, ignore_index, out, workspace, stream))
 
 
 def llama_last_block_backward(y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss,
@@ -146,11 +270,6 @@ def llama_last_block_backward(y0, w0, w1, w2, gamma0, gamma_final, w_lm, target,
     forward's inputs (x0 is not read) and saved outputs: returns (d_y0, d_x0, dw0, dw1, dw2, dw_lm,
     dgamma0, dgamma_final), the matrices in y0's dtype and the weights' shapes, the dgammas float32."""
     ins = (y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss)
-    if out is None and _via_torch_op(stream, *ins, workspace):
-        return tuple(_ops().llama_last_block_backward(*ins, int(ignore_index), workspace))
-    out = _block_grads(y0, (w0, w1, w2, w_lm)) if out is None else _given_outputs(out, _LAST_BWD_OUTPUTS)
-    args = (y0, w0, w1, w2, gamma0, gamma_final, w_lm, target, x1, x2, z1, h2, r1, r2, lse, d_loss, *out)
-    nbytes = _encore.llama_last_block_backward_workspace_bytes(list(_dl(*args)), int(ignore_index))
-    ws = _workspace(workspace, y0, nbytes, 256, "llama_last_block_backward_workspace_bytes")
-    _encore.llama_last_block_backward_out(list(_dl(*args)), int(ignore_index), *_dl(ws), _stream_for(y0, stream))
-    return tuple(out)
+    if out is None and stream is None and not eager(*ins, workspace):
+        return tuple(ops().llama_last_block_backward(*ins, int(ignore_index), workspace))
+    return tuple(_llama_last_block_backward_launch(ins, ignore_index, out, workspace, stream))

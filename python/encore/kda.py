@@ -4,14 +4,23 @@ Forward: CPU backend (fp64 reference) for numpy / CPU torch arrays, CUDA forward
 tensors (bf16/fp16/fp32; K, V <= 128 on tensor cores, up to 256 on a token-recurrent path), optionally returning the residuals the
 backward reads. Backward: kda_backward (the gradients; the CPU backend with or without the forward's
 residuals, CUDA with them). chunk_kda: fla's
-drop-in for torch, differentiable through torch.autograd."""
+drop-in for torch, differentiable through torch.autograd.
+
+Each public function calls its launcher (the binding's <op>_workspace on CUDA, then <op>_run, over
+the C++ KdaForwardArgs / KdaBackwardArgs / KdaOptions structs) directly for numpy arrays and eager
+torch tensors, and torch.ops.encore.<op> (declared here on the same launcher) when traced."""
 from __future__ import annotations
 
-from . import _encore
-from ._util import _dl, _empty, _given_outputs, _is_torch, _ops, _stream_for, _via_torch_op, _with_absent, _workspace
+from . import _core
+from . import _encore as _b
+from ._core import dl, empty, empty_like, eager, given_outputs, is_torch, ops, present, stream_for, torch_module, torch_op, with_absent
+
+__all__ = ["kda_forward", "kda_forward_workspace_bytes", "kda_backward", "chunk_kda"]
 
 _RESIDUAL_KINDS = {None: "f32", "float32": "f32", "bfloat16": "bf16"}
 _RESIDUAL_NAMES = ("G", "Aqk", "Akk", "h")
+_CHUNK = 64  # tokens per chunk (kda::kChunk)
+_OPTIONS = {}  # (scale, l2, gate, lower_bound, output_final_state) -> KdaOptions: built once per distinct value
 
 
 def _residual_names(return_residuals):
@@ -24,10 +33,37 @@ def _residual_names(return_residuals):
     return names
 
 
+def _residual_tuple(residuals):
+    """(G, Aqk, Akk, h) from kda_forward's residual dict (None where absent or for no dict)."""
+    if residuals is None:
+        return (None,) * 4
+    if not isinstance(residuals, dict) or set(residuals) - set(_RESIDUAL_NAMES):
+        raise ValueError(f"residuals: expected the dict kda_forward returns (keys among {_RESIDUAL_NAMES}), got {residuals!r:.80}")
+    return tuple(residuals.get(x) for x in _RESIDUAL_NAMES)
+
+
 def _host_cu(cu_seqlens):
-    if cu_seqlens is not None and _is_torch(cu_seqlens) and cu_seqlens.is_cuda:
+    if cu_seqlens is not None and is_torch(cu_seqlens) and cu_seqlens.is_cuda:
         return cu_seqlens.cpu()
     return cu_seqlens
+
+
+def _torch_cu(cu_seqlens):
+    """cu_seqlens as a torch tensor for the torch.ops path (a host numpy array is wrapped, not copied)."""
+    if cu_seqlens is None or is_torch(cu_seqlens):
+        return cu_seqlens
+    import numpy as np
+
+    return torch_module().from_numpy(np.ascontiguousarray(cu_seqlens))
+
+
+def _chunk_count(b, t, cu):
+    """NT, the rows of residual h: chunks of 64 tokens over all sequences, each sequence starting a chunk
+    (C++ kda_chunk_count; cu is a host array). A malformed cu counts 0 and is refused by the call."""
+    if cu is None:
+        return b * ((t + _CHUNK - 1) // _CHUNK)
+    c = cu.tolist() if getattr(cu, "ndim", 0) == 1 else []
+    return sum((max(e - s, 0) + _CHUNK - 1) // _CHUNK for s, e in zip(c, c[1:]))
 
 
 def _state_kind(q):
@@ -35,24 +71,146 @@ def _state_kind(q):
     return "like" if str(q.dtype).endswith("float64") else "f32"
 
 
+def _on_cuda(a):
+    return is_torch(a) and a.is_cuda
+
+
 def _opt_float(x):
     return None if x is None else float(x)
 
 
-def _torch_cu(cu_seqlens):
-    """cu_seqlens as a torch tensor for the torch.ops path (a host numpy array is wrapped, not copied)."""
-    if cu_seqlens is None or _is_torch(cu_seqlens):
-        return cu_seqlens
-    import numpy as np
-    import torch
+def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state=False):
+    """The KdaOptions of these arguments (lower_bound None: the softplus gate)."""
+    key = (scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state)
+    o = _OPTIONS.get(key)
+    if o is None:
+        lower = lower_bound is not None
+        o = _OPTIONS[key] = _b.KdaOptions(scale=float(scale or 0.0), output_final_state=bool(output_final_state),
+                                          use_qk_l2norm=bool(use_qk_l2norm), use_gate_in_kernel=bool(use_gate_in_kernel),
+                                          use_lower_bound=lower, lower_bound=float(lower_bound) if lower else -5.0)
+    return o
 
-    return torch.from_numpy(np.ascontiguousarray(cu_seqlens))
+
+def _forward_args(q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None, o=None, final_state=None,
+                  residuals=None):
+    """KdaForwardArgs; residuals: (G, Aqk, Akk, h) or None."""
+    res = None
+    if residuals is not None:
+        G, Aqk, Akk, h = residuals
+        res = _b.KdaResiduals(G=dl(G), Aqk=dl(Aqk), Akk=dl(Akk), h=dl(h))
+    return _b.KdaForwardArgs(q=dl(q), k=dl(k), v=dl(v), g=dl(g), beta=dl(beta), initial_state=dl(initial_state), A_log=dl(A_log),
+                             dt_bias=dl(dt_bias), cu_seqlens=dl(cu_seqlens), o=dl(o), final_state=dl(final_state), residuals=res)
 
 
-def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound):
-    lower = lower_bound is not None
-    return (float(scale or 0.0), bool(use_qk_l2norm), bool(use_gate_in_kernel), lower, float(lower_bound if lower else -5.0))
+# --- launchers: one workspace query (CUDA) and one run each; stream None is torch's current stream -----
 
+def _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
+                        dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, stream):
+    """(o, final_state or None, {name: residual for name in names} or None)."""
+    b, t, _, kd = q.shape
+    h, vd = v.shape[2], v.shape[3]  # h: the value heads HV (a multiple of q's heads; fla's GVA)
+    cu = _host_cu(cu_seqlens)
+    if out is None:
+        n = b if cu is None else len(cu) - 1
+        o = empty(v, (b, t, h, vd))
+        fin = empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None
+    else:
+        o, fin = given_outputs(out, ("o", "final_state"))
+        if (fin is not None) != bool(output_final_state):
+            raise ValueError("out: final_state must be an array exactly when output_final_state is set")
+    res = None
+    if names:
+        if residual_dtype not in _RESIDUAL_KINDS:
+            raise ValueError(f"residual_dtype: expected 'float32' or 'bfloat16', got {residual_dtype!r}")
+        kind = _RESIDUAL_KINDS[residual_dtype]
+        shapes = {"G": ((b, t, h, kd), "f32"), "Aqk": ((b, t, h, _CHUNK), kind), "Akk": ((b, t, h, _CHUNK), kind)}
+        if "h" in names:
+            shapes["h"] = ((_chunk_count(b, t, cu), h, kd, vd), kind)
+        res = {x: empty(q, *shapes[x]) for x in names}
+    args = _forward_args(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, o, fin,
+                         None if res is None else tuple(res.get(x) for x in _RESIDUAL_NAMES))
+    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, bool(output_final_state))
+    nbytes = _b.kda_forward_workspace(args, opts) if _on_cuda(q) else 0  # the CPU backend needs none
+    ws = _core.workspace(workspace, q, nbytes, 16, "kda_forward_workspace_bytes")
+    _b.kda_forward_run(args, opts, ws if nbytes else None, stream_for(q, stream))
+    return o, fin, res
+
+
+def _kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel, A_log,
+                         dt_bias, lower_bound, cu_seqlens, residuals, stream):
+    """{dq, dk, dv, dg, dbeta, then dh0, dA_log, ddt_bias where initial_state, A_log, dt_bias are given};
+    residuals: (G, Aqk, Akk, h), None where absent."""
+    grads = {"dq": empty_like(q), "dk": empty_like(k), "dv": empty_like(v), "dg": empty_like(g), "dbeta": empty_like(beta)}
+    for name, src in (("dh0", initial_state), ("dA_log", A_log), ("ddt_bias", dt_bias)):
+        if src is not None:
+            grads[name] = empty_like(src)
+    fwd = _forward_args(q, k, v, g, beta, initial_state, A_log, dt_bias, _host_cu(cu_seqlens), residuals=residuals)
+    args = _b.KdaBackwardArgs(fwd=fwd, d_o=dl(d_o), d_final_state=dl(d_final_state), **{x: dl(a) for x, a in grads.items()})
+    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
+    nbytes = _b.kda_backward_workspace(args, opts) if _on_cuda(q) else 0
+    _b.kda_backward_run(args, opts, _core.workspace(None, q, nbytes, 16, "kda_backward") if nbytes else None,
+                        stream_for(q, stream))
+    return grads
+
+
+# --- torch.ops.encore: the launchers on torch's current stream ----------------------------------------
+
+def _kda_forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
+                      dt_bias, lower_bound, cu_seqlens, residuals, residual_dtype):
+    torch = torch_module()
+    b, t, _, kd = q.shape
+    h, vd = v.shape[2], v.shape[3]
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs = [v.new_empty((b, t, h, vd))] + ([q.new_empty((n, h, kd, vd), dtype=state)] if output_final_state else [])
+    if not residuals:
+        return outs
+    dt = torch.bfloat16 if residual_dtype == "bfloat16" else torch.float32
+    # h: the chunks of 64 tokens of all sequences, with cu_seqlens data-dependent
+    nt = b * ((t + _CHUNK - 1) // _CHUNK) if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
+    shapes = {"G": ((b, t, h, kd), torch.float32), "Aqk": ((b, t, h, _CHUNK), dt), "Akk": ((b, t, h, _CHUNK), dt),
+              "h": ((nt, h, kd, vd), dt)}
+    return outs + [q.new_empty(shapes[x][0], dtype=shapes[x][1]) for x in residuals.split(",")]
+
+
+@torch_op("kda_forward", fake=_kda_forward_fake)
+def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, initial_state: Tensor | None,
+                 output_final_state: bool, use_qk_l2norm: bool, use_gate_in_kernel: bool, A_log: Tensor | None,
+                 dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, residuals: str,
+                 residual_dtype: str | None) -> list[Tensor]:
+    """[o, final_state if output_final_state, *residuals]; residuals: comma-separated names among G, Aqk,
+    Akk, h ("" for none). (A mutable op may not return a Tensor[]: kda_forward_out takes no residuals.)"""
+    names = _residual_names(residuals.split(",")) if residuals else ()
+    o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel,
+                                      A_log, dt_bias, lower_bound, cu_seqlens, names, residual_dtype, None, None, None)
+    return present([o, fin, *(res or {}).values()])
+
+
+@torch_op("kda_forward_out", fake=lambda *_: None, mutates=("o", "final_state", "workspace"))
+def _kda_forward_out(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, initial_state: Tensor | None,
+                     output_final_state: bool, use_qk_l2norm: bool, use_gate_in_kernel: bool, A_log: Tensor | None,
+                     dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, o: Tensor,
+                     final_state: Tensor | None, workspace: Tensor | None) -> None:
+    _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
+                        dt_bias, lower_bound, cu_seqlens, (), None, (o, final_state), workspace, None)
+
+
+def _kda_backward_fake(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel, A_log,
+                       dt_bias, *_):
+    return [x.new_empty(x.shape) for x in (q, k, v, g, beta, initial_state, A_log, dt_bias) if x is not None]
+
+
+@torch_op("kda_backward", fake=_kda_backward_fake)
+def _kda_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, d_o: Tensor, d_final_state: Tensor | None,
+                  scale: float | None, initial_state: Tensor | None, use_qk_l2norm: bool, use_gate_in_kernel: bool,
+                  A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None,
+                  res_G: Tensor | None, res_Aqk: Tensor | None, res_Akk: Tensor | None, res_h: Tensor | None) -> list[Tensor]:
+    """[dq, dk, dv, dg, dbeta, then dh0 / dA_log / ddt_bias where initial_state / A_log / dt_bias are given]."""
+    return list(_kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel,
+                                     A_log, dt_bias, lower_bound, cu_seqlens, (res_G, res_Aqk, res_Akk, res_h), None).values())
+
+
+# --- public API ---------------------------------------------------------------------------------------
 
 def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None,
@@ -75,52 +233,29 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     tensors go through torch.ops.encore.kda_forward (kda_forward_out with out or workspace), except
     out or workspace together with return_residuals (the direct call: eager only, not traceable).
     """
-    b, t, _, kd = q.shape
-    h, vd = v.shape[2], v.shape[3]  # h: the value heads HV (a multiple of q's heads; fla's GVA)
-    # Torch tensors: torch.ops.encore.kda_forward, or kda_forward_out (no residuals) with out or workspace.
     given = out is not None or workspace is not None
-    if _via_torch_op(stream, q, k, v, g, beta, initial_state, A_log, dt_bias, workspace) and not (given and return_residuals):
-        names = _residual_names(return_residuals) if return_residuals else ()
+    names = _residual_names(return_residuals) if return_residuals else ()
+    if stream is None and not eager(q, k, v, g, beta, initial_state, A_log, dt_bias, workspace) and not (given and names):
         ins = (q, k, v, g, beta, _opt_float(scale), initial_state, bool(output_final_state), bool(use_qk_l2norm),
                bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens))
         if given:
             if out is None:
+                b, t, _, kd = q.shape
+                h, vd = v.shape[2], v.shape[3]
                 n = b if cu_seqlens is None else len(cu_seqlens) - 1
-                out = (_empty(v, (b, t, h, vd), "like"), _empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None)
-            out = _given_outputs(out, ("o", "final_state"))
-            _ops().kda_forward_out(*ins, *out, workspace)
+                out = (empty(v, (b, t, h, vd)), empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None)
+            out = given_outputs(out, ("o", "final_state"))
+            ops().kda_forward_out(*ins, *out, workspace)
             return out
         canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
-        o, fin, *res = _with_absent(_ops().kda_forward(*ins, ",".join(canonical), residual_dtype),
-                                    (True, output_final_state) + (True,) * len(names))
-        if not return_residuals:
+        o, fin, *res = with_absent(ops().kda_forward(*ins, ",".join(canonical), residual_dtype),
+                                   (True, output_final_state) + (True,) * len(names))
+        if not names:
             return o, fin
         res = dict(zip(canonical, res))
         return o, fin, {x: res[x] for x in names}
-    n = (len(cu_seqlens) - 1) if cu_seqlens is not None else b
-    cu_seqlens = _host_cu(cu_seqlens)
-    if out is None:
-        o = _empty(v, (b, t, h, vd), "like")
-        fin = _empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None
-    else:
-        o, fin = _given_outputs(out, ("o", "final_state"))
-        if (fin is not None) != bool(output_final_state):
-            raise ValueError("out: final_state must be an array exactly when output_final_state is set")
-    res = None
-    if return_residuals:
-        if residual_dtype not in _RESIDUAL_KINDS:
-            raise ValueError(f"residual_dtype: expected 'float32' or 'bfloat16', got {residual_dtype!r}")
-        kind = _RESIDUAL_KINDS[residual_dtype]
-        nt = _encore.kda_chunk_count(*_dl(q, k, v, g, beta, cu_seqlens))
-        shapes = {"G": ((b, t, h, kd), "f32"), "Aqk": ((b, t, h, 64), kind), "Akk": ((b, t, h, 64), kind),
-                  "h": ((nt, h, kd, vd), kind)}
-        res = {name: _empty(q, *shapes[name]) for name in _residual_names(return_residuals)}
-    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o, fin,
-            *_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound),
-            *((res or {}).get(name) for name in _RESIDUAL_NAMES))
-    nbytes = _encore.kda_forward_workspace_bytes(*_dl(*args))  # a capsule is used once: _dl per call
-    ws = _workspace(workspace, q, nbytes, 16, "kda_forward_workspace_bytes")
-    _encore.kda_forward_out(*_dl(*args, ws if nbytes else None), _stream_for(q, stream))
+    o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel,
+                                      A_log, dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, stream)
     return (o, fin, res) if return_residuals else (o, fin)
 
 
@@ -128,10 +263,10 @@ def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None) -> int:
     """The size in bytes to allocate for kda_forward's `workspace` with these inputs and outputs
     `out` = (o, final_state or None): 96.5 KB per chunk of 64 tokens and head on CUDA plus 16 for
     alignment, 0 on the CPU backend."""
-    o, fin = _given_outputs(out, ("o", "final_state"))
+    o, fin = given_outputs(out, ("o", "final_state"))
     # The size depends on the chunk and head counts only: the default options stand in for any.
-    nbytes = _encore.kda_forward_workspace_bytes(*_dl(q, k, v, g, beta, None, None, None, _host_cu(cu_seqlens), o, fin),
-                                                 *_opts(None, False, False, None), None, None, None, None)
+    nbytes = _b.kda_forward_workspace(_forward_args(q, k, v, g, beta, cu_seqlens=_host_cu(cu_seqlens), o=o, final_state=fin),
+                                      _opts(None, False, False, None, fin is not None))
     return int(nbytes) + 16 if nbytes else 0
 
 
@@ -148,36 +283,13 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
     call, kda_backward_workspace_bytes in C++). stream: as for the forward (an explicit one takes the direct
     path; the CPU backend ignores it)."""
     res = _residual_tuple(residuals)
-    if _via_torch_op(stream, q, k, v, g, beta, d_o, d_final_state, initial_state, A_log, dt_bias, *res):
-        opt = (("dh0", initial_state), ("dA_log", A_log), ("ddt_bias", dt_bias))
-        grads = _ops().kda_backward(q, k, v, g, beta, d_o, d_final_state, _opt_float(scale), initial_state, bool(use_qk_l2norm),
-                                    bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens), *res)
-        return dict(zip(("dq", "dk", "dv", "dg", "dbeta", *(x for x, src in opt if src is not None)), grads))
-    cu_seqlens = _host_cu(cu_seqlens)
-    grads = {"dq": _empty(q, q.shape, "like"), "dk": _empty(k, k.shape, "like"), "dv": _empty(v, v.shape, "like"),
-             "dg": _empty(g, g.shape, "like"), "dbeta": _empty(beta, beta.shape, "like")}
-    opt = {"dh0": initial_state, "dA_log": A_log, "ddt_bias": dt_bias}
-    for name, src in opt.items():
-        if src is not None:
-            grads[name] = _empty(src, src.shape, "like")
-    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, d_o, d_final_state)
-    outs = tuple(grads.get(x) for x in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"))
-    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
-    nbytes = _encore.kda_backward_workspace_bytes(*_dl(*args), *opts, *_dl(*outs, *res))  # a capsule is used once: _dl per call
-    ws = _workspace(None, q, nbytes, 16, "kda_backward") if nbytes else None
-    _encore.kda_backward_out(*_dl(*args), *opts, *_dl(*outs, *res, ws), _stream_for(q, stream))
-    return grads
-
-
-def _residual_tuple(residuals):
-    """(G, Aqk, Akk, h) from kda_forward's residual dict (None where absent or for no dict)."""
-    if residuals is None:
-        return (None,) * 4
-    if not isinstance(residuals, dict) or set(residuals) - set(_RESIDUAL_NAMES):
-        raise ValueError(f"residuals: expected the dict kda_forward returns (keys among {_RESIDUAL_NAMES}), got {residuals!r:.80}")
-    return tuple(residuals.get(x) for x in _RESIDUAL_NAMES)
-
-
+    if stream is None and not eager(q, k, v, g, beta, d_o, d_final_state, initial_state, A_log, dt_bias, *res):
+        grads = ops().kda_backward(q, k, v, g, beta, d_o, d_final_state, _opt_float(scale), initial_state, bool(use_qk_l2norm),
+                                   bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens), *res)
+        optional = (("dh0", initial_state), ("dA_log", A_log), ("ddt_bias", dt_bias))
+        return dict(zip(("dq", "dk", "dv", "dg", "dbeta", *(x for x, src in optional if src is not None)), grads))
+    return _kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel, A_log,
+                                dt_bias, lower_bound, cu_seqlens, res, stream)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
@@ -228,7 +340,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     bad = [name for name, on in refused.items() if on]
     if bad or kwargs:
         raise ValueError(f"chunk_kda: not supported by encore: {', '.join(bad + sorted(kwargs))}")
-    if not _is_torch(q):
+    if not is_torch(q):
         raise ValueError("chunk_kda: expects torch tensors (kda_forward / kda_backward take numpy arrays)")
     if use_gate_in_kernel and A_log is None and lower_bound is None:
         raise ValueError("A_log: must be given with use_gate_in_kernel unless lower_bound is set")

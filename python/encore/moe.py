@@ -1,42 +1,210 @@
-"""The moe family (single GPU, TP = 1): routing, dispatch, combine and the layer. Routing, dispatch
-and combine run on numpy / CPU torch (CPU backend) and CUDA torch tensors; moe_forward too (on CUDA
-bf16 only: its grouped GEMMs; D and F multiples of 8). The math, shapes
-and conventions are in include/encore/moe.hpp and docs/moe.md. torch.library registration (torch.ops.encore)
-registers routing, dispatch, combine and the layer as torch.ops.encore.moe_* (traced by torch.compile;
-moe_forward with caller-given buffers or out takes the direct path). encore.nn.MoE is the layer as a
-torch module."""
+"""The moe family (include/encore/moe.hpp; single GPU, TP = 1): routing, dispatch, combine and the layer.
+Routing, dispatch and combine run on numpy / CPU torch (CPU backend) and CUDA torch tensors; moe_forward
+too (on CUDA bf16 only: its grouped GEMMs; D and F multiples of 8). The math, shapes and conventions are
+in include/encore/moe.hpp and docs/moe.md. encore.nn.MoE is the layer as a torch module.
+
+Each public function calls its launcher (one binding call over the C++ Args / Options structs)
+directly for numpy arrays and eager torch tensors, and torch.ops.encore.moe_* (declared here on the
+same launchers) when traced (_core.eager); moe_forward with caller-given buffers, max_tokens or out
+takes the direct path."""
 from __future__ import annotations
 
-from . import _encore
-from ._util import _dl, _empty, _is_torch, _no_autograd, _ops, _stream_for, _via_torch_op, _workspace
+from . import _encore as _b
+from ._core import dl, eager, empty, is_torch, ops, stream_for, torch_module, torch_op, workspace
 
 __all__ = ["moe_routing", "moe_dispatch", "moe_combine", "moe_forward", "moe_permuted_rows", "moe_buffers_bytes"]
 
-moe_permuted_rows = _encore.moe_permuted_rows
+moe_permuted_rows = _b.moe_permuted_rows
+
+_ROUTING = {}  # (top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor) -> MoeRoutingOptions
+_DISPATCH = {}  # (num_experts, align_m, power_of_two_scales) -> MoeDispatchOptions
+_LAYER = {}  # routing key + (align_m,) -> MoeOptions
+_COMBINE = None  # MoeCombineOptions (no fields)
+_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}  # framework name -> encore's
 
 
 def _scoring(scoring):
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring: must be 'softmax' or 'sigmoid', got {scoring!r}")
-    return scoring == "sigmoid"
+    return _b.MoeScoring.sigmoid if scoring == "sigmoid" else _b.MoeScoring.softmax
 
+
+def _routing_options(top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor):
+    key = (int(top_k), scoring, bool(renormalize), int(n_group), int(topk_group), float(routed_scaling_factor))
+    o = _ROUTING.get(key)
+    if o is None:
+        o = _ROUTING[key] = _b.MoeRoutingOptions(key[0], _scoring(scoring), *key[2:])
+    return o
+
+
+def _layer_options(align_m, *routing):
+    key = (int(align_m), *routing)
+    o = _LAYER.get(key)
+    if o is None:
+        o = _LAYER[key] = _b.MoeOptions(_routing_options(*routing), key[0])
+    return o
+
+
+def _dispatch_options(num_experts, align_m, power_of_two_scales):
+    key = (int(num_experts), int(align_m), bool(power_of_two_scales))
+    o = _DISPATCH.get(key)
+    if o is None:
+        o = _DISPATCH[key] = _b.MoeDispatchOptions(*key)
+    return o
+
+
+def _shape(max_tokens, hidden, intermediate, num_experts, like):
+    name = str(like.dtype).rsplit(".", 1)[-1]
+    return _b.MoeLayerShape(int(max_tokens), int(hidden), int(intermediate), int(num_experts), _DTYPES.get(name, name))
+
+
+def _zero(a):
+    if is_torch(a):
+        a.zero_()
+    else:
+        a.fill(0)
+
+
+# --- launchers: one binding call each (plus the dispatch's workspace query); stream None is torch's current stream
+
+def _moe_routing_launch(logits, top_k, scoring, renormalize, n_group, topk_group, correction_bias, routed_scaling_factor, stream):
+    if getattr(logits, "ndim", 0) != 2:
+        raise ValueError("logits: expected 2 dimensions [T, E]")
+    t = logits.shape[0]
+    ids, w = empty(logits, (t, top_k), "i32"), empty(logits, (t, top_k), "f32")
+    _b.moe_routing_run(_b.MoeRoutingArgs(dl(logits), dl(correction_bias), dl(ids), dl(w)),
+                       _routing_options(top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor), None,
+                       stream_for(logits, stream))
+    return ids, w
+
+
+def _moe_dispatch_launch(topk_ids, num_experts, x, align_m, fp8, power_of_two_scales, stream):
+    """The dispatch's dict of outputs (see moe_dispatch)."""
+    if fp8 and x is None:
+        raise ValueError("x: fp8=True quantizes the gathered rows of x; pass x")
+    if getattr(topk_ids, "ndim", 0) != 2:
+        raise ValueError("topk_ids: expected 2 dimensions [T, k]")
+    t, k = topk_ids.shape
+    rows = _b.moe_permuted_rows(t, k, int(num_experts), int(align_m)) if num_experts > 0 and align_m > 0 else 1
+    e = max(num_experts, 1)
+    r = {"expert_counts": empty(topk_ids, (e,), "i32"), "expert_offsets": empty(topk_ids, (e + 1,), "i32"),
+         "slot_rows": empty(topk_ids, (t, k), "i32"), "row_slots": empty(topk_ids, (rows,), "i32")}
+    xp = xs = None
+    if x is not None:
+        if getattr(x, "ndim", 0) != 2:
+            raise ValueError("x: expected 2 dimensions [T, D]")
+        xp = empty(x, (rows, x.shape[1]), "u8" if fp8 else "like")
+        _zero(xp)  # the rows past expert_offsets[E] are not written: zeros rather than garbage
+        if fp8:
+            xs = empty(x, (rows, x.shape[1] // 128), "f32")
+            _zero(xs)
+    args = _b.MoeDispatchArgs(dl(topk_ids), dl(x), dl(r["expert_counts"]), dl(r["expert_offsets"]), dl(r["slot_rows"]),
+                              dl(r["row_slots"]), dl(xp), dl(xs))
+    opts = _dispatch_options(num_experts, align_m, power_of_two_scales)
+    ws = workspace(None, topk_ids, _b.moe_dispatch_workspace(args, opts), 16, "moe_dispatch")
+    _b.moe_dispatch_run(args, opts, dl(ws), stream_for(topk_ids, stream))
+    if xp is not None:
+        r["x_permuted"] = xp.view(torch_module().float8_e4m3fn) if fp8 and is_torch(xp) else xp
+        if fp8:
+            r["x_scales"] = xs
+    return r
+
+
+def _moe_combine_launch(expert_out, slot_rows, topk_weights, out, stream):
+    if getattr(expert_out, "ndim", 0) != 2 or getattr(slot_rows, "ndim", 0) != 2:
+        raise ValueError("expert_out: expected [R, D] and slot_rows [T, k]")
+    if out is None:
+        out = empty(expert_out, (slot_rows.shape[0], expert_out.shape[1]))
+    _b.moe_combine_run(_b.MoeCombineArgs(dl(expert_out), dl(slot_rows), dl(topk_weights), dl(out)), _combine_options(), None,
+                       stream_for(expert_out, stream))
+    return out
+
+
+def _combine_options():
+    global _COMBINE
+    if _COMBINE is None:
+        _COMBINE = _b.MoeCombineOptions()
+    return _COMBINE
+
+
+def _moe_forward_launch(x, router_logits, w13, w2, top_k, scoring, renormalize, n_group, topk_group, correction_bias,
+                        routed_scaling_factor, align_m, buffers, max_tokens, out, stream):
+    if getattr(x, "ndim", 0) != 2 or getattr(w13, "ndim", 0) != 3 or getattr(router_logits, "ndim", 0) != 2:
+        raise ValueError("x: expected x [T, D], router_logits [T, E], w13 [E, 2F, D]")
+    t, d = x.shape
+    shape = _shape(t if max_tokens is None else max_tokens, d, w13.shape[1] // 2, router_logits.shape[1], x)
+    opts = _layer_options(align_m, top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor)
+    nbytes = _b.moe_buffers_bytes(shape, opts) or 256  # 0: invalid options, which the carve reports
+    buf = workspace(buffers, x, nbytes, 256, "moe_buffers_bytes")
+    if out is None:
+        out = empty(x, (t, d))
+    args = _b.MoeForwardArgs(dl(x), dl(router_logits), dl(correction_bias), dl(w13), dl(w2), _b.moe_buffers_carve(shape, opts, dl(buf)),
+                             dl(out))
+    _b.moe_forward_run(args, opts, None, stream_for(x, stream))
+    return out
+
+
+# --- torch.ops.encore: the launchers on torch's current stream ----------------------------------------
+
+def _moe_rows(t, k, e, align):
+    """moe_permuted_rows(T, k, E, align) for a possibly symbolic T: T*k + min(E, T*k) * (align - 1)."""
+    tk = t * k
+    return tk + torch_module().sym_min(e, tk) * (align - 1)
+
+
+def _moe_routing_fake(logits, bias, top_k, *_):
+    torch = torch_module()
+    t = logits.shape[0]
+    return logits.new_empty((t, top_k), dtype=torch.int32), logits.new_empty((t, top_k), dtype=torch.float32)
+
+
+def _moe_dispatch_fake(topk_ids, num_experts, x, align_m, fp8=False, power_of_two_scales=False):
+    torch = torch_module()
+    e, rows = num_experts, _moe_rows(topk_ids.shape[0], topk_ids.shape[1], num_experts, align_m)
+    maps = [topk_ids.new_empty((e,)), topk_ids.new_empty((e + 1,)), topk_ids.new_empty(topk_ids.shape), topk_ids.new_empty((rows,))]
+    if x is None:
+        return maps
+    if not fp8:
+        return maps + [x.new_empty((rows, x.shape[1]))]
+    return maps + [x.new_empty((rows, x.shape[1]), dtype=torch.float8_e4m3fn), x.new_empty((rows, x.shape[1] // 128), dtype=torch.float32)]
+
+
+@torch_op("moe_routing", fake=_moe_routing_fake)
+def _moe_routing(logits: Tensor, correction_bias: Tensor | None, top_k: int, scoring: str, renormalize: bool, n_group: int,
+                 topk_group: int, routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+    return _moe_routing_launch(logits, top_k, scoring, renormalize, n_group, topk_group, correction_bias, routed_scaling_factor, None)
+
+
+@torch_op("moe_dispatch", fake=_moe_dispatch_fake)
+def _moe_dispatch(topk_ids: Tensor, num_experts: int, x: Tensor | None, align_m: int, fp8: bool = False,
+                  power_of_two_scales: bool = False) -> list[Tensor]:
+    """[expert_counts, expert_offsets, slot_rows, row_slots, x_permuted if x, x_scales if x and fp8]."""
+    return list(_moe_dispatch_launch(topk_ids, num_experts, x, align_m, fp8, power_of_two_scales, None).values())
+
+
+@torch_op("moe_combine", fake=lambda y, rows, w: y.new_empty((rows.shape[0], y.shape[1])))
+def _moe_combine(expert_out: Tensor, slot_rows: Tensor, topk_weights: Tensor) -> Tensor:
+    return _moe_combine_launch(expert_out, slot_rows, topk_weights, None, None)
+
+
+@torch_op("moe_forward", fake=lambda x, *_: x.new_empty(x.shape))
+def _moe_forward(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, scoring: str, renormalize: bool, n_group: int,
+                 topk_group: int, correction_bias: Tensor | None, routed_scaling_factor: float, align_m: int) -> Tensor:
+    return _moe_forward_launch(x, router_logits, w13, w2, top_k, scoring, renormalize, n_group, topk_group, correction_bias,
+                               routed_scaling_factor, align_m, None, None, None, None)
+
+
+# --- public API ---------------------------------------------------------------------------------------
 
 def moe_routing(logits, top_k: int, scoring: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
                 correction_bias=None, routed_scaling_factor: float = 1.0, stream=None):
     """Top-k routing of logits [T, E] (bf16, fp16 or fp32). Returns (topk_ids int32 [T, k], topk_weights
     float32 [T, k]), experts in descending order of score (+ correction_bias), ties to the lower index.
     scoring "softmax" or "sigmoid"; n_group / topk_group: grouped top-k (DeepSeek-V3 with a bias)."""
-    if _via_torch_op(stream, logits, correction_bias):
-        return tuple(_ops().moe_routing(logits, correction_bias, int(top_k), scoring, bool(renormalize), int(n_group),
-                                        int(topk_group), float(routed_scaling_factor)))
-    _no_autograd(logits)
-    if getattr(logits, "ndim", 0) != 2:
-        raise ValueError("logits: expected 2 dimensions [T, E]")
-    t = logits.shape[0]
-    ids, w = _empty(logits, (t, top_k), "i32"), _empty(logits, (t, top_k), "f32")
-    _encore.moe_routing_out(*_dl(logits, correction_bias, ids, w), int(top_k), _scoring(scoring), bool(renormalize), int(n_group),
-                            int(topk_group), float(routed_scaling_factor), _stream_for(logits, stream))
-    return ids, w
+    if not eager(logits, correction_bias) and stream is None:
+        return tuple(ops().moe_routing(logits, correction_bias, int(top_k), scoring, bool(renormalize), int(n_group),
+                                       int(topk_group), float(routed_scaling_factor)))
+    return _moe_routing_launch(logits, top_k, scoring, renormalize, n_group, topk_group, correction_bias, routed_scaling_factor, stream)
 
 
 _DISPATCH_KEYS = ("expert_counts", "expert_offsets", "slot_rows", "row_slots")
@@ -53,64 +221,25 @@ def moe_dispatch(topk_ids, num_experts: int, x=None, align_m: int = 1, fp8: bool
     fp8_group_quant returns it (torch.float8_e4m3fn, or raw e4m3 bytes as uint8 for numpy) and
     x_scales [R, D // 128] float32, bit for bit fp8_group_quant of the unquantized rows (padding rows:
     q 0 and the scale of a zero group)."""
-    if _via_torch_op(stream, topk_ids, x):
-        got = _ops().moe_dispatch(topk_ids, int(num_experts), x, int(align_m), bool(fp8), bool(power_of_two_scales))
+    if not eager(topk_ids, x) and stream is None:
+        got = ops().moe_dispatch(topk_ids, int(num_experts), x, int(align_m), bool(fp8), bool(power_of_two_scales))
         keys = _DISPATCH_KEYS + (("x_permuted",) if x is not None else ()) + (("x_scales",) if x is not None and fp8 else ())
         return dict(zip(keys, got))
-    if fp8 and x is None:
-        raise ValueError("x: fp8=True quantizes the gathered rows of x; pass x")
-    if getattr(topk_ids, "ndim", 0) != 2:
-        raise ValueError("topk_ids: expected 2 dimensions [T, k]")
-    t, k = topk_ids.shape
-    rows = _encore.moe_permuted_rows(t, k, int(num_experts), int(align_m)) if num_experts > 0 and align_m > 0 else 1
-    r = {"expert_counts": _empty(topk_ids, (max(num_experts, 1),), "i32"), "expert_offsets": _empty(topk_ids, (max(num_experts, 1) + 1,), "i32"),
-         "slot_rows": _empty(topk_ids, (t, k), "i32"), "row_slots": _empty(topk_ids, (rows,), "i32")}
-    xp = None
-    if x is not None:
-        _no_autograd(x)
-        if getattr(x, "ndim", 0) != 2:
-            raise ValueError("x: expected 2 dimensions [T, D]")
-        xp = _empty(x, (rows, x.shape[1]), "u8" if fp8 else "like")
-        if _is_torch(xp):
-            xp.zero_()  # the rows past expert_offsets[E] are not written: zeros rather than garbage
-        else:
-            xp.fill(0)
-        if fp8:
-            xs = _empty(x, (rows, x.shape[1] // 128), "f32")
-            xs[...] = 0
-    nbytes = _encore.moe_dispatch_workspace_bytes(*_dl(topk_ids), int(num_experts), int(align_m))
-    ws = _workspace(None, topk_ids, nbytes, 16, "moe_dispatch")
-    _encore.moe_dispatch_out(*_dl(topk_ids, x, r["expert_counts"], r["expert_offsets"], r["slot_rows"], r["row_slots"], xp,
-                                  xs if fp8 else None, ws),
-                             int(num_experts), int(align_m), bool(power_of_two_scales), _stream_for(topk_ids, stream))
-    if xp is not None:
-        if fp8 and _is_torch(xp):
-            import torch
-
-            xp = xp.view(torch.float8_e4m3fn)
-        r["x_permuted"] = xp
-        if fp8:
-            r["x_scales"] = xs
-    return r
+    return _moe_dispatch_launch(topk_ids, num_experts, x, align_m, fp8, power_of_two_scales, stream)
 
 
 def moe_combine(expert_out, slot_rows, topk_weights, out=None, stream=None):
     """out [T, D] = sum over j = 0..k-1 of topk_weights[t, j] * expert_out[slot_rows[t, j]], in fp32 in
     slot order (bit-reproducible), rounded to out's dtype (default expert_out's)."""
-    if out is None and _via_torch_op(stream, expert_out, slot_rows, topk_weights):
-        return _ops().moe_combine(expert_out, slot_rows, topk_weights)
-    _no_autograd(expert_out)
-    if getattr(expert_out, "ndim", 0) != 2 or getattr(slot_rows, "ndim", 0) != 2:
-        raise ValueError("expert_out: expected [R, D] and slot_rows [T, k]")
-    if out is None:
-        out = _empty(expert_out, (slot_rows.shape[0], expert_out.shape[1]), "like")
-    _encore.moe_combine_out(*_dl(expert_out, slot_rows, topk_weights, out), _stream_for(expert_out, stream))
-    return out
+    if not eager(expert_out, slot_rows, topk_weights) and out is None and stream is None:
+        return ops().moe_combine(expert_out, slot_rows, topk_weights)
+    return _moe_combine_launch(expert_out, slot_rows, topk_weights, out, stream)
 
 
 def moe_buffers_bytes(max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, like, align_m: int = 1):
     """Bytes of the layer's persistent buffers for up to max_tokens tokens of like's dtype (0 if invalid)."""
-    return _encore.moe_buffers_bytes(int(max_tokens), int(hidden), int(intermediate), int(num_experts), *_dl(like), int(top_k), int(align_m))
+    return _b.moe_buffers_bytes(_shape(max_tokens, hidden, intermediate, num_experts, like),
+                                _layer_options(align_m, top_k, "softmax", True, 1, 1, 1.0))
 
 
 def moe_forward(x, router_logits, w13, w2, top_k: int, scoring: str = "softmax", renormalize: bool = True, n_group: int = 1,
@@ -120,22 +249,9 @@ def moe_forward(x, router_logits, w13, w2, top_k: int, scoring: str = "softmax",
     x [T, D]; router_logits [T, E] (the router GEMM is the caller's); w13 [E, 2F, D] (gate rows, then up
     rows); w2 [E, D, F]; all of x's dtype. buffers: optional persistent 1-D uint8 array of
     moe_buffers_bytes(max_tokens, ...) bytes (+ 256 for alignment), reused across calls with T <= max_tokens."""
-    if buffers is None and out is None and max_tokens is None and \
-            _via_torch_op(stream, x, router_logits, w13, w2, correction_bias):
-        return _ops().moe_forward(x, router_logits, w13, w2, int(top_k), scoring, bool(renormalize), int(n_group), int(topk_group),
-                                  correction_bias, float(routed_scaling_factor), int(align_m))
-    _no_autograd(x, router_logits, w13, w2)
-    if getattr(x, "ndim", 0) != 2 or getattr(w13, "ndim", 0) != 3 or getattr(router_logits, "ndim", 0) != 2:
-        raise ValueError("x: expected x [T, D], router_logits [T, E], w13 [E, 2F, D]")
-    t, d = x.shape
-    max_tokens = t if max_tokens is None else int(max_tokens)
-    nbytes = moe_buffers_bytes(max_tokens, d, w13.shape[1] // 2, router_logits.shape[1], top_k, x, align_m)
-    if nbytes == 0:
-        nbytes = 256  # invalid options: the call below reports which
-    buf = _workspace(buffers, x, nbytes, 256, "moe_buffers_bytes")
-    if out is None:
-        out = _empty(x, (t, d), "like")
-    _encore.moe_forward_out(*_dl(x, router_logits, correction_bias, w13, w2, buf), max_tokens, *_dl(out), int(top_k), _scoring(scoring),
-                            bool(renormalize), int(n_group), int(topk_group), float(routed_scaling_factor), int(align_m),
-                            _stream_for(x, stream))
-    return out
+    if not eager(x, router_logits, w13, w2, correction_bias) and buffers is None and out is None and max_tokens is None and \
+            stream is None:
+        return ops().moe_forward(x, router_logits, w13, w2, int(top_k), scoring, bool(renormalize), int(n_group), int(topk_group),
+                                 correction_bias, float(routed_scaling_factor), int(align_m))
+    return _moe_forward_launch(x, router_logits, w13, w2, top_k, scoring, renormalize, n_group, topk_group, correction_bias,
+                               routed_scaling_factor, align_m, buffers, max_tokens, out, stream)

@@ -1,171 +1,130 @@
 // Bindings of the compositions (the LLaMA block forward and backward, the first layer's QKV-norm backward,
-// the last layer + loss forward and backward).
-#include <nanobind/stl/vector.h>
-
-#include <vector>
+// the last layer + loss forward and backward): each Args struct with its tensor fields by name (in the
+// C++ field order), the Options structs, and per op <op>_workspace / <op>_run (convert.hpp; the two
+// backwards without an Options struct take none).
+#include <cstddef>
+#include <utility>
 
 #include "convert.hpp"
 #include "encore/blocks/llama.hpp"
 #include "encore/blocks/llama_last.hpp"
-#include "encore/gemm.hpp"
 
 namespace encore::python {
 
 namespace {
 
-// One TensorView member of an Args struct and its name (for the errors).
+// One TensorView field of an Args struct: its C++ name (the keyword) and member.
 template <class Args>
-struct Member {
+struct Field {
   const char* name;
-  TensorView Args::*field;
+  TensorView Args::*member;
 };
 
-// Args from a list of arrays, one per member in `members` order.
-template <class Args, size_t n>
-Args args_from(const std::vector<Array>& arrays, const Member<Args> (&members)[n]) {
-  if (arrays.size() != n) throw nb::value_error(("expected " + std::to_string(n) + " arrays, got " + std::to_string(arrays.size())).c_str());
-  Args a;
-  for (size_t i = 0; i < n; ++i) a.*members[i].field = to_view(arrays[i], members[i].name);
-  return a;
+template <class T, size_t>
+using Each = T;
+
+// Args.__init__(<field>=array or None, ...) over `fields` (static storage), in their order.
+template <class Args, size_t n, size_t... i>
+void bind_fields(nb::class_<Args>& cls, const Field<Args> (&fields)[n], std::index_sequence<i...>) {
+  const Field<Args>* f = fields;
+  cls.def(
+      "__init__",
+      [f](Args* p, const Each<Opt, i>&... arrays) {
+        Args a{};
+        ((a.*f[i].member = opt_view(arrays, f[i].name)), ...);
+        new (p) Args(a);
+      },
+      nb::arg(fields[i].name).none()...);
 }
 
+template <class Args, size_t n>
+void bind_args(nb::module_& m, const char* name, const Field<Args> (&fields)[n]) {
+  nb::class_<Args> cls(m, name);
+  bind_fields(cls, fields, std::make_index_sequence<n>());
+}
+
+// An op whose C++ API takes no Options struct: <name>_workspace(args) -> bytes (validates first) and
+// <name>_run(args, workspace, stream) (an absent workspace where one is needed is refused, naming the size).
+template <class A>
+void bind_op_without_options(nb::module_& m, const char* workspace_name, const char* run_name) {
+  m.def(
+      workspace_name,
+      [](const A& a) {
+        raise_if_error(validate(a));
+        return workspace_bytes(a);
+      },
+      nb::arg("args"));
+  m.def(
+      run_name,
+      [](const A& a, const Opt& workspace, uintptr_t stream) {
+        if (!workspace) {
+          const size_t need = workspace_bytes(a);
+          if (need) throw nb::value_error(("workspace: this call needs " + std::to_string(need) + " bytes (query <op>_workspace)").c_str());
+        }
+        raise_if_error(run(a, opt_ptr(workspace), as_stream(stream)));
+      },
+      nb::arg("args"), nb::arg("workspace").none(), nb::arg("stream") = 0);
+}
+
+using F = LlamaBlockArgs;
+constexpr Field<F> kBlockFields[] = {{"y0", &F::y0},         {"x0", &F::x0},         {"w0", &F::w0},   {"w1", &F::w1},
+                                     {"w2", &F::w2},         {"w3", &F::w3},         {"gamma0", &F::gamma0}, {"gamma1", &F::gamma1},
+                                     {"pos", &F::pos},       {"freq", &F::freq},     {"x1", &F::x1},   {"x2", &F::x2},
+                                     {"z1", &F::z1},         {"qkv", &F::qkv},       {"r1", &F::r1},   {"r2", &F::r2}};
+using B = LlamaBlockBwdArgs;
+constexpr Field<B> kBlockBwdFields[] = {
+    {"y0", &B::y0},         {"w0", &B::w0},       {"w1", &B::w1},         {"w2", &B::w2},   {"w3", &B::w3},   {"gamma0", &B::gamma0},
+    {"gamma1", &B::gamma1}, {"pos", &B::pos},     {"freq", &B::freq},     {"x1", &B::x1},   {"x2", &B::x2},   {"z1", &B::z1},
+    {"qkv", &B::qkv},       {"r1", &B::r1},       {"r2", &B::r2},         {"d_qkv", &B::d_qkv}, {"d_x2", &B::d_x2}, {"d_y0", &B::d_y0},
+    {"d_x0", &B::d_x0},     {"dw0", &B::dw0},     {"dw1", &B::dw1},       {"dw2", &B::dw2}, {"dw3", &B::dw3}, {"dgamma0", &B::dgamma0},
+    {"dgamma1", &B::dgamma1}};
+using Q = QkvNormBwdArgs;
+constexpr Field<Q> kQkvNormBwdFields[] = {{"x", &Q::x},     {"gamma", &Q::gamma}, {"w3", &Q::w3},       {"pos", &Q::pos},
+                                          {"freq", &Q::freq}, {"r", &Q::r},       {"qkv", &Q::qkv},     {"d_qkv", &Q::d_qkv},
+                                          {"d_x_prev", &Q::d_x_prev}, {"dx", &Q::dx}, {"dw3", &Q::dw3}, {"dgamma", &Q::dgamma}};
 using L = LlamaLastBlockArgs;
-using B = LlamaLastBlockBwdArgs;
-constexpr Member<L> kLastNames[] = {{"y0", &L::y0},   {"x0", &L::x0},   {"w0", &L::w0},   {"w1", &L::w1},   {"w2", &L::w2},
+constexpr Field<L> kLastFields[] = {{"y0", &L::y0},   {"x0", &L::x0},   {"w0", &L::w0},   {"w1", &L::w1},   {"w2", &L::w2},
                                     {"gamma0", &L::gamma0}, {"gamma_final", &L::gamma_final}, {"w_lm", &L::w_lm}, {"target", &L::target},
                                     {"x1", &L::x1},   {"x2", &L::x2},   {"z1", &L::z1},   {"h2", &L::h2},   {"r1", &L::r1},
                                     {"r2", &L::r2},   {"lse", &L::lse}, {"loss", &L::loss}};
-constexpr Member<B> kLastBwdNames[] = {
-    {"y0", &B::y0},         {"w0", &B::w0},       {"w1", &B::w1},     {"w2", &B::w2},       {"gamma0", &B::gamma0}, {"gamma_final", &B::gamma_final},
-    {"w_lm", &B::w_lm},     {"target", &B::target}, {"x1", &B::x1},   {"x2", &B::x2},       {"z1", &B::z1},         {"h2", &B::h2},
-    {"r1", &B::r1},         {"r2", &B::r2},       {"lse", &B::lse},   {"d_loss", &B::d_loss}, {"d_y0", &B::d_y0},   {"d_x0", &B::d_x0},
-    {"dw0", &B::dw0},       {"dw1", &B::dw1},     {"dw2", &B::dw2},   {"dw_lm", &B::dw_lm}, {"dgamma0", &B::dgamma0}, {"dgamma_final", &B::dgamma_final}};
-
-// The last layer + loss: the forward's 17 arrays (9 inputs, 8 outputs) and the backward's 24 (16 inputs, 8
-// outputs), each in LlamaLastBlockArgs / LlamaLastBlockBwdArgs order.
-void bind_last_block(nb::module_& m) {
-  m.def("llama_last_block_workspace_bytes", [](const std::vector<Array>& arrays, float eps, int ignore_index) {
-    const auto a = args_from<LlamaLastBlockArgs>(arrays, kLastNames);
-    raise_if_error(validate(a, LlamaLastBlockOptions{eps, ignore_index}));
-    return workspace_bytes(a, LlamaLastBlockOptions{eps, ignore_index});
-  });
-  m.def("llama_last_block_forward_out", [](const std::vector<Array>& arrays, float eps, int ignore_index, Array workspace, uintptr_t stream) {
-    const auto a = args_from<LlamaLastBlockArgs>(arrays, kLastNames);
-    raise_if_error(run(a, LlamaLastBlockOptions{eps, ignore_index}, workspace.data(), as_stream(stream)));
-  });
-  m.def("llama_last_block_backward_workspace_bytes", [](const std::vector<Array>& arrays, int ignore_index) {
-    const auto a = args_from<LlamaLastBlockBwdArgs>(arrays, kLastBwdNames);
-    raise_if_error(validate(a, LlamaLastBlockBwdOptions{ignore_index}));
-    return workspace_bytes(a, LlamaLastBlockBwdOptions{ignore_index});
-  });
-  m.def("llama_last_block_backward_out", [](const std::vector<Array>& arrays, int ignore_index, Array workspace, uintptr_t stream) {
-    const auto a = args_from<LlamaLastBlockBwdArgs>(arrays, kLastBwdNames);
-    raise_if_error(run(a, LlamaLastBlockBwdOptions{ignore_index}, workspace.data(), as_stream(stream)));
-  });
-}
+using LB = LlamaLastBlockBwdArgs;
+constexpr Field<LB> kLastBwdFields[] = {
+    {"y0", &LB::y0},       {"w0", &LB::w0},         {"w1", &LB::w1},     {"w2", &LB::w2},           {"gamma0", &LB::gamma0},
+    {"gamma_final", &LB::gamma_final}, {"w_lm", &LB::w_lm}, {"target", &LB::target}, {"x1", &LB::x1}, {"x2", &LB::x2},
+    {"z1", &LB::z1},       {"h2", &LB::h2},         {"r1", &LB::r1},     {"r2", &LB::r2},           {"lse", &LB::lse},
+    {"d_loss", &LB::d_loss}, {"d_y0", &LB::d_y0},   {"d_x0", &LB::d_x0}, {"dw0", &LB::dw0},         {"dw1", &LB::dw1},
+    {"dw2", &LB::dw2},     {"dw_lm", &LB::dw_lm},   {"dgamma0", &LB::dgamma0}, {"dgamma_final", &LB::dgamma_final}};
 
 }  // namespace
 
 void bind_blocks(nb::module_& m) {
-  auto block_args = [](Array y0, Array x0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq,
-                       Array x1, Array x2, Array z1, Array qkv, Array r1, Array r2) {
-    return LlamaBlockArgs{to_view(y0, "y0"), to_view(x0, "x0"), to_view(w0, "w0"), to_view(w1, "w1"), to_view(w2, "w2"),
-                          to_view(w3, "w3"), to_view(gamma0, "gamma0"), to_view(gamma1, "gamma1"), to_view(pos, "pos"),
-                          to_view(freq, "freq"), to_view(x1, "x1"), to_view(x2, "x2"), to_view(z1, "z1"), to_view(qkv, "qkv"),
-                          to_view(r1, "r1"), to_view(r2, "r2")};
-  };
-  m.def("llama_block_workspace_bytes",
-        [block_args](Array y0, Array x0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq, Array x1,
-                     Array x2, Array z1, Array qkv, Array r1, Array r2, float eps) {
-          LlamaBlockArgs a = block_args(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2);
-          raise_if_error(validate(a, LlamaBlockOptions{eps}));
-          return workspace_bytes(a, LlamaBlockOptions{eps});
-        });
-  m.def("llama_block_forward_out",
-        [block_args](Array y0, Array x0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq, Array x1,
-                     Array x2, Array z1, Array qkv, Array r1, Array r2, float eps, Array workspace, uintptr_t stream) {
-          LlamaBlockArgs a = block_args(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2);
-          raise_if_error(run(a, LlamaBlockOptions{eps}, workspace.data(), as_stream(stream)));
-        });
+  // The shifted LLaMA block.
+  nb::class_<LlamaBlockOptions>(m, "LlamaBlockOptions")
+      .def("__init__", [](LlamaBlockOptions* p, float eps) { new (p) LlamaBlockOptions{eps}; }, nb::arg("eps") = 1e-5f)
+      .def_rw("eps", &LlamaBlockOptions::eps);
+  bind_args(m, "LlamaBlockArgs", kBlockFields);
+  ENCORE_BIND_OP(m, "llama_block_forward", LlamaBlockArgs, LlamaBlockOptions);
+  bind_args(m, "LlamaBlockBwdArgs", kBlockBwdFields);
+  bind_op_without_options<LlamaBlockBwdArgs>(m, "llama_block_backward_workspace", "llama_block_backward_run");
+  // The first layer's QKV-norm backward (d_x_prev may be None).
+  bind_args(m, "QkvNormBwdArgs", kQkvNormBwdFields);
+  bind_op_without_options<QkvNormBwdArgs>(m, "qkv_norm_backward_workspace", "qkv_norm_backward_run");
 
-  // The backward: 17 inputs (the forward's inputs but x0, its saved outputs, d_qkv, d_x2), then 8 outputs.
-  auto bwd_args = [](Array y0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq, Array x1, Array x2,
-                     Array z1, Array qkv, Array r1, Array r2, Array d_qkv, Array d_x2, Array d_y0, Array d_x0, Array dw0, Array dw1, Array dw2,
-                     Array dw3, Array dgamma0, Array dgamma1) {
-    LlamaBlockBwdArgs a;
-    a.y0 = to_view(y0, "y0");
-    a.w0 = to_view(w0, "w0");
-    a.w1 = to_view(w1, "w1");
-    a.w2 = to_view(w2, "w2");
-    a.w3 = to_view(w3, "w3");
-    a.gamma0 = to_view(gamma0, "gamma0");
-    a.gamma1 = to_view(gamma1, "gamma1");
-    a.pos = to_view(pos, "pos");
-    a.freq = to_view(freq, "freq");
-    a.x1 = to_view(x1, "x1");
-    a.x2 = to_view(x2, "x2");
-    a.z1 = to_view(z1, "z1");
-    a.qkv = to_view(qkv, "qkv");
-    a.r1 = to_view(r1, "r1");
-    a.r2 = to_view(r2, "r2");
-    a.d_qkv = to_view(d_qkv, "d_qkv");
-    a.d_x2 = to_view(d_x2, "d_x2");
-    a.d_y0 = to_view(d_y0, "d_y0");
-    a.d_x0 = to_view(d_x0, "d_x0");
-    a.dw0 = to_view(dw0, "dw0");
-    a.dw1 = to_view(dw1, "dw1");
-    a.dw2 = to_view(dw2, "dw2");
-    a.dw3 = to_view(dw3, "dw3");
-    a.dgamma0 = to_view(dgamma0, "dgamma0");
-    a.dgamma1 = to_view(dgamma1, "dgamma1");
-    return a;
-  };
-  m.def("llama_block_backward_workspace_bytes",
-        [bwd_args](Array y0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq, Array x1, Array x2,
-                   Array z1, Array qkv, Array r1, Array r2, Array d_qkv, Array d_x2, Array d_y0, Array d_x0, Array dw0, Array dw1, Array dw2,
-                   Array dw3, Array dgamma0, Array dgamma1) {
-          LlamaBlockBwdArgs a = bwd_args(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2, d_y0, d_x0, dw0,
-                                         dw1, dw2, dw3, dgamma0, dgamma1);
-          raise_if_error(validate(a));
-          return workspace_bytes(a);
-        });
-  m.def("llama_block_backward_out",
-        [bwd_args](Array y0, Array w0, Array w1, Array w2, Array w3, Array gamma0, Array gamma1, Array pos, Array freq, Array x1, Array x2,
-                   Array z1, Array qkv, Array r1, Array r2, Array d_qkv, Array d_x2, Array d_y0, Array d_x0, Array dw0, Array dw1, Array dw2,
-                   Array dw3, Array dgamma0, Array dgamma1, Array workspace, uintptr_t stream) {
-          LlamaBlockBwdArgs a = bwd_args(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2, d_y0, d_x0, dw0,
-                                         dw1, dw2, dw3, dgamma0, dgamma1);
-          raise_if_error(run(a, workspace.data(), as_stream(stream)));
-        });
-
-  // The first layer's QKV-norm backward: x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev (optional), then dx, dw3, dgamma.
-  auto qkv_args = [](Array x, Array gamma, Array w3, Array pos, Array freq, Array r, Array qkv, Array d_qkv, Opt d_x_prev, Array dx,
-                     Array dw3, Array dgamma) {
-    return QkvNormBwdArgs{to_view(x, "x"),         to_view(gamma, "gamma"),         to_view(w3, "w3"),   to_view(pos, "pos"),
-                          to_view(freq, "freq"),   to_view(r, "r"),                 to_view(qkv, "qkv"), to_view(d_qkv, "d_qkv"),
-                          opt_view(d_x_prev, "d_x_prev"), to_view(dx, "dx"), to_view(dw3, "dw3"), to_view(dgamma, "dgamma")};
-  };
-  m.def(
-      "qkv_norm_backward_workspace_bytes",
-      [qkv_args](Array x, Array gamma, Array w3, Array pos, Array freq, Array r, Array qkv, Array d_qkv, Opt d_x_prev, Array dx, Array dw3,
-                 Array dgamma) {
-        QkvNormBwdArgs a = qkv_args(x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev, dx, dw3, dgamma);
-        raise_if_error(validate(a));
-        return workspace_bytes(a);
-      },
-      nb::arg("x"), nb::arg("gamma"), nb::arg("w3"), nb::arg("pos"), nb::arg("freq"), nb::arg("r"), nb::arg("qkv"), nb::arg("d_qkv"),
-      nb::arg("d_x_prev").none(), nb::arg("dx"), nb::arg("dw3"), nb::arg("dgamma"));
-  m.def(
-      "qkv_norm_backward_out",
-      [qkv_args](Array x, Array gamma, Array w3, Array pos, Array freq, Array r, Array qkv, Array d_qkv, Opt d_x_prev, Array dx, Array dw3,
-                 Array dgamma, Array workspace, uintptr_t stream) {
-        QkvNormBwdArgs a = qkv_args(x, gamma, w3, pos, freq, r, qkv, d_qkv, d_x_prev, dx, dw3, dgamma);
-        raise_if_error(run(a, workspace.data(), as_stream(stream)));
-      },
-      nb::arg("x"), nb::arg("gamma"), nb::arg("w3"), nb::arg("pos"), nb::arg("freq"), nb::arg("r"), nb::arg("qkv"), nb::arg("d_qkv"),
-      nb::arg("d_x_prev").none(), nb::arg("dx"), nb::arg("dw3"), nb::arg("dgamma"), nb::arg("workspace"), nb::arg("stream"));
-
-  bind_last_block(m);
+  // The last layer + loss.
+  nb::class_<LlamaLastBlockOptions>(m, "LlamaLastBlockOptions")
+      .def(
+          "__init__", [](LlamaLastBlockOptions* p, float eps, int ignore_index) { new (p) LlamaLastBlockOptions{eps, ignore_index}; },
+          nb::arg("eps") = 1e-5f, nb::arg("ignore_index") = -100)
+      .def_rw("eps", &LlamaLastBlockOptions::eps)
+      .def_rw("ignore_index", &LlamaLastBlockOptions::ignore_index);
+  bind_args(m, "LlamaLastBlockArgs", kLastFields);
+  ENCORE_BIND_OP(m, "llama_last_block_forward", LlamaLastBlockArgs, LlamaLastBlockOptions);
+  nb::class_<LlamaLastBlockBwdOptions>(m, "LlamaLastBlockBwdOptions")
+      .def("__init__", [](LlamaLastBlockBwdOptions* p, int ignore_index) { new (p) LlamaLastBlockBwdOptions{ignore_index}; },
+           nb::arg("ignore_index") = -100)
+      .def_rw("ignore_index", &LlamaLastBlockBwdOptions::ignore_index);
+  bind_args(m, "LlamaLastBlockBwdArgs", kLastBwdFields);
+  ENCORE_BIND_OP(m, "llama_last_block_backward", LlamaLastBlockBwdArgs, LlamaLastBlockBwdOptions);
 }
 
 }  // namespace encore::python

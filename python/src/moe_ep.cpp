@@ -58,13 +58,13 @@ void bind_moe_ep(nb::module_& m) {
            nb::arg("scale_bytes"), nb::arg("timeout_ms"), nb::arg("device"), nb::arg("name"), nb::arg("fp8_rows") = false,
            nb::call_guard<nb::gil_scoped_release>())  // the descriptor exchange waits for the peers
       .def("dispatch",
-           [](EpPeerRank& r, Array x, Array ids, Opt scales, uintptr_t stream) {
+           [](EpPeerRank& r, Array x, Array topk_ids, Opt scales, uintptr_t stream) {
              TensorView xv = to_view(x, "x");
              // fp8 rows come as their bytes (torch's float8 has no DLPack code): uint8 is e4m3 here
              if (r.group->config().dtype == DType::kFP8E4M3 && xv.dtype == DType::kUInt8) xv.dtype = DType::kFP8E4M3;
-             raise_if_error(r.end->dispatch(xv, to_view(ids, "topk_ids"), opt_view(scales, "scales"), as_stream(stream)));
+             raise_if_error(r.end->dispatch(xv, to_view(topk_ids, "topk_ids"), opt_view(scales, "scales"), as_stream(stream)));
            },
-           nb::arg("x"), nb::arg("ids"), nb::arg("scales").none(), nb::arg("stream"))
+           nb::arg("x"), nb::arg("topk_ids"), nb::arg("scales").none(), nb::arg("stream"))
       .def("received",  // (counts [E_l], offsets [E_l + 1], rows [max_rows, H], scales [max_rows, scale_bytes]) on the device
            [](nb::handle self) {
              EpPeerRank& r = nb::cast<EpPeerRank&>(self);
@@ -77,10 +77,10 @@ void bind_moe_ep(nb::module_& m) {
            })
       .def_prop_ro("max_rows", [](EpPeerRank& r) { return r.end->received().max_rows; })
       .def("combine",
-           [](EpPeerRank& r, Array y, Array w, Array out, uintptr_t stream) {
-             raise_if_error(r.end->combine(to_view(y, "expert_out"), to_view(w, "topk_weights"), to_view(out, "out"), as_stream(stream)));
+           [](EpPeerRank& r, Array expert_out, Array topk_weights, Array out, uintptr_t stream) {
+             raise_if_error(r.end->combine(to_view(expert_out, "expert_out"), to_view(topk_weights, "topk_weights"), to_view(out, "out"), as_stream(stream)));
            },
-           nb::arg("expert_out"), nb::arg("weights"), nb::arg("out"), nb::arg("stream"))
+           nb::arg("expert_out"), nb::arg("topk_weights"), nb::arg("out"), nb::arg("stream"))
       .def("check", [](EpPeerRank& r) { raise_if_error(r.end->status()); });  // after synchronizing the stream
 }
 

@@ -1,12 +1,15 @@
-// KDA dispatch: validate -> CUDA forward (src/kda/cuda) or the CPU reference.
+// KDA dispatch: validate -> launch plan (plan.cpp) -> CUDA forward (src/kda/cuda), or the CPU reference.
 #include <algorithm>
 #include <numeric>
 #include <vector>
 #include <utility>
 
 #include "core/checks.hpp"
+#include "encore/core/device_info.hpp"
 #include "encore/kda.hpp"
+#include "kda/plan.hpp"
 #include "kda/problem.hpp"
+#include "kda/testing.hpp"  // the run overload on an explicit plan, defined here
 #include "kda/cuda/launch.hpp"  // host-only declarations and limits
 #include "kda/cuda/kda_bwd_launch.hpp"
 #include "kda/reference/kda_chunked_bwd.hpp"
@@ -336,16 +339,25 @@ namespace {
 }  // namespace
 
 Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
+  return kda::run(a, o, kda::KdaLaunchPlan{}, workspace, stream);  // the rule's plan
+}
+
+Status kda::run(const KdaForwardArgs& a, const KdaOptions& o, const KdaLaunchPlan& plan, void* workspace, Stream stream) {
   kda::KdaProblem p;
   ENCORE_RETURN_IF_ERROR(validate_forward(a, o, &p));
+  ENCORE_RETURN_IF_ERROR(kda::check_plan(plan));
   if (a.q.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, p));
 #ifdef ENCORE_WITH_CUDA
-    const bool recurrent = cuda::kda_use_recurrent(p.K, p.V);
-    if (!recurrent) ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
     cuda::KdaCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_problem(a, o, p, cp);
-    return recurrent ? cuda::launch_kda_recurrent_forward(cp, stream) : cuda::launch_kda_forward(cp, workspace, stream);
+    if (cuda::kda_use_recurrent(p.K, p.V)) return cuda::launch_kda_recurrent_forward(cp, stream);
+    ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
+    const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
+    ENCORE_RETURN_IF_ERROR(get_device_info(cp.device, &info));
+    kda::KdaLaunchPlan chosen;
+    ENCORE_RETURN_IF_ERROR(kda::resolve_plan(plan, p, *info, &chosen));
+    return cuda::launch_kda_forward(cp, chosen, workspace, stream);
 #else
     (void)workspace;
     (void)stream;

@@ -30,7 +30,7 @@ jit::KernelSpec fp8_group_quant_jit_spec(const Fp8QuantJitVariant& v) {
           "-t" + std::to_string(v.groups_per_thread) + "-p" + std::to_string(v.packs_per_lane) + (v.tiled ? "-tiled" : ""),
       "quant/cuda/fp8_group_quant_kernel.cuh",
       {"core/host_device.hpp", "core/fast_div.hpp", "encore/core/dtype.hpp", "common/cuda/reduce.cuh", "common/cuda/vector_io.cuh",
-       "common/cuda/fp8_pack.cuh", "quant/fp8_scale.hpp", "quant/problem.hpp", "quant/cuda/fp8_group_quant_kernel.cuh"},
+       "core/fp8.hpp", "common/cuda/fp8_pack.cuh", "quant/fp8_scale.hpp", "quant/problem.hpp", "quant/cuda/fp8_group_quant_kernel.cuh"},
       std::string("&encore::cuda::fp8_group_quant_kernel<") + jit::device_type_name(v.dtype) + ", " +
           std::to_string(v.groups_per_thread) + ", " + std::to_string(v.packs_per_lane) + ", " + (v.tiled ? "true" : "false") + ", " +
           std::to_string(v.cols / v.group_size) + ">");

@@ -1,46 +1,22 @@
-// The quant family's scale formulas (FP8 e4m3 group scale; MXFP8 e8m0 exponents, NVFP4 e2m1 codes,
-// the 128x4 swizzled scale index), one definition for the CPU reference and the CUDA kernels.
+// The quant family's scale formulas (FP8 e4m3 group scale from core/fp8.hpp; MXFP8 e8m0 exponents,
+// NVFP4 e2m1 codes, the 128x4 swizzled scale index), one definition for the CPU reference and the
+// CUDA kernels.
 #pragma once
 #include <cmath>
 #include <cstdint>
 
+#include "core/fp8.hpp"
 #include "core/host_device.hpp"
 
 namespace encore::quant {
 
-constexpr float kE4m3Max = 448.0f;
-
-// amax / 448 (amax floored at eps), or the smallest power of two >= that (exact, via frexp). An
-// infinite amax (an infinite input) gives an infinite scale either way (frexp of infinity has no
-// defined exponent), so the group's finite values quantize to 0 and the infinity to NaN.
-ENCORE_HOST_DEVICE inline float fp8_group_scale(float amax, bool power_of_two, float eps) {
-  float s = fmaxf(amax, eps) / kE4m3Max;
-  if (power_of_two && s <= 3.40282347e38f) {  // finite
-    int e;
-    const float f = frexpf(s, &e);  // s = f * 2^e, f in [0.5, 1); s == 2^(e-1) iff f == 0.5
-    s = ldexpf(1.0f, f == 0.5f ? e - 1 : e);
-  }
-  return s;
-}
-
-// 1 / s, rounded once (IEEE division); values are quantized as x * (1 / s), exactly x / s when s
-// is a power of two. One division per group instead of one per element.
-ENCORE_HOST_DEVICE inline float fp8_inverse_scale(float s) { return 1.0f / s; }
-
-// One group of n values on the CPU (the references of fp8_group_quant and of the MoE dispatch's fused
-// quantization): amax over x(i) (NaN ignored, as fmaxf), s, then store(i, x(i) * (1 / s)) for the
-// caller's e4m3 conversion; returns s. The CUDA kernels compute the same per lane team
-// (common/cuda/fp8_pack.cuh).
-#ifndef __CUDACC_RTC__  // host only (the JIT compiles this header for the kernels' formulas)
-template <class Load, class Store>
-inline float fp8_quantize_group(int64_t n, Load x, Store store, bool power_of_two, float eps) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x(i)));
-  const float s = fp8_group_scale(amax, power_of_two, eps);
-  const float inv = fp8_inverse_scale(s);
-  for (int64_t i = 0; i < n; ++i) store(i, x(i) * inv);
-  return s;
-}
+// The FP8 e4m3 group scale and its CPU group loop live in core/fp8.hpp (the MoE dispatch's fused
+// quantization shares them); the quant family's names for them.
+using ::encore::fp8_group_scale;
+using ::encore::fp8_inverse_scale;
+using ::encore::kE4m3Max;
+#ifndef __CUDACC_RTC__
+using ::encore::fp8_quantize_group;
 #endif
 
 // ---- MX formats (docs/quant.md, "MXFP8 and NVFP4") ----

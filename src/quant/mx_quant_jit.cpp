@@ -24,7 +24,7 @@ jit::KernelSpec mx_quant_jit_spec(const MxQuantJitVariant& v) {
   const char* kernel = v.kind == MxKind::kMxfp8 ? "mxfp8_quant" : "nvfp4_quant";
   return jit::embedded_spec(std::string(kernel) + "-" + dtype_name(v.dtype) + "-k" + std::to_string(v.cols), "quant/cuda/mx_quant_kernel.cuh",
                             {"core/host_device.hpp", "core/fast_div.hpp", "common/cuda/reduce.cuh", "common/cuda/vector_io.cuh",
-                             "common/cuda/fp8_pack.cuh", "quant/fp8_scale.hpp", "quant/cuda/mx_quant_kernel.cuh"},
+                             "core/fp8.hpp", "common/cuda/fp8_pack.cuh", "quant/fp8_scale.hpp", "quant/cuda/mx_quant_kernel.cuh"},
                             std::string("&encore::cuda::") + kernel + "_kernel<" + jit::device_type_name(v.dtype) + ", " +
                                 std::to_string(v.cols / 8) + ">");
 }

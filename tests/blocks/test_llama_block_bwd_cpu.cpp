@@ -1,10 +1,10 @@
 // The staged fp64 backward of the shifted LLaMA block (src/blocks/reference/llama_block_bwd.hpp,
-// math-coda §5) against a textbook backward written here: the chain rule op by op over the unfused
-// forward (linear, residual add, RMSNorm through r = (mean x² + eps)^(-1/2), SwiGLU through
+// docs/math/gemm_epilogues.md §5) against a textbook backward written here: the chain rule op by op over
+// the unfused forward (linear, residual add, RMSNorm through r = (mean x² + eps)^(-1/2), SwiGLU through
 // silu'(g) = s + g·s·(1 − s), RoPE), every gradient to 1e-10 relative; and both against central finite
-// differences of a scalar loss L = Σ qkv⊙Pq + Σ x2⊙Px (so d_qkv = Pq, d_x2 = Px). The last layer:
-// mean cross-entropy over an LM head after the final norm, with ignore_index rows and an all-ignored
-// batch (loss 0, gradients 0, no NaN). A NaN anywhere fails every comparison.
+// differences of a scalar loss L = Σ qkv⊙Pq + Σ x2⊙Px (so d_qkv = Pq, d_x2 = Px). The last layer: mean
+// cross-entropy over an LM head after the final norm, with ignore_index rows and an all-ignored batch
+// (loss 0, gradients 0, no NaN). A NaN anywhere fails every comparison.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,6 +1,7 @@
 // CUDA backward GEMM-epilogue kernels (swiglu_bwd, rmsnorm_bwd) and the partials sums, against the
 // fp64 staged block backward (src/blocks/reference/llama_block_bwd) on the same rounded inputs,
-// with math-coda.md §9's rule per output: max|gpu − fp64| <= 2·max|unfused − fp64| + 1e-6·max|fp64|,
+// with docs/math/gemm_epilogues.md §9's rule per output:
+//   max|gpu − fp64| <= 2·max|unfused − fp64| + 1e-6·max|fp64|,
 // where "unfused" is the same computation as a bf16/fp16 GEMM (fp32 accumulate, rounded output)
 // followed by the glue on the rounded GEMM output, each result rounded to the dtype. Fresh random
 // inputs each run, odd M, N multiples of 8 but not of the tile, padded rows, outputs poisoned (NaN),

@@ -1,10 +1,10 @@
-// Cross-entropy backward on the CPU backend (math-coda.md §4.5): the ce_bwd row (the low-memory path
-// that recomputes the LM-head GEMM: dlogits = α·(softmax(r·A·Wᵀ) − onehot) from the forward's lse) and
-// the cross_entropy_bwd finisher (the stored-logits path, in place allowed), each against an fp64
-// oracle of the stored inputs; the composition lse -> lse_finish -> ce_bwd -> dx, dW equals the fp64
-// gradient of the mean loss; vocabularies that are not multiples of 8 (D with padded rows); bad input
-// (targets out of range other than ignore_index, missing lse / target, wrong dtypes and shapes, the
-// CUDA limits checked before any device access).
+// Cross-entropy backward on the CPU backend (docs/math/gemm_epilogues.md §4.5): the ce_bwd row (the
+// low-memory path that recomputes the LM-head GEMM: dlogits = α·(softmax(r·A·Wᵀ) − onehot) from the
+// forward's lse) and the cross_entropy_bwd finisher (the stored-logits path, in place allowed), each
+// against an fp64 oracle of the stored inputs; the composition lse -> lse_finish -> ce_bwd -> dx, dW
+// equals the fp64 gradient of the mean loss; vocabularies that are not multiples of 8 (D with padded
+// rows); bad input (targets out of range other than ignore_index, missing lse / target, wrong dtypes and
+// shapes, the CUDA limits checked before any device access).
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -5,7 +5,7 @@
 //   "stage": the CPU chunked backward (fp64) reading the GPU forward's residuals, the ground truth of
 //            the backward kernels alone (fp32 arithmetic; bf16 outputs add their rounding);
 //   "fp64":  the CPU token-level BPTT in fp64 (the end-to-end error, the forward's residuals included):
-//            relative RMS <= 5e-3, 1e-2 for dg and dbeta (math-kda.md §12, issue 29).
+//            relative RMS <= 5e-3, 1e-2 for dg and dbeta (docs/math/kda.md §12, issue 29).
 // Matrix: varlen 1/63/64/65/1000, empty segments, B = 2 fixed length, with and without initial state
 // and d_final_state, precomputed, softplus (with and without dt_bias) and lower-bound (-5) gates, L2
 // norm on and off, K = V = 128 and odd K, V (60/100, 48/40), bf16, fp16 and fp32, grouped value heads

@@ -21,7 +21,7 @@
 namespace encore::test {
 namespace {
 
-constexpr double kTol = 1e-10;  // chunked vs BPTT, fp64 (math-kda.md §12)
+constexpr double kTol = 1e-10;  // chunked vs BPTT, fp64 (docs/math/kda.md §12)
 
 // got ~ ref within tol relative RMS (the reference's RMS floored at floor_rms); both finite, ref not
 // all zero where `nonzero`. Returns the error.

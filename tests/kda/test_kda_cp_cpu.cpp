@@ -1,4 +1,4 @@
-// KDA context parallelism, the fp64 CPU reference (src/kda/reference/kda_cp.hpp; math-kda.md §10): a
+// KDA context parallelism, the fp64 CPU reference (src/kda/reference/kda_cp.hpp; docs/math/kda.md §10): a
 // global varlen batch split over simulated ranks, each rank running the public CPU forward and
 // backward on its own slice with the merged initial state (forward) and the merged d_final_state
 // (backward) of the sequences it shares with its neighbours, against the whole batch in one pass:

@@ -2,7 +2,9 @@
 // the device dtype: fixed length with B > 1, varlen with segments of 1, 63, 64, 65 and 1000 tokens
 // and with empty ones, with and without initial state, precomputed gates, in-kernel softplus gates
 // with and without dt_bias, the lower-bound gate at -5, extreme gates (-1000), large keys with and
-// without q/k L2 norm, bf16, fp16 and fp32, grouped value heads (HV = 2H, 4H). Outputs poisoned; relative RMS of o and the final state <= 5e-3, no NaN.
+// without q/k L2 norm, bf16, fp16 and fp32, grouped value heads (HV = 2H, 4H), launch plans (every
+// state-kernel width, small chunk-kernel grids; bad plan values refused). Outputs poisoned; relative RMS
+// of o and the final state <= 5e-3, no NaN.
 //
 // Without the L2 norm the keys are drawn with β|k|² < 1 (sd 0.08 at K = 128), the contractive
 // regime the delta rule is used in. With β|k|² ≈ 10 (sd 0.4) the recurrence is expansive and
@@ -64,9 +66,10 @@ struct DeviceVec {
 };
 
 // row_pad > 0: q, k, v and g as strided views with token rows padded by that many elements (a
-// multiple of 8: the chunk kernel's TMA path; otherwise its global-load path).
-void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0, bool residuals = false, double tol = 5e-3,
-              int64_t row_pad = 0) {
+// multiple of 8: the chunk kernel's TMA path; otherwise its global-load path). `plan`: the CUDA launch
+// plan (kda/testing.hpp; 0 fields: the rule's choice).
+void run_case(const kda::KdaLaunchPlan& plan, KdaCase c, DType dt, const char* label, double extreme_gate = 0.0, bool residuals = false,
+              double tol = 5e-3, int64_t row_pad = 0) {
   SCOPED_TRACE(std::string(label) + " " + dtype_name(dt));
   c.fill(uint64_t(c.T * 7 + c.K));
   if (extreme_gate != 0.0)
@@ -116,7 +119,7 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
   }
   const size_t ws_bytes = workspace_bytes(a, c.opts);
   DeviceBuffer ws(std::max<size_t>(ws_bytes, 16));
-  Status st = run(a, c.opts, ws.ptr);
+  Status st = kda::run(a, c.opts, plan, ws.ptr);
   ASSERT_TRUE(st) << st.to_string();
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
   if (nt > 0) {  // the chunk kernel ran: bf16 inputs with 16-byte aligned token rows arrive by TMA, others by loads
@@ -153,16 +156,38 @@ void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0,
   }
 }
 
+// run_case on the rule's launch plan.
+void run_case(KdaCase c, DType dt, const char* label, double extreme_gate = 0.0, bool residuals = false, double tol = 5e-3,
+              int64_t row_pad = 0) {
+  run_case(kda::KdaLaunchPlan{}, std::move(c), dt, label, extreme_gate, residuals, tol, row_pad);
+}
+
+// The forward of a small bf16 case on `plan`, returning its status (the plan checks).
+Status run_on_plan(const kda::KdaLaunchPlan& plan) {
+  KdaCase c{1, 130, 2, 64, 64, {}, Gate::kPrecomputed, false, false};
+  c.fill(7);
+  const int64_t B = c.B, T = c.T, H = c.H, K = c.K, V = c.V;
+  DeviceVec q(c.q, DType::kBF16, {B, T, H, K}), k(c.k, DType::kBF16, {B, T, H, K}), v(c.v, DType::kBF16, {B, T, H, V}),
+      g(c.g, DType::kFP32, {B, T, H, K}), beta(c.beta, DType::kBF16, {B, T, H}), o(c.o, DType::kBF16, {B, T, H, V}),
+      fin(c.fin, DType::kFP32, {B, H, K, V});
+  KdaForwardArgs a;
+  a.q = q.view;
+  a.k = k.view;
+  a.v = v.view;
+  a.g = g.view;
+  a.beta = beta.view;
+  a.o = o.view;
+  a.final_state = fin.view;
+  DeviceBuffer ws(std::max<size_t>(workspace_bytes(a, c.opts), 16));
+  const Status st = kda::run(a, c.opts, plan, ws.ptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return st;
+}
+
 class KdaGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  }
-  // The launch overrides are process-wide: back to the launcher's rules whatever a test left set
-  // (a fatal failure inside its loop skips the test's own reset).
-  void TearDown() override {
-    (void)cuda::kda_state_columns_override(0);
-    (void)cuda::kda_chunk_blocks_override(0);
   }
 };
 
@@ -239,17 +264,17 @@ TEST_F(KdaGpu, StridedInputs) {
 // copy one, two or four of the record's 16-column U slices, and V 96 leaves blocks of padding columns.
 TEST_F(KdaGpu, StateKernelOn16And32And64ColumnBlocks) {
   for (int columns : {16, 32, 64}) {
-    ASSERT_TRUE(cuda::kda_state_columns_override(columns));
+    kda::KdaLaunchPlan plan;
+    plan.state_columns = columns;
     const std::string tag = std::to_string(columns) + "-column state: ";
     for (DType dt : {DType::kFP32, DType::kBF16}) {
-      run_case(KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, (tag + "fixed K64 V96 h0 l2").c_str());
-      run_case(KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
+      run_case(plan, KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, (tag + "fixed K64 V96 h0 l2").c_str());
+      run_case(plan, KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
                (tag + "varlen 1/63/64/65/1000").c_str());
-      run_case(KdaCase{1, 300, 2, 64, 64, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, (tag + "with residuals").c_str(), 0.0, true);
+      run_case(plan, KdaCase{1, 300, 2, 64, 64, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, (tag + "with residuals").c_str(), 0.0,
+               true);
     }
   }
-  ASSERT_TRUE(cuda::kda_state_columns_override(0));
-  EXPECT_FALSE(cuda::kda_state_columns_override(48));
 }
 
 // The persistent chunk kernel on a few blocks, so that each block takes many (chunk, head) items in
@@ -258,17 +283,33 @@ TEST_F(KdaGpu, StateKernelOn16And32And64ColumnBlocks) {
 // current one computes, and W and U leave by bulk stores from tiles the next item rewrites.
 TEST_F(KdaGpu, ChunkKernelWalksManyItemsPerBlock) {
   for (int blocks : {1, 5}) {
-    ASSERT_TRUE(cuda::kda_chunk_blocks_override(blocks));
+    kda::KdaLaunchPlan plan;
+    plan.chunk_blocks = blocks;
     const std::string tag = std::to_string(blocks) + " chunk block(s): ";
     for (DType dt : {DType::kFP32, DType::kBF16}) {
-      run_case(KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
+      run_case(plan, KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
                (tag + "varlen 1/63/64/65/1000").c_str());
-      run_case(KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, (tag + "fixed K64 V96 h0 l2").c_str());
-      run_case(KdaCase{1, 300, 2, 64, 64, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, (tag + "with residuals").c_str(), 0.0, true);
+      run_case(plan, KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, (tag + "fixed K64 V96 h0 l2").c_str());
+      run_case(plan, KdaCase{1, 300, 2, 64, 64, {0, 100, 300}, Gate::kSoftplusBias, true, true}, dt, (tag + "with residuals").c_str(), 0.0,
+               true);
     }
   }
-  ASSERT_TRUE(cuda::kda_chunk_blocks_override(0));
-  EXPECT_FALSE(cuda::kda_chunk_blocks_override(-1));
+}
+
+// Launch plans: the rule's (all 0) and explicit ones run; bad values are refused before any launch,
+// naming the field and what it takes.
+TEST_F(KdaGpu, LaunchPlanValuesChecked) {
+  EXPECT_TRUE(run_on_plan(kda::KdaLaunchPlan{}));
+  EXPECT_TRUE(run_on_plan(kda::KdaLaunchPlan{32, 3}));
+  for (int columns : {48, 8, -16, 128}) {
+    const Status st = run_on_plan(kda::KdaLaunchPlan{columns, 0});
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << columns;
+    EXPECT_NE(st.message().find("plan.state_columns: must be 16, 32 or 64"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(std::to_string(columns)), std::string::npos) << st.message();
+  }
+  const Status st = run_on_plan(kda::KdaLaunchPlan{0, -1});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("plan.chunk_blocks: must be >= 1"), std::string::npos) << st.message();
 }
 
 }  // namespace

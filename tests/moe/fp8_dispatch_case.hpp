@@ -1,4 +1,4 @@
-// The fused FP8 dispatch's test cases (test_moe_dispatch_fp8_cpu.cpp, _gpu.cpp): random routing and
+// The fused FP8 dispatch's test cases (test_moe_dispatch_fp8_cpu.cpp, test_moe_dispatch_fp8_gpu.cpp): random routing and
 // x (bf16 values stored as bf16 or fp32, a few rows of wide range, one NaN), and host buffers for the
 // outputs, poisoned (x_permuted 0xab bytes, x_scales NaN, maps -7).
 #pragma once

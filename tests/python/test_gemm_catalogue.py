@@ -195,7 +195,8 @@ def test_backward_rows_refuse_bad_operands():
     with pytest.raises(ValueError, match="c2: not used by the swiglu_bwd epilogue"):
         encore.gemm_epilogue("swiglu_bwd", dx, w_down, c=z, c2=np.ones((8, 24), np.float32))
     with pytest.raises(ValueError, match="out: "):
-        encore._encore.partials_sum_out(np.ones((2, 8), np.float32), np.ones(9, np.float32), True, 1.0, 0)
+        encore._encore.partials_sum_run(encore._encore.PartialsSumArgs(partials=np.ones((2, 8), np.float32), out=np.ones(9, np.float32)),
+                                        axis=encore._encore.PartialsSum.per_column, scale=1.0)
 
 
 def test_backward_rows_through_torch_ops_and_compile():

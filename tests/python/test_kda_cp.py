@@ -191,7 +191,6 @@ def test_summary_binding_on_cpu():
     """The summary entry points as _kda_cp calls them on CUDA, on CPU tensors: no workspace, the reference."""
     from encore import _encore
     from encore import _kda_cp
-    from encore._util import _dl
     from encore.kda import _opts
 
     t, cot = inputs(70, seed=2)
@@ -200,8 +199,11 @@ def test_summary_binding_on_cpu():
     opts = _opts(None, True, True, None)
     S, M = torch.empty(H, K, V, dtype=torch.float64), torch.empty(H, K, K, dtype=torch.float64)
     for d_o in (None, cot):
-        assert _encore.kda_cp_summary_workspace_bytes(*_dl(*x, cu, d_o), 1, *opts, *_dl(S, M)) == 0
-        _encore.kda_cp_summary_out(*_dl(*x, cu, d_o), 1, *opts, *_dl(S, M, None), 0)
+        kind = "kda_cp_forward_summary" if d_o is None else "kda_cp_backward_summary"
+        fwd = _encore.KdaForwardArgs(**{n: t[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}, cu_seqlens=cu)
+        args = _encore.KdaCpSummaryArgs(fwd=fwd, d_o=d_o, piece=1, S=S, M=M)
+        assert getattr(_encore, kind + "_workspace")(args, opts) == 0
+        getattr(_encore, kind + "_run")(args, opts, None, 0)
         want = _kda_cp._summary(*x, cu, opts, 1, d_o=d_o)
         assert torch.equal(torch.cat((S.flatten(), M.flatten())), want)
 
@@ -218,7 +220,7 @@ def test_cp_emulated_ranks_cpu(cu, bounds):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("cu,bounds", LAYOUTS)
 def test_cp_emulated_ranks_cuda(cu, bounds, dtype):
-    if not torch.cuda.is_available() or not hasattr(encore._encore, "kda_cp_summary_workspace_bytes"):
+    if not torch.cuda.is_available() or not hasattr(encore._encore, "kda_cp_forward_summary_workspace"):
         pytest.skip("needs a CUDA device and a CUDA build")
     check_emulated(cu, bounds, "cuda", getattr(torch, dtype), 5e-3)
 

@@ -54,7 +54,7 @@ Status run(const LlamaBlockArgs& args, const LlamaBlockOptions& opts, void* work
 // same workspace; running steps 0, 1, 2, 3 in order is run(). For timing the steps one by one.
 Status run_step(const LlamaBlockArgs& args, const LlamaBlockOptions& opts, void* workspace, int step, Stream stream = nullptr);
 
-// ---- backward (math-coda.md §5; docs/blocks.md "Backward") ----------------------------------------
+// ---- backward (docs/math/gemm_epilogues.md §5; docs/blocks.md "Backward") ---------------------------
 //
 // llama_block_backward: the shifted block's backward from the gradients arriving at its two outputs,
 // d_qkv (from the attention of layer l+1) and d_x2 (the residual gradient from block l+1), as 4
@@ -113,10 +113,10 @@ size_t workspace_bytes(const LlamaBlockBwdArgs& args);
 // aligned. Launches 15 kernels on `stream` (CUDA); no allocation, no synchronization. Deterministic.
 Status run(const LlamaBlockBwdArgs& args, void* workspace, Stream stream = nullptr);
 
-// The first layer's backward (math-coda §5 "First layer"): qkv = RoPE(rmsnorm(x)·γ @ w3ᵀ) alone, i.e.
-// stage (a) of the block backward: rope_bwd_zdz, rmsnorm_bwd (accumulating d_x_prev, the residual
-// gradient of x from the layers above, when given), wgrad dw3, dγ. x, r, qkv: the forward's input,
-// row scale rsqrt(mean(x²) + eps) and output. No output may overlap an input or another output.
+// The first layer's backward (docs/math/gemm_epilogues.md §5 "First layer"): qkv = RoPE(rmsnorm(x)·γ @
+// w3ᵀ) alone, i.e. stage (a) of the block backward: rope_bwd_zdz, rmsnorm_bwd (accumulating d_x_prev, the
+// residual gradient of x from the layers above, when given), wgrad dw3, dγ. x, r, qkv: the forward's
+// input, row scale rsqrt(mean(x²) + eps) and output. No output may overlap an input or another output.
 struct QkvNormBwdArgs {
   TensorView x;         // [M, d]
   TensorView gamma;     // [d]

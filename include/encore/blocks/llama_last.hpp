@@ -1,5 +1,6 @@
-// encore LLaMA last layer + loss (math-coda.md §5 "Last layer + loss"; docs/blocks.md): the shifted
-// block's steps 1-3 with the final norm's γ in step 3, then the LM head and the mean cross-entropy:
+// encore LLaMA last layer + loss (docs/math/gemm_epilogues.md §5 "Last layer + loss"; docs/blocks.md):
+// the shifted block's steps 1-3 with the final norm's γ in step 3, then the LM head and the mean
+// cross-entropy:
 //
 //   1  x1 = y0·w0ᵀ + x0,  h1 = x1 ⊙ γ0,  r1                                    residual_sqsum_aux + rms_final_reduce
 //   2  z1 = r1 ⊙ (h1·w1ᵀ) [M, 2F],  y1 = silu(gate)·up                          swiglu

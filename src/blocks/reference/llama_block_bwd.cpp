@@ -1,6 +1,6 @@
-// fp64 reference of the shifted LLaMA block's backward as math-coda §5 schedules it (the math and
-// the shapes: llama_block_bwd.hpp): rope_bwd_zdz, gemm_rmsnorm_bwd, gemm_swiglu_bwd_zdz, the plain
-// dgrad/wgrad GEMMs, the cross-entropy backward and the first/last-layer variants.
+// fp64 reference of the shifted LLaMA block's backward as docs/math/gemm_epilogues.md §5 schedules it
+// (the math and the shapes: llama_block_bwd.hpp): rope_bwd_zdz, gemm_rmsnorm_bwd, gemm_swiglu_bwd_zdz,
+// the plain dgrad/wgrad GEMMs, the cross-entropy backward and the first/last-layer variants.
 #include "blocks/reference/llama_block_bwd.hpp"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // CPU reference (fp64) of the shifted LLaMA block's BACKWARD, stage by stage as the fused schedule of
-// /work/shared/docs/math-coda.md §5 computes it, so that each future dgrad-epilogue kernel can be
+// docs/math/gemm_epilogues.md §5 computes it, so that each future dgrad-epilogue kernel can be
 // tested against its own stage. The forward is encore/blocks/llama.hpp:
 //   x1 = y0·w0ᵀ + x0;  r1 = rsqrt(mean(x1²) + eps);  z1 = (r1·x1 ⊙ γ0)·w1ᵀ [M, 2F] (gate 2j, up 2j+1)
 //   y1 = silu(z1[:, 2j])·z1[:, 2j+1] [M, F];  x2 = y1·w2ᵀ + x1;  r2;  qkv = RoPE((r2·x2 ⊙ γ1)·w3ᵀ)
@@ -17,11 +17,11 @@
 //   (c) gemm_rmsnorm_bwd:  da1 = dz1·w1;  dx1 = dx + r1·(γ0⊙da1 − x̂1·zdz1);  aux = x̂1⊙γ0;  dγ0;  dw1 = dz1ᵀ·aux
 //   (d) plain GEMMs:       d_y0 = dx1·w0;  dw0 = dx1ᵀ·y0;  d_x0 = dx1 (the residual passes through)
 //
-// First layer (math-coda §5): qkv = RoPE(rmsnorm(x)·γ @ w3) alone; its backward is stage (a) with the
-// residual gradient of the first block as dX_prev (qkv_norm_backward). Last layer + loss: steps 1-3,
-// then logits = (r2·x2 ⊙ γf)·W_lmᵀ [M, V], lse, mean cross-entropy over the rows whose target is not
-// ignore_index: dℓ = softmax − onehot (unscaled, 0 on ignored rows), dloss = 1/count (0 when every row
-// is ignored: loss 0, no NaN), then gemm_rmsnorm_bwd(A = dℓ, W_lm, γf, x2, r2, α = dloss,
+// First layer (docs/math/gemm_epilogues.md §5): qkv = RoPE(rmsnorm(x)·γ @ w3) alone; its backward is
+// stage (a) with the residual gradient of the first block as dX_prev (qkv_norm_backward). Last layer +
+// loss: steps 1-3, then logits = (r2·x2 ⊙ γf)·W_lmᵀ [M, V], lse, mean cross-entropy over the rows whose
+// target is not ignore_index: dℓ = softmax − onehot (unscaled, 0 on ignored rows), dloss = 1/count (0
+// when every row is ignored: loss 0, no NaN), then gemm_rmsnorm_bwd(A = dℓ, W_lm, γf, x2, r2, α = dloss,
 // zdz = dloss·Σ_n ℓ·dℓ / d), dW_lm = dloss·dℓᵀ·(x̂2⊙γf), and stages (b)-(d).
 // Internal (no public API yet): the fused kernels' tests read these stages.
 #pragma once

@@ -1,14 +1,15 @@
-// encore's cross-entropy backward EVT node (math-coda.md §4.5), the epilogue of the recomputed LM-head
-// GEMM (kCeBwd): from the logits z of the accumulator tile,
+// encore's cross-entropy backward EVT node (docs/math/gemm_epilogues.md §4.5), the epilogue of the
+// recomputed LM-head GEMM (kCeBwd): from the logits z of the accumulator tile,
 //   out[m, n] = α·(e^(z[m, n] − lse[m]) − [n == target[m]])
 // with lse[m] and target[m] read once per row and tile, α once per tile from device memory (null: 1).
 // Rows whose target == ignore_index give exactly 0 (selected, so even a non-finite logit gives 0); a row
 // whose target lies outside [0, N) otherwise gives NaN (lse taken as NaN), so a bad target on the device
 // is visible in the gradient. Columns past N are computed but never stored (TMA clips D).
-// Optional (partials non-null): the per-(row, CTA tile) partials Σ_n z·out (fp32 [M, ceil(N / CTA_N)], row
-// stride ld_partials), the zdz of the RMSNorm before the LM head (math-coda §2), like SwigluBwdPairs' zdz
-// partials: one register per row, the quad's sum stored by its leader (rows past M are marked in t_rel
-// and skipped). Past N, z = 0 (TMA zero-fills W), so those terms are 0 without a mask.
+// Optional (partials non-null): the per-(row, CTA tile) partials Σ_n z·out (fp32 [M, ceil(N / CTA_N)],
+// row stride ld_partials), the zdz of the RMSNorm before the LM head (docs/math/gemm_epilogues.md §2),
+// like SwigluBwdPairs' zdz partials: one register per row, the quad's sum stored by its leader (rows past
+// M are marked in t_rel and skipped). Past N, z = 0 (TMA zero-fills W), so those terms are 0 without a
+// mask.
 #pragma once
 #include <cmath>
 

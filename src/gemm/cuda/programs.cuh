@@ -186,7 +186,7 @@ struct ResidualAdd {
   }
 };
 
-// ---- backward programs (math-coda.md §4): dgrad GEMMs through the forward weight, acc = A · W ----
+// ---- backward programs (docs/math/gemm_epilogues.md §4): dgrad GEMMs through the forward weight, acc = A · W ----
 
 // SwiGLU backward (gemm_swiglu_bwd_zdz): A = dx [M, d], W = w_down [d, F] (K = d, N = F), acc = dy;
 // C = the saved Z [M, 2F] as (g, u) pairs, one 32-bit element each (ElementC float is only the

@@ -1,4 +1,4 @@
-// RoPE backward + zdz (encore/gemm.hpp RopeBwdZdzArgs; math-coda.md §4.3), elementwise:
+// RoPE backward + zdz (encore/gemm.hpp RopeBwdZdzArgs; docs/math/gemm_epilogues.md §4.3), elementwise:
 //   dz = Rᵀ(θ)·dy per column pair (2j, 2j+1), θ = 2π·pos[m]·(freq[2j] + freq[2j+1]) with the exact phase
 //   reduction of the GEMM RoPE node; zdz[m] = scale · Σ_n y[m, n]·dy[m, n].
 // One CTA of 256 threads per row: thread i takes the pairs i, i + 256, ...; its fp32 partial of

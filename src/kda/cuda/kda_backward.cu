@@ -1,4 +1,4 @@
-// KDA chunked backward on CUDA (math-kda.md §6; docs/kda.md), five launches connected by the
+// KDA chunked backward on CUDA (docs/math/kda.md §6; docs/kda.md), five launches connected by the
 // per-(chunk, head) fp32 workspace record of kda_bwd_launch.hpp:
 //   1 recompute (kda_bwd_recompute.cu): Qg, Kg, W, U from the residuals G and Akk, chunk-parallel;
 //     then Vnew = U - W S per chunk from the saved h, or the rematerialized state pass;

@@ -1,4 +1,4 @@
-// KDA backward, kernel 2 (math-kda.md §6 stage 1), dAv, grid (chunk slots, H), 256 threads,
+// KDA backward, kernel 2 (docs/math/kda.md §6 stage 1), dAv, grid (chunk slots, H), 256 threads,
 // chunk-parallel: from dO, the record's Vnew and the residual Aqk (scale included):
 //   dAqk = tril(dO Vnew^T) (diagonal included)  [64][64]     dVnew(intra) = Aqk^T dO  [64][V]
 // into the record (fp32; entries outside the valid rows' triangle zero). K, V <= 128; 80 KB shared.

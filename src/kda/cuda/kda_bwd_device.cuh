@@ -1,6 +1,6 @@
 // Device helpers of the CUDA KDA backward (kda_backward.cu and the kernels of kda_bwd_*.cu): the
 // chunk map, the workspace record, row loads (with the q/k L2 norm), residual and state reads, and
-// the launchers the host entry calls in order (math: /work/shared/docs/math-kda.md §6; the CPU ground
+// the launchers the host entry calls in order (math: docs/math/kda.md §6; the CPU ground
 // truth stage by stage: src/kda/reference/kda_chunked_bwd.cpp).
 //
 // This first version is SIMT fp32 (every product an fp32 FMA loop over shared or global operands),

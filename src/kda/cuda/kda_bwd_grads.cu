@@ -1,4 +1,4 @@
-// KDA backward, kernel 3b (math-kda.md §6 stages 3-5 and the tails), grid (chunk slots, H), 512
+// KDA backward, kernel 3b (docs/math/kda.md §6 stages 3-5 and the tails), grid (chunk slots, H), 512
 // threads, chunk-parallel once kernel 3a has left each chunk's dh = dS' in the record. With S the
 // chunk-start state, Q~ = s q, q and k L2-normed when asked, E_ij = 2^(G_i - G_j) per channel:
 //   inter:  dQ~ = (dO S^T) . 2^G    dK = (Vnew dS'^T) . 2^(gC - G)    dW = -dVnew S^T

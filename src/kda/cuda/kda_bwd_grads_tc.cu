@@ -1,4 +1,4 @@
-// KDA backward, kernel 3b in the tensor-core mode (math-kda.md §6 stages 3-5 and the tails), grid
+// KDA backward, kernel 3b in the tensor-core mode (docs/math/kda.md §6 stages 3-5 and the tails), grid
 // (chunk slots, H), 512 threads, after kernel 3b-1 (kda_bwd_inter.cu) has left the GEMM-shaped
 // products in the record: P1 = dO S^T, P2 = Vn dS'^T [64][K], dA' = dVn v^T + dW KE^T [64][64],
 // dKb' = A^T dW [64][K], dbv = rowsum(A^T dVn . v) [64], sd = rowsum(S . dS') [K] (dv written there).

@@ -1,4 +1,4 @@
-// KDA backward, kernel 3b-1 (math-kda.md §6 stages 3-4, the GEMM-shaped terms of kernel 3b), grid
+// KDA backward, kernel 3b-1 (docs/math/kda.md §6 stages 3-4, the GEMM-shaped terms of kernel 3b), grid
 // (chunk slots, H), 256 threads (8 warps), chunk-parallel after kernel 3a (dh). With S the chunk-start
 // state [K][V], dS' the record's dh [K][V], dO, v [64][V] (inputs), Vn, dVn [64][V] (record), A the
 // residual Akk (lower triangle incl. the diagonal, valid rows only), KE = k 2^G (k L2-normed when

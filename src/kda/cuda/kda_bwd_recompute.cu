@@ -1,4 +1,4 @@
-// KDA backward, kernel 1 (math-kda.md §6 stage 0): the recompute from the forward's residuals.
+// KDA backward, kernel 1 (docs/math/kda.md §6 stage 0): the recompute from the forward's residuals.
 //
 // kda_bwd_prep_kernel, grid (chunk slots, H), 256 threads, chunk-parallel: from q, k (L2-normed when
 //   asked), v, beta, the residual G (log2 cumsum) and A = Akk = (I + L)^-1:

@@ -1,4 +1,4 @@
-// KDA backward, kernel 1 in the tensor-core mode (math-kda.md §6 stage 0; the SIMT version and its
+// KDA backward, kernel 1 in the tensor-core mode (docs/math/kda.md §6 stage 0; the SIMT version and its
 // contract: kda_bwd_recompute.cu, ENCORE_KDA_BWD_SIMT=1). Same record outputs:
 // kda_bwd_prep_tc_kernel, grid (chunk slots, H), 256 threads: Qg = s q . 2^G, Kg = k . 2^(gC - G),
 //   gC elementwise as the SIMT kernel; W = A Kbeta [64x64]x[64xK] and U = A (beta v) [64x64]x[64xV]

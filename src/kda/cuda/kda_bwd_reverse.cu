@@ -1,4 +1,4 @@
-// KDA backward, kernel 3a (math-kda.md §6 stage 2, the serial part): the dh recurrence per
+// KDA backward, kernel 3a (docs/math/kda.md §6 stage 2, the serial part): the dh recurrence per
 // (sequence, head, 32 value columns), grid (N, H, ceil(V / 32)), 256 threads, chunks last to first:
 //   dS' = dht[n] (0 without it) at the sequence's last chunk;  per chunk: dh[chunk] = dS' (record)
 //   dVnew = Aqk^T dO + Kg dS'  (completes the record's dVn in place)

@@ -32,16 +32,16 @@
 #include "core/softplus_log2.hpp"
 #include "kda/cuda/kda_chunk_parts.cuh"
 #include "kda/cuda/kda_device.cuh"
-#include "kda/testing.hpp"
+#include "kda/cuda/launch.hpp"
 
 namespace encore::cuda::kda {
 namespace {
 
-// Phase profile (kda_launch.hpp): counters and the switch, in this translation unit only.
+// Phase profile (launch.hpp, kda_chunk_profile_*): counters and the switch, in this translation unit only.
 __device__ unsigned long long g_phase_cycles[kKdaChunkPhases];
 __device__ unsigned long long g_phase_blocks;
 __device__ int g_phase_on;
-// The raw-input test hook (kda_launch.hpp kda_chunk_raw_inputs): the TMA mask of the last launch,
+// The raw-input test hook (launch.hpp, kda_chunk_raw_inputs): the TMA mask of the last launch,
 // and whether a block since found its shared memory not 1024-byte aligned (and read from global memory).
 int g_last_raw_fast = 0;
 __device__ int g_raw_misaligned;

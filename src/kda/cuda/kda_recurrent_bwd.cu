@@ -1,5 +1,5 @@
 // KDA backward for large head dims (128 < K or V <= 256; kda_recurrent.cuh): the token-level BPTT
-// of math-kda.md §7 in fp32 on CUDA cores, deterministic (fixed-order sums, no atomics). Launches:
+// of docs/math/kda.md §7 in fp32 on CUDA cores, deterministic (fixed-order sums, no atomics). Launches:
 //   0 rematerialize only (no residuals.h): kda_recurrent_fwd_kernel writes the chunk-start states
 //     (fp32) into the workspace;
 //   then per window w = 0, 1, .. (window w: the w-th chunk from the end of every sequence):

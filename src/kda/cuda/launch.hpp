@@ -1,12 +1,15 @@
 // Host entry of the CUDA KDA forward (no CUDA types). The dispatch (src/kda/kda.cpp) has validated
-// the problem; sequences come from host-side cu_seqlens (or the fixed-length batch) and travel to
-// the kernels as launch parameters, so a launch reads no host memory and never synchronizes.
+// the problem and chosen the launch plan (kda/plan.hpp); sequences come from host-side cu_seqlens (or
+// the fixed-length batch) and travel to the kernels as launch parameters, so a launch reads no host
+// memory and never synchronizes. Also the chunk kernel's raw-input report and phase profile (tests and
+// benchmarks, through kda/testing.hpp).
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
 #include "encore/core/status.hpp"
 #include "encore/core/tensor_view.hpp"
+#include "kda/plan.hpp"
 
 namespace encore::cuda {
 
@@ -61,12 +64,23 @@ struct KdaCudaProblem {
 // Workspace of the forward: one record per (chunk, head) with the head dims padded to 128
 // (kda_device.cuh's WsLayout, 96.5 KB), so it depends on the chunk and head counts only.
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
-Status launch_kda_forward(KdaCudaProblem& p, void* workspace, Stream stream);  // fills p.tmap, p.raw_fast
+// The chunked forward on `plan` (resolved: state_columns 16, 32 or 64, chunk_blocks >= 1; others are
+// refused). Fills p.tmap, p.raw_fast.
+Status launch_kda_forward(KdaCudaProblem& p, const ::encore::kda::KdaLaunchPlan& plan, void* workspace, Stream stream);
 // The token-recurrent forward for large head dims (kda_recurrent.cu; no workspace): o, the final state,
 // residuals.h from the recurrence, G, Aqk, Akk by a per-(chunk, head) kernel.
 Status launch_kda_recurrent_forward(const KdaCudaProblem& p, Stream stream);
 
-// Phases of the chunk kernel's cycle profile (kda/testing.hpp).
+// The chunk kernel's hooks for tests and benchmarks (kda_chunk.cu). Process-wide; not for concurrent use.
+// Phase profile (bench suite kda_phases only): while enabled, thread 0 of every block adds the
+// clock64() cycles of each barrier-separated phase to device counters (the phases: kda/testing.hpp);
+// read() returns the sums and the number of items and resets them. Off, the kernel only tests the switch.
 constexpr int kKdaChunkPhases = 8;
+Status kda_chunk_profile_enable(bool on);
+Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsigned long long* blocks);
+// Which inputs the last chunk kernel read as raw TMA tiles (bit t: q, k, g, v; 0 for all where a
+// block's shared memory was not 1024-byte aligned since the previous call, which resets that).
+// Synchronizes.
+Status kda_chunk_raw_inputs(int* mask);
 
 }  // namespace encore::cuda

@@ -1,5 +1,5 @@
 // CPU reference of the chunked KDA backward, fp64 throughout, stage by stage as the GPU kernels will
-// compute it (the math: /work/shared/docs/math-kda.md §4-§6; the forward: kda_ref.hpp). Per chunk of
+// compute it (the math: docs/math/kda.md §4-§6; the forward: kda_ref.hpp). Per chunk of
 // C = 64 rows (a sequence's last chunk may be partial: `rows` valid rows, gC = G at row rows - 1) and
 // head, Q~ = scale q (q, k after the optional L2 norm), G the chunk-local inclusive cumsum of the
 // activated gate in log2, S = h the chunk-start state [K, V], dS' the cotangent of the chunk-END state:

@@ -1,5 +1,5 @@
 // The fp64 CPU reference of KDA context parallelism: the split, the summaries and the merges
-// (kda_cp.hpp; math-kda.md §10). Token by token (exact in fp64); the CUDA summary kernels fold chunks.
+// (kda_cp.hpp; docs/math/kda.md §10). Token by token (exact in fp64); the CUDA summary kernels fold chunks.
 #include "kda/reference/kda_cp.hpp"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Context parallelism for KDA (/work/shared/docs/math-kda.md §10): the fp64 CPU reference of the split
+// Context parallelism for KDA (docs/math/kda.md §10): the fp64 CPU reference of the split
 // of a varlen batch over ranks and of the two merges, on the inputs kda_prepare produces.
 //
 // A global varlen batch (B = 1, cu_seqlens) is split along T into contiguous rank slices

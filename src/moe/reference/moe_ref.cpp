@@ -6,8 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "encore/quant.hpp"
-#include "quant/fp8_scale.hpp"
+#include "core/fp8.hpp"
 
 namespace encore::reference {
 namespace {
@@ -101,9 +100,9 @@ void moe_dispatch(const moe::DispatchProblem& p) {
       const int32_t slot = p.row_slots[r];
       const int64_t t = slot >= 0 ? slot / k : -1;
       for (int64_t c0 = 0; c0 < p.hidden; c0 += 128)
-        p.x_scales[r * p.scales_stride + c0 / 128] = quant::fp8_quantize_group(
+        p.x_scales[r * p.scales_stride + c0 / 128] = fp8_quantize_group(
             128, [&](int64_t i) { return t < 0 ? 0.f : float(load_as_double(p.x, p.dtype, t * p.x_stride + c0 + i)); },
-            [&](int64_t i, float v) { q[r * p.xp_stride + c0 + i] = float_to_e4m3(v); }, p.fp8_power_of_two, p.fp8_eps);
+            [&](int64_t i, float v) { q[r * p.xp_stride + c0 + i] = e4m3_encode(v); }, p.fp8_power_of_two, p.fp8_eps);
     }
   }
 }

@@ -8,34 +8,10 @@
 
 namespace encore {
 
-uint8_t float_to_e4m3(float v) {
-  if (std::isnan(v)) return 0x7f;
-  const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
-  float a = std::fabs(v);
-  if (a >= 448.0f) return sign | 0x7e;  // saturate (finite max 448 = 1.75 * 2^8)
-  if (a < 0.015625f) {                  // below 2^-6: subnormals, multiples of 2^-9
-    const float m = std::nearbyint(a * 512.0f);  // 8 rounds up into the smallest normal (bits 0x08)
-    return sign | uint8_t(m);
-  }
-  int e;
-  const float f = std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
-  int exponent = e - 1;               // a = (2f) * 2^exponent, 2f in [1, 2)
-  int mant = int(std::nearbyint((2.0f * f - 1.0f) * 8.0f));
-  if (mant == 8) {
-    mant = 0;
-    ++exponent;
-  }
-  const int biased = exponent + 7;
-  if (biased > 15 || (biased == 15 && mant == 7)) return sign | 0x7e;
-  return sign | uint8_t(biased << 3) | uint8_t(mant);
-}
+// The public conversions (encore/quant.hpp), core/fp8.hpp's.
+uint8_t float_to_e4m3(float v) { return e4m3_encode(v); }
 
-float e4m3_to_float(uint8_t b) {
-  const int exp = (b >> 3) & 0xf, mant = b & 7;
-  if (exp == 15 && mant == 7) return NAN;
-  const float mag = exp == 0 ? std::ldexp(float(mant), -9) : std::ldexp(1.0f + mant / 8.0f, exp - 7);
-  return (b & 0x80) ? -mag : mag;
-}
+float e4m3_to_float(uint8_t b) { return e4m3_decode(b); }
 
 namespace reference {
 

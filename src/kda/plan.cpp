@@ -1,0 +1,50 @@
+// The CUDA KDA forward's launch plan (plan.hpp): the rule, and the checks of a requested plan.
+#include "kda/plan.hpp"
+
+#include <string>
+
+namespace encore::kda {
+namespace {
+
+constexpr int kStateColumnWidths[] = {16, 32, 64};  // the state kernel's instantiations (kda/cuda/kda_state.cu)
+
+// Blocks of the state kernel over V value columns at `columns` per block (kda_device.cuh's
+// state_column_blocks).
+int64_t column_blocks(int64_t V, int columns) { return (V + columns - 1) / columns; }
+
+}  // namespace
+
+KdaLaunchPlan kda_plan(const KdaProblem& p, const DeviceInfo& device) {
+  KdaLaunchPlan plan;
+  plan.chunk_blocks = device.sm_count > 0 ? device.sm_count : 1;
+  plan.state_columns = 64;
+  const int64_t seq_heads = int64_t(p.seqs.size()) * p.H;
+  for (int c : {16, 32})
+    if (seq_heads * column_blocks(p.V, c) <= device.sm_count) {
+      plan.state_columns = c;
+      break;
+    }
+  return plan;
+}
+
+Status check_plan(const KdaLaunchPlan& plan) {
+  bool width_ok = plan.state_columns == 0;
+  for (int c : kStateColumnWidths) width_ok = width_ok || plan.state_columns == c;
+  if (!width_ok)
+    return Status::invalid("plan.state_columns: must be 16, 32 or 64 (value columns per state-kernel block), or 0 for the rule; got " +
+                           std::to_string(plan.state_columns));
+  if (plan.chunk_blocks < 0)
+    return Status::invalid("plan.chunk_blocks: must be >= 1 (blocks of the chunk kernel), or 0 for one per SM; got " +
+                           std::to_string(plan.chunk_blocks));
+  return Status::ok();
+}
+
+Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const DeviceInfo& device, KdaLaunchPlan* out) {
+  ENCORE_RETURN_IF_ERROR(check_plan(requested));
+  const KdaLaunchPlan rule = kda_plan(p, device);
+  out->state_columns = requested.state_columns != 0 ? requested.state_columns : rule.state_columns;
+  out->chunk_blocks = requested.chunk_blocks != 0 ? requested.chunk_blocks : rule.chunk_blocks;
+  return Status::ok();
+}
+
+}  // namespace encore::kda

@@ -1,0 +1,31 @@
+// Launch plan of the CUDA KDA forward (chunked path): the persistent chunk kernel's grid and the state
+// kernel's value columns per block, chosen in one place (plan.cpp) and passed down to the launchers
+// (kda/cuda/launch.hpp). The dispatch runs the chosen plan; tests and benchmarks set one through
+// kda/testing.hpp's run overload.
+#pragma once
+#include <cstdint>
+
+#include "encore/core/device_info.hpp"
+#include "encore/core/status.hpp"
+#include "kda/problem.hpp"
+
+namespace encore::kda {
+
+struct KdaLaunchPlan {
+  int state_columns = 0;  // value columns per state-kernel block: 16, 32 or 64; 0 = the rule (kda_plan)
+  int chunk_blocks = 0;   // blocks of the persistent chunk kernel, >= 1; 0 = one per SM
+};
+
+// The plan for problem `p` on `device`: the chunk kernel on one block per SM; the state kernel on the
+// narrowest of 16, 32, 64 value columns whose grid (sequences x heads x column blocks) fits one wave,
+// else 64 (narrower blocks finish a serial step sooner, a second wave doubles the path).
+KdaLaunchPlan kda_plan(const KdaProblem& p, const DeviceInfo& device);
+
+// Checks a requested plan's fields (0 = the rule's choice): Status::invalid naming the field and what
+// it takes. Needs no device.
+Status check_plan(const KdaLaunchPlan& plan);
+
+// `requested` with its 0 fields replaced by kda_plan's choice, after check_plan.
+Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const DeviceInfo& device, KdaLaunchPlan* out);
+
+}  // namespace encore::kda
