@@ -30,14 +30,19 @@ _LIB = None
 
 def torch_module():
     """torch, imported on first need; the declared ops are registered with it then."""
-    global _TORCH, _TENSOR, _TO_DLPACK
+    global _TORCH, _TENSOR, _TO_DLPACK, _GRAD_ENABLED, _COMPILING, _DISPATCH_MODES, _FUNCTION_MODE
     if _TORCH is None:
         import torch
         from torch.utils.dlpack import to_dlpack
 
         _TORCH, _TENSOR, _TO_DLPACK = torch, torch.Tensor, to_dlpack
+        _GRAD_ENABLED, _COMPILING = torch.is_grad_enabled, torch.compiler.is_compiling
+        _DISPATCH_MODES, _FUNCTION_MODE = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
         register_torch_ops()
     return _TORCH
+
+
+_GRAD_ENABLED = _COMPILING = _DISPATCH_MODES = _FUNCTION_MODE = None
 
 
 def is_torch(a) -> bool:
@@ -55,22 +60,21 @@ def eager(*arrays) -> bool:
     """True: call the launcher directly (numpy arrays; plain torch tensors, eager, no mode active).
     False: go through torch.ops.encore (torch.compile / export, FakeTensorMode, make_fx, dispatch or
     torch-function modes, tensor subclasses). Tensors that require grad under grad mode are refused:
-    the ops without an autograd formula say so rather than silently dropping the gradient."""
+    the ops without an autograd formula say so rather than silently dropping the gradient. (On every
+    eager call: kept to a few attribute reads.)"""
     t = _TENSOR
     if t is None:
         if "torch" not in sys.modules:
             return True
         torch_module()
         t = _TENSOR
-    plain = True
     for a in arrays:
         if type(a) is t:
-            if a.requires_grad and _TORCH.is_grad_enabled():
+            if a.requires_grad and _GRAD_ENABLED():
                 raise RuntimeError("encore: autograd is not wired for this op; call it under torch.no_grad()")
         elif a is not None and isinstance(a, t):
-            plain = False
-    c = _TORCH._C
-    return plain and not (_TORCH.compiler.is_compiling() or c._len_torch_dispatch_stack() or c._is_torch_function_mode_enabled())
+            return False  # a tensor subclass (FakeTensor, DTensor, ...)
+    return not (_COMPILING() or _DISPATCH_MODES() or _FUNCTION_MODE())
 
 
 # --- arrays -------------------------------------------------------------------------------------------
@@ -80,7 +84,7 @@ def dl(a):
     """`a` as the binding takes it: a torch tensor as a DLPack capsule (torch.utils.dlpack.to_dlpack
     costs a tenth of the Tensor.__dlpack__ the binding would call, and skips its stream sync: encore
     launches on the stream it is given), anything else (numpy arrays, None) as it is."""
-    if _TENSOR is not None and isinstance(a, _TENSOR):
+    if type(a) is _TENSOR or (_TENSOR is not None and isinstance(a, _TENSOR)):
         return _TO_DLPACK(a)
     return a
 
@@ -90,7 +94,7 @@ def stream_for(a, stream=None) -> int:
     device, else 0."""
     if stream is not None:
         return int(stream)
-    if _TENSOR is not None and isinstance(a, _TENSOR) and a.is_cuda:
+    if (type(a) is _TENSOR or (_TENSOR is not None and isinstance(a, _TENSOR))) and a.is_cuda:
         return _TORCH._C._cuda_getCurrentRawStream(a.get_device())
     return 0
 
@@ -113,8 +117,9 @@ def empty(like, shape, kind="like"):
 
 
 def empty_like(a):
-    if _TENSOR is not None and isinstance(a, _TENSOR):
-        return _TORCH.empty_like(a, memory_format=_TORCH.contiguous_format)
+    """An uninitialized contiguous array of a's shape and dtype."""
+    if type(a) is _TENSOR or (_TENSOR is not None and isinstance(a, _TENSOR)):
+        return _TORCH.empty_like(a) if a.is_contiguous() else _TORCH.empty_like(a, memory_format=_TORCH.contiguous_format)
     import numpy as np
 
     return np.empty(a.shape, a.dtype)

@@ -25,7 +25,7 @@ def _options(eps, weight_offset):
 # --- launchers: one binding call each; stream None is torch's current stream -------------------------
 
 def _rms_norm_launch(x, weight, eps, weight_offset, stream):
-    x2 = rows(x, "x")
+    x2 = x if getattr(x, "ndim", 0) == 2 else rows(x, "x")
     y = empty_like(x2)
     _b.rms_norm_run(_b.RmsNormArgs(dl(x2), dl(weight), dl(y)), _options(eps, weight_offset), None, stream_for(x, stream))
     return y if x2 is x else y.reshape(x.shape)
