@@ -18,8 +18,6 @@ from __future__ import annotations
 import sys
 import types
 
-from . import _encore
-
 _TORCH = None   # the torch module, once needed
 _TENSOR = None  # torch.Tensor, once torch is loaded
 _TO_DLPACK = None

@@ -23,7 +23,7 @@ from . import _core
 from . import _encore as _b
 from ._core import dl, ops, stream_for
 from ._kda_autograd import _residual_request
-from .kda import _forward_args, _opts
+from ._kda_args import _forward_args, _opts
 
 
 class _DistExchange:

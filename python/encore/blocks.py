@@ -10,8 +10,13 @@ directly for numpy arrays and eager torch tensors, and torch.ops.encore.<op> (de
 same launcher) when traced (_core.eager)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _encore as _b
 from ._core import dl, eager, empty, given_outputs, ops, stream_for, torch_op, workspace
+
+if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
+    from torch import Tensor
 
 __all__ = ["llama_block_forward", "llama_block_workspace_bytes", "llama_block_backward", "qkv_norm_backward",
            "llama_last_block_forward", "llama_last_block_backward"]

@@ -11,8 +11,13 @@ tensors, and torch.ops.encore.<op> (declared here on the same launcher) when tra
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _encore as _b
 from ._core import dl, eager, empty, empty_like, ops, present, stream_for, torch_op, with_absent
+
+if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
+    from torch import Tensor
 
 # The catalogue's epilogues (encore/gemm_epilogues.def) and the CUDA tiles, by name.
 Epilogue = _b.Epilogue

@@ -11,16 +11,21 @@ the C++ KdaForwardArgs / KdaBackwardArgs / KdaOptions structs) directly for nump
 torch tensors, and torch.ops.encore.<op> (declared here on the same launcher) when traced."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _core
 from . import _encore as _b
+from ._kda_args import _forward_args, _opts
 from ._core import dl, empty, empty_like, eager, given_outputs, is_torch, ops, present, stream_for, torch_module, torch_op, with_absent
+
+if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
+    from torch import Tensor
 
 __all__ = ["kda_forward", "kda_forward_workspace_bytes", "kda_backward", "chunk_kda"]
 
 _RESIDUAL_KINDS = {None: "f32", "float32": "f32", "bfloat16": "bf16"}
 _RESIDUAL_NAMES = ("G", "Aqk", "Akk", "h")
 _CHUNK = 64  # tokens per chunk (kda::kChunk)
-_OPTIONS = {}  # (scale, l2, gate, lower_bound, output_final_state) -> KdaOptions: built once per distinct value
 
 
 def _residual_names(return_residuals):
@@ -77,29 +82,6 @@ def _on_cuda(a):
 
 def _opt_float(x):
     return None if x is None else float(x)
-
-
-def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state=False):
-    """The KdaOptions of these arguments (lower_bound None: the softplus gate)."""
-    key = (scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state)
-    o = _OPTIONS.get(key)
-    if o is None:
-        lower = lower_bound is not None
-        o = _OPTIONS[key] = _b.KdaOptions(scale=float(scale or 0.0), output_final_state=bool(output_final_state),
-                                          use_qk_l2norm=bool(use_qk_l2norm), use_gate_in_kernel=bool(use_gate_in_kernel),
-                                          use_lower_bound=lower, lower_bound=float(lower_bound) if lower else -5.0)
-    return o
-
-
-def _forward_args(q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None, o=None, final_state=None,
-                  residuals=None):
-    """KdaForwardArgs; residuals: (G, Aqk, Akk, h) or None."""
-    res = None
-    if residuals is not None:
-        G, Aqk, Akk, h = residuals
-        res = _b.KdaResiduals(G=dl(G), Aqk=dl(Aqk), Akk=dl(Akk), h=dl(h))
-    return _b.KdaForwardArgs(q=dl(q), k=dl(k), v=dl(v), g=dl(g), beta=dl(beta), initial_state=dl(initial_state), A_log=dl(A_log),
-                             dt_bias=dl(dt_bias), cu_seqlens=dl(cu_seqlens), o=dl(o), final_state=dl(final_state), residuals=res)
 
 
 # --- launchers: one workspace query (CUDA) and one run each; stream None is torch's current stream -----

@@ -9,8 +9,13 @@ same launchers) when traced (_core.eager); moe_forward with caller-given buffers
 takes the direct path."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _encore as _b
 from ._core import dl, eager, empty, is_torch, ops, stream_for, torch_module, torch_op, workspace
+
+if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
+    from torch import Tensor
 
 __all__ = ["moe_routing", "moe_dispatch", "moe_combine", "moe_forward", "moe_permuted_rows", "moe_buffers_bytes"]
 

@@ -6,8 +6,13 @@ directly for numpy arrays and eager torch tensors, and torch.ops.encore.<op> (de
 same launcher) when traced (_core.eager)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _encore as _b
 from ._core import dl, empty_like, eager, ops, rows, rows_view, stream_for, torch_op
+
+if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
+    from torch import Tensor
 
 __all__ = ["rms_norm", "add_rms_norm", "qk_norm_"]
 

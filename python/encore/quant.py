@@ -7,8 +7,13 @@ torch.ops.encore.<op> (declared here on the same launchers) when traced (_core.e
 tensors cross the binding as their uint8 bytes."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _encore as _b
 from ._core import dl, eager, empty, is_torch, ops, stream_for, torch_module, torch_op
+
+if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
+    from torch import Tensor
 
 __all__ = ["fp8_group_quant", "fp8_group_dequant", "mxfp8_quant", "mxfp8_dequant", "nvfp4_quant", "nvfp4_dequant"]
 

@@ -1,0 +1,31 @@
+"""The KDA binding's structs built from Python arguments (KdaOptions cached per distinct value,
+KdaForwardArgs with its residuals), shared by kda.py's launchers and _kda_cp.py's summaries."""
+from __future__ import annotations
+
+from . import _encore as _b
+from ._core import dl
+
+_OPTIONS = {}  # (scale, l2, gate, lower_bound, output_final_state) -> KdaOptions: built once per distinct value
+
+
+def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state=False):
+    """The KdaOptions of these arguments (lower_bound None: the softplus gate)."""
+    key = (scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state)
+    o = _OPTIONS.get(key)
+    if o is None:
+        lower = lower_bound is not None
+        o = _OPTIONS[key] = _b.KdaOptions(scale=float(scale or 0.0), output_final_state=bool(output_final_state),
+                                          use_qk_l2norm=bool(use_qk_l2norm), use_gate_in_kernel=bool(use_gate_in_kernel),
+                                          use_lower_bound=lower, lower_bound=float(lower_bound) if lower else -5.0)
+    return o
+
+
+def _forward_args(q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None, o=None, final_state=None,
+                  residuals=None):
+    """KdaForwardArgs; residuals: (G, Aqk, Akk, h) or None."""
+    res = None
+    if residuals is not None:
+        G, Aqk, Akk, h = residuals
+        res = _b.KdaResiduals(G=dl(G), Aqk=dl(Aqk), Akk=dl(Akk), h=dl(h))
+    return _b.KdaForwardArgs(q=dl(q), k=dl(k), v=dl(v), g=dl(g), beta=dl(beta), initial_state=dl(initial_state), A_log=dl(A_log),
+                             dt_bias=dl(dt_bias), cu_seqlens=dl(cu_seqlens), o=dl(o), final_state=dl(final_state), residuals=res)
