@@ -211,14 +211,44 @@ def torch_op(name, *, fake, mutates=(), autograd=None):
 
 
 def _register(name, kernel, mutates, fake, autograd):
+    """Defines encore::<name> from the kernel's signature, with its fake and autograd; the Python
+    kernel unless _encore_torch registered a C++ one (NATIVE)."""
     torch = _TORCH
     kernel.__globals__.setdefault("Tensor", torch.Tensor)  # the string annotations' name
     _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates))
-    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    native_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(f"encore::{name}", "CompositeExplicitAutograd")
+    if not native_kernel:
+        _LIB.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"encore::{name}", fake, lib=_LIB)
     if autograd is not None:
         torch.library.register_autograd(f"encore::{name}", autograd[0], setup_context=autograd[1], lib=_LIB)
-    setattr(_OPS, name, getattr(torch.ops.encore, name).default)
+    overload = getattr(torch.ops.encore, name).default
+    setattr(_OPS, name, overload)
+    if native_kernel:
+        NATIVE[name] = getattr(overload, "_op", overload)  # the dispatcher's entry without OpOverload's Python frame
+
+
+NATIVE = {}  # op name -> its dispatcher entry, for the ops whose kernel is C++ (encore._encore_torch)
+
+
+def native(a, name):
+    """The dispatcher entry of op `name` when its kernel is C++ and `a` is a plain torch tensor
+    (an eager call is then cheaper through it than through the Python launcher), else None."""
+    return NATIVE.get(name) if type(a) is _TENSOR else None
+
+
+def _load_native(torch):
+    """Loads encore._encore_torch (C++ kernels for some ops, built against this torch) where the
+    build made it; a library built against another torch fails to load and is skipped (the Python
+    kernels serve)."""
+    import glob
+    import os
+
+    for path in glob.glob(os.path.join(os.path.dirname(__file__), "_encore_torch*.so")):
+        try:
+            torch.ops.load_library(path)
+        except (OSError, RuntimeError):
+            return
 
 
 def register_torch_ops():
@@ -229,6 +259,7 @@ def register_torch_ops():
         if _LIB is not None:  # torch_module registered them
             return _OPS
         _LIB = torch.library.Library("encore", "DEF")
+        _load_native(torch)  # its kernels attach as the schemas below are defined
         for d in _DECLARED:
             _register(*d)
     return _OPS

@@ -81,10 +81,40 @@ inline void raise_if_error(const Status& st) {
 
 inline Stream as_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
 
-using Opt = std::optional<Array>;
-inline TensorView opt_view(const Opt& a, const char* name) { return a ? to_view(*a, name) : TensorView{}; }
-inline TensorView opt_fp8_view(const Opt& a, const char* name) { return a ? to_fp8_view(*a, name) : TensorView{}; }
-inline void* opt_ptr(const Opt& a) { return a ? a->data() : nullptr; }
+// An optional array argument: None, an array, or any other object, which the caster below accepts so
+// that the op refuses it naming the argument (opt_view: TypeError "<name>: expected ...") rather than
+// nanobind's overload error, which names no argument.
+struct Opt {
+  std::optional<Array> array;
+  nb::object refused;  // set when the object is not an array (or a read-only numpy array)
+  explicit operator bool() const { return array.has_value(); }
+  const Array& operator*() const { return *array; }
+  const Array* operator->() const { return &*array; }
+};
+
+// Raises TypeError naming `name` when `a` holds an object that is not an array.
+inline void check_array(const Opt& a, const char* name) {
+  if (!a.refused.is_valid()) return;
+  const std::string type = nb::cast<std::string>(nb::str(nb::handle(a.refused.type()).attr("__name__")));
+  const nb::object flags = nb::getattr(a.refused, "flags", nb::none());
+  if (!flags.is_none() && nb::hasattr(a.refused, "__array_interface__") && !nb::cast<bool>(flags.attr("writeable")))
+    throw nb::type_error((std::string(name) + ": a read-only " + type +
+                          " (encore's binding takes writable arrays: pass a copy, e.g. numpy.array(" + name + "))").c_str());
+  throw nb::type_error((std::string(name) + ": expected an array (a numpy array or a torch tensor), got " + type).c_str());
+}
+
+inline TensorView opt_view(const Opt& a, const char* name) {
+  check_array(a, name);
+  return a ? to_view(*a, name) : TensorView{};
+}
+inline TensorView opt_fp8_view(const Opt& a, const char* name) {
+  check_array(a, name);
+  return a ? to_fp8_view(*a, name) : TensorView{};
+}
+inline void* opt_ptr(const Opt& a, const char* name = "workspace") {
+  check_array(a, name);
+  return a ? a->data() : nullptr;
+}
 
 // An op's run: an absent workspace where the call needs one is refused here (naming the size)
 // rather than left to the backend.
@@ -110,3 +140,33 @@ void run_checked(const A& a, const O& o, const Opt& workspace, uintptr_t stream)
           nb::arg("stream") = 0)
 
 }  // namespace encore::python
+
+namespace nanobind::detail {
+
+// Opt from Python: None, an array (nb::ndarray<>), or, in the converting pass, any other object (kept
+// to be refused by opt_view with the argument's name).
+template <>
+struct type_caster<encore::python::Opt> {
+  using ArrayCaster = make_caster<encore::python::Array>;
+  NB_TYPE_CASTER(encore::python::Opt, optional_name(ArrayCaster::Name))
+
+  bool from_python(handle src, uint32_t flags, cleanup_list* cleanup) noexcept {
+    value = encore::python::Opt{};
+    if (src.is_none()) return true;
+    ArrayCaster caster;
+    if (caster.from_python(src, flags, cleanup)) {
+      value.array.emplace(caster.value);
+      return true;
+    }
+    if (!(flags & uint32_t(cast_flags::convert))) return false;  // nanobind retries with conversions
+    value.refused = borrow(src);
+    return true;
+  }
+
+  static handle from_cpp(const encore::python::Opt& v, rv_policy policy, cleanup_list* cleanup) noexcept {
+    if (!v) return none().release();
+    return ArrayCaster::from_cpp(*v, policy, cleanup);
+  }
+};
+
+}  // namespace nanobind::detail

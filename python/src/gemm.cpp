@@ -210,10 +210,10 @@ void bind_gemm(nb::module_& m) {
       nb::arg("num_heads"), nb::arg("rotary_heads"), nb::arg("head_dim"), nb::arg("base"), nb::arg("freq"));
   m.def(
       "interleave_gate_up",
-      [](Array gate, Array up, Array out) {
-        raise_if_error(interleave_gate_up(to_view(gate, "gate"), to_view(up, "up"), to_view(out, "out")));
+      [](Opt gate, Opt up, Opt out) {
+        raise_if_error(interleave_gate_up(opt_view(gate, "gate"), opt_view(up, "up"), opt_view(out, "out")));
       },
-      nb::arg("gate"), nb::arg("up"), nb::arg("out"));
+      nb::arg("gate").none(), nb::arg("up").none(), nb::arg("out").none());
 }
 
 }  // namespace encore::python
