@@ -25,7 +25,8 @@
 #   ENCORE_JOBS            build parallelism (default: all cores)
 #   ENCORE_DEADLINE        seconds the whole script may take (default 570, inside a 600 s call);
 #                          each step's timeout is cut to what is left, so the summary always returns
-#   ENCORE_TEST_FILTER     gtest filter for `test` (default *); ENCORE_TEST_SECONDS its GPU binary's limit
+#   ENCORE_TEST_FILTER     gtest filter for `test` (default *); ENCORE_TEST_SHARDS the GPU binary's processes
+#                          (default 4), ENCORE_TEST_SECONDS each one's limit (default 300)
 #                          (default 450; every GPU test takes about 300 s on an H200)
 #   ENCORE_PYTEST_ARGS     pytest arguments for `pytest` (default tests/python; e.g. test files, -k EXPR)
 #   ENCORE_SANITIZE_FILTER gtest filter for both tools of `sanitize` (default: tests of each family,
@@ -147,16 +148,29 @@ pass_build() {
   done
 }
 
+# The GPU binary runs as ENCORE_TEST_SHARDS (default 4) processes, gtest's own sharding (tests dealt
+# round-robin), each under ENCORE_TEST_SECONDS (default 300): a whole-binary pass of ~390 s on an
+# H100 then needs ~100 s a shard, under a third of each limit. The totals add over the shards.
 pass_test() {
   need "$BUILD/tests/encore_tests_gpu" "run the build pass first" || return
-  local f=${ENCORE_TEST_FILTER:-*} m1 m2
-  m1=$(mark)
-  # Not brief: each test's [ RUN ] / [ OK ] lines (with its time) show what ran before a timeout.
-  step "${ENCORE_TEST_SECONDS:-450}" "$BUILD/tests/encore_tests_gpu" --gtest_filter="$f" ||
-    tail -n +"$m1" "$log" | grep -E '^\[ RUN +\]' | tail -1 | sed 's/^\[ RUN *\]/    last started:/'
+  local f=${ENCORE_TEST_FILTER:-*} shards=${ENCORE_TEST_SHARDS:-4} i m1 m2 line f_ gp=0 gf=0 crashed=""
+  for ((i = 0; i < shards; i++)); do
+    m1=$(mark)
+    echo "== shard $((i + 1)) of $shards" >>"$log"
+    # Not brief: each test's [ RUN ] / [ OK ] lines (with its time) show what ran before a timeout.
+    step "${ENCORE_TEST_SECONDS:-300}" env GTEST_TOTAL_SHARDS="$shards" GTEST_SHARD_INDEX="$i" "$BUILD/tests/encore_tests_gpu" \
+      --gtest_filter="$f" ||
+      tail -n +"$m1" "$log" | grep -E '^\[ RUN +\]' | tail -1 | sed 's/^\[ RUN *\]/    last started:/'
+    line=$(gtest_line "$m1")
+    case "$line" in
+      *crashed*) crashed=" (shard $((i + 1)) crashed)"; gp=$((gp + ${line%% *})) ;;
+      *) gp=$((gp + ${line%% passed*})); f_=${line#*, }; gf=$((gf + ${f_%% failed*})) ;;
+    esac
+  done
+  [ "$gf" = 0 ] || pass_failed=1
   m2=$(mark)
   step 200 "$BUILD/tests/encore_tests_cpu" --gtest_filter="$f" --gtest_brief=1
-  detail="gpu: $(gtest_line "$m1" "$m2"); cpu: $(gtest_line "$m2")"
+  detail="gpu: $gp passed, $gf failed$crashed; cpu: $(gtest_line "$m2")"
   grep -E '^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$' "$log" | sort -u | head -8 | sed 's/^/    /'
 }
 
