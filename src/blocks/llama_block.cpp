@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "core/checks.hpp"
 #include "blocks/plan.hpp"
@@ -69,7 +70,12 @@ Status validate(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("x1", a.x1, "x0", a.x0));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("x2", a.x2, "x1", a.x1));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("r2", a.r2, "r1", a.r1));
-  return Status::ok();
+  // Every output is written while inputs and earlier outputs are still read (x1 by step 3, r1 by step 2):
+  // no output overlaps another or an input (the steps check only their own operands).
+  const std::vector<Named> outs = {{"x1", &a.x1}, {"x2", &a.x2}, {"z1", &a.z1}, {"qkv", &a.qkv}, {"r1", &a.r1}, {"r2", &a.r2}};
+  const std::vector<Named> ins = {{"y0", &a.y0},         {"x0", &a.x0},         {"w0", &a.w0},   {"w1", &a.w1},    {"w2", &a.w2},
+                                  {"w3", &a.w3},         {"gamma0", &a.gamma0}, {"gamma1", &a.gamma1}, {"pos", &a.pos}, {"freq", &a.freq}};
+  return no_overlaps(outs, ins);
 }
 
 size_t workspace_bytes(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {

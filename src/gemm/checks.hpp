@@ -8,8 +8,12 @@
 #include <cmath>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/core/tensor_view.hpp"
 #include "encore/gemm.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "common/cuda/device_guard.hpp"  // the CUDA paths launch with the tensors' device current
+#endif
 
 namespace encore::gemm {
 

@@ -26,7 +26,10 @@ Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream stream
   if (a.partials.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
     ENCORE_RETURN_IF_ERROR(contiguous_vector("r", a.r));
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"partials", &a.partials}, {"r", &a.r}}));
 #ifdef ENCORE_WITH_CUDA
+    cuda::DeviceGuard guard;
+    ENCORE_RETURN_IF_ERROR(guard.set(a.partials.device.index));
     return cuda::launch_rms_final_reduce(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(a.partials.shape[0]),
                                          int(a.partials.shape[1]), static_cast<float*>(a.r.data), hidden, eps, stream);
 #else
@@ -56,7 +59,11 @@ Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
     for (auto [name, t] : {std::pair<const char*, const TensorView*>{"lse", &a.lse}, {"target", &a.target}, {"target_logit", &a.target_logit},
                            {"loss", &a.loss}})
       ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"partials", &a.partials}, {"lse", &a.lse}, {"target", &a.target},
+                                                  {"target_logit", &a.target_logit}, {"loss", &a.loss}}));
 #ifdef ENCORE_WITH_CUDA
+    cuda::DeviceGuard guard;
+    ENCORE_RETURN_IF_ERROR(guard.set(a.partials.device.index));
     return cuda::launch_lse_finish(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(a.partials.shape[0]),
                                    int(a.partials.shape[1]), static_cast<float*>(a.lse.data), static_cast<const int32_t*>(a.target.data),
                                    static_cast<const float*>(a.target_logit.data), static_cast<float*>(a.loss.data), ignore_index, stream);
@@ -88,7 +95,11 @@ Status run(const CrossEntropyBwdArgs& a, int ignore_index, Stream stream) {
     for (auto [name, t] : {std::pair<const char*, const TensorView*>{"lse", &a.lse}, {"target", &a.target}})
       ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
     if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31)) return Status::unsupported("logits: M and N must be < 2^31");
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"logits", &a.logits}, {"dlogits", &a.dlogits}, {"lse", &a.lse}, {"target", &a.target},
+                                                  {"alpha", &a.alpha}}));
 #ifdef ENCORE_WITH_CUDA
+    cuda::DeviceGuard guard;
+    ENCORE_RETURN_IF_ERROR(guard.set(a.logits.device.index));
     return cuda::launch_cross_entropy_bwd(a.logits.data, a.logits.strides[0], a.dlogits.data, a.dlogits.strides[0], a.logits.dtype, int(M), int(N),
                                           static_cast<const float*>(a.lse.data), static_cast<const int32_t*>(a.target.data),
                                           static_cast<const float*>(a.alpha.data), ignore_index, stream);
@@ -130,7 +141,11 @@ Status run(const CeMeanArgs& a, int ignore_index, Stream stream) {
     for (auto [name, t] : {std::pair<const char*, const TensorView*>{"target", &a.target}, {"loss_rows", &a.loss_rows}})
       ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
     if (M >= (int64_t(1) << 31)) return Status::unsupported("target: M must be < 2^31");
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"target", &a.target}, {"loss_rows", &a.loss_rows}, {"loss", &a.loss}, {"d_loss", &a.d_loss},
+                                                  {"alpha", &a.alpha}}));
 #ifdef ENCORE_WITH_CUDA
+    cuda::DeviceGuard guard;
+    ENCORE_RETURN_IF_ERROR(guard.set(a.target.device.index));
     return cuda::launch_ce_mean(static_cast<const int32_t*>(a.target.data), int(M), static_cast<const float*>(a.loss_rows.data),
                                 static_cast<float*>(a.loss.data), static_cast<const float*>(a.d_loss.data), static_cast<float*>(a.alpha.data),
                                 ignore_index, stream);
@@ -165,7 +180,10 @@ Status run(const PartialsSumArgs& a, PartialsSum axis, float scale, Stream strea
     ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
     ENCORE_RETURN_IF_ERROR(contiguous_vector("out", a.out));
     if (rows >= (int64_t(1) << 31) || cols >= (int64_t(1) << 31)) return Status::unsupported("partials: dimensions must be < 2^31");
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"partials", &a.partials}, {"out", &a.out}}));
 #ifdef ENCORE_WITH_CUDA
+    cuda::DeviceGuard guard;
+    ENCORE_RETURN_IF_ERROR(guard.set(a.partials.device.index));
     return cuda::launch_partials_sum(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(rows), int(cols),
                                      static_cast<float*>(a.out.data), int(a.out.shape[0]), axis == PartialsSum::kPerColumn, scale, stream);
 #else
@@ -182,7 +200,11 @@ Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream stream) {
   const int64_t M = a.qkv.shape[0];
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("qkv", a.qkv, "partials", a.partials));
   if (a.qkv.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"qkv", &a.qkv}, {"partials", &a.partials}, {"q_weight", &a.q_weight}, {"k_weight", &a.k_weight},
+                                                  {"pos", &a.pos}, {"freq", &a.freq}}));
 #ifdef ENCORE_WITH_CUDA
+    cuda::DeviceGuard guard;
+    ENCORE_RETURN_IF_ERROR(guard.set(a.qkv.device.index));
     cuda::QkNormRopeProblem p;
     p.qkv = a.qkv.data;
     p.ld_qkv = a.qkv.strides[0];
@@ -231,7 +253,10 @@ Status run(const RopeBwdZdzArgs& a, float scale, Stream stream) {
     for (auto [name, t] : {std::pair<const char*, const TensorView*>{"y", &a.y}, {"dy", &a.dy}, {"dz", &a.dz}})
       ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, *t));
     if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31)) return Status::unsupported("y: M and N must be < 2^31");
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"y", &a.y}, {"dy", &a.dy}, {"pos", &a.pos}, {"freq", &a.freq}, {"dz", &a.dz}, {"zdz", &a.zdz}}));
 #ifdef ENCORE_WITH_CUDA
+    cuda::DeviceGuard guard;
+    ENCORE_RETURN_IF_ERROR(guard.set(a.y.device.index));
     gemm::RopeBwdZdzProblem p;
     p.y = a.y.data;
     p.dy = a.dy.data;

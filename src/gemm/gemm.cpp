@@ -374,9 +374,15 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
   if (a.a.device.is_cuda()) {
     GemmTile tile = GemmTile::kAuto;
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, o, info, &tile));
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"a", &a.a}, {"w", &a.w}, {"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"c2", &a.c2},
+                                                  {"zdz", &a.zdz}, {"gamma", &a.gamma}, {"row_scale", &a.row_scale}, {"pos", &a.pos},
+                                                  {"freq", &a.freq}, {"alpha", &a.alpha}, {"partials", &a.partials}, {"target", &a.target},
+                                                  {"target_logit", &a.target_logit}, {"lse", &a.lse}}));
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* dev = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &dev));
+    cuda::DeviceGuard guard;  // the kernels (and CUTLASS's TMA descriptors) on a's device, with its context current
+    ENCORE_RETURN_IF_ERROR(guard.set(a.a.device.index));
     const cuda::GemmLauncher launch = cuda::gemm_launcher(o.epilogue, tile);
     if (launch == nullptr)
       return Status::internal(std::string("gemm: no CUDA kernel for ") + info.name + " on " + gemm_tile_name(tile) + " in this build");

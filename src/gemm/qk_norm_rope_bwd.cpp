@@ -52,7 +52,13 @@ Status run(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o, void* workspa
   ENCORE_RETURN_IF_ERROR(validate(a, o));
   if (a.dy.device.is_cuda()) {
     if (!workspace) return Status::invalid("workspace: the CUDA backend needs workspace_bytes(args, opts) bytes of device memory");
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"dy", &a.dy}, {"x", &a.x}, {"partials", &a.partials}, {"q_weight", &a.q_weight},
+                                                  {"k_weight", &a.k_weight}, {"pos", &a.pos}, {"freq", &a.freq}, {"dx", &a.dx},
+                                                  {"dq_weight", &a.dq_weight}, {"dk_weight", &a.dk_weight}}));
+    ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.dy.device));
 #ifdef ENCORE_WITH_CUDA
+    cuda::DeviceGuard guard;
+    ENCORE_RETURN_IF_ERROR(guard.set(a.dy.device.index));
     cuda::QkNormRopeBwdProblem p;
     p.dy = a.dy.data;
     p.x = a.x.data;

@@ -3,6 +3,8 @@
 
 #include <cstdio>
 
+#include "core/fault_injection.hpp"
+
 #ifdef ENCORE_WITH_CUDA
 #include "common/cuda/device_guard.hpp"
 #endif
@@ -122,7 +124,10 @@ Status Family::launch(void* fn, long long grid, int block, int device, Stream st
   if (grid == 0) return Status::ok();  // nothing to do (an empty problem)
   if (grid < 0 || grid > 0x7fffffffLL) return Status::internal(name_ + " jit: grid " + std::to_string(grid) + " out of range");
   if (smem > 48 * 1024) return Status::internal(name_ + " jit: " + std::to_string(smem) + " bytes of shared memory (at most 48 KB without an opt-in)");
-  ENCORE_RETURN_IF_ERROR(jit::launch(fn, unsigned(grid), unsigned(block), unsigned(smem), stream, args));
+  const std::string what = name_ + " jit";
+  if (fault::inject(fault::Step::kKernelLaunch, what.c_str())) return fault::injected(fault::Step::kKernelLaunch, what.c_str());
+  if (Status st = jit::launch(fn, unsigned(grid), unsigned(block), unsigned(smem), stream, args); !st)
+    return Status(st.code(), name_ + " " + st.message());  // "rms_norm jit: kernel launch (cuLaunchKernel) failed: ..."
   launches_.fetch_add(1, std::memory_order_relaxed);
   return Status::ok();
 #else

@@ -11,6 +11,7 @@
 #include "common/cuda/device_guard.hpp"
 #include "common/cuda/driver_entry.hpp"
 #endif
+#include "core/fault_injection.hpp"
 
 namespace encore::jit {
 namespace {
@@ -133,9 +134,13 @@ Status Jit::get_cubin(const KernelSpec& spec, const std::string& arch, std::shar
 Status device_arch(int device, std::string* arch) {
 #ifdef ENCORE_WITH_CUDA
   int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
-    return Status::cuda_error("jit: cannot query the compute capability of device " + std::to_string(device));
+  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status::cuda_error(fault::failure_message(("jit: the compute capability of cuda:" + std::to_string(device)).c_str(),
+                                                     "cudaDeviceGetAttribute", cudaGetErrorName(e), int(e), cudaGetErrorString(e)));
+  }
   *arch = "sm_" + std::to_string(major) + std::to_string(minor) + ((major == 9 || major == 10) && minor == 0 ? "a" : "");
   return Status::ok();
 #else
@@ -188,18 +193,20 @@ Status Jit::get_function(const KernelSpec& spec, int device, Stream stream, void
   ENCORE_RETURN_IF_ERROR(get_cubin(spec, arch, &cubin, &o));
   const Driver& d = driver();
   if (!d.load || !d.get || !d.launch) return Status::cuda_error("jit: driver entry points cuModuleLoadData / cuLaunchKernel not found");
-  cuda::DeviceGuard guard;
+  cuda::DeviceGuard guard;  // also the device's primary context current for the driver calls
   ENCORE_RETURN_IF_ERROR(guard.set(device));
-  cudaFree(nullptr);  // make the primary context current for the driver calls
   std::lock_guard<std::mutex> lock(s->mu);
   auto it = s->functions.find(device);
   if (it == s->functions.end()) {
+    const std::string what = "jit: " + spec.name;
+    if (fault::inject(fault::Step::kModuleLoad, spec.name.c_str())) return fault::injected(fault::Step::kModuleLoad, what.c_str());
     CUmodule mod = nullptr;
     CUfunction fn = nullptr;
     CUresult r = d.load(&mod, cubin->image.data());
-    if (r != CUDA_SUCCESS) return Status::cuda_error("jit: cuModuleLoadData(" + spec.name + ") failed: CUresult " + std::to_string(int(r)));
+    if (r != CUDA_SUCCESS) return Status::cuda_error(cuda::driver_failure_message(what, "module load (cuModuleLoadData)", r));
     r = d.get(&fn, mod, cubin->lowered_name.c_str());
-    if (r != CUDA_SUCCESS) return Status::cuda_error("jit: cuModuleGetFunction(" + cubin->lowered_name + ") failed: CUresult " + std::to_string(int(r)));
+    if (r != CUDA_SUCCESS)
+      return Status::cuda_error(cuda::driver_failure_message(what + " (" + cubin->lowered_name + ")", "module load (cuModuleGetFunction)", r));
     it = s->functions.emplace(device, reinterpret_cast<void*>(fn)).first;
   } else {
     o = Origin::kMemory;
@@ -220,9 +227,15 @@ Status launch(void* function, unsigned grid, unsigned block, unsigned smem, Stre
   if (!d.launch || !d.ctx) return Status::cuda_error("jit: cuLaunchKernel / cuCtxGetCurrent entry points not found");
   CUcontext ctx = nullptr;
   // A thread that has made no runtime call yet has no current context: bind the device's primary one.
-  if (d.ctx(&ctx) != CUDA_SUCCESS || ctx == nullptr) cudaFree(nullptr);
+  if (d.ctx(&ctx) != CUDA_SUCCESS || ctx == nullptr) {
+    if (const cudaError_t e = cudaFree(nullptr); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::cuda_error(fault::failure_message("jit: launch", "cudaFree(nullptr) (context creation)", cudaGetErrorName(e), int(e),
+                                                       cudaGetErrorString(e)));
+    }
+  }
   CUresult r = d.launch(static_cast<CUfunction>(function), grid, 1, 1, block, 1, 1, smem, static_cast<CUstream>(stream), args, nullptr);
-  if (r != CUDA_SUCCESS) return Status::cuda_error("jit: cuLaunchKernel failed: CUresult " + std::to_string(int(r)));
+  if (r != CUDA_SUCCESS) return Status::cuda_error(cuda::driver_failure_message("jit", "kernel launch (cuLaunchKernel)", r));
   return Status::ok();
 #else
   (void)function, (void)grid, (void)block, (void)smem, (void)stream, (void)args;

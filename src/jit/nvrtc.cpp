@@ -8,6 +8,8 @@
 #include <mutex>
 #include <vector>
 
+#include "core/fault_injection.hpp"
+
 namespace encore::jit {
 namespace {
 
@@ -106,9 +108,20 @@ const NvrtcInfo& nvrtc_info() {
   return g_info;
 }
 
+namespace {
+
+// "jit: <call>(<what>) failed: NVRTC_ERROR_X (code)[: detail]" (nvrtcGetErrorString names the code).
+Status nvrtc_failure(const char* call, const std::string& what, nvrtcResult r, const std::string& detail = "") {
+  return Status::internal(fault::failure_message(("jit: " + what).c_str(), call, g_api.GetErrorString(r), r, detail.c_str()));
+}
+
+}  // namespace
+
 Status nvrtc_compile(const CompileRequest& req, CompileResult* out) {
   const NvrtcInfo& info = nvrtc_info();
   if (!info.available) return Status::unsupported("jit: NVRTC is not available: " + info.library);
+  const std::string what = req.name_expression.empty() ? std::string("encore_jit.cu") : req.name_expression;
+  if (fault::inject(fault::Step::kNvrtcCompile, what.c_str())) return fault::injected(fault::Step::kNvrtcCompile, ("jit: " + what).c_str());
   std::vector<const char*> hnames, hsrcs, opts;
   for (const auto& [n, s] : req.headers) {
     hnames.push_back(n.c_str());
@@ -119,29 +132,29 @@ Status nvrtc_compile(const CompileRequest& req, CompileResult* out) {
   if (!info.include_dir.empty()) opts.push_back(inc.c_str());
   nvrtcProgram prog = nullptr;
   nvrtcResult r = g_api.CreateProgram(&prog, req.source.c_str(), "encore_jit.cu", int(hnames.size()), hsrcs.data(), hnames.data());
-  if (r != 0) return Status::internal(std::string("jit: nvrtcCreateProgram: ") + g_api.GetErrorString(r));
+  if (r != 0) return nvrtc_failure("nvrtcCreateProgram", what, r);
   struct Destroy {
     nvrtcProgram* p;
     ~Destroy() { g_api.DestroyProgram(p); }
   } destroy{&prog};
   if (!req.name_expression.empty() && (r = g_api.AddNameExpression(prog, req.name_expression.c_str())) != 0)
-    return Status::internal(std::string("jit: nvrtcAddNameExpression: ") + g_api.GetErrorString(r));
+    return nvrtc_failure("nvrtcAddNameExpression", what, r);
   const nvrtcResult cr = g_api.CompileProgram(prog, int(opts.size()), opts.data());
   size_t n = 0;
   if (g_api.GetProgramLogSize(prog, &n) == 0 && n > 1) {
     out->log.resize(n);
-    g_api.GetProgramLog(prog, out->log.data());
-    out->log.resize(n - 1);
+    if (g_api.GetProgramLog(prog, out->log.data()) == 0) out->log.resize(n - 1);
+    else out->log = "(nvrtcGetProgramLog failed: no log)";
   }
-  if (cr != 0) return Status::internal(std::string("jit: NVRTC compile failed (") + g_api.GetErrorString(cr) + "):\n" + out->log);
-  if ((r = g_api.GetCUBINSize(prog, &n)) != 0 || n == 0)
-    return Status::internal("jit: nvrtcGetCUBINSize: no cubin (was a real sm_ arch given?)");
+  if (cr != 0) return nvrtc_failure("NVRTC compile (nvrtcCompileProgram)", what, cr, "\n" + out->log);
+  if ((r = g_api.GetCUBINSize(prog, &n)) != 0) return nvrtc_failure("nvrtcGetCUBINSize", what, r);
+  if (n == 0) return Status::internal("jit: " + what + ": nvrtcGetCUBINSize: no cubin (was a real sm_ arch given?)");
   out->cubin.resize(n);
-  if ((r = g_api.GetCUBIN(prog, out->cubin.data())) != 0) return Status::internal(std::string("jit: nvrtcGetCUBIN: ") + g_api.GetErrorString(r));
+  if ((r = g_api.GetCUBIN(prog, out->cubin.data())) != 0) return nvrtc_failure("nvrtcGetCUBIN", what, r);
   if (!req.name_expression.empty()) {
     const char* lowered = nullptr;
-    if ((r = g_api.GetLoweredName(prog, req.name_expression.c_str(), &lowered)) != 0 || !lowered)
-      return Status::internal("jit: nvrtcGetLoweredName failed for " + req.name_expression);
+    if ((r = g_api.GetLoweredName(prog, req.name_expression.c_str(), &lowered)) != 0) return nvrtc_failure("nvrtcGetLoweredName", what, r);
+    if (!lowered) return Status::internal("jit: " + what + ": nvrtcGetLoweredName returned no name");
     out->lowered_name = lowered;
   }
   return Status::ok();

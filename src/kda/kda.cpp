@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/kda.hpp"
 #include "kda/plan.hpp"
@@ -76,6 +77,16 @@ Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {
   return Status::ok();
 }
 
+// The forward's CUDA views are device memory of q's device (core/device_memory.hpp; cu_seqlens is a host
+// tensor, skipped as every CPU view).
+[[maybe_unused]] Status device_memory(const KdaForwardArgs& a) {
+  const KdaResiduals& r = a.residuals;
+  return checks::device_memory({{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta}, {"initial_state", &a.initial_state},
+                                {"A_log", &a.A_log}, {"dt_bias", &a.dt_bias}, {"cu_seqlens", &a.cu_seqlens}, {"o", &a.o},
+                                {"final_state", &a.final_state}, {"residuals.G", &r.G}, {"residuals.Aqk", &r.Aqk}, {"residuals.Akk", &r.Akk},
+                                {"residuals.h", &r.h}});
+}
+
 // What the CUDA forward takes beyond validate().
 Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
   constexpr int64_t kMaxDim = cuda::kKdaRecurrentMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
@@ -141,14 +152,29 @@ Status validate_forward(const KdaForwardArgs& a, const KdaOptions& o, kda::KdaPr
   kda::KdaProblem& p = *out;
   ENCORE_RETURN_IF_ERROR(kda::make_problem(a, o, &p));
   ENCORE_RETURN_IF_ERROR(validate_like("o", a.o, a.v, "v", kFloat));
-  ENCORE_RETURN_IF_ERROR(checks::no_overlap("o", a.o, "q", a.q));
-  ENCORE_RETURN_IF_ERROR(checks::no_overlap("o", a.o, "k", a.k));
-  ENCORE_RETURN_IF_ERROR(checks::no_overlap("o", a.o, "v", a.v));
   if (o.output_final_state) {
     ENCORE_RETURN_IF_ERROR(validate_state("final_state", a.final_state, p, a.q));
   } else if (a.final_state.defined()) {
     return Status::invalid("final_state: given but output_final_state is false");
   }
+  // The outputs overlap no input and not each other (the CUDA kernels read the inputs while they write
+  // o and final_state); final_state may be initial_state itself (the state updated in place: each
+  // state element is read before it is written, by the same thread).
+  const std::pair<const char*, const TensorView*> inputs[] = {{"q", &a.q},         {"k", &a.k},         {"v", &a.v},
+                                                              {"g", &a.g},         {"beta", &a.beta},   {"initial_state", &a.initial_state},
+                                                              {"A_log", &a.A_log}, {"dt_bias", &a.dt_bias}, {"cu_seqlens", &a.cu_seqlens}};
+  const TensorView& fin = a.final_state;
+  for (auto [name, t] : inputs) {
+    if (!t->defined()) continue;
+    ENCORE_RETURN_IF_ERROR(checks::no_overlap("o", a.o, name, *t));
+    const bool in_place = t == &a.initial_state && fin.data == t->data && fin.ndim == t->ndim && fin.shape == t->shape && fin.strides == t->strides;
+    if (fin.defined() && !in_place) {
+      Status st = checks::no_overlap("final_state", fin, name, *t);
+      if (!st && t == &a.initial_state) return Status::invalid(st.message() + " (only exactly, as the same array: the state updated in place)");
+      ENCORE_RETURN_IF_ERROR(st);
+    }
+  }
+  if (fin.defined()) ENCORE_RETURN_IF_ERROR(checks::no_overlap("final_state", fin, "o", a.o));
   return validate_residuals(a, p);
 }
 
@@ -349,10 +375,13 @@ Status kda::run(const KdaForwardArgs& a, const KdaOptions& o, const KdaLaunchPla
   if (a.q.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, p));
 #ifdef ENCORE_WITH_CUDA
+    const bool recurrent = cuda::kda_use_recurrent(p.K, p.V);  // the token-recurrent forward needs no workspace
+    if (!recurrent) ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
+    ENCORE_RETURN_IF_ERROR(device_memory(a));  // the last check: the driver's view of the CUDA views
+    if (!recurrent) ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.q.device));
     cuda::KdaCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_problem(a, o, p, cp);
-    if (cuda::kda_use_recurrent(p.K, p.V)) return cuda::launch_kda_recurrent_forward(cp, stream);
-    ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
+    if (recurrent) return cuda::launch_kda_recurrent_forward(cp, stream);
     const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
     ENCORE_RETURN_IF_ERROR(get_device_info(cp.device, &info));
     kda::KdaLaunchPlan chosen;
@@ -441,6 +470,11 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
     ENCORE_RETURN_IF_ERROR(validate_cuda_backward(a, p));
 #ifdef ENCORE_WITH_CUDA
     ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "backward"));
+    ENCORE_RETURN_IF_ERROR(device_memory(a.fwd));  // the last checks: the driver's view of the CUDA views
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"d_o", &a.d_o}, {"d_final_state", &a.d_final_state}, {"dq", &a.dq}, {"dk", &a.dk},
+                                                  {"dv", &a.dv}, {"dg", &a.dg}, {"dbeta", &a.dbeta}, {"dh0", &a.dh0}, {"dA_log", &a.dA_log},
+                                                  {"ddt_bias", &a.ddt_bias}}));
+    ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.fwd.q.device));
     cuda::KdaBwdCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_backward(a, o, p, cp);
     return cuda::kda_use_recurrent(p.K, p.V) ? cuda::launch_kda_recurrent_backward(cp, workspace, stream)
@@ -472,6 +506,38 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
   if (a.dA_log.defined()) store_dense(a.dA_log, g.dA_log);
   if (a.ddt_bias.defined()) store_dense(a.ddt_bias, g.ddt_bias);
   return Status::ok();
+}
+
+Status kda::bwd2_stages_workspace(const KdaBackwardArgs& a, const KdaOptions& o, size_t* bytes) {
+  kda::KdaProblem p;
+  ENCORE_RETURN_IF_ERROR(validate_backward(a, o, &p));
+#ifdef ENCORE_WITH_CUDA
+  *bytes = cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes;
+  return Status::ok();
+#else
+  *bytes = 0;
+  return no_cuda(a.fwd.q);
+#endif
+}
+
+Status kda::bwd2_stages(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Stream stream, cuda::Kda2Layout* layout) {
+  kda::KdaProblem p;
+  ENCORE_RETURN_IF_ERROR(validate_backward(a, o, &p));
+  if (!a.fwd.q.device.is_cuda()) return Status::invalid("q: the second backward's stages run on CUDA tensors");
+  ENCORE_RETURN_IF_ERROR(validate_cuda_backward(a, p));
+#ifdef ENCORE_WITH_CUDA
+  if (!a.fwd.residuals.G.defined() || !a.fwd.residuals.Aqk.defined() || !a.fwd.residuals.Akk.defined())
+    return Status::invalid("residuals: the second backward reads the forward's G, Aqk and Akk");
+  cuda::KdaBwdCudaProblem cp{};
+  fill_cuda_backward(a, o, p, cp);
+  *layout = cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H);
+  return cuda::launch_kda2_prep_scan(cp, *layout, workspace, int(chunk_count(p)), stream);
+#else
+  (void)workspace;
+  (void)stream;
+  (void)layout;
+  return no_cuda(a.fwd.q);
+#endif
 }
 
 }  // namespace encore

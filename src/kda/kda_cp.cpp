@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "kda/cuda/kda_cp_fill.hpp"
 #include "kda/kda_cp_compose.hpp"
 #include "kda/problem.hpp"
@@ -133,6 +134,7 @@ Status run_cp_merge(const TensorView& S, const TensorView& M, const TensorView& 
       ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kFP32}));
       if (!t->is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous on CUDA");
     }
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"S", &S}, {"M", &M}, {"out", &out}}));
 #ifdef ENCORE_WITH_CUDA
     return cuda::kda_cp_merge(static_cast<const float*>(S.data), static_cast<const float*>(M.data), static_cast<float*>(out.data), n, H, K,
                               V, S.device.index, stream);

@@ -10,6 +10,7 @@
 
 #include "core/carve.hpp"
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "kda/cuda/kda_cp_fill.hpp"
 #include "kda/cuda/launch.hpp"
 
@@ -199,13 +200,18 @@ Status cp_compose_summary(const KdaCpSummaryArgs& a, const KdaOptions& o, bool b
   ENCORE_RETURN_IF_ERROR(validate_compose(a, p, what));
   const Sequence& s = p.seqs[size_t(a.piece)];
   const Device dev = a.fwd.q.device;
-  if (s.end == s.begin) {  // an empty piece: S_ext = 0 (dS_ext = 0), M = I (dM = I)
+  const bool empty = s.end == s.begin;
+  if (!empty && workspace == nullptr)
+    return Status::invalid(std::string("workspace: ") + what + " needs cp_*_summary_workspace_bytes(args, opts) bytes");
+  if (!empty && !checks::aligned(workspace, 16)) return Status::invalid("workspace: must be 16-byte aligned");
+  // Before the first fill: the views this composition writes or reads directly (the runs check theirs).
+  ENCORE_RETURN_IF_ERROR(checks::device_memory({{"S", &a.S}, {"M", &a.M}, {"d_o", &a.d_o}, {"q", &a.fwd.q}}));
+  if (!empty) ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, dev));
+  if (empty) {  // an empty piece: S_ext = 0 (dS_ext = 0), M = I (dM = I)
     if (dev.is_cuda()) ENCORE_RETURN_IF_ERROR(fill_zero(a.S.data, size_t(a.S.numel()) * a.S.element_size(), dev, stream));
     else store3(a.S, [](int64_t, int64_t, int64_t) { return 0.0; });
     return fill_identity(a.M, p.H, p.K, stream);
   }
-  if (workspace == nullptr) return Status::invalid(std::string("workspace: ") + what + " needs cp_*_summary_workspace_bytes(args, opts) bytes");
-  if (!checks::aligned(workspace, 16)) return Status::invalid("workspace: must be 16-byte aligned");
   const Plan pl = make_plan(a, o, backward, p, workspace);
   ENCORE_RETURN_IF_ERROR(fill_zero(pl.zero, pl.zero_bytes, dev, stream));
   ENCORE_RETURN_IF_ERROR(fill_identity(pl.eye, p.H, p.K, stream));

@@ -4,6 +4,7 @@
 #pragma once
 #include "encore/core/status.hpp"
 #include "encore/kda.hpp"
+#include "kda/cuda/kda_bwd2.hpp"
 #include "kda/cuda/launch.hpp"
 #include "kda/plan.hpp"
 
@@ -15,6 +16,12 @@ namespace encore::kda {
 // reference ignore it once checked.
 Status run(const KdaForwardArgs& args, const KdaOptions& opts, const KdaLaunchPlan& plan, void* workspace = nullptr,
            Stream stream = nullptr);
+
+// The second backward's stages built so far (K0 prep, K1 scan; kda/cuda/kda_bwd2.hpp) on a validated
+// backward problem with the forward's residuals G, Aqk, Akk (CUDA, K, V <= 128): the workspace size,
+// and the run, whose intermediates sit in `workspace` at `layout`'s offsets (dh0 into args.dh0).
+Status bwd2_stages_workspace(const KdaBackwardArgs& args, const KdaOptions& opts, size_t* bytes);
+Status bwd2_stages(const KdaBackwardArgs& args, const KdaOptions& opts, void* workspace, Stream stream, cuda::Kda2Layout* layout);
 
 }  // namespace encore::kda
 

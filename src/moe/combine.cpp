@@ -3,6 +3,7 @@
 #include <string>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/moe.hpp"
 #include "moe/args.hpp"
 #include "moe/problem.hpp"
@@ -53,6 +54,8 @@ size_t workspace_bytes(const MoeCombineArgs&, const MoeCombineOptions&) { return
 Status run(const MoeCombineArgs& a, const MoeCombineOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
   if (a.expert_out.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"expert_out", &a.expert_out}, {"slot_rows", &a.slot_rows}, {"topk_weights", &a.topk_weights},
+                                                  {"out", &a.out}}));
 #ifdef ENCORE_WITH_CUDA
     return moe::cuda_combine(moe::make_combine_problem(a), a.expert_out.shape[0], a.expert_out.device.index, stream);
 #endif

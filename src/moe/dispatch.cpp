@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/moe.hpp"
 #include "moe/args.hpp"
 #include "moe/problem.hpp"
@@ -123,6 +124,10 @@ Status run(const MoeDispatchArgs& a, const MoeDispatchOptions& o, void* workspac
     return Status::invalid("workspace: a 16-byte aligned buffer of workspace_bytes(args, opts) = " + std::to_string(workspace_bytes(a, o)) +
                            " bytes is required");
   if (a.topk_ids.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"topk_ids", &a.topk_ids}, {"x", &a.x}, {"expert_counts", &a.expert_counts},
+                                                  {"expert_offsets", &a.expert_offsets}, {"slot_rows", &a.slot_rows}, {"row_slots", &a.row_slots},
+                                                  {"x_permuted", &a.x_permuted}, {"x_scales", &a.x_scales}}));
+    ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.topk_ids.device));
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* info = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.topk_ids.device.index, &info));

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/fault_injection.hpp"
 #include "encore/moe_ep.hpp"
 #include "moe/args.hpp"
 #include "moe/problem.hpp"
@@ -159,7 +160,9 @@ Status copy(void* dst, const void* src, size_t n, Device dev, Stream stream) {
   }
 #ifdef ENCORE_WITH_CUDA
   const cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
-  return e == cudaSuccess ? Status::ok() : Status::cuda_error(std::string("moe_forward_ep: cudaMemcpyAsync: ") + cudaGetErrorString(e));
+  if (e == cudaSuccess) return Status::ok();
+  (void)cudaGetLastError();
+  return Status::cuda_error(fault::failure_message("moe_forward_ep", "cudaMemcpyAsync", cudaGetErrorName(e), int(e), cudaGetErrorString(e)));
 #else
   (void)stream;
   return Status::unsupported("moe_forward_ep: a CUDA device in a build without CUDA");

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #ifdef ENCORE_WITH_CUDA
 #include "moe/cuda/launch.hpp"
 #endif
@@ -81,7 +82,7 @@ Status device_tensor(const char* name, const TensorView& v, DType dt, int64_t ro
                            v.shape_string());
   if (!v.is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous");
   if (v.shape[0] * v.shape[1] > 0 && !checks::aligned(v.data, 16)) return Status::invalid(std::string(name) + ": must be 16-byte aligned");
-  return Status::ok();
+  return checks::device_memory(name, v);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "core/fault_injection.hpp"
 #include "encore/moe_ep.hpp"
 #ifdef ENCORE_WITH_CUDA
 #include <cuda_runtime.h>
@@ -76,9 +77,17 @@ const Nccl& nccl() {
   return n;
 }
 
+// "moe_forward_ep: <what> failed: ncclResult <r>: <ncclGetErrorString>".
 Status nccl_status(NcclResult r, const char* what) {
   if (r == kNcclSuccess) return Status::ok();
-  return Status::internal(std::string("moe_forward_ep: ") + what + ": " + nccl().error_string(r));
+  return Status::internal(fault::failure_message("moe_forward_ep", what, "ncclResult", r, nccl().error_string(r)));
+}
+
+// The test seam, then the NCCL call `call()` (an injected failure skips it).
+template <class F>
+Status nccl_call(const char* what, F&& call) {
+  if (fault::inject(fault::Step::kNccl, what)) return fault::injected(fault::Step::kNccl, (std::string("moe_forward_ep: ") + what).c_str());
+  return nccl_status(call(), what);
 }
 
 class NcclComm final : public MoeEpComm {
@@ -96,15 +105,18 @@ class NcclComm final : public MoeEpComm {
     if (aborted_) return Status::internal("moe_forward_ep: the communicator was aborted after an earlier timeout");
     const Nccl& n = nccl();
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    ENCORE_RETURN_IF_ERROR(nccl_status(n.group_start(), "ncclGroupStart"));
+    ENCORE_RETURN_IF_ERROR(nccl_call("ncclGroupStart", [&] { return n.group_start(); }));
     Status st = Status::ok();
     for (int r = 0; r < world_ && st; ++r) {
       if (send_bytes[r] > 0)
-        st = nccl_status(n.send(static_cast<const char*>(send) + send_offsets[r], size_t(send_bytes[r]), kNcclUint8, r, comm_, s), "ncclSend");
+        st = nccl_call("ncclSend", [&] { return n.send(static_cast<const char*>(send) + send_offsets[r], size_t(send_bytes[r]), kNcclUint8, r, comm_, s); });
       if (st && recv_bytes[r] > 0)
-        st = nccl_status(n.recv(static_cast<char*>(recv) + recv_offsets[r], size_t(recv_bytes[r]), kNcclUint8, r, comm_, s), "ncclRecv");
+        st = nccl_call("ncclRecv", [&] { return n.recv(static_cast<char*>(recv) + recv_offsets[r], size_t(recv_bytes[r]), kNcclUint8, r, comm_, s); });
     }
-    const Status end = nccl_status(n.group_end(), "ncclGroupEnd");
+    // The group is closed even after a failed enqueue. A non-blocking communicator answers ncclInProgress
+    // here: the transfer is then checked by synchronize (ncclCommGetAsyncError).
+    const NcclResult e = n.group_end();
+    const Status end = e == kNcclInProgress ? Status::ok() : nccl_status(e, "ncclGroupEnd");
     return st ? end : st;
   }
 
@@ -114,12 +126,18 @@ class NcclComm final : public MoeEpComm {
     for (;;) {
       const cudaError_t q = cudaStreamQuery(static_cast<cudaStream_t>(stream));
       if (q == cudaSuccess) return Status::ok();
-      if (q != cudaErrorNotReady) return Status::cuda_error(std::string("moe_forward_ep: ") + cudaGetErrorString(q));
+      if (q != cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        return Status::cuda_error(fault::failure_message("moe_forward_ep", "synchronize (cudaStreamQuery)", cudaGetErrorName(q), int(q),
+                                                         cudaGetErrorString(q)));
+      }
       NcclResult r = kNcclSuccess;
-      nccl().async_error(comm_, &r);
+      if (const NcclResult q2 = nccl().async_error(comm_, &r); q2 != kNcclSuccess) r = q2;  // the query itself failed: report that
       if (r != kNcclSuccess && r != kNcclInProgress) {
         abort_now();
-        return nccl_status(r, ("rank " + std::to_string(rank_) + ": the all-to-all failed; the communicator is aborted").c_str());
+        return Status::internal(fault::failure_message(("moe_forward_ep: rank " + std::to_string(rank_)).c_str(),
+                                                       "the all-to-all (ncclCommGetAsyncError)", "ncclResult", r, nccl().error_string(r)) +
+                                "; the communicator is aborted");
       }
       if (std::chrono::steady_clock::now() > deadline) {
         abort_now();
@@ -150,9 +168,9 @@ Status moe_ep_nccl_comm(ncclComm_t comm, std::unique_ptr<MoeEpComm>* out) {
   const Nccl& n = nccl();
   if (!n.why.empty()) return Status::unsupported(n.why);
   int rank = 0, world = 0, device = 0;
-  ENCORE_RETURN_IF_ERROR(nccl_status(n.user_rank(comm, &rank), "ncclCommUserRank"));
-  ENCORE_RETURN_IF_ERROR(nccl_status(n.count(comm, &world), "ncclCommCount"));
-  ENCORE_RETURN_IF_ERROR(nccl_status(n.cu_device(comm, &device), "ncclCommCuDevice"));
+  ENCORE_RETURN_IF_ERROR(nccl_call("ncclCommUserRank", [&] { return n.user_rank(comm, &rank); }));
+  ENCORE_RETURN_IF_ERROR(nccl_call("ncclCommCount", [&] { return n.count(comm, &world); }));
+  ENCORE_RETURN_IF_ERROR(nccl_call("ncclCommCuDevice", [&] { return n.cu_device(comm, &device); }));
   *out = std::make_unique<NcclComm>(comm, false, rank, world, device);
   return Status::ok();
 }
@@ -162,7 +180,7 @@ Status moe_ep_nccl_unique_id(void* unique_id) {
   const Nccl& n = nccl();
   if (!n.why.empty()) return Status::unsupported(n.why);
   NcclUniqueId id;
-  ENCORE_RETURN_IF_ERROR(nccl_status(n.unique_id(&id), "ncclGetUniqueId"));
+  ENCORE_RETURN_IF_ERROR(nccl_call("ncclGetUniqueId", [&] { return n.unique_id(&id); }));
   std::memcpy(unique_id, id.internal, sizeof(id.internal));
   return Status::ok();
 }
@@ -174,12 +192,16 @@ Status moe_ep_nccl_comm_from_unique_id(const void* unique_id, int world, int ran
     return Status::invalid("rank: " + std::to_string(rank) + " must be in [0, world = " + std::to_string(world) + ")");
   const Nccl& n = nccl();
   if (!n.why.empty()) return Status::unsupported(n.why);
-  const cudaError_t e = cudaSetDevice(device);
-  if (e != cudaSuccess) return Status::cuda_error("device: " + std::to_string(device) + ": " + cudaGetErrorString(e));
+  const cudaError_t e = cudaSetDevice(device);  // the communicator's device stays current (NCCL's convention)
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status::cuda_error(fault::failure_message(("device: cuda:" + std::to_string(device)).c_str(), "cudaSetDevice", cudaGetErrorName(e),
+                                                     int(e), cudaGetErrorString(e)));
+  }
   NcclUniqueId id;
   std::memcpy(id.internal, unique_id, sizeof(id.internal));
   ncclComm_t comm = nullptr;
-  ENCORE_RETURN_IF_ERROR(nccl_status(n.init_rank(&comm, world, id, rank), "ncclCommInitRank"));
+  ENCORE_RETURN_IF_ERROR(nccl_call("ncclCommInitRank", [&] { return n.init_rank(&comm, world, id, rank); }));
   *out = std::make_unique<NcclComm>(comm, true, rank, world, device);
   return Status::ok();
 }

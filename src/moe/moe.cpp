@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/moe.hpp"
 #include "moe/args.hpp"
 #include "moe/problem.hpp"
@@ -172,6 +173,12 @@ moe::ExpertMlpProblem mlp_problem(const MoeForwardArgs& a, const Parts& p, const
 Status run_cuda(const MoeForwardArgs& a, const MoeOptions& o, const Parts& p, Stream stream) {
   const MoeBuffers& b = a.buffers;
   const int dev = a.x.device.index;
+  ENCORE_RETURN_IF_ERROR(checks::device_memory(
+      {{"x", &a.x}, {"router_logits", &a.router_logits}, {"correction_bias", &a.correction_bias}, {"w13", &a.w13}, {"w2", &a.w2}, {"out", &a.out},
+       {"buffers.topk_ids", &b.topk_ids}, {"buffers.topk_weights", &b.topk_weights}, {"buffers.expert_counts", &b.expert_counts},
+       {"buffers.expert_offsets", &b.expert_offsets}, {"buffers.slot_rows", &b.slot_rows}, {"buffers.row_slots", &b.row_slots},
+       {"buffers.x_permuted", &b.x_permuted}, {"buffers.activation", &b.activation}, {"buffers.expert_out", &b.expert_out},
+       {"buffers.dispatch_workspace", &b.dispatch_workspace}, {"buffers.gate_up", &b.gate_up}, {"buffers.gemm_workspace", &b.gemm_workspace}}));
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(dev, &info));
   const int64_t T = a.x.shape[0];

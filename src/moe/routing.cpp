@@ -2,6 +2,7 @@
 #include <string>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/moe.hpp"
 #include "moe/args.hpp"
 #include "moe/problem.hpp"
@@ -49,6 +50,8 @@ size_t workspace_bytes(const MoeRoutingArgs&, const MoeRoutingOptions&) { return
 Status run(const MoeRoutingArgs& a, const MoeRoutingOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
   if (a.logits.device.is_cuda()) {
+    ENCORE_RETURN_IF_ERROR(checks::device_memory({{"logits", &a.logits}, {"correction_bias", &a.correction_bias}, {"topk_ids", &a.topk_ids},
+                                                  {"topk_weights", &a.topk_weights}}));
 #ifdef ENCORE_WITH_CUDA
     return moe::cuda_routing(moe::make_routing_problem(a, o), a.logits.device.index, stream);
 #endif

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
 #include "norm/jit.hpp"
@@ -67,6 +68,7 @@ size_t workspace_bytes(const QkNormArgs&, const QkNormOptions&) { return 0; }
 
 Status run(const QkNormArgs& a, const QkNormOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
+  ENCORE_RETURN_IF_ERROR(checks::device_memory({{"qkv", &a.qkv}, {"q_weight", &a.q_weight}, {"k_weight", &a.k_weight}}));  // CUDA views only
   norm::QkNormProblem p;
   p.qkv = a.qkv.data;
   p.token_stride = a.qkv.strides[0];

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/norm.hpp"
 #include "norm/jit.hpp"
@@ -16,9 +17,17 @@
 namespace encore {
 namespace {
 
-// Two views are either the same view (exact alias) or disjoint in memory.
+// Two views are either the same view (exact alias: same pointer, shape and strides, a dimension of
+// size 1 having no stride that matters) or disjoint in memory.
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.ndim != b.ndim || a.shape != b.shape) return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] > 1 && a.strides[i] != b.strides[i]) return false;
+  return true;
+}
+
 Status same_or_disjoint(const char* a_name, const TensorView& a, const char* b_name, const TensorView& b) {
-  if (a.data == b.data && a.strides == b.strides && a.shape == b.shape) return Status::ok();
+  if (same_view(a, b)) return Status::ok();
   Status st = checks::no_overlap(a_name, a, b_name, b);
   if (!st) return Status::invalid(st.message() + " (outputs may alias an input only exactly: same pointer and strides)");
   return st;
@@ -140,6 +149,7 @@ Status execute(const norm::RmsNormProblem& p, Device device, const RmsNormOption
 Status init_workspace(Device device, const RmsNormOptions& opts, void* workspace, Stream stream) {
   if (opts.path != RmsNormPath::kSplitRowBarrier || !device.is_cuda()) return Status::ok();
   if (workspace == nullptr) return Status::invalid("workspace: null; kSplitRowBarrier needs workspace_bytes() bytes");
+  ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, device));
 #ifdef ENCORE_WITH_CUDA
   return cuda::zero_split_barrier(workspace, device.index, stream);
 #else
@@ -164,6 +174,8 @@ size_t workspace_bytes(const RmsNormArgs& a, const RmsNormOptions& opts) {
 
 Status run(const RmsNormArgs& a, const RmsNormOptions& opts, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, opts));
+  ENCORE_RETURN_IF_ERROR(checks::device_memory({{"x", &a.x}, {"weight", &a.weight}, {"y", &a.y}}));  // CUDA views only
+  if (is_split(opts.path)) ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.x.device));
   return execute(make_problem(a.x, nullptr, a.weight, a.y, nullptr, opts), a.x.device, opts, workspace, stream);
 }
 
@@ -192,6 +204,8 @@ size_t workspace_bytes(const AddRmsNormArgs& a, const RmsNormOptions& opts) {
 
 Status run(const AddRmsNormArgs& a, const RmsNormOptions& opts, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, opts));
+  ENCORE_RETURN_IF_ERROR(checks::device_memory({{"x", &a.x}, {"residual", &a.residual}, {"weight", &a.weight}, {"y", &a.y}, {"h", &a.h}}));
+  if (is_split(opts.path)) ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.x.device));
   return execute(make_problem(a.x, &a.residual, a.weight, a.y, &a.h, opts), a.x.device, opts, workspace, stream);
 }
 

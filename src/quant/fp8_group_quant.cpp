@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/quant.hpp"
 #include "quant/jit.hpp"
@@ -94,6 +95,7 @@ Status run(const Fp8GroupQuantArgs& a, const Fp8GroupQuantOptions& o, void*, Str
     reference::fp8_group_quant(p);
     return Status::ok();
   }
+  ENCORE_RETURN_IF_ERROR(checks::device_memory({{"x", &a.x}, {"q", &a.q}, {"scales", &a.scales}}));
 #ifdef ENCORE_WITH_CUDA
   const DeviceInfo* info = nullptr;
   ENCORE_RETURN_IF_ERROR(get_device_info(a.x.device.index, &info));

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/quant.hpp"
 #include "quant/jit.hpp"
 #include "quant/problem.hpp"
@@ -144,13 +145,16 @@ Status validate_cuda(const Kind& k, const TensorView& x, const TensorView& q) {
 }
 
 // CPU reference, or the CUDA kernels (asynchronous on `stream`).
-Status dispatch(const Kind& k, const TensorView& x, const TensorView& q, const quant::MxProblem& p, bool quantize, Stream stream) {
+// `scales` and `global` (null: none) for the device-memory check.
+Status dispatch(const Kind& k, const TensorView& x, const TensorView& q, const TensorView& scales, const TensorView* global,
+                const quant::MxProblem& p, bool quantize, Stream stream) {
   if (!x.device.is_cuda()) {
     if (quantize) reference::mx_quant(p);
     else reference::mx_dequant(p);
     return Status::ok();
   }
   ENCORE_RETURN_IF_ERROR(validate_cuda(k, x, q));
+  ENCORE_RETURN_IF_ERROR(checks::device_memory({{"x", &x}, {"q", &q}, {"scales", &scales}, {"global_scale", global}}));
 #ifdef ENCORE_WITH_CUDA
   if (quantize && quant::mx_quant_uses_jit(p)) {  // docs/jit.md: K baked in
     Status st = quant::launch_mx_quant_jit(p, x.device.index, stream);
@@ -173,7 +177,7 @@ Status run_dequant(const Kind& k, const TensorView& q, const TensorView& s, cons
   if (g) ENCORE_RETURN_IF_ERROR(validate_global(*g, x));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("x", x, "q", q));
   ENCORE_RETURN_IF_ERROR(checks::no_overlap("x", x, "scales", s));
-  return dispatch(k, x, q, make_problem(k, x, q, s, g ? static_cast<float*>(g->data) : nullptr, o), false, stream);
+  return dispatch(k, x, q, s, g, make_problem(k, x, q, s, g ? static_cast<float*>(g->data) : nullptr, o), false, stream);
 }
 
 }  // namespace
@@ -187,12 +191,13 @@ size_t workspace_bytes(const Nvfp4QuantArgs&, const MxQuantOptions&) { return 0;
 
 Status run(const Mxfp8QuantArgs& a, const MxQuantOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
-  return dispatch(kMx, a.x, a.q, make_problem(kMx, a.x, a.q, a.scales, nullptr, o), true, stream);
+  return dispatch(kMx, a.x, a.q, a.scales, nullptr, make_problem(kMx, a.x, a.q, a.scales, nullptr, o), true, stream);
 }
 
 Status run(const Nvfp4QuantArgs& a, const MxQuantOptions& o, void*, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a, o));
-  return dispatch(kNv, a.x, a.q, make_problem(kNv, a.x, a.q, a.scales, static_cast<float*>(a.global_scale.data), o), true, stream);
+  return dispatch(kNv, a.x, a.q, a.scales, &a.global_scale, make_problem(kNv, a.x, a.q, a.scales, static_cast<float*>(a.global_scale.data), o),
+                  true, stream);
 }
 
 Status run(const Mxfp8DequantArgs& a, const MxQuantOptions& o, Stream stream) {

@@ -173,6 +173,7 @@ TEST(GemmCeZdzCpu, CudaRaggedKOfPaddedA) {
   EXPECT_NE(st.message().find("M = 1001"), std::string::npos) << st.to_string();
   wg.a = padded.view();
   st = run(on_gpu(wg), GemmEpilogueOptions{Epilogue::kWgrad});
+  EXPECT_FALSE(st);  // host memory labelled CUDA: refused (no device here, or the device-memory check)
   EXPECT_FALSE(limit(st)) << st.to_string();
   // a forward row with W [N, K], K = 1001: refused even with padded rows of A (W's rows are K long)
   GemmEpilogueArgs f;

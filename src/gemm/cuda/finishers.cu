@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "common/cuda/fast_math.cuh"
+#include "common/cuda/launch_check.hpp"
 #include "gemm/cuda/launch.hpp"
 
 namespace encore::cuda {
@@ -40,11 +41,15 @@ __global__ void lse_finish_kernel(const float* __restrict__ partials, int64_t ld
   if (m >= M) return;
   const float* row = partials + int64_t(m) * ld;
   float mx = -INFINITY;
-  for (int t = 0; t < tiles; ++t) mx = fmaxf(mx, row[t]);
+  bool nan = false;  // a NaN tile (NaN logits) makes the row NaN: fmaxf alone would skip it
+  for (int t = 0; t < tiles; ++t) {
+    mx = fmaxf(mx, row[t]);
+    nan = nan || isnan(row[t]);
+  }
   float s = 0.0f;
   if (mx != -INFINITY)
     for (int t = 0; t < tiles; ++t) s += expf(row[t] - mx);
-  const float l = mx == -INFINITY ? -INFINITY : mx + logf(s);
+  const float l = nan ? NAN : mx == -INFINITY ? -INFINITY : mx + logf(s);
   lse[m] = l;
   if (target != nullptr) loss[m] = target[m] == ignore_index ? 0.0f : l - target_logit[m];
 }
@@ -119,44 +124,42 @@ __global__ void ce_mean_kernel(const int32_t* __restrict__ target, int M, const 
   if (alpha != nullptr) *alpha = n > 0 ? *d_loss / float(n) : 0.0f;
 }
 
-Status launched(const char* name) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(e));
-  return Status::ok();
-}
-
 }  // namespace
 
 Status launch_rms_final_reduce(const float* partials, int64_t ld, int M, int tiles, float* r, int64_t hidden, float eps, Stream stream) {
   if (M == 0) return Status::ok();
-  rms_final_reduce_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      partials, ld, M, tiles, r, float(1.0 / double(hidden)), eps);
-  return launched("rms_final_reduce");
+  return launch("rms_final_reduce", [&] {
+    rms_final_reduce_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        partials, ld, M, tiles, r, float(1.0 / double(hidden)), eps);
+  });
 }
 
 Status launch_partials_sum(const float* partials, int64_t ld, int rows, int cols, float* out, int n_out, bool per_column, float scale,
                            Stream stream) {
   const int n = per_column ? n_out : rows;
   if (n == 0) return Status::ok();
-  partials_sum_kernel<<<(n + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(partials, ld, rows, cols, out, n,
-                                                                                                          per_column, scale);
-  return launched("partials_sum");
+  return launch("partials_sum", [&] {
+    partials_sum_kernel<<<(n + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(partials, ld, rows, cols, out, n,
+                                                                                                            per_column, scale);
+  });
 }
 
 Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, float* lse, const int32_t* target, const float* target_logit,
                          float* loss, int ignore_index, Stream stream) {
   if (M == 0) return Status::ok();
-  lse_finish_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      partials, ld, M, tiles, lse, target, target_logit, loss, ignore_index);
-  return launched("lse_finish");
+  return launch("lse_finish", [&] {
+    lse_finish_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        partials, ld, M, tiles, lse, target, target_logit, loss, ignore_index);
+  });
 }
 
 Status launch_ce_mean(const int32_t* target, int M, const float* loss_rows, float* loss, const float* d_loss, float* alpha, int ignore_index,
                       Stream stream) {
   if (loss == nullptr && alpha == nullptr) return Status::ok();
-  ce_mean_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(target, M, loss != nullptr ? loss_rows : nullptr, loss, d_loss, alpha,
-                                                                       ignore_index);
-  return launched("ce_mean");
+  return launch("ce_mean", [&] {
+    ce_mean_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(target, M, loss != nullptr ? loss_rows : nullptr, loss, d_loss,
+                                                                         alpha, ignore_index);
+  });
 }
 
 Status launch_cross_entropy_bwd(const void* logits, int64_t ld, void* dlogits, int64_t ld_out, DType dtype, int M, int N, const float* lse,
@@ -168,6 +171,7 @@ Status launch_cross_entropy_bwd(const void* logits, int64_t ld, void* dlogits, i
   const bool vec = aligned(logits) && aligned(dlogits) && N % vec_elems == 0 && (M == 1 || (ld % vec_elems == 0 && ld_out % vec_elems == 0));
   const int blocks = M < 65535 * 8 ? M : 65535 * 8;
   auto s = static_cast<cudaStream_t>(stream);
+  ENCORE_RETURN_IF_ERROR(launch_gate("cross_entropy_bwd"));
   switch (dtype) {
     case DType::kBF16:
       cross_entropy_bwd_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(logits), ld,
@@ -184,7 +188,7 @@ Status launch_cross_entropy_bwd(const void* logits, int64_t ld, void* dlogits, i
       break;
     default: return Status::unsupported(std::string("logits: cross_entropy_bwd on CUDA takes bf16, fp16 or fp32, got ") + dtype_name(dtype));
   }
-  return launched("cross_entropy_bwd");
+  return launch_status("cross_entropy_bwd");
 }
 
 }  // namespace encore::cuda

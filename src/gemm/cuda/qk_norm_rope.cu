@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/cuda/launch_check.hpp"
 #include "common/cuda/vector_io.cuh"
 #include "gemm/cuda/launch.hpp"
 
@@ -37,10 +38,10 @@ template <typename T>
 Status launch_typed(const QkNormRopeProblem& p, cudaStream_t s) {
   const int64_t pairs = int64_t(p.M) * p.qk_heads * p.head_dim / 2;
   const unsigned grid = unsigned((pairs + 255) / 256);
-  if (p.weight_fp32) qk_norm_rope_kernel<T, float><<<grid, 256, 0, s>>>(p);
-  else qk_norm_rope_kernel<T, T><<<grid, 256, 0, s>>>(p);
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? Status::ok() : Status::cuda_error(std::string("qk_norm_rope: launch failed: ") + cudaGetErrorString(e));
+  return launch("qk_norm_rope", [&] {
+    if (p.weight_fp32) qk_norm_rope_kernel<T, float><<<grid, 256, 0, s>>>(p);
+    else qk_norm_rope_kernel<T, T><<<grid, 256, 0, s>>>(p);
+  });
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include <string>
 
+#include "common/cuda/launch_check.hpp"
 #include "common/cuda/vector_io.cuh"
 #include "gemm/cuda/launch.hpp"
 #include "gemm/cuda/qk_norm_rope_bwd.hpp"
@@ -101,10 +102,10 @@ __global__ void __launch_bounds__(kWarps * 32) qk_norm_rope_bwd_kernel(QkNormRop
 
 template <typename T>
 Status launch_typed(const QkNormRopeBwdProblem& p, float* ws, int blocks, cudaStream_t s) {
-  if (p.weight_fp32) qk_norm_rope_bwd_kernel<T, float><<<blocks, kWarps * 32, 0, s>>>(p, ws);
-  else qk_norm_rope_bwd_kernel<T, T><<<blocks, kWarps * 32, 0, s>>>(p, ws);
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? Status::ok() : Status::cuda_error(std::string("qk_norm_rope_bwd: launch failed: ") + cudaGetErrorString(e));
+  return launch("qk_norm_rope_bwd", [&] {
+    if (p.weight_fp32) qk_norm_rope_bwd_kernel<T, float><<<blocks, kWarps * 32, 0, s>>>(p, ws);
+    else qk_norm_rope_bwd_kernel<T, T><<<blocks, kWarps * 32, 0, s>>>(p, ws);
+  });
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/cuda/launch_check.hpp"
 #include "common/cuda/vector_io.cuh"
 #include "gemm/cuda/launch.hpp"
 
@@ -48,9 +49,7 @@ __global__ void __launch_bounds__(kThreads) rope_bwd_zdz_kernel(gemm::RopeBwdZdz
 
 template <typename T>
 Status launch_typed(const gemm::RopeBwdZdzProblem& p, cudaStream_t s) {
-  rope_bwd_zdz_kernel<T><<<unsigned(p.M), kThreads, 0, s>>>(p);
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? Status::ok() : Status::cuda_error(std::string("rope_bwd_zdz: launch failed: ") + cudaGetErrorString(e));
+  return launch("rope_bwd_zdz", [&] { rope_bwd_zdz_kernel<T><<<unsigned(p.M), kThreads, 0, s>>>(p); });
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 #include <tuple>
 #include <type_traits>
 
+#include "common/cuda/cutlass_steps.cuh"
+#include "common/cuda/launch_check.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -147,7 +149,8 @@ inline bool same_problem(const GemmProblem& x, const GemmProblem& y) {
   return tie(x) == tie(y);
 }
 
-// can_implement -> Params -> launch on `stream`; the kernels used here need no workspace.
+// can_implement -> Params -> launch on `stream` (common/cuda/cutlass_steps.cuh: each step's failure a
+// Status naming the kernel, the step and the code; the kernels used here need no workspace).
 // can_implement sees M, N and K rounded up to the 16-byte alignment: the dispatch has checked every
 // operand's rows (validate_cuda), the TMA descriptors take any extent and clip (stores) or zero-fill
 // (loads) past it: kLse / kCeBwd store D with N odd where D's rows are padded, and the dgrad / wgrad rows
@@ -156,7 +159,8 @@ inline bool same_problem(const GemmProblem& x, const GemmProblem& y) {
 // Host cost: the Params (TMA descriptors included) of the last problem are kept per kernel and
 // thread, so a call repeating it (same shapes and addresses: a training step's or a benchmark's
 // loop) only launches; the kernel's shared-memory attribute is set once per kernel and device
-// (CUTLASS's initialize sets it on every call).
+// (CUTLASS's initialize sets it on every call). The caller has made p.device current (the dispatch's
+// DeviceGuard: also a current context, which the descriptors' encoding needs).
 template <class G>
 Status run_gemm(const GemmProblem& p, const typename G::Gemm::Arguments& args, cudaStream_t stream, const char* name) {
   using Kernel = typename G::Kernel;
@@ -174,26 +178,19 @@ Status run_gemm(const GemmProblem& p, const typename G::Gemm::Arguments& args, c
     cute::get<0>(check.problem_shape) = up(cute::get<0>(args.problem_shape));
     cute::get<1>(check.problem_shape) = up(cute::get<1>(args.problem_shape));
     cute::get<2>(check.problem_shape) = up(cute::get<2>(args.problem_shape));
-    if (G::Gemm::can_implement(check) != cutlass::Status::kSuccess)
-      return Status::unsupported(std::string(name) + ": CUTLASS cannot implement this problem (alignment or shape)");
+    ENCORE_RETURN_IF_ERROR(cutlass_steps::can_implement<typename G::Gemm>(check, name));
     if (G::Gemm::get_workspace_size(args) != 0) return Status::internal(std::string(name) + ": kernel unexpectedly needs a workspace");
     const uint64_t bit = uint64_t(1) << (p.device & 63);
     constexpr int smem = Kernel::SharedStorageSize;
     if (smem >= (48 << 10) && !(attribute_set.load(std::memory_order_acquire) & bit)) {
-      const cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return Status::cuda_error(std::string(name) + ": setting the kernel's shared memory failed: " + cudaGetErrorString(e));
-      }
+      ENCORE_RETURN_IF_ERROR(set_dynamic_smem(name, cutlass::device_kernel<Kernel>, size_t(smem)));
       attribute_set.fetch_or(bit, std::memory_order_release);
     }
-    last.params = Kernel::to_underlying_arguments(args, nullptr);
+    ENCORE_RETURN_IF_ERROR(cutlass_steps::make_params<Kernel>(args, &last.params, name));
     last.problem = p;
     last.valid = true;
   }
-  if (G::Gemm::run(last.params, stream) != cutlass::Status::kSuccess)
-    return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(cudaGetLastError()));
-  return Status::ok();
+  return cutlass_steps::launch<Kernel>(last.params, stream, name);
 }
 
 // Launches the GEMM with epilogue program Family<T> (see programs.cuh) on `Config`, for

@@ -44,13 +44,15 @@ void online_lse_tiles(const TensorView& partials, int64_t m, const std::vector<d
   const int64_t n = int64_t(v.size());
   for (int64_t t = 0; t * tile < n; ++t) {
     double mx = kNegInf, s = 0;
+    bool nan = false;  // a NaN column makes the tile NaN (as on CUDA): std::max alone would skip it
     for (int64_t j = t * tile; j < std::min(n, (t + 1) * tile); ++j) {
       const double x = v[size_t(j)];
+      nan = nan || std::isnan(x);
       const double m2 = std::max(mx, x);
       s = (mx == kNegInf ? 0.0 : s * std::exp(mx - m2)) + std::exp(x - m2);
       mx = m2;
     }
-    put2(partials, m, t, mx == kNegInf ? kNegInf : mx + std::log(s));
+    put2(partials, m, t, nan ? std::numeric_limits<double>::quiet_NaN() : mx == kNegInf ? kNegInf : mx + std::log(s));
   }
 }
 // Pairwise transforms on columns (2j, 2j+1).
@@ -225,11 +227,15 @@ void rms_final_reduce(const RmsFinalReduceArgs& a, int64_t hidden, float eps) {
 void lse_finish(const LseFinishArgs& a, int ignore_index) {
   for (int64_t m = 0; m < a.partials.shape[0]; ++m) {
     double mx = kNegInf;
-    for (int64_t t = 0; t < a.partials.shape[1]; ++t) mx = std::max(mx, at2(a.partials, m, t));
+    bool nan = false;  // a NaN tile makes the row NaN (std::max alone would skip it)
+    for (int64_t t = 0; t < a.partials.shape[1]; ++t) {
+      mx = std::max(mx, at2(a.partials, m, t));
+      nan = nan || std::isnan(at2(a.partials, m, t));
+    }
     double s = 0;
     if (mx != kNegInf)
       for (int64_t t = 0; t < a.partials.shape[1]; ++t) s += std::exp(at2(a.partials, m, t) - mx);
-    const double lse = mx == kNegInf ? kNegInf : mx + std::log(s);
+    const double lse = nan ? std::numeric_limits<double>::quiet_NaN() : mx == kNegInf ? kNegInf : mx + std::log(s);
     put1(a.lse, m, lse);
     if (a.target.defined()) {
       const int64_t t = int64_t(at1(a.target, m));

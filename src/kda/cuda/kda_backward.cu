@@ -138,11 +138,11 @@ __global__ void kda_bwd_group_reduce_kernel(const __grid_constant__ KdaBwdCudaPr
 
 }  // namespace
 
-cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s) {
+Status launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s) {
   const int64_t n = int64_t(p.B) * p.T * (p.H / p.group) * p.K;
-  if (n == 0) return cudaSuccess;
-  kda_bwd_group_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, dq, dk);
-  return cudaGetLastError();
+  if (n == 0) return Status::ok();
+  return launch("kda backward: group reduction (kda_bwd_group_reduce_kernel)",
+                [&] { kda_bwd_group_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, dq, dk); });
 }
 
 unsigned simt_backward() {
@@ -158,14 +158,13 @@ unsigned simt_backward() {
   return m ? m : kSimtAll;  // "1", "all" or anything else: every kernel
 }
 
-cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s) {
-  if (!simt) {
-    kda_bwd_gate_reduce_fast_kernel<<<p.H, kMaxD, 0, s>>>(p, ws, slots);
-    return cudaGetLastError();
-  }
+Status launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s) {
+  if (!simt)
+    return launch("kda backward: gate reduction (kda_bwd_gate_reduce_fast_kernel)",
+                  [&] { kda_bwd_gate_reduce_fast_kernel<<<p.H, kMaxD, 0, s>>>(p, ws, slots); });
   const int n = p.H * p.K;
-  kda_bwd_gate_reduce_kernel<<<(n + 255) / 256, 256, 0, s>>>(p, ws, slots);
-  return cudaGetLastError();
+  return launch("kda backward: gate reduction (kda_bwd_gate_reduce_kernel)",
+                [&] { kda_bwd_gate_reduce_kernel<<<(n + 255) / 256, 256, 0, s>>>(p, ws, slots); });
 }
 
 }  // namespace kdabwd
@@ -188,23 +187,18 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
     grouped.dk = KdaOutTensor{part + n, DType::kFP32, sb, st, given.K};
   }
   const KdaBwdCudaProblem& p = groups ? grouped : given;
-  auto check = [](cudaError_t e, const char* what) -> Status {
-    if (e != cudaSuccess) return Status::cuda_error(std::string("kda backward: ") + what + ": " + cudaGetErrorString(e));
-    return Status::ok();
-  };
   const unsigned simt = kdabwd::simt_backward();
   auto on = [&](unsigned bit) { return (simt & bit) != 0; };
   using kdabwd::kSimtDav, kdabwd::kSimtDh, kdabwd::kSimtGrads, kdabwd::kSimtPrep, kdabwd::kSimtStates;
   if (slots > 0) {
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_prep(p, ws, slots, on(kSimtPrep), s), "recompute kernel"));
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_states(p, ws, slots, on(kSimtStates), s), "state kernel"));
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dav(p, ws, slots, on(kSimtDav), s), "dAv kernel"));
+    ENCORE_RETURN_IF_ERROR(kdabwd::launch_prep(p, ws, slots, on(kSimtPrep), s));
+    ENCORE_RETURN_IF_ERROR(kdabwd::launch_states(p, ws, slots, on(kSimtStates), s));
+    ENCORE_RETURN_IF_ERROR(kdabwd::launch_dav(p, ws, slots, on(kSimtDav), s));
   }
-  if (p.N > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_dh(p, ws, on(kSimtDh), s), "dh kernel"));
-  if (slots > 0) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_grads(p, ws, slots, on(kSimtGrads), s), "gradient kernel"));
-  if (p.dA_log || p.ddt_bias)
-    ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_gate_reduce(p, ws, slots, on(kSimtGrads), s), "gate reduction"));
-  if (groups) ENCORE_RETURN_IF_ERROR(check(kdabwd::launch_group_reduce(p, given.dq, given.dk, s), "group reduction"));
+  if (p.N > 0) ENCORE_RETURN_IF_ERROR(kdabwd::launch_dh(p, ws, on(kSimtDh), s));
+  if (slots > 0) ENCORE_RETURN_IF_ERROR(kdabwd::launch_grads(p, ws, slots, on(kSimtGrads), s));
+  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(kdabwd::launch_gate_reduce(p, ws, slots, on(kSimtGrads), s));
+  if (groups) ENCORE_RETURN_IF_ERROR(kdabwd::launch_group_reduce(p, given.dq, given.dk, s));
   return Status::ok();
 }
 

@@ -97,17 +97,15 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dav_tc_kernel(const __grid_c
 
 }  // namespace
 
-cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
+Status launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
   if (!simt) {
-    cudaError_t e = cudaFuncSetAttribute(kda_bwd_dav_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemTc));
-    if (e != cudaSuccess) return e;
-    kda_bwd_dav_tc_kernel<<<dim3(slots, p.H), kThreads, kSmemTc, s>>>(p, ws);
-    return cudaGetLastError();
+    constexpr const char* what = "kda backward: dAv kernel (kda_bwd_dav_tc_kernel)";
+    ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_dav_tc_kernel, kSmemTc));
+    return launch(what, [&] { kda_bwd_dav_tc_kernel<<<dim3(slots, p.H), kThreads, kSmemTc, s>>>(p, ws); });
   }
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_dav_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-  if (e != cudaSuccess) return e;
-  kda_bwd_dav_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
-  return cudaGetLastError();
+  constexpr const char* what = "kda backward: dAv kernel (kda_bwd_dav_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_dav_kernel, kSmem));
+  return launch(what, [&] { kda_bwd_dav_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kdabwd

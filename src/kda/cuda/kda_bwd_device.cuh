@@ -94,21 +94,21 @@ __device__ __forceinline__ float state_at(const KdaBwdCudaProblem& p, const floa
 
 // Launchers (one per kernel), in the order the host entry runs them.
 // simt (ENCORE_KDA_BWD_SIMT=1): the first fp32 SIMT kernels; else the tensor-core ones (*_tc).
-cudaError_t launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);    // kda_bwd_recompute.cu
-cudaError_t launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_recompute.cu
-cudaError_t launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);    // kda_bwd_recompute_tc.cu
-cudaError_t launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_recompute_tc.cu
-cudaError_t launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_dav.cu
-cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s);      // kda_bwd_reverse.cu
+Status launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);    // kda_bwd_recompute.cu
+Status launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_recompute.cu
+Status launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);    // kda_bwd_recompute_tc.cu
+Status launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_recompute_tc.cu
+Status launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_dav.cu
+Status launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s);      // kda_bwd_reverse.cu
 // ENCORE_KDA_BWD_SIMT (kda_backward.cu): the stages to run with the first SIMT fp32 kernels, as bits.
 constexpr unsigned kSimtPrep = 1, kSimtStates = 2, kSimtDav = 4, kSimtDh = 8, kSimtGrads = 16, kSimtAll = 31;
 unsigned simt_backward();
-cudaError_t launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_inter.cu (tensor cores)
-cudaError_t launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_grads_tc.cu
+Status launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_inter.cu (tensor cores)
+Status launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_grads_tc.cu
 // simt: the first fp32 SIMT kernel 3b alone (kda_bwd_grads.cu); else kernels 3b-1 (launch_inter) and
 // 3b (launch_grads_tc).
-cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_grads.cu
-cudaError_t launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s);  // kda_backward.cu
-cudaError_t launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s);  // kda_backward.cu
+Status launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_grads.cu
+Status launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s);  // kda_backward.cu
+Status launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s);  // kda_backward.cu
 
 }  // namespace encore::cuda::kdabwd

@@ -248,16 +248,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_kernel(const __grid
 
 }  // namespace
 
-cudaError_t launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
+Status launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
   if (!simt) {
-    cudaError_t e = launch_inter(p, ws, slots, s);
-    if (e != cudaSuccess) return e;
+    ENCORE_RETURN_IF_ERROR(launch_inter(p, ws, slots, s));
     return launch_grads_tc(p, ws, slots, s);
   }
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_grads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-  if (e != cudaSuccess) return e;
-  kda_bwd_grads_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
-  return cudaGetLastError();
+  constexpr const char* what = "kda backward: gradient kernel (kda_bwd_grads_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_grads_kernel, kSmem));
+  return launch(what, [&] { kda_bwd_grads_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kdabwd

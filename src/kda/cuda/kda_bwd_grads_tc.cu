@@ -228,11 +228,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_grads_tc_kernel(const __g
 
 }  // namespace
 
-cudaError_t launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_grads_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-  if (e != cudaSuccess) return e;
-  kda_bwd_grads_tc_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
-  return cudaGetLastError();
+Status launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  constexpr const char* what = "kda backward: gradient kernel (kda_bwd_grads_tc_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_grads_tc_kernel, kSmem));
+  return launch(what, [&] { kda_bwd_grads_tc_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kdabwd

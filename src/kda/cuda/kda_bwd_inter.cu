@@ -152,11 +152,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
 
 }  // namespace
 
-cudaError_t launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_inter_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-  if (e != cudaSuccess) return e;
-  kda_bwd_inter_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws);
-  return cudaGetLastError();
+Status launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  constexpr const char* what = "kda backward: gradient kernel (kda_bwd_inter_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_inter_kernel, kSmem));
+  return launch(what, [&] { kda_bwd_inter_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kdabwd

@@ -143,21 +143,19 @@ __global__ void __launch_bounds__(kStateThreads) kda_bwd_states_kernel(const __g
 
 }  // namespace
 
-cudaError_t launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
+Status launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
   if (!simt) return launch_prep_tc(p, ws, slots, s);
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPrepSmem));
-  if (e != cudaSuccess) return e;
-  kda_bwd_prep_kernel<<<dim3(slots, p.H), kPrepThreads, kPrepSmem, s>>>(p, ws);
-  return cudaGetLastError();
+  constexpr const char* what = "kda backward: recompute kernel (kda_bwd_prep_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_prep_kernel, kPrepSmem));
+  return launch(what, [&] { kda_bwd_prep_kernel<<<dim3(slots, p.H), kPrepThreads, kPrepSmem, s>>>(p, ws); });
 }
 
-cudaError_t launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
+Status launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
   if (!simt) return launch_states_tc(p, ws, slots, s);
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_states_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStateSmem));
-  if (e != cudaSuccess) return e;
+  constexpr const char* what = "kda backward: state kernel (kda_bwd_states_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_states_kernel, kStateSmem));
   const int x = p.h ? slots : p.N;
-  kda_bwd_states_kernel<<<dim3(x, p.H, (p.V + kVs - 1) / kVs), kStateThreads, kStateSmem, s>>>(p, ws);
-  return cudaGetLastError();
+  return launch(what, [&] { kda_bwd_states_kernel<<<dim3(x, p.H, (p.V + kVs - 1) / kVs), kStateThreads, kStateSmem, s>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kdabwd

@@ -166,19 +166,17 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
 
 }  // namespace
 
-cudaError_t launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_prep_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPrepSmem));
-  if (e != cudaSuccess) return e;
-  kda_bwd_prep_tc_kernel<<<dim3(slots, p.H), kThreads, kPrepSmem, s>>>(p, ws);
-  return cudaGetLastError();
+Status launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  constexpr const char* what = "kda backward: recompute kernel (kda_bwd_prep_tc_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_prep_tc_kernel, kPrepSmem));
+  return launch(what, [&] { kda_bwd_prep_tc_kernel<<<dim3(slots, p.H), kThreads, kPrepSmem, s>>>(p, ws); });
 }
 
-cudaError_t launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_states_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStateSmem));
-  if (e != cudaSuccess) return e;
+Status launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  constexpr const char* what = "kda backward: state kernel (kda_bwd_states_tc_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_states_tc_kernel, kStateSmem));
   const int x = p.h ? slots : p.N;
-  kda_bwd_states_tc_kernel<<<dim3(x, p.H, (p.V + kCols - 1) / kCols), kThreads, kStateSmem, s>>>(p, ws);
-  return cudaGetLastError();
+  return launch(what, [&] { kda_bwd_states_tc_kernel<<<dim3(x, p.H, (p.V + kCols - 1) / kCols), kThreads, kStateSmem, s>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kdabwd

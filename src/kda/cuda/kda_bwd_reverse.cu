@@ -183,17 +183,15 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
 
 }  // namespace
 
-cudaError_t launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s) {
+Status launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s) {
   if (!simt) {
-    cudaError_t e = cudaFuncSetAttribute(kda_bwd_dh_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemTc));
-    if (e != cudaSuccess) return e;
-    kda_bwd_dh_tc_kernel<<<dim3(p.N, p.H, (p.V + kCols - 1) / kCols), kThreads, kSmemTc, s>>>(p, ws);
-    return cudaGetLastError();
+    constexpr const char* what = "kda backward: dh kernel (kda_bwd_dh_tc_kernel)";
+    ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_dh_tc_kernel, kSmemTc));
+    return launch(what, [&] { kda_bwd_dh_tc_kernel<<<dim3(p.N, p.H, (p.V + kCols - 1) / kCols), kThreads, kSmemTc, s>>>(p, ws); });
   }
-  cudaError_t e = cudaFuncSetAttribute(kda_bwd_dh_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-  if (e != cudaSuccess) return e;
-  kda_bwd_dh_kernel<<<dim3(p.N, p.H, (p.V + kVs - 1) / kVs), kThreads, kSmem, s>>>(p, ws);
-  return cudaGetLastError();
+  constexpr const char* what = "kda backward: dh kernel (kda_bwd_dh_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_dh_kernel, kSmem));
+  return launch(what, [&] { kda_bwd_dh_kernel<<<dim3(p.N, p.H, (p.V + kVs - 1) / kVs), kThreads, kSmem, s>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kdabwd

@@ -628,13 +628,12 @@ Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsign
 
 namespace encore::cuda::kda {
 
-cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream) {
-  const cudaError_t e = cudaFuncSetAttribute(kda_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ChunkSmem::kBytes);
-  if (e != cudaSuccess) return e;
+Status launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream) {
+  constexpr const char* what = "kda forward: chunk kernel (kda_chunk_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_chunk_kernel, ChunkSmem::kBytes));
   const int64_t items = int64_t(p.chunk_start[p.N]) * p.H;
   g_last_raw_fast = p.raw_fast;
-  kda_chunk_kernel<<<unsigned(items < blocks ? items : blocks), kThreads, ChunkSmem::kBytes, stream>>>(p, ws);
-  return cudaGetLastError();
+  return launch(what, [&] { kda_chunk_kernel<<<unsigned(items < blocks ? items : blocks), kThreads, ChunkSmem::kBytes, stream>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kda

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_cp_fill.hpp"
 
 namespace encore::cuda {
@@ -56,12 +57,6 @@ __global__ void merge_kernel(const float* __restrict__ S, const float* __restric
   }
 }
 
-Status done(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string("kda cp ") + what + ": " + cudaGetErrorString(e));
-  return Status::ok();
-}
-
 unsigned blocks_for(int64_t total) { return unsigned((total + 255) / 256); }
 
 }  // namespace
@@ -70,9 +65,8 @@ Status kda_cp_zero(void* p, size_t bytes, int device, Stream stream) {
   if (bytes == 0) return Status::ok();
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device));
-  const cudaError_t e = cudaMemsetAsync(p, 0, bytes, static_cast<cudaStream_t>(stream));
-  if (e != cudaSuccess) return Status::cuda_error(std::string("kda cp zero fill: ") + cudaGetErrorString(e));
-  return Status::ok();
+  ENCORE_RETURN_IF_ERROR(launch_gate("kda cp zero fill"));  // the seam, as before a kernel
+  return call_result("kda cp zero fill", "cudaMemsetAsync", cudaMemsetAsync(p, 0, bytes, static_cast<cudaStream_t>(stream)));
 }
 
 Status kda_cp_identity(float* X, int64_t HV, int64_t K, int device, Stream stream) {
@@ -80,8 +74,7 @@ Status kda_cp_identity(float* X, int64_t HV, int64_t K, int device, Stream strea
   if (total == 0) return Status::ok();
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device));
-  identity_kernel<<<blocks_for(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(X, total, int(K));
-  return done("identity fill");
+  return launch("kda cp identity fill", [&] { identity_kernel<<<blocks_for(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(X, total, int(K)); });
 }
 
 Status kda_cp_transpose(const float* src, float* dst, int64_t HV, int64_t K, int device, Stream stream) {
@@ -89,8 +82,8 @@ Status kda_cp_transpose(const float* src, float* dst, int64_t HV, int64_t K, int
   if (total == 0) return Status::ok();
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device));
-  transpose_kernel<<<blocks_for(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(src, dst, total, int(K));
-  return done("transpose");
+  return launch("kda cp transpose",
+                [&] { transpose_kernel<<<blocks_for(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(src, dst, total, int(K)); });
 }
 
 Status kda_cp_merge(const float* S, const float* M, float* out, int64_t n, int64_t HV, int64_t K, int64_t V, int device, Stream stream) {
@@ -99,8 +92,8 @@ Status kda_cp_merge(const float* S, const float* M, float* out, int64_t n, int64
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device));
   const dim3 grid(unsigned(HV), unsigned((V + kMergeCols - 1) / kMergeCols));
-  merge_kernel<<<grid, kMergeThreads, 0, static_cast<cudaStream_t>(stream)>>>(S, M, out, int(n), int(HV), int(K), int(V));
-  return done("merge");
+  return launch("kda cp merge",
+                [&] { merge_kernel<<<grid, kMergeThreads, 0, static_cast<cudaStream_t>(stream)>>>(S, M, out, int(n), int(HV), int(K), int(V)); });
 }
 
 }  // namespace encore::cuda

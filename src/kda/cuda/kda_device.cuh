@@ -26,6 +26,7 @@
 
 #include "common/cuda/bulk_copy.cuh"
 #include "common/cuda/fast_math.cuh"
+#include "common/cuda/launch_check.hpp"
 #include "kda/cuda/launch.hpp"
 
 namespace encore::cuda::kda {
@@ -312,8 +313,8 @@ namespace encore::cuda::kda {
 
 // The two kernels of the forward, launched in order on `stream` by launch_kda_forward.
 // blocks: the chunk kernel is persistent, this many blocks (one per SM, or fewer; at most one per item).
-cudaError_t launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream);
+Status launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream);
 // columns: value columns per state-kernel block, 64, 32 or 16.
-cudaError_t launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream);
+Status launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream);
 
 }  // namespace encore::cuda::kda

@@ -18,11 +18,6 @@ namespace {
 
 static_assert(sizeof(KdaCudaProblem) <= 32764, "the problem travels as one kernel parameter (32764-byte limit, CUDA 12.1+)");
 
-Status launched(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) return Status::cuda_error(std::string("kda forward: ") + what + ": " + cudaGetErrorString(e));
-  return Status::ok();
-}
-
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
                                  const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -76,9 +71,9 @@ Status launch_kda_forward(KdaCudaProblem& p, const ::encore::kda::KdaLaunchPlan&
     const KdaTensor* inputs[4] = {&p.q, &p.k, &p.g, &p.v};
     for (int t = 0; t < 4; ++t)
       if (encode_input_map(p.tmap[t], *inputs[t], p.B, p.T, t < 2 ? p.H / p.group : p.H, t == 3 ? p.V : p.K)) p.raw_fast |= 1 << t;
-    ENCORE_RETURN_IF_ERROR(launched(kda::launch_chunk_kernel(p, workspace, plan.chunk_blocks, s), "chunk kernel"));
+    ENCORE_RETURN_IF_ERROR(kda::launch_chunk_kernel(p, workspace, plan.chunk_blocks, s));
   }
-  return launched(kda::launch_state_kernel(p, workspace, plan.state_columns, s), "state kernel");
+  return kda::launch_state_kernel(p, workspace, plan.state_columns, s);
 }
 
 }  // namespace encore::cuda

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_recurrent.cuh"
 
 namespace encore::cuda {
@@ -131,17 +132,15 @@ Status launch_kda_recurrent_forward(const KdaCudaProblem& p, Stream stream) {
   out.final_state = p.final_state;
   out.h = p.res_h;
   out.h_dtype = p.res_dtype;
-  if (items > 0) kda_recurrent_fwd_kernel<KdaCudaProblem><<<items, kThreads, 0, s>>>(p, out);
-  cudaError_t e = cudaGetLastError();
+  if (items > 0)
+    ENCORE_RETURN_IF_ERROR(launch("kda recurrent forward (kda_recurrent_fwd_kernel)",
+                                  [&] { kda_recurrent_fwd_kernel<KdaCudaProblem><<<items, kThreads, 0, s>>>(p, out); }));
   const int chunks = p.chunk_start[p.N];
-  if (e == cudaSuccess && chunks > 0 && (p.res_G || p.res_Aqk || p.res_Akk)) {
-    e = cudaFuncSetAttribute(kda_recurrent_residuals_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kResSmem));
-    if (e == cudaSuccess) {
-      kda_recurrent_residuals_kernel<<<dim3(unsigned(chunks), unsigned(p.H)), kThreads, kResSmem, s>>>(p);
-      e = cudaGetLastError();
-    }
+  if (chunks > 0 && (p.res_G || p.res_Aqk || p.res_Akk)) {
+    constexpr const char* what = "kda recurrent forward: residuals (kda_recurrent_residuals_kernel)";
+    ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_recurrent_residuals_kernel, kResSmem));
+    return launch(what, [&] { kda_recurrent_residuals_kernel<<<dim3(unsigned(chunks), unsigned(p.H)), kThreads, kResSmem, s>>>(p); });
   }
-  if (e != cudaSuccess) return Status::cuda_error(std::string("kda recurrent forward: ") + cudaGetErrorString(e));
   return Status::ok();
 }
 

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_recurrent.cuh"
 
 namespace encore::cuda {
@@ -304,7 +305,8 @@ Status launch_kda_recurrent_backward(const KdaBwdCudaProblem& p, void* workspace
     RecurrentOut out;
     out.h = ws + L.ckpt;
     out.h_dtype = DType::kFP32;
-    kda_recurrent_fwd_kernel<KdaBwdCudaProblem><<<items, kThreads, 0, s>>>(p, out);
+    ENCORE_RETURN_IF_ERROR(launch("kda recurrent backward: checkpoints (kda_recurrent_fwd_kernel)",
+                                  [&] { kda_recurrent_fwd_kernel<KdaBwdCudaProblem><<<items, kThreads, 0, s>>>(p, out); }));
   }
   const int64_t Hq = p.H / p.group;
   Window win;  // ~4 KB, on the stack
@@ -317,12 +319,15 @@ Status launch_kda_recurrent_backward(const KdaBwdCudaProblem& p, void* workspace
       if (c >= 0) rows += std::min(kChunk, p.seq_end[n] - p.seq_begin[n] - c * kChunk);
     }
     win.row_start[p.N] = rows;
-    kda_recurrent_bwd_kernel<<<L.blocks, kThreads, 0, s>>>(p, L, ws, win);
-    if (rows > 0) kda_recurrent_finish_kernel<<<unsigned(rows * Hq), kThreads, 0, s>>>(p, L, ws, win);
+    ENCORE_RETURN_IF_ERROR(launch("kda recurrent backward (kda_recurrent_bwd_kernel)",
+                                  [&] { kda_recurrent_bwd_kernel<<<L.blocks, kThreads, 0, s>>>(p, L, ws, win); }));
+    if (rows > 0)
+      ENCORE_RETURN_IF_ERROR(launch("kda recurrent backward: finish (kda_recurrent_finish_kernel)",
+                                    [&] { kda_recurrent_finish_kernel<<<unsigned(rows * Hq), kThreads, 0, s>>>(p, L, ws, win); }));
   }
-  if (p.dA_log || p.ddt_bias) kda_recurrent_gate_reduce_kernel<<<p.H, kThreads, 0, s>>>(p, L, ws, tokens);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string("kda recurrent backward: ") + cudaGetErrorString(e));
+  if (p.dA_log || p.ddt_bias)
+    return launch("kda recurrent backward: gate reduction (kda_recurrent_gate_reduce_kernel)",
+                  [&] { kda_recurrent_gate_reduce_kernel<<<p.H, kThreads, 0, s>>>(p, L, ws, tokens); });
   return Status::ok();
 }
 

@@ -224,15 +224,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
 }  // namespace
 
 template <int kVs>
-cudaError_t launch_state(const KdaCudaProblem& p, const void* ws, cudaStream_t stream) {
+Status launch_state(const KdaCudaProblem& p, const void* ws, cudaStream_t stream) {
   using Sm = StateSmem<kVs>;
-  const cudaError_t e = cudaFuncSetAttribute(kda_state_kernel<kVs>, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kAlloc);
-  if (e != cudaSuccess) return e;
-  kda_state_kernel<kVs><<<dim3(unsigned(p.H * state_column_blocks(p.V, kVs)), unsigned(p.N)), kThreads, Sm::kAlloc, stream>>>(p, ws);
-  return cudaGetLastError();
+  constexpr const char* what = "kda forward: state kernel (kda_state_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_state_kernel<kVs>, Sm::kAlloc));
+  return launch(what, [&] {
+    kda_state_kernel<kVs><<<dim3(unsigned(p.H * state_column_blocks(p.V, kVs)), unsigned(p.N)), kThreads, Sm::kAlloc, stream>>>(p, ws);
+  });
 }
 
-cudaError_t launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream) {
+Status launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream) {
   return columns == 16 ? launch_state<16>(p, ws, stream) : columns == 32 ? launch_state<32>(p, ws, stream) : launch_state<64>(p, ws, stream);
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "moe/cuda/combine_kernel.cuh"
 #include "moe/cuda/launch.hpp"
 
@@ -89,9 +90,7 @@ Status launch_moe_combine(const moe::CombineProblem& p, int64_t eo_rows, int dev
   if (!fn) return Status::internal(std::string("moe combine: no CUDA kernel for ") + dtype_name(p.eo_dtype) + " -> " + dtype_name(p.out_dtype));
   const unsigned grid = unsigned(moe_combine_grid(p, vec));
   void* args[] = {&k};
-  cudaError_t e = cudaLaunchKernel(fn, dim3(grid), dim3(kCombineThreads), args, 0, static_cast<cudaStream_t>(stream));
-  if (e != cudaSuccess) return Status::cuda_error(std::string("moe combine launch: ") + cudaGetErrorString(e));
-  return Status::ok();
+  return launch_api("moe combine", [&] { return cudaLaunchKernel(fn, dim3(grid), dim3(kCombineThreads), args, 0, static_cast<cudaStream_t>(stream)); });
 }
 
 }  // namespace encore::cuda

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "common/cuda/reduce.cuh"
 #include "moe/cuda/launch.hpp"
 #include "moe/cuda/silu_mul.cuh"
@@ -171,22 +172,20 @@ Status launch_moe_decode_mlp(const moe::ExpertMlpProblem& m, int64_t rows_max, i
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t D = m.hidden, F = m.intermediate;
-  auto launch = [&](void* kernel, DecodeParams p, int64_t columns) -> Status {
+  auto launch = [&](const char* what, void* kernel, DecodeParams p, int64_t columns) -> Status {
     const size_t smem = size_t(rows_max) * size_t(p.K) * sizeof(__nv_bfloat16);
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e == cudaSuccess) {
-      void* args[] = {&p};
-      e = cudaLaunchKernel(kernel, dim3(unsigned(active_max), unsigned((columns + kCols - 1) / kCols)), dim3(kThreads), args, smem, s);
-    }
-    if (e != cudaSuccess) return Status::cuda_error(std::string("moe decode GEMV launch: ") + cudaGetErrorString(e));
-    return Status::ok();
+    ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kernel, smem));
+    void* args[] = {&p};
+    return launch_api(what, [&] {
+      return cudaLaunchKernel(kernel, dim3(unsigned(active_max), unsigned((columns + kCols - 1) / kCols)), dim3(kThreads), args, smem, s);
+    });
   };
   DecodeParams up{static_cast<const __nv_bfloat16*>(m.x_permuted), m.xp_stride, static_cast<const __nv_bfloat16*>(m.w13), m.w13_stride_e,
                   m.w13_stride_n, static_cast<__nv_bfloat16*>(m.act), m.act_stride, m.counts, m.offsets, m.num_experts, int(D), int(F), F};
-  ENCORE_RETURN_IF_ERROR(launch(decode_kernel<true>(int(rows_max)), up, F));
+  ENCORE_RETURN_IF_ERROR(launch("moe decode GEMV (gate/up + SwiGLU)", decode_kernel<true>(int(rows_max)), up, F));
   DecodeParams down{static_cast<const __nv_bfloat16*>(m.act), m.act_stride, static_cast<const __nv_bfloat16*>(m.w2), m.w2_stride_e,
                     m.w2_stride_n, static_cast<__nv_bfloat16*>(m.y), m.y_stride, m.counts, m.offsets, m.num_experts, int(F), int(D), 0};
-  return launch(decode_kernel<false>(int(rows_max)), down, D);
+  return launch("moe decode GEMV (down)", decode_kernel<false>(int(rows_max)), down, D);
 }
 
 }  // namespace encore::cuda

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "moe/cuda/dispatch_fp8_gather.cuh"
 #include "moe/cuda/dispatch_kernel.cuh"
 #include "moe/cuda/launch.hpp"
@@ -160,18 +161,16 @@ Status launch_moe_dispatch_gather(const moe::DispatchProblem& p, const moe::Disp
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  cudaError_t e;
   if (fp8) {
     DispatchFp8Params f = fp8_params(p, k);
     void* kernel = fp8_gather_kernel(p.dtype);
     if (!kernel) return Status::unsupported(std::string("moe dispatch: the fused FP8 gather takes bf16, fp16 or fp32 x, got ") + dtype_name(p.dtype));
     void* args[] = {&f};
-    e = cudaLaunchKernelExC(&cfg, kernel, args);
-  } else {
-    e = k.vec16 ? cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<16, 4>, k) : cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<2, 4>, k);
+    return launch_api("moe dispatch fp8 gather", [&] { return cudaLaunchKernelExC(&cfg, kernel, args); });
   }
-  if (e != cudaSuccess) return Status::cuda_error(std::string("moe dispatch gather launch: ") + cudaGetErrorString(e));
-  return Status::ok();
+  return launch_api("moe dispatch gather", [&] {
+    return k.vec16 ? cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<16, 4>, k) : cudaLaunchKernelEx(&cfg, dispatch_gather_kernel<2, 4>, k);
+  });
 }
 
 Status launch_moe_dispatch(const moe::DispatchProblem& p, const moe::DispatchPlan& plan, int device_index, Stream stream) {
@@ -185,8 +184,9 @@ Status launch_moe_dispatch(const moe::DispatchProblem& p, const moe::DispatchPla
   for (int i = 0; i < n; ++i) {
     const DispatchMapLaunch& l = launches[i];
     void* args[] = {params};
-    const cudaError_t e = cudaLaunchKernel(aot_map_kernel(l.kernel), dim3(l.grid), dim3(l.block), args, l.smem, s);
-    if (e != cudaSuccess) return Status::cuda_error(std::string("moe dispatch ") + map_kernel_what(l.kernel) + " launch: " + cudaGetErrorString(e));
+    const std::string what = std::string("moe dispatch ") + map_kernel_what(l.kernel);
+    ENCORE_RETURN_IF_ERROR(
+        launch_api(what.c_str(), [&] { return cudaLaunchKernel(aot_map_kernel(l.kernel), dim3(l.grid), dim3(l.block), args, l.smem, s); }));
   }
   return launch_moe_dispatch_gather(p, plan, params, device_index, stream);
 }

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "common/cuda/vector_io.cuh"
 #include "moe/cuda/launch.hpp"
 
@@ -341,12 +342,6 @@ void* combine_recv_kernel(DType in, DType out) {
   }
 }
 
-Status launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string("ep ") + what + " launch: " + cudaGetErrorString(e));
-  return Status::ok();
-}
-
 // enqueue(stream) with `device_index` current.
 template <class Enqueue>
 Status on_device(int device_index, Stream stream, Enqueue&& enqueue) {
@@ -359,32 +354,26 @@ Status on_device(int device_index, Stream stream, Enqueue&& enqueue) {
 
 Status launch_ep_dispatch_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
   return on_device(device_index, stream, [&](cudaStream_t s) {
-    ep_round_kernel<<<1, 1, 0, s>>>(p);
-    ENCORE_RETURN_IF_ERROR(launched("round"));
+    ENCORE_RETURN_IF_ERROR(launch("ep round", [&] { ep_round_kernel<<<1, 1, 0, s>>>(p); }));
     if (p.m > 0 || p.m_dev) {  // with a device count: also its range check
-      ep_arm_kernel<<<unsigned(p.m > 0 ? (p.m + kThreads - 1) / kThreads : 1), kThreads, 0, s>>>(p);
-      ENCORE_RETURN_IF_ERROR(launched("arm"));
+      ENCORE_RETURN_IF_ERROR(
+          launch("ep arm", [&] { ep_arm_kernel<<<unsigned(p.m > 0 ? (p.m + kThreads - 1) / kThreads : 1), kThreads, 0, s>>>(p); }));
     }
-    ep_send_kernel<<<unsigned(p.num_experts), kThreads, 0, s>>>(p);
-    return launched("send");
+    return launch("ep send", [&] { ep_send_kernel<<<unsigned(p.num_experts), kThreads, 0, s>>>(p); });
   });
 }
 
 Status launch_ep_dispatch_recv(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
   return on_device(device_index, stream, [&](cudaStream_t s) {
-    ep_recv_counts_kernel<<<1, kThreads, 0, s>>>(p);
-    ENCORE_RETURN_IF_ERROR(launched("receive counts"));
-    ep_recv_copy_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
-    return launched("receive copy");
+    ENCORE_RETURN_IF_ERROR(launch("ep receive counts", [&] { ep_recv_counts_kernel<<<1, kThreads, 0, s>>>(p); }));
+    return launch("ep receive copy", [&] { ep_recv_copy_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p); });
   });
 }
 
 Status launch_ep_combine_send(const moe::ep::EpDeviceParams& p, int device_index, Stream stream) {
   return on_device(device_index, stream, [&](cudaStream_t s) {
-    ep_combine_send_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p);
-    ENCORE_RETURN_IF_ERROR(launched("combine send"));
-    ep_combine_flags_kernel<<<1, 32, 0, s>>>(p);
-    return launched("combine flags");
+    ENCORE_RETURN_IF_ERROR(launch("ep combine send", [&] { ep_combine_send_kernel<<<unsigned(p.grid), kThreads, 0, s>>>(p); }));
+    return launch("ep combine flags", [&] { ep_combine_flags_kernel<<<1, 32, 0, s>>>(p); });
   });
 }
 
@@ -395,11 +384,9 @@ Status launch_ep_combine_recv(const moe::ep::EpDeviceParams& p, int device_index
     if (p.m > 0) {
       const unsigned grid = unsigned(p.m < 8 ? p.m : 8);  // spinning blocks: few, so the peers' senders find SMs
       void* args[] = {const_cast<moe::ep::EpDeviceParams*>(&p)};
-      const cudaError_t e = cudaLaunchKernel(recv, dim3(grid), dim3(kThreads), args, 0, s);
-      if (e != cudaSuccess) return Status::cuda_error(std::string("ep combine receive launch: ") + cudaGetErrorString(e));
+      ENCORE_RETURN_IF_ERROR(launch_api("ep combine receive", [&] { return cudaLaunchKernel(recv, dim3(grid), dim3(kThreads), args, 0, s); }));
     }
-    ep_combine_wait_kernel<<<1, 32, 0, s>>>(p);
-    return launched("combine wait");
+    return launch("ep combine wait", [&] { ep_combine_wait_kernel<<<1, 32, 0, s>>>(p); });
   });
 }
 

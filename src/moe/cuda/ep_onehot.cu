@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <string>
 
+#include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "moe/cuda/launch.hpp"
 
 namespace encore::cuda {
@@ -36,14 +38,14 @@ __global__ void ep_one_hot_kernel(float* __restrict__ logits, const long long* _
 Status launch_ep_one_hot_logits(float* logits, const int64_t* starts, int nstarts, int El, int64_t rows, int device_index, Stream stream) {
   if (nstarts < 2 || nstarts > kMaxBlocks || El < 1)
     return Status::internal("ep one-hot logits: " + std::to_string(nstarts) + " block starts (2 to 4097 expected)");
-  cudaError_t e = cudaSetDevice(device_index);
-  if (e == cudaSuccess && rows > 0) {
-    const long long total = rows * El;
-    const int blocks = int(std::min<long long>((total + 255) / 256, 1024));
+  DeviceGuard guard;  // was a bare cudaSetDevice that left the caller's device changed
+  ENCORE_RETURN_IF_ERROR(guard.set(device_index));
+  if (rows <= 0) return Status::ok();
+  const long long total = rows * El;
+  const int blocks = int(std::min<long long>((total + 255) / 256, 1024));
+  return launch("ep one-hot logits", [&] {
     ep_one_hot_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(logits, reinterpret_cast<const long long*>(starts), nstarts, El, rows);
-    e = cudaGetLastError();
-  }
-  return e == cudaSuccess ? Status::ok() : Status::cuda_error(std::string("ep one-hot logits: ") + cudaGetErrorString(e));
+  });
 }
 
 }  // namespace encore::cuda

@@ -38,7 +38,7 @@ const Vmm& vmm() {
 
 Status check(CUresult r, const char* what) {
   if (r == CUDA_SUCCESS) return Status::ok();
-  return Status::cuda_error(std::string("ep peer memory: ") + what + " failed: CUresult " + std::to_string(int(r)));
+  return Status::cuda_error(driver_failure_message("ep peer memory", what, r));
 }
 
 CUmemAllocationProp prop_for(int device) {
@@ -55,7 +55,11 @@ CUmemAllocationProp prop_for(int device) {
 Status round_to_granularity(int device, size_t* bytes) {
   const Vmm& v = vmm();
   if (!v.ok()) return Status::unsupported("ep peer memory: the driver lacks the virtual memory entry points (cuMemCreate ...)");
-  cudaFree(nullptr);  // the primary context exists before the driver calls
+  if (const cudaError_t e = cudaFree(nullptr); e != cudaSuccess) {  // the primary context exists before the driver calls
+    (void)cudaGetLastError();
+    return Status::cuda_error(fault::failure_message("ep peer memory", "cudaFree(nullptr) (context creation)", cudaGetErrorName(e), int(e),
+                                                     cudaGetErrorString(e)));
+  }
   const CUmemAllocationProp prop = prop_for(device);
   size_t gran = 0;
   ENCORE_RETURN_IF_ERROR(check(v.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"));
@@ -112,7 +116,7 @@ Status ep_peer_memory_create(size_t bytes, int device_index, EpPeerMemory* out) 
   if (e == cudaSuccess) e = cudaDeviceSynchronize();  // zeroed before the descriptor leaves this process
   if (e != cudaSuccess) {
     ep_peer_memory_release(out);
-    return Status::cuda_error(std::string("ep peer memory: cudaMemset: ") + cudaGetErrorString(e));
+    return Status::cuda_error(fault::failure_message("ep peer memory", "cudaMemset", cudaGetErrorName(e), int(e), cudaGetErrorString(e)));
   }
   return Status::ok();
 }

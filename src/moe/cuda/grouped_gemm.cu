@@ -33,7 +33,9 @@
 #include <string>
 #include <type_traits>
 
+#include "common/cuda/cutlass_steps.cuh"
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -245,21 +247,19 @@ typename G::Gemm::Arguments arguments(const GroupArrays<A>& g, int E, int device
   return args;
 }
 
-// can_implement -> initialize (CUTLASS's workspace at `ws`, ws_bytes) -> run on `stream`.
+// can_implement -> initialize (CUTLASS's workspace at `ws`, ws_bytes; the Params' TMA descriptors checked)
+// -> launch on `stream` (common/cuda/cutlass_steps.cuh: each step's failure names the GEMM, the step and
+// the code).
 template <class G>
 Status run_grouped(const typename G::Gemm::Arguments& args, void* ws, size_t ws_bytes, cudaStream_t stream, const char* name) {
   typename G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return Status::unsupported(std::string(name) + ": CUTLASS cannot implement this grouped problem (alignment or shape)");
+  ENCORE_RETURN_IF_ERROR(cutlass_steps::can_implement<typename G::Gemm>(args, name));
   const size_t need = G::Gemm::get_workspace_size(args);
   if (need > ws_bytes)
     return Status::internal(std::string(name) + ": CUTLASS needs a workspace of " + std::to_string(need) + " bytes, more than the " +
                             std::to_string(ws_bytes) + " reserved (moe::kGroupedGemmCutlassBytes)");
-  if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess)
-    return Status::cuda_error(std::string(name) + ": initialize failed: " + cudaGetErrorString(cudaGetLastError()));
-  if (gemm.run(stream) != cutlass::Status::kSuccess)
-    return Status::cuda_error(std::string(name) + ": launch failed: " + cudaGetErrorString(cudaGetLastError()));
-  return Status::ok();
+  ENCORE_RETURN_IF_ERROR(cutlass_steps::initialize(gemm, args, ws, stream, name));
+  return cutlass_steps::launch<typename G::Kernel>(gemm.params(), stream, name);
 }
 
 }  // namespace
@@ -289,9 +289,9 @@ Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index
   const FillJob<GateUpGemm> j_gate{g_gate, sp.gate, m.x_permuted, m.w13, nullptr, p.gate_up, 4, 4};
   const FillJob<UpSwigluGemm> j_up{g_up, sp.up, m.x_permuted, m.w13, p.gate_up, m.act, 4, 2};
   const FillJob<DownGemm> j_down{g_down, sp.down, m.act, m.w2, nullptr, m.y, 2, 2};
-  fill_groups_kernel<GateUpGemm, UpSwigluGemm, DownGemm><<<1, 1024, 0, s>>>(m.offsets, E, j_gate, j_up, j_down);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string("moe grouped gemm: group fill launch: ") + cudaGetErrorString(e));
+  ENCORE_RETURN_IF_ERROR(launch("moe grouped gemm: group fill", [&] {
+    fill_groups_kernel<GateUpGemm, UpSwigluGemm, DownGemm><<<1, 1024, 0, s>>>(m.offsets, E, j_gate, j_up, j_down);
+  }));
 
   const size_t ws = moe::kGroupedGemmCutlassBytes;
   // The gate (or gate/up) GEMM on the chosen tile, over g_gate's arrays.
@@ -307,10 +307,10 @@ Status launch_moe_expert_gemms(const moe::ExpertGemmProblem& p, int device_index
     ENCORE_RETURN_IF_ERROR(gate("moe gate/up grouped gemm"));
     const long long cap = 8LL * (p.sm_count > 0 ? p.sm_count : 132);
     const unsigned grid = unsigned(p.rows_bound < cap ? p.rows_bound : cap);
-    swiglu_rows_kernel<<<grid, 256, 0, s>>>(p.gate_up, p.gate_up_stride, static_cast<__nv_bfloat16*>(m.act), m.act_stride, m.offsets, E, F,
-                                            p.rows_bound);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return Status::cuda_error(std::string("moe swiglu launch: ") + cudaGetErrorString(e));
+    ENCORE_RETURN_IF_ERROR(launch("moe swiglu rows", [&] {
+      swiglu_rows_kernel<<<grid, 256, 0, s>>>(p.gate_up, p.gate_up_stride, static_cast<__nv_bfloat16*>(m.act), m.act_stride, m.offsets, E, F,
+                                              p.rows_bound);
+    }));
   }
   if (p.wide_tile)
     return run_grouped<DownGemmWide>(arguments<DownGemmWide>(g_down, E, device_index, p.sm_count), cutlass_ws[2], ws, s, "moe down grouped gemm");

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "moe/cuda/launch.hpp"
 #include "moe/cuda/routing_kernel.cuh"
 
@@ -82,9 +83,9 @@ Status launch_moe_routing(const moe::RoutingProblem& p, int device_index, Stream
   const size_t smem = moe_routing_smem_bytes(p.num_experts);
   const unsigned grid = unsigned(moe_routing_grid(p.tokens));
   void* args[] = {&k};
-  cudaError_t e = cudaLaunchKernel(fn, dim3(grid), dim3(kRoutingWarps * 32), args, smem, static_cast<cudaStream_t>(stream));
-  if (e != cudaSuccess) return Status::cuda_error(std::string("moe routing launch: ") + cudaGetErrorString(e));
-  return Status::ok();
+  return launch_api("moe routing", [&] {
+    return cudaLaunchKernel(fn, dim3(grid), dim3(kRoutingWarps * 32), args, smem, static_cast<cudaStream_t>(stream));
+  });
 }
 
 }  // namespace encore::cuda

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "norm/cuda/qk_norm_kernel.cuh"
 #include "norm/cuda/launch.hpp"
 
@@ -64,10 +65,7 @@ Status launch_typed(const norm::QkNormProblem& p, const norm::QkNormLaunchPlan& 
   }
   if (!fn) return Status::internal("qk_norm: no kernel for head_dim " + std::to_string(p.head_dim) + ", heads/thread " +
                                    std::to_string(plan.heads_per_thread) + ", " + std::to_string(plan.pack_bytes) + "-byte packs");
-  fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string("qk_norm launch: ") + cudaGetErrorString(e));
-  return Status::ok();
+  return launch("qk_norm", [&] { fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k); });
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "norm/cuda/rms_norm_kernel.cuh"
 #include "norm/cuda/launch.hpp"
 
@@ -57,10 +58,7 @@ Status launch_typed(const norm::RmsNormProblem& p, const norm::RmsNormLaunchPlan
   const int threads = 32 * plan.warps_per_row * plan.rows_per_block;
   if (threads > kRmsNormMaxThreads) return Status::internal("rms_norm plan: block of " + std::to_string(threads) + " threads");
 
-  fn<<<dim3(unsigned(plan.grid)), dim3(threads), 0, stream>>>(k);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string("rms_norm launch: ") + cudaGetErrorString(e));
-  return Status::ok();
+  return launch("rms_norm", [&] { fn<<<dim3(unsigned(plan.grid)), dim3(threads), 0, stream>>>(k); });
 }
 
 Status launch_on_device(const norm::RmsNormProblem& p, const norm::RmsNormLaunchPlan& plan, cudaStream_t s) {

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "norm/cuda/launch.hpp"
 #include "norm/cuda/rms_norm_split_kernel.cuh"
 
@@ -15,13 +16,13 @@ Status launch_typed(const norm::RmsNormProblem& p, bool barrier, void* workspace
   auto* state = static_cast<GridBarrierState*>(workspace);
   float* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + norm::kSplitRowBarrierBytes);
   const unsigned slices = unsigned(norm::split_row_slices(p.hidden, p.dtype));
-  cudaError_t e;
   if (barrier) {
     auto fn = rms_norm_split_kernel<T, kAdd, SplitPhase::kFused>;
-    int per_sm = 0, dev = 0, sms = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kSplitThreads, 0);
+    int per_sm = 0, sms = 0;
+    ENCORE_RETURN_IF_ERROR(call_result("rms_norm split-row barrier", "cudaDeviceGetAttribute(MultiProcessorCount)",
+                                       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_index)));
+    ENCORE_RETURN_IF_ERROR(call_result("rms_norm split-row barrier", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+                                       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kSplitThreads, 0)));
     if (int64_t(slices) > int64_t(per_sm) * sms)
       return Status::unsupported("x: hidden " + std::to_string(p.hidden) + " needs " + std::to_string(slices) +
                                  " co-resident blocks for the grid barrier; at most " + std::to_string(per_sm * sms) + " fit");
@@ -34,17 +35,14 @@ Status launch_typed(const norm::RmsNormProblem& p, bool barrier, void* workspace
     attr.val.cooperative = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    e = cudaLaunchKernelEx(&cfg, fn, k, partials, state);
-  } else {
-    rms_norm_split_kernel<T, kAdd, SplitPhase::kPartial><<<slices, kSplitThreads, 0, stream>>>(k, partials, state);
-    e = cudaGetLastError();
-    if (e == cudaSuccess) {
-      rms_norm_split_kernel<T, kAdd, SplitPhase::kFinish><<<slices, kSplitThreads, 0, stream>>>(k, partials, state);
-      e = cudaGetLastError();
-    }
+    return launch_api("rms_norm split-row (cooperative, grid barrier)", [&] { return cudaLaunchKernelEx(&cfg, fn, k, partials, state); });
   }
-  if (e != cudaSuccess) return Status::cuda_error(std::string("rms_norm split-row launch: ") + cudaGetErrorString(e));
-  return Status::ok();
+  ENCORE_RETURN_IF_ERROR(launch("rms_norm split-row partial", [&] {
+    rms_norm_split_kernel<T, kAdd, SplitPhase::kPartial><<<slices, kSplitThreads, 0, stream>>>(k, partials, state);
+  }));
+  return launch("rms_norm split-row finish", [&] {
+    rms_norm_split_kernel<T, kAdd, SplitPhase::kFinish><<<slices, kSplitThreads, 0, stream>>>(k, partials, state);
+  });
 }
 
 template <typename T>
@@ -57,9 +55,8 @@ Status launch_add_or_plain(const norm::RmsNormProblem& p, bool barrier, void* wo
 Status zero_split_barrier(void* workspace, int device_index, Stream stream) {
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device_index));
-  cudaError_t e = cudaMemsetAsync(workspace, 0, norm::kSplitRowBarrierBytes, static_cast<cudaStream_t>(stream));
-  if (e != cudaSuccess) return Status::cuda_error(std::string("cudaMemsetAsync: ") + cudaGetErrorString(e));
-  return Status::ok();
+  return call_result("rms_norm split-row barrier workspace", "cudaMemsetAsync",
+                     cudaMemsetAsync(workspace, 0, norm::kSplitRowBarrierBytes, static_cast<cudaStream_t>(stream)));
 }
 
 Status launch_rms_norm_split(const norm::RmsNormProblem& p, bool barrier, void* workspace, Stream stream) {

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "quant/cuda/fp8_group_quant_kernel.cuh"
 #include "quant/cuda/launch.hpp"
 
@@ -69,10 +70,7 @@ Status launch_typed(const quant::Fp8QuantProblem& p, const quant::Fp8QuantLaunch
   if (!fn)
     return Status::internal("fp8_group_quant: no kernel for " + std::to_string(plan.groups_per_thread) + " groups per thread, " +
                             std::to_string(plan.packs_per_lane) + " packs per lane");
-  fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string("fp8_group_quant launch: ") + cudaGetErrorString(e));
-  return Status::ok();
+  return launch("fp8_group_quant", [&] { fn<<<dim3(unsigned(plan.grid)), dim3(plan.threads), 0, stream>>>(k); });
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
 #include "quant/cuda/launch.hpp"
 #include "quant/cuda/mx_quant_kernel.cuh"
 
@@ -36,12 +37,6 @@ MxParams make_params(const quant::MxProblem& p) {
   return k;
 }
 
-Status check_launch(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::cuda_error(std::string(what) + " launch: " + cudaGetErrorString(e));
-  return Status::ok();
-}
-
 unsigned grid_of(uint32_t units) { return unsigned((uint64_t(units) + kThreads - 1) / kThreads); }
 
 // The quantization kernel's threads: one per unit of 8 (MXFP8), one per NVFP4 block of 16.
@@ -51,9 +46,10 @@ Status zero_padding(const quant::MxProblem& p, const MxParams& k, cudaStream_t s
   if (!p.swizzled) return Status::ok();
   const int64_t n = quant::mx_padded_rows(p.rows) * quant::mx_padded_scale_cols(k.scale_cols) - p.rows * int64_t(k.scale_cols);
   if (n == 0) return Status::ok();
-  mx_zero_padding_kernel<<<unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096)), kThreads, 0, s>>>(
-      p.scales, p.rows, int64_t(k.scale_cols));
-  return check_launch("mx_zero_padding");
+  return launch("mx_zero_padding", [&] {
+    mx_zero_padding_kernel<<<unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096)), kThreads, 0, s>>>(
+        p.scales, p.rows, int64_t(k.scale_cols));
+  });
 }
 
 // Everything before the quantization kernel: the swizzled padding and NVFP4's global scale.
@@ -67,12 +63,12 @@ Status prologue_typed(const quant::MxProblem& p, cudaStream_t s, MxParams* out) 
     k.global_value = p.given_global;
     k.global_out = p.global_scale;
   } else {
-    const cudaError_t e = cudaMemsetAsync(p.global_scale, 0, sizeof(float), s);
-    if (e != cudaSuccess) return Status::cuda_error(std::string("nvfp4 global scale memset: ") + cudaGetErrorString(e));
-    nvfp4_amax_kernel<T><<<std::min(grid_of(k.units), 2048u), kThreads, 0, s>>>(k, reinterpret_cast<unsigned int*>(p.global_scale));
-    ENCORE_RETURN_IF_ERROR(check_launch("nvfp4_amax"));
-    nvfp4_global_kernel<<<1, 1, 0, s>>>(p.global_scale);
-    ENCORE_RETURN_IF_ERROR(check_launch("nvfp4_global"));
+    ENCORE_RETURN_IF_ERROR(launch_gate("nvfp4 global scale"));  // the seam before the first write to an output
+    ENCORE_RETURN_IF_ERROR(call_result("nvfp4 global scale", "cudaMemsetAsync", cudaMemsetAsync(p.global_scale, 0, sizeof(float), s)));
+    ENCORE_RETURN_IF_ERROR(launch("nvfp4_amax", [&] {
+      nvfp4_amax_kernel<T><<<std::min(grid_of(k.units), 2048u), kThreads, 0, s>>>(k, reinterpret_cast<unsigned int*>(p.global_scale));
+    }));
+    ENCORE_RETURN_IF_ERROR(launch("nvfp4_global", [&] { nvfp4_global_kernel<<<1, 1, 0, s>>>(p.global_scale); }));
     k.global_in = p.global_scale;
   }
   return Status::ok();
@@ -84,11 +80,9 @@ Status quant_typed(const quant::MxProblem& p, cudaStream_t s) {
   ENCORE_RETURN_IF_ERROR(prologue_typed<T>(p, s, &k));
   if (k.units == 0) return Status::ok();
   if (p.kind == quant::MxKind::kMxfp8) {
-    mxfp8_quant_kernel<T><<<grid_of(quant_threads(p, k)), kThreads, 0, s>>>(k);
-    return check_launch("mxfp8_quant");
+    return launch("mxfp8_quant", [&] { mxfp8_quant_kernel<T><<<grid_of(quant_threads(p, k)), kThreads, 0, s>>>(k); });
   }
-  nvfp4_quant_kernel<T><<<grid_of(quant_threads(p, k)), kThreads, 0, s>>>(k);
-  return check_launch("nvfp4_quant");
+  return launch("nvfp4_quant", [&] { nvfp4_quant_kernel<T><<<grid_of(quant_threads(p, k)), kThreads, 0, s>>>(k); });
 }
 
 template <typename O>
@@ -96,9 +90,10 @@ Status dequant_typed(const quant::MxProblem& p, cudaStream_t s) {
   MxParams k = make_params(p);
   if (k.units == 0) return Status::ok();
   k.global_in = p.global_scale;
-  if (p.kind == quant::MxKind::kMxfp8) mx_dequant_kernel<O, false><<<grid_of(k.units), kThreads, 0, s>>>(k);
-  else mx_dequant_kernel<O, true><<<grid_of(k.units), kThreads, 0, s>>>(k);
-  return check_launch("mx_dequant");
+  return launch("mx_dequant", [&] {
+    if (p.kind == quant::MxKind::kMxfp8) mx_dequant_kernel<O, false><<<grid_of(k.units), kThreads, 0, s>>>(k);
+    else mx_dequant_kernel<O, true><<<grid_of(k.units), kThreads, 0, s>>>(k);
+  });
 }
 
 }  // namespace

@@ -1,0 +1,35 @@
+// The second CUDA KDA backward (docs/kda.md, "The second backward"), stages K0 (chunk-parallel prep)
+// and K1 (the reverse state-cotangent scan) so far; K2 (the fused per-chunk gradients) is not built
+// yet, so run(KdaBackwardArgs) still takes the first backward (kda_backward.cu). Host entry, no
+// CUDA types.
+//
+// Intermediates, bf16 unless said, in the caller's workspace (Kda2Layout), channel dimension padded
+// to kKda2D = 128 with zeros; tokens = B * T (token index b * T + t), HV value heads, NT chunk slots:
+//   qg  [tokens][HV][128]  Qg = scale q^ . 2^G          (q^: q after the optional L2 norm)
+//   kg  [tokens][HV][128]  Kg = k^ . 2^(gC - G)
+//   wn  [tokens][HV][128]  -W = -A (beta k^ . 2^G)       (A = (I + L)^-1, the forward's Akk)
+//   dvl [tokens][HV][128]  Aqk^T dO                     (the intra-chunk part of dVnew)
+//   egc [NT][HV][128]      fp32 2^gC                    (gC: G at the chunk's last valid row)
+//   dsp [NT][HV][128][128] dS' per chunk, [K][V]        (the cotangent of the chunk's END state)
+//   dvn [tokens][HV][128]  dVnew = Aqk^T dO + Kg dS'    (rounded to bf16, as the scan used it)
+// and dh0 [N, HV, K, V] fp32 into the problem's dh0 (when given). G, Aqk, Akk come from the
+// forward's residuals (required); rows past a sequence's end are never written.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kda/cuda/kda_bwd_launch.hpp"
+
+namespace encore::cuda {
+
+constexpr int kKda2D = 128;  // padded channel width of the intermediates (K, V <= 128)
+
+struct Kda2Layout {  // byte offsets into the workspace, each 256-byte aligned; bytes = the total
+  size_t qg = 0, kg = 0, wn = 0, dvl = 0, egc = 0, dsp = 0, dvn = 0, bytes = 0;
+};
+Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV);
+
+// K0 then K1 on `stream` for K, V <= 128 (refused otherwise); p.dh0 receives dh0 when set.
+Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& layout, void* workspace, int chunks, Stream stream);
+
+}  // namespace encore::cuda

@@ -1,0 +1,154 @@
+// The second CUDA KDA backward's stages K0 (prep) and K1 (the reverse scan), src/kda/cuda/kda_bwd2.cu,
+// against the CPU chunked backward (fp64) fed the GPU forward's own residuals (G fp32; Aqk, Akk and h
+// in the inputs' dtype): per chunk dS' (the cotangent of its end state), dVnew = Aqk^T dO + Kg dS' per
+// token, and dh0. The kernels round their intermediates to bf16 (Qg, Kg, W, Aqk^T dO, dS', dVnew), so
+// the bound is bf16's: relative RMS <= 1e-2 (dh0 2e-2: a 30-chunk chain). The workspace is poisoned
+// (NaN) first and rows past a sequence's end must stay so; a second run gives the same bits.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "encore/kda.hpp"
+#include "kda/cuda/kda_bwd2.hpp"
+#include "kda/problem.hpp"
+#include "kda/reference/kda_chunked_bwd.hpp"
+#include "kda/testing.hpp"
+#include "tests/common/compare.hpp"
+#include "tests/common/device_buffer.hpp"
+#include "tests/kda/kda_case.hpp"
+#include "tests/kda/kda_device_vec.hpp"
+
+namespace encore::test {
+namespace {
+
+using cuda::kKda2D;
+
+struct Case {
+  KdaCase c;
+  const char* label;
+};
+
+// bf16 values of a [rows][HV][128] or [NT][HV][128][128] workspace tensor at byte offset `at`.
+std::vector<double> fetch_bf16(const DeviceBuffer& ws, size_t at, size_t n) {
+  std::vector<unsigned char> bytes(n * 2);
+  cudaMemcpy(bytes.data(), ws.at(at), bytes.size(), cudaMemcpyDeviceToHost);
+  std::vector<double> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = load_as_double(bytes.data(), DType::kBF16, int64_t(i));
+  return out;
+}
+
+void run_case(Case cs) {
+  KdaCase& c = cs.c;
+  SCOPED_TRACE(cs.label);
+  if (!c.l2) c.k_sd = 0.08 * std::sqrt(128.0 / double(c.K));
+  c.fill(uint64_t(c.T * 17 + c.K));
+  const DType dt = DType::kBF16;
+  const int64_t B = c.B, T = c.T, H = c.Hv(), Hq = c.H, K = c.K, V = c.V, N = c.N();
+  const DType gdt = c.opts.use_gate_in_kernel ? dt : DType::kFP32;
+  auto q = dev(c.q, dt, {B, T, Hq, K}), k = dev(c.k, dt, {B, T, Hq, K}), v = dev(c.v, dt, {B, T, H, V}), g = dev(c.g, gdt, {B, T, H, K}),
+       beta = dev(c.beta, dt, {B, T, H});
+  std::unique_ptr<DevVec> h0, A_log, dt_bias;
+  auto o = poisoned(c.o.size(), dt, {B, T, H, V}), fin = poisoned(c.fin.size(), DType::kFP32, {N, H, K, V});
+  KdaForwardArgs a;
+  a.q = q->view, a.k = k->view, a.v = v->view, a.g = g->view, a.beta = beta->view, a.o = o->view, a.final_state = fin->view;
+  if (c.h0) a.initial_state = (h0 = dev(c.init, DType::kFP32, {N, H, K, V}))->view;
+  if (!c.A_log.empty()) a.A_log = (A_log = dev(c.A_log, DType::kFP32, {H}))->view;
+  if (!c.dt_bias.empty()) a.dt_bias = (dt_bias = dev(c.dt_bias, DType::kFP32, {H * K}))->view;
+  if (!c.cu.empty()) a.cu_seqlens = TensorView::contiguous(c.cu.data(), DType::kInt64, {int64_t(c.cu.size())});
+  int64_t nt = 0;
+  ASSERT_TRUE(kda_chunk_count(a, c.opts, &nt));
+  auto rG = poisoned(size_t(B * T * H * K), DType::kFP32, {B, T, H, K}), rAqk = poisoned(size_t(B * T * H * 64), dt, {B, T, H, 64}),
+       rAkk = poisoned(size_t(B * T * H * 64), dt, {B, T, H, 64}), rh = poisoned(size_t(nt * H * K * V), dt, {nt, H, K, V});
+  a.residuals.G = rG->view, a.residuals.Aqk = rAqk->view, a.residuals.Akk = rAkk->view, a.residuals.h = rh->view;
+  {
+    DeviceBuffer fws(std::max<size_t>(workspace_bytes(a, c.opts), 16));
+    const Status st = run(a, c.opts, fws.ptr);
+    ASSERT_TRUE(st) << "forward: " << st.to_string();
+    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+  }
+  std::mt19937_64 rng(uint64_t(T * 29 + K));
+  std::normal_distribution<double> nd;
+  std::vector<double> d_o(c.o.size()), d_fin(c.fin.size());
+  for (auto& x : d_o) x = nd(rng);
+  for (auto& x : d_fin) x = 0.1 * nd(rng);
+  auto ddo = dev(d_o, dt, {B, T, H, V}), ddfin = dev(d_fin, DType::kFP32, {N, H, K, V});
+  auto dh0 = poisoned(size_t(N * H * K * V), DType::kFP32, {N, H, K, V});
+  // The gradient outputs validate() asks for (the stages write none of them).
+  auto dq = poisoned(size_t(B * T * Hq * K), dt, {B, T, Hq, K}), dk = poisoned(size_t(B * T * Hq * K), dt, {B, T, Hq, K}),
+       dv = poisoned(c.v.size(), dt, {B, T, H, V}), dg = poisoned(size_t(B * T * H * K), dt, {B, T, H, K}),
+       dbeta = poisoned(c.beta.size(), dt, {B, T, H});
+  KdaBackwardArgs b;
+  b.fwd = a;
+  b.d_o = ddo->view;
+  b.d_final_state = ddfin->view;
+  b.dh0 = dh0->view;
+  b.dq = dq->view, b.dk = dk->view, b.dv = dv->view, b.dg = dg->view, b.dbeta = dbeta->view;
+
+  size_t bytes = 0;
+  ASSERT_TRUE(kda::bwd2_stages_workspace(b, c.opts, &bytes));
+  DeviceBuffer ws(bytes);
+  ENCORE_ASSERT_CUDA(cudaMemset(ws.ptr, 0xff, ws.bytes));  // NaN in bf16 and fp32
+  cuda::Kda2Layout layout;
+  const Status st = kda::bwd2_stages(b, c.opts, ws.ptr, nullptr, &layout);
+  ASSERT_TRUE(st) << st.to_string();
+  ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+
+  // The CPU chunked backward on the GPU's residuals.
+  KdaForwardArgs ra = c.args();
+  std::vector<double> G = rG->fetch(), Aqk = rAqk->fetch(), Akk = rAkk->fetch(), hh = rh->fetch();
+  ra.residuals.G = TensorView::contiguous(G.data(), DType::kFP64, {B, T, H, K});
+  ra.residuals.Aqk = TensorView::contiguous(Aqk.data(), DType::kFP64, {B, T, H, 64});
+  ra.residuals.Akk = TensorView::contiguous(Akk.data(), DType::kFP64, {B, T, H, 64});
+  ra.residuals.h = TensorView::contiguous(hh.data(), DType::kFP64, {nt, H, K, V});
+  kda::KdaProblem p;
+  ASSERT_TRUE(kda::make_problem(ra, c.opts, &p));
+  const reference::KdaInputs in = reference::kda_prepare(p, ra);
+  const reference::KdaSavedResiduals saved = reference::kda_load_residuals(ra.residuals);
+  reference::KdaBwdTrace tr;
+  (void)reference::kda_chunked_backward(p, ra, in, d_o, d_fin, &saved, &tr);
+
+  // dS' per chunk: [NT][H][128][128] -> [NT][H][K][V].
+  const std::vector<double> dsp = fetch_bf16(ws, layout.dsp, size_t(nt * H) * kKda2D * kKda2D);
+  std::vector<double> got_dh(size_t(nt * H * K * V));
+  for (int64_t s = 0; s < nt * H; ++s)
+    for (int64_t x = 0; x < K; ++x)
+      for (int64_t y = 0; y < V; ++y) got_dh[size_t((s * K + x) * V + y)] = dsp[size_t((s * kKda2D + x) * kKda2D + y)];
+  // dVnew per token: [B*T][H][128] -> [B, T, H, V]; rows outside every sequence stay NaN (unwritten).
+  const std::vector<double> dvn = fetch_bf16(ws, layout.dvn, size_t(B * T * H) * kKda2D);
+  std::vector<double> got_dv(size_t(B * T * H * V)), ref_dv = tr.rev.dVnew;
+  for (int64_t r = 0; r < B * T * H; ++r)
+    for (int64_t y = 0; y < V; ++y) got_dv[size_t(r * V + y)] = dvn[size_t(r * kKda2D + y)];
+  // Tokens of no sequence (varlen T past cu's last entry): both sides skip them.
+  if (!c.cu.empty())
+    for (int64_t t = c.cu.back(); t < T; ++t)
+      for (int64_t x = 0; x < H * V; ++x) got_dv[size_t(t * H * V + x)] = ref_dv[size_t(t * H * V + x)] = 0;
+  const double e_dh = rel_err(got_dh, tr.rev.dh), e_dv = rel_err(got_dv, ref_dv), e_h0 = rel_err(dh0->fetch(), tr.rev.dh0);
+  std::printf("  kda bwd2 K0+K1 %-44s dS' %.2e dVnew %.2e dh0 %.2e\n", cs.label, e_dh, e_dv, e_h0);
+  EXPECT_TRUE(std::isfinite(e_dh) && std::isfinite(e_dv) && std::isfinite(e_h0)) << "NaN/inf (or an unwritten value)";
+  EXPECT_LE(e_dh, 1e-2);
+  EXPECT_LE(e_dv, 1e-2);
+  EXPECT_LE(e_h0, 2e-2);
+  // Deterministic: the same bits again.
+  ASSERT_TRUE(kda::bwd2_stages(b, c.opts, ws.ptr, nullptr, &layout));
+  ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(fetch_bf16(ws, layout.dsp, dsp.size()) == dsp && fetch_bf16(ws, layout.dvn, dvn.size()) == dvn) << "a second run differs";
+}
+
+TEST(KdaBwd2Gpu, PrepAndScanMatchTheChunkedReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Case cases[] = {
+      {KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, "varlen 1/63/64/65/1000 sp h0 l2"},
+      {KdaCase{1, 200, 2, 48, 40, {0, 0, 70, 70, 200}, Gate::kSoftplusBias, true, true}, "varlen empty/70/empty/130 K48 V40"},
+      {KdaCase{2, 200, 2, 128, 128, {}, Gate::kPrecomputed, false, false}, "fixed B2 T200 precomputed"},
+      {KdaCase{1, 300, 2, 128, 128, {0, 37, 300}, Gate::kLowerBound, true, false}, "varlen 37/263 lower bound -5"},
+      {KdaCase{1, 1900, 2, 128, 128, {0, 1900}, Gate::kSoftplus, false, true}, "one sequence of 30 chunks"},
+  };
+  for (const Case& cs : cases) run_case(cs);
+}
+
+}  // namespace
+}  // namespace encore::test
