@@ -15,6 +15,7 @@ imported only once a torch tensor arrives or torch is already loaded.
 """
 from __future__ import annotations
 
+import operator
 import sys
 import types
 
@@ -75,6 +76,44 @@ def eager(*arrays) -> bool:
     return not (_COMPILING() or _DISPATCH_MODES() or _FUNCTION_MODE())
 
 
+# --- scalar arguments ---------------------------------------------------------------------------------
+
+
+def as_int(v, name):
+    """v as an int (Python or numpy integers; bool counts as an int); TypeError naming the argument
+    for anything else (a float, a str, None): int() would truncate 2.5 or parse "2" silently."""
+    if type(v) is int:
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}") from None
+
+
+def as_float(v, name):
+    """v as a float (Python, numpy or 0-d array numbers); TypeError naming the argument for anything
+    else (a str, None, a sequence): float() would parse "1e-6" silently."""
+    if type(v) is float:
+        return v
+    if isinstance(v, (str, bytes)) or v is None:
+        raise TypeError(f"{name}: expected a float, got {type(v).__name__}")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a float, got {type(v).__name__}") from None
+
+
+def matrix_shape(a, name, ndim=2, layout="[M, K]"):
+    """a's shape, checked to have `ndim` dimensions: ValueError naming the argument otherwise (TypeError
+    for an object that is not an array)."""
+    shape = getattr(a, "shape", None)
+    if shape is None or not hasattr(a, "ndim"):
+        raise TypeError(f"{name}: expected an array (a numpy array or a torch tensor), got {type(a).__name__}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimension{'s' if ndim != 1 else ''} {layout}, got {list(shape)}")
+    return tuple(shape)
+
+
 # --- arrays -------------------------------------------------------------------------------------------
 
 
@@ -91,7 +130,7 @@ def stream_for(a, stream=None) -> int:
     """The stream handle for a call on `a`: the caller's, else torch's current stream on a's CUDA
     device, else 0."""
     if stream is not None:
-        return int(stream)
+        return as_int(stream, "stream")
     if (type(a) is _TENSOR or (_TENSOR is not None and isinstance(a, _TENSOR))) and a.is_cuda:
         return _TORCH._C._cuda_getCurrentRawStream(a.get_device())
     return 0
@@ -154,27 +193,29 @@ def address(a):
 
 
 def given_outputs(out, names):
-    """The caller's output arrays `out`, checked to be one per name in `names`."""
+    """The caller's output arrays `out`, checked to be a tuple (or list) of one per name in `names`."""
+    if not isinstance(out, (tuple, list)):
+        raise TypeError(f"out: expected a tuple of the {len(names)} arrays ({', '.join(names)}), got {type(out).__name__}")
     if len(out) != len(names):
         raise ValueError(f"out: expected the {len(names)} arrays ({', '.join(names)}), got {len(out)}")
     return tuple(out)
 
 
-def workspace(ws, like, nbytes, align, sized_by):
-    """The aligned nbytes of a workspace: `ws` (the caller's; checked to be a 1-D uint8 array on
-    like's framework and device, large enough from an align-byte aligned address), or, when it is
-    None, a fresh one with room for the alignment; None when nbytes is 0 and none was given."""
+def workspace(ws, like, nbytes, align, sized_by, name="workspace"):
+    """The aligned nbytes of a workspace: `ws` (the caller's argument `name`; checked to be a 1-D uint8
+    array on like's framework and device, large enough from an align-byte aligned address), or, when it
+    is None, a fresh one with room for the alignment; None when nbytes is 0 and none was given."""
     if ws is None:
         if not nbytes:
             return None
         ws = empty(like, (nbytes + align,), "u8")
     elif getattr(ws, "ndim", 0) != 1 or str(ws.dtype).rsplit(".", 1)[-1] != "uint8":
-        raise ValueError("workspace: expected a 1-D uint8 array")
+        raise ValueError(f"{name}: expected a 1-D uint8 array")
     elif is_torch(ws) != is_torch(like) or (is_torch(ws) and ws.device != like.device):
-        raise ValueError("workspace: expected an array on the inputs' framework and device")
+        raise ValueError(f"{name}: expected an array on the inputs' framework and device")
     skip = (-address(ws)) % align
     if ws.shape[0] < nbytes + skip:
-        raise ValueError(f"workspace: {ws.shape[0]} bytes, this call needs {nbytes} from a {align}-byte aligned address "
+        raise ValueError(f"{name}: {ws.shape[0]} bytes, this call needs {nbytes} from a {align}-byte aligned address "
                          f"(allocate {sized_by}(...) bytes)")
     return ws[skip:skip + nbytes]
 
@@ -231,10 +272,18 @@ def _register(name, kernel, mutates, fake, autograd):
 NATIVE = {}  # op name -> its dispatcher entry, for the ops whose kernel is C++ (encore._encore_torch)
 
 
-def native(a, name):
+def native(a, name, *others):
     """The dispatcher entry of op `name` when its kernel is C++ and `a` is a plain torch tensor
-    (an eager call is then cheaper through it than through the Python launcher), else None."""
-    return NATIVE.get(name) if type(a) is _TENSOR else None
+    (an eager call is then cheaper through it than through the Python launcher), else None; None
+    too when one of `others` (the op's other array arguments that are given) is not a plain tensor
+    (None included): the Python launcher takes numpy arrays beside torch tensors and names a wrong or
+    missing argument, where the dispatcher would raise RuntimeError on its schema."""
+    if type(a) is not _TENSOR:
+        return None
+    for o in others:
+        if type(o) is not _TENSOR:
+            return None
+    return NATIVE.get(name)
 
 
 def _load_native(torch):

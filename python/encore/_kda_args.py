@@ -2,8 +2,10 @@
 KdaForwardArgs with its residuals), shared by kda.py's launchers and _kda_cp.py's summaries."""
 from __future__ import annotations
 
+import math
+
 from . import _encore as _b
-from ._core import dl
+from ._core import as_float, dl
 
 _OPTIONS = {}  # (scale, l2, gate, lower_bound, output_final_state) -> KdaOptions: built once per distinct value
 
@@ -14,9 +16,12 @@ def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_st
     o = _OPTIONS.get(key)
     if o is None:
         lower = lower_bound is not None
-        o = _OPTIONS[key] = _b.KdaOptions(scale=float(scale or 0.0), output_final_state=bool(output_final_state),
+        s = 0.0 if scale is None else as_float(scale, "scale")
+        if scale is not None and not (s > 0 and math.isfinite(s)):  # the C++ options read <= 0 as K^-1/2: refuse, not substitute
+            raise ValueError(f"scale: must be positive and finite (None: K ** -0.5), got {scale!r}")
+        o = _OPTIONS[key] = _b.KdaOptions(scale=s, output_final_state=bool(output_final_state),
                                           use_qk_l2norm=bool(use_qk_l2norm), use_gate_in_kernel=bool(use_gate_in_kernel),
-                                          use_lower_bound=lower, lower_bound=float(lower_bound) if lower else -5.0)
+                                          use_lower_bound=lower, lower_bound=as_float(lower_bound, "lower_bound") if lower else -5.0)
     return o
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _encore as _b
-from ._core import dl, eager, empty, given_outputs, ops, stream_for, torch_op, workspace
+from ._core import as_float, dl, eager, empty, given_outputs, matrix_shape, ops, stream_for, torch_op, workspace
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -43,21 +43,24 @@ def _options(cls, *values):
 
 def _block_outputs(y0, w1, w3):
     """x1, x2 [M, d], z1 [M, 2F], qkv [M, Nqkv] in y0's dtype, r1, r2 [M] float32."""
-    m, d = y0.shape[0], y0.shape[1]
-    return (empty(y0, (m, d)), empty(y0, (m, d)), empty(y0, (m, w1.shape[0])), empty(y0, (m, w3.shape[0])), empty(y0, (m,), "f32"),
-            empty(y0, (m,), "f32"))
+    m, d = matrix_shape(y0, "y0", 2, "[M, d]")
+    f2, n = matrix_shape(w1, "w1", 2, "[2F, d]")[0], matrix_shape(w3, "w3", 2, "[Nqkv, d]")[0]
+    return (empty(y0, (m, d)), empty(y0, (m, d)), empty(y0, (m, f2)), empty(y0, (m, n)), empty(y0, (m,), "f32"), empty(y0, (m,), "f32"))
 
 
-def _block_grads(y0, weights):
+def _block_grads(y0, weights, names=("w0", "w1", "w2", "w3")):
     """The block backwards' outputs: d_y0, d_x0 [M, d] and each weight's gradient in y0's dtype, then the
     two dgammas [d] float32."""
-    m, d = y0.shape[0], y0.shape[1]
+    m, d = matrix_shape(y0, "y0", 2, "[M, d]")
+    for w, name in zip(weights, names):
+        matrix_shape(w, name, 2, "[rows, cols]")
     return ((empty(y0, (m, d)), empty(y0, (m, d))) + tuple(empty(y0, tuple(w.shape)) for w in weights) +
             (empty(y0, (d,), "f32"), empty(y0, (d,), "f32")))
 
 
 def _qkv_grads(x, w3):
-    return empty(x, tuple(x.shape)), empty(x, tuple(w3.shape)), empty(x, (x.shape[1],), "f32")
+    m, d = matrix_shape(x, "x", 2, "[M, d]")
+    return empty(x, (m, d)), empty(x, matrix_shape(w3, "w3", 2, "[Nqkv, d]")), empty(x, (d,), "f32")
 
 
 def _last_outputs(y0, w1):
@@ -78,7 +81,7 @@ def _llama_block_forward_launch(ins, eps, out, ws, stream):
     y0 = ins[0]
     out = _block_outputs(y0, ins[3], ins[5]) if out is None else given_outputs(out, _BLOCK_OUTPUTS)
     _launch(_b.llama_block_forward_workspace, _b.llama_block_forward_run, _b.LlamaBlockArgs(*map(dl, (*ins, *out))),
-            _options(_b.LlamaBlockOptions, float(eps)), ws, y0, "llama_block_workspace_bytes", stream)
+            _options(_b.LlamaBlockOptions, as_float(eps, "eps")), ws, y0, "llama_block_workspace_bytes", stream)
     return out
 
 
@@ -109,7 +112,7 @@ def _llama_last_block_forward_launch(ins, eps, ignore_index, out, ws, stream):
 
 def _llama_last_block_backward_launch(ins, ignore_index, out, ws, stream):
     y0 = ins[0]
-    out = _block_grads(y0, (*ins[1:4], ins[6])) if out is None else given_outputs(out, _LAST_BWD_OUTPUTS)
+    out = _block_grads(y0, (*ins[1:4], ins[6]), ("w0", "w1", "w2", "w_lm")) if out is None else given_outputs(out, _LAST_BWD_OUTPUTS)
     _launch(_b.llama_last_block_backward_workspace, _b.llama_last_block_backward_run, _b.LlamaLastBlockBwdArgs(*map(dl, (*ins, *out))),
             _options(_b.LlamaLastBlockBwdOptions, int(ignore_index)), ws, y0, "encore._encore.llama_last_block_backward_workspace",
             stream)
@@ -180,7 +183,7 @@ def _llama_last_block_forward(y0: Tensor, x0: Tensor, w0: Tensor, w1: Tensor, w2
 
 
 def _last_backward_fake(y0, w0, w1, w2, gamma0, gamma_final, w_lm, *_):
-    return _block_grads(y0, (w0, w1, w2, w_lm))
+    return _block_grads(y0, (w0, w1, w2, w_lm), ("w0", "w1", "w2", "w_lm"))
 
 
 @torch_op("llama_last_block_backward", fake=_last_backward_fake, mutates=("workspace",))
@@ -218,7 +221,7 @@ def llama_block_workspace_bytes(y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, fre
     """The size in bytes to allocate for llama_block_forward's `workspace` with these arguments and
     outputs `out` = (x1, x2, z1, qkv, r1, r2): what the block needs plus 256 for alignment."""
     args = (y0, x0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, *given_outputs(out, _BLOCK_OUTPUTS))
-    return int(_b.llama_block_forward_workspace(_b.LlamaBlockArgs(*map(dl, args)), _options(_b.LlamaBlockOptions, float(eps)))) + _ALIGN
+    return int(_b.llama_block_forward_workspace(_b.LlamaBlockArgs(*map(dl, args)), _options(_b.LlamaBlockOptions, as_float(eps, "eps")))) + _ALIGN
 
 
 def llama_block_backward(y0, w0, w1, w2, w3, gamma0, gamma1, pos, freq, x1, x2, z1, qkv, r1, r2, d_qkv, d_x2, out=None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _encore as _b
-from ._core import dl, eager, empty, empty_like, ops, present, stream_for, torch_op, with_absent
+from ._core import as_float, as_int, dl, eager, empty, empty_like, matrix_shape, ops, present, stream_for, torch_op, with_absent
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -97,9 +97,15 @@ def _mn(a, w, weight_kn=False, a_transposed=False):
     return a.shape[1 if a_transposed else 0], w.shape[1 if weight_kn else 0]
 
 
+def _check_tile_n(partial_tile_n):
+    if partial_tile_n < 0:
+        raise ValueError(f"partial_tile_n: must be positive or 0 (auto), got {partial_tile_n}")
+    return partial_tile_n
+
+
 def _tile_partials(name, a, m, n, partial_tile_n):
     """Per-tile partials [M, ceil(N / tile)] float32 of row `name` and the tile width."""
-    t = partial_tile_n or _tile_n(name, int(a.shape[1]))
+    t = _check_tile_n(partial_tile_n) or _tile_n(name, int(a.shape[1]))
     return empty(a, (m, (n + t - 1) // t), "f32"), t
 
 
@@ -165,7 +171,7 @@ def _epilogue_outputs(name, a, w, store_d, partial_tile_n, head_dim, has_target)
     (one row per 128-row M-tile)."""
     _, keys, weight_kn, a_transposed, parts, aux = _layout(name, store_d, has_target)
     m, n = _mn(a, w, weight_kn, a_transposed)
-    tile_n = (partial_tile_n or _tile_n(name, int(a.shape[1]))) if parts in ("tile", "column") else 0
+    tile_n = (_check_tile_n(partial_tile_n) or _tile_n(name, int(a.shape[1]))) if parts in ("tile", "column") else 0
     out = []
     for k in keys:
         if k == "d":
@@ -236,7 +242,7 @@ def _gemm_residual_rms_partial_launch(a, w, residual, gamma, partial_tile_n, str
 
 
 def _rms_final_reduce_launch(partials, hidden, eps, stream):
-    r = empty(partials, (partials.shape[0],), "f32")
+    r = empty(partials, (matrix_shape(partials, "partials", 2, "[M, tiles]")[0],), "f32")
     _b.rms_final_reduce_run(_b.RmsFinalReduceArgs(dl(partials), dl(r)), int(hidden), float(eps), stream_for(partials, stream))
     return r
 
@@ -262,6 +268,8 @@ def _gemm_rope_launch(a, w, pos, freq, r, tile, stream):
 
 def _head_sqsum_outputs(a, w, head_dim):
     m, n = _mn(a, w)
+    if head_dim <= 0:
+        raise ValueError(f"head_dim: {head_dim} must be positive and divide N = {n}")
     return empty(a, (m, n)), empty(a, (m, n // head_dim), "f32")
 
 
@@ -278,7 +286,9 @@ def _qk_norm_rope_launch(qkv, partials, q_weight, k_weight, pos, freq, num_q_hea
 
 
 def _qk_bwd_outputs(dy, head_dim):
-    return empty(dy, tuple(dy.shape)), empty(dy, (head_dim,), "f32"), empty(dy, (head_dim,), "f32")
+    """dx [M, N] in dy's dtype, dq_weight, dk_weight [head_dim] float32 (a head_dim < 1 is refused by the op)."""
+    shape, hd = matrix_shape(dy, "dy", 2, "[M, N]"), max(head_dim, 0)
+    return empty(dy, shape), empty(dy, (hd,), "f32"), empty(dy, (hd,), "f32")
 
 
 def _qk_norm_rope_backward_launch(dy, x, partials, q_weight, k_weight, pos, freq, num_q_heads, num_kv_heads, head_dim, eps, stream):
@@ -306,7 +316,7 @@ def _gemm_lse_launch(a, w, r, target, store_logits, ignore_index, partial_tile_n
 
 
 def _lse_finish_outputs(partials, has_target):
-    m = partials.shape[0]
+    m = matrix_shape(partials, "partials", 2, "[M, tiles]")[0]
     return empty(partials, (m,), "f32"), empty(partials, (m,), "f32") if has_target else None
 
 
@@ -318,13 +328,22 @@ def _lse_finish_launch(partials, target, target_logit, ignore_index, stream):
 
 
 def _cross_entropy_bwd_launch(logits, lse, target, alpha, ignore_index, out, stream):
-    _b.cross_entropy_bwd_run(_b.CrossEntropyBwdArgs(dl(logits), dl(lse), dl(target), dl(alpha), dl(out)), int(ignore_index),
-                             stream_for(logits, stream))
+    try:
+        _b.cross_entropy_bwd_run(_b.CrossEntropyBwdArgs(dl(logits), dl(lse), dl(target), dl(alpha), dl(out)), int(ignore_index),
+                                 stream_for(logits, stream))
+    except (ValueError, TypeError) as e:  # the C++ API's dlogits is the caller's out: name it so
+        msg = str(e)
+        if out is logits or not msg.startswith("dlogits:"):
+            raise
+        raise type(e)("out (dlogits)" + msg[len("dlogits"):]) from None
     return out
 
 
 def _partials_sum_launch(partials, per_column, scale, n, stream):
-    out = empty(partials, (n if per_column else partials.shape[0],), "f32")
+    rows, cols = matrix_shape(partials, "partials", 2, "[rows, cols]")
+    if per_column and not 1 <= n <= cols:
+        raise ValueError(f"n: must be in [1, {cols}] (the partials' columns), got {n}")
+    out = empty(partials, (n if per_column else rows,), "f32")
     _b.partials_sum_run(_b.PartialsSumArgs(dl(partials), dl(out)), _PER_COLUMN if per_column else _PER_ROW, float(scale),
                         stream_for(partials, stream))
     return out
@@ -444,6 +463,8 @@ def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=Non
     The D of lse and ce_bwd has its rows padded to a multiple of 8 elements (an [M, N] view), so any N runs on CUDA.
     """
     name = _as_epilogue(epilogue)
+    partial_tile_n, head_dim = as_int(partial_tile_n, "partial_tile_n"), as_int(head_dim, "head_dim")
+    ignore_index = as_int(ignore_index, "ignore_index")
     if stream is None and not eager(a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz, lse):
         got = ops().gemm_epilogue(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n, head_dim,
                                   ignore_index, _tile_name(tile), c2, zdz, lse)
@@ -469,15 +490,17 @@ def gemm_scalar_scale(a, w, alpha, tile="auto", stream=None):
 def gemm_residual_rms_partial(a, w, residual, gamma, partial_tile_n=0, stream=None):
     """y = a @ w.T + residual. Returns (y, aux = y * gamma, partials [M, tiles] float32 of sum(y**2)
     per partial_tile_n columns (0: gemm_partial_tile_n)); finish with rms_final_reduce."""
+    partial_tile_n = as_int(partial_tile_n, "partial_tile_n")
     if stream is None and not eager(a, w, residual, gamma):
-        return ops().gemm_residual_rms_partial(a, w, residual, gamma, int(partial_tile_n))
+        return ops().gemm_residual_rms_partial(a, w, residual, gamma, partial_tile_n)
     return _gemm_residual_rms_partial_launch(a, w, residual, gamma, partial_tile_n, stream)
 
 
 def rms_final_reduce(partials, hidden: int, eps: float = 1e-6, stream=None):
     """r = rsqrt(partials.sum(1) / hidden + eps) as float32 [M] (tiles summed in order)."""
+    hidden, eps = as_int(hidden, "hidden"), as_float(eps, "eps")
     if stream is None and not eager(partials):
-        return ops().rms_final_reduce(partials, int(hidden), float(eps))
+        return ops().rms_final_reduce(partials, hidden, eps)
     return _rms_final_reduce_launch(partials, hidden, eps, stream)
 
 
@@ -499,8 +522,9 @@ def gemm_rope(a, w, pos, freq, r=None, tile="auto", stream=None):
 
 def gemm_qkv_head_sqsum(a, w, head_dim: int = 128, stream=None):
     """D = a @ w.T and partials [M, N // head_dim] float32 of sum(D**2) per head."""
+    head_dim = as_int(head_dim, "head_dim")
     if stream is None and not eager(a, w):
-        return ops().gemm_qkv_head_sqsum(a, w, int(head_dim))
+        return ops().gemm_qkv_head_sqsum(a, w, head_dim)
     return _gemm_qkv_head_sqsum_launch(a, w, head_dim, stream)
 
 
@@ -509,7 +533,7 @@ def qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, num_q_heads: int
     """In place after gemm_qkv_head_sqsum: per-head RMSNorm of the Q and K heads from their sums of
     squares (partials), times q_weight / k_weight, then RoPE of their column pairs; returns qkv.
     CPU and CUDA backends."""
-    args = (int(num_q_heads), int(num_kv_heads), int(head_dim), float(eps))
+    args = (as_int(num_q_heads, "num_q_heads"), as_int(num_kv_heads, "num_kv_heads"), as_int(head_dim, "head_dim"), as_float(eps, "eps"))
     if stream is None and not eager(qkv, partials, q_weight, k_weight, pos, freq):
         ops().qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, *args)
     else:
@@ -523,7 +547,7 @@ def qk_norm_rope_backward(dy, x, partials, q_weight, k_weight, pos, freq, num_q_
     output, kept before the in-place finish), partials its sums of squares, dy the gradient of the finished qkv.
     Returns (dx [M, N] in dy's dtype, dq_weight [head_dim] float32, dk_weight [head_dim] float32): per Q / K head
     the inverse rotation, then the per-head RMSNorm backward; V heads dx = dy. CPU and CUDA backends."""
-    args = (int(num_q_heads), int(num_kv_heads), int(head_dim), float(eps))
+    args = (as_int(num_q_heads, "num_q_heads"), as_int(num_kv_heads, "num_kv_heads"), as_int(head_dim, "head_dim"), as_float(eps, "eps"))
     if stream is None and not eager(dy, x, partials, q_weight, k_weight, pos, freq):
         return tuple(ops().qk_norm_rope_backward(dy, x, partials, q_weight, k_weight, pos, freq, *args))
     return _qk_norm_rope_backward_launch(dy, x, partials, q_weight, k_weight, pos, freq, *args, stream)
@@ -532,8 +556,9 @@ def qk_norm_rope_backward(dy, x, partials, q_weight, k_weight, pos, freq, num_q_
 def gemm_lse(a, w, r=None, target=None, store_logits=False, ignore_index=-100, partial_tile_n=0, stream=None):
     """z = r[:, None] * (a @ w.T). Returns (partials [M, tiles] float32 of log-sum-exp per tile,
     logits z or None, target_logit [M] float32 = z[m, target[m]] or None); finish with lse_finish."""
+    ignore_index, partial_tile_n = as_int(ignore_index, "ignore_index"), as_int(partial_tile_n, "partial_tile_n")
     if stream is None and not eager(a, w, r, target):
-        outs = ops().gemm_lse(a, w, r, target, bool(store_logits), int(ignore_index), int(partial_tile_n))
+        outs = ops().gemm_lse(a, w, r, target, bool(store_logits), ignore_index, partial_tile_n)
         return with_absent(outs, (True, store_logits, target is not None))
     return _gemm_lse_launch(a, w, r, target, store_logits, ignore_index, partial_tile_n, stream)
 
@@ -541,8 +566,9 @@ def gemm_lse(a, w, r=None, target=None, store_logits=False, ignore_index=-100, p
 def lse_finish(partials, target=None, target_logit=None, ignore_index=-100, stream=None):
     """lse [M] = logsumexp over the tiles; with target: loss [M] = lse - target_logit (0 for
     ignore_index). Returns lse, or (lse, loss)."""
+    ignore_index = as_int(ignore_index, "ignore_index")
     if stream is None and not eager(partials, target, target_logit):
-        lse, loss = with_absent(ops().lse_finish(partials, target, target_logit, int(ignore_index)), (True, target is not None))
+        lse, loss = with_absent(ops().lse_finish(partials, target, target_logit, ignore_index), (True, target is not None))
     else:
         lse, loss = _lse_finish_launch(partials, target, target_logit, ignore_index, stream)
     return lse if loss is None else (lse, loss)
@@ -555,15 +581,20 @@ def cross_entropy_bwd(logits, lse, target, alpha=None, ignore_index=-100, out=No
     1). Written into `out` (logits' shape and dtype; may be logits itself: cross_entropy_bwd_), else
     into a new array. A target outside [0, N) other than ignore_index: ValueError on the CPU, a NaN row
     on CUDA."""
+    ignore_index = as_int(ignore_index, "ignore_index")
     if out is None and stream is None and not eager(logits, lse, target, alpha):
-        return ops().cross_entropy_bwd(logits, lse, target, alpha, int(ignore_index))
-    return _cross_entropy_bwd_launch(logits, lse, target, alpha, ignore_index, empty_like(logits) if out is None else out, stream)
+        return ops().cross_entropy_bwd(logits, lse, target, alpha, ignore_index)
+    if out is None:
+        matrix_shape(logits, "logits", 2, "[M, N]")
+        out = empty_like(logits)
+    return _cross_entropy_bwd_launch(logits, lse, target, alpha, ignore_index, out, stream)
 
 
 def cross_entropy_bwd_(logits, lse, target, alpha=None, ignore_index=-100, stream=None):
     """cross_entropy_bwd in place: the logits are overwritten by their gradient; returns logits."""
+    ignore_index = as_int(ignore_index, "ignore_index")
     if stream is None and not eager(logits, lse, target, alpha):
-        ops().cross_entropy_bwd_(logits, lse, target, alpha, int(ignore_index))
+        ops().cross_entropy_bwd_(logits, lse, target, alpha, ignore_index)
         return logits
     return _cross_entropy_bwd_launch(logits, lse, target, alpha, ignore_index, logits, stream)
 
@@ -573,9 +604,10 @@ def partials_sum(partials, per_column=False, scale: float = 1.0, n=None, stream=
     per row ``scale * partials.sum(1)`` [rows] (zdz from swiglu_bwd's tile partials, scale = 1 / hidden),
     per column ``scale * partials[:, :n].sum(0)`` [n] (dγ from rmsnorm_bwd's column partials; n
     defaults to all columns, the partials' N is rounded up to the tile)."""
-    n = partials.shape[1] if n is None else int(n)
+    n = matrix_shape(partials, "partials", 2, "[rows, cols]")[1] if n is None else as_int(n, "n")
+    scale = as_float(scale, "scale")
     if stream is None and not eager(partials):
-        return ops().partials_sum(partials, bool(per_column), float(scale), n)
+        return ops().partials_sum(partials, bool(per_column), scale, n)
     return _partials_sum_launch(partials, per_column, scale, n, stream)
 
 
@@ -584,13 +616,15 @@ def rope_freq_turns(num_heads: int, rotary_heads: int, head_dim: int, base: floa
     pairs; heads past rotary_heads (V) get 0 (no rotation)."""
     import numpy as np
 
-    f = np.empty(num_heads * head_dim, dtype=np.float32)
-    _b.rope_freq_turns(int(num_heads), int(rotary_heads), int(head_dim), float(base), f)
+    num_heads, rotary_heads, head_dim = as_int(num_heads, "num_heads"), as_int(rotary_heads, "rotary_heads"), as_int(head_dim, "head_dim")
+    f = np.empty(max(num_heads * head_dim, 0), dtype=np.float32)  # a negative size is refused by the call, naming the argument
+    _b.rope_freq_turns(num_heads, rotary_heads, head_dim, as_float(base, "base"), f)
     return f
 
 
 def interleave_gate_up(gate, up):
     """[2F, K] weights with rows 2j = gate[j], 2j+1 = up[j] (CPU arrays), for gemm_swiglu."""
-    out = empty(gate, (2 * gate.shape[0], gate.shape[1]))
+    f, k = matrix_shape(gate, "gate", 2, "[F, K]")
+    out = empty(gate, (2 * f, k))
     _b.interleave_gate_up(dl(gate), dl(up), dl(out))
     return out

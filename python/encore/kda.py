@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from . import _core
 from . import _encore as _b
 from ._kda_args import _forward_args, _opts
-from ._core import dl, empty, empty_like, eager, given_outputs, is_torch, ops, present, stream_for, torch_module, torch_op, with_absent
+from ._core import (dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, ops, present, stream_for, torch_module, torch_op,
+                    with_absent)
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -89,8 +90,8 @@ def _opt_float(x):
 def _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
                         dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, stream):
     """(o, final_state or None, {name: residual for name in names} or None)."""
-    b, t, _, kd = q.shape
-    h, vd = v.shape[2], v.shape[3]  # h: the value heads HV (a multiple of q's heads; fla's GVA)
+    b, t, _, kd = matrix_shape(q, "q", 4, "[B, T, H, K]")
+    h, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")[2:]  # h: the value heads HV (a multiple of q's heads; fla's GVA)
     cu = _host_cu(cu_seqlens)
     if out is None:
         n = b if cu is None else len(cu) - 1
@@ -323,7 +324,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if bad or kwargs:
         raise ValueError(f"chunk_kda: not supported by encore: {', '.join(bad + sorted(kwargs))}")
     if not is_torch(q):
-        raise ValueError("chunk_kda: expects torch tensors (kda_forward / kda_backward take numpy arrays)")
+        raise ValueError("q: chunk_kda expects torch tensors (kda_forward / kda_backward take numpy arrays)")
+    matrix_shape(q, "q", 4, "[B, T, H, K]")
+    matrix_shape(v, "v", 4, "[B, T, HV, V]")
     if use_gate_in_kernel and A_log is None and lower_bound is None:
         raise ValueError("A_log: must be given with use_gate_in_kernel unless lower_bound is set")
     if not use_gate_in_kernel:

@@ -12,14 +12,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _encore as _b
-from ._core import dl, eager, empty, is_torch, ops, stream_for, torch_module, torch_op, workspace
+from ._core import as_float, as_int, dl, eager, empty, is_torch, matrix_shape, ops, stream_for, torch_module, torch_op, workspace
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
 
 __all__ = ["moe_routing", "moe_dispatch", "moe_combine", "moe_forward", "moe_permuted_rows", "moe_buffers_bytes"]
 
-moe_permuted_rows = _b.moe_permuted_rows
+
+def moe_permuted_rows(tokens: int, top_k: int, num_experts: int, align_m: int) -> int:
+    """Rows of the permuted buffer at most: T*k + min(E, T*k) * (align_m - 1) (include/encore/moe.hpp)."""
+    tokens, top_k, num_experts, align_m = (as_int(tokens, "tokens"), as_int(top_k, "top_k"), as_int(num_experts, "num_experts"),
+                                           as_int(align_m, "align_m"))
+    if tokens < 0:
+        raise ValueError(f"tokens: must be >= 0, got {tokens}")
+    if not 1 <= num_experts < 2**20:
+        raise ValueError(f"num_experts: must be in [1, 2^20), got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: must be in [1, num_experts = {num_experts}], got {top_k}")
+    if not (1 <= align_m <= 1024 and align_m & (align_m - 1) == 0):
+        raise ValueError(f"align_m: must be a power of two in [1, 1024], got {align_m}")
+    return _b.moe_permuted_rows(tokens, top_k, num_experts, align_m)
+
 
 _ROUTING = {}  # (top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor) -> MoeRoutingOptions
 _DISPATCH = {}  # (num_experts, align_m, power_of_two_scales) -> MoeDispatchOptions
@@ -35,7 +49,8 @@ def _scoring(scoring):
 
 
 def _routing_options(top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor):
-    key = (int(top_k), scoring, bool(renormalize), int(n_group), int(topk_group), float(routed_scaling_factor))
+    key = (as_int(top_k, "top_k"), scoring, bool(renormalize), as_int(n_group, "n_group"), as_int(topk_group, "topk_group"),
+           as_float(routed_scaling_factor, "routed_scaling_factor"))
     o = _ROUTING.get(key)
     if o is None:
         o = _ROUTING[key] = _b.MoeRoutingOptions(key[0], _scoring(scoring), *key[2:])
@@ -43,7 +58,7 @@ def _routing_options(top_k, scoring, renormalize, n_group, topk_group, routed_sc
 
 
 def _layer_options(align_m, *routing):
-    key = (int(align_m), *routing)
+    key = (as_int(align_m, "align_m"), *routing)
     o = _LAYER.get(key)
     if o is None:
         o = _LAYER[key] = _b.MoeOptions(_routing_options(*routing), key[0])
@@ -51,16 +66,23 @@ def _layer_options(align_m, *routing):
 
 
 def _dispatch_options(num_experts, align_m, power_of_two_scales):
-    key = (int(num_experts), int(align_m), bool(power_of_two_scales))
+    key = (as_int(num_experts, "num_experts"), as_int(align_m, "align_m"), bool(power_of_two_scales))
     o = _DISPATCH.get(key)
     if o is None:
         o = _DISPATCH[key] = _b.MoeDispatchOptions(*key)
     return o
 
 
-def _shape(max_tokens, hidden, intermediate, num_experts, like):
+def _shape(max_tokens, hidden, intermediate, num_experts, like, like_name="like", check_dtype=False):
+    """The MoeLayerShape; like (argument like_name) gives the dtype, refused naming it with check_dtype
+    (moe_buffers_bytes keeps its contract: 0 for an invalid shape)."""
+    if not hasattr(like, "dtype"):
+        raise TypeError(f"{like_name}: expected an array (a numpy array or a torch tensor), got {type(like).__name__}")
     name = str(like.dtype).rsplit(".", 1)[-1]
-    return _b.MoeLayerShape(int(max_tokens), int(hidden), int(intermediate), int(num_experts), _DTYPES.get(name, name))
+    if check_dtype and name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"{like_name}: dtype must be one of {{bf16, fp16, fp32}}, got {_DTYPES.get(name, name)}")
+    return _b.MoeLayerShape(as_int(max_tokens, "max_tokens"), as_int(hidden, "hidden"), as_int(intermediate, "intermediate"),
+                            as_int(num_experts, "num_experts"), _DTYPES.get(name, name))
 
 
 def _zero(a):
@@ -75,7 +97,10 @@ def _zero(a):
 def _moe_routing_launch(logits, top_k, scoring, renormalize, n_group, topk_group, correction_bias, routed_scaling_factor, stream):
     if getattr(logits, "ndim", 0) != 2:
         raise ValueError("logits: expected 2 dimensions [T, E]")
-    t = logits.shape[0]
+    t, e = logits.shape
+    top_k = as_int(top_k, "top_k")
+    if top_k < 1:  # (a larger one is refused by the op, which knows the groups)
+        raise ValueError(f"top_k: must be in [1, E = {e}] (E from logits' last dimension), got {top_k}")
     ids, w = empty(logits, (t, top_k), "i32"), empty(logits, (t, top_k), "f32")
     _b.moe_routing_run(_b.MoeRoutingArgs(dl(logits), dl(correction_bias), dl(ids), dl(w)),
                        _routing_options(top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor), None,
@@ -85,6 +110,7 @@ def _moe_routing_launch(logits, top_k, scoring, renormalize, n_group, topk_group
 
 def _moe_dispatch_launch(topk_ids, num_experts, x, align_m, fp8, power_of_two_scales, stream):
     """The dispatch's dict of outputs (see moe_dispatch)."""
+    num_experts, align_m = as_int(num_experts, "num_experts"), as_int(align_m, "align_m")
     if fp8 and x is None:
         raise ValueError("x: fp8=True quantizes the gathered rows of x; pass x")
     if getattr(topk_ids, "ndim", 0) != 2:
@@ -134,13 +160,16 @@ def _combine_options():
 
 def _moe_forward_launch(x, router_logits, w13, w2, top_k, scoring, renormalize, n_group, topk_group, correction_bias,
                         routed_scaling_factor, align_m, buffers, max_tokens, out, stream):
-    if getattr(x, "ndim", 0) != 2 or getattr(w13, "ndim", 0) != 3 or getattr(router_logits, "ndim", 0) != 2:
-        raise ValueError("x: expected x [T, D], router_logits [T, E], w13 [E, 2F, D]")
-    t, d = x.shape
-    shape = _shape(t if max_tokens is None else max_tokens, d, w13.shape[1] // 2, router_logits.shape[1], x)
+    t, d = matrix_shape(x, "x", 2, "[T, D]")
+    f2 = matrix_shape(w13, "w13", 3, "[E, 2F, D]")[1]
+    e = matrix_shape(router_logits, "router_logits", 2, "[T, E]")[1]
+    for name, size, what in (("x", min(t, d), "T and D"), ("w13", f2 // 2, "2F (F >= 1)"), ("router_logits", e, "E")):
+        if size < 1:
+            raise ValueError(f"{name}: {what} must be >= 1")
+    shape = _shape(t if max_tokens is None else max_tokens, d, f2 // 2, e, x, "x", check_dtype=True)
     opts = _layer_options(align_m, top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor)
     nbytes = _b.moe_buffers_bytes(shape, opts) or 256  # 0: invalid options, which the carve reports
-    buf = workspace(buffers, x, nbytes, 256, "moe_buffers_bytes")
+    buf = workspace(buffers, x, nbytes, 256, "moe_buffers_bytes", "buffers")
     if out is None:
         out = empty(x, (t, d))
     args = _b.MoeForwardArgs(dl(x), dl(router_logits), dl(correction_bias), dl(w13), dl(w2), _b.moe_buffers_carve(shape, opts, dl(buf)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _encore as _b
-from ._core import dl, empty_like, eager, native, ops, rows, rows_view, stream_for, torch_op
+from ._core import as_float, as_int, dl, eager, empty_like, native, ops, rows, rows_view, stream_for, torch_op
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -97,12 +97,13 @@ def rms_norm(x, weight, eps: float = 1e-6, weight_offset: float = 0.0, stream=No
     x: [..., hidden] (bf16, fp16 or fp32; last dimension contiguous); weight: [hidden], same dtype.
     Returns y with x's shape and dtype. stream: a CUDA stream handle (int) to launch on instead of
     torch's current stream (the call then never goes through torch.ops)."""
+    eps, weight_offset = as_float(eps, "eps"), as_float(weight_offset, "weight_offset")
     if stream is None:
         if not eager(x, weight):
-            return ops().rms_norm(x, weight, float(eps), float(weight_offset))
-        op = native(x, "rms_norm")
+            return ops().rms_norm(x, weight, eps, weight_offset)
+        op = native(x, "rms_norm", weight)
         if op is not None:
-            return op(x, weight, float(eps), float(weight_offset))
+            return op(x, weight, eps, weight_offset)
     return _rms_norm_launch(x, weight, eps, weight_offset, stream)
 
 
@@ -111,8 +112,9 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6, weight_offset: float = 
 
     h is rounded to the dtype before the normalization. Pass ``h_out=residual`` (or ``x``) to update
     the residual stream in place (h_out must be viewable as [rows, hidden])."""
-    if stream is None and (not eager(x, residual, weight, h_out) or native(x, "add_rms_norm") is not None):
-        o, args = ops(), (float(eps), float(weight_offset))
+    eps, weight_offset = as_float(eps, "eps"), as_float(weight_offset, "weight_offset")
+    if stream is None and (not eager(x, residual, weight, h_out) or native(x, "add_rms_norm", residual, weight, *(() if h_out is None else (h_out,))) is not None):
+        o, args = ops(), (eps, weight_offset)
         if h_out is None:
             return o.add_rms_norm(x, residual, weight, *args)
         if h_out is residual or h_out is x:  # in place: the op mutates its second operand (x + r = r + x)
@@ -128,9 +130,10 @@ def qk_norm_(qkv, q_weight, k_weight, num_q_heads: int, num_kv_heads: int, head_
     qkv: [tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] (bf16 or fp16; any token stride that
     is a multiple of 8 elements); q_weight, k_weight: [head_dim]; head_dim 64, 128 or 256. V heads
     are left untouched."""
-    args = (int(num_q_heads), int(num_kv_heads), int(head_dim), float(eps), float(weight_offset))
+    args = (as_int(num_q_heads, "num_q_heads"), as_int(num_kv_heads, "num_kv_heads"), as_int(head_dim, "head_dim"),
+            as_float(eps, "eps"), as_float(weight_offset, "weight_offset"))
     if stream is None:
-        op = ops().qk_norm_ if not eager(qkv, q_weight, k_weight) else native(qkv, "qk_norm_")
+        op = ops().qk_norm_ if not eager(qkv, q_weight, k_weight) else native(qkv, "qk_norm_", q_weight, k_weight)
         if op is not None:
             op(qkv, q_weight, k_weight, *args)
             return qkv

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _encore as _b
-from ._core import dl, eager, empty, is_torch, ops, stream_for, torch_module, torch_op
+from ._core import as_float, dl, eager, empty, is_torch, matrix_shape, ops, stream_for, torch_module, torch_op
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -44,14 +44,20 @@ def _matrix(x):
     return x.shape
 
 
+def _codes(q, layout):
+    """The (m, k) of the codes q: 2-D, else ValueError (TypeError for a non-array) naming q."""
+    return matrix_shape(q, "q", 2, layout)
+
+
 def _as_fp8(a):
     """Bytes written by the binding as a torch float8_e4m3fn view (numpy: the uint8 bytes)."""
     return a.view(torch_module().float8_e4m3fn) if is_torch(a) else a
 
 
 def _bytes(a):
-    """A torch float8 tensor as its uint8 view (the bindings take the raw bytes)."""
-    if is_torch(a) and a.dtype != torch_module().uint8:
+    """A torch float8_e4m3fn tensor as its uint8 view (the bindings take the raw bytes); any other
+    array as it is (a tensor of another dtype is refused by the binding, not reinterpreted as bytes)."""
+    if is_torch(a) and a.dtype == torch_module().float8_e4m3fn:
         return a.view(torch_module().uint8)
     return a
 
@@ -69,7 +75,7 @@ def _fp8_group_quant_launch(x, column_major_scales, power_of_two_scales, eps, st
 
 def _fp8_group_dequant_launch(q, scales):
     """q: the e4m3 bytes (uint8)."""
-    m, k = q.shape
+    m, k = _codes(q, "[M, K]")
     out = empty(q, (m, k), "f32")
     _b.fp8_group_dequant_run(_b.Fp8GroupDequantArgs(dl(q), dl(scales), dl(out)), _options(False, 1e-10))
     return out
@@ -93,7 +99,10 @@ def _mxfp8_quant_launch(x, swizzled, rceil, stream):
 
 def _mxfp8_dequant_launch(q, scales, swizzled, stream):
     q = _bytes(q)
-    out = empty(q, tuple(q.shape), "f32")
+    m, k = _codes(q, "[M, K]")
+    if k % 32:
+        raise ValueError(f"q: K = {k} must be a multiple of 32 (the mxfp8 block)")
+    out = empty(q, (m, k), "f32")
     _b.mxfp8_dequant_run(_b.Mxfp8DequantArgs(dl(q), dl(scales), dl(out)), _mx_options(swizzled), stream_for(q, stream))
     return out
 
@@ -110,7 +119,10 @@ def _nvfp4_quant_launch(x, swizzled, global_scale, stream):
 
 def _nvfp4_dequant_launch(q, scales, global_scale, swizzled, stream):
     scales = _bytes(scales)
-    out = empty(q, (q.shape[0], 2 * q.shape[1]), "f32")
+    m, half = _codes(q, "[M, K / 2]")
+    if half % 8:
+        raise ValueError(f"q: K / 2 = {half} must be a multiple of 8 (K a multiple of the nvfp4 block, 16)")
+    out = empty(q, (m, 2 * half), "f32")
     _b.nvfp4_dequant_run(_b.Nvfp4DequantArgs(dl(q), dl(scales), dl(global_scale), dl(out)), _mx_options(swizzled), stream_for(q, stream))
     return out
 
@@ -146,8 +158,9 @@ def fp8_group_quant(x, column_major_scales: bool = False, power_of_two_scales: b
     [M, K // 128] float32 with s = max|x_group| / 448 (or the next power of two), q = e4m3(x / s).
     column_major_scales: the scales' storage is [K // 128, M] (returned as its transposed view).
     """
+    eps = as_float(eps, "eps")
     if stream is None and not eager(x):
-        return tuple(ops().fp8_group_quant(x, bool(column_major_scales), bool(power_of_two_scales), float(eps)))
+        return tuple(ops().fp8_group_quant(x, bool(column_major_scales), bool(power_of_two_scales), eps))
     return _fp8_group_quant_launch(x, column_major_scales, power_of_two_scales, eps, stream)
 
 
@@ -183,7 +196,7 @@ def nvfp4_quant(x, swizzled: bool = False, global_scale: float | None = None):
 
     Returns (q [M, K // 2] uint8, scales (torch.float8_e4m3fn for torch inputs, uint8 bytes for
     numpy) [M, K // 16] or the swizzled buffer, global_scale float32 [1])."""
-    return _nvfp4_quant_launch(x, swizzled, global_scale, None)
+    return _nvfp4_quant_launch(x, swizzled, None if global_scale is None else as_float(global_scale, "global_scale"), None)
 
 
 def nvfp4_dequant(q, scales, global_scale, swizzled: bool = False):
