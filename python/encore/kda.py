@@ -275,6 +275,20 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
                                 dt_bias, lower_bound, cu_seqlens, res, stream)
 
 
+def _gate_params(A_log, dt_bias, hv, kd):
+    """A_log and dt_bias in any shape fla accepts (HV and HV * K elements: [HV], [1, 1, HV, 1], [HV, K],
+    ...) as the [HV] and [HV * K] views the kernels take; gradients flow back in the caller's shape."""
+    if A_log is not None:
+        if getattr(A_log, "numel", lambda: -1)() != hv:
+            raise ValueError(f"A_log: expected {hv} elements (one per value head, any shape), got shape {list(getattr(A_log, 'shape', []))}")
+        A_log = A_log.reshape(hv)
+    if dt_bias is not None:
+        if getattr(dt_bias, "numel", lambda: -1)() != hv * kd:
+            raise ValueError(f"dt_bias: expected {hv * kd} elements (HV * K, any shape), got shape {list(getattr(dt_bias, 'shape', []))}")
+        dt_bias = dt_bias.reshape(hv * kd)
+    return A_log, dt_bias
+
+
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
               use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
               lower_bound=None, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
@@ -296,11 +310,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     token-level backward, exact for gradcheck).
 
     fla options: cu_seqlens (or cu_seqlens_cpu, preferred since the sequence table is read on the
-    host), A_log / dt_bias (keywords, as fla takes them), lower_bound with use_gate_in_kernel (the
-    lower-bound gate; safe_gate accepted, with fla's check that lower_bound is in [-5, 0)),
+    host), A_log / dt_bias (keywords, as fla takes them, in any shape of HV and HV * K elements),
+    lower_bound with use_gate_in_kernel (the lower-bound gate; safe_gate accepted, with fla's check that
+    lower_bound is in [-5, 0)); with a precomputed gate safe_gate / lower_bound are accepted and ignored
+    (they declare the gate bounded; encore's kernels take any gate),
     disable_recompute (the saved-h mode), max_num_seqs (ignored),
-    chunk_size 64. Refused with a ValueError when set: use_beta_sigmoid_in_kernel, allow_neg_eigval,
-    return_intermediate_states, state_v_first, cp_context, use_graph, chunk_size 32 and any other
+    chunk_size 64 or 32 (computed in chunks of 64: the same math; other values refused with fla's
+    message). Refused with a ValueError when set: use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    return_intermediate_states, state_v_first, cp_context, use_graph and any other
     keyword. encore's own keywords: rematerialize (below) and cp_group.
 
     encore's context parallelism: cp_group=<torch.distributed process group>, each rank passing its
@@ -313,10 +330,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     rematerialize = bool(kwargs.pop("rematerialize", not disable_recompute))
     cu_cpu = cu_seqlens_cpu
     del max_num_seqs  # ignored: the sequence table is read on the host
-    if kwargs.pop("chunk_size", 64) != 64:
-        raise ValueError("chunk_size: encore's chunked KDA uses chunks of 64 tokens")
-    if safe_gate and use_gate_in_kernel and (lower_bound is None or not -5 <= lower_bound < 0):
-        raise ValueError(f"lower_bound: safe_gate with use_gate_in_kernel needs lower_bound in [-5, 0), got {lower_bound}")
+    chunk_size = kwargs.pop("chunk_size", 64)
+    if chunk_size not in (32, 64):  # fla's values and wording; 32 computes as 64 (the same math)
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
+        if not -5 <= lower_bound < 0:
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
     refused = {"use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel, "allow_neg_eigval": allow_neg_eigval,
                "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first,
                "cp_context": cp_context is not None, "use_graph": use_graph}
@@ -330,7 +351,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if use_gate_in_kernel and A_log is None and lower_bound is None:
         raise ValueError("A_log: must be given with use_gate_in_kernel unless lower_bound is set")
     if not use_gate_in_kernel:
-        A_log = dt_bias = None  # fla ignores them for a precomputed gate
+        # fla ignores A_log and dt_bias for a precomputed gate; safe_gate / lower_bound there only declare
+        # the gate bounded (encore's kernels take any gate)
+        A_log = dt_bias = lower_bound = None
+    else:
+        A_log, dt_bias = _gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
     if cp_group is not None:
         if initial_state is not None or output_final_state:
             raise ValueError("cp_group: context parallelism takes no initial_state and no output_final_state")

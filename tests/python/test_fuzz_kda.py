@@ -457,7 +457,7 @@ def test_chunk_kda_invalid(seed, case):
     elif case == "q_3d":
         args[0], names = args[0][0], ["q"]
     elif case == "chunk_32":
-        kw, names = {"chunk_size": 32}, ["chunk_size"]
+        kw, names = {"chunk_size": 16}, ["chunk_size"]
     elif case == "unknown_kw":
         kw, names = {"foo": 1}, ["foo"]
     elif case in ("beta_sigmoid", "neg_eigval", "state_v_first"):

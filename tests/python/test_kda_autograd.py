@@ -150,7 +150,7 @@ def test_positional_arguments_as_fla_orders_them():
     o, fin = chunk_kda(q, k, v, g, beta, 0.3, s0, True, True, False, False, False, False, None)
     o2, fin2 = chunk_kda(q, k, v, g, beta, scale=0.3, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert torch.equal(o, o2) and torch.equal(fin, fin2)
-    with pytest.raises(ValueError, match="lower_bound: safe_gate"):
+    with pytest.raises(ValueError, match="`lower_bound` must be in the safe range"):
         chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, safe_gate=True, lower_bound=-7.0, A_log=torch.zeros(1))
 
 
@@ -160,8 +160,8 @@ def test_bad_input():
         chunk_kda(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True)
     with pytest.raises(ValueError, match="no_such_option"):
         chunk_kda(q, k, v, g, beta, no_such_option=1)
-    with pytest.raises(ValueError, match="chunk_size"):
-        chunk_kda(q, k, v, g, beta, chunk_size=32)
+    with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64 for KDA, got 16"):
+        chunk_kda(q, k, v, g, beta, chunk_size=16)
     with pytest.raises(ValueError, match="A_log"):
         chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True)
     with pytest.raises(ValueError, match="torch tensors"):
@@ -230,3 +230,31 @@ def test_fp16_inputs_cpu():
     chunk_kda(*ref)[0].square().sum().backward()
     for a, b in zip(ins, ref):
         assert a.grad.dtype == torch.float16 and rel(a.grad, b.grad) < 5e-3
+
+
+def test_fla_argument_forms():
+    """fla's accepted forms: A_log with HV elements in any shape ([1, 1, HV, 1]) and dt_bias with HV * K
+    ([HV, K]), gradients back in those shapes; safe_gate / lower_bound with a precomputed gate (a
+    declaration, ignored); chunk_size 32 (the same math as 64)."""
+    q, k, v, g, beta = make(1, 20, 2, 4, 3)
+    raw = torch.randn_like(g)
+    a1 = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(2 * 4, dtype=torch.float64, requires_grad=True)
+    a4 = a1.detach().reshape(1, 1, 2, 1).clone().requires_grad_()
+    b2 = b1.detach().reshape(2, 4).clone().requires_grad_()
+    o1, _ = chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, A_log=a1, dt_bias=b1)
+    o2, _ = chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, A_log=a4, dt_bias=b2)
+    assert torch.equal(o1, o2)
+    o1.sum().backward()
+    o2.sum().backward()
+    assert a4.grad.shape == (1, 1, 2, 1) and b2.grad.shape == (2, 4)
+    assert torch.equal(a4.grad.reshape(-1), a1.grad) and torch.equal(b2.grad.reshape(-1), b1.grad)
+    with pytest.raises(ValueError, match="A_log: expected 2 elements"):
+        chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, A_log=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="dt_bias: expected 8 elements"):
+        chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, A_log=a1.detach(), dt_bias=torch.zeros(7, dtype=torch.float64))
+    base, _ = chunk_kda(q, k, v, g, beta)
+    declared, _ = chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)
+    assert torch.equal(base, declared)
+    c32, _ = chunk_kda(q, k, v, g, beta, chunk_size=32)
+    assert torch.equal(base, c32)
