@@ -316,7 +316,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     (they declare the gate bounded; encore's kernels take any gate),
     disable_recompute (the saved-h mode), max_num_seqs (ignored),
     chunk_size 64 or 32 (computed in chunks of 64: the same math; other values refused with fla's
-    message). Refused with a ValueError when set: use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    message), use_beta_sigmoid_in_kernel (beta = sigmoid(beta), fp32, before the kernels) with
+    allow_neg_eigval (2 sigmoid(beta)). Refused with a ValueError when set:
     return_intermediate_states, state_v_first, cp_context, use_graph and any other
     keyword. encore's own keywords: rematerialize (below) and cp_group.
 
@@ -338,8 +339,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
         if not -5 <= lower_bound < 0:
             raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
-    refused = {"use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel, "allow_neg_eigval": allow_neg_eigval,
-               "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first,
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    refused = {"return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first,
                "cp_context": cp_context is not None, "use_graph": use_graph}
     bad = [name for name, on in refused.items() if on]
     if bad or kwargs:
@@ -350,6 +352,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     matrix_shape(v, "v", 4, "[B, T, HV, V]")
     if use_gate_in_kernel and A_log is None and lower_bound is None:
         raise ValueError("A_log: must be given with use_gate_in_kernel unless lower_bound is set")
+    if use_beta_sigmoid_in_kernel:  # beta = sigmoid(raw), in (0, 2) with allow_neg_eigval; fp32 at least, differentiable
+        torch = torch_module()
+        wide = beta if beta.dtype in (torch.float32, torch.float64) else beta.float()
+        beta = torch.sigmoid(wide) * (2.0 if allow_neg_eigval else 1.0)
     if not use_gate_in_kernel:
         # fla ignores A_log and dt_bias for a precomputed gate; safe_gate / lower_bound there only declare
         # the gate bounded (encore's kernels take any gate)

@@ -443,7 +443,7 @@ def test_kda_backward_invalid(seed, kind, case):
 
 
 @INVALID
-@given(seed=SEEDS, case=st.sampled_from(["numpy", "q_3d", "chunk_32", "unknown_kw", "beta_sigmoid", "neg_eigval", "state_v_first", "safe_gate",
+@given(seed=SEEDS, case=st.sampled_from(["numpy", "q_3d", "chunk_32", "unknown_kw", "neg_eigval", "state_v_first", "safe_gate",
                                         "gate_no_A_log", "scale_0", "cu_end", "cp_state"]))
 def test_chunk_kda_invalid(seed, case):
     if torch is None:
@@ -460,8 +460,8 @@ def test_chunk_kda_invalid(seed, case):
         kw, names = {"chunk_size": 16}, ["chunk_size"]
     elif case == "unknown_kw":
         kw, names = {"foo": 1}, ["foo"]
-    elif case in ("beta_sigmoid", "neg_eigval", "state_v_first"):
-        key = {"beta_sigmoid": "use_beta_sigmoid_in_kernel", "neg_eigval": "allow_neg_eigval", "state_v_first": "state_v_first"}[case]
+    elif case in ("neg_eigval", "state_v_first"):  # allow_neg_eigval without the beta sigmoid
+        key = {"neg_eigval": "allow_neg_eigval", "state_v_first": "state_v_first"}[case]
         kw, names = {key: True}, [key]
     elif case == "safe_gate":
         kw, names = {"safe_gate": True, "use_gate_in_kernel": True, "lower_bound": -7.0}, ["lower_bound"]

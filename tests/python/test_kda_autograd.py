@@ -156,8 +156,10 @@ def test_positional_arguments_as_fla_orders_them():
 
 def test_bad_input():
     q, k, v, g, beta = make(1, 10, 1, 4, 4, dtype=torch.float32)
-    with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
-        chunk_kda(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True)
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        chunk_kda(q, k, v, g, beta, allow_neg_eigval=True)
+    with pytest.raises(ValueError, match="state_v_first"):
+        chunk_kda(q, k, v, g, beta, state_v_first=True)
     with pytest.raises(ValueError, match="no_such_option"):
         chunk_kda(q, k, v, g, beta, no_such_option=1)
     with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64 for KDA, got 16"):
@@ -258,3 +260,18 @@ def test_fla_argument_forms():
     assert torch.equal(base, declared)
     c32, _ = chunk_kda(q, k, v, g, beta, chunk_size=32)
     assert torch.equal(base, c32)
+
+
+@pytest.mark.parametrize("neg", [False, True])
+def test_beta_sigmoid_in_kernel(neg):
+    """use_beta_sigmoid_in_kernel: beta = sigmoid(raw) (2 sigmoid(raw) with allow_neg_eigval), the
+    gradient with respect to the raw beta."""
+    q, k, v, g, _ = make(1, 15, 2, 4, 3)
+    raw = torch.randn(1, 15, 2, dtype=torch.float64, requires_grad=True)
+    raw2 = raw.detach().clone().requires_grad_()
+    o1, _ = chunk_kda(q, k, v, g, raw, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg)
+    o2, _ = chunk_kda(q, k, v, g, torch.sigmoid(raw2) * (2.0 if neg else 1.0))
+    assert torch.allclose(o1, o2, rtol=1e-12, atol=1e-12)
+    o1.square().sum().backward()
+    o2.square().sum().backward()
+    assert torch.allclose(raw.grad, raw2.grad, rtol=1e-10, atol=1e-12)
