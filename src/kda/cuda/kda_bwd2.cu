@@ -232,15 +232,16 @@ __global__ void __launch_bounds__(kScanThreads) kda2_scan_kernel(const __grid_co
   // dS' fragments: m-tile mt rows 32 warp + 16 mt (+ g8, + 8), n-tile nt columns v0 + 8 nt + 2 t4 (+1).
   float ds[2][4][4];
   const int64_t state0 = (int64_t(n) * p.H + hv) * p.K;
+  // f(element, state row a, value column y) over this thread's dS' fragment elements.
+  auto each_ds = [&](auto&& f) {
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int a = 32 * warp + 16 * mt + g8 + 8 * (e >> 1), y = v0 + 8 * nt + 2 * t4 + (e & 1);
-        ds[mt][nt][e] = p.dht && a < p.K && y < p.V ? p.dht[(state0 + a) * p.V + y] : 0.f;
-      }
+        for (int e = 0; e < 4; ++e) f(ds[mt][nt][e], 32 * warp + 16 * mt + g8 + 8 * (e >> 1), v0 + 8 * nt + 2 * t4 + (e & 1));
+  };
+  each_ds([&](float& x, int a, int y) { x = p.dht && a < p.K && y < p.V ? p.dht[(state0 + a) * p.V + y] : 0.f; });
   auto chunk_rows = [&](int c, int* t0) {
     *t0 = p.seq_begin[n] + (c - first) * kC;
     return min(kC, p.seq_end[n] - *t0);
@@ -354,17 +355,10 @@ __global__ void __launch_bounds__(kScanThreads) kda2_scan_kernel(const __grid_co
     }
     __syncthreads();  // the stage and dS', dVnew, dO tiles are free for the next chunk
   }
-  if (p.dh0) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int a = 32 * warp + 16 * mt + g8 + 8 * (e >> 1), y = v0 + 8 * nt + 2 * t4 + (e & 1);
-          if (a < p.K && y < p.V) p.dh0[(state0 + a) * p.V + y] = ds[mt][nt][e];
-        }
-  }
+  if (p.dh0)
+    each_ds([&](float& x, int a, int y) {
+      if (a < p.K && y < p.V) p.dh0[(state0 + a) * p.V + y] = x;
+    });
 }
 
 }  // namespace
