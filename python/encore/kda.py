@@ -341,7 +341,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
-    refused = {"return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first,
+    if return_intermediate_states and chunk_size != 64:
+        raise ValueError("return_intermediate_states: the chunk-start states are per chunk of 64 tokens (encore's chunk); "
+                         "chunk_size 32 cannot return them")
+    refused = {"state_v_first": state_v_first,
                "cp_context": cp_context is not None, "use_graph": use_graph}
     bad = [name for name, on in refused.items() if on]
     if bad or kwargs:
@@ -371,6 +374,17 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
         return chunk_kda_cp(q, k, v, g, beta, cu_cpu if cu_cpu is not None else cu_seqlens, cp_group, scale, use_qk_l2norm_in_kernel,
                             use_gate_in_kernel, lower_bound, A_log, dt_bias), None
+    if return_intermediate_states:  # fla's inference form: (o, final_state, h [B, NT, HV, K, V] bf16)
+        torch = torch_module()
+        if not torch.is_inference_mode_enabled():
+            raise ValueError("return_intermediate_states: only allowed in inference mode (torch.inference_mode()), as fla's")
+        if disable_recompute:
+            raise ValueError("return_intermediate_states: must be used with disable_recompute=False, as fla's")
+        o, fin, res = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                                  use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_cpu if cu_cpu is not None else cu_seqlens,
+                                  return_residuals="h", residual_dtype="bfloat16")
+        h = res["h"]
+        return o, fin, h.reshape(q.shape[0], h.shape[0] // q.shape[0], *h.shape[1:])
     from ._kda_autograd import chunk_kda_apply
 
     return chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,

@@ -275,3 +275,26 @@ def test_beta_sigmoid_in_kernel(neg):
     o1.square().sum().backward()
     o2.square().sum().backward()
     assert torch.allclose(raw.grad, raw2.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_return_intermediate_states():
+    """fla's inference form: (o, final_state, h) with h the chunk-start states [B, NT, HV, K, V] bf16:
+    h of chunk 0 is the initial state, of chunk c the state after c chunks (the token recurrence's
+    state at 64 c, from the fp64 reference on prefixes)."""
+    q, k, v, g, beta = make(2, 130, 2, 4, 3)
+    s0 = torch.randn(2, 2, 4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="inference mode"):
+        chunk_kda(q, k, v, g, beta, initial_state=s0, return_intermediate_states=True)
+    with torch.inference_mode():
+        o, fin, h = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, return_intermediate_states=True)
+        o2, fin2 = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+        # the CPU backend's chunked forward (with residuals) against its token recurrence: equal to ~1e-12
+        assert torch.allclose(o, o2, rtol=1e-10, atol=1e-12) and torch.allclose(fin, fin2, rtol=1e-10, atol=1e-12)
+        assert h.shape == (2, 3, 2, 4, 3) and h.dtype == torch.bfloat16
+        assert torch.allclose(h[:, 0].double(), s0, rtol=1e-2, atol=1e-2)
+        _, s64 = chunk_kda(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], initial_state=s0, output_final_state=True)
+        _, s128 = chunk_kda(q[:, :128], k[:, :128], v[:, :128], g[:, :128], beta[:, :128], initial_state=s0, output_final_state=True)
+        assert torch.allclose(h[:, 1].double(), s64, rtol=1e-2, atol=1e-2)
+        assert torch.allclose(h[:, 2].double(), s128, rtol=1e-2, atol=1e-2)
+        with pytest.raises(ValueError, match="chunk_size 32"):
+            chunk_kda(q, k, v, g, beta, chunk_size=32, return_intermediate_states=True)
