@@ -113,7 +113,8 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6, weight_offset: float = 
     h is rounded to the dtype before the normalization. Pass ``h_out=residual`` (or ``x``) to update
     the residual stream in place (h_out must be viewable as [rows, hidden])."""
     eps, weight_offset = as_float(eps, "eps"), as_float(weight_offset, "weight_offset")
-    if stream is None and (not eager(x, residual, weight, h_out) or native(x, "add_rms_norm", residual, weight, *(() if h_out is None else (h_out,))) is not None):
+    given = (residual, weight) if h_out is None else (residual, weight, h_out)
+    if stream is None and (not eager(x, *given) or native(x, "add_rms_norm", *given) is not None):
         o, args = ops(), (eps, weight_offset)
         if h_out is None:
             return o.add_rms_norm(x, residual, weight, *args)
