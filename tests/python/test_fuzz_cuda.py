@@ -1,0 +1,142 @@
+"""Property-based fuzzing on CUDA (the GPU machine; skipped elsewhere): valid draws of CUDA tensors
+compared with the CPU backend on the same values (the CPU backend is the reference the CUDA kernels
+are tested against), outputs in canary-guarded CUDA buffers where the API takes them; invalid draws
+(CPU and CUDA tensors mixed, unsupported dtypes or alignments on CUDA) refused with a ValueError naming
+the argument, the canaries intact. So far: rms_norm, add_rms_norm, qk_norm_, fp8_group_quant,
+moe_routing.
+
+Seeds: hypothesis with derandomize=True (fuzz_util.VALID: 200 draws, INVALID: 100 draws per test)."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import encore
+from fuzz_util import INVALID, SEEDS, VALID, torch  # noqa: F401
+from helpers import needs_torch_cuda
+
+pytestmark = needs_torch_cuda
+
+_DT = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+_TOL = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 1e-5}
+
+
+def _pair(rng, shape, dt, scale=1.0):
+    """The same values as a CUDA tensor and a CPU tensor of dtype `dt`."""
+    cpu = torch.from_numpy(scale * rng.standard_normal(shape)).to(getattr(torch, dt))
+    return cpu.cuda(), cpu
+
+
+def _close(got, ref, dt):
+    """Relative RMS of the CUDA result against the CPU backend's, under the dtype's tolerance; NaN where
+    the reference has it."""
+    g, r = got.detach().double().cpu(), ref.detach().double()
+    assert torch.equal(torch.isnan(g), torch.isnan(r))
+    m = ~torch.isnan(r)
+    err = (g[m] - r[m]).norm() / max(float(r[m].norm()), 1e-30)
+    assert err <= _TOL[dt], (err, dt)
+
+
+def _guarded(shape, dt, pad=64):
+    """A CUDA output view [shape] inside a buffer whose remaining bytes hold a canary; (view, check)."""
+    n = int(np.prod(shape))
+    buf = torch.full((n + 2 * pad,), float("nan"), dtype=getattr(torch, dt), device="cuda")
+    before = buf.clone()
+    view = buf[pad:pad + n].view(*shape)
+
+    def check():
+        assert torch.equal(buf[:pad].isnan(), before[:pad].isnan()) and torch.equal(buf[pad + n:].isnan(), before[pad + n:].isnan())
+
+    return view, check
+
+
+@VALID
+@given(seed=SEEDS, dt=st.sampled_from(["bf16", "f16", "f32"]), rows=st.sampled_from([1, 2, 3, 7, 16, 33, 257]),
+       hidden=st.sampled_from([1, 7, 8, 64, 127, 128, 1000, 4096, 5184]), eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+       add=st.booleans(), pad=st.sampled_from([0, 8, 13]))
+def test_norm_cuda_equals_cpu(seed, dt, rows, hidden, eps, add, pad):
+    dt = _DT[dt]
+    rng = np.random.default_rng(seed)
+    xg, xc = _pair(rng, (rows, hidden + pad), dt)
+    xg, xc = xg[:, :hidden], xc[:, :hidden]  # row-strided when pad > 0
+    wg, wc = _pair(rng, (hidden,), dt, 0.3)
+    if not add:
+        _close(encore.rms_norm(xg, wg, eps=eps), encore.rms_norm(xc, wc, eps=eps), dt)
+        return
+    rg, rc = _pair(rng, (rows, hidden), dt)
+    h, check = _guarded((rows, hidden), dt)
+    yg, _ = encore.add_rms_norm(xg, rg, wg, eps=eps, h_out=h)
+    yc, hc = encore.add_rms_norm(xc, rc, wc, eps=eps)
+    _close(yg, yc, dt)
+    _close(h, hc, dt)
+    check()
+
+
+@VALID
+@given(seed=SEEDS, dt=st.sampled_from(["bf16", "f16"]), tokens=st.sampled_from([1, 2, 5, 64, 129]),
+       heads=st.sampled_from([(1, 1), (4, 1), (8, 2), (32, 8)]), hd=st.sampled_from([64, 128, 256]))
+def test_qk_norm_cuda_equals_cpu(seed, dt, tokens, heads, hd):
+    dt = _DT[dt]
+    rng = np.random.default_rng(seed)
+    hq, hkv = heads
+    qg, qc = _pair(rng, (tokens, (hq + 2 * hkv) * hd), dt)
+    wq, wqc = _pair(rng, (hd,), dt, 0.3)
+    wk, wkc = _pair(rng, (hd,), dt, 0.3)
+    v_before = qg[:, (hq + hkv) * hd:].clone()
+    encore.qk_norm_(qg, wq, wk, hq, hkv, hd)
+    encore.qk_norm_(qc, wqc, wkc, hq, hkv, hd)
+    _close(qg, qc, dt)
+    assert torch.equal(qg[:, (hq + hkv) * hd:], v_before)  # V heads untouched
+
+
+@VALID
+@given(seed=SEEDS, dt=st.sampled_from(["bf16", "f16", "f32"]), rows=st.sampled_from([1, 3, 17, 128, 300]),
+       groups=st.sampled_from([1, 2, 7, 56]), col=st.booleans(), pow2=st.booleans())
+def test_fp8_group_quant_cuda_equals_cpu(seed, dt, rows, groups, col, pow2):
+    dt = _DT[dt]
+    rng = np.random.default_rng(seed)
+    xg, xc = _pair(rng, (rows, 128 * groups), dt, 3.0)
+    qg, sg = encore.fp8_group_quant(xg, column_major_scales=col, power_of_two_scales=pow2)
+    qc, sc = encore.fp8_group_quant(xc, column_major_scales=col, power_of_two_scales=pow2)
+    assert torch.equal(qg.view(torch.uint8).cpu(), qc.view(torch.uint8)), "e4m3 codes differ from the CPU backend"
+    assert torch.equal(sg.cpu(), sc)
+
+
+@VALID
+@given(seed=SEEDS, tokens=st.sampled_from([1, 2, 7, 64, 333]), experts=st.sampled_from([8, 64, 128, 256]),
+       k=st.sampled_from([1, 2, 4, 8]), scoring=st.sampled_from(["softmax", "sigmoid"]), renorm=st.booleans())
+def test_moe_routing_cuda_equals_cpu(seed, tokens, experts, k, scoring, renorm):
+    rng = np.random.default_rng(seed)
+    lg, lc = _pair(rng, (tokens, experts), "float32")
+    ig, wg = encore.moe_routing(lg, k, scoring=scoring, renormalize=renorm)
+    ic, wc = encore.moe_routing(lc, k, scoring=scoring, renormalize=renorm)
+    assert torch.equal(ig.cpu(), ic), "top-k ids differ from the CPU backend"
+    _close(wg, wc, "float32")
+
+
+@INVALID
+@given(seed=SEEDS, case=st.sampled_from(["weight_cpu", "residual_cpu", "h_out_cpu", "qk_weight_cpu", "qk_f32", "quant_k", "routing_cpu_bias"]))
+def test_cuda_mixes_and_limits_refused(seed, case):
+    rng = np.random.default_rng(seed)
+    x, _ = _pair(rng, (4, 128), "bfloat16")
+    w, wc = _pair(rng, (128,), "bfloat16")
+    if case == "weight_cpu":
+        call, name = (lambda: encore.rms_norm(x, wc)), "weight"
+    elif case == "residual_cpu":
+        call, name = (lambda: encore.add_rms_norm(x, x.cpu(), w)), "residual"
+    elif case == "h_out_cpu":
+        call, name = (lambda: encore.add_rms_norm(x, x.clone(), w, h_out=torch.empty(4, 128, dtype=torch.bfloat16))), "h"
+    elif case == "qk_weight_cpu":
+        q, _ = _pair(rng, (2, 3 * 64), "bfloat16")
+        call, name = (lambda: encore.qk_norm_(q, wc[:64], w[:64], 1, 1, 64)), "q_weight"
+    elif case == "qk_f32":
+        q, _ = _pair(rng, (2, 3 * 64), "float32")
+        call, name = (lambda: encore.qk_norm_(q, w[:64].float(), w[:64].float(), 1, 1, 64)), "qkv"
+    elif case == "quant_k":
+        xq, _ = _pair(rng, (3, 100), "bfloat16")
+        call, name = (lambda: encore.fp8_group_quant(xq)), "x"
+    else:
+        lg, _ = _pair(rng, (5, 8), "float32")
+        call, name = (lambda: encore.moe_routing(lg, 2, correction_bias=torch.zeros(8))), "correction_bias"
+    with pytest.raises(ValueError, match=name):
+        call()
