@@ -3,7 +3,7 @@ compared with the CPU backend on the same values (the CPU backend is the referen
 are tested against), outputs in canary-guarded CUDA buffers where the API takes them; invalid draws
 (CPU and CUDA tensors mixed, unsupported dtypes or alignments on CUDA) refused with a ValueError naming
 the argument, the canaries intact. So far: rms_norm, add_rms_norm, qk_norm_, fp8_group_quant,
-moe_routing.
+moe_routing, the row_scale / residual_add / swiglu GEMM epilogues, kda_forward.
 
 Seeds: hypothesis with derandomize=True (fuzz_util.VALID: 200 draws, INVALID: 100 draws per test)."""
 import numpy as np
@@ -112,6 +112,57 @@ def test_moe_routing_cuda_equals_cpu(seed, tokens, experts, k, scoring, renorm):
     ic, wc = encore.moe_routing(lc, k, scoring=scoring, renormalize=renorm)
     assert torch.equal(ig.cpu(), ic), "top-k ids differ from the CPU backend"
     _close(wg, wc, "float32")
+
+
+@VALID
+@given(seed=SEEDS, dt=st.sampled_from(["bf16", "f16"]), m=st.sampled_from([1, 3, 64, 129, 1000]),
+       n=st.sampled_from([8, 64, 136, 512]), k=st.sampled_from([8, 64, 200, 1024]), row=st.sampled_from(["row_scale", "residual_add", "swiglu"]))
+def test_gemm_epilogue_cuda_equals_cpu(seed, dt, m, n, k, row):
+    dt = _DT[dt]
+    rng = np.random.default_rng(seed)
+    ag, ac = _pair(rng, (m, k), dt)
+    wg, wc = _pair(rng, (n, k), dt, k ** -0.5)
+    if row == "row_scale":
+        rc = torch.from_numpy(0.5 + rng.random(m)).float()
+        _close(encore.gemm_row_scale(ag, wg, rc.cuda()), encore.gemm_row_scale(ac, wc, rc), dt)
+    elif row == "residual_add":
+        cg, cc = _pair(rng, (m, n), dt)
+        _close(encore.gemm_epilogue("residual_add", ag, wg, c=cg)["d"], encore.gemm_epilogue("residual_add", ac, wc, c=cc)["d"], dt)
+    else:
+        zg, yg = encore.gemm_swiglu(ag, wg)
+        zc, yc = encore.gemm_swiglu(ac, wc)
+        _close(zg, zc, dt)
+        _close(yg, yc, dt)
+
+
+@VALID
+@given(seed=SEEDS, lens=st.sampled_from([(1,), (63,), (64, 65), (0, 130), (200, 0, 37)]), h=st.sampled_from([1, 2]),
+       kv=st.sampled_from([(64, 64), (128, 128), (48, 40)]), gate=st.booleans(), l2=st.booleans(), h0=st.booleans())
+def test_kda_forward_cuda_equals_cpu(seed, lens, h, kv, gate, l2, h0):
+    rng = np.random.default_rng(seed)
+    kd, vd = kv
+    t = sum(lens)
+    if t == 0:
+        return
+    cu = torch.tensor(np.cumsum((0,) + lens), dtype=torch.int64)
+    n = len(lens)
+    q, qc = _pair(rng, (1, t, h, kd), "bfloat16")
+    k, kc = _pair(rng, (1, t, h, kd), "bfloat16", 1.0 if l2 else 0.1)
+    v, vc = _pair(rng, (1, t, h, vd), "bfloat16")
+    graw = rng.standard_normal((1, t, h, kd))
+    gc = torch.from_numpy(graw if gate else -np.abs(graw) / 4).float()
+    bc = torch.from_numpy(rng.random((1, t, h))).to(torch.bfloat16)
+    extra = dict(use_gate_in_kernel=gate, use_qk_l2norm=l2, cu_seqlens=cu, output_final_state=True)
+    if gate:
+        extra["A_log"] = torch.from_numpy(0.3 * rng.standard_normal(h)).float()
+    if h0:
+        extra["initial_state"] = torch.from_numpy(0.1 * rng.standard_normal((n, h, kd, vd))).float()
+    cuda_extra = {key: (val.cuda() if torch.is_tensor(val) and key != "cu_seqlens" else val) for key, val in extra.items()}
+    og, fg = encore.kda_forward(q, k, v, gc.cuda(), bc.cuda(), **cuda_extra)
+    oc, fc = encore.kda_forward(qc.double(), kc.double(), vc.double(), gc.double(), bc.double(),
+                                **{key: (val.double() if torch.is_tensor(val) and val.is_floating_point() else val) for key, val in extra.items()})
+    _close(og, oc.to(torch.bfloat16), "bfloat16")
+    _close(fg, fc.float(), "bfloat16")  # fp32 states from bf16 inputs: the inputs' precision
 
 
 @INVALID
