@@ -2,8 +2,8 @@
 # All tests, from a fresh clone: installs dependencies, builds the CPU-only configuration and (when
 # nvcc is present) the CUDA configuration for sm_90a (norm, quant, MoE routing/dispatch/combine also for
 # sm_100a: ENCORE_PORTABLE_ARCHS), runs every ctest suite of both (GPU tests skip
-# cleanly without a device), the packaging checks and the Python tests on the CPU backend; first the
-# layout rules (scripts/check_layout.py).
+# cleanly without a device), the packaging checks and the Python tests on the CPU backend with torch
+# (the PyTorch layer, the fuzz tests; CUDA-only tests skip); first the layout rules (scripts/check_layout.py).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
