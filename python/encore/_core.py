@@ -287,13 +287,21 @@ def native(a, name, *others):
 
 
 def _load_native(torch):
-    """Loads encore._encore_torch (C++ kernels for some ops, built against this torch) where the
-    build made it; a library built against another torch fails to load and is skipped (the Python
-    kernels serve)."""
+    """Loads encore._encore_torch (C++ kernels for some ops) where the build made it and only under
+    the torch it was built against (_encore_torch.version beside it: its C++ ABI is that torch's);
+    otherwise, or where loading fails, the Python kernels serve."""
     import glob
     import os
 
-    for path in glob.glob(os.path.join(os.path.dirname(__file__), "_encore_torch*.so")):
+    here = os.path.dirname(__file__)
+    try:
+        with open(os.path.join(here, "_encore_torch.version")) as f:
+            built_for = f.read().strip()
+    except OSError:
+        return
+    if built_for != torch.__version__:
+        return
+    for path in glob.glob(os.path.join(here, "_encore_torch*.so")):
         try:
             torch.ops.load_library(path)
         except (OSError, RuntimeError):
