@@ -3,7 +3,8 @@ compared with the CPU backend on the same values (the CPU backend is the referen
 are tested against), outputs in canary-guarded CUDA buffers where the API takes them; invalid draws
 (CPU and CUDA tensors mixed, unsupported dtypes or alignments on CUDA) refused with a ValueError naming
 the argument, the canaries intact. So far: rms_norm, add_rms_norm, qk_norm_, fp8_group_quant,
-moe_routing, the row_scale / residual_add / swiglu GEMM epilogues, kda_forward.
+moe_routing, the MXFP8 / NVFP4 quantizations (bit for bit), the row_scale / residual_add / swiglu GEMM
+epilogues, kda_forward.
 
 Seeds: hypothesis with derandomize=True (fuzz_util.VALID: 200 draws, INVALID: 100 draws per test)."""
 import numpy as np
@@ -100,6 +101,22 @@ def test_fp8_group_quant_cuda_equals_cpu(seed, dt, rows, groups, col, pow2):
     qc, sc = encore.fp8_group_quant(xc, column_major_scales=col, power_of_two_scales=pow2)
     assert torch.equal(qg.view(torch.uint8).cpu(), qc.view(torch.uint8)), "e4m3 codes differ from the CPU backend"
     assert torch.equal(sg.cpu(), sc)
+
+
+@VALID
+@given(seed=SEEDS, dt=st.sampled_from(["bf16", "f16", "f32"]), rows=st.sampled_from([1, 5, 128, 130]),
+       blocks=st.sampled_from([1, 3, 8, 224]), swizzled=st.booleans(), fmt=st.sampled_from(["mxfp8", "nvfp4"]))
+def test_mx_quant_cuda_equals_cpu(seed, dt, rows, blocks, swizzled, fmt):
+    dt = _DT[dt]
+    rng = np.random.default_rng(seed)
+    xg, xc = _pair(rng, (rows, 32 * blocks), dt, 3.0)
+    as_bytes = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t  # noqa: E731
+    if fmt == "mxfp8":
+        outs_g, outs_c = encore.mxfp8_quant(xg, swizzled=swizzled), encore.mxfp8_quant(xc, swizzled=swizzled)
+    else:
+        outs_g, outs_c = encore.nvfp4_quant(xg, swizzled=swizzled), encore.nvfp4_quant(xc, swizzled=swizzled)
+    for g, c in zip(outs_g, outs_c):
+        assert torch.equal(as_bytes(g).cpu(), as_bytes(c)), f"{fmt}: differs from the CPU backend"
 
 
 @VALID
