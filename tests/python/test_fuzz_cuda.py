@@ -3,7 +3,8 @@ compared with the CPU backend on the same values (the CPU backend is the referen
 are tested against), outputs in canary-guarded CUDA buffers where the API takes them; invalid draws
 (CPU and CUDA tensors mixed, unsupported dtypes or alignments on CUDA) refused with a ValueError naming
 the argument, the canaries intact. So far: rms_norm, add_rms_norm, qk_norm_, fp8_group_quant,
-moe_routing, the MXFP8 / NVFP4 quantizations (bit for bit), the row_scale / residual_add / swiglu GEMM
+moe_routing, moe_dispatch (with and without the fused FP8 quantization) and moe_combine (bit for bit),
+the MXFP8 / NVFP4 quantizations (bit for bit), the row_scale / residual_add / swiglu GEMM
 epilogues, kda_forward.
 
 Seeds: hypothesis with derandomize=True (fuzz_util.VALID: 200 draws, INVALID: 100 draws per test)."""
@@ -180,6 +181,31 @@ def test_kda_forward_cuda_equals_cpu(seed, lens, h, kv, gate, l2, h0):
                                 **{key: (val.double() if torch.is_tensor(val) and val.is_floating_point() else val) for key, val in extra.items()})
     _close(og, oc.to(torch.bfloat16), "bfloat16")
     _close(fg, fc.float(), "bfloat16")  # fp32 states from bf16 inputs: the inputs' precision
+
+
+@VALID
+@given(seed=SEEDS, tokens=st.sampled_from([1, 3, 64, 257]), experts=st.sampled_from([4, 16, 128]), k=st.sampled_from([1, 2, 8]),
+       align=st.sampled_from([1, 8, 128]), fp8=st.booleans(), dim=st.sampled_from([128, 256, 1024]))
+def test_moe_dispatch_combine_cuda_equals_cpu(seed, tokens, experts, k, align, fp8, dim):
+    rng = np.random.default_rng(seed)
+    k = min(k, experts)
+    ids = torch.from_numpy(np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32))
+    xg, xc = _pair(rng, (tokens, dim), "bfloat16")
+    dg = encore.moe_dispatch(ids.cuda(), experts, xg, align_m=align, fp8=fp8)
+    dc = encore.moe_dispatch(ids, experts, xc, align_m=align, fp8=fp8)
+    end = int(dc["expert_offsets"][-1])  # rows past the last expert's block are unspecified
+    for key in dc:
+        g, c = dg[key].cpu(), dc[key]
+        if key in ("row_slots", "x_permuted", "x_scales"):
+            g, c = g[:end], c[:end]
+        g = g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g
+        c = c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c
+        assert torch.equal(g, c), key
+    weights = torch.from_numpy(rng.random((tokens, k))).float()
+    yg, yc = _pair(rng, (int(dc["row_slots"].shape[0]), dim), "bfloat16")
+    og = encore.moe_combine(yg, dg["slot_rows"], weights.cuda())
+    oc = encore.moe_combine(yc, dc["slot_rows"], weights)
+    assert torch.equal(og.cpu(), oc), "combine differs from the CPU backend (both sum in fp32 in slot order)"
 
 
 @INVALID
