@@ -37,7 +37,7 @@ def torch_module():
         _TORCH, _TENSOR, _TO_DLPACK = torch, torch.Tensor, to_dlpack
         _GRAD_ENABLED, _COMPILING = torch.is_grad_enabled, torch.compiler.is_compiling
         _DISPATCH_MODES, _FUNCTION_MODE = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
-        register_torch_ops()
+        _register_all(torch)
     return _TORCH
 
 
@@ -308,17 +308,19 @@ def _load_native(torch):
             return
 
 
+def _register_all(torch):
+    """The library `encore`: the C++ kernels first (they attach as the schemas are defined), then every
+    declared op. Once, when torch is first bound (torch_module)."""
+    global _LIB
+    _LIB = torch.library.Library("encore", "DEF")
+    _load_native(torch)
+    for d in _DECLARED:
+        _register(*d)
+
+
 def register_torch_ops():
     """Registers every declared op with torch (once); returns the namespace of their overloads."""
-    global _LIB
-    if _LIB is None:
-        torch = torch_module() if _TORCH is None else _TORCH
-        if _LIB is not None:  # torch_module registered them
-            return _OPS
-        _LIB = torch.library.Library("encore", "DEF")
-        _load_native(torch)  # its kernels attach as the schemas below are defined
-        for d in _DECLARED:
-            _register(*d)
+    torch_module()
     return _OPS
 
 

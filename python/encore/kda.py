@@ -63,15 +63,6 @@ def _torch_cu(cu_seqlens):
     return torch_module().from_numpy(np.ascontiguousarray(cu_seqlens))
 
 
-def _chunk_count(b, t, cu):
-    """NT, the rows of residual h: chunks of 64 tokens over all sequences, each sequence starting a chunk
-    (C++ kda_chunk_count; cu is a host array). A malformed cu counts 0 and is refused by the call."""
-    if cu is None:
-        return b * ((t + _CHUNK - 1) // _CHUNK)
-    c = cu.tolist() if getattr(cu, "ndim", 0) == 1 else []
-    return sum((max(e - s, 0) + _CHUNK - 1) // _CHUNK for s, e in zip(c, c[1:]))
-
-
 def _state_kind(q):
     """final_state's dtype: float32, or float64 for float64 inputs (the CPU backend's exact mode)."""
     return "like" if str(q.dtype).endswith("float64") else "f32"
@@ -108,7 +99,8 @@ def _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_sta
         kind = _RESIDUAL_KINDS[residual_dtype]
         shapes = {"G": ((b, t, h, kd), "f32"), "Aqk": ((b, t, h, _CHUNK), kind), "Akk": ((b, t, h, _CHUNK), kind)}
         if "h" in names:
-            shapes["h"] = ((_chunk_count(b, t, cu), h, kd, vd), kind)
+            nt = _b.kda_chunk_count(_forward_args(q, k, v, g, beta, cu_seqlens=cu), _opts(None, False, False, None))
+            shapes["h"] = ((nt, h, kd, vd), kind)
         res = {x: empty(q, *shapes[x]) for x in names}
     args = _forward_args(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, o, fin,
                          None if res is None else tuple(res.get(x) for x in _RESIDUAL_NAMES))

@@ -101,7 +101,7 @@ void bind_kda(nb::module_& m) {
 
   ENCORE_BIND_OP(m, "kda_forward", KdaForwardArgs, KdaOptions);
   ENCORE_BIND_OP(m, "kda_backward", KdaBackwardArgs, KdaOptions);
-  // NT, the rows of residuals.h (the Python side counts them from the host cu_seqlens; this is the C++ rule).
+  // NT, the rows of residuals.h (asked only where h is returned).
   m.def(
       "kda_chunk_count",
       [](const KdaForwardArgs& args, const KdaOptions& opts) {

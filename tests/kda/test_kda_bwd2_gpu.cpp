@@ -48,28 +48,15 @@ void run_case(Case cs) {
   c.fill(uint64_t(c.T * 17 + c.K));
   const DType dt = DType::kBF16;
   const int64_t B = c.B, T = c.T, H = c.Hv(), Hq = c.H, K = c.K, V = c.V, N = c.N();
-  const DType gdt = c.opts.use_gate_in_kernel ? dt : DType::kFP32;
-  auto q = dev(c.q, dt, {B, T, Hq, K}), k = dev(c.k, dt, {B, T, Hq, K}), v = dev(c.v, dt, {B, T, H, V}), g = dev(c.g, gdt, {B, T, H, K}),
-       beta = dev(c.beta, dt, {B, T, H});
-  std::unique_ptr<DevVec> h0, A_log, dt_bias;
-  auto o = poisoned(c.o.size(), dt, {B, T, H, V}), fin = poisoned(c.fin.size(), DType::kFP32, {N, H, K, V});
-  KdaForwardArgs a;
-  a.q = q->view, a.k = k->view, a.v = v->view, a.g = g->view, a.beta = beta->view, a.o = o->view, a.final_state = fin->view;
-  if (c.h0) a.initial_state = (h0 = dev(c.init, DType::kFP32, {N, H, K, V}))->view;
-  if (!c.A_log.empty()) a.A_log = (A_log = dev(c.A_log, DType::kFP32, {H}))->view;
-  if (!c.dt_bias.empty()) a.dt_bias = (dt_bias = dev(c.dt_bias, DType::kFP32, {H * K}))->view;
-  if (!c.cu.empty()) a.cu_seqlens = TensorView::contiguous(c.cu.data(), DType::kInt64, {int64_t(c.cu.size())});
-  int64_t nt = 0;
-  ASSERT_TRUE(kda_chunk_count(a, c.opts, &nt));
-  auto rG = poisoned(size_t(B * T * H * K), DType::kFP32, {B, T, H, K}), rAqk = poisoned(size_t(B * T * H * 64), dt, {B, T, H, 64}),
-       rAkk = poisoned(size_t(B * T * H * 64), dt, {B, T, H, 64}), rh = poisoned(size_t(nt * H * K * V), dt, {nt, H, K, V});
-  a.residuals.G = rG->view, a.residuals.Aqk = rAqk->view, a.residuals.Akk = rAkk->view, a.residuals.h = rh->view;
+  KdaDeviceForward f(c, dt, dt, /*remat=*/false);
+  ASSERT_TRUE(f.counted);
   {
-    DeviceBuffer fws(std::max<size_t>(workspace_bytes(a, c.opts), 16));
-    const Status st = run(a, c.opts, fws.ptr);
+    const Status st = f.run(c);
     ASSERT_TRUE(st) << "forward: " << st.to_string();
-    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
   }
+  const KdaForwardArgs& a = f.a;
+  const int64_t nt = f.nt;
+  const auto &rG = f.rG, &rAqk = f.rAqk, &rAkk = f.rAkk, &rh = f.rh;
   std::mt19937_64 rng(uint64_t(T * 29 + K));
   std::normal_distribution<double> nd;
   std::vector<double> d_o(c.o.size()), d_fin(c.fin.size());

@@ -49,39 +49,17 @@ void run_bwd(BwdCase bc, DType dt, bool remat) {
   c.fill(uint64_t(c.T * 13 + c.K * 7 + c.V));
   // H: value heads (v, g, beta, states, residuals, dv, dg, ...); Hq: q/k heads (dq, dk).
   const int64_t B = c.B, T = c.T, H = c.Hv(), Hq = c.H, K = c.K, V = c.V, N = c.N();
-  const DType gdt = c.opts.use_gate_in_kernel ? dt : DType::kFP32;
   const DType rdt = dt == DType::kFP16 ? DType::kBF16 : dt;  // residuals: bf16 or fp32
-  auto q = dev(c.q, dt, {B, T, Hq, K}), k = dev(c.k, dt, {B, T, Hq, K}), v = dev(c.v, dt, {B, T, H, V}), g = dev(c.g, gdt, {B, T, H, K}),
-       beta = dev(c.beta, dt, {B, T, H});
-  std::unique_ptr<DevVec> h0, A_log, dt_bias;
-  auto o = poisoned(c.o.size(), dt, {B, T, H, V}), fin = poisoned(c.fin.size(), DType::kFP32, {N, H, K, V});
-  KdaForwardArgs a;
-  a.q = q->view;
-  a.k = k->view;
-  a.v = v->view;
-  a.g = g->view;
-  a.beta = beta->view;
-  a.o = o->view;
-  a.final_state = fin->view;
-  if (c.h0) a.initial_state = (h0 = dev(c.init, DType::kFP32, {N, H, K, V}))->view;
-  if (!c.A_log.empty()) a.A_log = (A_log = dev(c.A_log, DType::kFP32, {H}))->view;
-  if (!c.dt_bias.empty()) a.dt_bias = (dt_bias = dev(c.dt_bias, DType::kFP32, {H * K}))->view;
-  if (!c.cu.empty()) a.cu_seqlens = TensorView::contiguous(c.cu.data(), DType::kInt64, {int64_t(c.cu.size())});
-  int64_t nt = 0;
-  ASSERT_TRUE(kda_chunk_count(a, c.opts, &nt));
-  const size_t nG = size_t(B * T * H * K), nQ = size_t(B * T * Hq * K), nA = size_t(B * T * H * 64), nH = size_t(nt * H * K * V);
-  auto rG = poisoned(nG, DType::kFP32, {B, T, H, K}), rAqk = poisoned(nA, rdt, {B, T, H, 64}), rAkk = poisoned(nA, rdt, {B, T, H, 64});
-  std::unique_ptr<DevVec> rh;
-  a.residuals.G = rG->view;
-  a.residuals.Aqk = rAqk->view;
-  a.residuals.Akk = rAkk->view;
-  if (!remat) a.residuals.h = (rh = poisoned(nH, rdt, {nt, H, K, V}))->view;
+  KdaDeviceForward f(c, dt, rdt, remat);
+  ASSERT_TRUE(f.counted);
   {
-    DeviceBuffer fws(std::max<size_t>(workspace_bytes(a, c.opts), 16));
-    const Status st = run(a, c.opts, fws.ptr);
+    const Status st = f.run(c);
     ASSERT_TRUE(st) << "forward: " << st.to_string();
-    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
   }
+  const KdaForwardArgs& a = f.a;
+  const int64_t nt = f.nt;
+  const size_t nG = size_t(B * T * H * K), nQ = size_t(B * T * Hq * K);
+  const auto &rG = f.rG, &rAqk = f.rAqk, &rAkk = f.rAkk, &rh = f.rh;
 
   // Cotangents and poisoned gradients.
   std::mt19937_64 rng(uint64_t(T * 31 + K));

@@ -20,7 +20,7 @@ from helpers import needs_torch_cuda
 pytestmark = needs_torch_cuda
 
 _DT = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
-_TOL = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 1e-5}
+_TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}  # the output rounding (a few ulps at most)
 
 
 def _pair(rng, shape, dt, scale=1.0):
