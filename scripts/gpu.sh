@@ -160,7 +160,7 @@ pass_test() {
     # Not brief: each test's [ RUN ] / [ OK ] lines (with its time) show what ran before a timeout.
     step "${ENCORE_TEST_SECONDS:-300}" env GTEST_TOTAL_SHARDS="$shards" GTEST_SHARD_INDEX="$i" "$BUILD/tests/encore_tests_gpu" \
       --gtest_filter="$f" ||
-      tail -n +"$m1" "$log" | grep -E '^\[ RUN +\]' | tail -1 | sed 's/^\[ RUN *\]/    last started:/'
+      { [ $? = 124 ] && tail -n +"$m1" "$log" | grep -E '^\[ RUN +\]' | tail -1 | sed 's/^\[ RUN *\]/    timed out in:/'; }
     line=$(gtest_line "$m1")
     case "$line" in
       *crashed*) crashed=" (shard $((i + 1)) crashed)"; gp=$((gp + ${line%% *})) ;;

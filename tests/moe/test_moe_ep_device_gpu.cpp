@@ -538,6 +538,8 @@ TEST_F(MoeEpDeviceGpu, IpcTwoProcessesOnOneGpu) {
     if (pid == 0) {  // exec at once: no CUDA call between fork and exec
       const std::string v = name + " " + std::to_string(r);
       setenv("ENCORE_EP_IPC_CHILD", v.c_str(), 1);
+      unsetenv("GTEST_TOTAL_SHARDS");  // a sharded parent's shard would filter the child's one test out
+      unsetenv("GTEST_SHARD_INDEX");
       execl(exe, exe, "--gtest_filter=MoeEpDeviceGpu.IpcChild", static_cast<char*>(nullptr));
       _exit(127);
     }
