@@ -272,6 +272,17 @@ def _register(name, kernel, mutates, fake, autograd):
 NATIVE = {}  # op name -> its dispatcher entry, for the ops whose kernel is C++ (encore._encore_torch)
 
 
+def plain_op(name, a, b):
+    """The C++ dispatcher entry of op `name` (NATIVE) when `a` and `b` are plain torch tensors that
+    need no gradient and nothing is being traced, else None: the eager fast path of a two-tensor op
+    (rms_norm). The dispatcher itself serves dispatch modes and fake tensors; the rest (numpy
+    arrays, subclasses, autograd refusals, tracing) takes the general path."""
+    t = _TENSOR
+    if type(a) is t and type(b) is t and not (a.requires_grad or b.requires_grad or _COMPILING() or _FUNCTION_MODE()):
+        return NATIVE.get(name)
+    return None
+
+
 def native(a, name, *others):
     """The dispatcher entry of op `name` when its kernel is C++ and `a` is a plain torch tensor
     (an eager call is then cheaper through it than through the Python launcher), else None; None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _encore as _b
-from ._core import as_float, as_int, dl, eager, empty_like, native, ops, rows, rows_view, stream_for, torch_op
+from ._core import as_float, as_int, dl, eager, empty_like, native, ops, plain_op, rows, rows_view, stream_for, torch_op
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -97,6 +97,10 @@ def rms_norm(x, weight, eps: float = 1e-6, weight_offset: float = 0.0, stream=No
     x: [..., hidden] (bf16, fp16 or fp32; last dimension contiguous); weight: [hidden], same dtype.
     Returns y with x's shape and dtype. stream: a CUDA stream handle (int) to launch on instead of
     torch's current stream (the call then never goes through torch.ops)."""
+    if stream is None and type(eps) is float and type(weight_offset) is float:
+        op = plain_op("rms_norm", x, weight)
+        if op is not None:
+            return op(x, weight, eps, weight_offset)
     eps, weight_offset = as_float(eps, "eps"), as_float(weight_offset, "weight_offset")
     if stream is None:
         if not eager(x, weight):
