@@ -1,9 +1,11 @@
-// The second CUDA KDA backward's stages K0 (prep) and K1 (the reverse scan), src/kda/cuda/kda_bwd2.cu,
-// against the CPU chunked backward (fp64) fed the GPU forward's own residuals (G fp32; Aqk, Akk and h
-// in the inputs' dtype): per chunk dS' (the cotangent of its end state), dVnew = Aqk^T dO + Kg dS' per
-// token, and dh0. The kernels round their intermediates to bf16 (Qg, Kg, W, Aqk^T dO, dS', dVnew), so
-// the bound is bf16's: relative RMS <= 1e-2 (dh0 2e-2: a 30-chunk chain). The workspace is poisoned
-// (NaN) first and rows past a sequence's end must stay so; a second run gives the same bits.
+// The second CUDA KDA backward's stages K0 (prep), K1 (the reverse scan) and K2a (the state products),
+// src/kda/cuda/kda_bwd2.cu and kda_bwd2_grad.cu, against the CPU chunked backward (fp64) fed the GPU
+// forward's own residuals (G fp32; Aqk, Akk and h in the inputs' dtype): per chunk dS' (the cotangent
+// of its end state), dVnew = Aqk^T dO + Kg dS' per token, and dh0; K2a's dq / dk inter-chunk parts,
+// dW, dAqk, dA and rowsum(S . dS'). The kernels round their intermediates to bf16 (Qg, Kg, W,
+// Aqk^T dO, dS', dVnew, Vnew), so the bound is bf16's: relative RMS <= 1e-2 (dh0 2e-2: a 30-chunk
+// chain; K2a 1.5e-2: it takes K1's rounded dS' and dVnew). The workspace is poisoned (NaN) first and
+// rows past a sequence's end must stay so; a second run gives the same bits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -117,6 +119,48 @@ void run_case(Case cs) {
   if (!c.cu.empty())
     for (int64_t t = c.cu.back(); t < T; ++t)
       for (int64_t x = 0; x < H * V; ++x) got_dv[size_t(t * H * V + x)] = ref_dv[size_t(t * H * V + x)] = 0;
+  // K2a: [B*T][H][W] workspace rows (bf16 or fp32) -> [B, T, H, C]; tokens of no sequence zero on
+  // both sides (ref is zeroed there in place).
+  auto rows_of = [&](size_t at, int64_t W, int64_t C, bool bf16, std::vector<double>& ref) {
+    std::vector<double> raw(size_t(B * T * H * W));
+    if (bf16) raw = fetch_bf16(ws, at, raw.size());
+    else {
+      std::vector<float> f(raw.size());
+      cudaMemcpy(f.data(), ws.at(at), f.size() * sizeof(float), cudaMemcpyDeviceToHost);
+      for (size_t i = 0; i < f.size(); ++i) raw[i] = f[i];
+    }
+    std::vector<double> out(size_t(B * T * H * C));
+    for (int64_t r = 0; r < B * T * H; ++r)
+      for (int64_t y = 0; y < C; ++y) out[size_t(r * C + y)] = raw[size_t(r * W + y)];
+    if (!c.cu.empty())
+      for (int64_t t = c.cu.back(); t < T; ++t)
+        for (int64_t x = 0; x < H * C; ++x) out[size_t(t * H * C + x)] = ref[size_t(t * H * C + x)] = 0;
+    return out;
+  };
+  const double e_dqi = rel_err(rows_of(layout.dqi, kKda2D, K, false, tr.rev.dq_inter), tr.rev.dq_inter);
+  const double e_dki = rel_err(rows_of(layout.dki, kKda2D, K, false, tr.rev.dk_inter), tr.rev.dk_inter);
+  const double e_dw = rel_err(rows_of(layout.dw, kKda2D, K, true, tr.rev.dW), tr.rev.dW);
+  const double e_daqk = rel_err(rows_of(layout.daqk, 64, 64, true, tr.dav.dAqk), tr.dav.dAqk);
+  const double e_da = rel_err(rows_of(layout.da, 64, 64, true, tr.rev.dA), tr.rev.dA);
+  std::vector<double> ref_sd(size_t(nt * H * K)), got_sd(ref_sd.size());
+  {
+    std::vector<float> f(size_t(nt * H) * kKda2D);
+    cudaMemcpy(f.data(), ws.at(layout.sd), f.size() * sizeof(float), cudaMemcpyDeviceToHost);
+    for (int64_t s = 0; s < nt * H; ++s)
+      for (int64_t x = 0; x < K; ++x) {
+        double acc = 0;
+        for (int64_t y = 0; y < V; ++y) acc += tr.rc.h[size_t((s * K + x) * V + y)] * tr.rev.dh[size_t((s * K + x) * V + y)];
+        ref_sd[size_t(s * K + x)] = acc;
+        got_sd[size_t(s * K + x)] = f[size_t(s * kKda2D + x)];
+      }
+  }
+  const double e_sd = rel_err(got_sd, ref_sd);
+  std::printf("  kda bwd2 K2a %-46s dqi %.2e dki %.2e dW %.2e dAqk %.2e dA %.2e sd %.2e\n", cs.label, e_dqi, e_dki, e_dw, e_daqk,
+              e_da, e_sd);
+  for (const double e : {e_dqi, e_dki, e_dw, e_daqk, e_da, e_sd}) {
+    EXPECT_TRUE(std::isfinite(e)) << "NaN/inf (or an unwritten value) in K2a's outputs";
+    EXPECT_LE(e, 1.5e-2);
+  }
   const double e_dh = rel_err(got_dh, tr.rev.dh), e_dv = rel_err(got_dv, ref_dv), e_h0 = c.h0 ? rel_err(dh0->fetch(), tr.rev.dh0) : 0.0;
   std::printf("  kda bwd2 K0+K1 %-44s dS' %.2e dVnew %.2e dh0 %.2e\n", cs.label, e_dh, e_dv, e_h0);
   EXPECT_TRUE(std::isfinite(e_dh) && std::isfinite(e_dv) && std::isfinite(e_h0)) << "NaN/inf (or an unwritten value)";

@@ -19,7 +19,7 @@
 
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_bwd2.hpp"
-#include "kda/cuda/kda_bwd_device.cuh"
+#include "kda/cuda/kda_bwd2_device.cuh"
 
 namespace encore::cuda {
 namespace kda2 {
@@ -28,49 +28,14 @@ namespace {
 using kda::ldmatrix_x4;
 using kda::ldmatrix_x4_trans;
 using kda::mma_bf16;
-using kda::pack_bf16;
 using kdabwd::ChunkInfo;
 using kdabwd::chunk_info;
 using kdabwd::kC;
 using kdabwd::load_any;
 using kdabwd::tok;
 
-constexpr int kD = kKda2D;     // padded channels
-constexpr int kLd = kD + 8;    // bf16 row stride of [*][128] shared tiles (ldmatrix rows on distinct banks)
-constexpr int kLdC = kC + 8;   // of [*][64] tiles
 constexpr int kVs = 32;        // value columns per scan block
 constexpr int kLdS = kVs + 8;  // of [*][32] tiles
-
-struct Ptrs {  // the intermediates in the workspace
-  __nv_bfloat16 *qg, *kg, *wn, *dvl, *dsp, *dvn;
-  float* egc;
-};
-
-__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {
-  *reinterpret_cast<uint32_t*>(dst) = pack_bf16(x, y);
-}
-
-// One 64 x 128 product into acc[8 n-tiles] for this warp's 16 rows m0.. and 64 columns n0..:
-// A (16 x 64) through ldmatrix (kTransA: stored [k][m] at a, else [m][k]); B stored [k][n] at b.
-template <bool kTransA>
-__device__ __forceinline__ void mma_64x64k64(float (&acc)[8][4], const __nv_bfloat16* a, int lda, int m0, const __nv_bfloat16* b,
-                                             int ldb, int n0) {
-  const int lane = threadIdx.x & 31, mi = lane >> 3, r = lane & 7;
-#pragma unroll
-  for (int ks = 0; ks < kC / 16; ++ks) {
-    uint32_t af[4];
-    if constexpr (kTransA) ldmatrix_x4_trans(af, a + (16 * ks + 8 * (mi >> 1) + r) * lda + m0 + 8 * (mi & 1));
-    else ldmatrix_x4(af, a + (m0 + r + 8 * (mi & 1)) * lda + 16 * ks + 8 * (mi >> 1));
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      uint32_t bf[4];  // (k 0-7, tile j) (k 8-15, tile j) (k 0-7, tile j+1) (k 8-15, tile j+1)
-      ldmatrix_x4_trans(bf, b + (16 * ks + 8 * (mi & 1) + r) * ldb + n0 + 8 * j + 8 * (mi >> 1));
-      const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-      mma_bf16(acc[j], af, b0);
-      mma_bf16(acc[j + 1], af, b1);
-    }
-  }
-}
 
 // ---- K0: prep ------------------------------------------------------------------------------------
 
@@ -157,15 +122,11 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
           store_pair(dst + tok(p, ci.b, ci.t0 + i, hv) * kD + n0 + 8 * j + 2 * t4, mult * acc[j][2 * h], mult * acc[j][2 * h + 1]);
       }
   };
-  auto zero = [&] {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  };
-  zero();
-  mma_64x64k64<false>(acc, a_s, kLdC, m0, kb_s, kLd, n0);
+  zero(acc);
+  warp_mma<kC, 8, false, true>(acc, a_s, kLdC, m0, kb_s, kLd, n0);
   write(w.wn, -1.f);
-  zero();
-  mma_64x64k64<true>(acc, aqk_s, kLdC, m0, do_s, kLd, n0);
+  zero(acc);
+  warp_mma<kC, 8, true, true>(acc, aqk_s, kLdC, m0, do_s, kLd, n0);
   write(w.dvl, 1.f);
 }
 
@@ -373,8 +334,10 @@ Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV) {
     return at;
   };
   const size_t row = size_t(tokens) * HV * kKda2D * 2;  // one bf16 [tokens][HV][128] tensor
-  l.qg = take(row), l.kg = take(row), l.wn = take(row), l.dvl = take(row), l.dvn = take(row);
-  l.egc = take(size_t(chunks) * HV * kKda2D * 4);
+  l.qg = take(row), l.kg = take(row), l.wn = take(row), l.dvl = take(row), l.dvn = take(row), l.dw = take(row);
+  l.daqk = take(row / 2), l.da = take(row / 2);  // [tokens][HV][64]
+  l.dqi = take(2 * row), l.dki = take(2 * row);  // fp32
+  l.egc = take(size_t(chunks) * HV * kKda2D * 4), l.sd = take(size_t(chunks) * HV * kKda2D * 4);
   l.dsp = take(size_t(chunks) * HV * kKda2D * kKda2D * 2);
   l.bytes = o;
   return l;
@@ -386,15 +349,7 @@ Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& l, vo
     return Status::unsupported("kda backward (second design): K and V up to " + std::to_string(kKda2D) + ", got " + std::to_string(p.K) +
                                ", " + std::to_string(p.V));
   if (!p.G || !p.Akk || !p.Aqk) return Status::invalid("residuals: the second backward reads the forward's G, Aqk and Akk");
-  auto* base = static_cast<unsigned char*>(workspace);
-  Ptrs w;
-  w.qg = reinterpret_cast<__nv_bfloat16*>(base + l.qg);
-  w.kg = reinterpret_cast<__nv_bfloat16*>(base + l.kg);
-  w.wn = reinterpret_cast<__nv_bfloat16*>(base + l.wn);
-  w.dvl = reinterpret_cast<__nv_bfloat16*>(base + l.dvl);
-  w.dvn = reinterpret_cast<__nv_bfloat16*>(base + l.dvn);
-  w.dsp = reinterpret_cast<__nv_bfloat16*>(base + l.dsp);
-  w.egc = reinterpret_cast<float*>(base + l.egc);
+  const Ptrs w = ptrs_of(l, workspace);
   auto s = static_cast<cudaStream_t>(stream);
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_prep_kernel", kda2_prep_kernel, kPrepSmem));
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_scan_kernel", kda2_scan_kernel, kScanSmem));

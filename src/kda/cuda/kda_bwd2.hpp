@@ -1,6 +1,7 @@
-// The second CUDA KDA backward (docs/kda.md, "The second backward"), stages K0 (chunk-parallel prep)
-// and K1 (the reverse state-cotangent scan) so far; K2 (the fused per-chunk gradients) is not built
-// yet, so run(KdaBackwardArgs) still takes the first backward (kda_backward.cu). Host entry, no
+// The second CUDA KDA backward (docs/kda.md, "The second backward"), stages K0 (chunk-parallel prep),
+// K1 (the reverse state-cotangent scan) and K2a (the per-chunk products with the states) so far; the
+// rest of K2 (WY and intra-chunk gradients, gate and L2 tails) is not built yet, so
+// run(KdaBackwardArgs) still takes the first backward (kda_backward.cu). Host entry, no
 // CUDA types.
 //
 // Intermediates, bf16 unless said, in the caller's workspace (Kda2Layout), channel dimension padded
@@ -12,6 +13,13 @@
 //   egc [NT][HV][128]      fp32 2^gC                    (gC: G at the chunk's last valid row)
 //   dsp [NT][HV][128][128] dS' per chunk, [K][V]        (the cotangent of the chunk's END state)
 //   dvn [tokens][HV][128]  dVnew = Aqk^T dO + Kg dS'    (rounded to bf16, as the scan used it)
+// K2a (the state products, kda_bwd2_grad.cu), with Vnew = A (beta v) + (-W) S recomputed in shared memory:
+//   dqi [tokens][HV][128]  fp32 scale (dO S^T) . 2^G     (dq's inter-chunk part)
+//   dki [tokens][HV][128]  fp32 (Vnew dS'^T) . 2^(gC - G) (dk's inter-chunk part)
+//   dw  [tokens][HV][128]  dW = -dVnew S^T
+//   daqk [tokens][HV][64]  dAqk = tril(dO Vnew^T)
+//   da  [tokens][HV][64]   dA = dVnew (beta v)^T + dW Kbeta^T, i >= j
+//   sd  [NT][HV][128]      fp32 rowsum_V(S . dS')       (the chunk's last-row dG term, times 2^gC)
 // and dh0 [N, HV, K, V] fp32 into the problem's dh0 (when given). G, Aqk, Akk come from the
 // forward's residuals (required); rows past a sequence's end are never written.
 #pragma once
@@ -25,11 +33,13 @@ namespace encore::cuda {
 constexpr int kKda2D = 128;  // padded channel width of the intermediates (K, V <= 128)
 
 struct Kda2Layout {  // byte offsets into the workspace, each 256-byte aligned; bytes = the total
-  size_t qg = 0, kg = 0, wn = 0, dvl = 0, egc = 0, dsp = 0, dvn = 0, bytes = 0;
+  size_t qg = 0, kg = 0, wn = 0, dvl = 0, egc = 0, dsp = 0, dvn = 0, dw = 0, daqk = 0, da = 0, dqi = 0, dki = 0, sd = 0, bytes = 0;
 };
 Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV);
 
 // K0 then K1 on `stream` for K, V <= 128 (refused otherwise); p.dh0 receives dh0 when set.
 Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& layout, void* workspace, int chunks, Stream stream);
+// K2a after K0 and K1 (needs the saved chunk-start states p.h).
+Status launch_kda2_state_grads(const KdaBwdCudaProblem& p, const Kda2Layout& layout, void* workspace, int chunks, Stream stream);
 
 }  // namespace encore::cuda

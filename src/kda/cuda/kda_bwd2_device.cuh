@@ -1,0 +1,65 @@
+// Device helpers shared by the second CUDA KDA backward's kernels (kda_bwd2.cu: K0 prep, K1 scan;
+// kda_bwd2_grad.cu: K2a state products): the workspace pointers, bf16 pair stores and one warp's
+// tensor-core product over shared-memory tiles (mma.sync m16n8k16, bf16 operands, fp32 accumulation).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kda/cuda/kda_bwd2.hpp"
+#include "kda/cuda/kda_bwd_device.cuh"
+
+namespace encore::cuda::kda2 {
+
+constexpr int kD = kKda2D;              // padded channels
+constexpr int kLd = kD + 8;             // bf16 row stride of [*][128] shared tiles (ldmatrix rows on distinct banks)
+constexpr int kLdC = kdabwd::kC + 8;    // of [*][64] tiles
+
+struct Ptrs {  // the intermediates in the workspace (Kda2Layout)
+  __nv_bfloat16 *qg, *kg, *wn, *dvl, *dsp, *dvn, *dw, *daqk, *da;
+  float *egc, *dqi, *dki, *sd;
+};
+
+inline Ptrs ptrs_of(const Kda2Layout& l, void* workspace) {
+  auto* base = static_cast<unsigned char*>(workspace);
+  auto bf = [&](size_t at) { return reinterpret_cast<__nv_bfloat16*>(base + at); };
+  auto f32 = [&](size_t at) { return reinterpret_cast<float*>(base + at); };
+  return Ptrs{bf(l.qg), bf(l.kg), bf(l.wn), bf(l.dvl), bf(l.dsp), bf(l.dvn), bf(l.dw), bf(l.daqk), bf(l.da),
+              f32(l.egc), f32(l.dqi), f32(l.dki), f32(l.sd)};
+}
+
+__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {
+  *reinterpret_cast<uint32_t*>(dst) = kda::pack_bf16(x, y);
+}
+
+// acc[NT][4] += A (16 rows m0.., k 0..KD) x B (k 0..KD, 8 NT columns n0..), one warp; fragment
+// element e of n-tile j is (row m0 + g8 + 8 (e >> 1), column n0 + 8 j + 2 t4 + (e & 1)) with
+// g8 = lane / 4, t4 = lane % 4. A is stored [m][k] (kTransA: [k][m]); B [k][n] (kBkn) or [n][k].
+template <int KD, int NT, bool kTransA, bool kBkn>
+__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const __nv_bfloat16* a, int lda, int m0, const __nv_bfloat16* b, int ldb,
+                                         int n0) {
+  static_assert(KD % 16 == 0 && NT % 2 == 0, "k in steps of 16, n-tiles in pairs");
+  const int lane = threadIdx.x & 31, mi = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < KD / 16; ++ks) {
+    uint32_t af[4];
+    if constexpr (kTransA) kda::ldmatrix_x4_trans(af, a + (16 * ks + 8 * (mi >> 1) + r) * lda + m0 + 8 * (mi & 1));
+    else kda::ldmatrix_x4(af, a + (m0 + r + 8 * (mi & 1)) * lda + 16 * ks + 8 * (mi >> 1));
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      uint32_t bf[4];  // (k 0-7, tile j) (k 8-15, tile j) (k 0-7, tile j+1) (k 8-15, tile j+1)
+      if constexpr (kBkn) kda::ldmatrix_x4_trans(bf, b + (16 * ks + 8 * (mi & 1) + r) * ldb + n0 + 8 * j + 8 * (mi >> 1));
+      else kda::ldmatrix_x4(bf, b + (n0 + 8 * j + 8 * (mi >> 1) + r) * ldb + 16 * ks + 8 * (mi & 1));
+      const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+      kda::mma_bf16(acc[j], af, b0);
+      kda::mma_bf16(acc[j + 1], af, b1);
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+}
+
+}  // namespace encore::cuda::kda2
