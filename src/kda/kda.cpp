@@ -531,8 +531,8 @@ Status kda::bwd2_stages(const KdaBackwardArgs& a, const KdaOptions& o, void* wor
   cuda::KdaBwdCudaProblem cp{};
   fill_cuda_backward(a, o, p, cp);
   *layout = cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H);
-  ENCORE_RETURN_IF_ERROR(cuda::launch_kda2_prep_scan(cp, *layout, workspace, int(chunk_count(p)), stream));
-  return cp.h ? cuda::launch_kda2_state_grads(cp, *layout, workspace, int(chunk_count(p)), stream) : Status::ok();
+  if (!cp.h) return Status::invalid("residuals.h: the second backward runs the saved-h path");
+  return cuda::launch_kda2_backward(cp, *layout, workspace, int(chunk_count(p)), stream);
 #else
   (void)workspace;
   (void)stream;

@@ -17,6 +17,7 @@
 
 #include <string>
 
+#include "common/cuda/device_guard.hpp"
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_bwd2.hpp"
 #include "kda/cuda/kda_bwd2_device.cuh"
@@ -338,6 +339,7 @@ Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV) {
   l.daqk = take(row / 2), l.da = take(row / 2);  // [tokens][HV][64]
   l.dqi = take(2 * row), l.dki = take(2 * row);  // fp32
   l.egc = take(size_t(chunks) * HV * kKda2D * 4), l.sd = take(size_t(chunks) * HV * kKda2D * 4);
+  l.gp = take(size_t(chunks) * HV * 2 * kKda2D * 4);
   l.dsp = take(size_t(chunks) * HV * kKda2D * kKda2D * 2);
   l.bytes = o;
   return l;
@@ -358,6 +360,14 @@ Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& l, vo
   const int slices = (p.V + kVs - 1) / kVs;
   ENCORE_RETURN_IF_ERROR(launch("kda2_scan_kernel", [&] { kda2_scan_kernel<<<p.N * p.H * slices, kScanThreads, kScanSmem, s>>>(p, w, slices); }));
   return Status::ok();
+}
+
+Status launch_kda2_backward(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* workspace, int chunks, Stream stream) {
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(p.device));
+  ENCORE_RETURN_IF_ERROR(launch_kda2_prep_scan(p, l, workspace, chunks, stream));
+  ENCORE_RETURN_IF_ERROR(launch_kda2_state_grads(p, l, workspace, chunks, stream));
+  return launch_kda2_wy(p, l, workspace, chunks, stream);
 }
 
 }  // namespace encore::cuda

@@ -1,7 +1,7 @@
 // The second CUDA KDA backward (docs/kda.md, "The second backward"), stages K0 (chunk-parallel prep),
-// K1 (the reverse state-cotangent scan) and K2a (the per-chunk products with the states) so far; the
-// rest of K2 (WY and intra-chunk gradients, gate and L2 tails) is not built yet, so
-// run(KdaBackwardArgs) still takes the first backward (kda_backward.cu). Host entry, no
+// K1 (the reverse state-cotangent scan), K2a (the per-chunk products with the states) and K2b (the WY
+// and intra-chunk gradients with the gate and L2-norm tails), for the saved-h path; run(KdaBackwardArgs)
+// still takes the first backward (kda_backward.cu) until these pass on a GPU. Host entry, no
 // CUDA types.
 //
 // Intermediates, bf16 unless said, in the caller's workspace (Kda2Layout), channel dimension padded
@@ -20,6 +20,9 @@
 //   daqk [tokens][HV][64]  dAqk = tril(dO Vnew^T)
 //   da  [tokens][HV][64]   dA = dVnew (beta v)^T + dW Kbeta^T, i >= j
 //   sd  [NT][HV][128]      fp32 rowsum_V(S . dS')       (the chunk's last-row dG term, times 2^gC)
+// K2b (the WY and intra-chunk gradients and the tails, kda_bwd2_wy.cu): dq, dk, dv, dg, dbeta into the
+// problem's outputs (grouped value heads: dq, dk per value head over dqi, dki, then summed), and
+//   gp  [NT][HV][2][128]   fp32 per-chunk partials of ddt_bias and dA_log (summed per head last)
 // and dh0 [N, HV, K, V] fp32 into the problem's dh0 (when given). G, Aqk, Akk come from the
 // forward's residuals (required); rows past a sequence's end are never written.
 #pragma once
@@ -33,7 +36,7 @@ namespace encore::cuda {
 constexpr int kKda2D = 128;  // padded channel width of the intermediates (K, V <= 128)
 
 struct Kda2Layout {  // byte offsets into the workspace, each 256-byte aligned; bytes = the total
-  size_t qg = 0, kg = 0, wn = 0, dvl = 0, egc = 0, dsp = 0, dvn = 0, dw = 0, daqk = 0, da = 0, dqi = 0, dki = 0, sd = 0, bytes = 0;
+  size_t qg = 0, kg = 0, wn = 0, dvl = 0, egc = 0, dsp = 0, dvn = 0, dw = 0, daqk = 0, da = 0, dqi = 0, dki = 0, sd = 0, gp = 0, bytes = 0;
 };
 Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV);
 
@@ -41,5 +44,9 @@ Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV);
 Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& layout, void* workspace, int chunks, Stream stream);
 // K2a after K0 and K1 (needs the saved chunk-start states p.h).
 Status launch_kda2_state_grads(const KdaBwdCudaProblem& p, const Kda2Layout& layout, void* workspace, int chunks, Stream stream);
+// K2b after K2a, then the gate and group reductions.
+Status launch_kda2_wy(const KdaBwdCudaProblem& p, const Kda2Layout& layout, void* workspace, int chunks, Stream stream);
+// The whole second backward (saved-h path): K0, K1, K2a, K2b and the reductions, on the problem's device.
+Status launch_kda2_backward(const KdaBwdCudaProblem& p, const Kda2Layout& layout, void* workspace, int chunks, Stream stream);
 
 }  // namespace encore::cuda

@@ -1,5 +1,5 @@
 // Device helpers shared by the second CUDA KDA backward's kernels (kda_bwd2.cu: K0 prep, K1 scan;
-// kda_bwd2_grad.cu: K2a state products): the workspace pointers, bf16 pair stores and one warp's
+// kda_bwd2_grad.cu: K2a state products; kda_bwd2_wy.cu: K2b): the workspace pointers, bf16 pair stores and one warp's
 // tensor-core product over shared-memory tiles (mma.sync m16n8k16, bf16 operands, fp32 accumulation).
 #pragma once
 #include <cuda_bf16.h>
@@ -16,7 +16,7 @@ constexpr int kLdC = kdabwd::kC + 8;    // of [*][64] tiles
 
 struct Ptrs {  // the intermediates in the workspace (Kda2Layout)
   __nv_bfloat16 *qg, *kg, *wn, *dvl, *dsp, *dvn, *dw, *daqk, *da;
-  float *egc, *dqi, *dki, *sd;
+  float *egc, *dqi, *dki, *sd, *gp;
 };
 
 inline Ptrs ptrs_of(const Kda2Layout& l, void* workspace) {
@@ -24,7 +24,7 @@ inline Ptrs ptrs_of(const Kda2Layout& l, void* workspace) {
   auto bf = [&](size_t at) { return reinterpret_cast<__nv_bfloat16*>(base + at); };
   auto f32 = [&](size_t at) { return reinterpret_cast<float*>(base + at); };
   return Ptrs{bf(l.qg), bf(l.kg), bf(l.wn), bf(l.dvl), bf(l.dsp), bf(l.dvn), bf(l.dw), bf(l.daqk), bf(l.da),
-              f32(l.egc), f32(l.dqi), f32(l.dki), f32(l.sd)};
+              f32(l.egc), f32(l.dqi), f32(l.dki), f32(l.sd), f32(l.gp)};
 }
 
 __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {

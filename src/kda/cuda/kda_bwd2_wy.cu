@@ -1,0 +1,383 @@
+// The second CUDA KDA backward, stage K2b and the closing reductions (kda_bwd2.hpp; math:
+// docs/math/kda.md §6; the CPU ground truth: stages 3-5 and the tails of
+// src/kda/reference/kda_chunked_bwd.cpp). GEMM-shaped products on mma.sync m16n8k16 (bf16 operands,
+// fp32 accumulation); the intra-chunk diagonal 16 x 16 blocks, the decay factors, the reverse cumsum
+// and the tails in fp32.
+//
+// kda2_wy_kernel, grid (chunk slots, HV), 256 threads (8 warps; warp w: rows 16 (w % 4).., channels
+// 64 (w / 4)..), ~214 KB of shared memory. Per chunk, with q^, k^ the (L2-normed) inputs, q~ = scale q^,
+// G the log2 cumsum, A = (I + L)^-1, and K2a's dA, dAqk, dW, dqi, dki, sd, K1's dVnew:
+//   dVbeta = A^T dVnew -> dv = beta dVbeta, dbeta += rowsum(dVbeta . v)
+//   dKbeta = A^T dW    -> dk += beta 2^G . dKbeta, dbeta += rowsum(dKbeta . k^ 2^G), dG += Kbeta . dKbeta
+//   dL = -strict(A^T dA A^T)                                (two 64 x 64 x 64 products, M = A^T dA in bf16)
+//   intra (i >= j, E_ij = 2^(G_i - G_j) per channel): dQi_i = sum_j dAqk_ij k^_j E_ij,
+//     dKrow_i = sum_{j<i} dL_ij k^_j E_ij, dKcol_j = sum_{i>=j} (dAqk_ij q~_i + [i>j] dL_ij beta_i k^_i) E_ij:
+//     off the diagonal blocks as tensor-core products on operands anchored at a block edge (row block
+//     b: k^_j 2^(G_16b - G_j), then times 2^(G_i - G_16b); column block b: q~_i 2^(G_i - G_16b+15), then
+//     times 2^(G_16b+15 - G_j): every exponent <= 0, so no overflow at any gate), on the diagonal
+//     blocks per pair in fp32;
+//   dq^ = dqi + scale dQi;  dk^ = dki + beta 2^G dKbeta + beta dKrow + dKcol;
+//   dG = q^ . dqi - k^ . dki + Kbeta . dKbeta + q~ . dQi + k^ . (beta dKrow - dKcol), the last row also
+//     2^gC sd + sum_rows k^ . dki; dg = the reverse cumsum of dG within the chunk;
+//   then the gate backward (softplus / lower-bound gate: dg w.r.t. the raw gate, per-chunk partials of
+//   dA_log and ddt_bias into gp) and the L2-norm backward (dq, dk). With grouped value heads dq, dk go
+//   to fp32 per-value-head partials (in place over dqi, dki), summed per q/k head by
+//   kda2_group_reduce_kernel; dA_log, ddt_bias from gp by kda2_gate_reduce_kernel (fixed orders).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/cuda/launch_check.hpp"
+#include "kda/cuda/kda_bwd2_device.cuh"
+
+namespace encore::cuda {
+namespace kda2 {
+namespace {
+
+using kdabwd::ChunkInfo;
+using kdabwd::chunk_info;
+using kdabwd::kC;
+using kdabwd::load_any;
+using kdabwd::store_out;
+using kdabwd::tok;
+
+constexpr int kThreads = 256;
+constexpr int kLdF = kD + 4;        // fp32 row stride of [64][128] tiles
+constexpr int kAnchorRows = 96;     // rows of the anchored operands: 16 + 32 + 48
+constexpr size_t kSmall = size_t(kC) * kLdC * 2;              // one bf16 [64][64] tile
+constexpr size_t kRegion = size_t(3 * kAnchorRows) * kLd * 2;  // kr, qr, bkr (bf16)
+constexpr size_t kTileF = size_t(kC) * kLdF * 4;               // one fp32 [64][128] tile
+constexpr size_t kSmem = 4 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + 2 * 3 * kC + kD) * 4;
+static_assert(2 * kTileF <= kRegion, "dG and k^.dki tiles alias the anchored operands");
+static_assert(2 * size_t(kC) * kLd * 2 <= kRegion, "dVnew and dW alias the anchored operands");
+
+// First row of row block b's anchored k^ rows (b = 1..3) and of column block b's q~ / beta k^ rows (b = 0..2).
+__device__ __forceinline__ int row_base(int b) { return b == 1 ? 0 : b == 2 ? 16 : 48; }
+__device__ __forceinline__ int col_base(int b) { return b == 0 ? 0 : b == 1 ? 48 : 80; }
+
+__global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* a_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [64][kLdC] A
+  __nv_bfloat16* dl_s = a_s + kC * kLdC;                // [64][kLdC] dA, then dL
+  __nv_bfloat16* daqk_s = dl_s + kC * kLdC;             // [64][kLdC] dAqk
+  __nv_bfloat16* m_s = daqk_s + kC * kLdC;              // [64][kLdC] M = A^T dA
+  __nv_bfloat16* reg = m_s + kC * kLdC;                 // the region: dVnew, dW | kr, qr, bkr | dG, k^.dki (fp32)
+  __nv_bfloat16 *dvn_s = reg, *dw_s = reg + kC * kLd;
+  __nv_bfloat16 *kr_s = reg, *qr_s = reg + kAnchorRows * kLd, *bkr_s = reg + 2 * kAnchorRows * kLd;
+  auto* dg_f = reinterpret_cast<float*>(reg);
+  float* kdk_f = dg_f + kC * kLdF;
+  auto* q_f = reinterpret_cast<float*>(smem + 4 * kSmall + kRegion);  // [64][kLdF] q^ (unscaled)
+  float* k_f = q_f + kC * kLdF;                                        // [64][kLdF] k^
+  float* g_f = k_f + kC * kLdF;                                        // [64][kLdF] G (rows past the end: gC)
+  float* beta_s = g_f + kC * kLdF;                                     // [64]
+  float* rq_s = beta_s + kC;                                           // [64] 1 / |q| (1 without the norm)
+  float* rk_s = rq_s + kC;                                             // [64]
+  float* dbp = rk_s + kC;                                              // [2][64] dbeta per channel half
+  float* dotq = dbp + 2 * kC;                                          // [2][64] dq^ . q^
+  float* dotk = dotq + 2 * kC;                                         // [2][64] dk^ . k^
+  float* extra = dotk + 2 * kC;                                        // [128] 2^gC sd
+
+  const int slot = blockIdx.x, hv = blockIdx.y, hq = hv / p.group;
+  const ChunkInfo ci = chunk_info(p, slot);
+  const int rows = ci.rows, b = ci.b, t0 = ci.t0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
+  const int64_t state = int64_t(slot) * p.H + hv;
+  const int64_t last = tok(p, b, t0 + rows - 1, hv);
+
+  // ---- A: rows (warp per row, lane 4 channels) -------------------------------------------------
+  float gc[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) gc[e] = c0 + e < p.K ? p.G[last * p.K + c0 + e] : 0.f;
+  for (int i = warp; i < kC; i += kThreads / 32) {
+    const bool valid = i < rows;
+    const int64_t row = valid ? tok(p, b, t0 + i, hv) : 0;
+    float q[4] = {0.f, 0.f, 0.f, 0.f}, k[4] = {0.f, 0.f, 0.f, 0.f}, g[4] = {gc[0], gc[1], gc[2], gc[3]};
+    if (valid) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (c0 + e < p.K) {
+          q[e] = kda::load(p.q, b, t0 + i, hq, c0 + e);
+          k[e] = kda::load(p.k, b, t0 + i, hq, c0 + e);
+          g[e] = p.G[row * p.K + c0 + e];
+        }
+    }
+    float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3], sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, s);
+      sk += __shfl_xor_sync(0xffffffffu, sk, s);
+    }
+    const float rq = p.l2norm ? rsqrtf(sq + 1e-6f) : 1.f, rk = p.l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      q_f[i * kLdF + c0 + e] = q[e] * rq;
+      k_f[i * kLdF + c0 + e] = k[e] * rk;
+      g_f[i * kLdF + c0 + e] = g[e];
+    }
+    if (lane == 0) {
+      beta_s[i] = valid ? kda::load(p.beta, b, t0 + i, hv, 0) : 0.f;
+      rq_s[i] = rq;
+      rk_s[i] = rk;
+    }
+    const uint2 zero2 = make_uint2(0u, 0u);
+    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = valid ? *reinterpret_cast<const uint2*>(w.dvn + row * kD + c0) : zero2;
+    *reinterpret_cast<uint2*>(dw_s + i * kLd + c0) = valid ? *reinterpret_cast<const uint2*>(w.dw + row * kD + c0) : zero2;
+    const int j = 2 * lane;
+    *reinterpret_cast<uint32_t*>(dl_s + i * kLdC + j) = valid ? *reinterpret_cast<const uint32_t*>(w.da + row * kC + j) : 0u;
+    *reinterpret_cast<uint32_t*>(daqk_s + i * kLdC + j) = valid ? *reinterpret_cast<const uint32_t*>(w.daqk + row * kC + j) : 0u;
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      a_s[i * kLdC + j + e] = __float2bfloat16(valid && j + e <= i ? load_any(p.Akk, p.akk_dtype, row * kC + j + e) : 0.f);
+  }
+  for (int a = threadIdx.x; a < kD; a += kThreads) extra[a] = a < p.K ? exp2f(p.G[last * p.K + a]) * w.sd[state * kD + a] : 0.f;
+  __syncthreads();
+
+  const int blk = warp & 3, half = warp >> 2, m0 = 16 * blk, n0 = 64 * half, n0c = 32 * half, g8 = lane >> 2, t4 = lane & 3;
+  // f(fragment element n-tile j, e, row i, channel a) over this warp's [16 x 64] fragment.
+  auto each = [&](auto&& f) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(j, e, m0 + g8 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1));
+  };
+  float acc[8][4], dk_t[8][4], dg_t[8][4], dq_t[8][4];
+  float db[2] = {0.f, 0.f};  // dbeta parts of rows m0 + g8 (+ 8)
+
+  // ---- B: dVbeta, dKbeta, M ----------------------------------------------------------------------
+  zero(acc);
+  warp_mma<kC, 8, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);
+  each([&](int j, int e, int i, int y) {
+    if (i < rows && y < p.V) {
+      store_out(p.dv, b, t0 + i, hv, y, beta_s[i] * acc[j][e]);
+      db[e >> 1] += acc[j][e] * kda::load(p.v, b, t0 + i, hv, y);
+    }
+  });
+  zero(acc);
+  warp_mma<kC, 8, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
+  each([&](int j, int e, int i, int a) {
+    const float ke = k_f[i * kLdF + a] * exp2f(g_f[i * kLdF + a]);
+    dk_t[j][e] = beta_s[i] * exp2f(g_f[i * kLdF + a]) * acc[j][e];
+    dg_t[j][e] = beta_s[i] * ke * acc[j][e];
+    db[e >> 1] += acc[j][e] * ke;
+  });
+  float acc4[4][4];
+  zero(acc4);
+  warp_mma<kC, 4, true, true>(acc4, a_s, kLdC, m0, dl_s, kLdC, n0c);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) store_pair(m_s + (m0 + g8 + 8 * h) * kLdC + n0c + 8 * j + 2 * t4, acc4[j][2 * h], acc4[j][2 * h + 1]);
+  __syncthreads();  // M complete; dA read
+  // dL = -strict(M A^T), into dl_s.
+  zero(acc4);
+  warp_mma<kC, 4, false, false>(acc4, m_s, kLdC, m0, a_s, kLdC, n0c);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = m0 + g8 + 8 * h, c = n0c + 8 * j + 2 * t4;
+      store_pair(dl_s + i * kLdC + c, c < i && i < rows ? -acc4[j][2 * h] : 0.f, c + 1 < i && i < rows ? -acc4[j][2 * h + 1] : 0.f);
+    }
+  __syncthreads();  // dL complete; dVnew, dW read (the region is free)
+
+  // ---- C: the intra-chunk terms -----------------------------------------------------------------
+  for (int x = threadIdx.x; x < kAnchorRows * (kD / 2); x += kThreads) {
+    const int rr = x / (kD / 2), a = 2 * (x % (kD / 2));
+    {  // kr: row block rb's anchor r = 16 rb, rows j < r
+      const int rb = rr < 16 ? 1 : rr < 48 ? 2 : 3, j = rr - row_base(rb), r = 16 * rb;
+      store_pair(kr_s + rr * kLd + a, k_f[j * kLdF + a] * exp2f(g_f[r * kLdF + a] - g_f[j * kLdF + a]),
+                 k_f[j * kLdF + a + 1] * exp2f(g_f[r * kLdF + a + 1] - g_f[j * kLdF + a + 1]));
+    }
+    {  // qr, bkr: column block cb's anchor r = 16 cb + 15, rows i > r
+      const int cb = rr < 48 ? 0 : rr < 80 ? 1 : 2, i = 16 * (cb + 1) + rr - col_base(cb), r = 16 * cb + 15;
+      const float e0 = exp2f(g_f[i * kLdF + a] - g_f[r * kLdF + a]), e1 = exp2f(g_f[i * kLdF + a + 1] - g_f[r * kLdF + a + 1]);
+      store_pair(qr_s + rr * kLd + a, p.scale * q_f[i * kLdF + a] * e0, p.scale * q_f[i * kLdF + a + 1] * e1);
+      store_pair(bkr_s + rr * kLd + a, beta_s[i] * k_f[i * kLdF + a] * e0, beta_s[i] * k_f[i * kLdF + a + 1] * e1);
+    }
+  }
+  __syncthreads();
+  auto bf = [](const __nv_bfloat16* t, int i, int j) { return __bfloat162float(t[i * kLdC + j]); };
+  // (1) dQi over row block blk: off the diagonal block, then the block per pair.
+  zero(acc);
+  for (int s = 0; s < blk; ++s) warp_mma<16, 8, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr_s + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+  each([&](int j, int e, int i, int a) {
+    float v = blk > 0 ? acc[j][e] * exp2f(g_f[i * kLdF + a] - g_f[m0 * kLdF + a]) : 0.f;
+    for (int jj = m0; jj <= i; ++jj) v += bf(daqk_s, i, jj) * k_f[jj * kLdF + a] * exp2f(g_f[i * kLdF + a] - g_f[jj * kLdF + a]);
+    const float dqi = i < rows && a < p.K ? w.dqi[tok(p, b, t0 + min(i, rows - 1), hv) * kD + a] : 0.f;
+    dq_t[j][e] = dqi + p.scale * v;
+    dg_t[j][e] += p.scale * q_f[i * kLdF + a] * v + q_f[i * kLdF + a] * dqi;
+  });
+  // (2) dKrow over row block blk.
+  zero(acc);
+  for (int s = 0; s < blk; ++s) warp_mma<16, 8, false, true>(acc, dl_s + 16 * s, kLdC, m0, kr_s + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+  each([&](int j, int e, int i, int a) {
+    float v = blk > 0 ? acc[j][e] * exp2f(g_f[i * kLdF + a] - g_f[m0 * kLdF + a]) : 0.f;
+    for (int jj = m0; jj < i; ++jj) v += bf(dl_s, i, jj) * k_f[jj * kLdF + a] * exp2f(g_f[i * kLdF + a] - g_f[jj * kLdF + a]);
+    dk_t[j][e] += beta_s[i] * v;
+    dg_t[j][e] += beta_s[i] * k_f[i * kLdF + a] * v;
+    db[e >> 1] += k_f[i * kLdF + a] * v;
+  });
+  // (3) dKcol over column block blk (the fragment's rows are the column index j).
+  zero(acc);
+  for (int s = 0; s < 3 - blk; ++s) {
+    const int i0 = 16 * (blk + 1) + 16 * s, rb = col_base(blk) + 16 * s;
+    warp_mma<16, 8, true, true>(acc, daqk_s + i0 * kLdC, kLdC, m0, qr_s + rb * kLd, kLd, n0);
+    warp_mma<16, 8, true, true>(acc, dl_s + i0 * kLdC, kLdC, m0, bkr_s + rb * kLd, kLd, n0);
+  }
+  each([&](int j, int e, int c, int a) {
+    const int r = m0 + 15;
+    float v = blk < 3 ? acc[j][e] * exp2f(g_f[r * kLdF + a] - g_f[c * kLdF + a]) : 0.f;
+    for (int ii = c; ii <= r; ++ii) {
+      const float f = exp2f(g_f[ii * kLdF + a] - g_f[c * kLdF + a]);
+      v += bf(daqk_s, ii, c) * p.scale * q_f[ii * kLdF + a] * f;
+      if (ii > c) v += bf(dl_s, ii, c) * beta_s[ii] * k_f[ii * kLdF + a] * f;
+    }
+    dk_t[j][e] += v;
+    dg_t[j][e] -= k_f[c * kLdF + a] * v;
+  });
+
+  // ---- D: the inter-chunk parts of dk and dG, the row dots ----------------------------------------
+  float kdk[8][4];
+  float dq_dot[2] = {0.f, 0.f}, dk_dot[2] = {0.f, 0.f};
+  each([&](int j, int e, int i, int a) {
+    const float dki = i < rows && a < p.K ? w.dki[tok(p, b, t0 + min(i, rows - 1), hv) * kD + a] : 0.f;
+    dk_t[j][e] += dki;
+    dg_t[j][e] -= k_f[i * kLdF + a] * dki;
+    kdk[j][e] = k_f[i * kLdF + a] * dki;
+    dq_dot[e >> 1] += dq_t[j][e] * q_f[i * kLdF + a];
+    dk_dot[e >> 1] += dk_t[j][e] * k_f[i * kLdF + a];
+  });
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int s = 1; s < 4; s <<= 1) {
+      db[h] += __shfl_xor_sync(0xffffffffu, db[h], s);
+      dq_dot[h] += __shfl_xor_sync(0xffffffffu, dq_dot[h], s);
+      dk_dot[h] += __shfl_xor_sync(0xffffffffu, dk_dot[h], s);
+    }
+  __syncthreads();  // the anchored operands are read: the region takes dG and k^.dki
+  each([&](int j, int e, int i, int a) {
+    dg_f[i * kLdF + a] = i < rows ? dg_t[j][e] : 0.f;
+    kdk_f[i * kLdF + a] = i < rows ? kdk[j][e] : 0.f;
+  });
+  if (t4 == 0)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = m0 + g8 + 8 * h;
+      dbp[half * kC + i] = db[h];
+      dotq[half * kC + i] = dq_dot[h];
+      dotk[half * kC + i] = dk_dot[h];
+    }
+  __syncthreads();
+
+  // ---- E: the tails ------------------------------------------------------------------------------
+  // dq, dk (the L2-norm backward), per value head: to the outputs, or with grouped heads to the fp32
+  // partials over dqi, dki (the element this thread read above).
+  const int64_t sb = int64_t(p.T) * p.H * kD, st = int64_t(p.H) * kD;
+  const KdaOutTensor pdq = p.group > 1 ? KdaOutTensor{w.dqi, DType::kFP32, sb, st, kD} : p.dq;
+  const KdaOutTensor pdk = p.group > 1 ? KdaOutTensor{w.dki, DType::kFP32, sb, st, kD} : p.dk;
+  const int hout = p.group > 1 ? hv : hq;
+  each([&](int j, int e, int i, int a) {
+    if (i >= rows || a >= p.K) return;
+    float dq = dq_t[j][e], dk = dk_t[j][e];
+    if (p.l2norm) {
+      dq = rq_s[i] * (dq - q_f[i * kLdF + a] * (dotq[i] + dotq[kC + i]));
+      dk = rk_s[i] * (dk - k_f[i * kLdF + a] * (dotk[i] + dotk[kC + i]));
+    }
+    store_out(pdq, b, t0 + i, hout, a, dq);
+    store_out(pdk, b, t0 + i, hout, a, dk);
+  });
+  if (threadIdx.x < rows) store_out(p.dbeta, b, t0 + threadIdx.x, hv, 0, dbp[threadIdx.x] + dbp[kC + threadIdx.x]);
+  // dg: the reverse cumsum per channel with the last row's terms, then the gate backward.
+  const int a = int(threadIdx.x) - kC;
+  if (a >= 0 && a < p.K) {
+    float tot = extra[a];
+    for (int i = 0; i < rows; ++i) tot += kdk_f[i * kLdF + a];
+    const float ea = (p.gate_in_kernel && p.A_log) ? expf(p.A_log[hv]) : 1.0f;
+    const float bias = p.gate_in_kernel && p.dt_bias ? p.dt_bias[hv * p.K + a] : 0.f;
+    float acc_g = 0.f, pdt = 0.f, pda = 0.f;
+    for (int i = rows - 1; i >= 0; --i) {
+      acc_g += dg_f[i * kLdF + a];
+      const float dy = acc_g + tot;
+      float dx = dy;
+      if (p.gate_in_kernel) {
+        const float x = kda::load(p.g, b, t0 + i, hv, a) + bias;
+        if (p.lower_bound_gate) {
+          const float sg = 1.0f / (1.0f + expf(-ea * x));
+          dx = dy * p.lower_bound * sg * (1.0f - sg) * ea;
+          pda += dx * x;
+        } else {
+          const float sp = x > 20.f ? x : log1pf(expf(x)), sg = x > 20.f ? 1.0f : 1.0f / (1.0f + expf(-x));
+          dx = dy * (-ea) * sg;
+          pda += dy * (-ea * sp);
+        }
+        pdt += dx;
+      }
+      store_out(p.dg, b, t0 + i, hv, a, dx);
+    }
+    w.gp[state * 2 * kD + a] = pdt;
+    w.gp[state * 2 * kD + kD + a] = pda;
+  }
+}
+
+// dA_log[h] = sum over chunks (slot order) and channels (in order) of the pda partials; ddt_bias[h, a]
+// = sum over chunks of pdt. Block per head, thread per channel.
+__global__ void __launch_bounds__(kD) kda2_gate_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* gp, int slots) {
+  __shared__ float part[kD];
+  const int h = blockIdx.x, a = threadIdx.x;
+  float sdt = 0.f, sda = 0.f;
+  if (a < p.K)
+    for (int c = 0; c < slots; ++c) {
+      const float* r = gp + (int64_t(c) * p.H + h) * 2 * kD;
+      sdt += r[a];
+      sda += r[kD + a];
+    }
+  if (p.ddt_bias && a < p.K) p.ddt_bias[h * p.K + a] = sdt;
+  part[a] = sda;
+  __syncthreads();
+  if (a == 0 && p.dA_log) {
+    float s = 0.f;
+    for (int x = 0; x < p.K; ++x) s += part[x];
+    p.dA_log[h] = s;
+  }
+}
+
+// Grouped value heads: dq[b, t, hq, a] = sum over j < group (in order) of the partial of value head
+// hq * group + j (dqi / dki rows); one thread per (b, t, hq, a).
+__global__ void kda2_group_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* pq, const float* pk) {
+  const int Hq = p.H / p.group;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(p.B) * p.T * Hq * p.K) return;
+  const int a = int(idx % p.K);
+  int64_t r = idx / p.K;
+  const int hq = int(r % Hq);
+  r /= Hq;
+  const int t = int(r % p.T), b = int(r / p.T);
+  float sq = 0.f, sk = 0.f;
+  for (int j = 0; j < p.group; ++j) {
+    const int64_t off = ((int64_t(b) * p.T + t) * p.H + hq * p.group + j) * kD + a;
+    sq += pq[off];
+    sk += pk[off];
+  }
+  store_out(p.dq, b, t, hq, a, sq);
+  store_out(p.dk, b, t, hq, a, sk);
+}
+
+}  // namespace
+}  // namespace kda2
+
+Status launch_kda2_wy(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* workspace, int chunks, Stream stream) {
+  using namespace kda2;
+  const Ptrs w = ptrs_of(l, workspace);
+  auto s = static_cast<cudaStream_t>(stream);
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_wy_kernel", kda2_wy_kernel, kSmem));
+  if (chunks > 0) ENCORE_RETURN_IF_ERROR(launch("kda2_wy_kernel", [&] { kda2_wy_kernel<<<dim3(chunks, p.H), kThreads, kSmem, s>>>(p, w); }));
+  if (p.dA_log || p.ddt_bias)
+    ENCORE_RETURN_IF_ERROR(launch("kda2_gate_reduce_kernel", [&] { kda2_gate_reduce_kernel<<<p.H, kD, 0, s>>>(p, w.gp, chunks); }));
+  const int64_t n = int64_t(p.B) * p.T * (p.H / p.group) * p.K;
+  if (p.group > 1 && n > 0)
+    ENCORE_RETURN_IF_ERROR(launch("kda2_group_reduce_kernel",
+                                  [&] { kda2_group_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, w.dqi, w.dki); }));
+  return Status::ok();
+}
+
+}  // namespace encore::cuda
