@@ -3,7 +3,8 @@
 // fla is timed on the same ones by bench/peers/kda_train_peers.py): the forward writing chunk_kda's
 // residuals (G fp32; Aqk, Akk and, saved-h, the chunk states h in bf16), and the backward on both
 // paths (saved h; rematerialize: residuals G, Aqk, Akk only), with dq, dk, dv, dg, dbeta, dA_log and
-// ddt_bias written and d_o random in [-1, 1). Device time per call from graph replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
+// ddt_bias written and d_o random in [-1, 1); the second backward (kda::bwd2_stages, saved h) beside
+// them. Device time per call from graph replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
 // bench kda_bwd).
 #include <algorithm>
 #include <cstdio>
@@ -12,6 +13,8 @@
 
 #include "bench/kda/kda_bench_case.hpp"
 #include "core/carve.hpp"
+#include "kda/cuda/kda_bwd2.hpp"
+#include "kda/testing.hpp"
 
 namespace encore::bench {
 namespace {
@@ -29,7 +32,7 @@ struct KdaTrainCase {
   KdaBackwardArgs remat;   // G, Aqk, Akk only
   KdaOptions opts;
   void* mem = nullptr;
-  void *ws_fwd = nullptr, *ws_saved = nullptr, *ws_remat = nullptr;
+  void *ws_fwd = nullptr, *ws_saved = nullptr, *ws_remat = nullptr, *ws_second = nullptr;
 
   explicit KdaTrainCase(const KdaBenchCase& kc) : fwd(kc.a), opts(kc.opts) {
     const Device dev{DeviceType::kCUDA, 0};
@@ -63,12 +66,15 @@ struct KdaTrainCase {
     check_cuda(cudaMalloc(&ws_fwd, std::max<size_t>(workspace_bytes(fwd, opts), 16)), "kda forward workspace");
     check_cuda(cudaMalloc(&ws_saved, std::max<size_t>(workspace_bytes(saved, opts), 16)), "kda backward workspace");
     check_cuda(cudaMalloc(&ws_remat, std::max<size_t>(workspace_bytes(remat, opts), 16)), "kda backward workspace");
+    size_t second = 0;
+    check_status(kda::bwd2_stages_workspace(saved, opts, &second), "second backward workspace");
+    check_cuda(cudaMalloc(&ws_second, std::max<size_t>(second, 16)), "kda second backward workspace");
     check_cuda(cudaDeviceSynchronize(), "fill");
   }
   KdaTrainCase(const KdaTrainCase&) = delete;  // owns device memory
   KdaTrainCase& operator=(const KdaTrainCase&) = delete;
   ~KdaTrainCase() {
-    for (void* p : {mem, ws_fwd, ws_saved, ws_remat}) check_cuda(cudaFree(p), "free");
+    for (void* p : {mem, ws_fwd, ws_saved, ws_remat, ws_second}) check_cuda(cudaFree(p), "free");
   }
 };
 
@@ -76,7 +82,9 @@ Record record(const char* name, const Config& c, const char* path) {
   Record r = kdabench::kda_record(name, c);
   r.suite = "kda_bwd";
   r.params.push_back({"path", path});
-  r.params.push_back({"version", "tensor-core backward (mma.sync bf16, split hi + lo operands), fp32 chunk records"});
+  r.params.push_back({"version", std::string(name) == "kda_backward2"
+                                     ? "second backward (K0 prep, K1 scan, K2a, K2b: single-pass bf16 mma.sync, bf16 intermediates)"
+                                     : "tensor-core backward (mma.sync bf16, split hi + lo operands), fp32 chunk records"});
   return r;
 }
 
@@ -105,6 +113,8 @@ void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t st
     check_cuda(cudaStreamSynchronize(stream), "sync");
     time("kda_backward", "saved_h", [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
     time("kda_backward", "remat", [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
+    cuda::Kda2Layout layout;
+    time("kda_backward2", "saved_h", [&] { return kda::bwd2_stages(tc.saved, tc.opts, tc.ws_second, stream, &layout); });
   }
 }
 
