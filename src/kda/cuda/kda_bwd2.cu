@@ -224,14 +224,20 @@ __global__ void __launch_bounds__(kScanThreads) kda2_scan_kernel(const __grid_co
       load_stage(p, w, stage_at(smem + ((ci - 1) & 1) * kStageBytes), slot - 1, b, pt0, prows, hv, v0);
     }
     // dO (any float dtype) into shared bf16 while the tiles land.
-    for (int x = threadIdx.x; x < kC * kVs / 2; x += kScanThreads) {
-      const int i = x / (kVs / 2), y = v0 + 2 * (x % (kVs / 2));
-      float o0 = 0.f, o1 = 0.f;
-      if (i < rows) {
-        if (y < p.V) o0 = kda::load(p.d_o, b, t0 + i, hv, y);
-        if (y + 1 < p.V) o1 = kda::load(p.d_o, b, t0 + i, hv, y + 1);
+    {
+      constexpr int kPer = kC * kVs / 2 / kScanThreads;  // value pairs a thread
+      float o[kPer][2];
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int x = threadIdx.x + u * kScanThreads, i = x / (kVs / 2), y = v0 + 2 * (x % (kVs / 2));
+        o[u][0] = i < rows && y < p.V ? kda::load(p.d_o, b, t0 + i, hv, y) : 0.f;
+        o[u][1] = i < rows && y + 1 < p.V ? kda::load(p.d_o, b, t0 + i, hv, y + 1) : 0.f;
       }
-      store_pair(do_s + i * kLdS + (y - v0), o0, o1);
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int x = threadIdx.x + u * kScanThreads, i = x / (kVs / 2), y = 2 * (x % (kVs / 2));
+        store_pair(do_s + i * kLdS + y, o[u][0], o[u][1]);
+      }
     }
     // dS' of this chunk: bf16 to shared (the next products' operand) and to dsp.
     __nv_bfloat16* dsp = w.dsp + ((int64_t(slot) * p.H + hv) * kD) * kD;

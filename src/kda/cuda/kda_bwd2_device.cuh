@@ -27,6 +27,16 @@ inline Ptrs ptrs_of(const Kda2Layout& l, void* workspace) {
               f32(l.egc), f32(l.dqi), f32(l.dki), f32(l.sd), f32(l.gp)};
 }
 
+// Four bf16 channels c0 .. c0 + 3 of a workspace row (8 bytes), those at or past `limit` zero (K1 writes
+// dVnew only for the value-column slices it runs: columns past V hold whatever was there).
+__device__ __forceinline__ uint2 load4_below(const __nv_bfloat16* row, int c0, int limit) {
+  if (c0 + 4 <= limit) return *reinterpret_cast<const uint2*>(row + c0);
+  uint2 u = make_uint2(0u, 0u);
+  auto* h = reinterpret_cast<__nv_bfloat16*>(&u);
+  for (int e = 0; e < 4 && c0 + e < limit; ++e) h[e] = row[c0 + e];
+  return u;
+}
+
 __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {
   *reinterpret_cast<uint32_t*>(dst) = kda::pack_bf16(x, y);
 }

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
     // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
     const uint2 zero2 = make_uint2(0u, 0u);
     *reinterpret_cast<uint2*>(wn_s + i * kLd + c0) = valid ? *reinterpret_cast<const uint2*>(w.wn + row * kD + c0) : zero2;
-    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = valid ? *reinterpret_cast<const uint2*>(w.dvn + row * kD + c0) : zero2;
+    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = valid ? load4_below(w.dvn + row * kD, c0, p.V) : zero2;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int j = 2 * lane + e;
@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
   // S (the saved state, any float dtype) and dS' (K1's bf16 tile; columns past V never written there).
   const int64_t state = (int64_t(slot) * p.H + hv);
   const __nv_bfloat16* dsp = w.dsp + state * kD * kD;
+#pragma unroll 8
   for (int x = threadIdx.x; x < kD * kD / 2; x += kThreads) {
     const int a = x / (kD / 2), y = 2 * (x % (kD / 2));
     float s0 = 0.f, s1 = 0.f, d0 = 0.f, d1 = 0.f;

@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
       rk_s[i] = rk;
     }
     const uint2 zero2 = make_uint2(0u, 0u);
-    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = valid ? *reinterpret_cast<const uint2*>(w.dvn + row * kD + c0) : zero2;
+    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = valid ? load4_below(w.dvn + row * kD, c0, p.V) : zero2;
     *reinterpret_cast<uint2*>(dw_s + i * kLd + c0) = valid ? *reinterpret_cast<const uint2*>(w.dw + row * kD + c0) : zero2;
     const int j = 2 * lane;
     *reinterpret_cast<uint32_t*>(dl_s + i * kLdC + j) = valid ? *reinterpret_cast<const uint32_t*>(w.da + row * kC + j) : 0u;
