@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
 #pragma unroll
       for (int e = 0; e < 4; ++e) f(j, e, m0 + g8 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1));
   };
-  float acc[8][4], dk_t[8][4], dg_t[8][4], dq_t[8][4];
+  float acc[8][4], dk_t[8][4], dg_t[8][4];
   float db[2] = {0.f, 0.f};  // dbeta parts of rows m0 + g8 (+ 8)
 
   // ---- B: dVbeta, dKbeta, M ----------------------------------------------------------------------
@@ -196,43 +196,83 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   }
   __syncthreads();
   auto bf = [](const __nv_bfloat16* t, int i, int j) { return __bfloat162float(t[i * kLdC + j]); };
-  // (1) dQi over row block blk: off the diagonal block, then the block per pair.
+  // G of this warp's fragment rows (row block blk, channels n0..): the exponents' reference.
+  float gi[8][4];
+  each([&](int j, int e, int i, int a) { gi[j][e] = g_f[i * kLdF + a]; });
+  // The diagonal block per pair, row by row of it: f(block row r, element, 2^min(0, G_r - G_i)) with
+  // the clamp at 0 harmless (the pairs past the triangle have zero coefficients) and every exponent
+  // finite; all fragment elements of a row at once (independent: the latency of one step, not 32).
+  auto diagonal = [&](auto&& f) {
+#pragma unroll 1
+    for (int rr = m0; rr < m0 + 16; ++rr)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int a = n0 + 8 * j + 2 * t4 + (e & 1);
+          f(rr, j, e, m0 + g8 + 8 * (e >> 1), a, exp2f(fminf(g_f[rr * kLdF + a] - gi[j][e], 0.f)));
+        }
+  };
+  // (1, 2) dQi and dKrow over row block blk: off the diagonal block on tensor cores (anchored at row
+  // m0, then times 2^(G_i - G_m0)), then the block per pair, column by column.
+  float acc2[8][4];
   zero(acc);
-  for (int s = 0; s < blk; ++s) warp_mma<16, 8, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr_s + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+  zero(acc2);
+  for (int s = 0; s < blk; ++s) {
+    warp_mma<16, 8, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr_s + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+    warp_mma<16, 8, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr_s + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+  }
+  if (blk > 0)
+    each([&](int j, int e, int i, int a) {
+      const float f = exp2f(gi[j][e] - g_f[m0 * kLdF + a]);
+      acc[j][e] *= f;
+      acc2[j][e] *= f;
+    });
+#pragma unroll 1
+  for (int jj = m0; jj < m0 + 16; ++jj) {  // column jj of the block: E_ij = 2^min(0, G_i - G_jj)
+    float cq[2], cl[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = m0 + g8 + 8 * h;
+      cq[h] = bf(daqk_s, i, jj);  // zero past the diagonal (K2a stores tril)
+      cl[h] = bf(dl_s, i, jj);    // zero on and past it (dL is strict)
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int a = n0 + 8 * j + 2 * t4 + (e & 1);
+        const float kf = k_f[jj * kLdF + a] * exp2f(fminf(gi[j][e] - g_f[jj * kLdF + a], 0.f));
+        acc[j][e] += cq[e >> 1] * kf;
+        acc2[j][e] += cl[e >> 1] * kf;
+      }
+  }
   each([&](int j, int e, int i, int a) {
-    float v = blk > 0 ? acc[j][e] * exp2f(g_f[i * kLdF + a] - g_f[m0 * kLdF + a]) : 0.f;
-    for (int jj = m0; jj <= i; ++jj) v += bf(daqk_s, i, jj) * k_f[jj * kLdF + a] * exp2f(g_f[i * kLdF + a] - g_f[jj * kLdF + a]);
     const float dqi = i < rows && a < p.K ? w.dqi[tok(p, b, t0 + min(i, rows - 1), hv) * kD + a] : 0.f;
-    dq_t[j][e] = dqi + p.scale * v;
-    dg_t[j][e] += p.scale * q_f[i * kLdF + a] * v + q_f[i * kLdF + a] * dqi;
+    const float qf = q_f[i * kLdF + a], kf = k_f[i * kLdF + a], bt = beta_s[i];
+    dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dqi + bt * kf * acc2[j][e];
+    dk_t[j][e] += bt * acc2[j][e];
+    db[e >> 1] += kf * acc2[j][e];
+    acc[j][e] = dqi + p.scale * acc[j][e];  // dq^ from here on
   });
-  // (2) dKrow over row block blk.
-  zero(acc);
-  for (int s = 0; s < blk; ++s) warp_mma<16, 8, false, true>(acc, dl_s + 16 * s, kLdC, m0, kr_s + (row_base(blk) + 16 * s) * kLd, kLd, n0);
-  each([&](int j, int e, int i, int a) {
-    float v = blk > 0 ? acc[j][e] * exp2f(g_f[i * kLdF + a] - g_f[m0 * kLdF + a]) : 0.f;
-    for (int jj = m0; jj < i; ++jj) v += bf(dl_s, i, jj) * k_f[jj * kLdF + a] * exp2f(g_f[i * kLdF + a] - g_f[jj * kLdF + a]);
-    dk_t[j][e] += beta_s[i] * v;
-    dg_t[j][e] += beta_s[i] * k_f[i * kLdF + a] * v;
-    db[e >> 1] += k_f[i * kLdF + a] * v;
-  });
-  // (3) dKcol over column block blk (the fragment's rows are the column index j).
-  zero(acc);
+  float(&dq_t)[8][4] = acc;
+  // (3) dKcol over column block blk (the fragment's rows are the column index c): off the diagonal
+  // block anchored at row m0 + 15, then times 2^(G_m0+15 - G_c); the block per pair.
+  zero(acc2);
   for (int s = 0; s < 3 - blk; ++s) {
     const int i0 = 16 * (blk + 1) + 16 * s, rb = col_base(blk) + 16 * s;
-    warp_mma<16, 8, true, true>(acc, daqk_s + i0 * kLdC, kLdC, m0, qr_s + rb * kLd, kLd, n0);
-    warp_mma<16, 8, true, true>(acc, dl_s + i0 * kLdC, kLdC, m0, bkr_s + rb * kLd, kLd, n0);
+    warp_mma<16, 8, true, true>(acc2, daqk_s + i0 * kLdC, kLdC, m0, qr_s + rb * kLd, kLd, n0);
+    warp_mma<16, 8, true, true>(acc2, dl_s + i0 * kLdC, kLdC, m0, bkr_s + rb * kLd, kLd, n0);
   }
+  if (blk < 3)
+    each([&](int j, int e, int c, int a) { acc2[j][e] *= exp2f(g_f[(m0 + 15) * kLdF + a] - gi[j][e]); });
+  diagonal([&](int ii, int j, int e, int c, int a, float f) {  // row ii >= c of the block: E = 2^(G_ii - G_c)
+    const float cq = bf(daqk_s, ii, c) * p.scale, cl = bf(dl_s, ii, c) * beta_s[ii];  // zero unless ii >= c (> c for dL)
+    acc2[j][e] += (cq * q_f[ii * kLdF + a] + cl * k_f[ii * kLdF + a]) * f;
+  });
   each([&](int j, int e, int c, int a) {
-    const int r = m0 + 15;
-    float v = blk < 3 ? acc[j][e] * exp2f(g_f[r * kLdF + a] - g_f[c * kLdF + a]) : 0.f;
-    for (int ii = c; ii <= r; ++ii) {
-      const float f = exp2f(g_f[ii * kLdF + a] - g_f[c * kLdF + a]);
-      v += bf(daqk_s, ii, c) * p.scale * q_f[ii * kLdF + a] * f;
-      if (ii > c) v += bf(dl_s, ii, c) * beta_s[ii] * k_f[ii * kLdF + a] * f;
-    }
-    dk_t[j][e] += v;
-    dg_t[j][e] -= k_f[c * kLdF + a] * v;
+    dk_t[j][e] += acc2[j][e];
+    dg_t[j][e] -= k_f[c * kLdF + a] * acc2[j][e];
   });
 
   // ---- D: the inter-chunk parts of dk and dG, the row dots ----------------------------------------
@@ -295,12 +335,21 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
     const float ea = (p.gate_in_kernel && p.A_log) ? expf(p.A_log[hv]) : 1.0f;
     const float bias = p.gate_in_kernel && p.dt_bias ? p.dt_bias[hv * p.K + a] : 0.f;
     float acc_g = 0.f, pdt = 0.f, pda = 0.f;
+    constexpr int kBatch = 8;  // raw gate loads issued a batch at a time (one latency per batch)
+    float xr[kBatch];
     for (int i = rows - 1; i >= 0; --i) {
+      const int u = (rows - 1 - i) % kBatch;
+      if (u == 0 && p.gate_in_kernel)
+#pragma unroll
+        for (int v = 0; v < kBatch; ++v) xr[v] = i - v >= 0 ? kda::load(p.g, b, t0 + i - v, hv, a) : 0.f;
       acc_g += dg_f[i * kLdF + a];
       const float dy = acc_g + tot;
       float dx = dy;
       if (p.gate_in_kernel) {
-        const float x = kda::load(p.g, b, t0 + i, hv, a) + bias;
+        float xu = xr[0];
+#pragma unroll
+        for (int v = 1; v < kBatch; ++v) xu = u == v ? xr[v] : xu;
+        const float x = xu + bias;
         if (p.lower_bound_gate) {
           const float sg = 1.0f / (1.0f + expf(-ea * x));
           dx = dy * p.lower_bound * sg * (1.0f - sg) * ea;
