@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the wheels carried in .whl/ (fla-core, einops, liger-kernel: the peers' packages) into
+# Installs the wheels carried in .whl/ (fla-core, einops, liger-kernel, nvidia-cudnn-frontend: the peers' packages) into
 # /tmp/site on the GPU machine, which has no network; put /tmp/site on PYTHONPATH to use them.
 # Quiet; pip's output goes to LOG (default /dev/null). Usage: scripts/gpu_wheels.sh [LOG]
 ls .whl/*.whl >/dev/null 2>&1 || exit 0
