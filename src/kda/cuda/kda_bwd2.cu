@@ -32,7 +32,10 @@ using kda::mma_bf16;
 using kdabwd::ChunkInfo;
 using kdabwd::chunk_info;
 using kdabwd::kC;
-using kdabwd::load_any;
+using kdabwd::ld_or0;
+using kdabwd::ldg_or0;
+using kdabwd::load_any_or0;
+using kdabwd::load_or0;
 using kdabwd::tok;
 
 constexpr int kVs = 32;        // value columns per scan block
@@ -55,28 +58,26 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
   const int64_t last = tok(p, ci.b, ci.t0 + ci.rows - 1, hv);
   float gc[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) gc[e] = c0 + e < p.K ? p.G[last * p.K + c0 + e] : 0.f;
+  for (int e = 0; e < 4; ++e) gc[e] = ldg_or0(p.G, last * p.K + c0 + e, c0 + e < p.K);
   if (warp == 0) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) w.egc[(int64_t(slot) * p.H + hv) * kD + c0 + e] = c0 + e < p.K ? exp2f(gc[e]) : 0.f;
   }
+#pragma unroll 2
   for (int i = warp; i < kC; i += kPrepThreads / 32) {
     const bool valid = i < ci.rows;
-    const int t = ci.t0 + i;
-    float q[4] = {0.f, 0.f, 0.f, 0.f}, k[4] = {0.f, 0.f, 0.f, 0.f}, g[4] = {0.f, 0.f, 0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
-    float beta = 0.f;
-    const int64_t row = valid ? tok(p, ci.b, t, hv) : 0;
-    if (valid) {
-      beta = kda::load(p.beta, ci.b, t, hv, 0);
+    const int t = ci.t0 + (valid ? i : 0);
+    const int64_t row = tok(p, ci.b, t, hv);
+    // Straight-line loads (kda_bwd_device.cuh, ld*_or0): a row's loads are in flight together.
+    float q[4], k[4], g[4], o[4];
+    const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (c0 + e < p.K) {
-          q[e] = kda::load(p.q, ci.b, t, hq, c0 + e);
-          k[e] = kda::load(p.k, ci.b, t, hq, c0 + e);
-          g[e] = p.G[row * p.K + c0 + e];
-        }
-        if (c0 + e < p.V) o[e] = kda::load(p.d_o, ci.b, t, hv, c0 + e);
-      }
+    for (int e = 0; e < 4; ++e) {
+      const bool ck = valid && c0 + e < p.K, cv = valid && c0 + e < p.V;
+      q[e] = load_or0(p.q, ci.b, t, hq, c0 + e, ck);
+      k[e] = load_or0(p.k, ci.b, t, hq, c0 + e, ck);
+      g[e] = ldg_or0(p.G, row * p.K + c0 + e, ck);
+      o[e] = load_or0(p.d_o, ci.b, t, hv, c0 + e, cv);
     }
     float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3], sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
@@ -105,8 +106,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
     for (int e = 0; e < 2; ++e) {
       const int j = 2 * lane + e;
       const bool in = valid && j <= i;
-      a_s[i * kLdC + j] = __float2bfloat16(in ? load_any(p.Akk, p.akk_dtype, row * kC + j) : 0.f);
-      aqk_s[i * kLdC + j] = __float2bfloat16(in ? load_any(p.Aqk, p.aqk_dtype, row * kC + j) : 0.f);
+      a_s[i * kLdC + j] = __float2bfloat16(load_any_or0(p.Akk, p.akk_dtype, row * kC + j, in));
+      aqk_s[i * kLdC + j] = __float2bfloat16(load_any_or0(p.Aqk, p.aqk_dtype, row * kC + j, in));
     }
   }
   __syncthreads();
@@ -230,8 +231,8 @@ __global__ void __launch_bounds__(kScanThreads) kda2_scan_kernel(const __grid_co
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
         const int x = threadIdx.x + u * kScanThreads, i = x / (kVs / 2), y = v0 + 2 * (x % (kVs / 2));
-        o[u][0] = i < rows && y < p.V ? kda::load(p.d_o, b, t0 + i, hv, y) : 0.f;
-        o[u][1] = i < rows && y + 1 < p.V ? kda::load(p.d_o, b, t0 + i, hv, y + 1) : 0.f;
+        o[u][0] = load_or0(p.d_o, b, t0 + i, hv, y, i < rows && y < p.V);
+        o[u][1] = load_or0(p.d_o, b, t0 + i, hv, y + 1, i < rows && y + 1 < p.V);
       }
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {

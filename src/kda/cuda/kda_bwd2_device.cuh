@@ -27,14 +27,25 @@ inline Ptrs ptrs_of(const Kda2Layout& l, void* workspace) {
               f32(l.egc), f32(l.dqi), f32(l.dki), f32(l.sd), f32(l.gp)};
 }
 
-// Four bf16 channels c0 .. c0 + 3 of a workspace row (8 bytes), those at or past `limit` zero (K1 writes
-// dVnew only for the value-column slices it runs: columns past V hold whatever was there).
-__device__ __forceinline__ uint2 load4_below(const __nv_bfloat16* row, int c0, int limit) {
-  if (c0 + 4 <= limit) return *reinterpret_cast<const uint2*>(row + c0);
-  uint2 u = make_uint2(0u, 0u);
-  auto* h = reinterpret_cast<__nv_bfloat16*>(&u);
-  for (int e = 0; e < 4 && c0 + e < limit; ++e) h[e] = row[c0 + e];
-  return u;
+// Four bf16 channels c0 .. c0 + 3 of a workspace row (8 bytes) when ok, else zeros; channels at or
+// past `limit` zero too (K1 writes dVnew only for the value-column slices it runs). Straight-line: the
+// load always issues (at the row's start when !ok), so a row loop keeps its loads in flight.
+__device__ __forceinline__ uint2 load4_or0(const __nv_bfloat16* row, int c0, bool ok, int limit = kD) {
+  uint2 u = *reinterpret_cast<const uint2*>(row + (ok ? c0 : 0));
+  if (!ok) u = make_uint2(0u, 0u);
+  const uint32_t lo = c0 + 1 < limit ? 0xffffffffu : c0 < limit ? 0x0000ffffu : 0u;
+  const uint32_t hi = c0 + 3 < limit ? 0xffffffffu : c0 + 2 < limit ? 0x0000ffffu : 0u;
+  return make_uint2(u.x & lo, u.y & hi);
+}
+// Two bf16 values (4 bytes) at x + off when ok, else zeros; straight-line.
+__device__ __forceinline__ uint32_t load2_or0(const __nv_bfloat16* x, int64_t off, bool ok) {
+  const uint32_t u = *reinterpret_cast<const uint32_t*>(x + (ok ? off : 0));
+  return ok ? u : 0u;
+}
+// One bf16 value as float when ok, else 0; straight-line.
+__device__ __forceinline__ float loadbf_or0(const __nv_bfloat16* x, int64_t off, bool ok) {
+  const float v = __bfloat162float(x[ok ? off : 0]);
+  return ok ? v : 0.f;
 }
 
 __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {

@@ -24,7 +24,9 @@ namespace {
 using kdabwd::ChunkInfo;
 using kdabwd::chunk_info;
 using kdabwd::kC;
-using kdabwd::load_any;
+using kdabwd::ldg_or0;
+using kdabwd::load_any_or0;
+using kdabwd::load_or0;
 using kdabwd::tok;
 
 constexpr int kThreads = 256;
@@ -48,26 +50,27 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
   const int64_t last = tok(p, ci.b, ci.t0 + ci.rows - 1, hv);
 
   // Rows: Kbeta = beta k^ . 2^G, beta v, dO, A, -W, dVnew (warp per row, lane 4 channels).
+#pragma unroll 2
   for (int i = warp; i < kC; i += kThreads / 32) {
     const bool valid = i < ci.rows;
-    const int t = ci.t0 + i;
-    const int64_t row = valid ? tok(p, ci.b, t, hv) : 0;
-    float k[4] = {0.f, 0.f, 0.f, 0.f}, g[4] = {0.f, 0.f, 0.f, 0.f}, v[4] = {0.f, 0.f, 0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
-    float beta = 0.f;
-    if (valid) {
-      beta = kda::load(p.beta, ci.b, t, hv, 0);
+    const int t = ci.t0 + (valid ? i : 0);
+    const int64_t row = tok(p, ci.b, t, hv);
+    // Straight-line loads (ld*_or0): a row's loads are in flight together.
+    float k[4], g[4], v[4], o[4];
+    const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (c0 + e < p.K) {
-          k[e] = kda::load(p.k, ci.b, t, hq, c0 + e);
-          g[e] = p.G[row * p.K + c0 + e];
-        }
-        if (c0 + e < p.V) {
-          v[e] = kda::load(p.v, ci.b, t, hv, c0 + e);
-          o[e] = kda::load(p.d_o, ci.b, t, hv, c0 + e);
-        }
-      }
+    for (int e = 0; e < 4; ++e) {
+      const bool ck = valid && c0 + e < p.K, cv = valid && c0 + e < p.V;
+      k[e] = load_or0(p.k, ci.b, t, hq, c0 + e, ck);
+      g[e] = ldg_or0(p.G, row * p.K + c0 + e, ck);
+      v[e] = load_or0(p.v, ci.b, t, hv, c0 + e, cv);
+      o[e] = load_or0(p.d_o, ci.b, t, hv, c0 + e, cv);
     }
+    // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
+    const uint2 wn = load4_or0(w.wn + row * kD, c0, valid), dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V);
+    float av[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) av[e] = load_any_or0(p.Akk, p.akk_dtype, row * kC + 2 * lane + e, valid && 2 * lane + e <= i);
     float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) sk += __shfl_xor_sync(0xffffffffu, sk, s);
@@ -78,15 +81,9 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
     store_pair(kb_s + i * kLd + c0, kb[0], kb[1]), store_pair(kb_s + i * kLd + c0 + 2, kb[2], kb[3]);
     store_pair(vb_s + i * kLd + c0, beta * v[0], beta * v[1]), store_pair(vb_s + i * kLd + c0 + 2, beta * v[2], beta * v[3]);
     store_pair(do_s + i * kLd + c0, o[0], o[1]), store_pair(do_s + i * kLd + c0 + 2, o[2], o[3]);
-    // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
-    const uint2 zero2 = make_uint2(0u, 0u);
-    *reinterpret_cast<uint2*>(wn_s + i * kLd + c0) = valid ? *reinterpret_cast<const uint2*>(w.wn + row * kD + c0) : zero2;
-    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = valid ? load4_below(w.dvn + row * kD, c0, p.V) : zero2;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int j = 2 * lane + e;
-      a_s[i * kLdC + j] = __float2bfloat16(valid && j <= i ? load_any(p.Akk, p.akk_dtype, row * kC + j) : 0.f);
-    }
+    *reinterpret_cast<uint2*>(wn_s + i * kLd + c0) = wn;
+    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = dvn;
+    store_pair(a_s + i * kLdC + 2 * lane, av[0], av[1]);
   }
   // S (the saved state, any float dtype) and dS' (K1's bf16 tile; columns past V never written there).
   const int64_t state = (int64_t(slot) * p.H + hv);
@@ -94,12 +91,10 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
 #pragma unroll 8
   for (int x = threadIdx.x; x < kD * kD / 2; x += kThreads) {
     const int a = x / (kD / 2), y = 2 * (x % (kD / 2));
-    float s0 = 0.f, s1 = 0.f, d0 = 0.f, d1 = 0.f;
-    if (a < p.K) {
-      const int64_t at = (state * p.K + a) * p.V + y;
-      if (y < p.V) s0 = load_any(p.h, p.h_dtype, at), d0 = __bfloat162float(dsp[a * kD + y]);
-      if (y + 1 < p.V) s1 = load_any(p.h, p.h_dtype, at + 1), d1 = __bfloat162float(dsp[a * kD + y + 1]);
-    }
+    const int64_t at = (state * p.K + a) * p.V + y;
+    const bool ok0 = a < p.K && y < p.V, ok1 = a < p.K && y + 1 < p.V;
+    const float s0 = load_any_or0(p.h, p.h_dtype, at, ok0), s1 = load_any_or0(p.h, p.h_dtype, at + 1, ok1);
+    const float d0 = loadbf_or0(dsp, a * kD + y, ok0), d1 = loadbf_or0(dsp, a * kD + y + 1, ok1);
     store_pair(s_s + a * kLd + y, s0, s1);
     store_pair(d_s + a * kLd + y, d0, d1);
   }
@@ -127,24 +122,41 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
         if (i < ci.rows) f(i, a, acc[j][2 * h], acc[j][2 * h + 1]);
       }
   };
-  auto gate = [&](int i, int a) { return a < p.K ? p.G[tok(p, ci.b, ci.t0 + i, hv) * p.K + a] : 0.f; };
-  auto gc = [&](int a) { return a < p.K ? p.G[last * p.K + a] : 0.f; };
+  // The fragment's decay factors, loaded straight-line before the products that use them:
+  // eg = 2^G(i, a) and egc = 2^(gC(a) - G(i, a)) (0 at a >= K).
+  float eg[8][4], egc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = min(m0 + g8 + 8 * (e >> 1), ci.rows - 1), a = n0 + 8 * j + 2 * t4 + (e & 1);
+      eg[j][e] = ldg_or0(p.G, tok(p, ci.b, ci.t0 + i, hv) * p.K + a, a < p.K);
+      egc[j][e] = ldg_or0(p.G, last * p.K + a, a < p.K);
+    }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool in = n0 + 8 * j + 2 * t4 + (e & 1) < p.K;
+      egc[j][e] = in ? exp2f(egc[j][e] - eg[j][e]) : 0.f;  // gC <= G: <= 1
+      eg[j][e] = in ? exp2f(eg[j][e]) : 0.f;
+    }
   // dqi = scale (dO S^T) . 2^G.
   zero(acc);
   warp_mma<kD, 8, false, false>(acc, do_s, kLd, m0, s_s, kLd, n0);
-  each([&](int i, int a, float x, float y) {
-    float* dst = w.dqi + tok(p, ci.b, ci.t0 + i, hv) * kD + a;
-    dst[0] = a < p.K ? p.scale * x * exp2f(gate(i, a)) : 0.f;
-    dst[1] = a + 1 < p.K ? p.scale * y * exp2f(gate(i, a + 1)) : 0.f;
-  });
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] *= p.scale * eg[j][e];
+  each([&](int i, int a, float x, float y) { *reinterpret_cast<float2*>(w.dqi + tok(p, ci.b, ci.t0 + i, hv) * kD + a) = make_float2(x, y); });
   // dki = (Vnew dS'^T) . 2^(gC - G).
   zero(acc);
   warp_mma<kD, 8, false, false>(acc, vn_s, kLd, m0, d_s, kLd, n0);
-  each([&](int i, int a, float x, float y) {
-    float* dst = w.dki + tok(p, ci.b, ci.t0 + i, hv) * kD + a;
-    dst[0] = a < p.K ? x * exp2f(gc(a) - gate(i, a)) : 0.f;
-    dst[1] = a + 1 < p.K ? y * exp2f(gc(a + 1) - gate(i, a + 1)) : 0.f;
-  });
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] *= egc[j][e];
+  each([&](int i, int a, float x, float y) { *reinterpret_cast<float2*>(w.dki + tok(p, ci.b, ci.t0 + i, hv) * kD + a) = make_float2(x, y); });
   // dW = -dVnew S^T, into wn_s (-W was last read before the barrier above) and the workspace.
   zero(acc);
   warp_mma<kD, 8, false, false>(acc, dvn_s, kLd, m0, s_s, kLd, n0);

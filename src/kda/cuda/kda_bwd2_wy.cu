@@ -36,7 +36,10 @@ namespace {
 using kdabwd::ChunkInfo;
 using kdabwd::chunk_info;
 using kdabwd::kC;
-using kdabwd::load_any;
+using kdabwd::ld_or0;
+using kdabwd::ldg_or0;
+using kdabwd::load_any_or0;
+using kdabwd::load_or0;
 using kdabwd::store_out;
 using kdabwd::tok;
 
@@ -48,7 +51,7 @@ constexpr size_t kRegion = size_t(3 * kAnchorRows) * kLd * 2;  // kr, qr, bkr (b
 constexpr size_t kTileF = size_t(kC) * kLdF * 4;               // one fp32 [64][128] tile
 constexpr size_t kSmem = 4 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + 2 * 3 * kC + kD) * 4;
 static_assert(2 * kTileF <= kRegion, "dG and k^.dki tiles alias the anchored operands");
-static_assert(2 * size_t(kC) * kLd * 2 <= kRegion, "dVnew and dW alias the anchored operands");
+static_assert(3 * size_t(kC) * kLd * 2 <= kRegion, "dVnew, dW and v alias the anchored operands");
 
 // First row of row block b's anchored k^ rows (b = 1..3) and of column block b's q~ / beta k^ rows (b = 0..2).
 __device__ __forceinline__ int row_base(int b) { return b == 1 ? 0 : b == 2 ? 16 : 48; }
@@ -61,7 +64,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   __nv_bfloat16* daqk_s = dl_s + kC * kLdC;             // [64][kLdC] dAqk
   __nv_bfloat16* m_s = daqk_s + kC * kLdC;              // [64][kLdC] M = A^T dA
   __nv_bfloat16* reg = m_s + kC * kLdC;                 // the region: dVnew, dW | kr, qr, bkr | dG, k^.dki (fp32)
-  __nv_bfloat16 *dvn_s = reg, *dw_s = reg + kC * kLd;
+  __nv_bfloat16 *dvn_s = reg, *dw_s = reg + kC * kLd, *v_s = reg + 2 * kC * kLd;  // v: the dbeta term
   __nv_bfloat16 *kr_s = reg, *qr_s = reg + kAnchorRows * kLd, *bkr_s = reg + 2 * kAnchorRows * kLd;
   auto* dg_f = reinterpret_cast<float*>(reg);
   float* kdk_f = dg_f + kC * kLdF;
@@ -86,20 +89,30 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   // ---- A: rows (warp per row, lane 4 channels) -------------------------------------------------
   float gc[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) gc[e] = c0 + e < p.K ? p.G[last * p.K + c0 + e] : 0.f;
+  for (int e = 0; e < 4; ++e) gc[e] = ldg_or0(p.G, last * p.K + c0 + e, c0 + e < p.K);
   for (int i = warp; i < kC; i += kThreads / 32) {
     const bool valid = i < rows;
-    const int64_t row = valid ? tok(p, b, t0 + i, hv) : 0;
-    float q[4] = {0.f, 0.f, 0.f, 0.f}, k[4] = {0.f, 0.f, 0.f, 0.f}, g[4] = {gc[0], gc[1], gc[2], gc[3]};
-    if (valid) {
+    const int t = t0 + (valid ? i : 0);
+    const int64_t row = tok(p, b, t, hv);
+    // Straight-line loads (ld*_or0): a row's loads are in flight together.
+    float q[4], k[4], g[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (c0 + e < p.K) {
-          q[e] = kda::load(p.q, b, t0 + i, hq, c0 + e);
-          k[e] = kda::load(p.k, b, t0 + i, hq, c0 + e);
-          g[e] = p.G[row * p.K + c0 + e];
-        }
+    for (int e = 0; e < 4; ++e) {
+      const bool ck = valid && c0 + e < p.K;
+      q[e] = load_or0(p.q, b, t, hq, c0 + e, ck);
+      k[e] = load_or0(p.k, b, t, hq, c0 + e, ck);
+      g[e] = ck ? ldg_or0(p.G, row * p.K + c0 + e, true) : gc[e];
     }
+    const float beta = load_or0(p.beta, b, t, hv, 0, valid);
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = load_or0(p.v, b, t, hv, c0 + e, valid && c0 + e < p.V);
+    const uint2 dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V), dw = load4_or0(w.dw + row * kD, c0, valid);
+    const int j = 2 * lane;
+    const uint32_t da = load2_or0(w.da, row * kC + j, valid), daqk = load2_or0(w.daqk, row * kC + j, valid);
+    float av[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) av[e] = load_any_or0(p.Akk, p.akk_dtype, row * kC + j + e, valid && j + e <= i);
     float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3], sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) {
@@ -114,21 +127,21 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
       g_f[i * kLdF + c0 + e] = g[e];
     }
     if (lane == 0) {
-      beta_s[i] = valid ? kda::load(p.beta, b, t0 + i, hv, 0) : 0.f;
+      beta_s[i] = beta;
       rq_s[i] = rq;
       rk_s[i] = rk;
     }
-    const uint2 zero2 = make_uint2(0u, 0u);
-    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = valid ? load4_below(w.dvn + row * kD, c0, p.V) : zero2;
-    *reinterpret_cast<uint2*>(dw_s + i * kLd + c0) = valid ? *reinterpret_cast<const uint2*>(w.dw + row * kD + c0) : zero2;
-    const int j = 2 * lane;
-    *reinterpret_cast<uint32_t*>(dl_s + i * kLdC + j) = valid ? *reinterpret_cast<const uint32_t*>(w.da + row * kC + j) : 0u;
-    *reinterpret_cast<uint32_t*>(daqk_s + i * kLdC + j) = valid ? *reinterpret_cast<const uint32_t*>(w.daqk + row * kC + j) : 0u;
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-      a_s[i * kLdC + j + e] = __float2bfloat16(valid && j + e <= i ? load_any(p.Akk, p.akk_dtype, row * kC + j + e) : 0.f);
+    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = dvn;
+    store_pair(v_s + i * kLd + c0, v[0], v[1]), store_pair(v_s + i * kLd + c0 + 2, v[2], v[3]);
+    *reinterpret_cast<uint2*>(dw_s + i * kLd + c0) = dw;
+    *reinterpret_cast<uint32_t*>(dl_s + i * kLdC + j) = da;
+    *reinterpret_cast<uint32_t*>(daqk_s + i * kLdC + j) = daqk;
+    store_pair(a_s + i * kLdC + j, av[0], av[1]);
   }
-  for (int a = threadIdx.x; a < kD; a += kThreads) extra[a] = a < p.K ? exp2f(p.G[last * p.K + a]) * w.sd[state * kD + a] : 0.f;
+  for (int a = threadIdx.x; a < kD; a += kThreads) {
+    const float gl = ldg_or0(p.G, last * p.K + a, a < p.K), sd = ld_or0(w.sd, state * kD + a, a < p.K);
+    extra[a] = a < p.K ? exp2f(gl) * sd : 0.f;
+  }
   __syncthreads();
 
   const int blk = warp & 3, half = warp >> 2, m0 = 16 * blk, n0 = 64 * half, n0c = 32 * half, g8 = lane >> 2, t4 = lane & 3;
@@ -146,10 +159,8 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   zero(acc);
   warp_mma<kC, 8, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);
   each([&](int j, int e, int i, int y) {
-    if (i < rows && y < p.V) {
-      store_out(p.dv, b, t0 + i, hv, y, beta_s[i] * acc[j][e]);
-      db[e >> 1] += acc[j][e] * kda::load(p.v, b, t0 + i, hv, y);
-    }
+    db[e >> 1] += acc[j][e] * __bfloat162float(v_s[i * kLd + y]);
+    if (i < rows && y < p.V) store_out(p.dv, b, t0 + i, hv, y, beta_s[i] * acc[j][e]);
   });
   zero(acc);
   warp_mma<kC, 8, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
@@ -197,8 +208,9 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   __syncthreads();
   auto bf = [](const __nv_bfloat16* t, int i, int j) { return __bfloat162float(t[i * kLdC + j]); };
   // G of this warp's fragment rows (row block blk, channels n0..): the exponents' reference.
-  float gi[8][4];
-  each([&](int j, int e, int i, int a) { gi[j][e] = g_f[i * kLdF + a]; });
+  // gi(j, e): G at fragment element (j, e) (row m0 + g8 + 8 (e >> 1), channel n0 + 8 j + 2 t4 + (e & 1)),
+  // read from shared memory where used (held in registers it spilled the kernel).
+  auto gi = [&](int j, int e) { return g_f[(m0 + g8 + 8 * (e >> 1)) * kLdF + n0 + 8 * j + 2 * t4 + (e & 1)]; };
   // The diagonal block per pair, row by row of it: f(block row r, element, 2^min(0, G_r - G_i)) with
   // the clamp at 0 harmless (the pairs past the triangle have zero coefficients) and every exponent
   // finite; all fragment elements of a row at once (independent: the latency of one step, not 32).
@@ -210,7 +222,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int a = n0 + 8 * j + 2 * t4 + (e & 1);
-          f(rr, j, e, m0 + g8 + 8 * (e >> 1), a, exp2f(fminf(g_f[rr * kLdF + a] - gi[j][e], 0.f)));
+          f(rr, j, e, m0 + g8 + 8 * (e >> 1), a, exp2f(fminf(g_f[rr * kLdF + a] - gi(j, e), 0.f)));
         }
   };
   // (1, 2) dQi and dKrow over row block blk: off the diagonal block on tensor cores (anchored at row
@@ -224,7 +236,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   }
   if (blk > 0)
     each([&](int j, int e, int i, int a) {
-      const float f = exp2f(gi[j][e] - g_f[m0 * kLdF + a]);
+      const float f = exp2f(gi(j, e) - g_f[m0 * kLdF + a]);
       acc[j][e] *= f;
       acc2[j][e] *= f;
     });
@@ -242,13 +254,13 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int a = n0 + 8 * j + 2 * t4 + (e & 1);
-        const float kf = k_f[jj * kLdF + a] * exp2f(fminf(gi[j][e] - g_f[jj * kLdF + a], 0.f));
+        const float kf = k_f[jj * kLdF + a] * exp2f(fminf(gi(j, e) - g_f[jj * kLdF + a], 0.f));
         acc[j][e] += cq[e >> 1] * kf;
         acc2[j][e] += cl[e >> 1] * kf;
       }
   }
   each([&](int j, int e, int i, int a) {
-    const float dqi = i < rows && a < p.K ? w.dqi[tok(p, b, t0 + min(i, rows - 1), hv) * kD + a] : 0.f;
+    const float dqi = ld_or0(w.dqi, tok(p, b, t0 + min(i, rows - 1), hv) * kD + a, i < rows && a < p.K);
     const float qf = q_f[i * kLdF + a], kf = k_f[i * kLdF + a], bt = beta_s[i];
     dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dqi + bt * kf * acc2[j][e];
     dk_t[j][e] += bt * acc2[j][e];
@@ -265,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
     warp_mma<16, 8, true, true>(acc2, dl_s + i0 * kLdC, kLdC, m0, bkr_s + rb * kLd, kLd, n0);
   }
   if (blk < 3)
-    each([&](int j, int e, int c, int a) { acc2[j][e] *= exp2f(g_f[(m0 + 15) * kLdF + a] - gi[j][e]); });
+    each([&](int j, int e, int c, int a) { acc2[j][e] *= exp2f(g_f[(m0 + 15) * kLdF + a] - gi(j, e)); });
   diagonal([&](int ii, int j, int e, int c, int a, float f) {  // row ii >= c of the block: E = 2^(G_ii - G_c)
     const float cq = bf(daqk_s, ii, c) * p.scale, cl = bf(dl_s, ii, c) * beta_s[ii];  // zero unless ii >= c (> c for dL)
     acc2[j][e] += (cq * q_f[ii * kLdF + a] + cl * k_f[ii * kLdF + a]) * f;
@@ -279,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   float kdk[8][4];
   float dq_dot[2] = {0.f, 0.f}, dk_dot[2] = {0.f, 0.f};
   each([&](int j, int e, int i, int a) {
-    const float dki = i < rows && a < p.K ? w.dki[tok(p, b, t0 + min(i, rows - 1), hv) * kD + a] : 0.f;
+    const float dki = ld_or0(w.dki, tok(p, b, t0 + min(i, rows - 1), hv) * kD + a, i < rows && a < p.K);
     dk_t[j][e] += dki;
     dg_t[j][e] -= k_f[i * kLdF + a] * dki;
     kdk[j][e] = k_f[i * kLdF + a] * dki;
@@ -341,7 +353,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
       const int u = (rows - 1 - i) % kBatch;
       if (u == 0 && p.gate_in_kernel)
 #pragma unroll
-        for (int v = 0; v < kBatch; ++v) xr[v] = i - v >= 0 ? kda::load(p.g, b, t0 + i - v, hv, a) : 0.f;
+        for (int v = 0; v < kBatch; ++v) xr[v] = load_or0(p.g, b, t0 + max(i - v, 0), hv, a, i - v >= 0);
       acc_g += dg_f[i * kLdF + a];
       const float dy = acc_g + tot;
       float dx = dy;

@@ -85,39 +85,6 @@ __device__ __forceinline__ void store_acc(const float (&c)[NT][4], float* dst, i
     }
 }
 
-// Guarded loads for the staging loops' sources, without control flow: the load always issues (at the
-// base itself when !ok) and its value is dropped, so an unrolled loop keeps all its loads in flight. A
-// branch per element (`ok ? load : 0`) made each load wait for the one before (ncu 2026-12-02: long-
-// scoreboard stalls on every staged element, most of the chunk-parallel kernels' time).
-// A plain (coherent) load: some sources are record areas this kernel wrote before a barrier.
-__device__ __forceinline__ float ld_or0(const float* x, int64_t off, bool ok) {
-  const float v = x[ok ? off : 0];
-  return ok ? v : 0.f;
-}
-// Through the read-only path: sources no thread of this kernel writes (inputs, earlier kernels' records).
-__device__ __forceinline__ float ldg_or0(const float* x, int64_t off, bool ok) {
-  const float v = __ldg(x + (ok ? off : 0));
-  return ok ? v : 0.f;
-}
-// bf16 or fp32 (the residuals' dtypes) at x[off].
-__device__ __forceinline__ float load_any_or0(const void* x, DType dt, int64_t off, bool ok) {
-  off = ok ? off : 0;
-  const float v = dt == DType::kBF16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(x) + off)) : __ldg(static_cast<const float*>(x) + off);
-  return ok ? v : 0.f;
-}
-// Element c of token tok, head h of an input tensor (kda::load's addressing and dtypes).
-__device__ __forceinline__ float load_or0(const KdaTensor& t, int b, int tok, int h, int c, bool ok) {
-  const int64_t off = ok ? int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh + c : 0;
-  // One 32- or 16-bit load (two predicated loads, not a branch per dtype), then the conversion by selects.
-  const bool wide = t.dtype == DType::kFP32;
-  float w = 0.f;
-  unsigned short n = 0;
-  if (wide) w = __ldg(static_cast<const float*>(t.data) + off);
-  else n = __ldg(static_cast<const unsigned short*>(t.data) + off);
-  const float v = wide ? w : t.dtype == DType::kBF16 ? __uint_as_float(uint32_t(n) << 16) : __half2float(__ushort_as_half(n));
-  return ok ? v : 0.f;
-}
-
 // dst(e, src(e)) for e in [0, n) over the block's kN threads, U loads in flight per thread before
 // their stores (generic loads followed by shared stores would otherwise go one latency at a time).
 // src is called on valid indices only (e clamped to n - 1; those values are dropped), so sources written
