@@ -63,7 +63,6 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
 #pragma unroll
     for (int e = 0; e < 4; ++e) w.egc[(int64_t(slot) * p.H + hv) * kD + c0 + e] = c0 + e < p.K ? exp2f(gc[e]) : 0.f;
   }
-#pragma unroll 2
   for (int i = warp; i < kC; i += kPrepThreads / 32) {
     const bool valid = i < ci.rows;
     const int t = ci.t0 + (valid ? i : 0);
@@ -71,14 +70,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
     // Straight-line loads (kda_bwd_device.cuh, ld*_or0): a row's loads are in flight together.
     float q[4], k[4], g[4], o[4];
     const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ck = valid && c0 + e < p.K, cv = valid && c0 + e < p.V;
-      q[e] = load_or0(p.q, ci.b, t, hq, c0 + e, ck);
-      k[e] = load_or0(p.k, ci.b, t, hq, c0 + e, ck);
-      g[e] = ldg_or0(p.G, row * p.K + c0 + e, ck);
-      o[e] = load_or0(p.d_o, ci.b, t, hv, c0 + e, cv);
-    }
+    load4(p.q, ci.b, t, hq, c0, p.K, valid, q), load4(p.k, ci.b, t, hq, c0, p.K, valid, k);
+    load_g4(p.G, row, p.K, c0, valid, g), load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o);
     float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3], sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) {

@@ -48,6 +48,17 @@ __device__ __forceinline__ float loadbf_or0(const __nv_bfloat16* x, int64_t off,
   return ok ? v : 0.f;
 }
 
+// Channels c0 .. c0 + 3 of token t, head h of an input tensor (zeros at or past `limit`, or all when
+// !valid), and of G [tokens][K] fp32 at `row`: straight-line loads (kdabwd::load_or0 / ldg_or0).
+__device__ __forceinline__ void load4(const KdaTensor& x, int b, int t, int h, int c0, int limit, bool valid, float (&out)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) out[e] = kdabwd::load_or0(x, b, t, h, c0 + e, valid && c0 + e < limit);
+}
+__device__ __forceinline__ void load_g4(const float* G, int64_t row, int K, int c0, bool valid, float (&out)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) out[e] = kdabwd::ldg_or0(G, row * K + c0 + e, valid && c0 + e < K);
+}
+
 __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {
   *reinterpret_cast<uint32_t*>(dst) = kda::pack_bf16(x, y);
 }

@@ -58,14 +58,8 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
     // Straight-line loads (ld*_or0): a row's loads are in flight together.
     float k[4], g[4], v[4], o[4];
     const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ck = valid && c0 + e < p.K, cv = valid && c0 + e < p.V;
-      k[e] = load_or0(p.k, ci.b, t, hq, c0 + e, ck);
-      g[e] = ldg_or0(p.G, row * p.K + c0 + e, ck);
-      v[e] = load_or0(p.v, ci.b, t, hv, c0 + e, cv);
-      o[e] = load_or0(p.d_o, ci.b, t, hv, c0 + e, cv);
-    }
+    load4(p.k, ci.b, t, hq, c0, p.K, valid, k), load_g4(p.G, row, p.K, c0, valid, g);
+    load4(p.v, ci.b, t, hv, c0, p.V, valid, v), load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o);
     // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
     const uint2 wn = load4_or0(w.wn + row * kD, c0, valid), dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V);
     float av[2];

@@ -95,18 +95,12 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
     const int t = t0 + (valid ? i : 0);
     const int64_t row = tok(p, b, t, hv);
     // Straight-line loads (ld*_or0): a row's loads are in flight together.
-    float q[4], k[4], g[4];
+    float q[4], k[4], g[4], v[4];
+    load4(p.q, b, t, hq, c0, p.K, valid, q), load4(p.k, b, t, hq, c0, p.K, valid, k);
+    load_g4(p.G, row, p.K, c0, valid, g), load4(p.v, b, t, hv, c0, p.V, valid, v);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ck = valid && c0 + e < p.K;
-      q[e] = load_or0(p.q, b, t, hq, c0 + e, ck);
-      k[e] = load_or0(p.k, b, t, hq, c0 + e, ck);
-      g[e] = ck ? ldg_or0(p.G, row * p.K + c0 + e, true) : gc[e];
-    }
+    for (int e = 0; e < 4; ++e) g[e] = valid && c0 + e < p.K ? g[e] : gc[e];  // rows past the end: gC
     const float beta = load_or0(p.beta, b, t, hv, 0, valid);
-    float v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = load_or0(p.v, b, t, hv, c0 + e, valid && c0 + e < p.V);
     const uint2 dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V), dw = load4_or0(w.dw + row * kD, c0, valid);
     const int j = 2 * lane;
     const uint32_t da = load2_or0(w.da, row * kC + j, valid), daqk = load2_or0(w.daqk, row * kC + j, valid);
