@@ -51,6 +51,7 @@ constexpr size_t kRegion = size_t(3 * kAnchorRows) * kLd * 2;  // kr, qr, bkr (b
 constexpr size_t kTileF = size_t(kC) * kLdF * 4;               // one fp32 [64][128] tile
 constexpr size_t kSmem = 4 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + 2 * 3 * kC + kD) * 4;
 static_assert(2 * kTileF <= kRegion, "dG and k^.dki tiles alias the anchored operands");
+static_assert(2 * size_t(kAnchorRows) * kLd * 2 <= kRegion, "one anchored operand's hi and lo halves fit the region");
 static_assert(3 * size_t(kC) * kLd * 2 <= kRegion, "dVnew, dW and v alias the anchored operands");
 
 // First row of row block b's anchored k^ rows (b = 1..3) and of column block b's q~ / beta k^ rows (b = 0..2).
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   __nv_bfloat16* m_s = daqk_s + kC * kLdC;              // [64][kLdC] M = A^T dA
   __nv_bfloat16* reg = m_s + kC * kLdC;                 // the region: dVnew, dW | kr, qr, bkr | dG, k^.dki (fp32)
   __nv_bfloat16 *dvn_s = reg, *dw_s = reg + kC * kLd, *v_s = reg + 2 * kC * kLd;  // v: the dbeta term
-  __nv_bfloat16 *kr_s = reg, *qr_s = reg + kAnchorRows * kLd, *bkr_s = reg + 2 * kAnchorRows * kLd;
+  __nv_bfloat16 *an_hi = reg, *an_lo = reg + kAnchorRows * kLd;  // one anchored operand at a time, bf16 hi + lo
   auto* dg_f = reinterpret_cast<float*>(reg);
   float* kdk_f = dg_f + kC * kLdF;
   auto* q_f = reinterpret_cast<float*>(smem + 4 * kSmall + kRegion);  // [64][kLdF] q^ (unscaled)
@@ -185,20 +186,29 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   __syncthreads();  // dL complete; dVnew, dW read (the region is free)
 
   // ---- C: the intra-chunk terms -----------------------------------------------------------------
-  for (int x = threadIdx.x; x < kAnchorRows * (kD / 2); x += kThreads) {
-    const int rr = x / (kD / 2), a = 2 * (x % (kD / 2));
-    {  // kr: row block rb's anchor r = 16 rb, rows j < r
-      const int rb = rr < 16 ? 1 : rr < 48 ? 2 : 3, j = rr - row_base(rb), r = 16 * rb;
-      store_pair(kr_s + rr * kLd + a, k_f[j * kLdF + a] * exp2f(g_f[r * kLdF + a] - g_f[j * kLdF + a]),
-                 k_f[j * kLdF + a + 1] * exp2f(g_f[r * kLdF + a + 1] - g_f[j * kLdF + a + 1]));
+  // The anchored operands off the diagonal blocks go in as bf16 hi + lo pairs (two MMAs each): rounded
+  // to bf16 alone, their errors are shared by a block's 16 rows and move the dG plane (dA_log, ddt_bias
+  // by up to 2e-2 on the CPU model of the kernel; hi + lo: 2e-3, the other roundings' level). One
+  // operand at a time in the region (96 rows x 2), built by all threads: anchored(rr, a) of its row rr.
+  auto build = [&](auto&& value) {
+    for (int x = threadIdx.x; x < kAnchorRows * (kD / 2); x += kThreads) {
+      const int rr = x / (kD / 2), a = 2 * (x % (kD / 2));
+      const float v0 = value(rr, a), v1 = value(rr, a + 1);
+      const __nv_bfloat16 h0 = __float2bfloat16(v0), h1 = __float2bfloat16(v1);
+      *reinterpret_cast<__nv_bfloat162*>(an_hi + rr * kLd + a) = __halves2bfloat162(h0, h1);
+      store_pair(an_lo + rr * kLd + a, v0 - __bfloat162float(h0), v1 - __bfloat162float(h1));
     }
-    {  // qr, bkr: column block cb's anchor r = 16 cb + 15, rows i > r
-      const int cb = rr < 48 ? 0 : rr < 80 ? 1 : 2, i = 16 * (cb + 1) + rr - col_base(cb), r = 16 * cb + 15;
-      const float e0 = exp2f(g_f[i * kLdF + a] - g_f[r * kLdF + a]), e1 = exp2f(g_f[i * kLdF + a + 1] - g_f[r * kLdF + a + 1]);
-      store_pair(qr_s + rr * kLd + a, p.scale * q_f[i * kLdF + a] * e0, p.scale * q_f[i * kLdF + a + 1] * e1);
-      store_pair(bkr_s + rr * kLd + a, beta_s[i] * k_f[i * kLdF + a] * e0, beta_s[i] * k_f[i * kLdF + a + 1] * e1);
-    }
-  }
+  };
+  // kr: row block rb's anchor r = 16 rb, rows j < r: k^_j 2^(G_r - G_j).
+  build([&](int rr, int a) {
+    const int rb = rr < 16 ? 1 : rr < 48 ? 2 : 3, j = rr - row_base(rb), r = 16 * rb;
+    return k_f[j * kLdF + a] * exp2f(g_f[r * kLdF + a] - g_f[j * kLdF + a]);
+  });
+  // qr / bkr: column block cb's anchor r = 16 cb + 15, rows i > r: q~_i (or beta_i k^_i) 2^(G_i - G_r).
+  auto col_anchored = [&](int rr, int a, bool q) {
+    const int cb = rr < 48 ? 0 : rr < 80 ? 1 : 2, i = 16 * (cb + 1) + rr - col_base(cb), r = 16 * cb + 15;
+    return (q ? p.scale * q_f[i * kLdF + a] : beta_s[i] * k_f[i * kLdF + a]) * exp2f(g_f[i * kLdF + a] - g_f[r * kLdF + a]);
+  };
   __syncthreads();
   auto bf = [](const __nv_bfloat16* t, int i, int j) { return __bfloat162float(t[i * kLdC + j]); };
   // G of this warp's fragment rows (row block blk, channels n0..): the exponents' reference.
@@ -224,10 +234,11 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   float acc2[8][4];
   zero(acc);
   zero(acc2);
-  for (int s = 0; s < blk; ++s) {
-    warp_mma<16, 8, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr_s + (row_base(blk) + 16 * s) * kLd, kLd, n0);
-    warp_mma<16, 8, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr_s + (row_base(blk) + 16 * s) * kLd, kLd, n0);
-  }
+  for (int s = 0; s < blk; ++s)
+    for (const __nv_bfloat16* kr : {an_hi, an_lo}) {
+      warp_mma<16, 8, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+      warp_mma<16, 8, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+    }
   if (blk > 0)
     each([&](int j, int e, int i, int a) {
       const float f = exp2f(gi(j, e) - g_f[m0 * kLdF + a]);
@@ -265,10 +276,16 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   // (3) dKcol over column block blk (the fragment's rows are the column index c): off the diagonal
   // block anchored at row m0 + 15, then times 2^(G_m0+15 - G_c); the block per pair.
   zero(acc2);
-  for (int s = 0; s < 3 - blk; ++s) {
-    const int i0 = 16 * (blk + 1) + 16 * s, rb = col_base(blk) + 16 * s;
-    warp_mma<16, 8, true, true>(acc2, daqk_s + i0 * kLdC, kLdC, m0, qr_s + rb * kLd, kLd, n0);
-    warp_mma<16, 8, true, true>(acc2, dl_s + i0 * kLdC, kLdC, m0, bkr_s + rb * kLd, kLd, n0);
+  for (int term = 0; term < 2; ++term) {  // dAqk^T qr, then dL^T bkr: each operand in the region in turn
+    __syncthreads();                       // the region's previous operand is read
+    build([&](int rr, int a) { return col_anchored(rr, a, term == 0); });
+    __syncthreads();
+    const __nv_bfloat16* coef = term == 0 ? daqk_s : dl_s;
+    for (int s = 0; s < 3 - blk; ++s) {
+      const int i0 = 16 * (blk + 1) + 16 * s, rb = col_base(blk) + 16 * s;
+      warp_mma<16, 8, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
+      warp_mma<16, 8, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
+    }
   }
   if (blk < 3)
     each([&](int j, int e, int c, int a) { acc2[j][e] *= exp2f(g_f[(m0 + 15) * kLdF + a] - gi(j, e)); });
