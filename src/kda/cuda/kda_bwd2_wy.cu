@@ -5,7 +5,7 @@
 // and the tails in fp32.
 //
 // kda2_wy_kernel, grid (chunk slots, HV), 256 threads (8 warps; warp w: rows 16 (w % 4).., channels
-// 64 (w / 4)..), ~214 KB of shared memory. Per chunk, with q^, k^ the (L2-normed) inputs, q~ = scale q^,
+// 64 (w / 4)..), ~204 KB of shared memory. Per chunk, with q^, k^ the (L2-normed) inputs, q~ = scale q^,
 // G the log2 cumsum, A = (I + L)^-1, and K2a's dA, dAqk, dW, dqi, dki, sd, K1's dVnew:
 //   dVbeta = A^T dVnew -> dv = beta dVbeta, dbeta += rowsum(dVbeta . v)
 //   dKbeta = A^T dW    -> dk += beta 2^G . dKbeta, dbeta += rowsum(dKbeta . k^ 2^G), dG += Kbeta . dKbeta
@@ -46,11 +46,12 @@ using kdabwd::tok;
 constexpr int kThreads = 256;
 constexpr int kLdF = kD + 4;        // fp32 row stride of [64][128] tiles
 constexpr int kAnchorRows = 96;     // rows of the anchored operands: 16 + 32 + 48
-constexpr size_t kSmall = size_t(kC) * kLdC * 2;              // one bf16 [64][64] tile
-constexpr size_t kRegion = size_t(3 * kAnchorRows) * kLd * 2;  // kr, qr, bkr (bf16)
-constexpr size_t kTileF = size_t(kC) * kLdF * 4;               // one fp32 [64][128] tile
+constexpr size_t kSmall = size_t(kC) * kLdC * 2;  // one bf16 [64][64] tile
+constexpr size_t kTileF = size_t(kC) * kLdF * 4;   // one fp32 [64][128] tile
+// The region, in turn: dVnew, dW, v (bf16 [64][kLd] each) | one anchored operand's hi + lo (bf16
+// [96][kLd] each) | dG, k^.dki (fp32 tiles); sized by the largest.
+constexpr size_t kRegion = 2 * kTileF;
 constexpr size_t kSmem = 4 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + 2 * 3 * kC + kD) * 4;
-static_assert(2 * kTileF <= kRegion, "dG and k^.dki tiles alias the anchored operands");
 static_assert(2 * size_t(kAnchorRows) * kLd * 2 <= kRegion, "one anchored operand's hi and lo halves fit the region");
 static_assert(3 * size_t(kC) * kLd * 2 <= kRegion, "dVnew, dW and v alias the anchored operands");
 
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   __nv_bfloat16* dl_s = a_s + kC * kLdC;                // [64][kLdC] dA, then dL
   __nv_bfloat16* daqk_s = dl_s + kC * kLdC;             // [64][kLdC] dAqk
   __nv_bfloat16* m_s = daqk_s + kC * kLdC;              // [64][kLdC] M = A^T dA
-  __nv_bfloat16* reg = m_s + kC * kLdC;                 // the region: dVnew, dW | kr, qr, bkr | dG, k^.dki (fp32)
+  __nv_bfloat16* reg = m_s + kC * kLdC;                 // the region (kRegion)
   __nv_bfloat16 *dvn_s = reg, *dw_s = reg + kC * kLd, *v_s = reg + 2 * kC * kLd;  // v: the dbeta term
   __nv_bfloat16 *an_hi = reg, *an_lo = reg + kAnchorRows * kLd;  // one anchored operand at a time, bf16 hi + lo
   auto* dg_f = reinterpret_cast<float*>(reg);
