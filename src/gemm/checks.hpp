@@ -61,6 +61,14 @@ inline Status contiguous_vector(const char* name, const TensorView& t) {
   return Status::ok();
 }
 
+// The finishers' CUDA kernels take a 2-D tensor's dimensions as int: both must be < 2^31.
+inline Status cuda_int_dims(const char* name, const TensorView& t) {
+  for (int d = 0; d < 2; ++d)
+    if (t.shape[d] >= (int64_t(1) << 31))
+      return Status::unsupported(std::string(name) + ": " + t.shape_string() + "; the CUDA kernels take dimensions of fewer than 2^31");
+  return Status::ok();
+}
+
 inline Status no_cuda(const TensorView& t, const char* name = "a") {
   return Status::unsupported(std::string(name) + ": on " + t.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
 }
@@ -95,6 +103,11 @@ inline Status qk_norm_rope_operands(const char* name, const TensorView& t, const
     ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, t));
     ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", partials));
     if (M >= (int64_t(1) << 31)) return Status::unsupported(std::string(name) + ": M must be < 2^31");
+    // The kernel's Q/K columns per row, (num_q_heads + num_kv_heads) * head_dim, are int.
+    const int64_t qk_cols = (int64_t(o.num_q_heads) + o.num_kv_heads) * o.head_dim;
+    if (qk_cols >= (int64_t(1) << 31))
+      return Status::unsupported(std::string(name) + ": (num_q_heads + num_kv_heads) * head_dim = " + std::to_string(qk_cols) +
+                                 " columns; the CUDA kernels take fewer than 2^31");
   }
   return Status::ok();
 }

@@ -26,6 +26,7 @@ Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream stream
   if (a.partials.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("partials", a.partials));
     ENCORE_RETURN_IF_ERROR(contiguous_vector("r", a.r));
+    ENCORE_RETURN_IF_ERROR(gemm::cuda_int_dims("partials", a.partials));
     ENCORE_RETURN_IF_ERROR(checks::device_memory({{"partials", &a.partials}, {"r", &a.r}}));
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
@@ -59,6 +60,7 @@ Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
     for (auto [name, t] : {std::pair<const char*, const TensorView*>{"lse", &a.lse}, {"target", &a.target}, {"target_logit", &a.target_logit},
                            {"loss", &a.loss}})
       ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
+    ENCORE_RETURN_IF_ERROR(gemm::cuda_int_dims("partials", a.partials));
     ENCORE_RETURN_IF_ERROR(checks::device_memory({{"partials", &a.partials}, {"lse", &a.lse}, {"target", &a.target},
                                                   {"target_logit", &a.target_logit}, {"loss", &a.loss}}));
 #ifdef ENCORE_WITH_CUDA

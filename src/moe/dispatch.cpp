@@ -87,6 +87,10 @@ Status validate_dispatch_shapes(const MoeDispatchArgs& a, const MoeDispatchOptio
 Status validate(const MoeDispatchArgs& a, const MoeDispatchOptions& o) {
   ENCORE_RETURN_IF_ERROR(moe::validate_dispatch_shapes(a, o));
   if (a.topk_ids.device.is_cuda()) {
+    // The gather kernels take a row's byte offsets as int: x's rows must be < 2^31 bytes.
+    if (a.x.defined() && a.x.shape[1] * int64_t(a.x.element_size()) >= (int64_t(1) << 31))
+      return Status::unsupported("x: rows of " + std::to_string(a.x.shape[1] * int64_t(a.x.element_size())) +
+                                 " bytes; the CUDA kernels take rows of fewer than 2^31 bytes");
 #ifdef ENCORE_WITH_CUDA
     // Device ids are not scanned here (that would synchronize): the kernels skip ids outside [0, E).
     if (o.num_experts > moe::kCudaDispatchMaxExperts)

@@ -34,6 +34,9 @@ Status validate(const MoeRoutingArgs& a, const MoeRoutingOptions& o) {
   ENCORE_RETURN_IF_ERROR(moe::no_overlaps({{"topk_ids", &a.topk_ids}, {"topk_weights", &a.topk_weights}, {"logits", &a.logits},
                                            {"correction_bias", &a.correction_bias}}));
   if (a.logits.device.is_cuda()) {
+    // One warp per token, the grid a 32-bit count of blocks (the token offsets are 64-bit).
+    if (T >= (int64_t(1) << 31))
+      return Status::unsupported("logits: T = " + std::to_string(T) + " tokens; the CUDA kernels take fewer than 2^31");
 #ifdef ENCORE_WITH_CUDA
     if (E > moe::kCudaRoutingMaxExperts)
       return Status::unsupported("logits: E = " + std::to_string(E) + " experts; CUDA routing takes at most " +

@@ -50,15 +50,18 @@ Status validate(const QkNormArgs& a, const QkNormOptions& o) {
   ENCORE_RETURN_IF_ERROR(checks::ndim("qkv", a.qkv, 2, "[tokens, (num_q_heads + 2*num_kv_heads) * head_dim]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("qkv", a.qkv, {DType::kBF16, DType::kFP16}));
   ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("qkv", a.qkv));
-  const int64_t width = int64_t(o.num_q_heads + 2 * o.num_kv_heads) * o.head_dim;
+  const int64_t width = (int64_t(o.num_q_heads) + 2 * int64_t(o.num_kv_heads)) * o.head_dim;
   ENCORE_RETURN_IF_ERROR(checks::dim_equals("qkv", a.qkv, 1, width, "(num_q_heads + 2*num_kv_heads) * head_dim"));
   ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("qkv", a.qkv));
   if (!checks::aligned(a.qkv.data, 16)) return Status::invalid("qkv: data pointer must be 16-byte aligned");
   if (a.qkv.shape[0] > 1 && (a.qkv.strides[0] * int64_t(a.qkv.element_size())) % 16 != 0)
     return Status::invalid("qkv: token stride " + std::to_string(a.qkv.strides[0]) +
                            " must be a multiple of 16 bytes (8 elements) so every head is 16-byte aligned");
-  if (a.qkv.shape[0] * int64_t(o.num_q_heads + o.num_kv_heads) >= (int64_t(1) << 31))
+  if (a.qkv.shape[0] * (int64_t(o.num_q_heads) + o.num_kv_heads) >= (int64_t(1) << 31))
     return Status::unsupported("qkv: tokens * (num_q_heads + num_kv_heads) must be < 2^31");
+  // CUDA: a head's column offset within its token row is 32-bit (head index * head_dim).
+  if (a.qkv.device.is_cuda() && width >= (int64_t(1) << 31))
+    return Status::unsupported("qkv: " + std::to_string(width) + " columns; the CUDA kernels take rows of fewer than 2^31 elements");
   ENCORE_RETURN_IF_ERROR(validate_weight("q_weight", a.q_weight, a.qkv, o.head_dim));
   ENCORE_RETURN_IF_ERROR(validate_weight("k_weight", a.k_weight, a.qkv, o.head_dim));
   return Status::ok();

@@ -40,6 +40,9 @@ Status validate_common(const TensorView& x, const TensorView& weight, const RmsN
   ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("x", x));
   ENCORE_RETURN_IF_ERROR(checks::rows_disjoint("x", x));
   if (x.shape[1] > (int64_t(1) << 30)) return Status::unsupported("x: hidden size " + std::to_string(x.shape[1]) + " exceeds 2^30");
+  // CUDA: one block (or a team) per row, the grid a 32-bit count of blocks (the row offsets are 64-bit).
+  if (x.device.is_cuda() && x.shape[0] >= (int64_t(1) << 31))
+    return Status::unsupported("x: " + std::to_string(x.shape[0]) + " rows; the CUDA kernels take fewer than 2^31");
   ENCORE_RETURN_IF_ERROR(checks::present("weight", weight));
   ENCORE_RETURN_IF_ERROR(checks::ndim("weight", weight, 1, "[hidden]"));
   ENCORE_RETURN_IF_ERROR(checks::dim_equals("weight", weight, 0, x.shape[1], "x's hidden size"));

@@ -67,6 +67,9 @@ Status validate(const Fp8GroupQuantArgs& a, const Fp8GroupQuantOptions& o) {
   if (cols % o.group_size != 0)
     return Status::invalid("x: K = " + std::to_string(cols) + " must be a multiple of group_size (" + std::to_string(o.group_size) + ")");
   if (rows * (cols / o.group_size) >= (int64_t(1) << 31)) return Status::unsupported("x: M * K / group_size must be < 2^31");
+  // CUDA: a group's column offset within its row is 32-bit (group index * 128).
+  if (a.x.device.is_cuda() && cols >= (int64_t(1) << 31))
+    return Status::unsupported("x: K = " + std::to_string(cols) + " columns; the CUDA kernels take fewer than 2^31");
   if (!checks::aligned(a.x.data, 16) || (rows > 1 && (a.x.strides[0] * int64_t(a.x.element_size())) % 16 != 0))
     return Status::invalid("x: data pointer and row stride must be 16-byte aligned");
   ENCORE_RETURN_IF_ERROR(checks::present("q", a.q));

@@ -136,6 +136,8 @@ Status validate_cuda(const Kind& k, const TensorView& x, const TensorView& q) {
   const int64_t rows = x.shape[0], cols = x.shape[1];
   if (rows * (cols / 8) >= (int64_t(1) << 31))
     return Status::unsupported(std::string(k.op) + " on CUDA: M * K / 8 must be < 2^31, got " + str(rows) + " x " + str(cols));
+  if (cols >= (int64_t(1) << 31))  // a unit's column offset within its row is 32-bit
+    return Status::unsupported("x: K = " + str(cols) + " columns; the CUDA kernels take fewer than 2^31");
   if (!checks::aligned(x.data, 16) || (rows > 1 && (x.strides[0] * int64_t(x.element_size())) % 16 != 0))
     return Status::invalid(std::string(k.op) + " on CUDA: x's data pointer and row stride must be 16-byte aligned");
   const int64_t qa = k.kind == MxKind::kMxfp8 ? 8 : 4;

@@ -26,7 +26,7 @@ constexpr int kThreads = 256;
 
 __global__ void rms_final_reduce_kernel(const float* __restrict__ partials, int64_t ld, int M, int tiles, float* __restrict__ r,
                                         float inv_hidden, float eps) {
-  const int m = blockIdx.x * kThreads + threadIdx.x;
+  const int64_t m = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // 64-bit: M may be close to 2^31
   if (m >= M) return;
   const float* row = partials + int64_t(m) * ld;
   float s = 0.0f;
@@ -37,7 +37,7 @@ __global__ void rms_final_reduce_kernel(const float* __restrict__ partials, int6
 __global__ void lse_finish_kernel(const float* __restrict__ partials, int64_t ld, int M, int tiles, float* __restrict__ lse,
                                   const int32_t* __restrict__ target, const float* __restrict__ target_logit, float* __restrict__ loss,
                                   int ignore_index) {
-  const int m = blockIdx.x * kThreads + threadIdx.x;
+  const int64_t m = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // 64-bit: M may be close to 2^31
   if (m >= M) return;
   const float* row = partials + int64_t(m) * ld;
   float mx = -INFINITY;
@@ -56,13 +56,13 @@ __global__ void lse_finish_kernel(const float* __restrict__ partials, int64_t ld
 
 __global__ void partials_sum_kernel(const float* __restrict__ partials, int64_t ld, int rows, int cols, float* __restrict__ out, int n_out,
                                     bool per_column, float scale) {
-  const int i = blockIdx.x * kThreads + threadIdx.x;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // 64-bit: n_out may be close to 2^31
   if (i >= n_out) return;
   float s = 0.0f;
   if (per_column)
     for (int t = 0; t < rows; ++t) s += partials[int64_t(t) * ld + i];
   else
-    for (int t = 0; t < cols; ++t) s += partials[int64_t(i) * ld + t];
+    for (int t = 0; t < cols; ++t) s += partials[i * ld + t];
   out[i] = scale * s;
 }
 
@@ -74,17 +74,18 @@ __global__ void cross_entropy_bwd_kernel(const T* logits, int64_t ld, T* dlogits
                                          const int32_t* __restrict__ target, const float* __restrict__ alpha, int ignore_index, bool vec) {
   constexpr int kVec = 16 / int(sizeof(T));
   const float a = alpha != nullptr ? __ldg(alpha) : 1.0f;
-  for (int m = blockIdx.x; m < M; m += gridDim.x) {
+  // 64-bit row and column counters: m + gridDim.x and n + blockDim.x * kVec may pass 2^31 for M, N < 2^31.
+  for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const int t = target[m];
-    const T* in = logits + int64_t(m) * ld;
-    T* out = dlogits + int64_t(m) * ld_out;
+    const T* in = logits + m * ld;
+    T* out = dlogits + m * ld_out;
     // ignore_index: e^(x − inf) = 0 and no one-hot; a target outside [0, N): NaN for the whole row
     const float l2 = t == ignore_index ? INFINITY : (t < 0 || t >= N) ? NAN : lse[m] * kLog2e;
     // (an ignored row is selected to 0: exact even for a non-finite logit)
     const bool ignored = t == ignore_index;
-    auto grad = [&](float x, int n) { return ignored ? 0.0f : a * (fast_exp2(fmaf(x, kLog2e, -l2)) - (n == t ? 1.0f : 0.0f)); };
+    auto grad = [&](float x, int64_t n) { return ignored ? 0.0f : a * (fast_exp2(fmaf(x, kLog2e, -l2)) - (n == t ? 1.0f : 0.0f)); };
     if (vec) {
-      for (int n = threadIdx.x * kVec; n < N; n += blockDim.x * kVec) {
+      for (int64_t n = int64_t(threadIdx.x) * kVec; n < N; n += int64_t(blockDim.x) * kVec) {
         uint4 raw = *reinterpret_cast<const uint4*>(in + n);
         T* v = reinterpret_cast<T*>(&raw);
 #pragma unroll
@@ -92,7 +93,7 @@ __global__ void cross_entropy_bwd_kernel(const T* logits, int64_t ld, T* dlogits
         *reinterpret_cast<uint4*>(out + n) = raw;
       }
     } else {
-      for (int n = threadIdx.x; n < N; n += blockDim.x) out[n] = T(grad(float(in[n]), n));
+      for (int64_t n = threadIdx.x; n < N; n += blockDim.x) out[n] = T(grad(float(in[n]), n));
     }
   }
 }
@@ -129,7 +130,7 @@ __global__ void ce_mean_kernel(const int32_t* __restrict__ target, int M, const 
 Status launch_rms_final_reduce(const float* partials, int64_t ld, int M, int tiles, float* r, int64_t hidden, float eps, Stream stream) {
   if (M == 0) return Status::ok();
   return launch("rms_final_reduce", [&] {
-    rms_final_reduce_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    rms_final_reduce_kernel<<<unsigned((int64_t(M) + kThreads - 1) / kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         partials, ld, M, tiles, r, float(1.0 / double(hidden)), eps);
   });
 }
@@ -139,7 +140,7 @@ Status launch_partials_sum(const float* partials, int64_t ld, int rows, int cols
   const int n = per_column ? n_out : rows;
   if (n == 0) return Status::ok();
   return launch("partials_sum", [&] {
-    partials_sum_kernel<<<(n + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(partials, ld, rows, cols, out, n,
+    partials_sum_kernel<<<unsigned((int64_t(n) + kThreads - 1) / kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(partials, ld, rows, cols, out, n,
                                                                                                             per_column, scale);
   });
 }
@@ -148,7 +149,7 @@ Status launch_lse_finish(const float* partials, int64_t ld, int M, int tiles, fl
                          float* loss, int ignore_index, Stream stream) {
   if (M == 0) return Status::ok();
   return launch("lse_finish", [&] {
-    lse_finish_kernel<<<(M + kThreads - 1) / kThreads, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    lse_finish_kernel<<<unsigned((int64_t(M) + kThreads - 1) / kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         partials, ld, M, tiles, lse, target, target_logit, loss, ignore_index);
   });
 }
