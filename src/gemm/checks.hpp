@@ -84,7 +84,7 @@ inline Status qk_norm_rope_operands(const char* name, const TensorView& t, const
   if (o.num_q_heads < 1 || o.num_kv_heads < 1 || o.head_dim < 2 || o.head_dim % 2 != 0)
     return Status::invalid("num_q_heads, num_kv_heads: must be >= 1 and head_dim even (got " + std::to_string(o.num_q_heads) + ", " +
                            std::to_string(o.num_kv_heads) + ", " + std::to_string(o.head_dim) + ")");
-  const int64_t M = t.shape[0], heads = int64_t(o.num_q_heads) + 2 * o.num_kv_heads, N = heads * o.head_dim;
+  const int64_t M = t.shape[0], heads = int64_t(o.num_q_heads) + 2 * int64_t(o.num_kv_heads), N = heads * o.head_dim;
   if (t.shape[1] != N)
     return Status::invalid(std::string(name) + ": expected [M, (num_q_heads + 2 * num_kv_heads) * head_dim] = [" + std::to_string(M) + ", " +
                            std::to_string(N) + "], got " + t.shape_string());

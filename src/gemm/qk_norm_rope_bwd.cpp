@@ -33,6 +33,10 @@ Status validate(const QkNormRopeBwdArgs& a, const QkNormRopeOptions& o) {
     ENCORE_RETURN_IF_ERROR(checks::no_overlap("dx", a.dx, name, *t));
   if (a.dy.device.is_cuda()) {
     if (o.head_dim > 256) return Status::unsupported("head_dim: at most 256 on CUDA, got " + std::to_string(o.head_dim));
+    // The kernel's V pass-through takes the row width N (V columns included) as int.
+    if (N >= (int64_t(1) << 31))
+      return Status::unsupported("dy: N = (num_q_heads + 2 * num_kv_heads) * head_dim = " + std::to_string(N) +
+                                 " columns; the CUDA kernel takes fewer than 2^31");
     for (auto [name, t] : {std::pair<const char*, const TensorView*>{"dq_weight", &a.dq_weight}, {"dk_weight", &a.dk_weight}})
       ENCORE_RETURN_IF_ERROR(contiguous_vector(name, *t));
     for (auto [name, t] : {std::pair<const char*, const TensorView*>{"x", &a.x}, {"dx", &a.dx}})

@@ -87,6 +87,18 @@ Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {
                                 {"residuals.h", &r.h}});
 }
 
+// The CUDA kernels take H as int and count (head, channel) pairs H * K, work items N * H * column
+// tiles and (chunk, head) items chunks * H in int: each must be < 2^31 (issue 48).
+Status cuda_head_counts(const kda::KdaProblem& p) {
+  const int64_t chunks = chunk_count(p);
+  const int64_t col_tiles = (std::max(p.K, p.V) + 31) / 32;  // kda_recurrent.cuh col_tiles, K or V
+  const int64_t items = std::max({p.H * std::max(p.K, p.V), chunks * p.H, int64_t(p.seqs.size()) * p.H * col_tiles});
+  if (items >= (int64_t(1) << 31))
+    return Status::unsupported("v: H = " + std::to_string(p.H) + " heads; the CUDA KDA kernels count H * max(K, V), chunks * H and "
+                               "sequences * H * ceil(max(K, V) / 32) in int, here " + std::to_string(items) + " (must be < 2^31)");
+  return Status::ok();
+}
+
 // What the CUDA forward takes beyond validate().
 Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
   constexpr int64_t kMaxDim = cuda::kKdaRecurrentMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
@@ -109,6 +121,7 @@ Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
     return Status::unsupported("cu_seqlens: the CUDA KDA forward takes at most " + std::to_string(kMaxSeqs) + " sequences per call, got " +
                                std::to_string(p.seqs.size()));
   if (p.T >= (int64_t(1) << 31)) return Status::unsupported("q: T must be < 2^31");
+  ENCORE_RETURN_IF_ERROR(cuda_head_counts(p));
   const KdaResiduals& r = a.residuals;
   DType res_dtype = DType::kFP32;
   bool first = true;
@@ -260,6 +273,7 @@ Status validate_cuda_backward(const KdaBackwardArgs& b, const kda::KdaProblem& p
     return Status::unsupported("cu_seqlens: the CUDA KDA backward takes at most " + std::to_string(kMaxSeqs) + " sequences per call, got " +
                                std::to_string(p.seqs.size()));
   if (p.T >= (int64_t(1) << 31)) return Status::unsupported("q: T must be < 2^31");
+  ENCORE_RETURN_IF_ERROR(cuda_head_counts(p));
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
                          {"d_o", &b.d_o}, {"dq", &b.dq}, {"dk", &b.dk}, {"dv", &b.dv}, {"dg", &b.dg}, {"dbeta", &b.dbeta}}) {
     ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP16, DType::kFP32}));

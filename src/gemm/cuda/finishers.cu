@@ -104,7 +104,7 @@ __global__ void ce_mean_kernel(const int32_t* __restrict__ target, int M, const 
   __shared__ int s_cnt[kThreads];
   float sum = 0.0f;
   int cnt = 0;
-  for (int m = threadIdx.x; m < M; m += kThreads)
+  for (int64_t m = threadIdx.x; m < M; m += kThreads)  // 64-bit: m + kThreads passes 2^31 - 1 for M close to 2^31
     if (target[m] != ignore_index) {
       ++cnt;
       if (loss_rows != nullptr) sum += loss_rows[m];

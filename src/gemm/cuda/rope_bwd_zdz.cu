@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kThreads) rope_bwd_zdz_kernel(gemm::RopeBwdZdz
   T* dz = static_cast<T*>(p.dz) + int64_t(m) * p.ld_dz;
   const float pos = float(p.pos[m]);
   float acc = 0.0f;
-  for (int j = threadIdx.x; 2 * j < p.N; j += kThreads) {
+  for (int j = threadIdx.x; j < p.N / 2; j += kThreads) {  // N even; not 2 * j < N: 2 * j passes 2^31 - 1 for N close to 2^31
     const int n = 2 * j;
     const float a = to_float(dy[n]), b = to_float(dy[n + 1]);
     acc = fmaf(to_float(y[n]), a, fmaf(to_float(y[n + 1]), b, acc));
