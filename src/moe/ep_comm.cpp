@@ -14,6 +14,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "core/fault_injection.hpp"
 #include "encore/moe_ep.hpp"
@@ -119,6 +120,17 @@ Status make_layout(const MoeEpShape& s, const MoeEpOptions& o, Layout* L) {
   L->T = std::max<int64_t>(s.max_tokens, 1), L->D = s.hidden, L->F = s.intermediate;
   L->R = L->T * L->k;
   L->Rr = int64_t(L->W) * L->T * std::min(L->k, L->El);  // a token's k experts are distinct
+  // Issue 48: the meta record carries D and F as int32; the received rows (>= T k) are the local experts'
+  // tokens, int32 rows in their dispatch; and the layout's byte counts below stay far from 2^64.
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"hidden", s.hidden}, {"intermediate", s.intermediate}})
+    if (v >= (int64_t(1) << 31))
+      return Status::unsupported(std::string("shape.") + name + ": " + std::to_string(v) + "; moe_forward_ep takes fewer than 2^31");
+  if (L->Rr >= (int64_t(1) << 31))
+    return Status::unsupported("shape.max_tokens: world * max_tokens * min(top_k, E_l) = " + std::to_string(L->Rr) +
+                               " received rows at most; moe_forward_ep takes fewer than 2^31");
+  if (static_cast<long double>(L->Rr) * static_cast<long double>(L->D) * dtype_size(s.dtype) >= static_cast<long double>(int64_t(1) << 60))
+    return Status::unsupported("shape: the received rows' buffers (world * max_tokens * min(top_k, E_l) = " + std::to_string(L->Rr) +
+                               " rows of hidden = " + std::to_string(L->D) + ") would take 2^60 bytes or more");
   L->local = MoeOptions{};
   L->local.routing.top_k = 1;
   L->local.align_m = o.moe.align_m;

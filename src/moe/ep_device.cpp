@@ -69,6 +69,15 @@ Status validate_for_cuda(const EpConfig& c) {
     if ((size_t(c.hidden) * dtype_size(dt)) % 16 != 0)
       return Status::unsupported("hidden: H * dtype bytes must be a multiple of 16 on CUDA (the rows' and the expert outputs'), got " +
                                  std::to_string(c.hidden) + " x " + std::to_string(dtype_size(dt)));
+  // Issue 48: the kernels count experts in int loops (E < 2^30 leaves them room) and the received rows in
+  // int32 (the row table, offsets and counts, each row's source slot t * k + j <= max_rows): at most
+  // 2^31 - 1 rows, world * max_tokens * min(k, E_l), which bounds max_tokens * k too.
+  if (c.num_experts >= (1 << 30))
+    return Status::unsupported("num_experts: " + std::to_string(c.num_experts) + " experts; the CUDA all-to-all takes fewer than 2^30");
+  const int64_t max_rows = int64_t(c.world) * c.max_tokens * std::min(c.top_k, c.num_experts / c.world);
+  if (max_rows >= (int64_t(1) << 31))
+    return Status::unsupported("max_tokens: world * max_tokens * min(top_k, E_l) = " + std::to_string(max_rows) +
+                               " received rows at most; the CUDA all-to-all takes fewer than 2^31");
   return Status::ok();
 }
 

@@ -27,7 +27,7 @@ namespace encore::moe::ep {
 class EpDeviceGroup {
  public:
   // Every rank's ep_rank_bytes(c) and the error record on CUDA device `device`, zeroed. world <= 8;
-  // H * dtype bytes a multiple of 16.
+  // H * dtype bytes a multiple of 16; num_experts < 2^30; world * max_tokens * min(k, E_l) < 2^31.
   static Status create_on_one_device(const EpConfig& c, int device, std::unique_ptr<EpDeviceGroup>* out);
   // This process's rank of a group of c.world processes on one node (one GPU each, or several on one
   // GPU), each calling it with the same config and `name` (unique per group on the node): its memory

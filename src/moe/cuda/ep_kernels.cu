@@ -20,7 +20,7 @@
 //                           in j order from 0 (the single-GPU combine: bit-equal), rounded once
 //   ep_combine_wait_kernel  every peer's combine flag (its outputs are out; the regions may be reused)
 // Constraints (ep_device.cpp checks them): world <= kEpMaxWorld, row bytes a multiple of 16, rows and
-// tensors 16-byte aligned.
+// tensors 16-byte aligned, num_experts < 2^30 (int loops over experts), max_rows < 2^31 (int32 rows).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) ep_recv_counts_kernel(const __grid_c
 __global__ void __launch_bounds__(kThreads) ep_recv_copy_kernel(const __grid_constant__ EpDeviceParams p) {
   const int W = p.world, cells = W * p.e_local;
   const int32_t total = p.table[cells];
-  for (int32_t i = blockIdx.x; i < total; i += gridDim.x) {
+  for (int64_t i = blockIdx.x; i < total; i += gridDim.x) {  // 64-bit: i + gridDim.x may pass 2^31 - 1
     int lo = 0, hi = cells - 1;  // the last table entry <= i (empty (le, s) pairs repeat an entry)
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) ep_recv_copy_kernel(const __grid_con
       else hi = mid - 1;
     }
     const int le = lo / W, s = lo - le * W;
-    const int32_t q = i - p.table[lo];
+    const int64_t q = i - p.table[lo];
     const uint8_t* row = region(p, p.rank, s) + p.region_header + (int64_t(le) * p.max_tokens + q) * p.token_stride;
     copy16(p.rx + int64_t(i) * p.row_bytes, row, p.row_bytes);
     for (int64_t b = threadIdx.x; b < p.scale_bytes; b += blockDim.x) p.rscales[int64_t(i) * p.scale_bytes + b] = row[p.row_bytes + b];
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads) ep_recv_copy_kernel(const __grid_con
 __global__ void __launch_bounds__(kThreads) ep_combine_send_kernel(const __grid_constant__ EpDeviceParams p) {
   if (block_aborted(p)) return;
   const int32_t total = p.offsets[p.e_local];
-  for (int32_t i = blockIdx.x; i < total; i += gridDim.x) {
+  for (int64_t i = blockIdx.x; i < total; i += gridDim.x) {  // 64-bit: i + gridDim.x may pass 2^31 - 1
     const int origin = p.src_rank[i];
     const int32_t slot = p.src_slot[i];
     copy16(combine_row(p, origin, slot), p.y + int64_t(i) * p.y_row_bytes, p.y_row_bytes);
