@@ -78,13 +78,15 @@ struct KdaTrainCase {
   }
 };
 
-Record record(const char* name, const Config& c, const char* path) {
+constexpr const char* kFirst = "tensor-core backward (mma.sync bf16, split hi + lo operands), fp32 chunk records";
+constexpr const char* kSecond = "second backward (K0 prep, K1 scan, K2a, K2b: single-pass bf16 mma.sync, bf16 intermediates)";
+
+// backward: the backward's version, or null for the forward row (kda_record names the forward's).
+Record record(const char* name, const Config& c, const char* path, const char* backward) {
   Record r = kdabench::kda_record(name, c);
   r.suite = "kda_bwd";
   r.params.push_back({"path", path});
-  r.params.push_back({"version", std::string(name) == "kda_backward2"
-                                     ? "second backward (K0 prep, K1 scan, K2a, K2b: single-pass bf16 mma.sync, bf16 intermediates)"
-                                     : "tensor-core backward (mma.sync bf16, split hi + lo operands), fp32 chunk records"});
+  if (backward) r.params.push_back({"backward", backward});
   return r;
 }
 
@@ -99,22 +101,22 @@ void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t st
     if (filter && *filter && std::string(c.name).find(filter) == std::string::npos) continue;
     const KdaBenchCase kc(c, *info);
     const KdaTrainCase tc(kc);
-    const auto time = [&](const char* name, const char* path, auto&& call) {
+    const auto time = [&](const char* name, const char* path, const char* backward, auto&& call) {
       Timing t = time_launches([&](long long) { check_status(call(), name); }, stream, topts, 1);
-      Record r = record(name, c, path);
+      Record r = record(name, c, path, backward);
       r.metrics = {{"time_us", t.median_us}};
       report.records.push_back(r);
       std::printf("  %-22s %-22s %-8s %9.1f us\n", name, c.name, path, t.median_us);
       std::fflush(stdout);
     };
-    time("kda_forward_residuals", "saved_h", [&] { return run(tc.fwd, tc.opts, tc.ws_fwd, stream); });
+    time("kda_forward_residuals", "saved_h", nullptr, [&] { return run(tc.fwd, tc.opts, tc.ws_fwd, stream); });
     // The residuals now hold this forward's values for both backward paths.
     check_status(run(tc.fwd, tc.opts, tc.ws_fwd, stream), "kda forward");
     check_cuda(cudaStreamSynchronize(stream), "sync");
-    time("kda_backward", "saved_h", [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
-    time("kda_backward", "remat", [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
+    time("kda_backward", "saved_h", kFirst, [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
+    time("kda_backward", "remat", kFirst, [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
     cuda::Kda2Layout layout;
-    time("kda_backward2", "saved_h", [&] { return kda::bwd2_stages(tc.saved, tc.opts, tc.ws_second, stream, &layout); });
+    time("kda_backward2", "saved_h", kSecond, [&] { return kda::bwd2_stages(tc.saved, tc.opts, tc.ws_second, stream, &layout); });
   }
 }
 

@@ -10,13 +10,6 @@
 namespace encore::test {
 namespace {
 
-constexpr int64_t k2p31 = int64_t(1) << 31;
-
-void expect_refused(const Status& st, const std::string& what) {
-  EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find(what), std::string::npos) << st.message();
-}
-
 TEST(FinisherSizes, RmsFinalReduceRefusesRowsPast2p31OnCuda) {
   const RmsFinalReduceArgs a{huge_cuda_view(0, DType::kFP32, {k2p31, 4}), huge_cuda_view(1, DType::kFP32, {k2p31})};
   expect_refused(run(a, 4096, 1e-6f), "partials: [2147483648, 4]; the CUDA kernels take dimensions of fewer than 2^31");

@@ -13,10 +13,9 @@ namespace {
 
 constexpr int64_t kH = int64_t(1) << 23, kD = 256;  // H * K = 2^31; q, v: 2^31 bf16 elements (4 GiB) each
 
-void expect_refused(const Status& st) {
-  EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find("v: H = 8388608 heads; the CUDA KDA kernels count H * max(K, V)"), std::string::npos) << st.message();
-  EXPECT_NE(st.message().find("here 2147483648 (must be < 2^31)"), std::string::npos) << st.message();
+void expect_heads_refused(const Status& st) {
+  expect_refused(st, "v: H = 8388608 heads; the CUDA KDA kernels count H * max(K, V)");
+  expect_refused(st, "here 2147483648 (must be < 2^31)");
 }
 
 KdaForwardArgs huge_forward() {
@@ -32,7 +31,7 @@ KdaForwardArgs huge_forward() {
 
 TEST(KdaSizes, ForwardRefusesHeadsTimesDimOf2p31OnCuda) {
   alignas(16) static unsigned char ws[16];
-  expect_refused(run(huge_forward(), KdaOptions{}, ws));
+  expect_heads_refused(run(huge_forward(), KdaOptions{}, ws));
 }
 
 TEST(KdaSizes, BackwardRefusesHeadsTimesDimOf2p31OnCuda) {
@@ -46,7 +45,7 @@ TEST(KdaSizes, BackwardRefusesHeadsTimesDimOf2p31OnCuda) {
   b.dg = huge_cuda_view(10, DType::kBF16, {1, 1, kH, kD});
   b.dbeta = huge_cuda_view(11, DType::kBF16, {1, 1, kH});
   alignas(16) static unsigned char ws[16];
-  expect_refused(run(b, KdaOptions{}, ws));
+  expect_heads_refused(run(b, KdaOptions{}, ws));
 }
 
 }  // namespace

@@ -13,13 +13,6 @@
 namespace encore::test {
 namespace {
 
-constexpr int64_t k2p31 = int64_t(1) << 31;
-
-void expect_refused(const Status& st, const std::string& what) {
-  EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find(what), std::string::npos) << st.message();
-}
-
 TEST(MoeSizes, RoutingRefusesTokensPast2p31OnCuda) {
   MoeRoutingOptions o;
   o.top_k = 2;

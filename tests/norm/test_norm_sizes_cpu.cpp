@@ -10,13 +10,6 @@
 namespace encore::test {
 namespace {
 
-constexpr int64_t k2p31 = int64_t(1) << 31;
-
-void expect_refused(const Status& st, const std::string& what) {
-  EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find(what), std::string::npos) << st.message();
-}
-
 TEST(NormSizes, RmsNormRefusesRowsPast2p31OnCuda) {
   const RmsNormArgs a{huge_cuda_view(0, DType::kBF16, {k2p31, 8}), huge_cuda_view(1, DType::kBF16, {8}),
                       huge_cuda_view(2, DType::kBF16, {k2p31, 8})};

@@ -69,6 +69,11 @@ def make(values, kind):
     return torch.from_numpy(values.copy()).to(torch_dtype(kind))
 
 
+def as_float64(a):
+    """a in float64 in its own framework (a wrong-dtype input for the invalid draws)."""
+    return a.double() if is_torch(a) else np.asarray(a, np.float64)
+
+
 def f64(a):
     """Any array (numpy, torch of any float / int dtype) as float64 numpy."""
     if is_torch(a):

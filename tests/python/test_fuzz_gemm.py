@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import encore
 from fuzz_util import (  # noqa: F401 (one_torch_thread: an autouse fixture)
-    INVALID, SEEDS, VALID, close, f64, inject, is_torch, kinds, make, refused, strided, torch, one_torch_thread)
+    INVALID, SEEDS, VALID, as_float64, close, f64, inject, is_torch, kinds, make, refused, strided, torch, one_torch_thread)
 
 IO_KINDS = kinds("np32", "np16", "t32", "tbf16", "t16")
 ROWS = [e.name for e in encore.Epilogue]
@@ -239,7 +239,7 @@ def test_gemm_wrapper_valid(op, seed, kind, m, n, k, pad, flags, special):
 def _mutate(v, how, rng):
     """v (an operand) made invalid in one way."""
     if how == "f64":
-        return v.double() if is_torch(v) else np.asarray(v, np.float64)
+        return as_float64(v)
     if how == "int":
         return v.to(torch.int64) if is_torch(v) else np.asarray(v).astype(np.int64)
     if how == "shape":  # one more row (element)

@@ -271,6 +271,13 @@ _FWD_BAD = ["q_3d", "q_list", "v_3d", "k_shape", "k_dtype", "v_heads", "g_shape"
             "residual_dtype", "workspace_f32", "workspace_framework"]
 
 
+def _f32_state(kind):
+    """An fp32 contiguous array of the case's framework (torch for the t* kinds, numpy otherwise)."""
+    if kind.startswith("t"):
+        return lambda a: torch.from_numpy(np.ascontiguousarray(a, F32))
+    return lambda a: np.ascontiguousarray(a, F32)
+
+
 @INVALID
 @given(seed=SEEDS, kind=st.sampled_from(kinds("np32", "t32")), case=st.sampled_from(_FWD_BAD))
 @example(seed=0, kind="np32", case="fin_overlap_o").via("regression: final_state overlapping o was written over o")
@@ -280,7 +287,7 @@ def test_kda_forward_invalid(seed, kind, case):
     b, t, h, k, v = 1, int(rng.integers(2, 20)), 2, 4, 3
     x, opts = _case(rng, kind, b, t, h, 1, k, v, "log", False, True, None)
     mk = lambda a: make(a, kind)  # noqa: E731
-    st_lib = (lambda a: torch.from_numpy(np.ascontiguousarray(a, F32))) if kind.startswith("t") else (lambda a: np.ascontiguousarray(a, F32))
+    st_lib = _f32_state(kind)
     go, gf = Guard((b, t, h, v), x["v"]), Guard((1, h, k, v), opts["initial_state"])
     kw = dict(opts, output_final_state=True, out=(go.view, gf.view))
     names, guards = [], [go, gf]
@@ -403,7 +410,7 @@ def test_kda_backward_invalid(seed, kind, case):
     b, t, h, k, v = 1, int(rng.integers(2, 12)), 2, 4, 3
     x, opts = _case(rng, kind, b, t, h, 1, k, v, "log", False, False, None)
     mk = lambda a: make(a, kind)  # noqa: E731
-    st_lib = (lambda a: torch.from_numpy(np.ascontiguousarray(a, F32))) if kind.startswith("t") else (lambda a: np.ascontiguousarray(a, F32))
+    st_lib = _f32_state(kind)
     d_o, kw, names = mk(np.ones((b, t, h, v))), dict(opts), []
     if case == "d_o_shape":
         d_o, names = mk(np.ones((b, t + 1, h, v))), ["d_o"]

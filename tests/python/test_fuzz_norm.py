@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import encore
 from fuzz_util import (  # noqa: F401 (one_torch_thread: an autouse fixture)
-    INVALID, SEEDS, VALID, Guard, bits, close, f64, inject, is_torch, kinds, make, refused, same_values, strided, torch, one_torch_thread)
+    INVALID, SEEDS, VALID, Guard, as_float64, bits, close, f64, inject, is_torch, kinds, make, refused, same_values, strided, torch, one_torch_thread)
 
 NORM_KINDS = kinds("np32", "np16", "t32", "tbf16", "t16")
 HALF_KINDS = kinds("np16", "tbf16", "t16")
@@ -86,7 +86,7 @@ def test_rms_norm_invalid(seed, kind, case):
     elif case == "x_u8":
         x = x.to(torch.uint8) if is_torch(x) else x.astype(np.uint8)
     elif case == "w_dtype":
-        w, name = (w.double() if is_torch(w) else w.astype(np.float64)), "weight"
+        w, name = as_float64(w), "weight"
     elif case == "w_len":
         w, name = make(np.ones(hidden + int(rng.choice([-1, 1]))), kind), "weight"
     elif case == "w_2d":
@@ -170,7 +170,7 @@ def test_add_rms_norm_invalid(seed, kind, case):
     elif case == "r_hidden":
         r, names = make(np.ones((rows, hidden + 1)), kind), ["residual"]
     elif case == "r_dtype":
-        r, names = (r.double() if is_torch(r) else r.astype(np.float64)), ["residual"]
+        r, names = as_float64(r), ["residual"]
     elif case == "r_col_stride":
         r, names = make(np.ones((rows, 2 * hidden)), kind)[:, ::2], ["residual"]
     elif case == "h_shape":

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import encore
 from fuzz_util import (  # noqa: F401 (one_torch_thread: an autouse fixture)
-    INVALID, SEEDS, VALID, f64, inject, is_torch, kinds, make, refused, strided, torch, one_torch_thread)
+    INVALID, SEEDS, VALID, as_float64, f64, inject, is_torch, kinds, make, refused, strided, torch, one_torch_thread)
 from test_quant import _E2M1, _E4M3, _nearest, _swizzle_index
 
 QUANT_KINDS = kinds("np32", "np16", "t32", "tbf16", "t16")
@@ -123,7 +123,7 @@ def test_fp8_group_quant_invalid(seed, kind, case):
     m = int(rng.integers(1, 6))
     x, kw, names = _input(rng, m, 256, kind, False), {}, ["x"]
     if case == "x_f64":
-        x = x.double() if is_torch(x) else x.astype(np.float64)
+        x = as_float64(x)
     elif case == "x_int":
         x = x.to(torch.int32) if is_torch(x) else x.astype(np.int32)
     elif case == "x_1d":
@@ -269,6 +269,13 @@ def test_mxfp8_dequant_valid(seed, torch_q, m, blocks, swizzled, pad):
     np.testing.assert_array_equal(f64(out), want)
 
 
+def _invalid_start(cases, seed, kind, which):
+    """An invalid MX / NVFP4 draw's start: (case, rng, m, a valid [m, 64] x, kwargs, the names a refusal may use)."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(2, 6))
+    return cases[which % len(cases)], rng, m, _input(rng, m, 64, kind, False), {}, ["x"]
+
+
 _MX_CASES = {"quant": ["x_f64", "x_1d", "k_48", "x_col_stride", "rounding", "rounding_none", "x_list"],
              "dequant": ["dq_q_f32", "dq_q_1d", "dq_q_k", "dq_s_shape", "dq_s_swizzled_shape", "dq_s_f32", "dq_s_strided_swizzled", "dq_q_list",
                          "dq_q_torch_bf16", "dq_s_list"]}
@@ -279,13 +286,10 @@ _MX_CASES = {"quant": ["x_f64", "x_1d", "k_48", "x_col_stride", "rounding", "rou
 @given(seed=SEEDS, kind=st.sampled_from(QUANT_KINDS), which=st.integers(0, 99))
 @example(seed=0, kind=QUANT_KINDS[0], which=1)  # dequant: a 1-D q, once an IndexError / a message naming x
 def test_mxfp8_invalid(op, seed, kind, which):
-    case = _MX_CASES[op][which % len(_MX_CASES[op])]
-    rng = np.random.default_rng(seed)
-    m = int(rng.integers(2, 6))
-    x, kw, names = _input(rng, m, 64, kind, False), {}, ["x"]
+    case, rng, m, x, kw, names = _invalid_start(_MX_CASES[op], seed, kind, which)
     if not case.startswith("dq"):
         if case == "x_f64":
-            x = x.double() if is_torch(x) else x.astype(np.float64)
+            x = as_float64(x)
         elif case == "x_1d":
             x = x[0]
         elif case == "k_48":
@@ -380,13 +384,10 @@ _NV_CASES = {"quant": ["x_f64", "x_3d", "k_40", "global_neg", "global_nan", "glo
 @given(seed=SEEDS, kind=st.sampled_from(QUANT_KINDS), which=st.integers(0, 99))
 @example(seed=0, kind=QUANT_KINDS[0], which=0)  # dequant: a 1-D q, once an IndexError
 def test_nvfp4_invalid(op, seed, kind, which):
-    case = _NV_CASES[op][which % len(_NV_CASES[op])]
-    rng = np.random.default_rng(seed)
-    m = int(rng.integers(2, 6))
-    x, kw, names = _input(rng, m, 64, kind, False), {}, ["x"]
+    case, rng, m, x, kw, names = _invalid_start(_NV_CASES[op], seed, kind, which)
     if not case.startswith("dq"):
         if case == "x_f64":
-            x = x.double() if is_torch(x) else x.astype(np.float64)
+            x = as_float64(x)
         elif case == "x_3d":
             x = x.reshape(1, m, 64)
         elif case == "k_40":

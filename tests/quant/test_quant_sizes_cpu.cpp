@@ -10,13 +10,6 @@
 namespace encore::test {
 namespace {
 
-constexpr int64_t k2p31 = int64_t(1) << 31;
-
-void expect_refused(const Status& st, const std::string& what) {
-  EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find(what), std::string::npos) << st.message();
-}
-
 TEST(QuantSizes, Fp8GroupQuantRefusesKOf2p31OnCuda) {
   const Fp8GroupQuantArgs a{huge_cuda_view(0, DType::kBF16, {1, k2p31}), huge_cuda_view(1, DType::kFP8E4M3, {1, k2p31}),
                             huge_cuda_view(2, DType::kFP32, {1, k2p31 / 128})};

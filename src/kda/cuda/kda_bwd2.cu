@@ -29,14 +29,6 @@ namespace {
 using kda::ldmatrix_x4;
 using kda::ldmatrix_x4_trans;
 using kda::mma_bf16;
-using kdabwd::ChunkInfo;
-using kdabwd::chunk_info;
-using kdabwd::kC;
-using kdabwd::ld_or0;
-using kdabwd::ldg_or0;
-using kdabwd::load_any_or0;
-using kdabwd::load_or0;
-using kdabwd::tok;
 
 constexpr int kVs = 32;        // value columns per scan block
 constexpr int kLdS = kVs + 8;  // of [*][32] tiles

@@ -10,6 +10,16 @@
 
 namespace encore::cuda::kda2 {
 
+using kdabwd::ChunkInfo;
+using kdabwd::chunk_info;
+using kdabwd::kC;
+using kdabwd::ld_or0;
+using kdabwd::ldg_or0;
+using kdabwd::load_any_or0;
+using kdabwd::load_or0;
+using kdabwd::store_out;
+using kdabwd::tok;
+
 constexpr int kD = kKda2D;              // padded channels
 constexpr int kLd = kD + 8;             // bf16 row stride of [*][128] shared tiles (ldmatrix rows on distinct banks)
 constexpr int kLdC = kdabwd::kC + 8;    // of [*][64] tiles

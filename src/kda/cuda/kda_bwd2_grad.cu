@@ -21,13 +21,6 @@ namespace encore::cuda {
 namespace kda2 {
 namespace {
 
-using kdabwd::ChunkInfo;
-using kdabwd::chunk_info;
-using kdabwd::kC;
-using kdabwd::ldg_or0;
-using kdabwd::load_any_or0;
-using kdabwd::load_or0;
-using kdabwd::tok;
 
 constexpr int kThreads = 256;
 constexpr int kSmemElems = 2 * kD * kLd + kC * kLdC + 6 * kC * kLd;

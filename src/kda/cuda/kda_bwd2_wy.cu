@@ -33,15 +33,6 @@ namespace encore::cuda {
 namespace kda2 {
 namespace {
 
-using kdabwd::ChunkInfo;
-using kdabwd::chunk_info;
-using kdabwd::kC;
-using kdabwd::ld_or0;
-using kdabwd::ldg_or0;
-using kdabwd::load_any_or0;
-using kdabwd::load_or0;
-using kdabwd::store_out;
-using kdabwd::tok;
 
 constexpr int kThreads = 256;
 constexpr int kLdF = kD + 4;        // fp32 row stride of [64][128] tiles
@@ -356,8 +347,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   if (a >= 0 && a < p.K) {
     float tot = extra[a];
     for (int i = 0; i < rows; ++i) tot += kdk_f[i * kLdF + a];
-    const float ea = (p.gate_in_kernel && p.A_log) ? expf(p.A_log[hv]) : 1.0f;
-    const float bias = p.gate_in_kernel && p.dt_bias ? p.dt_bias[hv * p.K + a] : 0.f;
+    const float ea = kda::gate_scale(p, hv);
     float acc_g = 0.f, pdt = 0.f, pda = 0.f;
     constexpr int kBatch = 8;  // raw gate loads issued a batch at a time (one latency per batch)
     float xr[kBatch];
@@ -373,16 +363,9 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
         float xu = xr[0];
 #pragma unroll
         for (int v = 1; v < kBatch; ++v) xu = u == v ? xr[v] : xu;
-        const float x = xu + bias;
-        if (p.lower_bound_gate) {
-          const float sg = 1.0f / (1.0f + expf(-ea * x));
-          dx = dy * p.lower_bound * sg * (1.0f - sg) * ea;
-          pda += dx * x;
-        } else {
-          const float sp = x > 20.f ? x : log1pf(expf(x)), sg = x > 20.f ? 1.0f : 1.0f / (1.0f + expf(-x));
-          dx = dy * (-ea) * sg;
-          pda += dy * (-ea * sp);
-        }
+        float da;
+        kda::gate_backward(p, dy, kda::gate_input(p, xu, hv, a), ea, &dx, &da);
+        pda += da;
         pdt += dx;
       }
       store_out(p.dg, b, t0 + i, hv, a, dx);

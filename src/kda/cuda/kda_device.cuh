@@ -307,6 +307,44 @@ __device__ __forceinline__ void warp_mma_tiles_step(float (&acc)[MT][NT][4], con
   }
 }
 
+// ---- the in-kernel gate (any problem type with K, dt_bias, A_log, gate_in_kernel, lower_bound_gate,
+// lower_bound) ----------------------------------------------------------------------------------
+
+// The gate's input x (raw g + dt_bias) and e^A_log (1 without A_log), for the in-kernel gate.
+template <class P>
+__device__ __forceinline__ float gate_input(const P& p, float raw, int h, int c) {
+  return p.dt_bias ? raw + p.dt_bias[h * p.K + c] : raw;
+}
+template <class P>
+__device__ __forceinline__ float gate_scale(const P& p, int h) {
+  return p.A_log ? expf(p.A_log[h]) : 1.f;
+}
+__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// The activated gate (natural log): the precomputed g, −e^A softplus(x), or lb · σ(e^A x).
+template <class P>
+__device__ __forceinline__ float gate_act(const P& p, float raw, int h, int c) {
+  if (!p.gate_in_kernel) return raw;
+  const float x = gate_input(p, raw, h, c), ea = gate_scale(p, h);
+  return p.lower_bound_gate ? p.lower_bound * sigmoid(ea * x) : -ea * softplus(x);
+}
+
+// The in-kernel gate's backward at input x (raw g + dt_bias) with ea = e^A_log: dx = dy · d(gate)/dx,
+// the gradient w.r.t. the g passed in (and dt_bias), and da = dy · d(gate)/dA_log.
+template <class P>
+__device__ __forceinline__ void gate_backward(const P& p, float dy, float x, float ea, float* dx, float* da) {
+  if (p.lower_bound_gate) {
+    const float sg = sigmoid(ea * x);
+    *dx = dy * p.lower_bound * sg * (1.f - sg) * ea;
+    *da = *dx * x;
+  } else {
+    *dx = dy * -ea * (x > 20.f ? 1.f : sigmoid(x));
+    *da = dy * -ea * softplus(x);
+  }
+}
+
+
 }  // namespace encore::cuda::kda
 
 namespace encore::cuda::kda {

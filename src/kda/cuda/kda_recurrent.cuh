@@ -34,25 +34,12 @@ constexpr int kChunk = 64;    // checkpoint interval (= the chunked path's chunk
 __host__ __device__ constexpr int col_tiles(int V) { return (V + kCols - 1) / kCols; }
 __host__ __device__ constexpr int row_count(int K) { return (K + kWarps - 1) / kWarps; }
 
-// The gate's input x (raw g + dt_bias) and e^A_log (1 without A_log), for the in-kernel gate.
-template <class P>
-__device__ __forceinline__ float gate_input(const P& p, float raw, int h, int c) {
-  return p.dt_bias ? raw + p.dt_bias[h * p.K + c] : raw;
-}
-template <class P>
-__device__ __forceinline__ float gate_scale(const P& p, int h) {
-  return p.A_log ? expf(p.A_log[h]) : 1.f;
-}
-__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
-// The activated gate (natural log): the precomputed g, −e^A softplus(x), or lb · σ(e^A x).
-template <class P>
-__device__ __forceinline__ float gate_act(const P& p, float raw, int h, int c) {
-  if (!p.gate_in_kernel) return raw;
-  const float x = gate_input(p, raw, h, c), ea = gate_scale(p, h);
-  return p.lower_bound_gate ? p.lower_bound * sigmoid(ea * x) : -ea * softplus(x);
-}
+using kda::gate_act;
+using kda::gate_backward;
+using kda::gate_input;
+using kda::gate_scale;
+using kda::sigmoid;
+using kda::softplus;
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

@@ -233,15 +233,7 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_finish_kernel(const __
     for (int tl = 0; tl < tiles; ++tl) dy += ck ? ws[L.pg + (row0 + tl) * K + c] : 0.f;
     float dx = dy, da = 0.f;  // d(g passed in), and this channel's dA_log term
     if (p.gate_in_kernel && ck) {
-      const float x = gate_input(p, load(p.g, b, t, h, c), h, c), ea = gate_scale(p, h);
-      if (p.lower_bound_gate) {
-        const float sg = sigmoid(ea * x);
-        dx = dy * p.lower_bound * sg * (1.f - sg) * ea;
-        da = dx * x;
-      } else {
-        dx = dy * -ea * (x > 20.f ? 1.f : sigmoid(x));
-        da = dy * -ea * softplus(x);
-      }
+      gate_backward(p, dy, gate_input(p, load(p.g, b, t, h, c), h, c), gate_scale(p, h), &dx, &da);
     }
     if (ck) {
       kda::store(p.dg.data, p.dg.dtype, int64_t(b) * p.dg.sb + int64_t(t) * p.dg.st + int64_t(h) * p.dg.sh + c, dx);
