@@ -60,11 +60,40 @@ __device__ __forceinline__ float loadbf_or0(const __nv_bfloat16* x, int64_t off,
 
 // Channels c0 .. c0 + 3 of token t, head h of an input tensor (zeros at or past `limit`, or all when
 // !valid), and of G [tokens][K] fp32 at `row`: straight-line loads (kdabwd::load_or0 / ldg_or0).
+// The four channels go in one 8-byte (16-bit dtypes) or 16-byte (fp32) load where they are all in
+// range and the address is aligned (the rows of contiguous tensors), else one load each. The caller
+// passes an in-range token t even when !valid (the loads always issue).
 __device__ __forceinline__ void load4(const KdaTensor& x, int b, int t, int h, int c0, int limit, bool valid, float (&out)[4]) {
+  const bool wide = x.dtype == DType::kFP32;
+  const int64_t off = int64_t(b) * x.sb + int64_t(t) * x.st + int64_t(h) * x.sh + c0;
+  const auto* at = static_cast<const unsigned char*>(x.data) + off * (wide ? 4 : 2);
+  if (c0 + 3 < limit && (reinterpret_cast<uintptr_t>(at) & (wide ? 15u : 7u)) == 0) {
+    if (wide) {
+      const float4 f = __ldg(reinterpret_cast<const float4*>(at));
+      out[0] = f.x, out[1] = f.y, out[2] = f.z, out[3] = f.w;
+    } else {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(at));
+      const uint32_t w[2] = {u.x, u.y};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const unsigned short n = static_cast<unsigned short>(w[e >> 1] >> (16 * (e & 1)));
+        out[e] = x.dtype == DType::kBF16 ? __uint_as_float(uint32_t(n) << 16) : __half2float(__ushort_as_half(n));
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = valid ? out[e] : 0.f;
+    return;
+  }
 #pragma unroll
   for (int e = 0; e < 4; ++e) out[e] = kdabwd::load_or0(x, b, t, h, c0 + e, valid && c0 + e < limit);
 }
 __device__ __forceinline__ void load_g4(const float* G, int64_t row, int K, int c0, bool valid, float (&out)[4]) {
+  const float* at = G + (valid ? row * K : 0) + c0;
+  if (c0 + 3 < K && (reinterpret_cast<uintptr_t>(at) & 15u) == 0) {
+    const float4 f = __ldg(reinterpret_cast<const float4*>(at));
+    out[0] = valid ? f.x : 0.f, out[1] = valid ? f.y : 0.f, out[2] = valid ? f.z : 0.f, out[3] = valid ? f.w : 0.f;
+    return;
+  }
 #pragma unroll
   for (int e = 0; e < 4; ++e) out[e] = kdabwd::ldg_or0(G, row * K + c0 + e, valid && c0 + e < K);
 }

@@ -4,8 +4,9 @@
 // fp32 accumulation); the intra-chunk diagonal 16 x 16 blocks, the decay factors, the reverse cumsum
 // and the tails in fp32.
 //
-// kda2_wy_kernel, grid (chunk slots, HV), 256 threads (8 warps; warp w: rows 16 (w % 4).., channels
-// 64 (w / 4)..), ~204 KB of shared memory. Per chunk, with q^, k^ the (L2-normed) inputs, q~ = scale q^,
+// kda2_wy_kernel, grid (chunk slots, HV), 512 threads (16 warps; warp w: rows 16 (w % 4).., channels
+// 32 (w / 4)..), ~210 KB of shared memory, 128 registers (ptxas, sm_90a; 16 B spilled): one block
+// of 16 warps per SM. Per chunk, with q^, k^ the (L2-normed) inputs, q~ = scale q^,
 // G the log2 cumsum, A = (I + L)^-1, and K2a's dA, dAqk, dW, dqi, dki, sd, K1's dVnew:
 //   dVbeta = A^T dVnew -> dv = beta dVbeta, dbeta += rowsum(dVbeta . v)
 //   dKbeta = A^T dW    -> dk += beta 2^G . dKbeta, dbeta += rowsum(dKbeta . k^ 2^G), dG += Kbeta . dKbeta
@@ -26,6 +27,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
+#include "common/cuda/fast_math.cuh"
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_bwd2_device.cuh"
 
@@ -34,7 +38,7 @@ namespace kda2 {
 namespace {
 
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kLdF = kD + 4;        // fp32 row stride of [64][128] tiles
 constexpr int kAnchorRows = 96;     // rows of the anchored operands: 16 + 32 + 48
 constexpr size_t kSmall = size_t(kC) * kLdC * 2;  // one bf16 [64][64] tile
@@ -42,7 +46,9 @@ constexpr size_t kTileF = size_t(kC) * kLdF * 4;   // one fp32 [64][128] tile
 // The region, in turn: dVnew, dW, v (bf16 [64][kLd] each) | one anchored operand's hi + lo (bf16
 // [96][kLd] each) | dG, k^.dki (fp32 tiles); sized by the largest.
 constexpr size_t kRegion = 2 * kTileF;
-constexpr size_t kSmem = 4 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + 2 * 3 * kC + kD) * 4;
+constexpr int kQuarters = 4;      // column quarters of the [64 x 128] fragments (warp >> 2)
+constexpr int kParts = kThreads / kKda2D, kPartRows = kC / kParts;  // the dg tail: 4 parts of 16 rows per channel
+constexpr size_t kSmem = 4 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD) * 4;
 static_assert(2 * size_t(kAnchorRows) * kLd * 2 <= kRegion, "one anchored operand's hi and lo halves fit the region");
 static_assert(3 * size_t(kC) * kLd * 2 <= kRegion, "dVnew, dW and v alias the anchored operands");
 
@@ -50,7 +56,7 @@ static_assert(3 * size_t(kC) * kLd * 2 <= kRegion, "dVnew, dW and v alias the an
 __device__ __forceinline__ int row_base(int b) { return b == 1 ? 0 : b == 2 ? 16 : 48; }
 __device__ __forceinline__ int col_base(int b) { return b == 0 ? 0 : b == 1 ? 48 : 80; }
 
-__global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
+__global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto* a_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [64][kLdC] A
   __nv_bfloat16* dl_s = a_s + kC * kLdC;                // [64][kLdC] dA, then dL
@@ -67,10 +73,11 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   float* beta_s = g_f + kC * kLdF;                                     // [64]
   float* rq_s = beta_s + kC;                                           // [64] 1 / |q| (1 without the norm)
   float* rk_s = rq_s + kC;                                             // [64]
-  float* dbp = rk_s + kC;                                              // [2][64] dbeta per channel half
-  float* dotq = dbp + 2 * kC;                                          // [2][64] dq^ . q^
-  float* dotk = dotq + 2 * kC;                                         // [2][64] dk^ . k^
-  float* extra = dotk + 2 * kC;                                        // [128] 2^gC sd
+  float* dbp = rk_s + kC;                                              // [4][64] dbeta per channel quarter
+  float* dotq = dbp + kQuarters * kC;                                  // [4][64] dq^ . q^
+  float* dotk = dotq + kQuarters * kC;                                 // [4][64] dk^ . k^
+  float* extra = dotk + kQuarters * kC;                                // [128] 2^gC sd
+  float* tail_s = extra + kD;                                          // [2][4][128] the dg tail's part sums
 
   const int slot = blockIdx.x, hv = blockIdx.y, hq = hv / p.group;
   const ChunkInfo ci = chunk_info(p, slot);
@@ -131,49 +138,54 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   }
   __syncthreads();
 
-  const int blk = warp & 3, half = warp >> 2, m0 = 16 * blk, n0 = 64 * half, n0c = 32 * half, g8 = lane >> 2, t4 = lane & 3;
-  // f(fragment element n-tile j, e, row i, channel a) over this warp's [16 x 64] fragment.
+  // Warp w owns rows m0 = 16 (w % 4).. (row block blk) and channels n0 = 32 (w / 4).. (quarter qtr)
+  // of the [64 x 128] products; of the [64 x 64] ones, columns n0c = 16 qtr.. .
+  const int blk = warp & 3, qtr = warp >> 2, m0 = 16 * blk, n0 = 32 * qtr, n0c = 16 * qtr, g8 = lane >> 2, t4 = lane & 3;
+  // f(fragment element n-tile j, e, row i, channel a) over this warp's [16 x 32] fragment.
   auto each = [&](auto&& f) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) f(j, e, m0 + g8 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1));
   };
-  float acc[8][4], dk_t[8][4], dg_t[8][4];
+  // G at this warp's fragment elements: the exponents' reference.
+  float gr[4][4];
+  each([&](int j, int e, int i, int a) { gr[j][e] = g_f[i * kLdF + a]; });
+  float acc[4][4], dk_t[4][4], dg_t[4][4];
   float db[2] = {0.f, 0.f};  // dbeta parts of rows m0 + g8 (+ 8)
 
   // ---- B: dVbeta, dKbeta, M ----------------------------------------------------------------------
   zero(acc);
-  warp_mma<kC, 8, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);
+  warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);
   each([&](int j, int e, int i, int y) {
     db[e >> 1] += acc[j][e] * __bfloat162float(v_s[i * kLd + y]);
     if (i < rows && y < p.V) store_out(p.dv, b, t0 + i, hv, y, beta_s[i] * acc[j][e]);
   });
   zero(acc);
-  warp_mma<kC, 8, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
+  warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
   each([&](int j, int e, int i, int a) {
-    const float ke = k_f[i * kLdF + a] * exp2f(g_f[i * kLdF + a]);
-    dk_t[j][e] = beta_s[i] * exp2f(g_f[i * kLdF + a]) * acc[j][e];
+    const float eg = fast_exp2(gr[j][e]), ke = k_f[i * kLdF + a] * eg;
+    dk_t[j][e] = beta_s[i] * eg * acc[j][e];
     dg_t[j][e] = beta_s[i] * ke * acc[j][e];
     db[e >> 1] += acc[j][e] * ke;
   });
-  float acc4[4][4];
-  zero(acc4);
-  warp_mma<kC, 4, true, true>(acc4, a_s, kLdC, m0, dl_s, kLdC, n0c);
+  float acc_m[2][4];
+  zero(acc_m);
+  warp_mma<kC, 2, true, true>(acc_m, a_s, kLdC, m0, dl_s, kLdC, n0c);
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < 2; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) store_pair(m_s + (m0 + g8 + 8 * h) * kLdC + n0c + 8 * j + 2 * t4, acc4[j][2 * h], acc4[j][2 * h + 1]);
+    for (int h = 0; h < 2; ++h) store_pair(m_s + (m0 + g8 + 8 * h) * kLdC + n0c + 8 * j + 2 * t4, acc_m[j][2 * h], acc_m[j][2 * h + 1]);
   __syncthreads();  // M complete; dA read
   // dL = -strict(M A^T), into dl_s.
-  zero(acc4);
-  warp_mma<kC, 4, false, false>(acc4, m_s, kLdC, m0, a_s, kLdC, n0c);
+  zero(acc_m);
+  warp_mma<kC, 2, false, false>(acc_m, m_s, kLdC, m0, a_s, kLdC, n0c);
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = m0 + g8 + 8 * h, c = n0c + 8 * j + 2 * t4;
-      store_pair(dl_s + i * kLdC + c, c < i && i < rows ? -acc4[j][2 * h] : 0.f, c + 1 < i && i < rows ? -acc4[j][2 * h + 1] : 0.f);
+      store_pair(dl_s + i * kLdC + c, c < i && i < rows ? -acc_m[j][2 * h] : 0.f, c + 1 < i && i < rows ? -acc_m[j][2 * h + 1] : 0.f);
     }
   __syncthreads();  // dL complete; dVnew, dW read (the region is free)
 
@@ -194,68 +206,61 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   // kr: row block rb's anchor r = 16 rb, rows j < r: k^_j 2^(G_r - G_j).
   build([&](int rr, int a) {
     const int rb = rr < 16 ? 1 : rr < 48 ? 2 : 3, j = rr - row_base(rb), r = 16 * rb;
-    return k_f[j * kLdF + a] * exp2f(g_f[r * kLdF + a] - g_f[j * kLdF + a]);
+    return k_f[j * kLdF + a] * fast_exp2(g_f[r * kLdF + a] - g_f[j * kLdF + a]);
   });
   // qr / bkr: column block cb's anchor r = 16 cb + 15, rows i > r: q~_i (or beta_i k^_i) 2^(G_i - G_r).
   auto col_anchored = [&](int rr, int a, bool q) {
     const int cb = rr < 48 ? 0 : rr < 80 ? 1 : 2, i = 16 * (cb + 1) + rr - col_base(cb), r = 16 * cb + 15;
-    return (q ? p.scale * q_f[i * kLdF + a] : beta_s[i] * k_f[i * kLdF + a]) * exp2f(g_f[i * kLdF + a] - g_f[r * kLdF + a]);
+    return (q ? p.scale * q_f[i * kLdF + a] : beta_s[i] * k_f[i * kLdF + a]) * fast_exp2(g_f[i * kLdF + a] - g_f[r * kLdF + a]);
   };
   __syncthreads();
   auto bf = [](const __nv_bfloat16* t, int i, int j) { return __bfloat162float(t[i * kLdC + j]); };
-  // G of this warp's fragment rows (row block blk, channels n0..): the exponents' reference.
-  // gi(j, e): G at fragment element (j, e) (row m0 + g8 + 8 (e >> 1), channel n0 + 8 j + 2 t4 + (e & 1)),
-  // read from shared memory where used (held in registers it spilled the kernel).
-  auto gi = [&](int j, int e) { return g_f[(m0 + g8 + 8 * (e >> 1)) * kLdF + n0 + 8 * j + 2 * t4 + (e & 1)]; };
-  // The diagonal block per pair, row by row of it: f(block row r, element, 2^min(0, G_r - G_i)) with
-  // the clamp at 0 harmless (the pairs past the triangle have zero coefficients) and every exponent
-  // finite; all fragment elements of a row at once (independent: the latency of one step, not 32).
-  auto diagonal = [&](auto&& f) {
-#pragma unroll 1
-    for (int rr = m0; rr < m0 + 16; ++rr)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int a = n0 + 8 * j + 2 * t4 + (e & 1);
-          f(rr, j, e, m0 + g8 + 8 * (e >> 1), a, exp2f(fminf(g_f[rr * kLdF + a] - gi(j, e), 0.f)));
-        }
-  };
+  // The diagonal blocks per pair in fp32, E = 2^min(0, G_row - G_col) (the clamp harmless: pairs past
+  // the triangle have zero coefficients; every exponent finite). A step covers one row or column of the
+  // block for all fragment elements at once; fragment rows that the triangle leaves out of a step
+  // (kAll false: the upper or lower 8 rows) are skipped at compile time.
   // (1, 2) dQi and dKrow over row block blk: off the diagonal block on tensor cores (anchored at row
   // m0, then times 2^(G_i - G_m0)), then the block per pair, column by column.
-  float acc2[8][4];
+  float acc2[4][4];
   zero(acc);
   zero(acc2);
   for (int s = 0; s < blk; ++s)
     for (const __nv_bfloat16* kr : {an_hi, an_lo}) {
-      warp_mma<16, 8, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
-      warp_mma<16, 8, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+      warp_mma<16, 4, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+      warp_mma<16, 4, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
     }
   if (blk > 0)
     each([&](int j, int e, int i, int a) {
-      const float f = exp2f(gi(j, e) - g_f[m0 * kLdF + a]);
+      const float f = fast_exp2(gr[j][e] - g_f[m0 * kLdF + a]);
       acc[j][e] *= f;
       acc2[j][e] *= f;
     });
-#pragma unroll 1
-  for (int jj = m0; jj < m0 + 16; ++jj) {  // column jj of the block: E_ij = 2^min(0, G_i - G_jj)
+  // Column jj of the block (E_ij = 2^min(0, G_i - G_jj)): the coefficients vanish past the diagonal
+  // (dAqk is tril, dL strict), so columns jj >= m0 + 8 touch only the lower 8 fragment rows.
+  auto column = [&](int jj, auto kAll) {
     float cq[2], cl[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = m0 + g8 + 8 * h;
-      cq[h] = bf(daqk_s, i, jj);  // zero past the diagonal (K2a stores tril)
-      cl[h] = bf(dl_s, i, jj);    // zero on and past it (dL is strict)
+      cq[h] = bf(daqk_s, i, jj);
+      cl[h] = bf(dl_s, i, jj);
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 4; ++j) {
+      const int a = n0 + 8 * j + 2 * t4;
+      const float2 k2 = *reinterpret_cast<const float2*>(k_f + jj * kLdF + a), g2 = *reinterpret_cast<const float2*>(g_f + jj * kLdF + a);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int a = n0 + 8 * j + 2 * t4 + (e & 1);
-        const float kf = k_f[jj * kLdF + a] * exp2f(fminf(gi(j, e) - g_f[jj * kLdF + a], 0.f));
+      for (int e = decltype(kAll)::value ? 0 : 2; e < 4; ++e) {
+        const float kf = (e & 1 ? k2.y : k2.x) * fast_exp2(fminf(gr[j][e] - (e & 1 ? g2.y : g2.x), 0.f));
         acc[j][e] += cq[e >> 1] * kf;
         acc2[j][e] += cl[e >> 1] * kf;
       }
-  }
+    }
+  };
+#pragma unroll 1
+  for (int jj = m0; jj < m0 + 8; ++jj) column(jj, std::true_type{});
+#pragma unroll 1
+  for (int jj = m0 + 8; jj < m0 + 16; ++jj) column(jj, std::false_type{});
   each([&](int j, int e, int i, int a) {
     const float dqi = ld_or0(w.dqi, tok(p, b, t0 + min(i, rows - 1), hv) * kD + a, i < rows && a < p.K);
     const float qf = q_f[i * kLdF + a], kf = k_f[i * kLdF + a], bt = beta_s[i];
@@ -264,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
     db[e >> 1] += kf * acc2[j][e];
     acc[j][e] = dqi + p.scale * acc[j][e];  // dq^ from here on
   });
-  float(&dq_t)[8][4] = acc;
+  float(&dq_t)[4][4] = acc;
   // (3) dKcol over column block blk (the fragment's rows are the column index c): off the diagonal
   // block anchored at row m0 + 15, then times 2^(G_m0+15 - G_c); the block per pair.
   zero(acc2);
@@ -275,23 +280,46 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
     const __nv_bfloat16* coef = term == 0 ? daqk_s : dl_s;
     for (int s = 0; s < 3 - blk; ++s) {
       const int i0 = 16 * (blk + 1) + 16 * s, rb = col_base(blk) + 16 * s;
-      warp_mma<16, 8, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
-      warp_mma<16, 8, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
+      warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
+      warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
     }
   }
   if (blk < 3)
-    each([&](int j, int e, int c, int a) { acc2[j][e] *= exp2f(g_f[(m0 + 15) * kLdF + a] - gi(j, e)); });
-  diagonal([&](int ii, int j, int e, int c, int a, float f) {  // row ii >= c of the block: E = 2^(G_ii - G_c)
-    const float cq = bf(daqk_s, ii, c) * p.scale, cl = bf(dl_s, ii, c) * beta_s[ii];  // zero unless ii >= c (> c for dL)
-    acc2[j][e] += (cq * q_f[ii * kLdF + a] + cl * k_f[ii * kLdF + a]) * f;
-  });
+    each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr[j][e]); });
+  // Row ii of the block (E = 2^min(0, G_ii - G_c)): nonzero for ii >= c only, so rows ii < m0 + 8
+  // touch only the upper 8 fragment rows.
+  auto row = [&](int ii, auto kAll) {
+    float cq[2], cl[2];
+    const float bt = beta_s[ii];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = m0 + g8 + 8 * h;
+      cq[h] = bf(daqk_s, ii, c) * p.scale;  // zero unless ii >= c
+      cl[h] = bf(dl_s, ii, c) * bt;         // zero unless ii > c
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int a = n0 + 8 * j + 2 * t4;
+      const float2 q2 = *reinterpret_cast<const float2*>(q_f + ii * kLdF + a), k2 = *reinterpret_cast<const float2*>(k_f + ii * kLdF + a),
+                   g2 = *reinterpret_cast<const float2*>(g_f + ii * kLdF + a);
+#pragma unroll
+      for (int e = 0; e < (decltype(kAll)::value ? 4 : 2); ++e) {
+        const float f = fast_exp2(fminf((e & 1 ? g2.y : g2.x) - gr[j][e], 0.f));
+        acc2[j][e] += (cq[e >> 1] * (e & 1 ? q2.y : q2.x) + cl[e >> 1] * (e & 1 ? k2.y : k2.x)) * f;
+      }
+    }
+  };
+#pragma unroll 1
+  for (int ii = m0; ii < m0 + 8; ++ii) row(ii, std::false_type{});
+#pragma unroll 1
+  for (int ii = m0 + 8; ii < m0 + 16; ++ii) row(ii, std::true_type{});
   each([&](int j, int e, int c, int a) {
     dk_t[j][e] += acc2[j][e];
     dg_t[j][e] -= k_f[c * kLdF + a] * acc2[j][e];
   });
 
   // ---- D: the inter-chunk parts of dk and dG, the row dots ----------------------------------------
-  float kdk[8][4];
+  float kdk[4][4];
   float dq_dot[2] = {0.f, 0.f}, dk_dot[2] = {0.f, 0.f};
   each([&](int j, int e, int i, int a) {
     const float dki = ld_or0(w.dki, tok(p, b, t0 + min(i, rows - 1), hv) * kD + a, i < rows && a < p.K);
@@ -318,12 +346,11 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = m0 + g8 + 8 * h;
-      dbp[half * kC + i] = db[h];
-      dotq[half * kC + i] = dq_dot[h];
-      dotk[half * kC + i] = dk_dot[h];
+      dbp[qtr * kC + i] = db[h];
+      dotq[qtr * kC + i] = dq_dot[h];
+      dotk[qtr * kC + i] = dk_dot[h];
     }
   __syncthreads();
-
   // ---- E: the tails ------------------------------------------------------------------------------
   // dq, dk (the L2-norm backward), per value head: to the outputs, or with grouped heads to the fp32
   // partials over dqi, dki (the element this thread read above).
@@ -331,47 +358,71 @@ __global__ void __launch_bounds__(kThreads) kda2_wy_kernel(const __grid_constant
   const KdaOutTensor pdq = p.group > 1 ? KdaOutTensor{w.dqi, DType::kFP32, sb, st, kD} : p.dq;
   const KdaOutTensor pdk = p.group > 1 ? KdaOutTensor{w.dki, DType::kFP32, sb, st, kD} : p.dk;
   const int hout = p.group > 1 ? hv : hq;
+  auto quarters = [](const float* part, int i) { return (part[i] + part[kC + i]) + (part[2 * kC + i] + part[3 * kC + i]); };
   each([&](int j, int e, int i, int a) {
     if (i >= rows || a >= p.K) return;
     float dq = dq_t[j][e], dk = dk_t[j][e];
     if (p.l2norm) {
-      dq = rq_s[i] * (dq - q_f[i * kLdF + a] * (dotq[i] + dotq[kC + i]));
-      dk = rk_s[i] * (dk - k_f[i * kLdF + a] * (dotk[i] + dotk[kC + i]));
+      dq = rq_s[i] * (dq - q_f[i * kLdF + a] * quarters(dotq, i));
+      dk = rk_s[i] * (dk - k_f[i * kLdF + a] * quarters(dotk, i));
     }
     store_out(pdq, b, t0 + i, hout, a, dq);
     store_out(pdk, b, t0 + i, hout, a, dk);
   });
-  if (threadIdx.x < rows) store_out(p.dbeta, b, t0 + threadIdx.x, hv, 0, dbp[threadIdx.x] + dbp[kC + threadIdx.x]);
-  // dg: the reverse cumsum per channel with the last row's terms, then the gate backward.
-  const int a = int(threadIdx.x) - kC;
-  if (a >= 0 && a < p.K) {
-    float tot = extra[a];
-    for (int i = 0; i < rows; ++i) tot += kdk_f[i * kLdF + a];
-    const float ea = kda::gate_scale(p, hv);
-    float acc_g = 0.f, pdt = 0.f, pda = 0.f;
-    constexpr int kBatch = 8;  // raw gate loads issued a batch at a time (one latency per batch)
-    float xr[kBatch];
-    for (int i = rows - 1; i >= 0; --i) {
-      const int u = (rows - 1 - i) % kBatch;
-      if (u == 0 && p.gate_in_kernel)
+  if (threadIdx.x < rows) store_out(p.dbeta, b, t0 + threadIdx.x, hv, 0, quarters(dbp, threadIdx.x));
+  // dg: the reverse cumsum per channel with the last row's terms, then the gate backward. Thread
+  // (channel a, part) takes rows 16 part .. 16 part + 15 (rows past the end hold zeros), the parts'
+  // sums and gate partials meet in tail_s.
+  const int a = int(threadIdx.x) % kD, part = int(threadIdx.x) / kD, r0 = kPartRows * part;
+  float sdg = 0.f, skdk = 0.f;
 #pragma unroll
-        for (int v = 0; v < kBatch; ++v) xr[v] = load_or0(p.g, b, t0 + max(i - v, 0), hv, a, i - v >= 0);
+  for (int u = 0; u < kPartRows; ++u) {
+    sdg += dg_f[(r0 + u) * kLdF + a];
+    skdk += kdk_f[(r0 + u) * kLdF + a];
+  }
+  tail_s[part * kD + a] = sdg;
+  tail_s[(kParts + part) * kD + a] = skdk;
+  __syncthreads();
+  float tot = extra[a], acc_g = 0.f, pdt = 0.f, pda = 0.f;
+#pragma unroll
+  for (int x = 0; x < kParts; ++x) tot += tail_s[(kParts + x) * kD + a];
+#pragma unroll
+  for (int x = kParts - 1; x > 0; --x) acc_g += x > part ? tail_s[x * kD + a] : 0.f;
+  if (a < p.K) {
+    const float ea = kda::gate_scale(p, hv);
+    float xr[kPartRows];  // the raw gate of the part's rows, loaded before the chain
+#pragma unroll
+    for (int u = 0; u < kPartRows; ++u) xr[u] = p.gate_in_kernel ? load_or0(p.g, b, t0 + min(r0 + u, rows - 1), hv, a, r0 + u < rows) : 0.f;
+#pragma unroll
+    for (int u = kPartRows - 1; u >= 0; --u) {
+      const int i = r0 + u;
       acc_g += dg_f[i * kLdF + a];
       const float dy = acc_g + tot;
       float dx = dy;
-      if (p.gate_in_kernel) {
-        float xu = xr[0];
-#pragma unroll
-        for (int v = 1; v < kBatch; ++v) xu = u == v ? xr[v] : xu;
-        float da;
-        kda::gate_backward(p, dy, kda::gate_input(p, xu, hv, a), ea, &dx, &da);
-        pda += da;
-        pdt += dx;
+      if (i < rows) {
+        if (p.gate_in_kernel) {
+          float da;
+          kda::gate_backward(p, dy, kda::gate_input(p, xr[u], hv, a), ea, &dx, &da);
+          pda += da;
+          pdt += dx;
+        }
+        store_out(p.dg, b, t0 + i, hv, a, dx);
       }
-      store_out(p.dg, b, t0 + i, hv, a, dx);
     }
-    w.gp[state * 2 * kD + a] = pdt;
-    w.gp[state * 2 * kD + kD + a] = pda;
+  }
+  __syncthreads();  // the sums are read: tail_s takes the gate partials
+  tail_s[part * kD + a] = pdt;
+  tail_s[(kParts + part) * kD + a] = pda;
+  __syncthreads();
+  if (part == 0 && a < p.K) {
+    float sdt = 0.f, sda = 0.f;
+#pragma unroll
+    for (int x = 0; x < kParts; ++x) {
+      sdt += tail_s[x * kD + a];
+      sda += tail_s[(kParts + x) * kD + a];
+    }
+    w.gp[state * 2 * kD + a] = sdt;
+    w.gp[state * 2 * kD + kD + a] = sda;
   }
 }
 
