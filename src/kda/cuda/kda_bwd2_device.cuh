@@ -58,6 +58,21 @@ __device__ __forceinline__ float loadbf_or0(const __nv_bfloat16* x, int64_t off,
   return ok ? v : 0.f;
 }
 
+// Two residual values (bf16 or fp32, kda_bwd_device.cuh's load_any_or0) at x[off], x[off + 1], off
+// even: one 4- or 8-byte load; each value zero where its flag is false. Straight-line.
+__device__ __forceinline__ void load2_any_or0(const void* x, DType dt, int64_t off, bool ok0, bool ok1, float (&out)[2]) {
+  off = ok0 || ok1 ? off : 0;
+  float v0, v1;
+  if (dt == DType::kBF16) {
+    const uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(static_cast<const __nv_bfloat16*>(x) + off));
+    v0 = __uint_as_float(u << 16), v1 = __uint_as_float(u & 0xffff0000u);
+  } else {
+    const float2 f = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(x) + off));
+    v0 = f.x, v1 = f.y;
+  }
+  out[0] = ok0 ? v0 : 0.f, out[1] = ok1 ? v1 : 0.f;
+}
+
 // Channels c0 .. c0 + 3 of token t, head h of an input tensor (zeros at or past `limit`, or all when
 // !valid), and of G [tokens][K] fp32 at `row`: straight-line loads (kdabwd::load_or0 / ldg_or0).
 // The four channels go in one 8-byte (16-bit dtypes) or 16-byte (fp32) load where they are all in

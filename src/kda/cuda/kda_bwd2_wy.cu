@@ -105,8 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     const int j = 2 * lane;
     const uint32_t da = load2_or0(w.da, row * kC + j, valid), daqk = load2_or0(w.daqk, row * kC + j, valid);
     float av[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) av[e] = load_any_or0(p.Akk, p.akk_dtype, row * kC + j + e, valid && j + e <= i);
+    load2_any_or0(p.Akk, p.akk_dtype, row * kC + j, valid && j <= i, valid && j + 1 <= i, av);
     float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3], sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) {
