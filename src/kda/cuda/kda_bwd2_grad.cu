@@ -3,8 +3,13 @@
 // src/kda/reference/kda_chunked_bwd.cpp). Every product one mma.sync m16n8k16 on bf16 operands with
 // fp32 accumulation.
 //
-// kda2_state_grads_kernel, grid (chunk slots, HV), 256 threads (8 warps), ~179 KB of shared memory
-// (S, dS' [128][128]; A [64][64]; beta v, -W then dW, Kbeta, dO, dVnew, Vnew [64][128], all bf16):
+// kda2_state_grads_kernel, grid (chunk slots, HV), 512 threads (16 warps, 128 registers, no spills;
+// one block an SM), 179 KB of shared memory (S, dS' [128][128]; A [64][64]; beta v, -W then dW,
+// Kbeta, dO, dVnew, Vnew [64][128], all bf16). Staging: S and dS' as 4-column quads (one 16- or 8-byte
+// load each, all of a thread's issued before the row loop runs, stored after it) where V % 4 == 0 and
+// the state is 16-byte aligned; the rows one load a lane per source where the layout allows; element
+// loads otherwise. Products: warp w owns rows 16 (w % 4).., columns 32 (w / 4).. (16 (w / 4).. of the
+// [64 x 64] ones):
 //   Vnew = A (beta v) + (-W) S                        (64 x 128 x (64 + 128))
 //   dqi  = scale (dO S^T) . 2^G    dki = (Vnew dS'^T) . 2^(gC - G)    dW = -dVnew S^T   (64 x 128 x 128 each)
 //   dAqk = tril(dO Vnew^T)         dA = dVnew (beta v)^T + dW Kbeta^T (i >= j)          (64 x 64 x 128)
@@ -13,6 +18,8 @@
 // Rows past a chunk's end are zero in every tile and never written; K, V <= 128, channels padded.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cstdint>
+#include <type_traits>
 
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_bwd2_device.cuh"
@@ -21,12 +28,32 @@ namespace encore::cuda {
 namespace kda2 {
 namespace {
 
-
-constexpr int kThreads = 256;
+constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int kQuads = kD * kD / 4 / kThreads;  // (state row, 4 columns) quads of S and dS' a thread stages
 constexpr int kSmemElems = 2 * kD * kLd + kC * kLdC + 6 * kC * kLd;
 constexpr size_t kSmem = size_t(kSmemElems) * sizeof(__nv_bfloat16);
 
-__global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
+// Rows of x (bf16 or fp32) load as channel quads, one 8- or 16-byte load a lane: `limit` channels and
+// the strides multiples of 4, a 16-byte aligned base (uniform over the block).
+__device__ __forceinline__ bool quad_rows(const KdaTensor& x, int limit) {
+  return (x.dtype == DType::kBF16 || x.dtype == DType::kFP32) && limit % 4 == 0 && x.sb % 4 == 0 && x.st % 4 == 0 && x.sh % 4 == 0 &&
+         (reinterpret_cast<uintptr_t>(x.data) & 15) == 0;
+}
+// Channels c0 .. c0 + 3 (c0 % 4 == 0) of token t, head h as floats, zeros at or past `limit` or when
+// !valid: one straight-line load when `quad` (quad_rows), else load4's four.
+__device__ __forceinline__ void load4q(const KdaTensor& x, bool quad, int b, int t, int h, int c0, int limit, bool valid, float (&out)[4]) {
+  if (!quad) return load4(x, b, t, h, c0, limit, valid, out);
+  const bool ok = valid && c0 < limit, wide = x.dtype == DType::kFP32;
+  const int64_t off = ok ? int64_t(b) * x.sb + int64_t(t) * x.st + int64_t(h) * x.sh + c0 : 0;
+  float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+  uint2 u = make_uint2(0u, 0u);
+  if (wide) f = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(x.data) + off));
+  else u = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x.data) + off));
+  if (!wide) f = make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+  out[0] = ok ? f.x : 0.f, out[1] = ok ? f.y : 0.f, out[2] = ok ? f.z : 0.f, out[3] = ok ? f.w : 0.f;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto* s_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [128][kLd] S, [k][v]
   __nv_bfloat16* d_s = s_s + kD * kLd;                  // [128][kLd] dS', [k][v]
@@ -42,86 +69,168 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
   const int64_t last = tok(p, ci.b, ci.t0 + ci.rows - 1, hv);
 
-  // Rows: Kbeta = beta k^ . 2^G, beta v, dO, A, -W, dVnew (warp per row, lane 4 channels).
-#pragma unroll 2
-  for (int i = warp; i < kC; i += kThreads / 32) {
-    const bool valid = i < ci.rows;
-    const int t = ci.t0 + (valid ? i : 0);
-    const int64_t row = tok(p, ci.b, t, hv);
-    // Straight-line loads (ld*_or0): a row's loads are in flight together.
-    float k[4], g[4], v[4], o[4];
-    const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
-    load4(p.k, ci.b, t, hq, c0, p.K, valid, k), load_g4(p.G, row, p.K, c0, valid, g);
-    load4(p.v, ci.b, t, hv, c0, p.V, valid, v), load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o);
-    // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
-    const uint2 wn = load4_or0(w.wn + row * kD, c0, valid), dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V);
-    float av[2];
+  // Rows: Kbeta = beta k^ . 2^G, beta v, dO, A, -W, dVnew (warp per row, lane 4 channels), one
+  // load a lane per source where the layout allows (the *q flags, uniform), else one per element.
+  const bool kq = quad_rows(p.k, p.K), vq = quad_rows(p.v, p.V), oq = quad_rows(p.d_o, p.V);
+  const bool gq = p.K % 4 == 0 && (reinterpret_cast<uintptr_t>(p.G) & 15) == 0;
+  const bool aq = (p.akk_dtype == DType::kBF16 || p.akk_dtype == DType::kFP32) && (reinterpret_cast<uintptr_t>(p.Akk) & 7) == 0;
+  auto stage_rows = [&] {
+#pragma unroll 1
+    for (int i = warp; i < kC; i += kWarps) {
+      const bool valid = i < ci.rows;
+      const int t = ci.t0 + (valid ? i : 0);
+      const int64_t row = tok(p, ci.b, t, hv);
+      // Straight-line loads (ld*_or0): a row's loads are in flight together.
+      float k[4], g[4], v[4], o[4];
+      const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
+      load4q(p.k, kq, ci.b, t, hq, c0, p.K, valid, k), load4q(p.v, vq, ci.b, t, hv, c0, p.V, valid, v);
+      load4q(p.d_o, oq, ci.b, t, hv, c0, p.V, valid, o);
+      if (gq) {  // G fp32 [tokens][K], K % 4 == 0: one 16-byte load
+        const bool ok = valid && c0 < p.K;
+        const float4 f = __ldg(reinterpret_cast<const float4*>(p.G + (ok ? row * p.K + c0 : 0)));
+        g[0] = ok ? f.x : 0.f, g[1] = ok ? f.y : 0.f, g[2] = ok ? f.z : 0.f, g[3] = ok ? f.w : 0.f;
+      } else {
+        load_g4(p.G, row, p.K, c0, valid, g);
+      }
+      // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
+      const uint2 wn = load4_or0(w.wn + row * kD, c0, valid), dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V);
+      // A row (columns 2 lane, 2 lane + 1; j <= i only): one 4- or 8-byte load when aligned.
+      float av[2];
+      const bool ok0 = valid && 2 * lane <= i, ok1 = valid && 2 * lane + 1 <= i;
+      if (aq) {
+        const int64_t off = ok0 ? row * kC + 2 * lane : 0;
+        float2 f = make_float2(0.f, 0.f);
+        uint32_t u = 0u;
+        if (p.akk_dtype == DType::kFP32) f = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p.Akk) + off));
+        else u = __ldg(reinterpret_cast<const unsigned int*>(static_cast<const __nv_bfloat16*>(p.Akk) + off));
+        if (p.akk_dtype != DType::kFP32) f = make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+        av[0] = ok0 ? f.x : 0.f, av[1] = ok1 ? f.y : 0.f;
+      } else {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) av[e] = load_any_or0(p.Akk, p.akk_dtype, row * kC + 2 * lane + e, valid && 2 * lane + e <= i);
-    float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
+        for (int e = 0; e < 2; ++e) av[e] = load_any_or0(p.Akk, p.akk_dtype, row * kC + 2 * lane + e, valid && 2 * lane + e <= i);
+      }
+      float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
-    for (int s = 16; s > 0; s >>= 1) sk += __shfl_xor_sync(0xffffffffu, sk, s);
-    const float rk = p.l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
-    float kb[4];
+      for (int s = 16; s > 0; s >>= 1) sk += __shfl_xor_sync(0xffffffffu, sk, s);
+      const float rk = p.l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
+      float kb[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) kb[e] = valid ? beta * k[e] * rk * exp2f(g[e]) : 0.f;  // G <= 0: <= beta |k^|
-    store_pair(kb_s + i * kLd + c0, kb[0], kb[1]), store_pair(kb_s + i * kLd + c0 + 2, kb[2], kb[3]);
-    store_pair(vb_s + i * kLd + c0, beta * v[0], beta * v[1]), store_pair(vb_s + i * kLd + c0 + 2, beta * v[2], beta * v[3]);
-    store_pair(do_s + i * kLd + c0, o[0], o[1]), store_pair(do_s + i * kLd + c0 + 2, o[2], o[3]);
-    *reinterpret_cast<uint2*>(wn_s + i * kLd + c0) = wn;
-    *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = dvn;
-    store_pair(a_s + i * kLdC + 2 * lane, av[0], av[1]);
-  }
-  // S (the saved state, any float dtype) and dS' (K1's bf16 tile; columns past V never written there).
+      for (int e = 0; e < 4; ++e) kb[e] = valid ? beta * k[e] * rk * exp2f(g[e]) : 0.f;  // G <= 0: <= beta |k^|
+      store_pair(kb_s + i * kLd + c0, kb[0], kb[1]), store_pair(kb_s + i * kLd + c0 + 2, kb[2], kb[3]);
+      store_pair(vb_s + i * kLd + c0, beta * v[0], beta * v[1]), store_pair(vb_s + i * kLd + c0 + 2, beta * v[2], beta * v[3]);
+      store_pair(do_s + i * kLd + c0, o[0], o[1]), store_pair(do_s + i * kLd + c0 + 2, o[2], o[3]);
+      *reinterpret_cast<uint2*>(wn_s + i * kLd + c0) = wn;
+      *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = dvn;
+      store_pair(a_s + i * kLdC + 2 * lane, av[0], av[1]);
+    }
+  };
+  // S (the saved state, fp32 or bf16) and dS' (K1's bf16 tile; columns past V never written there).
   const int64_t state = (int64_t(slot) * p.H + hv);
   const __nv_bfloat16* dsp = w.dsp + state * kD * kD;
-#pragma unroll 8
-  for (int x = threadIdx.x; x < kD * kD / 2; x += kThreads) {
-    const int a = x / (kD / 2), y = 2 * (x % (kD / 2));
-    const int64_t at = (state * p.K + a) * p.V + y;
-    const bool ok0 = a < p.K && y < p.V, ok1 = a < p.K && y + 1 < p.V;
-    const float s0 = load_any_or0(p.h, p.h_dtype, at, ok0), s1 = load_any_or0(p.h, p.h_dtype, at + 1, ok1);
-    const float d0 = loadbf_or0(dsp, a * kD + y, ok0), d1 = loadbf_or0(dsp, a * kD + y + 1, ok1);
-    store_pair(s_s + a * kLd + y, s0, s1);
-    store_pair(d_s + a * kLd + y, d0, d1);
+  // V % 4 == 0 and a 16-byte aligned state: quad u of a thread is state row a = warp + 16 u, columns
+  // 4 lane.. (one 16- or 8-byte load of S, one 8-byte load of dS'); all of them issue before the row
+  // loop above runs and land in shared memory after it.
+  auto stage_quads = [&](auto wide) {
+    constexpr bool kWide = decltype(wide)::value;
+    using Quad = std::conditional_t<kWide, float4, uint2>;
+    Quad sq[kQuads];
+    uint2 dq[kQuads];
+#pragma unroll
+    for (int u = 0; u < kQuads; ++u) {
+      const int a = warp + kWarps * u;
+      const bool ok = a < p.K && c0 < p.V;  // V % 4 == 0: the quad is in or out as a whole
+      const int64_t at = ok ? (state * p.K + a) * p.V + c0 : 0;
+      if constexpr (kWide) sq[u] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.h) + at));
+      else sq[u] = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.h) + at));
+      dq[u] = load4_or0(dsp + a * kD, c0, a < p.K, p.V);
+    }
+    stage_rows();
+#pragma unroll
+    for (int u = 0; u < kQuads; ++u) {
+      const int a = warp + kWarps * u;
+      const bool ok = a < p.K && c0 < p.V;
+      uint2 s;
+      if constexpr (kWide) s = make_uint2(kda::pack_bf16(sq[u].x, sq[u].y), kda::pack_bf16(sq[u].z, sq[u].w));
+      else s = sq[u];  // bf16 as stored (bf16 -> fp32 -> bf16 is exact)
+      if (!ok) s = make_uint2(0u, 0u);
+      *reinterpret_cast<uint2*>(s_s + a * kLd + c0) = s;
+      *reinterpret_cast<uint2*>(d_s + a * kLd + c0) = dq[u];
+    }
+  };
+  const bool quads = p.V % 4 == 0 && (reinterpret_cast<uintptr_t>(p.h) & 15) == 0;
+  if (quads && p.h_dtype == DType::kFP32) stage_quads(std::true_type{});
+  else if (quads && p.h_dtype == DType::kBF16) stage_quads(std::false_type{});
+  else {  // element pairs, any float dtype
+    stage_rows();
+#pragma unroll 4
+    for (int x = threadIdx.x; x < kD * kD / 2; x += kThreads) {
+      const int a = x / (kD / 2), y = 2 * (x % (kD / 2));
+      const int64_t at = (state * p.K + a) * p.V + y;
+      const bool ok0 = a < p.K && y < p.V, ok1 = a < p.K && y + 1 < p.V;
+      const float s0 = load_any_or0(p.h, p.h_dtype, at, ok0), s1 = load_any_or0(p.h, p.h_dtype, at + 1, ok1);
+      const float d0 = loadbf_or0(dsp, a * kD + y, ok0), d1 = loadbf_or0(dsp, a * kD + y + 1, ok1);
+      store_pair(s_s + a * kLd + y, s0, s1);
+      store_pair(d_s + a * kLd + y, d0, d1);
+    }
   }
   __syncthreads();
 
-  const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2), n0c = 32 * (warp >> 2), g8 = lane >> 2, t4 = lane & 3;
-  float acc[8][4];
+  // Warp w: fragment rows m0.. (16), columns n0.. (32, 4 n-tiles) of the [64 x 128] products and
+  // n0c.. (16, 2 n-tiles) of the [64 x 64] ones.
+  const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2), n0c = 16 * (warp >> 2), g8 = lane >> 2, t4 = lane & 3;
+  // Token rows of the fragment's rows m0 + g8 + 8 h (clamped to the chunk; stores skip rows past it).
+  int64_t trow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) trow[h] = tok(p, ci.b, ci.t0 + min(m0 + g8 + 8 * h, ci.rows - 1), hv);
+  // The fragment's decay factors, loaded straight-line before the products that use them:
+  // eg = 2^G(i, a) and egc = 2^(gC(a) - G(i, a)) (0 at a >= K). Even K, 8-byte aligned G: pairs.
+  float eg[4][4], egc[4][4];
+  if (p.K % 2 == 0 && (reinterpret_cast<uintptr_t>(p.G) & 7) == 0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int a = n0 + 8 * j + 2 * t4;
+      const bool in = a < p.K;  // a even, K even: a + 1 < K too
+      const float2 gc = __ldg(reinterpret_cast<const float2*>(p.G + (in ? last * p.K + a : 0)));
+      egc[j][0] = egc[j][2] = in ? gc.x : 0.f;
+      egc[j][1] = egc[j][3] = in ? gc.y : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 g = __ldg(reinterpret_cast<const float2*>(p.G + (in ? trow[h] * p.K + a : 0)));
+        eg[j][2 * h] = in ? g.x : 0.f;
+        eg[j][2 * h + 1] = in ? g.y : 0.f;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int a = n0 + 8 * j + 2 * t4 + (e & 1);
+        eg[j][e] = ldg_or0(p.G, trow[e >> 1] * p.K + a, a < p.K);
+        egc[j][e] = ldg_or0(p.G, last * p.K + a, a < p.K);
+      }
+  }
+  float acc[4][4];
   // Vnew = A (beta v) + (-W) S.
   zero(acc);
-  warp_mma<kC, 8, false, true>(acc, a_s, kLdC, m0, vb_s, kLd, n0);
-  warp_mma<kD, 8, false, true>(acc, wn_s, kLd, m0, s_s, kLd, n0);
+  warp_mma<kC, 4, false, true>(acc, a_s, kLdC, m0, vb_s, kLd, n0);
+  warp_mma<kD, 4, false, true>(acc, wn_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) store_pair(vn_s + (m0 + g8 + 8 * h) * kLd + n0 + 8 * j + 2 * t4, acc[j][2 * h], acc[j][2 * h + 1]);
   __syncthreads();
 
-  // f(row i, column a, value pair x, y) over this warp's [16 x 64] fragment, valid rows and a < K only.
+  // f(token row, column a, value pair x, y) over this warp's [16 x 32] fragment, valid rows only.
   auto each = [&](auto&& f) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = m0 + g8 + 8 * h, a = n0 + 8 * j + 2 * t4;
-        if (i < ci.rows) f(i, a, acc[j][2 * h], acc[j][2 * h + 1]);
-      }
+      for (int h = 0; h < 2; ++h)
+        if (m0 + g8 + 8 * h < ci.rows) f(trow[h], n0 + 8 * j + 2 * t4, acc[j][2 * h], acc[j][2 * h + 1]);
   };
-  // The fragment's decay factors, loaded straight-line before the products that use them:
-  // eg = 2^G(i, a) and egc = 2^(gC(a) - G(i, a)) (0 at a >= K).
-  float eg[8][4], egc[8][4];
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = min(m0 + g8 + 8 * (e >> 1), ci.rows - 1), a = n0 + 8 * j + 2 * t4 + (e & 1);
-      eg[j][e] = ldg_or0(p.G, tok(p, ci.b, ci.t0 + i, hv) * p.K + a, a < p.K);
-      egc[j][e] = ldg_or0(p.G, last * p.K + a, a < p.K);
-    }
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const bool in = n0 + 8 * j + 2 * t4 + (e & 1) < p.K;
@@ -130,51 +239,53 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
     }
   // dqi = scale (dO S^T) . 2^G.
   zero(acc);
-  warp_mma<kD, 8, false, false>(acc, do_s, kLd, m0, s_s, kLd, n0);
+  warp_mma<kD, 4, false, false>(acc, do_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] *= p.scale * eg[j][e];
-  each([&](int i, int a, float x, float y) { *reinterpret_cast<float2*>(w.dqi + tok(p, ci.b, ci.t0 + i, hv) * kD + a) = make_float2(x, y); });
+  each([&](int64_t r, int a, float x, float y) { *reinterpret_cast<float2*>(w.dqi + r * kD + a) = make_float2(x, y); });
   // dki = (Vnew dS'^T) . 2^(gC - G).
   zero(acc);
-  warp_mma<kD, 8, false, false>(acc, vn_s, kLd, m0, d_s, kLd, n0);
+  warp_mma<kD, 4, false, false>(acc, vn_s, kLd, m0, d_s, kLd, n0);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] *= egc[j][e];
-  each([&](int i, int a, float x, float y) { *reinterpret_cast<float2*>(w.dki + tok(p, ci.b, ci.t0 + i, hv) * kD + a) = make_float2(x, y); });
+  each([&](int64_t r, int a, float x, float y) { *reinterpret_cast<float2*>(w.dki + r * kD + a) = make_float2(x, y); });
   // dW = -dVnew S^T, into wn_s (-W was last read before the barrier above) and the workspace.
   zero(acc);
-  warp_mma<kD, 8, false, false>(acc, dvn_s, kLd, m0, s_s, kLd, n0);
+  warp_mma<kD, 4, false, false>(acc, dvn_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = m0 + g8 + 8 * h, a = n0 + 8 * j + 2 * t4;
       store_pair(wn_s + i * kLd + a, -acc[j][2 * h], -acc[j][2 * h + 1]);
-      if (i < ci.rows) store_pair(w.dw + tok(p, ci.b, ci.t0 + i, hv) * kD + a, -acc[j][2 * h], -acc[j][2 * h + 1]);
+      if (i < ci.rows) store_pair(w.dw + trow[h] * kD + a, -acc[j][2 * h], -acc[j][2 * h + 1]);
     }
-  // dAqk = tril(dO Vnew^T), the diagonal included: warp w rows m0.., columns n0c.. (4 n-tiles).
-  float acc4[4][4];
+  // dAqk = tril(dO Vnew^T), the diagonal included: warp w rows m0.., columns n0c.. (2 n-tiles).
+  float acc4[2][4];
   auto write64 = [&](__nv_bfloat16* dst) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = m0 + g8 + 8 * h, c = n0c + 8 * j + 2 * t4;
-        if (i < ci.rows)
-          store_pair(dst + tok(p, ci.b, ci.t0 + i, hv) * kC + c, c <= i ? acc4[j][2 * h] : 0.f, c + 1 <= i ? acc4[j][2 * h + 1] : 0.f);
+        if (i < ci.rows) store_pair(dst + trow[h] * kC + c, c <= i ? acc4[j][2 * h] : 0.f, c + 1 <= i ? acc4[j][2 * h + 1] : 0.f);
       }
   };
   zero(acc4);
-  warp_mma<kD, 4, false, false>(acc4, do_s, kLd, m0, vn_s, kLd, n0c);
+  warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vn_s, kLd, n0c);
   write64(w.daqk);
-  // sd = rowsum_V(S . dS'): warp w state rows 16 w.., lane 4 columns.
-  for (int a = 16 * warp; a < 16 * warp + 16; ++a) {
+  // sd = rowsum_V(S . dS'): warp w state rows 8 w.., lane 4 columns (one 8-byte read of each tile).
+  for (int a = 8 * warp; a < 8 * warp + 8; ++a) {
+    const uint2 su = *reinterpret_cast<const uint2*>(s_s + a * kLd + c0), du = *reinterpret_cast<const uint2*>(d_s + a * kLd + c0);
+    const __nv_bfloat16* sv = reinterpret_cast<const __nv_bfloat16*>(&su);
+    const __nv_bfloat16* dv = reinterpret_cast<const __nv_bfloat16*>(&du);
     float s = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s += __bfloat162float(s_s[a * kLd + c0 + e]) * __bfloat162float(d_s[a * kLd + c0 + e]);
+    for (int e = 0; e < 4; ++e) s += __bfloat162float(sv[e]) * __bfloat162float(dv[e]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) w.sd[state * kD + a] = s;
@@ -182,8 +293,8 @@ __global__ void __launch_bounds__(kThreads) kda2_state_grads_kernel(const __grid
   __syncthreads();  // dW complete in wn_s
   // dA = dVnew (beta v)^T + dW Kbeta^T, i >= j.
   zero(acc4);
-  warp_mma<kD, 4, false, false>(acc4, dvn_s, kLd, m0, vb_s, kLd, n0c);
-  warp_mma<kD, 4, false, false>(acc4, wn_s, kLd, m0, kb_s, kLd, n0c);
+  warp_mma<kD, 2, false, false>(acc4, dvn_s, kLd, m0, vb_s, kLd, n0c);
+  warp_mma<kD, 2, false, false>(acc4, wn_s, kLd, m0, kb_s, kLd, n0c);
   write64(w.da);
 }
 
