@@ -231,6 +231,10 @@ TEST_F(KdaBwdGpu, SecondBackwardMatchesReferences) {
           DType::kBF16, false, true);
   run_bwd({grouped(KdaCase{1, 300, 2, 128, 128, {0, 37, 300}, Gate::kLowerBound, true, false}, 8), "HV=4H varlen lower bound -5", false},
           DType::kBF16, false, true);
+  // Odd K and V % 4 != 0 (the per-element load paths beside the vector ones), and fp32 inputs.
+  const BwdCase odd{KdaCase{1, 150, 2, 37, 50, {0, 90, 150}, Gate::kSoftplusBias, true, true}, "varlen 90/60 K37 V50 sp+b h0 l2"};
+  for (DType dt : {DType::kBF16, DType::kFP32}) run_bwd(odd, dt, false, true);
+  run_bwd(matrix()[0], DType::kFP32, false, true);
 }
 
 // The first SIMT fp32 kernels (ENCORE_KDA_BWD_SIMT=1, the A/B fallback of the tensor-core ones, read

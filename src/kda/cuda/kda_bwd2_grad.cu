@@ -33,26 +33,6 @@ constexpr int kQuads = kD * kD / 4 / kThreads;  // (state row, 4 columns) quads 
 constexpr int kSmemElems = 2 * kD * kLd + kC * kLdC + 6 * kC * kLd;
 constexpr size_t kSmem = size_t(kSmemElems) * sizeof(__nv_bfloat16);
 
-// Rows of x (bf16 or fp32) load as channel quads, one 8- or 16-byte load a lane: `limit` channels and
-// the strides multiples of 4, a 16-byte aligned base (uniform over the block).
-__device__ __forceinline__ bool quad_rows(const KdaTensor& x, int limit) {
-  return (x.dtype == DType::kBF16 || x.dtype == DType::kFP32) && limit % 4 == 0 && x.sb % 4 == 0 && x.st % 4 == 0 && x.sh % 4 == 0 &&
-         (reinterpret_cast<uintptr_t>(x.data) & 15) == 0;
-}
-// Channels c0 .. c0 + 3 (c0 % 4 == 0) of token t, head h as floats, zeros at or past `limit` or when
-// !valid: one straight-line load when `quad` (quad_rows), else load4's four.
-__device__ __forceinline__ void load4q(const KdaTensor& x, bool quad, int b, int t, int h, int c0, int limit, bool valid, float (&out)[4]) {
-  if (!quad) return load4(x, b, t, h, c0, limit, valid, out);
-  const bool ok = valid && c0 < limit, wide = x.dtype == DType::kFP32;
-  const int64_t off = ok ? int64_t(b) * x.sb + int64_t(t) * x.st + int64_t(h) * x.sh + c0 : 0;
-  float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-  uint2 u = make_uint2(0u, 0u);
-  if (wide) f = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(x.data) + off));
-  else u = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x.data) + off));
-  if (!wide) f = make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
-  out[0] = ok ? f.x : 0.f, out[1] = ok ? f.y : 0.f, out[2] = ok ? f.z : 0.f, out[3] = ok ? f.w : 0.f;
-}
-
 __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto* s_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [128][kLd] S, [k][v]
@@ -69,11 +49,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
   const int64_t last = tok(p, ci.b, ci.t0 + ci.rows - 1, hv);
 
-  // Rows: Kbeta = beta k^ . 2^G, beta v, dO, A, -W, dVnew (warp per row, lane 4 channels), one
-  // load a lane per source where the layout allows (the *q flags, uniform), else one per element.
-  const bool kq = quad_rows(p.k, p.K), vq = quad_rows(p.v, p.V), oq = quad_rows(p.d_o, p.V);
-  const bool gq = p.K % 4 == 0 && (reinterpret_cast<uintptr_t>(p.G) & 15) == 0;
-  const bool aq = (p.akk_dtype == DType::kBF16 || p.akk_dtype == DType::kFP32) && (reinterpret_cast<uintptr_t>(p.Akk) & 7) == 0;
+  // Rows: Kbeta = beta k^ . 2^G, beta v, dO, A, -W, dVnew (warp per row, lane 4 channels; load4's
+  // one vector load a lane where the row segment is in range and aligned).
   auto stage_rows = [&] {
 #pragma unroll 1
     for (int i = warp; i < kC; i += kWarps) {
@@ -83,32 +60,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
       // Straight-line loads (ld*_or0): a row's loads are in flight together.
       float k[4], g[4], v[4], o[4];
       const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
-      load4q(p.k, kq, ci.b, t, hq, c0, p.K, valid, k), load4q(p.v, vq, ci.b, t, hv, c0, p.V, valid, v);
-      load4q(p.d_o, oq, ci.b, t, hv, c0, p.V, valid, o);
-      if (gq) {  // G fp32 [tokens][K], K % 4 == 0: one 16-byte load
-        const bool ok = valid && c0 < p.K;
-        const float4 f = __ldg(reinterpret_cast<const float4*>(p.G + (ok ? row * p.K + c0 : 0)));
-        g[0] = ok ? f.x : 0.f, g[1] = ok ? f.y : 0.f, g[2] = ok ? f.z : 0.f, g[3] = ok ? f.w : 0.f;
-      } else {
-        load_g4(p.G, row, p.K, c0, valid, g);
-      }
+      load4(p.k, ci.b, t, hq, c0, p.K, valid, k), load4(p.v, ci.b, t, hv, c0, p.V, valid, v);
+      load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o), load_g4(p.G, row, p.K, c0, valid, g);
       // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
       const uint2 wn = load4_or0(w.wn + row * kD, c0, valid), dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V);
-      // A row (columns 2 lane, 2 lane + 1; j <= i only): one 4- or 8-byte load when aligned.
+      // A row (columns 2 lane, 2 lane + 1; j <= i only): one 4- or 8-byte load.
       float av[2];
-      const bool ok0 = valid && 2 * lane <= i, ok1 = valid && 2 * lane + 1 <= i;
-      if (aq) {
-        const int64_t off = ok0 ? row * kC + 2 * lane : 0;
-        float2 f = make_float2(0.f, 0.f);
-        uint32_t u = 0u;
-        if (p.akk_dtype == DType::kFP32) f = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(p.Akk) + off));
-        else u = __ldg(reinterpret_cast<const unsigned int*>(static_cast<const __nv_bfloat16*>(p.Akk) + off));
-        if (p.akk_dtype != DType::kFP32) f = make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-        av[0] = ok0 ? f.x : 0.f, av[1] = ok1 ? f.y : 0.f;
-      } else {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) av[e] = load_any_or0(p.Akk, p.akk_dtype, row * kC + 2 * lane + e, valid && 2 * lane + e <= i);
-      }
+      load2_any_or0(p.Akk, p.akk_dtype, row * kC + 2 * lane, valid && 2 * lane <= i, valid && 2 * lane + 1 <= i, av);
       float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
       for (int s = 16; s > 0; s >>= 1) sk += __shfl_xor_sync(0xffffffffu, sk, s);
