@@ -8,10 +8,25 @@
 //   (64 x 128 x 64), dvl = Aqk^T dO (64 x 128 x 64), 2^gC. Writes qg, kg, wn, dvl, egc.
 // K1 kda2_scan_kernel, one block of 128 threads per (sequence, value head, 32 value columns): the
 //   reverse pass over the sequence's chunks, dS' [K x 32] fp32 in registers (warp w: state rows
-//   32w..32w+31), the next chunk's Kg, Qg, -W, dvl, 2^gC tiles in flight (cp.async, two stages):
+//   32w..32w+31):
 //     dsp[c] = bf16(dS');  dVnew = dvl + Kg dS' (64 x 32 x 128) -> bf16 -> dvn;
 //     dS = 2^gC . dS' + Qg^T dO + (-W)^T dVnew (128 x 32 x 64, twice)  -> dS' of the chunk before;
 //   dS after a sequence's first chunk is dh0. Starts from dht (or 0).
+//   Occupancy: the blocks are serial chains (one chunk after another), so the lever is how many run
+//   at once. 168 registers (the cap of __launch_bounds__(128, 3)) and 75,264 bytes of shared memory
+//   (+ 1 KB the driver reserves a block; 3 x 74.5 KB <= 228 KB, carveout asked at its maximum) give
+//   3 blocks an SM: 396 slots on an H100's 132 SMs, so the varlen benchmark's 320 blocks (5
+//   sequences x 16 heads x 4 slices) run in one wave (two stages of 57 KB gave 1 block an SM, 2.4 waves).
+//   256 threads would not fit: 3 such blocks need <= 85 registers, and 2 an SM are 264 slots < 320.
+//   Shared memory: one buffer of each tile, Kg, Qg, -W [64][128] bf16 without row padding, their
+//   16-byte chunks XOR-swizzled by row (swz) so ldmatrix stays conflict-free (48 KB for the three).
+//   Each is reloaded (cp.async) as soon as its last reader is past a barrier, so it is in flight for
+//   about two thirds of a step. A chunk runs three products, each after a barrier: (1) Qg^T dO,
+//   (2) Kg dS', (3) (-W)^T dVnew. Past barrier (1) the chunk after's -W is free and this chunk's
+//   -W loads; past (2) the chunk before's Qg and 2^gC load; past (3) its Kg and dvl. Qg^T dO before
+//   Kg dS' changes no rounding: Kg dS' reads the bf16 copy of dS', and dS accumulates 2^gC . dS',
+//   Qg^T dO, (-W)^T dVnew in the order it always did.
+//   dO (any float dtype) is loaded a chunk ahead into registers, all its loads in flight together.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -120,10 +135,19 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
 // ---- K1: the reverse scan --------------------------------------------------------------------------
 
 constexpr int kScanThreads = 128;
-// One stage: Kg, Qg, -W [64][kLd]; dvl [64][kLdS]; 2^gC [128] fp32.
-constexpr int kStageElems = 3 * kC * kLd + kC * kLdS;
-constexpr size_t kStageBytes = size_t(kStageElems) * sizeof(__nv_bfloat16) + kD * sizeof(float);
-constexpr size_t kScanSmem = 2 * kStageBytes + size_t(kD * kLdS + 2 * kC * kLdS) * sizeof(__nv_bfloat16);  // + dS', dVnew, dO
+constexpr int kScanBlocksPerSm = 3;  // 320 blocks of the varlen benchmark in one wave on 132 SMs
+constexpr int kBig = kC * kD;        // elements of a [64][128] tile
+// One buffer of each tile (no second stage: the header comment): Kg, Qg, -W [64][128] bf16 unpadded and
+// swizzled (swz); dvl, dS', dVnew, dO [*][kLdS] bf16; 2^gC [128] fp32. 75,264 bytes.
+constexpr size_t kScanSmem = size_t(3 * kBig + kC * kLdS + kD * kLdS + 2 * kC * kLdS) * sizeof(__nv_bfloat16) + kD * sizeof(float);
+// H100: 228 KB of shared memory an SM, each block 1 KB more (the driver's reserve).
+static_assert(kScanBlocksPerSm * (kScanSmem + 1024) <= 228 * 1024, "K1: three blocks an SM");
+static_assert(kScanBlocksPerSm * kScanThreads * 168 <= 65536, "K1: three blocks an SM at 168 registers");
+
+// Element (i, c) of a swizzled [64][128] tile: row i's 16-byte chunk c / 8 is stored at chunk (c / 8) ^ (i % 8).
+// An ldmatrix 8x8 matrix (one chunk of 8 consecutive rows; the rows' 256-byte stride maps them all to
+// the same banks unswizzled) then reads 8 distinct bank groups: conflict-free without row padding.
+__device__ __forceinline__ int swz(int i, int c) { return i * kD + (((c >> 3) ^ (i & 7)) << 3) + (c & 7); }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -135,47 +159,77 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-struct Stage {
-  __nv_bfloat16 *kg, *qg, *wn, *dvl;
-  float* egc;
-};
-__device__ __forceinline__ Stage stage_at(unsigned char* base) {
-  Stage s;
-  s.kg = reinterpret_cast<__nv_bfloat16*>(base);
-  s.qg = s.kg + kC * kLd;
-  s.wn = s.qg + kC * kLd;
-  s.dvl = s.wn + kC * kLd;
-  s.egc = reinterpret_cast<float*>(s.dvl + kC * kLdS);
-  return s;
+// Rows t0 .. t0 + rows (batch b, head hv) of a [tokens][HV][128] bf16 workspace tensor into the swizzled
+// tile dst by cp.async, rows past `rows` zero (source size 0). No commit.
+__device__ __forceinline__ void load_big(const KdaBwdCudaProblem& p, const __nv_bfloat16* src, __nv_bfloat16* dst, int b, int t0, int rows,
+                                         int hv) {
+  const int64_t row0 = tok(p, b, t0, hv);
+#pragma unroll
+  for (int u = 0; u < kC * (kD / 8) / kScanThreads; ++u) {
+    const int x = threadIdx.x + u * kScanThreads, i = x / (kD / 8), seg = x % (kD / 8);
+    const bool valid = i < rows;
+    cp_async16(dst + swz(i, 8 * seg), src + (valid ? (row0 + int64_t(i) * p.H) * kD + 8 * seg : 0), valid);
+  }
 }
 
-// Chunk `slot`'s tiles (rows t0 .. t0 + rows of batch b) into stage s: cp.async, rows past `rows` zero.
-__device__ __forceinline__ void load_stage(const KdaBwdCudaProblem& p, const Ptrs& w, const Stage& s, int slot, int b, int t0, int rows,
-                                           int hv, int v0) {
-  for (int x = threadIdx.x; x < 3 * kC * (kD / 8); x += kScanThreads) {
-    const int tile = x / (kC * (kD / 8)), rem = x % (kC * (kD / 8)), i = rem / (kD / 8), seg = rem % (kD / 8);
-    const __nv_bfloat16* src = tile == 0 ? w.kg : tile == 1 ? w.qg : w.wn;
-    __nv_bfloat16* dst = tile == 0 ? s.kg : tile == 1 ? s.qg : s.wn;
-    const bool valid = i < rows;
-    cp_async16(dst + i * kLd + 8 * seg, src + (valid ? tok(p, b, t0 + i, hv) * kD + 8 * seg : 0), valid);
+// dO of a chunk into registers, raw: a thread's kDoPer value pairs (rows threadIdx.x / 16 + 8 u, columns
+// v0 + 2 (threadIdx.x % 16) + e), one load an element (32-bit for fp32, else 16-bit), all in flight together and
+// converted only when stored (store_do). kdabwd::load_or0 selects on each value as it loads it, so each of its
+// loads waited for the one before: 16 global-load latencies a chunk, most of the old K1's step.
+constexpr int kDoPer = kC * kVs / 2 / kScanThreads;  // 8
+__device__ __forceinline__ void load_do_raw(const KdaTensor& t, int b, int t0, int rows, int hv, int v0, int V, uint32_t (&raw)[kDoPer][2]) {
+  const int i0 = threadIdx.x / (kVs / 2), y = v0 + 2 * (threadIdx.x % (kVs / 2));
+  const int64_t base = int64_t(b) * t.sb + int64_t(t0 + i0) * t.st + int64_t(hv) * t.sh + y;
+  if (t.dtype == DType::kFP32) {
+    const auto* x = static_cast<const float*>(t.data);
+#pragma unroll
+    for (int u = 0; u < kDoPer; ++u)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool ok = i0 + 8 * u < rows && y + e < V;
+        raw[u][e] = __float_as_uint(__ldg(x + (ok ? base + 8 * u * t.st + e : 0)));
+      }
+  } else {
+    const auto* x = static_cast<const unsigned short*>(t.data);
+#pragma unroll
+    for (int u = 0; u < kDoPer; ++u)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool ok = i0 + 8 * u < rows && y + e < V;
+        raw[u][e] = __ldg(x + (ok ? base + 8 * u * t.st + e : 0));
+      }
   }
-  for (int x = threadIdx.x; x < kC * (kVs / 8); x += kScanThreads) {
-    const int i = x / (kVs / 8), seg = x % (kVs / 8);
-    const bool valid = i < rows;
-    cp_async16(s.dvl + i * kLdS + 8 * seg, w.dvl + (valid ? tok(p, b, t0 + i, hv) * kD + v0 + 8 * seg : 0), valid);
-  }
-  for (int x = threadIdx.x; x < kD / 4; x += kScanThreads) cp_async16(s.egc + 4 * x, w.egc + (int64_t(slot) * p.H + hv) * kD + 4 * x, true);
-  cp_async_commit();
+}
+// The raw pairs of a chunk with `rows` rows into do_s [64][kLdS] as bf16: kdabwd::load_or0's values (0 past the
+// chunk's rows and past V), one dtype branch for all of them.
+__device__ __forceinline__ void store_do(__nv_bfloat16* do_s, const uint32_t (&raw)[kDoPer][2], DType dt, int rows, int v0, int V) {
+  const int i0 = threadIdx.x / (kVs / 2), y = 2 * (threadIdx.x % (kVs / 2));
+  auto put = [&](auto&& value) {
+#pragma unroll
+    for (int u = 0; u < kDoPer; ++u) {
+      const bool in = i0 + 8 * u < rows;
+      store_pair(do_s + (i0 + 8 * u) * kLdS + y, in && v0 + y < V ? value(raw[u][0]) : 0.f, in && v0 + y + 1 < V ? value(raw[u][1]) : 0.f);
+    }
+  };
+  if (dt == DType::kFP32) put([](uint32_t r) { return __uint_as_float(r); });
+  else if (dt == DType::kBF16) put([](uint32_t r) { return __uint_as_float(r << 16); });
+  else put([](uint32_t r) { return __half2float(__ushort_as_half(static_cast<unsigned short>(r))); });
 }
 
-__global__ void __launch_bounds__(kScanThreads) kda2_scan_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w, int slices) {
+__global__ void __launch_bounds__(kScanThreads, kScanBlocksPerSm) kda2_scan_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w,
+                                                                                   int slices) {
   extern __shared__ __align__(16) unsigned char smem[];
-  auto* ds_s = reinterpret_cast<__nv_bfloat16*>(smem + 2 * kStageBytes);  // [128][kLdS] bf16(dS'), stored [k][v]
-  __nv_bfloat16* dvn_s = ds_s + kD * kLdS;                                  // [64][kLdS] bf16(dVnew)
-  __nv_bfloat16* do_s = dvn_s + kC * kLdS;                                  // [64][kLdS] dO
+  auto* kg_s = reinterpret_cast<__nv_bfloat16*>(smem);        // [64][128] Kg, swizzled
+  __nv_bfloat16* qg_s = kg_s + kBig;                          // [64][128] Qg, swizzled
+  __nv_bfloat16* wn_s = qg_s + kBig;                          // [64][128] -W, swizzled
+  __nv_bfloat16* dvl_s = wn_s + kBig;                         // [64][kLdS] dvl
+  __nv_bfloat16* ds_s = dvl_s + kC * kLdS;                    // [128][kLdS] bf16(dS'), stored [k][v]
+  __nv_bfloat16* dvn_s = ds_s + kD * kLdS;                    // [64][kLdS] bf16(dVnew)
+  __nv_bfloat16* do_s = dvn_s + kC * kLdS;                    // [64][kLdS] dO
+  float* egc_s = reinterpret_cast<float*>(do_s + kC * kLdS);  // [128] 2^gC
   const int slice = blockIdx.x % slices, hv = (blockIdx.x / slices) % p.H, n = blockIdx.x / (slices * p.H);
   const int v0 = kVs * slice, b = p.varlen ? 0 : n;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3, mi = lane >> 3, r = lane & 7;
   const int first = p.chunk_start[n], count = p.chunk_start[n + 1] - first;
   // dS' fragments: m-tile mt rows 32 warp + 16 mt (+ g8, + 8), n-tile nt columns v0 + 8 nt + 2 t4 (+1).
   float ds[2][4][4];
@@ -190,42 +244,76 @@ __global__ void __launch_bounds__(kScanThreads) kda2_scan_kernel(const __grid_co
         for (int e = 0; e < 4; ++e) f(ds[mt][nt][e], 32 * warp + 16 * mt + g8 + 8 * (e >> 1), v0 + 8 * nt + 2 * t4 + (e & 1));
   };
   each_ds([&](float& x, int a, int y) { x = p.dht && a < p.K && y < p.V ? p.dht[(state0 + a) * p.V + y] : 0.f; });
+  // Local chunk c (0 .. count - 1) of the sequence: its rows, *t0 its first token.
   auto chunk_rows = [&](int c, int* t0) {
-    *t0 = p.seq_begin[n] + (c - first) * kC;
+    *t0 = p.seq_begin[n] + c * kC;
     return min(kC, p.seq_end[n] - *t0);
   };
-  if (count > 0) {
+  // The cp.async groups, one a tile set, committed in the order Qg+2^gC (c), Kg+dvl (c), -W (c), Qg+2^gC (c - 1), ...:
+  // each wait is for the group before the newest (wait_group 1). Past the first chunk the groups are empty.
+  auto load_q = [&](int c) {
+    if (c >= 0) {
+      int t0;
+      const int rows = chunk_rows(c, &t0);
+      load_big(p, w.qg, qg_s, b, t0, rows, hv);
+      if (threadIdx.x < kD / 4) cp_async16(egc_s + 4 * threadIdx.x, w.egc + (int64_t(first + c) * p.H + hv) * kD + 4 * threadIdx.x, true);
+    }
+    cp_async_commit();
+  };
+  auto load_k = [&](int c) {
+    if (c >= 0) {
+      int t0;
+      const int rows = chunk_rows(c, &t0);
+      load_big(p, w.kg, kg_s, b, t0, rows, hv);
+#pragma unroll
+      for (int u = 0; u < kC * (kVs / 8) / kScanThreads; ++u) {
+        const int x = threadIdx.x + u * kScanThreads, i = x / (kVs / 8), seg = x % (kVs / 8);
+        const bool valid = i < rows;
+        cp_async16(dvl_s + i * kLdS + 8 * seg, w.dvl + (valid ? tok(p, b, t0 + i, hv) * kD + v0 + 8 * seg : 0), valid);
+      }
+    }
+    cp_async_commit();
+  };
+  auto load_w = [&](int c) {
     int t0;
-    const int rows = chunk_rows(first + count - 1, &t0);
-    load_stage(p, w, stage_at(smem + ((count - 1) & 1) * kStageBytes), first + count - 1, b, t0, rows, hv, v0);
+    const int rows = chunk_rows(c, &t0);
+    load_big(p, w.wn, wn_s, b, t0, rows, hv);
+    cp_async_commit();
+  };
+  uint32_t od[kDoPer][2];  // dO of the chunk before, raw (load_do_raw): in flight during this chunk's products
+  // ds += A^T B over the chunk's 64 rows: A a swizzled [64][128] tile (this warp's state rows 32 warp..), B [64][kLdS].
+  auto state_term = [&](const __nv_bfloat16* at, const __nv_bfloat16* bt) {
+#pragma unroll
+    for (int ks = 0; ks < kC / 16; ++ks) {
+      uint32_t af[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) ldmatrix_x4_trans(af[mt], at + swz(16 * ks + 8 * (mi >> 1) + r, 32 * warp + 16 * mt + 8 * (mi & 1)));
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, bt + (16 * ks + 8 * (mi & 1) + r) * kLdS + 8 * j + 8 * (mi >> 1));
+        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(ds[mt][j], af[mt], b0);
+          mma_bf16(ds[mt][j + 1], af[mt], b1);
+        }
+      }
+    }
+  };
+  if (count > 0) {
+    load_q(count - 1), load_k(count - 1);
+    int t0;
+    const int rows = chunk_rows(count - 1, &t0);
+    load_do_raw(p.d_o, b, t0, rows, hv, v0, p.V, od);
+    store_do(do_s, od, p.d_o.dtype, rows, v0, p.V);
   }
   for (int ci = count - 1; ci >= 0; --ci) {
     const int slot = first + ci;
-    const Stage s = stage_at(smem + (ci & 1) * kStageBytes);
     int t0;
-    const int rows = chunk_rows(slot, &t0);
-    if (ci > 0) {  // the chunk before, in flight during this one
-      int pt0;
-      const int prows = chunk_rows(slot - 1, &pt0);
-      load_stage(p, w, stage_at(smem + ((ci - 1) & 1) * kStageBytes), slot - 1, b, pt0, prows, hv, v0);
-    }
-    // dO (any float dtype) into shared bf16 while the tiles land.
-    {
-      constexpr int kPer = kC * kVs / 2 / kScanThreads;  // value pairs a thread
-      float o[kPer][2];
-#pragma unroll
-      for (int u = 0; u < kPer; ++u) {
-        const int x = threadIdx.x + u * kScanThreads, i = x / (kVs / 2), y = v0 + 2 * (x % (kVs / 2));
-        o[u][0] = load_or0(p.d_o, b, t0 + i, hv, y, i < rows && y < p.V);
-        o[u][1] = load_or0(p.d_o, b, t0 + i, hv, y + 1, i < rows && y + 1 < p.V);
-      }
-#pragma unroll
-      for (int u = 0; u < kPer; ++u) {
-        const int x = threadIdx.x + u * kScanThreads, i = x / (kVs / 2), y = 2 * (x % (kVs / 2));
-        store_pair(do_s + i * kLdS + y, o[u][0], o[u][1]);
-      }
-    }
-    // dS' of this chunk: bf16 to shared (the next products' operand) and to dsp.
+    const int rows = chunk_rows(ci, &t0);
+    // dS' of this chunk: bf16 to shared (the next products' operand; its last readers, the chunk after's
+    // Kg dS', are past that chunk's barrier (3)) and to dsp.
     __nv_bfloat16* dsp = w.dsp + ((int64_t(slot) * p.H + hv) * kD) * kD;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -237,22 +325,37 @@ __global__ void __launch_bounds__(kScanThreads) kda2_scan_kernel(const __grid_co
           store_pair(ds_s + a * kLdS + y, ds[mt][nt][2 * h], ds[mt][nt][2 * h + 1]);
           store_pair(dsp + int64_t(a) * kD + v0 + y, ds[mt][nt][2 * h], ds[mt][nt][2 * h + 1]);
         }
-    if (ci > 0) cp_async_wait<1>();
-    else cp_async_wait<0>();
-    __syncthreads();
+    cp_async_wait<1>();  // this chunk's Qg, 2^gC (its Kg, dvl may be in flight)
+    __syncthreads();     // (1) dO, dS', Qg, 2^gC visible; every warp past the chunk after's (-W)^T dVnew
+    load_w(ci);          // -W into its free buffer, in flight during Qg^T dO and Kg dS'
+    int pt0 = 0, prows = 0;  // the chunk before: its dO in flight during this chunk's three products
+    if (ci > 0) prows = chunk_rows(ci - 1, &pt0), load_do_raw(p.d_o, b, pt0, prows, hv, v0, p.V, od);
+    // dS = 2^gC . dS' + Qg^T dO + (-W)^T dVnew: warp w state rows 32 w.., k over the chunk's 64 rows.
+    // The first two terms here, while dVnew is not yet needed; the same accumulation order as ever.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float e = egc_s[32 * warp + 16 * mt + g8 + 8 * h];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) ds[mt][nt][2 * h] *= e, ds[mt][nt][2 * h + 1] *= e;
+      }
+    state_term(qg_s, do_s);
+    cp_async_wait<1>();  // this chunk's Kg, dvl (its -W may be in flight)
+    __syncthreads();     // (2) Kg, dvl visible; Qg, 2^gC, dO read by every warp
+    load_q(ci - 1);      // the chunk before's Qg, 2^gC: in flight during Kg dS', (-W)^T dVnew, the next dS' stores
     // dVnew = dvl + Kg dS': warp w rows 16 w.., 4 n-tiles, k over the 128 state rows.
     {
       float dv[4][4];
-      const int m0 = 16 * warp, mi = lane >> 3, r = lane & 7;
+      const int m0 = 16 * warp;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          dv[nt][e] = __bfloat162float(s.dvl[(m0 + g8 + 8 * (e >> 1)) * kLdS + 8 * nt + 2 * t4 + (e & 1)]);
+        for (int e = 0; e < 4; ++e) dv[nt][e] = __bfloat162float(dvl_s[(m0 + g8 + 8 * (e >> 1)) * kLdS + 8 * nt + 2 * t4 + (e & 1)]);
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         uint32_t af[4];
-        ldmatrix_x4(af, s.kg + (m0 + r + 8 * (mi & 1)) * kLd + 16 * ks + 8 * (mi >> 1));
+        ldmatrix_x4(af, kg_s + swz(m0 + r + 8 * (mi & 1), 16 * ks + 8 * (mi >> 1)));
 #pragma unroll
         for (int j = 0; j < 4; j += 2) {
           uint32_t bf[4];
@@ -271,43 +374,12 @@ __global__ void __launch_bounds__(kScanThreads) kda2_scan_kernel(const __grid_co
           if (i < rows) store_pair(w.dvn + tok(p, b, t0 + i, hv) * kD + v0 + y, dv[nt][2 * h], dv[nt][2 * h + 1]);
         }
     }
-    __syncthreads();
-    // dS = 2^gC . dS' + Qg^T dO + (-W)^T dVnew: warp w state rows 32 w.., k over the chunk's 64 rows.
-    {
-      const int mi = lane >> 3, r = lane & 7;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float e = s.egc[32 * warp + 16 * mt + g8 + 8 * h];
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) ds[mt][nt][2 * h] *= e, ds[mt][nt][2 * h + 1] *= e;
-        }
-#pragma unroll
-      for (int term = 0; term < 2; ++term) {
-        const __nv_bfloat16* at = term == 0 ? s.qg : s.wn;
-        const __nv_bfloat16* bt = term == 0 ? do_s : dvn_s;
-#pragma unroll
-        for (int ks = 0; ks < kC / 16; ++ks) {
-          uint32_t af[2][4];
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-            ldmatrix_x4_trans(af[mt], at + (16 * ks + 8 * (mi >> 1) + r) * kLd + 32 * warp + 16 * mt + 8 * (mi & 1));
-#pragma unroll
-          for (int j = 0; j < 4; j += 2) {
-            uint32_t bf[4];
-            ldmatrix_x4_trans(bf, bt + (16 * ks + 8 * (mi & 1) + r) * kLdS + 8 * j + 8 * (mi >> 1));
-            const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-              mma_bf16(ds[mt][j], af[mt], b0);
-              mma_bf16(ds[mt][j + 1], af[mt], b1);
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();  // the stage and dS', dVnew, dO tiles are free for the next chunk
+    cp_async_wait<1>();  // this chunk's -W (the chunk before's Qg may be in flight)
+    __syncthreads();     // (3) dVnew, -W visible; Kg, dvl, dS' read by every warp
+    load_k(ci - 1);      // the chunk before's Kg, dvl: in flight during (-W)^T dVnew and that chunk's Qg^T dO
+    state_term(wn_s, dvn_s);
+    // The chunk before's dO to shared: this chunk's readers of do_s (Qg^T dO) are past barrier (2).
+    if (ci > 0) store_do(do_s, od, p.d_o.dtype, prows, v0, p.V);
   }
   if (p.dh0)
     each_ds([&](float& x, int a, int y) {
@@ -347,6 +419,10 @@ Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& l, vo
   auto s = static_cast<cudaStream_t>(stream);
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_prep_kernel", kda2_prep_kernel, kPrepSmem));
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_scan_kernel", kda2_scan_kernel, kScanSmem));
+  // K1's three blocks an SM need the largest shared-memory carveout (228 KB): asked for, not left to the default.
+  if (const cudaError_t e = cudaFuncSetAttribute(kda2_scan_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+      e != cudaSuccess)
+    return cuda_failure("kda2_scan_kernel", "setting the shared-memory carveout", e);
   if (chunks > 0)
     ENCORE_RETURN_IF_ERROR(launch("kda2_prep_kernel", [&] { kda2_prep_kernel<<<dim3(chunks, p.H), kPrepThreads, kPrepSmem, s>>>(p, w); }));
   const int slices = (p.V + kVs - 1) / kVs;
