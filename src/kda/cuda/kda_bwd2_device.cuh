@@ -58,6 +58,88 @@ __device__ __forceinline__ float loadbf_or0(const __nv_bfloat16* x, int64_t off,
   return ok ? v : 0.f;
 }
 
+// The rows t0 + i (i < 64) of one chunk of an input tensor [B, T, H, C] at batch b, head h: the
+// address of row 0 computed once a block, a row one multiply-add away (the staging loops' address
+// arithmetic, 64-bit per tensor and row through KdaTensor, dominated them).
+struct Rows {
+  const unsigned char* base;  // row 0, channel 0
+  int64_t step;               // bytes from a row to the next
+  int shift;                  // log2 of the element size: 2 fp32, 1 bf16 / fp16
+  DType dtype;
+};
+__device__ __forceinline__ Rows rows_of(const KdaTensor& x, int b, int t0, int h) {
+  const int shift = x.dtype == DType::kFP32 ? 2 : 1;
+  return Rows{static_cast<const unsigned char*>(x.data) + ((int64_t(b) * x.sb + int64_t(t0) * x.st + int64_t(h) * x.sh) << shift),
+              x.st << shift, shift, x.dtype};
+}
+// Element c of row i as float (bf16 / fp16 / fp32), 0 when !ok; straight-line (the load issues at row
+// 0, channel 0 when !ok).
+__device__ __forceinline__ float load1(const Rows& r, int i, int c, bool ok) {
+  const unsigned char* at = r.base + (ok ? int64_t(i) * r.step + (int64_t(c) << r.shift) : 0);
+  float v;
+  if (r.shift == 2) {
+    v = __ldg(reinterpret_cast<const float*>(at));
+  } else {
+    const unsigned short n = __ldg(reinterpret_cast<const unsigned short*>(at));
+    v = r.dtype == DType::kBF16 ? __uint_as_float(uint32_t(n) << 16) : __half2float(__ushort_as_half(n));
+  }
+  return ok ? v : 0.f;
+}
+// Channels c0 .. c0 + 3 of row i (zeros at or past `limit`, or all when !valid): one 8- or 16-byte
+// load where the four are in range and aligned, else one load each. Pass i = 0 when !valid.
+__device__ __forceinline__ void load4(const Rows& r, int i, int c0, int limit, bool valid, float (&out)[4]) {
+  const unsigned char* at = r.base + int64_t(i) * r.step + (int64_t(c0) << r.shift);
+  if (c0 + 3 < limit && (reinterpret_cast<uintptr_t>(at) & ((4u << r.shift) - 1)) == 0) {
+    if (r.shift == 2) {
+      const float4 f = __ldg(reinterpret_cast<const float4*>(at));
+      out[0] = f.x, out[1] = f.y, out[2] = f.z, out[3] = f.w;
+    } else {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(at));
+      const uint32_t w[2] = {u.x, u.y};
+      if (r.dtype == DType::kBF16) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[e] = __uint_as_float(e & 1 ? w[e >> 1] & 0xffff0000u : w[e >> 1] << 16);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[e] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[e >> 1] >> (16 * (e & 1)))));
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = valid ? out[e] : 0.f;
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) out[e] = load1(r, i, c0 + e, valid && c0 + e < limit);
+}
+
+// The output side: rows t0 + i of a [B, T, H, C] output (bf16 / fp16 / fp32) at batch b, head h.
+struct OutRows {
+  unsigned char* base;
+  int64_t step;
+  int shift;
+  DType dtype;
+};
+__device__ __forceinline__ OutRows out_rows(const KdaOutTensor& o, int b, int t0, int h) {
+  const int shift = o.dtype == DType::kFP32 ? 2 : 1;
+  return OutRows{static_cast<unsigned char*>(o.data) + ((int64_t(b) * o.sb + int64_t(t0) * o.st + int64_t(h) * o.sh) << shift), o.st << shift,
+                 shift, o.dtype};
+}
+__device__ __forceinline__ void store1(const OutRows& r, int i, int c, float x) {
+  kda::store(r.base + int64_t(i) * r.step, r.dtype, c, x);
+}
+// Channels c, c + 1 of row i (the second only when `both`): one 4- or 8-byte store where aligned.
+__device__ __forceinline__ void store2(const OutRows& r, int i, int c, float x, float y, bool both) {
+  unsigned char* at = r.base + int64_t(i) * r.step + (int64_t(c) << r.shift);
+  if (both && (reinterpret_cast<uintptr_t>(at) & ((2u << r.shift) - 1)) == 0) {
+    if (r.shift == 2) *reinterpret_cast<float2*>(at) = make_float2(x, y);
+    else if (r.dtype == DType::kBF16) *reinterpret_cast<uint32_t*>(at) = kda::pack_bf16(x, y);
+    else *reinterpret_cast<__half2*>(at) = __floats2half2_rn(x, y);
+    return;
+  }
+  store1(r, i, c, x);
+  if (both) store1(r, i, c + 1, y);
+}
+
 // Two residual values (bf16 or fp32, kda_bwd_device.cuh's load_any_or0) at x[off], x[off + 1], off
 // even: one 4- or 8-byte load; each value zero where its flag is false. Straight-line.
 __device__ __forceinline__ void load2_any_or0(const void* x, DType dt, int64_t off, bool ok0, bool ok1, float (&out)[2]) {

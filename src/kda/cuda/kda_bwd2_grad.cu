@@ -51,17 +51,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
 
   // Rows: Kbeta = beta k^ . 2^G, beta v, dO, A, -W, dVnew (warp per row, lane 4 channels; load4's
   // one vector load a lane where the row segment is in range and aligned).
+  const Rows in_k = rows_of(p.k, ci.b, ci.t0, hq), in_v = rows_of(p.v, ci.b, ci.t0, hv), in_o = rows_of(p.d_o, ci.b, ci.t0, hv),
+             in_beta = rows_of(p.beta, ci.b, ci.t0, hv);
+  const int64_t tok0 = tok(p, ci.b, ci.t0, hv);  // the token row of chunk row i: tok0 + i H
   auto stage_rows = [&] {
 #pragma unroll 1
     for (int i = warp; i < kC; i += kWarps) {
       const bool valid = i < ci.rows;
-      const int t = ci.t0 + (valid ? i : 0);
-      const int64_t row = tok(p, ci.b, t, hv);
+      const int iv = valid ? i : 0;
+      const int64_t row = tok0 + int64_t(iv) * p.H;
       // Straight-line loads (ld*_or0): a row's loads are in flight together.
       float k[4], g[4], v[4], o[4];
-      const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
-      load4(p.k, ci.b, t, hq, c0, p.K, valid, k), load4(p.v, ci.b, t, hv, c0, p.V, valid, v);
-      load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o), load_g4(p.G, row, p.K, c0, valid, g);
+      const float beta = load1(in_beta, iv, 0, valid);
+      load4(in_k, iv, c0, p.K, valid, k), load4(in_v, iv, c0, p.V, valid, v);
+      load4(in_o, iv, c0, p.V, valid, o), load_g4(p.G, row, p.K, c0, valid, g);
       // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
       const uint2 wn = load4_or0(w.wn + row * kD, c0, valid), dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V);
       // A row (columns 2 lane, 2 lane + 1; j <= i only): one 4- or 8-byte load.

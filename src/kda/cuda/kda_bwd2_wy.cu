@@ -38,7 +38,7 @@ namespace kda2 {
 namespace {
 
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kLdF = kD + 4;        // fp32 row stride of [64][128] tiles
 constexpr int kAnchorRows = 96;     // rows of the anchored operands: 16 + 32 + 48
 constexpr size_t kSmall = size_t(kC) * kLdC * 2;  // one bf16 [64][64] tile
@@ -90,17 +90,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   float gc[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) gc[e] = ldg_or0(p.G, last * p.K + c0 + e, c0 + e < p.K);
-  for (int i = warp; i < kC; i += kThreads / 32) {
+  const Rows in_q = rows_of(p.q, b, t0, hq), in_k = rows_of(p.k, b, t0, hq), in_v = rows_of(p.v, b, t0, hv), in_beta = rows_of(p.beta, b, t0, hv);
+  const int64_t tok0 = tok(p, b, t0, hv);  // the token row of chunk row i: tok0 + i H
+  auto tokr = [&](int i) { return tok0 + int64_t(i) * p.H; };
+#pragma unroll
+  for (int u = 0; u < kC / kWarps; ++u) {  // all of a warp's rows' loads in flight together
+    const int i = warp + kWarps * u;
     const bool valid = i < rows;
-    const int t = t0 + (valid ? i : 0);
-    const int64_t row = tok(p, b, t, hv);
-    // Straight-line loads (ld*_or0): a row's loads are in flight together.
+    const int iv = valid ? i : 0;
+    const int64_t row = tokr(iv);
     float q[4], k[4], g[4], v[4];
-    load4(p.q, b, t, hq, c0, p.K, valid, q), load4(p.k, b, t, hq, c0, p.K, valid, k);
-    load_g4(p.G, row, p.K, c0, valid, g), load4(p.v, b, t, hv, c0, p.V, valid, v);
+    load4(in_q, iv, c0, p.K, valid, q), load4(in_k, iv, c0, p.K, valid, k);
+    load_g4(p.G, row, p.K, c0, valid, g), load4(in_v, iv, c0, p.V, valid, v);
 #pragma unroll
     for (int e = 0; e < 4; ++e) g[e] = valid && c0 + e < p.K ? g[e] : gc[e];  // rows past the end: gC
-    const float beta = load_or0(p.beta, b, t, hv, 0, valid);
+    const float beta = load1(in_beta, iv, 0, valid);
     const uint2 dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V), dw = load4_or0(w.dw + row * kD, c0, valid);
     const int j = 2 * lane;
     const uint32_t da = load2_or0(w.da, row * kC + j, valid), daqk = load2_or0(w.daqk, row * kC + j, valid);
@@ -156,9 +160,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   // ---- B: dVbeta, dKbeta, M ----------------------------------------------------------------------
   zero(acc);
   warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);
+  const OutRows out_dv = out_rows(p.dv, b, t0, hv);
   each([&](int j, int e, int i, int y) {
     db[e >> 1] += acc[j][e] * __bfloat162float(v_s[i * kLd + y]);
-    if (i < rows && y < p.V) store_out(p.dv, b, t0 + i, hv, y, beta_s[i] * acc[j][e]);
+    if ((e & 1) == 0 && i < rows && y < p.V) store2(out_dv, i, y, beta_s[i] * acc[j][e], beta_s[i] * acc[j][e + 1], y + 1 < p.V);
   });
   zero(acc);
   warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
@@ -261,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
 #pragma unroll 1
   for (int jj = m0 + 8; jj < m0 + 16; ++jj) column(jj, std::false_type{});
   each([&](int j, int e, int i, int a) {
-    const float dqi = ld_or0(w.dqi, tok(p, b, t0 + min(i, rows - 1), hv) * kD + a, i < rows && a < p.K);
+    const float dqi = ld_or0(w.dqi, tokr(min(i, rows - 1)) * kD + a, i < rows && a < p.K);
     const float qf = q_f[i * kLdF + a], kf = k_f[i * kLdF + a], bt = beta_s[i];
     dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dqi + bt * kf * acc2[j][e];
     dk_t[j][e] += bt * acc2[j][e];
@@ -321,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   float kdk[4][4];
   float dq_dot[2] = {0.f, 0.f}, dk_dot[2] = {0.f, 0.f};
   each([&](int j, int e, int i, int a) {
-    const float dki = ld_or0(w.dki, tok(p, b, t0 + min(i, rows - 1), hv) * kD + a, i < rows && a < p.K);
+    const float dki = ld_or0(w.dki, tokr(min(i, rows - 1)) * kD + a, i < rows && a < p.K);
     dk_t[j][e] += dki;
     dg_t[j][e] -= k_f[i * kLdF + a] * dki;
     kdk[j][e] = k_f[i * kLdF + a] * dki;
@@ -358,17 +363,30 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   const KdaOutTensor pdk = p.group > 1 ? KdaOutTensor{w.dki, DType::kFP32, sb, st, kD} : p.dk;
   const int hout = p.group > 1 ? hv : hq;
   auto quarters = [](const float* part, int i) { return (part[i] + part[kC + i]) + (part[2 * kC + i] + part[3 * kC + i]); };
-  each([&](int j, int e, int i, int a) {
-    if (i >= rows || a >= p.K) return;
-    float dq = dq_t[j][e], dk = dk_t[j][e];
-    if (p.l2norm) {
-      dq = rq_s[i] * (dq - q_f[i * kLdF + a] * quarters(dotq, i));
-      dk = rk_s[i] * (dk - k_f[i * kLdF + a] * quarters(dotk, i));
+  const OutRows out_dq = out_rows(pdq, b, t0, hout), out_dk = out_rows(pdk, b, t0, hout);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = m0 + g8 + 8 * h;
+    if (i >= rows) continue;
+    const float sq = p.l2norm ? quarters(dotq, i) : 0.f, sk = p.l2norm ? quarters(dotk, i) : 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int a = n0 + 8 * j + 2 * t4;
+      if (a >= p.K) continue;
+      float dq[2], dk[2];
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        dq[x] = dq_t[j][2 * h + x], dk[x] = dk_t[j][2 * h + x];
+        if (p.l2norm) {
+          dq[x] = rq_s[i] * (dq[x] - q_f[i * kLdF + a + x] * sq);
+          dk[x] = rk_s[i] * (dk[x] - k_f[i * kLdF + a + x] * sk);
+        }
+      }
+      store2(out_dq, i, a, dq[0], dq[1], a + 1 < p.K);
+      store2(out_dk, i, a, dk[0], dk[1], a + 1 < p.K);
     }
-    store_out(pdq, b, t0 + i, hout, a, dq);
-    store_out(pdk, b, t0 + i, hout, a, dk);
-  });
-  if (threadIdx.x < rows) store_out(p.dbeta, b, t0 + threadIdx.x, hv, 0, quarters(dbp, threadIdx.x));
+  }
+  if (threadIdx.x < rows) store1(out_rows(p.dbeta, b, t0, hv), threadIdx.x, 0, quarters(dbp, threadIdx.x));
   // dg: the reverse cumsum per channel with the last row's terms, then the gate backward. Thread
   // (channel a, part) takes rows 16 part .. 16 part + 15 (rows past the end hold zeros), the parts'
   // sums and gate partials meet in tail_s.
@@ -388,10 +406,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
 #pragma unroll
   for (int x = kParts - 1; x > 0; --x) acc_g += x > part ? tail_s[x * kD + a] : 0.f;
   if (a < p.K) {
-    const float ea = kda::gate_scale(p, hv);
-    float xr[kPartRows];  // the raw gate of the part's rows, loaded before the chain
+    const float ea = kda::gate_scale(p, hv), dtb = p.dt_bias ? p.dt_bias[hv * p.K + a] : 0.f;
+    const Rows in_g = rows_of(p.g, b, t0, hv);
+    const OutRows out_dg = out_rows(p.dg, b, t0, hv);
+    float xr[kPartRows];  // the gate's input (raw g + dt_bias) of the part's rows, loaded before the chain
 #pragma unroll
-    for (int u = 0; u < kPartRows; ++u) xr[u] = p.gate_in_kernel ? load_or0(p.g, b, t0 + min(r0 + u, rows - 1), hv, a, r0 + u < rows) : 0.f;
+    for (int u = 0; u < kPartRows; ++u) xr[u] = p.gate_in_kernel ? load1(in_g, r0 + u < rows ? r0 + u : 0, a, r0 + u < rows) + dtb : 0.f;
 #pragma unroll
     for (int u = kPartRows - 1; u >= 0; --u) {
       const int i = r0 + u;
@@ -401,11 +421,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
       if (i < rows) {
         if (p.gate_in_kernel) {
           float da;
-          kda::gate_backward(p, dy, kda::gate_input(p, xr[u], hv, a), ea, &dx, &da);
+          kda::gate_backward(p, dy, xr[u], ea, &dx, &da);
           pda += da;
           pdt += dx;
         }
-        store_out(p.dg, b, t0 + i, hv, a, dx);
+        store1(out_dg, i, a, dx);
       }
     }
   }

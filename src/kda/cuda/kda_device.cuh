@@ -332,15 +332,18 @@ __device__ __forceinline__ float gate_act(const P& p, float raw, int h, int c) {
 
 // The in-kernel gate's backward at input x (raw g + dt_bias) with ea = e^A_log: dx = dy · d(gate)/dx,
 // the gradient w.r.t. the g passed in (and dt_bias), and da = dy · d(gate)/dA_log.
+// On the fast intrinsics (a few ulp; gradients): with e = exp(-|y|), sigmoid(y) = 1 / (1 + e) for
+// y >= 0 and e / (1 + e) below, softplus(y) = max(y, 0) + log(1 + e).
 template <class P>
 __device__ __forceinline__ void gate_backward(const P& p, float dy, float x, float ea, float* dx, float* da) {
+  const float y = p.lower_bound_gate ? ea * x : x;
+  const float e = __expf(-fabsf(y)), r = __fdividef(1.f, 1.f + e), sg = y >= 0.f ? r : e * r;
   if (p.lower_bound_gate) {
-    const float sg = sigmoid(ea * x);
     *dx = dy * p.lower_bound * sg * (1.f - sg) * ea;
     *da = *dx * x;
   } else {
-    *dx = dy * -ea * (x > 20.f ? 1.f : sigmoid(x));
-    *da = dy * -ea * softplus(x);
+    *dx = dy * -ea * sg;
+    *da = dy * -ea * (fmaxf(y, 0.f) + __logf(1.f + e));
   }
 }
 
