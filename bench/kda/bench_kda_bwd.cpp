@@ -2,9 +2,9 @@
 // (kda_bench_case.hpp: bf16, H 16, K = V = 128, in-kernel softplus gate with dt_bias, q/k L2 norm;
 // fla is timed on the same ones by bench/peers/kda_train_peers.py): the forward writing chunk_kda's
 // residuals (G fp32; Aqk, Akk and, saved-h, the chunk states h in bf16), and the backward on both
-// paths (saved h; rematerialize: residuals G, Aqk, Akk only), with dq, dk, dv, dg, dbeta, dA_log and
-// ddt_bias written and d_o random in [-1, 1); the second backward (kda::bwd2_stages, saved h) beside
-// them. Device time per call from graph replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
+// paths (saved h: the second backward; rematerialize: residuals G, Aqk, Akk only, the first), with dq,
+// dk, dv, dg, dbeta, dA_log and ddt_bias written and d_o random in [-1, 1). Device time per call from
+// graph replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
 // bench kda_bwd).
 #include <algorithm>
 #include <cstdio>
@@ -13,8 +13,6 @@
 
 #include "bench/kda/kda_bench_case.hpp"
 #include "core/carve.hpp"
-#include "kda/cuda/kda_bwd2.hpp"
-#include "kda/testing.hpp"
 
 namespace encore::bench {
 namespace {
@@ -32,7 +30,7 @@ struct KdaTrainCase {
   KdaBackwardArgs remat;   // G, Aqk, Akk only
   KdaOptions opts;
   void* mem = nullptr;
-  void *ws_fwd = nullptr, *ws_saved = nullptr, *ws_remat = nullptr, *ws_second = nullptr;
+  void *ws_fwd = nullptr, *ws_saved = nullptr, *ws_remat = nullptr;
 
   explicit KdaTrainCase(const KdaBenchCase& kc) : fwd(kc.a), opts(kc.opts) {
     const Device dev{DeviceType::kCUDA, 0};
@@ -66,15 +64,12 @@ struct KdaTrainCase {
     check_cuda(cudaMalloc(&ws_fwd, std::max<size_t>(workspace_bytes(fwd, opts), 16)), "kda forward workspace");
     check_cuda(cudaMalloc(&ws_saved, std::max<size_t>(workspace_bytes(saved, opts), 16)), "kda backward workspace");
     check_cuda(cudaMalloc(&ws_remat, std::max<size_t>(workspace_bytes(remat, opts), 16)), "kda backward workspace");
-    size_t second = 0;
-    check_status(kda::bwd2_stages_workspace(saved, opts, &second), "second backward workspace");
-    check_cuda(cudaMalloc(&ws_second, std::max<size_t>(second, 16)), "kda second backward workspace");
     check_cuda(cudaDeviceSynchronize(), "fill");
   }
   KdaTrainCase(const KdaTrainCase&) = delete;  // owns device memory
   KdaTrainCase& operator=(const KdaTrainCase&) = delete;
   ~KdaTrainCase() {
-    for (void* p : {mem, ws_fwd, ws_saved, ws_remat, ws_second}) check_cuda(cudaFree(p), "free");
+    for (void* p : {mem, ws_fwd, ws_saved, ws_remat}) check_cuda(cudaFree(p), "free");
   }
 };
 
@@ -113,10 +108,10 @@ void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t st
     // The residuals now hold this forward's values for both backward paths.
     check_status(run(tc.fwd, tc.opts, tc.ws_fwd, stream), "kda forward");
     check_cuda(cudaStreamSynchronize(stream), "sync");
-    time("kda_backward", "saved_h", kFirst, [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
+    // run() picks the kernels (kda_backward_kernels): bf16 with saved states the second backward, the
+    // rematerialize path the first.
+    time("kda_backward", "saved_h", kSecond, [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
     time("kda_backward", "remat", kFirst, [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
-    cuda::Kda2Layout layout;
-    time("kda_backward2", "saved_h", kSecond, [&] { return kda::bwd2_stages(tc.saved, tc.opts, tc.ws_second, stream, &layout); });
   }
 }
 

@@ -12,6 +12,7 @@
 #include "kda/problem.hpp"
 #include "kda/testing.hpp"  // the run overload on an explicit plan, defined here
 #include "kda/cuda/launch.hpp"  // host-only declarations and limits
+#include "kda/cuda/kda_bwd2.hpp"
 #include "kda/cuda/kda_bwd_launch.hpp"
 #include "kda/reference/kda_chunked_bwd.hpp"
 #include "kda/reference/kda_ref.hpp"
@@ -465,7 +466,9 @@ size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   if (!a.fwd.q.defined() || !a.fwd.q.device.is_cuda() || !kda::make_problem(a.fwd, o, &p)) return 0;
 #ifdef ENCORE_WITH_CUDA
-  if (cuda::kda_use_recurrent(p.K, p.V)) {
+  const kda::KdaBackwardKernels kernels = kda::kda_backward_kernels(p, a.fwd.residuals.h.defined(), a.fwd.q.dtype);
+  if (kernels == kda::KdaBackwardKernels::kSecond) return cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes;
+  if (kernels == kda::KdaBackwardKernels::kRecurrent) {
     int64_t window_rows = 0;  // the backward's partials hold one chunk of every sequence
     for (const auto& sq : p.seqs) window_rows += std::min<int64_t>(kda::kChunk, sq.end - sq.begin);
     return cuda::kda_recurrent_backward_workspace_bytes(chunk_count(p), int64_t(p.seqs.size()), p.H, p.K, p.V, !a.fwd.residuals.h.defined(),
@@ -491,8 +494,15 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
     ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.fwd.q.device));
     cuda::KdaBwdCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_backward(a, o, p, cp);
-    return cuda::kda_use_recurrent(p.K, p.V) ? cuda::launch_kda_recurrent_backward(cp, workspace, stream)
-                                              : cuda::launch_kda_backward(cp, workspace, stream);
+    switch (kda::kda_backward_kernels(p, a.fwd.residuals.h.defined(), a.fwd.q.dtype)) {
+      case kda::KdaBackwardKernels::kSecond:
+        return cuda::launch_kda2_backward(cp, cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H), workspace, int(chunk_count(p)), stream);
+      case kda::KdaBackwardKernels::kRecurrent:
+        return cuda::launch_kda_recurrent_backward(cp, workspace, stream);
+      case kda::KdaBackwardKernels::kFirst:
+        break;
+    }
+    return cuda::launch_kda_backward(cp, workspace, stream);
 #else
     (void)workspace;
     (void)stream;

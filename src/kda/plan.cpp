@@ -1,7 +1,10 @@
-// The CUDA KDA forward's launch plan (plan.hpp): the rule, and the checks of a requested plan.
+// The CUDA KDA launch plans (plan.hpp): the forward's rule and the checks of a requested plan; the
+// backward's kernels.
 #include "kda/plan.hpp"
 
 #include <string>
+
+#include "kda/cuda/launch.hpp"  // host-only declarations and limits
 
 namespace encore::kda {
 namespace {
@@ -45,6 +48,12 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
   out->state_columns = requested.state_columns != 0 ? requested.state_columns : rule.state_columns;
   out->chunk_blocks = requested.chunk_blocks != 0 ? requested.chunk_blocks : rule.chunk_blocks;
   return Status::ok();
+}
+
+KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType inputs) {
+  if (cuda::kda_use_recurrent(p.K, p.V)) return KdaBackwardKernels::kRecurrent;
+  if (saved_h && (inputs == DType::kBF16 || inputs == DType::kFP16)) return KdaBackwardKernels::kSecond;
+  return KdaBackwardKernels::kFirst;
 }
 
 }  // namespace encore::kda

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "encore/core/device_info.hpp"
+#include "encore/core/dtype.hpp"
 #include "encore/core/status.hpp"
 #include "kda/problem.hpp"
 
@@ -27,5 +28,12 @@ Status check_plan(const KdaLaunchPlan& plan);
 
 // `requested` with its 0 fields replaced by kda_plan's choice, after check_plan.
 Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const DeviceInfo& device, KdaLaunchPlan* out);
+
+// The CUDA backward's kernels for a problem: the second backward (K0 prep, K1 scan, K2a, K2b: single-
+// pass bf16 tensor-core products) for bf16 / fp16 inputs with the forward's saved chunk-start states
+// and K, V <= 128; the token-recurrent one for K or V above 128; the first (fp32 records, hi + lo
+// products) for fp32 inputs (its fp32 accuracy) and the rematerialize path (no saved states).
+enum class KdaBackwardKernels { kSecond, kFirst, kRecurrent };
+KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType inputs);
 
 }  // namespace encore::kda
