@@ -480,13 +480,11 @@ def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=Non
     partial_tile_n, head_dim = as_int(partial_tile_n, "partial_tile_n"), as_int(head_dim, "head_dim")
     ignore_index = as_int(ignore_index, "ignore_index")
     if stream is None:
-        if not eager(a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz, lse):
-            op, tile = ops().gemm_epilogue, _tile_name(tile)
-        else:
-            op, tile = _native("gemm_epilogue", a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz, lse), _tile_arg(tile)
+        traced = not eager(a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz, lse)
+        op = ops().gemm_epilogue if traced else _native("gemm_epilogue", a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz, lse)
         if op is not None:
             got = op(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, bool(store_d), partial_tile_n, head_dim, ignore_index,
-                     tile, c2, zdz, lse)
+                     _tile_name(tile) if traced else _tile_arg(tile), c2, zdz, lse)
             return dict(zip(_epilogue_keys(name, store_d, target is not None), got))
     return _gemm_epilogue_launch(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n, head_dim,
                                  ignore_index, tile, c2, zdz, lse, stream)
@@ -519,8 +517,8 @@ def gemm_residual_rms_partial(a, w, residual, gamma, partial_tile_n=0, stream=No
     per partial_tile_n columns (0: gemm_partial_tile_n)); finish with rms_final_reduce."""
     partial_tile_n = as_int(partial_tile_n, "partial_tile_n")
     if stream is None:
-        op = ops().gemm_residual_rms_partial if not eager(a, w, residual, gamma) else native(a, "gemm_residual_rms_partial", w, residual,
-                                                                                             gamma)
+        op = (ops().gemm_residual_rms_partial if not eager(a, w, residual, gamma)
+              else native(a, "gemm_residual_rms_partial", w, residual, gamma))
         if op is not None:
             return op(a, w, residual, gamma, partial_tile_n)
     return _gemm_residual_rms_partial_launch(a, w, residual, gamma, partial_tile_n, stream)
