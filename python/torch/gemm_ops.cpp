@@ -81,9 +81,10 @@ std::pair<int64_t, int64_t> mn(const at::Tensor& a, const at::Tensor& w, bool we
 }
 
 // gemm.py _check_tile_n / _tile_n: the partials' tile width, partial_tile_n or (0) the epilogue's default for K = a's columns.
+// A width past C++ int is refused here (TypeError, as the launcher's options refuse it), before ceil_div(n, t) overflows.
 int64_t tile_width(Epilogue e, const at::Tensor& a, int64_t partial_tile_n) {
   TORCH_CHECK_VALUE(partial_tile_n >= 0, "partial_tile_n: must be positive or 0 (auto), got ", partial_tile_n);
-  const int64_t t = partial_tile_n ? partial_tile_n : encore::gemm_partial_tile_n(e, 1, 1, a.size(1));
+  const int64_t t = partial_tile_n ? to_int(partial_tile_n, "partial_tile_n") : encore::gemm_partial_tile_n(e, 1, 1, a.size(1));
   TORCH_CHECK(t > 0, "partial_tile_n: no default tile width for the ", encore::epilogue_name(e), " epilogue");
   return t;
 }

@@ -75,9 +75,9 @@ void qk_norm_(const at::Tensor& qkv, const at::Tensor& q_weight, const at::Tenso
               int64_t head_dim, double eps, double weight_offset) {
   TORCH_CHECK_VALUE(qkv.dim() == 2, "qkv: expected 2 dimensions [tokens, (num_q_heads + 2*num_kv_heads) * head_dim]");
   encore::QkNormOptions o;
-  o.num_q_heads = int(num_q_heads);
-  o.num_kv_heads = int(num_kv_heads);
-  o.head_dim = int(head_dim);
+  o.num_q_heads = to_int(num_q_heads, "num_q_heads");  // (not truncated: 2**32 + 1 heads is no 1 head)
+  o.num_kv_heads = to_int(num_kv_heads, "num_kv_heads");
+  o.head_dim = to_int(head_dim, "head_dim");
   o.eps = float(eps);
   o.weight_offset = float(weight_offset);
   check(encore::run(encore::QkNormArgs{view(qkv, "qkv"), view(q_weight, "q_weight"), view(k_weight, "k_weight")}, o, nullptr,

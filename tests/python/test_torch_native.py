@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import encore  # noqa: E402
-from encore import _core, gemm, kda  # noqa: E402
+from encore import _core, gemm, kda, norm  # noqa: E402
 
 encore.register_torch_ops()
 if "gemm_row_scale" not in _core.NATIVE:
@@ -82,7 +82,7 @@ def test_gemm_ops_match_python_kernels():
     res, gamma = randn(M, N), randn(N)
     check("gemm_residual_rms_partial", gemm._gemm_residual_rms_partial,
           [(a, w, res, gamma, 0), (a, w, res, gamma, 16), (a, w, res, gamma, 20), (a, w, res, gamma, -1), (a, w, res[:3], gamma, 0),
-           (a, w, res, gamma, 2 ** 40)], type_only=(5,))
+           (a, w, res, gamma, 2 ** 40), (a, w, res, gamma, 2 ** 63 - 1)], type_only=(5, 6))
     check("rms_final_reduce", gemm._rms_final_reduce, [(randn(M, 4).abs(), N, 1e-6), (randn(M), N, 1e-6), (randn(M, 4).double(), N, 0.1)])
     check("gemm_swiglu", gemm._gemm_swiglu, [(a, w, None, "auto"), (a, w, r, "auto"), (a, w[:7], r, "auto"), (a, w, None, "x")])
     pos = torch.arange(M, dtype=torch.int32) * 3
@@ -93,7 +93,8 @@ def test_gemm_ops_match_python_kernels():
     target[3] = -100
     check("gemm_lse", gemm._gemm_lse,
           [(a, w, r, target, True, -100, 0), (a, w, None, None, False, -100, 0), (a, w[:N - 3], None, None, True, -100, 0),
-           (a, w, None, target, False, 5, 16), (a, w, None, target.long(), False, -100, 0), (a, w, None, None, False, -100, -2)])
+           (a, w, None, target, False, 5, 16), (a, w, None, target.long(), False, -100, 0), (a, w, None, None, False, -100, -2),
+           (a, w, None, None, False, -100, 2 ** 63 - 1)], type_only=(6,))
     parts, _, tl = gemm.gemm_lse(a, w, target=target)
     check("lse_finish", gemm._lse_finish,
           [(parts, target, tl, -100), (parts, None, None, -100), (parts, target, None, -100), (parts[0], None, None, -100),
@@ -144,6 +145,106 @@ def test_gemm_epilogue_matches_python_kernel():
                                                                                     ptn=-1),
              row("row_scale", a_=a[0], rs=r), row("swiglu_bwd", a_=a[0], w_=wkn)]
     check("gemm_epilogue", gemm._gemm_epilogue, cases)
+
+
+def test_norm_ops_refuse_ints_past_cpp_int():
+    """qk_norm_'s head counts and head_dim past C++ int: TypeError as from the launcher (the C++ kernel truncated
+    them: 2**32 + 1 Q heads ran as 1)."""
+    hd = 64
+    qkv, qw = randn(3, 3 * hd, dt=BF16), randn(hd, dt=BF16) + 1
+    check("qk_norm_", norm._qk_norm,
+          [(qkv, qw, qw, 1, 1, hd, 1e-6, 0.0), (qkv, qw, qw, 2 ** 32 + 1, 1, hd, 1e-6, 0.0), (qkv, qw, qw, 1, 2 ** 32 + 1, hd, 1e-6, 0.0),
+           (qkv, qw, qw, 1, 1, 2 ** 32 + hd, 1e-6, 0.0), (qkv, qw, qw, 1, 1, -hd, 1e-6, 0.0), (qkv[0], qw, qw, 1, 1, hd, 1e-6, 0.0)],
+          mutated=(0,), type_only=(1, 2, 3))
+
+
+def _native_cases():
+    """(op name, arguments, indices of the tensor arguments) of valid CPU calls of every C++ op."""
+    a, w, r = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, scale=0.1) + 1
+    pos = torch.arange(M, dtype=torch.int32)
+    freq = torch.from_numpy(encore.rope_freq_turns(3, 3, 16, 10000.0))
+    target = torch.randint(0, N, (M,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    parts, logits, tl = gemm.gemm_lse(a, w, store_logits=True, target=target)
+    lse = gemm.lse_finish(parts)
+    hd, heads = 16, N // 16
+    qkv, hparts = gemm.gemm_qkv_head_sqsum(a, w, head_dim=hd)
+    qw = randn(hd, scale=0.1) + 1
+    f2 = torch.from_numpy(encore.rope_freq_turns(heads, 2, hd, 10000.0))
+    x, nw = randn(4, N), randn(N)
+    q, k, v, g, beta = kda_inputs(t=70)
+    return [("gemm_row_scale", (a, w, r, "auto"), (0, 1, 2)), ("gemm_scalar_scale", (a, w, torch.tensor([2.0]), "auto"), (0, 1, 2)),
+            ("gemm_residual_rms_partial", (a, w, randn(M, N), randn(N), 0), (0, 1, 2, 3)), ("gemm_swiglu", (a, w, r, "auto"), (0, 1, 2)),
+            ("gemm_rope", (a, w, pos, freq, r, "auto"), (0, 1, 2, 3, 4)), ("gemm_qkv_head_sqsum", (a, w, hd), (0, 1)),
+            ("gemm_lse", (a, w, r, target, True, -100, 0), (0, 1, 2, 3)),
+            ("gemm_epilogue", ("rmsnorm_bwd", a, randn(K, N), randn(M, N), randn(N), r, None, None, None, None, True, 0, 128, -100, "auto",
+                               randn(M, N), randn(M), None), (1, 2, 3, 4, 5, 15, 16)),
+            ("rms_final_reduce", (parts.abs(), N, 1e-6), (0,)), ("lse_finish", (parts, target, tl, -100), (0, 1, 2)),
+            ("partials_sum", (randn(3, 16), True, 1.0, 10), (0,)),
+            ("cross_entropy_bwd", (logits, lse, target, torch.tensor([0.5]), -100), (0, 1, 2, 3)),
+            ("cross_entropy_bwd_", (logits.clone(), lse, target, torch.tensor([0.5]), -100), (0, 1, 2, 3)),
+            ("qk_norm_rope_", (qkv.clone(), hparts, qw, qw, pos, f2, 1, 1, hd, 1e-6), (0, 1, 2, 3, 4, 5)),
+            ("qk_norm_rope_backward", (randn(M, N), qkv, hparts, qw, qw, pos, f2, 1, 1, hd, 1e-6), (0, 1, 2, 3, 4, 5, 6)),
+            ("rms_norm", (x, nw, 1e-6, 0.0), (0, 1)), ("add_rms_norm", (x, randn(4, N), nw, 1e-6, 0.0), (0, 1, 2)),
+            ("add_rms_norm_", (x, randn(4, N), nw, 1e-6, 0.0), (0, 1, 2)),
+            ("add_rms_norm_out", (x, randn(4, N), nw, 1e-6, 0.0, torch.empty(4, N)), (0, 1, 2, 5)),
+            ("qk_norm_", (randn(3, 3 * 64, dt=BF16), randn(64, dt=BF16), randn(64, dt=BF16), 1, 1, 64, 1e-6, 0.0), (0, 1, 2)),
+            ("kda_forward", (q, k, v, g, beta, None, None, True, False, False, None, None, None, None, "G,h", None), (0, 1, 2, 3, 4)),
+            ("kda_forward_out", (q, k, v, g, beta, None, None, False, False, False, None, None, None, None, torch.empty_like(v), None, None),
+             (0, 1, 2, 3, 4, 14))]
+
+
+def _variants(t):
+    """t made invalid in the ways the fuzzers draw (dtype, dimensions, empty, column stride, expanded)."""
+    out = [t.double(), t.long(), t.to(torch.int32), t.bool(), t.reshape(-1)[0].clone(), t.reshape(-1).clone(),
+           t.reshape((1,) + tuple(t.shape)).clone(), t.new_empty((0,) + tuple(t.shape[1:])), torch.cat([t, t[:1]], 0),
+           torch.repeat_interleave(t, 2, dim=-1)[..., ::2], t.reshape(-1)[:1].expand(t.shape)]
+    return out + [t.reshape(1, -1).clone()] if t.dim() != 2 else out
+
+
+def test_native_ops_refuse_invalid_tensors():
+    """Each C++ op with each tensor argument made invalid in one way: a ValueError or TypeError (or, for a mutation
+    the launcher takes as well, a result), never a crash or another exception (the process would die on a crash:
+    the fuzzers' refusal draws reach these kernels only through the public functions)."""
+    bad = []
+    for name, args, tensors in _native_cases():
+        op = getattr(torch.ops.encore, name).default
+        op(*[x.clone() if isinstance(x, torch.Tensor) and name.endswith("_") else x for x in args])  # the unmutated call is valid
+        for i in tensors:
+            for j, t in enumerate(_variants(args[i])):
+                call = [x.clone() if isinstance(x, torch.Tensor) and name.endswith("_") else x for x in args]
+                call[i] = t
+                try:
+                    op(*call)
+                except (ValueError, TypeError):
+                    pass
+                except Exception as e:  # noqa: BLE001 (collected below)
+                    bad.append(f"{name} argument {i} variant {j}: {type(e).__name__}: {str(e)[:120]}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not encore.built_with_cuda(), reason="needs CUDA")
+def test_native_ops_refuse_mixed_devices():
+    """One tensor argument of a valid call on the other device (CUDA among CPU tensors, or the CPU one among
+    CUDA tensors): ValueError naming the devices (encore's run checks every operand's device before it reads or
+    launches anything), never a crash."""
+    bad = []
+    for name, args, tensors in _native_cases():
+        op = getattr(torch.ops.encore, name).default
+        for i in tensors if len(tensors) > 1 else ():  # (one tensor argument: nothing to mix)
+            for where in ("cuda", "cpu"):
+                call = [x.clone() if isinstance(x, torch.Tensor) and name.endswith("_") else x for x in args]
+                if where == "cpu":  # all on CUDA but argument i
+                    call = [x.cuda() if isinstance(x, torch.Tensor) else x for x in call]
+                call[i] = call[i].to(where)
+                try:
+                    op(*call)
+                    bad.append(f"{name} argument {i} on {where}: accepted")
+                except ValueError as e:
+                    if "cpu" not in str(e) and "device" not in str(e):
+                        bad.append(f"{name} argument {i} on {where}: {e}")
+                except Exception as e:  # noqa: BLE001 (collected below)
+                    bad.append(f"{name} argument {i} on {where}: {type(e).__name__}: {str(e)[:120]}")
+    assert not bad, "\n".join(bad)
 
 
 def kda_inputs(b=1, t=100, h=2, kd=8, vd=6, dt=F32):
