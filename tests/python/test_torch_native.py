@@ -326,3 +326,20 @@ def test_public_functions_take_the_native_kernels():
         flat = lambda x: [t for y in (x if isinstance(x, (tuple, list)) else [x])  # noqa: E731
                           for t in (y.values() if isinstance(y, dict) else [y]) if t is not None]
         assert all(torch.equal(x, y) for x, y in zip(flat(direct), flat(got), strict=True)), name
+
+
+def test_native_library_exports_no_encore_symbols():
+    """_encore_torch keeps its copy of the encore libraries private (hidden visibility, --exclude-libs):
+    exported, its encore:: symbols were shared with _encore's copy (encore::gemm::kIo, a GNU unique
+    symbol, bound process-wide to the first loaded definition even under RTLD_LOCAL) or open to
+    interposition by any other library of the process."""
+    import ctypes
+    import glob
+    import os
+
+    (path,) = glob.glob(os.path.join(os.path.dirname(_core.__file__), "_encore_torch*.so"))
+    lib = ctypes.CDLL(path)  # already loaded: the same handle
+    for name in ("_ZN6encore4gemm3kIoE",  # encore::gemm::kIo
+                 "_ZN6encore3runERKNS_16GemmEpilogueArgsERKNS_19GemmEpilogueOptionsEPvS6_",  # encore::run(GemmEpilogueArgs ...)
+                 "_ZN6encore8validateERKNS_16GemmEpilogueArgsERKNS_19GemmEpilogueOptionsE"):  # encore::validate(GemmEpilogueArgs ...)
+        assert not hasattr(lib, name), f"_encore_torch exports {name}"
