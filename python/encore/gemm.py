@@ -8,13 +8,16 @@ fp32). Inference only (no autograd).
 Each public function calls its launcher (one gemm_epilogue_run over the bound GemmEpilogueArgs and a
 cached GemmEpilogueOptions; the finishers' own run) directly for numpy arrays and eager torch
 tensors, and torch.ops.encore.<op> (declared here on the same launcher) when traced (_core.eager).
+Where encore._encore_torch holds the op's C++ kernel (python/torch/gemm_ops.cpp, the same outputs and
+checks), an eager call on plain torch tensors goes through it instead (_core.native: cheaper than the
+launcher's Python).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from . import _encore as _b
-from ._core import as_float, as_int, dl, eager, empty, empty_like, matrix_shape, ops, present, stream_for, torch_op, with_absent
+from ._core import as_float, as_int, dl, eager, empty, empty_like, matrix_shape, native, ops, present, stream_for, torch_op, with_absent
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -35,6 +38,17 @@ def _tile_name(tile):
     if name not in _TILES:
         raise ValueError(f"tile: one of {sorted(_TILES)}, got {tile!r}")
     return name
+
+
+def _tile_arg(tile):
+    """The tile argument of a C++ kernel: a str as it is (the kernel checks it), a GemmTile as its name."""
+    return tile if type(tile) is str else _tile_name(tile)
+
+
+def _native(name, a, *others):
+    """The C++ kernel of op `name` for an eager call (see _core.native) on the arrays `others` that are
+    given (None: an optional one left out)."""
+    return native(a, name, *[o for o in others if o is not None])
 
 
 # --- cached options: built once per distinct value, then a dict lookup per call -----------------------
@@ -465,25 +479,36 @@ def gemm_epilogue(epilogue, a, w, *, c=None, gamma=None, row_scale=None, pos=Non
     name = _as_epilogue(epilogue)
     partial_tile_n, head_dim = as_int(partial_tile_n, "partial_tile_n"), as_int(head_dim, "head_dim")
     ignore_index = as_int(ignore_index, "ignore_index")
-    if stream is None and not eager(a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz, lse):
-        got = ops().gemm_epilogue(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n, head_dim,
-                                  ignore_index, _tile_name(tile), c2, zdz, lse)
-        return dict(zip(_epilogue_keys(name, store_d, target is not None), got))
+    if stream is None:
+        traced = not eager(a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz, lse)
+        op = ops().gemm_epilogue if traced else _native("gemm_epilogue", a, w, c, gamma, row_scale, pos, freq, alpha, target, c2, zdz, lse)
+        if op is not None:
+            got = op(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, bool(store_d), partial_tile_n, head_dim, ignore_index,
+                     _tile_name(tile) if traced else _tile_arg(tile), c2, zdz, lse)
+            return dict(zip(_epilogue_keys(name, store_d, target is not None), got))
     return _gemm_epilogue_launch(name, a, w, c, gamma, row_scale, pos, freq, alpha, target, store_d, partial_tile_n, head_dim,
                                  ignore_index, tile, c2, zdz, lse, stream)
 
 
 def gemm_row_scale(a, w, r, tile="auto", stream=None):
     """D = r[:, None] * (a @ w.T); r [M] float32 (RMSNorm applied after the GEMM)."""
-    if stream is None and not eager(a, w, r):
-        return ops().gemm_row_scale(a, w, r, _tile_name(tile))
+    if stream is None:
+        if not eager(a, w, r):
+            return ops().gemm_row_scale(a, w, r, _tile_name(tile))
+        op = native(a, "gemm_row_scale", w, r)
+        if op is not None:
+            return op(a, w, r, _tile_arg(tile))
     return _gemm_row_scale_launch(a, w, r, tile, stream)
 
 
 def gemm_scalar_scale(a, w, alpha, tile="auto", stream=None):
     """D = alpha[0] * (a @ w.T); alpha [1] float32, read from (device) memory."""
-    if stream is None and not eager(a, w, alpha):
-        return ops().gemm_scalar_scale(a, w, alpha, _tile_name(tile))
+    if stream is None:
+        if not eager(a, w, alpha):
+            return ops().gemm_scalar_scale(a, w, alpha, _tile_name(tile))
+        op = native(a, "gemm_scalar_scale", w, alpha)
+        if op is not None:
+            return op(a, w, alpha, _tile_arg(tile))
     return _gemm_scalar_scale_launch(a, w, alpha, tile, stream)
 
 
@@ -491,40 +516,55 @@ def gemm_residual_rms_partial(a, w, residual, gamma, partial_tile_n=0, stream=No
     """y = a @ w.T + residual. Returns (y, aux = y * gamma, partials [M, tiles] float32 of sum(y**2)
     per partial_tile_n columns (0: gemm_partial_tile_n)); finish with rms_final_reduce."""
     partial_tile_n = as_int(partial_tile_n, "partial_tile_n")
-    if stream is None and not eager(a, w, residual, gamma):
-        return ops().gemm_residual_rms_partial(a, w, residual, gamma, partial_tile_n)
+    if stream is None:
+        op = (ops().gemm_residual_rms_partial if not eager(a, w, residual, gamma)
+              else native(a, "gemm_residual_rms_partial", w, residual, gamma))
+        if op is not None:
+            return op(a, w, residual, gamma, partial_tile_n)
     return _gemm_residual_rms_partial_launch(a, w, residual, gamma, partial_tile_n, stream)
 
 
 def rms_final_reduce(partials, hidden: int, eps: float = 1e-6, stream=None):
     """r = rsqrt(partials.sum(1) / hidden + eps) as float32 [M] (tiles summed in order)."""
     hidden, eps = as_int(hidden, "hidden"), as_float(eps, "eps")
-    if stream is None and not eager(partials):
-        return ops().rms_final_reduce(partials, hidden, eps)
+    if stream is None:
+        op = ops().rms_final_reduce if not eager(partials) else native(partials, "rms_final_reduce")
+        if op is not None:
+            return op(partials, hidden, eps)
     return _rms_final_reduce_launch(partials, hidden, eps, stream)
 
 
 def gemm_swiglu(a, w, r=None, tile="auto", stream=None):
     """z = r[:, None] * (a @ w.T) over interleaved gate/up columns (see interleave_gate_up).
     Returns (z [M, N], silu(z[:, 0::2]) * z[:, 1::2] [M, N // 2])."""
-    if stream is None and not eager(a, w, r):
-        return ops().gemm_swiglu(a, w, r, _tile_name(tile))
+    if stream is None:
+        if not eager(a, w, r):
+            return ops().gemm_swiglu(a, w, r, _tile_name(tile))
+        op = _native("gemm_swiglu", a, w, r)
+        if op is not None:
+            return op(a, w, r, _tile_arg(tile))
     return _gemm_swiglu_launch(a, w, r, tile, stream)
 
 
 def gemm_rope(a, w, pos, freq, r=None, tile="auto", stream=None):
     """RoPE(r[:, None] * (a @ w.T)): column pairs (2j, 2j+1) rotated by 2*pi*pos[m]*f_j, f_j =
     freq[2j] + freq[2j+1] (see rope_freq_turns); pos [M] int32."""
-    if stream is None and not eager(a, w, pos, freq, r):
-        return ops().gemm_rope(a, w, pos, freq, r, _tile_name(tile))
+    if stream is None:
+        if not eager(a, w, pos, freq, r):
+            return ops().gemm_rope(a, w, pos, freq, r, _tile_name(tile))
+        op = _native("gemm_rope", a, w, pos, freq, r)
+        if op is not None:
+            return op(a, w, pos, freq, r, _tile_arg(tile))
     return _gemm_rope_launch(a, w, pos, freq, r, tile, stream)
 
 
 def gemm_qkv_head_sqsum(a, w, head_dim: int = 128, stream=None):
     """D = a @ w.T and partials [M, N // head_dim] float32 of sum(D**2) per head."""
     head_dim = as_int(head_dim, "head_dim")
-    if stream is None and not eager(a, w):
-        return ops().gemm_qkv_head_sqsum(a, w, head_dim)
+    if stream is None:
+        op = ops().gemm_qkv_head_sqsum if not eager(a, w) else native(a, "gemm_qkv_head_sqsum", w)
+        if op is not None:
+            return op(a, w, head_dim)
     return _gemm_qkv_head_sqsum_launch(a, w, head_dim, stream)
 
 
@@ -534,10 +574,13 @@ def qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, num_q_heads: int
     squares (partials), times q_weight / k_weight, then RoPE of their column pairs; returns qkv.
     CPU and CUDA backends."""
     args = (as_int(num_q_heads, "num_q_heads"), as_int(num_kv_heads, "num_kv_heads"), as_int(head_dim, "head_dim"), as_float(eps, "eps"))
-    if stream is None and not eager(qkv, partials, q_weight, k_weight, pos, freq):
-        ops().qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, *args)
-    else:
-        _qk_norm_rope_launch(qkv, partials, q_weight, k_weight, pos, freq, *args, stream)
+    if stream is None:
+        op = (ops().qk_norm_rope_ if not eager(qkv, partials, q_weight, k_weight, pos, freq)
+              else native(qkv, "qk_norm_rope_", partials, q_weight, k_weight, pos, freq))
+        if op is not None:
+            op(qkv, partials, q_weight, k_weight, pos, freq, *args)
+            return qkv
+    _qk_norm_rope_launch(qkv, partials, q_weight, k_weight, pos, freq, *args, stream)
     return qkv
 
 
@@ -548,8 +591,11 @@ def qk_norm_rope_backward(dy, x, partials, q_weight, k_weight, pos, freq, num_q_
     Returns (dx [M, N] in dy's dtype, dq_weight [head_dim] float32, dk_weight [head_dim] float32): per Q / K head
     the inverse rotation, then the per-head RMSNorm backward; V heads dx = dy. CPU and CUDA backends."""
     args = (as_int(num_q_heads, "num_q_heads"), as_int(num_kv_heads, "num_kv_heads"), as_int(head_dim, "head_dim"), as_float(eps, "eps"))
-    if stream is None and not eager(dy, x, partials, q_weight, k_weight, pos, freq):
-        return tuple(ops().qk_norm_rope_backward(dy, x, partials, q_weight, k_weight, pos, freq, *args))
+    if stream is None:
+        op = (ops().qk_norm_rope_backward if not eager(dy, x, partials, q_weight, k_weight, pos, freq)
+              else native(dy, "qk_norm_rope_backward", x, partials, q_weight, k_weight, pos, freq))
+        if op is not None:
+            return tuple(op(dy, x, partials, q_weight, k_weight, pos, freq, *args))
     return _qk_norm_rope_backward_launch(dy, x, partials, q_weight, k_weight, pos, freq, *args, stream)
 
 
@@ -557,9 +603,11 @@ def gemm_lse(a, w, r=None, target=None, store_logits=False, ignore_index=-100, p
     """z = r[:, None] * (a @ w.T). Returns (partials [M, tiles] float32 of log-sum-exp per tile,
     logits z or None, target_logit [M] float32 = z[m, target[m]] or None); finish with lse_finish."""
     ignore_index, partial_tile_n = as_int(ignore_index, "ignore_index"), as_int(partial_tile_n, "partial_tile_n")
-    if stream is None and not eager(a, w, r, target):
-        outs = ops().gemm_lse(a, w, r, target, bool(store_logits), ignore_index, partial_tile_n)
-        return with_absent(outs, (True, store_logits, target is not None))
+    if stream is None:
+        op = ops().gemm_lse if not eager(a, w, r, target) else _native("gemm_lse", a, w, r, target)
+        if op is not None:
+            outs = op(a, w, r, target, bool(store_logits), ignore_index, partial_tile_n)
+            return with_absent(outs, (True, store_logits, target is not None))
     return _gemm_lse_launch(a, w, r, target, store_logits, ignore_index, partial_tile_n, stream)
 
 
@@ -567,8 +615,11 @@ def lse_finish(partials, target=None, target_logit=None, ignore_index=-100, stre
     """lse [M] = logsumexp over the tiles; with target: loss [M] = lse - target_logit (0 for
     ignore_index). Returns lse, or (lse, loss)."""
     ignore_index = as_int(ignore_index, "ignore_index")
-    if stream is None and not eager(partials, target, target_logit):
-        lse, loss = with_absent(ops().lse_finish(partials, target, target_logit, ignore_index), (True, target is not None))
+    op = None
+    if stream is None:
+        op = ops().lse_finish if not eager(partials, target, target_logit) else _native("lse_finish", partials, target, target_logit)
+    if op is not None:
+        lse, loss = with_absent(op(partials, target, target_logit, ignore_index), (True, target is not None))
     else:
         lse, loss = _lse_finish_launch(partials, target, target_logit, ignore_index, stream)
     return lse if loss is None else (lse, loss)
@@ -582,8 +633,13 @@ def cross_entropy_bwd(logits, lse, target, alpha=None, ignore_index=-100, out=No
     into a new array. A target outside [0, N) other than ignore_index: ValueError on the CPU, a NaN row
     on CUDA."""
     ignore_index = as_int(ignore_index, "ignore_index")
-    if out is None and stream is None and not eager(logits, lse, target, alpha):
-        return ops().cross_entropy_bwd(logits, lse, target, alpha, ignore_index)
+    if out is None and stream is None:
+        if not eager(logits, lse, target, alpha):
+            return ops().cross_entropy_bwd(logits, lse, target, alpha, ignore_index)
+        op = _native("cross_entropy_bwd", logits, lse, target, alpha)
+        if op is not None:
+            matrix_shape(logits, "logits", 2, "[M, N]")  # (the launcher's check before allocating out)
+            return op(logits, lse, target, alpha, ignore_index)
     if out is None:
         matrix_shape(logits, "logits", 2, "[M, N]")
         out = empty_like(logits)
@@ -593,9 +649,12 @@ def cross_entropy_bwd(logits, lse, target, alpha=None, ignore_index=-100, out=No
 def cross_entropy_bwd_(logits, lse, target, alpha=None, ignore_index=-100, stream=None):
     """cross_entropy_bwd in place: the logits are overwritten by their gradient; returns logits."""
     ignore_index = as_int(ignore_index, "ignore_index")
-    if stream is None and not eager(logits, lse, target, alpha):
-        ops().cross_entropy_bwd_(logits, lse, target, alpha, ignore_index)
-        return logits
+    if stream is None:
+        op = (ops().cross_entropy_bwd_ if not eager(logits, lse, target, alpha)
+              else _native("cross_entropy_bwd_", logits, lse, target, alpha))
+        if op is not None:
+            op(logits, lse, target, alpha, ignore_index)
+            return logits
     return _cross_entropy_bwd_launch(logits, lse, target, alpha, ignore_index, logits, stream)
 
 
@@ -606,8 +665,10 @@ def partials_sum(partials, per_column=False, scale: float = 1.0, n=None, stream=
     defaults to all columns, the partials' N is rounded up to the tile)."""
     n = matrix_shape(partials, "partials", 2, "[rows, cols]")[1] if n is None else as_int(n, "n")
     scale = as_float(scale, "scale")
-    if stream is None and not eager(partials):
-        return ops().partials_sum(partials, bool(per_column), scale, n)
+    if stream is None:
+        op = ops().partials_sum if not eager(partials) else native(partials, "partials_sum")
+        if op is not None:
+            return op(partials, bool(per_column), scale, n)
     return _partials_sum_launch(partials, per_column, scale, n, stream)
 
 

@@ -8,7 +8,9 @@ drop-in for torch, differentiable through torch.autograd.
 
 Each public function calls its launcher (the binding's <op>_workspace on CUDA, then <op>_run, over
 the C++ KdaForwardArgs / KdaBackwardArgs / KdaOptions structs) directly for numpy arrays and eager
-torch tensors, and torch.ops.encore.<op> (declared here on the same launcher) when traced."""
+torch tensors, and torch.ops.encore.<op> (declared here on the same launcher) when traced. kda_forward's
+ops have C++ kernels in encore._encore_torch (python/torch/kda_ops.cpp) where it is built: an eager call
+on plain torch tensors goes through them instead of the launcher (_core.native)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -16,8 +18,8 @@ from typing import TYPE_CHECKING
 from . import _core
 from . import _encore as _b
 from ._kda_args import _forward_args, _opts
-from ._core import (dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, ops, present, stream_for, torch_module, torch_op,
-                    with_absent)
+from ._core import (as_float, dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, native, ops, present, stream_for,
+                    torch_module, torch_op, with_absent)
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -210,28 +212,58 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     """
     given = out is not None or workspace is not None
     names = _residual_names(return_residuals) if return_residuals else ()
-    if stream is None and not eager(q, k, v, g, beta, initial_state, A_log, dt_bias, workspace) and not (given and names):
-        ins = (q, k, v, g, beta, _opt_float(scale), initial_state, bool(output_final_state), bool(use_qk_l2norm),
-               bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens))
-        if given:
-            if out is None:
-                b, t, _, kd = q.shape
-                h, vd = v.shape[2], v.shape[3]
-                n = b if cu_seqlens is None else len(cu_seqlens) - 1
-                out = (empty(v, (b, t, h, vd)), empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None)
-            out = given_outputs(out, ("o", "final_state"))
-            ops().kda_forward_out(*ins, *out, workspace)
-            return out
-        canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
-        o, fin, *res = with_absent(ops().kda_forward(*ins, ",".join(canonical), residual_dtype),
-                                   (True, output_final_state) + (True,) * len(names))
-        if not names:
-            return o, fin
-        res = dict(zip(canonical, res))
-        return o, fin, {x: res[x] for x in names}
+    if stream is None and not (given and names):
+        flags = (bool(output_final_state), bool(use_qk_l2norm), bool(use_gate_in_kernel))
+        if not eager(q, k, v, g, beta, initial_state, A_log, dt_bias, workspace):
+            o = ops()
+            return _forward_op(o.kda_forward, o.kda_forward_out, q, k, v, g, beta, _opt_float(scale), initial_state, *flags, A_log,
+                               dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens), names, residual_dtype, out, workspace)
+        if _native_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, residual_dtype, out, workspace):
+            return _forward_op(_core.NATIVE["kda_forward"], _core.NATIVE["kda_forward_out"], q, k, v, g, beta,
+                               None if scale is None else as_float(scale, "scale"), initial_state, *flags, A_log, dt_bias,
+                               None if lower_bound is None else as_float(lower_bound, "lower_bound"), cu_seqlens, names, residual_dtype,
+                               out, workspace)
     o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel,
                                       A_log, dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, stream)
     return (o, fin, res) if return_residuals else (o, fin)
+
+
+def _native_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, residual_dtype, out, workspace):
+    """True where kda_forward's C++ kernels (kda_forward, kda_forward_out) serve this eager call: every given
+    array a plain torch tensor (out a pair of them, final_state may be None), residual_dtype None or a str;
+    otherwise the launcher names the wrong argument."""
+    if residual_dtype is not None and type(residual_dtype) is not str:
+        return False
+    others = [x for x in (k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, workspace) if x is not None]
+    if out is not None:
+        if type(out) not in (tuple, list) or len(out) != 2 or out[0] is None:
+            return False
+        others += [x for x in out if x is not None]
+    return native(q, "kda_forward", *others) is not None and "kda_forward_out" in _core.NATIVE
+
+
+def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
+                dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace):
+    """kda_forward through the ops `fwd` (kda_forward) or, with out or workspace, `fwd_out` (kda_forward_out):
+    torch.ops.encore's overloads when traced, the C++ kernels' dispatcher entries when eager; kda_forward's return value."""
+    ins = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+           cu_seqlens)
+    if out is not None or workspace is not None:
+        if out is None:  # (the launcher's checks first: its messages)
+            b, t, _, kd = matrix_shape(q, "q", 4, "[B, T, H, K]")
+            h, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")[2:]
+            n = b if cu_seqlens is None else len(cu_seqlens) - 1
+            out = (empty(v, (b, t, h, vd)), empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None)
+        out = given_outputs(out, ("o", "final_state"))
+        fwd_out(*ins, *out, workspace)
+        return out
+    if not names:
+        outs = fwd(*ins, "", residual_dtype)
+        return outs[0], outs[1] if output_final_state else None
+    canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
+    o, fin, *res = with_absent(fwd(*ins, ",".join(canonical), residual_dtype), (True, output_final_state) + (True,) * len(names))
+    res = dict(zip(canonical, res))
+    return o, fin, {x: res[x] for x in names}
 
 
 def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None) -> int:

@@ -1,71 +1,15 @@
-// encore._encore_torch: C++ kernels for the hottest torch.ops.encore ops (the norm family), so a call
-// through torch's dispatcher reaches encore's C++ API without a trip back into Python. The schemas
-// are the family modules' (python/encore/norm.py declares each op from its Python signature); this
-// library registers CompositeExplicitAutograd kernels for some of them, and the Python side skips its
-// own kernel for those (encore/_core.py, register_torch_ops). Built where torch's headers are found
-// at configure time (python/CMakeLists.txt), against that torch only; loaded with
-// torch.ops.load_library.
-//
-// Each kernel: views of the tensors (no copies but the [rows, hidden] reshape of a non-viewable x, as
-// the Python launcher does), outputs allocated by ATen, the current CUDA stream, one encore::run;
-// an invalid argument raises ValueError with encore's message, any other failure RuntimeError.
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
-#ifdef ENCORE_TORCH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
-
-#include <string>
-
+// encore._encore_torch, the norm family: C++ CompositeExplicitAutograd kernels of torch.ops.encore.rms_norm,
+// add_rms_norm, add_rms_norm_, add_rms_norm_out and qk_norm_ (schemas declared by python/encore/norm.py
+// from its Python kernels' signatures), so a call through torch's dispatcher reaches encore's C++ API
+// without a trip back into Python. Each kernel: views of the tensors (no copies but the [rows, hidden]
+// reshape of a non-viewable x, as the Python launcher does), outputs allocated by ATen, the current CUDA
+// stream, one encore::run.
+#include "common.hpp"
 #include "encore/norm.hpp"
 
 namespace {
 
-using encore::DType;
-using encore::TensorView;
-
-DType to_dtype(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return DType::kBF16;
-    case at::kHalf: return DType::kFP16;
-    case at::kFloat: return DType::kFP32;
-    case at::kDouble: return DType::kFP64;
-    case at::kInt: return DType::kInt32;
-    case at::kLong: return DType::kInt64;
-    case at::kByte: return DType::kUInt8;
-    default: TORCH_CHECK_VALUE(false, name, ": unsupported dtype ", t.scalar_type());
-  }
-}
-
-TensorView view(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() <= TensorView::kMaxDims, name, ": more than 6 dimensions");
-  TensorView v;
-  v.data = t.data_ptr();
-  v.dtype = to_dtype(t, name);
-  if (t.is_cuda()) v.device = {encore::DeviceType::kCUDA, int(t.get_device())};
-  else TORCH_CHECK_VALUE(t.is_cpu(), name, ": tensors must live on the CPU or a CUDA device");
-  v.ndim = int(t.dim());
-  for (int i = 0; i < v.ndim; ++i) {
-    v.shape[i] = t.size(i);
-    v.strides[i] = t.stride(i);
-  }
-  return v;
-}
-
-encore::Stream stream_of(const at::Tensor& t) {
-#ifdef ENCORE_TORCH_CUDA
-  if (t.is_cuda()) return reinterpret_cast<encore::Stream>(c10::cuda::getCurrentCUDAStream(t.get_device()).stream());
-#endif
-  (void)t;
-  return nullptr;
-}
-
-void check(const encore::Status& st) {
-  if (st.is_ok()) return;
-  TORCH_CHECK_VALUE(st.code() != encore::StatusCode::kInvalidArgument, st.message());
-  TORCH_CHECK(false, st.to_string());
-}
+using namespace encore_torch;
 
 // x as [rows, hidden]: leading dimensions flattened (a copy only where no view exists).
 at::Tensor rows(const at::Tensor& x, const char* name) {
@@ -131,9 +75,9 @@ void qk_norm_(const at::Tensor& qkv, const at::Tensor& q_weight, const at::Tenso
               int64_t head_dim, double eps, double weight_offset) {
   TORCH_CHECK_VALUE(qkv.dim() == 2, "qkv: expected 2 dimensions [tokens, (num_q_heads + 2*num_kv_heads) * head_dim]");
   encore::QkNormOptions o;
-  o.num_q_heads = int(num_q_heads);
-  o.num_kv_heads = int(num_kv_heads);
-  o.head_dim = int(head_dim);
+  o.num_q_heads = to_int(num_q_heads, "num_q_heads");  // (not truncated: 2**32 + 1 heads is no 1 head)
+  o.num_kv_heads = to_int(num_kv_heads, "num_kv_heads");
+  o.head_dim = to_int(head_dim, "head_dim");
   o.eps = float(eps);
   o.weight_offset = float(weight_offset);
   check(encore::run(encore::QkNormArgs{view(qkv, "qkv"), view(q_weight, "q_weight"), view(k_weight, "k_weight")}, o, nullptr,

@@ -1,0 +1,216 @@
+// encore._encore_torch, the KDA forward: C++ CompositeExplicitAutograd kernels of torch.ops.encore.kda_forward
+// (the op chunk_kda's autograd Function runs) and kda_forward_out, as python/encore/kda.py's
+// _kda_forward_launch does them: o and final_state (float32, float64 for float64 inputs) allocated on the
+// inputs' device, the requested residuals (G float32; Aqk, Akk, h in residual_dtype; h's rows from the C++
+// chunk count), cu_seqlens copied to the host when it is a CUDA tensor, the CUDA workspace allocated by
+// ATen (16-byte aligned) or the caller's checked, and the launcher's ValueError messages.
+#include <algorithm>
+#include <array>
+
+#include "common.hpp"
+#include "encore/kda.hpp"
+
+namespace {
+
+using namespace encore_torch;
+
+constexpr std::array<const char*, 4> kResidualNames = {"G", "Aqk", "Akk", "h"};  // KdaResiduals' fields, in order
+constexpr int64_t kChunk = 64;                                                     // tokens per chunk (kda::kChunk)
+
+// kda.py _residual_names over residuals.split(","): indices into kResidualNames in the order given, a
+// repeated name once (the launcher's dict keeps its first place).
+std::vector<int> residual_names(c10::string_view residuals) {
+  std::vector<int> idx;
+  if (residuals.empty()) return idx;
+  std::vector<std::string> parts;
+  for (size_t at = 0;;) {
+    const size_t comma = residuals.find(',', at);
+    parts.emplace_back(residuals.substr(at, comma == c10::string_view::npos ? c10::string_view::npos : comma - at));
+    if (comma == c10::string_view::npos) break;
+    at = comma + 1;
+  }
+  std::vector<int> found;
+  for (const std::string& p : parts) {
+    int i = 0;
+    while (i < 4 && p != kResidualNames[size_t(i)]) ++i;
+    TORCH_CHECK_VALUE(i < 4, "return_residuals: expected True or a non-empty subset of ('G', 'Aqk', 'Akk', 'h'), got ", py_list(parts));
+    found.push_back(i);
+  }
+  for (int i : found)
+    if (std::find(idx.begin(), idx.end(), i) == idx.end()) idx.push_back(i);
+  return idx;
+}
+
+// _kda_args.py _opts: scale None (0 here) is K^-1/2; a given one must be positive and finite.
+encore::KdaOptions kda_options(std::optional<double> scale, bool use_qk_l2norm, bool use_gate_in_kernel,
+                               std::optional<double> lower_bound, bool output_final_state) {
+  TORCH_CHECK_VALUE(!scale || (*scale > 0 && std::isfinite(*scale)), "scale: must be positive and finite (None: K ** -0.5), got ",
+                    py_repr(scale.value_or(0.0)));
+  encore::KdaOptions o;
+  o.scale = scale.value_or(0.0);
+  o.output_final_state = output_final_state;
+  o.use_qk_l2norm = use_qk_l2norm;
+  o.use_gate_in_kernel = use_gate_in_kernel;
+  o.use_lower_bound = lower_bound.has_value();
+  o.lower_bound = lower_bound.value_or(-5.0);
+  return o;
+}
+
+// The launcher's shared part: the inputs' views, o and final_state given (final_state undefined when not
+// output_final_state), the residuals given where requested; the workspace the caller's (checked) or allocated here.
+struct Forward {
+  const at::Tensor &q, &k, &v, &g, &beta;
+  const OptTensor &initial_state, &A_log, &dt_bias;
+  OptTensor cu;  // on the host
+  int64_t b, t, kd, h, vd;
+};
+
+// kda.py: q and v checked 4-D, cu_seqlens on the host (_host_cu).
+Forward inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+               const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias, const OptTensor& cu_seqlens) {
+  check_dims(q, "q", 4, "[B, T, H, K]");
+  check_dims(v, "v", 4, "[B, T, HV, V]");
+  OptTensor cu = cu_seqlens && cu_seqlens->defined() ? cu_seqlens : std::nullopt;
+  if (cu && cu->is_cuda()) cu = cu->cpu();
+  return {q, k, v, g, beta, initial_state, A_log, dt_bias, cu, q.size(0), q.size(1), q.size(3), v.size(2), v.size(3)};
+}
+
+// The sequences N: B, or len(cu_seqlens) - 1.
+int64_t sequences(const Forward& f) {
+  if (!f.cu) return f.b;
+  TORCH_CHECK_TYPE(f.cu->dim() > 0, "len() of a 0-d tensor");
+  return f.cu->size(0) - 1;
+}
+
+encore::KdaForwardArgs forward_args(const Forward& f, const at::Tensor& o, const at::Tensor& fin,
+                                    const std::array<at::Tensor, 4>& res) {
+  encore::KdaResiduals r;
+  if (res[0].defined() || res[1].defined() || res[2].defined() || res[3].defined())
+    r = {view(OptTensor(res[0]), "residuals.G"), view(OptTensor(res[1]), "residuals.Aqk"), view(OptTensor(res[2]), "residuals.Akk"),
+         view(OptTensor(res[3]), "residuals.h")};
+  return {view(f.q, "q"),
+          view(f.k, "k"),
+          view(f.v, "v"),
+          view(f.g, "g"),
+          view(f.beta, "beta"),
+          view(f.initial_state, "initial_state"),
+          view(f.A_log, "A_log"),
+          view(f.dt_bias, "dt_bias"),
+          view(f.cu, "cu_seqlens"),
+          view(OptTensor(o), "o"),
+          view(OptTensor(fin), "final_state"),
+          r};
+}
+
+// NT, the rows of residuals.h: the chunks of 64 tokens of all sequences (the C++ rule, default options).
+int64_t chunk_count(const Forward& f) {
+  encore::KdaForwardArgs a;
+  a.q = view(f.q, "q");
+  a.k = view(f.k, "k");
+  a.v = view(f.v, "v");
+  a.g = view(f.g, "g");
+  a.beta = view(f.beta, "beta");
+  a.cu_seqlens = view(f.cu, "cu_seqlens");
+  int64_t nt = 0;
+  check(encore::kda_chunk_count(a, encore::KdaOptions{}, &nt));
+  return nt;
+}
+
+// The CUDA forward's workspace bytes (validating first, as the binding's kda_forward_workspace); 0 on the CPU.
+size_t workspace_need(const Forward& f, const encore::KdaForwardArgs& args, const encore::KdaOptions& opts) {
+  if (!f.q.is_cuda()) return 0;
+  check(encore::validate(args, opts));
+  return encore::workspace_bytes(args, opts);
+}
+
+// The first 16-byte aligned address of a workspace allocated with 16 bytes to spare.
+void* aligned16(const at::Tensor& ws) {
+  const auto addr = reinterpret_cast<uintptr_t>(ws.data_ptr());
+  return reinterpret_cast<void*>(addr + (16 - addr % 16) % 16);
+}
+
+// The run, with the binding's check that a needed workspace is there.
+void run_forward(const encore::KdaForwardArgs& args, const encore::KdaOptions& opts, void* workspace, const at::Tensor& q) {
+  if (workspace == nullptr) {
+    const size_t need = encore::workspace_bytes(args, opts);
+    TORCH_CHECK_VALUE(need == 0, "workspace: this call needs ", need, " bytes (query <op>_workspace)");
+  }
+  check(encore::run(args, opts, workspace, stream_of(q)));
+}
+
+// [o, final_state if output_final_state, *residuals in the order named]
+std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                    const at::Tensor& beta, std::optional<double> scale, const OptTensor& initial_state,
+                                    bool output_final_state, bool use_qk_l2norm, bool use_gate_in_kernel, const OptTensor& A_log,
+                                    const OptTensor& dt_bias, std::optional<double> lower_bound, const OptTensor& cu_seqlens,
+                                    c10::string_view residuals, std::optional<c10::string_view> residual_dtype) {
+  const std::vector<int> names = residual_names(residuals);
+  const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
+  const int64_t n = sequences(f);
+  at::Tensor o = new_empty(v, {f.b, f.t, f.h, f.vd});
+  at::Tensor fin = output_final_state ? new_empty(q, {n, f.h, f.kd, f.vd}, q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat)
+                                      : at::Tensor();
+  std::array<at::Tensor, 4> res;
+  if (!names.empty()) {
+    at::ScalarType kind = at::kFloat;
+    if (residual_dtype && *residual_dtype == "bfloat16") kind = at::kBFloat16;
+    else TORCH_CHECK_VALUE(!residual_dtype || *residual_dtype == "float32", "residual_dtype: expected 'float32' or 'bfloat16', got ",
+                           py_repr(*residual_dtype));
+    const int64_t nt = std::find(names.begin(), names.end(), 3) != names.end() ? chunk_count(f) : 0;
+    for (int i : names) {
+      if (i == 0) res[0] = new_empty(q, {f.b, f.t, f.h, f.kd}, at::kFloat);
+      else if (i == 3) res[3] = new_empty(q, {nt, f.h, f.kd, f.vd}, kind);
+      else res[size_t(i)] = new_empty(q, {f.b, f.t, f.h, kChunk}, kind);
+    }
+  }
+  const encore::KdaForwardArgs args = forward_args(f, o, fin, res);
+  const encore::KdaOptions opts = kda_options(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state);
+  const size_t nbytes = workspace_need(f, args, opts);
+  at::Tensor ws;
+  void* wp = nullptr;
+  if (nbytes) {  // _core.workspace: room for the 16-byte alignment
+    ws = new_empty(q, {int64_t(nbytes) + 16}, at::kByte);
+    wp = aligned16(ws);
+  }
+  run_forward(args, opts, wp, q);
+  std::vector<at::Tensor> outs{o};
+  if (fin.defined()) outs.push_back(fin);
+  for (int i : names) outs.push_back(res[size_t(i)]);
+  return outs;
+}
+
+void kda_forward_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                     std::optional<double> scale, const OptTensor& initial_state, bool output_final_state, bool use_qk_l2norm,
+                     bool use_gate_in_kernel, const OptTensor& A_log, const OptTensor& dt_bias, std::optional<double> lower_bound,
+                     const OptTensor& cu_seqlens, const at::Tensor& o, const OptTensor& final_state, const OptTensor& workspace) {
+  const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
+  (void)sequences(f);  // (the launcher takes len(cu_seqlens) before looking at out)
+  const at::Tensor fin = final_state && final_state->defined() ? *final_state : at::Tensor();
+  TORCH_CHECK_VALUE(fin.defined() == output_final_state, "out: final_state must be an array exactly when output_final_state is set");
+  const encore::KdaForwardArgs args = forward_args(f, o, fin, {});
+  const encore::KdaOptions opts = kda_options(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state);
+  const size_t nbytes = workspace_need(f, args, opts);
+  void* wp = nullptr;
+  at::Tensor own;
+  if (workspace && workspace->defined()) {  // _core.workspace: the caller's, checked
+    const at::Tensor& ws = *workspace;
+    TORCH_CHECK_VALUE(ws.dim() == 1 && ws.scalar_type() == at::kByte, "workspace: expected a 1-D uint8 array");
+    TORCH_CHECK_VALUE(ws.device() == q.device(), "workspace: expected an array on the inputs' framework and device");
+    const auto addr = reinterpret_cast<uintptr_t>(ws.data_ptr());
+    const int64_t skip = int64_t((16 - addr % 16) % 16);
+    TORCH_CHECK_VALUE(ws.size(0) >= int64_t(nbytes) + skip, "workspace: ", ws.size(0), " bytes, this call needs ", nbytes,
+                      " from a 16-byte aligned address (allocate kda_forward_workspace_bytes(...) bytes)");
+    if (nbytes) wp = reinterpret_cast<void*>(addr + uintptr_t(skip));
+  } else if (nbytes) {
+    own = new_empty(q, {int64_t(nbytes) + 16}, at::kByte);
+    wp = aligned16(own);
+  }
+  run_forward(args, opts, wp, q);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(encore, CompositeExplicitAutograd, m) {
+  m.impl("kda_forward", &kda_forward);
+  m.impl("kda_forward_out", &kda_forward_out);
+}
