@@ -70,18 +70,15 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
 #pragma unroll
     for (int e = 0; e < 4; ++e) w.egc[(int64_t(slot) * p.H + hv) * kD + c0 + e] = c0 + e < p.K ? exp2f(gc[e]) : 0.f;
   }
-  const Rows in_q = rows_of(p.q, ci.b, ci.t0, hq), in_k = rows_of(p.k, ci.b, ci.t0, hq), in_o = rows_of(p.d_o, ci.b, ci.t0, hv),
-             in_beta = rows_of(p.beta, ci.b, ci.t0, hv);
-  const int64_t tok0 = tok(p, ci.b, ci.t0, hv);  // the token row of chunk row i: tok0 + i H
   for (int i = warp; i < kC; i += kPrepThreads / 32) {
     const bool valid = i < ci.rows;
-    const int iv = valid ? i : 0;
-    const int64_t row = tok0 + int64_t(iv) * p.H;
+    const int t = ci.t0 + (valid ? i : 0);
+    const int64_t row = tok(p, ci.b, t, hv);
     // Straight-line loads (kda_bwd_device.cuh, ld*_or0): a row's loads are in flight together.
     float q[4], k[4], g[4], o[4];
-    const float beta = load1(in_beta, iv, 0, valid);
-    load4(in_q, iv, c0, p.K, valid, q), load4(in_k, iv, c0, p.K, valid, k);
-    load_g4(p.G, row, p.K, c0, valid, g), load4(in_o, iv, c0, p.V, valid, o);
+    const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
+    load4(p.q, ci.b, t, hq, c0, p.K, valid, q), load4(p.k, ci.b, t, hq, c0, p.K, valid, k);
+    load_g4(p.G, row, p.K, c0, valid, g), load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o);
     float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3], sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) {
