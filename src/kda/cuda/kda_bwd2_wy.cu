@@ -15,8 +15,9 @@
 //     dKrow_i = sum_{j<i} dL_ij k^_j E_ij, dKcol_j = sum_{i>=j} (dAqk_ij q~_i + [i>j] dL_ij beta_i k^_i) E_ij:
 //     off the diagonal blocks as tensor-core products on operands anchored at a block edge (row block
 //     b: k^_j 2^(G_16b - G_j), then times 2^(G_i - G_16b); column block b: q~_i 2^(G_i - G_16b+15), then
-//     times 2^(G_16b+15 - G_j): every exponent <= 0, so no overflow at any gate), on the diagonal
-//     blocks per pair in fp32;
+//     times 2^(G_16b+15 - G_j): every exponent <= 0, so no overflow at any gate); the diagonal blocks
+//     the same way, anchored at the block's first (last) row, where the block's G spans <= 60 (log2)
+//     in each of a warp's channels (exponents <= 60 then), else per pair in fp32 (steep gates);
 //   dq^ = dqi + scale dQi;  dk^ = dki + beta 2^G dKbeta + beta dKrow + dKcol;
 //   dG = q^ . dqi - k^ . dki + Kbeta . dKbeta + q~ . dQi + k^ . (beta dKrow - dKcol), the last row also
 //     2^gC sd + sum_rows k^ . dki; dg = the reverse cumsum of dG within the chunk;
@@ -45,11 +46,13 @@ constexpr size_t kSmall = size_t(kC) * kLdC * 2;  // one bf16 [64][64] tile
 constexpr size_t kTileF = size_t(kC) * kLdF * 4;   // one fp32 [64][128] tile
 // The region, in turn: dVnew, dW, v (bf16 [64][kLd] each) | one anchored operand's hi + lo (bf16
 // [96][kLd] each) | dG, k^.dki (fp32 tiles); sized by the largest.
-constexpr size_t kRegion = 2 * kTileF;
+constexpr int kOperandRows = 128;   // an operand's hi half, then its lo half kOperandRows rows on
+constexpr size_t kRegion = 2 * kTileF > 2 * size_t(kOperandRows) * kLd * 2 ? 2 * kTileF : 2 * size_t(kOperandRows) * kLd * 2;
+constexpr float kDiagSpan = 60.f;   // the diagonal blocks on tensor cores where a block's G spans <= this (log2)
 constexpr int kQuarters = 4;      // column quarters of the [64 x 128] fragments (warp >> 2)
 constexpr int kParts = kThreads / kKda2D, kPartRows = kC / kParts;  // the dg tail: 4 parts of 16 rows per channel
 constexpr size_t kSmem = 4 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD) * 4;
-static_assert(2 * size_t(kAnchorRows) * kLd * 2 <= kRegion, "one anchored operand's hi and lo halves fit the region");
+static_assert(kAnchorRows <= kOperandRows && 2 * size_t(kOperandRows) * kLd * 2 <= kRegion, "an operand's hi and lo halves fit the region");
 static_assert(3 * size_t(kC) * kLd * 2 <= kRegion, "dVnew, dW and v alias the anchored operands");
 
 // First row of row block b's anchored k^ rows (b = 1..3) and of column block b's q~ / beta k^ rows (b = 0..2).
@@ -64,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   __nv_bfloat16* m_s = daqk_s + kC * kLdC;              // [64][kLdC] M = A^T dA
   __nv_bfloat16* reg = m_s + kC * kLdC;                 // the region (kRegion)
   __nv_bfloat16 *dvn_s = reg, *dw_s = reg + kC * kLd, *v_s = reg + 2 * kC * kLd;  // v: the dbeta term
-  __nv_bfloat16 *an_hi = reg, *an_lo = reg + kAnchorRows * kLd;  // one anchored operand at a time, bf16 hi + lo
+  __nv_bfloat16 *an_hi = reg, *an_lo = reg + kOperandRows * kLd;  // one anchored operand at a time, bf16 hi + lo
   auto* dg_f = reinterpret_cast<float*>(reg);
   float* kdk_f = dg_f + kC * kLdF;
   auto* q_f = reinterpret_cast<float*>(smem + 4 * kSmall + kRegion);  // [64][kLdF] q^ (unscaled)
@@ -198,8 +201,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   // to bf16 alone, their errors are shared by a block's 16 rows and move the dG plane (dA_log, ddt_bias
   // by up to 2e-2 on the CPU model of the kernel; hi + lo: 2e-3, the other roundings' level). One
   // operand at a time in the region (96 rows x 2), built by all threads: anchored(rr, a) of its row rr.
-  auto build = [&](auto&& value) {
-    for (int x = threadIdx.x; x < kAnchorRows * (kD / 2); x += kThreads) {
+  auto build = [&](int nrows, auto&& value) {
+    for (int x = threadIdx.x; x < nrows * (kD / 2); x += kThreads) {
       const int rr = x / (kD / 2), a = 2 * (x % (kD / 2));
       const float v0 = value(rr, a), v1 = value(rr, a + 1);
       const __nv_bfloat16 h0 = __float2bfloat16(v0), h1 = __float2bfloat16(v1);
@@ -208,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     }
   };
   // kr: row block rb's anchor r = 16 rb, rows j < r: k^_j 2^(G_r - G_j).
-  build([&](int rr, int a) {
+  build(kAnchorRows, [&](int rr, int a) {
     const int rb = rr < 16 ? 1 : rr < 48 ? 2 : 3, j = rr - row_base(rb), r = 16 * rb;
     return k_f[j * kLdF + a] * fast_exp2(g_f[r * kLdF + a] - g_f[j * kLdF + a]);
   });
@@ -233,12 +236,35 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
       warp_mma<16, 4, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
       warp_mma<16, 4, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
     }
-  if (blk > 0)
-    each([&](int j, int e, int i, int a) {
-      const float f = fast_exp2(gr[j][e] - g_f[m0 * kLdF + a]);
-      acc[j][e] *= f;
-      acc2[j][e] *= f;
-    });
+  // The diagonal block on tensor cores too where this warp's block of G spans <= kDiagSpan in every
+  // channel (then k^_j 2^(G_m0 - G_j) <= 2^60 |k^_j| and no exponent leaves fp32): anchored at its
+  // first row like the blocks before it. Elsewhere (steep gates) the per-pair loops below.
+  bool tc_diag;
+  {
+    float lo = g_f[m0 * kLdF + n0 + lane], hi = lo;
+#pragma unroll
+    for (int r = 1; r < 16; ++r) {
+      const float x = g_f[(m0 + r) * kLdF + n0 + lane];
+      lo = fminf(lo, x), hi = fmaxf(hi, x);
+    }
+    tc_diag = __all_sync(0xffffffffu, hi - lo <= kDiagSpan);
+  }
+  __syncthreads();  // kr is read: the region takes the diagonal blocks' k^_j 2^(G_16b - G_j)
+  build(kC, [&](int rr, int a) {
+    const int r = rr & ~15;
+    return k_f[rr * kLdF + a] * fast_exp2(fminf(g_f[r * kLdF + a] - g_f[rr * kLdF + a], kDiagSpan));
+  });
+  __syncthreads();
+  if (tc_diag)
+    for (const __nv_bfloat16* kd : {an_hi, an_lo}) {
+      warp_mma<16, 4, false, true>(acc, daqk_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
+      warp_mma<16, 4, false, true>(acc2, dl_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
+    }
+  each([&](int j, int e, int i, int a) {
+    const float f = fast_exp2(gr[j][e] - g_f[m0 * kLdF + a]);
+    acc[j][e] *= f;
+    acc2[j][e] *= f;
+  });
   // Column jj of the block (E_ij = 2^min(0, G_i - G_jj)): the coefficients vanish past the diagonal
   // (dAqk is tril, dL strict), so columns jj >= m0 + 8 touch only the lower 8 fragment rows.
   auto column = [&](int jj, auto kAll) {
@@ -261,10 +287,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
       }
     }
   };
+  if (!tc_diag) {
 #pragma unroll 1
-  for (int jj = m0; jj < m0 + 8; ++jj) column(jj, std::true_type{});
+    for (int jj = m0; jj < m0 + 8; ++jj) column(jj, std::true_type{});
 #pragma unroll 1
-  for (int jj = m0 + 8; jj < m0 + 16; ++jj) column(jj, std::false_type{});
+    for (int jj = m0 + 8; jj < m0 + 16; ++jj) column(jj, std::false_type{});
+  }
   each([&](int j, int e, int i, int a) {
     const float dqi = ld_or0(w.dqi, tokr(min(i, rows - 1)) * kD + a, i < rows && a < p.K);
     const float qf = q_f[i * kLdF + a], kf = k_f[i * kLdF + a], bt = beta_s[i];
@@ -279,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   zero(acc2);
   for (int term = 0; term < 2; ++term) {  // dAqk^T qr, then dL^T bkr: each operand in the region in turn
     __syncthreads();                       // the region's previous operand is read
-    build([&](int rr, int a) { return col_anchored(rr, a, term == 0); });
+    build(kAnchorRows, [&](int rr, int a) { return col_anchored(rr, a, term == 0); });
     __syncthreads();
     const __nv_bfloat16* coef = term == 0 ? daqk_s : dl_s;
     for (int s = 0; s < 3 - blk; ++s) {
@@ -288,8 +316,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
       warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
     }
   }
-  if (blk < 3)
-    each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr[j][e]); });
+  // The diagonal block, where tc_diag: q~_ii and beta_ii k^_ii times 2^(G_ii - G_16b+15) (rows ii of
+  // the q part, 64 + ii of the beta k part), anchored at the block's last row like the blocks after it.
+  __syncthreads();  // bkr is read
+  build(2 * kC, [&](int rr, int a) {
+    const int ii = rr & (kC - 1), r = ii | 15;
+    const float x = rr < kC ? p.scale * q_f[ii * kLdF + a] : beta_s[ii] * k_f[ii * kLdF + a];
+    return x * fast_exp2(fminf(g_f[ii * kLdF + a] - g_f[r * kLdF + a], kDiagSpan));
+  });
+  __syncthreads();
+  if (tc_diag)
+    for (const __nv_bfloat16* cd : {an_hi, an_lo}) {
+      warp_mma<16, 4, true, true>(acc2, daqk_s + m0 * kLdC, kLdC, m0, cd + m0 * kLd, kLd, n0);
+      warp_mma<16, 4, true, true>(acc2, dl_s + m0 * kLdC, kLdC, m0, cd + (kC + m0) * kLd, kLd, n0);
+    }
+  each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr[j][e]); });
   // Row ii of the block (E = 2^min(0, G_ii - G_c)): nonzero for ii >= c only, so rows ii < m0 + 8
   // touch only the upper 8 fragment rows.
   auto row = [&](int ii, auto kAll) {
@@ -313,10 +354,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
       }
     }
   };
+  if (!tc_diag) {
 #pragma unroll 1
-  for (int ii = m0; ii < m0 + 8; ++ii) row(ii, std::false_type{});
+    for (int ii = m0; ii < m0 + 8; ++ii) row(ii, std::false_type{});
 #pragma unroll 1
-  for (int ii = m0 + 8; ii < m0 + 16; ++ii) row(ii, std::true_type{});
+    for (int ii = m0 + 8; ii < m0 + 16; ++ii) row(ii, std::true_type{});
+  }
   each([&](int j, int e, int c, int a) {
     dk_t[j][e] += acc2[j][e];
     dg_t[j][e] -= k_f[c * kLdF + a] * acc2[j][e];
