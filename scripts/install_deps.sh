@@ -2,7 +2,8 @@
 # Installs everything encore needs on a fresh Debian machine (idempotent).
 #  - Debian packages: GoogleTest, ccache, ninja (apt-get)
 #  - Python packages: nanobind, numpy, pytest, pytest-xdist, hypothesis (pip); torch (pip: PyPI's
-#    default wheel, which runs on the CPU of a machine without a GPU) for the PyTorch layer's tests
+#    default wheel, which runs on the CPU of a machine without a GPU) for the PyTorch layer's tests;
+#    transformers for encore.transformers' tests
 #  - CUTLASS 4.2 headers: the nvidia-cutlass==4.2.0.0 wheel, downloaded without its Python
 #    dependencies and unpacked into .deps/cutlass (git-ignored). Nothing third-party is committed.
 #  - .deps/googletest: a copy of Debian's GoogleTest sources (/usr/src/googletest), carried to the
@@ -28,6 +29,14 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   t0=$SECONDS
   "$py" -m pip install -q torch
   echo "torch installed in $((SECONDS - t0)) s"
+fi
+# transformers, the optional dependency of encore.transformers (the Hugging Face patch), so that CI runs
+# tests/python/test_transformers_patch.py on the CPU (pip install measured at 25 s on the 2-core CPU machine;
+# the tests take about 30 s there).
+if ! "$py" -c "import transformers" 2>/dev/null; then
+  t0=$SECONDS
+  "$py" -m pip install -q "transformers>=5.25"
+  echo "transformers installed in $((SECONDS - t0)) s"
 fi
 # CMake >= 3.28 knows nvcc 13's C++20 dialect flag (Debian 12 ships 3.25): take it from PyPI.
 cmake_ok=$("$py" - <<'PY'

@@ -40,13 +40,14 @@ cuda_device_count = _encore.cuda_device_count
 
 
 def __getattr__(name):
-    """encore.nn (torch modules) and encore.moe_forward_ep (torch.distributed) on first use: `import encore`
-    alone never imports torch."""
-    if name in ("nn", "moe_forward_ep"):
+    """encore.nn (torch modules), encore.transformers (the Hugging Face patch; transformers itself is imported only
+    by its functions) and encore.moe_forward_ep (torch.distributed) on first use: `import encore` alone never
+    imports torch."""
+    if name in ("nn", "transformers", "moe_forward_ep"):
         import importlib
 
-        mod = importlib.import_module(".nn" if name == "nn" else "._moe_ep", __name__)
-        return mod if name == "nn" else mod.moe_forward_ep
+        mod = importlib.import_module("._moe_ep" if name == "moe_forward_ep" else "." + name, __name__)
+        return mod.moe_forward_ep if name == "moe_forward_ep" else mod
     raise AttributeError(f"module 'encore' has no attribute {name!r}")
 
 
