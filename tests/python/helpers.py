@@ -70,3 +70,19 @@ def spawn_ranks(target, world, *args, timeout=300):
         errors.append(errq.get())
     assert not alive, "a rank hung"
     assert not errors and all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
+
+
+def dispatch_recorder():
+    """A TorchDispatchMode that records the name of every op dispatched under it (in `.ops`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return Seen()

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 import encore  # noqa: E402
 from encore import _core, gemm, kda, norm  # noqa: E402
+from helpers import dispatch_recorder  # noqa: E402
 
 encore.register_torch_ops()
 if "gemm_row_scale" not in _core.NATIVE:
@@ -291,17 +292,6 @@ def test_kda_forward_out_matches_python_kernel():
 def test_public_functions_take_the_native_kernels():
     """Plain eager tensors: the public functions call the C++ kernels (seen by a dispatch mode as the op: the
     launcher would not show), with the results of the launcher (an explicit stream)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     a, w, r = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, scale=0.1) + 1
     q, k, v, g, beta = kda_inputs()
     calls = {"gemm_row_scale": lambda **s: encore.gemm_row_scale(a, w, r, **s),
@@ -312,7 +302,7 @@ def test_public_functions_take_the_native_kernels():
              "kda_forward_out": lambda **s: encore.kda_forward(q, k, v, g, beta, workspace=torch.zeros(16, dtype=torch.uint8), **s)}
     for name, fn in calls.items():
         direct = fn(stream=0)
-        with Seen() as seen:
+        with dispatch_recorder() as seen:
             fn()  # under a mode: the traced path (torch.ops), which the mode sees
         assert f"encore.{name}.default" in seen.ops
         native_calls = []

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import encore  # noqa: E402
+from helpers import dispatch_recorder  # noqa: E402
 OPS = encore.register_torch_ops()  # noqa: E402  (torch.ops.encore.<op>.default by name)
 
 HAS_CUDA = encore.built_with_cuda() and encore.cuda_device_count() > 0 and torch.cuda.is_available()
@@ -250,21 +251,10 @@ def test_import_does_not_load_torch():
 def test_wrappers_dispatch_to_ops_and_match_direct(dev):
     """Torch tensors go through torch.ops.encore (a dispatch mode sees the op); an explicit stream takes
     the direct path; both give the same bits."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     r = make(dev, BF16 if dev == "cuda" else F32)
     x, res, w = r(5, 256), r(5, 256), r(256)
     direct = encore.add_rms_norm(x, res, w, stream=torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
-    with Seen() as seen:
+    with dispatch_recorder() as seen:
         y, h = encore.add_rms_norm(x, res, w)
     assert "encore.add_rms_norm.default" in seen.ops
     assert torch.equal(y, direct[0]) and torch.equal(h, direct[1])
