@@ -37,7 +37,8 @@
 #   ENCORE_PEERS_NPROC     processes (GPUs) per peer script, via torch.distributed.run (default 1; moe_ep: 2-8)
 #   ENCORE_PEERS           peer names (qk_norm kda block; default all three) or paths of .py scripts
 #                          (run with ENCORE_PEERS_ARGS and OUT); ROUNDS, BLOCK_SIZES, KDA_PEER_CONFIGS,
-#                          KDA_PEER_HEADS, KDA_PEER_GATES, KDA_TRAIN_WHO are read by the peer scripts
+#                          KDA_PEER_HEADS, KDA_PEER_GATES, KDA_TRAIN_WHO, TF_PEER_MODELS, TF_PEER_WHO, ... are read by
+#                          the peer scripts (each script's docstring lists its own)
 #   ENCORE_NCU_KERNELS     kernel regex for `ncu` (default .), ENCORE_NCU_LAUNCHES (default 400),
 #                          ENCORE_NCU_FLAGS (extra ncu flags, e.g. "--clock-control none --cache-control all")
 #   ENCORE_SWEEP_ROUNDS    rounds of tile_sweep (default 7)
@@ -54,7 +55,7 @@
 #   ENCORE_DRY_RUN=1       print the commands instead of running them (paths are still checked)
 # Carried ignored folders: .deps (.deps/cutlass from scripts/install_deps.sh, .deps/googletest, and
 # .deps/ab from scripts/ab_pack.sh for `ab`), .whl (peer wheels: fla-core, einops, liger-kernel,
-# nvidia-cudnn-frontend).
+# nvidia-cudnn-frontend; transformers 5.25 with huggingface-hub 2.4 and its HTTP client).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 2

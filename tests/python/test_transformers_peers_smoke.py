@@ -1,0 +1,29 @@
+"""bench/peers/transformers_peers.py --smoke (the GPU benchmark of encore.transformers against eager, torch.compile and
+Liger, run here on the CPU with tiny models, eager and encore only): it runs, patches, and writes the JSON the GPU run will."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_transformers_peers_smoke(tmp_path):
+    out = tmp_path / "tp.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, str(ROOT / "bench/peers/transformers_peers.py"), str(out), "--smoke"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["complete"] and set(res["results"]) == {f"{m}_tiny/{mode}" for m in ("llama", "qwen3") for mode in ("train", "infer")}
+    for key, entry in res["results"].items():
+        enc = entry["variants"]["encore"]
+        assert enc["median_ms"] > 0 and enc["patched"]["modules"], key
+        if key.endswith("/train"):
+            assert enc["loss_close"], key
