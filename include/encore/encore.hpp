@@ -11,6 +11,7 @@
 #include "encore/blocks/llama_last.hpp"
 #include "encore/gemm.hpp"
 #include "encore/kda.hpp"
+#include "encore/kda_serving.hpp"
 #include "encore/moe.hpp"
 #include "encore/moe_ep.hpp"
 #include "encore/norm.hpp"

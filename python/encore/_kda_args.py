@@ -1,5 +1,6 @@
 """The KDA binding's structs built from Python arguments (KdaOptions cached per distinct value,
-KdaForwardArgs with its residuals), shared by kda.py's launchers and _kda_cp.py's summaries."""
+KdaForwardArgs with its residuals), shared by kda.py's launchers, _kda_cp.py's summaries and
+_kda_serving.py; _gate_params: A_log and dt_bias in any shape fla takes."""
 from __future__ import annotations
 
 import math
@@ -34,3 +35,26 @@ def _forward_args(q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None
         res = _b.KdaResiduals(G=dl(G), Aqk=dl(Aqk), Akk=dl(Akk), h=dl(h))
     return _b.KdaForwardArgs(q=dl(q), k=dl(k), v=dl(v), g=dl(g), beta=dl(beta), initial_state=dl(initial_state), A_log=dl(A_log),
                              dt_bias=dl(dt_bias), cu_seqlens=dl(cu_seqlens), o=dl(o), final_state=dl(final_state), residuals=res)
+
+
+def _numel(a):
+    """Elements of a torch tensor (numel()) or a numpy array (size); -1 for anything else."""
+    n = getattr(a, "numel", None)
+    if callable(n):
+        return n()
+    n = getattr(a, "size", None)
+    return n if isinstance(n, int) else -1
+
+
+def _gate_params(A_log, dt_bias, hv, kd):
+    """A_log and dt_bias in any shape fla accepts (HV and HV * K elements: [HV], [1, 1, HV, 1], [HV, K],
+    ...) as the [HV] and [HV * K] views the kernels take; gradients flow back in the caller's shape."""
+    if A_log is not None:
+        if _numel(A_log) != hv:
+            raise ValueError(f"A_log: expected {hv} elements (one per value head, any shape), got shape {list(getattr(A_log, 'shape', []))}")
+        A_log = A_log.reshape(hv)
+    if dt_bias is not None:
+        if _numel(dt_bias) != hv * kd:
+            raise ValueError(f"dt_bias: expected {hv * kd} elements (HV * K, any shape), got shape {list(getattr(dt_bias, 'shape', []))}")
+        dt_bias = dt_bias.reshape(hv * kd)
+    return A_log, dt_bias

@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING
 
 from . import _core
 from . import _encore as _b
-from ._kda_args import _forward_args, _opts
+from ._kda_args import _forward_args, _gate_params, _opts
+from ._kda_serving import fused_recurrent_kda, fused_recurrent_kda_fwd, kda_forward_pool
 from ._core import (as_float, dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, native, ops, present, stream_for,
                     torch_module, torch_op, with_absent)
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
 
-__all__ = ["kda_forward", "kda_forward_workspace_bytes", "kda_backward", "chunk_kda"]
+__all__ = ["kda_forward", "kda_forward_workspace_bytes", "kda_backward", "chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd",
+           "kda_forward_pool"]
 
 _RESIDUAL_KINDS = {None: "f32", "float32": "f32", "bfloat16": "bf16"}
 _RESIDUAL_NAMES = ("G", "Aqk", "Akk", "h")
@@ -299,20 +301,6 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
                                 dt_bias, lower_bound, cu_seqlens, res, stream)
 
 
-def _gate_params(A_log, dt_bias, hv, kd):
-    """A_log and dt_bias in any shape fla accepts (HV and HV * K elements: [HV], [1, 1, HV, 1], [HV, K],
-    ...) as the [HV] and [HV * K] views the kernels take; gradients flow back in the caller's shape."""
-    if A_log is not None:
-        if getattr(A_log, "numel", lambda: -1)() != hv:
-            raise ValueError(f"A_log: expected {hv} elements (one per value head, any shape), got shape {list(getattr(A_log, 'shape', []))}")
-        A_log = A_log.reshape(hv)
-    if dt_bias is not None:
-        if getattr(dt_bias, "numel", lambda: -1)() != hv * kd:
-            raise ValueError(f"dt_bias: expected {hv * kd} elements (HV * K, any shape), got shape {list(getattr(dt_bias, 'shape', []))}")
-        dt_bias = dt_bias.reshape(hv * kd)
-    return A_log, dt_bias
-
-
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
               use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
               lower_bound=None, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
@@ -343,13 +331,19 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     message), use_beta_sigmoid_in_kernel (beta = sigmoid(beta), fp32, before the kernels) with
     allow_neg_eigval (2 sigmoid(beta)). Refused with a ValueError when set:
     return_intermediate_states, state_v_first, cp_context, use_graph and any other
-    keyword. encore's own keywords: rematerialize (below) and cp_group.
+    keyword. encore's own keywords: rematerialize (below), cp_group and ssm_state_indices.
+
+    Serving (encore's, docs/kda.md "Serving"): ssm_state_indices=[N] with initial_state = the state
+    pool [P, HV, K, V] (float32 / bfloat16): the prefill reads sequence n's initial state from slot
+    ssm_state_indices[n] and writes its final state back there in place (< 0: padding, o rows zero);
+    returns (o, the pool). Inference only (no gradient); no gather / scatter copies.
 
     encore's context parallelism: cp_group=<torch.distributed process group>, each rank passing its
     contiguous slice along T of a varlen batch (B = 1) and the global cu_seqlens; returns (this rank's o,
     None). The ranks exchange one packed summary per direction (encore/_kda_cp.py); CPU tensors (fp64
     reference summaries) and CUDA tensors (summaries composed from the CUDA forward and backward, NCCL)."""
     cp_group = kwargs.pop("cp_group", None)
+    ssm_state_indices = kwargs.pop("ssm_state_indices", None)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     remat_given = "rematerialize" in kwargs
     rematerialize = bool(kwargs.pop("rematerialize", not disable_recompute))
@@ -389,6 +383,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         A_log = dt_bias = lower_bound = None
     else:
         A_log, dt_bias = _gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
+    if ssm_state_indices is not None:  # the prefill on a state pool, in place (inference)
+        return _chunk_kda_pool(q, k, v, g, beta, scale, initial_state, ssm_state_indices, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                               A_log, dt_bias, lower_bound, cu_cpu if cu_cpu is not None else cu_seqlens, cp_group,
+                               return_intermediate_states)
     if cp_group is not None:
         if initial_state is not None or output_final_state:
             raise ValueError("cp_group: context parallelism takes no initial_state and no output_final_state")
@@ -414,3 +412,19 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                            use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
                            cu_cpu if cu_cpu is not None else cu_seqlens, rematerialize)
+
+
+def _chunk_kda_pool(q, k, v, g, beta, scale, pool, ssm_state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                    cu_seqlens, cp_group, return_intermediate_states):
+    """chunk_kda with ssm_state_indices: (o, pool) by kda_forward_pool."""
+    if pool is None:
+        raise ValueError("ssm_state_indices: needs initial_state, the state pool [P, HV, K, V] (read and written in place)")
+    if cp_group is not None or return_intermediate_states:
+        raise ValueError("ssm_state_indices: not supported with cp_group or return_intermediate_states")
+    torch = torch_module()
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, pool)):
+        raise RuntimeError("ssm_state_indices: the prefill on a state pool is inference only (no gradient); call chunk_kda under "
+                           "torch.no_grad() or torch.inference_mode()")
+    o = kda_forward_pool(q, k, v, g, beta, pool, ssm_state_indices, scale, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                         cu_seqlens)
+    return o, pool

@@ -9,6 +9,7 @@
 #include "convert.hpp"
 #include "encore/kda.hpp"
 #include "encore/kda_cp.hpp"
+#include "encore/kda_serving.hpp"
 
 namespace encore::python {
 
@@ -98,6 +99,50 @@ void bind_kda(nb::module_& m) {
           nb::arg("fwd"), opt_arg("d_o"), opt_arg("d_final_state"), opt_arg("dq"),
           opt_arg("dk"), opt_arg("dv"), opt_arg("dg"), opt_arg("dbeta"),
           opt_arg("dh0"), opt_arg("dA_log"), opt_arg("ddt_bias"));
+
+  // Serving (encore/kda_serving.hpp): the recurrent step and the prefill on a state pool.
+  nb::class_<KdaRecurrentOptions>(m, "KdaRecurrentOptions")
+      .def(
+          "__init__",
+          [](KdaRecurrentOptions* p, double scale, bool use_qk_l2norm, bool use_gate_in_kernel, bool use_lower_bound, double lower_bound,
+             bool use_beta_sigmoid, bool allow_neg_eigval) {
+            new (p) KdaRecurrentOptions{scale, use_qk_l2norm, use_gate_in_kernel, use_lower_bound, lower_bound, use_beta_sigmoid,
+                                        allow_neg_eigval};
+          },
+          nb::arg("scale") = 0.0, nb::arg("use_qk_l2norm") = false, nb::arg("use_gate_in_kernel") = false,
+          nb::arg("use_lower_bound") = false, nb::arg("lower_bound") = -5.0, nb::arg("use_beta_sigmoid") = false,
+          nb::arg("allow_neg_eigval") = false);
+  nb::class_<KdaRecurrentArgs>(m, "KdaRecurrentArgs")
+      .def(
+          "__init__",
+          [](KdaRecurrentArgs* p, Opt q, Opt k, Opt v, Opt g, Opt beta, Opt A_log, Opt dt_bias, Opt cu_seqlens, Opt initial_state,
+             Opt state_indices, Opt num_accepted_tokens, Opt o, Opt final_state) {
+            new (p) KdaRecurrentArgs{opt_view(q, "q"),
+                                     opt_view(k, "k"),
+                                     opt_view(v, "v"),
+                                     opt_view(g, "g"),
+                                     opt_view(beta, "beta"),
+                                     opt_view(A_log, "A_log"),
+                                     opt_view(dt_bias, "dt_bias"),
+                                     opt_view(cu_seqlens, "cu_seqlens"),
+                                     opt_view(initial_state, "initial_state"),
+                                     opt_view(state_indices, "state_indices"),
+                                     opt_view(num_accepted_tokens, "num_accepted_tokens"),
+                                     opt_view(o, "o"),
+                                     opt_view(final_state, "final_state")};
+          },
+          opt_arg("q"), opt_arg("k"), opt_arg("v"), opt_arg("g"), opt_arg("beta"), opt_arg("A_log"), opt_arg("dt_bias"),
+          opt_arg("cu_seqlens"), opt_arg("initial_state"), opt_arg("state_indices"), opt_arg("num_accepted_tokens"), opt_arg("o"),
+          opt_arg("final_state"));
+  nb::class_<KdaPoolForwardArgs>(m, "KdaPoolForwardArgs")
+      .def(
+          "__init__",
+          [](KdaPoolForwardArgs* p, const KdaForwardArgs& fwd, Opt pool, Opt state_indices) {
+            new (p) KdaPoolForwardArgs{fwd, opt_view(pool, "pool"), opt_view(state_indices, "state_indices")};
+          },
+          nb::arg("fwd"), opt_arg("pool"), opt_arg("state_indices"));
+  ENCORE_BIND_OP(m, "kda_recurrent", KdaRecurrentArgs, KdaRecurrentOptions);
+  ENCORE_BIND_OP(m, "kda_forward_pool", KdaPoolForwardArgs, KdaOptions);
 
   ENCORE_BIND_OP(m, "kda_forward", KdaForwardArgs, KdaOptions);
   ENCORE_BIND_OP(m, "kda_backward", KdaBackwardArgs, KdaOptions);

@@ -186,6 +186,23 @@ def kda_cases(dev):
                                        res["G"], res["Aqk"], res["Akk"], res["h"])))
         cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, 0.3, h0, False, True, make(dev, F32)(2), None, None, None,
                                        *none4)))
+        # Serving (CPU only until the CUDA kernels exist): the recurrent step on a pool (decode, speculative slots),
+        # without a pool (new final state, in place), the prefill on the pool.
+        hv, kd, vd = q.shape[2], q.shape[3], v.shape[3]
+        pool = make(dev, F32)(6, hv, kd, vd, scale=0.1)
+        dec = [x[0, :3].unsqueeze(1).contiguous() for x in (q, k, v, g, beta)]
+        two = [x[0, :6].reshape(3, 2, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
+        rec = lambda xs, *rest: ("kda_recurrent", (*xs, *rest))  # noqa: E731
+        cases += [rec(dec, None, None, None, pool, True, torch.tensor([3, -1, 0]), None, None, True, False, None, False, False,
+                      torch.empty_like(dec[2]), None),
+                  rec(two, make(dev, F32)(hv), None, 0.5, pool, True, torch.tensor([[0, 1], [2, 3], [-1, 4]], dtype=torch.int32),
+                      torch.tensor([2, 1, 1]), None, False, True, None, True, True, torch.empty_like(two[2]), None),
+                  rec(two, None, None, None, h0.expand(3, -1, -1, -1).clone(), False, None, None, None, True, False, None, False,
+                      False, torch.empty_like(two[2]), torch.empty(3, hv, kd, vd)),
+                  rec(two, None, None, None, h0.expand(3, -1, -1, -1).clone(), True, None, None, None, False, False, None, True,
+                      False, torch.empty_like(two[2]), None),
+                  ("kda_forward_pool", (q, k, v, g, beta, None, pool, torch.tensor([4, -1]), True, False, None, None, None, cu,
+                                        torch.empty_like(v)))]
     else:  # the CUDA backward reads the forward's residuals (saved h, and rematerialized without it)
         d_o = make(dev, BF16)(*v.shape)
         _, _, res = encore.kda_forward(q, k, v, g, beta, use_qk_l2norm=True, return_residuals=True, residual_dtype="bfloat16")

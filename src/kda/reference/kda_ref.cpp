@@ -1,5 +1,6 @@
 #include "kda/reference/kda_ref.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 namespace encore::reference {
@@ -93,41 +94,49 @@ KdaInputs kda_prepare(const kda::KdaProblem& p, const KdaForwardArgs& a) {
   return in;
 }
 
-void kda_recurrent_forward(const kda::KdaProblem& p, const KdaInputs& in, std::vector<double>& o, std::vector<double>& final_state) {
+void kda_recurrent_sequence(const kda::KdaProblem& p, const KdaInputs& in, size_t n, int64_t h, std::vector<double>& S,
+                            std::vector<double>& o, const std::function<void(int64_t, const std::vector<double>&)>& on_token) {
   const Idx I{p.T, p.H};
   const int64_t K = p.K, V = p.V;
-  o.assign(size_t(p.B * p.T * p.H * V), 0.0);
-  final_state.assign(in.h0.size(), 0.0);
-  std::vector<double> S(static_cast<size_t>(K * V)), e(static_cast<size_t>(V));
-  for (size_t n = 0; n < p.seqs.size(); ++n) {
-    const kda::Sequence& sq = p.seqs[n];
-    for (int64_t h = 0; h < p.H; ++h) {
-      for (int64_t i = 0; i < K * V; ++i) S[size_t(i)] = in.h0[size_t(state_at(p, int64_t(n), h, 0, 0) + i)];
-      for (int64_t t = sq.begin; t < sq.end; ++t) {
-        const double* q = &in.q[size_t(I(sq.batch, t, h, 0, K))];
-        const double* k = &in.k[size_t(I(sq.batch, t, h, 0, K))];
-        const double* g = &in.g[size_t(I(sq.batch, t, h, 0, K))];
-        const double* v = &in.v[size_t(I(sq.batch, t, h, 0, V))];
-        const double beta = in.beta[size_t(I.bth(sq.batch, t, h))];
-        for (int64_t a = 0; a < K; ++a)
-          for (int64_t c = 0; c < V; ++c) S[size_t(a * V + c)] *= std::exp(g[a]);
-        for (int64_t c = 0; c < V; ++c) {
-          double s = 0;
-          for (int64_t a = 0; a < K; ++a) s += S[size_t(a * V + c)] * k[a];
-          e[size_t(c)] = v[c] - s;
-        }
-        for (int64_t a = 0; a < K; ++a)
-          for (int64_t c = 0; c < V; ++c) S[size_t(a * V + c)] += beta * k[a] * e[size_t(c)];
-        double* out = &o[size_t(I(sq.batch, t, h, 0, V))];
-        for (int64_t c = 0; c < V; ++c) {
-          double s = 0;
-          for (int64_t a = 0; a < K; ++a) s += S[size_t(a * V + c)] * q[a];
-          out[c] = p.scale * s;
-        }
-      }
-      for (int64_t i = 0; i < K * V; ++i) final_state[size_t(state_at(p, int64_t(n), h, 0, 0) + i)] = S[size_t(i)];
+  const kda::Sequence& sq = p.seqs[n];
+  std::vector<double> e(static_cast<size_t>(V));
+  for (int64_t t = sq.begin; t < sq.end; ++t) {
+    const double* q = &in.q[size_t(I(sq.batch, t, h, 0, K))];
+    const double* k = &in.k[size_t(I(sq.batch, t, h, 0, K))];
+    const double* g = &in.g[size_t(I(sq.batch, t, h, 0, K))];
+    const double* v = &in.v[size_t(I(sq.batch, t, h, 0, V))];
+    const double beta = in.beta[size_t(I.bth(sq.batch, t, h))];
+    for (int64_t a = 0; a < K; ++a)
+      for (int64_t c = 0; c < V; ++c) S[size_t(a * V + c)] *= std::exp(g[a]);
+    for (int64_t c = 0; c < V; ++c) {
+      double s = 0;
+      for (int64_t a = 0; a < K; ++a) s += S[size_t(a * V + c)] * k[a];
+      e[size_t(c)] = v[c] - s;
     }
+    for (int64_t a = 0; a < K; ++a)
+      for (int64_t c = 0; c < V; ++c) S[size_t(a * V + c)] += beta * k[a] * e[size_t(c)];
+    double* out = &o[size_t(I(sq.batch, t, h, 0, V))];
+    for (int64_t c = 0; c < V; ++c) {
+      double s = 0;
+      for (int64_t a = 0; a < K; ++a) s += S[size_t(a * V + c)] * q[a];
+      out[c] = p.scale * s;
+    }
+    if (on_token) on_token(t - sq.begin, S);
   }
+}
+
+void kda_recurrent_forward(const kda::KdaProblem& p, const KdaInputs& in, std::vector<double>& o, std::vector<double>& final_state) {
+  const int64_t KV = p.K * p.V;
+  o.assign(size_t(p.B * p.T * p.H * p.V), 0.0);
+  final_state.assign(in.h0.size(), 0.0);
+  std::vector<double> S(static_cast<size_t>(KV));
+  for (size_t n = 0; n < p.seqs.size(); ++n)
+    for (int64_t h = 0; h < p.H; ++h) {
+      const int64_t base = state_at(p, int64_t(n), h, 0, 0);
+      std::copy(in.h0.begin() + base, in.h0.begin() + base + KV, S.begin());
+      kda_recurrent_sequence(p, in, n, h, S, o);
+      std::copy(S.begin(), S.end(), final_state.begin() + base);
+    }
 }
 
 void kda_chunked_forward(const kda::KdaProblem& p, const KdaInputs& in, std::vector<double>& o, std::vector<double>& final_state,

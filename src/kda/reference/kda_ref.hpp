@@ -6,6 +6,7 @@
 // H = the value heads (KdaProblem::H): q and k are expanded to one copy per value head by kda_prepare,
 // and only KdaGrads::dq, dk are per q/k head ([B, T, Hq, K], the sums over each group).
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "kda/problem.hpp"
@@ -22,6 +23,11 @@ KdaInputs kda_prepare(const kda::KdaProblem& p, const KdaForwardArgs& a);
 
 // o [B, T, H, V] and final state [N, H, K, V].
 void kda_recurrent_forward(const kda::KdaProblem& p, const KdaInputs& in, std::vector<double>& o, std::vector<double>& final_state);
+// The recurrence of sequence n (p.seqs[n]) and value head h from S (the [K, V] state, row-major), updated
+// in place; the sequence's rows of o [B, T, H, V] written; after each token t (counted from the
+// sequence's start) on_token(t, S) where given (serving: the per-token states of speculative decoding).
+void kda_recurrent_sequence(const kda::KdaProblem& p, const KdaInputs& in, size_t n, int64_t h, std::vector<double>& S,
+                            std::vector<double>& o, const std::function<void(int64_t, const std::vector<double>&)>& on_token = {});
 
 // Intermediates of the chunked forward. Per token: G (local inclusive cumsum of g, log2) [.., K];
 // Aqk and A ((I + L)^-1) rows [.., 64] (column j = chunk row j); W [.., K]; U, Vnew [.., V].

@@ -1,0 +1,341 @@
+// KDA serving (include/encore/kda_serving.hpp): the recurrent step and the chunked prefill over a state
+// pool. Validation (shapes, dtypes, the pool's layout, index values where they are on the host), then
+// the CPU reference (kda_prepare + kda_recurrent_sequence, fp64) or, on CUDA tensors, Status::unsupported:
+// the CUDA kernels are a later step (docs/kda.md "Serving").
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/checks.hpp"
+#include "encore/kda_serving.hpp"
+#include "kda/problem.hpp"
+#include "kda/reference/kda_ref.hpp"
+
+namespace encore {
+namespace {
+
+const std::initializer_list<DType> kFloat = {DType::kBF16, DType::kFP16, DType::kFP32, DType::kFP64};
+const std::initializer_list<DType> kStateTypes = {DType::kBF16, DType::kFP32, DType::kFP64};
+const std::initializer_list<DType> kIndexTypes = {DType::kInt32, DType::kInt64};
+
+using Named = std::pair<const char*, const TensorView*>;
+
+std::string str(int64_t x) { return std::to_string(x); }
+
+// Element offset of the i-th element (row-major over the shape) of a strided view.
+int64_t strided_offset(const TensorView& t, int64_t i) {
+  int64_t off = 0;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    off += (i % t.shape[d]) * t.strides[d];
+    i /= t.shape[d];
+  }
+  return off;
+}
+
+void store_dense(const TensorView& t, const std::vector<double>& src) {
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data, t.dtype, strided_offset(t, i), src[size_t(i)]);
+}
+
+// t[i] (1-D) or t[i, j] (2-D) of an int32 / int64 host view.
+int64_t index_at(const TensorView& t, int64_t i, int64_t j = 0) {
+  const int64_t off = i * t.strides[0] + (t.ndim == 2 ? j * t.strides[1] : 0);
+  return t.dtype == DType::kInt32 ? static_cast<const int32_t*>(t.data)[off] : static_cast<const int64_t*>(t.data)[off];
+}
+
+// A state tensor [rows, HV, K, V] (rows < 0: any, a pool): each row's [HV, K, V] contiguous, rows disjoint.
+Status validate_states(const char* name, const TensorView& t, int64_t rows, const kda::KdaProblem& p, const TensorView& q) {
+  ENCORE_RETURN_IF_ERROR(checks::present(name, t));
+  const char* layout = rows < 0 ? "[P, HV, K, V]" : "[N, HV, K, V]";
+  if (t.ndim != 4 || (rows >= 0 && t.shape[0] != rows) || t.shape[1] != p.H || t.shape[2] != p.K || t.shape[3] != p.V)
+    return Status::invalid(std::string(name) + ": expected " + layout + " = [" + (rows < 0 ? std::string("P") : str(rows)) + ", " +
+                           str(p.H) + ", " + str(p.K) + ", " + str(p.V) + "], got " + t.shape_string());
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, kStateTypes));
+  ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "q", q));
+  const int64_t slot = p.H * p.K * p.V;
+  if (t.strides[3] != 1 || t.strides[2] != p.V || t.strides[1] != p.K * p.V || (t.shape[0] > 1 && t.strides[0] < slot))
+    return Status::invalid(std::string(name) + ": each slot's [HV, K, V] must be contiguous and the slot stride at least HV * K * V = " +
+                           str(slot) + ", got strides [" + str(t.strides[0]) + ", " + str(t.strides[1]) + ", " + str(t.strides[2]) + ", " +
+                           str(t.strides[3]) + "]");
+  return Status::ok();
+}
+
+// An index tensor on the host or on q's device.
+Status validate_indices(const char* name, const TensorView& t, const TensorView& q) {
+  ENCORE_RETURN_IF_ERROR(checks::present(name, t));
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, kIndexTypes));
+  if (t.device.is_cuda() && !(t.device == q.device))
+    return Status::invalid(std::string(name) + ": on " + t.device.to_string() + ", expected the host or q's device " + q.device.to_string());
+  return Status::ok();
+}
+
+// Which slot each sequence starts from and which slots its tokens write, from host index values.
+struct SlotPlan {
+  std::vector<int64_t> read;  // per sequence: the slot of its initial state; -1: padding (or no tokens: nothing touched)
+  bool per_token = false;     // [N, S] indices: token t of sequence n writes slot write[n][t] (< 0: not written)
+  std::vector<std::vector<int64_t>> write;
+};
+
+// The pool's slots of a call: start column col_n (num_accepted_tokens[n] - 1, or 0), range [0, P), no slot
+// used twice. Index values are read only from host memory (CUDA views: not checked here; plan left empty).
+Status plan_slots(const kda::KdaProblem& p, const TensorView& idx, const TensorView& nat, int64_t P, SlotPlan* plan) {
+  const int64_t N = int64_t(p.seqs.size());
+  const bool two_d = idx.ndim == 2;
+  const int64_t S = two_d ? idx.shape[1] : 1;
+  plan->per_token = two_d;
+  plan->read.assign(size_t(N), -1);
+  plan->write.assign(size_t(N), {});
+  if (idx.device.is_cuda() || (nat.defined() && nat.device.is_cuda())) return Status::ok();
+  std::map<int64_t, std::pair<int64_t, int64_t>> seen;  // slot -> the entry (n, column) using it
+  auto use = [&](int64_t n, int64_t c) -> Status {
+    const int64_t s = index_at(idx, n, c);
+    const std::string at = two_d ? "[" + str(n) + ", " + str(c) + "]" : "[" + str(n) + "]";
+    if (s < 0) return Status::ok();
+    if (s >= P) return Status::invalid("state_indices: entry " + at + " = " + str(s) + " is out of the pool's range [0, " + str(P) + ")");
+    auto [it, fresh] = seen.emplace(s, std::make_pair(n, c));
+    if (!fresh && it->second != std::make_pair(n, c)) {
+      const auto [m, d] = it->second;
+      return Status::invalid("state_indices: slot " + str(s) + " is used twice in one call (entries " +
+                             (two_d ? "[" + str(m) + ", " + str(d) + "]" : "[" + str(m) + "]") + " and " + at +
+                             "); a call's non-negative indices must be distinct");
+    }
+    return Status::ok();
+  };
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t len = p.seqs[size_t(n)].end - p.seqs[size_t(n)].begin;
+    int64_t col = 0;
+    if (nat.defined()) {
+      const int64_t a = index_at(nat, n);
+      if (a < 1 || a > S)
+        return Status::invalid("num_accepted_tokens: entry [" + str(n) + "] = " + str(a) + " must lie in [1, S = " + str(S) +
+                               "] (it picks the start slot state_indices[n, num_accepted_tokens[n] - 1])");
+      col = a - 1;
+    }
+    if (len == 0) continue;  // no tokens: nothing read or written
+    const int64_t r = index_at(idx, n, col);
+    if (r < 0) continue;  // padding
+    ENCORE_RETURN_IF_ERROR(use(n, col));
+    plan->read[size_t(n)] = r;
+    if (two_d) {
+      for (int64_t t = 0; t < len; ++t) {
+        ENCORE_RETURN_IF_ERROR(use(n, t));
+        plan->write[size_t(n)].push_back(index_at(idx, n, t));
+      }
+    }
+  }
+  return Status::ok();
+}
+
+// The outputs (written) overlap no input and not each other.
+Status no_overlaps(std::initializer_list<Named> outputs, std::initializer_list<Named> inputs) {
+  for (auto [oname, out] : outputs) {
+    if (!out->defined()) continue;
+    for (auto [iname, in] : inputs)
+      if (in->defined()) ENCORE_RETURN_IF_ERROR(checks::no_overlap(oname, *out, iname, *in));
+  }
+  for (auto a = outputs.begin(); a != outputs.end(); ++a)
+    for (auto b = a + 1; b != outputs.end(); ++b)
+      if (a->second->defined() && b->second->defined()) ENCORE_RETURN_IF_ERROR(checks::no_overlap(a->first, *a->second, b->first, *b->second));
+  return Status::ok();
+}
+
+KdaForwardArgs forward_view(const KdaRecurrentArgs& a) {
+  KdaForwardArgs f;
+  f.q = a.q, f.k = a.k, f.v = a.v, f.g = a.g, f.beta = a.beta, f.A_log = a.A_log, f.dt_bias = a.dt_bias, f.cu_seqlens = a.cu_seqlens;
+  return f;
+}
+
+KdaOptions forward_options(const KdaRecurrentOptions& o) {
+  KdaOptions k;
+  k.scale = o.scale, k.use_qk_l2norm = o.use_qk_l2norm, k.use_gate_in_kernel = o.use_gate_in_kernel;
+  k.use_lower_bound = o.use_lower_bound, k.lower_bound = o.lower_bound;
+  return k;
+}
+
+Status validate_recurrent(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, kda::KdaProblem* out, SlotPlan* plan) {
+  if (o.allow_neg_eigval && !o.use_beta_sigmoid)
+    return Status::invalid("allow_neg_eigval: needs use_beta_sigmoid (beta = 2 sigmoid(beta))");
+  kda::KdaProblem& p = *out;
+  ENCORE_RETURN_IF_ERROR(kda::make_problem(forward_view(a), forward_options(o), &p));
+  ENCORE_RETURN_IF_ERROR(checks::present("o", a.o));
+  if (a.o.ndim != 4 || a.o.shape != a.v.shape)
+    return Status::invalid("o: shape " + a.o.shape_string() + " must equal v's " + a.v.shape_string());
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("o", a.o, kFloat));
+  ENCORE_RETURN_IF_ERROR(checks::same_device("o", a.o, "q", a.q));
+  const int64_t N = int64_t(p.seqs.size());
+  const bool pooled = a.state_indices.defined();
+  if (pooled) {
+    ENCORE_RETURN_IF_ERROR(validate_indices("state_indices", a.state_indices, a.q));
+    if ((a.state_indices.ndim != 1 && a.state_indices.ndim != 2) || a.state_indices.shape[0] != N)
+      return Status::invalid("state_indices: expected [N] or [N, S] with N = " + str(N) + " sequences, got " + a.state_indices.shape_string());
+    if (a.state_indices.ndim == 2)
+      for (int64_t n = 0; n < N; ++n)
+        if (p.seqs[size_t(n)].end - p.seqs[size_t(n)].begin > a.state_indices.shape[1])
+          return Status::invalid("state_indices: [N, S] holds S = " + str(a.state_indices.shape[1]) +
+                                 " slots per sequence (one per token), but sequence " +
+                                 str(n) + " has " + str(p.seqs[size_t(n)].end - p.seqs[size_t(n)].begin) + " tokens");
+    if (!a.initial_state.defined())
+      return Status::invalid("initial_state: the pool [P, HV, K, V] is required with state_indices");
+    ENCORE_RETURN_IF_ERROR(validate_states("initial_state", a.initial_state, -1, p, a.q));
+    if (a.final_state.defined())
+      return Status::invalid("final_state: must be absent with state_indices (the pool, initial_state, is updated in place)");
+    if (a.num_accepted_tokens.defined()) {
+      ENCORE_RETURN_IF_ERROR(validate_indices("num_accepted_tokens", a.num_accepted_tokens, a.q));
+      if (a.state_indices.ndim != 2)
+        return Status::invalid("num_accepted_tokens: needs state_indices [N, S] (one slot per token: speculative decoding)");
+      if (a.num_accepted_tokens.ndim != 1 || a.num_accepted_tokens.shape[0] != N)
+        return Status::invalid("num_accepted_tokens: expected [N] = [" + str(N) + "], got " + a.num_accepted_tokens.shape_string());
+    }
+  } else {
+    if (a.num_accepted_tokens.defined())
+      return Status::invalid("num_accepted_tokens: needs state_indices [N, S] (one slot per token: speculative decoding)");
+    if (a.initial_state.defined()) ENCORE_RETURN_IF_ERROR(validate_states("initial_state", a.initial_state, N, p, a.q));
+    if (a.final_state.defined()) ENCORE_RETURN_IF_ERROR(validate_states("final_state", a.final_state, N, p, a.q));
+  }
+  // Outputs: o, and the pool (pooled) or final_state (which may be initial_state itself: in place).
+  const TensorView& fin = a.final_state;
+  const bool in_place = fin.defined() && a.initial_state.defined() && fin.data == a.initial_state.data && fin.shape == a.initial_state.shape &&
+                        fin.strides == a.initial_state.strides && fin.dtype == a.initial_state.dtype;
+  if (!pooled && !in_place && fin.defined() && a.initial_state.defined()) {
+    Status st = checks::no_overlap("final_state", fin, "initial_state", a.initial_state);
+    if (!st) return Status::invalid(st.message() + " (only exactly, as the same array: the state updated in place)");
+  }
+  const TensorView none;
+  const TensorView& written = pooled ? a.initial_state : fin;
+  const char* written_name = pooled ? "initial_state" : "final_state";
+  ENCORE_RETURN_IF_ERROR(no_overlaps({{"o", &a.o}, {written_name, &written}},
+                                     {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta}, {"A_log", &a.A_log},
+                                      {"dt_bias", &a.dt_bias}, {"cu_seqlens", &a.cu_seqlens}, {"state_indices", &a.state_indices},
+                                      {"num_accepted_tokens", &a.num_accepted_tokens},
+                                      {"initial_state", pooled || in_place ? &none : &a.initial_state}}));
+  if (pooled) return plan_slots(p, a.state_indices, a.num_accepted_tokens, a.initial_state.shape[0], plan);
+  return Status::ok();
+}
+
+// State element offsets: slot s, value head h, the [K, V] block from its start.
+int64_t slot_offset(const TensorView& t, int64_t s, int64_t h) { return s * t.strides[0] + h * t.strides[1]; }
+
+void load_state(const TensorView& t, int64_t s, int64_t h, int64_t KV, double* dst) {
+  const int64_t base = slot_offset(t, s, h);
+  for (int64_t i = 0; i < KV; ++i) dst[i] = load_as_double(t.data, t.dtype, base + i);
+}
+
+void store_state(const TensorView& t, int64_t s, int64_t h, const std::vector<double>& S) {
+  const int64_t base = slot_offset(t, s, h);
+  for (size_t i = 0; i < S.size(); ++i) store_from_double(t.data, t.dtype, base + int64_t(i), S[i]);
+}
+
+Status not_built(const char* op, const TensorView& q) {
+  return Status::unsupported(std::string(op) + ": on " + q.device.to_string() +
+                             " tensors: the CUDA kernel is not built yet (the CPU backend runs it; docs/kda.md \"Serving\")");
+}
+
+}  // namespace
+
+Status validate(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o) {
+  kda::KdaProblem p;
+  SlotPlan plan;
+  return validate_recurrent(a, o, &p, &plan);
+}
+
+size_t workspace_bytes(const KdaRecurrentArgs&, const KdaRecurrentOptions&) { return 0; }
+
+Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Stream) {
+  kda::KdaProblem p;
+  SlotPlan plan;
+  ENCORE_RETURN_IF_ERROR(validate_recurrent(a, o, &p, &plan));
+  if (a.q.device.is_cuda()) return not_built("kda_recurrent", a.q);
+  reference::KdaInputs in = reference::kda_prepare(p, forward_view(a));
+  if (o.use_beta_sigmoid)
+    for (double& b : in.beta) b = (o.allow_neg_eigval ? 2.0 : 1.0) / (1.0 + std::exp(-b));
+  const bool pooled = a.state_indices.defined();
+  const int64_t N = int64_t(p.seqs.size()), KV = p.K * p.V;
+  // Every initial state is read before anything is written (the pool and final_state may alias initial_state).
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t slot = pooled ? plan.read[size_t(n)] : (a.initial_state.defined() ? n : -1);
+    if (slot >= 0)
+      for (int64_t h = 0; h < p.H; ++h) load_state(a.initial_state, slot, h, KV, &in.h0[size_t((n * p.H + h) * KV)]);
+  }
+  std::vector<double> out(size_t(p.B * p.T * p.H * p.V), 0.0), S(static_cast<size_t>(KV));
+  std::vector<std::vector<double>> token_states;
+  for (int64_t n = 0; n < N; ++n) {
+    if (pooled && plan.read[size_t(n)] < 0) continue;  // padding (or no tokens): o rows zero, the pool untouched
+    for (int64_t h = 0; h < p.H; ++h) {
+      std::copy(in.h0.begin() + (n * p.H + h) * KV, in.h0.begin() + (n * p.H + h + 1) * KV, S.begin());
+      token_states.clear();
+      reference::kda_recurrent_sequence(p, in, size_t(n), h, S, out, [&](int64_t, const std::vector<double>& st) {
+        if (plan.per_token) token_states.push_back(st);
+      });
+      if (pooled && plan.per_token) {
+        for (size_t t = 0; t < token_states.size(); ++t)
+          if (plan.write[size_t(n)][t] >= 0) store_state(a.initial_state, plan.write[size_t(n)][t], h, token_states[t]);
+      } else if (pooled) {
+        store_state(a.initial_state, plan.read[size_t(n)], h, S);
+      } else if (a.final_state.defined()) {
+        store_state(a.final_state, n, h, S);
+      }
+    }
+  }
+  store_dense(a.o, out);
+  return Status::ok();
+}
+
+namespace {
+
+Status validate_pool_forward(const KdaPoolForwardArgs& a, const KdaOptions& o, kda::KdaProblem* out, SlotPlan* plan) {
+  const KdaForwardArgs& f = a.fwd;
+  if (f.initial_state.defined()) return Status::invalid("fwd.initial_state: must be absent (each sequence starts from pool[state_indices[n]])");
+  if (f.final_state.defined()) return Status::invalid("fwd.final_state: must be absent (each final state is written to pool[state_indices[n]])");
+  if (f.residuals.any()) return Status::invalid("fwd.residuals: must be absent (the forward on a state pool is inference only)");
+  KdaOptions opts = o;
+  opts.output_final_state = false;
+  ENCORE_RETURN_IF_ERROR(validate(f, opts));
+  kda::KdaProblem& p = *out;
+  ENCORE_RETURN_IF_ERROR(kda::make_problem(f, opts, &p));
+  const int64_t N = int64_t(p.seqs.size());
+  ENCORE_RETURN_IF_ERROR(validate_indices("state_indices", a.state_indices, f.q));
+  if (a.state_indices.ndim != 1 || a.state_indices.shape[0] != N)
+    return Status::invalid("state_indices: expected [N] with N = " + str(N) + " sequences, got " + a.state_indices.shape_string());
+  ENCORE_RETURN_IF_ERROR(validate_states("pool", a.pool, -1, p, f.q));
+  ENCORE_RETURN_IF_ERROR(no_overlaps({{"pool", &a.pool}, {"fwd.o", &f.o}},
+                                     {{"q", &f.q}, {"k", &f.k}, {"v", &f.v}, {"g", &f.g}, {"beta", &f.beta}, {"A_log", &f.A_log},
+                                      {"dt_bias", &f.dt_bias}, {"cu_seqlens", &f.cu_seqlens}, {"state_indices", &a.state_indices}}));
+  return plan_slots(p, a.state_indices, TensorView{}, a.pool.shape[0], plan);
+}
+
+}  // namespace
+
+Status validate(const KdaPoolForwardArgs& a, const KdaOptions& o) {
+  kda::KdaProblem p;
+  SlotPlan plan;
+  return validate_pool_forward(a, o, &p, &plan);
+}
+
+size_t workspace_bytes(const KdaPoolForwardArgs&, const KdaOptions&) { return 0; }
+
+Status run(const KdaPoolForwardArgs& a, const KdaOptions& o, void*, Stream) {
+  kda::KdaProblem p;
+  SlotPlan plan;
+  ENCORE_RETURN_IF_ERROR(validate_pool_forward(a, o, &p, &plan));
+  if (a.fwd.q.device.is_cuda()) return not_built("kda_forward_pool", a.fwd.q);
+  reference::KdaInputs in = reference::kda_prepare(p, a.fwd);
+  const int64_t N = int64_t(p.seqs.size()), KV = p.K * p.V;
+  for (int64_t n = 0; n < N; ++n)
+    if (plan.read[size_t(n)] >= 0)
+      for (int64_t h = 0; h < p.H; ++h) load_state(a.pool, plan.read[size_t(n)], h, KV, &in.h0[size_t((n * p.H + h) * KV)]);
+  std::vector<double> out(size_t(p.B * p.T * p.H * p.V), 0.0), S(static_cast<size_t>(KV));
+  for (int64_t n = 0; n < N; ++n) {
+    if (plan.read[size_t(n)] < 0) continue;  // padding (or no tokens)
+    for (int64_t h = 0; h < p.H; ++h) {
+      std::copy(in.h0.begin() + (n * p.H + h) * KV, in.h0.begin() + (n * p.H + h + 1) * KV, S.begin());
+      reference::kda_recurrent_sequence(p, in, size_t(n), h, S, out);
+      store_state(a.pool, plan.read[size_t(n)], h, S);
+    }
+  }
+  store_dense(a.fwd.o, out);
+  return Status::ok();
+}
+
+}  // namespace encore
