@@ -140,26 +140,8 @@ Status validate_cuda(const KdaForwardArgs& a, const kda::KdaProblem& p) {
   return Status::ok();
 }
 
-// Element offset of the i-th element (row-major order over the shape) of a strided view.
-int64_t strided_offset(const TensorView& t, int64_t i) {
-  int64_t off = 0;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    off += (i % t.shape[d]) * t.strides[d];
-    i /= t.shape[d];
-  }
-  return off;
-}
-
-// Writes a dense row-major fp64 array into a strided view / reads one from it.
-void store_dense(const TensorView& t, const std::vector<double>& src) {
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data, t.dtype, strided_offset(t, i), src[size_t(i)]);
-}
-
-std::vector<double> load_dense(const TensorView& t) {
-  std::vector<double> out(static_cast<size_t>(t.numel()));
-  for (int64_t i = 0; i < t.numel(); ++i) out[size_t(i)] = load_as_double(t.data, t.dtype, strided_offset(t, i));
-  return out;
-}
+using kda::load_dense;
+using kda::store_dense;
 
 // validate() that also hands back the problem (run needs it; built once per call).
 Status validate_forward(const KdaForwardArgs& a, const KdaOptions& o, kda::KdaProblem* out) {

@@ -25,19 +25,7 @@ using Named = std::pair<const char*, const TensorView*>;
 
 std::string str(int64_t x) { return std::to_string(x); }
 
-// Element offset of the i-th element (row-major over the shape) of a strided view.
-int64_t strided_offset(const TensorView& t, int64_t i) {
-  int64_t off = 0;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    off += (i % t.shape[d]) * t.strides[d];
-    i /= t.shape[d];
-  }
-  return off;
-}
-
-void store_dense(const TensorView& t, const std::vector<double>& src) {
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data, t.dtype, strided_offset(t, i), src[size_t(i)]);
-}
+using kda::store_dense;
 
 // t[i] (1-D) or t[i, j] (2-D) of an int32 / int64 host view.
 int64_t index_at(const TensorView& t, int64_t i, int64_t j = 0) {

@@ -6,6 +6,26 @@
 #include "core/checks.hpp"
 
 namespace encore::kda {
+
+int64_t strided_offset(const TensorView& t, int64_t i) {
+  int64_t off = 0;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    off += (i % t.shape[d]) * t.strides[d];
+    i /= t.shape[d];
+  }
+  return off;
+}
+
+std::vector<double> load_dense(const TensorView& t) {
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) out[size_t(i)] = load_as_double(t.data, t.dtype, strided_offset(t, i));
+  return out;
+}
+
+void store_dense(const TensorView& t, const std::vector<double>& src) {
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data, t.dtype, strided_offset(t, i), src[size_t(i)]);
+}
+
 namespace {
 
 const std::initializer_list<DType> kFloat = {DType::kBF16, DType::kFP16, DType::kFP32, DType::kFP64};

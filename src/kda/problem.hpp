@@ -29,4 +29,10 @@ struct KdaProblem {
 // Validates the forward's arguments and fills `out`.
 Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* out);
 
+// The CPU backend's I/O: a host view as a dense row-major fp64 array and back (any strides, any
+// float dtype); strided_offset is the element offset of the i-th element in row-major order.
+int64_t strided_offset(const TensorView& t, int64_t i);
+std::vector<double> load_dense(const TensorView& t);
+void store_dense(const TensorView& t, const std::vector<double>& src);
+
 }  // namespace encore::kda
