@@ -116,11 +116,11 @@ int64_t chunk_count(const Forward& f) {
   return nt;
 }
 
-// The CUDA forward's workspace bytes (validating first, as the binding's kda_forward_workspace); 0 on the CPU.
+// The CUDA forward's workspace bytes; 0 on the CPU. Not validated here: run validates every argument
+// (a call with invalid arguments gets 0 bytes and run's error naming the argument), so the host path
+// validates once, not twice.
 size_t workspace_need(const Forward& f, const encore::KdaForwardArgs& args, const encore::KdaOptions& opts) {
-  if (!f.q.is_cuda()) return 0;
-  check(encore::validate(args, opts));
-  return encore::workspace_bytes(args, opts);
+  return f.q.is_cuda() ? encore::workspace_bytes(args, opts) : 0;
 }
 
 // The first 16-byte aligned address of a workspace allocated with 16 bytes to spare.
