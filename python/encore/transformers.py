@@ -283,7 +283,12 @@ def _plan(model, fam, causal_lm, flags):
     rms, mlp, attn, moe = fam.cls("RMSNorm"), fam.cls("MLP"), fam.cls("Attention"), fam.cls("SparseMoeBlock")
     modeling = importlib.import_module(fam.module)
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+    except ImportError as e:  # older transformers: the forwards this patch mirrors differ
+        import transformers
+        raise EncorePatchError(f"transformers {transformers.__version__}: encore.transformers needs transformers >= 5.25 "
+                               f"(the causal-LM forward it mirrors): {e}") from None
     qk_ids = set()
     for name, m in model.named_modules():
         if isinstance(m, attn):

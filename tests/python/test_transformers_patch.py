@@ -12,7 +12,7 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.25")  # encore.transformers' minimum
 
 import encore  # noqa: E402
 import encore.transformers as et  # noqa: E402

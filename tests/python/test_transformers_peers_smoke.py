@@ -9,7 +9,7 @@ import sys
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5.25")  # encore.transformers' minimum
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
