@@ -424,10 +424,12 @@ Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& l, vo
   if (const cudaError_t e = cudaFuncSetAttribute(kda2_scan_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
       e != cudaSuccess)
     return cuda_failure("kda2_scan_kernel", "setting the shared-memory carveout", e);
-  if (chunks > 0)
+  // Empty grids (no chunk, no head or no value column: validation accepts empty shapes) launch nothing.
+  if (chunks > 0 && p.H > 0)
     ENCORE_RETURN_IF_ERROR(launch("kda2_prep_kernel", [&] { kda2_prep_kernel<<<dim3(chunks, p.H), kPrepThreads, kPrepSmem, s>>>(p, w); }));
   const int slices = (p.V + kVs - 1) / kVs;
-  ENCORE_RETURN_IF_ERROR(launch("kda2_scan_kernel", [&] { kda2_scan_kernel<<<p.N * p.H * slices, kScanThreads, kScanSmem, s>>>(p, w, slices); }));
+  if (int64_t(p.N) * p.H * slices > 0)
+    ENCORE_RETURN_IF_ERROR(launch("kda2_scan_kernel", [&] { kda2_scan_kernel<<<p.N * p.H * slices, kScanThreads, kScanSmem, s>>>(p, w, slices); }));
   return Status::ok();
 }
 

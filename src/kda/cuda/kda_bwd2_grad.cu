@@ -268,7 +268,7 @@ Status launch_kda2_state_grads(const KdaBwdCudaProblem& p, const Kda2Layout& l, 
   if (!p.h) return Status::invalid("residuals.h: the second backward's state products read the forward's saved states");
   const Ptrs w = ptrs_of(l, workspace);
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_state_grads_kernel", kda2_state_grads_kernel, kSmem));
-  if (chunks > 0)
+  if (chunks > 0 && p.H > 0)
     ENCORE_RETURN_IF_ERROR(launch("kda2_state_grads_kernel",
                                   [&] { kda2_state_grads_kernel<<<dim3(chunks, p.H), kThreads, kSmem, static_cast<cudaStream_t>(stream)>>>(p, w); }));
   return Status::ok();

@@ -539,8 +539,8 @@ Status launch_kda2_wy(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* wor
   const Ptrs w = ptrs_of(l, workspace);
   auto s = static_cast<cudaStream_t>(stream);
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_wy_kernel", kda2_wy_kernel, kSmem));
-  if (chunks > 0) ENCORE_RETURN_IF_ERROR(launch("kda2_wy_kernel", [&] { kda2_wy_kernel<<<dim3(chunks, p.H), kThreads, kSmem, s>>>(p, w); }));
-  if (p.dA_log || p.ddt_bias)
+  if (chunks > 0 && p.H > 0) ENCORE_RETURN_IF_ERROR(launch("kda2_wy_kernel", [&] { kda2_wy_kernel<<<dim3(chunks, p.H), kThreads, kSmem, s>>>(p, w); }));
+  if ((p.dA_log || p.ddt_bias) && p.H > 0)
     ENCORE_RETURN_IF_ERROR(launch("kda2_gate_reduce_kernel", [&] { kda2_gate_reduce_kernel<<<p.H, kD, 0, s>>>(p, w.gp, chunks); }));
   const int64_t n = int64_t(p.B) * p.T * (p.H / p.group) * p.K;
   if (p.group > 1 && n > 0)
