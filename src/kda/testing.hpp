@@ -17,9 +17,10 @@ namespace encore::kda {
 Status run(const KdaForwardArgs& args, const KdaOptions& opts, const KdaLaunchPlan& plan, void* workspace = nullptr,
            Stream stream = nullptr);
 
-// The second backward's stages built so far (K0 prep, K1 scan; kda/cuda/kda_bwd2.hpp) on a validated
-// backward problem with the forward's residuals G, Aqk, Akk (CUDA, K, V <= 128): the workspace size,
-// and the run, whose intermediates sit in `workspace` at `layout`'s offsets (dh0 into args.dh0).
+// The second backward (K0 prep, K1 scan, K2a, K2b; kda/cuda/kda_bwd2.hpp) on a validated backward
+// problem with the forward's residuals G, Aqk, Akk, h (CUDA, K, V <= 128), for any input dtype (run
+// takes it for bf16 / fp16 only): the workspace size, and the run, whose intermediates sit in
+// `workspace` at `layout`'s offsets for the stage tests to read (dh0 into args.dh0).
 Status bwd2_stages_workspace(const KdaBackwardArgs& args, const KdaOptions& opts, size_t* bytes);
 Status bwd2_stages(const KdaBackwardArgs& args, const KdaOptions& opts, void* workspace, Stream stream, cuda::Kda2Layout* layout);
 

@@ -1,8 +1,7 @@
 // The second CUDA KDA backward (docs/kda.md, "The second backward"), stages K0 (chunk-parallel prep),
 // K1 (the reverse state-cotangent scan), K2a (the per-chunk products with the states) and K2b (the WY
 // and intra-chunk gradients with the gate and L2-norm tails), for the saved-h path; run(KdaBackwardArgs)
-// still takes the first backward (kda_backward.cu) until these pass on a GPU. Host entry, no
-// CUDA types.
+// takes it for bf16 / fp16 inputs (kda_backward_kernels, kda/plan.cpp). Host entry, no CUDA types.
 //
 // Intermediates, bf16 unless said, in the caller's workspace (Kda2Layout), channel dimension padded
 // to kKda2D = 128 with zeros; tokens = B * T (token index b * T + t), HV value heads, NT chunk slots:
