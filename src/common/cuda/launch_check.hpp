@@ -50,12 +50,15 @@ Status launch_api(const char* what, F&& enqueue) {
   return launch_result(what, enqueue());
 }
 
-// cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes), checked.
+// cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes), checked; with max_carveout also the
+// largest shared-memory carveout (kernels that count on several blocks an SM at their size).
 template <class Kernel>
-Status set_dynamic_smem(const char* what, Kernel* kernel, size_t bytes) {
+Status set_dynamic_smem(const char* what, Kernel* kernel, size_t bytes, bool max_carveout = false) {
   const void* f = (const void*)kernel;  // a __global__ function or an untyped kernel pointer
-  const cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  return e == cudaSuccess ? Status::ok() : cuda_failure(what, "setting the dynamic shared-memory size", e);
+  cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (e != cudaSuccess) return cuda_failure(what, "setting the dynamic shared-memory size", e);
+  if (max_carveout) e = cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  return e == cudaSuccess ? Status::ok() : cuda_failure(what, "setting the shared-memory carveout", e);
 }
 
 // A stream-ordered call's result (cudaMemsetAsync, cudaMemcpyAsync, ...).

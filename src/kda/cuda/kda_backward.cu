@@ -88,17 +88,20 @@ __global__ void kda_bwd_gate_reduce_kernel(const __grid_constant__ KdaBwdCudaPro
 // sums its channel's pdt and pdA over the chunks in slot order (independent loads, no serial chain
 // over K); dA_log[h] = the channels' pdA sums added in channel order by thread 0. Deterministic; the
 // order differs from kda_bwd_gate_reduce_kernel's (channels then chunks), so the bits may too.
-__global__ void __launch_bounds__(kMaxD) kda_bwd_gate_reduce_fast_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* ws, int slots) {
+// The partials of (chunk slot c, head h) sit at parts + (c H + h) rec, pdt and pda floats on (the
+// first backward's records; the second backward's gp rows).
+__global__ void __launch_bounds__(kMaxD) kda_bwd_gate_reduce_fast_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* parts,
+                                                                          int64_t rec, int64_t pdt, int64_t pda, int slots) {
   __shared__ float part[kMaxD];
   const int h = blockIdx.x, a = threadIdx.x;
   float sdt = 0.f, sda = 0.f;
   if (a < p.K) {
-    const float* r = ws + int64_t(h) * p.ws.rec + a;
-    const int64_t step = int64_t(p.H) * p.ws.rec;
+    const float* r = parts + int64_t(h) * rec + a;
+    const int64_t step = int64_t(p.H) * rec;
 #pragma unroll 4
     for (int c = 0; c < slots; ++c) {
-      sdt += r[c * step + p.ws.pdt];
-      sda += r[c * step + p.ws.pda];
+      sdt += r[c * step + pdt];
+      sda += r[c * step + pda];
     }
     if (p.ddt_bias) p.ddt_bias[h * p.K + a] = sdt;
   }
@@ -158,10 +161,15 @@ unsigned simt_backward() {
   return m ? m : kSimtAll;  // "1", "all" or anything else: every kernel
 }
 
+Status launch_gate_reduce_parts(const KdaBwdCudaProblem& p, const float* parts, int64_t rec, int64_t pdt, int64_t pda, int slots,
+                                cudaStream_t s) {
+  if (p.H <= 0) return Status::ok();
+  return launch("kda backward: gate reduction (kda_bwd_gate_reduce_fast_kernel)",
+                [&] { kda_bwd_gate_reduce_fast_kernel<<<p.H, kMaxD, 0, s>>>(p, parts, rec, pdt, pda, slots); });
+}
+
 Status launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s) {
-  if (!simt)
-    return launch("kda backward: gate reduction (kda_bwd_gate_reduce_fast_kernel)",
-                  [&] { kda_bwd_gate_reduce_fast_kernel<<<p.H, kMaxD, 0, s>>>(p, ws, slots); });
+  if (!simt) return launch_gate_reduce_parts(p, ws, p.ws.rec, p.ws.pdt, p.ws.pda, slots, s);
   const int n = p.H * p.K;
   return launch("kda backward: gate reduction (kda_bwd_gate_reduce_kernel)",
                 [&] { kda_bwd_gate_reduce_kernel<<<(n + 255) / 256, 256, 0, s>>>(p, ws, slots); });

@@ -79,13 +79,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
     const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
     load4(p.q, ci.b, t, hq, c0, p.K, valid, q), load4(p.k, ci.b, t, hq, c0, p.K, valid, k);
     load_g4(p.G, row, p.K, c0, valid, g), load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o);
-    float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3], sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
-#pragma unroll
-    for (int s = 16; s > 0; s >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, s);
-      sk += __shfl_xor_sync(0xffffffffu, sk, s);
-    }
-    const float rq = p.l2norm ? rsqrtf(sq + 1e-6f) : 1.f, rk = p.l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
+    const float rq = row_rnorm(q, p.l2norm), rk = row_rnorm(k, p.l2norm);
     float qg[4], kg[4], kb[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -419,11 +413,8 @@ Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& l, vo
   const Ptrs w = ptrs_of(l, workspace);
   auto s = static_cast<cudaStream_t>(stream);
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_prep_kernel", kda2_prep_kernel, kPrepSmem));
-  ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_scan_kernel", kda2_scan_kernel, kScanSmem));
   // K1's three blocks an SM need the largest shared-memory carveout (228 KB): asked for, not left to the default.
-  if (const cudaError_t e = cudaFuncSetAttribute(kda2_scan_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-      e != cudaSuccess)
-    return cuda_failure("kda2_scan_kernel", "setting the shared-memory carveout", e);
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_scan_kernel", kda2_scan_kernel, kScanSmem, /*max_carveout=*/true));
   // Empty grids (no chunk, no head or no value column: validation accepts empty shapes) launch nothing.
   if (chunks > 0 && p.H > 0)
     ENCORE_RETURN_IF_ERROR(launch("kda2_prep_kernel", [&] { kda2_prep_kernel<<<dim3(chunks, p.H), kPrepThreads, kPrepSmem, s>>>(p, w); }));

@@ -155,34 +155,11 @@ __device__ __forceinline__ void load2_any_or0(const void* x, DType dt, int64_t o
   out[0] = ok0 ? v0 : 0.f, out[1] = ok1 ? v1 : 0.f;
 }
 
-// Channels c0 .. c0 + 3 of token t, head h of an input tensor (zeros at or past `limit`, or all when
-// !valid), and of G [tokens][K] fp32 at `row`: straight-line loads (kdabwd::load_or0 / ldg_or0).
-// The four channels go in one 8-byte (16-bit dtypes) or 16-byte (fp32) load where they are all in
-// range and the address is aligned (the rows of contiguous tensors), else one load each. The caller
-// passes an in-range token t even when !valid (the loads always issue).
+// Channels c0 .. c0 + 3 of token t, head h of an input tensor (the Rows load4 at that one row; pass an
+// in-range t even when !valid), and of G [tokens][K] fp32 at `row`: one 16-byte load where the four
+// are in range and aligned, else one each.
 __device__ __forceinline__ void load4(const KdaTensor& x, int b, int t, int h, int c0, int limit, bool valid, float (&out)[4]) {
-  const bool wide = x.dtype == DType::kFP32;
-  const int64_t off = int64_t(b) * x.sb + int64_t(t) * x.st + int64_t(h) * x.sh + c0;
-  const auto* at = static_cast<const unsigned char*>(x.data) + off * (wide ? 4 : 2);
-  if (c0 + 3 < limit && (reinterpret_cast<uintptr_t>(at) & (wide ? 15u : 7u)) == 0) {
-    if (wide) {
-      const float4 f = __ldg(reinterpret_cast<const float4*>(at));
-      out[0] = f.x, out[1] = f.y, out[2] = f.z, out[3] = f.w;
-    } else {
-      const uint2 u = __ldg(reinterpret_cast<const uint2*>(at));
-      const uint32_t w[2] = {u.x, u.y};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const unsigned short n = static_cast<unsigned short>(w[e >> 1] >> (16 * (e & 1)));
-        out[e] = x.dtype == DType::kBF16 ? __uint_as_float(uint32_t(n) << 16) : __half2float(__ushort_as_half(n));
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) out[e] = valid ? out[e] : 0.f;
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) out[e] = kdabwd::load_or0(x, b, t, h, c0 + e, valid && c0 + e < limit);
+  load4(rows_of(x, b, t, h), 0, c0, limit, valid, out);
 }
 __device__ __forceinline__ void load_g4(const float* G, int64_t row, int K, int c0, bool valid, float (&out)[4]) {
   const float* at = G + (valid ? row * K : 0) + c0;
@@ -193,6 +170,15 @@ __device__ __forceinline__ void load_g4(const float* G, int64_t row, int K, int 
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) out[e] = kdabwd::ldg_or0(G, row * K + c0 + e, valid && c0 + e < K);
+}
+
+// A token row's L2-norm factor 1 / sqrt(sum x^2 + 1e-6) (1 without the norm), x the lane's four
+// channels of a row held by the whole warp.
+__device__ __forceinline__ float row_rnorm(const float (&x)[4], bool l2) {
+  float s = x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return l2 ? rsqrtf(s + 1e-6f) : 1.f;
 }
 
 __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {

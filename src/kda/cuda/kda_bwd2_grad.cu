@@ -70,10 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
       // A row (columns 2 lane, 2 lane + 1; j <= i only): one 4- or 8-byte load.
       float av[2];
       load2_any_or0(p.Akk, p.akk_dtype, row * kC + 2 * lane, valid && 2 * lane <= i, valid && 2 * lane + 1 <= i, av);
-      float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
-#pragma unroll
-      for (int s = 16; s > 0; s >>= 1) sk += __shfl_xor_sync(0xffffffffu, sk, s);
-      const float rk = p.l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
+      const float rk = row_rnorm(k, p.l2norm);
       float kb[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) kb[e] = valid ? beta * k[e] * rk * exp2f(g[e]) : 0.f;  // G <= 0: <= beta |k^|

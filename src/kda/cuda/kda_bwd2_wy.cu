@@ -24,7 +24,8 @@
 //   then the gate backward (softplus / lower-bound gate: dg w.r.t. the raw gate, per-chunk partials of
 //   dA_log and ddt_bias into gp) and the L2-norm backward (dq, dk). With grouped value heads dq, dk go
 //   to fp32 per-value-head partials (in place over dqi, dki), summed per q/k head by
-//   kda2_group_reduce_kernel; dA_log, ddt_bias from gp by kda2_gate_reduce_kernel (fixed orders).
+//   kda2_group_reduce_kernel; dA_log, ddt_bias from gp by the first backward's gate reduction
+//   (kdabwd::launch_gate_reduce_parts; fixed orders).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -113,13 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     const uint32_t da = load2_or0(w.da, row * kC + j, valid), daqk = load2_or0(w.daqk, row * kC + j, valid);
     float av[2];
     load2_any_or0(p.Akk, p.akk_dtype, row * kC + j, valid && j <= i, valid && j + 1 <= i, av);
-    float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3], sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
-#pragma unroll
-    for (int s = 16; s > 0; s >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, s);
-      sk += __shfl_xor_sync(0xffffffffu, sk, s);
-    }
-    const float rq = p.l2norm ? rsqrtf(sq + 1e-6f) : 1.f, rk = p.l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
+    const float rq = row_rnorm(q, p.l2norm), rk = row_rnorm(k, p.l2norm);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       q_f[i * kLdF + c0 + e] = q[e] * rq;
@@ -488,28 +483,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   }
 }
 
-// dA_log[h] = sum over chunks (slot order) and channels (in order) of the pda partials; ddt_bias[h, a]
-// = sum over chunks of pdt. Block per head, thread per channel.
-__global__ void __launch_bounds__(kD) kda2_gate_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* gp, int slots) {
-  __shared__ float part[kD];
-  const int h = blockIdx.x, a = threadIdx.x;
-  float sdt = 0.f, sda = 0.f;
-  if (a < p.K)
-    for (int c = 0; c < slots; ++c) {
-      const float* r = gp + (int64_t(c) * p.H + h) * 2 * kD;
-      sdt += r[a];
-      sda += r[kD + a];
-    }
-  if (p.ddt_bias && a < p.K) p.ddt_bias[h * p.K + a] = sdt;
-  part[a] = sda;
-  __syncthreads();
-  if (a == 0 && p.dA_log) {
-    float s = 0.f;
-    for (int x = 0; x < p.K; ++x) s += part[x];
-    p.dA_log[h] = s;
-  }
-}
-
 // Grouped value heads: dq[b, t, hq, a] = sum over j < group (in order) of the partial of value head
 // hq * group + j (dqi / dki rows); one thread per (b, t, hq, a).
 __global__ void kda2_group_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* pq, const float* pk) {
@@ -540,8 +513,7 @@ Status launch_kda2_wy(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* wor
   auto s = static_cast<cudaStream_t>(stream);
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_wy_kernel", kda2_wy_kernel, kSmem));
   if (chunks > 0 && p.H > 0) ENCORE_RETURN_IF_ERROR(launch("kda2_wy_kernel", [&] { kda2_wy_kernel<<<dim3(chunks, p.H), kThreads, kSmem, s>>>(p, w); }));
-  if ((p.dA_log || p.ddt_bias) && p.H > 0)
-    ENCORE_RETURN_IF_ERROR(launch("kda2_gate_reduce_kernel", [&] { kda2_gate_reduce_kernel<<<p.H, kD, 0, s>>>(p, w.gp, chunks); }));
+  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(kdabwd::launch_gate_reduce_parts(p, w.gp, 2 * kD, 0, kD, chunks, s));
   const int64_t n = int64_t(p.B) * p.T * (p.H / p.group) * p.K;
   if (p.group > 1 && n > 0)
     ENCORE_RETURN_IF_ERROR(launch("kda2_group_reduce_kernel",

@@ -142,6 +142,10 @@ Status launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStr
 // 3b (launch_grads_tc).
 Status launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_grads.cu
 Status launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s);  // kda_backward.cu
+// dA_log[h] and ddt_bias[h, :] from per-(chunk slot, head) partials at parts + (c H + h) rec (+ pdt,
+// + pda floats): channels' sums over the slots in order, then dA_log over the channels in order.
+Status launch_gate_reduce_parts(const KdaBwdCudaProblem& p, const float* parts, int64_t rec, int64_t pdt, int64_t pda, int slots,
+                                cudaStream_t s);  // kda_backward.cu
 Status launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, const KdaOutTensor& dk, cudaStream_t s);  // kda_backward.cu
 
 }  // namespace encore::cuda::kdabwd
