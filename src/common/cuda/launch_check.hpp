@@ -7,7 +7,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/fault_injection.hpp"
 #include "encore/core/status.hpp"
@@ -50,15 +53,48 @@ Status launch_api(const char* what, F&& enqueue) {
   return launch_result(what, enqueue());
 }
 
-// cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes), checked; with max_carveout also the
-// largest shared-memory carveout (kernels that count on several blocks an SM at their size).
+namespace detail {
+// The shared-memory attributes set so far, per (kernel, device): the largest size and whether the
+// carveout was set. cudaFuncSetAttribute costs about a microsecond a call; a launch path sets each
+// kernel's attributes once per device, not on every call.
+struct SmemAttribute {
+  const void* kernel;
+  int device;
+  size_t bytes;
+  bool carveout;
+};
+inline std::mutex& smem_attribute_mutex() {
+  static std::mutex m;
+  return m;
+}
+inline std::vector<SmemAttribute>& smem_attributes() {
+  static std::vector<SmemAttribute> set;
+  return set;
+}
+}  // namespace detail
+
+// cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes) on the current device, checked; with
+// max_carveout also the largest shared-memory carveout (kernels that count on several blocks an SM at
+// their size). Once per kernel and device: a later call asking no more than what is set returns at once.
 template <class Kernel>
 Status set_dynamic_smem(const char* what, Kernel* kernel, size_t bytes, bool max_carveout = false) {
   const void* f = (const void*)kernel;  // a __global__ function or an untyped kernel pointer
-  cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return cuda_failure(what, "reading the current device", e);
+  std::lock_guard<std::mutex> lock(detail::smem_attribute_mutex());
+  std::vector<detail::SmemAttribute>& set = detail::smem_attributes();
+  auto it = std::find_if(set.begin(), set.end(), [&](const detail::SmemAttribute& a) { return a.kernel == f && a.device == device; });
+  if (it != set.end() && it->bytes >= bytes && (it->carveout || !max_carveout)) return Status::ok();
+  const size_t want = it != set.end() ? std::max(it->bytes, bytes) : bytes;
+  e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(want));
   if (e != cudaSuccess) return cuda_failure(what, "setting the dynamic shared-memory size", e);
+  const bool carveout = max_carveout || (it != set.end() && it->carveout);
   if (max_carveout) e = cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-  return e == cudaSuccess ? Status::ok() : cuda_failure(what, "setting the shared-memory carveout", e);
+  if (e != cudaSuccess) return cuda_failure(what, "setting the shared-memory carveout", e);
+  if (it != set.end()) *it = {f, device, want, carveout};
+  else set.push_back({f, device, want, carveout});
+  return Status::ok();
 }
 
 // A stream-ordered call's result (cudaMemsetAsync, cudaMemcpyAsync, ...).

@@ -12,7 +12,6 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <tuple>
 #include <type_traits>
 
@@ -159,7 +158,7 @@ inline bool same_problem(const GemmProblem& x, const GemmProblem& y) {
 // Host cost: the Params (TMA descriptors included) of the last problem are kept per kernel and
 // thread, so a call repeating it (same shapes and addresses: a training step's or a benchmark's
 // loop) only launches; the kernel's shared-memory attribute is set once per kernel and device
-// (CUTLASS's initialize sets it on every call). The caller has made p.device current (the dispatch's
+// (set_dynamic_smem; CUTLASS's initialize sets it on every call). The caller has made p.device current (the dispatch's
 // DeviceGuard: also a current context, which the descriptors' encoding needs).
 template <class G>
 Status run_gemm(const GemmProblem& p, const typename G::Gemm::Arguments& args, cudaStream_t stream, const char* name) {
@@ -170,7 +169,6 @@ Status run_gemm(const GemmProblem& p, const typename G::Gemm::Arguments& args, c
     typename Kernel::Params params;
   };
   thread_local Last last;
-  static std::atomic<uint64_t> attribute_set{0};  // bit d: device d has the shared-memory attribute
   if (!(last.valid && same_problem(last.problem, p))) {
     last.valid = false;
     typename G::Gemm::Arguments check = args;
@@ -180,12 +178,8 @@ Status run_gemm(const GemmProblem& p, const typename G::Gemm::Arguments& args, c
     cute::get<2>(check.problem_shape) = up(cute::get<2>(args.problem_shape));
     ENCORE_RETURN_IF_ERROR(cutlass_steps::can_implement<typename G::Gemm>(check, name));
     if (G::Gemm::get_workspace_size(args) != 0) return Status::internal(std::string(name) + ": kernel unexpectedly needs a workspace");
-    const uint64_t bit = uint64_t(1) << (p.device & 63);
     constexpr int smem = Kernel::SharedStorageSize;
-    if (smem >= (48 << 10) && !(attribute_set.load(std::memory_order_acquire) & bit)) {
-      ENCORE_RETURN_IF_ERROR(set_dynamic_smem(name, cutlass::device_kernel<Kernel>, size_t(smem)));
-      attribute_set.fetch_or(bit, std::memory_order_release);
-    }
+    if (smem >= (48 << 10)) ENCORE_RETURN_IF_ERROR(set_dynamic_smem(name, cutlass::device_kernel<Kernel>, size_t(smem)));
     ENCORE_RETURN_IF_ERROR(cutlass_steps::make_params<Kernel>(args, &last.params, name));
     last.problem = p;
     last.valid = true;
