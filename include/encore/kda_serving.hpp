@@ -7,12 +7,20 @@
 // may be a view into a larger cache). A call names the slots of its N sequences by index; an index
 // < 0 is a padding sequence: it reads and writes nothing in the pool and its outputs are zero. The
 // slots a call touches (the non-negative indices it uses) are distinct; every other slot is left
-// bit-identical. Indices out of [0, P) and duplicates are refused before anything is written.
+// bit-identical. Indices out of [0, P) and duplicates are refused before anything is written where the
+// indices are in host memory (the CPU backend).
 //
 // Backends: the CPU reference (fp64 arithmetic, the token recurrence of include/encore/kda.hpp; the
-// pool is read once per sequence and written in its dtype). CUDA: not built yet: run() returns
-// Status::unsupported on CUDA tensors (validate() checks shapes and dtypes there; index values are
-// checked where the backend reads them on the host, i.e. on the CPU backend).
+// pool is read once per sequence and written in its dtype). CUDA (the recurrent step; docs/kda.md
+// "Serving"): one decode kernel (src/kda/cuda/kda_decode.cu): a block per (sequence, value head, 32
+// value columns) holds its state slice in fp32 registers, read once from the pool and written once;
+// bf16 / fp16 / fp32 q, k, v, g, beta, o; fp32 or bf16 states; fp32 A_log, dt_bias; K, V <= 256. No
+// workspace, allocation or synchronization: capturable in a CUDA graph. The indices must be in q's
+// device memory (host-memory indices are refused); their values are not checked on the host: a
+// sequence whose start or per-token index is >= P or whose num_accepted_tokens is outside [1, S]
+// writes nothing to the pool and gets NaN rows in o; duplicate slots are the caller's contract (not
+// checked). cu_seqlens is host memory. The chunked prefill on the pool has no CUDA kernel yet
+// (Status::unsupported on CUDA tensors).
 #pragma once
 #include <cstddef>
 
@@ -62,7 +70,7 @@ struct KdaRecurrentArgs {
 
 Status validate(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts);
 size_t workspace_bytes(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts);  // 0
-// CPU: the reference. CUDA tensors: Status::unsupported (the decode kernel is not built yet).
+// CPU: the reference. CUDA: the decode kernel, asynchronous on `stream` (workspace unused).
 Status run(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 
 // The chunked prefill on the pool (chunk_kda's forward, inference): sequence n starts from slot

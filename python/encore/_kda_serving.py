@@ -3,8 +3,9 @@ fused_recurrent_kda and fused_recurrent_kda_fwd (the recurrent step: decode over
 continuous batching, ssm_state_indices, and speculative tokens, num_accepted_tokens) and
 kda_forward_pool, the chunked prefill that reads and writes the pool in place (chunk_kda's
 ssm_state_indices). Forward only (inference): tensors that require grad under grad mode are refused.
-CPU backend (fp64 reference) for numpy arrays and CPU torch tensors; CUDA tensors are refused until the
-CUDA kernels exist (RuntimeError: "unsupported: kda_recurrent: ... the CUDA kernel is not built yet").
+CPU backend (fp64 reference) for numpy arrays and CPU torch tensors; on CUDA tensors the recurrent step runs
+the decode kernel (indices on the device: an index >= P gives NaN rows of out and writes nothing, duplicates
+are the caller's contract) and kda_forward_pool is refused (RuntimeError: "... the CUDA kernel is not built yet").
 
 Family-module shape (docs/python.md): launchers over the binding's KdaRecurrentArgs /
 KdaPoolForwardArgs, the torch.library ops kda_recurrent and kda_forward_pool (mutating: the pool, o,

@@ -1,7 +1,8 @@
 // KDA serving (include/encore/kda_serving.hpp): the recurrent step and the chunked prefill over a state
 // pool. Validation (shapes, dtypes, the pool's layout, index values where they are on the host), then
-// the CPU reference (kda_prepare + kda_recurrent_sequence, fp64) or, on CUDA tensors, Status::unsupported:
-// the CUDA kernels are a later step (docs/kda.md "Serving").
+// the CPU reference (kda_prepare + kda_recurrent_sequence, fp64) or, on CUDA tensors, the decode kernel
+// for the recurrent step (src/kda/cuda/kda_decode.cu) and Status::unsupported for the prefill on the pool
+// (docs/kda.md "Serving").
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -10,9 +11,13 @@
 #include <vector>
 
 #include "core/checks.hpp"
+#include "core/device_memory.hpp"
 #include "encore/kda_serving.hpp"
 #include "kda/problem.hpp"
 #include "kda/reference/kda_ref.hpp"
+#ifdef ENCORE_WITH_CUDA
+#include "kda/cuda/kda_decode.hpp"
+#endif
 
 namespace encore {
 namespace {
@@ -220,6 +225,116 @@ Status not_built(const char* op, const TensorView& q) {
                              " tensors: the CUDA kernel is not built yet (the CPU backend runs it; docs/kda.md \"Serving\")");
 }
 
+#ifdef ENCORE_WITH_CUDA
+// What the CUDA recurrent step (kda_decode.cu) takes beyond validate(): 16- or 32-bit floats, o with a
+// unit last stride, fp32 contiguous gate parameters, fp32 / bf16 states, the indices in q's device memory
+// (the kernel reads them there: no host read, no sync), sizes that the kernel counts in int.
+Status validate_recurrent_cuda(const KdaRecurrentArgs& a, const kda::KdaProblem& p) {
+  for (auto [name, t] : {Named{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta}, {"o", &a.o}})
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP16, DType::kFP32}));
+  ENCORE_RETURN_IF_ERROR(checks::unit_last_stride("o", a.o));
+  for (auto [name, t] : {Named{"A_log", &a.A_log}, {"dt_bias", &a.dt_bias}}) {
+    if (!t->defined()) continue;
+    ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kFP32}));
+    if (!t->is_contiguous()) return Status::invalid(std::string(name) + ": must be contiguous on CUDA");
+  }
+  for (auto [name, t] : {Named{"initial_state", &a.initial_state}, {"final_state", &a.final_state}})
+    if (t->defined()) ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, *t, {DType::kBF16, DType::kFP32}));
+  for (auto [name, t] : {Named{"state_indices", &a.state_indices}, {"num_accepted_tokens", &a.num_accepted_tokens}})
+    if (t->defined() && !t->device.is_cuda())
+      return Status::invalid(std::string(name) + ": in host memory, but q is on " + a.q.device.to_string() +
+                             ": the CUDA kernel reads the indices from device memory (no host read or sync: capturable in a CUDA "
+                             "graph); pass them on " + a.q.device.to_string());
+  const int64_t tiles = (p.V + 31) / 32;
+  if (p.T >= (int64_t(1) << 31)) return Status::unsupported("q: T must be < 2^31 on CUDA");
+  if (int64_t(p.seqs.size()) * p.H * tiles >= (int64_t(1) << 31))
+    return Status::unsupported("v: N * HV * ceil(V / 32) = " + str(int64_t(p.seqs.size()) * p.H * tiles) + " blocks; must be < 2^31 on CUDA");
+  if (a.state_indices.defined() && a.state_indices.ndim == 2 && a.state_indices.shape[1] >= (int64_t(1) << 31))
+    return Status::unsupported("state_indices: S must be < 2^31 on CUDA");
+  return checks::device_memory({{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta}, {"A_log", &a.A_log},
+                                {"dt_bias", &a.dt_bias}, {"initial_state", &a.initial_state}, {"state_indices", &a.state_indices},
+                                {"num_accepted_tokens", &a.num_accepted_tokens}, {"o", &a.o}, {"final_state", &a.final_state}});
+}
+
+cuda::KdaDecodeTensor decode_tensor(const TensorView& t) {
+  return {t.data, t.dtype, t.strides[0], t.strides[1], t.ndim > 2 ? t.strides[2] : 0};
+}
+
+// A state tensor's 4-column vector accesses are aligned: base, row stride and V multiples of 4 elements.
+bool state_vec(const TensorView& t) {
+  const size_t es = dtype_size(t.dtype);
+  return checks::aligned(t.data, 4 * es) && (t.shape[0] <= 1 || t.strides[0] % 4 == 0) && t.shape[3] % 4 == 0;
+}
+
+// The compile-time kernels' conditions (kda_decode.hpp, KdaDecodeParams::fast).
+bool decode_fast(const KdaRecurrentArgs& a, const kda::KdaProblem& p) {
+  const DType dt = a.q.dtype;
+  if (p.K != 128 || p.V != 128 || (dt != DType::kBF16 && dt != DType::kFP32)) return false;
+  const int64_t per16 = int64_t(16 / dtype_size(dt));  // elements per 16 bytes
+  for (const TensorView* t : {&a.q, &a.k, &a.v, &a.g}) {
+    if (t->dtype != dt || !checks::aligned(t->data, 16)) return false;
+    for (int d = 0; d < 3; ++d)
+      if (t->strides[d] % per16 != 0) return false;
+  }
+  if (a.beta.dtype != dt) return false;
+  const TensorView& s0 = a.initial_state.defined() ? a.initial_state : a.final_state;
+  for (const TensorView* t : {&a.initial_state, &a.final_state})
+    if (t->defined() && (!state_vec(*t) || t->dtype != s0.dtype)) return false;
+  return true;
+}
+
+Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const kda::KdaProblem& p, Stream stream) {
+  cuda::KdaDecodeParams d;  // ~4.4 KB, on the stack: run does not allocate
+  d.T = int(p.T), d.H = int(p.H), d.group = int(p.group()), d.K = int(p.K), d.V = int(p.V);
+  d.scale = float(p.scale);
+  d.l2norm = o.use_qk_l2norm, d.gate_in_kernel = o.use_gate_in_kernel, d.lower_bound_gate = o.use_lower_bound;
+  d.lower_bound = float(o.lower_bound);
+  d.beta_sigmoid = o.use_beta_sigmoid, d.beta_scale = o.allow_neg_eigval ? 2.f : 1.f;
+  d.q = decode_tensor(a.q), d.k = decode_tensor(a.k), d.v = decode_tensor(a.v), d.g = decode_tensor(a.g), d.beta = decode_tensor(a.beta);
+  d.A_log = static_cast<const float*>(a.A_log.data);
+  d.dt_bias = static_cast<const float*>(a.dt_bias.data);
+  d.o = a.o.data, d.o_dtype = a.o.dtype, d.o_sb = a.o.strides[0], d.o_st = a.o.strides[1], d.o_sh = a.o.strides[2];
+  const bool pooled = a.state_indices.defined();
+  const TensorView& fin = pooled ? a.initial_state : a.final_state;
+  d.mode = !pooled ? cuda::KdaDecodeMode::kStates
+                   : a.state_indices.ndim == 2 ? cuda::KdaDecodeMode::kTokenSlots : cuda::KdaDecodeMode::kSlots;
+  if (a.initial_state.defined()) {
+    d.init = a.initial_state.data, d.init_dtype = a.initial_state.dtype, d.init_stride = a.initial_state.strides[0];
+    d.init_vec = state_vec(a.initial_state);
+    d.P = a.initial_state.shape[0];
+  }
+  if (fin.defined()) {
+    d.fin = fin.data, d.fin_dtype = fin.dtype, d.fin_stride = fin.strides[0];
+    d.fin_vec = state_vec(fin);
+  }
+  if (pooled) {
+    d.idx = a.state_indices.data, d.idx64 = a.state_indices.dtype == DType::kInt64;
+    d.idx_s0 = a.state_indices.strides[0];
+    d.idx_s1 = a.state_indices.ndim == 2 ? a.state_indices.strides[1] : 0;
+    d.S = a.state_indices.ndim == 2 ? int(a.state_indices.shape[1]) : 1;
+    if (a.num_accepted_tokens.defined()) {
+      d.nat = a.num_accepted_tokens.data, d.nat64 = a.num_accepted_tokens.dtype == DType::kInt64;
+      d.nat_s0 = a.num_accepted_tokens.strides[0];
+    }
+  }
+  d.fast = decode_fast(a, p);
+  d.varlen = a.cu_seqlens.defined();
+  const int64_t N = int64_t(p.seqs.size());
+  if (!d.varlen) {
+    d.N = int(N);
+    return cuda::launch_kda_decode(d, a.q.device.index, stream);
+  }
+  for (int64_t n0 = 0; n0 < N; n0 += cuda::kKdaDecodeSeqTable) {  // the token table holds 1024 sequences per launch
+    const int64_t count = std::min<int64_t>(cuda::kKdaDecodeSeqTable, N - n0);
+    d.n0 = int(n0), d.N = int(count);
+    for (int64_t i = 0; i < count; ++i) d.begin[i] = int32_t(p.seqs[size_t(n0 + i)].begin);
+    d.begin[count] = int32_t(p.seqs[size_t(n0 + count - 1)].end);
+    ENCORE_RETURN_IF_ERROR(cuda::launch_kda_decode(d, a.q.device.index, stream));
+  }
+  return Status::ok();
+}
+#endif
+
 }  // namespace
 
 Status validate(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o) {
@@ -230,11 +345,19 @@ Status validate(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o) {
 
 size_t workspace_bytes(const KdaRecurrentArgs&, const KdaRecurrentOptions&) { return 0; }
 
-Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Stream) {
+Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Stream stream) {
   kda::KdaProblem p;
   SlotPlan plan;
   ENCORE_RETURN_IF_ERROR(validate_recurrent(a, o, &p, &plan));
-  if (a.q.device.is_cuda()) return not_built("kda_recurrent", a.q);
+  if (a.q.device.is_cuda()) {
+#ifdef ENCORE_WITH_CUDA
+    ENCORE_RETURN_IF_ERROR(validate_recurrent_cuda(a, p));
+    return run_recurrent_cuda(a, o, p, stream);
+#else
+    (void)stream;
+    return Status::unsupported("kda_recurrent: on " + a.q.device.to_string() + " tensors, but encore was built without CUDA (ENCORE_CUDA=OFF)");
+#endif
+  }
   reference::KdaInputs in = reference::kda_prepare(p, forward_view(a));
   if (o.use_beta_sigmoid)
     for (double& b : in.beta) b = (o.allow_neg_eigval ? 2.0 : 1.0) / (1.0 + std::exp(-b));

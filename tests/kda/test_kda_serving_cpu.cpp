@@ -259,9 +259,11 @@ TEST(KdaPoolForwardCpu, PrefillEqualsTheForward) {
   }
 }
 
-// On CUDA tensors both operations validate, then refuse: their CUDA kernels are not built yet. (The views
-// point at host memory: nothing is read from them.)
-TEST(KdaServingCpu, CudaTensorsRefusedUntilTheKernelsExist) {
+// On CUDA tensors both operations validate; the recurrent step runs the CUDA decode kernel (a build
+// without CUDA refuses it; here the views point at fp64 host memory: refused before any launch), the
+// prefill on the pool is refused (its CUDA kernels do not take a pool yet). The GPU behaviour:
+// test_kda_serving_gpu.cpp.
+TEST(KdaServingCpu, CudaTensorsOfThePrefillRefused) {
   const ServingDims d;
   std::mt19937_64 rng(41);
   GateParams gp(d, rng);
@@ -279,9 +281,16 @@ TEST(KdaServingCpu, CudaTensorsRefusedUntilTheKernelsExist) {
   a.state_indices = TensorView::contiguous(idx.data(), DType::kInt64, {2});
   for (TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.A_log, &a.dt_bias, &a.initial_state, &a.state_indices, &a.o}) on_cuda(*t);
   EXPECT_TRUE(validate(a, kRecOpts));
+  const std::vector<unsigned char> before = pool.bytes;
   Status st = run(a, kRecOpts);
+#ifdef ENCORE_WITH_CUDA
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("q: dtype must be one of {bf16, fp16, fp32}"), std::string::npos) << st.message();
+#else
   EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-  EXPECT_NE(st.message().find("kda_recurrent: on cuda:0 tensors: the CUDA kernel is not built yet"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("kda_recurrent: on cuda:0 tensors, but encore was built without CUDA"), std::string::npos) << st.message();
+#endif
+  EXPECT_EQ(pool.bytes, before);
 
   KdaPoolForwardArgs pf;
   pf.fwd = b.forward(&gp);

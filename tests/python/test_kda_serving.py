@@ -404,8 +404,10 @@ def test_compiles_and_mutates_the_pool():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_refused_until_the_kernel_exists():
-    q, k, v, g, beta = (x.cuda() for x in inputs(2, 1, seed=9))
+def test_cuda_prefill_on_the_pool_refused_until_its_kernel_exists():
+    """The chunked prefill on the pool has no CUDA kernel yet (the decode step has: test_kda_serving_cuda.py)."""
+    q, k, v, g, beta = (x.cuda() for x in inputs(1, 3, seed=9))
     pool = pool_of(4, torch.float32).cuda()
-    with pytest.raises(RuntimeError, match="kda_recurrent: on cuda:0 tensors: the CUDA kernel is not built yet"):
-        fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([0, 1], device="cuda"))
+    with pytest.raises(RuntimeError, match="kda_forward_pool: on cuda:0 tensors: the CUDA kernel is not built yet"):
+        with torch.no_grad():
+            chunk_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([2], device="cuda"))

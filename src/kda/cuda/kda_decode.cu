@@ -1,0 +1,527 @@
+// KDA decode: the recurrent step of include/encore/kda_serving.hpp (fla-core 0.6.0's
+// fused_recurrent_kda_fwd) over a state pool, specialized for 1 to a few tokens per sequence (any
+// length is correct). Per sequence, value head h and token t, with the transformed inputs (q̂, k̂
+// L2-normed when asked, g the activated gate, β optionally σ(β) or 2σ(β)):
+//   S̄ = diag(exp g_t) S;  e = v_t − S̄ᵀk̂;  u = β e;  S = S̄ + k̂ uᵀ;  o_t = scale · Sᵀq̂
+// computed as o_t = scale · (S̄ᵀq̂ + (k̂ᵀq̂) u), so one pass over the state gives both S̄ᵀk and S̄ᵀq:
+// the raw q, k enter the pass and the L2-norm factors (from Σq², Σk², Σqk of the same pass) scale the
+// sums afterwards: one block-wide reduction (one barrier) per token.
+//
+// Work split (as fla's Triton kernel: a program per [K, 32-column] slice of one head's state, the
+// tokens in a loop): a block of 128 threads per (sequence, value head, 32 value columns),
+// blockIdx.x = (i · H + h) · tiles + tile. Warp w, lane l: column group l % 8 (columns 4 (l % 8) ..
+// + 3 of the slice), row group 4 w + l / 8 holding the R contiguous state rows from (4 w + l / 8) · R
+// (R = 2, 4, 8, 16 for K <= 32, 64, 128, 256): the fp32 slice lives in 4R registers per thread from the
+// one load of the pool to the one store (a warp's load of one register row covers 4 state rows x 128
+// bytes (fp32) / 64 bytes (bf16): full sectors). q, k, g of the thread's rows are one or two 16-byte
+// loads (bf16), v 4 columns, β one value. The sums over K: in-thread over R rows, shuffles over the 4
+// row groups of a warp, then the 4 warps' partials through shared memory (double-buffered by token
+// parity, one barrier per token). bf16 pools convert on load and store; the state stays fp32 in
+// registers across tokens. State traffic: loads and stores with the streaming cache hint (read once,
+// written once).
+//
+// Index contract on the device (no host sync): a sequence whose num_accepted_tokens is outside
+// [1, S], whose start index or any of its per-token indices ([N, S]) is >= P writes nothing to the pool
+// and NaN into its rows of o (the error shows in the output); a start index < 0 is padding (o rows 0,
+// the pool untouched). Duplicate slots among a call's sequences are the caller's contract (not checked).
+// Constraints (dispatch): K, V <= 256; bf16 / fp16 / fp32 inputs and o with unit last stride; fp32 or
+// bf16 states with contiguous [H, K, V] rows; fp32 A_log, dt_bias.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "common/cuda/device_guard.hpp"
+#include "common/cuda/launch_check.hpp"
+#include "kda/cuda/kda_decode.hpp"
+
+namespace encore::cuda {
+namespace {
+
+constexpr int kThreads = 128, kWarps = 4, kColLanes = 8, kRowLanes = 4, kCols = kKdaDecodeColumns;
+static_assert(kColLanes * 4 == kCols && kColLanes * kRowLanes == 32, "a warp: 8 column groups of 4 x 4 row groups");
+
+__device__ __forceinline__ bool aligned(const void* p, unsigned bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
+
+__device__ __forceinline__ float half_bits(DType dt, unsigned short u) {
+  return dt == DType::kBF16 ? __uint_as_float(unsigned(u) << 16) : __half2float(__ushort_as_half(u));
+}
+// Two 16-bit values packed in a 32-bit word (lower address first).
+__device__ __forceinline__ void half_pair(DType dt, unsigned w, float& a, float& b) {
+  a = half_bits(dt, static_cast<unsigned short>(w & 0xffffu));
+  b = half_bits(dt, static_cast<unsigned short>(w >> 16));
+}
+
+// N consecutive input elements at element offset `off` (channels c0 .. c0 + N - 1 of C; 0 past C):
+// 16-byte (8-byte) vector loads where all are in range and the address is aligned, element loads otherwise.
+template <int N>
+__device__ __forceinline__ void load_vec(const void* base, DType dt, int64_t off, int c0, int C, float (&x)[N]) {
+  const bool full = c0 + N <= C;
+  if (dt == DType::kFP32) {
+    const float* p = static_cast<const float*>(base) + off;
+    if constexpr (N % 4 == 0) {
+      if (full && aligned(p, 16)) {
+#pragma unroll
+        for (int j = 0; j < N / 4; ++j) {
+          const float4 f = __ldg(reinterpret_cast<const float4*>(p) + j);
+          x[4 * j] = f.x, x[4 * j + 1] = f.y, x[4 * j + 2] = f.z, x[4 * j + 3] = f.w;
+        }
+        return;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] = c0 + j < C ? __ldg(p + j) : 0.f;
+    return;
+  }
+  const unsigned short* p = static_cast<const unsigned short*>(base) + off;
+  if constexpr (N % 8 == 0) {
+    if (full && aligned(p, 16)) {
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + j);
+        half_pair(dt, u.x, x[8 * j], x[8 * j + 1]);
+        half_pair(dt, u.y, x[8 * j + 2], x[8 * j + 3]);
+        half_pair(dt, u.z, x[8 * j + 4], x[8 * j + 5]);
+        half_pair(dt, u.w, x[8 * j + 6], x[8 * j + 7]);
+      }
+      return;
+    }
+  } else if constexpr (N % 4 == 0) {
+    if (full && aligned(p, 8)) {
+#pragma unroll
+      for (int j = 0; j < N / 4; ++j) {
+        const uint2 u = __ldg(reinterpret_cast<const uint2*>(p) + j);
+        half_pair(dt, u.x, x[4 * j], x[4 * j + 1]);
+        half_pair(dt, u.y, x[4 * j + 2], x[4 * j + 3]);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) x[j] = c0 + j < C ? half_bits(dt, __ldg(p + j)) : 0.f;
+}
+
+__device__ __forceinline__ float load_one(const void* base, DType dt, int64_t off) {
+  if (dt == DType::kFP32) return __ldg(static_cast<const float*>(base) + off);
+  return half_bits(dt, __ldg(static_cast<const unsigned short*>(base) + off));
+}
+
+__device__ __forceinline__ unsigned short to_half_bits(DType dt, float x) {
+  return dt == DType::kBF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+
+// o columns c0 .. c0 + 3 (those < V) of one token row at element offset off.
+__device__ __forceinline__ void store_o4(void* base, DType dt, int64_t off, int c0, int V, const float (&x)[4]) {
+  if (dt == DType::kFP32) {
+    float* p = static_cast<float*>(base) + off;
+    if (c0 + 4 <= V && aligned(p, 16)) {
+      *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (c0 + j < V) p[j] = x[j];
+    return;
+  }
+  unsigned short* p = static_cast<unsigned short*>(base) + off;
+  if (c0 + 4 <= V && aligned(p, 8)) {
+    const unsigned lo = unsigned(to_half_bits(dt, x[0])) | (unsigned(to_half_bits(dt, x[1])) << 16);
+    const unsigned hi = unsigned(to_half_bits(dt, x[2])) | (unsigned(to_half_bits(dt, x[3])) << 16);
+    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if (c0 + j < V) p[j] = to_half_bits(dt, x[j]);
+}
+
+// State columns c0 .. c0 + 3 of one row at element offset off (fp32 or bf16; 0 past V), streaming:
+// vec = the 4-column vector access is aligned (the dispatch checked base, row stride and V).
+__device__ __forceinline__ void load_state4(const void* base, DType dt, int64_t off, int c0, int V, bool vec, float (&x)[4]) {
+  if (dt == DType::kFP32) {
+    const float* p = static_cast<const float*>(base) + off;
+    if (vec && c0 + 4 <= V) {
+      const float4 f = __ldcs(reinterpret_cast<const float4*>(p));
+      x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = c0 + j < V ? __ldcs(p + j) : 0.f;
+    return;
+  }
+  const unsigned short* p = static_cast<const unsigned short*>(base) + off;
+  if (vec && c0 + 4 <= V) {
+    const uint2 u = __ldcs(reinterpret_cast<const uint2*>(p));
+    half_pair(DType::kBF16, u.x, x[0], x[1]);
+    half_pair(DType::kBF16, u.y, x[2], x[3]);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = c0 + j < V ? half_bits(DType::kBF16, __ldcs(p + j)) : 0.f;
+}
+
+__device__ __forceinline__ void store_state4(void* base, DType dt, int64_t off, int c0, int V, bool vec, const float (&x)[4]) {
+  if (dt == DType::kFP32) {
+    float* p = static_cast<float*>(base) + off;
+    if (vec && c0 + 4 <= V) {
+      __stcs(reinterpret_cast<float4*>(p), make_float4(x[0], x[1], x[2], x[3]));
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (c0 + j < V) __stcs(p + j, x[j]);
+    return;
+  }
+  unsigned short* p = static_cast<unsigned short*>(base) + off;
+  if (vec && c0 + 4 <= V) {
+    const unsigned lo = unsigned(to_half_bits(DType::kBF16, x[0])) | (unsigned(to_half_bits(DType::kBF16, x[1])) << 16);
+    const unsigned hi = unsigned(to_half_bits(DType::kBF16, x[2])) | (unsigned(to_half_bits(DType::kBF16, x[3])) << 16);
+    __stcs(reinterpret_cast<uint2*>(p), make_uint2(lo, hi));
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if (c0 + j < V) __stcs(p + j, to_half_bits(DType::kBF16, x[j]));
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t off) {
+  return i64 ? __ldg(static_cast<const long long*>(p) + off) : int64_t(__ldg(static_cast<const int*>(p) + off));
+}
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// One token's inputs for this thread as floats: q, k, g of its R rows (raw), v of its 4 columns, β (raw).
+template <int R>
+struct Token {
+  float q[R], k[R], g[R], v[4], beta;
+};
+
+__device__ __forceinline__ int64_t tok_off(const KdaDecodeTensor& t, int b, int tok, int h) {
+  return int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh;
+}
+
+// The token loads. In = void: any dtypes and alignments (element loads where a vector would not be
+// aligned; converted at once). In = float / __nv_bfloat16 (K = V = 128, every input and o of that dtype,
+// the vector accesses aligned: the dispatch checked): the raw vectors are loaded first and converted
+// at use (get), so a token's loads are in flight together with the index and state loads.
+template <int R, class In>
+struct TokenLoad {
+  Token<R> x;
+  __device__ __forceinline__ void load(const KdaDecodeParams& p, int b, int tok, int h, int hq, int row0, int c0) {
+    load_vec<R>(p.q.data, p.q.dtype, tok_off(p.q, b, tok, hq) + row0, row0, p.K, x.q);
+    load_vec<R>(p.k.data, p.k.dtype, tok_off(p.k, b, tok, hq) + row0, row0, p.K, x.k);
+    load_vec<R>(p.g.data, p.g.dtype, tok_off(p.g, b, tok, h) + row0, row0, p.K, x.g);
+    load_vec<4>(p.v.data, p.v.dtype, tok_off(p.v, b, tok, h) + c0, c0, p.V, x.v);
+    x.beta = load_one(p.beta.data, p.beta.dtype, tok_off(p.beta, b, tok, h));
+  }
+  __device__ __forceinline__ const Token<R>& get() const { return x; }
+};
+
+template <>
+struct TokenLoad<8, float> {
+  float4 q[2], k[2], g[2], v;
+  float beta;
+  Token<8> x;
+  __device__ __forceinline__ void load(const KdaDecodeParams& p, int b, int tok, int h, int hq, int row0, int c0) {
+    const float4* pq = reinterpret_cast<const float4*>(static_cast<const float*>(p.q.data) + tok_off(p.q, b, tok, hq) + row0);
+    const float4* pk = reinterpret_cast<const float4*>(static_cast<const float*>(p.k.data) + tok_off(p.k, b, tok, hq) + row0);
+    const float4* pg = reinterpret_cast<const float4*>(static_cast<const float*>(p.g.data) + tok_off(p.g, b, tok, h) + row0);
+    q[0] = __ldg(pq), q[1] = __ldg(pq + 1), k[0] = __ldg(pk), k[1] = __ldg(pk + 1), g[0] = __ldg(pg), g[1] = __ldg(pg + 1);
+    v = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.v.data) + tok_off(p.v, b, tok, h) + c0));
+    beta = __ldg(static_cast<const float*>(p.beta.data) + tok_off(p.beta, b, tok, h));
+  }
+  __device__ __forceinline__ const Token<8>& get() {
+    auto put = [](const float4 (&a)[2], float (&y)[8]) {
+      y[0] = a[0].x, y[1] = a[0].y, y[2] = a[0].z, y[3] = a[0].w, y[4] = a[1].x, y[5] = a[1].y, y[6] = a[1].z, y[7] = a[1].w;
+    };
+    put(q, x.q), put(k, x.k), put(g, x.g);
+    x.v[0] = v.x, x.v[1] = v.y, x.v[2] = v.z, x.v[3] = v.w, x.beta = beta;
+    return x;
+  }
+};
+
+template <>
+struct TokenLoad<8, __nv_bfloat16> {
+  uint4 q, k, g;
+  uint2 v;
+  unsigned short beta;
+  Token<8> x;
+  __device__ __forceinline__ void load(const KdaDecodeParams& p, int b, int tok, int h, int hq, int row0, int c0) {
+    auto at = [](const KdaDecodeTensor& t, int64_t off) { return static_cast<const unsigned short*>(t.data) + off; };
+    q = __ldg(reinterpret_cast<const uint4*>(at(p.q, tok_off(p.q, b, tok, hq) + row0)));
+    k = __ldg(reinterpret_cast<const uint4*>(at(p.k, tok_off(p.k, b, tok, hq) + row0)));
+    g = __ldg(reinterpret_cast<const uint4*>(at(p.g, tok_off(p.g, b, tok, h) + row0)));
+    v = __ldg(reinterpret_cast<const uint2*>(at(p.v, tok_off(p.v, b, tok, h) + c0)));
+    beta = __ldg(at(p.beta, tok_off(p.beta, b, tok, h)));
+  }
+  __device__ __forceinline__ const Token<8>& get() {
+    auto put = [](const uint4& a, float (&y)[8]) {
+      half_pair(DType::kBF16, a.x, y[0], y[1]), half_pair(DType::kBF16, a.y, y[2], y[3]);
+      half_pair(DType::kBF16, a.z, y[4], y[5]), half_pair(DType::kBF16, a.w, y[6], y[7]);
+    };
+    put(q, x.q), put(k, x.k), put(g, x.g);
+    half_pair(DType::kBF16, v.x, x.v[0], x.v[1]), half_pair(DType::kBF16, v.y, x.v[2], x.v[3]);
+    x.beta = half_bits(DType::kBF16, beta);
+    return x;
+  }
+};
+
+// The R state rows row0 .. row0 + R - 1 (those < K; others 0) of this thread's 4 columns from element
+// offset base (row r at base + r V). St = void: the dtype at run time (all loads issued before any
+// conversion); float / __nv_bfloat16: that dtype, vector accesses (the dispatch checked their alignment).
+template <int R, class St>
+__device__ __forceinline__ void load_rows(const void* data, DType dt, bool vec, int64_t base, int row0, int K, int c0, int V,
+                                          float (&S)[R][4]) {
+  if constexpr (std::is_same_v<St, float>) {
+    const float* p = static_cast<const float*>(data) + base;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float4 f = __ldcs(reinterpret_cast<const float4*>(p + r * V));
+      S[r][0] = f.x, S[r][1] = f.y, S[r][2] = f.z, S[r][3] = f.w;
+    }
+  } else if constexpr (std::is_same_v<St, __nv_bfloat16>) {
+    const unsigned short* p = static_cast<const unsigned short*>(data) + base;
+    uint2 raw[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) raw[r] = __ldcs(reinterpret_cast<const uint2*>(p + r * V));
+#pragma unroll
+    for (int r = 0; r < R; ++r) half_pair(DType::kBF16, raw[r].x, S[r][0], S[r][1]), half_pair(DType::kBF16, raw[r].y, S[r][2], S[r][3]);
+  } else {
+    if (vec && c0 + 4 <= V) {  // whole vectors: the loads of all rows first
+      if (dt == DType::kFP32) {
+        const float* p = static_cast<const float*>(data) + base;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float4 f = row0 + r < K ? __ldcs(reinterpret_cast<const float4*>(p + int64_t(r) * V)) : make_float4(0.f, 0.f, 0.f, 0.f);
+          S[r][0] = f.x, S[r][1] = f.y, S[r][2] = f.z, S[r][3] = f.w;
+        }
+      } else {
+        const unsigned short* p = static_cast<const unsigned short*>(data) + base;
+        uint2 raw[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r] = row0 + r < K ? __ldcs(reinterpret_cast<const uint2*>(p + int64_t(r) * V)) : make_uint2(0u, 0u);
+#pragma unroll
+        for (int r = 0; r < R; ++r) half_pair(DType::kBF16, raw[r].x, S[r][0], S[r][1]), half_pair(DType::kBF16, raw[r].y, S[r][2], S[r][3]);
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (row0 + r < K) load_state4(data, dt, base + int64_t(r) * V, c0, V, false, S[r]);
+        else S[r][0] = S[r][1] = S[r][2] = S[r][3] = 0.f;
+      }
+    }
+  }
+}
+
+template <int R, class St>
+__device__ __forceinline__ void store_rows(void* data, DType dt, bool vec, int64_t base, int row0, int K, int c0, int V,
+                                           const float (&S)[R][4]) {
+  if constexpr (std::is_same_v<St, float>) {
+    float* p = static_cast<float*>(data) + base;
+#pragma unroll
+    for (int r = 0; r < R; ++r) __stcs(reinterpret_cast<float4*>(p + r * V), make_float4(S[r][0], S[r][1], S[r][2], S[r][3]));
+  } else if constexpr (std::is_same_v<St, __nv_bfloat16>) {
+    unsigned short* p = static_cast<unsigned short*>(data) + base;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const unsigned lo = unsigned(to_half_bits(DType::kBF16, S[r][0])) | (unsigned(to_half_bits(DType::kBF16, S[r][1])) << 16);
+      const unsigned hi = unsigned(to_half_bits(DType::kBF16, S[r][2])) | (unsigned(to_half_bits(DType::kBF16, S[r][3])) << 16);
+      __stcs(reinterpret_cast<uint2*>(p + r * V), make_uint2(lo, hi));
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (row0 + r < K) store_state4(data, dt, base + int64_t(r) * V, c0, V, vec, S[r]);
+  }
+}
+
+// The kernel (header comment at the top of this file). R: state rows per thread (16 R >= K). kDim: K = V
+// = kDim known at compile time (row offsets become immediates), 0: p.K, p.V. In, St: the inputs' and the
+// states' dtypes known at compile time (kDim 128 only), void: read at run time.
+template <int R, int kDim, class In, class St>
+__global__ void __launch_bounds__(kThreads, kDim == 128 ? 4 : 2) kda_decode_kernel(const __grid_constant__ KdaDecodeParams p) {
+  __shared__ __align__(16) float red[2][kWarps][kColLanes][8];  // per warp and column group: S̄ᵀk (4), S̄ᵀq (4)
+  __shared__ float scal[2][kWarps][4];                           // per warp: Σq², Σk², Σqk
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, cl = lane & 7, rl = lane >> 3;
+  const int K = kDim ? kDim : p.K, V = kDim ? kDim : p.V;
+  const int tiles = (V + kCols - 1) / kCols;
+  const int tile = int(blockIdx.x % unsigned(tiles)), h = int((blockIdx.x / unsigned(tiles)) % unsigned(p.H));
+  const int i = int(blockIdx.x / unsigned(tiles * p.H)), n = p.n0 + i, hq = h / p.group;
+  const int b = p.varlen ? 0 : n, begin = p.varlen ? p.begin[i] : 0, len = (p.varlen ? p.begin[i + 1] : p.T) - begin;
+  const int row0 = (warp * kRowLanes + rl) * R, c0 = tile * kCols + cl * 4;
+  const int64_t head_off = int64_t(h) * K * V + int64_t(row0) * V + c0;  // this thread's first state element in a row
+  if (len == 0 && p.mode != KdaDecodeMode::kStates) return;  // no tokens: the pool is not touched
+
+  // The first token's inputs first: their loads overlap the index and state loads below.
+  TokenLoad<R, In> tl;
+  if (len > 0) tl.load(p, b, begin, h, hq, row0, c0);
+
+  // The slot this sequence starts from (-1: zeros, or padding with indices) and whether its indices are bad.
+  int64_t read_slot = -1;
+  if (p.mode == KdaDecodeMode::kStates) {
+    if (p.init) read_slot = n;
+  } else {
+    bool bad = false;
+    int64_t col = 0;
+    if (p.nat) {
+      const int64_t a = load_index(p.nat, p.nat64, int64_t(n) * p.nat_s0);
+      bad = a < 1 || a > p.S;
+      col = bad ? 0 : a - 1;
+    }
+    if (!bad) {
+      read_slot = load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0 + col * p.idx_s1);
+      bad = read_slot >= p.P;
+    }
+    if (!bad && read_slot >= 0 && p.mode == KdaDecodeMode::kTokenSlots)
+      for (int t = 0; t < len; ++t) bad |= load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0 + int64_t(t) * p.idx_s1) >= p.P;
+    if (bad || read_slot < 0) {  // bad indices: NaN rows, nothing written to the pool; padding: zero rows
+      const float fill = bad ? __int_as_float(0x7fffffff) : 0.f;
+      for (int e = tid; e < len * kCols; e += kThreads) {
+        const int t = e / kCols, c = tile * kCols + e % kCols;
+        if (c >= V) continue;
+        const int64_t off = int64_t(b) * p.o_sb + int64_t(begin + t) * p.o_st + int64_t(h) * p.o_sh + c;
+        if (p.o_dtype == DType::kFP32) static_cast<float*>(p.o)[off] = fill;
+        else static_cast<unsigned short*>(p.o)[off] = to_half_bits(p.o_dtype, fill);
+      }
+      return;
+    }
+  }
+
+  float S[R][4];
+  if (read_slot >= 0) {
+    load_rows<R, St>(p.init, p.init_dtype, p.init_vec, read_slot * p.init_stride + head_off, row0, K, c0, V, S);
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = S[r][2] = S[r][3] = 0.f;
+  }
+
+  // The gate's per-head parameters (in-kernel gate): e^A_log and dt_bias of this thread's rows.
+  const bool gate = p.gate_in_kernel;
+  const float ea = gate && p.A_log ? expf(p.A_log[h]) : 1.f;
+  float bias[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) bias[r] = 0.f;
+  if (gate && p.dt_bias) load_vec<R>(p.dt_bias, DType::kFP32, int64_t(h) * K + row0, row0, K, bias);
+
+#pragma unroll 1
+  for (int t = 0; t < len; ++t) {
+    if (t > 0) tl.load(p, b, begin + t, h, hq, row0, c0);
+    const Token<R>& x = tl.get();
+    const int buf = t & 1;
+    float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f}, qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float gl = x.g[r];
+      if (gate) {
+        const float y = gl + bias[r];
+        gl = p.lower_bound_gate ? p.lower_bound * sigmoid(ea * y) : -ea * softplus(y);
+      }
+      const float d = row0 + r < K ? expf(gl) : 0.f;
+      qq = fmaf(x.q[r], x.q[r], qq);
+      kk = fmaf(x.k[r], x.k[r], kk);
+      qk = fmaf(x.q[r], x.k[r], qk);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        S[r][c] *= d;
+        pk[c] = fmaf(S[r][c], x.k[r], pk[c]);
+        pq[c] = fmaf(S[r][c], x.q[r], pq[c]);
+      }
+    }
+#pragma unroll
+    for (int o = 8; o < 32; o <<= 1) {  // over the warp's 4 row groups (lane bits 3, 4)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        pk[c] += __shfl_xor_sync(0xffffffffu, pk[c], o);
+        pq[c] += __shfl_xor_sync(0xffffffffu, pq[c], o);
+      }
+      qq += __shfl_xor_sync(0xffffffffu, qq, o);
+      kk += __shfl_xor_sync(0xffffffffu, kk, o);
+      qk += __shfl_xor_sync(0xffffffffu, qk, o);
+    }
+    if (rl == 0) {
+      *reinterpret_cast<float4*>(&red[buf][warp][cl][0]) = make_float4(pk[0], pk[1], pk[2], pk[3]);
+      *reinterpret_cast<float4*>(&red[buf][warp][cl][4]) = make_float4(pq[0], pq[1], pq[2], pq[3]);
+    }
+    if (lane == 0) scal[buf][warp][0] = qq, scal[buf][warp][1] = kk, scal[buf][warp][2] = qk;
+    __syncthreads();  // buffer buf is rewritten at token t + 2, after every thread passed token t + 1's barrier
+    float PK[4] = {0.f, 0.f, 0.f, 0.f}, PQ[4] = {0.f, 0.f, 0.f, 0.f}, QQ = 0.f, KK = 0.f, QK = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float4 a = *reinterpret_cast<const float4*>(&red[buf][w][cl][0]);
+      const float4 c = *reinterpret_cast<const float4*>(&red[buf][w][cl][4]);
+      PK[0] += a.x, PK[1] += a.y, PK[2] += a.z, PK[3] += a.w;
+      PQ[0] += c.x, PQ[1] += c.y, PQ[2] += c.z, PQ[3] += c.w;
+      QQ += scal[buf][w][0], KK += scal[buf][w][1], QK += scal[buf][w][2];
+    }
+    const float rq = p.l2norm ? 1.f / sqrtf(QQ + 1e-6f) : 1.f, rk = p.l2norm ? 1.f / sqrtf(KK + 1e-6f) : 1.f;
+    const float beta = p.beta_sigmoid ? p.beta_scale * sigmoid(x.beta) : x.beta;
+    float u[4], out[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      u[c] = beta * (x.v[c] - rk * PK[c]);                 // β (v − S̄ᵀk̂)
+      out[c] = p.scale * rq * fmaf(rk * QK, u[c], PQ[c]);  // scale (S̄ᵀq̂ + (k̂ᵀq̂) u)
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float kr = rk * x.k[r];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) S[r][c] = fmaf(kr, u[c], S[r][c]);
+    }
+    if (warp == 0 && rl == 0)
+      store_o4(p.o, p.o_dtype, int64_t(b) * p.o_sb + int64_t(begin + t) * p.o_st + int64_t(h) * p.o_sh + c0, c0, V, out);
+    if (p.mode == KdaDecodeMode::kTokenSlots) {  // the state after token t into slot idx[n, t] (skipped where < 0)
+      const int64_t w = load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0 + int64_t(t) * p.idx_s1);
+      if (w >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, w * p.fin_stride + head_off, row0, K, c0, V, S);
+    }
+  }
+
+  int64_t write_row = -1;  // the final state's row: the slot read (idx [N]) or row n (no indices)
+  if (p.mode == KdaDecodeMode::kSlots) write_row = read_slot;
+  else if (p.mode == KdaDecodeMode::kStates && p.fin) write_row = n;
+  if (write_row >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, write_row * p.fin_stride + head_off, row0, K, c0, V, S);
+}
+
+template <int R, int kDim = 0, class In = void, class St = void>
+Status launch_rows(const KdaDecodeParams& p, unsigned blocks, cudaStream_t s) {
+  return launch("kda decode (kda_decode_kernel)", [&] { kda_decode_kernel<R, kDim, In, St><<<blocks, kThreads, 0, s>>>(p); });
+}
+
+// K = V = 128 with every input and o in one dtype (bf16 or fp32), their vector accesses aligned, and
+// aligned states of one dtype: the compile-time kernels.
+template <class In>
+Status launch_fast(const KdaDecodeParams& p, unsigned blocks, cudaStream_t s) {
+  const bool same = p.mode != KdaDecodeMode::kStates || !p.init || !p.fin || p.init_dtype == p.fin_dtype;
+  const DType st = p.init ? p.init_dtype : p.fin_dtype;
+  if (!same) return launch_rows<8, 128>(p, blocks, s);
+  if (st == DType::kBF16) return launch_rows<8, 128, In, __nv_bfloat16>(p, blocks, s);
+  return launch_rows<8, 128, In, float>(p, blocks, s);
+}
+
+}  // namespace
+
+Status launch_kda_decode(const KdaDecodeParams& p, int device, Stream stream) {
+  const int64_t blocks = int64_t(p.N) * p.H * ((p.V + kCols - 1) / kCols);
+  if (blocks == 0) return Status::ok();
+  if (blocks >= (int64_t(1) << 31) || p.K > kKdaDecodeMaxHeadDim || p.V > kKdaDecodeMaxHeadDim)
+    return Status::unsupported("kda decode: grid of " + std::to_string(blocks) + " blocks or K = " + std::to_string(p.K) + ", V = " +
+                               std::to_string(p.V) + " out of the kernel's range");
+  DeviceGuard guard;
+  ENCORE_RETURN_IF_ERROR(guard.set(device));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const unsigned grid = unsigned(blocks);
+  if (p.K == 128 && p.V == 128) {  // Kimi-Linear's heads
+    if (p.fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, grid, s);
+    if (p.fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, grid, s);
+    return launch_rows<8, 128>(p, grid, s);
+  }
+  if (p.K <= 2 * kWarps * kRowLanes) return launch_rows<2>(p, grid, s);
+  if (p.K <= 4 * kWarps * kRowLanes) return launch_rows<4>(p, grid, s);
+  if (p.K <= 8 * kWarps * kRowLanes) return launch_rows<8>(p, grid, s);
+  return launch_rows<16>(p, grid, s);
+}
+
+}  // namespace encore::cuda

@@ -1,0 +1,80 @@
+// Host entry of the CUDA KDA decode kernel (kda_decode.cu; no CUDA types): the recurrent step of
+// include/encore/kda_serving.hpp (fla-core 0.6.0's fused_recurrent_kda_fwd) over a state pool or
+// per-sequence states. The dispatch (src/kda/kda_serving.cpp) has validated the arguments; sequences
+// come from host-side cu_seqlens (or the fixed-length batch) and travel as launch parameters, index
+// values stay in device memory and are read by the kernel: no host memory read, no synchronization,
+// no allocation, so a launch is capturable in a CUDA graph.
+#pragma once
+#include <cstdint>
+
+#include "encore/core/status.hpp"
+#include "encore/core/tensor_view.hpp"
+
+namespace encore::cuda {
+
+constexpr int kKdaDecodeMaxHeadDim = 256;  // K and V
+constexpr int kKdaDecodeSeqTable = 1024;   // varlen sequences per launch (the token table is a launch parameter)
+constexpr int kKdaDecodeColumns = 32;      // value columns per block
+
+// [B, T, heads, C] (beta: [B, T, heads]) with element strides; the last stride is 1. bf16, fp16 or fp32.
+struct KdaDecodeTensor {
+  const void* data = nullptr;
+  DType dtype = DType::kFP32;
+  int64_t sb = 0, st = 0, sh = 0;
+};
+
+// How sequence n finds its states (include/encore/kda_serving.hpp's three modes).
+enum class KdaDecodeMode : int {
+  kStates = 0,      // initial_state row n (or zeros) -> final_state row n (either may be absent; may be the same array)
+  kSlots = 1,       // state_indices [N]: pool slot idx[n] read and written back
+  kTokenSlots = 2,  // state_indices [N, S]: read slot idx[n, num_accepted_tokens[n] - 1], token t writes idx[n, t]
+};
+
+struct KdaDecodeParams {
+  int N = 0;      // sequences of this launch: global sequences n0 .. n0 + N - 1
+  int n0 = 0;
+  int T = 0;      // tokens per batch row (fixed length; varlen: the table below)
+  int H = 0;      // value heads (v, g, beta, o, states, A_log, dt_bias)
+  int group = 1;  // value heads per q/k head
+  int K = 0, V = 0;
+  float scale = 1.f;
+  bool l2norm = false, gate_in_kernel = false, lower_bound_gate = false, beta_sigmoid = false;
+  float lower_bound = -5.f;
+  float beta_scale = 1.f;  // beta = beta_scale * sigmoid(beta) with beta_sigmoid (2: allow_neg_eigval)
+  KdaDecodeTensor q, k, v, g, beta;
+  const float* A_log = nullptr;    // [H] or null
+  const float* dt_bias = nullptr;  // [H * K] or null
+  void* o = nullptr;               // [B, T, H, V], last stride 1
+  DType o_dtype = DType::kFP32;
+  int64_t o_sb = 0, o_st = 0, o_sh = 0;
+  KdaDecodeMode mode = KdaDecodeMode::kStates;
+  // States [rows, H, K, V], fp32 or bf16, each row's [H, K, V] contiguous at row * stride elements. With
+  // indices both are the pool. *_vec: 4-column vector loads / stores are aligned (base, stride and V).
+  const void* init = nullptr;
+  DType init_dtype = DType::kFP32;
+  int64_t init_stride = 0;
+  bool init_vec = false;
+  void* fin = nullptr;
+  DType fin_dtype = DType::kFP32;
+  int64_t fin_stride = 0;
+  bool fin_vec = false;
+  int64_t P = 0;  // pool slots (indices >= P are out of range)
+  // state_indices [N] or [N, S] and num_accepted_tokens [N] (optional), int32 or int64, device memory.
+  const void* idx = nullptr;
+  bool idx64 = false;
+  int64_t idx_s0 = 0, idx_s1 = 0;
+  int S = 1;
+  const void* nat = nullptr;
+  bool nat64 = false;
+  int64_t nat_s0 = 0;
+  // K = V = 128, q, k, v, g, beta and o of one dtype (bf16 or fp32), every vector access of them, of
+  // dt_bias and of the states aligned (the states of one dtype): the compile-time kernels.
+  bool fast = false;
+  bool varlen = false;  // batch row 0, tokens [begin[i], begin[i + 1]) for sequence n0 + i; else row n, tokens [0, T)
+  int32_t begin[kKdaDecodeSeqTable + 1] = {};
+};
+
+// One launch over the N sequences of `p` (none: nothing launched). Asynchronous on `stream`.
+Status launch_kda_decode(const KdaDecodeParams& p, int device, Stream stream);
+
+}  // namespace encore::cuda

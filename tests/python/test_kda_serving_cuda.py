@@ -1,0 +1,105 @@
+"""encore.kda.fused_recurrent_kda / fused_recurrent_kda_fwd on CUDA tensors (the decode kernel,
+src/kda/cuda/kda_decode.cu) against the CPU backend (fp64) on the same values: decode on fp32 / bf16 pools
+with padding, speculative slots with num_accepted_tokens, fla's fused_recurrent_kda with initial and
+final state; untouched slots bit-identical; an out-of-range device index gives NaN rows and writes
+nothing; host indices with CUDA tensors refused. Skipped without CUDA."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import encore  # noqa: E402
+from encore.kda import fused_recurrent_kda, fused_recurrent_kda_fwd  # noqa: E402
+
+HAS_CUDA = encore.built_with_cuda() and encore.cuda_device_count() > 0 and torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+H, HV, K, V = 2, 4, 128, 128
+KW = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).pow(2).sum() / b.pow(2).sum().clamp_min(1e-300)).sqrt().item()
+
+
+def inputs(b, t, seed, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    x = (r(b, t, H, K), r(b, t, H, K), r(b, t, HV, V), r(b, t, HV, K), r(b, t, HV))
+    gate = dict(A_log=torch.log(torch.rand(HV, generator=gen) + 0.5), dt_bias=0.5 * torch.randn(HV * K, generator=gen))
+    return x, gate
+
+
+def both(x, gate, pool, **kw):
+    """(o, pool after) on CUDA and on the CPU backend (fp64) from the same values."""
+    cu = [t.cuda() for t in x]
+    gcu = {n: t.cuda() for n, t in gate.items()}
+    pc = pool.cuda()
+    kwc = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in kw.items()}
+    oc, _ = fused_recurrent_kda_fwd(*cu, initial_state=pc, **gcu, **KW, **kwc)
+    ph = pool.double()
+    oh, _ = fused_recurrent_kda_fwd(*(t.double() for t in x), initial_state=ph, **{n: t.double() for n, t in gate.items()}, **KW, **kw)
+    torch.cuda.synchronize()
+    return oc.cpu(), pc.cpu(), oh, ph
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_decode_on_the_pool(pool_dtype):
+    x, gate = inputs(5, 1, seed=1)
+    pool = (0.3 * torch.randn(8, HV, K, V, generator=torch.Generator().manual_seed(2))).to(pool_dtype)
+    idx = torch.tensor([5, -1, 2, 7, 0], dtype=torch.int32)
+    oc, pc, oh, ph = both(x, gate, pool, ssm_state_indices=idx)
+    assert rel(oc, oh) < 5e-3
+    assert torch.all(oc[1] == 0)
+    for s in range(8):
+        if s in (5, 2, 7, 0):
+            assert rel(pc[s], ph[s]) < 5e-3
+        else:
+            assert torch.equal(pc[s], pool[s])
+
+
+def test_speculative_slots():
+    x, gate = inputs(3, 4, seed=3)
+    pool = 0.3 * torch.randn(12, HV, K, V, generator=torch.Generator().manual_seed(4))
+    idx = torch.tensor([[0, 1, 2, 3], [4, 5, -1, 6], [-1, 8, 9, 10]])
+    nat = torch.tensor([2, 1, 1])
+    oc, pc, oh, ph = both(x, gate, pool, ssm_state_indices=idx, num_accepted_tokens=nat)
+    assert rel(oc, oh) < 5e-3
+    for s in range(12):
+        if s in range(7):
+            assert rel(pc[s], ph[s]) < 5e-3
+        else:
+            assert torch.equal(pc[s], pool[s])
+
+
+def test_fused_recurrent_kda_with_states():
+    x, gate = inputs(1, 9, seed=5, dtype=torch.float32)
+    h0 = 0.3 * torch.randn(3, HV, K, V)
+    cu = torch.tensor([0, 4, 4, 9])
+    o, ht = fused_recurrent_kda(*(t.cuda() for t in x), **{n: t.cuda() for n, t in gate.items()}, initial_state=h0.cuda(),
+                                output_final_state=True, cu_seqlens=cu, **KW)
+    o_ref, ht_ref = fused_recurrent_kda(*(t.double() for t in x), **{n: t.double() for n, t in gate.items()}, initial_state=h0.double(),
+                                        output_final_state=True, cu_seqlens=cu, **KW)
+    assert rel(o, o_ref) < 5e-3 and rel(ht, ht_ref) < 5e-3
+    assert torch.equal(ht[1].cpu(), h0[1])  # the empty sequence: its initial state
+
+
+def test_bad_device_index_gives_nan_rows_and_writes_nothing():
+    x, gate = inputs(3, 1, seed=6)
+    pool = torch.randn(4, HV, K, V).cuda()
+    before = pool.clone()
+    o, _ = fused_recurrent_kda_fwd(*(t.cuda() for t in x), **{n: t.cuda() for n, t in gate.items()}, initial_state=pool,
+                                   ssm_state_indices=torch.tensor([1, 9, -1], device="cuda"), **KW)
+    torch.cuda.synchronize()
+    assert torch.isnan(o[1]).all() and torch.isfinite(o[0]).all() and torch.all(o[2] == 0)
+    assert not torch.equal(pool[1], before[1])
+    for s in (0, 2, 3):
+        assert torch.equal(pool[s], before[s])
+
+
+def test_host_indices_with_cuda_tensors_refused():
+    x, gate = inputs(2, 1, seed=7)
+    pool = torch.randn(4, HV, K, V).cuda()
+    with pytest.raises((RuntimeError, ValueError), match="state_indices: in host memory, but q is on cuda:0"):
+        fused_recurrent_kda_fwd(*(t.cuda() for t in x), **{n: t.cuda() for n, t in gate.items()}, initial_state=pool,
+                                ssm_state_indices=torch.tensor([0, 1]), **KW)
