@@ -203,7 +203,8 @@ void fill_common(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaPro
   cp.h0 = static_cast<const float*>(a.initial_state.data);
 }
 
-void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaProblem& p, cuda::KdaCudaProblem& cp) {
+template <class CudaProblem>  // cuda::KdaCudaProblem or KdaCudaProblemFew (p's sequences fit its tables)
+void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaProblem& p, CudaProblem& cp) {
   fill_common(a, o, p, cp);
   cp.o = a.o.data;
   cp.o_dtype = a.o.dtype;
@@ -376,14 +377,26 @@ Status kda::run(const KdaForwardArgs& a, const KdaOptions& o, const KdaLaunchPla
     if (!recurrent) ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
     ENCORE_RETURN_IF_ERROR(device_memory(a));  // the last check: the driver's view of the CUDA views
     if (!recurrent) ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.q.device));
-    cuda::KdaCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
-    fill_cuda_problem(a, o, p, cp);
-    if (recurrent) return cuda::launch_kda_recurrent_forward(cp, stream);
+    if (recurrent) {
+      cuda::KdaCudaProblem cp{};  // ~17 KB, on the stack: run does not allocate
+      fill_cuda_problem(a, o, p, cp);
+      return cuda::launch_kda_recurrent_forward(cp, stream);
+    }
     const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
-    ENCORE_RETURN_IF_ERROR(get_device_info(cp.device, &info));
+    ENCORE_RETURN_IF_ERROR(get_device_info(a.q.device.index, &info));
     kda::KdaLaunchPlan chosen;
     ENCORE_RETURN_IF_ERROR(kda::resolve_plan(plan, p, *info, &chosen));
-    return cuda::launch_kda_forward(cp, chosen, workspace, stream);
+    // The launch parameters: the few-sequence form (~1.5 KB) where the sequences fit it, else ~17 KB.
+    auto launch = [&](auto& cp) {
+      fill_cuda_problem(a, o, p, cp);
+      return cuda::launch_kda_forward(cp, chosen, workspace, stream);
+    };
+    if (p.seqs.size() <= size_t(cuda::kKdaFewSeqs)) {
+      cuda::KdaCudaProblemFew cp{};
+      return launch(cp);
+    }
+    cuda::KdaCudaProblem cp{};
+    return launch(cp);
 #else
     (void)workspace;
     (void)stream;

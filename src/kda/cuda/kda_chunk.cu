@@ -64,7 +64,8 @@ struct PhaseClock {  // thread 0's view: a phase ends when thread 0 leaves its c
   }
 };
 
-__global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ KdaCudaProblem p, void* ws) {
+template <class Problem>  // KdaCudaProblem or KdaCudaProblemFew
+__global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ Problem p, void* ws) {
   const int K = p.K, V = p.V;
   const int items = p.chunk_start[p.N] * p.H;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -628,12 +629,15 @@ Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsign
 
 namespace encore::cuda::kda {
 
-Status launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream) {
+template <class P>
+Status launch_chunk_kernel(const P& p, void* ws, int blocks, cudaStream_t stream) {
   constexpr const char* what = "kda forward: chunk kernel (kda_chunk_kernel)";
-  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_chunk_kernel, ChunkSmem::kBytes));
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_chunk_kernel<P>, ChunkSmem::kBytes));
   const int64_t items = int64_t(p.chunk_start[p.N]) * p.H;
   g_last_raw_fast = p.raw_fast;
-  return launch(what, [&] { kda_chunk_kernel<<<unsigned(items < blocks ? items : blocks), kThreads, ChunkSmem::kBytes, stream>>>(p, ws); });
+  return launch(what, [&] { kda_chunk_kernel<P><<<unsigned(items < blocks ? items : blocks), kThreads, ChunkSmem::kBytes, stream>>>(p, ws); });
 }
+template Status launch_chunk_kernel(const KdaCudaProblem&, void*, int, cudaStream_t);
+template Status launch_chunk_kernel(const KdaCudaProblemFew&, void*, int, cudaStream_t);
 
 }  // namespace encore::cuda::kda

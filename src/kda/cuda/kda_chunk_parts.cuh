@@ -71,7 +71,8 @@ __device__ __forceinline__ int kref_row(int s) { return 8 * s * (s - 1); }
 // than in registers: the kernel sits at the 128-register limit of a 512-thread block.
 struct ChunkItem {
   int slot, h, b, t0, rows, hq;  // hq: the q/k head of value head h (h / group)
-  __device__ ChunkItem(const KdaCudaProblem& p, int item) {
+  template <class P>
+  __device__ ChunkItem(const P& p, int item) {
     const int slots = p.chunk_start[p.N];
     slot = item % slots;
     h = item / slots;
@@ -89,9 +90,12 @@ struct ChunkItem {
 
 // Input t of the chunk (0 q, 1 k, 2 gate, 3 v), its channel count, and the tile its raw copy lands in
 // (free from step 4 or 5 of the previous item to step 1).
-__device__ __forceinline__ const KdaTensor& input(const KdaCudaProblem& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
-__device__ __forceinline__ int channels(const KdaCudaProblem& p, int t) { return t == 3 ? p.V : p.K; }
-__device__ __forceinline__ int raw_boxes(const KdaCudaProblem& p, int t) { return (channels(p, t) + 63) / 64; }  // TMA boxes of 64 channels
+template <class P>
+__device__ __forceinline__ const KdaTensor& input(const P& p, int t) { return t == 0 ? p.q : t == 1 ? p.k : t == 2 ? p.g : p.v; }
+template <class P>
+__device__ __forceinline__ int channels(const P& p, int t) { return t == 3 ? p.V : p.K; }
+template <class P>
+__device__ __forceinline__ int raw_boxes(const P& p, int t) { return (channels(p, t) + 63) / 64; }  // TMA boxes of 64 channels
 // Each lands at the first 1024-byte aligned offset of its region (the TMA boxes' 128-byte swizzle is
 // a function of the address; the kernel checks that shared memory starts 1024-byte aligned).
 __device__ __forceinline__ __nv_bfloat16* raw_tile(unsigned char* smem, int t) {
@@ -102,7 +106,8 @@ __device__ __forceinline__ __nv_bfloat16* raw_tile(unsigned char* smem, int t) {
 // three groups as their tiles fall free (mask: the inputs of this group): 64 tokens from the chunk's
 // first (whatever lies past its last row is never read; tokens past T and channels past C arrive as
 // zeros), all completing on `bar`, which the item's first group (`arm`) arms with every byte.
-__device__ __forceinline__ void issue_raw(const KdaCudaProblem& p, const ChunkItem& it, unsigned char* smem, int fast, int mask, bool arm,
+template <class P>
+__device__ __forceinline__ void issue_raw(const P& p, const ChunkItem& it, unsigned char* smem, int fast, int mask, bool arm,
                                           int tid, uint64_t* bar) {
   if (tid != 0 || !fast) return;
   if (arm) {
@@ -126,7 +131,8 @@ __device__ __forceinline__ void issue_raw(const KdaCudaProblem& p, const ChunkIt
 struct ItemScalars {
   float beta, dtb, a_log;
 };
-__device__ __forceinline__ ItemScalars load_scalars(const KdaCudaProblem& p, const ChunkItem& it, int tid) {
+template <class P>
+__device__ __forceinline__ ItemScalars load_scalars(const P& p, const ChunkItem& it, int tid) {
   ItemScalars s;
   s.beta = tid < it.rows ? load(p.beta, it.b, it.t0 + tid, it.h, 0) : 0.f;
   s.dtb = p.gate_in_kernel && p.dt_bias && tid < p.K ? p.dt_bias[it.h * p.K + tid] : 0.f;

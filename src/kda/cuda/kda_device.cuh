@@ -166,7 +166,8 @@ __device__ __forceinline__ void store_pair(void* base, DType dt, int64_t off, fl
 }
 
 // Sequence of chunk slot `slot`: the last n with chunk_start[n] <= slot.
-__device__ __forceinline__ int find_seq(const KdaCudaProblem& p, int slot) {
+template <class P>  // KdaCudaProblem or KdaCudaProblemFew
+__device__ __forceinline__ int find_seq(const P& p, int slot) {
   int lo = 0, hi = p.N - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -354,8 +355,10 @@ namespace encore::cuda::kda {
 
 // The two kernels of the forward, launched in order on `stream` by launch_kda_forward.
 // blocks: the chunk kernel is persistent, this many blocks (one per SM, or fewer; at most one per item).
-Status launch_chunk_kernel(const KdaCudaProblem& p, void* ws, int blocks, cudaStream_t stream);
+template <class P>  // KdaCudaProblem or KdaCudaProblemFew
+Status launch_chunk_kernel(const P& p, void* ws, int blocks, cudaStream_t stream);
 // columns: value columns per state-kernel block, 64, 32 or 16.
-Status launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream);
+template <class P>
+Status launch_state_kernel(const P& p, const void* ws, int columns, cudaStream_t stream);
 
 }  // namespace encore::cuda::kda

@@ -26,7 +26,7 @@ EncodeTiled encode_tiled() {
   static const EncodeTiled fn = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &q) != cudaSuccess || q != cudaDriverEntryPointSuccess)
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess || q != cudaDriverEntryPointSuccess)
       return EncodeTiled(nullptr);
     return reinterpret_cast<EncodeTiled>(f);
   }();
@@ -58,7 +58,8 @@ size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H) {
   return size_t(chunks * H * kda::WsLayout::kBytes);
 }
 
-Status launch_kda_forward(KdaCudaProblem& p, const ::encore::kda::KdaLaunchPlan& plan, void* workspace, Stream stream) {
+template <class P>
+Status launch_kda_forward(P& p, const ::encore::kda::KdaLaunchPlan& plan, void* workspace, Stream stream) {
   if ((plan.state_columns != 16 && plan.state_columns != 32 && plan.state_columns != 64) || plan.chunk_blocks < 1)
     return Status::internal("kda forward: the launch plan must be resolved (state_columns 16, 32 or 64, chunk_blocks >= 1), got " +
                             std::to_string(plan.state_columns) + ", " + std::to_string(plan.chunk_blocks));
@@ -75,5 +76,7 @@ Status launch_kda_forward(KdaCudaProblem& p, const ::encore::kda::KdaLaunchPlan&
   }
   return kda::launch_state_kernel(p, workspace, plan.state_columns, s);
 }
+template Status launch_kda_forward(KdaCudaProblem&, const ::encore::kda::KdaLaunchPlan&, void*, Stream);
+template Status launch_kda_forward(KdaCudaProblemFew&, const ::encore::kda::KdaLaunchPlan&, void*, Stream);
 
 }  // namespace encore::cuda

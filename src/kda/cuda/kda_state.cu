@@ -67,8 +67,8 @@ __device__ __forceinline__ void store_transposed(unsigned char* tile, const uint
     stmatrix_x4_trans(tile + sw128_at<kVs, 2>(8 * (j + m / 2) + r, r0 + 8 * (m % 2)), x[j][0], x[j][1], x[j + 1][0], x[j + 1][1]);
 }
 
-template <int kVs>
-__global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_constant__ KdaCudaProblem p, const void* ws) {
+template <int kVs, class P>  // P: KdaCudaProblem or KdaCudaProblemFew
+__global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_constant__ P p, const void* ws) {
   using Sm = StateSmem<kVs>;
   constexpr int kNt = kVs / 8;  // 8-column tiles of a fragment
   const int nz = state_column_blocks(p.V, kVs);
@@ -223,18 +223,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
 
 }  // namespace
 
-template <int kVs>
-Status launch_state(const KdaCudaProblem& p, const void* ws, cudaStream_t stream) {
+template <int kVs, class P>
+Status launch_state(const P& p, const void* ws, cudaStream_t stream) {
   using Sm = StateSmem<kVs>;
   constexpr const char* what = "kda forward: state kernel (kda_state_kernel)";
-  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_state_kernel<kVs>, Sm::kAlloc));
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_state_kernel<kVs, P>, Sm::kAlloc));
   return launch(what, [&] {
-    kda_state_kernel<kVs><<<dim3(unsigned(p.H * state_column_blocks(p.V, kVs)), unsigned(p.N)), kThreads, Sm::kAlloc, stream>>>(p, ws);
+    kda_state_kernel<kVs, P><<<dim3(unsigned(p.H * state_column_blocks(p.V, kVs)), unsigned(p.N)), kThreads, Sm::kAlloc, stream>>>(p, ws);
   });
 }
 
-Status launch_state_kernel(const KdaCudaProblem& p, const void* ws, int columns, cudaStream_t stream) {
+template <class P>
+Status launch_state_kernel(const P& p, const void* ws, int columns, cudaStream_t stream) {
   return columns == 16 ? launch_state<16>(p, ws, stream) : columns == 32 ? launch_state<32>(p, ws, stream) : launch_state<64>(p, ws, stream);
 }
+template Status launch_state_kernel(const KdaCudaProblem&, const void*, int, cudaStream_t);
+template Status launch_state_kernel(const KdaCudaProblemFew&, const void*, int, cudaStream_t);
 
 }  // namespace encore::cuda::kda

@@ -14,6 +14,9 @@
 namespace encore::cuda {
 
 constexpr int kKdaMaxSeqs = 1024;    // sequences per launch (the table is a launch parameter)
+// A launch of at most this many sequences carries tables of this capacity (~1 KB of parameters
+// instead of ~16 KB: a launch's host cost grows with its parameter bytes).
+constexpr int kKdaFewSeqs = 64;
 constexpr int kKdaMaxHeadDim = 128;  // K and V of the chunked (tensor-core) path on CUDA
 constexpr int kKdaRecurrentMaxHeadDim = 256;  // K and V of the token-recurrent path (kda_recurrent.cu)
 // Problems with K or V above kKdaMaxHeadDim take the token-recurrent path.
@@ -25,7 +28,9 @@ struct KdaTensor {  // [B, T, H, C] (or [B, T, H] with C = 1): element strides; 
   int64_t sb = 0, st = 0, sh = 0;
 };
 
-struct KdaCudaProblem {
+template <int kSeqs>
+struct KdaCudaProblemT {
+  static constexpr int kCapacity = kSeqs;
   int B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;  // H: value heads (v, g, beta, o, states, residuals)
   int group = 1;                                 // value heads per q/k head: q, k have H / group heads
   float scale = 1.0f;
@@ -47,12 +52,12 @@ struct KdaCudaProblem {
   void* res_h = nullptr;
   DType res_dtype = DType::kFP32;
   bool varlen = false;             // sequence n is in batch row 0 (varlen) or n (fixed length)
-  int32_t seq_begin[kKdaMaxSeqs];  // tokens [begin, end) of sequence n
-  int32_t seq_end[kKdaMaxSeqs];
-  int32_t chunk_start[kKdaMaxSeqs + 1];  // first chunk slot of sequence n; [N] = total chunks
+  int32_t seq_begin[kSeqs];  // tokens [begin, end) of sequence n
+  int32_t seq_end[kSeqs];
+  int32_t chunk_start[kSeqs + 1];  // first chunk slot of sequence n; [N] = total chunks
   // Sequences by chunk count, longest first (ties in index order): the state kernel's blocks start
   // in this order, so the longest serial passes never wait for a free SM behind short ones.
-  int32_t seq_by_length[kKdaMaxSeqs];
+  int32_t seq_by_length[kSeqs];
   int device = 0;
   // Filled by launch_kda_forward: the chunk kernel's TMA descriptors (CUtensorMap, 128 bytes each) of
   // q, k, g, v as [B, T, H, C] bf16 tensors with boxes of 64 channels x 64 tokens, and the inputs
@@ -60,13 +65,16 @@ struct KdaCudaProblem {
   alignas(128) unsigned char tmap[4][128];
   int raw_fast = 0;
 };
+using KdaCudaProblem = KdaCudaProblemT<kKdaMaxSeqs>;     // any launch
+using KdaCudaProblemFew = KdaCudaProblemT<kKdaFewSeqs>;  // launches of <= kKdaFewSeqs sequences
 
 // Workspace of the forward: one record per (chunk, head) with the head dims padded to 128
 // (kda_device.cuh's WsLayout, 96.5 KB), so it depends on the chunk and head counts only.
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
 // The chunked forward on `plan` (resolved: state_columns 16, 32 or 64, chunk_blocks >= 1; others are
 // refused). Fills p.tmap, p.raw_fast.
-Status launch_kda_forward(KdaCudaProblem& p, const ::encore::kda::KdaLaunchPlan& plan, void* workspace, Stream stream);
+template <class P>  // KdaCudaProblem or KdaCudaProblemFew (instantiated for both)
+Status launch_kda_forward(P& p, const ::encore::kda::KdaLaunchPlan& plan, void* workspace, Stream stream);
 // The token-recurrent forward for large head dims (kda_recurrent.cu; no workspace): o, the final state,
 // residuals.h from the recurrence, G, Aqk, Akk by a per-(chunk, head) kernel.
 Status launch_kda_recurrent_forward(const KdaCudaProblem& p, Stream stream);
