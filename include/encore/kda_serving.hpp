@@ -19,8 +19,12 @@
 // device memory (host-memory indices are refused); their values are not checked on the host: a
 // sequence whose start or per-token index is >= P or whose num_accepted_tokens is outside [1, S]
 // writes nothing to the pool and gets NaN rows in o; duplicate slots are the caller's contract (not
-// checked). cu_seqlens is host memory. The chunked prefill on the pool has no CUDA kernel yet
-// (Status::unsupported on CUDA tensors).
+// checked). cu_seqlens is host memory. The chunked prefill on the pool: the CUDA forward of kda.hpp
+// (chunk and state kernels; workspace_bytes as the forward's) whose state kernel reads each sequence's
+// initial state from its slot and writes the final state back there (no gather / scatter copies), with
+// the same device index contract; K or V > 128: the decode kernel over the sequence's tokens (no
+// workspace; o with a unit last stride). fp32 / bf16 pools, indices in q's device memory; no allocation
+// or synchronization in run().
 #pragma once
 #include <cstddef>
 
@@ -84,8 +88,12 @@ struct KdaPoolForwardArgs {
 };
 
 Status validate(const KdaPoolForwardArgs& args, const KdaOptions& opts);
-size_t workspace_bytes(const KdaPoolForwardArgs& args, const KdaOptions& opts);  // 0 (CPU backend)
-// CPU: the reference. CUDA tensors: Status::unsupported (the CUDA chunk kernels do not take a pool yet).
+// The CUDA forward's workspace (workspace_bytes(args.fwd, opts): one record per (chunk, value head));
+// 0 for the CPU backend and for K or V > 128.
+size_t workspace_bytes(const KdaPoolForwardArgs& args, const KdaOptions& opts);
+// CPU: the reference. CUDA: the chunked forward with the pool in its state kernel (K, V <= 128; above, the
+// decode kernel), asynchronous on `stream`; `workspace` 16-byte aligned device memory of
+// workspace_bytes(args, opts) bytes (null when that is 0).
 Status run(const KdaPoolForwardArgs& args, const KdaOptions& opts, void* workspace = nullptr, Stream stream = nullptr);
 
 }  // namespace encore

@@ -4,8 +4,10 @@ continuous batching, ssm_state_indices, and speculative tokens, num_accepted_tok
 kda_forward_pool, the chunked prefill that reads and writes the pool in place (chunk_kda's
 ssm_state_indices). Forward only (inference): tensors that require grad under grad mode are refused.
 CPU backend (fp64 reference) for numpy arrays and CPU torch tensors; on CUDA tensors the recurrent step runs
-the decode kernel (indices on the device: an index >= P gives NaN rows of out and writes nothing, duplicates
-are the caller's contract) and kda_forward_pool is refused (RuntimeError: "... the CUDA kernel is not built yet").
+the decode kernel and kda_forward_pool the CUDA chunked forward with the pool read and written by its state
+kernel (K, V <= 128; above, the decode kernel over each sequence's tokens). On CUDA the indices are on the
+device (host indices refused): an index >= P gives NaN rows of out and writes nothing, duplicates are the
+caller's contract.
 
 Family-module shape (docs/python.md): launchers over the binding's KdaRecurrentArgs /
 KdaPoolForwardArgs, the torch.library ops kda_recurrent and kda_forward_pool (mutating: the pool, o,
@@ -17,7 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 from . import _encore as _b
-from ._core import as_float, dl, eager, empty, is_torch, matrix_shape, ops, stream_for, torch_module, torch_op
+from ._core import as_float, dl, eager, empty, is_torch, matrix_shape, ops, stream_for, torch_module, torch_op, workspace
 from ._kda_args import _forward_args, _gate_params, _opts
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
@@ -71,7 +73,9 @@ def _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_q
                              lower_bound, cu_seqlens, o, stream=None):
     args = _b.KdaPoolForwardArgs(fwd=_forward_args(q, k, v, g, beta, None, A_log, dt_bias, cu_seqlens, o), pool=dl(pool),
                                  state_indices=dl(state_indices))
-    _b.kda_forward_pool_run(args, _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound), None, stream_for(q, stream))
+    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
+    nbytes = _b.kda_forward_pool_workspace(args, opts) if is_torch(q) and q.is_cuda else 0  # the CUDA forward's records
+    _b.kda_forward_pool_run(args, opts, workspace(None, q, nbytes, 16, "kda_forward_pool") if nbytes else None, stream_for(q, stream))
 
 
 # --- torch.ops.encore: mutating ops, no outputs of their own ----------------------------------------------
@@ -213,7 +217,9 @@ def kda_forward_pool(q, k, v, g, beta, pool, state_indices, scale=None, use_qk_l
     pool[state_indices[n]] ([P, HV, K, V] float32 / bfloat16, updated in place) and its final state is
     written back there; state_indices [N] (< 0: padding, its rows of o zero, the pool untouched; the
     non-negative ones distinct and < P). Returns o [B, T, HV, V] (out when given). chunk_kda(...,
-    initial_state=pool, ssm_state_indices=state_indices) calls it."""
+    initial_state=pool, ssm_state_indices=state_indices) calls it. On CUDA: state_indices on q's device
+    (int32 / int64; an index >= P gives NaN rows of o and writes nothing), a pool of float32 / bfloat16,
+    the workspace allocated per call (the CUDA forward's records)."""
     b, t, hv, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")
     if out is None:
         out = empty(v, (b, t, hv, vd))

@@ -9,6 +9,7 @@
 #include "encore/core/device_info.hpp"
 #include "encore/kda.hpp"
 #include "kda/plan.hpp"
+#include "kda/pool_forward.hpp"
 #include "kda/problem.hpp"
 #include "kda/testing.hpp"  // the run overload on an explicit plan, defined here
 #include "kda/cuda/launch.hpp"  // host-only declarations and limits
@@ -235,6 +236,18 @@ void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::
   std::copy(order.begin(), order.end(), cp.seq_by_length);
   cp.device = a.q.device.index;
 }
+
+// The prefill on a state pool (validated by the serving dispatch): the pool and its device indices.
+template <class CudaProblem>
+void fill_pool(const TensorView& pool, const TensorView& indices, CudaProblem& cp) {
+  cp.pool = pool.data;
+  cp.pool_dtype = pool.dtype;
+  cp.pool_stride = pool.strides[0];
+  cp.pool_slots = pool.shape[0];
+  cp.pool_idx = indices.data;
+  cp.pool_idx64 = indices.dtype == DType::kInt64;
+  cp.pool_idx_stride = indices.strides[0];
+}
 #endif
 
 // What the CUDA backward takes beyond validate(KdaBackwardArgs): the forward's residuals, dtypes,
@@ -360,6 +373,43 @@ namespace {
   return Status::unsupported("q: on " + q.device.to_string() + " but encore was built without CUDA (ENCORE_CUDA=OFF)");
 }
 
+#ifdef ENCORE_WITH_CUDA
+// The CUDA forward after validate_cuda: the workspace and device-memory checks, the launch parameters,
+// the launches. pool / indices: the prefill on a state pool (kda/pool_forward.hpp; null: a's
+// initial_state / final_state).
+Status run_cuda(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaProblem& p, const kda::KdaLaunchPlan& plan,
+                const TensorView* pool, const TensorView* indices, void* workspace, Stream stream) {
+  const bool recurrent = cuda::kda_use_recurrent(p.K, p.V);  // the token-recurrent forward needs no workspace
+  if (recurrent && pool)
+    return Status::internal("kda forward on a pool: the chunked CUDA path takes K, V <= " + std::to_string(cuda::kKdaMaxHeadDim));
+  if (!recurrent) ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
+  ENCORE_RETURN_IF_ERROR(device_memory(a));  // the last check: the driver's view of the CUDA views
+  if (pool) ENCORE_RETURN_IF_ERROR(checks::device_memory({{"pool", pool}, {"state_indices", indices}}));
+  if (!recurrent) ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.q.device));
+  if (recurrent) {
+    cuda::KdaCudaProblem cp{};  // ~17 KB, on the stack: run does not allocate
+    fill_cuda_problem(a, o, p, cp);
+    return cuda::launch_kda_recurrent_forward(cp, stream);
+  }
+  const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
+  ENCORE_RETURN_IF_ERROR(get_device_info(a.q.device.index, &info));
+  kda::KdaLaunchPlan chosen;
+  ENCORE_RETURN_IF_ERROR(kda::resolve_plan(plan, p, *info, &chosen));
+  // The launch parameters: the few-sequence form (~1.5 KB) where the sequences fit it, else ~17 KB.
+  auto launch = [&](auto& cp) {
+    fill_cuda_problem(a, o, p, cp);
+    if (pool) fill_pool(*pool, *indices, cp);
+    return cuda::launch_kda_forward(cp, chosen, workspace, stream);
+  };
+  if (p.seqs.size() <= size_t(cuda::kKdaFewSeqs)) {
+    cuda::KdaCudaProblemFew cp{};
+    return launch(cp);
+  }
+  cuda::KdaCudaProblem cp{};
+  return launch(cp);
+}
+#endif
+
 }  // namespace
 
 Status run(const KdaForwardArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
@@ -373,30 +423,7 @@ Status kda::run(const KdaForwardArgs& a, const KdaOptions& o, const KdaLaunchPla
   if (a.q.device.is_cuda()) {
     ENCORE_RETURN_IF_ERROR(validate_cuda(a, p));
 #ifdef ENCORE_WITH_CUDA
-    const bool recurrent = cuda::kda_use_recurrent(p.K, p.V);  // the token-recurrent forward needs no workspace
-    if (!recurrent) ENCORE_RETURN_IF_ERROR(check_cuda_workspace(workspace, p, "forward"));
-    ENCORE_RETURN_IF_ERROR(device_memory(a));  // the last check: the driver's view of the CUDA views
-    if (!recurrent) ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.q.device));
-    if (recurrent) {
-      cuda::KdaCudaProblem cp{};  // ~17 KB, on the stack: run does not allocate
-      fill_cuda_problem(a, o, p, cp);
-      return cuda::launch_kda_recurrent_forward(cp, stream);
-    }
-    const DeviceInfo* info = nullptr;  // cached per device: no driver query per call
-    ENCORE_RETURN_IF_ERROR(get_device_info(a.q.device.index, &info));
-    kda::KdaLaunchPlan chosen;
-    ENCORE_RETURN_IF_ERROR(kda::resolve_plan(plan, p, *info, &chosen));
-    // The launch parameters: the few-sequence form (~1.5 KB) where the sequences fit it, else ~17 KB.
-    auto launch = [&](auto& cp) {
-      fill_cuda_problem(a, o, p, cp);
-      return cuda::launch_kda_forward(cp, chosen, workspace, stream);
-    };
-    if (p.seqs.size() <= size_t(cuda::kKdaFewSeqs)) {
-      cuda::KdaCudaProblemFew cp{};
-      return launch(cp);
-    }
-    cuda::KdaCudaProblem cp{};
-    return launch(cp);
+    return run_cuda(a, o, p, plan, nullptr, nullptr, workspace, stream);
 #else
     (void)workspace;
     (void)stream;
@@ -419,6 +446,17 @@ Status kda::run(const KdaForwardArgs& a, const KdaOptions& o, const KdaLaunchPla
   store_dense(a.o, out);
   if (o.output_final_state) store_dense(a.final_state, final_state);
   return Status::ok();
+}
+
+Status kda::run_cuda_on_pool(const KdaForwardArgs& a, const KdaOptions& o, const KdaProblem& p, const TensorView& pool,
+                             const TensorView& indices, void* workspace, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(validate_cuda(a, p));
+#ifdef ENCORE_WITH_CUDA
+  return run_cuda(a, o, p, KdaLaunchPlan{}, &pool, &indices, workspace, stream);
+#else
+  (void)o, (void)pool, (void)indices, (void)workspace, (void)stream;
+  return no_cuda(a.q);
+#endif
 }
 
 namespace {

@@ -1,8 +1,9 @@
 // KDA serving (include/encore/kda_serving.hpp): the recurrent step and the chunked prefill over a state
 // pool. Validation (shapes, dtypes, the pool's layout, index values where they are on the host), then
 // the CPU reference (kda_prepare + kda_recurrent_sequence, fp64) or, on CUDA tensors, the decode kernel
-// for the recurrent step (src/kda/cuda/kda_decode.cu) and Status::unsupported for the prefill on the pool
-// (docs/kda.md "Serving").
+// for the recurrent step (src/kda/cuda/kda_decode.cu) and the CUDA chunked forward with the pool for the
+// prefill (kda/pool_forward.hpp: kda.cpp's launches, the state kernel reading and writing the slots;
+// K or V > 128: the decode kernel, which takes any length) (docs/kda.md "Serving").
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -13,10 +14,12 @@
 #include "core/checks.hpp"
 #include "core/device_memory.hpp"
 #include "encore/kda_serving.hpp"
+#include "kda/pool_forward.hpp"
 #include "kda/problem.hpp"
 #include "kda/reference/kda_ref.hpp"
 #ifdef ENCORE_WITH_CUDA
 #include "kda/cuda/kda_decode.hpp"
+#include "kda/cuda/launch.hpp"  // host-only: kda_use_recurrent
 #endif
 
 namespace encore {
@@ -220,9 +223,8 @@ void store_state(const TensorView& t, int64_t s, int64_t h, const std::vector<do
   for (size_t i = 0; i < S.size(); ++i) store_from_double(t.data, t.dtype, base + int64_t(i), S[i]);
 }
 
-Status not_built(const char* op, const TensorView& q) {
-  return Status::unsupported(std::string(op) + ": on " + q.device.to_string() +
-                             " tensors: the CUDA kernel is not built yet (the CPU backend runs it; docs/kda.md \"Serving\")");
+[[maybe_unused]] Status no_cuda(const char* op, const TensorView& q) {
+  return Status::unsupported(std::string(op) + ": on " + q.device.to_string() + " tensors, but encore was built without CUDA (ENCORE_CUDA=OFF)");
 }
 
 #ifdef ENCORE_WITH_CUDA
@@ -355,7 +357,7 @@ Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Strea
     return run_recurrent_cuda(a, o, p, stream);
 #else
     (void)stream;
-    return Status::unsupported("kda_recurrent: on " + a.q.device.to_string() + " tensors, but encore was built without CUDA (ENCORE_CUDA=OFF)");
+    return no_cuda("kda_recurrent", a.q);
 #endif
   }
   reference::KdaInputs in = reference::kda_prepare(p, forward_view(a));
@@ -416,6 +418,43 @@ Status validate_pool_forward(const KdaPoolForwardArgs& a, const KdaOptions& o, k
   return plan_slots(p, a.state_indices, TensorView{}, a.pool.shape[0], plan);
 }
 
+KdaOptions pool_forward_options(const KdaOptions& o) {
+  KdaOptions k = o;
+  k.output_final_state = false;  // the final states go to the pool
+  return k;
+}
+
+#ifdef ENCORE_WITH_CUDA
+// The CUDA prefill on a pool beyond validate(): an fp32 / bf16 pool and the indices in q's device memory
+// (read by the kernels: no host read, no sync). K, V <= 128: the chunked forward with the pool in its
+// state kernel; above: the decode kernel (the recurrent step's [N] slots over all the tokens of each
+// sequence, the same index contract; o with a unit last stride there).
+Status run_pool_forward_cuda(const KdaPoolForwardArgs& a, const KdaOptions& o, const kda::KdaProblem& p, void* workspace, Stream stream) {
+  const TensorView& q = a.fwd.q;
+  ENCORE_RETURN_IF_ERROR(checks::dtype_in("pool", a.pool, {DType::kBF16, DType::kFP32}));
+  if (!a.state_indices.device.is_cuda())
+    return Status::invalid("state_indices: in host memory, but q is on " + q.device.to_string() +
+                           ": the CUDA kernels read the indices from device memory (no host read or sync: capturable in a CUDA graph); pass "
+                           "them on " + q.device.to_string());
+  if (!cuda::kda_use_recurrent(p.K, p.V)) {
+    for (size_t n = 0; n < p.seqs.size(); ++n)  // the state kernel counts a sequence's o elements of a block (64 columns) in int
+      if (p.seqs[n].end - p.seqs[n].begin >= (int64_t(1) << 25))
+        return Status::unsupported("cu_seqlens: the CUDA prefill on a pool takes sequences of < 2^25 tokens, sequence " + str(int64_t(n)) +
+                                   " has " + str(p.seqs[n].end - p.seqs[n].begin));
+    return kda::run_cuda_on_pool(a.fwd, pool_forward_options(o), p, a.pool, a.state_indices, workspace, stream);
+  }
+  KdaRecurrentArgs r;
+  const KdaForwardArgs& f = a.fwd;
+  r.q = f.q, r.k = f.k, r.v = f.v, r.g = f.g, r.beta = f.beta, r.A_log = f.A_log, r.dt_bias = f.dt_bias, r.cu_seqlens = f.cu_seqlens;
+  r.o = f.o, r.initial_state = a.pool, r.state_indices = a.state_indices;
+  KdaRecurrentOptions ro;
+  ro.scale = o.scale, ro.use_qk_l2norm = o.use_qk_l2norm, ro.use_gate_in_kernel = o.use_gate_in_kernel;
+  ro.use_lower_bound = o.use_lower_bound, ro.lower_bound = o.lower_bound;
+  ENCORE_RETURN_IF_ERROR(validate_recurrent_cuda(r, p));
+  return run_recurrent_cuda(r, ro, p, stream);
+}
+#endif
+
 }  // namespace
 
 Status validate(const KdaPoolForwardArgs& a, const KdaOptions& o) {
@@ -424,13 +463,20 @@ Status validate(const KdaPoolForwardArgs& a, const KdaOptions& o) {
   return validate_pool_forward(a, o, &p, &plan);
 }
 
-size_t workspace_bytes(const KdaPoolForwardArgs&, const KdaOptions&) { return 0; }
+size_t workspace_bytes(const KdaPoolForwardArgs& a, const KdaOptions& o) { return workspace_bytes(a.fwd, pool_forward_options(o)); }
 
-Status run(const KdaPoolForwardArgs& a, const KdaOptions& o, void*, Stream) {
+Status run(const KdaPoolForwardArgs& a, const KdaOptions& o, void* workspace, Stream stream) {
   kda::KdaProblem p;
   SlotPlan plan;
   ENCORE_RETURN_IF_ERROR(validate_pool_forward(a, o, &p, &plan));
-  if (a.fwd.q.device.is_cuda()) return not_built("kda_forward_pool", a.fwd.q);
+  if (a.fwd.q.device.is_cuda()) {
+#ifdef ENCORE_WITH_CUDA
+    return run_pool_forward_cuda(a, o, p, workspace, stream);
+#else
+    (void)workspace, (void)stream;
+    return no_cuda("kda_forward_pool", a.fwd.q);
+#endif
+  }
   reference::KdaInputs in = reference::kda_prepare(p, a.fwd);
   const int64_t N = int64_t(p.seqs.size()), KV = p.K * p.V;
   for (int64_t n = 0; n < N; ++n)

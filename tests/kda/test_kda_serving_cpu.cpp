@@ -259,10 +259,10 @@ TEST(KdaPoolForwardCpu, PrefillEqualsTheForward) {
   }
 }
 
-// On CUDA tensors both operations validate; the recurrent step runs the CUDA decode kernel (a build
-// without CUDA refuses it; here the views point at fp64 host memory: refused before any launch), the
-// prefill on the pool is refused (its CUDA kernels do not take a pool yet). The GPU behaviour:
-// test_kda_serving_gpu.cpp.
+// On CUDA tensors both operations validate; the recurrent step runs the CUDA decode kernel, the prefill on
+// the pool the CUDA forward with the pool (a build without CUDA refuses both; here the views point at fp64
+// host memory: refused before any launch; host-memory indices refused by name). The GPU behaviour:
+// test_kda_serving_gpu.cpp, test_kda_pool_prefill_gpu.cpp.
 TEST(KdaServingCpu, CudaTensorsOfThePrefillRefused) {
   const ServingDims d;
   std::mt19937_64 rng(41);
@@ -300,8 +300,18 @@ TEST(KdaServingCpu, CudaTensorsOfThePrefillRefused) {
     on_cuda(*t);
   EXPECT_TRUE(validate(pf, kFwdOpts));
   st = run(pf, kFwdOpts);
+#ifdef ENCORE_WITH_CUDA
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("state_indices: in host memory, but q is on cuda:0"), std::string::npos) << st.message();
+  on_cuda(pf.state_indices);
+  st = run(pf, kFwdOpts);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("q: dtype must be one of {bf16, fp16, fp32}"), std::string::npos) << st.message();
+#else
   EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-  EXPECT_NE(st.message().find("kda_forward_pool: on cuda:0 tensors: the CUDA kernel is not built yet"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("kda_forward_pool: on cuda:0 tensors, but encore was built without CUDA"), std::string::npos) << st.message();
+#endif
+  EXPECT_EQ(pool.bytes, before);
   // An index tensor on another device is named.
   a.state_indices.device = Device{DeviceType::kCUDA, 1};
   st = validate(a, kRecOpts);

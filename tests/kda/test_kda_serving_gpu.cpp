@@ -6,9 +6,9 @@
 // 128 (the compile-time kernels), odd K 37 / V 50 and K 200 / V 256, bf16 / fp16 / fp32 inputs, fp32
 // and bf16 pools, int32 and int64 indices. Outputs poisoned (NaN) before each run; o and the touched
 // slots within 5e-3 relative RMS of the reference (NaN never passes), untouched slots bit-identical.
-// Also: the serving scenario of test_kda_serving_scenario_cpu.cpp on CUDA (prefills through the
-// recurrent step), CUDA-graph capture and replay with new index values, and the device index contract
-// (out of range: NaN rows, nothing written; host-memory indices refused).
+// Also: CUDA-graph capture and replay with new index values, and the device index contract (out of
+// range: NaN rows, nothing written; host-memory indices refused). The prefill on the pool:
+// test_kda_pool_prefill_gpu.cpp; the serving scenario on CUDA: test_kda_serving_scenario_gpu.cpp.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -26,48 +26,10 @@
 #include "tests/common/device_buffer.hpp"
 #include "tests/kda/kda_case.hpp"
 #include "tests/kda/kda_serving_case.hpp"
+#include "tests/kda/kda_serving_device.hpp"
 
 namespace encore::test {
 namespace {
-
-const Device kCuda{DeviceType::kCUDA, 0};
-
-// Device copies that live as long as the object.
-struct DeviceArena {
-  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
-  // A device copy of the contiguous host view h in dtype dt (same dtype: the bytes; else converted, and h
-  // rounded in place to dt so the reference sees the device's values); poison: NaN instead.
-  TensorView mirror(const TensorView& h, DType dt, bool poison = false) {
-    if (!h.defined()) return {};
-    const int64_t n = h.numel();
-    std::vector<unsigned char> bytes(size_t(std::max<int64_t>(n, 1)) * dtype_size(dt));
-    if (dt == h.dtype && !poison) {
-      std::memcpy(bytes.data(), h.data, size_t(n) * dtype_size(dt));
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
-        store_from_double(bytes.data(), dt, i, poison ? NAN : load_as_double(h.data, h.dtype, i));
-        if (!poison) store_from_double(h.data, h.dtype, i, load_as_double(bytes.data(), dt, i));
-      }
-    }
-    bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
-    cudaMemcpy(bufs.back()->ptr, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
-    TensorView d = h;
-    d.data = bufs.back()->ptr, d.dtype = dt, d.device = kCuda;
-    return d;
-  }
-};
-
-std::vector<unsigned char> fetch_bytes(const TensorView& d) {
-  std::vector<unsigned char> b(size_t(d.numel()) * dtype_size(d.dtype));
-  cudaMemcpy(b.data(), d.data, b.size(), cudaMemcpyDeviceToHost);
-  return b;
-}
-std::vector<double> fetch(const TensorView& d) {
-  const std::vector<unsigned char> b = fetch_bytes(d);
-  std::vector<double> x(size_t(d.numel()));
-  for (size_t i = 0; i < x.size(); ++i) x[i] = load_as_double(b.data(), d.dtype, int64_t(i));
-  return x;
-}
 
 // The device mirror of a host call: inputs in `in` (g in fp32 when precomputed), o poisoned; states and
 // indices as the host's (their bytes).

@@ -401,13 +401,3 @@ def test_compiles_and_mutates_the_pool():
         o_e = step(eager_pool)
         o_c = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_pool)
     assert torch.equal(o_e[0], o_c[0]) and torch.equal(o_e[1], o_c[1]) and torch.equal(eager_pool, compiled_pool)
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_prefill_on_the_pool_refused_until_its_kernel_exists():
-    """The chunked prefill on the pool has no CUDA kernel yet (the decode step has: test_kda_serving_cuda.py)."""
-    q, k, v, g, beta = (x.cuda() for x in inputs(1, 3, seed=9))
-    pool = pool_of(4, torch.float32).cuda()
-    with pytest.raises(RuntimeError, match="kda_forward_pool: on cuda:0 tensors: the CUDA kernel is not built yet"):
-        with torch.no_grad():
-            chunk_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([2], device="cuda"))

@@ -1,14 +1,16 @@
 """encore.kda.fused_recurrent_kda / fused_recurrent_kda_fwd on CUDA tensors (the decode kernel,
-src/kda/cuda/kda_decode.cu) against the CPU backend (fp64) on the same values: decode on fp32 / bf16 pools
-with padding, speculative slots with num_accepted_tokens, fla's fused_recurrent_kda with initial and
-final state; untouched slots bit-identical; an out-of-range device index gives NaN rows and writes
-nothing; host indices with CUDA tensors refused. Skipped without CUDA."""
+src/kda/cuda/kda_decode.cu) and chunk_kda(..., ssm_state_indices=...) on CUDA tensors (the chunked prefill
+on the pool: the CUDA forward reading and writing the slots; K or V > 128 the decode kernel) against the
+CPU backend (fp64) on the same values: decode on fp32 / bf16 pools with padding, speculative slots with
+num_accepted_tokens, fla's fused_recurrent_kda with initial and final state, the varlen prefill with an
+empty and a padding sequence; untouched slots bit-identical; an out-of-range device index gives NaN rows
+and writes nothing; host indices with CUDA tensors refused. Skipped without CUDA."""
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import encore  # noqa: E402
-from encore.kda import fused_recurrent_kda, fused_recurrent_kda_fwd  # noqa: E402
+from encore.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd  # noqa: E402
 
 HAS_CUDA = encore.built_with_cuda() and encore.cuda_device_count() > 0 and torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -103,3 +105,80 @@ def test_host_indices_with_cuda_tensors_refused():
     with pytest.raises((RuntimeError, ValueError), match="state_indices: in host memory, but q is on cuda:0"):
         fused_recurrent_kda_fwd(*(t.cuda() for t in x), **{n: t.cuda() for n, t in gate.items()}, initial_state=pool,
                                 ssm_state_indices=torch.tensor([0, 1]), **KW)
+
+
+def prefill_both(x, gate, pool, idx, cu, **kw):
+    """chunk_kda on the pool: (o, pool after) on CUDA (device indices) and on the CPU backend (fp64)."""
+    pc = pool.cuda()
+    with torch.no_grad():
+        oc, ret = chunk_kda(*(t.cuda() for t in x), **{n: t.cuda() for n, t in gate.items()}, initial_state=pc,
+                            ssm_state_indices=idx.cuda(), cu_seqlens=cu, **kw)
+        assert ret is pc
+        ph = pool.double()
+        oh, _ = chunk_kda(*(t.double() for t in x), **{n: t.double() for n, t in gate.items()}, initial_state=ph,
+                          ssm_state_indices=idx, cu_seqlens=cu, **kw)
+    torch.cuda.synchronize()
+    return oc.cpu(), pc.cpu(), oh, ph
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_chunk_kda_prefill_on_the_pool(in_dtype, pool_dtype, index_dtype):
+    """Varlen 130 / 0 (slot 1: untouched) / 37 (padding, NaN inputs) / 64 tokens on a pool of 6 slots."""
+    cu = torch.tensor([0, 130, 130, 167, 231])
+    x, gate = inputs(1, 231, seed=11, dtype=in_dtype)
+    x[2][:, 130:167] = float("nan")  # the padding sequence's v: never read into the pool
+    pool = (0.3 * torch.randn(6, HV, K, V, generator=torch.Generator().manual_seed(12))).to(pool_dtype)
+    idx = torch.tensor([4, 1, -1, 0], dtype=index_dtype)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    oc, pc, oh, ph = prefill_both(x, gate, pool, idx, cu, **kw)
+    assert torch.all(oc[:, 130:167] == 0)
+    assert torch.isfinite(oc).all()
+    assert rel(oc, oh) < 5e-3
+    for s in range(6):
+        if s in (4, 0):
+            assert rel(pc[s], ph[s]) < 5e-3
+        else:
+            assert torch.equal(pc[s], pool[s])
+
+
+def test_chunk_kda_prefill_beta_sigmoid_and_wide_heads():
+    """beta = sigmoid(beta) (fp32 beta beside bf16 inputs) at K = V = 128; K 200 / V 256 (the decode kernel)."""
+    cu = torch.tensor([0, 70, 75])
+    x, gate = inputs(1, 75, seed=13)
+    pool = 0.3 * torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(14))
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    oc, pc, oh, ph = prefill_both(x, gate, pool, torch.tensor([2, 0]), cu, **kw)
+    assert rel(oc, oh) < 5e-3 and rel(pc[2], ph[2]) < 5e-3 and rel(pc[0], ph[0]) < 5e-3
+    assert torch.equal(pc[1], pool[1])
+    gen = torch.Generator().manual_seed(15)
+    kd, vd = 200, 256
+    r = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16)  # noqa: E731
+    xw = (r(1, 75, H, kd), r(1, 75, H, kd), r(1, 75, HV, vd), r(1, 75, HV, kd), r(1, 75, HV))
+    gw = dict(A_log=torch.log(torch.rand(HV, generator=gen) + 0.5), dt_bias=0.5 * torch.randn(HV * kd, generator=gen))
+    poolw = 0.3 * torch.randn(3, HV, kd, vd, generator=gen)
+    oc, pc, oh, ph = prefill_both(xw, gw, poolw, torch.tensor([1, -1]), cu, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    assert rel(oc, oh) < 5e-3 and rel(pc[1], ph[1]) < 5e-3
+    assert torch.all(oc[:, 70:] == 0)
+    assert torch.equal(pc[0], poolw[0]) and torch.equal(pc[2], poolw[2])
+
+
+def test_chunk_kda_prefill_bad_device_index_and_host_indices():
+    """An index >= P on the device: NaN rows, nothing written; host indices with CUDA tensors refused."""
+    cu = torch.tensor([0, 70, 79])
+    x, gate = inputs(1, 79, seed=16)
+    pool = torch.randn(4, HV, K, V).cuda()
+    before = pool.clone()
+    args = [t.cuda() for t in x]
+    kw = dict(**{n: t.cuda() for n, t in gate.items()}, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, cu_seqlens=cu)
+    with torch.no_grad():
+        o, _ = chunk_kda(*args, initial_state=pool, ssm_state_indices=torch.tensor([7, 2], device="cuda"), **kw)
+    torch.cuda.synchronize()
+    assert torch.isnan(o[:, :70]).all() and torch.isfinite(o[:, 70:]).all()
+    assert not torch.equal(pool[2], before[2])
+    for s in (0, 1, 3):
+        assert torch.equal(pool[s], before[s])
+    with pytest.raises((RuntimeError, ValueError), match="state_indices: in host memory, but q is on cuda:0"):
+        with torch.no_grad():
+            chunk_kda(*args, initial_state=pool, ssm_state_indices=torch.tensor([0, 1]), **kw)

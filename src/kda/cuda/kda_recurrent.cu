@@ -121,6 +121,7 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_residuals_kernel(const
 
 Status launch_kda_recurrent_forward(const KdaCudaProblem& p, Stream stream) {
   using namespace kda_rec;
+  if (p.pool) return Status::internal("kda recurrent forward: takes no state pool (the prefill on a pool runs on the decode kernel at K or V > 128)");
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(p.device));
   cudaStream_t s = static_cast<cudaStream_t>(stream);

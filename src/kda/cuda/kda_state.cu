@@ -20,6 +20,16 @@
 // (two stages). wgmma rather than mma.sync: 16 warps of 16 x 16 mma.sync tiles were bound by their
 // ldmatrix traffic (~490 KB a step); a wgmma version whose fragments went to shared memory by
 // scalar stores lost to that, one warp per scheduler issuing them (stmatrix.trans fixed it).
+//
+// The prefill on a state pool (p.pool set; include/encore/kda_serving.hpp's KdaPoolForwardArgs): S starts
+// from slot idx[n] of the pool (fp32, or bf16 converted) instead of h0 and the final state goes back
+// there in the pool's dtype, in place (each element read and written by the same thread; the blocks of
+// a slot own disjoint heads and columns). Thread 0 loads idx[n] once into shared memory (one barrier
+// before the pass; a sequence without tokens returns before it, reading and writing nothing). The
+// device index contract (as the decode kernel's, kda_decode.cu): idx < 0 is padding, the block writes
+// zeros into the sequence's o rows of its head and columns; idx >= P writes NaN there (the error shows
+// in o); either way the block returns without touching the pool. Duplicate slots are the caller's
+// contract. The branch is taken once per block; the path without a pool is the one above.
 #include "common/cuda/wgmma.cuh"
 #include "kda/cuda/kda_device.cuh"
 
@@ -39,7 +49,8 @@ struct StateSmem {
   static constexpr int kVt = kSt + 2 * kVs * 128;  // bf16 Vnewᵀ [kVs][64] hi (K = chunk tokens)
   static constexpr int kVtLo = kVt + kVs * 128;    // lo
   static constexpr int kBar = kVtLo + kVs * 128;   // uint64 [kStages] stage barriers
-  static constexpr int kBytes = kBar + kStages * 8;
+  static constexpr int kSlot = kBar + kStages * 8;  // int64: the sequence's pool slot (prefill on a pool)
+  static constexpr int kBytes = kSlot + 8;
   static constexpr int kAlloc = kBytes + 1024;
   static_assert(kVs % kUSlice == 0, "a block's columns are whole U slices");
   static_assert(kStage % 1024 == 0 && kVt % 1024 == 0 && kVtLo % 1024 == 0, "swizzled tiles 1024-byte aligned");
@@ -65,6 +76,34 @@ __device__ __forceinline__ void store_transposed(unsigned char* tile, const uint
 #pragma unroll
   for (int j = 0; j < kVs / 8; j += 2)
     stmatrix_x4_trans(tile + sw128_at<kVs, 2>(8 * (j + m / 2) + r, r0 + 8 * (m % 2)), x[j][0], x[j][1], x[j + 1][0], x[j + 1][1]);
+}
+
+// A pool state element (fp32 or bf16) as fp32.
+__device__ __forceinline__ float load_state(const void* base, DType dt, int64_t off) {
+  return dt == DType::kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(base)[off]) : static_cast<const float*>(base)[off];
+}
+
+// The prefill on a pool: sequence n's slot, loaded once by thread 0 into shared memory (*slot) for the
+// block (one barrier). Rows [t0, t1) of o for this block's head and columns are then written with 0
+// (padding, slot < 0) or NaN (slot >= P, an error on the device) and false returned when the slot is not
+// in the pool: the block reads and writes nothing else.
+template <int kVs, class P>
+__device__ bool pool_slot(const P& p, int n, int h, int v0, int b, int64_t* slot) {
+  if (threadIdx.x == 0) {
+    const int64_t i = int64_t(n) * p.pool_idx_stride;
+    *slot = p.pool_idx64 ? static_cast<const int64_t*>(p.pool_idx)[i] : int64_t(static_cast<const int32_t*>(p.pool_idx)[i]);
+  }
+  __syncthreads();
+  const int64_t s = *slot;
+  if (s >= 0 && s < p.pool_slots) return true;
+  const float x = s < 0 ? 0.f : __int_as_float(0x7fc00000);
+  const int t0 = p.seq_begin[n], rows = p.seq_end[n] - t0;
+  const int64_t base = int64_t(b) * p.o_sb + int64_t(h) * p.o_sh;
+  for (int e = threadIdx.x; e < rows * kVs; e += blockDim.x) {  // rows < 2^25 (the dispatch's limit)
+    const int i = e / kVs, v = v0 + e % kVs;
+    if (v < p.V) store(p.o, p.o_dtype, base + int64_t(t0 + i) * p.o_st + v, x);
+  }
+  return false;
 }
 
 template <int kVs, class P>  // P: KdaCudaProblem or KdaCudaProblemFew
@@ -94,6 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
 #pragma unroll
       for (int q = 0; q < 4; ++q) f(d[j][q], r0 + g8 + 8 * (q / 2), 8 * j + 2 * t4 + q % 2);
   };
+  // The prefill on a pool (once per block): no tokens, padding or an index out of the pool: done here.
+  if (p.pool && (p.seq_begin[n] == p.seq_end[n] || !pool_slot<kVs>(p, n, h, v0, b, reinterpret_cast<int64_t*>(smem + Sm::kSlot)))) return;
   const bool state_wg = wg >= 2;
   const int64_t srow0 = (int64_t(n) * p.H + h) * K;  // [N, H, K, V] row of (n, h, c = 0)
   auto write_st = [&] {  // h_tᵀ in bf16 for the next chunk's products, then visible to them (async proxy)
@@ -103,11 +144,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     store_transposed<kVs>(St, x, r0, lane);
     fence_proxy_async_shared();
   };
+  // The pool's [H, K, V] block of (slot, h) at slot * pool_stride + h K V (the slot from shared memory:
+  // no register held across the pass).
+  auto pool_state = [&] { return *reinterpret_cast<const int64_t*>(smem + Sm::kSlot) * p.pool_stride + int64_t(h) * K * V; };
   if (state_wg) {
-    for_frag([&](float& s, int c, int vl) {
-      const int v = v0 + vl;
-      s = (p.h0 && c < K && v < V) ? p.h0[(srow0 + c) * V + v] : 0.f;
-    });
+    if (p.pool) {
+      const int64_t base = pool_state();
+      for_frag([&](float& s, int c, int vl) {
+        const int v = v0 + vl;
+        s = (c < K && v < V) ? load_state(p.pool, p.pool_dtype, base + int64_t(c) * V + v) : 0.f;
+      });
+    } else {
+      for_frag([&](float& s, int c, int vl) {
+        const int v = v0 + vl;
+        s = (p.h0 && c < K && v < V) ? p.h0[(srow0 + c) * V + v] : 0.f;
+      });
+    }
     write_st();
   }
 
@@ -214,11 +266,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
       o_chunk += int64_t(kC) * p.o_st;  // only warpgroup 1 stores o
     }
   }
-  if (p.final_state && state_wg)
+  if (p.pool && state_wg) {  // the final state back into the slot, in the pool's dtype
+    const int64_t base = pool_state();
+    for_frag([&](float& s, int c, int vl) {
+      const int v = v0 + vl;
+      if (c < K && v < V) store(p.pool, p.pool_dtype, base + int64_t(c) * V + v, s);
+    });
+  } else if (p.final_state && state_wg) {
     for_frag([&](float& s, int c, int vl) {
       const int v = v0 + vl;
       if (c < K && v < V) p.final_state[(srow0 + c) * V + v] = s;
     });
+  }
 }
 
 }  // namespace

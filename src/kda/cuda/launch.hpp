@@ -2,7 +2,9 @@
 // the problem and chosen the launch plan (kda/plan.hpp); sequences come from host-side cu_seqlens (or
 // the fixed-length batch) and travel to the kernels as launch parameters, so a launch reads no host
 // memory and never synchronizes. Also the chunk kernel's raw-input report and phase profile (tests and
-// benchmarks, through kda/testing.hpp).
+// benchmarks, through kda/testing.hpp). The same launches run the prefill on a state pool
+// (include/encore/kda_serving.hpp's KdaPoolForwardArgs): the pool fields of KdaCudaProblemT, read by
+// the state kernel only.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -51,6 +53,19 @@ struct KdaCudaProblemT {
   void* res_Akk = nullptr;
   void* res_h = nullptr;
   DType res_dtype = DType::kFP32;
+  // The prefill on a state pool (null pool: h0 / final_state above, which are then null): sequence n
+  // starts from slot idx[n] of pool [P, H, K, V] (fp32 or bf16; each slot's [H, K, V] contiguous at
+  // slot * pool_stride elements) and its final state is written back there in the pool's dtype. idx:
+  // int32 / int64 in device memory (element stride pool_idx_stride), read once per state-kernel block
+  // (no host read, no sync). The device contract (kda_state.cu): idx < 0 is padding (o rows 0), idx >= P
+  // an error shown as NaN o rows; either way nothing of the pool is read or written; a sequence with no
+  // tokens reads nothing (not even its index) and writes nothing.
+  void* pool = nullptr;
+  DType pool_dtype = DType::kFP32;
+  int64_t pool_stride = 0, pool_slots = 0;
+  const void* pool_idx = nullptr;
+  int64_t pool_idx_stride = 1;
+  bool pool_idx64 = false;
   bool varlen = false;             // sequence n is in batch row 0 (varlen) or n (fixed length)
   int32_t seq_begin[kSeqs];  // tokens [begin, end) of sequence n
   int32_t seq_end[kSeqs];
@@ -76,7 +91,8 @@ size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
 template <class P>  // KdaCudaProblem or KdaCudaProblemFew (instantiated for both)
 Status launch_kda_forward(P& p, const ::encore::kda::KdaLaunchPlan& plan, void* workspace, Stream stream);
 // The token-recurrent forward for large head dims (kda_recurrent.cu; no workspace): o, the final state,
-// residuals.h from the recurrence, G, Aqk, Akk by a per-(chunk, head) kernel.
+// residuals.h from the recurrence, G, Aqk, Akk by a per-(chunk, head) kernel. No pool (Status::internal
+// with p.pool set: the serving dispatch runs the prefill on a pool at these sizes on the decode kernel).
 Status launch_kda_recurrent_forward(const KdaCudaProblem& p, Stream stream);
 
 // The chunk kernel's hooks for tests and benchmarks (kda_chunk.cu). Process-wide; not for concurrent use.
