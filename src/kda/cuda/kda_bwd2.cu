@@ -395,7 +395,7 @@ Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV) {
   };
   const size_t row = size_t(tokens) * HV * kKda2D * 2;  // one bf16 [tokens][HV][128] tensor
   l.qg = take(row), l.kg = take(row), l.wn = take(row), l.dvl = take(row), l.dvn = take(row), l.dw = take(row);
-  l.daqk = take(row / 2), l.da = take(row / 2);  // [tokens][HV][64]
+  l.daqk = take(row / 2), l.daqk_lo = take(row / 2), l.da = take(row / 2);  // [tokens][HV][64]
   l.dqi = take(2 * row), l.dki = take(2 * row);  // fp32
   l.egc = take(size_t(chunks) * HV * kKda2D * 4), l.sd = take(size_t(chunks) * HV * kKda2D * 4);
   l.gp = take(size_t(chunks) * HV * 2 * kKda2D * 4);

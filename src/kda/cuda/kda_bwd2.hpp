@@ -16,7 +16,8 @@
 //   dqi [tokens][HV][128]  fp32 scale (dO S^T) . 2^G     (dq's inter-chunk part)
 //   dki [tokens][HV][128]  fp32 (Vnew dS'^T) . 2^(gC - G) (dk's inter-chunk part)
 //   dw  [tokens][HV][128]  dW = -dVnew S^T
-//   daqk [tokens][HV][64]  dAqk = tril(dO Vnew^T)
+//   daqk, daqk_lo [tokens][HV][64]  dAqk = tril(dO Vnew^T) as a bf16 hi + lo pair (Vnew too, in K2a's
+//                          shared memory: rounded to bf16 alone, the two moved dA_log by up to 4e-2)
 //   da  [tokens][HV][64]   dA = dVnew (beta v)^T + dW Kbeta^T, i >= j
 //   sd  [NT][HV][128]      fp32 rowsum_V(S . dS')       (the chunk's last-row dG term, times 2^gC)
 // K2b (the WY and intra-chunk gradients and the tails, kda_bwd2_wy.cu): dq, dk, dv, dg, dbeta into the
@@ -35,7 +36,8 @@ namespace encore::cuda {
 constexpr int kKda2D = 128;  // padded channel width of the intermediates (K, V <= 128)
 
 struct Kda2Layout {  // byte offsets into the workspace, each 256-byte aligned; bytes = the total
-  size_t qg = 0, kg = 0, wn = 0, dvl = 0, egc = 0, dsp = 0, dvn = 0, dw = 0, daqk = 0, da = 0, dqi = 0, dki = 0, sd = 0, gp = 0, bytes = 0;
+  size_t qg = 0, kg = 0, wn = 0, dvl = 0, egc = 0, dsp = 0, dvn = 0, dw = 0, daqk = 0, daqk_lo = 0, da = 0, dqi = 0, dki = 0, sd = 0, gp = 0,
+         bytes = 0;
 };
 Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV);
 

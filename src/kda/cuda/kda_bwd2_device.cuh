@@ -25,7 +25,7 @@ constexpr int kLd = kD + 8;             // bf16 row stride of [*][128] shared ti
 constexpr int kLdC = kdabwd::kC + 8;    // of [*][64] tiles
 
 struct Ptrs {  // the intermediates in the workspace (Kda2Layout)
-  __nv_bfloat16 *qg, *kg, *wn, *dvl, *dsp, *dvn, *dw, *daqk, *da;
+  __nv_bfloat16 *qg, *kg, *wn, *dvl, *dsp, *dvn, *dw, *daqk, *daqk_lo, *da;
   float *egc, *dqi, *dki, *sd, *gp;
 };
 
@@ -33,7 +33,7 @@ inline Ptrs ptrs_of(const Kda2Layout& l, void* workspace) {
   auto* base = static_cast<unsigned char*>(workspace);
   auto bf = [&](size_t at) { return reinterpret_cast<__nv_bfloat16*>(base + at); };
   auto f32 = [&](size_t at) { return reinterpret_cast<float*>(base + at); };
-  return Ptrs{bf(l.qg), bf(l.kg), bf(l.wn), bf(l.dvl), bf(l.dsp), bf(l.dvn), bf(l.dw), bf(l.daqk), bf(l.da),
+  return Ptrs{bf(l.qg), bf(l.kg), bf(l.wn), bf(l.dvl), bf(l.dsp), bf(l.dvn), bf(l.dw), bf(l.daqk), bf(l.daqk_lo), bf(l.da),
               f32(l.egc), f32(l.dqi), f32(l.dki), f32(l.sd), f32(l.gp)};
 }
 

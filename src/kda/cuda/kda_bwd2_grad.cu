@@ -4,15 +4,17 @@
 // fp32 accumulation.
 //
 // kda2_state_grads_kernel, grid (chunk slots, HV), 512 threads (16 warps, 128 registers, no spills;
-// one block an SM), 179 KB of shared memory (S, dS' [128][128]; A [64][64]; beta v, -W then dW,
-// Kbeta, dO, dVnew, Vnew [64][128], all bf16). Staging: S and dS' as 4-column quads (one 16- or 8-byte
+// one block an SM), 196 KB of shared memory (S, dS' [128][128]; A [64][64]; beta v, -W then dW,
+// Kbeta, dO, dVnew, Vnew hi and lo [64][128], all bf16; Vnew and dAqk as bf16 hi + lo pairs, two MMAs
+// where they are operands: on the CPU model of the kernels' roundings they were the largest dA_log
+// errors, up to 4e-2 of 60 draws, 5.6e-3 as pairs). Staging: S and dS' as 4-column quads (one 16- or 8-byte
 // load each, all of a thread's issued before the row loop runs, stored after it) where V % 4 == 0 and
 // the state is 16-byte aligned; the rows one load a lane per source where the layout allows; element
 // loads otherwise. Products: warp w owns rows 16 (w % 4).., columns 32 (w / 4).. (16 (w / 4).. of the
 // [64 x 64] ones):
 //   Vnew = A (beta v) + (-W) S                        (64 x 128 x (64 + 128))
 //   dqi  = scale (dO S^T) . 2^G    dki = (Vnew dS'^T) . 2^(gC - G)    dW = -dVnew S^T   (64 x 128 x 128 each)
-//   dAqk = tril(dO Vnew^T)         dA = dVnew (beta v)^T + dW Kbeta^T (i >= j)          (64 x 64 x 128)
+//   dAqk = tril(dO Vnew^T) (hi, lo) dA = dVnew (beta v)^T + dW Kbeta^T (i >= j)          (64 x 64 x 128)
 //   sd   = rowsum_V(S . dS')       (fp32, per state row)
 // S is the forward's saved chunk-start state (residuals.h); dS' and dVnew come from K1, -W from K0.
 // Rows past a chunk's end are zero in every tile and never written; K, V <= 128, channels padded.
@@ -30,7 +32,7 @@ namespace {
 
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kQuads = kD * kD / 4 / kThreads;  // (state row, 4 columns) quads of S and dS' a thread stages
-constexpr int kSmemElems = 2 * kD * kLd + kC * kLdC + 6 * kC * kLd;
+constexpr int kSmemElems = 2 * kD * kLd + kC * kLdC + 7 * kC * kLd;
 constexpr size_t kSmem = size_t(kSmemElems) * sizeof(__nv_bfloat16);
 
 __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
@@ -43,7 +45,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
   __nv_bfloat16* kb_s = wn_s + kC * kLd;                // [64][kLd]  Kbeta
   __nv_bfloat16* do_s = kb_s + kC * kLd;                // [64][kLd]  dO
   __nv_bfloat16* dvn_s = do_s + kC * kLd;               // [64][kLd]  dVnew
-  __nv_bfloat16* vn_s = dvn_s + kC * kLd;               // [64][kLd]  Vnew
+  __nv_bfloat16* vn_s = dvn_s + kC * kLd;               // [64][kLd]  Vnew, bf16 hi
+  __nv_bfloat16* vnl_s = vn_s + kC * kLd;               // [64][kLd]  Vnew - hi, bf16 (the lo half)
   const int slot = blockIdx.x, hv = blockIdx.y, hq = hv / p.group;
   const ChunkInfo ci = chunk_info(p, slot);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
@@ -176,7 +179,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) store_pair(vn_s + (m0 + g8 + 8 * h) * kLd + n0 + 8 * j + 2 * t4, acc[j][2 * h], acc[j][2 * h + 1]);
+    for (int h = 0; h < 2; ++h) {
+      // Vnew as a bf16 hi + lo pair: its products (dki, dAqk) feed dA_log, a sum over a head's every
+      // token and channel with cancellation, where Vnew rounded to bf16 alone was the largest error.
+      const int at = (m0 + g8 + 8 * h) * kLd + n0 + 8 * j + 2 * t4;
+      const float x = acc[j][2 * h], y = acc[j][2 * h + 1];
+      store_pair(vn_s + at, x, y);
+      store_pair(vnl_s + at, x - __bfloat162float(__float2bfloat16(x)), y - __bfloat162float(__float2bfloat16(y)));
+    }
   __syncthreads();
 
   // f(token row, column a, value pair x, y) over this warp's [16 x 32] fragment, valid rows only.
@@ -206,6 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
   // dki = (Vnew dS'^T) . 2^(gC - G).
   zero(acc);
   warp_mma<kD, 4, false, false>(acc, vn_s, kLd, m0, d_s, kLd, n0);
+  warp_mma<kD, 4, false, false>(acc, vnl_s, kLd, m0, d_s, kLd, n0);
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -224,18 +235,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
     }
   // dAqk = tril(dO Vnew^T), the diagonal included: warp w rows m0.., columns n0c.. (2 n-tiles).
   float acc4[2][4];
-  auto write64 = [&](__nv_bfloat16* dst) {
+  // The [64 x 64] results (i >= j kept) to dst, and with lo the bf16 remainders x - bf16(x) to lo.
+  auto write64 = [&](__nv_bfloat16* dst, __nv_bfloat16* lo) {
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = m0 + g8 + 8 * h, c = n0c + 8 * j + 2 * t4;
-        if (i < ci.rows) store_pair(dst + trow[h] * kC + c, c <= i ? acc4[j][2 * h] : 0.f, c + 1 <= i ? acc4[j][2 * h + 1] : 0.f);
+        if (i >= ci.rows) continue;
+        const float x = c <= i ? acc4[j][2 * h] : 0.f, y = c + 1 <= i ? acc4[j][2 * h + 1] : 0.f;
+        store_pair(dst + trow[h] * kC + c, x, y);
+        if (lo) store_pair(lo + trow[h] * kC + c, x - __bfloat162float(__float2bfloat16(x)), y - __bfloat162float(__float2bfloat16(y)));
       }
   };
   zero(acc4);
   warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vn_s, kLd, n0c);
-  write64(w.daqk);
+  warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vnl_s, kLd, n0c);
+  write64(w.daqk, w.daqk_lo);  // dAqk as a hi + lo pair too (K2b's products take both)
   // sd = rowsum_V(S . dS'): warp w state rows 8 w.., lane 4 columns (one 8-byte read of each tile).
   for (int a = 8 * warp; a < 8 * warp + 8; ++a) {
     const uint2 su = *reinterpret_cast<const uint2*>(s_s + a * kLd + c0), du = *reinterpret_cast<const uint2*>(d_s + a * kLd + c0);
@@ -253,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
   zero(acc4);
   warp_mma<kD, 2, false, false>(acc4, dvn_s, kLd, m0, vb_s, kLd, n0c);
   warp_mma<kD, 2, false, false>(acc4, wn_s, kLd, m0, kb_s, kLd, n0c);
-  write64(w.da);
+  write64(w.da, nullptr);
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 // and the tails in fp32.
 //
 // kda2_wy_kernel, grid (chunk slots, HV), 512 threads (16 warps; warp w: rows 16 (w % 4).., channels
-// 32 (w / 4)..), ~210 KB of shared memory, 128 registers (ptxas, sm_90a; 16 B spilled): one block
+// 32 (w / 4)..), 220 KB of shared memory, 128 registers (ptxas, sm_90a; 60 B spilled): one block
 // of 16 warps per SM. Per chunk, with q^, k^ the (L2-normed) inputs, q~ = scale q^,
 // G the log2 cumsum, A = (I + L)^-1, and K2a's dA, dAqk, dW, dqi, dki, sd, K1's dVnew:
 //   dVbeta = A^T dVnew -> dv = beta dVbeta, dbeta += rowsum(dVbeta . v)
@@ -52,7 +52,7 @@ constexpr size_t kRegion = 2 * kTileF > 2 * size_t(kOperandRows) * kLd * 2 ? 2 *
 constexpr float kDiagSpan = 60.f;   // the diagonal blocks on tensor cores where a block's G spans <= this (log2)
 constexpr int kQuarters = 4;      // column quarters of the [64 x 128] fragments (warp >> 2)
 constexpr int kParts = kThreads / kKda2D, kPartRows = kC / kParts;  // the dg tail: 4 parts of 16 rows per channel
-constexpr size_t kSmem = 4 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD) * 4;
+constexpr size_t kSmem = 5 * kSmall + kRegion + 3 * kTileF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD) * 4;
 static_assert(kAnchorRows <= kOperandRows && 2 * size_t(kOperandRows) * kLd * 2 <= kRegion, "an operand's hi and lo halves fit the region");
 static_assert(3 * size_t(kC) * kLd * 2 <= kRegion, "dVnew, dW and v alias the anchored operands");
 
@@ -66,12 +66,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   __nv_bfloat16* dl_s = a_s + kC * kLdC;                // [64][kLdC] dA, then dL
   __nv_bfloat16* daqk_s = dl_s + kC * kLdC;             // [64][kLdC] dAqk
   __nv_bfloat16* m_s = daqk_s + kC * kLdC;              // [64][kLdC] M = A^T dA
-  __nv_bfloat16* reg = m_s + kC * kLdC;                 // the region (kRegion)
+  __nv_bfloat16* daqkl_s = m_s + kC * kLdC;             // [64][kLdC] dAqk's lo half (K2a's bf16 hi + lo pair)
+  __nv_bfloat16* reg = daqkl_s + kC * kLdC;             // the region (kRegion)
   __nv_bfloat16 *dvn_s = reg, *dw_s = reg + kC * kLd, *v_s = reg + 2 * kC * kLd;  // v: the dbeta term
   __nv_bfloat16 *an_hi = reg, *an_lo = reg + kOperandRows * kLd;  // one anchored operand at a time, bf16 hi + lo
   auto* dg_f = reinterpret_cast<float*>(reg);
   float* kdk_f = dg_f + kC * kLdF;
-  auto* q_f = reinterpret_cast<float*>(smem + 4 * kSmall + kRegion);  // [64][kLdF] q^ (unscaled)
+  auto* q_f = reinterpret_cast<float*>(smem + 5 * kSmall + kRegion);  // [64][kLdF] q^ (unscaled)
   float* k_f = q_f + kC * kLdF;                                        // [64][kLdF] k^
   float* g_f = k_f + kC * kLdF;                                        // [64][kLdF] G (rows past the end: gC)
   float* beta_s = g_f + kC * kLdF;                                     // [64]
@@ -111,7 +112,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     const float beta = load1(in_beta, iv, 0, valid);
     const uint2 dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V), dw = load4_or0(w.dw + row * kD, c0, valid);
     const int j = 2 * lane;
-    const uint32_t da = load2_or0(w.da, row * kC + j, valid), daqk = load2_or0(w.daqk, row * kC + j, valid);
+    const uint32_t da = load2_or0(w.da, row * kC + j, valid), daqk = load2_or0(w.daqk, row * kC + j, valid),
+                   daqkl = load2_or0(w.daqk_lo, row * kC + j, valid);
     float av[2];
     load2_any_or0(p.Akk, p.akk_dtype, row * kC + j, valid && j <= i, valid && j + 1 <= i, av);
     const float rq = row_rnorm(q, p.l2norm), rk = row_rnorm(k, p.l2norm);
@@ -131,6 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     *reinterpret_cast<uint2*>(dw_s + i * kLd + c0) = dw;
     *reinterpret_cast<uint32_t*>(dl_s + i * kLdC + j) = da;
     *reinterpret_cast<uint32_t*>(daqk_s + i * kLdC + j) = daqk;
+    *reinterpret_cast<uint32_t*>(daqkl_s + i * kLdC + j) = daqkl;
     store_pair(a_s + i * kLdC + j, av[0], av[1]);
   }
   for (int a = threadIdx.x; a < kD; a += kThreads) {
@@ -226,11 +229,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   float acc2[4][4];
   zero(acc);
   zero(acc2);
-  for (int s = 0; s < blk; ++s)
+  // dAqk's hi + lo times the operand's hi + lo (lo x lo left out: ~2^-16 of the rest).
+  for (int s = 0; s < blk; ++s) {
     for (const __nv_bfloat16* kr : {an_hi, an_lo}) {
       warp_mma<16, 4, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
       warp_mma<16, 4, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
     }
+    warp_mma<16, 4, false, true>(acc, daqkl_s + 16 * s, kLdC, m0, an_hi + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+  }
   // The diagonal block on tensor cores too where this warp's block of G spans <= kDiagSpan in every
   // channel (then k^_j 2^(G_m0 - G_j) <= 2^60 |k^_j| and no exponent leaves fp32): anchored at its
   // first row like the blocks before it. Elsewhere (steep gates) the per-pair loops below.
@@ -250,11 +256,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     return k_f[rr * kLdF + a] * fast_exp2(fminf(g_f[r * kLdF + a] - g_f[rr * kLdF + a], kDiagSpan));
   });
   __syncthreads();
-  if (tc_diag)
+  if (tc_diag) {
     for (const __nv_bfloat16* kd : {an_hi, an_lo}) {
       warp_mma<16, 4, false, true>(acc, daqk_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
       warp_mma<16, 4, false, true>(acc2, dl_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
     }
+    warp_mma<16, 4, false, true>(acc, daqkl_s + m0, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
+  }
   each([&](int j, int e, int i, int a) {
     const float f = fast_exp2(gr[j][e] - g_f[m0 * kLdF + a]);
     acc[j][e] *= f;
@@ -267,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = m0 + g8 + 8 * h;
-      cq[h] = bf(daqk_s, i, jj);
+      cq[h] = bf(daqk_s, i, jj) + bf(daqkl_s, i, jj);
       cl[h] = bf(dl_s, i, jj);
     }
 #pragma unroll
@@ -309,6 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
       const int i0 = 16 * (blk + 1) + 16 * s, rb = col_base(blk) + 16 * s;
       warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
       warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
+      if (term == 0) warp_mma<16, 4, true, true>(acc2, daqkl_s + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
     }
   }
   // The diagonal block, where tc_diag: q~_ii and beta_ii k^_ii times 2^(G_ii - G_16b+15) (rows ii of
@@ -320,11 +329,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     return x * fast_exp2(fminf(g_f[ii * kLdF + a] - g_f[r * kLdF + a], kDiagSpan));
   });
   __syncthreads();
-  if (tc_diag)
+  if (tc_diag) {
     for (const __nv_bfloat16* cd : {an_hi, an_lo}) {
       warp_mma<16, 4, true, true>(acc2, daqk_s + m0 * kLdC, kLdC, m0, cd + m0 * kLd, kLd, n0);
       warp_mma<16, 4, true, true>(acc2, dl_s + m0 * kLdC, kLdC, m0, cd + (kC + m0) * kLd, kLd, n0);
     }
+    warp_mma<16, 4, true, true>(acc2, daqkl_s + m0 * kLdC, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
+  }
   each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr[j][e]); });
   // Row ii of the block (E = 2^min(0, G_ii - G_c)): nonzero for ii >= c only, so rows ii < m0 + 8
   // touch only the upper 8 fragment rows.
@@ -334,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int c = m0 + g8 + 8 * h;
-      cq[h] = bf(daqk_s, ii, c) * p.scale;  // zero unless ii >= c
+      cq[h] = (bf(daqk_s, ii, c) + bf(daqkl_s, ii, c)) * p.scale;  // zero unless ii >= c
       cl[h] = bf(dl_s, ii, c) * bt;         // zero unless ii > c
     }
 #pragma unroll
