@@ -123,7 +123,6 @@ def main(out):
                     del p_f, p_e
             for who, ts in times.items():
                 rec[f"{who}_us"] = statistics.median(ts)
-                rec[f"{who}_rounds_us"] = ts
                 rec[f"{who}_ratio_to_floor"] = rec[f"{who}_us"] / rec["floor_us"]
             if "fla_us" in rec and "encore_us" in rec:
                 rec["fla_over_encore"] = rec["fla_us"] / rec["encore_us"]

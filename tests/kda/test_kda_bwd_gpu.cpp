@@ -155,10 +155,10 @@ void run_bwd(BwdCase bc, DType dt, bool remat, bool second = false) {
     // inputs' rounding alone gave dA_log 5.2e-3 against the fp64 BPTT, the kernels 1.8e-5 against their stage).
     const bool fragile = i == 3 || i == 4 || i >= 6;
     // Stage: the kernels' own fp32 error (bf16 outputs: their rounding, ~1.1e-3 relative RMS).
-    // The second backward: the bounds (fla's: 8e-3, 2e-2), but dA_log 5e-2: a sum over every
-    // token and channel of a head with heavy cancellation, it measured 0.4e-3 to 3.4e-2 over ~40 draws
-    // on an H100 (once above 2e-2): the bf16 intermediates' error, amplified; docs/kda.md, open item.
-    const double tol_second = i == 6 ? 5e-2 : fragile ? 2e-2 : 8e-3;
+    // The second backward: the bounds (fla's: 8e-3, 2e-2). dA_log (a sum over every token and
+    // channel of a head, with heavy cancellation) measured <= 9.4e-3 over 51 draws on an H100 with Vnew
+    // and dAqk as bf16 hi + lo pairs (3.6e-2 once without them; docs/kda.md).
+    const double tol_second = fragile ? 2e-2 : 8e-3;
     const double tol_stage = second_path ? tol_second : bf ? (fragile ? 8e-3 : 4e-3) : (fragile ? 1e-3 : 2e-4);
     const double tol_exact = second_path ? tol_second : fragile ? 1e-2 : 5e-3;
     EXPECT_TRUE(std::isfinite(e_stage) && std::isfinite(e_exact)) << names[i] << ": NaN/inf (or an unwritten output)";
