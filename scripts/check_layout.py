@@ -49,7 +49,7 @@ EXTERNAL = {"cute", "cutlass", "cub", "thrust", "torch", "fla", "triton", "flash
 # Another project named just before a missing file (same line or the two before): its file, not ours
 # ("fla's tests/ops/test_kda.py", "CUTLASS 4.2's ... (`sm90_mma_array_...hpp`").
 EXTERNAL_CONTEXT = re.compile(r"\b(fla|FLA|CUTLASS|cutlass|CuTe|vLLM|vllm|torch|PyTorch|FlashInfer|flashinfer|TRT-LLM|TensorRT|DeepEP|"
-                              r"DeepGEMM|Triton|triton|torchtitan|Liger|Transformer Engine|Megatron|cuBLAS|sglang|SGLang|upstream)\b")
+                              r"DeepGEMM|Triton|triton|torchtitan|Liger|Transformer Engine|Megatron|cuBLAS|cuDNN|cudnn|sglang|SGLang|upstream)\b")
 # Files the build writes (named after ${...}/ in CMake code: gemm_launchers.cpp, encoreConfig.cmake, ...).
 GENERATED = re.compile(r'\}/([\w.-]+\.\w+)"')
 
