@@ -6,7 +6,8 @@
 // compared with the CPU forward (fp64) over its whole sequence.
 //
 // Every call is built on the host (fp64 views of a Batch, host indices, the host pool); a backend policy
-// B makes it (test_kda_serving_scenario_cpu.cpp: directly on the host; _gpu.cpp: mirrored to the device):
+// B makes it (test_kda_serving_scenario_cpu.cpp: directly on the host;
+// test_kda_serving_scenario_gpu.cpp: mirrored to the device):
 //   static ServingDims dims();                                  the layer's sizes
 //   static constexpr bool kStopOnFatalFailure;                  return after a join with a fatal failure
 //   static constexpr bool kCheckFinite;                         assert every served output is finite
