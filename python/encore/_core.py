@@ -44,6 +44,14 @@ def torch_module():
 _GRAD_ENABLED = _COMPILING = _DISPATCH_MODES = _FUNCTION_MODE = None
 
 
+def _tensor_type():
+    """torch.Tensor once torch is imported (binding encore to it here when this is encore's first need of
+    it: a helper below may be a process's first call), else None."""
+    if _TENSOR is None and "torch" in sys.modules:
+        torch_module()
+    return _TENSOR
+
+
 def is_torch(a) -> bool:
     if _TENSOR is None:
         if "torch" not in sys.modules:
@@ -121,7 +129,8 @@ def dl(a):
     """`a` as the binding takes it: a torch tensor as a DLPack capsule (torch.utils.dlpack.to_dlpack
     costs a tenth of the Tensor.__dlpack__ the binding would call, and skips its stream sync: encore
     launches on the stream it is given), anything else (numpy arrays, None) as it is."""
-    if type(a) is _TENSOR or (_TENSOR is not None and isinstance(a, _TENSOR)):
+    t = _TENSOR or _tensor_type()
+    if t is not None and (type(a) is t or isinstance(a, t)):
         return _TO_DLPACK(a)
     return a
 
@@ -131,7 +140,8 @@ def stream_for(a, stream=None) -> int:
     device, else 0."""
     if stream is not None:
         return as_int(stream, "stream")
-    if (type(a) is _TENSOR or (_TENSOR is not None and isinstance(a, _TENSOR))) and a.is_cuda:
+    t = _TENSOR or _tensor_type()
+    if t is not None and (type(a) is t or isinstance(a, t)) and a.is_cuda:
         return _TORCH._C._cuda_getCurrentRawStream(a.get_device())
     return 0
 
@@ -142,7 +152,8 @@ _KINDS = {"f32": "float32", "u8": "uint8", "i32": "int32", "bf16": "bfloat16"}
 def empty(like, shape, kind="like"):
     """An uninitialized array of `shape` on like's framework and device; kind "like" (like's
     dtype), "f32", "u8", "i32" or "bf16" (torch only)."""
-    if _TENSOR is not None and isinstance(like, _TENSOR):
+    t = _TENSOR or _tensor_type()
+    if t is not None and isinstance(like, t):
         if kind == "like":
             return like.new_empty(shape)
         return like.new_empty(shape, dtype=getattr(_TORCH, _KINDS[kind]))
@@ -155,7 +166,8 @@ def empty(like, shape, kind="like"):
 
 def empty_like(a):
     """An uninitialized contiguous array of a's shape and dtype."""
-    if type(a) is _TENSOR or (_TENSOR is not None and isinstance(a, _TENSOR)):
+    t = _TENSOR or _tensor_type()
+    if t is not None and (type(a) is t or isinstance(a, t)):
         return _TORCH.empty_like(a) if a.is_contiguous() else _TORCH.empty_like(a, memory_format=_TORCH.contiguous_format)
     import numpy as np
 

@@ -264,6 +264,18 @@ def test_import_does_not_load_torch():
     subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": ":".join(sys.path)})
 
 
+def test_torch_imported_after_encore():
+    """encore imported before torch, the first call on torch tensors one whose output is allocated
+    before anything else looks at torch (fused_recurrent_kda): a torch tensor out, not a numpy
+    allocation with torch's dtype (found by tests/python/test_fuzz_kda_serving.py)."""
+    import subprocess
+
+    code = ("import encore, torch\nfrom encore.kda import fused_recurrent_kda\nq, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 3)\n"
+            "o, _ = fused_recurrent_kda(q, q.clone(), v, -torch.rand(1, 2, 1, 4), torch.rand(1, 2, 1))\n"
+            "assert isinstance(o, torch.Tensor), type(o)")
+    subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": ":".join(sys.path)})
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_wrappers_dispatch_to_ops_and_match_direct(dev):
     """Torch tensors go through torch.ops.encore (a dispatch mode sees the op); an explicit stream takes
