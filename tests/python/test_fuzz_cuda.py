@@ -5,7 +5,7 @@ are tested against), outputs in canary-guarded CUDA buffers where the API takes 
 the argument, the canaries intact. So far: rms_norm, add_rms_norm, qk_norm_, fp8_group_quant,
 moe_routing, moe_dispatch (with and without the fused FP8 quantization) and moe_combine (bit for bit),
 the MXFP8 / NVFP4 quantizations (bit for bit), the row_scale / residual_add / swiglu GEMM
-epilogues, kda_forward.
+epilogues, kda_forward, the KDA decode step and the prefill on a state pool.
 
 Seeds: hypothesis with derandomize=True (fuzz_util.VALID: 200 draws, INVALID: 100 draws per test)."""
 import numpy as np
@@ -200,6 +200,108 @@ def test_kda_forward_cuda_equals_cpu(seed, lens, h, kv, gate, l2, h0):
     for got, ref, rounded in ((og, oc, orr), (fg, fc, frr)):
         err = _rel(got, ref)
         assert err <= 2 * _rel(rounded, ref) + _TOL["bfloat16"], (err, _rel(rounded, ref))
+
+
+def _serving_case(rng, n, t, h, hv, kd, vd, gate, l2, sig, pool, s_cols):
+    """Inputs of one serving call as (CUDA, CPU float64) pairs from the same bf16 values, a pool of `pool`
+    dtype with slots for every index and three more, and indices [N] / [N, S] (20% -1)."""
+    bf = "bfloat16"
+    q, qc = _pair(rng, (n, t, h, kd), bf)
+    k, kc = _pair(rng, (n, t, h, kd), bf, 1.0 if l2 else 0.1)
+    v, vc = _pair(rng, (n, t, hv, vd), bf)
+    graw = rng.standard_normal((n, t, hv, kd))
+    g, gc = _pair(rng, (n, t, hv, kd), bf) if gate else (None, None)
+    if not gate:
+        gc = torch.from_numpy(-np.abs(graw) / 4).to(torch.bfloat16)
+        g = gc.cuda()
+    bc = torch.from_numpy(rng.standard_normal((n, t, hv)) if sig else rng.random((n, t, hv))).to(torch.bfloat16)
+    kw = dict(use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate, use_beta_sigmoid_in_kernel=sig)
+    if gate:
+        kw["A_log"] = torch.from_numpy(0.3 * rng.standard_normal(hv)).float()
+        kw["dt_bias"] = torch.from_numpy(0.3 * rng.standard_normal(hv * kd)).float()
+    slots = n * s_cols + 3
+    idx = rng.permutation(slots)[:n * s_cols].reshape((n, s_cols) if s_cols > 1 else (n,))
+    idx[rng.random(idx.shape) < 0.2] = -1
+    pool_c = torch.from_numpy(0.5 * rng.standard_normal((slots, hv, kd, vd))).to(getattr(torch, pool))
+    gpu = (q, k, v, g, bc.cuda())
+    cpu = tuple(x.double() for x in (qc, kc, vc, gc, bc))
+    return gpu, cpu, kw, idx, pool_c
+
+
+def _pool_checks(pool_g, pool_c, before, touched, pool):
+    """Written slots: the CUDA pool against the CPU backend's (each in the pool's dtype); every other
+    slot bit-identical to its value before the call."""
+    touched = sorted(touched)
+    if touched:
+        err = _rel(pool_g[touched], pool_c[touched])
+        assert err <= (1e-2 if pool == "bfloat16" else 1e-3), err
+    rest = sorted(set(range(before.shape[0])) - set(touched))
+    assert torch.equal(pool_g[rest].cpu(), before[rest])
+
+
+@VALID
+@given(seed=SEEDS, n=st.sampled_from([1, 3, 8, 33]), t=st.sampled_from([1, 2, 4]), h=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]),
+       kv=st.sampled_from([(128, 128), (64, 64), (37, 50)]), spec=st.booleans(), nat=st.booleans(),
+       pool=st.sampled_from(["float32", "bfloat16"]), gate=st.booleans(), l2=st.booleans(), sig=st.booleans())
+def test_kda_decode_on_the_pool_cuda_equals_cpu(seed, n, t, h, group, kv, spec, nat, pool, gate, l2, sig):
+    """fused_recurrent_kda_fwd on a state pool (the CUDA decode kernel) against the CPU backend on the
+    same values: o, the written slots, every other slot bit-identical."""
+    from encore.kda import fused_recurrent_kda_fwd
+
+    rng = np.random.default_rng(seed)
+    kd, vd = kv
+    hv, s_cols = h * group, (t if spec else 1)
+    gpu, cpu, kw, idx, pool_c = _serving_case(rng, n, t, h, hv, kd, vd, gate, l2, sig, pool, s_cols)
+    before = pool_c.clone()
+    nat_v = torch.from_numpy(rng.integers(1, s_cols + 1, n)).int() if spec and nat else None
+    idx_t = torch.from_numpy(idx).int()
+    cuda_kw = {key: (val.cuda() if torch.is_tensor(val) else val) for key, val in kw.items()}
+    pool_g = pool_c.cuda()
+    og, _ = fused_recurrent_kda_fwd(*gpu, initial_state=pool_g, ssm_state_indices=idx_t.cuda(),
+                                    num_accepted_tokens=None if nat_v is None else nat_v.cuda(), **cuda_kw)
+    oc, _ = fused_recurrent_kda_fwd(*cpu, initial_state=pool_c, ssm_state_indices=idx_t, num_accepted_tokens=nat_v,
+                                    **{key: (val.double() if torch.is_tensor(val) else val) for key, val in kw.items()})
+    torch.cuda.synchronize()
+    _close(og, oc.to(torch.bfloat16), "bfloat16")
+    if spec:
+        starts = [int(idx[i, (int(nat_v[i]) - 1) if nat_v is not None else 0]) for i in range(n)]
+        touched = {int(idx[i, c]) for i in range(n) if starts[i] >= 0 for c in range(t) if idx[i, c] >= 0}
+    else:
+        touched = {int(s) for s in idx if s >= 0}
+    _pool_checks(pool_g.cpu(), pool_c, before, touched, pool)
+
+
+@VALID
+@given(seed=SEEDS, lens=st.sampled_from([(1,), (63,), (64, 65), (0, 130), (200, 0, 37), (5, 5, 5, 5, 5)]), h=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2]), kv=st.sampled_from([(128, 128), (64, 64), (48, 40)]), pool=st.sampled_from(["float32", "bfloat16"]),
+       gate=st.booleans())
+def test_kda_prefill_on_the_pool_cuda_equals_cpu(seed, lens, h, group, kv, pool, gate):
+    """chunk_kda(ssm_state_indices=) (the CUDA forward reading and writing pool slots) against the CPU
+    backend on the same values; no L2 norm (its bf16 rounding of the normalized q, k on CUDA has its own
+    bound in test_kda_forward_cuda_equals_cpu)."""
+    from encore.kda import chunk_kda
+
+    rng = np.random.default_rng(seed)
+    kd, vd = kv
+    hv, t, n = h * group, sum(lens), len(lens)
+    gpu, cpu, kw, idx, pool_c = _serving_case(rng, 1, t, h, hv, kd, vd, gate, False, False, pool, 1)
+    idx = rng.permutation(n + 3)[:n]
+    idx[rng.random(n) < 0.2] = -1
+    pool_c = torch.from_numpy(0.5 * rng.standard_normal((n + 3, hv, kd, vd))).to(getattr(torch, pool))
+    before = pool_c.clone()
+    cu = torch.tensor(np.cumsum((0,) + lens), dtype=torch.int64)
+    idx_t = torch.from_numpy(idx).long()
+    kw.pop("use_beta_sigmoid_in_kernel")
+    cuda_kw = {key: (val.cuda() if torch.is_tensor(val) else val) for key, val in kw.items()}
+    pool_g = pool_c.cuda()
+    with torch.no_grad():
+        og, _ = chunk_kda(*gpu, initial_state=pool_g, ssm_state_indices=idx_t.cuda(), cu_seqlens=cu, **cuda_kw)
+        oc, _ = chunk_kda(*cpu, initial_state=pool_c, ssm_state_indices=idx_t, cu_seqlens=cu,
+                          **{key: (val.double() if torch.is_tensor(val) else val) for key, val in kw.items()})
+    torch.cuda.synchronize()
+    _close(og, oc.to(torch.bfloat16), "bfloat16")
+    touched = {int(idx[i]) for i in range(n) if idx[i] >= 0 and lens[i] > 0}
+    _pool_checks(pool_g.cpu(), pool_c, before, touched, pool)
 
 
 @VALID
