@@ -1,5 +1,5 @@
 // Test helper: a mix of small ops (RMSNorm, add + RMSNorm, QK-norm, FP8 group quantization, MoE
-// routing) as jobs for the concurrency tests (tests/core/test_concurrency_*.cpp). A job owns its
+// routing, the KDA decode step on a state pool) as jobs for the concurrency tests (tests/core/test_concurrency_*.cpp). A job owns its
 // random host inputs; its run appends copies of them and its (unwritten) outputs to the caller's
 // vector, places each with the backend (a host view, or a device copy on the backend's stream) and
 // runs the op once. The caller then reads every tensor back (inputs too: they must be unchanged), so
@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "encore/kda_serving.hpp"
 #include "encore/moe.hpp"
 #include "encore/norm.hpp"
 #include "encore/quant.hpp"
@@ -84,6 +85,33 @@ inline std::vector<Job> mixed_jobs(uint64_t seed) {
                       MoeRoutingArgs a;
                       a.logits = io.place(ts[0]), a.topk_ids = io.place(ts[1]), a.topk_weights = io.place(ts[2]);
                       return run(a, MoeRoutingOptions{}, nullptr, io.stream);
+                    }});
+  }
+  {  // the KDA decode step on a state pool: 6 sequences (one padding) of one token, the fp32 pool written in place
+    constexpr int64_t N = 6, H = 2, HV = 4, K = 64, V = 32, P = 9;
+    std::mt19937_64 rng(seed + 4);
+    auto q = std::make_shared<HostTensor>(DType::kBF16, N, H * K), k = std::make_shared<HostTensor>(DType::kBF16, N, H * K);
+    auto v = std::make_shared<HostTensor>(DType::kBF16, N, HV * V), g = std::make_shared<HostTensor>(DType::kBF16, N, HV * K);
+    auto beta = std::make_shared<HostTensor>(DType::kBF16, N, HV), pool = std::make_shared<HostTensor>(DType::kFP32, P, HV * K * V);
+    auto idx = std::make_shared<HostTensor>(HostTensor::vector(DType::kInt32, N));
+    q->fill_normal(rng), k->fill_normal(rng), v->fill_normal(rng), g->fill_normal(rng), beta->fill_uniform(rng, 0.1, 0.9);
+    pool->fill_normal(rng, 0.0, 0.3);
+    const int slots[N] = {7, 0, -1, 3, 8, 5};
+    for (int64_t i = 0; i < N; ++i) idx->set(0, i, slots[i]);
+    jobs.push_back({"kda decode 6 sequences on a pool", [=](JobIo& io, std::vector<HostTensor>& ts) {
+                      ts.push_back(*q), ts.push_back(*k), ts.push_back(*v), ts.push_back(*g), ts.push_back(*beta), ts.push_back(*pool);
+                      ts.push_back(*idx), ts.emplace_back(DType::kBF16, N, HV * V);
+                      auto as = [&](HostTensor& t, std::initializer_list<int64_t> shape) {
+                        const TensorView p = io.place(t);
+                        return TensorView::contiguous(p.data, p.dtype, shape, p.device);
+                      };
+                      KdaRecurrentArgs a;
+                      a.q = as(ts[0], {N, 1, H, K}), a.k = as(ts[1], {N, 1, H, K}), a.v = as(ts[2], {N, 1, HV, V});
+                      a.g = as(ts[3], {N, 1, HV, K}), a.beta = as(ts[4], {N, 1, HV}), a.initial_state = as(ts[5], {P, HV, K, V});
+                      a.state_indices = as(ts[6], {N}), a.o = as(ts[7], {N, 1, HV, V});
+                      KdaRecurrentOptions o;
+                      o.use_qk_l2norm = true, o.use_gate_in_kernel = true, o.use_lower_bound = true, o.lower_bound = -2.0;
+                      return run(a, o, nullptr, io.stream);
                     }});
   }
   return jobs;
