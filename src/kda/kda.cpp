@@ -228,12 +228,14 @@ void fill_cuda_problem(const KdaForwardArgs& a, const KdaOptions& o, const kda::
     chunk += int32_t(seq_chunks(p.seqs[n]));
   }
   cp.chunk_start[p.seqs.size()] = chunk;
-  std::vector<int32_t> order(p.seqs.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) {
-    return cp.chunk_start[x + 1] - cp.chunk_start[x] > cp.chunk_start[y + 1] - cp.chunk_start[y];
+  // Longest first, ties in index order (a total order, so std::sort needs no stable buffer), sorted in
+  // place: no allocation per call.
+  int32_t* order = cp.seq_by_length;
+  std::iota(order, order + p.seqs.size(), 0);
+  std::sort(order, order + p.seqs.size(), [&](int32_t x, int32_t y) {
+    const int32_t lx = cp.chunk_start[x + 1] - cp.chunk_start[x], ly = cp.chunk_start[y + 1] - cp.chunk_start[y];
+    return lx != ly ? lx > ly : x < y;
   });
-  std::copy(order.begin(), order.end(), cp.seq_by_length);
   cp.device = a.q.device.index;
 }
 

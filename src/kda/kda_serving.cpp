@@ -347,19 +347,11 @@ Status validate(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o) {
 
 size_t workspace_bytes(const KdaRecurrentArgs&, const KdaRecurrentOptions&) { return 0; }
 
-Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Stream stream) {
-  kda::KdaProblem p;
-  SlotPlan plan;
-  ENCORE_RETURN_IF_ERROR(validate_recurrent(a, o, &p, &plan));
-  if (a.q.device.is_cuda()) {
-#ifdef ENCORE_WITH_CUDA
-    ENCORE_RETURN_IF_ERROR(validate_recurrent_cuda(a, p));
-    return run_recurrent_cuda(a, o, p, stream);
-#else
-    (void)stream;
-    return no_cuda("kda_recurrent", a.q);
-#endif
-  }
+namespace {
+
+// The CPU reference of the recurrent step (validated: p and plan from validate_recurrent, or the same from
+// validate_pool_forward for the prefill on a pool, [N] slots).
+Status run_recurrent_cpu(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const kda::KdaProblem& p, const SlotPlan& plan) {
   reference::KdaInputs in = reference::kda_prepare(p, forward_view(a));
   if (o.use_beta_sigmoid)
     for (double& b : in.beta) b = (o.allow_neg_eigval ? 2.0 : 1.0) / (1.0 + std::exp(-b));
@@ -395,6 +387,24 @@ Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Strea
   return Status::ok();
 }
 
+}  // namespace
+
+Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Stream stream) {
+  kda::KdaProblem p;
+  SlotPlan plan;
+  ENCORE_RETURN_IF_ERROR(validate_recurrent(a, o, &p, &plan));
+  if (a.q.device.is_cuda()) {
+#ifdef ENCORE_WITH_CUDA
+    ENCORE_RETURN_IF_ERROR(validate_recurrent_cuda(a, p));
+    return run_recurrent_cuda(a, o, p, stream);
+#else
+    (void)stream;
+    return no_cuda("kda_recurrent", a.q);
+#endif
+  }
+  return run_recurrent_cpu(a, o, p, plan);
+}
+
 namespace {
 
 Status validate_pool_forward(const KdaPoolForwardArgs& a, const KdaOptions& o, kda::KdaProblem* out, SlotPlan* plan) {
@@ -424,6 +434,16 @@ KdaOptions pool_forward_options(const KdaOptions& o) {
   return k;
 }
 
+// The prefill on a pool as the recurrent step with [N] slots over all of each sequence's tokens (the same
+// math: the token recurrence from the slot's state, the final state back into it).
+void pool_as_recurrent(const KdaPoolForwardArgs& a, const KdaOptions& o, KdaRecurrentArgs* r, KdaRecurrentOptions* ro) {
+  const KdaForwardArgs& f = a.fwd;
+  r->q = f.q, r->k = f.k, r->v = f.v, r->g = f.g, r->beta = f.beta, r->A_log = f.A_log, r->dt_bias = f.dt_bias, r->cu_seqlens = f.cu_seqlens;
+  r->o = f.o, r->initial_state = a.pool, r->state_indices = a.state_indices;
+  ro->scale = o.scale, ro->use_qk_l2norm = o.use_qk_l2norm, ro->use_gate_in_kernel = o.use_gate_in_kernel;
+  ro->use_lower_bound = o.use_lower_bound, ro->lower_bound = o.lower_bound;
+}
+
 #ifdef ENCORE_WITH_CUDA
 // The CUDA prefill on a pool beyond validate(): an fp32 / bf16 pool and the indices in q's device memory
 // (read by the kernels: no host read, no sync). K, V <= 128: the chunked forward with the pool in its
@@ -444,12 +464,8 @@ Status run_pool_forward_cuda(const KdaPoolForwardArgs& a, const KdaOptions& o, c
     return kda::run_cuda_on_pool(a.fwd, pool_forward_options(o), p, a.pool, a.state_indices, workspace, stream);
   }
   KdaRecurrentArgs r;
-  const KdaForwardArgs& f = a.fwd;
-  r.q = f.q, r.k = f.k, r.v = f.v, r.g = f.g, r.beta = f.beta, r.A_log = f.A_log, r.dt_bias = f.dt_bias, r.cu_seqlens = f.cu_seqlens;
-  r.o = f.o, r.initial_state = a.pool, r.state_indices = a.state_indices;
   KdaRecurrentOptions ro;
-  ro.scale = o.scale, ro.use_qk_l2norm = o.use_qk_l2norm, ro.use_gate_in_kernel = o.use_gate_in_kernel;
-  ro.use_lower_bound = o.use_lower_bound, ro.lower_bound = o.lower_bound;
+  pool_as_recurrent(a, o, &r, &ro);
   ENCORE_RETURN_IF_ERROR(validate_recurrent_cuda(r, p));
   return run_recurrent_cuda(r, ro, p, stream);
 }
@@ -477,22 +493,10 @@ Status run(const KdaPoolForwardArgs& a, const KdaOptions& o, void* workspace, St
     return no_cuda("kda_forward_pool", a.fwd.q);
 #endif
   }
-  reference::KdaInputs in = reference::kda_prepare(p, a.fwd);
-  const int64_t N = int64_t(p.seqs.size()), KV = p.K * p.V;
-  for (int64_t n = 0; n < N; ++n)
-    if (plan.read[size_t(n)] >= 0)
-      for (int64_t h = 0; h < p.H; ++h) load_state(a.pool, plan.read[size_t(n)], h, KV, &in.h0[size_t((n * p.H + h) * KV)]);
-  std::vector<double> out(size_t(p.B * p.T * p.H * p.V), 0.0), S(static_cast<size_t>(KV));
-  for (int64_t n = 0; n < N; ++n) {
-    if (plan.read[size_t(n)] < 0) continue;  // padding (or no tokens)
-    for (int64_t h = 0; h < p.H; ++h) {
-      std::copy(in.h0.begin() + (n * p.H + h) * KV, in.h0.begin() + (n * p.H + h + 1) * KV, S.begin());
-      reference::kda_recurrent_sequence(p, in, size_t(n), h, S, out);
-      store_state(a.pool, plan.read[size_t(n)], h, S);
-    }
-  }
-  store_dense(a.fwd.o, out);
-  return Status::ok();
+  KdaRecurrentArgs r;
+  KdaRecurrentOptions ro;
+  pool_as_recurrent(a, o, &r, &ro);
+  return run_recurrent_cpu(r, ro, p, plan);
 }
 
 }  // namespace encore

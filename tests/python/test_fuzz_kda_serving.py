@@ -120,7 +120,7 @@ def test_decode_on_the_pool_valid(seed, kind, n, t, h, group, k, v, gate, l2, si
                 state_ref.setdefault(start, {})[j] = states[-1]
     tol = max(_TOL[q.dtype], _TOL[pool_t.dtype])
     assert np.isfinite(f64(o)).all()
-    assert _rel(o, o_ref) <= tol or np.abs(f64(o) - o_ref).max() <= tol * max(np.abs(o_ref).max(), 1e-30)
+    assert _rel(o, o_ref) <= tol, _rel(o, o_ref)
     for slot, heads in state_ref.items():
         written.add(slot)
         for j, s in heads.items():
@@ -166,7 +166,7 @@ def test_prefill_on_the_pool_valid(seed, kind, lens, h, group, k, v, gate, l2, p
             o_ref[0, s0:s1, j] = oj
             assert _rel(pool_t[slot, j], states[-1]) <= _TOL[pool_t.dtype] + (_TOL[q.dtype] if q.dtype == torch.bfloat16 else 0)
     tol = max(_TOL[q.dtype], _TOL[pool_t.dtype])
-    assert _rel(o, o_ref) <= tol or np.abs(f64(o) - o_ref).max() <= tol * max(np.abs(o_ref).max(), 1e-30)
+    assert _rel(o, o_ref) <= tol, _rel(o, o_ref)
     touched = {int(idx[i]) for i in range(n) if idx[i] >= 0 and cu[i + 1] > cu[i]}
     for slot in set(range(slots)) - touched:
         assert torch.equal(pool_t[slot], before[slot]), f"slot {slot} not written by the call changed"
@@ -208,7 +208,7 @@ def test_fused_recurrent_kda_valid(seed, kind, b, t, h, group, k, v, gate, l2, s
             else:
                 fin_ref[i, j] = st0
     tol = _TOL[q.dtype]
-    assert _rel(o, o_ref) <= tol or np.abs(f64(o) - o_ref).max() <= tol * max(np.abs(o_ref).max(), 1e-30)
+    assert _rel(o, o_ref) <= tol, _rel(o, o_ref)
     if fin:
         assert tuple(fs.shape) == fin_ref.shape
         assert _rel(fs, fin_ref) <= max(tol, 1e-5)

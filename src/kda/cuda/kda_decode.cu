@@ -37,6 +37,7 @@
 #include "common/cuda/device_guard.hpp"
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_decode.hpp"
+#include "kda/cuda/kda_device.cuh"  // kda::softplus, kda::sigmoid
 
 namespace encore::cuda {
 namespace {
@@ -53,6 +54,21 @@ __device__ __forceinline__ float half_bits(DType dt, unsigned short u) {
 __device__ __forceinline__ void half_pair(DType dt, unsigned w, float& a, float& b) {
   a = half_bits(dt, static_cast<unsigned short>(w & 0xffffu));
   b = half_bits(dt, static_cast<unsigned short>(w >> 16));
+}
+// The 16-bit values of a vector word (uint2: 4, uint4: 8; lower address first) as floats.
+template <class Vec>
+__device__ __forceinline__ void unpack_halves(DType dt, const Vec& u, float* x) {
+  const unsigned* w = reinterpret_cast<const unsigned*>(&u);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(Vec) / 4); ++i) half_pair(dt, w[i], x[2 * i], x[2 * i + 1]);
+}
+__device__ __forceinline__ unsigned short to_half_bits(DType dt, float x) {
+  return dt == DType::kBF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+// Four values as 16-bit words of dt (bf16 / fp16), lower address first.
+__device__ __forceinline__ uint2 pack_halves4(DType dt, const float (&x)[4]) {
+  return make_uint2(unsigned(to_half_bits(dt, x[0])) | (unsigned(to_half_bits(dt, x[1])) << 16),
+                    unsigned(to_half_bits(dt, x[2])) | (unsigned(to_half_bits(dt, x[3])) << 16));
 }
 
 // N consecutive input elements at element offset `off` (channels c0 .. c0 + N - 1 of C; 0 past C):
@@ -77,26 +93,12 @@ __device__ __forceinline__ void load_vec(const void* base, DType dt, int64_t off
     return;
   }
   const unsigned short* p = static_cast<const unsigned short*>(base) + off;
-  if constexpr (N % 8 == 0) {
-    if (full && aligned(p, 16)) {
+  if constexpr (N % 4 == 0) {
+    using Vec = std::conditional_t<N % 8 == 0, uint4, uint2>;  // 16 or 8 bytes: 8 or 4 values
+    constexpr int kPer = int(sizeof(Vec)) / 2;
+    if (full && aligned(p, sizeof(Vec))) {
 #pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + j);
-        half_pair(dt, u.x, x[8 * j], x[8 * j + 1]);
-        half_pair(dt, u.y, x[8 * j + 2], x[8 * j + 3]);
-        half_pair(dt, u.z, x[8 * j + 4], x[8 * j + 5]);
-        half_pair(dt, u.w, x[8 * j + 6], x[8 * j + 7]);
-      }
-      return;
-    }
-  } else if constexpr (N % 4 == 0) {
-    if (full && aligned(p, 8)) {
-#pragma unroll
-      for (int j = 0; j < N / 4; ++j) {
-        const uint2 u = __ldg(reinterpret_cast<const uint2*>(p) + j);
-        half_pair(dt, u.x, x[4 * j], x[4 * j + 1]);
-        half_pair(dt, u.y, x[4 * j + 2], x[4 * j + 3]);
-      }
+      for (int j = 0; j < N / kPer; ++j) unpack_halves(dt, __ldg(reinterpret_cast<const Vec*>(p) + j), x + kPer * j);
       return;
     }
   }
@@ -107,10 +109,6 @@ __device__ __forceinline__ void load_vec(const void* base, DType dt, int64_t off
 __device__ __forceinline__ float load_one(const void* base, DType dt, int64_t off) {
   if (dt == DType::kFP32) return __ldg(static_cast<const float*>(base) + off);
   return half_bits(dt, __ldg(static_cast<const unsigned short*>(base) + off));
-}
-
-__device__ __forceinline__ unsigned short to_half_bits(DType dt, float x) {
-  return dt == DType::kBF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
 
 // o columns c0 .. c0 + 3 (those < V) of one token row at element offset off.
@@ -128,9 +126,7 @@ __device__ __forceinline__ void store_o4(void* base, DType dt, int64_t off, int 
   }
   unsigned short* p = static_cast<unsigned short*>(base) + off;
   if (c0 + 4 <= V && aligned(p, 8)) {
-    const unsigned lo = unsigned(to_half_bits(dt, x[0])) | (unsigned(to_half_bits(dt, x[1])) << 16);
-    const unsigned hi = unsigned(to_half_bits(dt, x[2])) | (unsigned(to_half_bits(dt, x[3])) << 16);
-    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+    *reinterpret_cast<uint2*>(p) = pack_halves4(dt, x);
     return;
   }
 #pragma unroll
@@ -154,9 +150,7 @@ __device__ __forceinline__ void load_state4(const void* base, DType dt, int64_t 
   }
   const unsigned short* p = static_cast<const unsigned short*>(base) + off;
   if (vec && c0 + 4 <= V) {
-    const uint2 u = __ldcs(reinterpret_cast<const uint2*>(p));
-    half_pair(DType::kBF16, u.x, x[0], x[1]);
-    half_pair(DType::kBF16, u.y, x[2], x[3]);
+    unpack_halves(DType::kBF16, __ldcs(reinterpret_cast<const uint2*>(p)), x);
     return;
   }
 #pragma unroll
@@ -177,9 +171,7 @@ __device__ __forceinline__ void store_state4(void* base, DType dt, int64_t off, 
   }
   unsigned short* p = static_cast<unsigned short*>(base) + off;
   if (vec && c0 + 4 <= V) {
-    const unsigned lo = unsigned(to_half_bits(DType::kBF16, x[0])) | (unsigned(to_half_bits(DType::kBF16, x[1])) << 16);
-    const unsigned hi = unsigned(to_half_bits(DType::kBF16, x[2])) | (unsigned(to_half_bits(DType::kBF16, x[3])) << 16);
-    __stcs(reinterpret_cast<uint2*>(p), make_uint2(lo, hi));
+    __stcs(reinterpret_cast<uint2*>(p), pack_halves4(DType::kBF16, x));
     return;
   }
 #pragma unroll
@@ -191,8 +183,8 @@ __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t o
   return i64 ? __ldg(static_cast<const long long*>(p) + off) : int64_t(__ldg(static_cast<const int*>(p) + off));
 }
 
-__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+using kda::sigmoid;
+using kda::softplus;
 
 // One token's inputs for this thread as floats: q, k, g of its R rows (raw), v of its 4 columns, β (raw).
 template <int R>
@@ -259,12 +251,8 @@ struct TokenLoad<8, __nv_bfloat16> {
     beta = __ldg(at(p.beta, tok_off(p.beta, b, tok, h)));
   }
   __device__ __forceinline__ const Token<8>& get() {
-    auto put = [](const uint4& a, float (&y)[8]) {
-      half_pair(DType::kBF16, a.x, y[0], y[1]), half_pair(DType::kBF16, a.y, y[2], y[3]);
-      half_pair(DType::kBF16, a.z, y[4], y[5]), half_pair(DType::kBF16, a.w, y[6], y[7]);
-    };
-    put(q, x.q), put(k, x.k), put(g, x.g);
-    half_pair(DType::kBF16, v.x, x.v[0], x.v[1]), half_pair(DType::kBF16, v.y, x.v[2], x.v[3]);
+    unpack_halves(DType::kBF16, q, x.q), unpack_halves(DType::kBF16, k, x.k), unpack_halves(DType::kBF16, g, x.g);
+    unpack_halves(DType::kBF16, v, x.v);
     x.beta = half_bits(DType::kBF16, beta);
     return x;
   }
@@ -289,7 +277,7 @@ __device__ __forceinline__ void load_rows(const void* data, DType dt, bool vec, 
 #pragma unroll
     for (int r = 0; r < R; ++r) raw[r] = __ldcs(reinterpret_cast<const uint2*>(p + r * V));
 #pragma unroll
-    for (int r = 0; r < R; ++r) half_pair(DType::kBF16, raw[r].x, S[r][0], S[r][1]), half_pair(DType::kBF16, raw[r].y, S[r][2], S[r][3]);
+    for (int r = 0; r < R; ++r) unpack_halves(DType::kBF16, raw[r], S[r]);
   } else {
     if (vec && c0 + 4 <= V) {  // whole vectors: the loads of all rows first
       if (dt == DType::kFP32) {
@@ -305,7 +293,7 @@ __device__ __forceinline__ void load_rows(const void* data, DType dt, bool vec, 
 #pragma unroll
         for (int r = 0; r < R; ++r) raw[r] = row0 + r < K ? __ldcs(reinterpret_cast<const uint2*>(p + int64_t(r) * V)) : make_uint2(0u, 0u);
 #pragma unroll
-        for (int r = 0; r < R; ++r) half_pair(DType::kBF16, raw[r].x, S[r][0], S[r][1]), half_pair(DType::kBF16, raw[r].y, S[r][2], S[r][3]);
+        for (int r = 0; r < R; ++r) unpack_halves(DType::kBF16, raw[r], S[r]);
       }
     } else {
 #pragma unroll
@@ -328,9 +316,7 @@ __device__ __forceinline__ void store_rows(void* data, DType dt, bool vec, int64
     unsigned short* p = static_cast<unsigned short*>(data) + base;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const unsigned lo = unsigned(to_half_bits(DType::kBF16, S[r][0])) | (unsigned(to_half_bits(DType::kBF16, S[r][1])) << 16);
-      const unsigned hi = unsigned(to_half_bits(DType::kBF16, S[r][2])) | (unsigned(to_half_bits(DType::kBF16, S[r][3])) << 16);
-      __stcs(reinterpret_cast<uint2*>(p + r * V), make_uint2(lo, hi));
+      __stcs(reinterpret_cast<uint2*>(p + r * V), pack_halves4(DType::kBF16, S[r]));
     }
   } else {
 #pragma unroll
