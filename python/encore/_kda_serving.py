@@ -6,8 +6,9 @@ ssm_state_indices). Forward only (inference): tensors that require grad under gr
 CPU backend (fp64 reference) for numpy arrays and CPU torch tensors; on CUDA tensors the recurrent step runs
 the decode kernel and kda_forward_pool the CUDA chunked forward with the pool read and written by its state
 kernel (K, V <= 128; above, the decode kernel over each sequence's tokens). On CUDA the indices are on the
-device (host indices refused): an index >= P gives NaN rows of out and writes nothing, duplicates are the
-caller's contract.
+device (host indices refused); eager calls check their values from a host copy first (check_indices), CUDA-graph
+captures do not (the kernels' contract: an index >= P gives NaN rows of out and writes nothing, duplicates are
+the caller's).
 
 Family-module shape (docs/python.md): launchers over the binding's KdaRecurrentArgs /
 KdaPoolForwardArgs, the torch.library ops kda_recurrent and kda_forward_pool (mutating: the pool, o,
@@ -54,26 +55,45 @@ def _torch_arg(x):
     return torch_module().from_numpy(np.ascontiguousarray(x))
 
 
+def _device_indices(*xs):
+    """True when an index array is a CUDA tensor and this is not a CUDA-graph capture (host copies allowed)."""
+    on = [x for x in xs if x is not None and is_torch(x) and x.is_cuda]
+    return bool(on) and not torch_module().cuda.is_current_stream_capturing()
+
+
+def _host(x):
+    return None if x is None or not is_torch(x) else x.cpu()
+
+
 # --- launchers ------------------------------------------------------------------------------------------
 
 def _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, inplace_final_state, state_indices,
                           num_accepted_tokens, cu_seqlens, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid,
-                          allow_neg_eigval, o, final_state, stream=None):
-    """Writes o and final_state (or, with inplace_final_state / state_indices, initial_state in place)."""
+                          allow_neg_eigval, o, final_state, stream=None, check_indices=True):
+    """Writes o and final_state (or, with inplace_final_state / state_indices, initial_state in place).
+    check_indices: device indices are copied to the host and checked first (out of range, duplicates,
+    num_accepted_tokens out of [1, S]: ValueError, nothing written); skipped under CUDA-graph capture."""
     if inplace_final_state and state_indices is None:
         final_state = initial_state
-    args = _b.KdaRecurrentArgs(q=dl(q), k=dl(k), v=dl(v), g=dl(g), beta=dl(beta), A_log=dl(A_log), dt_bias=dl(dt_bias),
-                               cu_seqlens=dl(cu_seqlens), initial_state=dl(initial_state), state_indices=dl(state_indices),
-                               num_accepted_tokens=dl(num_accepted_tokens), o=dl(o), final_state=dl(final_state))
+
+    def make(idx, nat):
+        return _b.KdaRecurrentArgs(q=dl(q), k=dl(k), v=dl(v), g=dl(g), beta=dl(beta), A_log=dl(A_log), dt_bias=dl(dt_bias),
+                                   cu_seqlens=dl(cu_seqlens), initial_state=dl(initial_state), state_indices=dl(idx),
+                                   num_accepted_tokens=dl(nat), o=dl(o), final_state=dl(final_state))
+
     opts = _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval)
-    _b.kda_recurrent_run(args, opts, None, stream_for(q, stream))
+    if check_indices and _device_indices(state_indices, num_accepted_tokens):
+        _b.kda_recurrent_workspace(make(_host(state_indices), _host(num_accepted_tokens)), opts)  # validates the values
+    _b.kda_recurrent_run(make(state_indices, num_accepted_tokens), opts, None, stream_for(q, stream))
 
 
 def _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias,
-                             lower_bound, cu_seqlens, o, stream=None):
-    args = _b.KdaPoolForwardArgs(fwd=_forward_args(q, k, v, g, beta, None, A_log, dt_bias, cu_seqlens, o), pool=dl(pool),
-                                 state_indices=dl(state_indices))
+                             lower_bound, cu_seqlens, o, stream=None, check_indices=True):
     opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
+    fwd = _forward_args(q, k, v, g, beta, None, A_log, dt_bias, cu_seqlens, o)
+    if check_indices and _device_indices(state_indices):  # as _kda_recurrent_launch's check
+        _b.kda_forward_pool_workspace(_b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(_host(state_indices))), opts)
+    args = _b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(state_indices))
     nbytes = _b.kda_forward_pool_workspace(args, opts) if is_torch(q) and q.is_cuda else 0  # the CUDA forward's records
     _b.kda_forward_pool_run(args, opts, workspace(None, q, nbytes, 16, "kda_forward_pool") if nbytes else None, stream_for(q, stream))
 
@@ -85,21 +105,22 @@ def _kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
                    scale: float | None, initial_state: Tensor | None, inplace_final_state: bool, state_indices: Tensor | None,
                    num_accepted_tokens: Tensor | None, cu_seqlens: Tensor | None, use_qk_l2norm: bool, use_gate_in_kernel: bool,
                    lower_bound: float | None, use_beta_sigmoid: bool, allow_neg_eigval: bool, o: Tensor,
-                   final_state: Tensor | None) -> None:
+                   final_state: Tensor | None, check_indices: bool = True) -> None:
     """The recurrent step into o and final_state; initial_state written in place with state_indices (the pool) or
     inplace_final_state (final_state None then)."""
     _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, inplace_final_state, state_indices,
                           num_accepted_tokens, _cpu(cu_seqlens), use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid,
-                          allow_neg_eigval, o, final_state)
+                          allow_neg_eigval, o, final_state, check_indices=check_indices)
 
 
 @torch_op("kda_forward_pool", fake=lambda *_: None, mutates=("pool", "o"))
 def _kda_forward_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, pool: Tensor,
                       state_indices: Tensor, use_qk_l2norm: bool, use_gate_in_kernel: bool, A_log: Tensor | None,
-                      dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, o: Tensor) -> None:
+                      dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, o: Tensor,
+                      check_indices: bool = True) -> None:
     """The chunked prefill on the pool into o; the pool's slots state_indices written in place."""
     _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias,
-                             lower_bound, _cpu(cu_seqlens), o)
+                             lower_bound, _cpu(cu_seqlens), o, check_indices=check_indices)
 
 
 def _cpu(cu_seqlens):
@@ -151,7 +172,7 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
                             inplace_final_state=True, state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
                             num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, out=None, stream=None,
-                            **kwargs):
+                            check_indices=True, **kwargs):
     """fla's fused_recurrent_kda_fwd (fla-core 0.6.0), the serving form: returns (out, final_state).
 
     - inplace_final_state=True (fla's default) needs initial_state and returns it as final_state, updated in
@@ -170,7 +191,9 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
 
     out: optional [B, T, HV, V] array to write (returned). Bad indices (out of range, duplicates,
     num_accepted_tokens out of [1, S]) raise ValueError naming the argument before anything is written.
-    stream: an explicit stream (direct call)."""
+    Indices on the GPU are checked from a host copy (a synchronization) unless check_indices=False or a
+    CUDA graph is being captured; unchecked, an index >= P gives NaN rows of out and writes nothing to the
+    pool, and duplicates are the caller's contract. stream: an explicit stream (direct call)."""
     _refuse(state_v_first, kwargs, "fused_recurrent_kda_fwd")
     matrix_shape(q, "q", 4, "[B, T, H, K]")
     b, t, hv, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")
@@ -203,31 +226,33 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
         ops().kda_recurrent(q, k, v, g, beta, A_log, dt_bias, None if scale is None else float(scale), initial_state,
                             bool(inplace_final_state), _torch_arg(ssm_state_indices), _torch_arg(num_accepted_tokens),
                             _torch_arg(cu_seqlens), *flags, None if lower_bound is None else float(lower_bound),
-                            bool(use_beta_sigmoid_in_kernel), allow_neg_eigval, out, final_state)
+                            bool(use_beta_sigmoid_in_kernel), allow_neg_eigval, out, final_state, bool(check_indices))
     else:
         _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, bool(inplace_final_state), ssm_state_indices,
                               num_accepted_tokens, _cpu(cu_seqlens), *flags, lower_bound, bool(use_beta_sigmoid_in_kernel),
-                              allow_neg_eigval, out, final_state, stream)
+                              allow_neg_eigval, out, final_state, stream, bool(check_indices))
     return out, returned
 
 
 def kda_forward_pool(q, k, v, g, beta, pool, state_indices, scale=None, use_qk_l2norm=False, use_gate_in_kernel=False, A_log=None,
-                     dt_bias=None, lower_bound=None, cu_seqlens=None, out=None, stream=None):
+                     dt_bias=None, lower_bound=None, cu_seqlens=None, out=None, stream=None, check_indices=True):
     """The chunked prefill on a state pool (kda_forward's arguments, inference): sequence n starts from
     pool[state_indices[n]] ([P, HV, K, V] float32 / bfloat16, updated in place) and its final state is
     written back there; state_indices [N] (< 0: padding, its rows of o zero, the pool untouched; the
     non-negative ones distinct and < P). Returns o [B, T, HV, V] (out when given). chunk_kda(...,
     initial_state=pool, ssm_state_indices=state_indices) calls it. On CUDA: state_indices on q's device
-    (int32 / int64; an index >= P gives NaN rows of o and writes nothing), a pool of float32 / bfloat16,
-    the workspace allocated per call (the CUDA forward's records)."""
+    (int32 / int64; checked from a host copy as fused_recurrent_kda_fwd's unless check_indices=False or
+    under CUDA-graph capture; unchecked, an index >= P gives NaN rows of o and writes nothing), a pool of
+    float32 / bfloat16, the workspace allocated per call (the CUDA forward's records)."""
     b, t, hv, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")
     if out is None:
         out = empty(v, (b, t, hv, vd))
     if stream is None and not eager(q, k, v, g, beta, A_log, dt_bias, pool, out):
         ops().kda_forward_pool(q, k, v, g, beta, None if scale is None else float(scale), pool, _torch_arg(state_indices),
                                bool(use_qk_l2norm), bool(use_gate_in_kernel), A_log, dt_bias,
-                               None if lower_bound is None else float(lower_bound), _torch_arg(cu_seqlens), out)
+                               None if lower_bound is None else float(lower_bound), _torch_arg(cu_seqlens), out,
+                               bool(check_indices))
     else:
         _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias,
-                                 lower_bound, _cpu(cu_seqlens), out, stream)
+                                 lower_bound, _cpu(cu_seqlens), out, stream, bool(check_indices))
     return out

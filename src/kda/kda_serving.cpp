@@ -286,7 +286,7 @@ bool decode_fast(const KdaRecurrentArgs& a, const kda::KdaProblem& p) {
 }
 
 Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const kda::KdaProblem& p, Stream stream) {
-  cuda::KdaDecodeParams d;  // ~4.4 KB, on the stack: run does not allocate
+  cuda::KdaDecodeParams d;
   d.T = int(p.T), d.H = int(p.H), d.group = int(p.group()), d.K = int(p.K), d.V = int(p.V);
   d.scale = float(p.scale);
   d.l2norm = o.use_qk_l2norm, d.gate_in_kernel = o.use_gate_in_kernel, d.lower_bound_gate = o.use_lower_bound;
@@ -323,15 +323,20 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
   d.varlen = a.cu_seqlens.defined();
   const int64_t N = int64_t(p.seqs.size());
   if (!d.varlen) {
-    d.N = int(N);
-    return cuda::launch_kda_decode(d, a.q.device.index, stream);
+    d.N = int(N), d.max_len = int(p.T);
+    return cuda::launch_kda_decode(d, nullptr, a.q.device.index, stream);
   }
+  int32_t begin[cuda::kKdaDecodeSeqTable + 1];  // ~4 KB on the stack: run does not allocate
   for (int64_t n0 = 0; n0 < N; n0 += cuda::kKdaDecodeSeqTable) {  // the token table holds 1024 sequences per launch
     const int64_t count = std::min<int64_t>(cuda::kKdaDecodeSeqTable, N - n0);
-    d.n0 = int(n0), d.N = int(count);
-    for (int64_t i = 0; i < count; ++i) d.begin[i] = int32_t(p.seqs[size_t(n0 + i)].begin);
-    d.begin[count] = int32_t(p.seqs[size_t(n0 + count - 1)].end);
-    ENCORE_RETURN_IF_ERROR(cuda::launch_kda_decode(d, a.q.device.index, stream));
+    d.n0 = int(n0), d.N = int(count), d.max_len = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const kda::Sequence& q = p.seqs[size_t(n0 + i)];
+      begin[i] = int32_t(q.begin);
+      d.max_len = std::max(d.max_len, int(q.end - q.begin));
+    }
+    begin[count] = int32_t(p.seqs[size_t(n0 + count - 1)].end);
+    ENCORE_RETURN_IF_ERROR(cuda::launch_kda_decode(d, begin, a.q.device.index, stream));
   }
   return Status::ok();
 }

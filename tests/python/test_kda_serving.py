@@ -101,7 +101,8 @@ def test_fused_recurrent_kda_equals_the_token_recurrence(gate, framework):
 
 
 def test_signatures_are_fla_060s():
-    """fla-core 0.6.0's parameters, in order, with its defaults (encore adds `stream` before **kwargs)."""
+    """fla-core 0.6.0's parameters, in order, with its defaults (encore adds `stream` and `check_indices` before
+    **kwargs)."""
     fr = ("q k v g beta A_log=None dt_bias=None scale=None initial_state=None output_final_state=False "
           "use_qk_l2norm_in_kernel=False use_gate_in_kernel=False use_beta_sigmoid_in_kernel=False allow_neg_eigval=False "
           "lower_bound=None state_v_first=False cu_seqlens=None **kwargs")
@@ -113,7 +114,7 @@ def test_signatures_are_fla_060s():
         return [str(p) for p in inspect.signature(f).parameters.values()]
     assert params(fused_recurrent_kda) == fr.split()
     assert params(fused_recurrent_kda_fwd)[:len(fwd.split())] == fwd.split()
-    assert params(fused_recurrent_kda_fwd)[len(fwd.split()):] == ["stream=None", "**kwargs"]
+    assert params(fused_recurrent_kda_fwd)[len(fwd.split()):] == ["stream=None", "check_indices=True", "**kwargs"]
 
 
 def pool_of(p, dtype, seed=3):

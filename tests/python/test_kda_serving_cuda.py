@@ -3,14 +3,16 @@ src/kda/cuda/kda_decode.cu) and chunk_kda(..., ssm_state_indices=...) on CUDA te
 on the pool: the CUDA forward reading and writing the slots; K or V > 128 the decode kernel) against the
 CPU backend (fp64) on the same values: decode on fp32 / bf16 pools with padding, speculative slots with
 num_accepted_tokens, fla's fused_recurrent_kda with initial and final state, the varlen prefill with an
-empty and a padding sequence; untouched slots bit-identical; an out-of-range device index gives NaN rows
-and writes nothing; host indices with CUDA tensors refused. Skipped without CUDA."""
+empty and a padding sequence; untouched slots bit-identical; bad device indices (out of range, duplicates,
+num_accepted_tokens out of [1, S]) refused by name with nothing written on eager calls, and with the check off
+(check_indices=False, as under CUDA-graph capture) an out-of-range index gives NaN rows and writes nothing;
+host indices with CUDA tensors refused. Skipped without CUDA."""
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import encore  # noqa: E402
-from encore.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd  # noqa: E402
+from encore.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd, kda_forward_pool  # noqa: E402
 
 HAS_CUDA = encore.built_with_cuda() and encore.cuda_device_count() > 0 and torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -86,17 +88,65 @@ def test_fused_recurrent_kda_with_states():
     assert torch.equal(ht[1].cpu(), h0[1])  # the empty sequence: its initial state
 
 
-def test_bad_device_index_gives_nan_rows_and_writes_nothing():
+@pytest.mark.parametrize("bad", ["range", "duplicate", "range_2d", "duplicate_2d", "accepted"])
+def test_bad_device_indices_refused_with_nothing_written(bad):
+    """Eager calls check device indices from a host copy: ValueError naming the argument, pool and out untouched."""
+    x, gate = inputs(3, 1, seed=6)
+    pool = torch.randn(4, HV, K, V).cuda()
+    before = pool.clone()
+    idx, nat, match = {
+        "range": ([1, 9, -1], None, r"state_indices: entry \[1\] = 9 is out of the pool's range \[0, 4\)"),
+        "duplicate": ([2, 0, 2], None, r"state_indices: slot 2 is used twice"),
+        "range_2d": ([[1, 0], [3, 4], [-1, 0]], [1, 2, 1], r"state_indices: entry \[1, 1\] = 4 is out of the pool's range"),
+        "duplicate_2d": ([[1, 0], [2, 1], [-1, 0]], [1, 2, 1], r"state_indices: slot 1 is used twice"),
+        "accepted": ([[1, 0], [2, 3], [-1, 0]], [1, 3, 1], r"num_accepted_tokens: entry \[1\] = 3 must lie in \[1, S = 2\]"),
+    }[bad]
+    kw = dict(ssm_state_indices=torch.tensor(idx, device="cuda"))
+    if nat is not None:
+        kw["num_accepted_tokens"] = torch.tensor(nat, device="cuda")
+    out = torch.full((3, 1, HV, V), 7.0, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        fused_recurrent_kda_fwd(*(t.cuda() for t in x), **{n: t.cuda() for n, t in gate.items()}, initial_state=pool, out=out, **kw,
+                                **KW)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before) and torch.all(out == 7.0)
+
+
+def test_unchecked_bad_device_index_gives_nan_rows_and_writes_nothing():
+    """check_indices=False (the contract under CUDA-graph capture): NaN rows for the bad sequence, nothing written."""
     x, gate = inputs(3, 1, seed=6)
     pool = torch.randn(4, HV, K, V).cuda()
     before = pool.clone()
     o, _ = fused_recurrent_kda_fwd(*(t.cuda() for t in x), **{n: t.cuda() for n, t in gate.items()}, initial_state=pool,
-                                   ssm_state_indices=torch.tensor([1, 9, -1], device="cuda"), **KW)
+                                   ssm_state_indices=torch.tensor([1, 9, -1], device="cuda"), check_indices=False, **KW)
     torch.cuda.synchronize()
     assert torch.isnan(o[1]).all() and torch.isfinite(o[0]).all() and torch.all(o[2] == 0)
     assert not torch.equal(pool[1], before[1])
     for s in (0, 2, 3):
         assert torch.equal(pool[s], before[s])
+
+
+def test_graph_capture_skips_the_check():
+    """Under torch.cuda.graph the call captures (no host copy) and replays like the eager call."""
+    x, gate = inputs(4, 1, seed=8)
+    args = [t.cuda() for t in x]
+    g = {n: t.cuda() for n, t in gate.items()}
+    pool = (0.3 * torch.randn(6, HV, K, V)).cuda()
+    ref_pool = pool.clone()
+    idx = torch.tensor([5, 0, -1, 3], device="cuda", dtype=torch.int32)
+    out = torch.empty(4, 1, HV, V, device="cuda", dtype=torch.bfloat16)
+    o_ref, _ = fused_recurrent_kda_fwd(*args, **g, initial_state=ref_pool, ssm_state_indices=idx, **KW)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (the first call's one-time setup)
+        fused_recurrent_kda_fwd(*args, **g, initial_state=pool.clone(), ssm_state_indices=idx, out=out, **KW)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_recurrent_kda_fwd(*args, **g, initial_state=pool, ssm_state_indices=idx, out=out, **KW)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, o_ref) and torch.equal(pool, ref_pool)
 
 
 def test_host_indices_with_cuda_tensors_refused():
@@ -165,15 +215,24 @@ def test_chunk_kda_prefill_beta_sigmoid_and_wide_heads():
 
 
 def test_chunk_kda_prefill_bad_device_index_and_host_indices():
-    """An index >= P on the device: NaN rows, nothing written; host indices with CUDA tensors refused."""
+    """An index >= P on the device: ValueError on an eager call, nothing written; unchecked (check_indices=False):
+    NaN rows, nothing written; host indices with CUDA tensors refused."""
     cu = torch.tensor([0, 70, 79])
     x, gate = inputs(1, 79, seed=16)
     pool = torch.randn(4, HV, K, V).cuda()
     before = pool.clone()
     args = [t.cuda() for t in x]
     kw = dict(**{n: t.cuda() for n, t in gate.items()}, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, cu_seqlens=cu)
+    bad = torch.tensor([7, 2], device="cuda")
     with torch.no_grad():
-        o, _ = chunk_kda(*args, initial_state=pool, ssm_state_indices=torch.tensor([7, 2], device="cuda"), **kw)
+        with pytest.raises(ValueError, match=r"state_indices: entry \[0\] = 7 is out of the pool's range \[0, 4\)"):
+            chunk_kda(*args, initial_state=pool, ssm_state_indices=bad, **kw)
+        with pytest.raises(ValueError, match=r"state_indices: slot 2 is used twice"):
+            chunk_kda(*args, initial_state=pool, ssm_state_indices=torch.tensor([2, 2], device="cuda"), **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
+    o = kda_forward_pool(*args, pool, bad, A_log=kw["A_log"], dt_bias=kw["dt_bias"], use_qk_l2norm=True, use_gate_in_kernel=True,
+                         cu_seqlens=cu, check_indices=False)
     torch.cuda.synchronize()
     assert torch.isnan(o[:, :70]).all() and torch.isfinite(o[:, 70:]).all()
     assert not torch.equal(pool[2], before[2])

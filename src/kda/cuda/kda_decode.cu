@@ -17,8 +17,11 @@
 // loads (bf16), v 4 columns, β one value. The sums over K: in-thread over R rows, shuffles over the 4
 // row groups of a warp, then the 4 warps' partials through shared memory (double-buffered by token
 // parity, one barrier per token). bf16 pools convert on load and store; the state stays fp32 in
-// registers across tokens. State traffic: loads and stores with the streaming cache hint (read once,
-// written once).
+// registers across tokens. Single-token launches (every sequence <= 1 token, the decode step; compile-time
+// kernels) keep the slice packed as loaded (bf16: 16 registers, not 32) and unpack it at use, so 8 (bf16) or
+// 5 (fp32) blocks fit an SM against 4: twice the bf16 state bytes in flight. State traffic: loads and stores
+// with the streaming cache hint (read once, written once). The varlen token table is a launch parameter
+// sized to the launch (none for fixed length, 64 or 1024 sequences).
 //
 // Index contract on the device (no host sync): a sequence whose num_accepted_tokens is outside
 // [1, S], whose start index or any of its per-token indices ([N, S]) is >= P writes nothing to the pool
@@ -325,11 +328,73 @@ __device__ __forceinline__ void store_rows(void* data, DType dt, bool vec, int64
   }
 }
 
+// The varlen token table of a launch: sequence n0 + i has tokens [begin[i], begin[i + 1]) of batch row 0.
+template <int kSeqs>
+struct SeqTable {
+  int32_t begin[kSeqs + 1];
+};
+
+// The block-wide sums of one token: per column S̄ᵀk, S̄ᵀq over the K rows, and Σq², Σk², Σqk. Shuffles over
+// the warp's 4 row groups, then the warps' partials through shared memory buffer buf (one barrier).
+struct TokenSums {
+  float PK[4], PQ[4], QQ, KK, QK;
+};
+__device__ __forceinline__ void block_sums(float (&pk)[4], float (&pq)[4], float qq, float kk, float qk, int buf,
+                                           float (&red)[2][kWarps][kColLanes][8], float (&scal)[2][kWarps][4], TokenSums& out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, cl = lane & 7, rl = lane >> 3;
+#pragma unroll
+  for (int o = 8; o < 32; o <<= 1) {  // over the warp's 4 row groups (lane bits 3, 4)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      pk[c] += __shfl_xor_sync(0xffffffffu, pk[c], o);
+      pq[c] += __shfl_xor_sync(0xffffffffu, pq[c], o);
+    }
+    qq += __shfl_xor_sync(0xffffffffu, qq, o);
+    kk += __shfl_xor_sync(0xffffffffu, kk, o);
+    qk += __shfl_xor_sync(0xffffffffu, qk, o);
+  }
+  if (rl == 0) {
+    *reinterpret_cast<float4*>(&red[buf][warp][cl][0]) = make_float4(pk[0], pk[1], pk[2], pk[3]);
+    *reinterpret_cast<float4*>(&red[buf][warp][cl][4]) = make_float4(pq[0], pq[1], pq[2], pq[3]);
+  }
+  if (lane == 0) scal[buf][warp][0] = qq, scal[buf][warp][1] = kk, scal[buf][warp][2] = qk;
+  __syncthreads();  // buffer buf is rewritten at token t + 2, after every thread passed token t + 1's barrier
+#pragma unroll
+  for (int c = 0; c < 4; ++c) out.PK[c] = out.PQ[c] = 0.f;
+  out.QQ = out.KK = out.QK = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float4 a = *reinterpret_cast<const float4*>(&red[buf][w][cl][0]);
+    const float4 c = *reinterpret_cast<const float4*>(&red[buf][w][cl][4]);
+    out.PK[0] += a.x, out.PK[1] += a.y, out.PK[2] += a.z, out.PK[3] += a.w;
+    out.PQ[0] += c.x, out.PQ[1] += c.y, out.PQ[2] += c.z, out.PQ[3] += c.w;
+    out.QQ += scal[buf][w][0], out.KK += scal[buf][w][1], out.QK += scal[buf][w][2];
+  }
+}
+
+// Packed state rows of the single-token kernels: 4 columns of one row as loaded (fp32: float4, bf16: uint2).
+template <class St>
+using PackedRow = std::conditional_t<std::is_same_v<St, float>, float4, uint2>;
+template <class St>
+__device__ __forceinline__ void unpack_row(const PackedRow<St>& w, float (&x)[4]) {
+  if constexpr (std::is_same_v<St, float>) x[0] = w.x, x[1] = w.y, x[2] = w.z, x[3] = w.w;
+  else unpack_halves(DType::kBF16, w, x);
+}
+template <class St>
+__device__ __forceinline__ PackedRow<St> pack_row(const float (&x)[4]) {
+  if constexpr (std::is_same_v<St, float>) return make_float4(x[0], x[1], x[2], x[3]);
+  else return pack_halves4(DType::kBF16, x);
+}
+
 // The kernel (header comment at the top of this file). R: state rows per thread (16 R >= K). kDim: K = V
 // = kDim known at compile time (row offsets become immediates), 0: p.K, p.V. In, St: the inputs' and the
-// states' dtypes known at compile time (kDim 128 only), void: read at run time.
-template <int R, int kDim, class In, class St>
-__global__ void __launch_bounds__(kThreads, kDim == 128 ? 4 : 2) kda_decode_kernel(const __grid_constant__ KdaDecodeParams p) {
+// states' dtypes known at compile time (kDim 128 only), void: read at run time. kOne (compile-time kernels
+// only): every sequence of the launch has at most one token; the state slice stays packed in its pool
+// dtype in registers (bf16: half the registers of fp32), unpacked at use, so more blocks fit an SM and more
+// state bytes are in flight. kSeqs: the varlen token table's size (a smaller launch parameter for <= 64).
+template <int R, int kDim, class In, class St, bool kOne, int kSeqs>
+__global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 5 : 8) : kDim == 128 ? 4 : 2)
+    kda_decode_kernel(const __grid_constant__ KdaDecodeParams p, const __grid_constant__ SeqTable<kSeqs> table) {
   __shared__ __align__(16) float red[2][kWarps][kColLanes][8];  // per warp and column group: S̄ᵀk (4), S̄ᵀq (4)
   __shared__ float scal[2][kWarps][4];                           // per warp: Σq², Σk², Σqk
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, cl = lane & 7, rl = lane >> 3;
@@ -337,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, kDim == 128 ? 4 : 2) kda_decode_kern
   const int tiles = (V + kCols - 1) / kCols;
   const int tile = int(blockIdx.x % unsigned(tiles)), h = int((blockIdx.x / unsigned(tiles)) % unsigned(p.H));
   const int i = int(blockIdx.x / unsigned(tiles * p.H)), n = p.n0 + i, hq = h / p.group;
-  const int b = p.varlen ? 0 : n, begin = p.varlen ? p.begin[i] : 0, len = (p.varlen ? p.begin[i + 1] : p.T) - begin;
+  const int b = p.varlen ? 0 : n, begin = p.varlen ? table.begin[i] : 0, len = (p.varlen ? table.begin[i + 1] : p.T) - begin;
   const int row0 = (warp * kRowLanes + rl) * R, c0 = tile * kCols + cl * 4;
   const int64_t head_off = int64_t(h) * K * V + int64_t(row0) * V + c0;  // this thread's first state element in a row
   if (len == 0 && p.mode != KdaDecodeMode::kStates) return;  // no tokens: the pool is not touched
@@ -377,119 +442,175 @@ __global__ void __launch_bounds__(kThreads, kDim == 128 ? 4 : 2) kda_decode_kern
     }
   }
 
-  float S[R][4];
-  if (read_slot >= 0) {
-    load_rows<R, St>(p.init, p.init_dtype, p.init_vec, read_slot * p.init_stride + head_off, row0, K, c0, V, S);
-  } else {
-#pragma unroll
-    for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = S[r][2] = S[r][3] = 0.f;
-  }
-
   // The gate's per-head parameters (in-kernel gate): e^A_log and dt_bias of this thread's rows.
   const bool gate = p.gate_in_kernel;
   const float ea = gate && p.A_log ? expf(p.A_log[h]) : 1.f;
   float bias[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) bias[r] = 0.f;
-  if (gate && p.dt_bias) load_vec<R>(p.dt_bias, DType::kFP32, int64_t(h) * K + row0, row0, K, bias);
-
-#pragma unroll 1
-  for (int t = 0; t < len; ++t) {
-    if (t > 0) tl.load(p, b, begin + t, h, hq, row0, c0);
-    const Token<R>& x = tl.get();
-    const int buf = t & 1;
-    float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f}, qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float gl = x.g[r];
-      if (gate) {
-        const float y = gl + bias[r];
-        gl = p.lower_bound_gate ? p.lower_bound * sigmoid(ea * y) : -ea * softplus(y);
-      }
-      const float d = row0 + r < K ? expf(gl) : 0.f;
-      qq = fmaf(x.q[r], x.q[r], qq);
-      kk = fmaf(x.k[r], x.k[r], kk);
-      qk = fmaf(x.q[r], x.k[r], qk);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        S[r][c] *= d;
-        pk[c] = fmaf(S[r][c], x.k[r], pk[c]);
-        pq[c] = fmaf(S[r][c], x.q[r], pq[c]);
-      }
+  auto decay = [&](float gl, int r) {  // exp of the activated gate of row row0 + r (0 past K)
+    if (gate) {
+      const float y = gl + bias[r];
+      gl = p.lower_bound_gate ? p.lower_bound * sigmoid(ea * y) : -ea * softplus(y);
     }
-#pragma unroll
-    for (int o = 8; o < 32; o <<= 1) {  // over the warp's 4 row groups (lane bits 3, 4)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        pk[c] += __shfl_xor_sync(0xffffffffu, pk[c], o);
-        pq[c] += __shfl_xor_sync(0xffffffffu, pq[c], o);
-      }
-      qq += __shfl_xor_sync(0xffffffffu, qq, o);
-      kk += __shfl_xor_sync(0xffffffffu, kk, o);
-      qk += __shfl_xor_sync(0xffffffffu, qk, o);
-    }
-    if (rl == 0) {
-      *reinterpret_cast<float4*>(&red[buf][warp][cl][0]) = make_float4(pk[0], pk[1], pk[2], pk[3]);
-      *reinterpret_cast<float4*>(&red[buf][warp][cl][4]) = make_float4(pq[0], pq[1], pq[2], pq[3]);
-    }
-    if (lane == 0) scal[buf][warp][0] = qq, scal[buf][warp][1] = kk, scal[buf][warp][2] = qk;
-    __syncthreads();  // buffer buf is rewritten at token t + 2, after every thread passed token t + 1's barrier
-    float PK[4] = {0.f, 0.f, 0.f, 0.f}, PQ[4] = {0.f, 0.f, 0.f, 0.f}, QQ = 0.f, KK = 0.f, QK = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float4 a = *reinterpret_cast<const float4*>(&red[buf][w][cl][0]);
-      const float4 c = *reinterpret_cast<const float4*>(&red[buf][w][cl][4]);
-      PK[0] += a.x, PK[1] += a.y, PK[2] += a.z, PK[3] += a.w;
-      PQ[0] += c.x, PQ[1] += c.y, PQ[2] += c.z, PQ[3] += c.w;
-      QQ += scal[buf][w][0], KK += scal[buf][w][1], QK += scal[buf][w][2];
-    }
-    const float rq = p.l2norm ? 1.f / sqrtf(QQ + 1e-6f) : 1.f, rk = p.l2norm ? 1.f / sqrtf(KK + 1e-6f) : 1.f;
-    const float beta = p.beta_sigmoid ? p.beta_scale * sigmoid(x.beta) : x.beta;
-    float u[4], out[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      u[c] = beta * (x.v[c] - rk * PK[c]);                 // β (v − S̄ᵀk̂)
-      out[c] = p.scale * rq * fmaf(rk * QK, u[c], PQ[c]);  // scale (S̄ᵀq̂ + (k̂ᵀq̂) u)
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float kr = rk * x.k[r];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) S[r][c] = fmaf(kr, u[c], S[r][c]);
-    }
+    return row0 + r < K ? expf(gl) : 0.f;
+  };
+  auto store_out = [&](int t, const float (&out)[4]) {
     if (warp == 0 && rl == 0)
       store_o4(p.o, p.o_dtype, int64_t(b) * p.o_sb + int64_t(begin + t) * p.o_st + int64_t(h) * p.o_sh + c0, c0, V, out);
-    if (p.mode == KdaDecodeMode::kTokenSlots) {  // the state after token t into slot idx[n, t] (skipped where < 0)
-      const int64_t w = load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0 + int64_t(t) * p.idx_s1);
-      if (w >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, w * p.fin_stride + head_off, row0, K, c0, V, S);
-    }
-  }
+  };
 
-  int64_t write_row = -1;  // the final state's row: the slot read (idx [N]) or row n (no indices)
-  if (p.mode == KdaDecodeMode::kSlots) write_row = read_slot;
-  else if (p.mode == KdaDecodeMode::kStates && p.fin) write_row = n;
-  if (write_row >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, write_row * p.fin_stride + head_off, row0, K, c0, V, S);
+  if constexpr (kOne) {  // at most one token: the packed slice from one load to one store
+    using Row = PackedRow<St>;
+    Row st[R];
+    if (read_slot >= 0) {
+      const Row* src = reinterpret_cast<const Row*>(static_cast<const St*>(p.init) + read_slot * p.init_stride + head_off);
+#pragma unroll
+      for (int r = 0; r < R; ++r) st[r] = __ldcs(src + r * (V / 4));
+    } else {
+#pragma unroll
+      for (int r = 0; r < R; ++r) st[r] = pack_row<St>({0.f, 0.f, 0.f, 0.f});
+    }
+    if (gate && p.dt_bias) load_vec<R>(p.dt_bias, DType::kFP32, int64_t(h) * K + row0, row0, K, bias);
+    int64_t write_row = -1;  // kSlots: the slot read; kStates: row n; kTokenSlots: idx[n, 0] (its one token's state)
+    if (p.mode == KdaDecodeMode::kSlots) write_row = read_slot;
+    else if (p.mode == KdaDecodeMode::kStates) write_row = p.fin ? n : -1;
+    else if (len == 1) write_row = load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0);
+    if (len == 1) {
+      const Token<R>& x = tl.get();
+      float d[R], pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f}, qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        d[r] = decay(x.g[r], r);
+        qq = fmaf(x.q[r], x.q[r], qq);
+        kk = fmaf(x.k[r], x.k[r], kk);
+        qk = fmaf(x.q[r], x.k[r], qk);
+        float sr[4];
+        unpack_row<St>(st[r], sr);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float sd = sr[c] * d[r];
+          pk[c] = fmaf(sd, x.k[r], pk[c]);
+          pq[c] = fmaf(sd, x.q[r], pq[c]);
+        }
+      }
+      TokenSums sum;
+      block_sums(pk, pq, qq, kk, qk, 0, red, scal, sum);
+      const float rq = p.l2norm ? 1.f / sqrtf(sum.QQ + 1e-6f) : 1.f, rk = p.l2norm ? 1.f / sqrtf(sum.KK + 1e-6f) : 1.f;
+      const float beta = p.beta_sigmoid ? p.beta_scale * sigmoid(x.beta) : x.beta;
+      float u[4], out[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        u[c] = beta * (x.v[c] - rk * sum.PK[c]);                 // β (v − S̄ᵀk̂)
+        out[c] = p.scale * rq * fmaf(rk * sum.QK, u[c], sum.PQ[c]);  // scale (S̄ᵀq̂ + (k̂ᵀq̂) u)
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float kr = rk * x.k[r];
+        float sr[4];
+        unpack_row<St>(st[r], sr);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sr[c] = fmaf(kr, u[c], sr[c] * d[r]);
+        st[r] = pack_row<St>(sr);
+      }
+      store_out(0, out);
+    }
+    if (write_row >= 0) {
+      Row* dst = reinterpret_cast<Row*>(static_cast<St*>(p.fin) + write_row * p.fin_stride + head_off);
+#pragma unroll
+      for (int r = 0; r < R; ++r) __stcs(dst + r * (V / 4), st[r]);
+    }
+    return;
+  } else {
+    float S[R][4];
+    if (read_slot >= 0) {
+      load_rows<R, St>(p.init, p.init_dtype, p.init_vec, read_slot * p.init_stride + head_off, row0, K, c0, V, S);
+    } else {
+#pragma unroll
+      for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = S[r][2] = S[r][3] = 0.f;
+    }
+    if (gate && p.dt_bias) load_vec<R>(p.dt_bias, DType::kFP32, int64_t(h) * K + row0, row0, K, bias);
+
+#pragma unroll 1
+    for (int t = 0; t < len; ++t) {
+      if (t > 0) tl.load(p, b, begin + t, h, hq, row0, c0);
+      const Token<R>& x = tl.get();
+      float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f}, qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float d = decay(x.g[r], r);
+        qq = fmaf(x.q[r], x.q[r], qq);
+        kk = fmaf(x.k[r], x.k[r], kk);
+        qk = fmaf(x.q[r], x.k[r], qk);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          S[r][c] *= d;
+          pk[c] = fmaf(S[r][c], x.k[r], pk[c]);
+          pq[c] = fmaf(S[r][c], x.q[r], pq[c]);
+        }
+      }
+      TokenSums sum;
+      block_sums(pk, pq, qq, kk, qk, t & 1, red, scal, sum);
+      const float rq = p.l2norm ? 1.f / sqrtf(sum.QQ + 1e-6f) : 1.f, rk = p.l2norm ? 1.f / sqrtf(sum.KK + 1e-6f) : 1.f;
+      const float beta = p.beta_sigmoid ? p.beta_scale * sigmoid(x.beta) : x.beta;
+      float u[4], out[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        u[c] = beta * (x.v[c] - rk * sum.PK[c]);                 // β (v − S̄ᵀk̂)
+        out[c] = p.scale * rq * fmaf(rk * sum.QK, u[c], sum.PQ[c]);  // scale (S̄ᵀq̂ + (k̂ᵀq̂) u)
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float kr = rk * x.k[r];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) S[r][c] = fmaf(kr, u[c], S[r][c]);
+      }
+      store_out(t, out);
+      if (p.mode == KdaDecodeMode::kTokenSlots) {  // the state after token t into slot idx[n, t] (skipped where < 0)
+        const int64_t w = load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0 + int64_t(t) * p.idx_s1);
+        if (w >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, w * p.fin_stride + head_off, row0, K, c0, V, S);
+      }
+    }
+
+    int64_t write_row = -1;  // the final state's row: the slot read (idx [N]) or row n (no indices)
+    if (p.mode == KdaDecodeMode::kSlots) write_row = read_slot;
+    else if (p.mode == KdaDecodeMode::kStates && p.fin) write_row = n;
+    if (write_row >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, write_row * p.fin_stride + head_off, row0, K, c0, V, S);
+  }
 }
 
-template <int R, int kDim = 0, class In = void, class St = void>
-Status launch_rows(const KdaDecodeParams& p, unsigned blocks, cudaStream_t s) {
-  return launch("kda decode (kda_decode_kernel)", [&] { kda_decode_kernel<R, kDim, In, St><<<blocks, kThreads, 0, s>>>(p); });
+// The launch with the token table sized to the launch: fixed length carries none, <= 64 sequences a small one.
+template <int R, int kDim = 0, class In = void, class St = void, bool kOne = false>
+Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, unsigned blocks, cudaStream_t s) {
+  auto go = [&](auto table) {
+    using Table = decltype(table);
+    if (begin)
+      for (int i = 0; i <= p.N; ++i) table.begin[i] = begin[i];
+    constexpr int kSeqs = int(sizeof(Table) / sizeof(int32_t)) - 1;
+    return launch("kda decode (kda_decode_kernel)",
+                  [&] { kda_decode_kernel<R, kDim, In, St, kOne, kSeqs><<<blocks, kThreads, 0, s>>>(p, table); });
+  };
+  if (!begin) return go(SeqTable<0>{});
+  if (p.N <= kKdaDecodeSeqTableSmall) return go(SeqTable<kKdaDecodeSeqTableSmall>{});
+  return go(SeqTable<kKdaDecodeSeqTable>{});
 }
 
 // K = V = 128 with every input and o in one dtype (bf16 or fp32), their vector accesses aligned, and
-// aligned states of one dtype: the compile-time kernels.
+// aligned states of one dtype: the compile-time kernels (single-token ones where no sequence has more).
 template <class In>
-Status launch_fast(const KdaDecodeParams& p, unsigned blocks, cudaStream_t s) {
+Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, unsigned blocks, cudaStream_t s) {
   const bool same = p.mode != KdaDecodeMode::kStates || !p.init || !p.fin || p.init_dtype == p.fin_dtype;
   const DType st = p.init ? p.init_dtype : p.fin_dtype;
-  if (!same) return launch_rows<8, 128>(p, blocks, s);
-  if (st == DType::kBF16) return launch_rows<8, 128, In, __nv_bfloat16>(p, blocks, s);
-  return launch_rows<8, 128, In, float>(p, blocks, s);
+  if (!same) return launch_rows<8, 128>(p, begin, blocks, s);
+  const bool one = p.max_len <= 1;
+  if (st == DType::kBF16)
+    return one ? launch_rows<8, 128, In, __nv_bfloat16, true>(p, begin, blocks, s) : launch_rows<8, 128, In, __nv_bfloat16>(p, begin, blocks, s);
+  return one ? launch_rows<8, 128, In, float, true>(p, begin, blocks, s) : launch_rows<8, 128, In, float>(p, begin, blocks, s);
 }
 
 }  // namespace
 
-Status launch_kda_decode(const KdaDecodeParams& p, int device, Stream stream) {
+Status launch_kda_decode(const KdaDecodeParams& p, const int32_t* begin, int device, Stream stream) {
   const int64_t blocks = int64_t(p.N) * p.H * ((p.V + kCols - 1) / kCols);
   if (blocks == 0) return Status::ok();
   if (blocks >= (int64_t(1) << 31) || p.K > kKdaDecodeMaxHeadDim || p.V > kKdaDecodeMaxHeadDim)
@@ -500,14 +621,14 @@ Status launch_kda_decode(const KdaDecodeParams& p, int device, Stream stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const unsigned grid = unsigned(blocks);
   if (p.K == 128 && p.V == 128) {  // Kimi-Linear's heads
-    if (p.fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, grid, s);
-    if (p.fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, grid, s);
-    return launch_rows<8, 128>(p, grid, s);
+    if (p.fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, begin, grid, s);
+    if (p.fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, begin, grid, s);
+    return launch_rows<8, 128>(p, begin, grid, s);
   }
-  if (p.K <= 2 * kWarps * kRowLanes) return launch_rows<2>(p, grid, s);
-  if (p.K <= 4 * kWarps * kRowLanes) return launch_rows<4>(p, grid, s);
-  if (p.K <= 8 * kWarps * kRowLanes) return launch_rows<8>(p, grid, s);
-  return launch_rows<16>(p, grid, s);
+  if (p.K <= 2 * kWarps * kRowLanes) return launch_rows<2>(p, begin, grid, s);
+  if (p.K <= 4 * kWarps * kRowLanes) return launch_rows<4>(p, begin, grid, s);
+  if (p.K <= 8 * kWarps * kRowLanes) return launch_rows<8>(p, begin, grid, s);
+  return launch_rows<16>(p, begin, grid, s);
 }
 
 }  // namespace encore::cuda

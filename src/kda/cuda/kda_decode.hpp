@@ -14,6 +14,7 @@ namespace encore::cuda {
 
 constexpr int kKdaDecodeMaxHeadDim = 256;  // K and V
 constexpr int kKdaDecodeSeqTable = 1024;   // varlen sequences per launch (the token table is a launch parameter)
+constexpr int kKdaDecodeSeqTableSmall = 64;  // the table of launches with at most this many sequences (a smaller parameter)
 constexpr int kKdaDecodeColumns = 32;      // value columns per block
 
 // [B, T, heads, C] (beta: [B, T, heads]) with element strides; the last stride is 1. bf16, fp16 or fp32.
@@ -70,11 +71,13 @@ struct KdaDecodeParams {
   // K = V = 128, q, k, v, g, beta and o of one dtype (bf16 or fp32), every vector access of them, of
   // dt_bias and of the states aligned (the states of one dtype): the compile-time kernels.
   bool fast = false;
+  int max_len = 0;      // the most tokens of one sequence in this launch (<= 1: the single-token kernels)
   bool varlen = false;  // batch row 0, tokens [begin[i], begin[i + 1]) for sequence n0 + i; else row n, tokens [0, T)
-  int32_t begin[kKdaDecodeSeqTable + 1] = {};
 };
 
-// One launch over the N sequences of `p` (none: nothing launched). Asynchronous on `stream`.
-Status launch_kda_decode(const KdaDecodeParams& p, int device, Stream stream);
+// One launch over the N sequences of `p` (none: nothing launched). begin: varlen, the N + 1 token offsets of
+// its sequences in host memory (N <= kKdaDecodeSeqTable; they travel as a launch parameter sized to N); fixed
+// length: null. Asynchronous on `stream`.
+Status launch_kda_decode(const KdaDecodeParams& p, const int32_t* begin, int device, Stream stream);
 
 }  // namespace encore::cuda
