@@ -31,7 +31,7 @@ using Coop256x128c11 = s::TileConfig<256, 128, 64, 1, 1, true>;
 template <class Config>
 Status launch(const GemmProblem& p, cudaStream_t st) {
   using G = s::Sm90Gemm<T, Config, s::ScalarScale<T>>;
-  return s::run_gemm<G>(p, G::arguments(p, s::ScalarScale<T>::template arguments<typename G::Fusion>(p)), st, "sweep");
+  return s::run_gemm<G>(p, [&] { return G::arguments(p, s::ScalarScale<T>::template arguments<typename G::Fusion>(p)); }, st, "sweep");
 }
 
 __global__ void fill(__nv_bfloat16* x, size_t n, unsigned seed) {

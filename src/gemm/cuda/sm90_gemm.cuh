@@ -157,11 +157,11 @@ inline bool same_problem(const GemmProblem& x, const GemmProblem& y) {
 // themselves to be aligned).
 // Host cost: the Params (TMA descriptors included) of the last problem are kept per kernel and
 // thread, so a call repeating it (same shapes and addresses: a training step's or a benchmark's
-// loop) only launches; the kernel's shared-memory attribute is set once per kernel and device
+// loop) only launches (make_args, which builds CUTLASS's Arguments, runs only on a new problem); the kernel's shared-memory attribute is set once per kernel and device
 // (set_dynamic_smem; CUTLASS's initialize sets it on every call). The caller has made p.device current (the dispatch's
 // DeviceGuard: also a current context, which the descriptors' encoding needs).
-template <class G>
-Status run_gemm(const GemmProblem& p, const typename G::Gemm::Arguments& args, cudaStream_t stream, const char* name) {
+template <class G, class MakeArgs>
+Status run_gemm(const GemmProblem& p, MakeArgs&& make_args, cudaStream_t stream, const char* name) {
   using Kernel = typename G::Kernel;
   struct Last {
     bool valid = false;
@@ -171,6 +171,7 @@ Status run_gemm(const GemmProblem& p, const typename G::Gemm::Arguments& args, c
   thread_local Last last;
   if (!(last.valid && same_problem(last.problem, p))) {
     last.valid = false;
+    const typename G::Gemm::Arguments args = make_args();
     typename G::Gemm::Arguments check = args;
     auto up = [](int x) { return (x + G::kAlign - 1) / G::kAlign * G::kAlign; };
     cute::get<0>(check.problem_shape) = up(cute::get<0>(args.problem_shape));
@@ -192,7 +193,7 @@ Status run_gemm(const GemmProblem& p, const typename G::Gemm::Arguments& args, c
 template <template <class> class Family, class Config, class T>
 Status launch_typed(const GemmProblem& p, cudaStream_t stream, const char* name) {
   using G = Sm90Gemm<T, Config, Family<T>>;
-  return run_gemm<G>(p, G::arguments(p, Family<T>::template arguments<typename G::Fusion>(p)), stream, name);
+  return run_gemm<G>(p, [&] { return G::arguments(p, Family<T>::template arguments<typename G::Fusion>(p)); }, stream, name);
 }
 
 template <template <class> class Family, class Config>
