@@ -372,6 +372,20 @@ __device__ __forceinline__ void block_sums(float (&pk)[4], float (&pq)[4], float
   }
 }
 
+// From a token's block sums, this thread's 4 columns of u = β (v − S̄ᵀk̂) and o = scale (S̄ᵀq̂ + (k̂ᵀq̂) u);
+// returns k's L2-norm factor (1 without the norm).
+template <int R>
+__device__ __forceinline__ float token_out(const KdaDecodeParams& p, const Token<R>& x, const TokenSums& s, float (&u)[4], float (&out)[4]) {
+  const float rq = p.l2norm ? 1.f / sqrtf(s.QQ + 1e-6f) : 1.f, rk = p.l2norm ? 1.f / sqrtf(s.KK + 1e-6f) : 1.f;
+  const float beta = p.beta_sigmoid ? p.beta_scale * sigmoid(x.beta) : x.beta;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    u[c] = beta * (x.v[c] - rk * s.PK[c]);
+    out[c] = p.scale * rq * fmaf(rk * s.QK, u[c], s.PQ[c]);
+  }
+  return rk;
+}
+
 // Packed state rows of the single-token kernels: 4 columns of one row as loaded (fp32: float4, bf16: uint2).
 template <class St>
 using PackedRow = std::conditional_t<std::is_same_v<St, float>, float4, uint2>;
@@ -496,14 +510,8 @@ __global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 
       }
       TokenSums sum;
       block_sums(pk, pq, qq, kk, qk, 0, red, scal, sum);
-      const float rq = p.l2norm ? 1.f / sqrtf(sum.QQ + 1e-6f) : 1.f, rk = p.l2norm ? 1.f / sqrtf(sum.KK + 1e-6f) : 1.f;
-      const float beta = p.beta_sigmoid ? p.beta_scale * sigmoid(x.beta) : x.beta;
       float u[4], out[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        u[c] = beta * (x.v[c] - rk * sum.PK[c]);                 // β (v − S̄ᵀk̂)
-        out[c] = p.scale * rq * fmaf(rk * sum.QK, u[c], sum.PQ[c]);  // scale (S̄ᵀq̂ + (k̂ᵀq̂) u)
-      }
+      const float rk = token_out(p, x, sum, u, out);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float kr = rk * x.k[r];
@@ -551,14 +559,8 @@ __global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 
       }
       TokenSums sum;
       block_sums(pk, pq, qq, kk, qk, t & 1, red, scal, sum);
-      const float rq = p.l2norm ? 1.f / sqrtf(sum.QQ + 1e-6f) : 1.f, rk = p.l2norm ? 1.f / sqrtf(sum.KK + 1e-6f) : 1.f;
-      const float beta = p.beta_sigmoid ? p.beta_scale * sigmoid(x.beta) : x.beta;
       float u[4], out[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        u[c] = beta * (x.v[c] - rk * sum.PK[c]);                 // β (v − S̄ᵀk̂)
-        out[c] = p.scale * rq * fmaf(rk * sum.QK, u[c], sum.PQ[c]);  // scale (S̄ᵀq̂ + (k̂ᵀq̂) u)
-      }
+      const float rk = token_out(p, x, sum, u, out);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float kr = rk * x.k[r];
