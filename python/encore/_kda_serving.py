@@ -83,7 +83,8 @@ def _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state
 
     opts = _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval)
     if check_indices and _device_indices(state_indices, num_accepted_tokens):
-        _b.kda_recurrent_workspace(make(_host(state_indices), _host(num_accepted_tokens)), opts)  # validates the values
+        hi, hn = _host(state_indices), _host(num_accepted_tokens)  # held: the views below point into them
+        _b.kda_recurrent_workspace(make(hi, hn), opts)  # validates the values
     _b.kda_recurrent_run(make(state_indices, num_accepted_tokens), opts, None, stream_for(q, stream))
 
 
@@ -92,7 +93,8 @@ def _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_q
     opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
     fwd = _forward_args(q, k, v, g, beta, None, A_log, dt_bias, cu_seqlens, o)
     if check_indices and _device_indices(state_indices):  # as _kda_recurrent_launch's check
-        _b.kda_forward_pool_workspace(_b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(_host(state_indices))), opts)
+        hi = _host(state_indices)  # held: the view below points into it
+        _b.kda_forward_pool_workspace(_b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(hi)), opts)
     args = _b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(state_indices))
     nbytes = _b.kda_forward_pool_workspace(args, opts) if is_torch(q) and q.is_cuda else 0  # the CUDA forward's records
     _b.kda_forward_pool_run(args, opts, workspace(None, q, nbytes, 16, "kda_forward_pool") if nbytes else None, stream_for(q, stream))

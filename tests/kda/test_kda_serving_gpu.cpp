@@ -194,6 +194,49 @@ TEST_F(KdaServingGpu, DecodeOnThePool) {
     for (const ServingDims& dm : {kDims128, kOdd}) decode_on_pool(dm, op, DType::kBF16, DType::kFP32, DType::kInt32, 2);
 }
 
+// Single-token launches large enough for the 64-column kernels (N HV 2 >= twice the SMs of an H100 / H200)
+// and the 32-column ones at N = 8: [N] slots with padding and [N, 2] slots with num_accepted_tokens (a
+// padding row, an unwritten entry), bf16 / fp32 inputs, fp32 / bf16 pools, against the reference.
+TEST_F(KdaServingGpu, SingleTokenBatches) {
+  for (int64_t N : {int64_t(8), int64_t(72)})
+    for (DType in : {DType::kBF16, DType::kFP32})
+      for (DType pdt : {DType::kFP32, DType::kBF16}) {
+        const int64_t P = 2 * N + 5;
+        {
+          Problem pr(kDims128, kKimi, 300 + uint64_t(N), false, std::vector<int64_t>(size_t(N), 1));
+          Pool pool(kDims128, P, pdt, pr.rng);
+          std::vector<int32_t> idx(static_cast<size_t>(N));
+          std::set<int64_t> written;
+          for (int64_t n = 0; n < N; ++n) {
+            idx[size_t(n)] = n % 7 == 3 ? -1 : int32_t((n * 37 + 11) % P);  // 37 coprime to P: distinct slots
+            if (idx[size_t(n)] >= 0) written.insert(idx[size_t(n)]);
+          }
+          KdaRecurrentArgs h = pr.host();
+          h.initial_state = pool.view();
+          h.state_indices = TensorView::contiguous(idx.data(), DType::kInt32, {N});
+          compare("[N] N" + std::to_string(N) + " T1 pool " + dtype_name(pdt), pr, in, h, &pool.bytes, written);
+        }
+        {
+          Problem pr(kDims128, kKimi, 400 + uint64_t(N), false, std::vector<int64_t>(size_t(N), 1));
+          Pool pool(kDims128, P, pdt, pr.rng);
+          std::vector<int64_t> idx(static_cast<size_t>(2 * N)), nat(static_cast<size_t>(N));
+          std::set<int64_t> written;
+          for (int64_t n = 0; n < N; ++n) {
+            idx[size_t(2 * n)] = 2 * n, idx[size_t(2 * n + 1)] = 2 * n + 1;
+            nat[size_t(n)] = 1 + n % 2;  // start column 0 or 1; the one token's state goes to column 0
+            if (n == 5) idx[size_t(2 * n + nat[size_t(n)] - 1)] = -1;  // padding
+            if (n == 7) idx[size_t(2 * n)] = -1;                       // its token's state not written
+            if (idx[size_t(2 * n + nat[size_t(n)] - 1)] >= 0 && idx[size_t(2 * n)] >= 0) written.insert(idx[size_t(2 * n)]);
+          }
+          KdaRecurrentArgs h = pr.host();
+          h.initial_state = pool.view();
+          h.state_indices = TensorView::contiguous(idx.data(), DType::kInt64, {N, 2});
+          h.num_accepted_tokens = TensorView::contiguous(nat.data(), DType::kInt64, {N});
+          compare("[N, 2] N" + std::to_string(N) + " T1 pool " + dtype_name(pdt), pr, in, h, &pool.bytes, written);
+        }
+      }
+}
+
 // [N, S] per-token slots with num_accepted_tokens: sequence 2 is padding (start entry -1), entry [1, 2] is
 // -1 (that token's state not written).
 TEST_F(KdaServingGpu, SpeculativeSlotsPerToken) {

@@ -18,10 +18,12 @@
 // row groups of a warp, then the 4 warps' partials through shared memory (double-buffered by token
 // parity, one barrier per token). bf16 pools convert on load and store; the state stays fp32 in
 // registers across tokens. Single-token launches (every sequence <= 1 token, the decode step; compile-time
-// kernels) keep the slice packed as loaded (bf16: 16 registers, not 32) and unpack it at use, so 8 (bf16) or
-// 5 (fp32) blocks fit an SM against 4: twice the bf16 state bytes in flight. State traffic: loads and stores
-// with the streaming cache hint (read once, written once). The varlen token table is a launch parameter
-// sized to the launch (none for fixed length, 64 or 1024 sequences).
+// kernels) keep the slice packed as loaded (bf16: 16 registers, not 32) and unpack it at use: at small
+// batches 32 columns a block (8 bf16 / 5 fp32 blocks an SM), once the grid at 64 columns still covers every
+// SM twice 8 columns a thread, 64 a block (16-byte bf16 state accesses, 128 B of state a thread in flight,
+// 4 blocks an SM). The gate and decay on the fast intrinsics. State traffic: loads and stores with the
+// streaming cache hint (read once, written once). The varlen token table is a launch parameter sized to
+// the launch (none for fixed length, 64 or 1024 sequences).
 //
 // Index contract on the device (no host sync): a sequence whose num_accepted_tokens is outside
 // [1, S], whose start index or any of its per-token indices ([N, S]) is >= P writes nothing to the pool
@@ -40,13 +42,13 @@
 #include "common/cuda/device_guard.hpp"
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_decode.hpp"
-#include "kda/cuda/kda_device.cuh"  // kda::softplus, kda::sigmoid
+#include "kda/cuda/kda_device.cuh"  // kda::sigmoid
 
 namespace encore::cuda {
 namespace {
 
-constexpr int kThreads = 128, kWarps = 4, kColLanes = 8, kRowLanes = 4, kCols = kKdaDecodeColumns;
-static_assert(kColLanes * 4 == kCols && kColLanes * kRowLanes == 32, "a warp: 8 column groups of 4 x 4 row groups");
+constexpr int kThreads = 128, kWarps = 4, kColLanes = 8, kRowLanes = 4;
+static_assert(kColLanes * kRowLanes == 32, "a warp: 8 column groups x 4 row groups");
 
 __device__ __forceinline__ bool aligned(const void* p, unsigned bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
 
@@ -114,26 +116,33 @@ __device__ __forceinline__ float load_one(const void* base, DType dt, int64_t of
   return half_bits(dt, __ldg(static_cast<const unsigned short*>(base) + off));
 }
 
-// o columns c0 .. c0 + 3 (those < V) of one token row at element offset off.
-__device__ __forceinline__ void store_o4(void* base, DType dt, int64_t off, int c0, int V, const float (&x)[4]) {
+// o columns c0 .. c0 + C - 1 (those < V; C = 4 or 8) of one token row at element offset off.
+template <int C>
+__device__ __forceinline__ void store_o(void* base, DType dt, int64_t off, int c0, int V, const float (&x)[C]) {
   if (dt == DType::kFP32) {
     float* p = static_cast<float*>(base) + off;
-    if (c0 + 4 <= V && aligned(p, 16)) {
-      *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    if (c0 + C <= V && aligned(p, 16)) {
+#pragma unroll
+      for (int j = 0; j < C / 4; ++j) reinterpret_cast<float4*>(p)[j] = make_float4(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]);
       return;
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < C; ++j)
       if (c0 + j < V) p[j] = x[j];
     return;
   }
   unsigned short* p = static_cast<unsigned short*>(base) + off;
-  if (c0 + 4 <= V && aligned(p, 8)) {
-    *reinterpret_cast<uint2*>(p) = pack_halves4(dt, x);
+  if (c0 + C <= V && aligned(p, 2 * C)) {
+    if constexpr (C == 8) {
+      const uint2 lo = pack_halves4(dt, {x[0], x[1], x[2], x[3]}), hi = pack_halves4(dt, {x[4], x[5], x[6], x[7]});
+      *reinterpret_cast<uint4*>(p) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      *reinterpret_cast<uint2*>(p) = pack_halves4(dt, x);
+    }
     return;
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < C; ++j)
     if (c0 + j < V) p[j] = to_half_bits(dt, x[j]);
 }
 
@@ -187,12 +196,11 @@ __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t o
 }
 
 using kda::sigmoid;
-using kda::softplus;
 
-// One token's inputs for this thread as floats: q, k, g of its R rows (raw), v of its 4 columns, β (raw).
-template <int R>
+// One token's inputs for this thread as floats: q, k, g of its R rows (raw), v of its C columns, β (raw).
+template <int R, int C>
 struct Token {
-  float q[R], k[R], g[R], v[4], beta;
+  float q[R], k[R], g[R], v[C], beta;
 };
 
 __device__ __forceinline__ int64_t tok_off(const KdaDecodeTensor& t, int b, int tok, int h) {
@@ -203,57 +211,59 @@ __device__ __forceinline__ int64_t tok_off(const KdaDecodeTensor& t, int b, int 
 // aligned; converted at once). In = float / __nv_bfloat16 (K = V = 128, every input and o of that dtype,
 // the vector accesses aligned: the dispatch checked): the raw vectors are loaded first and converted
 // at use (get), so a token's loads are in flight together with the index and state loads.
-template <int R, class In>
+template <int R, class In, int C>
 struct TokenLoad {
-  Token<R> x;
+  Token<R, C> x;
   __device__ __forceinline__ void load(const KdaDecodeParams& p, int b, int tok, int h, int hq, int row0, int c0) {
     load_vec<R>(p.q.data, p.q.dtype, tok_off(p.q, b, tok, hq) + row0, row0, p.K, x.q);
     load_vec<R>(p.k.data, p.k.dtype, tok_off(p.k, b, tok, hq) + row0, row0, p.K, x.k);
     load_vec<R>(p.g.data, p.g.dtype, tok_off(p.g, b, tok, h) + row0, row0, p.K, x.g);
-    load_vec<4>(p.v.data, p.v.dtype, tok_off(p.v, b, tok, h) + c0, c0, p.V, x.v);
+    load_vec<C>(p.v.data, p.v.dtype, tok_off(p.v, b, tok, h) + c0, c0, p.V, x.v);
     x.beta = load_one(p.beta.data, p.beta.dtype, tok_off(p.beta, b, tok, h));
   }
-  __device__ __forceinline__ const Token<R>& get() const { return x; }
+  __device__ __forceinline__ const Token<R, C>& get() const { return x; }
 };
 
-template <>
-struct TokenLoad<8, float> {
-  float4 q[2], k[2], g[2], v;
+template <int C>
+struct TokenLoad<8, float, C> {
+  float4 q[2], k[2], g[2], v[C / 4];
   float beta;
-  Token<8> x;
+  Token<8, C> x;
   __device__ __forceinline__ void load(const KdaDecodeParams& p, int b, int tok, int h, int hq, int row0, int c0) {
     const float4* pq = reinterpret_cast<const float4*>(static_cast<const float*>(p.q.data) + tok_off(p.q, b, tok, hq) + row0);
     const float4* pk = reinterpret_cast<const float4*>(static_cast<const float*>(p.k.data) + tok_off(p.k, b, tok, hq) + row0);
     const float4* pg = reinterpret_cast<const float4*>(static_cast<const float*>(p.g.data) + tok_off(p.g, b, tok, h) + row0);
     q[0] = __ldg(pq), q[1] = __ldg(pq + 1), k[0] = __ldg(pk), k[1] = __ldg(pk + 1), g[0] = __ldg(pg), g[1] = __ldg(pg + 1);
-    v = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.v.data) + tok_off(p.v, b, tok, h) + c0));
+    const float4* pv = reinterpret_cast<const float4*>(static_cast<const float*>(p.v.data) + tok_off(p.v, b, tok, h) + c0);
+#pragma unroll
+    for (int j = 0; j < C / 4; ++j) v[j] = __ldg(pv + j);
     beta = __ldg(static_cast<const float*>(p.beta.data) + tok_off(p.beta, b, tok, h));
   }
-  __device__ __forceinline__ const Token<8>& get() {
-    auto put = [](const float4 (&a)[2], float (&y)[8]) {
-      y[0] = a[0].x, y[1] = a[0].y, y[2] = a[0].z, y[3] = a[0].w, y[4] = a[1].x, y[5] = a[1].y, y[6] = a[1].z, y[7] = a[1].w;
+  __device__ __forceinline__ const Token<8, C>& get() {
+    auto put = [](const float4* a, float* y, int n) {
+      for (int j = 0; j < n; ++j) y[4 * j] = a[j].x, y[4 * j + 1] = a[j].y, y[4 * j + 2] = a[j].z, y[4 * j + 3] = a[j].w;
     };
-    put(q, x.q), put(k, x.k), put(g, x.g);
-    x.v[0] = v.x, x.v[1] = v.y, x.v[2] = v.z, x.v[3] = v.w, x.beta = beta;
+    put(q, x.q, 2), put(k, x.k, 2), put(g, x.g, 2), put(v, x.v, C / 4);
+    x.beta = beta;
     return x;
   }
 };
 
-template <>
-struct TokenLoad<8, __nv_bfloat16> {
+template <int C>
+struct TokenLoad<8, __nv_bfloat16, C> {
   uint4 q, k, g;
-  uint2 v;
+  std::conditional_t<C == 8, uint4, uint2> v;
   unsigned short beta;
-  Token<8> x;
+  Token<8, C> x;
   __device__ __forceinline__ void load(const KdaDecodeParams& p, int b, int tok, int h, int hq, int row0, int c0) {
     auto at = [](const KdaDecodeTensor& t, int64_t off) { return static_cast<const unsigned short*>(t.data) + off; };
     q = __ldg(reinterpret_cast<const uint4*>(at(p.q, tok_off(p.q, b, tok, hq) + row0)));
     k = __ldg(reinterpret_cast<const uint4*>(at(p.k, tok_off(p.k, b, tok, hq) + row0)));
     g = __ldg(reinterpret_cast<const uint4*>(at(p.g, tok_off(p.g, b, tok, h) + row0)));
-    v = __ldg(reinterpret_cast<const uint2*>(at(p.v, tok_off(p.v, b, tok, h) + c0)));
+    v = __ldg(reinterpret_cast<const decltype(v)*>(at(p.v, tok_off(p.v, b, tok, h) + c0)));
     beta = __ldg(at(p.beta, tok_off(p.beta, b, tok, h)));
   }
-  __device__ __forceinline__ const Token<8>& get() {
+  __device__ __forceinline__ const Token<8, C>& get() {
     unpack_halves(DType::kBF16, q, x.q), unpack_halves(DType::kBF16, k, x.k), unpack_halves(DType::kBF16, g, x.g);
     unpack_halves(DType::kBF16, v, x.v);
     x.beta = half_bits(DType::kBF16, beta);
@@ -336,16 +346,18 @@ struct SeqTable {
 
 // The block-wide sums of one token: per column S̄ᵀk, S̄ᵀq over the K rows, and Σq², Σk², Σqk. Shuffles over
 // the warp's 4 row groups, then the warps' partials through shared memory buffer buf (one barrier).
+template <int C>
 struct TokenSums {
-  float PK[4], PQ[4], QQ, KK, QK;
+  float PK[C], PQ[C], QQ, KK, QK;
 };
-__device__ __forceinline__ void block_sums(float (&pk)[4], float (&pq)[4], float qq, float kk, float qk, int buf,
-                                           float (&red)[2][kWarps][kColLanes][8], float (&scal)[2][kWarps][4], TokenSums& out) {
+template <int C>
+__device__ __forceinline__ void block_sums(float (&pk)[C], float (&pq)[C], float qq, float kk, float qk, int buf,
+                                           float (&red)[2][kWarps][kColLanes][2 * C], float (&scal)[2][kWarps][4], TokenSums<C>& out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, cl = lane & 7, rl = lane >> 3;
 #pragma unroll
   for (int o = 8; o < 32; o <<= 1) {  // over the warp's 4 row groups (lane bits 3, 4)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < C; ++c) {
       pk[c] += __shfl_xor_sync(0xffffffffu, pk[c], o);
       pq[c] += __shfl_xor_sync(0xffffffffu, pq[c], o);
     }
@@ -354,75 +366,105 @@ __device__ __forceinline__ void block_sums(float (&pk)[4], float (&pq)[4], float
     qk += __shfl_xor_sync(0xffffffffu, qk, o);
   }
   if (rl == 0) {
-    *reinterpret_cast<float4*>(&red[buf][warp][cl][0]) = make_float4(pk[0], pk[1], pk[2], pk[3]);
-    *reinterpret_cast<float4*>(&red[buf][warp][cl][4]) = make_float4(pq[0], pq[1], pq[2], pq[3]);
+#pragma unroll
+    for (int j = 0; j < C / 4; ++j) {
+      *reinterpret_cast<float4*>(&red[buf][warp][cl][4 * j]) = make_float4(pk[4 * j], pk[4 * j + 1], pk[4 * j + 2], pk[4 * j + 3]);
+      *reinterpret_cast<float4*>(&red[buf][warp][cl][C + 4 * j]) = make_float4(pq[4 * j], pq[4 * j + 1], pq[4 * j + 2], pq[4 * j + 3]);
+    }
   }
   if (lane == 0) scal[buf][warp][0] = qq, scal[buf][warp][1] = kk, scal[buf][warp][2] = qk;
   __syncthreads();  // buffer buf is rewritten at token t + 2, after every thread passed token t + 1's barrier
 #pragma unroll
-  for (int c = 0; c < 4; ++c) out.PK[c] = out.PQ[c] = 0.f;
+  for (int c = 0; c < C; ++c) out.PK[c] = out.PQ[c] = 0.f;
   out.QQ = out.KK = out.QK = 0.f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
-    const float4 a = *reinterpret_cast<const float4*>(&red[buf][w][cl][0]);
-    const float4 c = *reinterpret_cast<const float4*>(&red[buf][w][cl][4]);
-    out.PK[0] += a.x, out.PK[1] += a.y, out.PK[2] += a.z, out.PK[3] += a.w;
-    out.PQ[0] += c.x, out.PQ[1] += c.y, out.PQ[2] += c.z, out.PQ[3] += c.w;
+#pragma unroll
+    for (int c = 0; c < C; ++c) out.PK[c] += red[buf][w][cl][c], out.PQ[c] += red[buf][w][cl][C + c];
     out.QQ += scal[buf][w][0], out.KK += scal[buf][w][1], out.QK += scal[buf][w][2];
   }
 }
 
 // From a token's block sums, this thread's 4 columns of u = β (v − S̄ᵀk̂) and o = scale (S̄ᵀq̂ + (k̂ᵀq̂) u);
 // returns k's L2-norm factor (1 without the norm).
-template <int R>
-__device__ __forceinline__ float token_out(const KdaDecodeParams& p, const Token<R>& x, const TokenSums& s, float (&u)[4], float (&out)[4]) {
+template <int R, int C>
+__device__ __forceinline__ float token_out(const KdaDecodeParams& p, const Token<R, C>& x, const TokenSums<C>& s, float (&u)[C],
+                                           float (&out)[C]) {
   const float rq = p.l2norm ? 1.f / sqrtf(s.QQ + 1e-6f) : 1.f, rk = p.l2norm ? 1.f / sqrtf(s.KK + 1e-6f) : 1.f;
   const float beta = p.beta_sigmoid ? p.beta_scale * sigmoid(x.beta) : x.beta;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < C; ++c) {
     u[c] = beta * (x.v[c] - rk * s.PK[c]);
     out[c] = p.scale * rq * fmaf(rk * s.QK, u[c], s.PQ[c]);
   }
   return rk;
 }
 
-// Packed state rows of the single-token kernels: 4 columns of one row as loaded (fp32: float4, bf16: uint2).
-template <class St>
-using PackedRow = std::conditional_t<std::is_same_v<St, float>, float4, uint2>;
-template <class St>
-__device__ __forceinline__ void unpack_row(const PackedRow<St>& w, float (&x)[4]) {
-  if constexpr (std::is_same_v<St, float>) x[0] = w.x, x[1] = w.y, x[2] = w.z, x[3] = w.w;
-  else unpack_halves(DType::kBF16, w, x);
-}
-template <class St>
-__device__ __forceinline__ PackedRow<St> pack_row(const float (&x)[4]) {
-  if constexpr (std::is_same_v<St, float>) return make_float4(x[0], x[1], x[2], x[3]);
-  else return pack_halves4(DType::kBF16, x);
-}
+// C state columns of one row as loaded, in the pool's dtype (the single-token kernels): fp32 one or two
+// 16-byte words, bf16 an 8-byte (C = 4) or 16-byte (C = 8) word; unpacked to floats at use.
+template <class St, int C>
+struct PackedRow {
+  static constexpr int kBytes = C * int(sizeof(St));
+  using Vec = std::conditional_t<kBytes == 8, uint2, uint4>;
+  static constexpr int kVecs = kBytes / int(sizeof(Vec));
+  Vec w[kVecs];
+  __device__ __forceinline__ void load(const St* p) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) w[i] = __ldcs(reinterpret_cast<const Vec*>(p) + i);
+  }
+  __device__ __forceinline__ void store(St* p) const {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) __stcs(reinterpret_cast<Vec*>(p) + i, w[i]);
+  }
+  __device__ __forceinline__ void unpack(float (&x)[C]) const {
+    const unsigned* u = reinterpret_cast<const unsigned*>(w);
+    if constexpr (std::is_same_v<St, float>) {
+#pragma unroll
+      for (int j = 0; j < C; ++j) x[j] = __uint_as_float(u[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < C / 2; ++j) half_pair(DType::kBF16, u[j], x[2 * j], x[2 * j + 1]);
+    }
+  }
+  __device__ __forceinline__ void pack(const float (&x)[C]) {
+    unsigned* u = reinterpret_cast<unsigned*>(w);
+    if constexpr (std::is_same_v<St, float>) {
+#pragma unroll
+      for (int j = 0; j < C; ++j) u[j] = __float_as_uint(x[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < C / 2; ++j)
+        u[j] = unsigned(to_half_bits(DType::kBF16, x[2 * j])) | (unsigned(to_half_bits(DType::kBF16, x[2 * j + 1])) << 16);
+    }
+  }
+};
 
 // The kernel (header comment at the top of this file). R: state rows per thread (16 R >= K). kDim: K = V
 // = kDim known at compile time (row offsets become immediates), 0: p.K, p.V. In, St: the inputs' and the
 // states' dtypes known at compile time (kDim 128 only), void: read at run time. kOne (compile-time kernels
 // only): every sequence of the launch has at most one token; the state slice stays packed in its pool
 // dtype in registers (bf16: half the registers of fp32), unpacked at use, so more blocks fit an SM and more
-// state bytes are in flight. kSeqs: the varlen token table's size (a smaller launch parameter for <= 64).
-template <int R, int kDim, class In, class St, bool kOne, int kSeqs>
-__global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 5 : 8) : kDim == 128 ? 4 : 2)
+// state bytes are in flight. kC: value columns per thread (4; 8 for the single-token kernels at larger
+// batches: 16-byte bf16 state accesses, 64 columns a block). kSeqs: the varlen token table's size.
+template <int R, int kDim, class In, class St, bool kOne, int kC, int kSeqs>
+__global__ void __launch_bounds__(kThreads, !kOne ? (kDim == 128 ? 4 : 2) : kC == 8 ? 4 : std::is_same_v<St, float> ? 5 : 8)
     kda_decode_kernel(const __grid_constant__ KdaDecodeParams p, const __grid_constant__ SeqTable<kSeqs> table) {
-  __shared__ __align__(16) float red[2][kWarps][kColLanes][8];  // per warp and column group: S̄ᵀk (4), S̄ᵀq (4)
-  __shared__ float scal[2][kWarps][4];                           // per warp: Σq², Σk², Σqk
+  static_assert(kC == 4 || (kOne && kC == 8), "8 columns a thread: the single-token kernels only");
+  constexpr int kCols = kC * kColLanes;                              // value columns per block
+  __shared__ __align__(16) float red[2][kWarps][kColLanes][2 * kC];  // per warp and column group: S̄ᵀk (kC), S̄ᵀq (kC)
+  __shared__ float scal[2][kWarps][4];                               // per warp: Σq², Σk², Σqk
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, cl = lane & 7, rl = lane >> 3;
   const int K = kDim ? kDim : p.K, V = kDim ? kDim : p.V;
   const int tiles = (V + kCols - 1) / kCols;
   const int tile = int(blockIdx.x % unsigned(tiles)), h = int((blockIdx.x / unsigned(tiles)) % unsigned(p.H));
   const int i = int(blockIdx.x / unsigned(tiles * p.H)), n = p.n0 + i, hq = h / p.group;
   const int b = p.varlen ? 0 : n, begin = p.varlen ? table.begin[i] : 0, len = (p.varlen ? table.begin[i + 1] : p.T) - begin;
-  const int row0 = (warp * kRowLanes + rl) * R, c0 = tile * kCols + cl * 4;
+  const int row0 = (warp * kRowLanes + rl) * R, c0 = tile * kCols + cl * kC;
   const int64_t head_off = int64_t(h) * K * V + int64_t(row0) * V + c0;  // this thread's first state element in a row
   if (len == 0 && p.mode != KdaDecodeMode::kStates) return;  // no tokens: the pool is not touched
 
   // The first token's inputs first: their loads overlap the index and state loads below.
-  TokenLoad<R, In> tl;
+  TokenLoad<R, In, kC> tl;
   if (len > 0) tl.load(p, b, begin, h, hq, row0, c0);
 
   // The slot this sequence starts from (-1: zeros, or padding with indices) and whether its indices are bad.
@@ -462,28 +504,35 @@ __global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 
   float bias[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) bias[r] = 0.f;
-  auto decay = [&](float gl, int r) {  // exp of the activated gate of row row0 + r (0 past K)
+  // exp of the activated gate of row row0 + r (0 past K), on the fast intrinsics (a few ulp: the decay's
+  // latency is on the single-token critical path): with e = exp(-|y|), softplus(y) = max(y, 0) + log(1 + e).
+  auto decay = [&](float gl, int r) {
     if (gate) {
       const float y = gl + bias[r];
-      gl = p.lower_bound_gate ? p.lower_bound * sigmoid(ea * y) : -ea * softplus(y);
+      if (p.lower_bound_gate) {
+        gl = p.lower_bound / (1.f + __expf(-ea * y));
+      } else {
+        gl = -ea * (fmaxf(y, 0.f) + __logf(1.f + __expf(-fabsf(y))));
+      }
     }
-    return row0 + r < K ? expf(gl) : 0.f;
+    return row0 + r < K ? __expf(gl) : 0.f;
   };
-  auto store_out = [&](int t, const float (&out)[4]) {
+  auto store_out = [&](int t, const float (&out)[kC]) {
     if (warp == 0 && rl == 0)
-      store_o4(p.o, p.o_dtype, int64_t(b) * p.o_sb + int64_t(begin + t) * p.o_st + int64_t(h) * p.o_sh + c0, c0, V, out);
+      store_o<kC>(p.o, p.o_dtype, int64_t(b) * p.o_sb + int64_t(begin + t) * p.o_st + int64_t(h) * p.o_sh + c0, c0, V, out);
   };
 
   if constexpr (kOne) {  // at most one token: the packed slice from one load to one store
-    using Row = PackedRow<St>;
+    using Row = PackedRow<St, kC>;
     Row st[R];
     if (read_slot >= 0) {
-      const Row* src = reinterpret_cast<const Row*>(static_cast<const St*>(p.init) + read_slot * p.init_stride + head_off);
+      const St* src = static_cast<const St*>(p.init) + read_slot * p.init_stride + head_off;
 #pragma unroll
-      for (int r = 0; r < R; ++r) st[r] = __ldcs(src + r * (V / 4));
+      for (int r = 0; r < R; ++r) st[r].load(src + r * V);
     } else {
+      float zero[kC] = {};
 #pragma unroll
-      for (int r = 0; r < R; ++r) st[r] = pack_row<St>({0.f, 0.f, 0.f, 0.f});
+      for (int r = 0; r < R; ++r) st[r].pack(zero);
     }
     if (gate && p.dt_bias) load_vec<R>(p.dt_bias, DType::kFP32, int64_t(h) * K + row0, row0, K, bias);
     int64_t write_row = -1;  // kSlots: the slot read; kStates: row n; kTokenSlots: idx[n, 0] (its one token's state)
@@ -491,42 +540,42 @@ __global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 
     else if (p.mode == KdaDecodeMode::kStates) write_row = p.fin ? n : -1;
     else if (len == 1) write_row = load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0);
     if (len == 1) {
-      const Token<R>& x = tl.get();
-      float d[R], pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f}, qq = 0.f, kk = 0.f, qk = 0.f;
+      const Token<R, kC>& x = tl.get();
+      float d[R], pk[kC] = {}, pq[kC] = {}, qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         d[r] = decay(x.g[r], r);
         qq = fmaf(x.q[r], x.q[r], qq);
         kk = fmaf(x.k[r], x.k[r], kk);
         qk = fmaf(x.q[r], x.k[r], qk);
-        float sr[4];
-        unpack_row<St>(st[r], sr);
+        float sr[kC];
+        st[r].unpack(sr);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < kC; ++c) {
           const float sd = sr[c] * d[r];
           pk[c] = fmaf(sd, x.k[r], pk[c]);
           pq[c] = fmaf(sd, x.q[r], pq[c]);
         }
       }
-      TokenSums sum;
-      block_sums(pk, pq, qq, kk, qk, 0, red, scal, sum);
-      float u[4], out[4];
+      TokenSums<kC> sum;
+      block_sums<kC>(pk, pq, qq, kk, qk, 0, red, scal, sum);
+      float u[kC], out[kC];
       const float rk = token_out(p, x, sum, u, out);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float kr = rk * x.k[r];
-        float sr[4];
-        unpack_row<St>(st[r], sr);
+        float sr[kC];
+        st[r].unpack(sr);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) sr[c] = fmaf(kr, u[c], sr[c] * d[r]);
-        st[r] = pack_row<St>(sr);
+        for (int c = 0; c < kC; ++c) sr[c] = fmaf(kr, u[c], sr[c] * d[r]);
+        st[r].pack(sr);
       }
       store_out(0, out);
     }
     if (write_row >= 0) {
-      Row* dst = reinterpret_cast<Row*>(static_cast<St*>(p.fin) + write_row * p.fin_stride + head_off);
+      St* dst = static_cast<St*>(p.fin) + write_row * p.fin_stride + head_off;
 #pragma unroll
-      for (int r = 0; r < R; ++r) __stcs(dst + r * (V / 4), st[r]);
+      for (int r = 0; r < R; ++r) st[r].store(dst + r * V);
     }
     return;
   } else {
@@ -542,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 
 #pragma unroll 1
     for (int t = 0; t < len; ++t) {
       if (t > 0) tl.load(p, b, begin + t, h, hq, row0, c0);
-      const Token<R>& x = tl.get();
+      const Token<R, 4>& x = tl.get();
       float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f}, qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -557,8 +606,8 @@ __global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 
           pq[c] = fmaf(S[r][c], x.q[r], pq[c]);
         }
       }
-      TokenSums sum;
-      block_sums(pk, pq, qq, kk, qk, t & 1, red, scal, sum);
+      TokenSums<4> sum;
+      block_sums<4>(pk, pq, qq, kk, qk, t & 1, red, scal, sum);
       float u[4], out[4];
       const float rk = token_out(p, x, sum, u, out);
 #pragma unroll
@@ -581,39 +630,56 @@ __global__ void __launch_bounds__(kThreads, kOne ? (std::is_same_v<St, float> ? 
   }
 }
 
-// The launch with the token table sized to the launch: fixed length carries none, <= 64 sequences a small one.
-template <int R, int kDim = 0, class In = void, class St = void, bool kOne = false>
-Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, unsigned blocks, cudaStream_t s) {
+// The launch (a block per sequence, head and kC * 8 value columns) with the token table sized to the
+// launch: fixed length carries none, <= 64 sequences a small one.
+template <int R, int kDim = 0, class In = void, class St = void, bool kOne = false, int kC = 4>
+Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s) {
+  const unsigned blocks = unsigned(int64_t(p.N) * p.H * ((p.V + kC * kColLanes - 1) / (kC * kColLanes)));
   auto go = [&](auto table) {
     using Table = decltype(table);
     if (begin)
       for (int i = 0; i <= p.N; ++i) table.begin[i] = begin[i];
     constexpr int kSeqs = int(sizeof(Table) / sizeof(int32_t)) - 1;
     return launch("kda decode (kda_decode_kernel)",
-                  [&] { kda_decode_kernel<R, kDim, In, St, kOne, kSeqs><<<blocks, kThreads, 0, s>>>(p, table); });
+                  [&] { kda_decode_kernel<R, kDim, In, St, kOne, kC, kSeqs><<<blocks, kThreads, 0, s>>>(p, table); });
   };
   if (!begin) return go(SeqTable<0>{});
   if (p.N <= kKdaDecodeSeqTableSmall) return go(SeqTable<kKdaDecodeSeqTableSmall>{});
   return go(SeqTable<kKdaDecodeSeqTable>{});
 }
 
+// A state array's 8-column accesses are 16-byte aligned (base and slot stride).
+bool aligned8(const void* data, int64_t stride, DType dt) {
+  return !data || ((reinterpret_cast<uintptr_t>(data) & 15u) == 0 && (stride * int64_t(dt == DType::kFP32 ? 4 : 2)) % 16 == 0);
+}
+
 // K = V = 128 with every input and o in one dtype (bf16 or fp32), their vector accesses aligned, and
-// aligned states of one dtype: the compile-time kernels (single-token ones where no sequence has more).
+// aligned states of one dtype: the compile-time kernels. Launches whose sequences have at most one token
+// take the single-token kernels, with 8 columns a thread (64 a block) once the grid at 64 columns still
+// fills every SM twice (fewer, wider blocks move more bytes each; at small batches the 32-column blocks
+// spread the state over more SMs).
 template <class In>
-Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, unsigned blocks, cudaStream_t s) {
+Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, int device, cudaStream_t s) {
   const bool same = p.mode != KdaDecodeMode::kStates || !p.init || !p.fin || p.init_dtype == p.fin_dtype;
   const DType st = p.init ? p.init_dtype : p.fin_dtype;
-  if (!same) return launch_rows<8, 128>(p, begin, blocks, s);
-  const bool one = p.max_len <= 1;
+  if (!same) return launch_rows<8, 128>(p, begin, s);
+  if (p.max_len > 1) {
+    if (st == DType::kBF16) return launch_rows<8, 128, In, __nv_bfloat16>(p, begin, s);
+    return launch_rows<8, 128, In, float>(p, begin, s);
+  }
+  int sms = 0;
+  ENCORE_RETURN_IF_ERROR(call_result("kda decode", "cudaDeviceGetAttribute(MultiProcessorCount)",
+                                     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)));
+  const bool wide = int64_t(p.N) * p.H * 2 >= 2 * int64_t(sms) && aligned8(p.init, p.init_stride, st) && aligned8(p.fin, p.fin_stride, st);
   if (st == DType::kBF16)
-    return one ? launch_rows<8, 128, In, __nv_bfloat16, true>(p, begin, blocks, s) : launch_rows<8, 128, In, __nv_bfloat16>(p, begin, blocks, s);
-  return one ? launch_rows<8, 128, In, float, true>(p, begin, blocks, s) : launch_rows<8, 128, In, float>(p, begin, blocks, s);
+    return wide ? launch_rows<8, 128, In, __nv_bfloat16, true, 8>(p, begin, s) : launch_rows<8, 128, In, __nv_bfloat16, true>(p, begin, s);
+  return wide ? launch_rows<8, 128, In, float, true, 8>(p, begin, s) : launch_rows<8, 128, In, float, true>(p, begin, s);
 }
 
 }  // namespace
 
 Status launch_kda_decode(const KdaDecodeParams& p, const int32_t* begin, int device, Stream stream) {
-  const int64_t blocks = int64_t(p.N) * p.H * ((p.V + kCols - 1) / kCols);
+  const int64_t blocks = int64_t(p.N) * p.H * ((p.V + 4 * kColLanes - 1) / (4 * kColLanes));  // at 4 columns a thread (the most)
   if (blocks == 0) return Status::ok();
   if (blocks >= (int64_t(1) << 31) || p.K > kKdaDecodeMaxHeadDim || p.V > kKdaDecodeMaxHeadDim)
     return Status::unsupported("kda decode: grid of " + std::to_string(blocks) + " blocks or K = " + std::to_string(p.K) + ", V = " +
@@ -621,16 +687,15 @@ Status launch_kda_decode(const KdaDecodeParams& p, const int32_t* begin, int dev
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(device));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const unsigned grid = unsigned(blocks);
   if (p.K == 128 && p.V == 128) {  // Kimi-Linear's heads
-    if (p.fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, begin, grid, s);
-    if (p.fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, begin, grid, s);
-    return launch_rows<8, 128>(p, begin, grid, s);
+    if (p.fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, begin, device, s);
+    if (p.fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, begin, device, s);
+    return launch_rows<8, 128>(p, begin, s);
   }
-  if (p.K <= 2 * kWarps * kRowLanes) return launch_rows<2>(p, begin, grid, s);
-  if (p.K <= 4 * kWarps * kRowLanes) return launch_rows<4>(p, begin, grid, s);
-  if (p.K <= 8 * kWarps * kRowLanes) return launch_rows<8>(p, begin, grid, s);
-  return launch_rows<16>(p, begin, grid, s);
+  if (p.K <= 2 * kWarps * kRowLanes) return launch_rows<2>(p, begin, s);
+  if (p.K <= 4 * kWarps * kRowLanes) return launch_rows<4>(p, begin, s);
+  if (p.K <= 8 * kWarps * kRowLanes) return launch_rows<8>(p, begin, s);
+  return launch_rows<16>(p, begin, s);
 }
 
 }  // namespace encore::cuda

@@ -15,7 +15,6 @@ namespace encore::cuda {
 constexpr int kKdaDecodeMaxHeadDim = 256;  // K and V
 constexpr int kKdaDecodeSeqTable = 1024;   // varlen sequences per launch (the token table is a launch parameter)
 constexpr int kKdaDecodeSeqTableSmall = 64;  // the table of launches with at most this many sequences (a smaller parameter)
-constexpr int kKdaDecodeColumns = 32;      // value columns per block
 
 // [B, T, heads, C] (beta: [B, T, heads]) with element strides; the last stride is 1. bf16, fp16 or fp32.
 struct KdaDecodeTensor {
