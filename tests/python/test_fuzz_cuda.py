@@ -202,9 +202,9 @@ def test_kda_forward_cuda_equals_cpu(seed, lens, h, kv, gate, l2, h0):
         assert err <= 2 * _rel(rounded, ref) + _TOL["bfloat16"], (err, _rel(rounded, ref))
 
 
-def _serving_case(rng, n, t, h, hv, kd, vd, gate, l2, sig, pool, s_cols):
+def _serving_case(rng, n, t, h, hv, kd, vd, gate, l2, sig, pool, s_cols, two_d=False):
     """Inputs of one serving call as (CUDA, CPU float64) pairs from the same bf16 values, a pool of `pool`
-    dtype with slots for every index and three more, and indices [N] / [N, S] (20% -1)."""
+    dtype with slots for every index and three more, and indices [N] or (two_d) [N, S] (20% -1)."""
     bf = "bfloat16"
     q, qc = _pair(rng, (n, t, h, kd), bf)
     k, kc = _pair(rng, (n, t, h, kd), bf, 1.0 if l2 else 0.1)
@@ -220,7 +220,7 @@ def _serving_case(rng, n, t, h, hv, kd, vd, gate, l2, sig, pool, s_cols):
         kw["A_log"] = torch.from_numpy(0.3 * rng.standard_normal(hv)).float()
         kw["dt_bias"] = torch.from_numpy(0.3 * rng.standard_normal(hv * kd)).float()
     slots = n * s_cols + 3
-    idx = rng.permutation(slots)[:n * s_cols].reshape((n, s_cols) if s_cols > 1 else (n,))
+    idx = rng.permutation(slots)[:n * s_cols].reshape((n, s_cols) if two_d else (n,))
     idx[rng.random(idx.shape) < 0.2] = -1
     pool_c = torch.from_numpy(0.5 * rng.standard_normal((slots, hv, kd, vd))).to(getattr(torch, pool))
     gpu = (q, k, v, g, bc.cuda())
@@ -228,13 +228,13 @@ def _serving_case(rng, n, t, h, hv, kd, vd, gate, l2, sig, pool, s_cols):
     return gpu, cpu, kw, idx, pool_c
 
 
-def _pool_checks(pool_g, pool_c, before, touched, pool):
-    """Written slots: the CUDA pool against the CPU backend's (each in the pool's dtype); every other
-    slot bit-identical to its value before the call."""
+def _pool_checks(pool_g, pool_c, before, touched, pool, fp32_tol=1e-3):
+    """Written slots: the CUDA pool against the CPU backend's (each in the pool's dtype; fp32_tol for an fp32
+    pool); every other slot bit-identical to its value before the call."""
     touched = sorted(touched)
     if touched:
         err = _rel(pool_g[touched], pool_c[touched])
-        assert err <= (1e-2 if pool == "bfloat16" else 1e-3), err
+        assert err <= (1e-2 if pool == "bfloat16" else fp32_tol), err
     rest = sorted(set(range(before.shape[0])) - set(touched))
     assert torch.equal(pool_g[rest].cpu(), before[rest])
 
@@ -251,7 +251,7 @@ def test_kda_decode_on_the_pool_cuda_equals_cpu(seed, n, t, h, group, kv, spec, 
     rng = np.random.default_rng(seed)
     kd, vd = kv
     hv, s_cols = h * group, (t if spec else 1)
-    gpu, cpu, kw, idx, pool_c = _serving_case(rng, n, t, h, hv, kd, vd, gate, l2, sig, pool, s_cols)
+    gpu, cpu, kw, idx, pool_c = _serving_case(rng, n, t, h, hv, kd, vd, gate, l2, sig, pool, s_cols, two_d=spec)
     before = pool_c.clone()
     nat_v = torch.from_numpy(rng.integers(1, s_cols + 1, n)).int() if spec and nat else None
     idx_t = torch.from_numpy(idx).int()
@@ -301,7 +301,7 @@ def test_kda_prefill_on_the_pool_cuda_equals_cpu(seed, lens, h, group, kv, pool,
     torch.cuda.synchronize()
     _close(og, oc.to(torch.bfloat16), "bfloat16")
     touched = {int(idx[i]) for i in range(n) if idx[i] >= 0 and lens[i] > 0}
-    _pool_checks(pool_g.cpu(), pool_c, before, touched, pool)
+    _pool_checks(pool_g.cpu(), pool_c, before, touched, pool, fp32_tol=5e-3)  # the chunked forward's bf16 products
 
 
 @VALID
