@@ -56,13 +56,25 @@ def _torch_arg(x):
 
 
 def _device_indices(*xs):
-    """True when an index array is a CUDA tensor and this is not a CUDA-graph capture (host copies allowed)."""
+    """True when an index array is a CUDA tensor and its device is not capturing a CUDA graph (host copies
+    allowed)."""
     on = [x for x in xs if x is not None and is_torch(x) and x.is_cuda]
-    return bool(on) and not torch_module().cuda.is_current_stream_capturing()
+    if not on:
+        return False
+    cuda = torch_module().cuda
+    with cuda.device(on[0].device):
+        return not cuda.is_current_stream_capturing()
 
 
-def _host(x):
-    return None if x is None or not is_torch(x) else x.cpu()
+def _host_copies(stream, *xs):
+    """Host copies of the CUDA index tensors among xs (others as they are), read in order on `stream` (the
+    call's explicit stream) or the current one: what the kernel would read."""
+    torch = torch_module()
+    cuda = [x for x in xs if x is not None and is_torch(x) and x.is_cuda]
+    if stream is None or not cuda:
+        return tuple(x.cpu() if x is not None and is_torch(x) and x.is_cuda else x for x in xs)
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream_for(cuda[0], stream), device=cuda[0].device)):
+        return tuple(x.cpu() if x is not None and is_torch(x) and x.is_cuda else x for x in xs)
 
 
 # --- launchers ------------------------------------------------------------------------------------------
@@ -83,7 +95,7 @@ def _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state
 
     opts = _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval)
     if check_indices and _device_indices(state_indices, num_accepted_tokens):
-        hi, hn = _host(state_indices), _host(num_accepted_tokens)  # held: the views below point into them
+        hi, hn = _host_copies(stream, state_indices, num_accepted_tokens)  # held: the views below point into them
         _b.kda_recurrent_workspace(make(hi, hn), opts)  # validates the values
     _b.kda_recurrent_run(make(state_indices, num_accepted_tokens), opts, None, stream_for(q, stream))
 
@@ -93,7 +105,7 @@ def _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_q
     opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
     fwd = _forward_args(q, k, v, g, beta, None, A_log, dt_bias, cu_seqlens, o)
     if check_indices and _device_indices(state_indices):  # as _kda_recurrent_launch's check
-        hi = _host(state_indices)  # held: the view below points into it
+        (hi,) = _host_copies(stream, state_indices)  # held: the view below points into it
         _b.kda_forward_pool_workspace(_b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(hi)), opts)
     args = _b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(state_indices))
     nbytes = _b.kda_forward_pool_workspace(args, opts) if is_torch(q) and q.is_cuda else 0  # the CUDA forward's records

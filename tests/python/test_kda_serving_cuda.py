@@ -112,6 +112,26 @@ def test_bad_device_indices_refused_with_nothing_written(bad):
     assert torch.equal(pool, before) and torch.all(out == 7.0)
 
 
+def test_explicit_stream_indices_checked_as_written_on_it():
+    """stream=: the check reads the indices in that stream's order (written there just before the call)."""
+    x, gate = inputs(3, 1, seed=9)
+    args = [t.cuda() for t in x]
+    g = {n: t.cuda() for n, t in gate.items()}
+    pool = torch.randn(4, HV, K, V).cuda()
+    before = pool.clone()
+    src = torch.tensor([1, 9, -1], dtype=torch.int32, device="cuda")
+    idx = torch.zeros(3, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000)  # the write below lands well after the current stream could read idx
+        idx.copy_(src)
+    with pytest.raises(ValueError, match=r"state_indices: entry \[1\] = 9 is out of the pool's range"):
+        fused_recurrent_kda_fwd(*args, **g, initial_state=pool, ssm_state_indices=idx, stream=side.cuda_stream, **KW)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
+
+
 def test_unchecked_bad_device_index_gives_nan_rows_and_writes_nothing():
     """check_indices=False (the contract under CUDA-graph capture): NaN rows for the bad sequence, nothing written."""
     x, gate = inputs(3, 1, seed=6)

@@ -21,7 +21,7 @@
 // kernels) keep the slice packed as loaded (bf16: 16 registers, not 32) and unpack it at use: at small
 // batches 32 columns a block (8 bf16 / 5 fp32 blocks an SM), once the grid at 64 columns still covers every
 // SM twice 8 columns a thread, 64 a block (16-byte bf16 state accesses, 128 B of state a thread in flight,
-// 4 blocks an SM). The gate and decay on the fast intrinsics. State traffic: loads and stores with the
+// 4 blocks an SM). The gate and decay in log2 units on one exp2 (softplus_log2). State traffic: loads and stores with the
 // streaming cache hint (read once, written once). The varlen token table is a launch parameter sized to
 // the launch (none for fixed length, 64 or 1024 sequences).
 //
@@ -40,8 +40,10 @@
 #include <type_traits>
 
 #include "common/cuda/device_guard.hpp"
+#include "common/cuda/fast_math.cuh"  // fast_exp2
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_decode.hpp"
+#include "core/softplus_log2.hpp"
 #include "kda/cuda/kda_device.cuh"  // kda::sigmoid
 
 namespace encore::cuda {
@@ -504,18 +506,21 @@ __global__ void __launch_bounds__(kThreads, !kOne ? (kDim == 128 ? 4 : 2) : kC =
   float bias[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) bias[r] = 0.f;
-  // exp of the activated gate of row row0 + r (0 past K), on the fast intrinsics (a few ulp: the decay's
-  // latency is on the single-token critical path): with e = exp(-|y|), softplus(y) = max(y, 0) + log(1 + e).
+  // exp of the activated gate of row row0 + r (0 past K), in log2 units on one exp2 (the chunk kernel's
+  // form): softplus(x) log2 e = log2(1 + 2^y), y = x log2 e, by softplus_log2 (relative error <= 2.5e-5 for
+  // every y, small values included, where log(1 + e^x) would round 1 + e^x to 1).
   auto decay = [&](float gl, int r) {
+    float l2 = gl * kLog2e;
     if (gate) {
-      const float y = gl + bias[r];
+      const float x = gl + bias[r];
       if (p.lower_bound_gate) {
-        gl = p.lower_bound / (1.f + __expf(-ea * y));
+        l2 = kLog2e * p.lower_bound / (1.f + __expf(-ea * x));
       } else {
-        gl = -ea * (fmaxf(y, 0.f) + __logf(1.f + __expf(-fabsf(y))));
+        const float y = x * kLog2e;
+        l2 = -ea * softplus_log2(y, fast_exp2(-fabsf(y)));
       }
     }
-    return row0 + r < K ? __expf(gl) : 0.f;
+    return row0 + r < K ? fast_exp2(l2) : 0.f;
   };
   auto store_out = [&](int t, const float (&out)[kC]) {
     if (warp == 0 && rl == 0)
