@@ -129,7 +129,7 @@ def main(out):
             if "fla_us" in rec and "encore_us" in rec:
                 rec["fla_over_encore"] = rec["fla_us"] / rec["encore_us"]
             res["records"].append(rec)
-            print(json.dumps({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in rec.items() if "rounds" not in k_}), flush=True)
+            print(json.dumps({k_: (float(f"{v_:.4g}") if isinstance(v_, float) else v_) for k_, v_ in rec.items() if "rounds" not in k_}), flush=True)
             del q, k, v, g, beta, pool, idx, outs
             torch.cuda.empty_cache()
             with open(out, "w") as f:  # after every configuration: a run cut by its timeout keeps what it measured
