@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "gemm/cuda/launch.hpp"
 #include "gemm/cuda/programs.cuh"
 #include "gemm/cuda/sm90_gemm.cuh"
 
@@ -29,7 +30,7 @@ using Coop256x192c21 = s::TileConfig<256, 192, 64, 2, 1, true>;
 using Coop256x128c11 = s::TileConfig<256, 128, 64, 1, 1, true>;
 
 template <class Config>
-Status launch(const GemmProblem& p, cudaStream_t st) {
+Status launch_tile(const GemmProblem& p, cudaStream_t st) {
   using G = s::Sm90Gemm<T, Config, s::ScalarScale<T>>;
   return s::run_gemm<G>(p, [&] { return G::arguments(p, s::ScalarScale<T>::template arguments<typename G::Fusion>(p)); }, st, "sweep");
 }
@@ -102,22 +103,25 @@ int main(int argc, char** argv) {
     cs.push_back({n + " heur", fn, 0, kind, tile_n, swiglu});
     cs.push_back({n + " alongN", fn, 2, kind, tile_n, swiglu});
   };
-  add("coop128x256 c2x1 (shipped)", launch<s::Cooperative128x256>);
-  add("pp128x128 c2x1 (shipped)", launch<s::Pingpong128x128>);
-  add("coop256x128 c2x1", launch<Coop256x128c21>);
-  add("coop256x192 c2x1", launch<Coop256x192c21>);
-  add("coop256x128 c1x1", launch<Coop256x128c11>);
-  auto shipped = [](GemmLauncher fn) { return [fn](const GemmProblem& q, cudaStream_t s2) { return fn(q, static_cast<Stream>(s2)); }; };
-  add("residual_sqsum_aux pp128", shipped(launch_residual_sqsum_aux_pp128), kResidual, 128);
-  add("residual_sqsum_aux coop256", shipped(launch_residual_sqsum_aux_coop256), kResidual, 256);
-  add("row_scale pp128", shipped(launch_row_scale_pp128), kGateUp);
-  add("row_scale coop256", shipped(launch_row_scale_coop256), kGateUp);
-  add("swiglu pp128", shipped(launch_swiglu_pp128), kGateUp, 0, true);
-  add("swiglu coop256", shipped(launch_swiglu_coop256), kGateUp, 0, true);
-  add("rope pp128", shipped(launch_rope_pp128), kQkv);
-  add("rope coop256", shipped(launch_rope_coop256), kQkv);
-  add("lse no D pp128", shipped(launch_lse_pp128), kLmHead, 128);
-  add("lse no D coop256", shipped(launch_lse_coop256), kLmHead, 256);
+  add("coop128x256 c2x1 (shipped)", launch_tile<s::Cooperative128x256>);
+  add("pp128x128 c2x1 (shipped)", launch_tile<s::Pingpong128x128>);
+  add("coop256x128 c2x1", launch_tile<Coop256x128c21>);
+  add("coop256x192 c2x1", launch_tile<Coop256x192c21>);
+  add("coop256x128 c1x1", launch_tile<Coop256x128c11>);
+  auto shipped = [](Epilogue e, GemmTile t) {  // the catalogue's launcher of (epilogue, tile)
+    const GemmLauncher fn = gemm_launcher(e, t);
+    return [fn](const GemmProblem& q, cudaStream_t s2) { return fn(q, static_cast<Stream>(s2)); };
+  };
+  add("residual_sqsum_aux pp128", shipped(Epilogue::kResidualSqsumAux, GemmTile::kPingpong128x128), kResidual, 128);
+  add("residual_sqsum_aux coop256", shipped(Epilogue::kResidualSqsumAux, GemmTile::kCooperative128x256), kResidual, 256);
+  add("row_scale pp128", shipped(Epilogue::kRowScale, GemmTile::kPingpong128x128), kGateUp);
+  add("row_scale coop256", shipped(Epilogue::kRowScale, GemmTile::kCooperative128x256), kGateUp);
+  add("swiglu pp128", shipped(Epilogue::kSwiglu, GemmTile::kPingpong128x128), kGateUp, 0, true);
+  add("swiglu coop256", shipped(Epilogue::kSwiglu, GemmTile::kCooperative128x256), kGateUp, 0, true);
+  add("rope pp128", shipped(Epilogue::kRope, GemmTile::kPingpong128x128), kQkv);
+  add("rope coop256", shipped(Epilogue::kRope, GemmTile::kCooperative128x256), kQkv);
+  add("lse no D pp128", shipped(Epilogue::kLse, GemmTile::kPingpong128x128), kLmHead, 128);
+  add("lse no D coop256", shipped(Epilogue::kLse, GemmTile::kCooperative128x256), kLmHead, 256);
 
   printf("{\"experiment\": \"tile_sweep\", \"epilogue\": \"scalar_scale\", \"iters\": %d, \"rounds\": %d, \"results\": [\n", kIters, rounds);
   bool first = true;
