@@ -16,6 +16,7 @@ final_state; no outputs of their own), the public functions (direct launcher cal
 when traced)."""
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING
 
@@ -55,26 +56,20 @@ def _torch_arg(x):
     return torch_module().from_numpy(np.ascontiguousarray(x))
 
 
-def _device_indices(*xs):
-    """True when an index array is a CUDA tensor and its device is not capturing a CUDA graph (host copies
-    allowed)."""
+def _host_indices(stream, *xs):
+    """The eager index check's host copies: None when no x is a CUDA tensor or its device is capturing a CUDA
+    graph (no check), else xs with each CUDA tensor copied to the host in the order of `stream` (the call's
+    explicit one) or the current stream: what the kernel will read. The caller holds them while views point in."""
     on = [x for x in xs if x is not None and is_torch(x) and x.is_cuda]
     if not on:
-        return False
+        return None
     cuda = torch_module().cuda
     with cuda.device(on[0].device):
-        return not cuda.is_current_stream_capturing()
-
-
-def _host_copies(stream, *xs):
-    """Host copies of the CUDA index tensors among xs (others as they are), read in order on `stream` (the
-    call's explicit stream) or the current one: what the kernel would read."""
-    torch = torch_module()
-    cuda = [x for x in xs if x is not None and is_torch(x) and x.is_cuda]
-    if stream is None or not cuda:
-        return tuple(x.cpu() if x is not None and is_torch(x) and x.is_cuda else x for x in xs)
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream_for(cuda[0], stream), device=cuda[0].device)):
-        return tuple(x.cpu() if x is not None and is_torch(x) and x.is_cuda else x for x in xs)
+        if cuda.is_current_stream_capturing():
+            return None
+        order = cuda.stream(cuda.ExternalStream(stream_for(on[0], stream))) if stream is not None else contextlib.nullcontext()
+        with order:
+            return tuple(x.cpu() if x is not None and is_torch(x) and x.is_cuda else x for x in xs)
 
 
 # --- launchers ------------------------------------------------------------------------------------------
@@ -94,9 +89,9 @@ def _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state
                                    num_accepted_tokens=dl(nat), o=dl(o), final_state=dl(final_state))
 
     opts = _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval)
-    if check_indices and _device_indices(state_indices, num_accepted_tokens):
-        hi, hn = _host_copies(stream, state_indices, num_accepted_tokens)  # held: the views below point into them
-        _b.kda_recurrent_workspace(make(hi, hn), opts)  # validates the values
+    host = _host_indices(stream, state_indices, num_accepted_tokens) if check_indices else None
+    if host is not None:
+        _b.kda_recurrent_workspace(make(*host), opts)  # validates the values
     _b.kda_recurrent_run(make(state_indices, num_accepted_tokens), opts, None, stream_for(q, stream))
 
 
@@ -104,9 +99,9 @@ def _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_q
                              lower_bound, cu_seqlens, o, stream=None, check_indices=True):
     opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
     fwd = _forward_args(q, k, v, g, beta, None, A_log, dt_bias, cu_seqlens, o)
-    if check_indices and _device_indices(state_indices):  # as _kda_recurrent_launch's check
-        (hi,) = _host_copies(stream, state_indices)  # held: the view below points into it
-        _b.kda_forward_pool_workspace(_b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(hi)), opts)
+    host = _host_indices(stream, state_indices) if check_indices else None  # as _kda_recurrent_launch's check
+    if host is not None:
+        _b.kda_forward_pool_workspace(_b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(host[0])), opts)
     args = _b.KdaPoolForwardArgs(fwd=fwd, pool=dl(pool), state_indices=dl(state_indices))
     nbytes = _b.kda_forward_pool_workspace(args, opts) if is_torch(q) and q.is_cuda else 0  # the CUDA forward's records
     _b.kda_forward_pool_run(args, opts, workspace(None, q, nbytes, 16, "kda_forward_pool") if nbytes else None, stream_for(q, stream))

@@ -13,6 +13,7 @@
 
 #include "core/checks.hpp"
 #include "core/device_memory.hpp"
+#include "encore/core/device_info.hpp"
 #include "encore/kda_serving.hpp"
 #include "kda/pool_forward.hpp"
 #include "kda/problem.hpp"
@@ -262,11 +263,13 @@ cuda::KdaDecodeTensor decode_tensor(const TensorView& t) {
   return {t.data, t.dtype, t.strides[0], t.strides[1], t.ndim > 2 ? t.strides[2] : 0};
 }
 
-// A state tensor's 4-column vector accesses are aligned: base, row stride and V multiples of 4 elements.
-bool state_vec(const TensorView& t) {
+// A state tensor's vector accesses of `elems` columns are aligned: base, row stride and V multiples of elems.
+bool state_aligned(const TensorView& t, int64_t elems) {
   const size_t es = dtype_size(t.dtype);
-  return checks::aligned(t.data, 4 * es) && (t.shape[0] <= 1 || t.strides[0] % 4 == 0) && t.shape[3] % 4 == 0;
+  return checks::aligned(t.data, size_t(elems) * es) && (t.shape[0] <= 1 || t.strides[0] % elems == 0) && t.shape[3] % elems == 0;
 }
+bool state_vec(const TensorView& t) { return state_aligned(t, 4); }
+bool state_16b(const TensorView& t) { return !t.defined() || state_aligned(t, int64_t(16 / dtype_size(t.dtype))); }
 
 // The compile-time kernels' conditions (kda_decode.hpp, KdaDecodeParams::fast).
 bool decode_fast(const KdaRecurrentArgs& a, const kda::KdaProblem& p) {
@@ -320,6 +323,10 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
     }
   }
   d.fast = decode_fast(a, p);
+  d.states16 = state_16b(a.initial_state) && state_16b(fin);
+  const DeviceInfo* info = nullptr;  // cached per device
+  ENCORE_RETURN_IF_ERROR(get_device_info(a.q.device.index, &info));
+  d.sm_count = info->sm_count;
   d.varlen = a.cu_seqlens.defined();
   const int64_t N = int64_t(p.seqs.size());
   if (!d.varlen) {

@@ -42,8 +42,8 @@
 #include "common/cuda/device_guard.hpp"
 #include "common/cuda/fast_math.cuh"  // fast_exp2
 #include "common/cuda/launch_check.hpp"
-#include "kda/cuda/kda_decode.hpp"
 #include "core/softplus_log2.hpp"
+#include "kda/cuda/kda_decode.hpp"
 #include "kda/cuda/kda_device.cuh"  // kda::sigmoid
 
 namespace encore::cuda {
@@ -72,10 +72,13 @@ __device__ __forceinline__ void unpack_halves(DType dt, const Vec& u, float* x) 
 __device__ __forceinline__ unsigned short to_half_bits(DType dt, float x) {
   return dt == DType::kBF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
-// Four values as 16-bit words of dt (bf16 / fp16), lower address first.
+// Two values as 16-bit words of dt (bf16 / fp16) in one 32-bit word, a at the lower address.
+__device__ __forceinline__ unsigned pack_pair(DType dt, float a, float b) {
+  return unsigned(to_half_bits(dt, a)) | (unsigned(to_half_bits(dt, b)) << 16);
+}
+// Four values as 16-bit words of dt, lower address first.
 __device__ __forceinline__ uint2 pack_halves4(DType dt, const float (&x)[4]) {
-  return make_uint2(unsigned(to_half_bits(dt, x[0])) | (unsigned(to_half_bits(dt, x[1])) << 16),
-                    unsigned(to_half_bits(dt, x[2])) | (unsigned(to_half_bits(dt, x[3])) << 16));
+  return make_uint2(pack_pair(dt, x[0], x[1]), pack_pair(dt, x[2], x[3]));
 }
 
 // N consecutive input elements at element offset `off` (channels c0 .. c0 + N - 1 of C; 0 past C):
@@ -273,26 +276,56 @@ struct TokenLoad<8, __nv_bfloat16, C> {
   }
 };
 
+// C state columns of one row as loaded, in the pool's dtype (St known at compile time): fp32 one or two
+// 16-byte words, bf16 an 8-byte (C = 4) or 16-byte (C = 8) word; unpacked to floats at use.
+template <class St, int C>
+struct PackedRow {
+  static constexpr int kBytes = C * int(sizeof(St));
+  using Vec = std::conditional_t<kBytes == 8, uint2, uint4>;
+  static constexpr int kVecs = kBytes / int(sizeof(Vec));
+  Vec w[kVecs];
+  __device__ __forceinline__ void load(const St* p) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) w[i] = __ldcs(reinterpret_cast<const Vec*>(p) + i);
+  }
+  __device__ __forceinline__ void store(St* p) const {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) __stcs(reinterpret_cast<Vec*>(p) + i, w[i]);
+  }
+  __device__ __forceinline__ void unpack(float (&x)[C]) const {
+    const unsigned* u = reinterpret_cast<const unsigned*>(w);
+    if constexpr (std::is_same_v<St, float>) {
+#pragma unroll
+      for (int j = 0; j < C; ++j) x[j] = __uint_as_float(u[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < C / 2; ++j) half_pair(DType::kBF16, u[j], x[2 * j], x[2 * j + 1]);
+    }
+  }
+  __device__ __forceinline__ void pack(const float (&x)[C]) {
+    unsigned* u = reinterpret_cast<unsigned*>(w);
+    if constexpr (std::is_same_v<St, float>) {
+#pragma unroll
+      for (int j = 0; j < C; ++j) u[j] = __float_as_uint(x[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < C / 2; ++j) u[j] = pack_pair(DType::kBF16, x[2 * j], x[2 * j + 1]);
+    }
+  }
+};
+
 // The R state rows row0 .. row0 + R - 1 (those < K; others 0) of this thread's 4 columns from element
 // offset base (row r at base + r V). St = void: the dtype at run time (all loads issued before any
 // conversion); float / __nv_bfloat16: that dtype, vector accesses (the dispatch checked their alignment).
 template <int R, class St>
 __device__ __forceinline__ void load_rows(const void* data, DType dt, bool vec, int64_t base, int row0, int K, int c0, int V,
                                           float (&S)[R][4]) {
-  if constexpr (std::is_same_v<St, float>) {
-    const float* p = static_cast<const float*>(data) + base;
+  if constexpr (!std::is_void_v<St>) {
+    PackedRow<St, 4> w[R];  // every row's load issued before any conversion
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float4 f = __ldcs(reinterpret_cast<const float4*>(p + r * V));
-      S[r][0] = f.x, S[r][1] = f.y, S[r][2] = f.z, S[r][3] = f.w;
-    }
-  } else if constexpr (std::is_same_v<St, __nv_bfloat16>) {
-    const unsigned short* p = static_cast<const unsigned short*>(data) + base;
-    uint2 raw[R];
+    for (int r = 0; r < R; ++r) w[r].load(static_cast<const St*>(data) + base + r * V);
 #pragma unroll
-    for (int r = 0; r < R; ++r) raw[r] = __ldcs(reinterpret_cast<const uint2*>(p + r * V));
-#pragma unroll
-    for (int r = 0; r < R; ++r) unpack_halves(DType::kBF16, raw[r], S[r]);
+    for (int r = 0; r < R; ++r) w[r].unpack(S[r]);
   } else {
     if (vec && c0 + 4 <= V) {  // whole vectors: the loads of all rows first
       if (dt == DType::kFP32) {
@@ -323,15 +356,12 @@ __device__ __forceinline__ void load_rows(const void* data, DType dt, bool vec, 
 template <int R, class St>
 __device__ __forceinline__ void store_rows(void* data, DType dt, bool vec, int64_t base, int row0, int K, int c0, int V,
                                            const float (&S)[R][4]) {
-  if constexpr (std::is_same_v<St, float>) {
-    float* p = static_cast<float*>(data) + base;
-#pragma unroll
-    for (int r = 0; r < R; ++r) __stcs(reinterpret_cast<float4*>(p + r * V), make_float4(S[r][0], S[r][1], S[r][2], S[r][3]));
-  } else if constexpr (std::is_same_v<St, __nv_bfloat16>) {
-    unsigned short* p = static_cast<unsigned short*>(data) + base;
+  if constexpr (!std::is_void_v<St>) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      __stcs(reinterpret_cast<uint2*>(p + r * V), pack_halves4(DType::kBF16, S[r]));
+      PackedRow<St, 4> w;
+      w.pack(S[r]);
+      w.store(static_cast<St*>(data) + base + r * V);
     }
   } else {
 #pragma unroll
@@ -401,45 +431,6 @@ __device__ __forceinline__ float token_out(const KdaDecodeParams& p, const Token
   }
   return rk;
 }
-
-// C state columns of one row as loaded, in the pool's dtype (the single-token kernels): fp32 one or two
-// 16-byte words, bf16 an 8-byte (C = 4) or 16-byte (C = 8) word; unpacked to floats at use.
-template <class St, int C>
-struct PackedRow {
-  static constexpr int kBytes = C * int(sizeof(St));
-  using Vec = std::conditional_t<kBytes == 8, uint2, uint4>;
-  static constexpr int kVecs = kBytes / int(sizeof(Vec));
-  Vec w[kVecs];
-  __device__ __forceinline__ void load(const St* p) {
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) w[i] = __ldcs(reinterpret_cast<const Vec*>(p) + i);
-  }
-  __device__ __forceinline__ void store(St* p) const {
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) __stcs(reinterpret_cast<Vec*>(p) + i, w[i]);
-  }
-  __device__ __forceinline__ void unpack(float (&x)[C]) const {
-    const unsigned* u = reinterpret_cast<const unsigned*>(w);
-    if constexpr (std::is_same_v<St, float>) {
-#pragma unroll
-      for (int j = 0; j < C; ++j) x[j] = __uint_as_float(u[j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < C / 2; ++j) half_pair(DType::kBF16, u[j], x[2 * j], x[2 * j + 1]);
-    }
-  }
-  __device__ __forceinline__ void pack(const float (&x)[C]) {
-    unsigned* u = reinterpret_cast<unsigned*>(w);
-    if constexpr (std::is_same_v<St, float>) {
-#pragma unroll
-      for (int j = 0; j < C; ++j) u[j] = __float_as_uint(x[j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < C / 2; ++j)
-        u[j] = unsigned(to_half_bits(DType::kBF16, x[2 * j])) | (unsigned(to_half_bits(DType::kBF16, x[2 * j + 1])) << 16);
-    }
-  }
-};
 
 // The kernel (header comment at the top of this file). R: state rows per thread (16 R >= K). kDim: K = V
 // = kDim known at compile time (row offsets become immediates), 0: p.K, p.V. In, St: the inputs' and the
@@ -653,18 +644,13 @@ Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
   return go(SeqTable<kKdaDecodeSeqTable>{});
 }
 
-// A state array's 8-column accesses are 16-byte aligned (base and slot stride).
-bool aligned8(const void* data, int64_t stride, DType dt) {
-  return !data || ((reinterpret_cast<uintptr_t>(data) & 15u) == 0 && (stride * int64_t(dt == DType::kFP32 ? 4 : 2)) % 16 == 0);
-}
-
 // K = V = 128 with every input and o in one dtype (bf16 or fp32), their vector accesses aligned, and
 // aligned states of one dtype: the compile-time kernels. Launches whose sequences have at most one token
 // take the single-token kernels, with 8 columns a thread (64 a block) once the grid at 64 columns still
 // fills every SM twice (fewer, wider blocks move more bytes each; at small batches the 32-column blocks
 // spread the state over more SMs).
 template <class In>
-Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, int device, cudaStream_t s) {
+Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s) {
   const bool same = p.mode != KdaDecodeMode::kStates || !p.init || !p.fin || p.init_dtype == p.fin_dtype;
   const DType st = p.init ? p.init_dtype : p.fin_dtype;
   if (!same) return launch_rows<8, 128>(p, begin, s);
@@ -672,10 +658,7 @@ Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, int device, c
     if (st == DType::kBF16) return launch_rows<8, 128, In, __nv_bfloat16>(p, begin, s);
     return launch_rows<8, 128, In, float>(p, begin, s);
   }
-  int sms = 0;
-  ENCORE_RETURN_IF_ERROR(call_result("kda decode", "cudaDeviceGetAttribute(MultiProcessorCount)",
-                                     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)));
-  const bool wide = int64_t(p.N) * p.H * 2 >= 2 * int64_t(sms) && aligned8(p.init, p.init_stride, st) && aligned8(p.fin, p.fin_stride, st);
+  const bool wide = p.states16 && int64_t(p.N) * p.H * 2 >= 2 * int64_t(p.sm_count);
   if (st == DType::kBF16)
     return wide ? launch_rows<8, 128, In, __nv_bfloat16, true, 8>(p, begin, s) : launch_rows<8, 128, In, __nv_bfloat16, true>(p, begin, s);
   return wide ? launch_rows<8, 128, In, float, true, 8>(p, begin, s) : launch_rows<8, 128, In, float, true>(p, begin, s);
@@ -693,8 +676,8 @@ Status launch_kda_decode(const KdaDecodeParams& p, const int32_t* begin, int dev
   ENCORE_RETURN_IF_ERROR(guard.set(device));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (p.K == 128 && p.V == 128) {  // Kimi-Linear's heads
-    if (p.fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, begin, device, s);
-    if (p.fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, begin, device, s);
+    if (p.fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, begin, s);
+    if (p.fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, begin, s);
     return launch_rows<8, 128>(p, begin, s);
   }
   if (p.K <= 2 * kWarps * kRowLanes) return launch_rows<2>(p, begin, s);

@@ -70,6 +70,8 @@ struct KdaDecodeParams {
   // K = V = 128, q, k, v, g, beta and o of one dtype (bf16 or fp32), every vector access of them, of
   // dt_bias and of the states aligned (the states of one dtype): the compile-time kernels.
   bool fast = false;
+  bool states16 = false;  // the states' 8-column accesses are 16-byte aligned (base, slot stride, V): the 64-column kernels
+  int sm_count = 0;       // the device's SMs (the column width of the single-token kernels)
   int max_len = 0;      // the most tokens of one sequence in this launch (<= 1: the single-token kernels)
   bool varlen = false;  // batch row 0, tokens [begin[i], begin[i + 1]) for sequence n0 + i; else row n, tokens [0, T)
 };
