@@ -309,7 +309,10 @@ struct PackedRow {
       for (int j = 0; j < C; ++j) u[j] = __float_as_uint(x[j]);
     } else {
 #pragma unroll
-      for (int j = 0; j < C / 2; ++j) u[j] = pack_pair(DType::kBF16, x[2 * j], x[2 * j + 1]);
+      for (int j = 0; j < C / 2; ++j) {  // one cvt.rn.bf16x2.f32 a pair (x[2j] in the lower half)
+        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+        u[j] = *reinterpret_cast<const unsigned*>(&b);
+      }
     }
   }
 };
@@ -546,11 +549,20 @@ __global__ void __launch_bounds__(kThreads, !kOne ? (kDim == 128 ? 4 : 2) : kC =
         qk = fmaf(x.q[r], x.k[r], qk);
         float sr[kC];
         st[r].unpack(sr);
+        if constexpr (kC == 8) {  // S̄ᵀk = Sᵀ(d ∘ k): two FMAs an element (the 4-column kernel: registers first)
+          const float dk = d[r] * x.k[r], dq = d[r] * x.q[r];
 #pragma unroll
-        for (int c = 0; c < kC; ++c) {
-          const float sd = sr[c] * d[r];
-          pk[c] = fmaf(sd, x.k[r], pk[c]);
-          pq[c] = fmaf(sd, x.q[r], pq[c]);
+          for (int c = 0; c < kC; ++c) {
+            pk[c] = fmaf(sr[c], dk, pk[c]);
+            pq[c] = fmaf(sr[c], dq, pq[c]);
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < kC; ++c) {
+            const float sd = sr[c] * d[r];
+            pk[c] = fmaf(sd, x.k[r], pk[c]);
+            pq[c] = fmaf(sd, x.q[r], pq[c]);
+          }
         }
       }
       TokenSums<kC> sum;
