@@ -1,4 +1,4 @@
-// KDA serving on CUDA (encore/kda_serving.hpp; the decode kernel src/kda/cuda/kda_decode.cu) against the
+// KDA serving on CUDA (encore/kda_serving.hpp; the decode kernels src/kda/cuda/kda_decode.cu and kda_decode_ring.cu) against the
 // CPU reference (fp64) on the same inputs rounded to the device dtypes: every state mode (no indices with
 // and without initial / final state and in place; [N] slots with padding; [N, S] per-token slots with
 // num_accepted_tokens; varlen with an empty sequence), every gate and option (softplus with dt_bias,
@@ -194,11 +194,13 @@ TEST_F(KdaServingGpu, DecodeOnThePool) {
     for (const ServingDims& dm : {kDims128, kOdd}) decode_on_pool(dm, op, DType::kBF16, DType::kFP32, DType::kInt32, 2);
 }
 
-// Single-token launches large enough for the 64-column kernels (N HV 2 >= twice the SMs of an H100 / H200)
-// and the 32-column ones at N = 8: [N] slots with padding and [N, 2] slots with num_accepted_tokens (a
-// padding row, an unwritten entry), bf16 / fp32 inputs, fp32 / bf16 pools, against the reference.
+// Single-token launches large enough for the 64-column kernels (N HV 2 >= twice the SMs of an H100 / H200),
+// the 32-column ones at N = 8, and with bf16 inputs at N = 300 the persistent ring kernel (kda_decode_ring.cu:
+// N HV 2 = 2400 units, >= 2 for each of 132 SMs x 4 resident blocks, 4 or 5 a block): [N] slots with padding
+// and [N, 2] slots with num_accepted_tokens (a padding row, an unwritten entry), bf16 / fp32 inputs, fp32 /
+// bf16 pools, against the reference.
 TEST_F(KdaServingGpu, SingleTokenBatches) {
-  for (int64_t N : {int64_t(8), int64_t(72)})
+  for (int64_t N : {int64_t(8), int64_t(72), int64_t(300)})
     for (DType in : {DType::kBF16, DType::kFP32})
       for (DType pdt : {DType::kFP32, DType::kBF16}) {
         const int64_t P = 2 * N + 5;
@@ -302,44 +304,53 @@ TEST_F(KdaServingGpu, SpeculativeSlotsPerToken) {
 }
 
 // No indices: initial / final state rows (fp32 or bf16, either absent), in place; varlen with an empty
-// sequence (its final state = its initial state; zeros without one).
+// sequence (its final state = its initial state; zeros without one). K = V = 128 also with 300 sequences
+// of one token (one empty): the persistent ring kernel (kda_decode_ring.cu; zeros by its zero-filled stage).
 TEST_F(KdaServingGpu, StatesWithoutIndices) {
+  std::vector<int64_t> ring_lens(300, 1);
+  ring_lens[17] = 0;
   for (const ServingDims& dm : {kDims128, kOdd})
-    for (DType sdt : {DType::kFP32, DType::kBF16})
-      for (int variant = 0; variant < 4; ++variant) {  // 0: h0 -> fin, 1: in place, 2: no h0, 3: h0 without fin
-        Problem pr(dm, kKimi, 53, true, {3, 0, 1, 5});
-        const int64_t N = 4, n = N * dm.HV * dm.K * dm.V;
-        Pool h0(dm, N, sdt, pr.rng), fin(dm, N, sdt, pr.rng);
-        KdaRecurrentArgs h = pr.host();
-        if (variant != 2) h.initial_state = h0.view();
-        if (variant == 1) h.final_state = h.initial_state;
-        else if (variant != 3) h.final_state = fin.view();
-        if (variant == 1) {
-          compare(std::string("in place K") + std::to_string(dm.K) + " " + dtype_name(sdt), pr, DType::kBF16, h, &h0.bytes, {0, 1, 2, 3});
-          continue;
-        }
-        KdaRecurrentArgs hc = h;  // the reference's final state in its own bytes
-        std::vector<unsigned char> fin_bytes = fin.bytes;
-        if (h.final_state.defined()) hc.final_state.data = fin_bytes.data();
-        {
-          DeviceArena ar;
-          const DType in = DType::kBF16;
-          KdaRecurrentArgs d = to_device(hc, in, in, ar);
-          ASSERT_TRUE(run(d, pr.opts.o));
-          ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
-          ASSERT_TRUE(run(hc, pr.opts.o));
-          const double eo = rel_err(fetch(d.o), pr.b.o);
-          EXPECT_LE(eo, 5e-3) << "o";
-          double es = 0;
-          if (hc.final_state.defined()) {
-            std::vector<double> r(static_cast<size_t>(n));
-            for (int64_t i = 0; i < n; ++i) r[size_t(i)] = load_as_double(fin_bytes.data(), sdt, i);
-            es = rel_err(fetch(d.final_state), r);
+    for (const std::vector<int64_t>& lens : {std::vector<int64_t>{3, 0, 1, 5}, ring_lens})
+      for (DType sdt : {DType::kFP32, DType::kBF16})
+        for (int variant = 0; variant < 4; ++variant) {  // 0: h0 -> fin, 1: in place, 2: no h0, 3: h0 without fin
+          if (lens.size() > 4 && dm.K != 128) continue;
+          Problem pr(dm, kKimi, 53, true, lens);
+          const int64_t N = int64_t(lens.size()), n = N * dm.HV * dm.K * dm.V;
+          Pool h0(dm, N, sdt, pr.rng), fin(dm, N, sdt, pr.rng);
+          KdaRecurrentArgs h = pr.host();
+          if (variant != 2) h.initial_state = h0.view();
+          if (variant == 1) h.final_state = h.initial_state;
+          else if (variant != 3) h.final_state = fin.view();
+          if (variant == 1) {
+            std::set<int64_t> rows;
+            for (int64_t r = 0; r < N; ++r) rows.insert(r);
+            compare(std::string("in place N") + std::to_string(N) + " K" + std::to_string(dm.K) + " " + dtype_name(sdt), pr, DType::kBF16, h,
+                    &h0.bytes, rows);
+            continue;
           }
-          EXPECT_LE(es, 5e-3) << "final state";
-          std::printf("  kda decode states variant %d K%-3lld %-4s o %.2e  final state %.2e\n", variant, (long long)dm.K, dtype_name(sdt), eo, es);
+          KdaRecurrentArgs hc = h;  // the reference's final state in its own bytes
+          std::vector<unsigned char> fin_bytes = fin.bytes;
+          if (h.final_state.defined()) hc.final_state.data = fin_bytes.data();
+          {
+            DeviceArena ar;
+            const DType in = DType::kBF16;
+            KdaRecurrentArgs d = to_device(hc, in, in, ar);
+            ASSERT_TRUE(run(d, pr.opts.o));
+            ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+            ASSERT_TRUE(run(hc, pr.opts.o));
+            const double eo = rel_err(fetch(d.o), pr.b.o);
+            EXPECT_LE(eo, 5e-3) << "o";
+            double es = 0;
+            if (hc.final_state.defined()) {
+              std::vector<double> r(static_cast<size_t>(n));
+              for (int64_t i = 0; i < n; ++i) r[size_t(i)] = load_as_double(fin_bytes.data(), sdt, i);
+              es = rel_err(fetch(d.final_state), r);
+            }
+            EXPECT_LE(es, 5e-3) << "final state";
+            std::printf("  kda decode states variant %d N%-3lld K%-3lld %-4s o %.2e  final state %.2e\n", variant, (long long)N, (long long)dm.K,
+                        dtype_name(sdt), eo, es);
+          }
         }
-      }
 }
 
 // Varlen prefill-like calls on the pool ([N] indices, any length: the recurrent step), with an empty
@@ -421,6 +432,63 @@ TEST_F(KdaServingGpu, BadDeviceIndicesGiveNaNRowsAndWriteNothing) {
   const Status st = run(d, kKimi.o);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("state_indices: in host memory, but q is on cuda:0"), std::string::npos) << st.message();
+}
+
+// The device index contract in batches that take the persistent ring kernel (kda_decode_ring.cu: 300
+// single-token sequences, bf16 inputs): an index >= P, a per-token index >= P ([N, 2]: idx[n, 0] with the
+// start in column 1) or num_accepted_tokens 0 / 3 > S give NaN rows and write nothing; padding gives zero
+// rows; every other sequence is computed and its slot written.
+TEST_F(KdaServingGpu, BadIndicesInRingBatches) {
+  const ServingDims dm = kDims128;
+  constexpr int64_t N = 300, P = N + 4;
+  for (DType pdt : {DType::kBF16, DType::kFP32})
+    for (int64_t S : {1, 2}) {
+      SCOPED_TRACE(std::string(dtype_name(pdt)) + " S" + std::to_string(S));
+      Problem pr(dm, kKimi, 95, false, std::vector<int64_t>(size_t(N), 1));
+      Pool pool(dm, P, pdt, pr.rng);
+      std::vector<int64_t> idx(size_t(N * S)), nat;
+      std::set<int64_t> bad, pad = {20};
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = 0; c < S; ++c) idx[size_t(n * S + c)] = n;
+      idx[size_t(20 * S)] = -1;
+      if (S == 1) {
+        idx[10] = P + 3, bad = {10};
+      } else {
+        nat.assign(size_t(N), 1);
+        for (int64_t n = 0; n < N; ++n) nat[size_t(n)] = 1 + n % 2;
+        nat[20] = 1;                                  // padding: its start idx[20, 0] is -1
+        nat[30] = 0, nat[31] = 3, nat[41] = 2;        // outside [1, 2]; 41 starts from column 1 = 41
+        idx[size_t(41 * 2)] = P;                      // its token's slot >= P
+        bad = {30, 31, 41};
+      }
+      KdaRecurrentArgs h = pr.host();
+      h.initial_state = pool.view();
+      h.state_indices = S == 1 ? TensorView::contiguous(idx.data(), DType::kInt64, {N}) : TensorView::contiguous(idx.data(), DType::kInt64, {N, S});
+      if (!nat.empty()) h.num_accepted_tokens = TensorView::contiguous(nat.data(), DType::kInt64, {N});
+      DeviceArena ar;
+      KdaRecurrentArgs d = to_device(h, DType::kBF16, DType::kBF16, ar);
+      const std::vector<unsigned char> before = fetch_bytes(d.initial_state);
+      ASSERT_TRUE(run(d, kKimi.o));
+      ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+      const std::vector<double> o = fetch(d.o);
+      const std::vector<unsigned char> after = fetch_bytes(d.initial_state);
+      const size_t slot = after.size() / size_t(P), rows = o.size() / size_t(N);
+      for (int64_t n = 0; n < N; ++n)
+        for (size_t i = 0; i < rows; ++i) {
+          const double x = o[size_t(n) * rows + i];
+          if (bad.count(n)) {
+            ASSERT_TRUE(std::isnan(x)) << "sequence " << n;
+          } else if (pad.count(n)) {
+            ASSERT_EQ(x, 0.0) << "sequence " << n << " (padding)";
+          } else {
+            ASSERT_TRUE(std::isfinite(x)) << "sequence " << n;
+          }
+        }
+      for (int64_t s = 0; s < P; ++s) {  // slot s belongs to sequence s (s < N)
+        const bool same = std::memcmp(after.data() + s * slot, before.data() + s * slot, slot) == 0;
+        EXPECT_EQ(same, s >= N || bad.count(s) || pad.count(s)) << "slot " << s;
+      }
+    }
 }
 
 // Capture one decode call in a CUDA graph; replay it after writing new inputs, indices and accepted

@@ -23,7 +23,9 @@
 // SM twice 8 columns a thread, 64 a block (16-byte bf16 state accesses, 128 B of state a thread in flight,
 // 4 blocks an SM). The gate and decay in log2 units on one exp2 (softplus_log2). State traffic: loads and stores with the
 // streaming cache hint (read once, written once). The varlen token table is a launch parameter sized to
-// the launch (none for fixed length, 64 or 1024 sequences). The device helpers are in kda_decode_parts.cuh.
+// the launch (none for fixed length, 64 or 1024 sequences). Single-token launches with bf16 inputs and enough
+// 64-column units to give every resident block two or more take the persistent, software-pipelined kernel
+// of kda_decode_ring.cu instead (launch_fast: kRing); the helpers both use are in kda_decode_parts.cuh.
 //
 // Index contract on the device (no host sync): a sequence whose num_accepted_tokens is outside
 // [1, S], whose start index or any of its per-token indices ([N, S]) is >= P writes nothing to the pool
@@ -41,7 +43,7 @@
 #include "common/cuda/device_guard.hpp"
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_decode.hpp"
-#include "kda/cuda/kda_decode_parts.cuh"
+#include "kda/cuda/kda_decode_parts.cuh"  // the helpers shared with kda_decode_ring.cu
 
 namespace encore::cuda {
 namespace {
@@ -343,6 +345,12 @@ Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
 // take the single-token kernels, with 8 columns a thread (64 a block) once the grid at 64 columns still
 // fills every SM twice (fewer, wider blocks move more bytes each; at small batches the 32-column blocks
 // spread the state over more SMs).
+// The persistent ring kernel (kda_decode_ring.cu) for single-token launches with bf16 inputs and 64-column
+// blocks, where every resident block gets at least kRingMinUnits units (sequence, head, 64 columns); false:
+// the one-shot kernels above. kRingF32: fp32 pools too (else bf16 pools only).
+constexpr bool kRing = true, kRingF32 = true;
+constexpr int kRingMinUnits = 2;
+
 template <class In>
 Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s) {
   const bool same = p.mode != KdaDecodeMode::kStates || !p.init || !p.fin || p.init_dtype == p.fin_dtype;
@@ -353,6 +361,13 @@ Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
     return launch_rows<8, 128, In, float>(p, begin, s);
   }
   const bool wide = p.states16 && int64_t(p.N) * p.H * 2 >= 2 * int64_t(p.sm_count);
+  if constexpr (kRing && std::is_same_v<In, __nv_bfloat16>) {
+    if (wide && (kRingF32 || st == DType::kBF16)) {
+      bool launched = false;
+      ENCORE_RETURN_IF_ERROR(launch_ring(p, begin, p.sm_count, kRingMinUnits, s, launched));
+      if (launched) return Status::ok();
+    }
+  }
   if (st == DType::kBF16)
     return wide ? launch_rows<8, 128, In, __nv_bfloat16, true, 8>(p, begin, s) : launch_rows<8, 128, In, __nv_bfloat16, true>(p, begin, s);
   return wide ? launch_rows<8, 128, In, float, true, 8>(p, begin, s) : launch_rows<8, 128, In, float, true>(p, begin, s);
