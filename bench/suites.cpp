@@ -25,6 +25,7 @@ int run_suites(const BenchOptions& opts) {
       {"kda_plans", run_kda_plans_suite},
       {"kda_bwd", run_kda_bwd_suite},
       {"kda_decode", run_kda_decode_suite},
+      {"kda_decode_plans", run_kda_decode_plans_suite},
       {"quant_plans", run_quant_plans_suite},
       {"host_overhead", run_host_overhead_suite},
       {"moe", run_moe_suite},

@@ -20,6 +20,7 @@ void run_kda_phases_suite(Report& report, const TimeOptions& topts, cudaStream_t
 void run_kda_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_kda_decode_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);  // bench/kda/bench_kda_decode.cpp
+void run_kda_decode_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);  // bench/kda/bench_kda_decode.cpp
 void run_quant_plans_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_host_overhead_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);
 void run_moe_suite(Report& report, const TimeOptions& topts, cudaStream_t stream);

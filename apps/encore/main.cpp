@@ -3,7 +3,7 @@
 //   encore check [--cpu]        every op: GPU vs CPU backend on small random shapes (pass/fail table)
 //   encore bench [suite] [--out FILE.json] [--quick]
 //                               benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,
-//                               gemm_epilogue, kda, kda_phases, kda_plans, kda_bwd, quant_plans, host_overhead; all by default): table + JSON
+//                               gemm_epilogue, kda, kda_phases, kda_plans, kda_bwd, kda_decode, kda_decode_plans, quant_plans, host_overhead; all by default): table + JSON
 //   encore jit warmup [--config FILE]  precompile run-time specializations into the JIT cache (jit_cmd.cpp)
 #include <cstdio>
 #include <cstring>
@@ -27,7 +27,7 @@ int usage(int code) {
       "  check [--cpu]                run every op against the CPU backend (pass/fail table)\n"
       "  bench [suite ...] [--out FILE] [--quick]\n"
       "                               run benchmark suites (norm, norm_plans, qk_norm, qk_norm_plans, quant, decode_path,\n"
-      "                               gemm_epilogue, kda, kda_phases, kda_plans, kda_bwd, quant_plans, host_overhead); write JSON to FILE\n"
+      "                               gemm_epilogue, kda, kda_phases, kda_plans, kda_bwd, kda_decode, kda_decode_plans, quant_plans, host_overhead); write JSON to FILE\n"
       "  jit warmup [--config FILE]   precompile run-time specializations (JIT cache), print each compile time\n");
   return code;
 }

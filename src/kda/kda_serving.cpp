@@ -15,9 +15,11 @@
 #include "core/device_memory.hpp"
 #include "encore/core/device_info.hpp"
 #include "encore/kda_serving.hpp"
+#include "kda/plan.hpp"
 #include "kda/pool_forward.hpp"
 #include "kda/problem.hpp"
 #include "kda/reference/kda_ref.hpp"
+#include "kda/testing.hpp"  // the run overload on an explicit decode kernel, defined here
 #ifdef ENCORE_WITH_CUDA
 #include "kda/cuda/kda_decode.hpp"
 #include "kda/cuda/launch.hpp"  // host-only: kda_use_recurrent
@@ -288,7 +290,9 @@ bool decode_fast(const KdaRecurrentArgs& a, const kda::KdaProblem& p) {
   return true;
 }
 
-Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const kda::KdaProblem& p, Stream stream) {
+// kernel: the single-token kernel requested (tests, benchmarks), null: the rule's (kda_decode_kernel).
+Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const kda::KdaProblem& p, Stream stream,
+                          const cuda::KdaDecodeKernel* kernel = nullptr) {
   cuda::KdaDecodeParams d;
   d.T = int(p.T), d.H = int(p.H), d.group = int(p.group()), d.K = int(p.K), d.V = int(p.V);
   d.scale = float(p.scale);
@@ -327,10 +331,15 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
   const DeviceInfo* info = nullptr;  // cached per device
   ENCORE_RETURN_IF_ERROR(get_device_info(a.q.device.index, &info));
   d.sm_count = info->sm_count;
+  const DType states = a.initial_state.defined() ? a.initial_state.dtype : fin.dtype;
+  auto choose = [&](int64_t n) {
+    d.kernel = kernel ? *kernel : kda::kda_decode_kernel(n, p.H, a.q.dtype, states, d.states16, d.sm_count);
+  };
   d.varlen = a.cu_seqlens.defined();
   const int64_t N = int64_t(p.seqs.size());
   if (!d.varlen) {
     d.N = int(N), d.max_len = int(p.T);
+    choose(N);
     return cuda::launch_kda_decode(d, nullptr, a.q.device.index, stream);
   }
   int32_t begin[cuda::kKdaDecodeSeqTable + 1];  // ~4 KB on the stack: run does not allocate
@@ -343,6 +352,7 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
       d.max_len = std::max(d.max_len, int(q.end - q.begin));
     }
     begin[count] = int32_t(p.seqs[size_t(n0 + count - 1)].end);
+    choose(count);
     ENCORE_RETURN_IF_ERROR(cuda::launch_kda_decode(d, begin, a.q.device.index, stream));
   }
   return Status::ok();
@@ -399,22 +409,29 @@ Status run_recurrent_cpu(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o
   return Status::ok();
 }
 
-}  // namespace
-
-Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Stream stream) {
+// run, with the single-token kernel `kernel` (null: the rule's) on CUDA.
+Status run_recurrent(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const cuda::KdaDecodeKernel* kernel, Stream stream) {
   kda::KdaProblem p;
   SlotPlan plan;
   ENCORE_RETURN_IF_ERROR(validate_recurrent(a, o, &p, &plan));
   if (a.q.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     ENCORE_RETURN_IF_ERROR(validate_recurrent_cuda(a, p));
-    return run_recurrent_cuda(a, o, p, stream);
+    return run_recurrent_cuda(a, o, p, stream, kernel);
 #else
     (void)stream;
     return no_cuda("kda_recurrent", a.q);
 #endif
   }
   return run_recurrent_cpu(a, o, p, plan);
+}
+
+}  // namespace
+
+Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Stream stream) { return run_recurrent(a, o, nullptr, stream); }
+
+Status kda::run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, cuda::KdaDecodeKernel kernel, Stream stream) {
+  return run_recurrent(a, o, &kernel, stream);
 }
 
 namespace {

@@ -50,6 +50,14 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
   return Status::ok();
 }
 
+cuda::KdaDecodeKernel kda_decode_kernel(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count) {
+  const int64_t units = N * H * 2, sms = sm_count > 0 ? sm_count : 1;  // (sequence, head, 64 columns)
+  if (!states16 || units < 2 * sms) return cuda::KdaDecodeKernel::kColumns32;
+  const int64_t ring_blocks = states == DType::kBF16 ? 4 : 3;
+  if (inputs == DType::kBF16 && units >= 2 * ring_blocks * sms) return cuda::KdaDecodeKernel::kRing;
+  return cuda::KdaDecodeKernel::kColumns64;
+}
+
 KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType inputs) {
   if (cuda::kda_use_recurrent(p.K, p.V)) return KdaBackwardKernels::kRecurrent;
   if (saved_h && (inputs == DType::kBF16 || inputs == DType::kFP16)) return KdaBackwardKernels::kSecond;

@@ -8,6 +8,7 @@
 #include "encore/core/device_info.hpp"
 #include "encore/core/dtype.hpp"
 #include "encore/core/status.hpp"
+#include "kda/cuda/kda_decode.hpp"  // host-only: the decode kernels
 #include "kda/problem.hpp"
 
 namespace encore::kda {
@@ -28,6 +29,13 @@ Status check_plan(const KdaLaunchPlan& plan);
 
 // `requested` with its 0 fields replaced by kda_plan's choice, after check_plan.
 Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const DeviceInfo& device, KdaLaunchPlan* out);
+
+// The decode step's single-token kernel (kda/cuda/kda_decode.hpp) for N sequences x H value heads at K = V
+// = 128: 32 columns a block while the grid at 64 columns would not cover every SM twice (small batches
+// spread the state over more SMs) or the states' 8-column accesses are not 16-byte aligned; then the ring
+// kernel for bf16 inputs once every resident ring block (4 an SM with bf16 states, 3 with fp32: its shared
+// memory) gets at least two units (its loads overlap the compute of the unit before); else 64 columns.
+cuda::KdaDecodeKernel kda_decode_kernel(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count);
 
 // The CUDA backward's kernels for a problem: the second backward (K0 prep, K1 scan, K2a, K2b: single-
 // pass bf16 tensor-core products) for bf16 / fp16 inputs with the forward's saved chunk-start states

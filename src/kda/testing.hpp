@@ -4,6 +4,7 @@
 #pragma once
 #include "encore/core/status.hpp"
 #include "encore/kda.hpp"
+#include "encore/kda_serving.hpp"
 #include "kda/cuda/kda_bwd2.hpp"
 #include "kda/cuda/launch.hpp"
 #include "kda/plan.hpp"
@@ -16,6 +17,10 @@ namespace encore::kda {
 // reference ignore it once checked.
 Status run(const KdaForwardArgs& args, const KdaOptions& opts, const KdaLaunchPlan& plan, void* workspace = nullptr,
            Stream stream = nullptr);
+
+// The recurrent step (include/encore/kda_serving.hpp's run) with `kernel` as its single-token kernel in
+// place of the rule's (kda_decode_kernel; fast single-token launches only, others ignore it).
+Status run(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts, cuda::KdaDecodeKernel kernel, Stream stream = nullptr);
 
 // The second backward (K0 prep, K1 scan, K2a, K2b; kda/cuda/kda_bwd2.hpp) on a validated backward
 // problem with the forward's residuals G, Aqk, Akk, h (CUDA, K, V <= 128), for any input dtype (run

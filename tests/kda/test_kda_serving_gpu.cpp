@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "encore/kda_serving.hpp"
+#include "kda/testing.hpp"  // run on an explicit single-token kernel
 #include "tests/common/device_buffer.hpp"
 #include "tests/kda/kda_case.hpp"
 #include "tests/kda/kda_serving_case.hpp"
@@ -105,15 +106,16 @@ double max_abs(const std::vector<double>& x) {
 }
 
 // Runs host (CPU reference) and device on the same rounded inputs and compares o, the written states
-// (`written` pool slots, or final_state) and the untouched slots (bit-identical).
+// (`written` pool slots, or final_state) and the untouched slots (bit-identical). kernel: the device run's
+// single-token kernel (null: the rule's).
 void compare(const std::string& label, Problem& pr, DType in, KdaRecurrentArgs h, std::vector<unsigned char>* pool_bytes,
-             const std::set<int64_t>& written, std::vector<double>* fin_host = nullptr) {
+             const std::set<int64_t>& written, std::vector<double>* fin_host = nullptr, const cuda::KdaDecodeKernel* kernel = nullptr) {
   SCOPED_TRACE(label + " " + dtype_name(in));
   DeviceArena ar;
   const DType gdt = pr.opts.o.use_gate_in_kernel ? in : DType::kFP32;
   KdaRecurrentArgs d = to_device(h, in, gdt, ar);  // rounds h's inputs
   const std::vector<unsigned char> before = pool_bytes ? *pool_bytes : std::vector<unsigned char>{};
-  Status st = run(d, pr.opts.o);
+  Status st = kernel ? kda::run(d, pr.opts.o, *kernel) : run(d, pr.opts.o);
   ASSERT_TRUE(st) << st.to_string();
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
   st = run(h, pr.opts.o);
@@ -194,15 +196,21 @@ TEST_F(KdaServingGpu, DecodeOnThePool) {
     for (const ServingDims& dm : {kDims128, kOdd}) decode_on_pool(dm, op, DType::kBF16, DType::kFP32, DType::kInt32, 2);
 }
 
-// Single-token launches large enough for the 64-column kernels (N HV 2 >= twice the SMs of an H100 / H200),
-// the 32-column ones at N = 8, and with bf16 inputs at N = 300 the persistent ring kernel (kda_decode_ring.cu:
-// N HV 2 = 2400 units, >= 2 for each of 132 SMs x 4 resident blocks, 4 or 5 a block): [N] slots with padding
-// and [N, 2] slots with num_accepted_tokens (a padding row, an unwritten entry), bf16 / fp32 inputs, fp32 /
+// Single-token launches on the rule's kernel (kda_decode_kernel: 32 columns at N = 8, 64 at N = 72, with
+// bf16 inputs at N = 300 the persistent ring kernel of kda_decode_ring.cu: N HV 2 = 2400 units, >= 2 for
+// each of 132 SMs x 4 resident blocks) and at N = 8, 72 on each kernel named (the ring kernel with fewer
+// units than resident blocks too; fp32 inputs take the 64-column kernel for it): [N] slots with padding and
+// [N, 2] slots with num_accepted_tokens (a padding row, an unwritten entry), bf16 / fp32 inputs, fp32 /
 // bf16 pools, against the reference.
 TEST_F(KdaServingGpu, SingleTokenBatches) {
+  using cuda::KdaDecodeKernel;
+  const KdaDecodeKernel kernels[] = {KdaDecodeKernel::kColumns32, KdaDecodeKernel::kColumns64, KdaDecodeKernel::kRing};
   for (int64_t N : {int64_t(8), int64_t(72), int64_t(300)})
+    for (int ki = -1; ki < (N == 300 ? 0 : 3); ++ki)
     for (DType in : {DType::kBF16, DType::kFP32})
       for (DType pdt : {DType::kFP32, DType::kBF16}) {
+        const KdaDecodeKernel* kernel = ki < 0 ? nullptr : &kernels[ki];
+        const std::string kname = ki < 0 ? " rule" : " kernel " + std::to_string(ki);
         const int64_t P = 2 * N + 5;
         {
           Problem pr(kDims128, kKimi, 300 + uint64_t(N), false, std::vector<int64_t>(size_t(N), 1));
@@ -216,7 +224,7 @@ TEST_F(KdaServingGpu, SingleTokenBatches) {
           KdaRecurrentArgs h = pr.host();
           h.initial_state = pool.view();
           h.state_indices = TensorView::contiguous(idx.data(), DType::kInt32, {N});
-          compare("[N] N" + std::to_string(N) + " T1 pool " + dtype_name(pdt), pr, in, h, &pool.bytes, written);
+          compare("[N] N" + std::to_string(N) + " T1 pool " + dtype_name(pdt) + kname, pr, in, h, &pool.bytes, written, nullptr, kernel);
         }
         {
           Problem pr(kDims128, kKimi, 400 + uint64_t(N), false, std::vector<int64_t>(size_t(N), 1));
@@ -234,7 +242,7 @@ TEST_F(KdaServingGpu, SingleTokenBatches) {
           h.initial_state = pool.view();
           h.state_indices = TensorView::contiguous(idx.data(), DType::kInt64, {N, 2});
           h.num_accepted_tokens = TensorView::contiguous(nat.data(), DType::kInt64, {N});
-          compare("[N, 2] N" + std::to_string(N) + " T1 pool " + dtype_name(pdt), pr, in, h, &pool.bytes, written);
+          compare("[N, 2] N" + std::to_string(N) + " T1 pool " + dtype_name(pdt) + kname, pr, in, h, &pool.bytes, written, nullptr, kernel);
         }
       }
 }

@@ -25,7 +25,7 @@
 // streaming cache hint (read once, written once). The varlen token table is a launch parameter sized to
 // the launch (none for fixed length, 64 or 1024 sequences). Single-token launches with bf16 inputs and enough
 // 64-column units to give every resident block two or more take the persistent, software-pipelined kernel
-// of kda_decode_ring.cu instead (launch_fast: kRing); the helpers both use are in kda_decode_parts.cuh.
+// of kda_decode_ring.cu instead (p.kernel); the helpers both use are in kda_decode_parts.cuh.
 //
 // Index contract on the device (no host sync): a sequence whose num_accepted_tokens is outside
 // [1, S], whose start index or any of its per-token indices ([N, S]) is >= P writes nothing to the pool
@@ -342,15 +342,8 @@ Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
 
 // K = V = 128 with every input and o in one dtype (bf16 or fp32), their vector accesses aligned, and
 // aligned states of one dtype: the compile-time kernels. Launches whose sequences have at most one token
-// take the single-token kernels, with 8 columns a thread (64 a block) once the grid at 64 columns still
-// fills every SM twice (fewer, wider blocks move more bytes each; at small batches the 32-column blocks
-// spread the state over more SMs).
-// The persistent ring kernel (kda_decode_ring.cu) for single-token launches with bf16 inputs and 64-column
-// blocks, where every resident block gets at least kRingMinUnits units (sequence, head, 64 columns); false:
-// the one-shot kernels above. kRingF32: fp32 pools too (else bf16 pools only).
-constexpr bool kRing = true, kRingF32 = true;
-constexpr int kRingMinUnits = 2;
-
+// take the single-token kernel p.kernel names (kda/plan.hpp's rule): 32 or 64 columns a block (one-shot),
+// or the persistent ring kernel of kda_decode_ring.cu (bf16 inputs).
 template <class In>
 Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s) {
   const bool same = p.mode != KdaDecodeMode::kStates || !p.init || !p.fin || p.init_dtype == p.fin_dtype;
@@ -360,13 +353,9 @@ Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
     if (st == DType::kBF16) return launch_rows<8, 128, In, __nv_bfloat16>(p, begin, s);
     return launch_rows<8, 128, In, float>(p, begin, s);
   }
-  const bool wide = p.states16 && int64_t(p.N) * p.H * 2 >= 2 * int64_t(p.sm_count);
-  if constexpr (kRing && std::is_same_v<In, __nv_bfloat16>) {
-    if (wide && (kRingF32 || st == DType::kBF16)) {
-      bool launched = false;
-      ENCORE_RETURN_IF_ERROR(launch_ring(p, begin, p.sm_count, kRingMinUnits, s, launched));
-      if (launched) return Status::ok();
-    }
+  const bool wide = p.states16 && p.kernel != KdaDecodeKernel::kColumns32;
+  if constexpr (std::is_same_v<In, __nv_bfloat16>) {
+    if (wide && p.kernel == KdaDecodeKernel::kRing) return launch_ring(p, begin, s);
   }
   if (st == DType::kBF16)
     return wide ? launch_rows<8, 128, In, __nv_bfloat16, true, 8>(p, begin, s) : launch_rows<8, 128, In, __nv_bfloat16, true>(p, begin, s);

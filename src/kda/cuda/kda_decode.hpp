@@ -23,6 +23,13 @@ struct KdaDecodeTensor {
   int64_t sb = 0, st = 0, sh = 0;
 };
 
+// The single-token kernels of a fast launch (K = V = 128, every sequence <= 1 token; kda/plan.hpp's
+// kda_decode_kernel chooses): a block per (sequence, head, 32 columns) or (.., 64 columns), both one-shot
+// (load, compute, store, exit), or the persistent ring kernel (kda_decode_ring.cu: bf16 inputs; blocks
+// stream units through a shared-memory ring). A launch that cannot take the one named (64 columns
+// without 16-byte aligned states, the ring with fp32 inputs) takes the next narrower one.
+enum class KdaDecodeKernel : int { kColumns32 = 0, kColumns64 = 1, kRing = 2 };
+
 // How sequence n finds its states (include/encore/kda_serving.hpp's three modes).
 enum class KdaDecodeMode : int {
   kStates = 0,      // initial_state row n (or zeros) -> final_state row n (either may be absent; may be the same array)
@@ -71,7 +78,8 @@ struct KdaDecodeParams {
   // dt_bias and of the states aligned (the states of one dtype): the compile-time kernels.
   bool fast = false;
   bool states16 = false;  // the states' 8-column accesses are 16-byte aligned (base, slot stride, V): the 64-column kernels
-  int sm_count = 0;       // the device's SMs (the column width of the single-token kernels)
+  int sm_count = 0;       // the device's SMs (the ring kernel's grid)
+  KdaDecodeKernel kernel = KdaDecodeKernel::kColumns32;  // the single-token kernel (fast launches, max_len <= 1)
   int max_len = 0;      // the most tokens of one sequence in this launch (<= 1: the single-token kernels)
   bool varlen = false;  // batch row 0, tokens [begin[i], begin[i + 1]) for sequence n0 + i; else row n, tokens [0, T)
 };

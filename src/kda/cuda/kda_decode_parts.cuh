@@ -377,9 +377,8 @@ __device__ __forceinline__ void fill_o(const KdaDecodeParams& p, int b, int begi
 }
 
 // kda_decode_ring.cu: the persistent single-token kernel (K = V = 128, bf16 q, k, v, g, beta, the states of
-// one dtype, fp32 or bf16, with 16-byte aligned 8-column accesses; p.max_len <= 1) on min(units, sms x its
-// resident blocks an SM) blocks, launched only where the launch has at least min_units units (sequence,
-// head, 64 columns) for every resident block (launched says whether it was; no error when not).
-Status launch_ring(const KdaDecodeParams& p, const int32_t* begin, int sms, int min_units, cudaStream_t s, bool& launched);
+// one dtype, fp32 or bf16, with 16-byte aligned 8-column accesses; p.max_len <= 1) on min(units, p.sm_count
+// x its resident blocks an SM) blocks, a unit being (sequence, head, 64 columns).
+Status launch_ring(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s);
 
 }  // namespace encore::cuda::decode

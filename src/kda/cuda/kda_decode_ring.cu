@@ -50,6 +50,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "common/cuda/launch_check.hpp"
@@ -301,27 +302,26 @@ __global__ void __launch_bounds__(kThreads, Ring<St>::kMinBlocks)
 }
 
 template <class St, int kSeqs>
-Status launch_typed(const KdaDecodeParams& p, const SeqTable<kSeqs>& table, int sms, int min_units, cudaStream_t s, bool& launched) {
+Status launch_typed(const KdaDecodeParams& p, const SeqTable<kSeqs>& table, cudaStream_t s) {
   constexpr const char* what = "kda decode (kda_decode_ring_kernel)";
   auto* kernel = kda_decode_ring_kernel<St, kSeqs>;
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kernel, Ring<St>::kSmem, /*max_carveout=*/true));
-  static const int per_sm = [&] {  // a property of the kernel on Hopper: asked once (0 on failure: not launched)
+  static const int per_sm = [&] {  // a property of the kernel on Hopper: asked once
     int n = 0;
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, Ring<St>::kSmem) == cudaSuccess ? n : 0;
   }();
-  const int64_t units = int64_t(p.N) * p.H * kTiles, resident = int64_t(sms) * per_sm;
-  if (per_sm < 1 || units < int64_t(min_units) * resident) return Status::ok();  // launched stays false
-  launched = true;
+  if (per_sm < 1) return Status::internal(std::string(what) + ": no block of it fits an SM");
+  const int64_t units = int64_t(p.N) * p.H * kTiles, resident = int64_t(p.sm_count > 0 ? p.sm_count : 1) * per_sm;
   const unsigned grid = unsigned(units < resident ? units : resident);
   return launch(what, [&] { kernel<<<grid, kThreads, Ring<St>::kSmem, s>>>(p, table, div_by(p.H)); });
 }
 
 template <class St>
-Status launch_st(const KdaDecodeParams& p, const int32_t* begin, int sms, int min_units, cudaStream_t s, bool& launched) {
+Status launch_st(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s) {
   auto go = [&](auto table) {
     if (begin)
       for (int i = 0; i <= p.N; ++i) table.begin[i] = begin[i];
-    return launch_typed<St>(p, table, sms, min_units, s, launched);
+    return launch_typed<St>(p, table, s);
   };
   if (!begin) return go(SeqTable<0>{});
   if (p.N <= kKdaDecodeSeqTableSmall) return go(SeqTable<kKdaDecodeSeqTableSmall>{});
@@ -330,11 +330,9 @@ Status launch_st(const KdaDecodeParams& p, const int32_t* begin, int sms, int mi
 
 }  // namespace
 
-Status launch_ring(const KdaDecodeParams& p, const int32_t* begin, int sms, int min_units, cudaStream_t s, bool& launched) {
-  launched = false;
+Status launch_ring(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s) {
   const DType st = p.init ? p.init_dtype : p.fin_dtype;
-  return st == DType::kBF16 ? launch_st<__nv_bfloat16>(p, begin, sms, min_units, s, launched)
-                            : launch_st<float>(p, begin, sms, min_units, s, launched);
+  return st == DType::kBF16 ? launch_st<__nv_bfloat16>(p, begin, s) : launch_st<float>(p, begin, s);
 }
 
 }  // namespace encore::cuda::decode
