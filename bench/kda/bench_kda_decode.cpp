@@ -9,7 +9,9 @@
 // memory-bound suites); ratio = time / floor. bench/peers/kda_decode_peers.py times fla's
 // fused_recurrent_kda_fwd on the same shapes.
 // Suite "kda_decode_plans": the same calls on each single-token kernel (kda/cuda/kda_decode.hpp's
-// KdaDecodeKernel: 32 or 64 columns a block, the ring kernel) beside the rule's choice, in one run.
+// KdaDecodeKernel: 32 or 64 columns a block, the ring kernel), each without and with programmatic
+// dependent launch (PDL: graph replays of back-to-back calls, as a serving step's kernels follow each
+// other), beside the rule's choice, in one run.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -91,12 +93,12 @@ struct DecodeCase {
   DecodeCase(const DecodeCase&) = delete;
   DecodeCase& operator=(const DecodeCase&) = delete;
 
-  // Device time per call (CUDA-graph replays), each call on the next index set; kernel: null = the rule's.
-  Timing time(const cuda::KdaDecodeKernel* kernel, const TimeOptions& topts, cudaStream_t stream) {
+  // Device time per call (CUDA-graph replays), each call on the next index set; plan: null = the rule's.
+  Timing time(const cuda::KdaDecodePlan* plan, const TimeOptions& topts, cudaStream_t stream) {
     auto once = [&](long long i) {
       KdaRecurrentArgs c = a;
       c.state_indices.data = static_cast<int32_t*>(idx) + (i % sets) * N;
-      check_status(kernel ? kda::run(c, opts, *kernel, stream) : run(c, opts, nullptr, stream), "kda_decode");
+      check_status(plan ? kda::run(c, opts, *plan, stream) : run(c, opts, nullptr, stream), "kda_decode");
     };
     once(0);
     check_cuda(cudaStreamSynchronize(stream), "sync");
@@ -128,8 +130,10 @@ void run_kda_decode_suite(Report& report, const TimeOptions& topts, cudaStream_t
       DecodeCase c(pdt, N, *info, report.ceilings.copy_gbps, stream);
       const Timing t = c.time(nullptr, topts, stream);
       Record r = c.record("kda_decode", pdt, t);
-      const cuda::KdaDecodeKernel k = kda::kda_decode_kernel(N, kHV, DType::kBF16, pdt, true, info->sm_count);
+      const cuda::KdaDecodePlan plan = kda::kda_decode_plan(N, kHV, DType::kBF16, pdt, true, info->sm_count);
+      const cuda::KdaDecodeKernel k = plan.kernel;
       r.params.push_back({"kernel", kernel_name(k)});
+      r.params.push_back({"pdl", plan.pdl ? "1" : "0"});
       report.records.push_back(r);
       std::printf("  kda_decode pool %-4s batch %5lld  %9.2f us  floor %9.2f us  ratio %.2f  (%s, %lld index sets)\n", dtype_name(pdt),
                   (long long)N, t.median_us, c.floor_us, c.floor_us > 0 ? t.median_us / c.floor_us : 0.0, kernel_name(k), (long long)c.sets);
@@ -144,17 +148,21 @@ void run_kda_decode_plans_suite(Report& report, const TimeOptions& topts, cudaSt
   for (DType pdt : {DType::kFP32, DType::kBF16}) {
     for (int64_t N : kBatches) {
       DecodeCase c(pdt, N, *info, report.ceilings.copy_gbps, stream);
-      const cuda::KdaDecodeKernel rule = kda::kda_decode_kernel(N, kHV, DType::kBF16, pdt, true, info->sm_count);
-      for (cuda::KdaDecodeKernel k : {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64, cuda::KdaDecodeKernel::kRing}) {
-        const Timing t = c.time(&k, topts, stream);
-        Record r = c.record("kda_decode_plans", pdt, t);
-        r.params.push_back({"kernel", kernel_name(k)});
-        r.params.push_back({"rule", k == rule ? "yes" : "no"});
-        report.records.push_back(r);
-        std::printf("  kda_decode_plans pool %-4s batch %5lld  %-9s %9.2f us  ratio %.3f%s\n", dtype_name(pdt), (long long)N, kernel_name(k),
-                    t.median_us, c.floor_us > 0 ? t.median_us / c.floor_us : 0.0, k == rule ? "  (rule)" : "");
-        std::fflush(stdout);
-      }
+      const cuda::KdaDecodePlan rule = kda::kda_decode_plan(N, kHV, DType::kBF16, pdt, true, info->sm_count);
+      for (cuda::KdaDecodeKernel k : {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64, cuda::KdaDecodeKernel::kRing})
+        for (bool pdl : {false, true}) {
+          const cuda::KdaDecodePlan plan{k, pdl};
+          const bool is_rule = k == rule.kernel && pdl == rule.pdl;
+          const Timing t = c.time(&plan, topts, stream);
+          Record r = c.record("kda_decode_plans", pdt, t);
+          r.params.push_back({"kernel", kernel_name(k)});
+          r.params.push_back({"pdl", pdl ? "1" : "0"});
+          r.params.push_back({"rule", is_rule ? "yes" : "no"});
+          report.records.push_back(r);
+          std::printf("  kda_decode_plans pool %-4s batch %5lld  %-9s pdl %d %9.2f us  ratio %.3f%s\n", dtype_name(pdt), (long long)N,
+                      kernel_name(k), int(pdl), t.median_us, c.floor_us > 0 ? t.median_us / c.floor_us : 0.0, is_rule ? "  (rule)" : "");
+          std::fflush(stdout);
+        }
     }
   }
 }

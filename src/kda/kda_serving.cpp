@@ -19,7 +19,7 @@
 #include "kda/pool_forward.hpp"
 #include "kda/problem.hpp"
 #include "kda/reference/kda_ref.hpp"
-#include "kda/testing.hpp"  // the run overload on an explicit decode kernel, defined here
+#include "kda/testing.hpp"  // the run overload on an explicit decode plan, defined here
 #ifdef ENCORE_WITH_CUDA
 #include "kda/cuda/kda_decode.hpp"
 #include "kda/cuda/launch.hpp"  // host-only: kda_use_recurrent
@@ -290,9 +290,9 @@ bool decode_fast(const KdaRecurrentArgs& a, const kda::KdaProblem& p) {
   return true;
 }
 
-// kernel: the single-token kernel requested (tests, benchmarks), null: the rule's (kda_decode_kernel).
+// plan: the decode plan requested (tests, benchmarks), null: the rule's (kda_decode_plan).
 Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const kda::KdaProblem& p, Stream stream,
-                          const cuda::KdaDecodeKernel* kernel = nullptr) {
+                          const cuda::KdaDecodePlan* plan = nullptr) {
   cuda::KdaDecodeParams d;
   d.T = int(p.T), d.H = int(p.H), d.group = int(p.group()), d.K = int(p.K), d.V = int(p.V);
   d.scale = float(p.scale);
@@ -333,7 +333,8 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
   d.sm_count = info->sm_count;
   const DType states = a.initial_state.defined() ? a.initial_state.dtype : fin.dtype;
   auto choose = [&](int64_t n) {
-    d.kernel = kernel ? *kernel : kda::kda_decode_kernel(n, p.H, a.q.dtype, states, d.states16, d.sm_count);
+    const cuda::KdaDecodePlan c = plan ? *plan : kda::kda_decode_plan(n, p.H, a.q.dtype, states, d.states16, d.sm_count);
+    d.kernel = c.kernel, d.pdl = c.pdl;
   };
   d.varlen = a.cu_seqlens.defined();
   const int64_t N = int64_t(p.seqs.size());
@@ -409,17 +410,17 @@ Status run_recurrent_cpu(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o
   return Status::ok();
 }
 
-// run, with the single-token kernel `kernel` (null: the rule's) on CUDA.
-Status run_recurrent(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const cuda::KdaDecodeKernel* kernel, Stream stream) {
+// run, on the decode plan `decode` (null: the rule's) on CUDA.
+Status run_recurrent(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const cuda::KdaDecodePlan* decode, Stream stream) {
   kda::KdaProblem p;
   SlotPlan plan;
   ENCORE_RETURN_IF_ERROR(validate_recurrent(a, o, &p, &plan));
   if (a.q.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     ENCORE_RETURN_IF_ERROR(validate_recurrent_cuda(a, p));
-    return run_recurrent_cuda(a, o, p, stream, kernel);
+    return run_recurrent_cuda(a, o, p, stream, decode);
 #else
-    (void)stream;
+    (void)stream, (void)decode;
     return no_cuda("kda_recurrent", a.q);
 #endif
   }
@@ -430,8 +431,8 @@ Status run_recurrent(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, co
 
 Status run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, void*, Stream stream) { return run_recurrent(a, o, nullptr, stream); }
 
-Status kda::run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, cuda::KdaDecodeKernel kernel, Stream stream) {
-  return run_recurrent(a, o, &kernel, stream);
+Status kda::run(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o, const cuda::KdaDecodePlan& plan, Stream stream) {
+  return run_recurrent(a, o, &plan, stream);
 }
 
 namespace {

@@ -50,12 +50,15 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
   return Status::ok();
 }
 
-cuda::KdaDecodeKernel kda_decode_kernel(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count) {
+cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count) {
   const int64_t units = N * H * 2, sms = sm_count > 0 ? sm_count : 1;  // (sequence, head, 64 columns)
-  if (!states16 || units < 2 * sms) return cuda::KdaDecodeKernel::kColumns32;
+  cuda::KdaDecodePlan plan;
+  plan.pdl = true;
   const int64_t ring_blocks = states == DType::kBF16 ? 4 : 3;
-  if (inputs == DType::kBF16 && units >= 2 * ring_blocks * sms) return cuda::KdaDecodeKernel::kRing;
-  return cuda::KdaDecodeKernel::kColumns64;
+  if (!states16 || units < 2 * sms) plan.kernel = cuda::KdaDecodeKernel::kColumns32;
+  else if (inputs == DType::kBF16 && units >= 2 * ring_blocks * sms) plan.kernel = cuda::KdaDecodeKernel::kRing;
+  else plan.kernel = cuda::KdaDecodeKernel::kColumns64;
+  return plan;
 }
 
 KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType inputs) {

@@ -35,7 +35,8 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
 // spread the state over more SMs) or the states' 8-column accesses are not 16-byte aligned; then the ring
 // kernel for bf16 inputs once every resident ring block (4 an SM with bf16 states, 3 with fp32: its shared
 // memory) gets at least two units (its loads overlap the compute of the unit before); else 64 columns.
-cuda::KdaDecodeKernel kda_decode_kernel(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count);
+// Every launch a programmatic dependent launch (Hopper).
+cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count);
 
 // The CUDA backward's kernels for a problem: the second backward (K0 prep, K1 scan, K2a, K2b: single-
 // pass bf16 tensor-core products) for bf16 / fp16 inputs with the forward's saved chunk-start states

@@ -18,9 +18,9 @@ namespace encore::kda {
 Status run(const KdaForwardArgs& args, const KdaOptions& opts, const KdaLaunchPlan& plan, void* workspace = nullptr,
            Stream stream = nullptr);
 
-// The recurrent step (include/encore/kda_serving.hpp's run) with `kernel` as its single-token kernel in
-// place of the rule's (kda_decode_kernel; fast single-token launches only, others ignore it).
-Status run(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts, cuda::KdaDecodeKernel kernel, Stream stream = nullptr);
+// The recurrent step (include/encore/kda_serving.hpp's run) on `plan` in place of the rule's
+// (kda_decode_plan; its kernel applies to fast single-token launches only, pdl to every launch).
+Status run(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts, const cuda::KdaDecodePlan& plan, Stream stream = nullptr);
 
 // The second backward (K0 prep, K1 scan, K2a, K2b; kda/cuda/kda_bwd2.hpp) on a validated backward
 // problem with the forward's residuals G, Aqk, Akk, h (CUDA, K, V <= 128), for any input dtype (run

@@ -106,16 +106,16 @@ double max_abs(const std::vector<double>& x) {
 }
 
 // Runs host (CPU reference) and device on the same rounded inputs and compares o, the written states
-// (`written` pool slots, or final_state) and the untouched slots (bit-identical). kernel: the device run's
-// single-token kernel (null: the rule's).
+// (`written` pool slots, or final_state) and the untouched slots (bit-identical). plan: the device run's
+// decode plan (null: the rule's).
 void compare(const std::string& label, Problem& pr, DType in, KdaRecurrentArgs h, std::vector<unsigned char>* pool_bytes,
-             const std::set<int64_t>& written, std::vector<double>* fin_host = nullptr, const cuda::KdaDecodeKernel* kernel = nullptr) {
+             const std::set<int64_t>& written, std::vector<double>* fin_host = nullptr, const cuda::KdaDecodePlan* plan = nullptr) {
   SCOPED_TRACE(label + " " + dtype_name(in));
   DeviceArena ar;
   const DType gdt = pr.opts.o.use_gate_in_kernel ? in : DType::kFP32;
   KdaRecurrentArgs d = to_device(h, in, gdt, ar);  // rounds h's inputs
   const std::vector<unsigned char> before = pool_bytes ? *pool_bytes : std::vector<unsigned char>{};
-  Status st = kernel ? kda::run(d, pr.opts.o, *kernel) : run(d, pr.opts.o);
+  Status st = plan ? kda::run(d, pr.opts.o, *plan) : run(d, pr.opts.o);
   ASSERT_TRUE(st) << st.to_string();
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
   st = run(h, pr.opts.o);
@@ -199,17 +199,18 @@ TEST_F(KdaServingGpu, DecodeOnThePool) {
 // Single-token launches on the rule's kernel (kda_decode_kernel: 32 columns at N = 8, 64 at N = 72, with
 // bf16 inputs at N = 300 the persistent ring kernel of kda_decode_ring.cu: N HV 2 = 2400 units, >= 2 for
 // each of 132 SMs x 4 resident blocks) and at N = 8, 72 on each kernel named (the ring kernel with fewer
-// units than resident blocks too; fp32 inputs take the 64-column kernel for it): [N] slots with padding and
+// units than resident blocks too; fp32 inputs take the 64-column kernel for it; the 32-column one without
+// PDL, the others with it): [N] slots with padding and
 // [N, 2] slots with num_accepted_tokens (a padding row, an unwritten entry), bf16 / fp32 inputs, fp32 /
 // bf16 pools, against the reference.
 TEST_F(KdaServingGpu, SingleTokenBatches) {
   using cuda::KdaDecodeKernel;
-  const KdaDecodeKernel kernels[] = {KdaDecodeKernel::kColumns32, KdaDecodeKernel::kColumns64, KdaDecodeKernel::kRing};
+  const cuda::KdaDecodePlan kernels[] = {{KdaDecodeKernel::kColumns32, false}, {KdaDecodeKernel::kColumns64, true}, {KdaDecodeKernel::kRing, true}};
   for (int64_t N : {int64_t(8), int64_t(72), int64_t(300)})
     for (int ki = -1; ki < (N == 300 ? 0 : 3); ++ki)
     for (DType in : {DType::kBF16, DType::kFP32})
       for (DType pdt : {DType::kFP32, DType::kBF16}) {
-        const KdaDecodeKernel* kernel = ki < 0 ? nullptr : &kernels[ki];
+        const cuda::KdaDecodePlan* kernel = ki < 0 ? nullptr : &kernels[ki];
         const std::string kname = ki < 0 ? " rule" : " kernel " + std::to_string(ki);
         const int64_t P = 2 * N + 5;
         {

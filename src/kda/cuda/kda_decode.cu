@@ -42,6 +42,7 @@
 
 #include "common/cuda/device_guard.hpp"
 #include "common/cuda/launch_check.hpp"
+#include "common/cuda/pdl.cuh"
 #include "kda/cuda/kda_decode.hpp"
 #include "kda/cuda/kda_decode_parts.cuh"  // the helpers shared with kda_decode_ring.cu
 
@@ -164,6 +165,8 @@ template <int R, int kDim, class In, class St, bool kOne, int kC, int kSeqs>
 __global__ void __launch_bounds__(kThreads, !kOne ? (kDim == 128 ? 4 : 2) : kC == 8 ? 4 : std::is_same_v<St, float> ? 5 : 8)
     kda_decode_kernel(const __grid_constant__ KdaDecodeParams p, const __grid_constant__ SeqTable<kSeqs> table) {
   static_assert(kC == 4 || (kOne && kC == 8), "8 columns a thread: the single-token kernels only");
+  wait_for_primary();   // PDL (p.pdl): the previous kernel's writes first
+  launch_dependents();  // the next PDL launch may come in once every block has started
   constexpr int kCols = kC * kColLanes;                              // value columns per block
   __shared__ __align__(16) float red[2][kWarps][kColLanes][2 * kC];  // per warp and column group: S̄ᵀk (kC), S̄ᵀq (kC)
   __shared__ float scal[2][kWarps][4];                               // per warp: Σq², Σk², Σqk
@@ -332,8 +335,10 @@ Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
     if (begin)
       for (int i = 0; i <= p.N; ++i) table.begin[i] = begin[i];
     constexpr int kSeqs = int(sizeof(Table) / sizeof(int32_t)) - 1;
-    return launch("kda decode (kda_decode_kernel)",
-                  [&] { kda_decode_kernel<R, kDim, In, St, kOne, kC, kSeqs><<<blocks, kThreads, 0, s>>>(p, table); });
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = pdl_config(dim3(blocks), dim3(kThreads), 0, s, p.pdl, attr);
+    return launch_api("kda decode (kda_decode_kernel)",
+                      [&] { return cudaLaunchKernelEx(&cfg, kda_decode_kernel<R, kDim, In, St, kOne, kC, kSeqs>, p, table); });
   };
   if (!begin) return go(SeqTable<0>{});
   if (p.N <= kKdaDecodeSeqTableSmall) return go(SeqTable<kKdaDecodeSeqTableSmall>{});

@@ -30,6 +30,15 @@ struct KdaDecodeTensor {
 // without 16-byte aligned states, the ring with fp32 inputs) takes the next narrower one.
 enum class KdaDecodeKernel : int { kColumns32 = 0, kColumns64 = 1, kRing = 2 };
 
+// A launch's plan: the single-token kernel and whether the launch is a programmatic dependent launch
+// (sm_90 PDL: its blocks may be scheduled while the stream's previous kernel drains; each block waits
+// for that kernel's completion and memory before it reads anything, and lets the next PDL launch in
+// once every block of this one has started).
+struct KdaDecodePlan {
+  KdaDecodeKernel kernel = KdaDecodeKernel::kColumns32;
+  bool pdl = false;
+};
+
 // How sequence n finds its states (include/encore/kda_serving.hpp's three modes).
 enum class KdaDecodeMode : int {
   kStates = 0,      // initial_state row n (or zeros) -> final_state row n (either may be absent; may be the same array)
@@ -80,6 +89,7 @@ struct KdaDecodeParams {
   bool states16 = false;  // the states' 8-column accesses are 16-byte aligned (base, slot stride, V): the 64-column kernels
   int sm_count = 0;       // the device's SMs (the ring kernel's grid)
   KdaDecodeKernel kernel = KdaDecodeKernel::kColumns32;  // the single-token kernel (fast launches, max_len <= 1)
+  bool pdl = false;                                      // a programmatic dependent launch (KdaDecodePlan)
   int max_len = 0;      // the most tokens of one sequence in this launch (<= 1: the single-token kernels)
   bool varlen = false;  // batch row 0, tokens [begin[i], begin[i + 1]) for sequence n0 + i; else row n, tokens [0, T)
 };

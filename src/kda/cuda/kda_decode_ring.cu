@@ -54,6 +54,7 @@
 #include <type_traits>
 
 #include "common/cuda/launch_check.hpp"
+#include "common/cuda/pdl.cuh"
 #include "kda/cuda/kda_decode.hpp"
 #include "kda/cuda/kda_decode_parts.cuh"
 
@@ -154,6 +155,8 @@ __global__ void __launch_bounds__(kThreads, Ring<St>::kMinBlocks)
   const unsigned units = unsigned(p.N) * unsigned(p.H) * unsigned(kTiles), grid = gridDim.x;
   const uint64_t policy = evict_first_policy();
   const bool pooled = p.mode != KdaDecodeMode::kStates;
+  wait_for_primary();   // PDL (p.pdl): the previous kernel's writes first
+  launch_dependents();  // one wave: the next PDL launch may come in (its blocks wait for this grid's end)
 
   auto col0 = [&](const Unit& g) { return g.tile * kTileCols + cl * kColsT; };
   // This thread's first state element in a row of the pool / states.
@@ -313,7 +316,9 @@ Status launch_typed(const KdaDecodeParams& p, const SeqTable<kSeqs>& table, cuda
   if (per_sm < 1) return Status::internal(std::string(what) + ": no block of it fits an SM");
   const int64_t units = int64_t(p.N) * p.H * kTiles, resident = int64_t(p.sm_count > 0 ? p.sm_count : 1) * per_sm;
   const unsigned grid = unsigned(units < resident ? units : resident);
-  return launch(what, [&] { kernel<<<grid, kThreads, Ring<St>::kSmem, s>>>(p, table, div_by(p.H)); });
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = pdl_config(dim3(grid), dim3(kThreads), Ring<St>::kSmem, s, p.pdl, attr);
+  return launch_api(what, [&] { return cudaLaunchKernelEx(&cfg, kernel, p, table, div_by(p.H)); });
 }
 
 template <class St>
