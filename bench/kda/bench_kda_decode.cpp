@@ -11,7 +11,7 @@
 // Suite "kda_decode_plans": the same calls on each single-token kernel (kda/cuda/kda_decode.hpp's
 // KdaDecodeKernel: 32 or 64 columns a block, the ring kernel), each without and with programmatic
 // dependent launch (PDL: graph replays of back-to-back calls, as a serving step's kernels follow each
-// other), beside the rule's choice, in one run.
+// other) and the one-shot ones also with PDL and the L2 prefetch one wave ahead, beside the rule's choice.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -150,17 +150,19 @@ void run_kda_decode_plans_suite(Report& report, const TimeOptions& topts, cudaSt
       DecodeCase c(pdt, N, *info, report.ceilings.copy_gbps, stream);
       const cuda::KdaDecodePlan rule = kda::kda_decode_plan(N, kHV, DType::kBF16, pdt, true, info->sm_count);
       for (cuda::KdaDecodeKernel k : {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64, cuda::KdaDecodeKernel::kRing})
-        for (bool pdl : {false, true}) {
-          const cuda::KdaDecodePlan plan{k, pdl};
-          const bool is_rule = k == rule.kernel && pdl == rule.pdl;
+        for (int v = 0; v < (k == cuda::KdaDecodeKernel::kRing ? 2 : 3); ++v) {  // no PDL, PDL, PDL + L2 prefetch
+          const bool pdl = v > 0, prefetch = v == 2;
+          const cuda::KdaDecodePlan plan{k, pdl, prefetch};
+          const bool is_rule = k == rule.kernel && pdl == rule.pdl && prefetch == rule.prefetch;
           const Timing t = c.time(&plan, topts, stream);
           Record r = c.record("kda_decode_plans", pdt, t);
           r.params.push_back({"kernel", kernel_name(k)});
           r.params.push_back({"pdl", pdl ? "1" : "0"});
+          r.params.push_back({"prefetch", prefetch ? "1" : "0"});
           r.params.push_back({"rule", is_rule ? "yes" : "no"});
           report.records.push_back(r);
-          std::printf("  kda_decode_plans pool %-4s batch %5lld  %-9s pdl %d %9.2f us  ratio %.3f%s\n", dtype_name(pdt), (long long)N,
-                      kernel_name(k), int(pdl), t.median_us, c.floor_us > 0 ? t.median_us / c.floor_us : 0.0, is_rule ? "  (rule)" : "");
+          std::printf("  kda_decode_plans pool %-4s batch %5lld  %-9s pdl %d prefetch %d %9.2f us  ratio %.3f%s\n", dtype_name(pdt),
+                      (long long)N, kernel_name(k), int(pdl), int(prefetch), t.median_us, c.floor_us > 0 ? t.median_us / c.floor_us : 0.0, is_rule ? "  (rule)" : "");
           std::fflush(stdout);
         }
     }

@@ -51,13 +51,15 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
 }
 
 cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count) {
-  const int64_t units = N * H * 2, sms = sm_count > 0 ? sm_count : 1;  // (sequence, head, 64 columns)
+  const int64_t sms = sm_count > 0 ? sm_count : 1;
+  const int64_t blocks32 = N * H * 4, units64 = N * H * 2;  // blocks at 32 columns, units (sequence, head, 64 columns)
+  const bool bf16 = states == DType::kBF16;
   cuda::KdaDecodePlan plan;
   plan.pdl = true;
-  const int64_t ring_blocks = states == DType::kBF16 ? 4 : 3;
-  if (!states16 || units < 2 * sms) plan.kernel = cuda::KdaDecodeKernel::kColumns32;
-  else if (inputs == DType::kBF16 && units >= 2 * ring_blocks * sms) plan.kernel = cuda::KdaDecodeKernel::kRing;
-  else plan.kernel = cuda::KdaDecodeKernel::kColumns64;
+  plan.kernel = cuda::KdaDecodeKernel::kColumns32;
+  if (!states16) return plan;
+  if (bf16 && inputs == DType::kBF16 && units64 >= 8 * 4 * sms) plan.kernel = cuda::KdaDecodeKernel::kRing;
+  else if (blocks32 >= 16 * (bf16 ? 8 : 5) * sms) plan.kernel = cuda::KdaDecodeKernel::kColumns64;
   return plan;
 }
 

@@ -30,12 +30,13 @@ Status check_plan(const KdaLaunchPlan& plan);
 // `requested` with its 0 fields replaced by kda_plan's choice, after check_plan.
 Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const DeviceInfo& device, KdaLaunchPlan* out);
 
-// The decode step's single-token kernel (kda/cuda/kda_decode.hpp) for N sequences x H value heads at K = V
-// = 128: 32 columns a block while the grid at 64 columns would not cover every SM twice (small batches
-// spread the state over more SMs) or the states' 8-column accesses are not 16-byte aligned; then the ring
-// kernel for bf16 inputs once every resident ring block (4 an SM with bf16 states, 3 with fp32: its shared
-// memory) gets at least two units (its loads overlap the compute of the unit before); else 64 columns.
-// Every launch a programmatic dependent launch (Hopper).
+// The decode step's plan (kda/cuda/kda_decode.hpp) for N sequences x H value heads at K = V = 128, from
+// `encore bench kda_decode_plans` on an H100 (H 32): the ring kernel for bf16 inputs and bf16 states once
+// every resident ring block (4 an SM) gets at least 8 units (at fewer its pipeline fill and drain cost
+// more than they hide; with fp32 states it lost at every batch: 1.36-1.48x the floor against 1.07-1.12x);
+// else 64 columns a block once the 32-column grid takes 16 waves or more (8 resident blocks an SM with
+// bf16 states, 5 with fp32); else, and whenever the states' 8-column accesses are not 16-byte aligned, 32
+// columns. Every launch a programmatic dependent launch (0.3 us less at batch 1); no L2 prefetch.
 cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count);
 
 // The CUDA backward's kernels for a problem: the second backward (K0 prep, K1 scan, K2a, K2b: single-

@@ -200,14 +200,16 @@ TEST_F(KdaServingGpu, DecodeOnThePool) {
 // bf16 inputs at N = 300 the persistent ring kernel of kda_decode_ring.cu: N HV 2 = 2400 units, >= 2 for
 // each of 132 SMs x 4 resident blocks) and at N = 8, 72 on each kernel named (the ring kernel with fewer
 // units than resident blocks too; fp32 inputs take the 64-column kernel for it; the 32-column one without
-// PDL, the others with it): [N] slots with padding and
+// PDL, the others with it; both one-shot widths also with the L2 prefetch one wave ahead): [N] slots with padding and
 // [N, 2] slots with num_accepted_tokens (a padding row, an unwritten entry), bf16 / fp32 inputs, fp32 /
 // bf16 pools, against the reference.
 TEST_F(KdaServingGpu, SingleTokenBatches) {
   using cuda::KdaDecodeKernel;
-  const cuda::KdaDecodePlan kernels[] = {{KdaDecodeKernel::kColumns32, false}, {KdaDecodeKernel::kColumns64, true}, {KdaDecodeKernel::kRing, true}};
+  const cuda::KdaDecodePlan kernels[] = {{KdaDecodeKernel::kColumns32, false, false}, {KdaDecodeKernel::kColumns64, true, false},
+                                         {KdaDecodeKernel::kRing, true, false},       {KdaDecodeKernel::kColumns32, true, true},
+                                         {KdaDecodeKernel::kColumns64, false, true}};
   for (int64_t N : {int64_t(8), int64_t(72), int64_t(300)})
-    for (int ki = -1; ki < (N == 300 ? 0 : 3); ++ki)
+    for (int ki = -1; ki < (N == 300 ? 0 : 5); ++ki)
     for (DType in : {DType::kBF16, DType::kFP32})
       for (DType pdt : {DType::kFP32, DType::kBF16}) {
         const cuda::KdaDecodePlan* kernel = ki < 0 ? nullptr : &kernels[ki];

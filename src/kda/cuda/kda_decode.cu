@@ -161,8 +161,17 @@ __device__ __forceinline__ void store_rows(void* data, DType dt, bool vec, int64
 // dtype in registers (bf16: half the registers of fp32), unpacked at use, so more blocks fit an SM and more
 // state bytes are in flight. kC: value columns per thread (4; 8 for the single-token kernels at larger
 // batches: 16-byte bf16 state accesses, 64 columns a block). kSeqs: the varlen token table's size.
+// Resident blocks an SM the kernel is built for (its launch bounds).
+template <int kDim, class St, bool kOne, int kC>
+constexpr int kResident = !kOne ? (kDim == 128 ? 4 : 2) : kC == 8 ? 4 : std::is_same_v<St, float> ? 5 : 8;
+
+// bytes (a multiple of 16) from a 16-byte aligned global address into L2, without waiting (sm_90).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "r"(bytes) : "memory");
+}
+
 template <int R, int kDim, class In, class St, bool kOne, int kC, int kSeqs>
-__global__ void __launch_bounds__(kThreads, !kOne ? (kDim == 128 ? 4 : 2) : kC == 8 ? 4 : std::is_same_v<St, float> ? 5 : 8)
+__global__ void __launch_bounds__(kThreads, kResident<kDim, St, kOne, kC>)
     kda_decode_kernel(const __grid_constant__ KdaDecodeParams p, const __grid_constant__ SeqTable<kSeqs> table) {
   static_assert(kC == 4 || (kOne && kC == 8), "8 columns a thread: the single-token kernels only");
   wait_for_primary();   // PDL (p.pdl): the previous kernel's writes first
@@ -217,6 +226,17 @@ __global__ void __launch_bounds__(kThreads, !kOne ? (kDim == 128 ? 4 : 2) : kC =
       const St* src = static_cast<const St*>(p.init) + read_slot * p.init_stride + head_off;
 #pragma unroll
       for (int r = 0; r < R; ++r) st[r].load(src + r * V);
+      if (p.prefetch && tid < K) {  // row tid of the slice of the block one wave ahead, into L2 ([N] slots or rows)
+        const unsigned ahead = blockIdx.x + unsigned(p.sm_count) * unsigned(kResident<kDim, St, kOne, kC>);
+        if (ahead < gridDim.x && p.mode != KdaDecodeMode::kTokenSlots) {
+          const int t2 = int(ahead % unsigned(tiles)), h2 = int((ahead / unsigned(tiles)) % unsigned(p.H));
+          const int n2 = p.n0 + int(ahead / unsigned(tiles * p.H));
+          const int64_t slot = p.mode == KdaDecodeMode::kStates ? int64_t(n2) : load_index(p.idx, p.idx64, int64_t(n2) * p.idx_s0);
+          if (slot >= 0 && slot < p.P)
+            prefetch_l2(static_cast<const St*>(p.init) + slot * p.init_stride + int64_t(h2) * K * V + int64_t(tid) * V + t2 * kCols,
+                        unsigned(kCols * sizeof(St)));
+        }
+      }
     } else {
       float zero[kC] = {};
 #pragma unroll
@@ -358,7 +378,7 @@ Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
     if (st == DType::kBF16) return launch_rows<8, 128, In, __nv_bfloat16>(p, begin, s);
     return launch_rows<8, 128, In, float>(p, begin, s);
   }
-  const bool wide = p.states16 && p.kernel != KdaDecodeKernel::kColumns32;
+  const bool wide = p.states16 && p.kernel != KdaDecodeKernel::kColumns32;  // (p.prefetch: set with states16 only)
   if constexpr (std::is_same_v<In, __nv_bfloat16>) {
     if (wide && p.kernel == KdaDecodeKernel::kRing) return launch_ring(p, begin, s);
   }

@@ -34,9 +34,13 @@ enum class KdaDecodeKernel : int { kColumns32 = 0, kColumns64 = 1, kRing = 2 };
 // (sm_90 PDL: its blocks may be scheduled while the stream's previous kernel drains; each block waits
 // for that kernel's completion and memory before it reads anything, and lets the next PDL launch in
 // once every block of this one has started).
+// prefetch (the one-shot single-token kernels, [N] slots or rows without indices, 16-byte aligned states):
+// each block also prefetches into L2 the state slice of the block one wave after it (blockIdx + SMs x
+// resident blocks), so that block's loads find it there.
 struct KdaDecodePlan {
   KdaDecodeKernel kernel = KdaDecodeKernel::kColumns32;
   bool pdl = false;
+  bool prefetch = false;
 };
 
 // How sequence n finds its states (include/encore/kda_serving.hpp's three modes).
@@ -90,6 +94,7 @@ struct KdaDecodeParams {
   int sm_count = 0;       // the device's SMs (the ring kernel's grid)
   KdaDecodeKernel kernel = KdaDecodeKernel::kColumns32;  // the single-token kernel (fast launches, max_len <= 1)
   bool pdl = false;                                      // a programmatic dependent launch (KdaDecodePlan)
+  bool prefetch = false;                                 // the L2 prefetch one wave ahead (KdaDecodePlan; needs states16)
   int max_len = 0;      // the most tokens of one sequence in this launch (<= 1: the single-token kernels)
   bool varlen = false;  // batch row 0, tokens [begin[i], begin[i + 1]) for sequence n0 + i; else row n, tokens [0, T)
 };
