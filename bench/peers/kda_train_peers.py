@@ -30,10 +30,9 @@ and gate on a fresh machine; cached on disk after), cuDNN compiles with NVRTC (c
 
 Usage: kda_train_peers.py [OUT.json] (default $OUT/kda_train_peers.json). Env: ROUNDS, KDA_PEER_CONFIGS,
 KDA_PEER_HEADS (kda_configs.py); KDA_PEER_GATES; KDA_TRAIN_WHO (default fla,encore,cudnn; also encore_savedh:
-rematerialize=False, the chunk-start states saved; encore_simt and encore_savedh_simt: the fp32 CUDA-core backward,
-ENCORE_KDA_BWD_SIMT=1); KDA_CUDNN_PLAN (default kda_hopper_cuda; none: cuDNN's own choice); ENCORE_COMMIT (into the
-environment block). KDA_PEER_DEVICE=cpu is a debug path: encore's CPU backend alone, wall time in place of device
-time, no memory figures (KDA_PEER_CONFIGS=varlen_tiny KDA_PEER_HEADS=2 ROUNDS=1)."""
+rematerialize=False, the chunk-start states saved); KDA_CUDNN_PLAN (default kda_hopper_cuda; none: cuDNN's own
+choice); ENCORE_COMMIT (into the environment block). KDA_PEER_DEVICE=cpu is a debug path: encore's CPU backend
+alone, wall time in place of device time, no memory figures (KDA_PEER_CONFIGS=varlen_tiny KDA_PEER_HEADS=2 ROUNDS=1)."""
 import importlib.metadata
 import os
 import platform
@@ -52,7 +51,7 @@ from kda_configs import CONFIGS, ENCORE_WHY, HAVE_ENCORE, HEADS, ROUNDS, K, V, b
 
 GATES = os.environ.get("KDA_PEER_GATES", "fla,cudnn").split(",")
 WHO = os.environ.get("KDA_TRAIN_WHO", "fla,encore,cudnn").split(",")
-ENCORES = ("encore", "encore_savedh", "encore_simt", "encore_savedh_simt")
+ENCORES = ("encore", "encore_savedh")
 PLAN = os.environ.get("KDA_CUDNN_PLAN", "kda_hopper_cuda")
 PLAN = None if PLAN.lower() in ("", "none") else PLAN
 FLA_SAFE_GATE = os.environ.get("KDA_FLA_SAFE_GATE", "1") == "1"
@@ -194,8 +193,6 @@ def allocated():
 
 
 def measure(who, fn, x, cot, cu, shape, gate):
-    if who.startswith("encore"):  # read by encore's backward at each call
-        os.environ["ENCORE_KDA_BWD_SIMT"] = "1" if who.endswith("_simt") else "0"
     fwd, leaves, cot, to_fla = runner(who, fn, x, cot, cu, shape, gate)
 
     def step():

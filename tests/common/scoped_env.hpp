@@ -1,5 +1,5 @@
 // Test helper: an environment variable for a scope (the library reads its switches, e.g.
-// ENCORE_KDA_BWD_SIMT or ENCORE_MOE_DECODE, at every call), its previous value (or absence) restored
+// ENCORE_NORM_PACK_BYTES or ENCORE_MOE_DECODE, at every call), its previous value (or absence) restored
 // at scope exit. value null: only save and restore (the test sets it as it goes).
 #pragma once
 #include <cstdlib>

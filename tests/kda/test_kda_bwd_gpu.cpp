@@ -13,8 +13,7 @@
 // rematerialize; a second run gives the same bits. On failure each line printed names the case and every gradient's two errors.
 // run() picks the kernels (kda_backward_kernels): the second backward for bf16 / fp16 with saved
 // states, held to the bounds (dq, dk, dv, dh0 8e-3; dg, dbeta, dA_log, ddt_bias 2e-2); the
-// first for fp32 and the rematerialize path, whose tensor-core kernels are the default and
-// SimtFallbackMatchesReferences runs the SIMT ones (ENCORE_KDA_BWD_SIMT, kda_backward.cu).
+// first (kda_backward.cu) for fp32 and the rematerialize path.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,7 +29,6 @@
 #include "kda/cuda/kda_bwd2.hpp"
 #include "kda/testing.hpp"
 #include "tests/common/device_buffer.hpp"
-#include "tests/common/scoped_env.hpp"
 #include "tests/kda/kda_case.hpp"
 #include "tests/kda/kda_device_vec.hpp"
 
@@ -174,15 +172,11 @@ void run_bwd(BwdCase bc, DType dt, bool remat, bool second = false) {
               line.c_str());
 }
 
-// Every test runs the tensor-core kernels (ENCORE_KDA_BWD_SIMT=0, the library's default, set explicitly
-// so an environment of the caller cannot change it) but SimtFallbackMatchesReferences.
 class KdaBwdGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-    setenv("ENCORE_KDA_BWD_SIMT", "0", 1);
   }
-  void TearDown() override { unsetenv("ENCORE_KDA_BWD_SIMT"); }
 };
 
 std::vector<BwdCase> matrix() {
@@ -243,25 +237,6 @@ TEST_F(KdaBwdGpu, SecondBackwardMatchesReferences) {
   const BwdCase odd{KdaCase{1, 150, 2, 37, 50, {0, 90, 150}, Gate::kSoftplusBias, true, true}, "varlen 90/60 K37 V50 sp+b h0 l2"};
   for (DType dt : {DType::kBF16, DType::kFP32}) run_bwd(odd, dt, false, true);
   run_bwd(matrix()[0], DType::kFP32, false, true);
-}
-
-// The first SIMT fp32 kernels (ENCORE_KDA_BWD_SIMT=1, the A/B fallback of the tensor-core ones, read
-// at each call): the same references, bf16 saved-h and fp32 remat; then two mixes of the two versions
-// (ENCORE_KDA_BWD_SIMT as a list of stages) on two cases.
-TEST_F(KdaBwdGpu, SimtFallbackMatchesReferences) {
-  {  // each scope ends back at the fixture's "0" (the tensor cores)
-    ScopedEnv all("ENCORE_KDA_BWD_SIMT", "1");
-    for (const BwdCase& bc : matrix()) {  // bf16 on the rematerialize path: saved-h bf16 takes the second backward
-      run_bwd(bc, DType::kBF16, true);
-      run_bwd(bc, DType::kFP32, true);
-    }
-  }
-  for (const char* mix : {"states,dh", "prep,dav,grads"}) {
-    ScopedEnv some("ENCORE_KDA_BWD_SIMT", mix);
-    std::printf("  ENCORE_KDA_BWD_SIMT=%s\n", mix);
-    const std::vector<BwdCase> cases = matrix();
-    for (int i : {1, 4}) run_bwd(cases[size_t(i)], DType::kFP32, true);
-  }
 }
 
 // Refusals that need device tensors: missing residuals, a null workspace, fp64 on CUDA.

@@ -1,23 +1,14 @@
 // KDA chunked backward on CUDA (docs/math/kda.md §6; docs/kda.md), five launches connected by the
-// per-(chunk, head) fp32 workspace record of kda_bwd_launch.hpp:
-//   1 recompute (kda_bwd_recompute.cu): Qg, Kg, W, U from the residuals G and Akk, chunk-parallel;
+// per-(chunk, head) fp32 workspace record of kda_bwd_launch.hpp, every product on tensor cores:
+//   1 recompute (kda_bwd_recompute_tc.cu): Qg, Kg, W, U from the residuals G and Akk, chunk-parallel;
 //     then Vnew = U - W S per chunk from the saved h, or the rematerialized state pass;
 //   2 dAv (kda_bwd_dav.cu): dAqk, dVnew(intra), chunk-parallel;
-//   3a dh (kda_bwd_reverse.cu): the serial reverse state-cotangent pass per (sequence, head, 32 columns);
-//   3b-1 inter (kda_bwd_inter.cu): the GEMM-shaped inter-chunk and dVnew products on tensor cores;
-//   3b grads (kda_bwd_grads.cu): WY, intra-chunk, reverse cumsum, gate and L2-norm tails, chunk-parallel;
+//   3a dh (kda_bwd_reverse.cu): the serial reverse state-cotangent pass per (sequence, head, 64 columns);
+//   3b-1 inter (kda_bwd_inter.cu): the GEMM-shaped inter-chunk and dVnew products;
+//   3b grads (kda_bwd_grads_tc.cu): WY, intra-chunk, reverse cumsum, gate and L2-norm tails, chunk-parallel;
 //   4 the gate reduction below: dA_log[h] and ddt_bias[h, k] summed over the chunks' partials in a
 //     fixed order (deterministic, no atomics);
 //   5 with grouped value heads only: dq, dk summed over each q/k head's value heads (fixed order).
-// ENCORE_KDA_BWD_SIMT (read at each call, so a test can run both): unset or "0" selects the
-// tensor-core kernels (the default); "1" or "all" the first SIMT fp32 version of every kernel (the A/B
-// reference); a comma list of prep, states, dav, dh, grads (grads: kernels 3b-1 + 3b and the gate
-// reduction) SIMT for those stages only. The versions of each stage share the record contract, so
-// any mix is valid.
-#include <cstdlib>
-#include <cstring>
-#include <string>
-
 #include "common/cuda/device_guard.hpp"
 #include "kda/cuda/kda_bwd_device.cuh"
 
@@ -61,33 +52,10 @@ size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_
 namespace kdabwd {
 namespace {
 
-// dA_log[h] = sum over chunks and channels of pdA; ddt_bias[h, k] = sum over chunks of pdt.
-// One thread per (h, k) (and per h), chunks in slot order.
-__global__ void kda_bwd_gate_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* ws, int slots) {
-  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-  const int HK = p.H * p.K;
-  if (p.ddt_bias && idx < HK) {
-    const int h = idx / p.K, a = idx - h * p.K;
-    float s = 0.f;
-    for (int c = 0; c < slots; ++c) s += ws[(int64_t(c) * p.H + h) * p.ws.rec + p.ws.pdt + a];
-    p.ddt_bias[idx] = s;
-  }
-  if (p.dA_log && idx < p.H) {
-    float s = 0.f;
-    for (int c = 0; c < slots; ++c) {
-      const float* r = ws + (int64_t(c) * p.H + idx) * p.ws.rec + p.ws.pda;
-      float t = 0.f;
-      for (int a = 0; a < p.K; ++a) t += r[a];
-      s += t;
-    }
-    p.dA_log[idx] = s;
-  }
-}
-
-// The same sums, one block per head and one thread per channel (the tensor-core mode's): thread a
-// sums its channel's pdt and pdA over the chunks in slot order (independent loads, no serial chain
-// over K); dA_log[h] = the channels' pdA sums added in channel order by thread 0. Deterministic; the
-// order differs from kda_bwd_gate_reduce_kernel's (channels then chunks), so the bits may too.
+// dA_log[h] = sum over chunks and channels of pdA; ddt_bias[h, k] = sum over chunks of pdt. One block
+// per head and one thread per channel: thread a sums its channel's pdt and pdA over the chunks in slot
+// order (independent loads, no serial chain over K); dA_log[h] = the channels' pdA sums added in
+// channel order by thread 0. Deterministic.
 // The partials of (chunk slot c, head h) sit at parts + (c H + h) rec, pdt and pda floats on (the
 // first backward's records; the second backward's gp rows).
 __global__ void __launch_bounds__(kMaxD) kda_bwd_gate_reduce_fast_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* parts,
@@ -148,31 +116,11 @@ Status launch_group_reduce(const KdaBwdCudaProblem& p, const KdaOutTensor& dq, c
                 [&] { kda_bwd_group_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, dq, dk); });
 }
 
-unsigned simt_backward() {
-  const char* e = std::getenv("ENCORE_KDA_BWD_SIMT");
-  if (!e || !*e || std::strcmp(e, "0") == 0) return 0;  // unset or "0": the tensor-core kernels
-  static const char* const names[] = {"prep", "states", "dav", "dh", "grads"};  // bit i: names[i]
-  unsigned m = 0;
-  for (int i = 0; i < 5; ++i)
-    for (const char* at = std::strstr(e, names[i]); at; at = std::strstr(at + 1, names[i])) {
-      const size_t n = std::strlen(names[i]);
-      if ((at == e || at[-1] == ',') && (at[n] == '\0' || at[n] == ',')) m |= 1u << i;
-    }
-  return m ? m : kSimtAll;  // "1", "all" or anything else: every kernel
-}
-
 Status launch_gate_reduce_parts(const KdaBwdCudaProblem& p, const float* parts, int64_t rec, int64_t pdt, int64_t pda, int slots,
                                 cudaStream_t s) {
   if (p.H <= 0) return Status::ok();
   return launch("kda backward: gate reduction (kda_bwd_gate_reduce_fast_kernel)",
                 [&] { kda_bwd_gate_reduce_fast_kernel<<<p.H, kMaxD, 0, s>>>(p, parts, rec, pdt, pda, slots); });
-}
-
-Status launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s) {
-  if (!simt) return launch_gate_reduce_parts(p, ws, p.ws.rec, p.ws.pdt, p.ws.pda, slots, s);
-  const int n = p.H * p.K;
-  return launch("kda backward: gate reduction (kda_bwd_gate_reduce_kernel)",
-                [&] { kda_bwd_gate_reduce_kernel<<<(n + 255) / 256, 256, 0, s>>>(p, ws, slots); });
 }
 
 }  // namespace kdabwd
@@ -195,17 +143,17 @@ Status launch_kda_backward(const KdaBwdCudaProblem& given, void* workspace, Stre
     grouped.dk = KdaOutTensor{part + n, DType::kFP32, sb, st, given.K};
   }
   const KdaBwdCudaProblem& p = groups ? grouped : given;
-  const unsigned simt = kdabwd::simt_backward();
-  auto on = [&](unsigned bit) { return (simt & bit) != 0; };
-  using kdabwd::kSimtDav, kdabwd::kSimtDh, kdabwd::kSimtGrads, kdabwd::kSimtPrep, kdabwd::kSimtStates;
   if (slots > 0) {
-    ENCORE_RETURN_IF_ERROR(kdabwd::launch_prep(p, ws, slots, on(kSimtPrep), s));
-    ENCORE_RETURN_IF_ERROR(kdabwd::launch_states(p, ws, slots, on(kSimtStates), s));
-    ENCORE_RETURN_IF_ERROR(kdabwd::launch_dav(p, ws, slots, on(kSimtDav), s));
+    ENCORE_RETURN_IF_ERROR(kdabwd::launch_prep_tc(p, ws, slots, s));
+    ENCORE_RETURN_IF_ERROR(kdabwd::launch_states_tc(p, ws, slots, s));
+    ENCORE_RETURN_IF_ERROR(kdabwd::launch_dav(p, ws, slots, s));
   }
-  if (p.N > 0) ENCORE_RETURN_IF_ERROR(kdabwd::launch_dh(p, ws, on(kSimtDh), s));
-  if (slots > 0) ENCORE_RETURN_IF_ERROR(kdabwd::launch_grads(p, ws, slots, on(kSimtGrads), s));
-  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(kdabwd::launch_gate_reduce(p, ws, slots, on(kSimtGrads), s));
+  if (p.N > 0) ENCORE_RETURN_IF_ERROR(kdabwd::launch_dh(p, ws, s));
+  if (slots > 0) {
+    ENCORE_RETURN_IF_ERROR(kdabwd::launch_inter(p, ws, slots, s));
+    ENCORE_RETURN_IF_ERROR(kdabwd::launch_grads_tc(p, ws, slots, s));
+  }
+  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(kdabwd::launch_gate_reduce_parts(p, ws, p.ws.rec, p.ws.pdt, p.ws.pda, slots, s));
   if (groups) ENCORE_RETURN_IF_ERROR(kdabwd::launch_group_reduce(p, given.dq, given.dk, s));
   return Status::ok();
 }

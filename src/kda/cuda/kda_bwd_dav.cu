@@ -1,52 +1,15 @@
 // KDA backward, kernel 2 (docs/math/kda.md §6 stage 1), dAv, grid (chunk slots, H), 256 threads,
 // chunk-parallel: from dO, the record's Vnew and the residual Aqk (scale included):
 //   dAqk = tril(dO Vnew^T) (diagonal included)  [64][64]     dVnew(intra) = Aqk^T dO  [64][V]
-// into the record (fp32; entries outside the valid rows' triangle zero). K, V <= 128; 80 KB shared.
-// Two versions: kda_bwd_dav_kernel (SIMT fp32, ENCORE_KDA_BWD_SIMT=1) and kda_bwd_dav_tc_kernel (both
-// products on tensor cores, split bf16 operands from zero-padded fp32 tiles; warp w owns rows
-// 16 (w % 4) .. + 16 and half the columns of each product; 85 KB shared).
+// into the record (fp32; entries outside the valid rows' triangle zero). Both products on tensor
+// cores, split bf16 operands from zero-padded fp32 tiles; warp w owns rows 16 (w % 4) .. + 16 and half
+// the columns of each product. K, V <= 128; 85 KB shared.
 #include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr size_t kSmem = (2 * kTile + kC * kC) * sizeof(float);
-
-__global__ void __launch_bounds__(kThreads) kda_bwd_dav_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
-  extern __shared__ float smem[];
-  float* sdO = smem;          // [64][V]
-  float* sVn = sdO + kTile;   // [64][V]
-  float* sAqk = sVn + kTile;  // [64][64]
-  const int slot = blockIdx.x, h = blockIdx.y, V = p.V, tid = threadIdx.x;
-  const ChunkInfo ci = chunk_info(p, slot);
-  const int rows = ci.rows;
-  float* rec = ws_rec(ws, p, slot, h);
-  for (int e = tid; e < kC * V; e += blockDim.x) {
-    const int i = e / V, y = e - i * V;
-    sdO[e] = i < rows ? load(p.d_o, ci.b, ci.t0 + i, h, y) : 0.f;
-    sVn[e] = rec[p.ws.vn + e];
-  }
-  for (int e = tid; e < kC * kC; e += blockDim.x) {
-    const int i = e / kC, j = e - i * kC;
-    sAqk[e] = (i < rows && j <= i) ? load_any(p.Aqk, p.aqk_dtype, tok(p, ci.b, ci.t0 + i, h) * kC + j) : 0.f;
-  }
-  __syncthreads();
-  for (int e = tid; e < kC * kC; e += blockDim.x) {  // dAqk = tril(dO Vnew^T)
-    const int i = e / kC, j = e - i * kC;
-    float s = 0.f;
-    if (i < rows && j <= i)
-      for (int y = 0; y < V; ++y) s += sdO[i * V + y] * sVn[j * V + y];
-    rec[p.ws.daqk + e] = s;
-  }
-  for (int e = tid; e < kC * V; e += blockDim.x) {  // dVnew = Aqk^T dO
-    const int j = e / V, y = e - j * V;
-    float s = 0.f;
-    for (int i = j; i < rows; ++i) s += sAqk[i * kC + j] * sdO[i * V + y];
-    rec[p.ws.dvn + e] = s;
-  }
-}
-
 constexpr size_t kSmemTc = (2 * kC * kLd + kC * kLdA) * sizeof(float);
 
 __global__ void __launch_bounds__(kThreads) kda_bwd_dav_tc_kernel(const __grid_constant__ KdaBwdCudaProblem p, float* ws) {
@@ -97,15 +60,10 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dav_tc_kernel(const __grid_c
 
 }  // namespace
 
-Status launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s) {
-  if (!simt) {
-    constexpr const char* what = "kda backward: dAv kernel (kda_bwd_dav_tc_kernel)";
-    ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_dav_tc_kernel, kSmemTc));
-    return launch(what, [&] { kda_bwd_dav_tc_kernel<<<dim3(slots, p.H), kThreads, kSmemTc, s>>>(p, ws); });
-  }
-  constexpr const char* what = "kda backward: dAv kernel (kda_bwd_dav_kernel)";
-  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_dav_kernel, kSmem));
-  return launch(what, [&] { kda_bwd_dav_kernel<<<dim3(slots, p.H), kThreads, kSmem, s>>>(p, ws); });
+Status launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s) {
+  constexpr const char* what = "kda backward: dAv kernel (kda_bwd_dav_tc_kernel)";
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_bwd_dav_tc_kernel, kSmemTc));
+  return launch(what, [&] { kda_bwd_dav_tc_kernel<<<dim3(slots, p.H), kThreads, kSmemTc, s>>>(p, ws); });
 }
 
 }  // namespace encore::cuda::kdabwd

@@ -1,11 +1,8 @@
 // Device helpers of the CUDA KDA backward (kda_backward.cu and the kernels of kda_bwd_*.cu): the
-// chunk map, the workspace record, row loads (with the q/k L2 norm), residual and state reads, and
-// the launchers the host entry calls in order (math: docs/math/kda.md §6; the CPU ground
-// truth stage by stage: src/kda/reference/kda_chunked_bwd.cpp).
-//
-// This first version is SIMT fp32 (every product an fp32 FMA loop over shared or global operands),
-// written for correctness on every valid input; each kernel can be replaced by a tensor-core one
-// that keeps its workspace contract.
+// chunk map, the workspace record, guarded input and residual loads, output stores, and the
+// launchers the host entry calls in order (math: docs/math/kda.md §6; the CPU ground
+// truth stage by stage: src/kda/reference/kda_chunked_bwd.cpp). The kernels run their products on
+// tensor cores (kda_bwd_mma.cuh) and pass their intermediates through the workspace record.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -19,7 +16,6 @@ using ::encore::cuda::kda::store;
 
 constexpr int kC = 64;         // chunk rows
 constexpr int kMaxD = 128;     // K, V <= 128
-constexpr int kVs = 32;        // value columns per block of the serial kernels
 constexpr int kTile = kC * kMaxD;  // floats of a [64][128] shared tile
 
 struct ChunkInfo {
@@ -44,10 +40,6 @@ __device__ __forceinline__ ChunkInfo chunk_info(const KdaBwdCudaProblem& p, int 
 
 __device__ __forceinline__ float* ws_rec(float* ws, const KdaBwdCudaProblem& p, int slot, int h) {
   return ws + (int64_t(slot) * p.H + h) * p.ws.rec;
-}
-
-__device__ __forceinline__ float load_any(const void* base, DType dt, int64_t off) {
-  return dt == DType::kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(base)[off]) : static_cast<const float*>(base)[off];
 }
 
 // Token index (b * T + t) * H + h of a contiguous [B, T, H, *] residual.
@@ -92,56 +84,13 @@ __device__ __forceinline__ void store_out(const KdaOutTensor& o, int b, int t, i
   store(o.data, o.dtype, int64_t(b) * o.sb + int64_t(t) * o.st + int64_t(h) * o.sh + c, x);
 }
 
-// Rows [t0, t0 + 64) of a [B, T, H, C] input into dst [64][C] (rows >= `rows` zero), one warp per
-// row: optionally L2-normalized (y = x / sqrt(sum x^2 + 1e-6)), then times `mult`; rstd[i] the
-// row's factor (1 without the norm). Needs the block's threads.
-__device__ __forceinline__ void load_rows(const KdaTensor& t, int b, int t0, int rows, int h, int C, bool l2, float mult, float* dst,
-                                          float* rstd) {
-  const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  for (int i = threadIdx.x >> 5; i < kC; i += nw) {
-    if (i >= rows) {
-      for (int c = lane; c < C; c += 32) dst[i * C + c] = 0.f;
-      if (lane == 0 && rstd) rstd[i] = 1.f;
-      continue;
-    }
-    float ss = 0.f;
-    for (int c = lane; c < C; c += 32) {
-      const float x = load(t, b, t0 + i, h, c);
-      dst[i * C + c] = x;
-      ss += x * x;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float r = l2 ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
-    for (int c = lane; c < C; c += 32) dst[i * C + c] *= r * mult;
-    if (lane == 0 && rstd) rstd[i] = r;
-  }
-}
-
-// The chunk-start state S[a][y] of chunk `slot`: the saved residual h, or the rematerialized copy in
-// the record.
-__device__ __forceinline__ float state_at(const KdaBwdCudaProblem& p, const float* rec, int slot, int h, int a, int y) {
-  if (p.h) return load_any(p.h, p.h_dtype, ((int64_t(slot) * p.H + h) * p.K + a) * p.V + y);
-  return rec[p.ws.hs + a * p.V + y];
-}
-
 // Launchers (one per kernel), in the order the host entry runs them.
-// simt (ENCORE_KDA_BWD_SIMT=1): the first fp32 SIMT kernels; else the tensor-core ones (*_tc).
-Status launch_prep(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);    // kda_bwd_recompute.cu
-Status launch_states(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_recompute.cu
 Status launch_prep_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);    // kda_bwd_recompute_tc.cu
 Status launch_states_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_recompute_tc.cu
-Status launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_dav.cu
-Status launch_dh(const KdaBwdCudaProblem& p, float* ws, bool simt, cudaStream_t s);      // kda_bwd_reverse.cu
-// ENCORE_KDA_BWD_SIMT (kda_backward.cu): the stages to run with the first SIMT fp32 kernels, as bits.
-constexpr unsigned kSimtPrep = 1, kSimtStates = 2, kSimtDav = 4, kSimtDh = 8, kSimtGrads = 16, kSimtAll = 31;
-unsigned simt_backward();
-Status launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_inter.cu (tensor cores)
-Status launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);  // kda_bwd_grads_tc.cu
-// simt: the first fp32 SIMT kernel 3b alone (kda_bwd_grads.cu); else kernels 3b-1 (launch_inter) and
-// 3b (launch_grads_tc).
-Status launch_grads(const KdaBwdCudaProblem& p, float* ws, int slots, bool simt, cudaStream_t s);  // kda_bwd_grads.cu
-Status launch_gate_reduce(const KdaBwdCudaProblem& p, const float* ws, int slots, bool simt, cudaStream_t s);  // kda_backward.cu
+Status launch_dav(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);        // kda_bwd_dav.cu
+Status launch_dh(const KdaBwdCudaProblem& p, float* ws, cudaStream_t s);                    // kda_bwd_reverse.cu
+Status launch_inter(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);      // kda_bwd_inter.cu (kernel 3b-1)
+Status launch_grads_tc(const KdaBwdCudaProblem& p, float* ws, int slots, cudaStream_t s);   // kda_bwd_grads_tc.cu (kernel 3b)
 // dA_log[h] and ddt_bias[h, :] from per-(chunk slot, head) partials at parts + (c H + h) rec (+ pdt,
 // + pda floats): channels' sums over the slots in order, then dA_log over the channels in order.
 Status launch_gate_reduce_parts(const KdaBwdCudaProblem& p, const float* parts, int64_t rec, int64_t pdt, int64_t pda, int slots,

@@ -1,8 +1,8 @@
-// KDA backward, kernel 3b in the tensor-core mode (docs/math/kda.md §6 stages 3-5 and the tails), grid
-// (chunk slots, H), 512 threads, after kernel 3b-1 (kda_bwd_inter.cu) has left the GEMM-shaped
-// products in the record: P1 = dO S^T, P2 = Vn dS'^T [64][K], dA' = dVn v^T + dW KE^T [64][64],
-// dKb' = A^T dW [64][K], dbv = rowsum(A^T dVn . v) [64], sd = rowsum(S . dS') [K] (dv written there).
-// With Q~ = s q, K (L2-normed when asked), E_ij = 2^(G_i - G_j) per channel, as kda_bwd_grads.cu:
+// KDA backward, kernel 3b (docs/math/kda.md §6 stages 3-5 and the tails), grid (chunk slots, H), 512
+// threads, after kernel 3b-1 (kda_bwd_inter.cu) has left the GEMM-shaped products in the record:
+// P1 = dO S^T, P2 = Vn dS'^T [64][K], dA' = dVn v^T + dW KE^T [64][64], dKb' = A^T dW [64][K],
+// dbv = rowsum(A^T dVn . v) [64], sd = rowsum(S . dS') [K] (dv written there).
+// With Q~ = s q, K (L2-normed when asked), E_ij = 2^(G_i - G_j) per channel:
 //   inter:  dQ~ = P1 . 2^G    dK = P2 . 2^(gC - G)    dG = Q~ . dQ~ - K . dK
 //           last row: dG += 2^gC . sd + sum_rows K . dK (added to every row by the reverse cumsum)
 //   WY:     dA = tril(dA') beta_j;  dk += beta 2^G dKb', dbeta += dKb' . K 2^G, dG += beta K 2^G dKb';
@@ -12,7 +12,8 @@
 //           (a thread per channel and 16-row sub-block; every exp2 factor <= 1)
 //   tails:  dg = the chunk-local reverse cumsum of dG (one thread per channel, shared memory only), the
 //           gate backward elementwise by all threads with per-chunk partials of dA_log, ddt_bias summed
-//           per channel in row order; dq = s dQ~, dk through the L2-norm backward.
+//           per channel in row order; dq = s dQ~, dk through the L2-norm backward (with grouped value
+//           heads per value head, into fp32 partials that kda_backward.cu sums per q/k head).
 // Thread (channel a, sub-block I) owns the 16 elements (16 I + u, a): one fused pass gathers every term
 // of each in registers and leaves dQ~, dK, the dbeta and dG parts in the record (over P1, P2, Qg, Kg:
 // owner only), reading dAqk and dL by rows and, through transposed copies, by columns 16 at a time.

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_bwd_inter_kernel(const __grid
 
   // Phase 1 operands: S, dS' (rows a < K, columns y < V; zero to 128), dO, Vn (rows < `rows`).
   const float* cre = rec;
-  // S: the saved h or the rematerialized copy in the record (state_at's two sources, chosen once).
+  // S: the saved h or the rematerialized copy in the record (chosen once).
   const void* s_base = p.h ? p.h : static_cast<const void*>(cre + p.ws.hs);
   const DType s_dtype = p.h ? p.h_dtype : DType::kFP32;
   const int64_t s_off = p.h ? (int64_t(slot) * p.H + h) * p.K * p.V : 0;

@@ -106,9 +106,9 @@ __device__ __forceinline__ void stage(int n, Src src, Dst dst) {
   }
 }
 
-// load_rows (kda_bwd_device.cuh) with every load of the warp's rows in flight at once: rows
-// i = warp + (kN / 32) r of a [B, T, H, C] input into dst[i * ld + c] (C <= 128; rows >= `rows` and,
-// when pad, columns C..127 zero), L2-normalized when asked (the same arithmetic), times mult;
+// Rows [t0, t0 + 64) of a [B, T, H, C] input, one warp per row with every load of the warp's rows in
+// flight at once: rows i = warp + (kN / 32) r into dst[i * ld + c] (C <= 128; rows >= `rows` and,
+// when pad, columns C..127 zero), L2-normalized when asked (y = x / sqrt(sum x^2 + 1e-6)), times mult;
 // rstd[i] the row's factor (1 without the norm; null: not kept). kN / 32 * kRpw = 64.
 template <int kN>
 __device__ __forceinline__ void load_rows_batched(const KdaTensor& t, int b, int t0, int rows, int h, int C, bool l2, float mult,

@@ -1,13 +1,18 @@
-// KDA backward, kernel 1 in the tensor-core mode (docs/math/kda.md §6 stage 0; the SIMT version and its
-// contract: kda_bwd_recompute.cu, ENCORE_KDA_BWD_SIMT=1). Same record outputs:
-// kda_bwd_prep_tc_kernel, grid (chunk slots, H), 256 threads: Qg = s q . 2^G, Kg = k . 2^(gC - G),
-//   gC elementwise as the SIMT kernel; W = A Kbeta [64x64]x[64xK] and U = A (beta v) [64x64]x[64xV]
-//   on tensor cores (split bf16 operands from zero-padded fp32 tiles; warp w: rows 16 (w % 4) ..,
-//   columns 64 (w / 4) ..). 150 KB shared.
+// KDA backward, kernel 1 (docs/math/kda.md §6 stage 0): the recompute from the forward's residuals,
+// into the record (fp32; rows past the chunk's valid rows zero).
+// kda_bwd_prep_tc_kernel, grid (chunk slots, H), 256 threads, chunk-parallel: from q, k (L2-normed
+//   when asked), v, beta, the residual G (log2 cumsum) and A = Akk = (I + L)^-1:
+//     Qg = s q . 2^G    Kg = k . 2^(gC - G)    Kbeta = beta k . 2^G    W = A Kbeta    U = A (beta v)
+//   with gC = G at the last valid row; W [64x64]x[64xK] and U [64x64]x[64xV] on tensor cores (split
+//   bf16 operands from zero-padded fp32 tiles; warp w: rows 16 (w % 4) .., columns 64 (w / 4) ..).
+//   150 KB shared.
 // kda_bwd_states_tc_kernel, grid (slots or sequences, H, ceil(V / 64)), 256 threads: Vnew = U - W S
-//   (W staged from the record into shared memory, S [K][64] fp32 in shared memory); rematerialize mode:
-//   the chunk-start state into the record and S <- Diag(2^gC) S + Kg^T Vnew (Kg staged; fp32 state,
-//   products on tensor cores, each state element updated by its owner). 87 KB shared.
+//   per 64 value columns (W staged from the record into shared memory, S [K][64] fp32 in shared
+//   memory). Saved-h mode: S = the residual h of the chunk, one chunk per block. Rematerialize mode:
+//   one block walks its sequence's chunks in order from the initial state (or 0), writes each
+//   chunk-start state into the record (hs) and advances S <- Diag(2^gC) S + Kg^T Vnew (Kg staged;
+//   fp32 state, products on tensor cores, each state element updated by its owner). 87 KB shared.
+// K, V <= 128.
 #include "kda/cuda/kda_bwd_mma.cuh"
 
 namespace encore::cuda::kdabwd {
