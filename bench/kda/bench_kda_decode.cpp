@@ -9,9 +9,9 @@
 // memory-bound suites); ratio = time / floor. bench/peers/kda_decode_peers.py times fla's
 // fused_recurrent_kda_fwd on the same shapes.
 // Suite "kda_decode_plans": the same calls on each single-token kernel (kda/cuda/kda_decode.hpp's
-// KdaDecodeKernel: 32 or 64 columns a block, the ring kernel), each without and with programmatic
-// dependent launch (PDL: graph replays of back-to-back calls, as a serving step's kernels follow each
-// other) and the one-shot ones also with PDL and the L2 prefetch one wave ahead, beside the rule's choice.
+// KdaDecodeKernel: 32 or 64 columns a block), each without and with programmatic dependent launch (PDL:
+// graph replays of back-to-back calls, as a serving step's kernels follow each other) and with PDL and the
+// L2 prefetch one wave ahead, beside the rule's choice (kda/plan.hpp's kda_decode_plan).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -35,7 +35,6 @@ const char* kernel_name(cuda::KdaDecodeKernel k) {
   switch (k) {
     case cuda::KdaDecodeKernel::kColumns32: return "columns32";
     case cuda::KdaDecodeKernel::kColumns64: return "columns64";
-    case cuda::KdaDecodeKernel::kRing: return "ring";
   }
   return "?";
 }
@@ -130,10 +129,11 @@ void run_kda_decode_suite(Report& report, const TimeOptions& topts, cudaStream_t
       DecodeCase c(pdt, N, *info, report.ceilings.copy_gbps, stream);
       const Timing t = c.time(nullptr, topts, stream);
       Record r = c.record("kda_decode", pdt, t);
-      const cuda::KdaDecodePlan plan = kda::kda_decode_plan(N, kHV, DType::kBF16, pdt, true, info->sm_count);
+      const cuda::KdaDecodePlan plan = kda::kda_decode_plan(N, kHV, pdt, true, info->sm_count);
       const cuda::KdaDecodeKernel k = plan.kernel;
       r.params.push_back({"kernel", kernel_name(k)});
       r.params.push_back({"pdl", plan.pdl ? "1" : "0"});
+      r.params.push_back({"prefetch", plan.prefetch ? "1" : "0"});
       report.records.push_back(r);
       std::printf("  kda_decode pool %-4s batch %5lld  %9.2f us  floor %9.2f us  ratio %.2f  (%s, %lld index sets)\n", dtype_name(pdt),
                   (long long)N, t.median_us, c.floor_us, c.floor_us > 0 ? t.median_us / c.floor_us : 0.0, kernel_name(k), (long long)c.sets);
@@ -148,9 +148,9 @@ void run_kda_decode_plans_suite(Report& report, const TimeOptions& topts, cudaSt
   for (DType pdt : {DType::kFP32, DType::kBF16}) {
     for (int64_t N : kBatches) {
       DecodeCase c(pdt, N, *info, report.ceilings.copy_gbps, stream);
-      const cuda::KdaDecodePlan rule = kda::kda_decode_plan(N, kHV, DType::kBF16, pdt, true, info->sm_count);
-      for (cuda::KdaDecodeKernel k : {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64, cuda::KdaDecodeKernel::kRing})
-        for (int v = 0; v < (k == cuda::KdaDecodeKernel::kRing ? 2 : 3); ++v) {  // no PDL, PDL, PDL + L2 prefetch
+      const cuda::KdaDecodePlan rule = kda::kda_decode_plan(N, kHV, pdt, true, info->sm_count);
+      for (cuda::KdaDecodeKernel k : {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64})
+        for (int v = 0; v < 3; ++v) {  // no PDL, PDL, PDL + L2 prefetch
           const bool pdl = v > 0, prefetch = v == 2;
           const cuda::KdaDecodePlan plan{k, pdl, prefetch};
           const bool is_rule = k == rule.kernel && pdl == rule.pdl && prefetch == rule.prefetch;

@@ -333,7 +333,7 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
   d.sm_count = info->sm_count;
   const DType states = a.initial_state.defined() ? a.initial_state.dtype : fin.dtype;
   auto choose = [&](int64_t n) {
-    const cuda::KdaDecodePlan c = plan ? *plan : kda::kda_decode_plan(n, p.H, a.q.dtype, states, d.states16, d.sm_count);
+    const cuda::KdaDecodePlan c = plan ? *plan : kda::kda_decode_plan(n, p.H, states, d.states16, d.sm_count);
     d.kernel = c.kernel, d.pdl = c.pdl, d.prefetch = c.prefetch && d.states16;
   };
   d.varlen = a.cu_seqlens.defined();

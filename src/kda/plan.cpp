@@ -50,16 +50,19 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
   return Status::ok();
 }
 
-cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count) {
+cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool states16, int sm_count) {
   const int64_t sms = sm_count > 0 ? sm_count : 1;
-  const int64_t blocks32 = N * H * 4, units64 = N * H * 2;  // blocks at 32 columns, units (sequence, head, 64 columns)
-  const bool bf16 = states == DType::kBF16;
+  const int64_t blocks32 = N * H * 4, blocks64 = N * H * 2;  // the grids at 32 and 64 columns a block
   cuda::KdaDecodePlan plan;
   plan.pdl = true;
   plan.kernel = cuda::KdaDecodeKernel::kColumns32;
   if (!states16) return plan;
-  if (bf16 && inputs == DType::kBF16 && units64 >= 8 * 4 * sms) plan.kernel = cuda::KdaDecodeKernel::kRing;
-  else if (blocks32 >= 16 * (bf16 ? 8 : 5) * sms) plan.kernel = cuda::KdaDecodeKernel::kColumns64;
+  if (states != DType::kBF16) {
+    plan.prefetch = true;
+  } else if (blocks32 >= 2 * 8 * sms) {
+    plan.kernel = cuda::KdaDecodeKernel::kColumns64;
+    plan.prefetch = blocks64 >= 16 * 4 * sms;
+  }
   return plan;
 }
 

@@ -31,13 +31,14 @@ Status check_plan(const KdaLaunchPlan& plan);
 Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const DeviceInfo& device, KdaLaunchPlan* out);
 
 // The decode step's plan (kda/cuda/kda_decode.hpp) for N sequences x H value heads at K = V = 128, from
-// `encore bench kda_decode_plans` on an H100 (H 32): the ring kernel for bf16 inputs and bf16 states once
-// every resident ring block (4 an SM) gets at least 8 units (at fewer its pipeline fill and drain cost
-// more than they hide; with fp32 states it lost at every batch: 1.36-1.48x the floor against 1.07-1.12x);
-// else 64 columns a block once the 32-column grid takes 16 waves or more (8 resident blocks an SM with
-// bf16 states, 5 with fp32); else, and whenever the states' 8-column accesses are not 16-byte aligned, 32
-// columns. Every launch a programmatic dependent launch (0.3 us less at batch 1); no L2 prefetch.
-cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType inputs, DType states, bool states16, int sm_count);
+// `encore bench kda_decode_plans` on an H100 (H 32, batch 1-1024, docs/kda.md): every launch a
+// programmatic dependent launch (0.3 us less at batch 1, level elsewhere). fp32 states: 32 columns a
+// block with the L2 prefetch one wave ahead (the fastest or level at every batch: 7% at batch 8). bf16
+// states: 32 columns while their grid takes under two waves (8 blocks an SM; at batch 8 it is 15% faster
+// than 64 columns), then 64 columns (steadier than 32 from one run to the next), with the prefetch once
+// the 64-column grid takes 16 waves (4 an SM; 3.6% at batch 1024, a loss at 64). States whose 8-column
+// accesses are not 16-byte aligned: 32 columns, no prefetch.
+cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool states16, int sm_count);
 
 // The CUDA backward's kernels for a problem: the second backward (K0 prep, K1 scan, K2a, K2b: single-
 // pass bf16 tensor-core products) for bf16 / fp16 inputs with the forward's saved chunk-start states

@@ -1,4 +1,4 @@
-// KDA serving on CUDA (encore/kda_serving.hpp; the decode kernels src/kda/cuda/kda_decode.cu and kda_decode_ring.cu) against the
+// KDA serving on CUDA (encore/kda_serving.hpp; the decode kernels src/kda/cuda/kda_decode.cu) against the
 // CPU reference (fp64) on the same inputs rounded to the device dtypes: every state mode (no indices with
 // and without initial / final state and in place; [N] slots with padding; [N, S] per-token slots with
 // num_accepted_tokens; varlen with an empty sequence), every gate and option (softplus with dt_bias,
@@ -196,20 +196,19 @@ TEST_F(KdaServingGpu, DecodeOnThePool) {
     for (const ServingDims& dm : {kDims128, kOdd}) decode_on_pool(dm, op, DType::kBF16, DType::kFP32, DType::kInt32, 2);
 }
 
-// Single-token launches on the rule's kernel (kda_decode_kernel: 32 columns at N = 8, 64 at N = 72, with
-// bf16 inputs at N = 300 the persistent ring kernel of kda_decode_ring.cu: N HV 2 = 2400 units, >= 2 for
-// each of 132 SMs x 4 resident blocks) and at N = 8, 72 on each kernel named (the ring kernel with fewer
-// units than resident blocks too; fp32 inputs take the 64-column kernel for it; the 32-column one without
-// PDL, the others with it; both one-shot widths also with the L2 prefetch one wave ahead): [N] slots with padding and
-// [N, 2] slots with num_accepted_tokens (a padding row, an unwritten entry), bf16 / fp32 inputs, fp32 /
-// bf16 pools, against the reference.
+// Single-token launches on the rule's plan (kda_decode_plan) at N = 8, 72, 300 and at N = 8, 72 on each
+// plan named: 32 columns without PDL, 64 with it, each width with the L2 prefetch one wave ahead (at N =
+// 72 with HV 4 the 32-column grid of 1152 blocks has blocks a wave ahead to prefetch): [N] slots with
+// padding and [N, 2] slots with num_accepted_tokens (a padding row, an unwritten entry; the prefetch skips
+// that mode), bf16 / fp32 inputs, fp32 / bf16 pools, against the reference.
 TEST_F(KdaServingGpu, SingleTokenBatches) {
   using cuda::KdaDecodeKernel;
-  const cuda::KdaDecodePlan kernels[] = {{KdaDecodeKernel::kColumns32, false, false}, {KdaDecodeKernel::kColumns64, true, false},
-                                         {KdaDecodeKernel::kRing, true, false},       {KdaDecodeKernel::kColumns32, true, true},
+  const cuda::KdaDecodePlan kernels[] = {{KdaDecodeKernel::kColumns32, false, false},
+                                         {KdaDecodeKernel::kColumns64, true, false},
+                                         {KdaDecodeKernel::kColumns32, true, true},
                                          {KdaDecodeKernel::kColumns64, false, true}};
   for (int64_t N : {int64_t(8), int64_t(72), int64_t(300)})
-    for (int ki = -1; ki < (N == 300 ? 0 : 5); ++ki)
+    for (int ki = -1; ki < (N == 300 ? 0 : 4); ++ki)
     for (DType in : {DType::kBF16, DType::kFP32})
       for (DType pdt : {DType::kFP32, DType::kBF16}) {
         const cuda::KdaDecodePlan* kernel = ki < 0 ? nullptr : &kernels[ki];
@@ -316,12 +315,12 @@ TEST_F(KdaServingGpu, SpeculativeSlotsPerToken) {
 
 // No indices: initial / final state rows (fp32 or bf16, either absent), in place; varlen with an empty
 // sequence (its final state = its initial state; zeros without one). K = V = 128 also with 300 sequences
-// of one token (one empty): the persistent ring kernel (kda_decode_ring.cu; zeros by its zero-filled stage).
+// of one token (one empty): the single-token kernels of a large batch, rows without indices.
 TEST_F(KdaServingGpu, StatesWithoutIndices) {
-  std::vector<int64_t> ring_lens(300, 1);
-  ring_lens[17] = 0;
+  std::vector<int64_t> one_token(300, 1);
+  one_token[17] = 0;
   for (const ServingDims& dm : {kDims128, kOdd})
-    for (const std::vector<int64_t>& lens : {std::vector<int64_t>{3, 0, 1, 5}, ring_lens})
+    for (const std::vector<int64_t>& lens : {std::vector<int64_t>{3, 0, 1, 5}, one_token})
       for (DType sdt : {DType::kFP32, DType::kBF16})
         for (int variant = 0; variant < 4; ++variant) {  // 0: h0 -> fin, 1: in place, 2: no h0, 3: h0 without fin
           if (lens.size() > 4 && dm.K != 128) continue;
@@ -445,11 +444,11 @@ TEST_F(KdaServingGpu, BadDeviceIndicesGiveNaNRowsAndWriteNothing) {
   EXPECT_NE(st.message().find("state_indices: in host memory, but q is on cuda:0"), std::string::npos) << st.message();
 }
 
-// The device index contract in batches that take the persistent ring kernel (kda_decode_ring.cu: 300
-// single-token sequences, bf16 inputs): an index >= P, a per-token index >= P ([N, 2]: idx[n, 0] with the
+// The device index contract in a large single-token batch (300 sequences, bf16 inputs: the 64-column
+// kernel for bf16 pools, 32 columns with the L2 prefetch for fp32): an index >= P, a per-token index >= P ([N, 2]: idx[n, 0] with the
 // start in column 1) or num_accepted_tokens 0 / 3 > S give NaN rows and write nothing; padding gives zero
 // rows; every other sequence is computed and its slot written.
-TEST_F(KdaServingGpu, BadIndicesInRingBatches) {
+TEST_F(KdaServingGpu, BadIndicesInLargeBatches) {
   const ServingDims dm = kDims128;
   constexpr int64_t N = 300, P = N + 4;
   for (DType pdt : {DType::kBF16, DType::kFP32})

@@ -18,14 +18,15 @@
 // row groups of a warp, then the 4 warps' partials through shared memory (double-buffered by token
 // parity, one barrier per token). bf16 pools convert on load and store; the state stays fp32 in
 // registers across tokens. Single-token launches (every sequence <= 1 token, the decode step; compile-time
-// kernels) keep the slice packed as loaded (bf16: 16 registers, not 32) and unpack it at use: at small
-// batches 32 columns a block (8 bf16 / 5 fp32 blocks an SM), once the grid at 64 columns still covers every
-// SM twice 8 columns a thread, 64 a block (16-byte bf16 state accesses, 128 B of state a thread in flight,
-// 4 blocks an SM). The gate and decay in log2 units on one exp2 (softplus_log2). State traffic: loads and stores with the
-// streaming cache hint (read once, written once). The varlen token table is a launch parameter sized to
-// the launch (none for fixed length, 64 or 1024 sequences). Single-token launches with bf16 inputs and enough
-// 64-column units to give every resident block two or more take the persistent, software-pipelined kernel
-// of kda_decode_ring.cu instead (p.kernel); the helpers both use are in kda_decode_parts.cuh.
+// kernels) keep the slice packed as loaded (bf16: 16 registers, not 32) and unpack it at use, on the plan's
+// width (KdaDecodePlan, kda/plan.cpp's rule): 32 columns a block (8 bf16 / 5 fp32 blocks an SM) or 8
+// columns a thread, 64 a block (16-byte state accesses, 4 blocks an SM); with the plan's prefetch each
+// block also sends the state slice of the block one wave after it (blockIdx + SMs x resident blocks) to
+// L2 by one bulk prefetch a row. Every launch may be a programmatic dependent launch (p.pdl: the first
+// instruction waits for the previous grid). The gate and decay in log2 units on one exp2 (softplus_log2).
+// State traffic: loads and stores with the streaming cache hint (read once, written once). The varlen
+// token table is a launch parameter sized to the launch (none for fixed length, 64 or 1024 sequences).
+// The helpers are in kda_decode_parts.cuh.
 //
 // Index contract on the device (no host sync): a sequence whose num_accepted_tokens is outside
 // [1, S], whose start index or any of its per-token indices ([N, S]) is >= P writes nothing to the pool
@@ -44,7 +45,7 @@
 #include "common/cuda/launch_check.hpp"
 #include "common/cuda/pdl.cuh"
 #include "kda/cuda/kda_decode.hpp"
-#include "kda/cuda/kda_decode_parts.cuh"  // the helpers shared with kda_decode_ring.cu
+#include "kda/cuda/kda_decode_parts.cuh"  // the kernels' building blocks
 
 namespace encore::cuda {
 namespace {
@@ -367,8 +368,7 @@ Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
 
 // K = V = 128 with every input and o in one dtype (bf16 or fp32), their vector accesses aligned, and
 // aligned states of one dtype: the compile-time kernels. Launches whose sequences have at most one token
-// take the single-token kernel p.kernel names (kda/plan.hpp's rule): 32 or 64 columns a block (one-shot),
-// or the persistent ring kernel of kda_decode_ring.cu (bf16 inputs).
+// take the single-token kernel p.kernel names (kda/plan.hpp's rule): 32 or 64 columns a block.
 template <class In>
 Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s) {
   const bool same = p.mode != KdaDecodeMode::kStates || !p.init || !p.fin || p.init_dtype == p.fin_dtype;
@@ -379,9 +379,6 @@ Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
     return launch_rows<8, 128, In, float>(p, begin, s);
   }
   const bool wide = p.states16 && p.kernel != KdaDecodeKernel::kColumns32;  // (p.prefetch: set with states16 only)
-  if constexpr (std::is_same_v<In, __nv_bfloat16>) {
-    if (wide && p.kernel == KdaDecodeKernel::kRing) return launch_ring(p, begin, s);
-  }
   if (st == DType::kBF16)
     return wide ? launch_rows<8, 128, In, __nv_bfloat16, true, 8>(p, begin, s) : launch_rows<8, 128, In, __nv_bfloat16, true>(p, begin, s);
   return wide ? launch_rows<8, 128, In, float, true, 8>(p, begin, s) : launch_rows<8, 128, In, float, true>(p, begin, s);

@@ -24,17 +24,15 @@ struct KdaDecodeTensor {
 };
 
 // The single-token kernels of a fast launch (K = V = 128, every sequence <= 1 token; kda/plan.hpp's
-// kda_decode_kernel chooses): a block per (sequence, head, 32 columns) or (.., 64 columns), both one-shot
-// (load, compute, store, exit), or the persistent ring kernel (kda_decode_ring.cu: bf16 inputs; blocks
-// stream units through a shared-memory ring). A launch that cannot take the one named (64 columns
-// without 16-byte aligned states, the ring with fp32 inputs) takes the next narrower one.
-enum class KdaDecodeKernel : int { kColumns32 = 0, kColumns64 = 1, kRing = 2 };
+// kda_decode_plan chooses): a block per (sequence, head, 32 columns) or (.., 64 columns), load, compute,
+// store, exit. A launch whose states' 8-column accesses are not 16-byte aligned takes 32 columns.
+enum class KdaDecodeKernel : int { kColumns32 = 0, kColumns64 = 1 };
 
 // A launch's plan: the single-token kernel and whether the launch is a programmatic dependent launch
 // (sm_90 PDL: its blocks may be scheduled while the stream's previous kernel drains; each block waits
 // for that kernel's completion and memory before it reads anything, and lets the next PDL launch in
 // once every block of this one has started).
-// prefetch (the one-shot single-token kernels, [N] slots or rows without indices, 16-byte aligned states):
+// prefetch (the single-token kernels, [N] slots or rows without indices, 16-byte aligned states):
 // each block also prefetches into L2 the state slice of the block one wave after it (blockIdx + SMs x
 // resident blocks), so that block's loads find it there.
 struct KdaDecodePlan {
@@ -91,7 +89,7 @@ struct KdaDecodeParams {
   // dt_bias and of the states aligned (the states of one dtype): the compile-time kernels.
   bool fast = false;
   bool states16 = false;  // the states' 8-column accesses are 16-byte aligned (base, slot stride, V): the 64-column kernels
-  int sm_count = 0;       // the device's SMs (the ring kernel's grid)
+  int sm_count = 0;       // the device's SMs (the prefetch distance)
   KdaDecodeKernel kernel = KdaDecodeKernel::kColumns32;  // the single-token kernel (fast launches, max_len <= 1)
   bool pdl = false;                                      // a programmatic dependent launch (KdaDecodePlan)
   bool prefetch = false;                                 // the L2 prefetch one wave ahead (KdaDecodePlan; needs states16)

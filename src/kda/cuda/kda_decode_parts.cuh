@@ -1,5 +1,4 @@
-// The building blocks of the KDA decode kernels (kda_decode.cu: the per-sequence kernels; kda_decode_ring.cu:
-// the persistent single-token kernel), shared by both: the thread mapping's constants, the input loads (per
+// The building blocks of the KDA decode kernels (kda_decode.cu): the thread mapping's constants, the input loads (per
 // dtype, and the raw-then-convert TokenLoad of the compile-time kernels), the o stores, the varlen token
 // table, the block-wide sums of a token (one barrier) and its outputs, the packed state row of the
 // single-token kernels, the gate's decay, the index contract (slot resolution, in two dependent loads) and
@@ -375,10 +374,5 @@ __device__ __forceinline__ void fill_o(const KdaDecodeParams& p, int b, int begi
     else static_cast<unsigned short*>(p.o)[off] = to_half_bits(p.o_dtype, fill);
   }
 }
-
-// kda_decode_ring.cu: the persistent single-token kernel (K = V = 128, bf16 q, k, v, g, beta, the states of
-// one dtype, fp32 or bf16, with 16-byte aligned 8-column accesses; p.max_len <= 1) on min(units, p.sm_count
-// x its resident blocks an SM) blocks, a unit being (sequence, head, 64 columns).
-Status launch_ring(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t s);
 
 }  // namespace encore::cuda::decode
