@@ -1,6 +1,6 @@
 """Hugging Face transformers models patched in place (issue 50, docs/transformers.md): one training step
 (forward with labels + backward, no optimizer) and one inference forward (no grad, logits) of a bf16,
-randomly initialized LlamaForCausalLM / Qwen3ForCausalLM with a few layers, in four variants in one
+randomly initialized LlamaForCausalLM / Qwen3ForCausalLM with a few layers, in five variants in one
 process on the same inputs and the same weights (the four model instances share their parameter tensors):
 
   eager    the unpatched model (attention by SDPA)
@@ -12,6 +12,8 @@ process on the same inputs and the same weights (the four model instances share 
            runs, so the other variants run transformers' own code
   encore   encore.transformers.apply_encore (RMSNorm, SwiGLU, fused QKV + RoPE / QK-norm, fused linear
            cross-entropy in training)
+  encore_block  apply_encore(block_schedule=True): in training the decoder stack through encore's shifted
+           LLaMA block ops (Llama only: recorded as not run for Qwen3); inference as `encore`
 
 Timing: CUDA events around each step; TF_PEER_WARMUP steps per variant first (the compile variant's first
 call, its compilation, timed apart), then ROUNDS rounds, the variants in a rotated order each round and
@@ -32,11 +34,11 @@ Models (TF_PEER_MODELS, default all three; real dimensions, untied embeddings, s
   qwen3_1B   Qwen3-1.7B:   hidden 2048, intermediate 6144, 16 heads, 8 KV heads, head_dim 128, vocab 151936 (on request)
 TF_PEER_LAYERS decoder layers (default 4: the 8B shapes' fwd + bwd at 8192 tokens then need about 25 GB),
 TF_PEER_TOKENS tokens per step (default 8192), TF_PEER_SEQ the sequence length (default = the tokens: batch 1),
-TF_PEER_WHO variants (default eager,compile,liger,encore), TF_PEER_MODES (train,infer), ROUNDS (3),
+TF_PEER_WHO variants (default eager,compile,liger,encore,encore_block), TF_PEER_MODES (train,infer), ROUNDS (3),
 TF_PEER_STEPS (5), TF_PEER_WARMUP (3). torch.compile takes one to two minutes per model and mode on a fresh
 machine (cached on disk for later calls on the same warm machine): give a call one or two models.
 
---smoke: on the CPU, a tiny Llama and Qwen3 (hidden 64, 2 layers, 64 tokens), eager and encore only, one
+--smoke: on the CPU, a tiny Llama and Qwen3 (hidden 64, 2 layers, 64 tokens), eager, encore and encore_block, one
 step each (Liger's patch is applied to a copy to list what it changes, not run: its kernels are Triton);
 exits 1 when a variant fails or encore's loss / logits leave bf16 noise.
 Usage: python3 bench/peers/transformers_peers.py OUT.json [--smoke]"""
@@ -65,13 +67,13 @@ MODELS = {
 if SMOKE:
     MODELS = {"llama_tiny": ("llama", 64, 128, 4, 2, 16, 256, 500000.0), "qwen3_tiny": ("qwen3", 64, 128, 4, 2, 16, 256, 1000000.0)}
     NAMES, LAYERS, TOKENS, SEQ = list(MODELS), 2, 64, 32
-    WHO, MODES, ROUNDS, STEPS, WARMUP = ["eager", "encore"], ["train", "infer"], 1, 1, 0
+    WHO, MODES, ROUNDS, STEPS, WARMUP = ["eager", "encore", "encore_block"], ["train", "infer"], 1, 1, 0
 else:
     NAMES = os.environ.get("TF_PEER_MODELS", "llama_1B,llama_8B,qwen3_8B").split(",")
     LAYERS = int(os.environ.get("TF_PEER_LAYERS", "4"))
     TOKENS = int(os.environ.get("TF_PEER_TOKENS", "8192"))
     SEQ = int(os.environ.get("TF_PEER_SEQ", str(TOKENS)))
-    WHO = os.environ.get("TF_PEER_WHO", "eager,compile,liger,encore").split(",")
+    WHO = os.environ.get("TF_PEER_WHO", "eager,compile,liger,encore,encore_block").split(",")
     MODES = os.environ.get("TF_PEER_MODES", "train,infer").split(",")
     ROUNDS = int(os.environ.get("ROUNDS", "3"))
     STEPS = int(os.environ.get("TF_PEER_STEPS", "5"))
@@ -202,10 +204,10 @@ def liger_patch(model, fam):
     return swap, {"modules": changed(model, before), "globals": sorted(globals_changed), "liger_kernel": version("liger-kernel")}
 
 
-def encore_patch(model):
+def encore_patch(model, **flags):
     import encore.transformers as et
     before = forwards(model)
-    report = et.apply_encore(model)
+    report = et.apply_encore(model, **flags)
     return {"modules": changed(model, before), "report": {k: len(v) for k, v in report.patched.items()},
             "not_applied": dict(report.not_applied)}
 
@@ -257,7 +259,7 @@ def run_model(name):
     fam = shape["family"]
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, shape["vocab"], (TOKENS // SEQ, SEQ), generator=g).to(DEV)
-    variants, patched, errors, swaps = {}, {}, {}, {}
+    variants, patched, errors, swaps, skipped = {}, {}, {}, {}, {}
     for who in WHO:
         try:
             if who == "eager":
@@ -271,6 +273,13 @@ def run_model(name):
             elif who == "encore":
                 m = share(model)
                 patched[who] = encore_patch(m)
+                variants[who] = m
+            elif who == "encore_block":
+                if fam not in ("llama", "mistral"):
+                    skipped[who] = "block_schedule supports Llama/Mistral dense models"
+                    continue
+                m = share(model)
+                patched[who] = encore_patch(m, block_schedule=True)
                 variants[who] = m
             else:
                 raise ValueError(f"unknown variant {who}")
@@ -290,6 +299,8 @@ def run_model(name):
             entry["variants"][who] = {"error": e}
         for who in set(patched) - set(variants):  # --smoke: Liger's patch listed, not run
             entry["variants"][who] = {"patched": patched[who], "not_run": True}
+        for who, why in skipped.items():
+            entry["variants"][who] = {"not_run": True, "reason": why}
         measure(entry, mode, variants, swaps, patched, ids)
         save()
     del variants, model
@@ -390,7 +401,8 @@ def measure(entry, mode, variants, swaps, patched, ids):
     for who in names:
         if who in steps and "eager" in steps and who != "eager":
             entry["variants"][who]["speedup_vs_eager"] = entry["variants"]["eager"]["median_ms"] / entry["variants"][who]["median_ms"]
-    for a, b in (("encore", "liger"), ("encore", "compile")):
+    for a, b in (("encore", "liger"), ("encore", "compile"), ("encore_block", "encore"), ("encore_block", "liger"),
+                 ("encore_block", "compile")):
         if a in steps and b in steps:
             entry[f"{a}_over_{b}_time"] = entry["variants"][a]["median_ms"] / entry["variants"][b]["median_ms"]
             pa, pb = entry["variants"][a].get("peak_GB"), entry["variants"][b].get("peak_GB")
@@ -445,8 +457,8 @@ def smoke_verdict():
                 bad.append(f"{key} {who}: loss {r['loss']} against eager's differs by {r['loss_diff_vs_eager']}")
             elif "logits_max_diff_vs_eager" in r and r["logits_max_diff_vs_eager"] > 0.05 * max(r["logits_eager_max_abs"], 1.0):
                 bad.append(f"{key} {who}: logits differ by {r['logits_max_diff_vs_eager']}")
-            elif who == "encore" and not r.get("patched", {}).get("modules"):
-                bad.append(f"{key} encore: nothing patched")
+            elif who in ("encore", "encore_block") and not r.get("patched", {}).get("modules"):
+                bad.append(f"{key} {who}: nothing patched")
     for b in bad:
         print("smoke:", b, flush=True)
     print(f"smoke: {'FAILED' if bad else 'ok'} ({len(RES['results'])} model/mode entries)", flush=True)

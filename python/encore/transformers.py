@@ -21,6 +21,9 @@ added, removed or changed, so save_pretrained / from_pretrained round-trip bit f
   with labels=None or in eval mode the original forward runs and returns logits;
 - moe (Qwen3-MoE): the sparse MoE block -> encore.moe_forward, for inference only (no gradient needed:
   torch.no_grad / inference_mode / generate); under autograd the original block runs.
+- block_schedule (off by default; Llama / Mistral causal LMs): in training with labels the whole decoder
+  stack and the loss run through encore's shifted LLaMA block ops, attention by the model's own
+  attention function in between (python/encore/_hf_blocks.py); every other call runs the forward above.
 
 Everything is validated before anything is patched: an unknown family or a configuration a kernel
 cannot serve raises EncorePatchError naming each module and reason, and the model is left as it was.
@@ -38,6 +41,7 @@ import threading
 import torch
 
 from . import _hf_autograd as _hf
+from . import _hf_blocks
 from . import moe as _moe
 from ._ce_autograd import fused_linear_cross_entropy as _flce
 from ._mlp_autograd import SwigluMlpFunction as _SwigluMlp
@@ -48,7 +52,7 @@ __all__ = ["apply_encore", "remove_encore", "apply_encore_to_llama", "apply_enco
 
 logger = logging.getLogger("encore.transformers")
 
-FEATURES = ("rms_norm", "swiglu", "rope", "qk_norm", "fused_linear_cross_entropy", "moe")
+FEATURES = ("rms_norm", "swiglu", "rope", "qk_norm", "fused_linear_cross_entropy", "moe", "block_schedule")
 # RoPE types whose frequencies are fixed in the rotary module's inv_freq with attention_scaling 1 (the
 # table encore's rope epilogue reads); dynamic / longrope / yarn change inv_freq per call or scale cos/sin.
 _STATIC_ROPE = ("default", "linear", "llama3")
@@ -387,6 +391,24 @@ def _plan(model, fam, causal_lm, flags):
                      "output": MoeCausalLMOutputWithPast if fam.moe else CausalLMOutputWithPast,
                      "load_balancing_loss": getattr(modeling, "load_balancing_loss_func", None)}
             plan.append((model, "", "fused_linear_cross_entropy", _causal_lm_forward, state))
+    if flags["block_schedule"]:
+        block_errs, bstate = _hf_blocks.block_errors(model, fam, causal_lm, rotary, _STATIC_ROPE)
+        errors += block_errs
+        if bstate is not None:
+            # one forward on the model: the block schedule, falling back to the fused-CE forward (if planned) or the original
+            flce = [e for e in plan if e[2] == "fused_linear_cross_entropy"]
+            plan[:] = [e for e in plan if e[2] != "fused_linear_cross_entropy"]
+            params = [p.name for p in inspect.signature(type(model).forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+            bstate.update(params=tuple(params), fallback=(flce[0][3], flce[0][4]) if flce else None, output=CausalLMOutputWithPast)
+            if flce:
+                report.patched.setdefault("fused_linear_cross_entropy", []).append("")
+            plan.append((model, "", "block_schedule", _hf_blocks.block_causal_lm_forward, bstate))
+            n = len(base.layers[: cfg.num_hidden_layers])
+            blocks = f"{n - 1} shifted block{'s' if n != 2 else ''}"
+            report.notes.append(f"block_schedule: in training with labels the {n} decoder layers run encore's LLaMA block ops (first "
+                                f"layer's norm + QKV, {blocks}, the last layer + final norm + LM head + loss), attention by the "
+                                "model's own attention function; every other call runs the forward it replaced")
     for k in ("qk_norm", "moe"):
         if flags[k] and not getattr(fam, k):
             report.not_applied[k] = f"no {'q_norm / k_norm' if k == 'qk_norm' else 'MoE layers'} in the {fam.name} family"
@@ -403,14 +425,17 @@ def _plan(model, fam, causal_lm, flags):
     return plan, report, errors, rotary
 
 
-def apply_encore(model, rms_norm=True, swiglu=True, rope=True, qk_norm=True, fused_linear_cross_entropy=True, moe=True):
+def apply_encore(model, rms_norm=True, swiglu=True, rope=True, qk_norm=True, fused_linear_cross_entropy=True, moe=True,
+                 block_schedule=False):
     """Patches an instantiated transformers model in place with encore's kernels and returns (and logs at
     INFO) an EncoreReport. Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
     Qwen3ForCausalLM, Qwen3MoeForCausalLM and their base models. Parameters and state_dict are left
     exactly as they are. Raises EncorePatchError (nothing patched) for an unknown family or any module
-    a kernel cannot serve. Calling it again replaces the previous patch (remove_encore undoes it)."""
+    a kernel cannot serve. Calling it again replaces the previous patch (remove_encore undoes it).
+    block_schedule=True (Llama / Mistral causal LMs): training forwards with labels run the decoder stack
+    through encore's shifted LLaMA block ops (docs/transformers.md)."""
     flags = dict(rms_norm=rms_norm, swiglu=swiglu, rope=rope, qk_norm=qk_norm, fused_linear_cross_entropy=fused_linear_cross_entropy,
-                 moe=moe)
+                 moe=moe, block_schedule=block_schedule)
     fam, causal_lm = _family_of(model)
     plan, report, errors, rotary = _plan(model, fam, causal_lm, {k: bool(v) for k, v in flags.items()})
     if errors:
@@ -480,17 +505,17 @@ def revert_encore_classes():
         del _CLASS_PATCHES[cls]
 
 
-def apply_encore_to_llama(rms_norm=True, swiglu=True, rope=True, fused_linear_cross_entropy=True):
+def apply_encore_to_llama(rms_norm=True, swiglu=True, rope=True, fused_linear_cross_entropy=True, block_schedule=False):
     """Every LlamaForCausalLM built from now on (constructor, from_pretrained, from_config) gets
     apply_encore with these features on construction (its errors raised there)."""
     _apply_to_family("llama", dict(rms_norm=rms_norm, swiglu=swiglu, rope=rope, qk_norm=False,
-                                   fused_linear_cross_entropy=fused_linear_cross_entropy, moe=False))
+                                   fused_linear_cross_entropy=fused_linear_cross_entropy, moe=False, block_schedule=block_schedule))
 
 
-def apply_encore_to_mistral(rms_norm=True, swiglu=True, rope=True, fused_linear_cross_entropy=True):
+def apply_encore_to_mistral(rms_norm=True, swiglu=True, rope=True, fused_linear_cross_entropy=True, block_schedule=False):
     """apply_encore_to_llama for MistralForCausalLM."""
     _apply_to_family("mistral", dict(rms_norm=rms_norm, swiglu=swiglu, rope=rope, qk_norm=False,
-                                     fused_linear_cross_entropy=fused_linear_cross_entropy, moe=False))
+                                     fused_linear_cross_entropy=fused_linear_cross_entropy, moe=False, block_schedule=block_schedule))
 
 
 def apply_encore_to_qwen2(rms_norm=True, swiglu=True, rope=False, fused_linear_cross_entropy=True):

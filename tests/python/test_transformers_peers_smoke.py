@@ -27,3 +27,10 @@ def test_transformers_peers_smoke(tmp_path):
         assert enc["median_ms"] > 0 and enc["patched"]["modules"], key
         if key.endswith("/train"):
             assert enc["loss_close"], key
+        blk = entry["variants"]["encore_block"]
+        if key.startswith("llama"):
+            assert blk["median_ms"] > 0 and blk["patched"]["report"]["block_schedule"] == 1, key
+            if key.endswith("/train"):
+                assert blk["loss_close"], key
+        else:
+            assert blk["not_run"] and "Llama/Mistral" in blk["reason"], key
