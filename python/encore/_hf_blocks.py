@@ -152,6 +152,32 @@ def _block_loss(model, state, a):
     return loss
 
 
+def loss_head_errors(model, where, op):
+    """Why `op` (encore's fused linear cross-entropy or last-layer op: raw logits of a bias-free lm_head,
+    transformers' ForCausalLMLoss) cannot take this causal LM's head and loss ([] when it can)."""
+    errors = []
+    if getattr(model.lm_head, "bias", None) is not None:
+        errors.append(f"{where}: lm_head with bias; {op} has none")
+    if getattr(model.config, "final_logit_softcapping", None) is not None:
+        errors.append(f"{where}: final_logit_softcapping; {op} takes raw logits")
+    lf = getattr(model, "loss_function", None)
+    if getattr(lf, "__name__", None) != "ForCausalLMLoss":
+        errors.append(f"{where}: loss_function {getattr(lf, '__name__', lf)!r}; {op} computes transformers' ForCausalLMLoss only")
+    return errors
+
+
+def rope_errors(rotary, where, static_rope):
+    """Why encore's RoPE (a fixed frequency table, unscaled cos / sin) cannot take this rotary module
+    ([] when it can)."""
+    rt = getattr(rotary, "rope_type", None)
+    if rotary is None or getattr(rotary, "inv_freq", None) is None:
+        return [f"{where}: no rotary_emb with inv_freq to read RoPE frequencies from"]
+    if rt not in static_rope or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        return [f"{where}: rope_type {rt!r} (attention_scaling {getattr(rotary, 'attention_scaling', None)}); encore's RoPE "
+                f"takes a fixed frequency table with unscaled cos/sin ({', '.join(static_rope)})"]
+    return []
+
+
 def block_errors(model, fam, causal_lm, rotary, static_rope):
     """Why block_schedule cannot serve this model ([] when it can); also the state for
     block_causal_lm_forward (without params / fallback / output)."""
@@ -167,19 +193,8 @@ def block_errors(model, fam, causal_lm, rotary, static_rope):
         errors.append(f"{where}: hidden_act {cfg.hidden_act!r}; encore's block is SiLU-gated")
     if getattr(cfg, "mlp_bias", False) or getattr(cfg, "attention_bias", False):
         errors.append(f"{where}: mlp_bias / attention_bias; encore's block GEMMs have no bias")
-    if getattr(model.lm_head, "bias", None) is not None:
-        errors.append(f"{where}: lm_head with bias; encore's last-layer op has none")
-    if getattr(cfg, "final_logit_softcapping", None) is not None:
-        errors.append(f"{where}: final_logit_softcapping; encore's last-layer op takes raw logits")
-    lf = getattr(model, "loss_function", None)
-    if getattr(lf, "__name__", None) != "ForCausalLMLoss":
-        errors.append(f"{where}: loss_function {getattr(lf, '__name__', lf)!r}; encore's last layer computes ForCausalLMLoss only")
-    rt = getattr(rotary, "rope_type", None)
-    if rotary is None or getattr(rotary, "inv_freq", None) is None:
-        errors.append(f"{where}: no rotary_emb with inv_freq to read RoPE frequencies from")
-    elif rt not in static_rope or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
-        errors.append(f"{where}: rope_type {rt!r} (attention_scaling {getattr(rotary, 'attention_scaling', None)}); encore's RoPE "
-                      f"takes a fixed frequency table with unscaled cos/sin ({', '.join(static_rope)})")
+    errors += loss_head_errors(model, where, "encore's last-layer op")
+    errors += rope_errors(rotary, where, static_rope)
     layers = list(base.layers[: cfg.num_hidden_layers])
     dec = fam.cls("DecoderLayer")
     heads = None

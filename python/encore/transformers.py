@@ -300,12 +300,7 @@ def _plan(model, fam, causal_lm, flags):
     qk_ids.discard(id(None))
     rotary = getattr(base, "rotary_emb", None)
     if flags["rope"]:
-        rt = getattr(rotary, "rope_type", None)
-        if rotary is None or getattr(rotary, "inv_freq", None) is None:
-            errors.append(f"{type(base).__name__}: no rotary_emb with inv_freq to read RoPE frequencies from")
-        elif rt not in _STATIC_ROPE or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
-            errors.append(f"{type(base).__name__}.rotary_emb: rope_type {rt!r} (attention_scaling {getattr(rotary, 'attention_scaling', None)}); "
-                          f"encore's RoPE takes a fixed frequency table with unscaled cos/sin ({', '.join(_STATIC_ROPE)})")
+        errors += _hf_blocks.rope_errors(rotary, f"{type(base).__name__}.rotary_emb", _STATIC_ROPE)
     act = getattr(cfg, "hidden_act", None)
     for name, m in model.named_modules():
         where = f"{name or '<model>'} ({type(m).__name__})"
@@ -377,14 +372,7 @@ def _plan(model, fam, causal_lm, flags):
             report.not_applied["fused_linear_cross_entropy"] = "not a causal LM (no lm_head)"
             report.patched.pop("fused_linear_cross_entropy", None)
         else:
-            where = f"<model> ({type(model).__name__})"
-            if getattr(model.lm_head, "bias", None) is not None:
-                errors.append(f"{where}: lm_head with bias; encore's fused linear cross-entropy has none")
-            if getattr(cfg, "final_logit_softcapping", None) is not None:
-                errors.append(f"{where}: final_logit_softcapping; the fused cross-entropy takes raw logits")
-            lf = getattr(model, "loss_function", None)
-            if getattr(lf, "__name__", None) != "ForCausalLMLoss":
-                errors.append(f"{where}: loss_function {getattr(lf, '__name__', lf)!r}; encore fuses transformers' ForCausalLMLoss only")
+            errors += _hf_blocks.loss_head_errors(model, f"<model> ({type(model).__name__})", "encore's fused linear cross-entropy")
             params = [p.name for p in inspect.signature(type(model).forward).parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
             state = {"params": tuple(params), "moe": fam.moe, "slice_logits_to_keep": slice_logits_to_keep,

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", minversion="5.25")
 
 import encore.transformers as et  # noqa: E402
 from encore import _hf_blocks  # noqa: E402
-from test_transformers_patch import build, patched_modules, rel, unpatched_after  # noqa: E402
+from test_transformers_patch import build, check_close, patched_modules, rel, unpatched_after  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 NONE = dict(rms_norm=False, swiglu=False, rope=False, qk_norm=False, fused_linear_cross_entropy=False, moe=False)
@@ -51,14 +51,6 @@ def train_step(model, ids, **kw):
     out = model(ids, **kw)
     out.loss.backward()
     return out, {n: p.grad for n, p in model.named_parameters()}
-
-
-def check_close(pat, ref, f32, name, dtype):
-    if dtype == torch.float32:
-        assert rel(pat, ref) < 1e-5, (name, rel(pat, ref))
-    else:
-        bound = 2 * rel(ref, f32) + 2e-3
-        assert rel(pat, f32) <= bound, (name, rel(pat, f32), rel(ref, f32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
