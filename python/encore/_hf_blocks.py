@@ -64,22 +64,46 @@ def _w3(attn, heads):
     return torch.cat((_hf.pair_rows(attn.q_proj.weight, hq, hd), _hf.pair_rows(attn.k_proj.weight, hkv, hd), attn.v_proj.weight))
 
 
+def _plain(model):
+    """Whether every module whose weights the schedule reads without calling it is as validated: the
+    linears plain nn.Linear, no forward hook on them, on the decoder layers, their attention / MLP /
+    norms, the base model, its final norm or the LM head, no global module hook, no accelerate hook. An
+    adapter (LoRA) or a sharding / offload hook (FSDP2, ZeRO-3, accelerate) would be bypassed: then the
+    original forward runs."""
+    mm = torch.nn.modules.module
+    if mm._global_forward_hooks or mm._global_forward_pre_hooks:
+        return False
+    base = model.model
+    linears, mods = [model.lm_head], [base, base.norm]
+    for layer in base.layers[: model.config.num_hidden_layers]:
+        at, mlp = layer.self_attn, layer.mlp
+        linears += [at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        mods += [layer, at, mlp, layer.input_layernorm, layer.post_attention_layernorm]
+    if any(type(m) is not torch.nn.Linear for m in linears):
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in mods + linears)
+
+
 def _serves(model, a):
-    """Whether this call is one the block schedule serves: training with labels under autograd, no cache,
-    no per-layer outputs, no logits slice, no autocast, no gradient checkpointing."""
+    """Whether this call is one the block schedule serves: training with labels under autograd, no cache
+    passed or asked for, no per-layer outputs (by the call or the config), no logits slice, no autocast,
+    no gradient checkpointing, the modules as validated (_plain)."""
     if not model.training or not torch.is_grad_enabled():  # (False under inference_mode too)
         return False
-    if a.get("labels") is None and a.get("shift_labels") is None:
+    if a.get("labels") is None:  # (transformers computes no loss from shift_labels alone)
         return False
     if any(a.get(k) for k in _FALLBACK_TRUE) or a.get("cache") is not None or a.get("past_key_values") is not None:
         return False
+    for k in ("output_attentions", "output_hidden_states"):
+        if a.get(k) is None and getattr(model.config, k, False):
+            return False
     keep = a.get("logits_to_keep", 0)
     if torch.is_tensor(keep) or keep != 0:
         return False
     if getattr(model.model, "gradient_checkpointing", False):
         return False
     dev = (a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")).device.type
-    return not torch.is_autocast_enabled(dev)
+    return not torch.is_autocast_enabled(dev) and _plain(model)
 
 
 def block_causal_lm_forward(self, orig, state, *args, **kwargs):
@@ -109,13 +133,21 @@ def _block_loss(model, state, a):
     ignore_index = int(a.pop("ignore_index", -100))
     num_items = a.pop("num_items_in_batch", None)
     attention_mask, position_ids = a.pop("attention_mask", None), a.pop("position_ids", None)
-    for k in ("use_cache", "cache", "past_key_values", "logits_to_keep", *_FALLBACK_TRUE):
+    use_cache = a.pop("use_cache", None)
+    for k in ("cache", "past_key_values", "logits_to_keep", *_FALLBACK_TRUE):
         a.pop(k, None)
     x = base.embed_tokens(ids) if embeds is None else embeds
     bsz, seq, d = x.shape
     if position_ids is None:
         position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
-    mask = state["mask_function"](cfg)(config=cfg, inputs_embeds=x, attention_mask=attention_mask, cache=None,
+    # The original forward makes an empty cache when use_cache resolves to True (config.use_cache, its
+    # default, in training too), and with a cache the mask function builds no packed-sequence mask from
+    # position_ids: the same cache here gives the same mask (this forward returns no cache).
+    cache = None
+    if use_cache is None and getattr(cfg, "use_cache", False):
+        from transformers.cache_utils import DynamicCache
+        cache = DynamicCache(config=cfg)
+    mask = state["mask_function"](cfg)(config=cfg, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
                                         position_ids=position_ids)
     hq, hkv, hd = heads = state["heads"]
     pos = position_ids.expand(bsz, seq).reshape(-1).to(torch.int32)
@@ -189,6 +221,11 @@ def block_errors(model, fam, causal_lm, rotary, static_rope):
     cfg, base = model.config, model.model
     errors = []
     where = f"<model> ({name}) block_schedule"
+    for obj, suffix in ((model, "ForCausalLM"), (base, "Model")):
+        want = fam.cls(suffix)
+        if type(obj) is not want:
+            errors.append(f"{where}: {type(obj).__name__} is not {getattr(want, '__name__', suffix)} (a subclass's forward may "
+                          "compute something else; block_schedule replaces it)")
     if getattr(cfg, "hidden_act", None) not in ("silu", "swish"):
         errors.append(f"{where}: hidden_act {cfg.hidden_act!r}; encore's block is SiLU-gated")
     if getattr(cfg, "mlp_bias", False) or getattr(cfg, "attention_bias", False):
@@ -212,6 +249,9 @@ def block_errors(model, fam, causal_lm, rotary, static_rope):
         elif rotary is not None and getattr(rotary, "inv_freq", None) is not None and rotary.inv_freq.numel() != hd // 2:
             errors.append(f"{lw}: partial rotary (inv_freq has {rotary.inv_freq.numel()} entries, head_dim {hd}); encore rotates "
                           "whole heads")
+        if attn.o_proj.weight.shape[0] != attn.o_proj.weight.shape[1]:
+            errors.append(f"{lw}: o_proj {tuple(attn.o_proj.weight.shape)} is not square (heads x head_dim != hidden); encore's "
+                          "block takes a [d, d] o_proj")
         if heads is not None and h != heads:
             errors.append(f"{lw}: heads {h} differ from layer 0's {heads}")
         heads = heads or h

@@ -183,6 +183,7 @@ def test_class_level_patch(block_calls):
     ("llama", dict(hidden_act="gelu"), r"block_schedule: hidden_act 'gelu'"),
     ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
      r"block_schedule: rope_type 'dynamic'"),
+    ("mistral", dict(head_dim=32), r"o_proj \(64, 128\) is not square"),
 ])
 def test_unsupported_config_is_refused(family, kw, expect):
     import re
@@ -215,3 +216,81 @@ def test_compile_fullgraph_training(block_calls):
     assert rel(out.loss, ref.loss) < 1e-6
     for n in grads:
         assert rel(grads[n], g_eager[n]) < 1e-5, n
+
+
+def test_subclassed_model_refused():
+    class Base(transformers.LlamaModel):
+        pass
+
+    class LM(transformers.LlamaForCausalLM):
+        pass
+
+    model = build("llama")
+    model.__class__, model.model.__class__ = LM, Base
+    msg = unpatched_after(lambda m: et.apply_encore(m, **NONE, block_schedule=True), model)
+    assert "LM is not LlamaForCausalLM" in msg and "Base is not LlamaModel" in msg, msg
+
+
+class _Adapted(torch.nn.Module):
+    """A LoRA-like wrapper: .weight is the base layer's, the forward adds a low-rank term."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.Linear(base.in_features, 2, bias=False)
+        self.lora_B = torch.nn.Linear(2, base.out_features, bias=False)
+        torch.nn.init.normal_(self.lora_B.weight, std=0.02)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+@pytest.mark.parametrize("change", ["adapter", "hook", "config_outputs"])
+def test_calls_the_schedule_would_bypass_run_the_replaced_forward(change, block_calls):
+    """An adapter on a projection, a forward hook on a layer (what FSDP2 / ZeRO-3 / accelerate install)
+    or per-layer outputs asked for by the config: the original forward runs, equal to the unpatched model."""
+    ref = build("llama")
+    fired = []
+    if change == "adapter":
+        for layer in ref.model.layers:
+            layer.self_attn.v_proj = _Adapted(layer.self_attn.v_proj)
+    elif change == "config_outputs":
+        ref.config.output_hidden_states = True
+    pat = copy.deepcopy(ref)
+    et.apply_encore(pat, **NONE, block_schedule=True)
+    if change == "hook":
+        for m in (ref, pat):
+            m.model.layers[0].register_forward_hook(lambda *_: fired.append(1))
+    ids = ids_for(7)
+    a, ga = train_step(ref, ids, labels=ids)
+    b, gb = train_step(pat, ids, labels=ids)
+    assert not block_calls
+    assert torch.equal(a.loss, b.loss)
+    for n in ga:
+        assert (ga[n] is None) == (gb[n] is None) and (ga[n] is None or torch.equal(ga[n], gb[n])), n
+    if change == "hook":
+        assert len(fired) == 2
+    if change == "config_outputs":
+        assert b.hidden_states is not None
+
+
+def test_packed_sequences_mask_as_transformers(block_calls):
+    """Packed rows (position_ids restarting, no attention_mask), use_cache left to the config (True): the
+    original forward builds its mask with an empty cache, so no packed-sequence mask; the schedule the same."""
+    ref = build("llama")
+    pat = copy.deepcopy(ref)
+    et.apply_encore(pat, **NONE, block_schedule=True)
+    ids = ids_for(8, (1, 16))
+    pos = torch.cat((torch.arange(6), torch.arange(10))).unsqueeze(0)
+    for use_cache in (None, False):
+        kw = dict(labels=ids, position_ids=pos) if use_cache is None else dict(labels=ids, position_ids=pos, use_cache=False)
+        a, ga = train_step(ref, ids, **kw)
+        b, gb = train_step(pat, ids, **kw)
+        assert rel(b.loss, a.loss) < 1e-5, (use_cache, a.loss, b.loss)
+        for n in ga:
+            assert rel(gb[n], ga[n]) < 1e-5, (use_cache, n)
+    assert len(block_calls) == 2
