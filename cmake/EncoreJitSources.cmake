@@ -8,6 +8,7 @@ set(_encore_jit_embedded
   core/fast_div.hpp
   core/fp8.hpp
   encore/core/dtype.hpp
+  common/cuda/pdl.cuh
   common/cuda/reduce.cuh
   common/cuda/vector_io.cuh
   common/cuda/fp8_pack.cuh

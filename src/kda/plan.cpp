@@ -59,9 +59,9 @@ cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool sta
   if (!states16) return plan;
   if (states != DType::kBF16) {
     plan.prefetch = true;
-  } else if (blocks32 >= 2 * 8 * sms) {
+  } else if (blocks32 >= 2 * cuda::kKdaDecodeResident32Bf16 * sms) {  // two waves of the 32-column grid
     plan.kernel = cuda::KdaDecodeKernel::kColumns64;
-    plan.prefetch = blocks64 >= 16 * 4 * sms;
+    plan.prefetch = blocks64 >= 16 * cuda::kKdaDecodeResident64 * sms;  // 16 waves of the 64-column grid
   }
   return plan;
 }

@@ -126,8 +126,8 @@ jit::KernelSpec dispatch_jit_spec(const DispatchJitVariant& v) {
   const std::string kernel = dispatch_kernel_name(v.kernel);
   return jit::embedded_spec("moe_dispatch_" + kernel + "-e" + std::to_string(v.experts) + "-k" + std::to_string(v.top_k),
                             "moe/cuda/dispatch_kernel.cuh",
-                            {"core/host_device.hpp", "encore/core/dtype.hpp", "common/cuda/reduce.cuh", "common/cuda/vector_io.cuh",
-                             "moe/problem.hpp", "moe/cuda/dispatch_kernel.cuh"},
+                            {"core/host_device.hpp", "encore/core/dtype.hpp", "common/cuda/pdl.cuh", "common/cuda/reduce.cuh",
+                             "common/cuda/vector_io.cuh", "moe/problem.hpp", "moe/cuda/dispatch_kernel.cuh"},
                             "&encore::cuda::dispatch_" + kernel + "_kernel<" + std::to_string(v.top_k) + ", " + std::to_string(v.experts) + ">");
 }
 

@@ -152,6 +152,37 @@ void compare(const std::string& label, Problem& pr, DType in, KdaRecurrentArgs h
   std::printf("  kda decode %-44s %-4s o %.2e  states %.2e  (|o| %.2f)\n", label.c_str(), dtype_name(in), eo, es, max_abs(o_ref));
 }
 
+// The device index contract: runs h (the pool in initial_state, its indices; its inputs rounded in place)
+// on the device with bf16 inputs and checks o's rows of the sequences in `bad` NaN, of those in `pad` 0,
+// of every other one finite, and the pool's slots in `written` changed, every other slot bit-identical.
+void check_index_contract(KdaRecurrentArgs& h, int64_t N, const std::set<int64_t>& bad, const std::set<int64_t>& pad,
+                          const std::set<int64_t>& written) {
+  DeviceArena ar;
+  KdaRecurrentArgs d = to_device(h, DType::kBF16, DType::kBF16, ar);
+  const std::vector<unsigned char> before = fetch_bytes(d.initial_state);
+  ASSERT_TRUE(run(d, kKimi.o));
+  ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<double> o = fetch(d.o);
+  const std::vector<unsigned char> after = fetch_bytes(d.initial_state);
+  const int64_t P = d.initial_state.shape[0];
+  const size_t slot = after.size() / size_t(P), rows = o.size() / size_t(N);
+  for (int64_t n = 0; n < N; ++n)
+    for (size_t i = 0; i < rows; ++i) {
+      const double x = o[size_t(n) * rows + i];
+      if (bad.count(n)) {
+        ASSERT_TRUE(std::isnan(x)) << "sequence " << n;
+      } else if (pad.count(n)) {
+        ASSERT_EQ(x, 0.0) << "sequence " << n << " (padding)";
+      } else {
+        ASSERT_TRUE(std::isfinite(x)) << "sequence " << n;
+      }
+    }
+  for (int64_t s = 0; s < P; ++s) {
+    const bool same = std::memcmp(after.data() + s * slot, before.data() + s * slot, slot) == 0;
+    EXPECT_EQ(same, !written.count(s)) << "slot " << s;
+  }
+}
+
 class KdaServingGpu : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -386,8 +417,7 @@ TEST_F(KdaServingGpu, BadDeviceIndicesGiveNaNRowsAndWriteNothing) {
     const char* what;
     std::vector<int64_t> idx, nat;
     int64_t S;
-    std::vector<int> bad_seqs;
-    std::set<int64_t> written;
+    std::set<int64_t> bad_seqs, written;
   };
   const std::vector<Bad> cases = {
       {"[N] index >= P", {3, 9, -1, 5}, {}, 1, {1}, {3, 5}},
@@ -405,29 +435,7 @@ TEST_F(KdaServingGpu, BadDeviceIndicesGiveNaNRowsAndWriteNothing) {
     h.state_indices = c.S == 1 ? TensorView::contiguous(idx.data(), DType::kInt64, {N}) : TensorView::contiguous(idx.data(), DType::kInt64, {N, c.S});
     if (!nat.empty()) h.num_accepted_tokens = TensorView::contiguous(nat.data(), DType::kInt64, {N});
     EXPECT_FALSE(run(h, kKimi.o)) << "the CPU backend refuses the same indices";
-    DeviceArena ar;
-    KdaRecurrentArgs d = to_device(h, DType::kBF16, DType::kBF16, ar);
-    const std::vector<unsigned char> before = fetch_bytes(d.initial_state);
-    ASSERT_TRUE(run(d, kKimi.o));
-    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
-    const std::vector<double> o = fetch(d.o);
-    const std::vector<unsigned char> after = fetch_bytes(d.initial_state);
-    const size_t slot = after.size() / 8, rows = o.size() / size_t(N);
-    for (int64_t n = 0; n < N; ++n) {
-      const bool bad = std::find(c.bad_seqs.begin(), c.bad_seqs.end(), int(n)) != c.bad_seqs.end();
-      for (size_t i = 0; i < rows; ++i) {
-        const double x = o[size_t(n) * rows + i];
-        if (bad) {
-          ASSERT_TRUE(std::isnan(x)) << "sequence " << n;
-        } else {
-          ASSERT_TRUE(std::isfinite(x)) << "sequence " << n;
-        }
-      }
-    }
-    for (int64_t s = 0; s < 8; ++s) {
-      const bool same = std::memcmp(after.data() + s * slot, before.data() + s * slot, slot) == 0;
-      EXPECT_EQ(same, !c.written.count(s)) << "slot " << s;
-    }
+    check_index_contract(h, N, c.bad_seqs, {}, c.written);
   }
   // Host-memory indices with CUDA tensors: refused, nothing launched.
   Problem pr(dm, kKimi, 93, false, {1, 1});
@@ -475,29 +483,10 @@ TEST_F(KdaServingGpu, BadIndicesInLargeBatches) {
       h.initial_state = pool.view();
       h.state_indices = S == 1 ? TensorView::contiguous(idx.data(), DType::kInt64, {N}) : TensorView::contiguous(idx.data(), DType::kInt64, {N, S});
       if (!nat.empty()) h.num_accepted_tokens = TensorView::contiguous(nat.data(), DType::kInt64, {N});
-      DeviceArena ar;
-      KdaRecurrentArgs d = to_device(h, DType::kBF16, DType::kBF16, ar);
-      const std::vector<unsigned char> before = fetch_bytes(d.initial_state);
-      ASSERT_TRUE(run(d, kKimi.o));
-      ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
-      const std::vector<double> o = fetch(d.o);
-      const std::vector<unsigned char> after = fetch_bytes(d.initial_state);
-      const size_t slot = after.size() / size_t(P), rows = o.size() / size_t(N);
-      for (int64_t n = 0; n < N; ++n)
-        for (size_t i = 0; i < rows; ++i) {
-          const double x = o[size_t(n) * rows + i];
-          if (bad.count(n)) {
-            ASSERT_TRUE(std::isnan(x)) << "sequence " << n;
-          } else if (pad.count(n)) {
-            ASSERT_EQ(x, 0.0) << "sequence " << n << " (padding)";
-          } else {
-            ASSERT_TRUE(std::isfinite(x)) << "sequence " << n;
-          }
-        }
-      for (int64_t s = 0; s < P; ++s) {  // slot s belongs to sequence s (s < N)
-        const bool same = std::memcmp(after.data() + s * slot, before.data() + s * slot, slot) == 0;
-        EXPECT_EQ(same, s >= N || bad.count(s) || pad.count(s)) << "slot " << s;
-      }
+      std::set<int64_t> written;  // slot s belongs to sequence s
+      for (int64_t s = 0; s < N; ++s)
+        if (!bad.count(s) && !pad.count(s)) written.insert(s);
+      check_index_contract(h, N, bad, pad, written);
     }
 }
 

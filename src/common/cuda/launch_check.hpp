@@ -46,6 +46,19 @@ Status launch(const char* what, F&& enqueue) {
   return launch_status(what);
 }
 
+// A cudaLaunchKernelEx configuration (grid, block, dynamic shared memory, stream), a programmatic
+// dependent launch when `pdl` (the kernel's side: common/cuda/pdl.cuh); `attr` holds the attribute and
+// must outlive the launch call.
+inline cudaLaunchConfig_t pdl_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl, cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = pdl ? &attr : nullptr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cfg;
+}
+
 // The seam, then `enqueue()` returning a launch API's cudaError_t, then its status.
 template <class F>
 Status launch_api(const char* what, F&& enqueue) {

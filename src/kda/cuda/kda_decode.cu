@@ -164,7 +164,10 @@ __device__ __forceinline__ void store_rows(void* data, DType dt, bool vec, int64
 // batches: 16-byte bf16 state accesses, 64 columns a block). kSeqs: the varlen token table's size.
 // Resident blocks an SM the kernel is built for (its launch bounds).
 template <int kDim, class St, bool kOne, int kC>
-constexpr int kResident = !kOne ? (kDim == 128 ? 4 : 2) : kC == 8 ? 4 : std::is_same_v<St, float> ? 5 : 8;
+constexpr int kResident = !kOne       ? (kDim == 128 ? 4 : 2)
+                           : kC == 8   ? kKdaDecodeResident64
+                           : std::is_same_v<St, float> ? kKdaDecodeResident32Fp32
+                                                       : kKdaDecodeResident32Bf16;
 
 // bytes (a multiple of 16) from a 16-byte aligned global address into L2, without waiting (sm_90).
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
@@ -199,8 +202,7 @@ __global__ void __launch_bounds__(kThreads, kResident<kDim, St, kOne, kC>)
   if (p.mode == KdaDecodeMode::kStates) {
     if (p.init) read_slot = n;
   } else {
-    const int64_t accepted = load_accepted(p, n);
-    const SlotPlan slots = settle_slots(p, n, len, accepted, load_slots(p, n, accepted));
+    const SlotPlan slots = resolve_slots(p, n, len);
     read_slot = slots.read;
     if (slots.bad || read_slot < 0) {  // bad indices: NaN rows, nothing written to the pool; padding: zero rows
       fill_o(p, b, begin, len, h, tile * kCols, kCols, V, slots.bad);
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, kResident<kDim, St, kOne, kC>)
 
   // The gate's per-head parameters (in-kernel gate): e^A_log and dt_bias of this thread's rows.
   const bool gate = p.gate_in_kernel;
-  const float ea = gate && p.A_log ? gate_ea(p, p.A_log[h]) : 1.f;
+  const float ea = gate && p.A_log ? expf(p.A_log[h]) : 1.f;
   float bias[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) bias[r] = 0.f;
@@ -244,8 +246,11 @@ __global__ void __launch_bounds__(kThreads, kResident<kDim, St, kOne, kC>)
       for (int r = 0; r < R; ++r) st[r].pack(zero);
     }
     if (gate && p.dt_bias) load_vec<R>(p.dt_bias, DType::kFP32, int64_t(h) * K + row0, row0, K, bias);
-    const int64_t write_row =  // kSlots: the slot read; kStates: row n; kTokenSlots: idx[n, 0] (its one token's state)
-        one_token_write(p, n, len, read_slot, [&] { return load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0); });
+    // kStates: row n (with a final state); kSlots: the slot read; kTokenSlots (len is 1 here): idx[n, 0], its
+    // one token's state (read again, an L1 hit, rather than held in a register from resolve_slots)
+    const int64_t write_row = p.mode == KdaDecodeMode::kStates ? (p.fin ? int64_t(n) : -1)
+                              : p.mode == KdaDecodeMode::kSlots ? read_slot
+                                                                : load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0);
     if (len == 1) {
       const Token<R, kC>& x = tl.get();
       float d[R], pk[kC] = {}, pq[kC] = {}, qq = 0.f, kk = 0.f, qk = 0.f;

@@ -15,6 +15,9 @@ namespace encore::cuda {
 constexpr int kKdaDecodeMaxHeadDim = 256;  // K and V
 constexpr int kKdaDecodeSeqTable = 1024;   // varlen sequences per launch (the token table is a launch parameter)
 constexpr int kKdaDecodeSeqTableSmall = 64;  // the table of launches with at most this many sequences (a smaller parameter)
+// Resident blocks an SM the single-token kernels are built for (their launch bounds; the plan's waves and
+// the prefetch distance): 32 columns a block with bf16 / fp32 states, 64 columns.
+constexpr int kKdaDecodeResident32Bf16 = 8, kKdaDecodeResident32Fp32 = 5, kKdaDecodeResident64 = 4;
 
 // [B, T, heads, C] (beta: [B, T, heads]) with element strides; the last stride is 1. bf16, fp16 or fp32.
 struct KdaDecodeTensor {

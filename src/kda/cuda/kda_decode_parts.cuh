@@ -306,7 +306,9 @@ struct PackedRow {
 // exp of the activated gate of one state row (0 for rows past K: in_range false), in log2 units on one
 // exp2 (the chunk kernel's form): softplus(x) log2 e = log2(1 + 2^y), y = x log2 e, by softplus_log2
 // (relative error <= 2.5e-5 for every y, small values included, where log(1 + e^x) would round 1 + e^x
-// to 1). gate: p.gate_in_kernel; gl: the gate input; bias: dt_bias of the row, ea: e^A_log (0 and 1 without).
+// to 1). gate: p.gate_in_kernel (passed in: read once by the caller, which keeps the multi-token kernels'
+// registers); gl: the gate input (the log-gate itself without it); bias: dt_bias of the row, ea: e^A_log
+// (0 and 1 without them).
 __device__ __forceinline__ float decay(const KdaDecodeParams& p, bool gate, float gl, float bias, float ea, bool in_range) {
   float l2 = gl * kLog2e;
   if (gate) {
@@ -320,46 +322,26 @@ __device__ __forceinline__ float decay(const KdaDecodeParams& p, bool gate, floa
   }
   return in_range ? fast_exp2(l2) : 0.f;
 }
-// e^A_log of the in-kernel gate (a_log: A_log[h], read where present), 1 otherwise.
-__device__ __forceinline__ float gate_ea(const KdaDecodeParams& p, float a_log) { return p.gate_in_kernel && p.A_log ? expf(a_log) : 1.f; }
-
-// The index contract of the pool modes (kSlots, kTokenSlots; kda_decode.cu's header comment) in two
-// dependent loads, so that a pipelined kernel can issue them an iteration apart: num_accepted_tokens[n]
-// (1 without it), then the start index idx[n, accepted - 1] and (kTokenSlots) the first token's idx[n, 0].
-__device__ __forceinline__ int64_t load_accepted(const KdaDecodeParams& p, int n) {
-  return p.nat ? load_index(p.nat, p.nat64, int64_t(n) * p.nat_s0) : 1;
-}
-struct SlotIndices {
-  int64_t start, first;
-};
-__device__ __forceinline__ SlotIndices load_slots(const KdaDecodeParams& p, int n, int64_t accepted) {
-  const int64_t col = accepted >= 1 && accepted <= p.S ? accepted - 1 : 0, row = int64_t(n) * p.idx_s0;
-  SlotIndices s;
-  s.start = load_index(p.idx, p.idx64, row + col * p.idx_s1);
-  s.first = p.mode == KdaDecodeMode::kTokenSlots ? load_index(p.idx, p.idx64, row) : s.start;
-  return s;
-}
-// A sequence of len >= 1 tokens: the slot read (< 0: padding: o rows 0, the pool untouched) and whether its
-// indices are bad (accepted outside [1, S], the start index or, kTokenSlots, a per-token index >= P: NaN o
-// rows, nothing written).
+// The index contract of the pool modes (kSlots, kTokenSlots; kda_decode.cu's header comment) for a
+// sequence of len >= 1 tokens: num_accepted_tokens[n] (1 without it), then the start index idx[n,
+// accepted - 1] and (kTokenSlots) every token's idx[n, t]. read: the slot read (< 0: padding: o rows 0, the
+// pool untouched); bad: accepted outside [1, S], the start index or, kTokenSlots, a per-token index >= P
+// (NaN o rows, nothing written).
 struct SlotPlan {
   int64_t read;
   bool bad;
 };
-__device__ __forceinline__ SlotPlan settle_slots(const KdaDecodeParams& p, int n, int len, int64_t accepted, const SlotIndices& s) {
-  SlotPlan r{s.start, accepted < 1 || accepted > p.S || s.start >= p.P};
+__device__ __forceinline__ SlotPlan resolve_slots(const KdaDecodeParams& p, int n, int len) {
+  const int64_t accepted = p.nat ? load_index(p.nat, p.nat64, int64_t(n) * p.nat_s0) : 1;
+  const int64_t col = accepted >= 1 && accepted <= p.S ? accepted - 1 : 0, row = int64_t(n) * p.idx_s0;
+  SlotPlan r;
+  r.read = load_index(p.idx, p.idx64, row + col * p.idx_s1);
+  const int64_t first = p.mode == KdaDecodeMode::kTokenSlots ? load_index(p.idx, p.idx64, row) : r.read;  // beside the start
+  r.bad = accepted < 1 || accepted > p.S || r.read >= p.P;
   if (r.bad || r.read < 0 || p.mode != KdaDecodeMode::kTokenSlots) return r;
-  r.bad = s.first >= p.P;
-  for (int t = 1; t < len; ++t) r.bad |= load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0 + int64_t(t) * p.idx_s1) >= p.P;
+  r.bad = first >= p.P;
+  for (int t = 1; t < len; ++t) r.bad |= load_index(p.idx, p.idx64, row + int64_t(t) * p.idx_s1) >= p.P;
   return r;
-}
-// The row a single-token sequence's state is written to (-1: none): kStates row n (with a final state),
-// kSlots the slot read, kTokenSlots idx[n, 0] for its one token (first(): its value, read only then).
-template <class First>
-__device__ __forceinline__ int64_t one_token_write(const KdaDecodeParams& p, int n, int len, int64_t read, First first) {
-  if (p.mode == KdaDecodeMode::kStates) return p.fin ? n : -1;
-  if (p.mode == KdaDecodeMode::kSlots) return read;
-  return len == 1 ? first() : -1;
 }
 
 // The len token rows of o, columns col0 .. col0 + cols - 1 (those < V), of a padding sequence (0) or one

@@ -151,16 +151,8 @@ Status launch_moe_dispatch_gather(const moe::DispatchProblem& p, const moe::Disp
   const long long cap = plan.grid < 1 ? 1 : plan.grid;
   if (blocks > cap) blocks = cap;
   if (blocks < 1) blocks = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(blocks));
-  cfg.blockDim = dim3(kDispatchThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = pdl_config(dim3(unsigned(blocks)), dim3(kDispatchThreads), 0, static_cast<cudaStream_t>(stream), true, attr);
   if (fp8) {
     DispatchFp8Params f = fp8_params(p, k);
     void* kernel = fp8_gather_kernel(p.dtype);

@@ -32,6 +32,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/cuda/pdl.cuh"
 #include "common/cuda/reduce.cuh"
 #include "common/cuda/vector_io.cuh"
 #include "moe/problem.hpp"
@@ -63,18 +64,8 @@ struct DispatchParams {
   long long chunks;
 };
 
-// Programmatic dependent launch (sm_90): the map kernels let the gather's blocks be scheduled early;
-// the gather waits for the map grid's completion (and memory flush) before it reads anything.
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_primary() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (common/cuda/pdl.cuh): the map kernels let the gather's blocks be
+// scheduled early; the gather waits for the map grid's completion (and memory flush) before it reads anything.
 
 // The map kernels' k and E: the template arguments of a JIT specialization (both nonzero), else the
 // params' (the ahead-of-time kernels, <0, 0>).
