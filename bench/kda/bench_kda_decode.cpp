@@ -104,13 +104,15 @@ struct DecodeCase {
     return time_launches(once, stream, topts, sets);
   }
 
-  Record record(const char* suite, DType pdt, const Timing& t) const {
+  // The record of one timing on `plan` (the kernel, PDL and prefetch among its parameters).
+  Record record(const char* suite, DType pdt, const cuda::KdaDecodePlan& plan, const Timing& t) const {
     Record r;
     r.suite = suite;
     r.name = "kda_decode";
     r.params = {{"batch", std::to_string(N)}, {"tokens", "1"}, {"H", std::to_string(kH)}, {"HV", std::to_string(kHV)}, {"K", "128"},
                 {"V", "128"}, {"dtype", "bf16"}, {"pool", dtype_name(pdt)}, {"index_sets", std::to_string(sets)},
-                {"options", "softplus gate + dt_bias, q/k L2 norm, beta sigmoid, int32 indices [N]"}};
+                {"options", "softplus gate + dt_bias, q/k L2 norm, beta sigmoid, int32 indices [N]"},
+                {"kernel", kernel_name(plan.kernel)}, {"pdl", plan.pdl ? "1" : "0"}, {"prefetch", plan.prefetch ? "1" : "0"}};
     r.metrics = {{"time_us", t.median_us}, {"min_us", t.min_us}, {"bytes", bytes}, {"floor_us", floor_us},
                  {"ratio_to_floor", floor_us > 0 ? t.median_us / floor_us : 0.0}, {"gbps", bytes / (t.median_us * 1e3)}};
     return r;
@@ -128,15 +130,10 @@ void run_kda_decode_suite(Report& report, const TimeOptions& topts, cudaStream_t
     for (int64_t N : kBatches) {
       DecodeCase c(pdt, N, *info, report.ceilings.copy_gbps, stream);
       const Timing t = c.time(nullptr, topts, stream);
-      Record r = c.record("kda_decode", pdt, t);
-      const cuda::KdaDecodePlan plan = kda::kda_decode_plan(N, kHV, pdt, true, info->sm_count);
-      const cuda::KdaDecodeKernel k = plan.kernel;
-      r.params.push_back({"kernel", kernel_name(k)});
-      r.params.push_back({"pdl", plan.pdl ? "1" : "0"});
-      r.params.push_back({"prefetch", plan.prefetch ? "1" : "0"});
-      report.records.push_back(r);
+      const cuda::KdaDecodePlan plan = kda::kda_decode_plan(N, kHV, pdt, true, info->sm_count);  // what run took
+      report.records.push_back(c.record("kda_decode", pdt, plan, t));
       std::printf("  kda_decode pool %-4s batch %5lld  %9.2f us  floor %9.2f us  ratio %.2f  (%s, %lld index sets)\n", dtype_name(pdt),
-                  (long long)N, t.median_us, c.floor_us, c.floor_us > 0 ? t.median_us / c.floor_us : 0.0, kernel_name(k), (long long)c.sets);
+                  (long long)N, t.median_us, c.floor_us, c.floor_us > 0 ? t.median_us / c.floor_us : 0.0, kernel_name(plan.kernel), (long long)c.sets);
       std::fflush(stdout);
     }
   }
@@ -155,10 +152,7 @@ void run_kda_decode_plans_suite(Report& report, const TimeOptions& topts, cudaSt
           const cuda::KdaDecodePlan plan{k, pdl, prefetch};
           const bool is_rule = k == rule.kernel && pdl == rule.pdl && prefetch == rule.prefetch;
           const Timing t = c.time(&plan, topts, stream);
-          Record r = c.record("kda_decode_plans", pdt, t);
-          r.params.push_back({"kernel", kernel_name(k)});
-          r.params.push_back({"pdl", pdl ? "1" : "0"});
-          r.params.push_back({"prefetch", prefetch ? "1" : "0"});
+          Record r = c.record("kda_decode_plans", pdt, plan, t);
           r.params.push_back({"rule", is_rule ? "yes" : "no"});
           report.records.push_back(r);
           std::printf("  kda_decode_plans pool %-4s batch %5lld  %-9s pdl %d prefetch %d %9.2f us  ratio %.3f%s\n", dtype_name(pdt),
