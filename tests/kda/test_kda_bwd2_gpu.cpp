@@ -5,7 +5,8 @@
 // dW, dAqk, dA and rowsum(S . dS'). The kernels round their intermediates to bf16 (Qg, Kg, W,
 // Aqk^T dO, dS', dVnew, Vnew), so the bound is bf16's: relative RMS <= 1e-2 (dh0 2e-2: a 30-chunk
 // chain; K2a 1.5e-2: it takes K1's rounded dS' and dVnew). The workspace is poisoned (NaN) first and
-// rows past a sequence's end must stay so; a second run gives the same bits.
+// rows past a sequence's end must stay so; a second run gives the same bits. The row loader's fast
+// (cp.async) and generic paths give the same bits on the same values (RowLoaderPathsAreBitIdentical).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -188,6 +189,100 @@ TEST(KdaBwd2Gpu, PrepAndScanMatchTheChunkedReference) {
       {KdaCase{1, 1900, 2, 128, 128, {0, 1900}, Gate::kSoftplus, false, true}, "one sequence of 30 chunks"},
   };
   for (const Case& cs : cases) run_case(cs);
+}
+
+// The row loader's two paths on the same values (kda_bwd2_load.cuh): 16-bit q, k, v, dO in contiguous
+// rows take K0's and K2a's cp.async path (kBf16 / kFp16); the same tensors copied into rows padded by
+// 4 channels a head (strides not multiples of 8 elements) take the generic per-element loads. The
+// whole second backward runs on each (into workspaces poisoned alike), and the workspace (every
+// intermediate: Qg, Kg, -W, dvl, dS', dVnew, dqi, dki, dW, dAqk, dA, sd, ...) and every gradient
+// must be the same bits.
+void run_paths(KdaCase c, DType dt, const char* label) {
+  SCOPED_TRACE(label);
+  c.fill(uint64_t(c.T * 13 + c.K));
+  const int64_t B = c.B, T = c.T, H = c.Hv(), Hq = c.H, K = c.K, V = c.V, N = c.N();
+  KdaDeviceForward f(c, dt, DType::kBF16, /*remat=*/false);
+  ASSERT_TRUE(f.counted);
+  {
+    const Status st = f.run(c);
+    ASSERT_TRUE(st) << "forward: " << st.to_string();
+  }
+  std::mt19937_64 rng(uint64_t(T * 31 + K));
+  std::normal_distribution<double> nd;
+  std::vector<double> d_o(c.o.size()), d_fin(c.fin.size());
+  for (auto& x : d_o) x = nd(rng);
+  for (auto& x : d_fin) x = 0.1 * nd(rng);
+  auto ddo = dev(d_o, dt, {B, T, H, V}), ddfin = dev(d_fin, DType::kFP32, {N, H, K, V});
+  // A [B, T, Hx, C] copy of `x` (contiguous, 16-bit) with each head's row padded to C + 4 elements.
+  const size_t es = dtype_size(dt);
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  auto padded = [&](const TensorView& x, int64_t Hx, int64_t C) {
+    const int64_t P = C + 4;
+    std::vector<unsigned char> src(size_t(B * T * Hx * C) * es), dst(size_t(B * T * Hx * P) * es, 0);
+    cudaMemcpy(src.data(), x.data, src.size(), cudaMemcpyDeviceToHost);
+    for (int64_t r = 0; r < B * T * Hx; ++r) std::memcpy(&dst[size_t(r * P) * es], &src[size_t(r * C) * es], size_t(C) * es);
+    keep.push_back(std::make_unique<DeviceBuffer>(dst.size()));
+    cudaMemcpy(keep.back()->ptr, dst.data(), dst.size(), cudaMemcpyHostToDevice);
+    return TensorView::strided(keep.back()->ptr, dt, {B, T, Hx, C}, {T * Hx * P, Hx * P, P, 1}, x.device);
+  };
+  struct Run {
+    std::vector<unsigned char> ws;
+    std::vector<std::vector<double>> grads;
+  };
+  auto run = [&](bool pad, Run* out) {
+    auto dh0 = poisoned(size_t(N * H * K * V), DType::kFP32, {N, H, K, V});
+    auto dq = poisoned(size_t(B * T * Hq * K), dt, {B, T, Hq, K}), dk = poisoned(size_t(B * T * Hq * K), dt, {B, T, Hq, K}),
+         dv = poisoned(c.v.size(), dt, {B, T, H, V}), dg = poisoned(size_t(B * T * H * K), dt, {B, T, H, K}),
+         dbeta = poisoned(c.beta.size(), dt, {B, T, H});
+    KdaBackwardArgs b;
+    b.fwd = f.a;
+    b.d_o = ddo->view;
+    if (pad) {
+      b.fwd.q = padded(f.a.q, Hq, K), b.fwd.k = padded(f.a.k, Hq, K), b.fwd.v = padded(f.a.v, H, V);
+      b.d_o = padded(ddo->view, H, V);
+    }
+    b.d_final_state = ddfin->view;
+    if (c.h0) b.dh0 = dh0->view;
+    b.dq = dq->view, b.dk = dk->view, b.dv = dv->view, b.dg = dg->view, b.dbeta = dbeta->view;
+    size_t bytes = 0;
+    ASSERT_TRUE(kda::bwd2_stages_workspace(b, c.opts, &bytes));
+    DeviceBuffer ws(bytes);
+    ENCORE_ASSERT_CUDA(cudaMemset(ws.ptr, 0xff, ws.bytes));
+    cuda::Kda2Layout layout;
+    const Status st = kda::bwd2_stages(b, c.opts, ws.ptr, nullptr, &layout);
+    ASSERT_TRUE(st) << st.to_string();
+    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+    out->ws.resize(bytes);
+    cudaMemcpy(out->ws.data(), ws.ptr, bytes, cudaMemcpyDeviceToHost);
+    out->grads = {dq->fetch(), dk->fetch(), dv->fetch(), dg->fetch(), dbeta->fetch()};
+    if (c.h0) out->grads.push_back(dh0->fetch());
+  };
+  Run fast, generic;
+  run(false, &fast);
+  if (::testing::Test::HasFatalFailure()) return;
+  run(true, &generic);
+  if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(fast.ws.size(), generic.ws.size());
+  EXPECT_EQ(std::memcmp(fast.ws.data(), generic.ws.data(), fast.ws.size()), 0) << "the workspace differs between the loader's paths";
+  const char* names[] = {"dq", "dk", "dv", "dg", "dbeta", "dh0"};
+  for (size_t i = 0; i < fast.grads.size(); ++i) {
+    const auto &x = fast.grads[i], &y = generic.grads[i];
+    EXPECT_TRUE(x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0)
+        << names[i] << " differs between the loader's paths";
+  }
+}
+
+TEST(KdaBwd2Gpu, RowLoaderPathsAreBitIdentical) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    const bool bf = dt == DType::kBF16;
+    run_paths(KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
+              bf ? "bf16 varlen 1/63/64/65/1000 sp h0 l2" : "fp16 varlen 1/63/64/65/1000 sp h0 l2");
+    run_paths(KdaCase{2, 200, 2, 64, 96, {}, Gate::kPrecomputed, false, false}, dt, bf ? "bf16 fixed B2 T200 K64 V96" : "fp16 fixed B2 T200 K64 V96");
+    KdaCase grouped{1, 300, 1, 128, 128, {0, 37, 300}, Gate::kLowerBound, true, false};
+    grouped.HV = 2;
+    run_paths(grouped, dt, bf ? "bf16 varlen 37/263 lower bound HV 2H" : "fp16 varlen 37/263 lower bound HV 2H");
+  }
 }
 
 }  // namespace

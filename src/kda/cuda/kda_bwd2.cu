@@ -6,6 +6,11 @@
 // K0 kda2_prep_kernel, grid (chunk slots, HV), 256 threads: per chunk and value head, from q, k, beta,
 //   dO and the residuals G, Akk (A), Aqk: Qg, Kg, Kbeta = beta k^ . 2^G (shared), -W = -A Kbeta
 //   (64 x 128 x 64), dvl = Aqk^T dO (64 x 128 x 64), 2^gC. Writes qg, kg, wn, dvl, egc.
+//   Rows: kda2_prep_kernel<RowPath> (kda_bwd2_load.cuh, chosen on the host). kBf16 / kFp16: q, k
+//   (into dO's and Kbeta's tiles, raw), A and Aqk (the lower triangle) by 16-byte cp.async, one group;
+//   the row pass reads q, k from there and writes Kbeta over k; then dO by cp.async into its tile,
+//   in flight during -A Kbeta (fp16: converted to bf16 in place). kGeneric: per-element dtype loads.
+//   53,248 bytes of shared memory either way: 4 blocks an SM.
 // K1 kda2_scan_kernel, one block of 128 threads per (sequence, value head, 32 value columns): the
 //   reverse pass over the sequence's chunks, dS' [K x 32] fp32 in registers (warp w: state rows
 //   32w..32w+31):
@@ -36,6 +41,7 @@
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_bwd2.hpp"
 #include "kda/cuda/kda_bwd2_device.cuh"
+#include "kda/cuda/kda_bwd2_load.cuh"
 
 namespace encore::cuda {
 namespace kda2 {
@@ -51,18 +57,31 @@ constexpr int kLdS = kVs + 8;  // of [*][32] tiles
 // ---- K0: prep ------------------------------------------------------------------------------------
 
 constexpr int kPrepThreads = 256;
+constexpr int kPrepBlocksPerSm = 4;  // 64 registers, 53,248 + 1,024 bytes of shared memory a block
 constexpr size_t kPrepSmem = size_t(2 * kC * kLdC + 2 * kC * kLd) * sizeof(__nv_bfloat16);  // A, Aqk, Kbeta, dO
+static_assert(kPrepBlocksPerSm * (kPrepSmem + 1024) <= 228 * 1024, "K0: four blocks an SM");
 
-__global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
+template <RowPath kPath>
+__global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda2_prep_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
+  constexpr bool kFast = kPath != RowPath::kGeneric;
   extern __shared__ __align__(16) unsigned char smem[];
   auto* a_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [64][kLdC]  A (Akk)
   __nv_bfloat16* aqk_s = a_s + kC * kLdC;               // [64][kLdC]  Aqk
-  __nv_bfloat16* kb_s = aqk_s + kC * kLdC;              // [64][kLd]   Kbeta
-  __nv_bfloat16* do_s = kb_s + kC * kLd;                // [64][kLd]   dO
+  __nv_bfloat16* kb_s = aqk_s + kC * kLdC;              // [64][kLd]   Kbeta (fast path: k raw first)
+  __nv_bfloat16* do_s = kb_s + kC * kLd;                // [64][kLd]   dO (fast path: q raw first)
   const int slot = blockIdx.x, hv = blockIdx.y, hq = hv / p.group;
   const ChunkInfo ci = chunk_info(p, slot);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
   const int64_t last = tok(p, ci.b, ci.t0 + ci.rows - 1, hv);
+  const int64_t tok0 = tok(p, ci.b, ci.t0, hv);  // the token row of chunk row i: tok0 + i H
+  if constexpr (kFast) {  // group 1: q (into dO's tile), k (into Kbeta's), A, Aqk
+    const Rows rq = rows_of(p.q, ci.b, ci.t0, hq), rk = rows_of(p.k, ci.b, ci.t0, hq);
+    copy_rows<kPrepThreads>(do_s, kLd, rq.base, rq.step, ci.rows, p.K);
+    copy_rows<kPrepThreads>(kb_s, kLd, rk.base, rk.step, ci.rows, p.K);
+    copy_tri<kPrepThreads>(a_s, kLdC, static_cast<const __nv_bfloat16*>(p.Akk) + tok0 * kC, int64_t(p.H) * kC, ci.rows);
+    copy_tri<kPrepThreads>(aqk_s, kLdC, static_cast<const __nv_bfloat16*>(p.Aqk) + tok0 * kC, int64_t(p.H) * kC, ci.rows);
+    cp_async_commit();
+  }
   float gc[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) gc[e] = ldg_or0(p.G, last * p.K + c0 + e, c0 + e < p.K);
@@ -70,15 +89,34 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
 #pragma unroll
     for (int e = 0; e < 4; ++e) w.egc[(int64_t(slot) * p.H + hv) * kD + c0 + e] = c0 + e < p.K ? exp2f(gc[e]) : 0.f;
   }
+  if constexpr (kFast) {
+    cp_async_wait<0>();
+    __syncthreads();  // q, k, A, Aqk of every thread's copies visible
+  }
   for (int i = warp; i < kC; i += kPrepThreads / 32) {
     const bool valid = i < ci.rows;
     const int t = ci.t0 + (valid ? i : 0);
     const int64_t row = tok(p, ci.b, t, hv);
     // Straight-line loads (kda_bwd_device.cuh, ld*_or0): a row's loads are in flight together.
-    float q[4], k[4], g[4], o[4];
-    const float beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
-    load4(p.q, ci.b, t, hq, c0, p.K, valid, q), load4(p.k, ci.b, t, hq, c0, p.K, valid, k);
-    load_g4(p.G, row, p.K, c0, valid, g), load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o);
+    float q[4], k[4], g[4], beta;
+    if constexpr (kFast) {
+      beta = scalar16<kPath>(p.beta, ci.b, t, hv, valid);
+      g4(p.G, row, p.K, c0, valid && c0 < p.K, g);
+      raw4<kPath>(do_s + i * kLd + c0, q), raw4<kPath>(kb_s + i * kLd + c0, k);
+    } else {
+      float o[4];
+      beta = load_or0(p.beta, ci.b, t, hv, 0, valid);
+      load4(p.q, ci.b, t, hq, c0, p.K, valid, q), load4(p.k, ci.b, t, hq, c0, p.K, valid, k);
+      load_g4(p.G, row, p.K, c0, valid, g), load4(p.d_o, ci.b, t, hv, c0, p.V, valid, o);
+      store_pair(do_s + i * kLd + c0, o[0], o[1]), store_pair(do_s + i * kLd + c0 + 2, o[2], o[3]);
+      // A and Aqk rows: lower triangular with the diagonal (A's is 1), columns j <= i.
+      const int j = 2 * lane;
+      float av[2], qv[2];
+      load2_any_or0(p.Akk, p.akk_dtype, row * kC + j, valid && j <= i, valid && j + 1 <= i, av);
+      load2_any_or0(p.Aqk, p.aqk_dtype, row * kC + j, valid && j <= i, valid && j + 1 <= i, qv);
+      store_pair(a_s + i * kLdC + j, av[0], av[1]);
+      store_pair(aqk_s + i * kLdC + j, qv[0], qv[1]);
+    }
     const float rq = row_rnorm(q, p.l2norm), rk = row_rnorm(k, p.l2norm);
     float qg[4], kg[4], kb[4];
 #pragma unroll
@@ -93,19 +131,15 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
       store_pair(w.qg + at, qg[0], qg[1]), store_pair(w.qg + at + 2, qg[2], qg[3]);
       store_pair(w.kg + at, kg[0], kg[1]), store_pair(w.kg + at + 2, kg[2], kg[3]);
     }
+    // In place on the fast path: this lane read these four channels of k above.
     store_pair(kb_s + i * kLd + c0, kb[0], kb[1]), store_pair(kb_s + i * kLd + c0 + 2, kb[2], kb[3]);
-    store_pair(do_s + i * kLd + c0, o[0], o[1]), store_pair(do_s + i * kLd + c0 + 2, o[2], o[3]);
-    // A and Aqk rows: lower triangular with the diagonal (A's is 1), columns j <= i.
-    {
-      const int j = 2 * lane;
-      float av[2], qv[2];
-      load2_any_or0(p.Akk, p.akk_dtype, row * kC + j, valid && j <= i, valid && j + 1 <= i, av);
-      load2_any_or0(p.Aqk, p.aqk_dtype, row * kC + j, valid && j <= i, valid && j + 1 <= i, qv);
-      store_pair(a_s + i * kLdC + j, av[0], av[1]);
-      store_pair(aqk_s + i * kLdC + j, qv[0], qv[1]);
-    }
   }
   __syncthreads();
+  if constexpr (kFast) {  // group 2: dO over q (read by every warp before the barrier), in flight during -W = -(A Kbeta)
+    const Rows ro = rows_of(p.d_o, ci.b, ci.t0, hv);
+    copy_rows<kPrepThreads>(do_s, kLd, ro.base, ro.step, ci.rows, p.V);
+    cp_async_commit();
+  }
   // -W = -(A Kbeta) and dvl = Aqk^T dO: warp w owns rows 16 (w % 4).. and columns 64 (w / 4)..
   const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2), g8 = lane >> 2, t4 = lane & 3;
   float acc[8][4];
@@ -122,6 +156,17 @@ __global__ void __launch_bounds__(kPrepThreads) kda2_prep_kernel(const __grid_co
   zero(acc);
   warp_mma<kC, 8, false, true>(acc, a_s, kLdC, m0, kb_s, kLd, n0);
   write(w.wn, -1.f);
+  if constexpr (kFast) {
+    cp_async_wait<0>();
+    if constexpr (kPath == RowPath::kFp16) {  // this thread's own units (visible to it after the wait): fp16 -> bf16
+#pragma unroll
+      for (int u = 0; u < kC * 16 / kPrepThreads; ++u) {
+        const int x = threadIdx.x + u * kPrepThreads, i = x >> 4, c = 8 * (x & 15);
+        fp16_to_bf16(do_s + i * kLd + c), fp16_to_bf16(do_s + i * kLd + c + 4);
+      }
+    }
+    __syncthreads();
+  }
   zero(acc);
   warp_mma<kC, 8, true, true>(acc, aqk_s, kLdC, m0, do_s, kLd, n0);
   write(w.dvl, 1.f);
@@ -143,16 +188,6 @@ static_assert(kScanBlocksPerSm * kScanThreads * 168 <= 65536, "K1: three blocks 
 // An ldmatrix 8x8 matrix (one chunk of 8 consecutive rows; the rows' 256-byte stride maps them all to
 // the same banks unswizzled) then reads 8 distinct bank groups: conflict-free without row padding.
 __device__ __forceinline__ int swz(int i, int c) { return i * kD + (((c >> 3) ^ (i & 7)) << 3) + (c & 7); }
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // Rows t0 .. t0 + rows (batch b, head hv) of a [tokens][HV][128] bf16 workspace tensor into the swizzled
 // tile dst by cp.async, rows past `rows` zero (source size 0). No commit.
@@ -412,12 +447,17 @@ Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& l, vo
   if (!p.G || !p.Akk || !p.Aqk) return Status::invalid("residuals: the second backward reads the forward's G, Aqk and Akk");
   const Ptrs w = ptrs_of(l, workspace);
   auto s = static_cast<cudaStream_t>(stream);
-  ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_prep_kernel", kda2_prep_kernel, kPrepSmem));
+  // The row loader (kda_bwd2_load.cuh): 16-bit inputs in aligned rows take cp.async, others the generic loads.
+  const RowPath path = row_path(p, /*with_h=*/false);
+  auto* prep = path == RowPath::kBf16   ? kda2_prep_kernel<RowPath::kBf16>
+               : path == RowPath::kFp16 ? kda2_prep_kernel<RowPath::kFp16>
+                                        : kda2_prep_kernel<RowPath::kGeneric>;
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_prep_kernel", prep, kPrepSmem));
   // K1's three blocks an SM need the largest shared-memory carveout (228 KB): asked for, not left to the default.
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_scan_kernel", kda2_scan_kernel, kScanSmem, /*max_carveout=*/true));
   // Empty grids (no chunk, no head or no value column: validation accepts empty shapes) launch nothing.
   if (chunks > 0 && p.H > 0)
-    ENCORE_RETURN_IF_ERROR(launch("kda2_prep_kernel", [&] { kda2_prep_kernel<<<dim3(chunks, p.H), kPrepThreads, kPrepSmem, s>>>(p, w); }));
+    ENCORE_RETURN_IF_ERROR(launch("kda2_prep_kernel", [&] { prep<<<dim3(chunks, p.H), kPrepThreads, kPrepSmem, s>>>(p, w); }));
   const int slices = (p.V + kVs - 1) / kVs;
   if (int64_t(p.N) * p.H * slices > 0)
     ENCORE_RETURN_IF_ERROR(launch("kda2_scan_kernel", [&] { kda2_scan_kernel<<<p.N * p.H * slices, kScanThreads, kScanSmem, s>>>(p, w, slices); }));

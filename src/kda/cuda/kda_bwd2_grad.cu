@@ -7,11 +7,15 @@
 // one block an SM), 196 KB of shared memory (S, dS' [128][128]; A [64][64]; beta v, -W then dW,
 // Kbeta, dO, dVnew, Vnew hi and lo [64][128], all bf16; Vnew and dAqk as bf16 hi + lo pairs, two MMAs
 // where they are operands: on the CPU model of the kernels' roundings they were the largest dA_log
-// errors, up to 4e-2 of 60 draws, 5.6e-3 as pairs). Staging: S and dS' as 4-column quads (one 16- or 8-byte
-// load each, all of a thread's issued before the row loop runs, stored after it) where V % 4 == 0 and
-// the state is 16-byte aligned; the rows one load a lane per source where the layout allows; element
-// loads otherwise. Products: warp w owns rows 16 (w % 4).., columns 32 (w / 4).. (16 (w / 4).. of the
-// [64 x 64] ones):
+// errors, up to 4e-2 of 60 draws, 5.6e-3 as pairs). Staging (kda2_state_grads_kernel<RowPath>, the
+// path chosen on the host, kda_bwd2_load.cuh): -W, dVnew and dS' by 16-byte cp.async on every path;
+// kBf16 / kFp16 (16-bit inputs in 16-byte aligned rows, bf16 residuals) add k, v, dO (raw, into their
+// tiles), A's lower triangle and S, all in one commit group with beta and G in flight beside it, then
+// Kbeta and beta v computed in place (fp16 dO converted there); kGeneric: S as 4-column quads where
+// V % 4 == 0 and the state is 16-byte aligned (all of a thread's issued before the row loop, stored
+// after it), else element pairs, and the rows through the per-element dtype loads (one vector load a
+// lane where the layout allows). Products: warp w owns rows 16 (w % 4).., columns 32 (w / 4).. (16
+// (w / 4).. of the [64 x 64] ones):
 //   Vnew = A (beta v) + (-W) S                        (64 x 128 x (64 + 128))
 //   dqi  = scale (dO S^T) . 2^G    dki = (Vnew dS'^T) . 2^(gC - G)    dW = -dVnew S^T   (64 x 128 x 128 each)
 //   dAqk = tril(dO Vnew^T) (hi, lo) dA = dVnew (beta v)^T + dW Kbeta^T (i >= j)          (64 x 64 x 128)
@@ -25,6 +29,7 @@
 
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_bwd2_device.cuh"
+#include "kda/cuda/kda_bwd2_load.cuh"
 
 namespace encore::cuda {
 namespace kda2 {
@@ -35,7 +40,9 @@ constexpr int kQuads = kD * kD / 4 / kThreads;  // (state row, 4 columns) quads 
 constexpr int kSmemElems = 2 * kD * kLd + kC * kLdC + 7 * kC * kLd;
 constexpr size_t kSmem = size_t(kSmemElems) * sizeof(__nv_bfloat16);
 
+template <RowPath kPath>
 __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
+  constexpr bool kFast = kPath != RowPath::kGeneric;
   extern __shared__ __align__(16) unsigned char smem[];
   auto* s_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [128][kLd] S, [k][v]
   __nv_bfloat16* d_s = s_s + kD * kLd;                  // [128][kLd] dS', [k][v]
@@ -52,87 +59,123 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_state_grads_kernel(const __g
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
   const int64_t last = tok(p, ci.b, ci.t0 + ci.rows - 1, hv);
 
-  // Rows: Kbeta = beta k^ . 2^G, beta v, dO, A, -W, dVnew (warp per row, lane 4 channels; load4's
-  // one vector load a lane where the row segment is in range and aligned).
-  const Rows in_k = rows_of(p.k, ci.b, ci.t0, hq), in_v = rows_of(p.v, ci.b, ci.t0, hv), in_o = rows_of(p.d_o, ci.b, ci.t0, hv),
-             in_beta = rows_of(p.beta, ci.b, ci.t0, hv);
+  // Rows: Kbeta = beta k^ . 2^G, beta v, dO, A, -W, dVnew (warp per row, lane 4 channels), and the
+  // tiles S (the saved state, fp32 or bf16) and dS' (K1's bf16 tile; columns past V never written there).
   const int64_t tok0 = tok(p, ci.b, ci.t0, hv);  // the token row of chunk row i: tok0 + i H
-  auto stage_rows = [&] {
-#pragma unroll 1
-    for (int i = warp; i < kC; i += kWarps) {
-      const bool valid = i < ci.rows;
-      const int iv = valid ? i : 0;
-      const int64_t row = tok0 + int64_t(iv) * p.H;
-      // Straight-line loads (ld*_or0): a row's loads are in flight together.
-      float k[4], g[4], v[4], o[4];
-      const float beta = load1(in_beta, iv, 0, valid);
-      load4(in_k, iv, c0, p.K, valid, k), load4(in_v, iv, c0, p.V, valid, v);
-      load4(in_o, iv, c0, p.V, valid, o), load_g4(p.G, row, p.K, c0, valid, g);
-      // -W and dVnew rows from K0 / K1 (bf16, zero-padded channels): 8 bytes a lane.
-      const uint2 wn = load4_or0(w.wn + row * kD, c0, valid), dvn = load4_or0(w.dvn + row * kD, c0, valid, p.V);
-      // A row (columns 2 lane, 2 lane + 1; j <= i only): one 4- or 8-byte load.
-      float av[2];
-      load2_any_or0(p.Akk, p.akk_dtype, row * kC + 2 * lane, valid && 2 * lane <= i, valid && 2 * lane + 1 <= i, av);
-      const float rk = row_rnorm(k, p.l2norm);
-      float kb[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) kb[e] = valid ? beta * k[e] * rk * exp2f(g[e]) : 0.f;  // G <= 0: <= beta |k^|
-      store_pair(kb_s + i * kLd + c0, kb[0], kb[1]), store_pair(kb_s + i * kLd + c0 + 2, kb[2], kb[3]);
-      store_pair(vb_s + i * kLd + c0, beta * v[0], beta * v[1]), store_pair(vb_s + i * kLd + c0 + 2, beta * v[2], beta * v[3]);
-      store_pair(do_s + i * kLd + c0, o[0], o[1]), store_pair(do_s + i * kLd + c0 + 2, o[2], o[3]);
-      *reinterpret_cast<uint2*>(wn_s + i * kLd + c0) = wn;
-      *reinterpret_cast<uint2*>(dvn_s + i * kLd + c0) = dvn;
-      store_pair(a_s + i * kLdC + 2 * lane, av[0], av[1]);
-    }
-  };
-  // S (the saved state, fp32 or bf16) and dS' (K1's bf16 tile; columns past V never written there).
   const int64_t state = (int64_t(slot) * p.H + hv);
   const __nv_bfloat16* dsp = w.dsp + state * kD * kD;
-  // V % 4 == 0 and a 16-byte aligned state: quad u of a thread is state row a = warp + 16 u, columns
-  // 4 lane.. (one 16- or 8-byte load of S, one 8-byte load of dS'); all of them issue before the row
-  // loop above runs and land in shared memory after it.
-  auto stage_quads = [&](auto wide) {
-    constexpr bool kWide = decltype(wide)::value;
-    using Quad = std::conditional_t<kWide, float4, uint2>;
-    Quad sq[kQuads];
-    uint2 dq[kQuads];
-#pragma unroll
-    for (int u = 0; u < kQuads; ++u) {
-      const int a = warp + kWarps * u;
-      const bool ok = a < p.K && c0 < p.V;  // V % 4 == 0: the quad is in or out as a whole
-      const int64_t at = ok ? (state * p.K + a) * p.V + c0 : 0;
-      if constexpr (kWide) sq[u] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.h) + at));
-      else sq[u] = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.h) + at));
-      dq[u] = load4_or0(dsp + a * kD, c0, a < p.K, p.V);
+  // Group 1, both paths: the workspace tiles -W, dVnew (K0's and K1's rows, channels zero-padded; dVnew's
+  // past V never written) and dS' by cp.async; the fast path adds k, v, dO raw (into Kbeta's, beta v's and
+  // dO's tiles), A (the lower triangle) and S (bf16, rows of V).
+  {
+    const int64_t wstep = int64_t(p.H) * kD * 2;
+    copy_rows<kThreads>(wn_s, kLd, reinterpret_cast<const unsigned char*>(w.wn + tok0 * kD), wstep, ci.rows, kD);
+    copy_rows<kThreads>(dvn_s, kLd, reinterpret_cast<const unsigned char*>(w.dvn + tok0 * kD), wstep, ci.rows, p.V);
+    copy_rows<kThreads, kD>(d_s, kLd, reinterpret_cast<const unsigned char*>(dsp), kD * 2, p.K, p.V);
+    if constexpr (kFast) {
+      const Rows rk = rows_of(p.k, ci.b, ci.t0, hq), rv = rows_of(p.v, ci.b, ci.t0, hv), ro = rows_of(p.d_o, ci.b, ci.t0, hv);
+      copy_rows<kThreads>(kb_s, kLd, rk.base, rk.step, ci.rows, p.K);
+      copy_rows<kThreads>(vb_s, kLd, rv.base, rv.step, ci.rows, p.V);
+      copy_rows<kThreads>(do_s, kLd, ro.base, ro.step, ci.rows, p.V);
+      copy_tri<kThreads>(a_s, kLdC, static_cast<const __nv_bfloat16*>(p.Akk) + tok0 * kC, int64_t(p.H) * kC, ci.rows);
+      copy_rows<kThreads, kD>(s_s, kLd, static_cast<const unsigned char*>(p.h) + state * p.K * p.V * 2, int64_t(p.V) * 2, p.K, p.V);
     }
-    stage_rows();
+    cp_async_commit();
+  }
+  // kb = beta k^ . 2^G (k^: k times its row's L2-norm factor) and beta v of row i into their tiles, both
+  // paths' one expression.
+  auto row_math = [&](int i, bool valid, float beta, const float (&k)[4], const float (&g)[4], const float (&v)[4]) {
+    const float rk = row_rnorm(k, p.l2norm);
+    float kb[4];
 #pragma unroll
-    for (int u = 0; u < kQuads; ++u) {
-      const int a = warp + kWarps * u;
-      const bool ok = a < p.K && c0 < p.V;
-      uint2 s;
-      if constexpr (kWide) s = make_uint2(kda::pack_bf16(sq[u].x, sq[u].y), kda::pack_bf16(sq[u].z, sq[u].w));
-      else s = sq[u];  // bf16 as stored (bf16 -> fp32 -> bf16 is exact)
-      if (!ok) s = make_uint2(0u, 0u);
-      *reinterpret_cast<uint2*>(s_s + a * kLd + c0) = s;
-      *reinterpret_cast<uint2*>(d_s + a * kLd + c0) = dq[u];
-    }
+    for (int e = 0; e < 4; ++e) kb[e] = valid ? beta * k[e] * rk * exp2f(g[e]) : 0.f;  // G <= 0: <= beta |k^|
+    store_pair(kb_s + i * kLd + c0, kb[0], kb[1]), store_pair(kb_s + i * kLd + c0 + 2, kb[2], kb[3]);
+    store_pair(vb_s + i * kLd + c0, beta * v[0], beta * v[1]), store_pair(vb_s + i * kLd + c0 + 2, beta * v[2], beta * v[3]);
   };
-  const bool quads = p.V % 4 == 0 && (reinterpret_cast<uintptr_t>(p.h) & 15) == 0;
-  if (quads && p.h_dtype == DType::kFP32) stage_quads(std::true_type{});
-  else if (quads && p.h_dtype == DType::kBF16) stage_quads(std::false_type{});
-  else {  // element pairs, any float dtype
-    stage_rows();
-#pragma unroll 4
-    for (int x = threadIdx.x; x < kD * kD / 2; x += kThreads) {
-      const int a = x / (kD / 2), y = 2 * (x % (kD / 2));
-      const int64_t at = (state * p.K + a) * p.V + y;
-      const bool ok0 = a < p.K && y < p.V, ok1 = a < p.K && y + 1 < p.V;
-      const float s0 = load_any_or0(p.h, p.h_dtype, at, ok0), s1 = load_any_or0(p.h, p.h_dtype, at + 1, ok1);
-      const float d0 = loadbf_or0(dsp, a * kD + y, ok0), d1 = loadbf_or0(dsp, a * kD + y + 1, ok1);
-      store_pair(s_s + a * kLd + y, s0, s1);
-      store_pair(d_s + a * kLd + y, d0, d1);
+  if constexpr (kFast) {
+    // beta and G of this warp's rows in flight with the copies; then the row math in place.
+    constexpr int kRpw = kC / kWarps;
+    float beta[kRpw], g[kRpw][4];
+#pragma unroll
+    for (int r = 0; r < kRpw; ++r) {
+      const int i = warp + kWarps * r;
+      const bool valid = i < ci.rows;
+      beta[r] = scalar16<kPath>(p.beta, ci.b, ci.t0 + (valid ? i : 0), hv, valid);
+      g4(p.G, tok0 + int64_t(valid ? i : 0) * p.H, p.K, c0, valid && c0 < p.K, g[r]);
     }
+    cp_async_wait<0>();
+    __syncthreads();  // every thread's copies visible
+#pragma unroll
+    for (int r = 0; r < kRpw; ++r) {
+      const int i = warp + kWarps * r;
+      float k[4], v[4];
+      raw4<kPath>(kb_s + i * kLd + c0, k), raw4<kPath>(vb_s + i * kLd + c0, v);
+      if constexpr (kPath == RowPath::kFp16) fp16_to_bf16(do_s + i * kLd + c0);
+      row_math(i, i < ci.rows, beta[r], k, g[r], v);  // over k, v: this lane read these channels above
+    }
+  } else {
+    const Rows in_k = rows_of(p.k, ci.b, ci.t0, hq), in_v = rows_of(p.v, ci.b, ci.t0, hv), in_o = rows_of(p.d_o, ci.b, ci.t0, hv),
+               in_beta = rows_of(p.beta, ci.b, ci.t0, hv);
+    auto stage_rows = [&] {
+#pragma unroll 1
+      for (int i = warp; i < kC; i += kWarps) {
+        const bool valid = i < ci.rows;
+        const int iv = valid ? i : 0;
+        const int64_t row = tok0 + int64_t(iv) * p.H;
+        // Straight-line loads (ld*_or0): a row's loads are in flight together.
+        float k[4], g[4], v[4], o[4];
+        const float beta = load1(in_beta, iv, 0, valid);
+        load4(in_k, iv, c0, p.K, valid, k), load4(in_v, iv, c0, p.V, valid, v);
+        load4(in_o, iv, c0, p.V, valid, o), load_g4(p.G, row, p.K, c0, valid, g);
+        // A row (columns 2 lane, 2 lane + 1; j <= i only): one 4- or 8-byte load.
+        float av[2];
+        load2_any_or0(p.Akk, p.akk_dtype, row * kC + 2 * lane, valid && 2 * lane <= i, valid && 2 * lane + 1 <= i, av);
+        row_math(i, valid, beta, k, g, v);
+        store_pair(do_s + i * kLd + c0, o[0], o[1]), store_pair(do_s + i * kLd + c0 + 2, o[2], o[3]);
+        store_pair(a_s + i * kLdC + 2 * lane, av[0], av[1]);
+      }
+    };
+    // S: V % 4 == 0 and a 16-byte aligned state: quad u of a thread is state row a = warp + 16 u,
+    // columns 4 lane.. (one 16- or 8-byte load); all of them issue before the row loop runs and land
+    // in shared memory after it. Else element pairs, any float dtype.
+    auto stage_quads = [&](auto wide) {
+      constexpr bool kWide = decltype(wide)::value;
+      using Quad = std::conditional_t<kWide, float4, uint2>;
+      Quad sq[kQuads];
+#pragma unroll
+      for (int u = 0; u < kQuads; ++u) {
+        const int a = warp + kWarps * u;
+        const bool ok = a < p.K && c0 < p.V;  // V % 4 == 0: the quad is in or out as a whole
+        const int64_t at = ok ? (state * p.K + a) * p.V + c0 : 0;
+        if constexpr (kWide) sq[u] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.h) + at));
+        else sq[u] = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.h) + at));
+      }
+      stage_rows();
+#pragma unroll
+      for (int u = 0; u < kQuads; ++u) {
+        const int a = warp + kWarps * u;
+        const bool ok = a < p.K && c0 < p.V;
+        uint2 s;
+        if constexpr (kWide) s = make_uint2(kda::pack_bf16(sq[u].x, sq[u].y), kda::pack_bf16(sq[u].z, sq[u].w));
+        else s = sq[u];  // bf16 as stored (bf16 -> fp32 -> bf16 is exact)
+        if (!ok) s = make_uint2(0u, 0u);
+        *reinterpret_cast<uint2*>(s_s + a * kLd + c0) = s;
+      }
+    };
+    const bool quads = p.V % 4 == 0 && (reinterpret_cast<uintptr_t>(p.h) & 15) == 0;
+    if (quads && p.h_dtype == DType::kFP32) stage_quads(std::true_type{});
+    else if (quads && p.h_dtype == DType::kBF16) stage_quads(std::false_type{});
+    else {
+      stage_rows();
+#pragma unroll 4
+      for (int x = threadIdx.x; x < kD * kD / 2; x += kThreads) {
+        const int a = x / (kD / 2), y = 2 * (x % (kD / 2));
+        const int64_t at = (state * p.K + a) * p.V + y;
+        const bool ok0 = a < p.K && y < p.V, ok1 = a < p.K && y + 1 < p.V;
+        store_pair(s_s + a * kLd + y, load_any_or0(p.h, p.h_dtype, at, ok0), load_any_or0(p.h, p.h_dtype, at + 1, ok1));
+      }
+    }
+    cp_async_wait<0>();
   }
   __syncthreads();
 
@@ -280,10 +323,15 @@ Status launch_kda2_state_grads(const KdaBwdCudaProblem& p, const Kda2Layout& l, 
   if (p.K > kKda2D || p.V > kKda2D) return Status::unsupported("kda backward (second design): K and V up to 128");
   if (!p.h) return Status::invalid("residuals.h: the second backward's state products read the forward's saved states");
   const Ptrs w = ptrs_of(l, workspace);
-  ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_state_grads_kernel", kda2_state_grads_kernel, kSmem));
+  // The row loader (kda_bwd2_load.cuh): 16-bit inputs in aligned rows with bf16 residuals take cp.async.
+  const RowPath path = row_path(p, /*with_h=*/true);
+  auto* kernel = path == RowPath::kBf16   ? kda2_state_grads_kernel<RowPath::kBf16>
+                 : path == RowPath::kFp16 ? kda2_state_grads_kernel<RowPath::kFp16>
+                                          : kda2_state_grads_kernel<RowPath::kGeneric>;
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_state_grads_kernel", kernel, kSmem));
   if (chunks > 0 && p.H > 0)
-    ENCORE_RETURN_IF_ERROR(launch("kda2_state_grads_kernel",
-                                  [&] { kda2_state_grads_kernel<<<dim3(chunks, p.H), kThreads, kSmem, static_cast<cudaStream_t>(stream)>>>(p, w); }));
+    ENCORE_RETURN_IF_ERROR(
+        launch("kda2_state_grads_kernel", [&] { kernel<<<dim3(chunks, p.H), kThreads, kSmem, static_cast<cudaStream_t>(stream)>>>(p, w); }));
   return Status::ok();
 }
 
