@@ -48,6 +48,9 @@ struct KdaOptions {
   bool use_gate_in_kernel = false;
   bool use_lower_bound = false;     // with use_gate_in_kernel: the lower-bound gate
   double lower_bound = -5.0;        // in [-5, 0)
+  // fla's state_v_first: initial_state, final_state, d_final_state and dh0 are [N, HV, V, K] (each
+  // state stored transposed, S^T; the math is unchanged). The residuals' h stays [NT, HV, K, V].
+  bool state_v_first = false;
 };
 
 // What the forward saves for a chunked backward (docs/kda.md, "Residuals for the backward"), all optional:

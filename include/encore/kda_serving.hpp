@@ -43,6 +43,9 @@ struct KdaRecurrentOptions {
   double lower_bound = -5.0;       // in [-5, 0)
   bool use_beta_sigmoid = false;   // beta = sigmoid(beta as passed)
   bool allow_neg_eigval = false;   // with use_beta_sigmoid: beta = 2 sigmoid(beta) (in (0, 2))
+  // fla's state_v_first: initial_state, final_state and the pool are [N or P, HV, V, K] (each state
+  // stored transposed, S^T; each slot's [HV, V, K] contiguous). The math is unchanged.
+  bool state_v_first = false;
 };
 
 // The recurrent step (fla's fused_recurrent_kda_fwd): per sequence n and value head, the token
@@ -83,7 +86,7 @@ Status run(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts, void* 
 // initial_state, final_state and residuals are absent; opts.output_final_state is not read.
 struct KdaPoolForwardArgs {
   KdaForwardArgs fwd;
-  TensorView pool;           // [P, HV, K, V], read and written in place
+  TensorView pool;           // [P, HV, K, V] ([P, HV, V, K] with opts.state_v_first), read and written in place
   TensorView state_indices;  // [N] int32/int64
 };
 

@@ -38,17 +38,19 @@ void bind_kda(nb::module_& m) {
       .def(
           "__init__",
           [](KdaOptions* p, double scale, bool output_final_state, bool use_qk_l2norm, bool use_gate_in_kernel, bool use_lower_bound,
-             double lower_bound) {
-            new (p) KdaOptions{scale, output_final_state, use_qk_l2norm, use_gate_in_kernel, use_lower_bound, lower_bound};
+             double lower_bound, bool state_v_first) {
+            new (p) KdaOptions{scale, output_final_state, use_qk_l2norm, use_gate_in_kernel, use_lower_bound, lower_bound, state_v_first};
           },
           nb::arg("scale") = 0.0, nb::arg("output_final_state") = false, nb::arg("use_qk_l2norm") = false,
-          nb::arg("use_gate_in_kernel") = false, nb::arg("use_lower_bound") = false, nb::arg("lower_bound") = -5.0)
+          nb::arg("use_gate_in_kernel") = false, nb::arg("use_lower_bound") = false, nb::arg("lower_bound") = -5.0,
+          nb::arg("state_v_first") = false)
       .def_rw("scale", &KdaOptions::scale)
       .def_rw("output_final_state", &KdaOptions::output_final_state)
       .def_rw("use_qk_l2norm", &KdaOptions::use_qk_l2norm)
       .def_rw("use_gate_in_kernel", &KdaOptions::use_gate_in_kernel)
       .def_rw("use_lower_bound", &KdaOptions::use_lower_bound)
-      .def_rw("lower_bound", &KdaOptions::lower_bound);
+      .def_rw("lower_bound", &KdaOptions::lower_bound)
+      .def_rw("state_v_first", &KdaOptions::state_v_first);
   nb::class_<KdaResiduals>(m, "KdaResiduals")
       .def(
           "__init__",
@@ -105,13 +107,14 @@ void bind_kda(nb::module_& m) {
       .def(
           "__init__",
           [](KdaRecurrentOptions* p, double scale, bool use_qk_l2norm, bool use_gate_in_kernel, bool use_lower_bound, double lower_bound,
-             bool use_beta_sigmoid, bool allow_neg_eigval) {
+             bool use_beta_sigmoid, bool allow_neg_eigval, bool state_v_first) {
             new (p) KdaRecurrentOptions{scale, use_qk_l2norm, use_gate_in_kernel, use_lower_bound, lower_bound, use_beta_sigmoid,
-                                        allow_neg_eigval};
+                                        allow_neg_eigval, state_v_first};
           },
           nb::arg("scale") = 0.0, nb::arg("use_qk_l2norm") = false, nb::arg("use_gate_in_kernel") = false,
           nb::arg("use_lower_bound") = false, nb::arg("lower_bound") = -5.0, nb::arg("use_beta_sigmoid") = false,
-          nb::arg("allow_neg_eigval") = false);
+          nb::arg("allow_neg_eigval") = false, nb::arg("state_v_first") = false)
+      .def_rw("state_v_first", &KdaRecurrentOptions::state_v_first);
   nb::class_<KdaRecurrentArgs>(m, "KdaRecurrentArgs")
       .def(
           "__init__",

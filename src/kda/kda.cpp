@@ -38,9 +38,12 @@ Status validate_like(const char* name, const TensorView& t, const TensorView& li
 Status validate_state(const char* name, const TensorView& t, const kda::KdaProblem& p, const TensorView& q) {
   ENCORE_RETURN_IF_ERROR(checks::present(name, t));
   const int64_t n = int64_t(p.seqs.size());
-  if (t.ndim != 4 || t.shape[0] != n || t.shape[1] != p.H || t.shape[2] != p.K || t.shape[3] != p.V)
-    return Status::invalid(std::string(name) + ": expected [N, HV, K, V] = [" + std::to_string(n) + ", " + std::to_string(p.H) + ", " +
-                           std::to_string(p.K) + ", " + std::to_string(p.V) + "], got " + t.shape_string());
+  const bool vf = p.opts.state_v_first;  // [N, HV, V, K]: each state stored transposed
+  const int64_t d2 = vf ? p.V : p.K, d3 = vf ? p.K : p.V;
+  if (t.ndim != 4 || t.shape[0] != n || t.shape[1] != p.H || t.shape[2] != d2 || t.shape[3] != d3)
+    return Status::invalid(std::string(name) + (vf ? ": expected [N, HV, V, K] (state_v_first) = [" : ": expected [N, HV, K, V] = [") +
+                           std::to_string(n) + ", " + std::to_string(p.H) + ", " + std::to_string(d2) + ", " + std::to_string(d3) +
+                           "], got " + t.shape_string());
   ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, kState));
   ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "q", q));
   return Status::ok();
@@ -202,6 +205,7 @@ void fill_common(const KdaForwardArgs& a, const KdaOptions& o, const kda::KdaPro
   cp.A_log = static_cast<const float*>(a.A_log.data);
   cp.dt_bias = static_cast<const float*>(a.dt_bias.data);
   cp.h0 = static_cast<const float*>(a.initial_state.data);
+  cp.state_v_first = o.state_v_first;  // the kernels' state loads / stores index [.., V, K]
 }
 
 template <class CudaProblem>  // cuda::KdaCudaProblem or KdaCudaProblemFew (p's sequences fit its tables)
@@ -432,7 +436,9 @@ Status kda::run(const KdaForwardArgs& a, const KdaOptions& o, const KdaLaunchPla
     return no_cuda(a.q);
 #endif
   }
-  const reference::KdaInputs in = reference::kda_prepare(p, a);
+  KdaForwardArgs kv = a;  // state_v_first: the states as [N, HV, K, V] views of the same elements
+  if (o.state_v_first) kv.initial_state = kda::state_kv_view(a.initial_state), kv.final_state = kda::state_kv_view(a.final_state);
+  const reference::KdaInputs in = reference::kda_prepare(p, kv);
   std::vector<double> out, final_state;
   if (a.residuals.any()) {  // the chunked reference exposes them (equal to the recurrence to ~1e-12)
     reference::KdaChunkTrace trace;
@@ -446,7 +452,7 @@ Status kda::run(const KdaForwardArgs& a, const KdaOptions& o, const KdaLaunchPla
     reference::kda_recurrent_forward(p, in, out, final_state);
   }
   store_dense(a.o, out);
-  if (o.output_final_state) store_dense(a.final_state, final_state);
+  if (o.output_final_state) store_dense(kv.final_state, final_state);
   return Status::ok();
 }
 
@@ -544,24 +550,30 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
     return no_cuda(a.fwd.q);
 #endif
   }
-  const reference::KdaInputs in = reference::kda_prepare(p, a.fwd);
+  KdaBackwardArgs kv = a;  // state_v_first: the states as [N, HV, K, V] views of the same elements
+  if (o.state_v_first) {
+    kv.fwd.initial_state = kda::state_kv_view(a.fwd.initial_state);
+    kv.d_final_state = kda::state_kv_view(a.d_final_state);
+    kv.dh0 = kda::state_kv_view(a.dh0);
+  }
+  const reference::KdaInputs in = reference::kda_prepare(p, kv.fwd);
   const std::vector<double> d_o = load_dense(a.d_o);
-  const std::vector<double> d_final = a.d_final_state.defined() ? load_dense(a.d_final_state) : std::vector<double>{};
+  const std::vector<double> d_final = kv.d_final_state.defined() ? load_dense(kv.d_final_state) : std::vector<double>{};
   // With the forward's residuals: the chunked backward, reading them (the stages the CUDA backward
   // runs); without: the token-recurrent backward (equal to 2e-12, tests/kda/test_kda_chunked_bwd_cpu.cpp).
   reference::KdaGrads g;
   if (a.fwd.residuals.any()) {
     const reference::KdaSavedResiduals saved = reference::kda_load_residuals(a.fwd.residuals);
-    g = reference::kda_chunked_backward(p, a.fwd, in, d_o, d_final, &saved);
+    g = reference::kda_chunked_backward(p, kv.fwd, in, d_o, d_final, &saved);
   } else {
-    g = reference::kda_backward(p, a.fwd, in, d_o, d_final);
+    g = reference::kda_backward(p, kv.fwd, in, d_o, d_final);
   }
   store_dense(a.dq, g.dq);
   store_dense(a.dk, g.dk);
   store_dense(a.dv, g.dv);
   store_dense(a.dg, g.dg);
   store_dense(a.dbeta, g.dbeta);
-  if (a.dh0.defined()) store_dense(a.dh0, g.dh0);
+  if (a.dh0.defined()) store_dense(kv.dh0, g.dh0);
   if (a.dA_log.defined()) store_dense(a.dA_log, g.dA_log);
   if (a.ddt_bias.defined()) store_dense(a.ddt_bias, g.ddt_bias);
   return Status::ok();

@@ -47,6 +47,7 @@ namespace kda {
 
 Status cp_summary_problem(const KdaCpSummaryArgs& a, const KdaOptions& o, bool backward, KdaProblem* out) {
   KdaProblem& p = *out;
+  if (o.state_v_first) return Status::unsupported("state_v_first: the context-parallel summaries take the [K, V] state layout only");
   ENCORE_RETURN_IF_ERROR(make_problem(a.fwd, o, &p));
   if (a.piece < 0 || a.piece >= int64_t(p.seqs.size()))
     return Status::invalid("piece: expected a local sequence in [0, " + std::to_string(p.seqs.size()) + "), got " + std::to_string(a.piece));

@@ -47,15 +47,19 @@ int64_t index_at(const TensorView& t, int64_t i, int64_t j = 0) {
 // A state tensor [rows, HV, K, V] (rows < 0: any, a pool): each row's [HV, K, V] contiguous, rows disjoint.
 Status validate_states(const char* name, const TensorView& t, int64_t rows, const kda::KdaProblem& p, const TensorView& q) {
   ENCORE_RETURN_IF_ERROR(checks::present(name, t));
-  const char* layout = rows < 0 ? "[P, HV, K, V]" : "[N, HV, K, V]";
-  if (t.ndim != 4 || (rows >= 0 && t.shape[0] != rows) || t.shape[1] != p.H || t.shape[2] != p.K || t.shape[3] != p.V)
+  const bool vf = p.opts.state_v_first;  // [.., HV, V, K]: each state stored transposed
+  const char* layout = vf ? (rows < 0 ? "[P, HV, V, K] (state_v_first)" : "[N, HV, V, K] (state_v_first)")
+                          : (rows < 0 ? "[P, HV, K, V]" : "[N, HV, K, V]");
+  const int64_t d2 = vf ? p.V : p.K, d3 = vf ? p.K : p.V;
+  if (t.ndim != 4 || (rows >= 0 && t.shape[0] != rows) || t.shape[1] != p.H || t.shape[2] != d2 || t.shape[3] != d3)
     return Status::invalid(std::string(name) + ": expected " + layout + " = [" + (rows < 0 ? std::string("P") : str(rows)) + ", " +
-                           str(p.H) + ", " + str(p.K) + ", " + str(p.V) + "], got " + t.shape_string());
+                           str(p.H) + ", " + str(d2) + ", " + str(d3) + "], got " + t.shape_string());
   ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, kStateTypes));
   ENCORE_RETURN_IF_ERROR(checks::same_device(name, t, "q", q));
   const int64_t slot = p.H * p.K * p.V;
-  if (t.strides[3] != 1 || t.strides[2] != p.V || t.strides[1] != p.K * p.V || (t.shape[0] > 1 && t.strides[0] < slot))
-    return Status::invalid(std::string(name) + ": each slot's [HV, K, V] must be contiguous and the slot stride at least HV * K * V = " +
+  if (t.strides[3] != 1 || t.strides[2] != d3 || t.strides[1] != p.K * p.V || (t.shape[0] > 1 && t.strides[0] < slot))
+    return Status::invalid(std::string(name) + ": each slot's " + (vf ? "[HV, V, K]" : "[HV, K, V]") +
+                           " must be contiguous and the slot stride at least HV * K * V = " +
                            str(slot) + ", got strides [" + str(t.strides[0]) + ", " + str(t.strides[1]) + ", " + str(t.strides[2]) + ", " +
                            str(t.strides[3]) + "]");
   return Status::ok();
@@ -149,7 +153,7 @@ KdaForwardArgs forward_view(const KdaRecurrentArgs& a) {
 KdaOptions forward_options(const KdaRecurrentOptions& o) {
   KdaOptions k;
   k.scale = o.scale, k.use_qk_l2norm = o.use_qk_l2norm, k.use_gate_in_kernel = o.use_gate_in_kernel;
-  k.use_lower_bound = o.use_lower_bound, k.lower_bound = o.lower_bound;
+  k.use_lower_bound = o.use_lower_bound, k.lower_bound = o.lower_bound, k.state_v_first = o.state_v_first;
   return k;
 }
 
@@ -216,14 +220,18 @@ Status validate_recurrent(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
 // State element offsets: slot s, value head h, the [K, V] block from its start.
 int64_t slot_offset(const TensorView& t, int64_t s, int64_t h) { return s * t.strides[0] + h * t.strides[1]; }
 
-void load_state(const TensorView& t, int64_t s, int64_t h, int64_t KV, double* dst) {
-  const int64_t base = slot_offset(t, s, h);
-  for (int64_t i = 0; i < KV; ++i) dst[i] = load_as_double(t.data, t.dtype, base + i);
+// Element i = k V + v of the [K, V] state; with state_v_first (t is [.., V, K]) it lies at v K + k.
+int64_t state_elem(int64_t i, int64_t K, int64_t V, bool v_first) { return v_first ? (i % V) * K + i / V : i; }
+
+void load_state(const TensorView& t, int64_t s, int64_t h, const kda::KdaProblem& p, double* dst) {
+  const int64_t base = slot_offset(t, s, h), KV = p.K * p.V;
+  for (int64_t i = 0; i < KV; ++i) dst[i] = load_as_double(t.data, t.dtype, base + state_elem(i, p.K, p.V, p.opts.state_v_first));
 }
 
-void store_state(const TensorView& t, int64_t s, int64_t h, const std::vector<double>& S) {
+void store_state(const TensorView& t, int64_t s, int64_t h, const kda::KdaProblem& p, const std::vector<double>& S) {
   const int64_t base = slot_offset(t, s, h);
-  for (size_t i = 0; i < S.size(); ++i) store_from_double(t.data, t.dtype, base + int64_t(i), S[i]);
+  for (size_t i = 0; i < S.size(); ++i)
+    store_from_double(t.data, t.dtype, base + state_elem(int64_t(i), p.K, p.V, p.opts.state_v_first), S[i]);
 }
 
 [[maybe_unused]] Status no_cuda(const char* op, const TensorView& q) {
@@ -326,7 +334,8 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
       d.nat_s0 = a.num_accepted_tokens.strides[0];
     }
   }
-  d.fast = decode_fast(a, p);
+  d.state_v_first = o.state_v_first;  // the runtime-dtype kernel's scalar state accesses
+  d.fast = decode_fast(a, p) && !o.state_v_first;
   d.states16 = state_16b(a.initial_state) && state_16b(fin);
   const DeviceInfo* info = nullptr;  // cached per device
   ENCORE_RETURN_IF_ERROR(get_device_info(a.q.device.index, &info));
@@ -384,7 +393,7 @@ Status run_recurrent_cpu(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o
   for (int64_t n = 0; n < N; ++n) {
     const int64_t slot = pooled ? plan.read[size_t(n)] : (a.initial_state.defined() ? n : -1);
     if (slot >= 0)
-      for (int64_t h = 0; h < p.H; ++h) load_state(a.initial_state, slot, h, KV, &in.h0[size_t((n * p.H + h) * KV)]);
+      for (int64_t h = 0; h < p.H; ++h) load_state(a.initial_state, slot, h, p, &in.h0[size_t((n * p.H + h) * KV)]);
   }
   std::vector<double> out(size_t(p.B * p.T * p.H * p.V), 0.0), S(static_cast<size_t>(KV));
   std::vector<std::vector<double>> token_states;
@@ -398,11 +407,11 @@ Status run_recurrent_cpu(const KdaRecurrentArgs& a, const KdaRecurrentOptions& o
       });
       if (pooled && plan.per_token) {
         for (size_t t = 0; t < token_states.size(); ++t)
-          if (plan.write[size_t(n)][t] >= 0) store_state(a.initial_state, plan.write[size_t(n)][t], h, token_states[t]);
+          if (plan.write[size_t(n)][t] >= 0) store_state(a.initial_state, plan.write[size_t(n)][t], h, p, token_states[t]);
       } else if (pooled) {
-        store_state(a.initial_state, plan.read[size_t(n)], h, S);
+        store_state(a.initial_state, plan.read[size_t(n)], h, p, S);
       } else if (a.final_state.defined()) {
-        store_state(a.final_state, n, h, S);
+        store_state(a.final_state, n, h, p, S);
       }
     }
   }
@@ -471,7 +480,7 @@ void pool_as_recurrent(const KdaPoolForwardArgs& a, const KdaOptions& o, KdaRecu
   r->q = f.q, r->k = f.k, r->v = f.v, r->g = f.g, r->beta = f.beta, r->A_log = f.A_log, r->dt_bias = f.dt_bias, r->cu_seqlens = f.cu_seqlens;
   r->o = f.o, r->initial_state = a.pool, r->state_indices = a.state_indices;
   ro->scale = o.scale, ro->use_qk_l2norm = o.use_qk_l2norm, ro->use_gate_in_kernel = o.use_gate_in_kernel;
-  ro->use_lower_bound = o.use_lower_bound, ro->lower_bound = o.lower_bound;
+  ro->use_lower_bound = o.use_lower_bound, ro->lower_bound = o.lower_bound, ro->state_v_first = o.state_v_first;
 }
 
 #ifdef ENCORE_WITH_CUDA

@@ -16,6 +16,14 @@ int64_t strided_offset(const TensorView& t, int64_t i) {
   return off;
 }
 
+TensorView state_kv_view(const TensorView& t) {
+  if (!t.defined() || t.ndim < 2) return t;
+  TensorView r = t;
+  std::swap(r.shape[size_t(t.ndim - 1)], r.shape[size_t(t.ndim - 2)]);
+  std::swap(r.strides[size_t(t.ndim - 1)], r.strides[size_t(t.ndim - 2)]);
+  return r;
+}
+
 std::vector<double> load_dense(const TensorView& t) {
   std::vector<double> out(static_cast<size_t>(t.numel()));
   for (int64_t i = 0; i < t.numel(); ++i) out[size_t(i)] = load_as_double(t.data, t.dtype, strided_offset(t, i));
@@ -112,7 +120,10 @@ Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* ou
   const int64_t N = int64_t(p.seqs.size());
 
   if (a.initial_state.defined()) {
-    ENCORE_RETURN_IF_ERROR(expect_shape("initial_state", a.initial_state, {N, p.H, p.K, p.V}, "[N, HV, K, V]", a.q));
+    if (o.state_v_first)
+      ENCORE_RETURN_IF_ERROR(expect_shape("initial_state", a.initial_state, {N, p.H, p.V, p.K}, "[N, HV, V, K] (state_v_first)", a.q));
+    else
+      ENCORE_RETURN_IF_ERROR(expect_shape("initial_state", a.initial_state, {N, p.H, p.K, p.V}, "[N, HV, K, V]", a.q));
     ENCORE_RETURN_IF_ERROR(checks::dtype_in("initial_state", a.initial_state, kState));
   }
   // Gates.

@@ -32,6 +32,9 @@ Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* ou
 // The CPU backend's I/O: a host view as a dense row-major fp64 array and back (any strides, any
 // float dtype); strided_offset is the element offset of the i-th element in row-major order.
 int64_t strided_offset(const TensorView& t, int64_t i);
+// A [.., V, K] state view (state_v_first) as the [.., K, V] view of the same elements (the last two dims
+// and their strides swapped; undefined stays undefined): the CPU backend's state I/O in either layout.
+TensorView state_kv_view(const TensorView& t);
 std::vector<double> load_dense(const TensorView& t);
 void store_dense(const TensorView& t, const std::vector<double>& src);
 

@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kScanThreads, kScanBlocksPerSm) kda2_scan_kern
 #pragma unroll
         for (int e = 0; e < 4; ++e) f(ds[mt][nt][e], 32 * warp + 16 * mt + g8 + 8 * (e >> 1), v0 + 8 * nt + 2 * t4 + (e & 1));
   };
-  each_ds([&](float& x, int a, int y) { x = p.dht && a < p.K && y < p.V ? p.dht[(state0 + a) * p.V + y] : 0.f; });
+  each_ds([&](float& x, int a, int y) { x = p.dht && a < p.K && y < p.V ? p.dht[p.state_v_first ? state0 * p.V + int64_t(y) * p.K + a : (state0 + a) * p.V + y] : 0.f; });
   // Local chunk c (0 .. count - 1) of the sequence: its rows, *t0 its first token.
   auto chunk_rows = [&](int c, int* t0) {
     *t0 = p.seq_begin[n] + c * kC;
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kScanThreads, kScanBlocksPerSm) kda2_scan_kern
   }
   if (p.dh0)
     each_ds([&](float& x, int a, int y) {
-      if (a < p.K && y < p.V) p.dh0[(state0 + a) * p.V + y] = x;
+      if (a < p.K && y < p.V) p.dh0[p.state_v_first ? state0 * p.V + int64_t(y) * p.K + a : (state0 + a) * p.V + y] = x;
     });
 }
 

@@ -50,6 +50,7 @@ struct KdaBwdCudaProblem {
   DType aqk_dtype = DType::kFP32, akk_dtype = DType::kFP32, h_dtype = DType::kFP32;
   KdaOutTensor dq, dk, dv, dg, dbeta;
   float* dh0 = nullptr;       // [N, H, K, V] or null
+  bool state_v_first = false;  // h0, dht, dh0 are [N, H, V, K] (fla's state_v_first; residuals h stays [.., K, V])
   float* dA_log = nullptr;    // [H] or null
   float* ddt_bias = nullptr;  // [H * K] or null
   KdaBwdLayout ws;

@@ -105,7 +105,8 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_states_tc_kernel(const __gri
     const float* h0 = p.h0 ? p.h0 : ws;  // a valid address for ldg_or0's dropped loads
     stage<32, kThreads>(
         kMaxD * kCols,
-        [&](int e) { const int a = e >> 6, y = e & 63; return ldg_or0(h0, ((int64_t(n) * p.H + h) * K + a) * V + y0 + y, a < K && y < nc && p.h0); },
+        [&](int e) { const int a = e >> 6, y = e & 63; return ldg_or0(h0, p.state_v_first ? ((int64_t(n) * p.H + h) * V + y0 + y) * K + a : ((int64_t(n) * p.H + h) * K + a) * V + y0 + y,
+                        a < K && y < nc && p.h0); },
         [&](int e, float x) { sS[(e >> 6) * kLdS + (e & 63)] = x; });
   } else {
     first = blockIdx.x;

@@ -33,10 +33,11 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
   const int y0 = blockIdx.z * kCols, nc = min(kCols, V - y0);
   const int b = p.varlen ? 0 : n;
   const int64_t s0 = (int64_t(n) * p.H + h) * K * V;
+  const int cs = p.state_v_first ? 1 : V, vs = p.state_v_first ? K : 1;  // element (a, y) at a cs + y vs (state_v_first: [V, K])
   const int ksteps = (K + 15) / 16;
   const float* dht = p.dht ? p.dht : ws;  // a valid address for ldg_or0's dropped loads
   stage<32, kThreads>(
-      kMaxD * kCols, [&](int e) { const int a = e >> 6, y = e & 63; return ldg_or0(dht, s0 + a * V + y0 + y, a < K && y < nc && p.dht); },
+      kMaxD * kCols, [&](int e) { const int a = e >> 6, y = e & 63; return ldg_or0(dht, s0 + (a * cs + (y0 + y) * vs), a < K && y < nc && p.dht); },
       [&](int e, float x) { sdS[(e >> 6) * kLdS + (e & 63)] = x; });
   __syncthreads();
   const int first = p.chunk_start[n], last = p.chunk_start[n + 1];
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_dh_tc_kernel(const __grid_co
   if (p.dh0)
     for (int e = tid; e < K * kCols; e += kThreads) {
       const int a = e / kCols, y = e - a * kCols;
-      if (y < nc) p.dh0[s0 + a * V + y0 + y] = sdS[a * kLdS + y];
+      if (y < nc) p.dh0[s0 + (a * cs + (y0 + y) * vs)] = sdS[a * kLdS + y];
     }
 }
 

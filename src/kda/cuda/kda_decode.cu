@@ -101,9 +101,26 @@ __device__ __forceinline__ void store_state4(void* base, DType dt, int64_t off, 
 // The R state rows row0 .. row0 + R - 1 (those < K; others 0) of this thread's 4 columns from element
 // offset base (row r at base + r V). St = void: the dtype at run time (all loads issued before any
 // conversion); float / __nv_bfloat16: that dtype, vector accesses (the dispatch checked their alignment).
+// vf (St = void only; fla's state_v_first): the state is stored transposed, element (row, column) at
+// (base - row0 V - c0) + column K + row: one scalar access per element.
 template <int R, class St>
 __device__ __forceinline__ void load_rows(const void* data, DType dt, bool vec, int64_t base, int row0, int K, int c0, int V,
-                                          float (&S)[R][4]) {
+                                          float (&S)[R][4], bool vf = false) {
+  if constexpr (std::is_void_v<St>) {
+    if (vf) {
+      const int64_t head = base - int64_t(row0) * V - c0;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int64_t off = head + int64_t(c0 + c) * K + row0 + r;
+          S[r][c] = row0 + r < K && c0 + c < V ? (dt == DType::kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(data)[off])
+                                                                      : static_cast<const float*>(data)[off])
+                                               : 0.f;
+        }
+      return;
+    }
+  }
   if constexpr (!std::is_void_v<St>) {
     PackedRow<St, 4> w[R];  // every row's load issued before any conversion
 #pragma unroll
@@ -139,7 +156,18 @@ __device__ __forceinline__ void load_rows(const void* data, DType dt, bool vec, 
 
 template <int R, class St>
 __device__ __forceinline__ void store_rows(void* data, DType dt, bool vec, int64_t base, int row0, int K, int c0, int V,
-                                           const float (&S)[R][4]) {
+                                           const float (&S)[R][4], bool vf = false) {
+  if constexpr (std::is_void_v<St>) {
+    if (vf) {
+      const int64_t head = base - int64_t(row0) * V - c0;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (row0 + r < K && c0 + c < V) kda::store(data, dt, head + int64_t(c0 + c) * K + row0 + r, S[r][c]);
+      return;
+    }
+  }
   if constexpr (!std::is_void_v<St>) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -302,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, kResident<kDim, St, kOne, kC>)
   } else {
     float S[R][4];
     if (read_slot >= 0) {
-      load_rows<R, St>(p.init, p.init_dtype, p.init_vec, read_slot * p.init_stride + head_off, row0, K, c0, V, S);
+      load_rows<R, St>(p.init, p.init_dtype, p.init_vec, read_slot * p.init_stride + head_off, row0, K, c0, V, S, p.state_v_first);
     } else {
 #pragma unroll
       for (int r = 0; r < R; ++r) S[r][0] = S[r][1] = S[r][2] = S[r][3] = 0.f;
@@ -340,14 +368,14 @@ __global__ void __launch_bounds__(kThreads, kResident<kDim, St, kOne, kC>)
       store_out(t, out);
       if (p.mode == KdaDecodeMode::kTokenSlots) {  // the state after token t into slot idx[n, t] (skipped where < 0)
         const int64_t w = load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0 + int64_t(t) * p.idx_s1);
-        if (w >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, w * p.fin_stride + head_off, row0, K, c0, V, S);
+        if (w >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, w * p.fin_stride + head_off, row0, K, c0, V, S, p.state_v_first);
       }
     }
 
     int64_t write_row = -1;  // the final state's row: the slot read (idx [N]) or row n (no indices)
     if (p.mode == KdaDecodeMode::kSlots) write_row = read_slot;
     else if (p.mode == KdaDecodeMode::kStates && p.fin) write_row = n;
-    if (write_row >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, write_row * p.fin_stride + head_off, row0, K, c0, V, S);
+    if (write_row >= 0) store_rows<R, St>(p.fin, p.fin_dtype, p.fin_vec, write_row * p.fin_stride + head_off, row0, K, c0, V, S, p.state_v_first);
   }
 }
 
@@ -401,8 +429,9 @@ Status launch_kda_decode(const KdaDecodeParams& p, const int32_t* begin, int dev
   ENCORE_RETURN_IF_ERROR(guard.set(device));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (p.K == 128 && p.V == 128) {  // Kimi-Linear's heads
-    if (p.fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, begin, s);
-    if (p.fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, begin, s);
+    const bool fast = p.fast && !p.state_v_first;  // the compile-time kernels take the [K, V] layout only
+    if (fast && p.q.dtype == DType::kBF16) return launch_fast<__nv_bfloat16>(p, begin, s);
+    if (fast && p.q.dtype == DType::kFP32) return launch_fast<float>(p, begin, s);
     return launch_rows<8, 128>(p, begin, s);
   }
   if (p.K <= 2 * kWarps * kRowLanes) return launch_rows<2>(p, begin, s);

@@ -80,6 +80,9 @@ struct KdaDecodeParams {
   int64_t fin_stride = 0;
   bool fin_vec = false;
   int64_t P = 0;  // pool slots (indices >= P are out of range)
+  // fla's state_v_first: both are [rows, H, V, K] (element (k, v) at v K + k of its head's block); the
+  // runtime-dtype kernel only (the compile-time kernels are not taken), scalar state accesses.
+  bool state_v_first = false;
   // state_indices [N] or [N, S] and num_accepted_tokens [N] (optional), int32 or int64, device memory.
   const void* idx = nullptr;
   bool idx64 = false;

@@ -158,6 +158,11 @@ struct RecurrentOut {
 __device__ __forceinline__ int64_t state_off(int64_t nslot, int h, int k, int col, int H, int K, int V) {
   return ((nslot * H + h) * K + k) * int64_t(V) + col;
 }
+// The same element of a caller's state in either layout: v_first (fla's state_v_first) at
+// ((n · H + h) · V + col) · K + k.
+__device__ __forceinline__ int64_t state_off(int64_t nslot, int h, int k, int col, int H, int K, int V, bool v_first) {
+  return v_first ? ((nslot * H + h) * V + col) * int64_t(K) + k : state_off(nslot, h, k, col, H, K, V);
+}
 
 // One token's delta-rule step on this thread's state rows (k = warp + kWarps·r, its column = lane):
 // a = exp(g)·S, e = v − kᵀa (summed over the block's warps through s.red[buf], one barrier),
@@ -197,7 +202,7 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_fwd_kernel(const __gri
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int k = warp + kWarps * r;
-    S[r] = p.h0 && r < nr && k < p.K && cv ? p.h0[state_off(n, h, k, col, p.H, p.K, p.V)] : 0.f;
+    S[r] = p.h0 && r < nr && k < p.K && cv ? p.h0[state_off(n, h, k, col, p.H, p.K, p.V, p.state_v_first)] : 0.f;
   }
   TokenRegs next = begin < end ? fetch_token(p, b, begin, h, tile * kCols, nullptr) : TokenRegs{};
   for (int t = begin; t < end; ++t) {
@@ -232,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_fwd_kernel(const __gri
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int k = warp + kWarps * r;
-      if (r < nr && k < p.K) out.final_state[state_off(n, h, k, col, p.H, p.K, p.V)] = S[r];
+      if (r < nr && k < p.K) out.final_state[state_off(n, h, k, col, p.H, p.K, p.V, p.state_v_first)] = S[r];
     }
   }
 }

@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_bwd_kernel(const __gri
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int k = warp + kWarps * r;
-      dS[r] = dS_in && r < nr && k < K && cv ? dS_in[state_off(n, h, k, col, H, K, V)] : 0.f;
+      dS[r] = dS_in && r < nr && k < K && cv ? dS_in[state_off(n, h, k, col, H, K, V, p.state_v_first && win.w == 0)] : 0.f;
     }
     if (c >= 0) {
       const int t0 = begin + c * kChunk, rows = min(kChunk, end - t0);
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_bwd_kernel(const __gri
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int k = warp + kWarps * r;
-        if (r < nr && k < K) dS_out[state_off(n, h, k, col, H, K, V)] = dS[r];
+        if (r < nr && k < K) dS_out[state_off(n, h, k, col, H, K, V, p.state_v_first && c <= 0)] = dS[r];
       }
     }
   }

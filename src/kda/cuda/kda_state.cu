@@ -137,6 +137,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
   if (p.pool && (p.seq_begin[n] == p.seq_end[n] || !pool_slot<kVs>(p, n, h, v0, b, reinterpret_cast<int64_t*>(smem + Sm::kSlot)))) return;
   const bool state_wg = wg >= 2;
   const int64_t srow0 = (int64_t(n) * p.H + h) * K;  // [N, H, K, V] row of (n, h, c = 0)
+  // State element (c, v) of the head's K V block at c cs + v vs: [K, V], or [V, K] with state_v_first.
+  const int cs = p.state_v_first ? 1 : V, vs = p.state_v_first ? K : 1;
   auto write_st = [&] {  // h_tᵀ in bf16 for the next chunk's products, then visible to them (async proxy)
     uint32_t x[kNt][2];
 #pragma unroll
@@ -152,12 +154,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
       const int64_t base = pool_state();
       for_frag([&](float& s, int c, int vl) {
         const int v = v0 + vl;
-        s = (c < K && v < V) ? load_state(p.pool, p.pool_dtype, base + int64_t(c) * V + v) : 0.f;
+        s = (c < K && v < V) ? load_state(p.pool, p.pool_dtype, base + (c * cs + v * vs)) : 0.f;
       });
     } else {
       for_frag([&](float& s, int c, int vl) {
         const int v = v0 + vl;
-        s = (p.h0 && c < K && v < V) ? p.h0[(srow0 + c) * V + v] : 0.f;
+        s = (p.h0 && c < K && v < V) ? p.h0[srow0 * V + (c * cs + v * vs)] : 0.f;
       });
     }
     write_st();
@@ -270,12 +272,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_con
     const int64_t base = pool_state();
     for_frag([&](float& s, int c, int vl) {
       const int v = v0 + vl;
-      if (c < K && v < V) store(p.pool, p.pool_dtype, base + int64_t(c) * V + v, s);
+      if (c < K && v < V) store(p.pool, p.pool_dtype, base + (c * cs + v * vs), s);
     });
   } else if (p.final_state && state_wg) {
     for_frag([&](float& s, int c, int vl) {
       const int v = v0 + vl;
-      if (c < K && v < V) p.final_state[(srow0 + c) * V + v] = s;
+      if (c < K && v < V) p.final_state[srow0 * V + (c * cs + v * vs)] = s;
     });
   }
 }

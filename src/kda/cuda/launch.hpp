@@ -46,6 +46,9 @@ struct KdaCudaProblemT {
   DType o_dtype = DType::kFP32;
   int64_t o_sb = 0, o_st = 0, o_sh = 0;
   float* final_state = nullptr;    // [N, H, K, V] fp32 contiguous or null
+  // fla's state_v_first: h0, final_state and the pool's slots are [.., H, V, K] (state element (k, v) at
+  // v K + k of its head's block instead of k V + v); the state kernel's loads and stores only.
+  bool state_v_first = false;
   // Residuals for the backward (contiguous; null = not saved): G fp32 [B, T, H, K]; Aqk, Akk
   // [B, T, H, 64] and h [NT, H, K, V] in res_dtype (bf16 or fp32).
   float* res_G = nullptr;
