@@ -9,9 +9,10 @@
 // memory-bound suites); ratio = time / floor. bench/peers/kda_decode_peers.py times fla's
 // fused_recurrent_kda_fwd on the same shapes.
 // Suite "kda_decode_plans": the same calls on each single-token kernel (kda/cuda/kda_decode.hpp's
-// KdaDecodeKernel: 32 or 64 columns a block), each without and with programmatic dependent launch (PDL:
-// graph replays of back-to-back calls, as a serving step's kernels follow each other) and with PDL and the
-// L2 prefetch one wave ahead, beside the rule's choice (kda/plan.hpp's kda_decode_plan).
+// KdaDecodeKernel: 32 or 64 columns a block, or whole heads staged in shared memory), each without and with
+// programmatic dependent launch (PDL: graph replays of back-to-back calls, as a serving step's kernels
+// follow each other) and (the column kernels) with PDL and the L2 prefetch one wave ahead, beside the
+// rule's choice (kda/plan.hpp's kda_decode_plan).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -35,6 +36,7 @@ const char* kernel_name(cuda::KdaDecodeKernel k) {
   switch (k) {
     case cuda::KdaDecodeKernel::kColumns32: return "columns32";
     case cuda::KdaDecodeKernel::kColumns64: return "columns64";
+    case cuda::KdaDecodeKernel::kHeads: return "heads";
   }
   return "?";
 }
@@ -146,8 +148,8 @@ void run_kda_decode_plans_suite(Report& report, const TimeOptions& topts, cudaSt
     for (int64_t N : kBatches) {
       DecodeCase c(pdt, N, *info, report.ceilings.copy_gbps, stream);
       const cuda::KdaDecodePlan rule = kda::kda_decode_plan(N, kHV, pdt, true, info->sm_count);
-      for (cuda::KdaDecodeKernel k : {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64})
-        for (int v = 0; v < 3; ++v) {  // no PDL, PDL, PDL + L2 prefetch
+      for (cuda::KdaDecodeKernel k : {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64, cuda::KdaDecodeKernel::kHeads})
+        for (int v = 0; v < (k == cuda::KdaDecodeKernel::kHeads ? 2 : 3); ++v) {  // no PDL, PDL, PDL + L2 prefetch (not whole heads)
           const bool pdl = v > 0, prefetch = v == 2;
           const cuda::KdaDecodePlan plan{k, pdl, prefetch};
           const bool is_rule = k == rule.kernel && pdl == rule.pdl && prefetch == rule.prefetch;

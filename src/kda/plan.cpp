@@ -57,6 +57,11 @@ cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool sta
   plan.pdl = true;
   plan.kernel = cuda::KdaDecodeKernel::kColumns32;
   if (!states16) return plan;
+  const int64_t resident_heads = states == DType::kBF16 ? cuda::kKdaDecodeResidentHeadsBf16 : cuda::kKdaDecodeResidentHeadsFp32;
+  if (N * H >= 2 * resident_heads * sms) {  // two waves of the whole-head grid
+    plan.kernel = cuda::KdaDecodeKernel::kHeads;
+    return plan;
+  }
   if (states != DType::kBF16) {
     plan.prefetch = true;
   } else if (blocks32 >= 2 * cuda::kKdaDecodeResident32Bf16 * sms) {  // two waves of the 32-column grid

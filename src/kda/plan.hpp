@@ -37,7 +37,8 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
 // states: 32 columns while their grid takes under two waves (8 blocks an SM; at batch 8 it is 15% faster
 // than 64 columns), then 64 columns (steadier than 32 from one run to the next), with the prefetch once
 // the 64-column grid takes 16 waves (4 an SM; 3.6% at batch 1024, a loss at 64). States whose 8-column
-// accesses are not 16-byte aligned: 32 columns, no prefetch.
+// accesses are not 16-byte aligned: 32 columns, no prefetch. Grids of at least two waves of whole heads
+// (N x H >= 2 x 6 (bf16) or 3 (fp32) blocks an SM): the whole-head kernel (one bulk copy each way).
 cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool states16, int sm_count);
 
 // The CUDA backward's kernels for a problem: the second backward (K0 prep, K1 scan, K2a, K2b: single-

@@ -228,7 +228,8 @@ TEST_F(KdaServingGpu, DecodeOnThePool) {
 }
 
 // Single-token launches on the rule's plan (kda_decode_plan) at N = 8, 72, 300 and at N = 8, 72 on each
-// plan named: 32 columns without PDL, 64 with it, each width with the L2 prefetch one wave ahead (at N =
+// plan named: 32 columns without PDL, 64 with it, each width with the L2 prefetch one wave ahead, the
+// whole-head kernel without and with PDL (at N =
 // 72 with HV 4 the 32-column grid of 1152 blocks has blocks a wave ahead to prefetch): [N] slots with
 // padding and [N, 2] slots with num_accepted_tokens (a padding row, an unwritten entry; the prefetch skips
 // that mode), bf16 / fp32 inputs, fp32 / bf16 pools, against the reference.
@@ -237,9 +238,12 @@ TEST_F(KdaServingGpu, SingleTokenBatches) {
   const cuda::KdaDecodePlan kernels[] = {{KdaDecodeKernel::kColumns32, false, false},
                                          {KdaDecodeKernel::kColumns64, true, false},
                                          {KdaDecodeKernel::kColumns32, true, true},
-                                         {KdaDecodeKernel::kColumns64, false, true}};
+                                         {KdaDecodeKernel::kColumns64, false, true},
+                                         {KdaDecodeKernel::kHeads, false, false},
+                                         {KdaDecodeKernel::kHeads, true, false}};
+  constexpr int kPlans = int(sizeof(kernels) / sizeof(kernels[0]));
   for (int64_t N : {int64_t(8), int64_t(72), int64_t(300)})
-    for (int ki = -1; ki < (N == 300 ? 0 : 4); ++ki)
+    for (int ki = -1; ki < (N == 300 ? 0 : kPlans); ++ki)
     for (DType in : {DType::kBF16, DType::kFP32})
       for (DType pdt : {DType::kFP32, DType::kBF16}) {
         const cuda::KdaDecodePlan* kernel = ki < 0 ? nullptr : &kernels[ki];
@@ -282,9 +286,9 @@ TEST_F(KdaServingGpu, SingleTokenBatches) {
 
 // A flat softplus gate keeps its small decay: dt_bias -8 to -20 with e^A_log = 1000 (gate -ea softplus(x)
 // from -0.34 to -2e-6) and beta 0 (the step is the decay alone), fp32 inputs and pool, single-token
-// kernels at both widths: the state's decrement S - S_new against the fp64 reference to 1e-3 relative,
+// kernels (32, 64 columns, whole heads): the state's decrement S - S_new against the fp64 reference to 1e-3 relative,
 // per dt_bias down to -13 (decrements from 0.29 to 2e-3 of the state) to 1e-2 (a log(1 + e^x) that rounds
-// 1 + e^x loses percents there, and the whole decay below x ~ -16.6).
+// 1 + e^x loses percents there, and the whole decay below x ~ -16.6). Each single-token kernel.
 TEST_F(KdaServingGpu, FlatGatesKeepTheirDecay) {
   for (int64_t N : {int64_t(2), int64_t(72)}) {
     Problem pr(kDims128, kKimi, 500 + uint64_t(N), false, std::vector<int64_t>(size_t(N), 1));
@@ -300,11 +304,14 @@ TEST_F(KdaServingGpu, FlatGatesKeepTheirDecay) {
     h.initial_state = pool.view();
     h.state_indices = TensorView::contiguous(idx.data(), DType::kInt32, {N});
     DeviceArena ar;
-    KdaRecurrentArgs d = to_device(h, DType::kFP32, DType::kFP32, ar);
-    ASSERT_TRUE(run(d, pr.opts.o));
+    const cuda::KdaDecodeKernel kinds[] = {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64, cuda::KdaDecodeKernel::kHeads};
+    std::vector<KdaRecurrentArgs> devs;
+    for (size_t k = 0; k < 3; ++k) devs.push_back(to_device(h, DType::kFP32, DType::kFP32, ar));  // before the host run
+    for (size_t k = 0; k < 3; ++k) ASSERT_TRUE(kda::run(devs[k], pr.opts.o, cuda::KdaDecodePlan{kinds[k], false, false}));
     ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
     ASSERT_TRUE(run(h, pr.opts.o));
-    const std::vector<double> dev = fetch(d.initial_state);
+    for (size_t k = 0; k < 3; ++k) {
+    const std::vector<double> dev = fetch(devs[k].initial_state);
     std::vector<double> num(13, 0.0), den(13, 0.0);  // per dt_bias value -8 - j
     const int64_t rows = kDims128.HV * kDims128.K;
     for (size_t i = 0; i < dev.size(); ++i) {
@@ -318,11 +325,13 @@ TEST_F(KdaServingGpu, FlatGatesKeepTheirDecay) {
       all_num += num[j], all_den += den[j];
       // decrements >= ~2e-3 of the state (dt_bias >= -13): each within 1%; flatter ones are below the
       // fp32 resolution of exp2 near 1 (2^-22) and enter the whole-state bound only
-      if (j <= 5) EXPECT_LE(std::sqrt(num[j] / den[j]), 1e-2) << "N " << N << " dt_bias " << -8.0 - double(j);
+      if (j <= 5) EXPECT_LE(std::sqrt(num[j] / den[j]), 1e-2) << "N " << N << " kernel " << k << " dt_bias " << -8.0 - double(j);
     }
     const double err = std::sqrt(all_num / all_den);
-    EXPECT_LE(err, 1e-3) << "N " << N;
-    std::printf("  kda decode flat gates N%-3lld decrement rel err %.2e (dt_bias -13: %.2e)\n", (long long)N, err, std::sqrt(num[5] / den[5]));
+    EXPECT_LE(err, 1e-3) << "N " << N << " kernel " << k;
+    std::printf("  kda decode flat gates N%-3lld kernel %zu decrement rel err %.2e (dt_bias -13: %.2e)\n", (long long)N, k, err,
+                std::sqrt(num[5] / den[5]));
+    }
   }
 }
 

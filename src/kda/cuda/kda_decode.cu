@@ -411,7 +411,8 @@ Status launch_fast(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
     if (st == DType::kBF16) return launch_rows<8, 128, In, __nv_bfloat16>(p, begin, s);
     return launch_rows<8, 128, In, float>(p, begin, s);
   }
-  const bool wide = p.states16 && p.kernel != KdaDecodeKernel::kColumns32;  // (p.prefetch: set with states16 only)
+  if (p.states16 && p.kernel == KdaDecodeKernel::kHeads) return launch_kda_decode_heads(p, begin, s);
+  const bool wide = p.states16 && p.kernel == KdaDecodeKernel::kColumns64;  // (p.prefetch: set with states16 only)
   if (st == DType::kBF16)
     return wide ? launch_rows<8, 128, In, __nv_bfloat16, true, 8>(p, begin, s) : launch_rows<8, 128, In, __nv_bfloat16, true>(p, begin, s);
   return wide ? launch_rows<8, 128, In, float, true, 8>(p, begin, s) : launch_rows<8, 128, In, float, true>(p, begin, s);

@@ -18,6 +18,8 @@ constexpr int kKdaDecodeSeqTableSmall = 64;  // the table of launches with at mo
 // Resident blocks an SM the single-token kernels are built for (their launch bounds; the plan's waves and
 // the prefetch distance): 32 columns a block with bf16 / fp32 states, 64 columns.
 constexpr int kKdaDecodeResident32Bf16 = 8, kKdaDecodeResident32Fp32 = 5, kKdaDecodeResident64 = 4;
+// The whole-head kernel's blocks an SM (its shared memory: the head's state and ~4.6 KB): bf16, fp32 states.
+constexpr int kKdaDecodeResidentHeadsBf16 = 6, kKdaDecodeResidentHeadsFp32 = 3;
 
 // [B, T, heads, C] (beta: [B, T, heads]) with element strides; the last stride is 1. bf16, fp16 or fp32.
 struct KdaDecodeTensor {
@@ -28,8 +30,10 @@ struct KdaDecodeTensor {
 
 // The single-token kernels of a fast launch (K = V = 128, every sequence <= 1 token; kda/plan.hpp's
 // kda_decode_plan chooses): a block per (sequence, head, 32 columns) or (.., 64 columns), load, compute,
-// store, exit. A launch whose states' 8-column accesses are not 16-byte aligned takes 32 columns.
-enum class KdaDecodeKernel : int { kColumns32 = 0, kColumns64 = 1 };
+// store, exit; or a block per (sequence, head) whose state moves between the pool and shared memory by
+// one bulk copy each way (kda_decode_heads.cu). A launch whose states' 8-column accesses are not 16-byte
+// aligned takes 32 columns.
+enum class KdaDecodeKernel : int { kColumns32 = 0, kColumns64 = 1, kHeads = 2 };
 
 // A launch's plan: the single-token kernel and whether the launch is a programmatic dependent launch
 // (sm_90 PDL: its blocks may be scheduled while the stream's previous kernel drains; each block waits
@@ -107,5 +111,9 @@ struct KdaDecodeParams {
 // its sequences in host memory (N <= kKdaDecodeSeqTable; they travel as a launch parameter sized to N); fixed
 // length: null. Asynchronous on `stream`.
 Status launch_kda_decode(const KdaDecodeParams& p, const int32_t* begin, int device, Stream stream);
+
+// The whole-head kernel (kda_decode_heads.cu) on the current device: a fast launch (p.fast, K = V = 128)
+// of sequences with at most one token, states of one dtype, 16-byte aligned (p.states16).
+Status launch_kda_decode_heads(const KdaDecodeParams& p, const int32_t* begin, Stream stream);
 
 }  // namespace encore::cuda
