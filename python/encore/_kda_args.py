@@ -8,12 +8,12 @@ import math
 from . import _encore as _b
 from ._core import as_float, dl
 
-_OPTIONS = {}  # (scale, l2, gate, lower_bound, output_final_state) -> KdaOptions: built once per distinct value
+_OPTIONS = {}  # (scale, l2, gate, lower_bound, output_final_state, state_v_first) -> KdaOptions: built once per distinct value
 
 
-def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state=False):
-    """The KdaOptions of these arguments (lower_bound None: the softplus gate)."""
-    key = (scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state)
+def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state=False, state_v_first=False):
+    """The KdaOptions of these arguments (lower_bound None: the softplus gate; state_v_first: fla's [.., V, K] states)."""
+    key = (scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state, state_v_first)
     o = _OPTIONS.get(key)
     if o is None:
         lower = lower_bound is not None
@@ -22,7 +22,8 @@ def _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_st
             raise ValueError(f"scale: must be positive and finite (None: K ** -0.5), got {scale!r}")
         o = _OPTIONS[key] = _b.KdaOptions(scale=s, output_final_state=bool(output_final_state),
                                           use_qk_l2norm=bool(use_qk_l2norm), use_gate_in_kernel=bool(use_gate_in_kernel),
-                                          use_lower_bound=lower, lower_bound=as_float(lower_bound, "lower_bound") if lower else -5.0)
+                                          use_lower_bound=lower, lower_bound=as_float(lower_bound, "lower_bound") if lower else -5.0,
+                                          state_v_first=bool(state_v_first))
     return o
 
 
@@ -58,3 +59,22 @@ def _gate_params(A_log, dt_bias, hv, kd):
             raise ValueError(f"dt_bias: expected {hv * kd} elements (HV * K, any shape), got shape {list(getattr(dt_bias, 'shape', []))}")
         dt_bias = dt_bias.reshape(hv * kd)
     return A_log, dt_bias
+
+
+def _state_layout(state_v_first, kwargs, stacklevel=3):
+    """state_v_first, or fla's deprecated name for it, transpose_state_layout (popped from kwargs, with fla's
+    DeprecationWarning; both given: fla's ValueError)."""
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        import warnings
+
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=stacklevel)
+        state_v_first = kwargs.pop("transpose_state_layout")
+    return bool(state_v_first)
+
+
+def _state_shape(n, hv, kd, vd, state_v_first):
+    """A state tensor's shape: [N, HV, K, V], or [N, HV, V, K] with state_v_first."""
+    return (n, hv, vd, kd) if state_v_first else (n, hv, kd, vd)

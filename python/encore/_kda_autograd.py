@@ -23,45 +23,47 @@ def _residual_request(q, rematerialize):
 class ChunkKdaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate, lower_bound, cu,
-                rematerialize):
+                rematerialize, state_v_first):
         names, rdt = _residual_request(q, rematerialize)
         scale = None if scale is None else float(scale)
         lower = None if lower_bound is None else float(lower_bound)
         outs = ops().kda_forward(q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(l2), bool(gate), A_log,
-                                  dt_bias, lower, cu, names, rdt)
+                                  dt_bias, lower, cu, names, rdt, bool(state_v_first))
         o = outs[0]
         fin = outs[1] if output_final_state else None
         res = list(outs[2 if output_final_state else 1:])
         res += [None] * (4 - len(res))  # (G, Aqk, Akk, h): h absent when rematerializing
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, *res)
-        ctx.opts = (scale, bool(l2), bool(gate), lower)
+        ctx.opts = (scale, bool(l2), bool(gate), lower, bool(state_v_first))
         return o, fin
 
     @staticmethod
     def backward(ctx, d_o, d_fin):
         q, k, v, g, beta, A_log, dt_bias, h0, cu, *res = ctx.saved_tensors
-        scale, l2, gate, lower = ctx.opts
+        scale, l2, gate, lower, state_v_first = ctx.opts
         if d_o is None:
             d_o = torch.zeros_like(v)
+        # state_v_first: d_fin (like final_state) and dh0 (like initial_state) are [N, HV, V, K]
         grads = ops().kda_backward(q, k, v, g, beta, d_o.contiguous(), None if d_fin is None else d_fin.contiguous(), scale, h0,
-                                    l2, gate, A_log, dt_bias, lower, cu, *res)
+                                    l2, gate, A_log, dt_bias, lower, cu, *res, state_v_first)
         dq, dk, dv, dg, dbeta, *extra = grads
         extra = iter(extra)
         dh0 = next(extra) if h0 is not None else None
         dA_log = next(extra) if A_log is not None else None
         ddt_bias = next(extra) if dt_bias is not None else None
-        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None
 
 
 def chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate, lower_bound, cu,
-                    rematerialize):
+                    rematerialize, state_v_first=False):
     if cu is not None:  # the sequence table is read on the host: copied once here, not in each op
         cu = cu.cpu() if isinstance(cu, torch.Tensor) else torch.as_tensor(cu)
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
         # inference: the forward alone, no residuals saved, no autograd node
         outs = ops().kda_forward(q, k, v, g, beta, None if scale is None else float(scale), initial_state, bool(output_final_state),
-                                 bool(l2), bool(gate), A_log, dt_bias, None if lower_bound is None else float(lower_bound), cu, "", None)
+                                 bool(l2), bool(gate), A_log, dt_bias, None if lower_bound is None else float(lower_bound), cu, "", None,
+                                 bool(state_v_first))
         return outs[0], (outs[1] if output_final_state else None)
     return ChunkKdaFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate,
-                                  lower_bound, cu, bool(rematerialize))
+                                  lower_bound, cu, bool(rematerialize), bool(state_v_first))

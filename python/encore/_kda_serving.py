@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from . import _encore as _b
 from ._core import as_float, dl, eager, empty, is_torch, matrix_shape, ops, stream_for, torch_module, torch_op, workspace
-from ._kda_args import _forward_args, _gate_params, _opts
+from ._kda_args import _forward_args, _gate_params, _opts, _state_layout, _state_shape
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -32,8 +32,8 @@ __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_fwd", "kda_forward_pool"]
 _REC_OPTIONS = {}  # the KdaRecurrentOptions per distinct value
 
 
-def _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval):
-    key = (scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval)
+def _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval, state_v_first=False):
+    key = (scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval, state_v_first)
     o = _REC_OPTIONS.get(key)
     if o is None:
         s = 0.0 if scale is None else as_float(scale, "scale")
@@ -43,7 +43,7 @@ def _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_si
         o = _REC_OPTIONS[key] = _b.KdaRecurrentOptions(
             scale=s, use_qk_l2norm=bool(use_qk_l2norm), use_gate_in_kernel=bool(use_gate_in_kernel), use_lower_bound=lower,
             lower_bound=as_float(lower_bound, "lower_bound") if lower else -5.0, use_beta_sigmoid=bool(use_beta_sigmoid),
-            allow_neg_eigval=bool(allow_neg_eigval))
+            allow_neg_eigval=bool(allow_neg_eigval), state_v_first=bool(state_v_first))
     return o
 
 
@@ -76,8 +76,9 @@ def _host_indices(stream, *xs):
 
 def _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, inplace_final_state, state_indices,
                           num_accepted_tokens, cu_seqlens, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid,
-                          allow_neg_eigval, o, final_state, stream=None, check_indices=True):
-    """Writes o and final_state (or, with inplace_final_state / state_indices, initial_state in place).
+                          allow_neg_eigval, o, final_state, stream=None, check_indices=True, state_v_first=False):
+    """Writes o and final_state (or, with inplace_final_state / state_indices, initial_state in place); state_v_first:
+    the states (the pool) [.., HV, V, K].
     check_indices: device indices are copied to the host and checked first (out of range, duplicates,
     num_accepted_tokens out of [1, S]: ValueError, nothing written); skipped under CUDA-graph capture."""
     if inplace_final_state and state_indices is None:
@@ -88,7 +89,7 @@ def _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state
                                    cu_seqlens=dl(cu_seqlens), initial_state=dl(initial_state), state_indices=dl(idx),
                                    num_accepted_tokens=dl(nat), o=dl(o), final_state=dl(final_state))
 
-    opts = _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval)
+    opts = _rec_opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid, allow_neg_eigval, bool(state_v_first))
     host = _host_indices(stream, state_indices, num_accepted_tokens) if check_indices else None
     if host is not None:
         _b.kda_recurrent_workspace(make(*host), opts)  # validates the values
@@ -96,8 +97,8 @@ def _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state
 
 
 def _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias,
-                             lower_bound, cu_seqlens, o, stream=None, check_indices=True):
-    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
+                             lower_bound, cu_seqlens, o, stream=None, check_indices=True, state_v_first=False):
+    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, False, bool(state_v_first))
     fwd = _forward_args(q, k, v, g, beta, None, A_log, dt_bias, cu_seqlens, o)
     host = _host_indices(stream, state_indices) if check_indices else None  # as _kda_recurrent_launch's check
     if host is not None:
@@ -114,22 +115,22 @@ def _kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
                    scale: float | None, initial_state: Tensor | None, inplace_final_state: bool, state_indices: Tensor | None,
                    num_accepted_tokens: Tensor | None, cu_seqlens: Tensor | None, use_qk_l2norm: bool, use_gate_in_kernel: bool,
                    lower_bound: float | None, use_beta_sigmoid: bool, allow_neg_eigval: bool, o: Tensor,
-                   final_state: Tensor | None, check_indices: bool = True) -> None:
+                   final_state: Tensor | None, check_indices: bool = True, state_v_first: bool = False) -> None:
     """The recurrent step into o and final_state; initial_state written in place with state_indices (the pool) or
     inplace_final_state (final_state None then)."""
     _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, inplace_final_state, state_indices,
                           num_accepted_tokens, _cpu(cu_seqlens), use_qk_l2norm, use_gate_in_kernel, lower_bound, use_beta_sigmoid,
-                          allow_neg_eigval, o, final_state, check_indices=check_indices)
+                          allow_neg_eigval, o, final_state, check_indices=check_indices, state_v_first=state_v_first)
 
 
 @torch_op("kda_forward_pool", fake=lambda *_: None, mutates=("pool", "o"))
 def _kda_forward_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, pool: Tensor,
                       state_indices: Tensor, use_qk_l2norm: bool, use_gate_in_kernel: bool, A_log: Tensor | None,
                       dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, o: Tensor,
-                      check_indices: bool = True) -> None:
+                      check_indices: bool = True, state_v_first: bool = False) -> None:
     """The chunked prefill on the pool into o; the pool's slots state_indices written in place."""
     _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias,
-                             lower_bound, _cpu(cu_seqlens), o, check_indices=check_indices)
+                             lower_bound, _cpu(cu_seqlens), o, check_indices=check_indices, state_v_first=state_v_first)
 
 
 def _cpu(cu_seqlens):
@@ -141,12 +142,12 @@ def _cpu(cu_seqlens):
 
 # --- public API ------------------------------------------------------------------------------------------
 
-def _refuse(state_v_first, kwargs, name):
-    if "transpose_state_layout" in kwargs:  # fla's deprecated name of state_v_first
-        state_v_first = state_v_first or kwargs.pop("transpose_state_layout")
-    bad = (["state_v_first"] if state_v_first else []) + sorted(kwargs)
-    if bad:
-        raise ValueError(f"{name}: not supported by encore: {', '.join(bad)} (states are [K, V], fla's default layout)")
+def _state_v_first(state_v_first, kwargs, name):
+    """state_v_first (or fla's deprecated transpose_state_layout); any other keyword refused naming it."""
+    state_v_first = _state_layout(state_v_first, kwargs, stacklevel=4)
+    if kwargs:
+        raise ValueError(f"{name}: not supported by encore: {', '.join(sorted(kwargs))}")
+    return state_v_first
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, output_final_state=False,
@@ -158,8 +159,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     [N, HV, K, V] float32 or None). Forward only. initial_state [N, HV, K, V] float32 / bfloat16;
     cu_seqlens [N + 1] (B = 1). The in-kernel options as fla's: the gate (use_gate_in_kernel with
     A_log [HV] and dt_bias [HV * K] in any shape, lower_bound), q/k L2 norm, beta = sigmoid(beta)
-    (use_beta_sigmoid_in_kernel) or 2 sigmoid(beta) (with allow_neg_eigval). state_v_first is refused."""
-    _refuse(state_v_first, kwargs, "fused_recurrent_kda")
+    (use_beta_sigmoid_in_kernel) or 2 sigmoid(beta) (with allow_neg_eigval). state_v_first=True (or fla's
+    deprecated transpose_state_layout): initial_state and final_state are [N, HV, V, K], each state transposed."""
+    state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda")
     b = matrix_shape(q, "q", 4, "[B, T, H, K]")[0]
     if cu_seqlens is not None:
         if b != 1:
@@ -174,7 +176,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                                    output_final_state=output_final_state, inplace_final_state=False, cu_seqlens=cu_seqlens,
                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                                   lower_bound=lower_bound)
+                                   lower_bound=lower_bound, state_v_first=state_v_first)
 
 
 def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None, output_final_state=False,
@@ -202,8 +204,13 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     num_accepted_tokens out of [1, S]) raise ValueError naming the argument before anything is written.
     Indices on the GPU are checked from a host copy (a synchronization) unless check_indices=False or a
     CUDA graph is being captured; unchecked, an index >= P gives NaN rows of out and writes nothing to the
-    pool, and duplicates are the caller's contract. stream: an explicit stream (direct call)."""
-    _refuse(state_v_first, kwargs, "fused_recurrent_kda_fwd")
+    pool, and duplicates are the caller's contract. stream: an explicit stream (direct call).
+
+    state_v_first=True (fla's; or its deprecated name transpose_state_layout): every state, initial_state,
+    the pool and final_state, is stored transposed: [N or P, HV, V, K] (each slot's [HV, V, K] contiguous);
+    states in the [K, V] layout are refused naming the argument. On CUDA with K = V = 128 the decode then
+    takes the general kernel (scalar state accesses) instead of the compile-time ones."""
+    state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda_fwd")
     matrix_shape(q, "q", 4, "[B, T, H, K]")
     b, t, hv, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")
     kd = q.shape[3]
@@ -227,7 +234,7 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     elif output_final_state:
         n = b if cu_seqlens is None else len(cu_seqlens) - 1
         kind = "like" if str(q.dtype).endswith("float64") else "f32"
-        final_state = returned = empty(q, (n, hv, kd, vd), kind)
+        final_state = returned = empty(q, _state_shape(n, hv, kd, vd, state_v_first), kind)
     else:
         final_state = returned = None
     flags = (bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel))
@@ -235,16 +242,17 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
         ops().kda_recurrent(q, k, v, g, beta, A_log, dt_bias, None if scale is None else float(scale), initial_state,
                             bool(inplace_final_state), _torch_arg(ssm_state_indices), _torch_arg(num_accepted_tokens),
                             _torch_arg(cu_seqlens), *flags, None if lower_bound is None else float(lower_bound),
-                            bool(use_beta_sigmoid_in_kernel), allow_neg_eigval, out, final_state, bool(check_indices))
+                            bool(use_beta_sigmoid_in_kernel), allow_neg_eigval, out, final_state, bool(check_indices),
+                            state_v_first)
     else:
         _kda_recurrent_launch(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, bool(inplace_final_state), ssm_state_indices,
                               num_accepted_tokens, _cpu(cu_seqlens), *flags, lower_bound, bool(use_beta_sigmoid_in_kernel),
-                              allow_neg_eigval, out, final_state, stream, bool(check_indices))
+                              allow_neg_eigval, out, final_state, stream, bool(check_indices), state_v_first)
     return out, returned
 
 
 def kda_forward_pool(q, k, v, g, beta, pool, state_indices, scale=None, use_qk_l2norm=False, use_gate_in_kernel=False, A_log=None,
-                     dt_bias=None, lower_bound=None, cu_seqlens=None, out=None, stream=None, check_indices=True):
+                     dt_bias=None, lower_bound=None, cu_seqlens=None, out=None, stream=None, check_indices=True, state_v_first=False):
     """The chunked prefill on a state pool (kda_forward's arguments, inference): sequence n starts from
     pool[state_indices[n]] ([P, HV, K, V] float32 / bfloat16, updated in place) and its final state is
     written back there; state_indices [N] (< 0: padding, its rows of o zero, the pool untouched; the
@@ -252,7 +260,8 @@ def kda_forward_pool(q, k, v, g, beta, pool, state_indices, scale=None, use_qk_l
     initial_state=pool, ssm_state_indices=state_indices) calls it. On CUDA: state_indices on q's device
     (int32 / int64; checked from a host copy as fused_recurrent_kda_fwd's unless check_indices=False or
     under CUDA-graph capture; unchecked, an index >= P gives NaN rows of o and writes nothing), a pool of
-    float32 / bfloat16, the workspace allocated per call (the CUDA forward's records)."""
+    float32 / bfloat16, the workspace allocated per call (the CUDA forward's records). state_v_first: the pool is
+    [P, HV, V, K] (fla's layout of that name; each slot's [HV, V, K] contiguous)."""
     b, t, hv, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")
     if out is None:
         out = empty(v, (b, t, hv, vd))
@@ -260,8 +269,8 @@ def kda_forward_pool(q, k, v, g, beta, pool, state_indices, scale=None, use_qk_l
         ops().kda_forward_pool(q, k, v, g, beta, None if scale is None else float(scale), pool, _torch_arg(state_indices),
                                bool(use_qk_l2norm), bool(use_gate_in_kernel), A_log, dt_bias,
                                None if lower_bound is None else float(lower_bound), _torch_arg(cu_seqlens), out,
-                               bool(check_indices))
+                               bool(check_indices), bool(state_v_first))
     else:
         _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias,
-                                 lower_bound, _cpu(cu_seqlens), out, stream, bool(check_indices))
+                                 lower_bound, _cpu(cu_seqlens), out, stream, bool(check_indices), bool(state_v_first))
     return out

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import _core
 from . import _encore as _b
-from ._kda_args import _forward_args, _gate_params, _opts
+from ._kda_args import _forward_args, _gate_params, _opts, _state_layout, _state_shape
 from ._kda_serving import fused_recurrent_kda, fused_recurrent_kda_fwd, kda_forward_pool
 from ._core import (as_float, dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, native, ops, present, stream_for,
                     torch_module, torch_op, with_absent)
@@ -83,15 +83,16 @@ def _opt_float(x):
 # --- launchers: one workspace query (CUDA) and one run each; stream None is torch's current stream -----
 
 def _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
-                        dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, stream):
-    """(o, final_state or None, {name: residual for name in names} or None)."""
+                        dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, stream, state_v_first=False):
+    """(o, final_state or None, {name: residual for name in names} or None); state_v_first: initial_state and
+    final_state [N, HV, V, K] (the residuals' h stays [NT, HV, K, V])."""
     b, t, _, kd = matrix_shape(q, "q", 4, "[B, T, H, K]")
     h, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")[2:]  # h: the value heads HV (a multiple of q's heads; fla's GVA)
     cu = _host_cu(cu_seqlens)
     if out is None:
         n = b if cu is None else len(cu) - 1
         o = empty(v, (b, t, h, vd))
-        fin = empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None
+        fin = empty(q, _state_shape(n, h, kd, vd, state_v_first), _state_kind(q)) if output_final_state else None
     else:
         o, fin = given_outputs(out, ("o", "final_state"))
         if (fin is not None) != bool(output_final_state):
@@ -108,7 +109,7 @@ def _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_sta
         res = {x: empty(q, *shapes[x]) for x in names}
     args = _forward_args(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, o, fin,
                          None if res is None else tuple(res.get(x) for x in _RESIDUAL_NAMES))
-    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, bool(output_final_state))
+    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, bool(output_final_state), bool(state_v_first))
     nbytes = _b.kda_forward_workspace(args, opts) if _on_cuda(q) else 0  # the CPU backend needs none
     ws = _core.workspace(workspace, q, nbytes, 16, "kda_forward_workspace_bytes")
     _b.kda_forward_run(args, opts, ws if nbytes else None, stream_for(q, stream))
@@ -116,16 +117,16 @@ def _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_sta
 
 
 def _kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel, A_log,
-                         dt_bias, lower_bound, cu_seqlens, residuals, stream):
+                         dt_bias, lower_bound, cu_seqlens, residuals, stream, state_v_first=False):
     """{dq, dk, dv, dg, dbeta, then dh0, dA_log, ddt_bias where initial_state, A_log, dt_bias are given};
-    residuals: (G, Aqk, Akk, h), None where absent."""
+    residuals: (G, Aqk, Akk, h), None where absent; state_v_first: initial_state, d_final_state and dh0 [N, HV, V, K]."""
     grads = {"dq": empty_like(q), "dk": empty_like(k), "dv": empty_like(v), "dg": empty_like(g), "dbeta": empty_like(beta)}
     for name, src in (("dh0", initial_state), ("dA_log", A_log), ("ddt_bias", dt_bias)):
         if src is not None:
             grads[name] = empty_like(src)
     fwd = _forward_args(q, k, v, g, beta, initial_state, A_log, dt_bias, _host_cu(cu_seqlens), residuals=residuals)
     args = _b.KdaBackwardArgs(fwd=fwd, d_o=dl(d_o), d_final_state=dl(d_final_state), **{x: dl(a) for x, a in grads.items()})
-    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound)
+    opts = _opts(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, False, bool(state_v_first))
     nbytes = _b.kda_backward_workspace(args, opts) if _on_cuda(q) else 0
     _b.kda_backward_run(args, opts, _core.workspace(None, q, nbytes, 16, "kda_backward") if nbytes else None,
                         stream_for(q, stream))
@@ -135,13 +136,14 @@ def _kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_st
 # --- torch.ops.encore: the launchers on torch's current stream ----------------------------------------
 
 def _kda_forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
-                      dt_bias, lower_bound, cu_seqlens, residuals, residual_dtype):
+                      dt_bias, lower_bound, cu_seqlens, residuals, residual_dtype, state_v_first=False):
     torch = torch_module()
     b, t, _, kd = q.shape
     h, vd = v.shape[2], v.shape[3]
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = torch.float64 if q.dtype == torch.float64 else torch.float32
-    outs = [v.new_empty((b, t, h, vd))] + ([q.new_empty((n, h, kd, vd), dtype=state)] if output_final_state else [])
+    outs = [v.new_empty((b, t, h, vd))] + ([q.new_empty(_state_shape(n, h, kd, vd, state_v_first), dtype=state)]
+                                           if output_final_state else [])
     if not residuals:
         return outs
     dt = torch.bfloat16 if residual_dtype == "bfloat16" else torch.float32
@@ -156,12 +158,12 @@ def _kda_forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state
 def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, initial_state: Tensor | None,
                  output_final_state: bool, use_qk_l2norm: bool, use_gate_in_kernel: bool, A_log: Tensor | None,
                  dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, residuals: str,
-                 residual_dtype: str | None) -> list[Tensor]:
+                 residual_dtype: str | None, state_v_first: bool = False) -> list[Tensor]:
     """[o, final_state if output_final_state, *residuals]; residuals: comma-separated names among G, Aqk,
     Akk, h ("" for none). (A mutable op may not return a Tensor[]: kda_forward_out takes no residuals.)"""
     names = _residual_names(residuals.split(",")) if residuals else ()
     o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel,
-                                      A_log, dt_bias, lower_bound, cu_seqlens, names, residual_dtype, None, None, None)
+                                      A_log, dt_bias, lower_bound, cu_seqlens, names, residual_dtype, None, None, None, state_v_first)
     return present([o, fin, *(res or {}).values()])
 
 
@@ -169,9 +171,9 @@ def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale
 def _kda_forward_out(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, initial_state: Tensor | None,
                      output_final_state: bool, use_qk_l2norm: bool, use_gate_in_kernel: bool, A_log: Tensor | None,
                      dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, o: Tensor,
-                     final_state: Tensor | None, workspace: Tensor | None) -> None:
+                     final_state: Tensor | None, workspace: Tensor | None, state_v_first: bool = False) -> None:
     _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
-                        dt_bias, lower_bound, cu_seqlens, (), None, (o, final_state), workspace, None)
+                        dt_bias, lower_bound, cu_seqlens, (), None, (o, final_state), workspace, None, state_v_first)
 
 
 def _kda_backward_fake(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel, A_log,
@@ -183,17 +185,19 @@ def _kda_backward_fake(q, k, v, g, beta, d_o, d_final_state, scale, initial_stat
 def _kda_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, d_o: Tensor, d_final_state: Tensor | None,
                   scale: float | None, initial_state: Tensor | None, use_qk_l2norm: bool, use_gate_in_kernel: bool,
                   A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None,
-                  res_G: Tensor | None, res_Aqk: Tensor | None, res_Akk: Tensor | None, res_h: Tensor | None) -> list[Tensor]:
+                  res_G: Tensor | None, res_Aqk: Tensor | None, res_Akk: Tensor | None, res_h: Tensor | None,
+                  state_v_first: bool = False) -> list[Tensor]:
     """[dq, dk, dv, dg, dbeta, then dh0 / dA_log / ddt_bias where initial_state / A_log / dt_bias are given]."""
     return list(_kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel,
-                                     A_log, dt_bias, lower_bound, cu_seqlens, (res_G, res_Aqk, res_Akk, res_h), None).values())
+                                     A_log, dt_bias, lower_bound, cu_seqlens, (res_G, res_Aqk, res_Akk, res_h), None,
+                                     state_v_first).values())
 
 
 # --- public API ---------------------------------------------------------------------------------------
 
 def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
                 use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None,
-                return_residuals=False, residual_dtype=None, out=None, workspace=None, stream=None):
+                return_residuals=False, residual_dtype=None, out=None, workspace=None, stream=None, state_v_first=False):
     """Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 (float64 for float64 inputs) or None), and with
     return_residuals a third element: dict(G [B, T, H, K] float32 (chunk-local log2 gate cumsum),
     Aqk, Akk [B, T, H, 64], h [NT, H, K, V] (chunk-start states)) in residual_dtype ("float32", the
@@ -211,22 +215,26 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     residuals a call allocates nothing (fixed addresses, e.g. for CUDA graph capture). Torch
     tensors go through torch.ops.encore.kda_forward (kda_forward_out with out or workspace), except
     out or workspace together with return_residuals (the direct call: eager only, not traceable).
+
+    state_v_first (fla's): initial_state and final_state are [N, H, V, K], each state transposed (the
+    residuals' h stays [NT, H, K, V]); a state in the other layout is refused naming the argument.
     """
     given = out is not None or workspace is not None
+    vf = bool(state_v_first)
     names = _residual_names(return_residuals) if return_residuals else ()
     if stream is None and not (given and names):
         flags = (bool(output_final_state), bool(use_qk_l2norm), bool(use_gate_in_kernel))
         if not eager(q, k, v, g, beta, initial_state, A_log, dt_bias, workspace):
             o = ops()
             return _forward_op(o.kda_forward, o.kda_forward_out, q, k, v, g, beta, _opt_float(scale), initial_state, *flags, A_log,
-                               dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens), names, residual_dtype, out, workspace)
+                               dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens), names, residual_dtype, out, workspace, vf)
         if _native_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, residual_dtype, out, workspace):
             return _forward_op(_core.NATIVE["kda_forward"], _core.NATIVE["kda_forward_out"], q, k, v, g, beta,
                                None if scale is None else as_float(scale, "scale"), initial_state, *flags, A_log, dt_bias,
                                None if lower_bound is None else as_float(lower_bound, "lower_bound"), cu_seqlens, names, residual_dtype,
-                               out, workspace)
+                               out, workspace, vf)
     o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel,
-                                      A_log, dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, stream)
+                                      A_log, dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, stream, vf)
     return (o, fin, res) if return_residuals else (o, fin)
 
 
@@ -245,7 +253,7 @@ def _native_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
 
 
 def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
-                dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace):
+                dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, state_v_first):
     """kda_forward through the ops `fwd` (kda_forward) or, with out or workspace, `fwd_out` (kda_forward_out):
     torch.ops.encore's overloads when traced, the C++ kernels' dispatcher entries when eager; kda_forward's return value."""
     ins = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -255,33 +263,35 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
             b, t, _, kd = matrix_shape(q, "q", 4, "[B, T, H, K]")
             h, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")[2:]
             n = b if cu_seqlens is None else len(cu_seqlens) - 1
-            out = (empty(v, (b, t, h, vd)), empty(q, (n, h, kd, vd), _state_kind(q)) if output_final_state else None)
+            out = (empty(v, (b, t, h, vd)),
+                   empty(q, _state_shape(n, h, kd, vd, state_v_first), _state_kind(q)) if output_final_state else None)
         out = given_outputs(out, ("o", "final_state"))
-        fwd_out(*ins, *out, workspace)
+        fwd_out(*ins, *out, workspace, state_v_first)
         return out
     if not names:
-        outs = fwd(*ins, "", residual_dtype)
+        outs = fwd(*ins, "", residual_dtype, state_v_first)
         return outs[0], outs[1] if output_final_state else None
     canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
-    o, fin, *res = with_absent(fwd(*ins, ",".join(canonical), residual_dtype), (True, output_final_state) + (True,) * len(names))
+    o, fin, *res = with_absent(fwd(*ins, ",".join(canonical), residual_dtype, state_v_first),
+                               (True, output_final_state) + (True,) * len(names))
     res = dict(zip(canonical, res))
     return o, fin, {x: res[x] for x in names}
 
 
-def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None) -> int:
+def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None, state_v_first=False) -> int:
     """The size in bytes to allocate for kda_forward's `workspace` with these inputs and outputs
-    `out` = (o, final_state or None): 96.5 KB per chunk of 64 tokens and head on CUDA plus 16 for
-    alignment, 0 on the CPU backend."""
+    `out` = (o, final_state or None; final_state [N, H, V, K] with state_v_first): 96.5 KB per chunk of
+    64 tokens and head on CUDA plus 16 for alignment, 0 on the CPU backend."""
     o, fin = given_outputs(out, ("o", "final_state"))
     # The size depends on the chunk and head counts only: the default options stand in for any.
     nbytes = _b.kda_forward_workspace(_forward_args(q, k, v, g, beta, cu_seqlens=_host_cu(cu_seqlens), o=o, final_state=fin),
-                                      _opts(None, False, False, None, fin is not None))
+                                      _opts(None, False, False, None, fin is not None, bool(state_v_first)))
     return int(nbytes) + 16 if nbytes else 0
 
 
 def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_state=None, use_qk_l2norm=False,
                  use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, cu_seqlens=None, residuals=None,
-                 stream=None):
+                 stream=None, state_v_first=False):
     """Gradients of sum(o * d_o) + sum(final_state * d_final_state) for the forward with the same
     arguments. Returns a dict with dq, dk, dv, dg, dbeta (in the inputs' dtypes; dg with respect to
     the g passed in, dq and dk before the L2 norm) and dh0, dA_log, ddt_bias (float32) when
@@ -290,15 +300,16 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
     rematerializes the chunk states); the CPU backend runs its chunked backward on them, or its
     token-level backward without; the CUDA backward needs them (its workspace is allocated per
     call, kda_backward_workspace_bytes in C++). stream: as for the forward (an explicit one takes the direct
-    path; the CPU backend ignores it)."""
+    path; the CPU backend ignores it). state_v_first: initial_state, d_final_state and dh0 are [N, H, V, K]."""
     res = _residual_tuple(residuals)
     if stream is None and not eager(q, k, v, g, beta, d_o, d_final_state, initial_state, A_log, dt_bias, *res):
         grads = ops().kda_backward(q, k, v, g, beta, d_o, d_final_state, _opt_float(scale), initial_state, bool(use_qk_l2norm),
-                                   bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens), *res)
+                                   bool(use_gate_in_kernel), A_log, dt_bias, _opt_float(lower_bound), _torch_cu(cu_seqlens), *res,
+                                   bool(state_v_first))
         optional = (("dh0", initial_state), ("dA_log", A_log), ("ddt_bias", dt_bias))
         return dict(zip(("dq", "dk", "dv", "dg", "dbeta", *(x for x, src in optional if src is not None)), grads))
     return _kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel, A_log,
-                                dt_bias, lower_bound, cu_seqlens, res, stream)
+                                dt_bias, lower_bound, cu_seqlens, res, stream, bool(state_v_first))
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
@@ -329,9 +340,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     disable_recompute (the saved-h mode), max_num_seqs (ignored),
     chunk_size 64 or 32 (computed in chunks of 64: the same math; other values refused with fla's
     message), use_beta_sigmoid_in_kernel (beta = sigmoid(beta), fp32, before the kernels) with
-    allow_neg_eigval (2 sigmoid(beta)). Refused with a ValueError when set:
-    return_intermediate_states, state_v_first, cp_context, use_graph and any other
-    keyword. encore's own keywords: rematerialize (below), cp_group and ssm_state_indices.
+    allow_neg_eigval (2 sigmoid(beta)), return_intermediate_states (inference: also h [B, NT, HV, K, V] bf16).
+    Refused with a ValueError when set: cp_context, use_graph and any other keyword. encore's own
+    keywords: rematerialize (below), cp_group and ssm_state_indices.
+
+    state_v_first=True (fla's; its deprecated name transpose_state_layout is accepted with fla's warning):
+    every state the caller passes or receives is stored transposed, [.., HV, V, K]: initial_state and
+    final_state [N, HV, V, K] (their gradients too), the pool with ssm_state_indices [P, HV, V, K], and
+    return_intermediate_states' h [B, NT, HV, V, K] (a transposed copy); the math is unchanged. A state in
+    the other layout is refused naming the argument. With cp_group it has no effect (no caller states).
 
     Serving (encore's, docs/kda.md "Serving"): ssm_state_indices=[N] with initial_state = the state
     pool [P, HV, K, V] (float32 / bfloat16): the prefill reads sequence n's initial state from slot
@@ -342,6 +359,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     contiguous slice along T of a varlen batch (B = 1) and the global cu_seqlens; returns (this rank's o,
     None). The ranks exchange one packed summary per direction (encore/_kda_cp.py); CPU tensors (fp64
     reference summaries) and CUDA tensors (summaries composed from the CUDA forward and backward, NCCL)."""
+    state_v_first = _state_layout(state_v_first, kwargs)
     cp_group = kwargs.pop("cp_group", None)
     ssm_state_indices = kwargs.pop("ssm_state_indices", None)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
@@ -362,8 +380,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if return_intermediate_states and chunk_size != 64:
         raise ValueError("return_intermediate_states: the chunk-start states are per chunk of 64 tokens (encore's chunk); "
                          "chunk_size 32 cannot return them")
-    refused = {"state_v_first": state_v_first,
-               "cp_context": cp_context is not None, "use_graph": use_graph}
+    refused = {"cp_context": cp_context is not None, "use_graph": use_graph}
     bad = [name for name, on in refused.items() if on]
     if bad or kwargs:
         raise ValueError(f"chunk_kda: not supported by encore: {', '.join(bad + sorted(kwargs))}")
@@ -386,7 +403,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if ssm_state_indices is not None:  # the prefill on a state pool, in place (inference)
         return _chunk_kda_pool(q, k, v, g, beta, scale, initial_state, ssm_state_indices, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                                A_log, dt_bias, lower_bound, cu_cpu if cu_cpu is not None else cu_seqlens, cp_group,
-                               return_intermediate_states)
+                               return_intermediate_states, state_v_first)
     if cp_group is not None:
         if initial_state is not None or output_final_state:
             raise ValueError("cp_group: context parallelism takes no initial_state and no output_final_state")
@@ -404,21 +421,24 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             raise ValueError("return_intermediate_states: must be used with disable_recompute=False, as fla's")
         o, fin, res = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                   use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_cpu if cu_cpu is not None else cu_seqlens,
-                                  return_residuals="h", residual_dtype="bfloat16")
-        h = res["h"]
+                                  return_residuals="h", residual_dtype="bfloat16", state_v_first=state_v_first)
+        h = res["h"]  # [NT, HV, K, V]; fla's state_v_first gives the chunk states as [.., V, K] too
+        if state_v_first:
+            h = h.transpose(-1, -2).contiguous()
         return o, fin, h.reshape(q.shape[0], h.shape[0] // q.shape[0], *h.shape[1:])
     from ._kda_autograd import chunk_kda_apply
 
     return chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                            use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-                           cu_cpu if cu_cpu is not None else cu_seqlens, rematerialize)
+                           cu_cpu if cu_cpu is not None else cu_seqlens, rematerialize, state_v_first)
 
 
 def _chunk_kda_pool(q, k, v, g, beta, scale, pool, ssm_state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                    cu_seqlens, cp_group, return_intermediate_states):
+                    cu_seqlens, cp_group, return_intermediate_states, state_v_first):
     """chunk_kda with ssm_state_indices: (o, pool) by kda_forward_pool."""
     if pool is None:
-        raise ValueError("ssm_state_indices: needs initial_state, the state pool [P, HV, K, V] (read and written in place)")
+        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+        raise ValueError(f"ssm_state_indices: needs initial_state, the state pool {layout} (read and written in place)")
     if cp_group is not None or return_intermediate_states:
         raise ValueError("ssm_state_indices: not supported with cp_group or return_intermediate_states")
     torch = torch_module()
@@ -426,5 +446,5 @@ def _chunk_kda_pool(q, k, v, g, beta, scale, pool, ssm_state_indices, use_qk_l2n
         raise RuntimeError("ssm_state_indices: the prefill on a state pool is inference only (no gradient); call chunk_kda under "
                            "torch.no_grad() or torch.inference_mode()")
     o = kda_forward_pool(q, k, v, g, beta, pool, ssm_state_indices, scale, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                         cu_seqlens)
+                         cu_seqlens, state_v_first=state_v_first)
     return o, pool

@@ -3,7 +3,8 @@
 // _kda_forward_launch does them: o and final_state (float32, float64 for float64 inputs) allocated on the
 // inputs' device, the requested residuals (G float32; Aqk, Akk, h in residual_dtype; h's rows from the C++
 // chunk count), cu_seqlens copied to the host when it is a CUDA tensor, the CUDA workspace allocated by
-// ATen (16-byte aligned) or the caller's checked, and the launcher's ValueError messages.
+// ATen (16-byte aligned) or the caller's checked, and the launcher's ValueError messages. state_v_first (the
+// ops' last argument): the states [N, HV, V, K], final_state allocated so.
 #include <algorithm>
 #include <array>
 
@@ -43,7 +44,7 @@ std::vector<int> residual_names(c10::string_view residuals) {
 
 // _kda_args.py _opts: scale None (0 here) is K^-1/2; a given one must be positive and finite.
 encore::KdaOptions kda_options(std::optional<double> scale, bool use_qk_l2norm, bool use_gate_in_kernel,
-                               std::optional<double> lower_bound, bool output_final_state) {
+                               std::optional<double> lower_bound, bool output_final_state, bool state_v_first) {
   TORCH_CHECK_VALUE(!scale || (*scale > 0 && std::isfinite(*scale)), "scale: must be positive and finite (None: K ** -0.5), got ",
                     py_repr(scale.value_or(0.0)));
   encore::KdaOptions o;
@@ -53,6 +54,7 @@ encore::KdaOptions kda_options(std::optional<double> scale, bool use_qk_l2norm, 
   o.use_gate_in_kernel = use_gate_in_kernel;
   o.use_lower_bound = lower_bound.has_value();
   o.lower_bound = lower_bound.value_or(-5.0);
+  o.state_v_first = state_v_first;
   return o;
 }
 
@@ -143,13 +145,15 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
                                     const at::Tensor& beta, std::optional<double> scale, const OptTensor& initial_state,
                                     bool output_final_state, bool use_qk_l2norm, bool use_gate_in_kernel, const OptTensor& A_log,
                                     const OptTensor& dt_bias, std::optional<double> lower_bound, const OptTensor& cu_seqlens,
-                                    c10::string_view residuals, std::optional<c10::string_view> residual_dtype) {
+                                    c10::string_view residuals, std::optional<c10::string_view> residual_dtype, bool state_v_first) {
   const std::vector<int> names = residual_names(residuals);
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
   const int64_t n = sequences(f);
   at::Tensor o = new_empty(v, {f.b, f.t, f.h, f.vd});
-  at::Tensor fin = output_final_state ? new_empty(q, {n, f.h, f.kd, f.vd}, q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat)
-                                      : at::Tensor();
+  const at::ScalarType state = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor fin = !output_final_state ? at::Tensor()
+                   : state_v_first     ? new_empty(q, {n, f.h, f.vd, f.kd}, state)
+                                       : new_empty(q, {n, f.h, f.kd, f.vd}, state);
   std::array<at::Tensor, 4> res;
   if (!names.empty()) {
     at::ScalarType kind = at::kFloat;
@@ -164,7 +168,7 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
     }
   }
   const encore::KdaForwardArgs args = forward_args(f, o, fin, res);
-  const encore::KdaOptions opts = kda_options(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state);
+  const encore::KdaOptions opts = kda_options(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state, state_v_first);
   const size_t nbytes = workspace_need(f, args, opts);
   at::Tensor ws;
   void* wp = nullptr;
@@ -182,13 +186,14 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
 void kda_forward_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                      std::optional<double> scale, const OptTensor& initial_state, bool output_final_state, bool use_qk_l2norm,
                      bool use_gate_in_kernel, const OptTensor& A_log, const OptTensor& dt_bias, std::optional<double> lower_bound,
-                     const OptTensor& cu_seqlens, const at::Tensor& o, const OptTensor& final_state, const OptTensor& workspace) {
+                     const OptTensor& cu_seqlens, const at::Tensor& o, const OptTensor& final_state, const OptTensor& workspace,
+                     bool state_v_first) {
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
   (void)sequences(f);  // (the launcher takes len(cu_seqlens) before looking at out)
   const at::Tensor fin = final_state && final_state->defined() ? *final_state : at::Tensor();
   TORCH_CHECK_VALUE(fin.defined() == output_final_state, "out: final_state must be an array exactly when output_final_state is set");
   const encore::KdaForwardArgs args = forward_args(f, o, fin, {});
-  const encore::KdaOptions opts = kda_options(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state);
+  const encore::KdaOptions opts = kda_options(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state, state_v_first);
   const size_t nbytes = workspace_need(f, args, opts);
   void* wp = nullptr;
   at::Tensor own;

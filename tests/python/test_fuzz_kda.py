@@ -467,9 +467,10 @@ def test_chunk_kda_invalid(seed, case):
         kw, names = {"chunk_size": 16}, ["chunk_size"]
     elif case == "unknown_kw":
         kw, names = {"foo": 1}, ["foo"]
-    elif case in ("neg_eigval", "state_v_first"):  # allow_neg_eigval without the beta sigmoid
-        key = {"neg_eigval": "allow_neg_eigval", "state_v_first": "state_v_first"}[case]
-        kw, names = {key: True}, [key]
+    elif case == "neg_eigval":  # allow_neg_eigval without the beta sigmoid
+        kw, names = {"allow_neg_eigval": True}, ["allow_neg_eigval"]
+    elif case == "state_v_first":  # an initial state in the [K, V] layout (K != V)
+        kw, names = {"state_v_first": True, "initial_state": torch.zeros(1, h, k, v)}, ["initial_state"]
     elif case == "safe_gate":
         kw, names = {"safe_gate": True, "use_gate_in_kernel": True, "lower_bound": -7.0}, ["lower_bound"]
     elif case == "gate_no_A_log":

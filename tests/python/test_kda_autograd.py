@@ -158,8 +158,8 @@ def test_bad_input():
     q, k, v, g, beta = make(1, 10, 1, 4, 4, dtype=torch.float32)
     with pytest.raises(ValueError, match="allow_neg_eigval"):
         chunk_kda(q, k, v, g, beta, allow_neg_eigval=True)
-    with pytest.raises(ValueError, match="state_v_first"):
-        chunk_kda(q, k, v, g, beta, state_v_first=True)
+    with pytest.raises(ValueError, match=r"initial_state: expected (shape )?\[N, HV, V, K\] \(state_v_first\)"):
+        chunk_kda(q, k, v[..., :3], g, beta, initial_state=torch.zeros(1, 1, 4, 3), state_v_first=True)  # [K, V]
     with pytest.raises(ValueError, match="no_such_option"):
         chunk_kda(q, k, v, g, beta, no_such_option=1)
     with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64 for KDA, got 16"):

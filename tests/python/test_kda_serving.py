@@ -355,7 +355,8 @@ def test_bad_input_refused_with_nothing_written():
          "inplace_final_state=False with ssm_state_indices: not supported"),
         (dict(initial_state=None), ValueError, "inplace_final_state: needs initial_state"),
         (dict(ssm_state_indices=torch.tensor([0, 1]), out=torch.empty(2, 4, HV, 4)), ValueError, "out: expected v's shape"),
-        (dict(ssm_state_indices=torch.tensor([0, 1]), state_v_first=True), ValueError, "not supported by encore: state_v_first"),
+        (dict(ssm_state_indices=torch.tensor([0, 1]), state_v_first=True), ValueError,
+         r"initial_state: expected \[P, HV, V, K\] \(state_v_first\)"),
         (dict(ssm_state_indices=torch.tensor([0, 1]), intermediate=True), ValueError, "not supported by encore: intermediate"),
     ]
     for kw, exc, match in cases:

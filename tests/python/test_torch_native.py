@@ -259,14 +259,19 @@ def test_kda_forward_matches_python_kernel():
     h0 = randn(2, 2, 8, 6, scale=0.1)
     A_log, dt_bias = randn(2), randn(16, scale=0.1)
 
-    def call(final=True, cu_=None, res="", rdt=None, scale=None, h0_=None, l2=False, gate=False, A=None, dtb=None, lb=None, ins=None):
-        return (*(ins or (q, k, v, g, beta)), scale, h0_, final, l2, gate, A, dtb, lb, cu_, res, rdt)
+    def call(final=True, cu_=None, res="", rdt=None, scale=None, h0_=None, l2=False, gate=False, A=None, dtb=None, lb=None, ins=None,
+             vf=None):
+        return (*(ins or (q, k, v, g, beta)), scale, h0_, final, l2, gate, A, dtb, lb, cu_, res, rdt) + ((vf,) if vf is not None else ())
+
+    h0t = h0.transpose(2, 3).contiguous()  # state_v_first: [N, HV, V, K]
 
     cases = [call(), call(final=False), call(res="G,Aqk,Akk,h"), call(res="h,G", rdt="float32"), call(res="G,G"), call(res="Aqk,h", cu_=cu),
              call(res="Akk", rdt="bfloat16"), call(cu_=cu, h0_=h0), call(scale=0.3, l2=True), call(gate=True, A=A_log, dtb=dt_bias),
              call(gate=True, lb=-3.0), call(gate=True, A=A_log, lb=-3.0), call(ins=kda_inputs(dt=torch.float64)),
-             call(ins=kda_inputs(dt=torch.float64), res="G,h", rdt="bfloat16"),
+             call(ins=kda_inputs(dt=torch.float64), res="G,h", rdt="bfloat16"), call(vf=False), call(vf=True),
+             call(cu_=cu, h0_=h0t, vf=True), call(cu_=cu, h0_=h0t, res="G,Aqk,h", vf=True), call(final=False, cu_=cu, h0_=h0t, vf=True),
              # refused
+             call(cu_=cu, h0_=h0, vf=True), call(cu_=cu, h0_=h0t, vf=False),
              call(res="G,x"), call(res=","), call(res="G", rdt="float16"), call(scale=-1.0), call(scale=0.0), call(scale=math.nan),
              call(scale=math.inf), call(scale=-2.5e-7), call(cu_=torch.tensor(3)), call(cu_=cu.float()), call(ins=(q[0], k, v, g, beta)),
              call(ins=(q, k, v[0], g, beta)), call(ins=(q, k[:, :50], v, g, beta)), call(gate=True), call(h0_=h0[:1].double()),
@@ -280,12 +285,14 @@ def test_kda_forward_out_matches_python_kernel():
     o, fin = torch.empty_like(v), torch.empty(2, 2, 8, 6)
     ws = torch.zeros(64, dtype=torch.uint8)
 
-    def call(final, cu_, o_, fin_, ws_, scale=None):
-        return (q, k, v, g, beta, scale, None, final, False, False, None, None, None, cu_, o_, fin_, ws_)
+    def call(final, cu_, o_, fin_, ws_, scale=None, vf=None):
+        return (q, k, v, g, beta, scale, None, final, False, False, None, None, None, cu_, o_, fin_, ws_) + ((vf,) if vf is not None else ())
 
     cases = [call(True, cu, o, fin, None), call(False, None, o, None, None), call(True, cu, o, fin, ws), call(False, None, o, None, ws[1:]),
              call(True, cu, o, None, None), call(False, None, o, fin, None), call(False, None, o, None, ws.float()),
-             call(False, None, o, None, ws.view(8, 8)), call(False, None, o, None, None, scale=-1.0), call(True, None, o, fin[:1], None)]
+             call(False, None, o, None, ws.view(8, 8)), call(False, None, o, None, None, scale=-1.0), call(True, None, o, fin[:1], None),
+             call(True, cu, o, fin.transpose(2, 3).contiguous(), None, vf=True), call(True, cu, o, fin, ws, vf=False),
+             call(True, cu, o, fin, None, vf=True), call(True, cu, o, fin.transpose(2, 3).contiguous(), None, vf=False)]
     check("kda_forward_out", kda._kda_forward_out, cases, mutated=(14, 15))
 
 

@@ -176,6 +176,11 @@ def kda_cases(dev):
              ("kda_forward", (*ins(True, cu), "Aqk,h", "bfloat16" if dev == "cuda" else "float32")),
              ("kda_forward_out", (*ins(True, cu), o, fin, ws)),
              ("kda_forward_out", (*ins(False, None), o, None, None))]
+    # state_v_first: the states [N, HV, V, K] (the fakes' final_state so)
+    vk = lambda x: x.transpose(2, 3).contiguous()  # noqa: E731
+    h0n = make(dev, F32)(2, q.shape[2], q.shape[3], v.shape[3], scale=0.1)
+    cases += [("kda_forward", (q, k, v, g, beta, None, vk(h0n), True, False, False, None, None, None, cu, "G,h", "float32", True)),
+              ("kda_forward_out", (*ins(True, cu), o, vk(fin), ws, True))]
     if dev == "cpu":
         d_o = make(dev, F32)(*v.shape)
         h0 = make(dev, F32)(1, q.shape[2], q.shape[3], v.shape[3], scale=0.1)
@@ -186,6 +191,8 @@ def kda_cases(dev):
                                        res["G"], res["Aqk"], res["Akk"], res["h"])))
         cases.append(("kda_backward", (q, k, v, g, beta, d_o, None, 0.3, h0, False, True, make(dev, F32)(2), None, None, None,
                                        *none4)))
+        cases.append(("kda_backward", (q, k, v, g, beta, d_o, vk(h0), None, vk(h0), True, False, None, None, None, None,
+                                       res["G"], res["Aqk"], res["Akk"], None, True)))
         # Serving (CPU only until the CUDA kernels exist): the recurrent step on a pool (decode, speculative slots),
         # without a pool (new final state, in place), the prefill on the pool.
         hv, kd, vd = q.shape[2], q.shape[3], v.shape[3]
@@ -202,7 +209,11 @@ def kda_cases(dev):
                   rec(two, None, None, None, h0.expand(3, -1, -1, -1).clone(), True, None, None, None, False, False, None, True,
                       False, torch.empty_like(two[2]), None),
                   ("kda_forward_pool", (q, k, v, g, beta, None, pool, torch.tensor([4, -1]), True, False, None, None, None, cu,
-                                        torch.empty_like(v)))]
+                                        torch.empty_like(v))),
+                  rec(dec, None, None, None, vk(pool), True, torch.tensor([3, -1, 0]), None, None, True, False, None, False, False,
+                      torch.empty_like(dec[2]), None, True, True),
+                  ("kda_forward_pool", (q, k, v, g, beta, None, vk(pool), torch.tensor([4, -1]), True, False, None, None, None, cu,
+                                        torch.empty_like(v), True, True))]
     else:  # the CUDA backward reads the forward's residuals (saved h, and rematerialized without it)
         d_o = make(dev, BF16)(*v.shape)
         _, _, res = encore.kda_forward(q, k, v, g, beta, use_qk_l2norm=True, return_residuals=True, residual_dtype="bfloat16")
