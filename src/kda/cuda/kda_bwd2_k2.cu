@@ -20,7 +20,7 @@
 // __fmul_rn (in K2b it came from memory: nothing may contract it into dq's add), so the gradients are
 // the split path's bits. q^, k^ of phase B are the raw 16-bit inputs times the row's L2-norm factor,
 // recomputed at each use (the same fp32 product K2b stored in its fp32 tiles).
-// Shared memory, 225,536 bytes (bf16 tiles [64][136] "T" 17,408 B, [128][136] 34,816 B, fp32 [64][132] 33,792 B):
+// Shared memory, 227,584 bytes (bf16 tiles [64][136] "T" 17,408 B, [128][136] 34,816 B, fp32 [64][132] 33,792 B):
 //   offset      phase A                              phase B
 //   0           A [64][72]                           A
 //   9,216       S [128][136]                         dA then dL, dAqk, dAqk lo ([64][72] each; after S's last read)
@@ -29,6 +29,8 @@
 //                                                    each); then the dG and k^.dki fp32 planes
 //   148,480     beta v, Kbeta, dO                    q, k raw 16-bit (T each), G fp32
 //   217,088     sd (in `extra`)                      beta, 1/|q|, 1/|k|, per-quarter row sums, 2^gC sd, tail sums
+// Half of a thread's dqi (n-tiles 2, 3) is parked in shared memory from phase A's end through the
+// intra sweeps (1, 2): past M in the region, past dAqk lo in S's zone and 2 KB after the floats.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -60,10 +62,13 @@ constexpr size_t kTileF = size_t(kC) * kLdF * 4;                    // fp32 [64]
 constexpr size_t kRegion = 2 * size_t(kOperandRows) * kLd * 2;      // one anchored operand, hi + lo
 constexpr size_t kOffS = kSmall, kOffD = kOffS + kState, kOffR = kOffD + kState, kOffQ = kOffR + kRegion;
 constexpr size_t kOffF = kOffQ + 2 * kTile + kTileF;
-constexpr size_t kSmem = kOffF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD) * 4;
+constexpr int kParked = 8;  // of a thread's 16 dqi values, parked in shared memory across phase B's first steps (8 registers)
+constexpr size_t kSmem = kOffF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD + kThreads) * 4;
 static_assert(3 * kSmall <= kState && kTileF <= kState, "dA, dAqk hi + lo fit S's zone; dki dS''s");
 static_assert(4 * kTile <= kRegion && 3 * kTile + kSmall <= kRegion && 2 * kTileF <= kRegion, "the region's tenants fit");
 static_assert(kSmem <= 232448, "one block of at most 227 KB");
+// dqi's parking slots (kThreads floats each): 4 past M in the region, 3 past dAqk lo in S's zone, 1 after the floats.
+static_assert(3 * kTile + kSmall + 4 * kThreads * 4 <= kRegion && 3 * kSmall + 3 * kThreads * 4 <= kState, "dqi's parking fits");
 
 // Raw 16-bit input values (fp16 when kHalf, else bf16) to float and back (exact for values of that type).
 template <bool kHalf>
@@ -110,6 +115,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   float* dotk = dotq + kQuarters * kC;                                 // [4][64] dk^ . k^
   float* extra = dotk + kQuarters * kC;                                // [128] sd, then 2^gC sd
   float* tail_s = extra + kD;                                          // [2][4][128] the dg tail's part sums
+  // dqi's parking slot u < kParked of this thread (free from phase A's end through the intra sweeps (1, 2)).
+  auto park = [&](int u) -> float& {
+    float* base = u < 4 ? reinterpret_cast<float*>(smem + kOffR + 3 * kTile + kSmall) + u * kThreads
+                  : u < 7 ? reinterpret_cast<float*>(smem + kOffS + 3 * kSmall) + (u - 4) * kThreads
+                          : tail_s + 2 * kParts * kD;
+    return base[threadIdx.x];
+  };
 
   const int slot = blockIdx.x, hv = blockIdx.y, hq = hv / p.group;
   const ChunkInfo ci = chunk_info(p, slot);
@@ -359,6 +371,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     write64(dl_s, nullptr);
   }
   __syncthreads();  // phase A done: beta v, Kbeta, dO, Vnew free
+#pragma unroll
+  for (int u = 0; u < kParked; ++u) park(u) = dqi[2 + u / 4][u % 4];  // n-tiles 2, 3 (exact: fp32 round trip)
 
   // ==== Phase B: K2b from its row staging on ========================================================
   // Rows (warp per row, lane 4 channels): q, k raw, G (rows past the end: gC), bf16 v, beta and the
@@ -379,16 +393,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     for (int e = 0; e < 4; ++e) g[e] = valid && c0 + e < p.K ? g[e] : gc[e];
     const float beta = load1(in_beta, iv, 0, valid);
     const float rq = row_rnorm(q, p.l2norm), rk = row_rnorm(k, p.l2norm);
-    *reinterpret_cast<uint2*>(q16 + i * kLd + c0) = make_uint2(float_to_raw<kHalf>(q[0]) | float_to_raw<kHalf>(q[1]) << 16,
-                                                              float_to_raw<kHalf>(q[2]) | float_to_raw<kHalf>(q[3]) << 16);
-    *reinterpret_cast<uint2*>(k16 + i * kLd + c0) = make_uint2(float_to_raw<kHalf>(k[0]) | float_to_raw<kHalf>(k[1]) << 16,
-                                                              float_to_raw<kHalf>(k[2]) | float_to_raw<kHalf>(k[3]) << 16);
+    auto pack_raw = [](const float (&x)[4]) {
+      return make_uint2(float_to_raw<kHalf>(x[0]) | float_to_raw<kHalf>(x[1]) << 16, float_to_raw<kHalf>(x[2]) | float_to_raw<kHalf>(x[3]) << 16);
+    };
+    *reinterpret_cast<uint2*>(q16 + i * kLd + c0) = pack_raw(q), *reinterpret_cast<uint2*>(k16 + i * kLd + c0) = pack_raw(k);
     *reinterpret_cast<float4*>(g_f + i * kLdF + c0) = make_float4(g[0], g[1], g[2], g[3]);
-    if (lane == 0) {
-      beta_s[i] = beta;
-      rq_s[i] = rq;
-      rk_s[i] = rk;
-    }
+    if (lane == 0) beta_s[i] = beta, rq_s[i] = rq, rk_s[i] = rk;
     store_pair(v_s + i * kLd + c0, v[0], v[1]), store_pair(v_s + i * kLd + c0 + 2, v[2], v[3]);
   }
   for (int a = threadIdx.x; a < kD; a += kThreads) {
@@ -399,16 +409,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   // q^ = q |q|^-1 and k^ (row i, channel a), as K2b's fp32 tiles held them; pairs at even a.
   auto qh = [&](int i, int a) { return raw_to_float<kHalf>(q16[i * kLd + a]) * rq_s[i]; };
   auto kh = [&](int i, int a) { return raw_to_float<kHalf>(k16[i * kLd + a]) * rk_s[i]; };
-  auto kh2 = [&](int i, int a) {
-    const uint32_t u = *reinterpret_cast<const uint32_t*>(k16 + i * kLd + a);
-    const float r = rk_s[i];
-    return make_float2(raw_to_float<kHalf>(u & 0xffffu) * r, raw_to_float<kHalf>(u >> 16) * r);
+  auto hat2 = [&](const unsigned short* x16, const float* r_s, int i, int a) {
+    const uint32_t u = *reinterpret_cast<const uint32_t*>(x16 + i * kLd + a);
+    return make_float2(raw_to_float<kHalf>(u & 0xffffu) * r_s[i], raw_to_float<kHalf>(u >> 16) * r_s[i]);
   };
-  auto qh2 = [&](int i, int a) {
-    const uint32_t u = *reinterpret_cast<const uint32_t*>(q16 + i * kLd + a);
-    const float r = rq_s[i];
-    return make_float2(raw_to_float<kHalf>(u & 0xffffu) * r, raw_to_float<kHalf>(u >> 16) * r);
-  };
+  auto qh2 = [&](int i, int a) { return hat2(q16, rq_s, i, a); };
+  auto kh2 = [&](int i, int a) { return hat2(k16, rk_s, i, a); };
 
   // f(fragment element n-tile j, e, row i, channel a) over this warp's [16 x 32] fragment.
   auto each = [&](auto&& f) {
@@ -548,10 +554,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   }
   each([&](int j, int e, int i, int a) {
     const float qf = qh(i, a), kf = kh(i, a), bt = beta_s[i];
-    dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dqi[j][e] + bt * kf * acc2[j][e];
+    const float dq_in = j < 2 ? dqi[j][e] : park(4 * (j - 2) + e);
+    dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dq_in + bt * kf * acc2[j][e];
     dk_t[j][e] += bt * acc2[j][e];
     db[e >> 1] += kf * acc2[j][e];
-    acc[j][e] = dqi[j][e] + p.scale * acc[j][e];  // dq^ from here on
+    acc[j][e] = dq_in + p.scale * acc[j][e];  // dq^ from here on
   });
   float(&dq_t)[4][4] = acc;
   // G at this warp's fragment elements (dqi is consumed).
@@ -742,10 +749,8 @@ __global__ void kda2_group_reduce_kernel(const __grid_constant__ KdaBwdCudaProbl
   const int Hq = p.H / p.group;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(p.B) * p.T * Hq * p.K) return;
-  const int a = int(idx % p.K);
-  int64_t r = idx / p.K;
-  const int hq = int(r % Hq);
-  r /= Hq;
+  const int a = int(idx % p.K), hq = int(idx / p.K % Hq);
+  const int64_t r = idx / p.K / Hq;
   const int t = int(r % p.T), b = int(r / p.T);
   float sq = 0.f, sk = 0.f;
   for (int j = 0; j < p.group; ++j) {
@@ -781,10 +786,8 @@ Status launch_kda2_k2(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* wor
     return Status::unsupported("kda backward (fused K2): 16-bit q and k (kept raw in shared memory); other inputs take K2a + K2b");
   const Ptrs w = ptrs_of(l, workspace);
   const RowPath path = row_path(p, /*with_h=*/true);
-  auto* kernel = path == RowPath::kBf16          ? kda2_k2_kernel<RowPath::kBf16, false>
-                 : path == RowPath::kFp16        ? kda2_k2_kernel<RowPath::kFp16, true>
-                 : dt == DType::kFP16            ? kda2_k2_kernel<RowPath::kGeneric, true>
-                                                 : kda2_k2_kernel<RowPath::kGeneric, false>;
+  auto* kernel = path == RowPath::kBf16 ? kda2_k2_kernel<RowPath::kBf16, false> : path == RowPath::kFp16 ? kda2_k2_kernel<RowPath::kFp16, true>
+                 : dt == DType::kFP16 ? kda2_k2_kernel<RowPath::kGeneric, true> : kda2_k2_kernel<RowPath::kGeneric, false>;
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_k2_kernel", kernel, kSmem));
   if (chunks > 0 && p.H > 0)
     ENCORE_RETURN_IF_ERROR(
