@@ -1,4 +1,4 @@
-// encore KDA for serving engines (docs/kda.md "Serving"): the recurrent (decode) step over a pool of
+// encore KDA for serving engines (docs/kda_serving.md): the recurrent (decode) step over a pool of
 // per-request states, with continuous batching and speculative tokens (fla-core 0.6.0's
 // fused_recurrent_kda_fwd), and the chunked prefill that reads and writes the same pool in place.
 //
@@ -11,9 +11,10 @@
 // indices are in host memory (the CPU backend).
 //
 // Backends: the CPU reference (fp64 arithmetic, the token recurrence of include/encore/kda.hpp; the
-// pool is read once per sequence and written in its dtype). CUDA (the recurrent step; docs/kda.md
-// "Serving"): one decode kernel (src/kda/cuda/kda_decode.cu): a block per (sequence, value head, 32
-// value columns) holds its state slice in fp32 registers, read once from the pool and written once;
+// pool is read once per sequence and written in its dtype). CUDA (the recurrent step;
+// docs/kda_serving.md): the decode kernels (src/kda/cuda/kda_decode.cu, kda_decode_heads.cu): a block
+// per (sequence, value head, 32 or 64 value columns) holding its state slice in registers, or per
+// (sequence, value head) staging the whole state in shared memory, read once from the pool and written once;
 // bf16 / fp16 / fp32 q, k, v, g, beta, o; fp32 or bf16 states; fp32 A_log, dt_bias; K, V <= 256. No
 // workspace, allocation or synchronization: capturable in a CUDA graph. The indices must be in q's
 // device memory (host-memory indices are refused); their values are not checked on the host: a

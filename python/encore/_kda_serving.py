@@ -1,4 +1,4 @@
-"""KDA for serving engines (include/encore/kda_serving.hpp, docs/kda.md "Serving"): fla-core 0.6.0's
+"""KDA for serving engines (include/encore/kda_serving.hpp, docs/kda_serving.md): fla-core 0.6.0's
 fused_recurrent_kda and fused_recurrent_kda_fwd (the recurrent step: decode over a state pool with
 continuous batching, ssm_state_indices, and speculative tokens, num_accepted_tokens) and
 kda_forward_pool, the chunked prefill that reads and writes the pool in place (chunk_kda's

@@ -350,7 +350,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return_intermediate_states' h [B, NT, HV, V, K] (a transposed copy); the math is unchanged. A state in
     the other layout is refused naming the argument. With cp_group it has no effect (no caller states).
 
-    Serving (encore's, docs/kda.md "Serving"): ssm_state_indices=[N] with initial_state = the state
+    Serving (encore's, docs/kda_serving.md): ssm_state_indices=[N] with initial_state = the state
     pool [P, HV, K, V] (float32 / bfloat16): the prefill reads sequence n's initial state from slot
     ssm_state_indices[n] and writes its final state back there in place (< 0: padding, o rows zero);
     returns (o, the pool). Inference only (no gradient); no gather / scatter copies.

@@ -3,7 +3,7 @@
 // the CPU reference (kda_prepare + kda_recurrent_sequence, fp64) or, on CUDA tensors, the decode kernel
 // for the recurrent step (src/kda/cuda/kda_decode.cu) and the CUDA chunked forward with the pool for the
 // prefill (kda/pool_forward.hpp: kda.cpp's launches, the state kernel reading and writing the slots;
-// K or V > 128: the decode kernel, which takes any length) (docs/kda.md "Serving").
+// K or V > 128: the decode kernel, which takes any length) (docs/kda_serving.md).
 #include <algorithm>
 #include <cmath>
 #include <map>
