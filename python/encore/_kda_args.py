@@ -39,12 +39,16 @@ def _forward_args(q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None
 
 
 def _numel(a):
-    """Elements of a torch tensor (numel()) or a numpy array (size); -1 for anything else."""
-    n = getattr(a, "numel", None)
-    if callable(n):
-        return n()
-    n = getattr(a, "size", None)
-    return n if isinstance(n, int) else -1
+    """Elements of a torch tensor or a numpy array (the product of its shape; traceable by torch.compile,
+    which cannot trace callable() on a bound method); -1 for anything without a shape."""
+    shape = getattr(a, "shape", None)
+    try:
+        n = 1
+        for s in shape:
+            n *= s
+        return n
+    except TypeError:
+        return -1
 
 
 def _gate_params(A_log, dt_bias, hv, kd):
