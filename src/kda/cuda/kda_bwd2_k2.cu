@@ -62,13 +62,15 @@ constexpr size_t kTileF = size_t(kC) * kLdF * 4;                    // fp32 [64]
 constexpr size_t kRegion = 2 * size_t(kOperandRows) * kLd * 2;      // one anchored operand, hi + lo
 constexpr size_t kOffS = kSmall, kOffD = kOffS + kState, kOffR = kOffD + kState, kOffQ = kOffR + kRegion;
 constexpr size_t kOffF = kOffQ + 2 * kTile + kTileF;
-constexpr int kParked = 8;  // of a thread's 16 dqi values, parked in shared memory across phase B's first steps (8 registers)
 constexpr size_t kSmem = kOffF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD + kThreads) * 4;
 static_assert(3 * kSmall <= kState && kTileF <= kState, "dA, dAqk hi + lo fit S's zone; dki dS''s");
 static_assert(4 * kTile <= kRegion && 3 * kTile + kSmall <= kRegion && 2 * kTileF <= kRegion, "the region's tenants fit");
 static_assert(kSmem <= 232448, "one block of at most 227 KB");
-// dqi's parking slots (kThreads floats each): 4 past M in the region, 3 past dAqk lo in S's zone, 1 after the floats.
-static_assert(3 * kTile + kSmall + 4 * kThreads * 4 <= kRegion && 3 * kSmall + 3 * kThreads * 4 <= kState, "dqi's parking fits");
+// dqi's parking slots (kThreads floats each): 4 past M in the region; 3 past dAqk lo in S's zone and one
+// split over the 1 KB tails of S's and dS''s zones; 4 in the float arrays (dbeta parts, the dg tail's sums, one after).
+static_assert(3 * kTile + kSmall + 4 * kThreads * 4 <= kRegion && 3 * kSmall + 7 * kThreads * 2 <= kState &&
+                  kTileF + kThreads * 2 <= kState,
+              "dqi's parking fits");
 
 // Raw 16-bit input values (fp16 when kHalf, else bf16) to float and back (exact for values of that type).
 template <bool kHalf>
@@ -115,41 +117,61 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   float* dotk = dotq + kQuarters * kC;                                 // [4][64] dk^ . k^
   float* extra = dotk + kQuarters * kC;                                // [128] sd, then 2^gC sd
   float* tail_s = extra + kD;                                          // [2][4][128] the dg tail's part sums
-  // dqi's parking slot u < kParked of this thread (free from phase A's end through the intra sweeps (1, 2)).
-  auto park = [&](int u) -> float& {
-    float* base = u < 4 ? reinterpret_cast<float*>(smem + kOffR + 3 * kTile + kSmall) + u * kThreads
-                  : u < 7 ? reinterpret_cast<float*>(smem + kOffS + 3 * kSmall) + (u - 4) * kThreads
-                          : tail_s + 2 * kParts * kD;
-    return base[threadIdx.x];
+  // This thread's parking slot of dqi's n-tile j = 1..3, element e, through phase B's merge: n-tile 3 from
+  // dqi's product on, in float arrays phase B fills only after the merge (dbeta parts and dq^.q^ sums,
+  // the dg tail's sums, one past them); n-tiles 1, 2 from S's, dO's and Vnew's last reads on, past dAqk
+  // lo in S's zone (e < 3), in the zones' 1 KB tails (e = 3: threads < 256 dS''s, the rest S's), past M
+  // in the region. Exact: fp32 round trips.
+  auto park = [&](int j, int e) -> float& {
+    const int t = threadIdx.x;
+    float* const past_daqk = reinterpret_cast<float*>(smem + kOffS + 3 * kSmall);
+    float* base;
+    if (j == 3) base = e == 0 ? dbp : tail_s + (e - 1) * kThreads;
+    else if (j == 2) base = reinterpret_cast<float*>(smem + kOffR + 3 * kTile + kSmall) + e * kThreads;
+    else if (e < 3) base = past_daqk + e * kThreads;
+    else base = t < kThreads / 2 ? reinterpret_cast<float*>(smem + kOffD + kTileF) : past_daqk + 3 * kThreads - kThreads / 2;
+    return base[t];
   };
 
-  const int slot = blockIdx.x, hv = blockIdx.y, hq = hv / p.group;
+  const int slot = blockIdx.x;
   const ChunkInfo ci = chunk_info(p, slot);
-  const int rows = ci.rows, b = ci.b, t0 = ci.t0;
+  const int rows = ci.rows;
+  // The chunk's indices, read back from shared memory after a barrier (renew) where a later step
+  // issues its loads, so that its row addresses (64-bit) are derived there and not held in registers
+  // (or spilled) from an earlier step (the compiler otherwise shares and hoists them).
+  __shared__ int ids[4];
+  int b = ci.b, t0 = ci.t0, hv = blockIdx.y, hq = hv / p.group;
+  if (threadIdx.x == 0) ids[0] = b, ids[1] = t0, ids[2] = hv, ids[3] = hq;
+  auto renew = [&] { b = ids[0], t0 = ids[1], hv = ids[2], hq = ids[3]; };
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
-  const int64_t last = tok(p, b, t0 + rows - 1, hv);
-  const int64_t tok0 = tok(p, b, t0, hv);  // the token row of chunk row i: tok0 + i H
-  auto tokr = [&](int i) { return tok0 + int64_t(i) * p.H; };
-  const int64_t state = int64_t(slot) * p.H + hv;
+  auto last = [&] { return tok(p, b, t0 + rows - 1, hv); };  // the chunk's last token row
+  auto tokr = [&](int i) { return tok(p, b, t0, hv) + int64_t(i) * p.H; };  // the token row of chunk row i
+  auto state = [&] { return int64_t(slot) * p.H + hv; };
 
   // ==== Phase A: K2a's staging and products ========================================================
+  // Commit groups in the order of use: (row paths) k, v, dO for the row math; A, -W, S for Vnew; dS',
+  // dVnew for sd, dki and dW. The generic path loads A, S and the rows itself: -W; dS', dVnew.
   {
     const int64_t wstep = int64_t(p.H) * kD * 2;
-    copy_rows<kThreads>(dw_s, kLd, reinterpret_cast<const unsigned char*>(w.wn + tok0 * kD), wstep, rows, kD);  // -W
-    copy_rows<kThreads>(dvn_s, kLd, reinterpret_cast<const unsigned char*>(w.dvn + tok0 * kD), wstep, rows, p.V);
-    copy_rows<kThreads, kD>(d_s, kLd, reinterpret_cast<const unsigned char*>(w.dsp + state * kD * kD), kD * 2, p.K, p.V);
     if constexpr (kFast) {
       const Rows rk = rows_of(p.k, b, t0, hq), rv = rows_of(p.v, b, t0, hv), ro = rows_of(p.d_o, b, t0, hv);
       copy_rows<kThreads>(kb_s, kLd, rk.base, rk.step, rows, p.K);
       copy_rows<kThreads>(vb_s, kLd, rv.base, rv.step, rows, p.V);
       copy_rows<kThreads>(do_s, kLd, ro.base, ro.step, rows, p.V);
-      copy_tri<kThreads>(a_s, kLdC, static_cast<const __nv_bfloat16*>(p.Akk) + tok0 * kC, int64_t(p.H) * kC, rows);
-      copy_rows<kThreads, kD>(s_s, kLd, static_cast<const unsigned char*>(p.h) + state * p.K * p.V * 2, int64_t(p.V) * 2, p.K, p.V);
+      cp_async_commit();
+      copy_tri<kThreads>(a_s, kLdC, static_cast<const __nv_bfloat16*>(p.Akk) + tokr(0) * kC, int64_t(p.H) * kC, rows);
+      copy_rows<kThreads, kD>(s_s, kLd, static_cast<const unsigned char*>(p.h) + state() * p.K * p.V * 2, int64_t(p.V) * 2, p.K, p.V);
     }
+    copy_rows<kThreads>(dw_s, kLd, reinterpret_cast<const unsigned char*>(w.wn + tokr(0) * kD), wstep, rows, kD);  // -W
+    cp_async_commit();
+    copy_rows<kThreads, kD>(d_s, kLd, reinterpret_cast<const unsigned char*>(w.dsp + state() * kD * kD), kD * 2, p.K, p.V);
+    copy_rows<kThreads>(dvn_s, kLd, reinterpret_cast<const unsigned char*>(w.dvn + tokr(0) * kD), wstep, rows, p.V);
     cp_async_commit();
   }
+  // The row math; beta and 1 / |k| also into phase B's row arrays (its staging computed the same values).
   auto row_math = [&](int i, bool valid, float beta, const float (&k)[4], const float (&g)[4], const float (&v)[4]) {
     const float rk = row_rnorm(k, p.l2norm);
+    if (lane == 0) beta_s[i] = beta, rk_s[i] = rk;
     float kb[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) kb[e] = valid ? beta * k[e] * rk * exp2f(g[e]) : 0.f;
@@ -164,9 +186,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       const int i = warp + kWarps * r;
       const bool valid = i < rows;
       beta[r] = scalar16<kPath>(p.beta, b, t0 + (valid ? i : 0), hv, valid);
-      g4(p.G, tok0 + int64_t(valid ? i : 0) * p.H, p.K, c0, valid && c0 < p.K, g[r]);
+      g4(p.G, tokr(valid ? i : 0), p.K, c0, valid && c0 < p.K, g[r]);
     }
-    cp_async_wait<0>();
+    cp_async_wait<2>();  // k, v, dO
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kRpw; ++r) {
@@ -184,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       for (int i = warp; i < kC; i += kWarps) {
         const bool valid = i < rows;
         const int iv = valid ? i : 0;
-        const int64_t row = tok0 + int64_t(iv) * p.H;
+        const int64_t row = tokr(iv);
         float k[4], g[4], v[4], o[4];
         const float beta = load1(in_beta, iv, 0, valid);
         load4(in_k, iv, c0, p.K, valid, k), load4(in_v, iv, c0, p.V, valid, v);
@@ -204,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       for (int u = 0; u < kQuads; ++u) {
         const int a = warp + kWarps * u;
         const bool ok = a < p.K && c0 < p.V;
-        const int64_t at = ok ? (state * p.K + a) * p.V + c0 : 0;
+        const int64_t at = ok ? (state() * p.K + a) * p.V + c0 : 0;
         if constexpr (kWide) sq[u] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.h) + at));
         else sq[u] = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.h) + at));
       }
@@ -228,37 +250,41 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 #pragma unroll 4
       for (int x = threadIdx.x; x < kD * kD / 2; x += kThreads) {
         const int a = x / (kD / 2), y = 2 * (x % (kD / 2));
-        const int64_t at = (state * p.K + a) * p.V + y;
+        const int64_t at = (state() * p.K + a) * p.V + y;
         const bool ok0 = a < p.K && y < p.V, ok1 = a < p.K && y + 1 < p.V;
         store_pair(s_s + a * kLd + y, load_any_or0(p.h, p.h_dtype, at, ok0), load_any_or0(p.h, p.h_dtype, at + 1, ok1));
       }
     }
-    cp_async_wait<0>();
   }
+  cp_async_wait<1>();  // A, -W, S (row paths); -W (generic)
   __syncthreads();
 
   // Warp w: fragment rows m0.. (16), columns n0.. (32) of the [64 x 128] products, n0c.. (16) of the
   // [64 x 64] ones; the same fragments in both phases.
   const int blk = warp & 3, qtr = warp >> 2, m0 = 16 * blk, n0 = 32 * qtr, n0c = 16 * qtr, g8 = lane >> 2, t4 = lane & 3;
-  float dqi[4][4];  // dqi at this warp's fragment (0 past the chunk's end and at channels >= K), into phase B
+  // dqi at this warp's fragment (0 past the chunk's end and at channels >= K), for phase B's merge:
+  // n-tile 0 in registers, n-tiles 1, 2 in dqh until their slots free up, n-tile 3 parked at once.
+  float dqi[4], dqh[2][4];
   {
     int64_t trow[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) trow[h] = tok(p, b, t0 + min(m0 + g8 + 8 * h, rows - 1), hv);
-    float eg[4][4], egc[4][4];
-    if (p.K % 2 == 0 && (reinterpret_cast<uintptr_t>(p.G) & 7) == 0) {
+    // G at the fragment's elements and gC at its columns (0 at channels >= K), raw: the factors
+    // 2^(gC - G) and 2^G are taken at their products (24 registers across Vnew and dki, not 32).
+    float gq[4][4], gcq[4][2];
+    if constexpr (kFast) {  // K % 4 == 0, G 16-byte aligned: float2 loads (the generic path: one load each, one code path)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int a = n0 + 8 * j + 2 * t4;
         const bool in = a < p.K;
-        const float2 gc = __ldg(reinterpret_cast<const float2*>(p.G + (in ? last * p.K + a : 0)));
-        egc[j][0] = egc[j][2] = in ? gc.x : 0.f;
-        egc[j][1] = egc[j][3] = in ? gc.y : 0.f;
+        const float2 gc = __ldg(reinterpret_cast<const float2*>(p.G + (in ? last() * p.K + a : 0)));
+        gcq[j][0] = in ? gc.x : 0.f;
+        gcq[j][1] = in ? gc.y : 0.f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float2 g = __ldg(reinterpret_cast<const float2*>(p.G + (in ? trow[h] * p.K + a : 0)));
-          eg[j][2 * h] = in ? g.x : 0.f;
-          eg[j][2 * h + 1] = in ? g.y : 0.f;
+          gq[j][2 * h] = in ? g.x : 0.f;
+          gq[j][2 * h + 1] = in ? g.y : 0.f;
         }
       }
     } else {
@@ -267,8 +293,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int a = n0 + 8 * j + 2 * t4 + (e & 1);
-          eg[j][e] = ldg_or0(p.G, trow[e >> 1] * p.K + a, a < p.K);
-          egc[j][e] = ldg_or0(p.G, last * p.K + a, a < p.K);
+          gq[j][e] = ldg_or0(p.G, trow[e >> 1] * p.K + a, a < p.K);
+          if (e < 2) gcq[j][e] = ldg_or0(p.G, last() * p.K + a, a < p.K);
         }
     }
     float acc[4][4];
@@ -285,15 +311,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
         store_pair(vn_s + at, x, y);
         store_pair(vnl_s + at, x - __bfloat162float(__float2bfloat16(x)), y - __bfloat162float(__float2bfloat16(y)));
       }
-    __syncthreads();  // Vnew complete; -W read
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool in = n0 + 8 * j + 2 * t4 + (e & 1) < p.K;
-        egc[j][e] = in ? exp2f(egc[j][e] - eg[j][e]) : 0.f;
-        eg[j][e] = in ? exp2f(eg[j][e]) : 0.f;
-      }
+    cp_async_wait<0>();  // dS', dVnew
+    __syncthreads();     // Vnew complete; -W read
     // sd = rowsum_V(S . dS') into extra: warp w state rows 8 w.., lane 4 columns.
     for (int a = 8 * warp; a < 8 * warp + 8; ++a) {
       const uint2 su = *reinterpret_cast<const uint2*>(s_s + a * kLd + c0), du = *reinterpret_cast<const uint2*>(d_s + a * kLd + c0);
@@ -313,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] *= egc[j][e];
+      for (int e = 0; e < 4; ++e) acc[j][e] *= n0 + 8 * j + 2 * t4 + (e & 1) < p.K ? exp2f(gcq[j][e & 1] - gq[j][e]) : 0.f;
     __syncthreads();  // dS' read (sd, dki)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -322,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
         const int i = m0 + g8 + 8 * (e >> 1), a = n0 + 8 * j + 2 * t4 + (e & 1);
         dki_f[i * kLdF + a] = i < rows && a < p.K ? acc[j][e] : 0.f;
       }
-    // dqi = scale (dO S^T) . 2^G, kept in registers (an unfused product: see the header).
+    // dqi = scale (dO S^T) . 2^G (an unfused product: see the header).
     zero(acc);
     warp_mma<kD, 4, false, false>(acc, do_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
@@ -330,8 +349,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = m0 + g8 + 8 * (e >> 1), a = n0 + 8 * j + 2 * t4 + (e & 1);
-        const float x = __fmul_rn(acc[j][e], p.scale * eg[j][e]);
-        dqi[j][e] = i < rows && a < p.K ? x : 0.f;
+        const float x = __fmul_rn(acc[j][e], p.scale * (a < p.K ? exp2f(gq[j][e]) : 0.f));
+        const float y = i < rows && a < p.K ? x : 0.f;
+        if (j == 0) dqi[e] = y;
+        else if (j == 3) park(3, e) = y;
+        else dqh[j - 1][e] = y;
       }
     // dW = -dVnew S^T into -W's tile (rows past the end: +0, as K2b's masked load).
     zero(acc);
@@ -362,7 +384,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     zero(acc4);
     warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vn_s, kLd, n0c);
     warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vnl_s, kLd, n0c);
-    __syncthreads();  // S read (dqi, dW): its zone takes dAqk and dA; dW complete
+    __syncthreads();  // S read (dqi, dW): its zone takes dAqk and dA; dW complete; dO, Vnew read
+#pragma unroll
+    for (int e = 0; e < 4; ++e) park(1, e) = dqh[0][e], park(2, e) = dqh[1][e];
+    renew();
+    if constexpr (kFast) {  // phase B's G and v rows (one commit group), into dO's tile and past it, and Vnew hi's
+#pragma unroll
+      for (int u = 0; u < kC * (kD / 4) / kThreads; ++u) {  // 16-byte units of G (K % 4 == 0); rows past the end: gC
+        const int x = threadIdx.x + u * kThreads, i = x >> 5, c = 4 * (x & 31);
+        const bool ok = c < p.K;
+        cp_async16(g_f + i * kLdF + c, p.G + (ok ? (i < rows ? tokr(i) : last()) * p.K + c : 0), ok);
+      }
+      const Rows rv = rows_of(p.v, b, t0, hv);
+      copy_rows<kThreads>(v_s, kLd, rv.base, rv.step, rows, p.V);
+      cp_async_commit();
+    }
     write64(daqk_s, daqkl_s);
     // dA = dVnew (beta v)^T + dW Kbeta^T, i >= j.
     zero(acc4);
@@ -370,42 +406,49 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     warp_mma<kD, 2, false, false>(acc4, dw_s, kLd, m0, kb_s, kLd, n0c);
     write64(dl_s, nullptr);
   }
-  __syncthreads();  // phase A done: beta v, Kbeta, dO, Vnew free
-#pragma unroll
-  for (int u = 0; u < kParked; ++u) park(u) = dqi[2 + u / 4][u % 4];  // n-tiles 2, 3 (exact: fp32 round trip)
+  __syncthreads();  // phase A done: beta v, Kbeta free
+  renew();
 
   // ==== Phase B: K2b from its row staging on ========================================================
-  // Rows (warp per row, lane 4 channels): q, k raw, G (rows past the end: gC), bf16 v, beta and the
-  // rows' L2-norm factors; then 2^gC sd.
-  float gc[4];
+  // Rows: q, k raw 16-bit, G (rows past the end: gC), bf16 v and the rows' 1 / |q| (beta and 1 / |k|
+  // came with phase A's row math); then 2^gC sd. The row paths: G and v in flight since S's last read,
+  // k and q as two commit groups here (their tiles were beta v's and Kbeta's), in the order of use;
+  // v stays raw (fp16 rounds to bf16 at its one read); 1 / |q| from the landed rows before dL.
+  if constexpr (kFast) {
+    const Rows rk = rows_of(p.k, b, t0, hq), rq = rows_of(p.q, b, t0, hq);
+    copy_rows<kThreads>(reinterpret_cast<__nv_bfloat16*>(k16), kLd, rk.base, rk.step, rows, p.K);
+    cp_async_commit();
+    copy_rows<kThreads>(reinterpret_cast<__nv_bfloat16*>(q16), kLd, rq.base, rq.step, rows, p.K);
+    cp_async_commit();
+  } else {  // warp per row, lane 4 channels
+    float gc[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) gc[e] = ldg_or0(p.G, last * p.K + c0 + e, c0 + e < p.K);
-  const Rows in_q = rows_of(p.q, b, t0, hq), in_k = rows_of(p.k, b, t0, hq), in_v = rows_of(p.v, b, t0, hv), in_beta = rows_of(p.beta, b, t0, hv);
+    for (int e = 0; e < 4; ++e) gc[e] = ldg_or0(p.G, last() * p.K + c0 + e, c0 + e < p.K);
+    const Rows in_q = rows_of(p.q, b, t0, hq), in_k = rows_of(p.k, b, t0, hq), in_v = rows_of(p.v, b, t0, hv);
 #pragma unroll
-  for (int u = 0; u < kC / kWarps; ++u) {  // all of a warp's rows' loads in flight together
-    const int i = warp + kWarps * u;
-    const bool valid = i < rows;
-    const int iv = valid ? i : 0;
-    float q[4], k[4], g[4], v[4];
-    load4(in_q, iv, c0, p.K, valid, q), load4(in_k, iv, c0, p.K, valid, k);
-    load_g4(p.G, tokr(iv), p.K, c0, valid, g), load4(in_v, iv, c0, p.V, valid, v);
+    for (int u = 0; u < kC / kWarps; ++u) {  // all of a warp's rows' loads in flight together
+      const int i = warp + kWarps * u;
+      const bool valid = i < rows;
+      const int iv = valid ? i : 0;
+      float q[4], k[4], g[4], v[4];
+      load4(in_q, iv, c0, p.K, valid, q), load4(in_k, iv, c0, p.K, valid, k);
+      load_g4(p.G, tokr(iv), p.K, c0, valid, g), load4(in_v, iv, c0, p.V, valid, v);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) g[e] = valid && c0 + e < p.K ? g[e] : gc[e];
-    const float beta = load1(in_beta, iv, 0, valid);
-    const float rq = row_rnorm(q, p.l2norm), rk = row_rnorm(k, p.l2norm);
-    auto pack_raw = [](const float (&x)[4]) {
-      return make_uint2(float_to_raw<kHalf>(x[0]) | float_to_raw<kHalf>(x[1]) << 16, float_to_raw<kHalf>(x[2]) | float_to_raw<kHalf>(x[3]) << 16);
-    };
-    *reinterpret_cast<uint2*>(q16 + i * kLd + c0) = pack_raw(q), *reinterpret_cast<uint2*>(k16 + i * kLd + c0) = pack_raw(k);
-    *reinterpret_cast<float4*>(g_f + i * kLdF + c0) = make_float4(g[0], g[1], g[2], g[3]);
-    if (lane == 0) beta_s[i] = beta, rq_s[i] = rq, rk_s[i] = rk;
-    store_pair(v_s + i * kLd + c0, v[0], v[1]), store_pair(v_s + i * kLd + c0 + 2, v[2], v[3]);
+      for (int e = 0; e < 4; ++e) g[e] = valid && c0 + e < p.K ? g[e] : gc[e];
+      const float rq = row_rnorm(q, p.l2norm);
+      auto pack_raw = [](const float (&x)[4]) {
+        return make_uint2(float_to_raw<kHalf>(x[0]) | float_to_raw<kHalf>(x[1]) << 16, float_to_raw<kHalf>(x[2]) | float_to_raw<kHalf>(x[3]) << 16);
+      };
+      *reinterpret_cast<uint2*>(q16 + i * kLd + c0) = pack_raw(q), *reinterpret_cast<uint2*>(k16 + i * kLd + c0) = pack_raw(k);
+      *reinterpret_cast<float4*>(g_f + i * kLdF + c0) = make_float4(g[0], g[1], g[2], g[3]);
+      if (lane == 0) rq_s[i] = rq;
+      store_pair(v_s + i * kLd + c0, v[0], v[1]), store_pair(v_s + i * kLd + c0 + 2, v[2], v[3]);
+    }
   }
   for (int a = threadIdx.x; a < kD; a += kThreads) {
-    const float gl = ldg_or0(p.G, last * p.K + a, a < p.K);
+    const float gl = ldg_or0(p.G, last() * p.K + a, a < p.K);
     extra[a] = a < p.K ? exp2f(gl) * extra[a] : 0.f;
   }
-  __syncthreads();
   // q^ = q |q|^-1 and k^ (row i, channel a), as K2b's fp32 tiles held them; pairs at even a.
   auto qh = [&](int i, int a) { return raw_to_float<kHalf>(q16[i * kLd + a]) * rq_s[i]; };
   auto kh = [&](int i, int a) { return raw_to_float<kHalf>(k16[i * kLd + a]) * rk_s[i]; };
@@ -428,10 +471,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 
   // ---- dVbeta, dKbeta, M -------------------------------------------------------------------------
   zero(acc);
-  warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);
+  warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);  // A and dVnew: on chip since phase A
+  if constexpr (kFast) cp_async_wait<1>();                           // G, v, k
+  __syncthreads();                                                   // the rows (and 2^gC sd) complete
+  auto v_at = [&](int i, int y) {  // v as bf16 (the row paths' fp16 rounded as the generic path's staging)
+    if constexpr (kPath == RowPath::kFp16) return __bfloat162float(__float2bfloat16_rn(cvt16<kPath>(reinterpret_cast<const unsigned short*>(v_s)[i * kLd + y])));
+    else return __bfloat162float(v_s[i * kLd + y]);
+  };
   const OutRows out_dv = out_rows(p.dv, b, t0, hv);
   each([&](int j, int e, int i, int y) {
-    db[e >> 1] += acc[j][e] * __bfloat162float(v_s[i * kLd + y]);
+    db[e >> 1] += acc[j][e] * v_at(i, y);
     if ((e & 1) == 0 && i < rows && y < p.V) store2(out_dv, i, y, beta_s[i] * acc[j][e], beta_s[i] * acc[j][e + 1], y + 1 < p.V);
   });
   zero(acc);
@@ -449,7 +498,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) store_pair(m_s + (m0 + g8 + 8 * h) * kLdC + n0c + 8 * j + 2 * t4, acc_m[j][2 * h], acc_m[j][2 * h + 1]);
-  __syncthreads();  // M complete; dA read
+  if constexpr (kFast) cp_async_wait<0>();  // q
+  __syncthreads();                          // M complete; dA read; q landed
+  if constexpr (kFast) {                    // 1 / |q| (read from the intra sweeps on)
+#pragma unroll
+    for (int u = 0; u < kC / kWarps; ++u) {
+      const int i = warp + kWarps * u;
+      float q[4];
+      raw4<kPath>(reinterpret_cast<const __nv_bfloat16*>(q16) + i * kLd + c0, q);
+      const float rq = row_rnorm(q, p.l2norm);
+      if (lane == 0) rq_s[i] = rq;
+    }
+  }
   // dL = -strict(M A^T), into dl_s.
   zero(acc_m);
   warp_mma<kC, 2, false, false>(acc_m, m_s, kLdC, m0, a_s, kLdC, n0c);
@@ -460,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       const int i = m0 + g8 + 8 * h, c = n0c + 8 * j + 2 * t4;
       store_pair(dl_s + i * kLdC + c, c < i && i < rows ? -acc_m[j][2 * h] : 0.f, c + 1 < i && i < rows ? -acc_m[j][2 * h + 1] : 0.f);
     }
-  __syncthreads();  // dL complete; dVnew, dW, v, M read (the region is free)
+  __syncthreads();  // dL complete; dVnew, dW, v, M read (the region is free); 1 / |q| complete
 
   // ---- the intra-chunk terms (K2b's comments on the anchoring and the hi + lo operands) ----------
   auto build = [&](int nrows, auto&& value) {
@@ -554,16 +614,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   }
   each([&](int j, int e, int i, int a) {
     const float qf = qh(i, a), kf = kh(i, a), bt = beta_s[i];
-    const float dq_in = j < 2 ? dqi[j][e] : park(4 * (j - 2) + e);
+    const float dq_in = j == 0 ? dqi[e] : park(j, e);
     dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dq_in + bt * kf * acc2[j][e];
     dk_t[j][e] += bt * acc2[j][e];
     db[e >> 1] += kf * acc2[j][e];
     acc[j][e] = dq_in + p.scale * acc[j][e];  // dq^ from here on
   });
   float(&dq_t)[4][4] = acc;
-  // G at this warp's fragment elements (dqi is consumed).
-  float gr[4][4];
-  each([&](int j, int e, int i, int a) { gr[j][e] = g_f[i * kLdF + a]; });
+  // G at this warp's fragment element (n-tile j, e), from shared memory at each use (16 registers fewer across (3)).
+  auto gr = [&](int j, int e) { return g_f[(m0 + g8 + 8 * (e >> 1)) * kLdF + n0 + 8 * j + 2 * t4 + (e & 1)]; };
   // (3) dKcol over column block blk: off the diagonal block anchored at row m0 + 15; the block.
   zero(acc2);
   for (int term = 0; term < 2; ++term) {  // dAqk^T qr, then dL^T bkr: each operand in the region in turn
@@ -592,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     }
     warp_mma<16, 4, true, true>(acc2, daqkl_s + m0 * kLdC, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
   }
-  each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr[j][e]); });
+  each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr(j, e)); });
   auto row = [&](int ii, auto kAll) {
     float cq[2], cl[2];
     const float bt = beta_s[ii];
@@ -608,7 +667,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       const float2 q2 = qh2(ii, a), k2 = kh2(ii, a), g2 = *reinterpret_cast<const float2*>(g_f + ii * kLdF + a);
 #pragma unroll
       for (int e = 0; e < (decltype(kAll)::value ? 4 : 2); ++e) {
-        const float f = fast_exp2(fminf((e & 1 ? g2.y : g2.x) - gr[j][e], 0.f));
+        const float f = fast_exp2(fminf((e & 1 ? g2.y : g2.x) - gr(j, e), 0.f));
         acc2[j][e] += (cq[e >> 1] * (e & 1 ? q2.y : q2.x) + cl[e >> 1] * (e & 1 ? k2.y : k2.x)) * f;
       }
     }
@@ -658,6 +717,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     }
   __syncthreads();
   // ---- the tails ----------------------------------------------------------------------------------
+  renew();
   const int64_t sb = int64_t(p.T) * p.H * kD, st = int64_t(p.H) * kD;
   const KdaOutTensor pdq = p.group > 1 ? KdaOutTensor{w.dqi, DType::kFP32, sb, st, kD} : p.dq;
   const KdaOutTensor pdk = p.group > 1 ? KdaOutTensor{w.dki, DType::kFP32, sb, st, kD} : p.dk;
@@ -738,8 +798,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       sdt += tail_s[x * kD + a];
       sda += tail_s[(kParts + x) * kD + a];
     }
-    w.gp[state * 2 * kD + a] = sdt;
-    w.gp[state * 2 * kD + kD + a] = sda;
+    w.gp[state() * 2 * kD + a] = sdt;
+    w.gp[state() * 2 * kD + kD + a] = sda;
   }
 }
 
