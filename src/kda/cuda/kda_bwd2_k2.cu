@@ -11,7 +11,7 @@
 // fp16, else bf16; fp32 inputs take K2a + K2b):
 //   phase A (K2a's products, its staging and expressions unchanged):
 //     Vnew = A (beta v) + (-W) S (bf16 hi + lo), sd = rowsum_V(S . dS'),
-//     dki = (Vnew dS'^T) . 2^(gC - G) (fp32, shared), dqi = scale (dO S^T) . 2^G (fp32, registers),
+//     dki = (Vnew dS'^T) . 2^(gC - G) (fp32, shared), dqi = scale (dO S^T) . 2^G (fp32, parked in shared),
 //     dW = -dVnew S^T, dAqk = tril(dO Vnew^T) (bf16 hi + lo), dA = dVnew (beta v)^T + dW Kbeta^T;
 //   phase B (K2b's kernel from its row staging on): dVbeta, dKbeta, dL, the intra-chunk sweeps, dq, dk,
 //     dv, dbeta, the dg reverse cumsum and the gate / L2-norm tails (kda_bwd2_wy.cu's header).
@@ -20,17 +20,20 @@
 // __fmul_rn (in K2b it came from memory: nothing may contract it into dq's add), so the gradients are
 // the split path's bits. q^, k^ of phase B are the raw 16-bit inputs times the row's L2-norm factor,
 // recomputed at each use (the same fp32 product K2b stored in its fp32 tiles).
-// Shared memory, 227,584 bytes (bf16 tiles [64][136] "T" 17,408 B, [128][136] 34,816 B, fp32 [64][132] 33,792 B):
-//   offset      phase A                              phase B
-//   0           A [64][72]                           A
-//   9,216       S [128][136]                         dA then dL, dAqk, dAqk lo ([64][72] each; after S's last read)
-//   44,032      dS' [128][136]                       dki fp32 (after dS''s last read)
-//   78,848      dVnew, -W then dW, Vnew hi, Vnew lo  dVnew, dW, v, M; then one anchored operand (hi, lo: 128 rows
-//                                                    each); then the dG and k^.dki fp32 planes
-//   148,480     beta v, Kbeta, dO                    q, k raw 16-bit (T each), G fp32
-//   217,088     sd (in `extra`)                      beta, 1/|q|, 1/|k|, per-quarter row sums, 2^gC sd, tail sums
-// Half of a thread's dqi (n-tiles 2, 3) is parked in shared memory from phase A's end through the
-// intra sweeps (1, 2): past M in the region, past dAqk lo in S's zone and 2 KB after the floats.
+// Shared memory: 227,584 bytes (+16 B static), its map and dqi's parking slots in kda_bwd2_k2_layout.cuh.
+// Loads in the order of use, each issued as soon as its tile is free: phase A's staging in three
+// cp.async commit groups (row paths: k, v, dO for the row math; A, -W, S for Vnew; dS', dVnew for sd,
+// dki and dW); phase B's G and v issued at S's (and dO's, Vnew's) last read, mid phase A, k and q at
+// phase A's end, so phase B's first product (A^T dVnew, both on chip) runs while they land; beta and
+// 1/|k| come from phase A's row math, 1/|q| from the landed q rows before dL. The generic path keeps its
+// per-row loads for the rows (one code path per load). dqi lives in shared memory from its product to
+// phase B's merge (park), so no register carries it across phase A's end.
+// Registers (ptxas, sm_90a, CUDA 13.0): 128 (the __launch_bounds__(512, 1) cap), spills 0 B (bf16, fp16
+// rows, generic bf16) and 12 B (generic fp16), from 100-124 B: the products' k-loops rolled two k-steps an
+// iteration (mma_k: ptxas had loaded a whole product's fragments ahead, ~96 registers), dqi parked,
+// phase A's decay factors taken at their products from raw G, phase B's G re-read from shared memory in
+// the sweeps, and the chunk's indices re-read from shared memory where a later step issues loads
+// (renew): the compiler no longer shares row addresses across the phases or hoists read-only loads.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -41,52 +44,12 @@
 #include "common/cuda/fast_math.cuh"
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_bwd2_device.cuh"
+#include "kda/cuda/kda_bwd2_k2_layout.cuh"
 #include "kda/cuda/kda_bwd2_load.cuh"
 
 namespace encore::cuda {
 namespace kda2 {
 namespace {
-
-constexpr int kThreads = 512, kWarps = kThreads / 32;
-constexpr int kQuads = kD * kD / 4 / kThreads;  // (state row, 4 columns) quads of S a thread stages (generic path)
-constexpr int kLdF = kD + 4;                    // fp32 row stride of [64][128] tiles
-constexpr int kAnchorRows = 96;                 // rows of the anchored operands: 16 + 32 + 48
-constexpr int kOperandRows = 128;               // an operand's hi half, then its lo half kOperandRows rows on
-constexpr float kDiagSpan = 60.f;               // the diagonal blocks on tensor cores where a block's G spans <= this (log2)
-constexpr int kQuarters = 4;                    // column quarters of the [64 x 128] fragments (warp >> 2)
-constexpr int kParts = kThreads / kKda2D, kPartRows = kC / kParts;  // the dg tail: 4 parts of 16 rows per channel
-constexpr size_t kSmall = size_t(kC) * kLdC * 2;                    // bf16 [64][kLdC]
-constexpr size_t kTile = size_t(kC) * kLd * 2;                      // bf16 [64][kLd]
-constexpr size_t kState = size_t(kD) * kLd * 2;                     // bf16 [128][kLd]
-constexpr size_t kTileF = size_t(kC) * kLdF * 4;                    // fp32 [64][kLdF]
-constexpr size_t kRegion = 2 * size_t(kOperandRows) * kLd * 2;      // one anchored operand, hi + lo
-constexpr size_t kOffS = kSmall, kOffD = kOffS + kState, kOffR = kOffD + kState, kOffQ = kOffR + kRegion;
-constexpr size_t kOffF = kOffQ + 2 * kTile + kTileF;
-constexpr size_t kSmem = kOffF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD + kThreads) * 4;
-static_assert(3 * kSmall <= kState && kTileF <= kState, "dA, dAqk hi + lo fit S's zone; dki dS''s");
-static_assert(4 * kTile <= kRegion && 3 * kTile + kSmall <= kRegion && 2 * kTileF <= kRegion, "the region's tenants fit");
-static_assert(kSmem <= 232448, "one block of at most 227 KB");
-// dqi's parking slots (kThreads floats each): 4 past M in the region; 3 past dAqk lo in S's zone and one
-// split over the 1 KB tails of S's and dS''s zones; 4 in the float arrays (dbeta parts, the dg tail's sums, one after).
-static_assert(3 * kTile + kSmall + 4 * kThreads * 4 <= kRegion && 3 * kSmall + 7 * kThreads * 2 <= kState &&
-                  kTileF + kThreads * 2 <= kState,
-              "dqi's parking fits");
-
-// Raw 16-bit input values (fp16 when kHalf, else bf16) to float and back (exact for values of that type).
-template <bool kHalf>
-__device__ __forceinline__ float raw_to_float(uint32_t bits) {
-  if constexpr (kHalf) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-  else return __uint_as_float(bits << 16);
-}
-template <bool kHalf>
-__device__ __forceinline__ uint32_t float_to_raw(float x) {
-  if constexpr (kHalf) return __half_as_ushort(__float2half_rn(x));
-  else return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
-
-// First row of row block b's anchored k^ rows (b = 1..3) and of column block b's q~ / beta k^ rows (b = 0..2).
-__device__ __forceinline__ int row_base(int b) { return b == 1 ? 0 : b == 2 ? 16 : 48; }
-__device__ __forceinline__ int col_base(int b) { return b == 0 ? 0 : b == 1 ? 48 : 80; }
 
 template <RowPath kPath, bool kHalf>
 __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
@@ -117,23 +80,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   float* dotk = dotq + kQuarters * kC;                                 // [4][64] dk^ . k^
   float* extra = dotk + kQuarters * kC;                                // [128] sd, then 2^gC sd
   float* tail_s = extra + kD;                                          // [2][4][128] the dg tail's part sums
-  // This thread's parking slot of dqi's n-tile j = 1..3, element e, through phase B's merge: n-tile 3 from
-  // dqi's product on, in float arrays phase B fills only after the merge (dbeta parts and dq^.q^ sums,
-  // the dg tail's sums, one past them); n-tiles 1, 2 from S's, dO's and Vnew's last reads on, past dAqk
-  // lo in S's zone (e < 3), in the zones' 1 KB tails (e = 3: threads < 256 dS''s, the rest S's), past M
-  // in the region. Exact: fp32 round trips.
-  auto park = [&](int j, int e) -> float& {
-    const int t = threadIdx.x;
+  // dqi's parking slots (kda_bwd2_k2_layout.cuh); t: threadIdx.x as read at the site (tid_here).
+  auto park = [&](int t, int j, int e) -> float& {
+    const bool h = t >= kThreads / 2;
+    auto pad = [&](size_t off, int ld, int t) -> float& { return reinterpret_cast<float*>(smem + off)[(t >> 2) * ld + ld - 4 + (t & 3)]; };
     float* const past_daqk = reinterpret_cast<float*>(smem + kOffS + 3 * kSmall);
-    float* base;
-    if (j == 3) base = e == 0 ? dbp : tail_s + (e - 1) * kThreads;
-    else if (j == 2) base = reinterpret_cast<float*>(smem + kOffR + 3 * kTile + kSmall) + e * kThreads;
-    else if (e < 3) base = past_daqk + e * kThreads;
-    else base = t < kThreads / 2 ? reinterpret_cast<float*>(smem + kOffD + kTileF) : past_daqk + 3 * kThreads - kThreads / 2;
-    return base[t];
+    if (j == 3) return (e == 0 ? dbp : tail_s + (e - 1) * kThreads)[t];
+    if (j == 2) return reinterpret_cast<float*>(smem + kOffR + 3 * kTile + kSmall)[e * kThreads + t];
+    if (j == 1) return e < 3 ? past_daqk[e * kThreads + t] : h ? past_daqk[3 * kThreads - kThreads / 2 + t] : dki_f[kC * kLdF + t];
+    if (e == 0) return pad(kOffQ, kLd / 2, t);
+    if (e == 1) return h ? dotk[t - kThreads / 2] : pad(0, kLdC / 2, t);
+    if (e == 2) return h ? pad(kOffQ + 2 * kTile, kLdF, t - kThreads / 2) : pad(kOffD, kLdF, t);
+    return pad(kOffS, kLdC / 2, t);
   };
-
   const int slot = blockIdx.x;
+  auto tid_here = [] {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+  };
   const ChunkInfo ci = chunk_info(p, slot);
   const int rows = ci.rows;
   // The chunk's indices, read back from shared memory after a barrier (renew) where a later step
@@ -262,10 +227,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   // Warp w: fragment rows m0.. (16), columns n0.. (32) of the [64 x 128] products, n0c.. (16) of the
   // [64 x 64] ones; the same fragments in both phases.
   const int blk = warp & 3, qtr = warp >> 2, m0 = 16 * blk, n0 = 32 * qtr, n0c = 16 * qtr, g8 = lane >> 2, t4 = lane & 3;
-  // dqi at this warp's fragment (0 past the chunk's end and at channels >= K), for phase B's merge:
-  // n-tile 0 in registers, n-tiles 1, 2 in dqh until their slots free up, n-tile 3 parked at once.
-  float dqi[4], dqh[2][4];
+  // dqi at this warp's fragment (0 past the chunk's end and at channels >= K), for phase B's merge: in
+  // shared memory (park), held in dqh only until its slot is free.
+  float dqh[4][4];
   {
+    renew();  // G's loads below stay after the barrier (not hoisted to the staging, 24 registers held through it)
     int64_t trow[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) trow[h] = tok(p, b, t0 + min(m0 + g8 + 8 * h, rows - 1), hv);
@@ -300,8 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     float acc[4][4];
     // Vnew = A (beta v) + (-W) S, as a bf16 hi + lo pair.
     zero(acc);
-    warp_mma<kC, 4, false, true>(acc, a_s, kLdC, m0, vb_s, kLd, n0);
-    warp_mma<kD, 4, false, true>(acc, dw_s, kLd, m0, s_s, kLd, n0);
+    mma_k<kC, 4, false, true>(acc, a_s, kLdC, m0, vb_s, kLd, n0);
+    mma_k<kD, 4, false, true>(acc, dw_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -327,8 +293,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     }
     // dki = (Vnew dS'^T) . 2^(gC - G), into dS''s zone once every warp has read dS'.
     zero(acc);
-    warp_mma<kD, 4, false, false>(acc, vn_s, kLd, m0, d_s, kLd, n0);
-    warp_mma<kD, 4, false, false>(acc, vnl_s, kLd, m0, d_s, kLd, n0);
+    mma_k<kD, 4, false, false>(acc, vn_s, kLd, m0, d_s, kLd, n0);
+    mma_k<kD, 4, false, false>(acc, vnl_s, kLd, m0, d_s, kLd, n0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -342,8 +308,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
         dki_f[i * kLdF + a] = i < rows && a < p.K ? acc[j][e] : 0.f;
       }
     // dqi = scale (dO S^T) . 2^G (an unfused product: see the header).
+    const int t1 = tid_here();
     zero(acc);
-    warp_mma<kD, 4, false, false>(acc, do_s, kLd, m0, s_s, kLd, n0);
+    mma_k<kD, 4, false, false>(acc, do_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -351,13 +318,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
         const int i = m0 + g8 + 8 * (e >> 1), a = n0 + 8 * j + 2 * t4 + (e & 1);
         const float x = __fmul_rn(acc[j][e], p.scale * (a < p.K ? exp2f(gq[j][e]) : 0.f));
         const float y = i < rows && a < p.K ? x : 0.f;
-        if (j == 0) dqi[e] = y;
-        else if (j == 3) park(3, e) = y;
-        else dqh[j - 1][e] = y;
+        if (dqi_parked_early(j, e)) park(t1, j, e) = y;
+        else dqh[j][e] = y;
       }
     // dW = -dVnew S^T into -W's tile (rows past the end: +0, as K2b's masked load).
     zero(acc);
-    warp_mma<kD, 4, false, false>(acc, dvn_s, kLd, m0, s_s, kLd, n0);
+    mma_k<kD, 4, false, false>(acc, dvn_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -382,11 +348,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     };
     // dAqk = tril(dO Vnew^T), hi + lo.
     zero(acc4);
-    warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vn_s, kLd, n0c);
-    warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vnl_s, kLd, n0c);
+    mma_k<kD, 2, false, false>(acc4, do_s, kLd, m0, vn_s, kLd, n0c);
+    mma_k<kD, 2, false, false>(acc4, do_s, kLd, m0, vnl_s, kLd, n0c);
     __syncthreads();  // S read (dqi, dW): its zone takes dAqk and dA; dW complete; dO, Vnew read
+    const int t15 = tid_here();
 #pragma unroll
-    for (int e = 0; e < 4; ++e) park(1, e) = dqh[0][e], park(2, e) = dqh[1][e];
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!dqi_parked_early(j, e)) park(t15, j, e) = dqh[j][e];
     renew();
     if constexpr (kFast) {  // phase B's G and v rows (one commit group), into dO's tile and past it, and Vnew hi's
 #pragma unroll
@@ -402,8 +372,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     write64(daqk_s, daqkl_s);
     // dA = dVnew (beta v)^T + dW Kbeta^T, i >= j.
     zero(acc4);
-    warp_mma<kD, 2, false, false>(acc4, dvn_s, kLd, m0, vb_s, kLd, n0c);
-    warp_mma<kD, 2, false, false>(acc4, dw_s, kLd, m0, kb_s, kLd, n0c);
+    mma_k<kD, 2, false, false>(acc4, dvn_s, kLd, m0, vb_s, kLd, n0c);
+    mma_k<kD, 2, false, false>(acc4, dw_s, kLd, m0, kb_s, kLd, n0c);
     write64(dl_s, nullptr);
   }
   __syncthreads();  // phase A done: beta v, Kbeta free
@@ -471,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 
   // ---- dVbeta, dKbeta, M -------------------------------------------------------------------------
   zero(acc);
-  warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);  // A and dVnew: on chip since phase A
+  mma_k<kC, 4, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);  // A and dVnew: on chip since phase A
   if constexpr (kFast) cp_async_wait<1>();                           // G, v, k
   __syncthreads();                                                   // the rows (and 2^gC sd) complete
   auto v_at = [&](int i, int y) {  // v as bf16 (the row paths' fp16 rounded as the generic path's staging)
@@ -484,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     if ((e & 1) == 0 && i < rows && y < p.V) store2(out_dv, i, y, beta_s[i] * acc[j][e], beta_s[i] * acc[j][e + 1], y + 1 < p.V);
   });
   zero(acc);
-  warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
+  mma_k<kC, 4, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
   each([&](int j, int e, int i, int a) {
     const float eg = fast_exp2(g_f[i * kLdF + a]), ke = kh(i, a) * eg;
     dk_t[j][e] = beta_s[i] * eg * acc[j][e];
@@ -493,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   });
   float acc_m[2][4];
   zero(acc_m);
-  warp_mma<kC, 2, true, true>(acc_m, a_s, kLdC, m0, dl_s, kLdC, n0c);
+  mma_k<kC, 2, true, true>(acc_m, a_s, kLdC, m0, dl_s, kLdC, n0c);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -512,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   }
   // dL = -strict(M A^T), into dl_s.
   zero(acc_m);
-  warp_mma<kC, 2, false, false>(acc_m, m_s, kLdC, m0, a_s, kLdC, n0c);
+  mma_k<kC, 2, false, false>(acc_m, m_s, kLdC, m0, a_s, kLdC, n0c);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -550,10 +520,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   zero(acc2);
   for (int s = 0; s < blk; ++s) {
     for (const __nv_bfloat16* kr : {an_hi, an_lo}) {
-      warp_mma<16, 4, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
-      warp_mma<16, 4, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+      mma_k<16, 4, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+      mma_k<16, 4, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
     }
-    warp_mma<16, 4, false, true>(acc, daqkl_s + 16 * s, kLdC, m0, an_hi + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+    mma_k<16, 4, false, true>(acc, daqkl_s + 16 * s, kLdC, m0, an_hi + (row_base(blk) + 16 * s) * kLd, kLd, n0);
   }
   bool tc_diag;
   {
@@ -573,10 +543,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   __syncthreads();
   if (tc_diag) {
     for (const __nv_bfloat16* kd : {an_hi, an_lo}) {
-      warp_mma<16, 4, false, true>(acc, daqk_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
-      warp_mma<16, 4, false, true>(acc2, dl_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
+      mma_k<16, 4, false, true>(acc, daqk_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
+      mma_k<16, 4, false, true>(acc2, dl_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
     }
-    warp_mma<16, 4, false, true>(acc, daqkl_s + m0, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
+    mma_k<16, 4, false, true>(acc, daqkl_s + m0, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
   }
   each([&](int j, int e, int i, int a) {
     const float f = fast_exp2(g_f[i * kLdF + a] - g_f[m0 * kLdF + a]);
@@ -612,9 +582,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 #pragma unroll 1
     for (int jj = m0 + 8; jj < m0 + 16; ++jj) column(jj, std::false_type{});
   }
+  const int t7 = tid_here();
   each([&](int j, int e, int i, int a) {
     const float qf = qh(i, a), kf = kh(i, a), bt = beta_s[i];
-    const float dq_in = j == 0 ? dqi[e] : park(j, e);
+    const float dq_in = park(t7, j, e);
     dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dq_in + bt * kf * acc2[j][e];
     dk_t[j][e] += bt * acc2[j][e];
     db[e >> 1] += kf * acc2[j][e];
@@ -632,9 +603,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     const __nv_bfloat16* coef = term == 0 ? daqk_s : dl_s;
     for (int s = 0; s < 3 - blk; ++s) {
       const int i0 = 16 * (blk + 1) + 16 * s, rb = col_base(blk) + 16 * s;
-      warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
-      warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
-      if (term == 0) warp_mma<16, 4, true, true>(acc2, daqkl_s + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
+      mma_k<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
+      mma_k<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
+      if (term == 0) mma_k<16, 4, true, true>(acc2, daqkl_s + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
     }
   }
   __syncthreads();  // bkr is read
@@ -646,10 +617,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   __syncthreads();
   if (tc_diag) {
     for (const __nv_bfloat16* cd : {an_hi, an_lo}) {
-      warp_mma<16, 4, true, true>(acc2, daqk_s + m0 * kLdC, kLdC, m0, cd + m0 * kLd, kLd, n0);
-      warp_mma<16, 4, true, true>(acc2, dl_s + m0 * kLdC, kLdC, m0, cd + (kC + m0) * kLd, kLd, n0);
+      mma_k<16, 4, true, true>(acc2, daqk_s + m0 * kLdC, kLdC, m0, cd + m0 * kLd, kLd, n0);
+      mma_k<16, 4, true, true>(acc2, dl_s + m0 * kLdC, kLdC, m0, cd + (kC + m0) * kLd, kLd, n0);
     }
-    warp_mma<16, 4, true, true>(acc2, daqkl_s + m0 * kLdC, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
+    mma_k<16, 4, true, true>(acc2, daqkl_s + m0 * kLdC, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
   }
   each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr(j, e)); });
   auto row = [&](int ii, auto kAll) {
@@ -803,39 +774,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   }
 }
 
-// Grouped value heads: dq[b, t, hq, a] = sum over j < group (in order) of the partial of value head
-// hq * group + j (dqi / dki rows); one thread per (b, t, hq, a).
-__global__ void kda2_group_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* pq, const float* pk) {
-  const int Hq = p.H / p.group;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(p.B) * p.T * Hq * p.K) return;
-  const int a = int(idx % p.K), hq = int(idx / p.K % Hq);
-  const int64_t r = idx / p.K / Hq;
-  const int t = int(r % p.T), b = int(r / p.T);
-  float sq = 0.f, sk = 0.f;
-  for (int j = 0; j < p.group; ++j) {
-    const int64_t off = ((int64_t(b) * p.T + t) * p.H + hq * p.group + j) * kD + a;
-    sq += pq[off];
-    sk += pk[off];
-  }
-  store_out(p.dq, b, t, hq, a, sq);
-  store_out(p.dk, b, t, hq, a, sk);
-}
-
 }  // namespace
 }  // namespace kda2
-
-Status launch_kda2_reductions(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* workspace, int chunks, Stream stream) {
-  using namespace kda2;
-  const Ptrs w = ptrs_of(l, workspace);
-  auto s = static_cast<cudaStream_t>(stream);
-  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(kdabwd::launch_gate_reduce_parts(p, w.gp, 2 * kD, 0, kD, chunks, s));
-  const int64_t n = int64_t(p.B) * p.T * (p.H / p.group) * p.K;
-  if (p.group > 1 && n > 0)
-    ENCORE_RETURN_IF_ERROR(launch("kda2_group_reduce_kernel",
-                                  [&] { kda2_group_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, w.dqi, w.dki); }));
-  return Status::ok();
-}
 
 Status launch_kda2_k2(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* workspace, int chunks, Stream stream) {
   using namespace kda2;
