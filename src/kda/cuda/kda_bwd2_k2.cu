@@ -11,7 +11,7 @@
 // fp16, else bf16; fp32 inputs take K2a + K2b):
 //   phase A (K2a's products, its staging and expressions unchanged):
 //     Vnew = A (beta v) + (-W) S (bf16 hi + lo), sd = rowsum_V(S . dS'),
-//     dki = (Vnew dS'^T) . 2^(gC - G) (fp32, shared), dqi = scale (dO S^T) . 2^G (fp32, registers),
+//     dki = (Vnew dS'^T) . 2^(gC - G) (fp32, shared), dqi = scale (dO S^T) . 2^G (fp32, parked in shared),
 //     dW = -dVnew S^T, dAqk = tril(dO Vnew^T) (bf16 hi + lo), dA = dVnew (beta v)^T + dW Kbeta^T;
 //   phase B (K2b's kernel from its row staging on): dVbeta, dKbeta, dL, the intra-chunk sweeps, dq, dk,
 //     dv, dbeta, the dg reverse cumsum and the gate / L2-norm tails (kda_bwd2_wy.cu's header).
@@ -20,17 +20,20 @@
 // __fmul_rn (in K2b it came from memory: nothing may contract it into dq's add), so the gradients are
 // the split path's bits. q^, k^ of phase B are the raw 16-bit inputs times the row's L2-norm factor,
 // recomputed at each use (the same fp32 product K2b stored in its fp32 tiles).
-// Shared memory, 227,584 bytes (bf16 tiles [64][136] "T" 17,408 B, [128][136] 34,816 B, fp32 [64][132] 33,792 B):
-//   offset      phase A                              phase B
-//   0           A [64][72]                           A
-//   9,216       S [128][136]                         dA then dL, dAqk, dAqk lo ([64][72] each; after S's last read)
-//   44,032      dS' [128][136]                       dki fp32 (after dS''s last read)
-//   78,848      dVnew, -W then dW, Vnew hi, Vnew lo  dVnew, dW, v, M; then one anchored operand (hi, lo: 128 rows
-//                                                    each); then the dG and k^.dki fp32 planes
-//   148,480     beta v, Kbeta, dO                    q, k raw 16-bit (T each), G fp32
-//   217,088     sd (in `extra`)                      beta, 1/|q|, 1/|k|, per-quarter row sums, 2^gC sd, tail sums
-// Half of a thread's dqi (n-tiles 2, 3) is parked in shared memory from phase A's end through the
-// intra sweeps (1, 2): past M in the region, past dAqk lo in S's zone and 2 KB after the floats.
+// Shared memory: 227,584 bytes (+16 B static), its map and dqi's parking slots in kda_bwd2_k2_layout.cuh.
+// Loads in the order of use, each issued as soon as its tile is free: phase A's staging in three
+// cp.async commit groups (row paths: k, v, dO for the row math; A, -W, S for Vnew; dS', dVnew for sd,
+// dki and dW); phase B's G and v issued at S's (and dO's, Vnew's) last read, mid phase A, k and q at
+// phase A's end, so phase B's first product (A^T dVnew, both on chip) runs while they land; beta and
+// 1/|k| come from phase A's row math, 1/|q| from the landed q rows before dL. The generic path keeps its
+// per-row loads for the rows (one code path per load). dqi lives in shared memory from its product to
+// phase B's merge (park), so no register carries it across phase A's end.
+// Registers (ptxas, sm_90a, CUDA 13.0): 128 (the __launch_bounds__(512, 1) cap), spills 0 B (bf16, fp16
+// rows, generic bf16) and 12 B (generic fp16), from 100-124 B: the products' k-loops rolled two k-steps an
+// iteration (mma_k: ptxas had loaded a whole product's fragments ahead, ~96 registers), dqi parked,
+// phase A's decay factors taken at their products from raw G, phase B's G re-read from shared memory in
+// the sweeps, and the chunk's indices re-read from shared memory where a later step issues loads
+// (renew): the compiler no longer shares row addresses across the phases or hoists read-only loads.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -41,50 +44,12 @@
 #include "common/cuda/fast_math.cuh"
 #include "common/cuda/launch_check.hpp"
 #include "kda/cuda/kda_bwd2_device.cuh"
+#include "kda/cuda/kda_bwd2_k2_layout.cuh"
 #include "kda/cuda/kda_bwd2_load.cuh"
 
 namespace encore::cuda {
 namespace kda2 {
 namespace {
-
-constexpr int kThreads = 512, kWarps = kThreads / 32;
-constexpr int kQuads = kD * kD / 4 / kThreads;  // (state row, 4 columns) quads of S a thread stages (generic path)
-constexpr int kLdF = kD + 4;                    // fp32 row stride of [64][128] tiles
-constexpr int kAnchorRows = 96;                 // rows of the anchored operands: 16 + 32 + 48
-constexpr int kOperandRows = 128;               // an operand's hi half, then its lo half kOperandRows rows on
-constexpr float kDiagSpan = 60.f;               // the diagonal blocks on tensor cores where a block's G spans <= this (log2)
-constexpr int kQuarters = 4;                    // column quarters of the [64 x 128] fragments (warp >> 2)
-constexpr int kParts = kThreads / kKda2D, kPartRows = kC / kParts;  // the dg tail: 4 parts of 16 rows per channel
-constexpr size_t kSmall = size_t(kC) * kLdC * 2;                    // bf16 [64][kLdC]
-constexpr size_t kTile = size_t(kC) * kLd * 2;                      // bf16 [64][kLd]
-constexpr size_t kState = size_t(kD) * kLd * 2;                     // bf16 [128][kLd]
-constexpr size_t kTileF = size_t(kC) * kLdF * 4;                    // fp32 [64][kLdF]
-constexpr size_t kRegion = 2 * size_t(kOperandRows) * kLd * 2;      // one anchored operand, hi + lo
-constexpr size_t kOffS = kSmall, kOffD = kOffS + kState, kOffR = kOffD + kState, kOffQ = kOffR + kRegion;
-constexpr size_t kOffF = kOffQ + 2 * kTile + kTileF;
-constexpr int kParked = 8;  // of a thread's 16 dqi values, parked in shared memory across phase B's first steps (8 registers)
-constexpr size_t kSmem = kOffF + size_t(3 * kC + kQuarters * 3 * kC + kD + 2 * kParts * kD + kThreads) * 4;
-static_assert(3 * kSmall <= kState && kTileF <= kState, "dA, dAqk hi + lo fit S's zone; dki dS''s");
-static_assert(4 * kTile <= kRegion && 3 * kTile + kSmall <= kRegion && 2 * kTileF <= kRegion, "the region's tenants fit");
-static_assert(kSmem <= 232448, "one block of at most 227 KB");
-// dqi's parking slots (kThreads floats each): 4 past M in the region, 3 past dAqk lo in S's zone, 1 after the floats.
-static_assert(3 * kTile + kSmall + 4 * kThreads * 4 <= kRegion && 3 * kSmall + 3 * kThreads * 4 <= kState, "dqi's parking fits");
-
-// Raw 16-bit input values (fp16 when kHalf, else bf16) to float and back (exact for values of that type).
-template <bool kHalf>
-__device__ __forceinline__ float raw_to_float(uint32_t bits) {
-  if constexpr (kHalf) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-  else return __uint_as_float(bits << 16);
-}
-template <bool kHalf>
-__device__ __forceinline__ uint32_t float_to_raw(float x) {
-  if constexpr (kHalf) return __half_as_ushort(__float2half_rn(x));
-  else return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
-
-// First row of row block b's anchored k^ rows (b = 1..3) and of column block b's q~ / beta k^ rows (b = 0..2).
-__device__ __forceinline__ int row_base(int b) { return b == 1 ? 0 : b == 2 ? 16 : 48; }
-__device__ __forceinline__ int col_base(int b) { return b == 0 ? 0 : b == 1 ? 48 : 80; }
 
 template <RowPath kPath, bool kHalf>
 __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_constant__ KdaBwdCudaProblem p, Ptrs w) {
@@ -115,41 +80,63 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   float* dotk = dotq + kQuarters * kC;                                 // [4][64] dk^ . k^
   float* extra = dotk + kQuarters * kC;                                // [128] sd, then 2^gC sd
   float* tail_s = extra + kD;                                          // [2][4][128] the dg tail's part sums
-  // dqi's parking slot u < kParked of this thread (free from phase A's end through the intra sweeps (1, 2)).
-  auto park = [&](int u) -> float& {
-    float* base = u < 4 ? reinterpret_cast<float*>(smem + kOffR + 3 * kTile + kSmall) + u * kThreads
-                  : u < 7 ? reinterpret_cast<float*>(smem + kOffS + 3 * kSmall) + (u - 4) * kThreads
-                          : tail_s + 2 * kParts * kD;
-    return base[threadIdx.x];
+  // dqi's parking slots (kda_bwd2_k2_layout.cuh); t: threadIdx.x as read at the site (tid_here).
+  auto park = [&](int t, int j, int e) -> float& {
+    const bool h = t >= kThreads / 2;
+    auto pad = [&](size_t off, int ld, int t) -> float& { return reinterpret_cast<float*>(smem + off)[(t >> 2) * ld + ld - 4 + (t & 3)]; };
+    float* const past_daqk = reinterpret_cast<float*>(smem + kOffS + 3 * kSmall);
+    if (j == 3) return (e == 0 ? dbp : tail_s + (e - 1) * kThreads)[t];
+    if (j == 2) return reinterpret_cast<float*>(smem + kOffR + 3 * kTile + kSmall)[e * kThreads + t];
+    if (j == 1) return e < 3 ? past_daqk[e * kThreads + t] : h ? past_daqk[3 * kThreads - kThreads / 2 + t] : dki_f[kC * kLdF + t];
+    if (e == 0) return pad(kOffQ, kLd / 2, t);
+    if (e == 1) return h ? dotk[t - kThreads / 2] : pad(0, kLdC / 2, t);
+    if (e == 2) return h ? pad(kOffQ + 2 * kTile, kLdF, t - kThreads / 2) : pad(kOffD, kLdF, t);
+    return pad(kOffS, kLdC / 2, t);
   };
-
-  const int slot = blockIdx.x, hv = blockIdx.y, hq = hv / p.group;
+  const int slot = blockIdx.x;
+  auto tid_here = [] {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+  };
   const ChunkInfo ci = chunk_info(p, slot);
-  const int rows = ci.rows, b = ci.b, t0 = ci.t0;
+  const int rows = ci.rows;
+  // The chunk's indices, read back from shared memory after a barrier (renew) where a later step
+  // issues its loads, so that its row addresses (64-bit) are derived there and not held in registers
+  // (or spilled) from an earlier step (the compiler otherwise shares and hoists them).
+  __shared__ int ids[4];
+  int b = ci.b, t0 = ci.t0, hv = blockIdx.y, hq = hv / p.group;
+  if (threadIdx.x == 0) ids[0] = b, ids[1] = t0, ids[2] = hv, ids[3] = hq;
+  auto renew = [&] { b = ids[0], t0 = ids[1], hv = ids[2], hq = ids[3]; };
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
-  const int64_t last = tok(p, b, t0 + rows - 1, hv);
-  const int64_t tok0 = tok(p, b, t0, hv);  // the token row of chunk row i: tok0 + i H
-  auto tokr = [&](int i) { return tok0 + int64_t(i) * p.H; };
-  const int64_t state = int64_t(slot) * p.H + hv;
+  auto last = [&] { return tok(p, b, t0 + rows - 1, hv); };  // the chunk's last token row
+  auto tokr = [&](int i) { return tok(p, b, t0, hv) + int64_t(i) * p.H; };  // the token row of chunk row i
+  auto state = [&] { return int64_t(slot) * p.H + hv; };
 
   // ==== Phase A: K2a's staging and products ========================================================
+  // Commit groups in the order of use: (row paths) k, v, dO for the row math; A, -W, S for Vnew; dS',
+  // dVnew for sd, dki and dW. The generic path loads A, S and the rows itself: -W; dS', dVnew.
   {
     const int64_t wstep = int64_t(p.H) * kD * 2;
-    copy_rows<kThreads>(dw_s, kLd, reinterpret_cast<const unsigned char*>(w.wn + tok0 * kD), wstep, rows, kD);  // -W
-    copy_rows<kThreads>(dvn_s, kLd, reinterpret_cast<const unsigned char*>(w.dvn + tok0 * kD), wstep, rows, p.V);
-    copy_rows<kThreads, kD>(d_s, kLd, reinterpret_cast<const unsigned char*>(w.dsp + state * kD * kD), kD * 2, p.K, p.V);
     if constexpr (kFast) {
       const Rows rk = rows_of(p.k, b, t0, hq), rv = rows_of(p.v, b, t0, hv), ro = rows_of(p.d_o, b, t0, hv);
       copy_rows<kThreads>(kb_s, kLd, rk.base, rk.step, rows, p.K);
       copy_rows<kThreads>(vb_s, kLd, rv.base, rv.step, rows, p.V);
       copy_rows<kThreads>(do_s, kLd, ro.base, ro.step, rows, p.V);
-      copy_tri<kThreads>(a_s, kLdC, static_cast<const __nv_bfloat16*>(p.Akk) + tok0 * kC, int64_t(p.H) * kC, rows);
-      copy_rows<kThreads, kD>(s_s, kLd, static_cast<const unsigned char*>(p.h) + state * p.K * p.V * 2, int64_t(p.V) * 2, p.K, p.V);
+      cp_async_commit();
+      copy_tri<kThreads>(a_s, kLdC, static_cast<const __nv_bfloat16*>(p.Akk) + tokr(0) * kC, int64_t(p.H) * kC, rows);
+      copy_rows<kThreads, kD>(s_s, kLd, static_cast<const unsigned char*>(p.h) + state() * p.K * p.V * 2, int64_t(p.V) * 2, p.K, p.V);
     }
+    copy_rows<kThreads>(dw_s, kLd, reinterpret_cast<const unsigned char*>(w.wn + tokr(0) * kD), wstep, rows, kD);  // -W
+    cp_async_commit();
+    copy_rows<kThreads, kD>(d_s, kLd, reinterpret_cast<const unsigned char*>(w.dsp + state() * kD * kD), kD * 2, p.K, p.V);
+    copy_rows<kThreads>(dvn_s, kLd, reinterpret_cast<const unsigned char*>(w.dvn + tokr(0) * kD), wstep, rows, p.V);
     cp_async_commit();
   }
+  // The row math; beta and 1 / |k| also into phase B's row arrays (its staging computed the same values).
   auto row_math = [&](int i, bool valid, float beta, const float (&k)[4], const float (&g)[4], const float (&v)[4]) {
     const float rk = row_rnorm(k, p.l2norm);
+    if (lane == 0) beta_s[i] = beta, rk_s[i] = rk;
     float kb[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) kb[e] = valid ? beta * k[e] * rk * exp2f(g[e]) : 0.f;
@@ -164,9 +151,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       const int i = warp + kWarps * r;
       const bool valid = i < rows;
       beta[r] = scalar16<kPath>(p.beta, b, t0 + (valid ? i : 0), hv, valid);
-      g4(p.G, tok0 + int64_t(valid ? i : 0) * p.H, p.K, c0, valid && c0 < p.K, g[r]);
+      g4(p.G, tokr(valid ? i : 0), p.K, c0, valid && c0 < p.K, g[r]);
     }
-    cp_async_wait<0>();
+    cp_async_wait<2>();  // k, v, dO
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kRpw; ++r) {
@@ -184,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       for (int i = warp; i < kC; i += kWarps) {
         const bool valid = i < rows;
         const int iv = valid ? i : 0;
-        const int64_t row = tok0 + int64_t(iv) * p.H;
+        const int64_t row = tokr(iv);
         float k[4], g[4], v[4], o[4];
         const float beta = load1(in_beta, iv, 0, valid);
         load4(in_k, iv, c0, p.K, valid, k), load4(in_v, iv, c0, p.V, valid, v);
@@ -204,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       for (int u = 0; u < kQuads; ++u) {
         const int a = warp + kWarps * u;
         const bool ok = a < p.K && c0 < p.V;
-        const int64_t at = ok ? (state * p.K + a) * p.V + c0 : 0;
+        const int64_t at = ok ? (state() * p.K + a) * p.V + c0 : 0;
         if constexpr (kWide) sq[u] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.h) + at));
         else sq[u] = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.h) + at));
       }
@@ -228,37 +215,42 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 #pragma unroll 4
       for (int x = threadIdx.x; x < kD * kD / 2; x += kThreads) {
         const int a = x / (kD / 2), y = 2 * (x % (kD / 2));
-        const int64_t at = (state * p.K + a) * p.V + y;
+        const int64_t at = (state() * p.K + a) * p.V + y;
         const bool ok0 = a < p.K && y < p.V, ok1 = a < p.K && y + 1 < p.V;
         store_pair(s_s + a * kLd + y, load_any_or0(p.h, p.h_dtype, at, ok0), load_any_or0(p.h, p.h_dtype, at + 1, ok1));
       }
     }
-    cp_async_wait<0>();
   }
+  cp_async_wait<1>();  // A, -W, S (row paths); -W (generic)
   __syncthreads();
 
   // Warp w: fragment rows m0.. (16), columns n0.. (32) of the [64 x 128] products, n0c.. (16) of the
   // [64 x 64] ones; the same fragments in both phases.
   const int blk = warp & 3, qtr = warp >> 2, m0 = 16 * blk, n0 = 32 * qtr, n0c = 16 * qtr, g8 = lane >> 2, t4 = lane & 3;
-  float dqi[4][4];  // dqi at this warp's fragment (0 past the chunk's end and at channels >= K), into phase B
+  // dqi at this warp's fragment (0 past the chunk's end and at channels >= K), for phase B's merge: in
+  // shared memory (park), held in dqh only until its slot is free.
+  float dqh[4][4];
   {
+    renew();  // G's loads below stay after the barrier (not hoisted to the staging, 24 registers held through it)
     int64_t trow[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) trow[h] = tok(p, b, t0 + min(m0 + g8 + 8 * h, rows - 1), hv);
-    float eg[4][4], egc[4][4];
-    if (p.K % 2 == 0 && (reinterpret_cast<uintptr_t>(p.G) & 7) == 0) {
+    // G at the fragment's elements and gC at its columns (0 at channels >= K), raw: the factors
+    // 2^(gC - G) and 2^G are taken at their products (24 registers across Vnew and dki, not 32).
+    float gq[4][4], gcq[4][2];
+    if constexpr (kFast) {  // K % 4 == 0, G 16-byte aligned: float2 loads (the generic path: one load each, one code path)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int a = n0 + 8 * j + 2 * t4;
         const bool in = a < p.K;
-        const float2 gc = __ldg(reinterpret_cast<const float2*>(p.G + (in ? last * p.K + a : 0)));
-        egc[j][0] = egc[j][2] = in ? gc.x : 0.f;
-        egc[j][1] = egc[j][3] = in ? gc.y : 0.f;
+        const float2 gc = __ldg(reinterpret_cast<const float2*>(p.G + (in ? last() * p.K + a : 0)));
+        gcq[j][0] = in ? gc.x : 0.f;
+        gcq[j][1] = in ? gc.y : 0.f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float2 g = __ldg(reinterpret_cast<const float2*>(p.G + (in ? trow[h] * p.K + a : 0)));
-          eg[j][2 * h] = in ? g.x : 0.f;
-          eg[j][2 * h + 1] = in ? g.y : 0.f;
+          gq[j][2 * h] = in ? g.x : 0.f;
+          gq[j][2 * h + 1] = in ? g.y : 0.f;
         }
       }
     } else {
@@ -267,15 +259,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int a = n0 + 8 * j + 2 * t4 + (e & 1);
-          eg[j][e] = ldg_or0(p.G, trow[e >> 1] * p.K + a, a < p.K);
-          egc[j][e] = ldg_or0(p.G, last * p.K + a, a < p.K);
+          gq[j][e] = ldg_or0(p.G, trow[e >> 1] * p.K + a, a < p.K);
+          if (e < 2) gcq[j][e] = ldg_or0(p.G, last() * p.K + a, a < p.K);
         }
     }
     float acc[4][4];
     // Vnew = A (beta v) + (-W) S, as a bf16 hi + lo pair.
     zero(acc);
-    warp_mma<kC, 4, false, true>(acc, a_s, kLdC, m0, vb_s, kLd, n0);
-    warp_mma<kD, 4, false, true>(acc, dw_s, kLd, m0, s_s, kLd, n0);
+    mma_k<kC, 4, false, true>(acc, a_s, kLdC, m0, vb_s, kLd, n0);
+    mma_k<kD, 4, false, true>(acc, dw_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -285,15 +277,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
         store_pair(vn_s + at, x, y);
         store_pair(vnl_s + at, x - __bfloat162float(__float2bfloat16(x)), y - __bfloat162float(__float2bfloat16(y)));
       }
-    __syncthreads();  // Vnew complete; -W read
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool in = n0 + 8 * j + 2 * t4 + (e & 1) < p.K;
-        egc[j][e] = in ? exp2f(egc[j][e] - eg[j][e]) : 0.f;
-        eg[j][e] = in ? exp2f(eg[j][e]) : 0.f;
-      }
+    cp_async_wait<0>();  // dS', dVnew
+    __syncthreads();     // Vnew complete; -W read
     // sd = rowsum_V(S . dS') into extra: warp w state rows 8 w.., lane 4 columns.
     for (int a = 8 * warp; a < 8 * warp + 8; ++a) {
       const uint2 su = *reinterpret_cast<const uint2*>(s_s + a * kLd + c0), du = *reinterpret_cast<const uint2*>(d_s + a * kLd + c0);
@@ -308,12 +293,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     }
     // dki = (Vnew dS'^T) . 2^(gC - G), into dS''s zone once every warp has read dS'.
     zero(acc);
-    warp_mma<kD, 4, false, false>(acc, vn_s, kLd, m0, d_s, kLd, n0);
-    warp_mma<kD, 4, false, false>(acc, vnl_s, kLd, m0, d_s, kLd, n0);
+    mma_k<kD, 4, false, false>(acc, vn_s, kLd, m0, d_s, kLd, n0);
+    mma_k<kD, 4, false, false>(acc, vnl_s, kLd, m0, d_s, kLd, n0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] *= egc[j][e];
+      for (int e = 0; e < 4; ++e) acc[j][e] *= n0 + 8 * j + 2 * t4 + (e & 1) < p.K ? exp2f(gcq[j][e & 1] - gq[j][e]) : 0.f;
     __syncthreads();  // dS' read (sd, dki)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -322,20 +307,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
         const int i = m0 + g8 + 8 * (e >> 1), a = n0 + 8 * j + 2 * t4 + (e & 1);
         dki_f[i * kLdF + a] = i < rows && a < p.K ? acc[j][e] : 0.f;
       }
-    // dqi = scale (dO S^T) . 2^G, kept in registers (an unfused product: see the header).
+    // dqi = scale (dO S^T) . 2^G (an unfused product: see the header).
+    const int t1 = tid_here();
     zero(acc);
-    warp_mma<kD, 4, false, false>(acc, do_s, kLd, m0, s_s, kLd, n0);
+    mma_k<kD, 4, false, false>(acc, do_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = m0 + g8 + 8 * (e >> 1), a = n0 + 8 * j + 2 * t4 + (e & 1);
-        const float x = __fmul_rn(acc[j][e], p.scale * eg[j][e]);
-        dqi[j][e] = i < rows && a < p.K ? x : 0.f;
+        const float x = __fmul_rn(acc[j][e], p.scale * (a < p.K ? exp2f(gq[j][e]) : 0.f));
+        const float y = i < rows && a < p.K ? x : 0.f;
+        if (dqi_parked_early(j, e)) park(t1, j, e) = y;
+        else dqh[j][e] = y;
       }
     // dW = -dVnew S^T into -W's tile (rows past the end: +0, as K2b's masked load).
     zero(acc);
-    warp_mma<kD, 4, false, false>(acc, dvn_s, kLd, m0, s_s, kLd, n0);
+    mma_k<kD, 4, false, false>(acc, dvn_s, kLd, m0, s_s, kLd, n0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -360,52 +348,77 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     };
     // dAqk = tril(dO Vnew^T), hi + lo.
     zero(acc4);
-    warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vn_s, kLd, n0c);
-    warp_mma<kD, 2, false, false>(acc4, do_s, kLd, m0, vnl_s, kLd, n0c);
-    __syncthreads();  // S read (dqi, dW): its zone takes dAqk and dA; dW complete
+    mma_k<kD, 2, false, false>(acc4, do_s, kLd, m0, vn_s, kLd, n0c);
+    mma_k<kD, 2, false, false>(acc4, do_s, kLd, m0, vnl_s, kLd, n0c);
+    __syncthreads();  // S read (dqi, dW): its zone takes dAqk and dA; dW complete; dO, Vnew read
+    const int t15 = tid_here();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!dqi_parked_early(j, e)) park(t15, j, e) = dqh[j][e];
+    renew();
+    if constexpr (kFast) {  // phase B's G and v rows (one commit group), into dO's tile and past it, and Vnew hi's
+#pragma unroll
+      for (int u = 0; u < kC * (kD / 4) / kThreads; ++u) {  // 16-byte units of G (K % 4 == 0); rows past the end: gC
+        const int x = threadIdx.x + u * kThreads, i = x >> 5, c = 4 * (x & 31);
+        const bool ok = c < p.K;
+        cp_async16(g_f + i * kLdF + c, p.G + (ok ? (i < rows ? tokr(i) : last()) * p.K + c : 0), ok);
+      }
+      const Rows rv = rows_of(p.v, b, t0, hv);
+      copy_rows<kThreads>(v_s, kLd, rv.base, rv.step, rows, p.V);
+      cp_async_commit();
+    }
     write64(daqk_s, daqkl_s);
     // dA = dVnew (beta v)^T + dW Kbeta^T, i >= j.
     zero(acc4);
-    warp_mma<kD, 2, false, false>(acc4, dvn_s, kLd, m0, vb_s, kLd, n0c);
-    warp_mma<kD, 2, false, false>(acc4, dw_s, kLd, m0, kb_s, kLd, n0c);
+    mma_k<kD, 2, false, false>(acc4, dvn_s, kLd, m0, vb_s, kLd, n0c);
+    mma_k<kD, 2, false, false>(acc4, dw_s, kLd, m0, kb_s, kLd, n0c);
     write64(dl_s, nullptr);
   }
-  __syncthreads();  // phase A done: beta v, Kbeta, dO, Vnew free
-#pragma unroll
-  for (int u = 0; u < kParked; ++u) park(u) = dqi[2 + u / 4][u % 4];  // n-tiles 2, 3 (exact: fp32 round trip)
+  __syncthreads();  // phase A done: beta v, Kbeta free
+  renew();
 
   // ==== Phase B: K2b from its row staging on ========================================================
-  // Rows (warp per row, lane 4 channels): q, k raw, G (rows past the end: gC), bf16 v, beta and the
-  // rows' L2-norm factors; then 2^gC sd.
-  float gc[4];
+  // Rows: q, k raw 16-bit, G (rows past the end: gC), bf16 v and the rows' 1 / |q| (beta and 1 / |k|
+  // came with phase A's row math); then 2^gC sd. The row paths: G and v in flight since S's last read,
+  // k and q as two commit groups here (their tiles were beta v's and Kbeta's), in the order of use;
+  // v stays raw (fp16 rounds to bf16 at its one read); 1 / |q| from the landed rows before dL.
+  if constexpr (kFast) {
+    const Rows rk = rows_of(p.k, b, t0, hq), rq = rows_of(p.q, b, t0, hq);
+    copy_rows<kThreads>(reinterpret_cast<__nv_bfloat16*>(k16), kLd, rk.base, rk.step, rows, p.K);
+    cp_async_commit();
+    copy_rows<kThreads>(reinterpret_cast<__nv_bfloat16*>(q16), kLd, rq.base, rq.step, rows, p.K);
+    cp_async_commit();
+  } else {  // warp per row, lane 4 channels
+    float gc[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) gc[e] = ldg_or0(p.G, last * p.K + c0 + e, c0 + e < p.K);
-  const Rows in_q = rows_of(p.q, b, t0, hq), in_k = rows_of(p.k, b, t0, hq), in_v = rows_of(p.v, b, t0, hv), in_beta = rows_of(p.beta, b, t0, hv);
+    for (int e = 0; e < 4; ++e) gc[e] = ldg_or0(p.G, last() * p.K + c0 + e, c0 + e < p.K);
+    const Rows in_q = rows_of(p.q, b, t0, hq), in_k = rows_of(p.k, b, t0, hq), in_v = rows_of(p.v, b, t0, hv);
 #pragma unroll
-  for (int u = 0; u < kC / kWarps; ++u) {  // all of a warp's rows' loads in flight together
-    const int i = warp + kWarps * u;
-    const bool valid = i < rows;
-    const int iv = valid ? i : 0;
-    float q[4], k[4], g[4], v[4];
-    load4(in_q, iv, c0, p.K, valid, q), load4(in_k, iv, c0, p.K, valid, k);
-    load_g4(p.G, tokr(iv), p.K, c0, valid, g), load4(in_v, iv, c0, p.V, valid, v);
+    for (int u = 0; u < kC / kWarps; ++u) {  // all of a warp's rows' loads in flight together
+      const int i = warp + kWarps * u;
+      const bool valid = i < rows;
+      const int iv = valid ? i : 0;
+      float q[4], k[4], g[4], v[4];
+      load4(in_q, iv, c0, p.K, valid, q), load4(in_k, iv, c0, p.K, valid, k);
+      load_g4(p.G, tokr(iv), p.K, c0, valid, g), load4(in_v, iv, c0, p.V, valid, v);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) g[e] = valid && c0 + e < p.K ? g[e] : gc[e];
-    const float beta = load1(in_beta, iv, 0, valid);
-    const float rq = row_rnorm(q, p.l2norm), rk = row_rnorm(k, p.l2norm);
-    auto pack_raw = [](const float (&x)[4]) {
-      return make_uint2(float_to_raw<kHalf>(x[0]) | float_to_raw<kHalf>(x[1]) << 16, float_to_raw<kHalf>(x[2]) | float_to_raw<kHalf>(x[3]) << 16);
-    };
-    *reinterpret_cast<uint2*>(q16 + i * kLd + c0) = pack_raw(q), *reinterpret_cast<uint2*>(k16 + i * kLd + c0) = pack_raw(k);
-    *reinterpret_cast<float4*>(g_f + i * kLdF + c0) = make_float4(g[0], g[1], g[2], g[3]);
-    if (lane == 0) beta_s[i] = beta, rq_s[i] = rq, rk_s[i] = rk;
-    store_pair(v_s + i * kLd + c0, v[0], v[1]), store_pair(v_s + i * kLd + c0 + 2, v[2], v[3]);
+      for (int e = 0; e < 4; ++e) g[e] = valid && c0 + e < p.K ? g[e] : gc[e];
+      const float rq = row_rnorm(q, p.l2norm);
+      auto pack_raw = [](const float (&x)[4]) {
+        return make_uint2(float_to_raw<kHalf>(x[0]) | float_to_raw<kHalf>(x[1]) << 16, float_to_raw<kHalf>(x[2]) | float_to_raw<kHalf>(x[3]) << 16);
+      };
+      *reinterpret_cast<uint2*>(q16 + i * kLd + c0) = pack_raw(q), *reinterpret_cast<uint2*>(k16 + i * kLd + c0) = pack_raw(k);
+      *reinterpret_cast<float4*>(g_f + i * kLdF + c0) = make_float4(g[0], g[1], g[2], g[3]);
+      if (lane == 0) rq_s[i] = rq;
+      store_pair(v_s + i * kLd + c0, v[0], v[1]), store_pair(v_s + i * kLd + c0 + 2, v[2], v[3]);
+    }
   }
   for (int a = threadIdx.x; a < kD; a += kThreads) {
-    const float gl = ldg_or0(p.G, last * p.K + a, a < p.K);
+    const float gl = ldg_or0(p.G, last() * p.K + a, a < p.K);
     extra[a] = a < p.K ? exp2f(gl) * extra[a] : 0.f;
   }
-  __syncthreads();
   // q^ = q |q|^-1 and k^ (row i, channel a), as K2b's fp32 tiles held them; pairs at even a.
   auto qh = [&](int i, int a) { return raw_to_float<kHalf>(q16[i * kLd + a]) * rq_s[i]; };
   auto kh = [&](int i, int a) { return raw_to_float<kHalf>(k16[i * kLd + a]) * rk_s[i]; };
@@ -428,14 +441,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 
   // ---- dVbeta, dKbeta, M -------------------------------------------------------------------------
   zero(acc);
-  warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);
+  mma_k<kC, 4, true, true>(acc, a_s, kLdC, m0, dvn_s, kLd, n0);  // A and dVnew: on chip since phase A
+  if constexpr (kFast) cp_async_wait<1>();                           // G, v, k
+  __syncthreads();                                                   // the rows (and 2^gC sd) complete
+  auto v_at = [&](int i, int y) {  // v as bf16 (the row paths' fp16 rounded as the generic path's staging)
+    if constexpr (kPath == RowPath::kFp16) return __bfloat162float(__float2bfloat16_rn(cvt16<kPath>(reinterpret_cast<const unsigned short*>(v_s)[i * kLd + y])));
+    else return __bfloat162float(v_s[i * kLd + y]);
+  };
   const OutRows out_dv = out_rows(p.dv, b, t0, hv);
   each([&](int j, int e, int i, int y) {
-    db[e >> 1] += acc[j][e] * __bfloat162float(v_s[i * kLd + y]);
+    db[e >> 1] += acc[j][e] * v_at(i, y);
     if ((e & 1) == 0 && i < rows && y < p.V) store2(out_dv, i, y, beta_s[i] * acc[j][e], beta_s[i] * acc[j][e + 1], y + 1 < p.V);
   });
   zero(acc);
-  warp_mma<kC, 4, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
+  mma_k<kC, 4, true, true>(acc, a_s, kLdC, m0, dw_s, kLd, n0);
   each([&](int j, int e, int i, int a) {
     const float eg = fast_exp2(g_f[i * kLdF + a]), ke = kh(i, a) * eg;
     dk_t[j][e] = beta_s[i] * eg * acc[j][e];
@@ -444,15 +463,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   });
   float acc_m[2][4];
   zero(acc_m);
-  warp_mma<kC, 2, true, true>(acc_m, a_s, kLdC, m0, dl_s, kLdC, n0c);
+  mma_k<kC, 2, true, true>(acc_m, a_s, kLdC, m0, dl_s, kLdC, n0c);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) store_pair(m_s + (m0 + g8 + 8 * h) * kLdC + n0c + 8 * j + 2 * t4, acc_m[j][2 * h], acc_m[j][2 * h + 1]);
-  __syncthreads();  // M complete; dA read
+  if constexpr (kFast) cp_async_wait<0>();  // q
+  __syncthreads();                          // M complete; dA read; q landed
+  if constexpr (kFast) {                    // 1 / |q| (read from the intra sweeps on)
+#pragma unroll
+    for (int u = 0; u < kC / kWarps; ++u) {
+      const int i = warp + kWarps * u;
+      float q[4];
+      raw4<kPath>(reinterpret_cast<const __nv_bfloat16*>(q16) + i * kLd + c0, q);
+      const float rq = row_rnorm(q, p.l2norm);
+      if (lane == 0) rq_s[i] = rq;
+    }
+  }
   // dL = -strict(M A^T), into dl_s.
   zero(acc_m);
-  warp_mma<kC, 2, false, false>(acc_m, m_s, kLdC, m0, a_s, kLdC, n0c);
+  mma_k<kC, 2, false, false>(acc_m, m_s, kLdC, m0, a_s, kLdC, n0c);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -460,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       const int i = m0 + g8 + 8 * h, c = n0c + 8 * j + 2 * t4;
       store_pair(dl_s + i * kLdC + c, c < i && i < rows ? -acc_m[j][2 * h] : 0.f, c + 1 < i && i < rows ? -acc_m[j][2 * h + 1] : 0.f);
     }
-  __syncthreads();  // dL complete; dVnew, dW, v, M read (the region is free)
+  __syncthreads();  // dL complete; dVnew, dW, v, M read (the region is free); 1 / |q| complete
 
   // ---- the intra-chunk terms (K2b's comments on the anchoring and the hi + lo operands) ----------
   auto build = [&](int nrows, auto&& value) {
@@ -490,10 +520,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   zero(acc2);
   for (int s = 0; s < blk; ++s) {
     for (const __nv_bfloat16* kr : {an_hi, an_lo}) {
-      warp_mma<16, 4, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
-      warp_mma<16, 4, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+      mma_k<16, 4, false, true>(acc, daqk_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+      mma_k<16, 4, false, true>(acc2, dl_s + 16 * s, kLdC, m0, kr + (row_base(blk) + 16 * s) * kLd, kLd, n0);
     }
-    warp_mma<16, 4, false, true>(acc, daqkl_s + 16 * s, kLdC, m0, an_hi + (row_base(blk) + 16 * s) * kLd, kLd, n0);
+    mma_k<16, 4, false, true>(acc, daqkl_s + 16 * s, kLdC, m0, an_hi + (row_base(blk) + 16 * s) * kLd, kLd, n0);
   }
   bool tc_diag;
   {
@@ -513,10 +543,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   __syncthreads();
   if (tc_diag) {
     for (const __nv_bfloat16* kd : {an_hi, an_lo}) {
-      warp_mma<16, 4, false, true>(acc, daqk_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
-      warp_mma<16, 4, false, true>(acc2, dl_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
+      mma_k<16, 4, false, true>(acc, daqk_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
+      mma_k<16, 4, false, true>(acc2, dl_s + m0, kLdC, m0, kd + m0 * kLd, kLd, n0);
     }
-    warp_mma<16, 4, false, true>(acc, daqkl_s + m0, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
+    mma_k<16, 4, false, true>(acc, daqkl_s + m0, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
   }
   each([&](int j, int e, int i, int a) {
     const float f = fast_exp2(g_f[i * kLdF + a] - g_f[m0 * kLdF + a]);
@@ -552,18 +582,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
 #pragma unroll 1
     for (int jj = m0 + 8; jj < m0 + 16; ++jj) column(jj, std::false_type{});
   }
+  const int t7 = tid_here();
   each([&](int j, int e, int i, int a) {
     const float qf = qh(i, a), kf = kh(i, a), bt = beta_s[i];
-    const float dq_in = j < 2 ? dqi[j][e] : park(4 * (j - 2) + e);
+    const float dq_in = park(t7, j, e);
     dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dq_in + bt * kf * acc2[j][e];
     dk_t[j][e] += bt * acc2[j][e];
     db[e >> 1] += kf * acc2[j][e];
     acc[j][e] = dq_in + p.scale * acc[j][e];  // dq^ from here on
   });
   float(&dq_t)[4][4] = acc;
-  // G at this warp's fragment elements (dqi is consumed).
-  float gr[4][4];
-  each([&](int j, int e, int i, int a) { gr[j][e] = g_f[i * kLdF + a]; });
+  // G at this warp's fragment element (n-tile j, e), from shared memory at each use (16 registers fewer across (3)).
+  auto gr = [&](int j, int e) { return g_f[(m0 + g8 + 8 * (e >> 1)) * kLdF + n0 + 8 * j + 2 * t4 + (e & 1)]; };
   // (3) dKcol over column block blk: off the diagonal block anchored at row m0 + 15; the block.
   zero(acc2);
   for (int term = 0; term < 2; ++term) {  // dAqk^T qr, then dL^T bkr: each operand in the region in turn
@@ -573,9 +603,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     const __nv_bfloat16* coef = term == 0 ? daqk_s : dl_s;
     for (int s = 0; s < 3 - blk; ++s) {
       const int i0 = 16 * (blk + 1) + 16 * s, rb = col_base(blk) + 16 * s;
-      warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
-      warp_mma<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
-      if (term == 0) warp_mma<16, 4, true, true>(acc2, daqkl_s + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
+      mma_k<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
+      mma_k<16, 4, true, true>(acc2, coef + i0 * kLdC, kLdC, m0, an_lo + rb * kLd, kLd, n0);
+      if (term == 0) mma_k<16, 4, true, true>(acc2, daqkl_s + i0 * kLdC, kLdC, m0, an_hi + rb * kLd, kLd, n0);
     }
   }
   __syncthreads();  // bkr is read
@@ -587,12 +617,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
   __syncthreads();
   if (tc_diag) {
     for (const __nv_bfloat16* cd : {an_hi, an_lo}) {
-      warp_mma<16, 4, true, true>(acc2, daqk_s + m0 * kLdC, kLdC, m0, cd + m0 * kLd, kLd, n0);
-      warp_mma<16, 4, true, true>(acc2, dl_s + m0 * kLdC, kLdC, m0, cd + (kC + m0) * kLd, kLd, n0);
+      mma_k<16, 4, true, true>(acc2, daqk_s + m0 * kLdC, kLdC, m0, cd + m0 * kLd, kLd, n0);
+      mma_k<16, 4, true, true>(acc2, dl_s + m0 * kLdC, kLdC, m0, cd + (kC + m0) * kLd, kLd, n0);
     }
-    warp_mma<16, 4, true, true>(acc2, daqkl_s + m0 * kLdC, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
+    mma_k<16, 4, true, true>(acc2, daqkl_s + m0 * kLdC, kLdC, m0, an_hi + m0 * kLd, kLd, n0);
   }
-  each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr[j][e]); });
+  each([&](int j, int e, int c, int a) { acc2[j][e] *= fast_exp2(g_f[(m0 + 15) * kLdF + a] - gr(j, e)); });
   auto row = [&](int ii, auto kAll) {
     float cq[2], cl[2];
     const float bt = beta_s[ii];
@@ -608,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       const float2 q2 = qh2(ii, a), k2 = kh2(ii, a), g2 = *reinterpret_cast<const float2*>(g_f + ii * kLdF + a);
 #pragma unroll
       for (int e = 0; e < (decltype(kAll)::value ? 4 : 2); ++e) {
-        const float f = fast_exp2(fminf((e & 1 ? g2.y : g2.x) - gr[j][e], 0.f));
+        const float f = fast_exp2(fminf((e & 1 ? g2.y : g2.x) - gr(j, e), 0.f));
         acc2[j][e] += (cq[e >> 1] * (e & 1 ? q2.y : q2.x) + cl[e >> 1] * (e & 1 ? k2.y : k2.x)) * f;
       }
     }
@@ -658,6 +688,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
     }
   __syncthreads();
   // ---- the tails ----------------------------------------------------------------------------------
+  renew();
   const int64_t sb = int64_t(p.T) * p.H * kD, st = int64_t(p.H) * kD;
   const KdaOutTensor pdq = p.group > 1 ? KdaOutTensor{w.dqi, DType::kFP32, sb, st, kD} : p.dq;
   const KdaOutTensor pdk = p.group > 1 ? KdaOutTensor{w.dki, DType::kFP32, sb, st, kD} : p.dk;
@@ -738,44 +769,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_k2_kernel(const __grid_const
       sdt += tail_s[x * kD + a];
       sda += tail_s[(kParts + x) * kD + a];
     }
-    w.gp[state * 2 * kD + a] = sdt;
-    w.gp[state * 2 * kD + kD + a] = sda;
+    w.gp[state() * 2 * kD + a] = sdt;
+    w.gp[state() * 2 * kD + kD + a] = sda;
   }
-}
-
-// Grouped value heads: dq[b, t, hq, a] = sum over j < group (in order) of the partial of value head
-// hq * group + j (dqi / dki rows); one thread per (b, t, hq, a).
-__global__ void kda2_group_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* pq, const float* pk) {
-  const int Hq = p.H / p.group;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(p.B) * p.T * Hq * p.K) return;
-  const int a = int(idx % p.K), hq = int(idx / p.K % Hq);
-  const int64_t r = idx / p.K / Hq;
-  const int t = int(r % p.T), b = int(r / p.T);
-  float sq = 0.f, sk = 0.f;
-  for (int j = 0; j < p.group; ++j) {
-    const int64_t off = ((int64_t(b) * p.T + t) * p.H + hq * p.group + j) * kD + a;
-    sq += pq[off];
-    sk += pk[off];
-  }
-  store_out(p.dq, b, t, hq, a, sq);
-  store_out(p.dk, b, t, hq, a, sk);
 }
 
 }  // namespace
 }  // namespace kda2
-
-Status launch_kda2_reductions(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* workspace, int chunks, Stream stream) {
-  using namespace kda2;
-  const Ptrs w = ptrs_of(l, workspace);
-  auto s = static_cast<cudaStream_t>(stream);
-  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(kdabwd::launch_gate_reduce_parts(p, w.gp, 2 * kD, 0, kD, chunks, s));
-  const int64_t n = int64_t(p.B) * p.T * (p.H / p.group) * p.K;
-  if (p.group > 1 && n > 0)
-    ENCORE_RETURN_IF_ERROR(launch("kda2_group_reduce_kernel",
-                                  [&] { kda2_group_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, w.dqi, w.dki); }));
-  return Status::ok();
-}
 
 Status launch_kda2_k2(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* workspace, int chunks, Stream stream) {
   using namespace kda2;

@@ -25,7 +25,7 @@
 //   dA_log and ddt_bias into gp) and the L2-norm backward (dq, dk). With grouped value heads dq, dk go
 //   to fp32 per-value-head partials (in place over dqi, dki), summed per q/k head by
 //   kda2_group_reduce_kernel; dA_log, ddt_bias from gp by the first backward's gate reduction
-//   (kdabwd::launch_gate_reduce_parts; fixed orders): launch_kda2_reductions, kda_bwd2_k2.cu.
+//   (kdabwd::launch_gate_reduce_parts; fixed orders): launch_kda2_reductions, kda_bwd2_reduce.cu.
 // Kept (with K2a) only for the test that the fused K2 (kda_bwd2_k2.cu) gives the same bits; deleted
 // once a GPU has confirmed the fused kernel.
 #include <cuda_bf16.h>
@@ -505,7 +505,7 @@ Status launch_kda2_wy(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* wor
   auto s = static_cast<cudaStream_t>(stream);
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_wy_kernel", kda2_wy_kernel, kSmem));
   if (chunks > 0 && p.H > 0) ENCORE_RETURN_IF_ERROR(launch("kda2_wy_kernel", [&] { kda2_wy_kernel<<<dim3(chunks, p.H), kThreads, kSmem, s>>>(p, w); }));
-  return launch_kda2_reductions(p, l, workspace, chunks, stream);  // kda_bwd2_k2.cu
+  return launch_kda2_reductions(p, l, workspace, chunks, stream);  // kda_bwd2_reduce.cu
 }
 
 }  // namespace encore::cuda
