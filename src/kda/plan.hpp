@@ -31,14 +31,14 @@ Status check_plan(const KdaLaunchPlan& plan);
 Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const DeviceInfo& device, KdaLaunchPlan* out);
 
 // The decode step's plan (kda/cuda/kda_decode.hpp) for N sequences x H value heads at K = V = 128, from
-// `encore bench kda_decode_plans` on an H100 (H 32, batch 1-1024, docs/kda.md): every launch a
-// programmatic dependent launch (0.3 us less at batch 1, level elsewhere). fp32 states: 32 columns a
-// block with the L2 prefetch one wave ahead (the fastest or level at every batch: 7% at batch 8). bf16
-// states: 32 columns while their grid takes under two waves (8 blocks an SM; at batch 8 it is 15% faster
-// than 64 columns), then 64 columns (steadier than 32 from one run to the next), with the prefetch once
-// the 64-column grid takes 16 waves (4 an SM; 3.6% at batch 1024, a loss at 64). States whose 8-column
-// accesses are not 16-byte aligned: 32 columns, no prefetch. Grids of at least two waves of whole heads
-// (N x H >= 2 x 6 (bf16) or 3 (fp32) blocks an SM): the whole-head kernel (one bulk copy each way).
+// `encore bench kda_decode_plans` on an H100 (H 32, batch 1-1024, docs/kda_serving.md): every launch a
+// programmatic dependent launch (0.4-0.6 us less at batch 1, level elsewhere). From two waves of the
+// whole-head grid (N x H >= 2 x 6 blocks an SM with bf16 states, 2 x 3 with fp32) the whole-head kernel
+// (13% faster than the best column plan with bf16 states from batch 64, 3.5% with fp32). Under that:
+// fp32 states 32 columns a block with the L2 prefetch one wave ahead (7% at batch 8); bf16 states 32
+// columns (15% faster than 64 at batch 8), 64 columns once the 32-column grid takes two waves (8
+// blocks an SM), with the prefetch once the 64-column grid takes 16 waves. States whose 8-column
+// accesses are not 16-byte aligned: 32 columns, no prefetch.
 cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool states16, int sm_count);
 
 // The CUDA backward's kernels for a problem: the second backward (K0 prep, K1 scan, K2a, K2b: single-
