@@ -77,8 +77,6 @@ KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType
   return KdaBackwardKernels::kFirst;
 }
 
-Kda2K2 kda2_k2(DType inputs) {
-  return inputs == DType::kBF16 || inputs == DType::kFP16 ? Kda2K2::kFused : Kda2K2::kSplit;
-}
+Kda2K2 kda2_k2(DType) { return Kda2K2::kSplit; }
 
 }  // namespace encore::kda

@@ -26,7 +26,7 @@ Status run(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts, const 
 // with the forward's residuals G, Aqk, Akk, h (CUDA, K, V <= 128): the workspace size, and the run,
 // whose intermediates sit in `workspace` at `layout`'s offsets for the stage tests to read (dh0 into
 // args.dh0). k2: kSplit (the default here) runs K2a then K2b, for any input dtype, with K2a's outputs
-// in the workspace; kFused the fused K2 that run takes (kda2_k2: 16-bit q and k only).
+// in the workspace; kFused the fused K2 (16-bit q and k only; run takes kda2_k2's choice).
 Status bwd2_stages_workspace(const KdaBackwardArgs& args, const KdaOptions& opts, size_t* bytes, cuda::Kda2K2 k2 = cuda::Kda2K2::kSplit);
 Status bwd2_stages(const KdaBackwardArgs& args, const KdaOptions& opts, void* workspace, Stream stream, cuda::Kda2Layout* layout,
                    cuda::Kda2K2 k2 = cuda::Kda2K2::kSplit);

@@ -26,7 +26,7 @@
 //   gp  [NT][HV][2][128]   fp32 per-chunk partials of ddt_bias and dA_log (summed per head last)
 // and dh0 [N, HV, K, V] fp32 into the problem's dh0 (when given). G, Aqk, Akk come from the
 // forward's residuals (required); rows past a sequence's end are never written.
-// The fused K2 (Kda2K2::kFused, kda_bwd2_k2.cu: K2a's products and K2b in one block, run's choice)
+// The fused K2 (Kda2K2::kFused, kda_bwd2_k2.cu: K2a's products and K2b in one block)
 // keeps dqi, dki, dW, dAqk hi + lo, dA and sd on chip: its layout has none of them (offset 0, no
 // bytes), except dqi, dki with grouped value heads (the fp32 per-value-head partials of dq, dk).
 #pragma once
@@ -40,7 +40,7 @@ namespace encore::cuda {
 constexpr int kKda2D = 128;  // padded channel width of the intermediates (K, V <= 128)
 
 // K2 as one fused kernel (16-bit q and k) or as K2a then K2b (the split path: any input dtype, its
-// intermediates in the workspace for the stage tests; deleted once a GPU has confirmed the fused one).
+// intermediates in the workspace for the stage tests; run's choice until the fused one is measured ahead).
 // Declared with the plan (kda/plan.hpp: kda2_k2 is run's choice).
 using Kda2K2 = ::encore::kda::Kda2K2;
 

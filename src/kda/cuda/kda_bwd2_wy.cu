@@ -26,8 +26,7 @@
 //   to fp32 per-value-head partials (in place over dqi, dki), summed per q/k head by
 //   kda2_group_reduce_kernel; dA_log, ddt_bias from gp by the first backward's gate reduction
 //   (kdabwd::launch_gate_reduce_parts; fixed orders): launch_kda2_reductions, kda_bwd2_reduce.cu.
-// Kept (with K2a) only for the test that the fused K2 (kda_bwd2_k2.cu) gives the same bits; deleted
-// once a GPU has confirmed the fused kernel.
+// run's K2 (with K2a) until the fused K2 (kda_bwd2_k2.cu, bit-identical) is measured ahead of the pair.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
