@@ -225,18 +225,9 @@ __global__ void __launch_bounds__(kThreads, kResident<kDim, St, kOne, kC>)
   TokenLoad<R, In, kC> tl;
   if (len > 0) tl.load(p, b, begin, h, hq, row0, c0);
 
-  // The slot this sequence starts from (-1: zeros, or padding with indices) and whether its indices are bad.
-  int64_t read_slot = -1;
-  if (p.mode == KdaDecodeMode::kStates) {
-    if (p.init) read_slot = n;
-  } else {
-    const SlotPlan slots = resolve_slots(p, n, len);
-    read_slot = slots.read;
-    if (slots.bad || read_slot < 0) {  // bad indices: NaN rows, nothing written to the pool; padding: zero rows
-      fill_o(p, b, begin, len, h, tile * kCols, kCols, V, slots.bad);
-      return;
-    }
-  }
+  // The slot this sequence starts from (-1: zeros); padding and bad indices end the block here.
+  int64_t read_slot;
+  if (!start_slot(p, n, b, begin, len, h, tile * kCols, kCols, V, &read_slot)) return;
 
   // The gate's per-head parameters (in-kernel gate): e^A_log and dt_bias of this thread's rows.
   const bool gate = p.gate_in_kernel;

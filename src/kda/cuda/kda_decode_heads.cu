@@ -130,17 +130,8 @@ __global__ void __launch_bounds__(kHeadThreads, kHeadResident<St>)
   const int b = p.varlen ? 0 : n, begin = p.varlen ? table.begin[i] : 0, len = (p.varlen ? table.begin[i + 1] : p.T) - begin;
   if (len == 0 && p.mode != KdaDecodeMode::kStates) return;  // no token: the pool is not touched
 
-  int64_t read_slot = -1;
-  if (p.mode == KdaDecodeMode::kStates) {
-    if (p.init) read_slot = n;
-  } else {
-    const SlotPlan slots = resolve_slots(p, n, len);
-    read_slot = slots.read;
-    if (slots.bad || read_slot < 0) {
-      fill_o(p, b, begin, len, h, 0, kHd, kHd, slots.bad);
-      return;
-    }
-  }
+  int64_t read_slot;
+  if (!start_slot(p, n, b, begin, len, h, 0, kHd, kHd, &read_slot)) return;
   const int64_t write_row = p.mode == KdaDecodeMode::kStates ? (p.fin ? int64_t(n) : -1)
                             : p.mode == KdaDecodeMode::kSlots ? read_slot
                                                               : load_index(p.idx, p.idx64, int64_t(n) * p.idx_s0);

@@ -357,4 +357,21 @@ __device__ __forceinline__ void fill_o(const KdaDecodeParams& p, int b, int begi
   }
 }
 
+// The slot sequence n's block starts from (-1: zeros) into *read; false when the block is done: a pool
+// mode's padding sequence (o rows 0) or bad indices (NaN o rows, nothing written), its o columns col0 ..
+// col0 + cols - 1 of V filled by fill_o. kStates: row n when there is an initial state.
+__device__ __forceinline__ bool start_slot(const KdaDecodeParams& p, int n, int b, int begin, int len, int h, int col0, int cols,
+                                           int V, int64_t* read) {
+  *read = -1;
+  if (p.mode == KdaDecodeMode::kStates) {
+    if (p.init) *read = n;
+    return true;
+  }
+  const SlotPlan slots = resolve_slots(p, n, len);
+  *read = slots.read;
+  if (!slots.bad && slots.read >= 0) return true;
+  fill_o(p, b, begin, len, h, col0, cols, V, slots.bad);
+  return false;
+}
+
 }  // namespace encore::cuda::decode
