@@ -117,6 +117,7 @@ need() {  # need PATH WHAT: fails the pass when PATH is missing (dry runs only w
 gtest_line() {
   local t p s r
   t=$(sed -n "$(( $1 + 1 )),${2:-\$}p" "$log")
+  if grep -q '^deadline reached: not run' <<<"$t"; then echo "0 passed, not run (deadline)"; pass_failed=1; return; fi
   r=$(grep -E '^\[==========\] [0-9]+ tests? from .* ran' <<<"$t" | tail -1 | grep -oE '[0-9]+' | head -1)
   p=$(grep -E '^\[  PASSED  \] [0-9]+' <<<"$t" | tail -1 | grep -oE '[0-9]+' | head -1)
   s=$(grep -E '^\[  SKIPPED \] [0-9]+ test' <<<"$t" | tail -1 | grep -oE '[0-9]+' | head -1)
@@ -165,7 +166,8 @@ pass_test() {
       { [ $? = 124 ] && tail -n +"$m1" "$log" | grep -E '^\[ RUN +\]' | tail -1 | sed 's/^\[ RUN *\]/    timed out in:/'; }
     line=$(gtest_line "$m1")
     case "$line" in
-      *crashed*) crashed=" (shard $((i + 1)) crashed)"; gp=$((gp + ${line%% *})) ;;
+      *"not run"*) crashed+=" (shard $((i + 1)) not run: deadline)" ;;
+      *crashed*) crashed+=" (shard $((i + 1)) crashed)"; gp=$((gp + ${line%% *})) ;;
       *) gp=$((gp + ${line%% passed*})); f_=${line#*, }; gf=$((gf + ${f_%% failed*})) ;;
     esac
   done
