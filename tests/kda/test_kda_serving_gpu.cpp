@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -34,7 +35,7 @@ namespace {
 
 // The device mirror of a host call: inputs in `in` (g in fp32 when precomputed), o poisoned; states and
 // indices as the host's (their bytes).
-KdaRecurrentArgs to_device(KdaRecurrentArgs& h, DType in, DType gdt, DeviceArena& ar) {
+KdaRecurrentArgs to_device(KdaRecurrentArgs& h, DType in, DType gdt, DeviceArena& ar, std::optional<DType> odt = std::nullopt) {
   KdaRecurrentArgs d;
   d.q = ar.mirror(h.q, in), d.k = ar.mirror(h.k, in), d.v = ar.mirror(h.v, in), d.g = ar.mirror(h.g, gdt), d.beta = ar.mirror(h.beta, in);
   d.A_log = ar.mirror(h.A_log, DType::kFP32), d.dt_bias = ar.mirror(h.dt_bias, DType::kFP32);
@@ -42,7 +43,7 @@ KdaRecurrentArgs to_device(KdaRecurrentArgs& h, DType in, DType gdt, DeviceArena
   d.initial_state = ar.mirror(h.initial_state, h.initial_state.dtype);
   d.state_indices = ar.mirror(h.state_indices, h.state_indices.dtype);
   d.num_accepted_tokens = ar.mirror(h.num_accepted_tokens, h.num_accepted_tokens.dtype);
-  d.o = ar.mirror(h.o, in, /*poison=*/true);
+  d.o = ar.mirror(h.o, odt.value_or(in), /*poison=*/true);  // o in its own dtype when given
   if (h.final_state.defined()) {
     const bool in_place = h.final_state.data == h.initial_state.data;
     d.final_state = in_place ? d.initial_state : ar.mirror(h.final_state, h.final_state.dtype, true);
@@ -109,11 +110,12 @@ double max_abs(const std::vector<double>& x) {
 // (`written` pool slots, or final_state) and the untouched slots (bit-identical). plan: the device run's
 // decode plan (null: the rule's).
 void compare(const std::string& label, Problem& pr, DType in, KdaRecurrentArgs h, std::vector<unsigned char>* pool_bytes,
-             const std::set<int64_t>& written, std::vector<double>* fin_host = nullptr, const cuda::KdaDecodePlan* plan = nullptr) {
+             const std::set<int64_t>& written, std::vector<double>* fin_host = nullptr, const cuda::KdaDecodePlan* plan = nullptr,
+             std::optional<DType> odt = std::nullopt) {
   SCOPED_TRACE(label + " " + dtype_name(in));
   DeviceArena ar;
   const DType gdt = pr.opts.o.use_gate_in_kernel ? in : DType::kFP32;
-  KdaRecurrentArgs d = to_device(h, in, gdt, ar);  // rounds h's inputs
+  KdaRecurrentArgs d = to_device(h, in, gdt, ar, odt);  // rounds h's inputs
   const std::vector<unsigned char> before = pool_bytes ? *pool_bytes : std::vector<unsigned char>{};
   Status st = plan ? kda::run(d, pr.opts.o, *plan) : run(d, pr.opts.o);
   ASSERT_TRUE(st) << st.to_string();
@@ -156,11 +158,11 @@ void compare(const std::string& label, Problem& pr, DType in, KdaRecurrentArgs h
 // on the device with bf16 inputs and checks o's rows of the sequences in `bad` NaN, of those in `pad` 0,
 // of every other one finite, and the pool's slots in `written` changed, every other slot bit-identical.
 void check_index_contract(KdaRecurrentArgs& h, int64_t N, const std::set<int64_t>& bad, const std::set<int64_t>& pad,
-                          const std::set<int64_t>& written) {
+                          const std::set<int64_t>& written, const cuda::KdaDecodePlan* plan = nullptr) {
   DeviceArena ar;
   KdaRecurrentArgs d = to_device(h, DType::kBF16, DType::kBF16, ar);
   const std::vector<unsigned char> before = fetch_bytes(d.initial_state);
-  ASSERT_TRUE(run(d, kKimi.o));
+  ASSERT_TRUE(plan ? kda::run(d, kKimi.o, *plan) : run(d, kKimi.o));
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<double> o = fetch(d.o);
   const std::vector<unsigned char> after = fetch_bytes(d.initial_state);
@@ -284,6 +286,31 @@ TEST_F(KdaServingGpu, SingleTokenBatches) {
       }
 }
 
+// o in a dtype of its own (the inputs bf16, o fp16 or fp32) on every single-token kernel: each stores o
+// in o's dtype (the whole-head kernel once wrote bf16 bits into any 16-bit o).
+TEST_F(KdaServingGpu, SingleTokenOutputDtypes) {
+  using cuda::KdaDecodeKernel;
+  for (const KdaDecodeKernel kernel : {KdaDecodeKernel::kColumns32, KdaDecodeKernel::kColumns64, KdaDecodeKernel::kHeads})
+    for (DType odt : {DType::kFP16, DType::kFP32})
+      for (DType pdt : {DType::kFP32, DType::kBF16}) {
+        const int64_t N = 8, P = 2 * N + 5;
+        Problem pr(kDims128, kKimi, 700 + uint64_t(odt) * 7 + uint64_t(pdt), false, std::vector<int64_t>(size_t(N), 1));
+        Pool pool(kDims128, P, pdt, pr.rng);
+        std::vector<int32_t> idx(static_cast<size_t>(N));
+        std::set<int64_t> written;
+        for (int64_t n = 0; n < N; ++n) {
+          idx[size_t(n)] = n == 3 ? -1 : int32_t((n * 37 + 11) % P);
+          if (idx[size_t(n)] >= 0) written.insert(idx[size_t(n)]);
+        }
+        KdaRecurrentArgs h = pr.host();
+        h.initial_state = pool.view();
+        h.state_indices = TensorView::contiguous(idx.data(), DType::kInt32, {N});
+        const cuda::KdaDecodePlan plan{kernel, true, false};
+        compare(std::string("o ") + dtype_name(odt) + " pool " + dtype_name(pdt) + " kernel " + std::to_string(int(kernel)), pr,
+                DType::kBF16, h, &pool.bytes, written, nullptr, &plan, odt);
+      }
+}
+
 // A flat softplus gate keeps its small decay: dt_bias -8 to -20 with e^A_log = 1000 (gate -ea softplus(x)
 // from -0.34 to -2e-6) and beta 0 (the step is the decay alone), fp32 inputs and pool, single-token
 // kernels (32, 64 columns, whole heads): the state's decrement S - S_new against the fp64 reference to 1e-3 relative,
@@ -362,8 +389,12 @@ TEST_F(KdaServingGpu, StatesWithoutIndices) {
   for (const ServingDims& dm : {kDims128, kOdd})
     for (const std::vector<int64_t>& lens : {std::vector<int64_t>{3, 0, 1, 5}, one_token})
       for (DType sdt : {DType::kFP32, DType::kBF16})
-        for (int variant = 0; variant < 4; ++variant) {  // 0: h0 -> fin, 1: in place, 2: no h0, 3: h0 without fin
+        for (int variant = 0; variant < 4; ++variant)  // 0: h0 -> fin, 1: in place, 2: no h0, 3: h0 without fin
+        for (int pi = 0; pi < 2; ++pi) {  // the rule's plan; at N = 300 also 32 columns with the L2 prefetch (rows n)
           if (lens.size() > 4 && dm.K != 128) continue;
+          if (pi == 1 && lens.size() <= 4) continue;
+          const cuda::KdaDecodePlan columns{cuda::KdaDecodeKernel::kColumns32, true, true};
+          const cuda::KdaDecodePlan* plan = pi == 1 ? &columns : nullptr;
           Problem pr(dm, kKimi, 53, true, lens);
           const int64_t N = int64_t(lens.size()), n = N * dm.HV * dm.K * dm.V;
           Pool h0(dm, N, sdt, pr.rng), fin(dm, N, sdt, pr.rng);
@@ -374,8 +405,8 @@ TEST_F(KdaServingGpu, StatesWithoutIndices) {
           if (variant == 1) {
             std::set<int64_t> rows;
             for (int64_t r = 0; r < N; ++r) rows.insert(r);
-            compare(std::string("in place N") + std::to_string(N) + " K" + std::to_string(dm.K) + " " + dtype_name(sdt), pr, DType::kBF16, h,
-                    &h0.bytes, rows);
+            compare(std::string("in place N") + std::to_string(N) + " K" + std::to_string(dm.K) + " " + dtype_name(sdt) + (plan ? " columns" : ""),
+                    pr, DType::kBF16, h, &h0.bytes, rows, nullptr, plan);
             continue;
           }
           KdaRecurrentArgs hc = h;  // the reference's final state in its own bytes
@@ -385,7 +416,7 @@ TEST_F(KdaServingGpu, StatesWithoutIndices) {
             DeviceArena ar;
             const DType in = DType::kBF16;
             KdaRecurrentArgs d = to_device(hc, in, in, ar);
-            ASSERT_TRUE(run(d, pr.opts.o));
+            ASSERT_TRUE(plan ? kda::run(d, pr.opts.o, *plan) : run(d, pr.opts.o));
             ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
             ASSERT_TRUE(run(hc, pr.opts.o));
             const double eo = rel_err(fetch(d.o), pr.b.o);
@@ -397,8 +428,8 @@ TEST_F(KdaServingGpu, StatesWithoutIndices) {
               es = rel_err(fetch(d.final_state), r);
             }
             EXPECT_LE(es, 5e-3) << "final state";
-            std::printf("  kda decode states variant %d N%-3lld K%-3lld %-4s o %.2e  final state %.2e\n", variant, (long long)N, (long long)dm.K,
-                        dtype_name(sdt), eo, es);
+            std::printf("  kda decode states variant %d N%-3lld K%-3lld %-4s %-7s o %.2e  final state %.2e\n", variant, (long long)N,
+                        (long long)dm.K, dtype_name(sdt), plan ? "columns" : "rule", eo, es);
           }
         }
 }
@@ -461,8 +492,8 @@ TEST_F(KdaServingGpu, BadDeviceIndicesGiveNaNRowsAndWriteNothing) {
   EXPECT_NE(st.message().find("state_indices: in host memory, but q is on cuda:0"), std::string::npos) << st.message();
 }
 
-// The device index contract in a large single-token batch (300 sequences, bf16 inputs: the 64-column
-// kernel for bf16 pools, 32 columns with the L2 prefetch for fp32): an index >= P, a per-token index >= P ([N, 2]: idx[n, 0] with the
+// The device index contract in a large single-token batch (300 sequences, bf16 inputs, the rule's plan:
+// on a 132-SM H100 the whole-head kernel for fp32 pools, 64 columns for bf16): an index >= P, a per-token index >= P ([N, 2]: idx[n, 0] with the
 // start in column 1) or num_accepted_tokens 0 / 3 > S give NaN rows and write nothing; padding gives zero
 // rows; every other sequence is computed and its slot written.
 TEST_F(KdaServingGpu, BadIndicesInLargeBatches) {
@@ -496,6 +527,11 @@ TEST_F(KdaServingGpu, BadIndicesInLargeBatches) {
       for (int64_t s = 0; s < N; ++s)
         if (!bad.count(s) && !pad.count(s)) written.insert(s);
       check_index_contract(h, N, bad, pad, written);
+      // the same on the column kernels with the L2 prefetch (which skips padding and out-of-range slots)
+      for (const cuda::KdaDecodeKernel k : {cuda::KdaDecodeKernel::kColumns32, cuda::KdaDecodeKernel::kColumns64}) {
+        const cuda::KdaDecodePlan plan{k, true, true};
+        check_index_contract(h, N, bad, pad, written, &plan);
+      }
     }
 }
 

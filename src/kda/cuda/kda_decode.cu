@@ -390,7 +390,7 @@ Status launch_rows(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t 
   return go(SeqTable<kKdaDecodeSeqTable>{});
 }
 
-// K = V = 128 with every input and o in one dtype (bf16 or fp32), their vector accesses aligned, and
+// K = V = 128 with every input in one dtype (bf16 or fp32; o any), their vector accesses aligned, and
 // aligned states of one dtype: the compile-time kernels. Launches whose sequences have at most one token
 // take the single-token kernel p.kernel names (kda/plan.hpp's rule): 32 or 64 columns a block.
 template <class In>

@@ -95,8 +95,9 @@ struct KdaDecodeParams {
   const void* nat = nullptr;
   bool nat64 = false;
   int64_t nat_s0 = 0;
-  // K = V = 128, q, k, v, g, beta and o of one dtype (bf16 or fp32), every vector access of them, of
-  // dt_bias and of the states aligned (the states of one dtype): the compile-time kernels.
+  // K = V = 128, q, k, v, g and beta of one dtype (bf16 or fp32), every vector access of them, of
+  // dt_bias and of the states aligned (the states of one dtype): the compile-time kernels (o may be any
+  // dtype and alignment: its stores check both).
   bool fast = false;
   bool states16 = false;  // the states' 8-column accesses are 16-byte aligned (base, slot stride, V): the 64-column kernels
   int sm_count = 0;       // the device's SMs (the prefetch distance)

@@ -10,9 +10,11 @@
 // 2 (t % 64), + 1 and the 64 rows of half t / 64: pass 1 sums S̄ᵀk, S̄ᵀq over its rows (the two
 // halves' partials added through shared memory), each thread of a pair forms u and o of its two
 // columns, pass 2 writes S̄ + k̂ uᵀ back in place, and one thread stores the head.
-// Constraints (launch_kda_decode_heads): K = V = 128, every sequence <= 1 token, the fast path's inputs
-// (q, k, v, g, beta, o of one dtype In, aligned), states of one dtype St (fp32 or bf16) with 16-byte
-// aligned base and slot stride ([K, V] layout). Index contract and padding as kda_decode.cu's kernels.
+// Constraints (launch_kda_decode_heads, checked): K = V = 128, every sequence <= 1 token, the fast path's
+// inputs (q, k, v, g, beta of one dtype In, aligned), states of one dtype St (fp32 or bf16) with 16-byte
+// aligned base and slot stride ([K, V] layout); o any of bf16 / fp16 / fp32, any alignment (pair stores
+// where aligned). Index contract and padding as kda_decode.cu's kernels. The copy's wait traps after 2 s:
+// like any device fault, that error ends the CUDA context.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -32,6 +34,8 @@ using namespace decode;
 constexpr int kHd = 128;            // K = V
 constexpr int kHeadThreads = 128;   // a thread per row (token loads) and per (column pair, row half) (passes)
 constexpr int kHalfRows = kHd / 2;  // rows of one pass half
+static_assert(kHeadThreads == kThreads && kHeadThreads == kHd && kHeadThreads / 32 == 4,
+              "a thread per row and column; fill_o's stride; the 4 warps' sums");
 
 template <class St>
 constexpr int kHeadBytes = kHd * kHd * int(sizeof(St));
@@ -195,10 +199,14 @@ __global__ void __launch_bounds__(kHeadThreads, kHeadResident<St>)
     if (half == 0) {
       const float o0 = p.scale * rq * fmaf(rk * qk, u0, pq0), o1 = p.scale * rq * fmaf(rk * qk, u1, pq1);
       const int64_t off = int64_t(b) * p.o_sb + int64_t(begin) * p.o_st + int64_t(h) * p.o_sh + c0;
-      if (p.o_dtype == DType::kFP32) *reinterpret_cast<float2*>(static_cast<float*>(p.o) + off) = make_float2(o0, o1);
-      else {
-        const __nv_bfloat162 ob = __floats2bfloat162_rn(o0, o1);
-        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.o) + off) = ob;
+      if (p.o_dtype == DType::kFP32) {  // o's dtype and alignment are its own (not the inputs')
+        float* po = static_cast<float*>(p.o) + off;
+        if (aligned(po, 8)) *reinterpret_cast<float2*>(po) = make_float2(o0, o1);
+        else po[0] = o0, po[1] = o1;
+      } else {  // bf16 or fp16
+        unsigned short* po = static_cast<unsigned short*>(p.o) + off;
+        if (aligned(po, 4)) *reinterpret_cast<unsigned*>(po) = pack_pair(p.o_dtype, o0, o1);
+        else po[0] = to_half_bits(p.o_dtype, o0), po[1] = to_half_bits(p.o_dtype, o1);
       }
     }
     // Pass 2: S = S̄ + k̂ uᵀ in place.
@@ -239,6 +247,11 @@ Status launch_heads(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t
 Status launch_kda_decode_heads(const KdaDecodeParams& p, const int32_t* begin, Stream stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const DType st = p.init ? p.init_dtype : p.fin_dtype;
+  const bool same = !p.init || !p.fin || p.init_dtype == p.fin_dtype;
+  if (!(p.fast && p.states16 && same && p.K == kHd && p.V == kHd && p.max_len <= 1 && !p.state_v_first &&
+        (st == DType::kBF16 || st == DType::kFP32) && (p.q.dtype == DType::kBF16 || p.q.dtype == DType::kFP32)))
+    return Status::invalid("kda decode (whole heads): needs K = V = 128, one token a sequence, aligned inputs of one dtype and "
+                           "16-byte aligned [K, V] states of one dtype (fp32 or bf16)");
   const bool bf16_in = p.q.dtype == DType::kBF16;
   if (st == DType::kBF16) return bf16_in ? launch_heads<__nv_bfloat16, __nv_bfloat16>(p, begin, s) : launch_heads<float, __nv_bfloat16>(p, begin, s);
   return bf16_in ? launch_heads<__nv_bfloat16, float>(p, begin, s) : launch_heads<float, float>(p, begin, s);
