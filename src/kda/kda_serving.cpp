@@ -341,8 +341,10 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
   ENCORE_RETURN_IF_ERROR(get_device_info(a.q.device.index, &info));
   d.sm_count = info->sm_count;
   const DType states = a.initial_state.defined() ? a.initial_state.dtype : fin.dtype;
+  // No state read or written (kStates without either): the rule's 32 columns, not a whole head of zeros.
+  const bool any_state = a.initial_state.defined() || fin.defined();
   auto choose = [&](int64_t n) {
-    const cuda::KdaDecodePlan c = plan ? *plan : kda::kda_decode_plan(n, p.H, states, d.states16, d.sm_count);
+    const cuda::KdaDecodePlan c = plan ? *plan : kda::kda_decode_plan(n, p.H, states, d.states16 && any_state, d.sm_count);
     d.kernel = c.kernel, d.pdl = c.pdl, d.prefetch = c.prefetch && d.states16;
   };
   d.varlen = a.cu_seqlens.defined();
