@@ -1,0 +1,66 @@
+// The KDA family's launch rules that need no device (src/kda/plan.cpp): the decode step's plan
+// (kda_decode_plan: which single-token kernel, PDL, the L2 prefetch) at the thresholds it is built on,
+// and the second backward's K2 (kda2_k2).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "kda/cuda/kda_decode.hpp"
+#include "kda/plan.hpp"
+
+namespace encore::test {
+namespace {
+
+using cuda::KdaDecodeKernel;
+using cuda::KdaDecodePlan;
+
+constexpr int kSms = 132;  // an H100's
+
+KdaDecodePlan plan(int64_t n_heads, DType states, bool aligned = true) { return kda::kda_decode_plan(n_heads, 1, states, aligned, kSms); }
+
+// The whole-head kernel from two waves of its grid: N x H >= 2 x resident blocks an SM x SMs.
+TEST(KdaPlanCpu, DecodeWholeHeadsFromTwoWaves) {
+  const int64_t bf16_at = 2 * cuda::kKdaDecodeResidentHeadsBf16 * kSms, fp32_at = 2 * cuda::kKdaDecodeResidentHeadsFp32 * kSms;
+  EXPECT_EQ(plan(bf16_at, DType::kBF16).kernel, KdaDecodeKernel::kHeads);
+  EXPECT_NE(plan(bf16_at - 1, DType::kBF16).kernel, KdaDecodeKernel::kHeads);
+  EXPECT_EQ(plan(fp32_at, DType::kFP32).kernel, KdaDecodeKernel::kHeads);
+  EXPECT_NE(plan(fp32_at - 1, DType::kFP32).kernel, KdaDecodeKernel::kHeads);
+  // H and N enter as their product
+  EXPECT_EQ(kda::kda_decode_plan(fp32_at / 4, 4, DType::kFP32, true, kSms).kernel, KdaDecodeKernel::kHeads);
+  // the whole-head kernel takes no prefetch; every plan is a PDL launch
+  EXPECT_FALSE(plan(bf16_at, DType::kBF16).prefetch);
+  EXPECT_TRUE(plan(bf16_at, DType::kBF16).pdl);
+  EXPECT_TRUE(plan(1, DType::kFP32).pdl);
+}
+
+// Under two waves of whole heads: fp32 states 32 columns with the prefetch; bf16 states 32 columns, 64
+// once the 32-column grid (4 blocks a head) takes two waves of 8 blocks an SM.
+TEST(KdaPlanCpu, DecodeColumnKernelsUnderThem) {
+  const KdaDecodePlan f = plan(256, DType::kFP32);
+  EXPECT_EQ(f.kernel, KdaDecodeKernel::kColumns32);
+  EXPECT_TRUE(f.prefetch);
+  const int64_t wide_at = 2 * cuda::kKdaDecodeResident32Bf16 * kSms / 4;
+  ASSERT_LT(wide_at, 2 * cuda::kKdaDecodeResidentHeadsBf16 * kSms);
+  EXPECT_EQ(plan(wide_at - 1, DType::kBF16).kernel, KdaDecodeKernel::kColumns32);
+  EXPECT_EQ(plan(wide_at, DType::kBF16).kernel, KdaDecodeKernel::kColumns64);
+  EXPECT_FALSE(plan(wide_at, DType::kBF16).prefetch);
+}
+
+// States whose 8-column accesses are not 16-byte aligned (or no state at all, as the serving code passes
+// it): 32 columns without the prefetch at every size.
+TEST(KdaPlanCpu, DecodeUnalignedStatesTakeColumns32) {
+  for (int64_t nh : {int64_t(1), int64_t(1000), int64_t(100000)})
+    for (DType st : {DType::kFP32, DType::kBF16}) {
+      const KdaDecodePlan p = plan(nh, st, /*aligned=*/false);
+      EXPECT_EQ(p.kernel, KdaDecodeKernel::kColumns32) << nh;
+      EXPECT_FALSE(p.prefetch) << nh;
+    }
+}
+
+// run's K2: the split pair until the fused kernel is measured ahead (kda/plan.hpp).
+TEST(KdaPlanCpu, SecondBackwardK2IsTheSplitPair) {
+  for (DType dt : {DType::kBF16, DType::kFP16, DType::kFP32}) EXPECT_EQ(kda::kda2_k2(dt), kda::Kda2K2::kSplit);
+}
+
+}  // namespace
+}  // namespace encore::test
