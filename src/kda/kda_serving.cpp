@@ -346,12 +346,20 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
   auto choose = [&](int64_t n) {
     const cuda::KdaDecodePlan c = plan ? *plan : kda::kda_decode_plan(n, p.H, states, d.states16 && any_state, d.sm_count);
     d.kernel = c.kernel, d.pdl = c.pdl, d.prefetch = c.prefetch && d.states16;
+    // A named plan (tests, benchmarks) whose kernel this launch cannot take is an error, not a silent
+    // fallback to 32 columns: the compile-time single-token kernels (K = V = 128, aligned inputs of one
+    // dtype, 16-byte aligned states of one dtype, at most one token a sequence).
+    const bool same = d.mode != cuda::KdaDecodeMode::kStates || !d.init || !d.fin || d.init_dtype == d.fin_dtype;
+    if (plan && c.kernel != cuda::KdaDecodeKernel::kColumns32 && !(d.fast && d.states16 && same && d.max_len <= 1))
+      return Status::invalid("plan.kernel: this launch cannot take the named single-token kernel (needs K = V = 128, aligned inputs of "
+                             "one dtype, 16-byte aligned states of one dtype and at most one token a sequence)");
+    return Status::ok();
   };
   d.varlen = a.cu_seqlens.defined();
   const int64_t N = int64_t(p.seqs.size());
   if (!d.varlen) {
     d.N = int(N), d.max_len = int(p.T);
-    choose(N);
+    ENCORE_RETURN_IF_ERROR(choose(N));
     return cuda::launch_kda_decode(d, nullptr, a.q.device.index, stream);
   }
   int32_t begin[cuda::kKdaDecodeSeqTable + 1];  // ~4 KB on the stack: run does not allocate
@@ -364,7 +372,7 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
       d.max_len = std::max(d.max_len, int(q.end - q.begin));
     }
     begin[count] = int32_t(p.seqs[size_t(n0 + count - 1)].end);
-    choose(count);
+    ENCORE_RETURN_IF_ERROR(choose(count));
     ENCORE_RETURN_IF_ERROR(cuda::launch_kda_decode(d, begin, a.q.device.index, stream));
   }
   return Status::ok();
