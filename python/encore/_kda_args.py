@@ -73,8 +73,12 @@ def _state_layout(state_v_first, kwargs, stacklevel=3):
             raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
         import warnings
 
-        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
-                      stacklevel=stacklevel)
+        from . import _core
+
+        compiling = _core._COMPILING  # bound once torch is imported (None for numpy callers)
+        if compiling is None or not compiling():  # dynamo cannot trace warnings.warn (fullgraph compiles keep working)
+            warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                          stacklevel=stacklevel)
         state_v_first = kwargs.pop("transpose_state_layout")
     return bool(state_v_first)
 

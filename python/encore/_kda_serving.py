@@ -142,11 +142,15 @@ def _cpu(cu_seqlens):
 
 # --- public API ------------------------------------------------------------------------------------------
 
-def _state_v_first(state_v_first, kwargs, name):
-    """state_v_first (or fla's deprecated transpose_state_layout); any other keyword refused naming it."""
-    state_v_first = _state_layout(state_v_first, kwargs, stacklevel=4)
+def _state_v_first(state_v_first, kwargs, name, alias=True):
+    """state_v_first (or, alias, fla's deprecated transpose_state_layout); any other keyword refused naming it.
+    fla's fused_recurrent_kda_fwd ignores transpose_state_layout (it reads state_v_first only): refused there
+    (alias False) rather than read another way than fla."""
+    if alias:
+        state_v_first = _state_layout(state_v_first, kwargs, stacklevel=4)
     if kwargs:
-        raise ValueError(f"{name}: not supported by encore: {', '.join(sorted(kwargs))}")
+        hint = " (fla's fused_recurrent_kda_fwd ignores transpose_state_layout: pass state_v_first)" if "transpose_state_layout" in kwargs else ""
+        raise ValueError(f"{name}: not supported by encore: {', '.join(sorted(kwargs))}{hint}")
     return state_v_first
 
 
@@ -206,11 +210,11 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     CUDA graph is being captured; unchecked, an index >= P gives NaN rows of out and writes nothing to the
     pool, and duplicates are the caller's contract. stream: an explicit stream (direct call).
 
-    state_v_first=True (fla's; or its deprecated name transpose_state_layout): every state, initial_state,
-    the pool and final_state, is stored transposed: [N or P, HV, V, K] (each slot's [HV, V, K] contiguous);
+    state_v_first=True (fla's; transpose_state_layout is refused here: fla's fused_recurrent_kda_fwd ignores
+    it): every state, initial_state, the pool and final_state, is stored transposed: [N or P, HV, V, K] (each slot's [HV, V, K] contiguous);
     states in the [K, V] layout are refused naming the argument. On CUDA with K = V = 128 the decode then
     takes the general kernel (scalar state accesses) instead of the compile-time ones."""
-    state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda_fwd")
+    state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda_fwd", alias=False)
     matrix_shape(q, "q", 4, "[B, T, H, K]")
     b, t, hv, vd = matrix_shape(v, "v", 4, "[B, T, HV, V]")
     kd = q.shape[3]

@@ -92,6 +92,13 @@ def check_intermediate_states(device, dtype, kd, vd, tol):
     same(o2, o, tol, "o")
     same(fin2, tr(fin), tol, "final_state")
     same(h2, tr(h), tol, "h")
+    # fla's deprecated name alone reads as state_v_first (its value used, not only its presence)
+    with torch.inference_mode(), pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        o3, fin3 = chunk_kda(*x, initial_state=tr(h0), output_final_state=True, transpose_state_layout=True, **gate, **KW)
+    assert torch.equal(o3, o2) and torch.equal(fin3, fin2)
+    with torch.inference_mode(), pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        o4, fin4 = chunk_kda(*x, initial_state=h0, output_final_state=True, transpose_state_layout=False, **gate, **KW)
+    assert torch.equal(o4, o) and torch.equal(fin4, fin)
 
 
 def check_fused_recurrent(device, dtype, kd, vd, tol):
@@ -261,6 +268,9 @@ def test_bad_layouts_refused():
     # a [V, K] state without state_v_first
     with pytest.raises(ValueError, match=r"initial_state: expected (shape )?\[N, HV, K, V\]"):
         chunk_kda(q, k, v, g, beta, initial_state=tr(kv), **gate, **KW)
-    for fn in (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd):
+    for fn in (chunk_kda, fused_recurrent_kda):
         with pytest.raises(ValueError, match="Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`"):
             fn(q, k, v, g, beta, initial_state=tr(kv), state_v_first=True, transpose_state_layout=True)
+    # fla's fused_recurrent_kda_fwd ignores the deprecated name: refused there, not read as state_v_first
+    with pytest.raises(ValueError, match="fused_recurrent_kda_fwd: not supported by encore: transpose_state_layout"):
+        fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=tr(kv), transpose_state_layout=True)
