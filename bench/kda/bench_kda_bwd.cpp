@@ -2,8 +2,7 @@
 // (kda_bench_case.hpp: bf16, H 16, K = V = 128, in-kernel softplus gate with dt_bias, q/k L2 norm;
 // fla is timed on the same ones by bench/peers/kda_train_peers.py): the forward writing chunk_kda's
 // residuals (G fp32; Aqk, Akk and, saved-h, the chunk states h in bf16), and the backward on both
-// paths (saved h: the second backward, and beside it the same with K2 as one fused kernel;
-// rematerialize: residuals G, Aqk, Akk only, the first), with dq,
+// paths (saved h: the second backward; rematerialize: residuals G, Aqk, Akk only, the first), with dq,
 // dk, dv, dg, dbeta, dA_log and ddt_bias written and d_o random in [-1, 1). Device time per call from
 // graph replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
 // bench kda_bwd).
@@ -14,8 +13,6 @@
 
 #include "bench/kda/kda_bench_case.hpp"
 #include "core/carve.hpp"
-#include "kda/cuda/kda_bwd2.hpp"  // Kda2K2, Kda2Layout
-#include "kda/testing.hpp"         // the second backward with its K2 fused
 
 namespace encore::bench {
 namespace {
@@ -33,7 +30,7 @@ struct KdaTrainCase {
   KdaBackwardArgs remat;   // G, Aqk, Akk only
   KdaOptions opts;
   void* mem = nullptr;
-  void *ws_fwd = nullptr, *ws_saved = nullptr, *ws_remat = nullptr, *ws_fused = nullptr;
+  void *ws_fwd = nullptr, *ws_saved = nullptr, *ws_remat = nullptr;
 
   explicit KdaTrainCase(const KdaBenchCase& kc) : fwd(kc.a), opts(kc.opts) {
     const Device dev{DeviceType::kCUDA, 0};
@@ -67,21 +64,17 @@ struct KdaTrainCase {
     check_cuda(cudaMalloc(&ws_fwd, std::max<size_t>(workspace_bytes(fwd, opts), 16)), "kda forward workspace");
     check_cuda(cudaMalloc(&ws_saved, std::max<size_t>(workspace_bytes(saved, opts), 16)), "kda backward workspace");
     check_cuda(cudaMalloc(&ws_remat, std::max<size_t>(workspace_bytes(remat, opts), 16)), "kda backward workspace");
-    size_t fused = 0;
-    check_status(kda::bwd2_stages_workspace(saved, opts, &fused, cuda::Kda2K2::kFused), "kda fused-K2 workspace");
-    check_cuda(cudaMalloc(&ws_fused, std::max<size_t>(fused, 16)), "kda backward workspace");
     check_cuda(cudaDeviceSynchronize(), "fill");
   }
   KdaTrainCase(const KdaTrainCase&) = delete;  // owns device memory
   KdaTrainCase& operator=(const KdaTrainCase&) = delete;
   ~KdaTrainCase() {
-    for (void* p : {mem, ws_fwd, ws_saved, ws_remat, ws_fused}) check_cuda(cudaFree(p), "free");
+    for (void* p : {mem, ws_fwd, ws_saved, ws_remat}) check_cuda(cudaFree(p), "free");
   }
 };
 
 constexpr const char* kFirst = "tensor-core backward (mma.sync bf16, split hi + lo operands), fp32 chunk records";
 constexpr const char* kSecond = "second backward (K0 prep, K1 scan, K2a, K2b: single-pass bf16 mma.sync, bf16 intermediates)";
-constexpr const char* kSecondFused = "second backward with K2 fused (K0 prep, K1 scan, one K2 kernel)";
 
 // backward: the backward's version, or null for the forward row (kda_record names the forward's).
 Record record(const char* name, const Config& c, const char* path, const char* backward) {
@@ -118,11 +111,6 @@ void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t st
     // run() picks the kernels (kda_backward_kernels): bf16 with saved states the second backward, the
     // rematerialize path the first.
     time("kda_backward", "saved_h", kSecond, [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
-    // The same second backward with K2 as one fused kernel (bit-identical to run's K2a then K2b).
-    time("kda_backward", "saved_h_fused_k2", kSecondFused, [&] {
-      cuda::Kda2Layout layout;
-      return kda::bwd2_stages(tc.saved, tc.opts, tc.ws_fused, stream, &layout, cuda::Kda2K2::kFused);
-    });
     time("kda_backward", "remat", kFirst, [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
   }
 }

@@ -508,8 +508,7 @@ size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
   if (!a.fwd.q.defined() || !a.fwd.q.device.is_cuda() || !kda::make_problem(a.fwd, o, &p)) return 0;
 #ifdef ENCORE_WITH_CUDA
   const kda::KdaBackwardKernels kernels = kda::kda_backward_kernels(p, a.fwd.residuals.h.defined(), a.fwd.q.dtype);
-  if (kernels == kda::KdaBackwardKernels::kSecond)
-    return cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H, kda::kda2_k2(a.fwd.q.dtype), p.group()).bytes;
+  if (kernels == kda::KdaBackwardKernels::kSecond) return cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes;
   if (kernels == kda::KdaBackwardKernels::kRecurrent) {
     int64_t window_rows = 0;  // the backward's partials hold one chunk of every sequence
     for (const auto& sq : p.seqs) window_rows += std::min<int64_t>(kda::kChunk, sq.end - sq.begin);
@@ -537,11 +536,8 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
     cuda::KdaBwdCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_backward(a, o, p, cp);
     switch (kda::kda_backward_kernels(p, a.fwd.residuals.h.defined(), a.fwd.q.dtype)) {
-      case kda::KdaBackwardKernels::kSecond: {
-        const cuda::Kda2K2 k2 = kda::kda2_k2(a.fwd.q.dtype);
-        return cuda::launch_kda2_backward(cp, cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H, k2, p.group()), workspace,
-                                          int(chunk_count(p)), stream, k2);
-      }
+      case kda::KdaBackwardKernels::kSecond:
+        return cuda::launch_kda2_backward(cp, cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H), workspace, int(chunk_count(p)), stream);
       case kda::KdaBackwardKernels::kRecurrent:
         return cuda::launch_kda_recurrent_backward(cp, workspace, stream);
       case kda::KdaBackwardKernels::kFirst:
@@ -583,21 +579,19 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
   return Status::ok();
 }
 
-Status kda::bwd2_stages_workspace(const KdaBackwardArgs& a, const KdaOptions& o, size_t* bytes, cuda::Kda2K2 k2) {
+Status kda::bwd2_stages_workspace(const KdaBackwardArgs& a, const KdaOptions& o, size_t* bytes) {
   kda::KdaProblem p;
   ENCORE_RETURN_IF_ERROR(validate_backward(a, o, &p));
 #ifdef ENCORE_WITH_CUDA
-  *bytes = cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H, k2, p.group()).bytes;
+  *bytes = cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes;
   return Status::ok();
 #else
-  (void)k2;
   *bytes = 0;
   return no_cuda(a.fwd.q);
 #endif
 }
 
-Status kda::bwd2_stages(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Stream stream, cuda::Kda2Layout* layout,
-                        cuda::Kda2K2 k2) {
+Status kda::bwd2_stages(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Stream stream, cuda::Kda2Layout* layout) {
   kda::KdaProblem p;
   ENCORE_RETURN_IF_ERROR(validate_backward(a, o, &p));
   if (!a.fwd.q.device.is_cuda()) return Status::invalid("q: the second backward's stages run on CUDA tensors");
@@ -607,14 +601,13 @@ Status kda::bwd2_stages(const KdaBackwardArgs& a, const KdaOptions& o, void* wor
     return Status::invalid("residuals: the second backward reads the forward's G, Aqk and Akk");
   cuda::KdaBwdCudaProblem cp{};
   fill_cuda_backward(a, o, p, cp);
-  *layout = cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H, k2, p.group());
+  *layout = cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H);
   if (!cp.h) return Status::invalid("residuals.h: the second backward runs the saved-h path");
-  return cuda::launch_kda2_backward(cp, *layout, workspace, int(chunk_count(p)), stream, k2);
+  return cuda::launch_kda2_backward(cp, *layout, workspace, int(chunk_count(p)), stream);
 #else
   (void)workspace;
   (void)stream;
   (void)layout;
-  (void)k2;
   return no_cuda(a.fwd.q);
 #endif
 }

@@ -77,6 +77,4 @@ KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType
   return KdaBackwardKernels::kFirst;
 }
 
-Kda2K2 kda2_k2(DType) { return Kda2K2::kSplit; }
-
 }  // namespace encore::kda

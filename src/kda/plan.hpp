@@ -48,13 +48,4 @@ cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool sta
 enum class KdaBackwardKernels { kSecond, kFirst, kRecurrent };
 KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType inputs);
 
-// The second backward's gradient stage K2 (run's choice): K2a then K2b. The fused kernel (K2a's products
-// and K2b in one block; 16-bit q and k only) is bit-identical to the pair on an H100
-// (KdaBwd2Gpu.FusedK2IsBitIdenticalToSplit) but its first version, with 100 B of spills, timed the whole
-// backward at 1.59 / 2.01 / 7.22 ms (varlen / B1 T8192 / B4 T8192) where the split pair, without the row
-// loader, had timed 1.56 / 1.92 / 6.69 in an earlier run: run keeps the pair until `encore bench kda_bwd`
-// (which times both in one run) shows the fused one, now without spills, ahead.
-enum class Kda2K2 { kFused, kSplit };  // K2 as one kernel, or as K2a then K2b (kda/cuda/kda_bwd2.hpp)
-Kda2K2 kda2_k2(DType inputs);
-
 }  // namespace encore::kda

@@ -22,14 +22,12 @@ Status run(const KdaForwardArgs& args, const KdaOptions& opts, const KdaLaunchPl
 // (kda_decode_plan; its kernel applies to fast single-token launches only, pdl to every launch).
 Status run(const KdaRecurrentArgs& args, const KdaRecurrentOptions& opts, const cuda::KdaDecodePlan& plan, Stream stream = nullptr);
 
-// The second backward (K0 prep, K1 scan, K2; kda/cuda/kda_bwd2.hpp) on a validated backward problem
-// with the forward's residuals G, Aqk, Akk, h (CUDA, K, V <= 128): the workspace size, and the run,
-// whose intermediates sit in `workspace` at `layout`'s offsets for the stage tests to read (dh0 into
-// args.dh0). k2: kSplit (the default here) runs K2a then K2b, for any input dtype, with K2a's outputs
-// in the workspace; kFused the fused K2 (16-bit q and k only; run takes kda2_k2's choice).
-Status bwd2_stages_workspace(const KdaBackwardArgs& args, const KdaOptions& opts, size_t* bytes, cuda::Kda2K2 k2 = cuda::Kda2K2::kSplit);
-Status bwd2_stages(const KdaBackwardArgs& args, const KdaOptions& opts, void* workspace, Stream stream, cuda::Kda2Layout* layout,
-                   cuda::Kda2K2 k2 = cuda::Kda2K2::kSplit);
+// The second backward (K0 prep, K1 scan, K2a, K2b; kda/cuda/kda_bwd2.hpp) on a validated backward
+// problem with the forward's residuals G, Aqk, Akk, h (CUDA, K, V <= 128), for any input dtype (run
+// takes it for bf16 / fp16 only): the workspace size, and the run, whose intermediates sit in
+// `workspace` at `layout`'s offsets for the stage tests to read (dh0 into args.dh0).
+Status bwd2_stages_workspace(const KdaBackwardArgs& args, const KdaOptions& opts, size_t* bytes);
+Status bwd2_stages(const KdaBackwardArgs& args, const KdaOptions& opts, void* workspace, Stream stream, cuda::Kda2Layout* layout);
 
 }  // namespace encore::kda
 

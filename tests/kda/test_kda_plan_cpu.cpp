@@ -1,6 +1,5 @@
 // The KDA family's launch rules that need no device (src/kda/plan.cpp): the decode step's plan
-// (kda_decode_plan: which single-token kernel, PDL, the L2 prefetch) at the thresholds it is built on,
-// and the second backward's K2 (kda2_k2).
+// (kda_decode_plan: which single-token kernel, PDL, the L2 prefetch) at the thresholds it is built on.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -55,11 +54,6 @@ TEST(KdaPlanCpu, DecodeUnalignedStatesTakeColumns32) {
       EXPECT_EQ(p.kernel, KdaDecodeKernel::kColumns32) << nh;
       EXPECT_FALSE(p.prefetch) << nh;
     }
-}
-
-// run's K2: the split pair until the fused kernel is measured ahead (kda/plan.hpp).
-TEST(KdaPlanCpu, SecondBackwardK2IsTheSplitPair) {
-  for (DType dt : {DType::kBF16, DType::kFP16, DType::kFP32}) EXPECT_EQ(kda::kda2_k2(dt), kda::Kda2K2::kSplit);
 }
 
 }  // namespace

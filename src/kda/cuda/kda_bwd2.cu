@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(kScanThreads, kScanBlocksPerSm) kda2_scan_kern
 }  // namespace
 }  // namespace kda2
 
-Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV, Kda2K2 k2, int64_t group) {
+Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV) {
   Kda2Layout l;
   size_t o = 0;
   auto take = [&](size_t bytes) {
@@ -429,15 +429,10 @@ Kda2Layout kda2_layout(int64_t tokens, int64_t chunks, int64_t HV, Kda2K2 k2, in
     return at;
   };
   const size_t row = size_t(tokens) * HV * kKda2D * 2;  // one bf16 [tokens][HV][128] tensor
-  const bool split = k2 == Kda2K2::kSplit;
-  l.qg = take(row), l.kg = take(row), l.wn = take(row), l.dvl = take(row), l.dvn = take(row);
-  if (split) {  // K2a's outputs for K2b
-    l.dw = take(row);
-    l.daqk = take(row / 2), l.daqk_lo = take(row / 2), l.da = take(row / 2);  // [tokens][HV][64]
-  }
-  if (split || group > 1) l.dqi = take(2 * row), l.dki = take(2 * row);  // fp32 (grouped: dq, dk partials)
-  l.egc = take(size_t(chunks) * HV * kKda2D * 4);
-  if (split) l.sd = take(size_t(chunks) * HV * kKda2D * 4);
+  l.qg = take(row), l.kg = take(row), l.wn = take(row), l.dvl = take(row), l.dvn = take(row), l.dw = take(row);
+  l.daqk = take(row / 2), l.daqk_lo = take(row / 2), l.da = take(row / 2);  // [tokens][HV][64]
+  l.dqi = take(2 * row), l.dki = take(2 * row);  // fp32
+  l.egc = take(size_t(chunks) * HV * kKda2D * 4), l.sd = take(size_t(chunks) * HV * kKda2D * 4);
   l.gp = take(size_t(chunks) * HV * 2 * kKda2D * 4);
   l.dsp = take(size_t(chunks) * HV * kKda2D * kKda2D * 2);
   l.bytes = o;
@@ -469,11 +464,10 @@ Status launch_kda2_prep_scan(const KdaBwdCudaProblem& p, const Kda2Layout& l, vo
   return Status::ok();
 }
 
-Status launch_kda2_backward(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* workspace, int chunks, Stream stream, Kda2K2 k2) {
+Status launch_kda2_backward(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* workspace, int chunks, Stream stream) {
   DeviceGuard guard;
   ENCORE_RETURN_IF_ERROR(guard.set(p.device));
   ENCORE_RETURN_IF_ERROR(launch_kda2_prep_scan(p, l, workspace, chunks, stream));
-  if (k2 == Kda2K2::kFused) return launch_kda2_k2(p, l, workspace, chunks, stream);
   ENCORE_RETURN_IF_ERROR(launch_kda2_state_grads(p, l, workspace, chunks, stream));
   return launch_kda2_wy(p, l, workspace, chunks, stream);
 }

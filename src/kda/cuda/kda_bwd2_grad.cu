@@ -22,7 +22,6 @@
 //   sd   = rowsum_V(S . dS')       (fp32, per state row)
 // S is the forward's saved chunk-start state (residuals.h); dS' and dVnew come from K1, -W from K0.
 // Rows past a chunk's end are zero in every tile and never written; K, V <= 128, channels padded.
-// run's K2 (with K2b) until the fused K2 (kda_bwd2_k2.cu, bit-identical) is measured ahead of the pair.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>

@@ -25,8 +25,7 @@
 //   dA_log and ddt_bias into gp) and the L2-norm backward (dq, dk). With grouped value heads dq, dk go
 //   to fp32 per-value-head partials (in place over dqi, dki), summed per q/k head by
 //   kda2_group_reduce_kernel; dA_log, ddt_bias from gp by the first backward's gate reduction
-//   (kdabwd::launch_gate_reduce_parts; fixed orders): launch_kda2_reductions, kda_bwd2_reduce.cu.
-// run's K2 (with K2a) until the fused K2 (kda_bwd2_k2.cu, bit-identical) is measured ahead of the pair.
+//   (kdabwd::launch_gate_reduce_parts; fixed orders).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -495,6 +494,27 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   }
 }
 
+// Grouped value heads: dq[b, t, hq, a] = sum over j < group (in order) of the partial of value head
+// hq * group + j (dqi / dki rows); one thread per (b, t, hq, a).
+__global__ void kda2_group_reduce_kernel(const __grid_constant__ KdaBwdCudaProblem p, const float* pq, const float* pk) {
+  const int Hq = p.H / p.group;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(p.B) * p.T * Hq * p.K) return;
+  const int a = int(idx % p.K);
+  int64_t r = idx / p.K;
+  const int hq = int(r % Hq);
+  r /= Hq;
+  const int t = int(r % p.T), b = int(r / p.T);
+  float sq = 0.f, sk = 0.f;
+  for (int j = 0; j < p.group; ++j) {
+    const int64_t off = ((int64_t(b) * p.T + t) * p.H + hq * p.group + j) * kD + a;
+    sq += pq[off];
+    sk += pk[off];
+  }
+  store_out(p.dq, b, t, hq, a, sq);
+  store_out(p.dk, b, t, hq, a, sk);
+}
+
 }  // namespace
 }  // namespace kda2
 
@@ -504,7 +524,12 @@ Status launch_kda2_wy(const KdaBwdCudaProblem& p, const Kda2Layout& l, void* wor
   auto s = static_cast<cudaStream_t>(stream);
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem("kda2_wy_kernel", kda2_wy_kernel, kSmem));
   if (chunks > 0 && p.H > 0) ENCORE_RETURN_IF_ERROR(launch("kda2_wy_kernel", [&] { kda2_wy_kernel<<<dim3(chunks, p.H), kThreads, kSmem, s>>>(p, w); }));
-  return launch_kda2_reductions(p, l, workspace, chunks, stream);  // kda_bwd2_reduce.cu
+  if (p.dA_log || p.ddt_bias) ENCORE_RETURN_IF_ERROR(kdabwd::launch_gate_reduce_parts(p, w.gp, 2 * kD, 0, kD, chunks, s));
+  const int64_t n = int64_t(p.B) * p.T * (p.H / p.group) * p.K;
+  if (p.group > 1 && n > 0)
+    ENCORE_RETURN_IF_ERROR(launch("kda2_group_reduce_kernel",
+                                  [&] { kda2_group_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, w.dqi, w.dki); }));
+  return Status::ok();
 }
 
 }  // namespace encore::cuda
