@@ -150,4 +150,14 @@ inline double rel_err(const std::vector<double>& a, const std::vector<double>& b
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+// States [rows, HV, d2, d3] -> [rows, HV, d3, d2]: [.., K, V] to state_v_first's [.., V, K] (d2, d3 swapped
+// for the way back).
+inline std::vector<double> transpose_states(const std::vector<double>& s, int64_t rows, int64_t HV, int64_t d2, int64_t d3) {
+  std::vector<double> t(s.size());
+  for (int64_t r = 0; r < rows * HV; ++r)
+    for (int64_t a = 0; a < d2; ++a)
+      for (int64_t b = 0; b < d3; ++b) t[size_t((r * d3 + b) * d2 + a)] = s[size_t((r * d2 + a) * d3 + b)];
+  return t;
+}
+
 }  // namespace encore::test

@@ -14,15 +14,6 @@
 namespace encore::test {
 namespace {
 
-// [rows, HV, K, V] -> [rows, HV, V, K] (or back with K, V swapped).
-std::vector<double> transpose_states(const std::vector<double>& s, int64_t rows, int64_t HV, int64_t K, int64_t V) {
-  std::vector<double> t(s.size());
-  for (int64_t r = 0; r < rows * HV; ++r)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t v = 0; v < V; ++v) t[size_t((r * V + v) * K + k)] = s[size_t((r * K + k) * V + v)];
-  return t;
-}
-
 TensorView states(std::vector<double>& x, int64_t rows, int64_t HV, int64_t d2, int64_t d3) {
   return TensorView::contiguous(x.data(), DType::kFP64, {rows, HV, d2, d3});
 }

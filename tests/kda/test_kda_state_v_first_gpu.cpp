@@ -33,16 +33,7 @@
 namespace encore::test {
 namespace {
 
-// [rows, HV, d2, d3] -> [rows, HV, d3, d2] (K, V swapped for the way back).
-std::vector<double> transpose_states(const std::vector<double>& s, int64_t rows, int64_t HV, int64_t d2, int64_t d3) {
-  std::vector<double> t(s.size());
-  for (int64_t r = 0; r < rows * HV; ++r)
-    for (int64_t a = 0; a < d2; ++a)
-      for (int64_t b = 0; b < d3; ++b) t[size_t((r * d3 + b) * d2 + a)] = s[size_t((r * d2 + a) * d3 + b)];
-  return t;
-}
-
-// The same for a pool's bytes in `dt` (each element's bytes moved, no rounding).
+// transpose_states (kda_case.hpp) for a pool's bytes in `dt` (each element's bytes moved, no rounding).
 std::vector<unsigned char> transpose_state_bytes(const std::vector<unsigned char>& s, DType dt, int64_t rows, int64_t HV, int64_t K,
                                                  int64_t V) {
   const size_t e = dtype_size(dt);
