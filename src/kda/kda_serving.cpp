@@ -349,8 +349,7 @@ Status run_recurrent_cuda(const KdaRecurrentArgs& a, const KdaRecurrentOptions& 
     // A named plan (tests, benchmarks) whose kernel this launch cannot take is an error, not a silent
     // fallback to 32 columns: the compile-time single-token kernels (K = V = 128, aligned inputs of one
     // dtype, 16-byte aligned states of one dtype, at most one token a sequence).
-    const bool same = d.mode != cuda::KdaDecodeMode::kStates || !d.init || !d.fin || d.init_dtype == d.fin_dtype;
-    if (plan && c.kernel != cuda::KdaDecodeKernel::kColumns32 && !(d.fast && d.states16 && same && d.max_len <= 1))
+    if (plan && c.kernel != cuda::KdaDecodeKernel::kColumns32 && !cuda::kda_decode_wide_kernels_apply(d))
       return Status::invalid("plan.kernel: this launch cannot take the named single-token kernel (needs K = V = 128, aligned inputs of "
                              "one dtype, 16-byte aligned states of one dtype and at most one token a sequence)");
     return Status::ok();

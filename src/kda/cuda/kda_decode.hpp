@@ -113,8 +113,16 @@ struct KdaDecodeParams {
 // length: null. Asynchronous on `stream`.
 Status launch_kda_decode(const KdaDecodeParams& p, const int32_t* begin, int device, Stream stream);
 
-// The whole-head kernel (kda_decode_heads.cu) on the current device: a fast launch (p.fast, K = V = 128)
-// of sequences with at most one token, states of one dtype, 16-byte aligned (p.states16).
+// Whether a launch can take the 64-column or whole-head single-token kernels (launch_kda_decode routes it
+// there when p.kernel names one): a fast launch (K = V = 128, aligned inputs of one dtype, not
+// state_v_first) of sequences with at most one token, 16-byte aligned states of one dtype.
+inline bool kda_decode_wide_kernels_apply(const KdaDecodeParams& p) {
+  const bool same = p.mode != KdaDecodeMode::kStates || !p.init || !p.fin || p.init_dtype == p.fin_dtype;
+  return p.fast && !p.state_v_first && p.states16 && same && p.max_len <= 1;
+}
+
+// The whole-head kernel (kda_decode_heads.cu) on the current device, for a launch where
+// kda_decode_wide_kernels_apply holds (else Status::invalid).
 Status launch_kda_decode_heads(const KdaDecodeParams& p, const int32_t* begin, Stream stream);
 
 }  // namespace encore::cuda

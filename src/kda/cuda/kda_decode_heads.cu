@@ -247,9 +247,7 @@ Status launch_heads(const KdaDecodeParams& p, const int32_t* begin, cudaStream_t
 Status launch_kda_decode_heads(const KdaDecodeParams& p, const int32_t* begin, Stream stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const DType st = p.init ? p.init_dtype : p.fin_dtype;
-  const bool same = !p.init || !p.fin || p.init_dtype == p.fin_dtype;
-  if (!(p.fast && p.states16 && same && p.K == kHd && p.V == kHd && p.max_len <= 1 && !p.state_v_first &&
-        (st == DType::kBF16 || st == DType::kFP32) && (p.q.dtype == DType::kBF16 || p.q.dtype == DType::kFP32)))
+  if (!kda_decode_wide_kernels_apply(p))
     return Status::invalid("kda decode (whole heads): needs K = V = 128, one token a sequence, aligned inputs of one dtype and "
                            "16-byte aligned [K, V] states of one dtype (fp32 or bf16)");
   const bool bf16_in = p.q.dtype == DType::kBF16;
