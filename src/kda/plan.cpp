@@ -52,7 +52,7 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
 
 cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool states16, int sm_count) {
   const int64_t sms = sm_count > 0 ? sm_count : 1;
-  const int64_t blocks32 = N * H * 4, blocks64 = N * H * 2;  // the grids at 32 and 64 columns a block
+  const int64_t blocks32 = N * H * 4;  // the grid at 32 columns a block
   cuda::KdaDecodePlan plan;
   plan.pdl = true;
   plan.kernel = cuda::KdaDecodeKernel::kColumns32;
@@ -65,8 +65,7 @@ cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool sta
   if (states != DType::kBF16) {
     plan.prefetch = true;
   } else if (blocks32 >= 2 * cuda::kKdaDecodeResident32Bf16 * sms) {  // two waves of the 32-column grid
-    plan.kernel = cuda::KdaDecodeKernel::kColumns64;
-    plan.prefetch = blocks64 >= 16 * cuda::kKdaDecodeResident64 * sms;  // 16 waves of the 64-column grid
+    plan.kernel = cuda::KdaDecodeKernel::kColumns64;  // (its prefetch paid from 16 waves: whole heads by then)
   }
   return plan;
 }

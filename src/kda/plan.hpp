@@ -37,7 +37,8 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
 // (13% faster than the best column plan with bf16 states from batch 64, 3.5% with fp32). Under that:
 // fp32 states 32 columns a block with the L2 prefetch one wave ahead (7% at batch 8); bf16 states 32
 // columns (15% faster than 64 at batch 8), 64 columns once the 32-column grid takes two waves (8
-// blocks an SM), with the prefetch once the 64-column grid takes 16 waves. States whose 8-column
+// blocks an SM), without the prefetch (it paid from 16 waves of that grid, past the whole-head
+// switch). States whose 8-column
 // accesses are not 16-byte aligned: 32 columns, no prefetch.
 cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool states16, int sm_count);
 
