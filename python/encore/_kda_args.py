@@ -86,3 +86,12 @@ def _state_layout(state_v_first, kwargs, stacklevel=3):
 def _state_shape(n, hv, kd, vd, state_v_first):
     """A state tensor's shape: [N, HV, K, V], or [N, HV, V, K] with state_v_first."""
     return (n, hv, vd, kd) if state_v_first else (n, hv, kd, vd)
+
+
+def _fla_layouts(tensors, state):
+    """fla's entry points take tensors of any strides (its input_guard copies them contiguous); encore's kernels
+    take q, k, v, g, beta with unit-stride rows (any batch, token and head strides) and a contiguous state.
+    Copies only what they cannot take: a tensor whose last dimension is strided, and a state that is not
+    contiguous (read only here: the callers never pass a state updated in place, a pool or an in-place final state)."""
+    out = [x if x is None or x.dim() == 0 or x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous() for x in tensors]
+    return out, state if state is None or state.is_contiguous() else state.contiguous()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from . import _encore as _b
 from ._core import as_float, dl, eager, empty, is_torch, matrix_shape, ops, stream_for, torch_module, torch_op, workspace
-from ._kda_args import _forward_args, _gate_params, _opts, _state_layout, _state_shape
+from ._kda_args import _fla_layouts, _forward_args, _gate_params, _opts, _state_layout, _state_shape
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -176,6 +176,8 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                              f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if is_torch(q):  # fla's: any strides (initial_state is only read here: inplace_final_state=False)
+        (q, k, v, g, beta), initial_state = _fla_layouts((q, k, v, g, beta), initial_state)
     return fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
                                    output_final_state=output_final_state, inplace_final_state=False, cu_seqlens=cu_seqlens,
                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import _core
 from . import _encore as _b
-from ._kda_args import _forward_args, _gate_params, _opts, _state_layout, _state_shape
+from ._kda_args import _fla_layouts, _forward_args, _gate_params, _opts, _state_layout, _state_shape
 from ._kda_serving import fused_recurrent_kda, fused_recurrent_kda_fwd, kda_forward_pool
 from ._core import (as_float, dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, native, ops, present, stream_for,
                     torch_module, torch_op, with_absent)
@@ -341,6 +341,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     chunk_size 64 or 32 (computed in chunks of 64: the same math; other values refused with fla's
     message), use_beta_sigmoid_in_kernel (beta = sigmoid(beta), fp32, before the kernels) with
     allow_neg_eigval (2 sigmoid(beta)), return_intermediate_states (inference: also h [B, NT, HV, K, V] bf16).
+    Tensors of any strides, as fla's (the kernels read batch, token and head strides in place; a strided
+    last dimension or a non-contiguous initial_state is copied; a state pool never is).
     Refused with a ValueError when set: cp_context, use_graph and any other keyword. encore's own
     keywords: rematerialize (below), cp_group and ssm_state_indices.
 
@@ -400,10 +402,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         A_log = dt_bias = lower_bound = None
     else:
         A_log, dt_bias = _gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
-    if ssm_state_indices is not None:  # the prefill on a state pool, in place (inference)
+    if ssm_state_indices is not None:  # the prefill on a state pool, in place (inference): the pool never copied
         return _chunk_kda_pool(q, k, v, g, beta, scale, initial_state, ssm_state_indices, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                                A_log, dt_bias, lower_bound, cu_cpu if cu_cpu is not None else cu_seqlens, cp_group,
                                return_intermediate_states, state_v_first)
+    (q, k, v, g, beta), initial_state = _fla_layouts((q, k, v, g, beta), initial_state)  # fla's: any strides
     if cp_group is not None:
         if initial_state is not None or output_final_state:
             raise ValueError("cp_group: context parallelism takes no initial_state and no output_final_state")
