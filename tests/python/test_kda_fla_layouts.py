@@ -111,7 +111,7 @@ def test_refusals_cpu():
     refusals("cpu", torch.float32)
 
 
-@pytest.mark.skipif(not (encore.built_with_cuda() and torch.cuda.is_available()), reason="needs CUDA")
+@pytest.mark.skipif(not (encore.built_with_cuda() and encore.cuda_device_count() > 0 and torch.cuda.is_available()), reason="needs CUDA")
 def test_views_and_refusals_cuda():
     check("cuda", torch.bfloat16)
     refusals("cuda", torch.bfloat16)
