@@ -6,7 +6,7 @@ triton.testing.do_bench (median), contenders rotated over ROUNDS rounds (medians
                torch.compile and Liger (LigerSiLUMulFunction) on the same math, and its GEMMs alone (cuBLAS:
                the gate/up GEMM, the down GEMM, their dgrads and wgrads: the nine GEMMs of the unfused MLP)
   lm_head_ce   LM head + cross-entropy forward + backward (x [M, 4096], W [128256, 4096], mean over the rows):
-               encore.nn.FusedLinearCrossEntropyLoss (recompute and stored-logits modes) against eager,
+               encore.nn.FusedLinearCrossEntropyLoss (recompute, stored-logits and grad-in-forward modes) against eager,
                torch.compile and Liger's LigerFusedLinearCrossEntropyLoss, time and the extra peak memory
                above the inputs, and the three GEMMs alone
   bwd_kernels  the backward epilogue kernels alone: rmsnorm_bwd (dz [M, N] · w [N, d] with the norm backward) and
@@ -261,6 +261,8 @@ def lm_head_ce(M):
         try:
             stored = encore.nn.FusedLinearCrossEntropyLoss(recompute=False)
             fns["encore_stored"] = step(lambda: stored(W, x, y))
+            in_fwd = encore.nn.FusedLinearCrossEntropyLoss(grad_in_forward=True)
+            fns["encore_in_forward"] = step(lambda: in_fwd(W, x, y))
         except TypeError as e:
             rec(f"{prefix}_encore_stored_error", repr(e))
     a, Wd = x.detach(), W.detach()

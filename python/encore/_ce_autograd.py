@@ -10,6 +10,13 @@ Backward, two modes:
     of dlogits, chunk_rows x V x 2 bytes (default: at most 1/8 of the M x V x 2 bytes of the logits).
   recompute=False: the forward keeps the bf16/fp16 logits (the D of gemm_lse, M x V x 2 bytes) and the
     backward turns them into dlogits in place (cross_entropy_bwd_), then the same two GEMMs.
+  grad_in_forward=True (reductions "mean" and "sum", when a gradient is wanted): the gradients are computed
+    in the forward, as Liger-Kernel's fused linear cross-entropy does: per chunk of rows, gemm_lse keeping
+    that chunk's logits, lse_finish, cross_entropy_bwd_ in place (dlogits with alpha = 1 / count or 1), then
+    dx = dlogits @ W and dW += dlogits.T @ x; the backward scales them by grad_output in place. Three GEMMs
+    over the logits' shape instead of the recomputing path's four, for one chunk of logits (chunk_rows x V x 2
+    bytes) and a pass over them; dW and dx live from the forward to the backward (as they would from the
+    backward's start).
 alpha (grad_output / count for "mean", grad_output for "sum") is a device scalar: no host sync. For
 reduction="none" the per-row grad_output scales the rows of dx and of x in dW's GEMM.
 """
@@ -45,8 +52,10 @@ def _dw_into(dw, d, x, g_rows):
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, x, target, ignore_index, reduction, recompute, chunk_rows):
+    def forward(ctx, weight, x, target, ignore_index, reduction, recompute, chunk_rows, grads=None):
         ops = _ops()
+        if grads is not None:  # (need_dw, need_dx): the gradients in the forward
+            return _forward_with_grads(ctx, ops, weight, x, target, ignore_index, reduction, chunk_rows, *grads)
         if recompute:
             partials, tl = ops.gemm_lse(x, weight, None, target, False, ignore_index, 0)
             logits = None
@@ -66,11 +75,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.opts is None:  # the gradients from the forward, times grad_output (a device scalar) in place
+            dw, dx = ctx.saved_tensors
+            g = grad.reshape(()).float()
+            for t in (dw, dx):
+                _scale_(t, g)  # bumps the version: a second backward (retain_graph) is refused, not scaled twice
+            need_dw, need_dx = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            return (dw if need_dw else None), (dx if need_dx else None), None, None, None, None, None, None
         weight, x, target, lse, count, logits = ctx.saved_tensors
         ignore_index, reduction, recompute, chunk_rows = ctx.opts
         need_dw, need_dx = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dw or need_dx):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         g_rows = alpha = None
         if reduction == "none":
             g_rows = grad.float()
@@ -86,7 +102,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(logits)
             dx = _dx(logits, weight, g_rows) if need_dx else None
             dw = _dw_into(None, logits, x, g_rows) if need_dw else None
-            return dw, dx, None, None, None, None, None
+            return dw, dx, None, None, None, None, None, None
         m = x.shape[0]
         step = chunk_rows or _default_chunk_rows(m)
         dxs, dw = [], None
@@ -102,10 +118,56 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 dw = _dw_into(dw, d, xc, gc)
             del d
         dx = (dxs[0] if len(dxs) == 1 else torch.cat(dxs)) if need_dx else None
-        return dw, dx, None, None, None, None, None
+        return dw, dx, None, None, None, None, None, None
 
 
-def fused_linear_cross_entropy(weight, x, target, ignore_index=-100, reduction="mean", recompute=True, chunk_rows=None):
+def _scale_(t, g, rows=1 << 25):
+    """t *= g in place with g (a float32 device scalar) applied in fp32, not rounded to t's dtype first (as a
+    bf16 tensor times a 0-d float32 tensor would: 1 / num_items off by up to 2^-9); by blocks of rows so the fp32
+    temporary stays small."""
+    if t.numel() == 0:
+        return
+    if t.dtype == torch.float32:
+        t.mul_(g)
+        return
+    flat = t.view(-1)
+    for r0 in range(0, flat.numel(), rows):
+        c = flat[r0:r0 + rows]
+        c.copy_(c.float().mul_(g))
+
+
+def _forward_with_grads(ctx, ops, weight, x, target, ignore_index, reduction, chunk_rows, need_dw, need_dx):
+    """The loss and, chunk by chunk of rows, dlogits (alpha = 1 / count for "mean", 1 for "sum"), dx and dW: saved
+    for the backward, which scales them by grad_output."""
+    count = (target != ignore_index).sum()
+    alpha = (1.0 / count.clamp(min=1).float()).reshape(1) if reduction == "mean" else torch.ones(1, device=x.device)
+    m = x.shape[0]
+    step = chunk_rows or _default_chunk_rows(m)
+    losses, dxs, dw = [], [], None
+    for r0 in range(0, m, step):
+        r1 = min(m, r0 + step)
+        xc, tc = x[r0:r1], target[r0:r1]
+        partials, logits, tl = ops.gemm_lse(xc, weight, None, tc, True, ignore_index, 0)
+        lse, loss_rows = ops.lse_finish(partials, tc, tl, ignore_index)
+        losses.append(loss_rows)
+        ops.cross_entropy_bwd_(logits, lse, tc, alpha, ignore_index)  # the chunk's logits become dlogits
+        if need_dx:
+            dxs.append(_dx(logits, weight, None))
+        if need_dw:
+            dw = _dw_into(dw, logits, xc, None)
+        del logits
+    loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
+    loss = loss_rows.sum() / count.clamp(min=1) if reduction == "mean" else loss_rows.sum()
+    if need_dw and dw is None:  # no rows
+        dw = torch.zeros_like(weight)
+    dx = (torch.cat(dxs) if len(dxs) > 1 else dxs[0] if dxs else torch.zeros_like(x)) if need_dx else x.new_empty(0)
+    ctx.save_for_backward(dw if need_dw else weight.new_empty(0), dx)
+    ctx.opts = None
+    return loss
+
+
+def fused_linear_cross_entropy(weight, x, target, ignore_index=-100, reduction="mean", recompute=True, chunk_rows=None,
+                               grad_in_forward=False):
     """Cross-entropy of the logits x @ weight.T (weight [V, H], x [..., H], target [...] of class indices)
     without materializing float logits; see FusedLinearCrossEntropyLoss."""
     if reduction not in _REDUCTIONS:
@@ -132,8 +194,11 @@ def fused_linear_cross_entropy(weight, x, target, ignore_index=-100, reduction="
         raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
     t32 = t.to(torch.int32)
     w = weight if weight.is_contiguous() else weight.contiguous()
+    grads = None
+    if grad_in_forward and reduction != "none" and torch.is_grad_enabled() and (w.requires_grad or rows.requires_grad):
+        grads = (w.requires_grad, rows.requires_grad)
     loss = FusedLinearCrossEntropyFunction.apply(w, rows, t32, int(ignore_index), reduction, bool(recompute),
-                                                 None if chunk_rows is None else int(chunk_rows))
+                                                 None if chunk_rows is None else int(chunk_rows), grads)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
@@ -147,23 +212,29 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     (per-row float32 losses). The loss is float32. recompute=True (default) keeps no logits and recomputes
     them in the backward's ce_bwd GEMM over chunks of chunk_rows rows (None: at most 8 chunks); recompute=False
     keeps the bf16/fp16 logits of the forward (M x V x 2 bytes) and turns them into their gradient in place.
+    grad_in_forward=True computes the gradients in the forward, chunk by chunk (as Liger's does: three GEMMs over
+    the logits' shape instead of four, one chunk of logits in memory), when a gradient is wanted and the
+    reduction is "mean" or "sum"; the backward then only scales them by grad_output (it may run once).
     bf16/fp16 on CUDA (H a multiple of 8), bf16/fp16/fp32 on the CPU backend. A target outside [0, V) other
     than ignore_index raises ValueError on CPU tensors; on CUDA (not checked, to avoid a sync) its row's loss
     and gradients are NaN. The Function's backward may run once (recompute=False overwrites the kept logits).
     """
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", recompute: bool = True, chunk_rows=None):
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", recompute: bool = True, chunk_rows=None,
+                 grad_in_forward: bool = False):
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction: one of {_REDUCTIONS}, got {reduction!r}")
         self.ignore_index, self.reduction, self.recompute, self.chunk_rows = int(ignore_index), reduction, bool(recompute), chunk_rows
+        self.grad_in_forward = bool(grad_in_forward)
 
     def forward(self, lin_weight, _input, target, bias=None):
         if bias is not None:
             raise NotImplementedError("FusedLinearCrossEntropyLoss: bias is not supported (the LM heads it targets have none); "
                                       "add the bias to the logits' GEMM yourself or pass bias=None")
         return fused_linear_cross_entropy(lin_weight, _input, target, self.ignore_index, self.reduction, self.recompute,
-                                          self.chunk_rows)
+                                          self.chunk_rows, self.grad_in_forward)
 
     def extra_repr(self):
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, recompute={self.recompute}"
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, recompute={self.recompute}, "
+                f"grad_in_forward={self.grad_in_forward}")

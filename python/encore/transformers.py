@@ -202,15 +202,16 @@ def _moe_forward(self, orig, state, hidden_states):
 
 def _causal_lm_loss(hidden, weight, labels, shift_labels, num_items_in_batch, ignore_index):
     """transformers' ForCausalLMLoss (shift, ignore_index, mean or sum / num_items_in_batch) on the hidden
-    states through encore's fused linear cross-entropy."""
+    states through encore's fused linear cross-entropy, its gradients computed in the forward (Liger's
+    schedule: three GEMMs over the logits' shape, one chunk of logits in memory)."""
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     x = hidden.reshape(-1, hidden.shape[-1])
     x, w = _hf.autocast_cast(x, weight)
     t = shift_labels.reshape(-1).to(x.device)
     if num_items_in_batch is None:
-        return _flce(w, x, t, ignore_index, "mean")
-    loss = _flce(w, x, t, ignore_index, "sum")
+        return _flce(w, x, t, ignore_index, "mean", grad_in_forward=True)
+    loss = _flce(w, x, t, ignore_index, "sum", grad_in_forward=True)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch

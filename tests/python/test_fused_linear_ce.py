@@ -1,6 +1,7 @@
 """encore.nn.FusedLinearCrossEntropyLoss (Liger's interface: forward(lin_weight, _input, target, bias=None)):
-loss and gradients against an fp64 torch reference on the CPU backend and on CUDA, both backward modes
-(recompute: the ce_bwd GEMM over chunks of rows; stored logits: cross_entropy_bwd in place), every
+loss and gradients against an fp64 torch reference on the CPU backend and on CUDA, the three backward modes
+(recompute: the ce_bwd GEMM over chunks of rows; stored logits: cross_entropy_bwd in place; grad_in_forward:
+the gradients computed in the forward chunk by chunk and scaled by grad_output in the backward), every
 reduction, ignore_index rows, an all-ignored batch, V odd, fp32 gradcheck on the CPU backend (it takes
 bf16 / fp16 / fp32, not fp64), torch.compile, and bad input. Also the ce_bwd row and the
 cross_entropy_bwd finisher directly."""
@@ -39,6 +40,9 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+MODES = {"recompute": dict(recompute=True), "stored": dict(recompute=False), "in_forward": dict(grad_in_forward=True)}
+
+
 def run(w, x, t, g=None, **kw):
     w = w.detach().clone().requires_grad_(True)
     x = x.detach().clone().requires_grad_(True)
@@ -48,12 +52,12 @@ def run(w, x, t, g=None, **kw):
 
 
 # fp32 on the CPU backend: the epilogue math is fp64 there, so only the fp32 roundings remain.
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_cpu_fp32_against_fp64(recompute, reduction):
+def test_cpu_fp32_against_fp64(mode, reduction):
     x, w, t = make(77, 64, 1001)  # V odd
     ref_loss, ref_dw, ref_dx, g = reference(w, x, t, reduction=reduction)
-    loss, dw, dx = run(w, x, t, g if reduction == "none" else None, reduction=reduction, recompute=recompute, chunk_rows=32)
+    loss, dw, dx = run(w, x, t, g if reduction == "none" else None, reduction=reduction, chunk_rows=32, **MODES[mode])
     assert loss.dtype == torch.float32
     assert rel(loss, ref_loss) < 1e-5
     assert rel(dw, ref_dw) < 1e-5 and rel(dx, ref_dx) < 1e-5
@@ -70,12 +74,12 @@ def unfused_bf16(w, x, t, ignore_index=-100):
     return loss.detach(), wb.grad, xb.grad
 
 
-@pytest.mark.parametrize("recompute", [True, False])
-def test_cpu_bf16_within_2x_of_unfused(recompute):
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_cpu_bf16_within_2x_of_unfused(mode):
     x, w, t = make(300, 128, 1001, dtype=torch.bfloat16, seed=1)
     ref_loss, ref_dw, ref_dx, _ = reference(w, x, t)
     u_loss, u_dw, u_dx = unfused_bf16(w, x, t)
-    loss, dw, dx = run(w, x, t, recompute=recompute, chunk_rows=64)  # 5 chunks: dW accumulated 5 times in bf16
+    loss, dw, dx = run(w, x, t, chunk_rows=64, **MODES[mode])  # 5 chunks: dW accumulated 5 times in bf16
     for name, got, unf, ref in (("loss", loss, u_loss, ref_loss), ("dW", dw, u_dw, ref_dw), ("dx", dx, u_dx, ref_dx)):
         e, eu = rel(got, ref), rel(unf, ref)
         assert e <= 2 * eu + 1e-6, f"{name}: rel error {e:.3g} against the unfused bf16 {eu:.3g}"
@@ -88,12 +92,12 @@ def test_default_chunks_cover_every_row():
     assert rel(loss, ref_loss) < 1e-5 and rel(dw, ref_dw) < 1e-5 and rel(dx, ref_dx) < 1e-5
 
 
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_all_ignored_batch(recompute, reduction):
+def test_all_ignored_batch(mode, reduction):
     x, w, t = make(20, 16, 33)
     t[:] = -100
-    loss, dw, dx = run(w, x, t, reduction=reduction, recompute=recompute)
+    loss, dw, dx = run(w, x, t, reduction=reduction, **MODES[mode])
     assert float(loss) == 0.0
     assert torch.all(dw == 0) and torch.all(dx == 0)
     assert torch.isfinite(dw).all() and torch.isfinite(dx).all()
@@ -128,6 +132,40 @@ def test_stored_logits_backward_runs_once():
         loss.backward()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_in_forward_scaled_by_grad_output_and_one_sided(reduction):
+    """The gradients computed in the forward are scaled by grad_output in the backward (here 0.7, and a loss
+    used twice in the graph sums both); only the inputs that require grad get one; a second backward is
+    refused (it would scale them again); without grad mode nothing is computed beyond the loss."""
+    x, w, t = make(50, 32, 97, seed=3)
+    ref_loss, ref_dw, ref_dx, _ = reference(w, x, t, reduction=reduction)
+    fn = FusedLinearCrossEntropyLoss(reduction=reduction, grad_in_forward=True, chunk_rows=16)
+    loss, dw, dx = run(w, x, t, torch.tensor(0.7), reduction=reduction, grad_in_forward=True, chunk_rows=16)
+    assert rel(loss, ref_loss) < 1e-5 and rel(dw, 0.7 * ref_dw) < 1e-5 and rel(dx, 0.7 * ref_dx) < 1e-5
+    xg = x.clone().requires_grad_(True)  # the weight frozen (adapter training): dx only
+    fn(w, xg, t).backward()
+    assert rel(xg.grad, ref_dx) < 1e-5
+    wg = w.clone().requires_grad_(True)
+    loss = fn(wg, x, t)
+    loss.backward(retain_graph=True)
+    assert rel(wg.grad, ref_dw) < 1e-5
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.no_grad():
+        assert rel(fn(wg, x, t), ref_loss) < 1e-5
+
+
+def test_grad_output_applied_in_fp32():
+    """grad_output scales the saved bf16 gradients in fp32 (1 / 3 rounded to bf16 first would be 2^-9 off)."""
+    from encore._ce_autograd import _scale_
+
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0)).bfloat16()
+    g = torch.tensor(1 / 3)
+    want, naive = (t.float() * g).bfloat16(), t * g.bfloat16()
+    _scale_(t, g, rows=300)  # blocks of 300 elements, the last ragged
+    assert torch.equal(t, want) and not torch.equal(t, naive)
+
+
 def test_bad_input():
     x, w, t = make(8, 16, 40)
     loss_fn = FusedLinearCrossEntropyLoss()
@@ -154,10 +192,10 @@ def test_bad_input():
         loss_fn(w.double(), x.double(), t)
 
 
-@pytest.mark.parametrize("recompute", [True, False])
-def test_torch_compile_fullgraph(recompute):
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_torch_compile_fullgraph(mode):
     x, w, t = make(40, 16, 67)
-    loss_fn = FusedLinearCrossEntropyLoss(recompute=recompute)
+    loss_fn = FusedLinearCrossEntropyLoss(**MODES[mode])
     compiled = torch.compile(lambda w_, x_, t_: loss_fn(w_, x_, t_), fullgraph=True)
     wc, xc = w.clone().requires_grad_(True), x.clone().requires_grad_(True)
     loss = compiled(wc, xc, t)
@@ -212,14 +250,14 @@ def test_ce_bwd_row_and_finisher_cpu():
 
 
 @needs_torch_cuda
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("v", [1001, 4096])
-def test_cuda_bf16_against_fp64(recompute, reduction, v):
+def test_cuda_bf16_against_fp64(mode, reduction, v):
     x, w, t = make(300, 128, v, dtype=torch.bfloat16, device="cuda", seed=3)
     ref_loss, ref_dw, ref_dx, g = reference(w, x, t, reduction=reduction)
     u_loss, u_dw, u_dx = unfused_bf16(w.cpu(), x.cpu(), t.cpu()) if reduction == "mean" else (None, None, None)
-    loss, dw, dx = run(w, x, t, g if reduction == "none" else None, reduction=reduction, recompute=recompute, chunk_rows=128)
+    loss, dw, dx = run(w, x, t, g if reduction == "none" else None, reduction=reduction, chunk_rows=128, **MODES[mode])
     assert rel(loss, ref_loss) < 1e-3
     assert rel(dw, ref_dw) < 1.5e-2 and rel(dx, ref_dx) < 1.5e-2
     if u_dw is not None:
