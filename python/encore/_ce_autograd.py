@@ -3,7 +3,7 @@ over torch.library ops (so torch.compile traces it), float logits never material
 
 Forward: torch.ops.encore.gemm_lse (the GEMM x @ W.T with per-tile log-sum-exp partials and the target
 logit in its epilogue), then lse_finish (lse and the per-row loss, 0 on ignore_index rows).
-Backward, two modes:
+Backward, three modes:
   recompute=True (default): the logits are not kept; the backward recomputes them in the epilogue of the
     ce_bwd GEMM, which writes dlogits = alpha * (softmax - onehot) in the input dtype, over chunks of rows,
     each followed by dx = dlogits @ W and dW += dlogits.T @ x (plain GEMMs). Extra peak memory: one chunk
@@ -17,8 +17,10 @@ Backward, two modes:
     over the logits' shape instead of the recomputing path's four, for one chunk of logits (chunk_rows x V x 2
     bytes) and a pass over them; dW and dx live from the forward to the backward (as they would from the
     backward's start).
-alpha (grad_output / count for "mean", grad_output for "sum") is a device scalar: no host sync. For
-reduction="none" the per-row grad_output scales the rows of dx and of x in dW's GEMM.
+alpha (grad_output / count for "mean", grad_output for "sum"; in grad_in_forward 1 / count or 1, grad_output
+applied after) is a device scalar: no host sync. For reduction="none" the per-row grad_output scales the rows
+of dx and of x in dW's GEMM. grad_in_forward is taken for bf16 / fp32 only: fp16's range cannot hold dlogits
+without the loss scale (a GradScaler's factor), which the forward does not know.
 """
 from __future__ import annotations
 
@@ -76,6 +78,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.opts is None:  # the gradients from the forward, times grad_output (a device scalar) in place
+            if torch.is_grad_enabled():
+                raise RuntimeError("FusedLinearCrossEntropyLoss(grad_in_forward=True): no double backward (create_graph=True); "
+                                   "use the recompute mode")
             dw, dx = ctx.saved_tensors
             g = grad.reshape(()).float()
             for t in (dw, dx):
@@ -121,18 +126,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return dw, dx, None, None, None, None, None, None
 
 
-def _scale_(t, g, rows=1 << 25):
+def _scale_(t, g, block=1 << 25):
     """t *= g in place with g (a float32 device scalar) applied in fp32, not rounded to t's dtype first (as a
-    bf16 tensor times a 0-d float32 tensor would: 1 / num_items off by up to 2^-9); by blocks of rows so the fp32
-    temporary stays small."""
+    bf16 tensor times a 0-d float32 tensor would: 1 / num_items off by up to 2^-9); by blocks of `block`
+    elements so the fp32 temporary stays small (128 MB)."""
     if t.numel() == 0:
         return
     if t.dtype == torch.float32:
         t.mul_(g)
         return
     flat = t.view(-1)
-    for r0 in range(0, flat.numel(), rows):
-        c = flat[r0:r0 + rows]
+    for e0 in range(0, flat.numel(), block):
+        c = flat[e0:e0 + block]
         c.copy_(c.float().mul_(g))
 
 
@@ -143,7 +148,8 @@ def _forward_with_grads(ctx, ops, weight, x, target, ignore_index, reduction, ch
     alpha = (1.0 / count.clamp(min=1).float()).reshape(1) if reduction == "mean" else torch.ones(1, device=x.device)
     m = x.shape[0]
     step = chunk_rows or _default_chunk_rows(m)
-    losses, dxs, dw = [], [], None
+    losses, dw = [], None
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     for r0 in range(0, m, step):
         r1 = min(m, r0 + step)
         xc, tc = x[r0:r1], target[r0:r1]
@@ -152,15 +158,12 @@ def _forward_with_grads(ctx, ops, weight, x, target, ignore_index, reduction, ch
         losses.append(loss_rows)
         ops.cross_entropy_bwd_(logits, lse, tc, alpha, ignore_index)  # the chunk's logits become dlogits
         if need_dx:
-            dxs.append(_dx(logits, weight, None))
+            torch.matmul(logits, weight, out=dx[r0:r1])
         if need_dw:
             dw = _dw_into(dw, logits, xc, None)
         del logits
     loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
     loss = loss_rows.sum() / count.clamp(min=1) if reduction == "mean" else loss_rows.sum()
-    if need_dw and dw is None:  # no rows
-        dw = torch.zeros_like(weight)
-    dx = (torch.cat(dxs) if len(dxs) > 1 else dxs[0] if dxs else torch.zeros_like(x)) if need_dx else x.new_empty(0)
     ctx.save_for_backward(dw if need_dw else weight.new_empty(0), dx)
     ctx.opts = None
     return loss
@@ -195,7 +198,8 @@ def fused_linear_cross_entropy(weight, x, target, ignore_index=-100, reduction="
     t32 = t.to(torch.int32)
     w = weight if weight.is_contiguous() else weight.contiguous()
     grads = None
-    if grad_in_forward and reduction != "none" and torch.is_grad_enabled() and (w.requires_grad or rows.requires_grad):
+    if (grad_in_forward and reduction != "none" and rows.dtype != torch.float16 and rows.shape[0] > 0 and torch.is_grad_enabled()
+            and (w.requires_grad or rows.requires_grad)):
         grads = (w.requires_grad, rows.requires_grad)
     loss = FusedLinearCrossEntropyFunction.apply(w, rows, t32, int(ignore_index), reduction, bool(recompute),
                                                  None if chunk_rows is None else int(chunk_rows), grads)
@@ -213,8 +217,9 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     them in the backward's ce_bwd GEMM over chunks of chunk_rows rows (None: at most 8 chunks); recompute=False
     keeps the bf16/fp16 logits of the forward (M x V x 2 bytes) and turns them into their gradient in place.
     grad_in_forward=True computes the gradients in the forward, chunk by chunk (as Liger's does: three GEMMs over
-    the logits' shape instead of four, one chunk of logits in memory), when a gradient is wanted and the
-    reduction is "mean" or "sum"; the backward then only scales them by grad_output (it may run once).
+    the logits' shape instead of four, one chunk of logits in memory), when a gradient is wanted, the reduction
+    is "mean" or "sum" and the dtype bf16 or fp32 (fp16 takes the recompute mode: its dlogits need the loss
+    scale); the backward then only scales them by grad_output (it may run once, no double backward).
     bf16/fp16 on CUDA (H a multiple of 8), bf16/fp16/fp32 on the CPU backend. A target outside [0, V) other
     than ignore_index raises ValueError on CPU tensors; on CUDA (not checked, to avoid a sync) its row's loss
     and gradients are NaN. The Function's backward may run once (recompute=False overwrites the kept logits).

@@ -153,6 +153,27 @@ def test_grad_in_forward_scaled_by_grad_output_and_one_sided(reduction):
         loss.backward()
     with torch.no_grad():
         assert rel(fn(wg, x, t), ref_loss) < 1e-5
+    wg2 = w.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(fn(wg2, x, t), wg2, create_graph=True)
+
+
+def test_grad_in_forward_not_taken_for_fp16_or_no_rows():
+    """fp16 takes the recompute mode (its dlogits need the loss scale the forward does not know): a loss scaled
+    by 65536 keeps its gradients; no rows: the same error as the other modes."""
+    x, w, t = make(64, 32, 97, dtype=torch.float16, seed=4)
+    ref_loss, ref_dw, ref_dx, _ = reference(w, x, t)
+    loss, dw, dx = run(w, x, t, torch.tensor(65536.0), grad_in_forward=True)
+    want, _, _ = run(w, x, t, torch.tensor(65536.0))
+    assert torch.equal(loss, want)
+    assert rel(dw.float() / 65536, ref_dw) < 5e-3 and rel(dx.float() / 65536, ref_dx) < 5e-3
+    xe, we = x[:0].float().requires_grad_(True), w.float().requires_grad_(True)
+    errors = []
+    for kw in (dict(), dict(grad_in_forward=True)):
+        with pytest.raises(ValueError) as e:
+            FusedLinearCrossEntropyLoss(**kw)(we, xe, t[:0])
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
 
 
 def test_grad_output_applied_in_fp32():
@@ -162,7 +183,7 @@ def test_grad_output_applied_in_fp32():
     t = torch.randn(1000, generator=torch.Generator().manual_seed(0)).bfloat16()
     g = torch.tensor(1 / 3)
     want, naive = (t.float() * g).bfloat16(), t * g.bfloat16()
-    _scale_(t, g, rows=300)  # blocks of 300 elements, the last ragged
+    _scale_(t, g, block=300)  # blocks of 300 elements, the last ragged
     assert torch.equal(t, want) and not torch.equal(t, naive)
 
 
