@@ -52,6 +52,13 @@ def _dw_into(dw, d, x, g_rows):
     return dw.addmm_(d.t(), xs)
 
 
+def _reduce(loss_rows, count, reduction):
+    """The loss from the per-row losses: their mean over the `count` rows not ignored (0 when none), sum, or the rows."""
+    if reduction == "mean":
+        return loss_rows.sum() / count.clamp(min=1)
+    return loss_rows.sum() if reduction == "sum" else loss_rows
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, x, target, ignore_index, reduction, recompute, chunk_rows, grads=None):
@@ -65,12 +72,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             partials, logits, tl = ops.gemm_lse(x, weight, None, target, True, ignore_index, 0)
         lse, loss_rows = ops.lse_finish(partials, target, tl, ignore_index)
         count = (target != ignore_index).sum()
-        if reduction == "mean":
-            loss = loss_rows.sum() / count.clamp(min=1)
-        elif reduction == "sum":
-            loss = loss_rows.sum()
-        else:
-            loss = loss_rows
+        loss = _reduce(loss_rows, count, reduction)
         ctx.save_for_backward(weight, x, target, lse, count, logits)
         ctx.opts = (ignore_index, reduction, recompute, chunk_rows)
         return loss
@@ -163,7 +165,7 @@ def _forward_with_grads(ctx, ops, weight, x, target, ignore_index, reduction, ch
             dw = _dw_into(dw, logits, xc, None)
         del logits
     loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
-    loss = loss_rows.sum() / count.clamp(min=1) if reduction == "mean" else loss_rows.sum()
+    loss = _reduce(loss_rows, count, reduction)
     ctx.save_for_backward(dw if need_dw else weight.new_empty(0), dx)
     ctx.opts = None
     return loss

@@ -160,4 +160,17 @@ inline std::vector<double> transpose_states(const std::vector<double>& s, int64_
   return t;
 }
 
+// A backward's cotangents for case c: d_o ~ N(0, 1) [o's size], then d_fin ~ 0.1 N(0, 1) [fin's size], from seed.
+struct Cotangents {
+  std::vector<double> d_o, d_fin;
+};
+inline Cotangents cotangents(const KdaCase& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd;
+  Cotangents t{std::vector<double>(c.o.size()), std::vector<double>(c.fin.size())};
+  for (auto& x : t.d_o) x = nd(rng);
+  for (auto& x : t.d_fin) x = 0.1 * nd(rng);
+  return t;
+}
+
 }  // namespace encore::test

@@ -1,6 +1,6 @@
 // Test helper (CUDA builds only) for KDA serving on CUDA: device mirrors of fp64 host views in a device
 // dtype (the host rounded in place, so the CPU reference sees the device's values; outputs poisoned
-// with NaN) and reading device views back.
+// with NaN), of whole recurrent-step and pool-prefill calls, and reading device views back.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "encore/kda_serving.hpp"
 #include "tests/common/device_buffer.hpp"
 
 namespace encore::test {
@@ -57,6 +59,39 @@ inline std::vector<double> fetch(const TensorView& d) {
   std::vector<double> x(size_t(d.numel()));
   for (size_t i = 0; i < x.size(); ++i) x[i] = load_as_double(b.data(), d.dtype, int64_t(i));
   return x;
+}
+
+// The device mirror of a host call: inputs in `in` (g in fp32 when precomputed), o poisoned; states and
+// indices as the host's (their bytes).
+inline KdaRecurrentArgs to_device(KdaRecurrentArgs& h, DType in, DType gdt, DeviceArena& ar, std::optional<DType> odt = std::nullopt) {
+  KdaRecurrentArgs d;
+  d.q = ar.mirror(h.q, in), d.k = ar.mirror(h.k, in), d.v = ar.mirror(h.v, in), d.g = ar.mirror(h.g, gdt), d.beta = ar.mirror(h.beta, in);
+  d.A_log = ar.mirror(h.A_log, DType::kFP32), d.dt_bias = ar.mirror(h.dt_bias, DType::kFP32);
+  d.cu_seqlens = h.cu_seqlens;  // host memory
+  d.initial_state = ar.mirror(h.initial_state, h.initial_state.dtype);
+  d.state_indices = ar.mirror(h.state_indices, h.state_indices.dtype);
+  d.num_accepted_tokens = ar.mirror(h.num_accepted_tokens, h.num_accepted_tokens.dtype);
+  d.o = ar.mirror(h.o, odt.value_or(in), /*poison=*/true);  // o in its own dtype when given
+  if (h.final_state.defined()) {
+    const bool in_place = h.final_state.data == h.initial_state.data;
+    d.final_state = in_place ? d.initial_state : ar.mirror(h.final_state, h.final_state.dtype, true);
+  }
+  return d;
+}
+
+// The device mirror of a host call: inputs in `in` (g in fp32 when precomputed), o poisoned, the pool's
+// and the indices' bytes.
+inline KdaPoolForwardArgs to_device(KdaPoolForwardArgs& h, DType in, DType gdt, DeviceArena& ar) {
+  KdaPoolForwardArgs d;
+  const KdaForwardArgs& f = h.fwd;
+  d.fwd.q = ar.mirror(f.q, in), d.fwd.k = ar.mirror(f.k, in), d.fwd.v = ar.mirror(f.v, in), d.fwd.g = ar.mirror(f.g, gdt);
+  d.fwd.beta = ar.mirror(f.beta, in);
+  d.fwd.A_log = ar.mirror(f.A_log, DType::kFP32), d.fwd.dt_bias = ar.mirror(f.dt_bias, DType::kFP32);
+  d.fwd.cu_seqlens = f.cu_seqlens;  // host memory
+  d.fwd.o = ar.mirror(f.o, in, /*poison=*/true);
+  d.pool = ar.mirror(h.pool, h.pool.dtype);
+  d.state_indices = ar.mirror(h.state_indices, h.state_indices.dtype);
+  return d;
 }
 
 }  // namespace encore::test

@@ -61,11 +61,7 @@ void run_case(Case cs) {
   const KdaForwardArgs& a = f.a;
   const int64_t nt = f.nt;
   const auto &rG = f.rG, &rAqk = f.rAqk, &rAkk = f.rAkk, &rh = f.rh;
-  std::mt19937_64 rng(uint64_t(T * 29 + K));
-  std::normal_distribution<double> nd;
-  std::vector<double> d_o(c.o.size()), d_fin(c.fin.size());
-  for (auto& x : d_o) x = nd(rng);
-  for (auto& x : d_fin) x = 0.1 * nd(rng);
+  auto [d_o, d_fin] = cotangents(c, uint64_t(T * 29 + K));
   auto ddo = dev(d_o, dt, {B, T, H, V}), ddfin = dev(d_fin, DType::kFP32, {N, H, K, V});
   auto dh0 = poisoned(size_t(N * H * K * V), DType::kFP32, {N, H, K, V});
   // The gradient outputs validate() asks for (the stages write none of them).
@@ -207,11 +203,7 @@ void run_paths(KdaCase c, DType dt, const char* label) {
     const Status st = f.run(c);
     ASSERT_TRUE(st) << "forward: " << st.to_string();
   }
-  std::mt19937_64 rng(uint64_t(T * 31 + K));
-  std::normal_distribution<double> nd;
-  std::vector<double> d_o(c.o.size()), d_fin(c.fin.size());
-  for (auto& x : d_o) x = nd(rng);
-  for (auto& x : d_fin) x = 0.1 * nd(rng);
+  auto [d_o, d_fin] = cotangents(c, uint64_t(T * 31 + K));
   auto ddo = dev(d_o, dt, {B, T, H, V}), ddfin = dev(d_fin, DType::kFP32, {N, H, K, V});
   // A [B, T, Hx, C] copy of `x` (contiguous, 16-bit) with each head's row padded to C + 4 elements.
   const size_t es = dtype_size(dt);

@@ -66,11 +66,7 @@ void run_bwd(BwdCase bc, DType dt, bool remat, bool second = false) {
   const auto &rG = f.rG, &rAqk = f.rAqk, &rAkk = f.rAkk, &rh = f.rh;
 
   // Cotangents and poisoned gradients.
-  std::mt19937_64 rng(uint64_t(T * 31 + K));
-  std::normal_distribution<double> nd;
-  std::vector<double> d_o(c.o.size()), d_fin(c.fin.size());
-  for (auto& x : d_o) x = nd(rng);
-  for (auto& x : d_fin) x = 0.1 * nd(rng);
+  auto [d_o, d_fin] = cotangents(c, uint64_t(T * 31 + K));
   auto ddo = dev(d_o, dt, {B, T, H, V});
   std::unique_ptr<DevVec> ddfin;
   KdaBackwardArgs b;

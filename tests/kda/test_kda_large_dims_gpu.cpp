@@ -66,11 +66,7 @@ void run_large(LargeCase lc, DType dt, std::initializer_list<bool> remat_modes) 
     ASSERT_TRUE(run(r, c.opts));
   }
   // The fp64 BPTT on the rounded inputs (no residuals: the token-level backward).
-  std::mt19937_64 rng(uint64_t(T * 31 + K));
-  std::normal_distribution<double> nd;
-  std::vector<double> d_o(c.o.size()), d_fin(c.fin.size());
-  for (auto& x : d_o) x = nd(rng);
-  for (auto& x : d_fin) x = 0.1 * nd(rng);
+  auto [d_o, d_fin] = cotangents(c, uint64_t(T * 31 + K));
   std::vector<std::vector<double>> ex = {std::vector<double>(nQ, NAN),         std::vector<double>(nQ, NAN),
                                          std::vector<double>(c.v.size(), NAN), std::vector<double>(nG, NAN),
                                          std::vector<double>(c.beta.size(), NAN), std::vector<double>(c.init.size(), NAN),

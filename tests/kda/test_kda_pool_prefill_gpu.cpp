@@ -90,21 +90,6 @@ struct Prefill {
   }
 };
 
-// The device mirror of a host call: inputs in `in` (g in fp32 when precomputed), o poisoned, the pool's
-// and the indices' bytes.
-KdaPoolForwardArgs to_device(KdaPoolForwardArgs& h, DType in, DType gdt, DeviceArena& ar) {
-  KdaPoolForwardArgs d;
-  const KdaForwardArgs& f = h.fwd;
-  d.fwd.q = ar.mirror(f.q, in), d.fwd.k = ar.mirror(f.k, in), d.fwd.v = ar.mirror(f.v, in), d.fwd.g = ar.mirror(f.g, gdt);
-  d.fwd.beta = ar.mirror(f.beta, in);
-  d.fwd.A_log = ar.mirror(f.A_log, DType::kFP32), d.fwd.dt_bias = ar.mirror(f.dt_bias, DType::kFP32);
-  d.fwd.cu_seqlens = f.cu_seqlens;  // host memory
-  d.fwd.o = ar.mirror(f.o, in, /*poison=*/true);
-  d.pool = ar.mirror(h.pool, h.pool.dtype);
-  d.state_indices = ar.mirror(h.state_indices, h.state_indices.dtype);
-  return d;
-}
-
 // The pool's slots against the reference's (host bytes after the CPU run): untouched ones bit-identical.
 double compare_pool(const TensorView& dev, const std::vector<unsigned char>& before, const Pool& ref, const std::set<int64_t>& written) {
   const std::vector<unsigned char> after = fetch_bytes(dev);

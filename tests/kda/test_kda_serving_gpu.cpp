@@ -33,24 +33,6 @@
 namespace encore::test {
 namespace {
 
-// The device mirror of a host call: inputs in `in` (g in fp32 when precomputed), o poisoned; states and
-// indices as the host's (their bytes).
-KdaRecurrentArgs to_device(KdaRecurrentArgs& h, DType in, DType gdt, DeviceArena& ar, std::optional<DType> odt = std::nullopt) {
-  KdaRecurrentArgs d;
-  d.q = ar.mirror(h.q, in), d.k = ar.mirror(h.k, in), d.v = ar.mirror(h.v, in), d.g = ar.mirror(h.g, gdt), d.beta = ar.mirror(h.beta, in);
-  d.A_log = ar.mirror(h.A_log, DType::kFP32), d.dt_bias = ar.mirror(h.dt_bias, DType::kFP32);
-  d.cu_seqlens = h.cu_seqlens;  // host memory
-  d.initial_state = ar.mirror(h.initial_state, h.initial_state.dtype);
-  d.state_indices = ar.mirror(h.state_indices, h.state_indices.dtype);
-  d.num_accepted_tokens = ar.mirror(h.num_accepted_tokens, h.num_accepted_tokens.dtype);
-  d.o = ar.mirror(h.o, odt.value_or(in), /*poison=*/true);  // o in its own dtype when given
-  if (h.final_state.defined()) {
-    const bool in_place = h.final_state.data == h.initial_state.data;
-    d.final_state = in_place ? d.initial_state : ar.mirror(h.final_state, h.final_state.dtype, true);
-  }
-  return d;
-}
-
 struct Opts {
   const char* name;
   KdaRecurrentOptions o;

@@ -152,11 +152,7 @@ void backward_case(Case cs, DType dt, bool remat) {
     const Status st = f.run(c);
     ASSERT_TRUE(st) << "forward: " << st.to_string();
   }
-  std::mt19937_64 rng(uint64_t(T * 5 + K));
-  std::normal_distribution<double> nd;
-  std::vector<double> d_o(c.o.size()), d_fin(c.fin.size());
-  for (auto& x : d_o) x = nd(rng);
-  for (auto& x : d_fin) x = 0.1 * nd(rng);
+  auto [d_o, d_fin] = cotangents(c, uint64_t(T * 5 + K));
   std::vector<double> d_fin_t = transpose_states(d_fin, N, H, K, V), init_t = transpose_states(c.init, N, H, K, V);
   auto ddo = dev(d_o, dt, {B, T, H, V});
   auto ddfin = dev(d_fin, DType::kFP32, {N, H, K, V}), ddfin_t = dev(d_fin_t, DType::kFP32, {N, H, V, K});
@@ -299,6 +295,19 @@ void check_o(const TensorView& o_vk, const TensorView& o_kv, const std::vector<d
   }
 }
 
+// The device call in both layouts (d with o, dv with ov = o and state_v_first), synchronized, then the CPU
+// reference on the host pool (h with o).
+template <class Args, class Opts, class Launch>
+void run_layouts(Launch&& launch, const Args& d, const Opts& o, const Args& dv, const Opts& ov, const Args& h) {
+  const Status st = launch(d, o);
+  ASSERT_TRUE(st) << "default layout: " << st.to_string();
+  const Status sv = launch(dv, ov);
+  ASSERT_TRUE(sv) << "state_v_first: " << sv.to_string();
+  ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const Status sc = run(h, o);
+  ASSERT_TRUE(sc) << "cpu: " << sc.to_string();
+}
+
 // The recurrent step on a pool: [N] slots with padding (S = 0) or [N, S] token slots with num_accepted_tokens.
 void decode_case(const ServingDims& dm, DType pdt, int64_t S) {
   const bool token_slots = S > 0;
@@ -320,29 +329,13 @@ void decode_case(const ServingDims& dm, DType pdt, int64_t S) {
 
   DeviceArena ar;
   const DType in = DType::kBF16;
-  KdaRecurrentArgs d;  // the default layout (h's inputs rounded to bf16 in place)
-  d.q = ar.mirror(h.q, in), d.k = ar.mirror(h.k, in), d.v = ar.mirror(h.v, in), d.g = ar.mirror(h.g, in), d.beta = ar.mirror(h.beta, in);
-  d.A_log = ar.mirror(h.A_log, DType::kFP32), d.dt_bias = ar.mirror(h.dt_bias, DType::kFP32);
-  d.initial_state = ar.mirror(h.initial_state, pdt);
-  d.state_indices = ar.mirror(h.state_indices, DType::kInt64);
-  d.num_accepted_tokens = ar.mirror(h.num_accepted_tokens, DType::kInt64);
-  d.o = ar.mirror(h.o, in, /*poison=*/true);
+  KdaRecurrentArgs d = to_device(h, in, in, ar);  // the default layout (h's inputs rounded to bf16 in place)
   KdaRecurrentArgs dv = d;  // state_v_first: the transposed pool
   dv.initial_state = ar.mirror(pool_t_view, pdt);
   dv.o = ar.mirror(h.o, in, true);
   KdaRecurrentOptions ov = kKimi;
   ov.state_v_first = true;
-  {
-    const Status st = run(d, kKimi);
-    ASSERT_TRUE(st) << "default layout: " << st.to_string();
-    const Status sv = run(dv, ov);
-    ASSERT_TRUE(sv) << "state_v_first: " << sv.to_string();
-    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
-  }
-  {
-    const Status st = run(h, kKimi);  // the CPU reference on the host pool
-    ASSERT_TRUE(st) << "cpu: " << st.to_string();
-  }
+  ASSERT_NO_FATAL_FAILURE(run_layouts([](const KdaRecurrentArgs& a, const KdaRecurrentOptions& op) { return run(a, op); }, d, kKimi, dv, ov, h));
   const bool exact = !(dm.K == 128 && dm.V == 128);  // the same (general) kernel on both layouts
   check_o(dv.o, d.o, tk.b.o, exact);
   check_pool(dv.initial_state, pool_t, pool, d.initial_state, written, exact);
@@ -369,18 +362,10 @@ void prefill_case(const ServingDims& dm, DType pdt) {
 
   DeviceArena ar;
   const DType in = DType::kBF16;
-  KdaPoolForwardArgs d;
-  const KdaForwardArgs& f = h.fwd;
-  d.fwd.q = ar.mirror(f.q, in), d.fwd.k = ar.mirror(f.k, in), d.fwd.v = ar.mirror(f.v, in), d.fwd.g = ar.mirror(f.g, in);
-  d.fwd.beta = ar.mirror(f.beta, in);
-  d.fwd.A_log = ar.mirror(f.A_log, DType::kFP32), d.fwd.dt_bias = ar.mirror(f.dt_bias, DType::kFP32);
-  d.fwd.cu_seqlens = f.cu_seqlens;  // host memory
-  d.fwd.o = ar.mirror(f.o, in, /*poison=*/true);
-  d.pool = ar.mirror(h.pool, pdt);
-  d.state_indices = ar.mirror(h.state_indices, DType::kInt64);
+  KdaPoolForwardArgs d = to_device(h, in, in, ar);
   KdaPoolForwardArgs dv = d;
   dv.pool = ar.mirror(pool_t_view, pdt);
-  dv.fwd.o = ar.mirror(f.o, in, true);
+  dv.fwd.o = ar.mirror(h.fwd.o, in, true);
   KdaOptions o;
   o.use_qk_l2norm = true, o.use_gate_in_kernel = true;
   KdaOptions ov = o;
@@ -389,17 +374,7 @@ void prefill_case(const ServingDims& dm, DType pdt) {
     void* ws = ar.bytes(workspace_bytes(a, op));
     return run(a, op, ws);
   };
-  {
-    const Status st = launch(d, o);
-    ASSERT_TRUE(st) << "default layout: " << st.to_string();
-    const Status sv = launch(dv, ov);
-    ASSERT_TRUE(sv) << "state_v_first: " << sv.to_string();
-    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
-  }
-  {
-    const Status st = run(h, o);  // the CPU reference on the host pool
-    ASSERT_TRUE(st) << "cpu: " << st.to_string();
-  }
+  ASSERT_NO_FATAL_FAILURE(run_layouts(launch, d, o, dv, ov, h));
   check_o(dv.fwd.o, d.fwd.o, tk.b.o, true);
   check_pool(dv.pool, pool_t, pool, d.pool, {3, 0}, true);
   if (dm.K != dm.V) {

@@ -159,14 +159,19 @@ def test_grad_in_forward_scaled_by_grad_output_and_one_sided(reduction):
 
 
 def test_grad_in_forward_not_taken_for_fp16_or_no_rows():
-    """fp16 takes the recompute mode (its dlogits need the loss scale the forward does not know): a loss scaled
-    by 65536 keeps its gradients; no rows: the same error as the other modes."""
+    """fp16 takes the recompute mode (its dlogits need the loss scale the forward does not know): its backward
+    may run twice (the grad-in-forward one is refused the second time) and a loss scaled by 65536 gets the
+    recompute mode's gradients bit for bit; no rows: the same error as the other modes."""
     x, w, t = make(64, 32, 97, dtype=torch.float16, seed=4)
     ref_loss, ref_dw, ref_dx, _ = reference(w, x, t)
     loss, dw, dx = run(w, x, t, torch.tensor(65536.0), grad_in_forward=True)
-    want, _, _ = run(w, x, t, torch.tensor(65536.0))
-    assert torch.equal(loss, want)
+    want, want_dw, want_dx = run(w, x, t, torch.tensor(65536.0))
+    assert torch.equal(loss, want) and torch.equal(dw, want_dw) and torch.equal(dx, want_dx)
     assert rel(dw.float() / 65536, ref_dw) < 5e-3 and rel(dx.float() / 65536, ref_dx) < 5e-3
+    wg = w.clone().requires_grad_(True)
+    twice = FusedLinearCrossEntropyLoss(grad_in_forward=True)(wg, x, t)
+    twice.backward(retain_graph=True)
+    twice.backward()  # the recompute mode's backward: no in-place scaling to refuse
     xe, we = x[:0].float().requires_grad_(True), w.float().requires_grad_(True)
     errors = []
     for kw in (dict(), dict(grad_in_forward=True)):
