@@ -208,9 +208,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     for (int u = 0; u < decltype(kRows)::value / 8; ++u) {
       const int rr = r0 + 8 * u;
       const float2 v = value(u, rr, a);
-      const __nv_bfloat16 h0 = __float2bfloat16(v.x), h1 = __float2bfloat16(v.y);
-      *reinterpret_cast<__nv_bfloat162*>(an_hi + rr * kLd + a) = __halves2bfloat162(h0, h1);
-      store_pair(an_lo + rr * kLd + a, v.x - __bfloat162float(h0), v.y - __bfloat162float(h1));
+      const __nv_bfloat162 h = __float22bfloat162_rn(v);  // both halves rounded to nearest in one conversion
+      *reinterpret_cast<__nv_bfloat162*>(an_hi + rr * kLd + a) = h;
+      store_pair(an_lo + rr * kLd + a, v.x - __low2float(h), v.y - __high2float(h));
     }
   };
   auto pair = [](const float* t, int i, int a) { return *reinterpret_cast<const float2*>(t + i * kLdF + a); };
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   {
     const float2 ga[4] = {pair(g_f, 15, ba), pair(g_f, 31, ba), pair(g_f, 47, ba), pair(g_f, 63, ba)};
     build(std::integral_constant<int, 2 * kC>{}, [&](int u, int rr, int a) {  // row ii = rr % 64, its anchor ii | 15: 16 (u % 8 / 2) + 15
-      const int ii = rr & (kC - 1);
+      const int ii = rr - (u < kC / 8 ? 0 : kC);  // rr % 64 (rr = r0 + 8 u, r0 < 8)
       const bool q = u < kC / 8;
       const float2 x = pair(q ? q_f : k_f, ii, a), g = pair(g_f, ii, a);
       const float sx = q ? p.scale : beta_s[ii];
