@@ -484,9 +484,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     const float ea = kda::gate_scale(p, hv), dtb = p.dt_bias ? p.dt_bias[hv * p.K + a] : 0.f;
     const Rows in_g = rows_of(p.g, b, t0, hv);
     const OutRows out_dg = out_rows(p.dg, b, t0, hv);
+    // This thread's channel a of g (row 0 where a row is past the chunk: always in the tensor) and its rows
+    // r0.. of dg (stored only where i < rows): the column's address once, a row one step on.
+    const Rows g_col{in_g.base + (int64_t(a) << in_g.shift), in_g.step, in_g.shift, in_g.dtype};
+    const OutRows dg_col{out_dg.base + int64_t(r0) * out_dg.step, out_dg.step, out_dg.shift, out_dg.dtype};
     float xr[kPartRows];  // the gate's input (raw g + dt_bias) of the part's rows, loaded before the chain
 #pragma unroll
-    for (int u = 0; u < kPartRows; ++u) xr[u] = p.gate_in_kernel ? load1(in_g, r0 + u < rows ? r0 + u : 0, a, r0 + u < rows) + dtb : 0.f;
+    for (int u = 0; u < kPartRows; ++u) xr[u] = p.gate_in_kernel ? load1(g_col, r0 + u, 0, r0 + u < rows) + dtb : 0.f;
 #pragma unroll
     for (int u = kPartRows - 1; u >= 0; --u) {
       const int i = r0 + u;
@@ -500,7 +504,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
           pda += da;
           pdt += dx;
         }
-        store1(out_dg, i, a, dx);
+        store1(dg_col, u, a, dx);
       }
     }
   }
