@@ -316,8 +316,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
 #pragma unroll 1
     for (int jj = m0 + 8; jj < m0 + 16; ++jj) column(jj, std::false_type{});
   }
+  // This thread's two fragment rows of dqi (later of dki): their addresses once (rows past the chunk: its last).
+  auto frag_rows = [&](const float* x, const float* (&at)[2]) {
+    at[0] = x + tokr(min(m0 + g8, rows - 1)) * kD, at[1] = x + tokr(min(m0 + g8 + 8, rows - 1)) * kD;
+  };
+  const float* dqi_rows[2];
+  frag_rows(w.dqi, dqi_rows);
   each([&](int j, int e, int i, int a) {
-    const float dqi = ld_or0(w.dqi, tokr(min(i, rows - 1)) * kD + a, i < rows && a < p.K);
+    const float dqi = ld_or0(dqi_rows[e >> 1], a, i < rows && a < p.K);
     const float qf = q_f[i * kLdF + a], kf = k_f[i * kLdF + a], bt = beta_s[i];
     dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dqi + bt * kf * acc2[j][e];
     dk_t[j][e] += bt * acc2[j][e];
@@ -400,8 +406,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   // ---- D: the inter-chunk parts of dk and dG, the row dots ----------------------------------------
   float kdk[4][4];
   float dq_dot[2] = {0.f, 0.f}, dk_dot[2] = {0.f, 0.f};
+  const float* dki_rows[2];
+  frag_rows(w.dki, dki_rows);
   each([&](int j, int e, int i, int a) {
-    const float dki = ld_or0(w.dki, tokr(min(i, rows - 1)) * kD + a, i < rows && a < p.K);
+    const float dki = ld_or0(dki_rows[e >> 1], a, i < rows && a < p.K);
     dk_t[j][e] += dki;
     dg_t[j][e] -= k_f[i * kLdF + a] * dki;
     kdk[j][e] = k_f[i * kLdF + a] * dki;
