@@ -52,30 +52,37 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // Rows i < kRows of 16-bit values at base + i * step bytes into dst[i * ld + c] (c < 128) by the
 // block's kN threads: channels c < C copied where i < rows, the rest zero. base and step 16-byte
-// aligned. No commit. Thread x's units are (row x / 16 + kN / 16 u, 8 channels from 8 (x % 16)); a
-// unit of source size 0 reads nothing and points at base.
+// aligned. No commit. Thread x's units are (row x / 16 + kN / 16 u, 8 channels from 8 (x % 16)): its
+// channels, their count and its first source address once, then one step of kN / 16 rows a unit; a unit
+// of source size 0 reads nothing and points at base.
 template <int kN, int kRows = kdabwd::kC>
 __device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, int ld, const unsigned char* base, int64_t step, int rows, int C) {
-  static_assert(kRows * 16 % kN == 0, "whole units a thread");
+  static_assert(kN % 16 == 0 && kRows * 16 % kN == 0, "whole units a thread, whole rows a pass");
+  constexpr int kStep = kN / 16;  // rows between a thread's units
+  const int i0 = int(threadIdx.x >> 4), c = 8 * int(threadIdx.x & 15), nc = min(max(C - c, 0), 8);
+  const unsigned char* src = base + int64_t(i0) * step + 2 * c;
+  const int64_t ustep = int64_t(kStep) * step;
 #pragma unroll
-  for (int u = 0; u < kRows * 16 / kN; ++u) {
-    const int x = threadIdx.x + u * kN, i = x >> 4, c = 8 * (x & 15);
-    const int n = i < rows ? min(max(C - c, 0), 8) : 0;  // elements copied
-    cp_async16(dst + i * ld + c, base + (n > 0 ? int64_t(i) * step + 2 * c : 0), 2 * n);
+  for (int u = 0; u < kRows / kStep; ++u) {
+    const int i = i0 + kStep * u, n = i < rows ? nc : 0;  // elements copied
+    cp_async16(dst + i * ld + c, n > 0 ? src + u * ustep : base, 2 * n);
   }
 }
 // The chunk's rows i < 64 of a [tokens][HV][64] bf16 residual (Akk, Aqk) from row0 (the chunk's first
 // token, its head), `stride` elements a row: columns j <= i copied where i < rows (the lower triangle
-// with the diagonal, as the generic path's masks), the rest zero.
+// with the diagonal, as the generic path's masks), the rest zero. Thread x's units: row x / 8 + kN / 8 u,
+// columns from 8 (x % 8).
 template <int kN>
 __device__ __forceinline__ void copy_tri(__nv_bfloat16* dst, int ld, const __nv_bfloat16* row0, int64_t stride, int rows) {
-  constexpr int kUnits = kdabwd::kC * (kdabwd::kC / 8);
-  static_assert(kUnits % kN == 0, "whole units a thread");
+  static_assert(kN % 8 == 0 && kdabwd::kC * 8 % kN == 0, "whole units a thread, whole rows a pass");
+  constexpr int kStep = kN / 8;
+  const int i0 = int(threadIdx.x >> 3), c = 8 * int(threadIdx.x & 7);
+  const __nv_bfloat16* src = row0 + int64_t(i0) * stride + c;
+  const int64_t ustep = int64_t(kStep) * stride;
 #pragma unroll
-  for (int u = 0; u < kUnits / kN; ++u) {
-    const int x = threadIdx.x + u * kN, i = x >> 3, c = 8 * (x & 7);
-    const int n = i < rows ? min(max(i + 1 - c, 0), 8) : 0;
-    cp_async16(dst + i * ld + c, row0 + (n > 0 ? int64_t(i) * stride + c : 0), 2 * n);
+  for (int u = 0; u < kdabwd::kC / kStep; ++u) {
+    const int i = i0 + kStep * u, n = i < rows ? min(max(i + 1 - c, 0), 8) : 0;
+    cp_async16(dst + i * ld + c, n > 0 ? src + u * ustep : row0, 2 * n);
   }
 }
 

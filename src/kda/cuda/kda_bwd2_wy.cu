@@ -198,25 +198,42 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   // The anchored operands off the diagonal blocks go in as bf16 hi + lo pairs (two MMAs each): rounded
   // to bf16 alone, their errors are shared by a block's 16 rows and move the dG plane (dA_log, ddt_bias
   // by up to 2e-2 on the CPU model of the kernel; hi + lo: 2e-3, the other roundings' level). One
-  // operand at a time in the region (96 rows x 2), built by all threads: anchored(rr, a) of its row rr.
-  auto build = [&](int nrows, auto&& value) {
-    for (int x = threadIdx.x; x < nrows * (kD / 2); x += kThreads) {
-      const int rr = x / (kD / 2), a = 2 * (x % (kD / 2));
-      const float v0 = value(rr, a), v1 = value(rr, a + 1);
-      const __nv_bfloat16 h0 = __float2bfloat16(v0), h1 = __float2bfloat16(v1);
-      *reinterpret_cast<__nv_bfloat162*>(an_hi + rr * kLd + a) = __halves2bfloat162(h0, h1);
-      store_pair(an_lo + rr * kLd + a, v0 - __bfloat162float(h0), v1 - __bfloat162float(h1));
+  // operand at a time in the region (96 rows x 2), built by all threads: thread x takes the channel pair
+  // a = 2 (x % 64) of rows rr = x / 64 + 8 u, u < kRows / 8 unrolled, so the block of row rr, and with it
+  // its anchor, is known at compile time from u (the blocks' bounds are multiples of 8 rows); value(u, rr,
+  // a) gives the pair's two values. The anchors' G are read from shared memory once, before the loop.
+  auto build = [&](auto kRows, auto&& value) {
+    const int a = 2 * int(threadIdx.x & 63), r0 = int(threadIdx.x >> 6);
+#pragma unroll
+    for (int u = 0; u < decltype(kRows)::value / 8; ++u) {
+      const int rr = r0 + 8 * u;
+      const float2 v = value(u, rr, a);
+      const __nv_bfloat162 h = __float22bfloat162_rn(v);  // both halves rounded to nearest in one conversion
+      *reinterpret_cast<__nv_bfloat162*>(an_hi + rr * kLd + a) = h;
+      store_pair(an_lo + rr * kLd + a, v.x - __low2float(h), v.y - __high2float(h));
     }
   };
-  // kr: row block rb's anchor r = 16 rb, rows j < r: k^_j 2^(G_r - G_j).
-  build(kAnchorRows, [&](int rr, int a) {
-    const int rb = rr < 16 ? 1 : rr < 48 ? 2 : 3, j = rr - row_base(rb), r = 16 * rb;
-    return k_f[j * kLdF + a] * fast_exp2(g_f[r * kLdF + a] - g_f[j * kLdF + a]);
-  });
-  // qr / bkr: column block cb's anchor r = 16 cb + 15, rows i > r: q~_i (or beta_i k^_i) 2^(G_i - G_r).
-  auto col_anchored = [&](int rr, int a, bool q) {
-    const int cb = rr < 48 ? 0 : rr < 80 ? 1 : 2, i = 16 * (cb + 1) + rr - col_base(cb), r = 16 * cb + 15;
-    return (q ? p.scale * q_f[i * kLdF + a] : beta_s[i] * k_f[i * kLdF + a]) * fast_exp2(g_f[i * kLdF + a] - g_f[r * kLdF + a]);
+  auto pair = [](const float* t, int i, int a) { return *reinterpret_cast<const float2*>(t + i * kLdF + a); };
+  const int ba = 2 * int(threadIdx.x & 63);  // the builds' channel pair
+  // kr: row block rb's anchor r = 16 rb, rows j < r: k^_j 2^(G_r - G_j) (16, 32, 48 rows for rb = 1, 2, 3).
+  {
+    const float2 ga[3] = {pair(g_f, 16, ba), pair(g_f, 32, ba), pair(g_f, 48, ba)};
+    build(std::integral_constant<int, kAnchorRows>{}, [&](int u, int rr, int a) {
+      const int b = 8 * u < 16 ? 0 : 8 * u < 48 ? 1 : 2, j = rr - (b == 0 ? 0 : b == 1 ? 16 : 48);  // rb = b + 1, j = rr - row_base(rb)
+      const float2 k = pair(k_f, j, a), g = pair(g_f, j, a);
+      return make_float2(k.x * fast_exp2(ga[b].x - g.x), k.y * fast_exp2(ga[b].y - g.y));
+    });
+  }
+  // qr / bkr: column block cb's anchor r = 16 cb + 15, rows i > r: q~_i (or beta_i k^_i) 2^(G_i - G_r)
+  // (48, 32, 16 rows for cb = 0, 1, 2).
+  auto col_anchored = [&](bool q) {
+    const float2 ga[3] = {pair(g_f, 15, ba), pair(g_f, 31, ba), pair(g_f, 47, ba)};
+    build(std::integral_constant<int, kAnchorRows>{}, [&](int u, int rr, int a) {
+      const int cb = 8 * u < 48 ? 0 : 8 * u < 80 ? 1 : 2, i = rr + (cb == 0 ? 16 : cb == 1 ? -16 : -32);  // 16 (cb + 1) + rr - col_base(cb)
+      const float2 x = pair(q ? q_f : k_f, i, a), g = pair(g_f, i, a);
+      const float sx = q ? p.scale : beta_s[i];
+      return make_float2(sx * x.x * fast_exp2(g.x - ga[cb].x), sx * x.y * fast_exp2(g.y - ga[cb].y));
+    });
   };
   __syncthreads();
   auto bf = [](const __nv_bfloat16* t, int i, int j) { return __bfloat162float(t[i * kLdC + j]); };
@@ -251,10 +268,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     tc_diag = __all_sync(0xffffffffu, hi - lo <= kDiagSpan);
   }
   __syncthreads();  // kr is read: the region takes the diagonal blocks' k^_j 2^(G_16b - G_j)
-  build(kC, [&](int rr, int a) {
-    const int r = rr & ~15;
-    return k_f[rr * kLdF + a] * fast_exp2(fminf(g_f[r * kLdF + a] - g_f[rr * kLdF + a], kDiagSpan));
-  });
+  {
+    const float2 ga[4] = {pair(g_f, 0, ba), pair(g_f, 16, ba), pair(g_f, 32, ba), pair(g_f, 48, ba)};
+    build(std::integral_constant<int, kC>{}, [&](int u, int rr, int a) {  // the anchor: row rr & ~15 = 16 (u / 2)
+      const float2 k = pair(k_f, rr, a), g = pair(g_f, rr, a);
+      return make_float2(k.x * fast_exp2(fminf(ga[u / 2].x - g.x, kDiagSpan)), k.y * fast_exp2(fminf(ga[u / 2].y - g.y, kDiagSpan)));
+    });
+  }
   __syncthreads();
   if (tc_diag) {
     for (const __nv_bfloat16* kd : {an_hi, an_lo}) {
@@ -296,8 +316,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
 #pragma unroll 1
     for (int jj = m0 + 8; jj < m0 + 16; ++jj) column(jj, std::false_type{});
   }
+  // This thread's two fragment rows of dqi (later of dki): their addresses once (rows past the chunk: its last).
+  auto frag_rows = [&](const float* x, const float* (&at)[2]) {
+    at[0] = x + tokr(min(m0 + g8, rows - 1)) * kD, at[1] = x + tokr(min(m0 + g8 + 8, rows - 1)) * kD;
+  };
+  const float* dqi_rows[2];
+  frag_rows(w.dqi, dqi_rows);
   each([&](int j, int e, int i, int a) {
-    const float dqi = ld_or0(w.dqi, tokr(min(i, rows - 1)) * kD + a, i < rows && a < p.K);
+    const float dqi = ld_or0(dqi_rows[e >> 1], a, i < rows && a < p.K);
     const float qf = q_f[i * kLdF + a], kf = k_f[i * kLdF + a], bt = beta_s[i];
     dg_t[j][e] += p.scale * qf * acc[j][e] + qf * dqi + bt * kf * acc2[j][e];
     dk_t[j][e] += bt * acc2[j][e];
@@ -310,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   zero(acc2);
   for (int term = 0; term < 2; ++term) {  // dAqk^T qr, then dL^T bkr: each operand in the region in turn
     __syncthreads();                       // the region's previous operand is read
-    build(kAnchorRows, [&](int rr, int a) { return col_anchored(rr, a, term == 0); });
+    col_anchored(term == 0);
     __syncthreads();
     const __nv_bfloat16* coef = term == 0 ? daqk_s : dl_s;
     for (int s = 0; s < 3 - blk; ++s) {
@@ -323,11 +349,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   // The diagonal block, where tc_diag: q~_ii and beta_ii k^_ii times 2^(G_ii - G_16b+15) (rows ii of
   // the q part, 64 + ii of the beta k part), anchored at the block's last row like the blocks after it.
   __syncthreads();  // bkr is read
-  build(2 * kC, [&](int rr, int a) {
-    const int ii = rr & (kC - 1), r = ii | 15;
-    const float x = rr < kC ? p.scale * q_f[ii * kLdF + a] : beta_s[ii] * k_f[ii * kLdF + a];
-    return x * fast_exp2(fminf(g_f[ii * kLdF + a] - g_f[r * kLdF + a], kDiagSpan));
-  });
+  {
+    const float2 ga[4] = {pair(g_f, 15, ba), pair(g_f, 31, ba), pair(g_f, 47, ba), pair(g_f, 63, ba)};
+    build(std::integral_constant<int, 2 * kC>{}, [&](int u, int rr, int a) {  // row ii = rr % 64, its anchor ii | 15: 16 (u % 8 / 2) + 15
+      const int ii = rr - (u < kC / 8 ? 0 : kC);  // rr % 64 (rr = r0 + 8 u, r0 < 8)
+      const bool q = u < kC / 8;
+      const float2 x = pair(q ? q_f : k_f, ii, a), g = pair(g_f, ii, a);
+      const float sx = q ? p.scale : beta_s[ii];
+      const float2 gr_ = ga[(u % 8) / 2];
+      return make_float2(sx * x.x * fast_exp2(fminf(g.x - gr_.x, kDiagSpan)), sx * x.y * fast_exp2(fminf(g.y - gr_.y, kDiagSpan)));
+    });
+  }
   __syncthreads();
   if (tc_diag) {
     for (const __nv_bfloat16* cd : {an_hi, an_lo}) {
@@ -374,8 +406,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
   // ---- D: the inter-chunk parts of dk and dG, the row dots ----------------------------------------
   float kdk[4][4];
   float dq_dot[2] = {0.f, 0.f}, dk_dot[2] = {0.f, 0.f};
+  const float* dki_rows[2];
+  frag_rows(w.dki, dki_rows);
   each([&](int j, int e, int i, int a) {
-    const float dki = ld_or0(w.dki, tokr(min(i, rows - 1)) * kD + a, i < rows && a < p.K);
+    const float dki = ld_or0(dki_rows[e >> 1], a, i < rows && a < p.K);
     dk_t[j][e] += dki;
     dg_t[j][e] -= k_f[i * kLdF + a] * dki;
     kdk[j][e] = k_f[i * kLdF + a] * dki;
@@ -458,9 +492,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
     const float ea = kda::gate_scale(p, hv), dtb = p.dt_bias ? p.dt_bias[hv * p.K + a] : 0.f;
     const Rows in_g = rows_of(p.g, b, t0, hv);
     const OutRows out_dg = out_rows(p.dg, b, t0, hv);
+    // This thread's channel a of g (row 0 where a row is past the chunk: always in the tensor) and its rows
+    // r0.. of dg (stored only where i < rows): the column's address once, a row one step on.
+    const Rows g_col{in_g.base + (int64_t(a) << in_g.shift), in_g.step, in_g.shift, in_g.dtype};
+    const OutRows dg_col{out_dg.base + int64_t(r0) * out_dg.step, out_dg.step, out_dg.shift, out_dg.dtype};
     float xr[kPartRows];  // the gate's input (raw g + dt_bias) of the part's rows, loaded before the chain
 #pragma unroll
-    for (int u = 0; u < kPartRows; ++u) xr[u] = p.gate_in_kernel ? load1(in_g, r0 + u < rows ? r0 + u : 0, a, r0 + u < rows) + dtb : 0.f;
+    for (int u = 0; u < kPartRows; ++u) xr[u] = p.gate_in_kernel ? load1(g_col, r0 + u, 0, r0 + u < rows) + dtb : 0.f;
 #pragma unroll
     for (int u = kPartRows - 1; u >= 0; --u) {
       const int i = r0 + u;
@@ -474,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda2_wy_kernel(const __grid_const
           pda += da;
           pdt += dx;
         }
-        store1(out_dg, i, a, dx);
+        store1(dg_col, u, a, dx);
       }
     }
   }
