@@ -254,7 +254,7 @@ TEST_F(KdaBwdGpu, BadInputsRefused) {
   DeviceBuffer ws(1 << 20);
   Status s = run(b, o, ws.ptr);
   EXPECT_FALSE(s);
-  EXPECT_NE(s.to_string().find("residuals: the CUDA backward needs the forward's residuals G, Aqk, Akk"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.to_string().find("residuals: the CUDA backward needs the forward's residuals Aqk, Akk"), std::string::npos) << s.to_string();
   b.fwd.residuals.G = rG->view;
   b.fwd.residuals.Aqk = rA->view;
   s = run(b, o, ws.ptr);
