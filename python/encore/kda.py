@@ -296,8 +296,8 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
     arguments. Returns a dict with dq, dk, dv, dg, dbeta (in the inputs' dtypes; dg with respect to
     the g passed in, dq and dk before the L2 norm) and dh0, dA_log, ddt_bias (float32) when
     initial_state, A_log, dt_bias are given (in their dtypes). residuals: the dict kda_forward returned with
-    return_residuals (G, Aqk, Akk, and h for the saved-h mode; without h the backward
-    rematerializes the chunk states); the CPU backend runs its chunked backward on them, or its
+    return_residuals (Aqk, Akk, and h for the saved-h mode; without h the backward
+    rematerializes the chunk states; G optional: recomputed from g when absent); the CPU backend runs its chunked backward on them, or its
     token-level backward without; the CUDA backward needs them (its workspace is allocated per
     call, kda_backward_workspace_bytes in C++). stream: as for the forward (an explicit one takes the direct
     path; the CPU backend ignores it). state_v_first: initial_state, d_final_state and dh0 are [N, H, V, K]."""
