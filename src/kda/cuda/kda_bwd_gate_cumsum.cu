@@ -19,6 +19,17 @@
 namespace encore::cuda {
 namespace {
 
+// The activated gate in log2 units (kda_chunk.cu's load of the gate tile). Its last product is rounded
+// on its own (__fmul_rn), never contracted into the running sum's add: in the forward the activated
+// gate passes through shared memory before the sum.
+__device__ __forceinline__ float activated(const KdaBwdCudaProblem& p, float a, float ea, float dtb) {
+  if (!p.gate_in_kernel) return __fmul_rn(a, kLog2e);
+  if (p.dt_bias) a += dtb;
+  if (p.lower_bound_gate) return __fmul_rn(kLog2e, __fdividef(p.lower_bound, 1.0f + __expf(-ea * a)));
+  const float y = a * kLog2e;
+  return __fmul_rn(-ea, softplus_log2(y, fast_exp2(-fabsf(y))));
+}
+
 __global__ void kda_gate_cumsum_kernel(const KdaBwdCudaProblem p, float* __restrict__ G) {
   const int c = threadIdx.x, h = blockIdx.y;
   if (c >= p.K) return;
@@ -26,23 +37,16 @@ __global__ void kda_gate_cumsum_kernel(const KdaBwdCudaProblem p, float* __restr
   const float ea = p.gate_in_kernel && p.A_log ? expf(p.A_log[h]) : 1.0f;
   const float dtb = p.gate_in_kernel && p.dt_bias ? p.dt_bias[h * p.K + c] : 0.f;
   float acc = 0.f;
-  for (int i = 0; i < ci.rows; ++i) {
-    float a = kdabwd::load_or0(p.g, ci.b, ci.t0 + i, h, c, true);
-    // Each activation's last product rounded on its own (__fmul_rn): never contracted into the sum's
-    // add, as in the forward, where the activated gate passes through shared memory before the sum.
-    if (!p.gate_in_kernel) {
-      a = __fmul_rn(a, kLog2e);
-    } else {
-      if (p.dt_bias) a += dtb;
-      if (p.lower_bound_gate) {
-        a = __fmul_rn(kLog2e, __fdividef(p.lower_bound, 1.0f + __expf(-ea * a)));
-      } else {
-        const float y = a * kLog2e;
-        a = __fmul_rn(-ea, softplus_log2(y, fast_exp2(-fabsf(y))));
-      }
+  for (int i0 = 0; i0 < ci.rows; i0 += 16) {  // 16 rows' loads in flight, then their sums and stores
+    float raw[16];
+#pragma unroll
+    for (int u = 0; u < 16; ++u) raw[u] = kdabwd::load_or0(p.g, ci.b, ci.t0 + i0 + u, h, c, i0 + u < ci.rows);
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      if (i0 + u >= ci.rows) break;
+      acc += activated(p, raw[u], ea, dtb);
+      G[kdabwd::tok(p, ci.b, ci.t0 + i0 + u, h) * p.K + c] = acc;
     }
-    acc += a;
-    G[kdabwd::tok(p, ci.b, ci.t0 + i, h) * p.K + c] = acc;
   }
 }
 
