@@ -1,12 +1,12 @@
 // Suite "kda_bwd": the CUDA KDA training step's kernels at the kda suite's configurations
 // (kda_bench_case.hpp: bf16, H 16, K = V = 128, in-kernel softplus gate with dt_bias, q/k L2 norm;
 // fla is timed on the same ones by bench/peers/kda_train_peers.py): the forward writing chunk_kda's
-// residuals (Aqk, Akk and, saved-h, the chunk states h in bf16; not G), and the backward on both paths
-// (saved h: the second backward; rematerialize: Aqk, Akk only, the first), each recomputing G from g,
-// and the saved-h backward once more reading a saved G (path saved_h_G: the difference is the G
-// pass), with dq, dk, dv, dg, dbeta, dA_log and ddt_bias written and d_o random in [-1, 1). Device
-// time per call from graph replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
-// bench kda_bwd).
+// residuals (Aqk, Akk and, saved-h, the chunk states h in bf16; not G), and the second backward on both
+// paths (saved h; rematerialize: Aqk, Akk only, the forward re-run first writing h and G into the
+// workspace), the saved-h one recomputing G from g, and the saved-h backward once more reading a saved
+// G (path saved_h_G: the difference is the G pass), with dq, dk, dv, dg, dbeta, dA_log and ddt_bias
+// written and d_o random in [-1, 1). Device time per call from graph replays. The backward's launches
+// are the ones to profile under ncu (scripts/ncu_hotspots.sh ... -- bench kda_bwd).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -82,8 +82,8 @@ struct KdaTrainCase {
   }
 };
 
-constexpr const char* kFirst = "tensor-core backward (mma.sync bf16, split hi + lo operands), fp32 chunk records";
 constexpr const char* kSecond = "second backward (K0 prep, K1 scan, K2a, K2b: single-pass bf16 mma.sync, bf16 intermediates)";
+constexpr const char* kRemat = "the forward re-run (h, G into the workspace), then the second backward";
 
 // backward: the backward's version, or null for the forward row (kda_record names the forward's).
 Record record(const char* name, const Config& c, const char* path, const char* backward) {
@@ -117,11 +117,10 @@ void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t st
     // The residuals now hold this forward's values (G too) for every backward path.
     check_status(run(tc.fwd_G, tc.opts, tc.ws_fwd, stream), "kda forward");
     check_cuda(cudaStreamSynchronize(stream), "sync");
-    // run() picks the kernels (kda_backward_kernels): bf16 with saved states the second backward, the
-    // rematerialize path the first.
+    // run() picks the kernels (kda_backward_kernels): for bf16 the second backward on both paths.
     time("kda_backward", "saved_h", kSecond, [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
     time("kda_backward", "saved_h_G", kSecond, [&] { return run(tc.saved_G, tc.opts, tc.ws_saved_G, stream); });
-    time("kda_backward", "remat", kFirst, [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
+    time("kda_backward", "remat", kRemat, [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
   }
 }
 
