@@ -1,11 +1,12 @@
 // Suite "kda_bwd": the CUDA KDA training step's kernels at the kda suite's configurations
 // (kda_bench_case.hpp: bf16, H 16, K = V = 128, in-kernel softplus gate with dt_bias, q/k L2 norm;
 // fla is timed on the same ones by bench/peers/kda_train_peers.py): the forward writing chunk_kda's
-// residuals (G fp32; Aqk, Akk and, saved-h, the chunk states h in bf16), and the backward on both
-// paths (saved h: the second backward; rematerialize: residuals G, Aqk, Akk only, the first), with dq,
-// dk, dv, dg, dbeta, dA_log and ddt_bias written and d_o random in [-1, 1). Device time per call from
-// graph replays. The backward's launches are the ones to profile under ncu (scripts/ncu_hotspots.sh ... --
-// bench kda_bwd).
+// residuals (Aqk, Akk and, saved-h, the chunk states h in bf16; not G), and the second backward on both
+// paths (saved h; rematerialize: Aqk, Akk only, the forward re-run first writing h and G into the
+// workspace), the saved-h one recomputing G from g, and the saved-h backward once more reading a saved
+// G (path saved_h_G: the difference is the G pass), with dq, dk, dv, dg, dbeta, dA_log and ddt_bias
+// written and d_o random in [-1, 1). Device time per call from graph replays. The backward's launches
+// are the ones to profile under ncu (scripts/ncu_hotspots.sh ... -- bench kda_bwd).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -25,12 +26,14 @@ using kdabench::kK;
 using kdabench::kV;
 
 struct KdaTrainCase {
-  KdaForwardArgs fwd;      // with residuals (h included: the saved-h forward)
-  KdaBackwardArgs saved;   // reads h
-  KdaBackwardArgs remat;   // G, Aqk, Akk only
+  KdaForwardArgs fwd;      // with chunk_kda's residuals (h included: the saved-h forward; no G)
+  KdaForwardArgs fwd_G;    // the same and G (run once, untimed)
+  KdaBackwardArgs saved;   // reads h, recomputes G
+  KdaBackwardArgs saved_G; // reads h and G
+  KdaBackwardArgs remat;   // Aqk, Akk only
   KdaOptions opts;
   void* mem = nullptr;
-  void *ws_fwd = nullptr, *ws_saved = nullptr, *ws_remat = nullptr;
+  void *ws_fwd = nullptr, *ws_saved = nullptr, *ws_saved_G = nullptr, *ws_remat = nullptr;
 
   explicit KdaTrainCase(const KdaBenchCase& kc) : fwd(kc.a), opts(kc.opts) {
     const Device dev{DeviceType::kCUDA, 0};
@@ -41,7 +44,7 @@ struct KdaTrainCase {
     // null base first (core/carve.hpp), then laid out on it.
     auto layout = [&](char* base) {
       Carve c{base, 0, dev};
-      fwd.residuals.G = c.take(DType::kFP32, {B, T, H, K});
+      fwd_G.residuals.G = c.take(DType::kFP32, {B, T, H, K});
       fwd.residuals.Aqk = c.take(DType::kBF16, {B, T, H, 64});
       fwd.residuals.Akk = c.take(DType::kBF16, {B, T, H, 64});
       fwd.residuals.h = c.take(DType::kBF16, {nt, H, K, V});
@@ -58,23 +61,29 @@ struct KdaTrainCase {
     check_cuda(cudaMalloc(&mem, layout(nullptr)), "kda_bwd buffers");
     layout(static_cast<char*>(mem));
     fill_random(saved.d_o.data, size_t(B * T * H * V), FillKind::kBF16, 77, nullptr);
+    const TensorView G = fwd_G.residuals.G;
+    fwd_G = fwd;
+    fwd_G.residuals.G = G;
     saved.fwd = fwd;
+    saved_G = saved;
+    saved_G.fwd = fwd_G;
     remat = saved;
     remat.fwd.residuals.h = TensorView{};
-    check_cuda(cudaMalloc(&ws_fwd, std::max<size_t>(workspace_bytes(fwd, opts), 16)), "kda forward workspace");
+    check_cuda(cudaMalloc(&ws_fwd, std::max<size_t>(workspace_bytes(fwd_G, opts), 16)), "kda forward workspace");
     check_cuda(cudaMalloc(&ws_saved, std::max<size_t>(workspace_bytes(saved, opts), 16)), "kda backward workspace");
+    check_cuda(cudaMalloc(&ws_saved_G, std::max<size_t>(workspace_bytes(saved_G, opts), 16)), "kda backward workspace");
     check_cuda(cudaMalloc(&ws_remat, std::max<size_t>(workspace_bytes(remat, opts), 16)), "kda backward workspace");
     check_cuda(cudaDeviceSynchronize(), "fill");
   }
   KdaTrainCase(const KdaTrainCase&) = delete;  // owns device memory
   KdaTrainCase& operator=(const KdaTrainCase&) = delete;
   ~KdaTrainCase() {
-    for (void* p : {mem, ws_fwd, ws_saved, ws_remat}) check_cuda(cudaFree(p), "free");
+    for (void* p : {mem, ws_fwd, ws_saved, ws_saved_G, ws_remat}) check_cuda(cudaFree(p), "free");
   }
 };
 
-constexpr const char* kFirst = "tensor-core backward (mma.sync bf16, split hi + lo operands), fp32 chunk records";
 constexpr const char* kSecond = "second backward (K0 prep, K1 scan, K2a, K2b: single-pass bf16 mma.sync, bf16 intermediates)";
+constexpr const char* kRemat = "the forward re-run (h, G into the workspace), then the second backward";
 
 // backward: the backward's version, or null for the forward row (kda_record names the forward's).
 Record record(const char* name, const Config& c, const char* path, const char* backward) {
@@ -105,13 +114,13 @@ void run_kda_bwd_suite(Report& report, const TimeOptions& topts, cudaStream_t st
       std::fflush(stdout);
     };
     time("kda_forward_residuals", "saved_h", nullptr, [&] { return run(tc.fwd, tc.opts, tc.ws_fwd, stream); });
-    // The residuals now hold this forward's values for both backward paths.
-    check_status(run(tc.fwd, tc.opts, tc.ws_fwd, stream), "kda forward");
+    // The residuals now hold this forward's values (G too) for every backward path.
+    check_status(run(tc.fwd_G, tc.opts, tc.ws_fwd, stream), "kda forward");
     check_cuda(cudaStreamSynchronize(stream), "sync");
-    // run() picks the kernels (kda_backward_kernels): bf16 with saved states the second backward, the
-    // rematerialize path the first.
+    // run() picks the kernels (kda_backward_kernels): for bf16 the second backward on both paths.
     time("kda_backward", "saved_h", kSecond, [&] { return run(tc.saved, tc.opts, tc.ws_saved, stream); });
-    time("kda_backward", "remat", kFirst, [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
+    time("kda_backward", "saved_h_G", kSecond, [&] { return run(tc.saved_G, tc.opts, tc.ws_saved_G, stream); });
+    time("kda_backward", "remat", kRemat, [&] { return run(tc.remat, tc.opts, tc.ws_remat, stream); });
   }
 }
 

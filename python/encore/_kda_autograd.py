@@ -9,15 +9,26 @@ import torch
 from ._core import ops
 
 
+_NAMES = ("G", "Aqk", "Akk", "h")  # the op's residual order (kda_backward's arguments)
+
+
 def _residual_request(q, rematerialize):
     """(names, dtype) of the residuals to save: none for float64 on the CPU (the token-level
-    backward, exact), else G, Aqk, Akk (+ h unless rematerializing) in bf16 for bf16 inputs and fp32
+    backward, exact), else Aqk, Akk (+ h unless rematerializing) in bf16 for bf16 inputs and fp32
     otherwise: bf16 Aqk / Akk under fp16 inputs cost fp16's precision (dA_log 1.6e-3 from fp64 against
-    4.7e-4 with fp32 residuals on fla's B2 T1500 D128 case, dv / dbeta / dh0 4x)."""
+    4.7e-4 with fp32 residuals on fla's B2 T1500 D128 case, dv / dbeta / dh0 4x). G (the chunk-local
+    cumulative gate, fp32: 4 K bytes a token and head) is not saved: the backward recomputes it from g."""
     if q.dtype == torch.float64:
         return "", None
-    names = "G,Aqk,Akk" if rematerialize else "G,Aqk,Akk,h"
+    names = "Aqk,Akk" if rematerialize else "Aqk,Akk,h"
     return names, "bfloat16" if q.dtype == torch.bfloat16 else "float32"
+
+
+def _residual_list(names, outs):
+    """kda_forward's residual outputs (in the order `names` requested them) as (G, Aqk, Akk, h), None
+    where not saved: kda_backward's residual arguments."""
+    saved = dict(zip(names.split(",") if names else (), outs))
+    return [saved.get(x) for x in _NAMES]
 
 
 class ChunkKdaFunction(torch.autograd.Function):
@@ -31,8 +42,7 @@ class ChunkKdaFunction(torch.autograd.Function):
                                   dt_bias, lower, cu, names, rdt, bool(state_v_first))
         o = outs[0]
         fin = outs[1] if output_final_state else None
-        res = list(outs[2 if output_final_state else 1:])
-        res += [None] * (4 - len(res))  # (G, Aqk, Akk, h): h absent when rematerializing
+        res = _residual_list(names, outs[2 if output_final_state else 1:])
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, *res)
         ctx.opts = (scale, bool(l2), bool(gate), lower, bool(state_v_first))
         return o, fin

@@ -22,7 +22,7 @@ import torch
 from . import _core
 from . import _encore as _b
 from ._core import dl, ops, stream_for
-from ._kda_autograd import _residual_request
+from ._kda_autograd import _residual_list, _residual_request
 from ._kda_args import _forward_args, _opts
 
 
@@ -131,7 +131,7 @@ class ChunkKdaCpFunction(torch.autograd.Function):
         names, rdt = _residual_request(q, False)
         outs = ops().kda_forward(q, k, v, g, beta, None if scale is None else float(scale), h0, False, bool(l2), bool(gate), A_log,
                                   dt_bias, None if lower_bound is None else float(lower_bound), cu_local, names, rdt)
-        res = list(outs[1:]) + [None] * (4 - len(outs[1:]))
+        res = _residual_list(names, outs[1:])
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_local, *res)
         ctx.meta = (scale, bool(l2), bool(gate), lower_bound, opts, pre, post, ex, r)
         return outs[0]

@@ -296,8 +296,8 @@ def kda_backward(q, k, v, g, beta, d_o, d_final_state=None, scale=None, initial_
     arguments. Returns a dict with dq, dk, dv, dg, dbeta (in the inputs' dtypes; dg with respect to
     the g passed in, dq and dk before the L2 norm) and dh0, dA_log, ddt_bias (float32) when
     initial_state, A_log, dt_bias are given (in their dtypes). residuals: the dict kda_forward returned with
-    return_residuals (G, Aqk, Akk, and h for the saved-h mode; without h the backward
-    rematerializes the chunk states); the CPU backend runs its chunked backward on them, or its
+    return_residuals (Aqk, Akk, and h for the saved-h mode; without h the backward
+    rematerializes the chunk states; G optional: recomputed from g when absent); the CPU backend runs its chunked backward on them, or its
     token-level backward without; the CUDA backward needs them (its workspace is allocated per
     call, kda_backward_workspace_bytes in C++). stream: as for the forward (an explicit one takes the direct
     path; the CPU backend ignores it). state_v_first: initial_state, d_final_state and dh0 are [N, H, V, K]."""
@@ -323,11 +323,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     kda_backward, so it also runs under torch.compile). A model that imports fla's chunk_kda trains
     by changing the import.
 
-    The backward reads the forward's saved residuals G, Aqk and Akk and, like fla's default, re-runs
-    the state recurrence (the rematerialize mode: far less memory, Aqk + Akk are 256 bytes per token
-    and head in bfloat16, and more accurate, the chunk states staying fp32; on an H200 within 2% of
-    the saved-h mode's time). disable_recompute=True (fla's switch) or rematerialize=False saves the
-    chunk-start states h instead (the saved-h mode; h in the residual dtype). Residuals are bfloat16
+    The backward reads the forward's saved residuals Aqk and Akk (G, the cumulative gate, is recomputed
+    from g) and, like fla's default, rebuilds the chunk states (the rematerialize mode: far less memory,
+    Aqk + Akk are 256 bytes per token and head in bfloat16; on CUDA with bfloat16 inputs the forward
+    re-runs inside the backward, writing the states into its workspace, with fp16 inputs the recurrence
+    re-runs in fp32). disable_recompute=True (fla's switch) or rematerialize=False saves the chunk-start
+    states h instead (the saved-h mode; h in the residual dtype). Residuals are bfloat16
     for bfloat16 inputs and float32 otherwise (fp16 inputs included: bfloat16 residuals would cost
     them their precision); the CPU backend with float64 inputs saves none (its
     token-level backward, exact for gradcheck).

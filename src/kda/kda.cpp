@@ -261,12 +261,12 @@ void fill_pool(const TensorView& pool, const TensorView& indices, CudaProblem& c
 Status validate_cuda_backward(const KdaBackwardArgs& b, const kda::KdaProblem& p) {
   const KdaForwardArgs& a = b.fwd;
   const KdaResiduals& r = a.residuals;
-  std::string missing;  // the token-recurrent path (K or V > 128) reads h at most
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"G", &r.G}, {"Aqk", &r.Aqk}, {"Akk", &r.Akk}})
+  std::string missing;  // the token-recurrent path (K or V > 128) reads h at most; G absent: recomputed
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"Aqk", &r.Aqk}, {"Akk", &r.Akk}})
     if (!t->defined()) missing += std::string(missing.empty() ? "" : ", ") + name;
   if (!missing.empty() && !cuda::kda_use_recurrent(p.K, p.V))
-    return Status::invalid("residuals: the CUDA backward needs the forward's residuals G, Aqk, Akk (and h for the saved-h mode; without h "
-                           "the states are rematerialized); missing: " + missing);
+    return Status::invalid("residuals: the CUDA backward needs the forward's residuals Aqk, Akk (G is recomputed when absent; h for the "
+                           "saved-h mode, without h the states are rematerialized); missing: " + missing);
   constexpr int64_t kMaxDim = cuda::kKdaRecurrentMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
   if (p.K > kMaxDim || p.V > kMaxDim)
     return Status::unsupported("q: the CUDA KDA backward takes K, V <= " + std::to_string(kMaxDim) + " (above " +
@@ -503,19 +503,76 @@ Status validate(const KdaBackwardArgs& a, const KdaOptions& o) {
   return validate_backward(a, o, &p);
 }
 
+#ifdef ENCORE_WITH_CUDA
+namespace {
+// The chunked CUDA backwards (not the token-recurrent one) read G; without the forward's, the workspace
+// holds a recomputed copy after the kernels' own bytes (at the next 256-byte boundary): its bytes, or 0.
+size_t gate_cumsum_bytes(const KdaBackwardArgs& a, const kda::KdaProblem& p, kda::KdaBackwardKernels kernels) {
+  if (a.fwd.residuals.G.defined() || kernels == kda::KdaBackwardKernels::kRecurrent) return 0;
+  return size_t(p.B) * size_t(p.T) * size_t(p.H) * size_t(p.K) * sizeof(float);
+}
+size_t gate_cumsum_offset(size_t base) { return (base + 255) / 256 * 256; }
+// The chunked backwards' own workspace bytes (the second's layout, or the first's records).
+size_t chunked_backward_bytes(const KdaBackwardArgs& a, const kda::KdaProblem& p, kda::KdaBackwardKernels kernels) {
+  if (kernels == kda::KdaBackwardKernels::kSecond) return cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes;
+  return cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !a.fwd.residuals.h.defined(), p.B * p.T, p.group());
+}
+
+// The second backward without saved chunk states (rematerialize): the forward runs first on the
+// backward's inputs, writing the chunk-start states h in the residuals' dtype (what the saved-h mode
+// keeps) and, without the caller's G, G; both, the forward's o (not read) and the forward's workspace
+// lie after the second backward's own bytes. Byte offsets, 256-byte aligned; bytes the total.
+struct RematLayout {
+  size_t G = 0, h = 0, o = 0, fwd = 0, bytes = 0;
+};
+RematLayout remat_layout(const KdaBackwardArgs& a, const kda::KdaProblem& p) {
+  const auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+  const size_t rows = size_t(p.B) * size_t(p.T) * size_t(p.H), states = size_t(chunk_count(p)) * size_t(p.H);
+  RematLayout r;
+  size_t at = up(chunked_backward_bytes(a, p, kda::KdaBackwardKernels::kSecond));
+  if (!a.fwd.residuals.G.defined()) {
+    r.G = at;
+    at = up(at + rows * size_t(p.K) * sizeof(float));
+  }
+  r.h = at;
+  at = up(at + states * size_t(p.K) * size_t(p.V) * dtype_size(a.fwd.residuals.Aqk.dtype));
+  r.o = at;
+  at = up(at + rows * size_t(p.V) * dtype_size(a.fwd.v.dtype));
+  r.fwd = at;
+  r.bytes = at + cuda::kda_forward_workspace_bytes(chunk_count(p), p.H);
+  return r;
+}
+
+// The rematerializing forward's arguments: the backward's inputs, o in the workspace, no final state,
+// the residuals h (and G) in the workspace.
+KdaForwardArgs remat_forward_args(const KdaBackwardArgs& a, const kda::KdaProblem& p, const RematLayout& r, void* workspace) {
+  auto* base = static_cast<unsigned char*>(workspace);
+  const Device dev = a.fwd.q.device;
+  KdaForwardArgs f = a.fwd;
+  f.o = TensorView::contiguous(base + r.o, a.fwd.v.dtype, {p.B, p.T, p.H, p.V}, dev);
+  f.final_state = TensorView{};
+  f.residuals = KdaResiduals{};
+  if (!a.fwd.residuals.G.defined()) f.residuals.G = TensorView::contiguous(base + r.G, DType::kFP32, {p.B, p.T, p.H, p.K}, dev);
+  f.residuals.h = TensorView::contiguous(base + r.h, a.fwd.residuals.Aqk.dtype, {chunk_count(p), p.H, p.K, p.V}, dev);
+  return f;
+}
+}  // namespace
+#endif
+
 size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
   kda::KdaProblem p;
   if (!a.fwd.q.defined() || !a.fwd.q.device.is_cuda() || !kda::make_problem(a.fwd, o, &p)) return 0;
 #ifdef ENCORE_WITH_CUDA
   const kda::KdaBackwardKernels kernels = kda::kda_backward_kernels(p, a.fwd.residuals.h.defined(), a.fwd.q.dtype);
-  if (kernels == kda::KdaBackwardKernels::kSecond) return cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes;
   if (kernels == kda::KdaBackwardKernels::kRecurrent) {
     int64_t window_rows = 0;  // the backward's partials hold one chunk of every sequence
     for (const auto& sq : p.seqs) window_rows += std::min<int64_t>(kda::kChunk, sq.end - sq.begin);
     return cuda::kda_recurrent_backward_workspace_bytes(chunk_count(p), int64_t(p.seqs.size()), p.H, p.K, p.V, !a.fwd.residuals.h.defined(),
                                                         p.B * p.T, window_rows, o.use_gate_in_kernel);
   }
-  return cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !a.fwd.residuals.h.defined(), p.B * p.T, p.group());
+  if (kernels == kda::KdaBackwardKernels::kSecond && !a.fwd.residuals.h.defined()) return remat_layout(a, p).bytes;
+  const size_t base = chunked_backward_bytes(a, p, kernels), g_bytes = gate_cumsum_bytes(a, p, kernels);
+  return g_bytes ? gate_cumsum_offset(base) + g_bytes : base;
 #else
   return 0;
 #endif
@@ -535,7 +592,23 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
     ENCORE_RETURN_IF_ERROR(checks::device_pointer("workspace", workspace, a.fwd.q.device));
     cuda::KdaBwdCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_backward(a, o, p, cp);
-    switch (kda::kda_backward_kernels(p, a.fwd.residuals.h.defined(), a.fwd.q.dtype)) {
+    const kda::KdaBackwardKernels kernels = kda::kda_backward_kernels(p, a.fwd.residuals.h.defined(), a.fwd.q.dtype);
+    if (kernels == kda::KdaBackwardKernels::kSecond && !a.fwd.residuals.h.defined()) {  // rematerialize: the forward first
+      const RematLayout r = remat_layout(a, p);
+      KdaOptions fo = o;
+      fo.output_final_state = false;
+      const KdaForwardArgs f = remat_forward_args(a, p, r, workspace);
+      ENCORE_RETURN_IF_ERROR(run(f, fo, static_cast<unsigned char*>(workspace) + r.fwd, stream));
+      cp.h = f.residuals.h.data;
+      cp.h_dtype = f.residuals.h.dtype;
+      if (f.residuals.G.defined()) cp.G = static_cast<const float*>(f.residuals.G.data);
+    } else if (gate_cumsum_bytes(a, p, kernels)) {  // G recomputed into the workspace's tail, then read as the residual
+      const size_t at = gate_cumsum_offset(chunked_backward_bytes(a, p, kernels));
+      float* G = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + at);
+      ENCORE_RETURN_IF_ERROR(cuda::launch_kda_gate_cumsum(cp, G, int(chunk_count(p)), stream));
+      cp.G = G;
+    }
+    switch (kernels) {
       case kda::KdaBackwardKernels::kSecond:
         return cuda::launch_kda2_backward(cp, cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H), workspace, int(chunk_count(p)), stream);
       case kda::KdaBackwardKernels::kRecurrent:

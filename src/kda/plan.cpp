@@ -72,7 +72,7 @@ cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool sta
 
 KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType inputs) {
   if (cuda::kda_use_recurrent(p.K, p.V)) return KdaBackwardKernels::kRecurrent;
-  if (saved_h && (inputs == DType::kBF16 || inputs == DType::kFP16)) return KdaBackwardKernels::kSecond;
+  if (inputs == DType::kBF16 || (saved_h && inputs == DType::kFP16)) return KdaBackwardKernels::kSecond;
   return KdaBackwardKernels::kFirst;
 }
 

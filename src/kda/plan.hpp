@@ -42,10 +42,13 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
 // accesses are not 16-byte aligned: 32 columns, no prefetch.
 cuda::KdaDecodePlan kda_decode_plan(int64_t N, int64_t H, DType states, bool states16, int sm_count);
 
-// The CUDA backward's kernels for a problem: the second backward (K0 prep, K1 scan, K2a, K2b: single-
-// pass bf16 tensor-core products) for bf16 / fp16 inputs with the forward's saved chunk-start states
-// and K, V <= 128; the token-recurrent one for K or V above 128; the first (fp32 records, hi + lo
-// products) for fp32 inputs (its fp32 accuracy) and the rematerialize path (no saved states).
+// The CUDA backward's kernels for a problem with K, V <= 128: the second backward (K0 prep, K1 scan,
+// K2a, K2b: single-pass bf16 tensor-core products) for bf16 inputs, with the forward's saved
+// chunk-start states or without them (rematerialize: the forward re-run first writes them into the
+// workspace), and for fp16 inputs with saved states; the first (fp32 records, hi + lo products) for
+// fp32 inputs (its fp32 accuracy) and fp16 inputs without saved states (its fp32 states keep fp16's
+// precision; the second's bf16 operands cost fp16 inputs dA_log accuracy). K or V above 128: the
+// token-recurrent backward.
 enum class KdaBackwardKernels { kSecond, kFirst, kRecurrent };
 KdaBackwardKernels kda_backward_kernels(const KdaProblem& p, bool saved_h, DType inputs);
 

@@ -277,5 +277,75 @@ TEST(KdaBwd2Gpu, RowLoaderPathsAreBitIdentical) {
   }
 }
 
+// run() without some of the forward's residuals against run() reading all of them (G, Aqk, Akk, h from
+// one forward): the same gradients, bit for bit. Without G the backward recomputes it from g into its
+// workspace's tail; without h (rematerialize, bf16 inputs) the forward re-runs first and writes h (and G)
+// into the workspace, the states the saved-h mode keeps. Both sides take the same kernels: the second
+// backward for 16-bit inputs, the first for fp32 inputs.
+void run_dropping(KdaCase c, DType dt, bool drop_G, bool drop_h, const char* label) {
+  SCOPED_TRACE(label);
+  c.fill(uint64_t(c.T * 7 + c.K));
+  const int64_t B = c.B, T = c.T, H = c.Hv(), Hq = c.H, K = c.K, V = c.V, N = c.N();
+  KdaDeviceForward f(c, dt, dt == DType::kFP32 ? DType::kFP32 : DType::kBF16, /*remat=*/false);
+  ASSERT_TRUE(f.counted);
+  {
+    const Status st = f.run(c);
+    ASSERT_TRUE(st) << "forward: " << st.to_string();
+  }
+  auto [d_o, d_fin] = cotangents(c, uint64_t(T * 17 + V));
+  auto ddo = dev(d_o, dt, {B, T, H, V}), ddfin = dev(d_fin, DType::kFP32, {N, H, K, V});
+  auto run = [&](bool all, std::vector<std::vector<double>>* grads) {
+    auto dq = poisoned(size_t(B * T * Hq * K), dt, {B, T, Hq, K}), dk = poisoned(size_t(B * T * Hq * K), dt, {B, T, Hq, K}),
+         dv = poisoned(c.v.size(), dt, {B, T, H, V}), dg = poisoned(size_t(B * T * H * K), dt, {B, T, H, K}),
+         dbeta = poisoned(c.beta.size(), dt, {B, T, H}), dh0 = poisoned(size_t(N * H * K * V), DType::kFP32, {N, H, K, V}),
+         dA = poisoned(size_t(H), DType::kFP32, {H}), ddt = poisoned(size_t(H * K), DType::kFP32, {H * K});
+    KdaBackwardArgs b;
+    b.fwd = f.a;
+    if (!all && drop_G) b.fwd.residuals.G = TensorView{};
+    if (!all && drop_h) b.fwd.residuals.h = TensorView{};
+    b.d_o = ddo->view, b.d_final_state = ddfin->view;
+    b.dq = dq->view, b.dk = dk->view, b.dv = dv->view, b.dg = dg->view, b.dbeta = dbeta->view;
+    if (c.h0) b.dh0 = dh0->view;
+    if (!c.A_log.empty()) b.dA_log = dA->view;
+    if (!c.dt_bias.empty()) b.ddt_bias = ddt->view;
+    DeviceBuffer ws(std::max<size_t>(workspace_bytes(b, c.opts), 16));
+    ENCORE_ASSERT_CUDA(cudaMemset(ws.ptr, 0xff, ws.bytes));
+    const Status st = encore::run(b, c.opts, ws.ptr);
+    ASSERT_TRUE(st) << (all ? "every residual: " : "residuals dropped: ") << st.to_string();
+    ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+    *grads = {dq->fetch(), dk->fetch(), dv->fetch(), dg->fetch(), dbeta->fetch(), dh0->fetch(), dA->fetch(), ddt->fetch()};
+  };
+  std::vector<std::vector<double>> saved, dropped;
+  run(true, &saved);
+  if (::testing::Test::HasFatalFailure()) return;
+  run(false, &dropped);
+  if (::testing::Test::HasFatalFailure()) return;
+  const char* names[] = {"dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"};
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const auto &x = saved[i], &y = dropped[i];
+    EXPECT_TRUE(x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0)
+        << names[i] << " differs without the dropped residuals (relative RMS " << rel_err(y, x) << ")";
+  }
+}
+
+TEST(KdaBwd2Gpu, RecomputedResidualsGiveTheSavedGradients) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const KdaCase varlen{1, 1193, 2, 128, 128, {0, 1, 64, 64, 193, 1193}, Gate::kSoftplus, true, true};
+  KdaCase grouped{1, 300, 1, 128, 128, {0, 37, 300}, Gate::kLowerBound, true, false};
+  grouped.HV = 2;
+  const KdaCase odd{2, 200, 2, 64, 96, {}, Gate::kPrecomputed, false, false};
+  // G recomputed from g: the second backward (16-bit inputs, saved h) and the first (fp32 inputs).
+  run_dropping(varlen, DType::kBF16, true, false, "no G: bf16 varlen 1/63/0/129/1000 softplus h0 l2");
+  run_dropping(grouped, DType::kFP16, true, false, "no G: fp16 varlen 37/263 lower bound HV 2H");
+  run_dropping(odd, DType::kBF16, true, false, "no G: bf16 B2 T200 K64 V96 precomputed");
+  run_dropping(KdaCase{1, 260, 2, 128, 128, {0, 100, 260}, Gate::kSoftplus, true, true}, DType::kFP32, true, false,
+               "no G: fp32 varlen softplus (first backward)");
+  // The chunk states rematerialized by the forward (bf16): with the caller's G, and without (chunk_kda's default).
+  run_dropping(varlen, DType::kBF16, false, true, "no h: bf16 varlen softplus h0 l2");
+  run_dropping(varlen, DType::kBF16, true, true, "no G, no h: bf16 varlen softplus h0 l2");
+  run_dropping(grouped, DType::kBF16, true, true, "no G, no h: bf16 varlen lower bound HV 2H");
+  run_dropping(odd, DType::kBF16, true, true, "no G, no h: bf16 B2 T200 K64 V96 precomputed");
+}
+
 }  // namespace
 }  // namespace encore::test

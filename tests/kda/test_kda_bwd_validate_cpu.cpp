@@ -69,7 +69,7 @@ struct BwdArgs {
 TEST(KdaBwdValidate, MissingResidualsNamed) {
   BwdArgs s;
   s.b.fwd.residuals = {};
-  EXPECT_REFUSED(s, "residuals: the CUDA backward needs the forward's residuals G, Aqk, Akk");
+  EXPECT_REFUSED(s, "residuals: the CUDA backward needs the forward's residuals Aqk, Akk");
   BwdArgs s2;
   s2.b.fwd.residuals.Aqk = TensorView{};
   EXPECT_REFUSED(s2, "missing: Aqk");

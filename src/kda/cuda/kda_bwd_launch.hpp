@@ -83,6 +83,10 @@ size_t kda_recurrent_backward_workspace_bytes(int64_t chunks, int64_t N, int64_t
                                               int64_t window_rows, bool gate_terms);
 Status launch_kda_recurrent_backward(const KdaBwdCudaProblem& p, void* workspace, Stream stream);
 
+// The chunk-local cumulative gate G (fp32 [B, T, H, K] contiguous, the forward's residual) into G, for a
+// backward whose forward did not save it (kda_bwd_gate_cumsum.cu).
+Status launch_kda_gate_cumsum(const KdaBwdCudaProblem& p, float* G, int chunks, Stream stream);
+
 size_t kda_backward_workspace_bytes(int64_t chunks, int64_t H, int64_t K, int64_t V, bool remat, int64_t tokens = 0, int64_t group = 1);
 Status launch_kda_backward(const KdaBwdCudaProblem& p, void* workspace, Stream stream);
 
