@@ -93,5 +93,6 @@ def _fla_layouts(tensors, state):
     take q, k, v, g, beta with unit-stride rows (any batch, token and head strides) and a contiguous state.
     Copies only what they cannot take: a tensor whose last dimension is strided, and a state that is not
     contiguous (read only here: the callers never pass a state updated in place, a pool or an in-place final state)."""
-    out = [x if x is None or x.dim() == 0 or x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous() for x in tensors]
+    out = [x if x is None or x.is_contiguous() or x.dim() == 0 or x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+           for x in tensors]
     return out, state if state is None or state.is_contiguous() else state.contiguous()

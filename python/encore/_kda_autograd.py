@@ -68,8 +68,9 @@ def chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, outp
                     rematerialize, state_v_first=False):
     if cu is not None:  # the sequence table is read on the host: copied once here, not in each op
         cu = cu.cpu() if isinstance(cu, torch.Tensor) else torch.as_tensor(cu)
-    inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or beta.requires_grad or
+                                        any(t is not None and t.requires_grad for t in (A_log, dt_bias, initial_state)))
+    if not grad:
         # inference: the forward alone, no residuals saved, no autograd node
         outs = ops().kda_forward(q, k, v, g, beta, None if scale is None else float(scale), initial_state, bool(output_final_state),
                                  bool(l2), bool(gate), A_log, dt_bias, None if lower_bound is None else float(lower_bound), cu, "", None,

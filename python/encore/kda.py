@@ -383,9 +383,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if return_intermediate_states and chunk_size != 64:
         raise ValueError("return_intermediate_states: the chunk-start states are per chunk of 64 tokens (encore's chunk); "
                          "chunk_size 32 cannot return them")
-    refused = {"cp_context": cp_context is not None, "use_graph": use_graph}
-    bad = [name for name, on in refused.items() if on]
-    if bad or kwargs:
+    if cp_context is not None or use_graph or kwargs:
+        bad = [name for name, on in (("cp_context", cp_context is not None), ("use_graph", use_graph)) if on]
         raise ValueError(f"chunk_kda: not supported by encore: {', '.join(bad + sorted(kwargs))}")
     if not is_torch(q):
         raise ValueError("q: chunk_kda expects torch tensors (kda_forward / kda_backward take numpy arrays)")
@@ -430,11 +429,23 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         if state_v_first:
             h = h.transpose(-1, -2).contiguous()
         return o, fin, h.reshape(q.shape[0], h.shape[0] // q.shape[0], *h.shape[1:])
-    from ._kda_autograd import chunk_kda_apply
-
-    return chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+    return _chunk_kda_apply()(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                            use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
                            cu_cpu if cu_cpu is not None else cu_seqlens, rematerialize, state_v_first)
+
+
+_APPLY = None
+
+
+def _chunk_kda_apply():
+    """_kda_autograd.chunk_kda_apply, imported on the first call (encore.kda itself needs no torch) and
+    kept: an import statement per call cost more than the rest of the Python layer's checks."""
+    global _APPLY
+    if _APPLY is None:
+        from ._kda_autograd import chunk_kda_apply
+
+        _APPLY = chunk_kda_apply
+    return _APPLY
 
 
 def _chunk_kda_pool(q, k, v, g, beta, scale, pool, ssm_state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, lower_bound,
