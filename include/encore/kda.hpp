@@ -24,15 +24,19 @@
 // backend; needs workspace_bytes(args, opts) bytes of device workspace (96.5 KB per chunk of 64
 // tokens and head).
 // Backward: CPU (the chunked backward reading the forward's residuals when given, else the token-level
-// BPTT) and CUDA (src/kda/cuda/kda_backward.cu: the chunked backward on tensor cores, deterministic;
-// K or V > 128: the token-level BPTT by windows, kda_recurrent_bwd.cu, reading h at most). The
-// chunked CUDA backward needs the forward's residuals G, Aqk, Akk (and h for
-// the saved-h mode; without h it rematerializes the chunk-start states), bf16/fp16/fp32 q, k, v, g,
-// beta, d_o and gradients (residuals bf16/fp32), fp32 contiguous states, A_log, dt_bias and their
-// gradients, and workspace_bytes(args, opts) bytes of device workspace (per chunk of 64
-// tokens and value head at K = V = 128: 274 KB saved-h, 338 KB rematerializing; with HV > H also
-// 8 · K bytes per token and value head of dq, dk partials). dq, dk are the sums over each q/k head's
-// value heads, in a fixed order (deterministic).
+// BPTT) and CUDA (deterministic; K, V <= 128: the chunked backwards on tensor cores, the second
+// (kda_bwd2*.cu) for bf16 inputs and for fp16 inputs with saved states, the first (kda_backward.cu)
+// otherwise; K or V > 128: the token-level BPTT by windows, kda_recurrent_bwd.cu, reading h at most).
+// The chunked CUDA backwards need the forward's residuals Aqk, Akk; G is recomputed from g when absent,
+// and without h the chunk-start states are rematerialized (bf16 inputs: the forward re-run inside the
+// backward, writing them into the workspace; otherwise the first backward's fp32 recurrence). They
+// take bf16/fp16/fp32 q, k, v, g, beta, d_o and gradients (residuals bf16/fp32), fp32 contiguous
+// states, A_log, dt_bias and their gradients, and workspace_bytes(args, opts) bytes of device
+// workspace (per chunk of 64 tokens and value head at K = V = 128: the second backward 218 KB with
+// saved h, 282 KB rematerializing without G; the first 274 KB saved-h, 338 KB rematerializing; 32 KB more where
+// G is recomputed with saved h or in the first; with HV > H the first also 8 · K bytes per token and
+// value head of dq, dk partials). dq, dk are the sums over each q/k head's value heads, in a fixed
+// order (deterministic).
 #pragma once
 #include <cstddef>
 

@@ -520,8 +520,10 @@ size_t chunked_backward_bytes(const KdaBackwardArgs& a, const kda::KdaProblem& p
 
 // The second backward without saved chunk states (rematerialize): the forward runs first on the
 // backward's inputs, writing the chunk-start states h in the residuals' dtype (what the saved-h mode
-// keeps) and, without the caller's G, G; both, the forward's o (not read) and the forward's workspace
-// lie after the second backward's own bytes. Byte offsets, 256-byte aligned; bytes the total.
+// keeps) and, without the caller's G, G, both after the second backward's own bytes; the forward's o
+// (not read) and its workspace lie at the start of the second backward's region, which the backward's
+// kernels write before they read and the stream runs after the forward. Byte offsets, 256-byte
+// aligned; bytes the total.
 struct RematLayout {
   size_t G = 0, h = 0, o = 0, fwd = 0, bytes = 0;
 };
@@ -529,17 +531,16 @@ RematLayout remat_layout(const KdaBackwardArgs& a, const kda::KdaProblem& p) {
   const auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   const size_t rows = size_t(p.B) * size_t(p.T) * size_t(p.H), states = size_t(chunk_count(p)) * size_t(p.H);
   RematLayout r;
-  size_t at = up(chunked_backward_bytes(a, p, kda::KdaBackwardKernels::kSecond));
+  r.o = 0;
+  r.fwd = up(rows * size_t(p.V) * dtype_size(a.fwd.v.dtype));
+  const size_t scratch = r.fwd + cuda::kda_forward_workspace_bytes(chunk_count(p), p.H);
+  size_t at = up(std::max(chunked_backward_bytes(a, p, kda::KdaBackwardKernels::kSecond), scratch));
   if (!a.fwd.residuals.G.defined()) {
     r.G = at;
     at = up(at + rows * size_t(p.K) * sizeof(float));
   }
   r.h = at;
-  at = up(at + states * size_t(p.K) * size_t(p.V) * dtype_size(a.fwd.residuals.Aqk.dtype));
-  r.o = at;
-  at = up(at + rows * size_t(p.V) * dtype_size(a.fwd.v.dtype));
-  r.fwd = at;
-  r.bytes = at + cuda::kda_forward_workspace_bytes(chunk_count(p), p.H);
+  r.bytes = at + states * size_t(p.K) * size_t(p.V) * dtype_size(a.fwd.residuals.Aqk.dtype);
   return r;
 }
 

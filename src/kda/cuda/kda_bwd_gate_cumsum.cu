@@ -10,6 +10,7 @@
 // [B, T, HV, K] contiguous; rows past a sequence's end are not written (the backward never reads them).
 #include <cuda_runtime.h>
 
+#include "common/cuda/device_guard.hpp"
 #include "common/cuda/fast_math.cuh"
 #include "common/cuda/launch_check.hpp"
 #include "core/softplus_log2.hpp"
@@ -54,6 +55,8 @@ __global__ void kda_gate_cumsum_kernel(const KdaBwdCudaProblem p, float* __restr
 
 Status launch_kda_gate_cumsum(const KdaBwdCudaProblem& p, float* G, int chunks, Stream stream) {
   if (chunks <= 0 || p.H <= 0 || p.K <= 0) return Status::ok();
+  DeviceGuard guard;  // the first launch of the backward: on the inputs' device
+  ENCORE_RETURN_IF_ERROR(guard.set(p.device));
   const unsigned threads = unsigned((p.K + 31) / 32 * 32);
   auto s = static_cast<cudaStream_t>(stream);
   return launch("kda_gate_cumsum_kernel", [&] { kda_gate_cumsum_kernel<<<dim3(unsigned(chunks), unsigned(p.H)), threads, 0, s>>>(p, G); });
