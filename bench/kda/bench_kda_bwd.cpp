@@ -42,9 +42,10 @@ struct KdaTrainCase {
     check_status(kda_chunk_count(kc.a, opts, &nt), "kda_chunk_count");
     // The step's extra tensors (residuals, d_o, gradients) carved out of one allocation: sized with a
     // null base first (core/carve.hpp), then laid out on it.
+    TensorView G;  // the saved G of fwd_G and saved_G
     auto layout = [&](char* base) {
       Carve c{base, 0, dev};
-      fwd_G.residuals.G = c.take(DType::kFP32, {B, T, H, K});
+      G = c.take(DType::kFP32, {B, T, H, K});
       fwd.residuals.Aqk = c.take(DType::kBF16, {B, T, H, 64});
       fwd.residuals.Akk = c.take(DType::kBF16, {B, T, H, 64});
       fwd.residuals.h = c.take(DType::kBF16, {nt, H, K, V});
@@ -61,7 +62,6 @@ struct KdaTrainCase {
     check_cuda(cudaMalloc(&mem, layout(nullptr)), "kda_bwd buffers");
     layout(static_cast<char*>(mem));
     fill_random(saved.d_o.data, size_t(B * T * H * V), FillKind::kBF16, 77, nullptr);
-    const TensorView G = fwd_G.residuals.G;
     fwd_G = fwd;
     fwd_G.residuals.G = G;
     saved.fwd = fwd;

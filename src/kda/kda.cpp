@@ -505,56 +505,57 @@ Status validate(const KdaBackwardArgs& a, const KdaOptions& o) {
 
 #ifdef ENCORE_WITH_CUDA
 namespace {
-// The chunked CUDA backwards (not the token-recurrent one) read G; without the forward's, the workspace
-// holds a recomputed copy after the kernels' own bytes (at the next 256-byte boundary): its bytes, or 0.
-size_t gate_cumsum_bytes(const KdaBackwardArgs& a, const kda::KdaProblem& p, kda::KdaBackwardKernels kernels) {
-  if (a.fwd.residuals.G.defined() || kernels == kda::KdaBackwardKernels::kRecurrent) return 0;
-  return size_t(p.B) * size_t(p.T) * size_t(p.H) * size_t(p.K) * sizeof(float);
-}
-size_t gate_cumsum_offset(size_t base) { return (base + 255) / 256 * 256; }
-// The chunked backwards' own workspace bytes (the second's layout, or the first's records).
-size_t chunked_backward_bytes(const KdaBackwardArgs& a, const kda::KdaProblem& p, kda::KdaBackwardKernels kernels) {
-  if (kernels == kda::KdaBackwardKernels::kSecond) return cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes;
-  return cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !a.fwd.residuals.h.defined(), p.B * p.T, p.group());
-}
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
-// The second backward without saved chunk states (rematerialize): the forward runs first on the
-// backward's inputs, writing the chunk-start states h in the residuals' dtype (what the saved-h mode
-// keeps) and, without the caller's G, G, both after the second backward's own bytes; the forward's o
-// (not read) and its workspace lie at the start of the second backward's region, which the backward's
-// kernels write before they read and the stream runs after the forward. Byte offsets, 256-byte
-// aligned; bytes the total.
-struct RematLayout {
-  size_t G = 0, h = 0, o = 0, fwd = 0, bytes = 0;
+// What the chunked CUDA backwards (kSecond, kFirst) hold in the workspace beyond their own bytes (the
+// second's layout, or the first's records), at 256-byte aligned offsets:
+//   G without the caller's: the chunk-local cumulative gate, fp32 [B, T, HV, K], after the own bytes;
+//   remat, the second backward without saved chunk states: the forward runs first on the backward's
+//     inputs, writing the chunk-start states h in the residuals' dtype (what the saved-h mode keeps)
+//     after G, and G itself where absent; the forward's o (not read) and its workspace lie at the start
+//     of the second backward's region, which the backward's kernels write before they read and the
+//     stream runs after the forward.
+struct BackwardExtras {
+  bool remat = false, gate = false;  // the forward re-run; G recomputed (by that forward, or the G pass)
+  size_t G = 0, h = 0, fwd = 0;      // offsets (o at 0)
+  size_t bytes = 0;                  // the workspace in all
 };
-RematLayout remat_layout(const KdaBackwardArgs& a, const kda::KdaProblem& p) {
-  const auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-  const size_t rows = size_t(p.B) * size_t(p.T) * size_t(p.H), states = size_t(chunk_count(p)) * size_t(p.H);
-  RematLayout r;
-  r.o = 0;
-  r.fwd = up(rows * size_t(p.V) * dtype_size(a.fwd.v.dtype));
-  const size_t scratch = r.fwd + cuda::kda_forward_workspace_bytes(chunk_count(p), p.H);
-  size_t at = up(std::max(chunked_backward_bytes(a, p, kda::KdaBackwardKernels::kSecond), scratch));
-  if (!a.fwd.residuals.G.defined()) {
-    r.G = at;
-    at = up(at + rows * size_t(p.K) * sizeof(float));
+BackwardExtras backward_extras(const KdaBackwardArgs& a, const kda::KdaProblem& p, kda::KdaBackwardKernels kernels) {
+  const bool second = kernels == kda::KdaBackwardKernels::kSecond, saved_h = a.fwd.residuals.h.defined();
+  const size_t rows = size_t(p.B) * size_t(p.T) * size_t(p.H);
+  const size_t own = second ? cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes
+                            : cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !saved_h, p.B * p.T, p.group());
+  BackwardExtras e;
+  e.remat = second && !saved_h;
+  e.gate = !a.fwd.residuals.G.defined();
+  size_t at = own;
+  if (e.remat) {
+    e.fwd = align256(rows * size_t(p.V) * dtype_size(a.fwd.v.dtype));
+    at = std::max(at, e.fwd + cuda::kda_forward_workspace_bytes(chunk_count(p), p.H));
   }
-  r.h = at;
-  r.bytes = at + states * size_t(p.K) * size_t(p.V) * dtype_size(a.fwd.residuals.Aqk.dtype);
-  return r;
+  if (e.gate) {
+    e.G = align256(at);
+    at = e.G + rows * size_t(p.K) * sizeof(float);
+  }
+  if (e.remat) {
+    e.h = align256(at);
+    at = e.h + size_t(chunk_count(p)) * size_t(p.H) * size_t(p.K) * size_t(p.V) * dtype_size(a.fwd.residuals.Aqk.dtype);
+  }
+  e.bytes = at;
+  return e;
 }
 
 // The rematerializing forward's arguments: the backward's inputs, o in the workspace, no final state,
 // the residuals h (and G) in the workspace.
-KdaForwardArgs remat_forward_args(const KdaBackwardArgs& a, const kda::KdaProblem& p, const RematLayout& r, void* workspace) {
+KdaForwardArgs remat_forward_args(const KdaBackwardArgs& a, const kda::KdaProblem& p, const BackwardExtras& e, void* workspace) {
   auto* base = static_cast<unsigned char*>(workspace);
   const Device dev = a.fwd.q.device;
   KdaForwardArgs f = a.fwd;
-  f.o = TensorView::contiguous(base + r.o, a.fwd.v.dtype, {p.B, p.T, p.H, p.V}, dev);
+  f.o = TensorView::contiguous(base, a.fwd.v.dtype, {p.B, p.T, p.H, p.V}, dev);
   f.final_state = TensorView{};
   f.residuals = KdaResiduals{};
-  if (!a.fwd.residuals.G.defined()) f.residuals.G = TensorView::contiguous(base + r.G, DType::kFP32, {p.B, p.T, p.H, p.K}, dev);
-  f.residuals.h = TensorView::contiguous(base + r.h, a.fwd.residuals.Aqk.dtype, {chunk_count(p), p.H, p.K, p.V}, dev);
+  if (e.gate) f.residuals.G = TensorView::contiguous(base + e.G, DType::kFP32, {p.B, p.T, p.H, p.K}, dev);
+  f.residuals.h = TensorView::contiguous(base + e.h, a.fwd.residuals.Aqk.dtype, {chunk_count(p), p.H, p.K, p.V}, dev);
   return f;
 }
 }  // namespace
@@ -571,9 +572,7 @@ size_t workspace_bytes(const KdaBackwardArgs& a, const KdaOptions& o) {
     return cuda::kda_recurrent_backward_workspace_bytes(chunk_count(p), int64_t(p.seqs.size()), p.H, p.K, p.V, !a.fwd.residuals.h.defined(),
                                                         p.B * p.T, window_rows, o.use_gate_in_kernel);
   }
-  if (kernels == kda::KdaBackwardKernels::kSecond && !a.fwd.residuals.h.defined()) return remat_layout(a, p).bytes;
-  const size_t base = chunked_backward_bytes(a, p, kernels), g_bytes = gate_cumsum_bytes(a, p, kernels);
-  return g_bytes ? gate_cumsum_offset(base) + g_bytes : base;
+  return backward_extras(a, p, kernels).bytes;
 #else
   return 0;
 #endif
@@ -594,20 +593,20 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
     cuda::KdaBwdCudaProblem cp{};  // ~12 KB, on the stack: run does not allocate
     fill_cuda_backward(a, o, p, cp);
     const kda::KdaBackwardKernels kernels = kda::kda_backward_kernels(p, a.fwd.residuals.h.defined(), a.fwd.q.dtype);
-    if (kernels == kda::KdaBackwardKernels::kSecond && !a.fwd.residuals.h.defined()) {  // rematerialize: the forward first
-      const RematLayout r = remat_layout(a, p);
-      KdaOptions fo = o;
-      fo.output_final_state = false;
-      const KdaForwardArgs f = remat_forward_args(a, p, r, workspace);
-      ENCORE_RETURN_IF_ERROR(run(f, fo, static_cast<unsigned char*>(workspace) + r.fwd, stream));
-      cp.h = f.residuals.h.data;
-      cp.h_dtype = f.residuals.h.dtype;
-      if (f.residuals.G.defined()) cp.G = static_cast<const float*>(f.residuals.G.data);
-    } else if (gate_cumsum_bytes(a, p, kernels)) {  // G recomputed into the workspace's tail, then read as the residual
-      const size_t at = gate_cumsum_offset(chunked_backward_bytes(a, p, kernels));
-      float* G = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + at);
-      ENCORE_RETURN_IF_ERROR(cuda::launch_kda_gate_cumsum(cp, G, int(chunk_count(p)), stream));
-      cp.G = G;
+    if (kernels != kda::KdaBackwardKernels::kRecurrent) {  // what the chunked backwards read beyond the caller's residuals
+      const BackwardExtras e = backward_extras(a, p, kernels);
+      auto* base = static_cast<unsigned char*>(workspace);
+      if (e.gate) cp.G = reinterpret_cast<const float*>(base + e.G);
+      if (e.remat) {  // the forward first: h, and G where absent
+        KdaOptions fo = o;
+        fo.output_final_state = false;
+        const KdaForwardArgs f = remat_forward_args(a, p, e, workspace);
+        ENCORE_RETURN_IF_ERROR(run(f, fo, base + e.fwd, stream));
+        cp.h = f.residuals.h.data;
+        cp.h_dtype = f.residuals.h.dtype;
+      } else if (e.gate) {
+        ENCORE_RETURN_IF_ERROR(cuda::launch_kda_gate_cumsum(cp, reinterpret_cast<float*>(base + e.G), int(chunk_count(p)), stream));
+      }
     }
     switch (kernels) {
       case kda::KdaBackwardKernels::kSecond:

@@ -42,8 +42,6 @@ struct BwdCase {
   double key_sd = 0;  // 0: KdaCase's default (large keys with the L2 norm); without it 0.08 (contractive)
 };
 
-// second: the second backward (kda::bwd2_stages: bf16 tensor-core products throughout, saved-h only),
-// held to the bounds against fp64 (dq, dk, dv, dh0 8e-3; dg, dbeta, dA_log, ddt_bias 2e-2).
 // dA_log[h] = sum over tokens and channels of term = dgate · ∂gate/∂A_log, from the fp64 gradient
 // dg with respect to the raw gate (dg = dgate · ∂gate/∂x, x = g + dt_bias): term = dg · softplus(x) /
 // σ(x) for the softplus gate, dg · x for the lower-bound gate. Returns sqrt(Σ_h Σ term²) /
@@ -68,6 +66,8 @@ double dA_log_spread(const KdaCase& c, const std::vector<double>& dg) {
   return den > 0 ? std::sqrt(num / den) : 0.0;
 }
 
+// second: the second backward (kda::bwd2_stages: bf16 tensor-core products throughout, saved-h only),
+// held to the bounds against fp64 (dq, dk, dv, dh0 8e-3; dg, dbeta, dA_log, ddt_bias 2e-2).
 void run_bwd(BwdCase bc, DType dt, bool remat, bool second = false) {
   KdaCase& c = bc.c;
   const std::string tag = std::string(bc.label) + " " + dtype_name(dt) + (remat ? " remat" : " saved-h") + (second ? " second" : "");
