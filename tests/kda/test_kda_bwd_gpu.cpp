@@ -42,15 +42,15 @@ struct BwdCase {
   double key_sd = 0;  // 0: KdaCase's default (large keys with the L2 norm); without it 0.08 (contractive)
 };
 
-// dA_log[h] = sum over tokens and channels of term = dgate · ∂gate/∂A_log, from the fp64 gradient
-// dg with respect to the raw gate (dg = dgate · ∂gate/∂x, x = g + dt_bias): term = dg · softplus(x) /
-// σ(x) for the softplus gate, dg · x for the lower-bound gate. Returns sqrt(Σ_h Σ term²) /
-// sqrt(Σ_h (Σ term)²): the factor by which independent per-term errors of relative size δ become
-// dA_log's relative RMS error (~δ · spread). Large where a head's terms cancel (a diagnostic in the
-// test's line; the bound stays fla's 2e-2).
-double dA_log_spread(const KdaCase& c, const std::vector<double>& dg) {
+// dA_log[h] = sum over tokens and channels of term = dgate · ∂gate/∂A_log, from a gradient dg with
+// respect to the raw gate (dg = dgate · ∂gate/∂x, x = g + dt_bias): term = dg · softplus(x) / σ(x) for
+// the softplus gate, dg · x for the lower-bound gate. Per head: the sum and the sum of squares.
+struct DALogTerms {
+  std::vector<double> sum, sq;
+};
+DALogTerms dA_log_terms(const KdaCase& c, const std::vector<double>& dg) {
   const int64_t H = c.Hv(), K = c.K, rows = int64_t(dg.size()) / (H * K);
-  std::vector<double> sum(size_t(H), 0.0), sq(size_t(H), 0.0);
+  DALogTerms t{std::vector<double>(size_t(H), 0.0), std::vector<double>(size_t(H), 0.0)};
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t a = 0; a < K; ++a) {
@@ -58,11 +58,18 @@ double dA_log_spread(const KdaCase& c, const std::vector<double>& dg) {
         const double x = c.g[at] + (c.dt_bias.empty() ? 0.0 : c.dt_bias[size_t(h * K + a)]);
         const double sp = x > 30 ? x : std::log1p(std::exp(x)), sg = 1.0 / (1.0 + std::exp(-x));
         const double term = dg[at] * (c.gate == Gate::kLowerBound ? x : sp / sg);
-        sum[size_t(h)] += term;
-        sq[size_t(h)] += term * term;
+        t.sum[size_t(h)] += term;
+        t.sq[size_t(h)] += term * term;
       }
+  return t;
+}
+
+// sqrt(Σ_h Σ term²) / sqrt(Σ_h (Σ term)²) of the fp64 gradient: the factor by which independent
+// per-term errors of relative size δ become dA_log's relative RMS error (~δ · spread). Large where a
+// head's terms cancel.
+double dA_log_spread(const DALogTerms& t) {
   double num = 0, den = 0;
-  for (int64_t h = 0; h < H; ++h) num += sq[size_t(h)], den += sum[size_t(h)] * sum[size_t(h)];
+  for (size_t h = 0; h < t.sum.size(); ++h) num += t.sq[h], den += t.sum[h] * t.sum[h];
   return den > 0 ? std::sqrt(num / den) : 0.0;
 }
 
@@ -159,7 +166,7 @@ void run_bwd(BwdCase bc, DType dt, bool remat, bool second = false) {
   std::vector<std::vector<double>> exact, stage;
   cpu_grads(false, exact);
   cpu_grads(true, stage);
-  const double kappa = c.A_log.empty() ? 0.0 : dA_log_spread(c, exact[3]);
+  const double kappa = c.A_log.empty() ? 0.0 : dA_log_spread(dA_log_terms(c, exact[3]));
   const char* names[8] = {"dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"};
   const DevVec* gpu[8] = {dq.get(), dk.get(), dv.get(), dg.get(), dbeta.get(), dh0.get(), dA.get(), ddt.get()};
   const bool bf = dt != DType::kFP32;  // bf16 / fp16 outputs (fp16's rounding is finer; same bounds)
@@ -168,23 +175,33 @@ void run_bwd(BwdCase bc, DType dt, bool remat, bool second = false) {
     if (!gpu[i]) continue;
     const std::vector<double> got = gpu[i]->fetch();
     const double e_stage = rel_err(got, stage[size_t(i)]), e_exact = rel_err(got, exact[size_t(i)]);
-    char buf[96];
+    char buf[128];
     std::snprintf(buf, sizeof buf, " %s %.2e/%.2e", names[i], e_stage, e_exact);
     line += buf;
-    if (i == 6) {  // dA_log: how far cancellation magnifies per-term errors in this draw
-      std::snprintf(buf, sizeof buf, " (spread %.1f)", kappa);
+    // dA_log's sum over every token and channel of a head against its terms: the reduction of the dg
+    // this run returned, in fp64 (differs from `got` by the fp32 sums and dg's output rounding).
+    double cons = 0;
+    if (i == 6) {
+      cons = rel_err(got, dA_log_terms(c, dg->fetch()).sum);
+      std::snprintf(buf, sizeof buf, " (spread %.1f, against its dg %.1e)", kappa, cons);
       line += buf;
     }
     // dg, dbeta, and dA_log / ddt_bias (sums over every token of a head, with cancellation: the bf16
     // inputs' rounding alone gave dA_log 5.2e-3 against the fp64 BPTT, the kernels 1.8e-5 against their stage).
     const bool fragile = i == 3 || i == 4 || i >= 6;
     // Stage: the kernels' own fp32 error (bf16 outputs: their rounding, ~1.1e-3 relative RMS).
-    // The second backward: the bounds (fla's: 8e-3, 2e-2). dA_log (a sum over every token and
-    // channel of a head, with heavy cancellation) measured <= 9.4e-3 over 51 draws on an H100 with Vnew
-    // and dAqk as bf16 hi + lo pairs (3.6e-2 once without them; docs/kda.md).
+    // The second backward: the bounds (fla's: 8e-3, 2e-2).
     const double tol_second = fragile ? 2e-2 : 8e-3;
-    const double tol_stage = second_path ? tol_second : bf ? (fragile ? 8e-3 : 4e-3) : (fragile ? 1e-3 : 2e-4);
-    const double tol_exact = second_path ? tol_second : fragile ? 1e-2 : 5e-3;
+    double tol_stage = second_path ? tol_second : bf ? (fragile ? 8e-3 : 4e-3) : (fragile ? 1e-3 : 2e-4);
+    double tol_exact = second_path ? tol_second : fragile ? 1e-2 : 5e-3;
+    // dA_log in a draw whose terms cancel (spread κ > 1): independent per-term errors of relative size δ
+    // give ~δ κ, so the bound is on δ: 2e-2 κ (fla's dg bound per term), provided dA_log is the sum of
+    // the dg returned (within 3x dg's output rounding, ~1.1e-3 relative RMS in bf16, magnified by κ).
+    // Without cancellation (κ <= 1) the bounds above stand.
+    if (i == 6 && kappa > 1 && cons <= (bf ? 3.3e-3 : 1e-5) * kappa + 1e-6) {
+      tol_stage = std::max(tol_stage, 2e-2 * kappa);
+      tol_exact = std::max(tol_exact, 2e-2 * kappa);
+    }
     EXPECT_TRUE(std::isfinite(e_stage) && std::isfinite(e_exact)) << names[i] << ": NaN/inf (or an unwritten output)";
     EXPECT_LE(e_stage, tol_stage) << names[i] << " against the CPU chunked backward on the GPU's residuals";
     EXPECT_LE(e_exact, tol_exact) << names[i] << " against the fp64 BPTT";
