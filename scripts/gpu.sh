@@ -26,7 +26,8 @@
 #   ENCORE_DEADLINE        seconds the whole script may take (default 570, inside a 600 s call);
 #                          each step's timeout is cut to what is left, so the summary always returns
 #   ENCORE_TEST_FILTER     gtest filter for `test` (default *); ENCORE_TEST_SHARDS the GPU binary's processes
-#                          (default 4), ENCORE_TEST_SECONDS each one's limit (default 300)
+#                          (default 4), ENCORE_TEST_SECONDS each one's limit (default 300),
+#                          ENCORE_TEST_PARALLEL=1 runs the shards at once (default: one after another)
 #                          (default 450; every GPU test takes about 300 s on an H200)
 #   ENCORE_PYTEST_ARGS     pytest arguments for `pytest` (default tests/python; e.g. test files, -k EXPR)
 #   ENCORE_SANITIZE_FILTER gtest filter for both tools of `sanitize` (default: tests of each family,
@@ -157,13 +158,25 @@ pass_build() {
 pass_test() {
   need "$BUILD/tests/encore_tests_gpu" "run the build pass first" || return
   local f=${ENCORE_TEST_FILTER:-*} shards=${ENCORE_TEST_SHARDS:-4} i m1 m2 line f_ gp=0 gf=0 crashed=""
+  local par=${ENCORE_TEST_PARALLEL:-0} main_log=$log
+  # run_shard I: shard I of the GPU binary, its output appended to $log.
+  run_shard() {
+    # Not brief: each test's [ RUN ] / [ OK ] lines (with its time) show what ran before a timeout.
+    step "${ENCORE_TEST_SECONDS:-300}" env GTEST_TOTAL_SHARDS="$shards" GTEST_SHARD_INDEX="$1" "$BUILD/tests/encore_tests_gpu" \
+      --gtest_filter="$f" ||
+      { [ $? = 124 ] && grep -E '^\[ RUN +\]' "$log" | tail -1 | sed 's/^\[ RUN *\]/    timed out in:/' >>"$log"; }
+  }
+  if [ "$par" = 1 ] && [ "$DRY" != 1 ]; then  # the shards at once (each its own log part), then read in order
+    for ((i = 0; i < shards; i++)); do
+      (log=$OUT/.shard$i.part; : >"$log"; run_shard "$i") &
+    done
+    wait
+  fi
   for ((i = 0; i < shards; i++)); do
     m1=$(mark)
     echo "== shard $((i + 1)) of $shards" >>"$log"
-    # Not brief: each test's [ RUN ] / [ OK ] lines (with its time) show what ran before a timeout.
-    step "${ENCORE_TEST_SECONDS:-300}" env GTEST_TOTAL_SHARDS="$shards" GTEST_SHARD_INDEX="$i" "$BUILD/tests/encore_tests_gpu" \
-      --gtest_filter="$f" ||
-      { [ $? = 124 ] && tail -n +"$m1" "$log" | grep -E '^\[ RUN +\]' | tail -1 | sed 's/^\[ RUN *\]/    timed out in:/'; }
+    if [ "$par" = 1 ] && [ "$DRY" != 1 ]; then cat "$OUT/.shard$i.part" >>"$log"; rm -f "$OUT/.shard$i.part"; else run_shard "$i"; fi
+    log=$main_log
     line=$(gtest_line "$m1")
     case "$line" in
       *"not run"*) crashed+=" (shard $((i + 1)) not run: deadline)" ;;
