@@ -34,6 +34,14 @@ one gate_proj weight off by 1e-3 or one RMSNorm weight's gradient dropped fail t
 only the first of these (at 1e-3) is seen (the bf16 RMSNorm weights, near 1, never move: a 1e-3 step is
 below half a bf16 ulp).
 
+bf16: the patched model computes on the CPU backend with wider intermediates and rounds to bf16 at
+other points than torch, so its curve leaves the bf16 runs' reordering spread (with torch 2.15 the
+patched Qwen3 run reached 4.8 max(r_t, e) at step 5) while staying as close to the fp32 model's curve as
+they are. The bf16 bound is therefore on accuracy: the patched run's distance from the unpatched fp32
+run (same weights from the seed, the batches' own order) at most 3 max(R_t, e), R_t the largest
+distance of the 13 unpatched bf16 runs from that fp32 run up to step t. Measured: 0.35 (Llama) and
+0.38 (Qwen3) of the bound; the loss scaled by 1 + 1e-3 gives 5.3 and 4.8.
+
 bf16's e: at the first step the reordered runs differ by fp32 ulps only (the loss is reduced in fp32,
 no drift yet), while the patched model rounds to bf16 at other points than the unpatched one and its
 loss differs by ~1e-4; the drift overtakes that within a few steps. e is that rounding, measured: the
@@ -134,12 +142,16 @@ def test_adamw_loss_curve_within_reordering_spread(family, dtype):
     mean = ref.mean(0)
     spread = (ref - mean).abs().amax(0)
     assert (spread > 0).sum() >= STEPS // 2, spread  # the reordering does perturb the sums
-    reach = spread.cummax(0).values
     floor = fp32_ulp(mean)
-    if dtype != torch.float32:
+    if dtype == torch.float32:  # the patched run within the reordered runs' spread about their mean
+        reach = spread.cummax(0).values
+        dev = (pat - mean).abs()
+    else:  # bf16: the patched run no further from the fp32 run than the unpatched bf16 runs are
+        exact = train(f32, batches)
         floor = floor.clamp_min(bf16_forward_rounding(f32, model, batches))
+        reach = (ref - exact).abs().amax(0).cummax(0).values
+        dev = (pat - exact).abs()
     bound = FACTOR * torch.maximum(reach, floor)
-    dev = (pat - mean).abs()
     print(f"\n{family} {dtype}: loss {mean[0]:.4f} -> {mean[-1]:.4f}; reordering spread max {spread.max():.3g}, "
           f"floor max {floor.max():.3g}; patched deviation max {dev.max():.3g}, "
           f"max deviation / bound {(dev / bound).max():.3f}, max deviation / reach {(dev / reach).max():.3g}")
