@@ -28,7 +28,6 @@
 #   ENCORE_TEST_FILTER     gtest filter for `test` (default *); ENCORE_TEST_SHARDS the GPU binary's processes
 #                          (default 4), ENCORE_TEST_SECONDS each one's limit (default 300),
 #                          ENCORE_TEST_PARALLEL=1 runs the shards at once (default: one after another)
-#                          (default 450; every GPU test takes about 300 s on an H200)
 #   ENCORE_PYTEST_ARGS     pytest arguments for `pytest` (default tests/python; e.g. test files, -k EXPR)
 #   ENCORE_SANITIZE_FILTER gtest filter for both tools of `sanitize` (default: tests of each family,
 #                          see memcheck_default and racecheck_default below)

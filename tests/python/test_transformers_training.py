@@ -19,28 +19,27 @@ same bf16 values (with (1) alone the patched Qwen3 bf16 run reached 3.1 of the u
 (2) perturbs the bf16 gradients from the first step. Thread counts are no use on the CPU: torch's GEMMs
 split rows and columns, not the reduction, and 1 to 4 threads gave bit-identical fp32 Llama curves.
 
-Bound, per step t: m_t is the mean of the 13 unpatched losses and s_t their largest distance from it.
-The runs' weights drift apart step by step, so the distance reached at any step u <= t is one they can
-show at t; s_t itself moves with the batch (and in fp32 is a few ulps of the loss: all 13 runs can round
-to the same value at a step), so the bound uses r_t = max(s_0 .. s_t). The patched run's distance from
-m_t must be at most 3 max(r_t, e), e being one fp32 ulp of m_t (the resolution of the recorded loss) and,
-in bf16, the bf16 forward's own rounding of the loss (below). The factor 3: a 14th run of the same
-distribution would pass the largest of the 13 distances with probability ~1/14, and rarely by much;
-the patched run does not only reorder sums (the RoPE angle is formed exactly, the fused epilogues keep
-fp32 intermediates), and over the four dense families and model seeds 0-3 its largest distance was
-0.6-2.7 max(r_t, e) in fp32 and 0.8-2.1 in bf16 (seed 0, the one tested: at most 0.92 and 2.1). The
-bound comes to ~1.5e-6 of a loss of ~4 in fp32 and ~1-3e-3 in bf16: the loss off by 1e-5 of itself,
-one gate_proj weight off by 1e-3 or one RMSNorm weight's gradient dropped fail the fp32 cases; in bf16
-only the first of these (at 1e-3) is seen (the bf16 RMSNorm weights, near 1, never move: a 1e-3 step is
-below half a bf16 ulp).
+Bound (fp32), per step t: m_t is the mean of the 13 unpatched losses and s_t their largest distance
+from it. The runs' weights drift apart step by step, so the distance reached at any step u <= t is one
+they can show at t; s_t itself moves with the batch (and is a few ulps of the loss: all 13 runs can
+round to the same value at a step), so the bound uses r_t = max(s_0 .. s_t). The patched run's distance
+from m_t must be at most 3 max(r_t, e), e being one fp32 ulp of m_t (the resolution of the recorded
+loss). The factor 3: a 14th run of the same distribution would pass the largest of the 13 distances with
+probability ~1/14, and rarely by much; the patched run does not only reorder sums (the RoPE angle is
+formed exactly, the fused epilogues keep fp32 intermediates), and over the four dense families and
+model seeds 0-3 its largest distance was 0.6-2.7 max(r_t, e) (seed 0, the one tested: at most 0.92). The
+bound comes to ~1.5e-6 of a loss of ~4: the loss off by 1e-5 of itself, one gate_proj weight off by 1e-3
+or one RMSNorm weight's gradient dropped fail.
 
 bf16: the patched model computes on the CPU backend with wider intermediates and rounds to bf16 at
 other points than torch, so its curve leaves the bf16 runs' reordering spread (with torch 2.15 the
 patched Qwen3 run reached 4.8 max(r_t, e) at step 5) while staying as close to the fp32 model's curve as
 they are. The bf16 bound is therefore on accuracy: the patched run's distance from the unpatched fp32
 run (same weights from the seed, the batches' own order) at most 3 max(R_t, e), R_t the largest
-distance of the 13 unpatched bf16 runs from that fp32 run up to step t. Measured: 0.35 (Llama) and
-0.38 (Qwen3) of the bound; the loss scaled by 1 + 1e-3 gives 5.3 and 4.8.
+distance of the 13 unpatched bf16 runs from that fp32 run up to step t, e as below (at least one fp32
+ulp). The bound grows from ~1e-3 at step 0 to ~6e-3 at steps 1-5 and ~8e-2 by step 20 (the bf16 runs
+drift from fp32). Measured: 0.35 (Llama) and 0.38 (Qwen3) of the bound; the loss scaled by 1 + 1e-3 gives 5.3 and
+4.8 (the bf16 RMSNorm weights, near 1, never move: a 1e-3 weight step is below half a bf16 ulp).
 
 bf16's e: at the first step the reordered runs differ by fp32 ulps only (the loss is reduced in fp32,
 no drift yet), while the patched model rounds to bf16 at other points than the unpatched one and its
