@@ -174,7 +174,8 @@ def test_qwen3_moe_inference_through_moe_forward(dev):
     ref.train()
     pat.train()
     la, lb = ref(ids, labels=ids, output_router_logits=True), pat(ids, labels=ids, output_router_logits=True)
-    assert lb.logits is None and rel(lb.aux_loss, la.aux_loss) < 1e-6
+    # the same MoE module on hidden states from the patched layers around it: equal in fp32, within bf16 rounding in bf16
+    assert lb.logits is None and rel(lb.aux_loss, la.aux_loss) < (1e-6 if dtype == torch.float32 else 2e-2)
     la.loss.backward()
     lb.loss.backward()
     for (n, p), q in zip(ref.named_parameters(), pat.parameters()):
