@@ -1,5 +1,5 @@
 """Hugging Face transformers models patched in place (issue 50, docs/transformers.md): one training step
-(forward with labels + backward, no optimizer) and one inference forward (no grad, logits) of a bf16,
+(forward with labels + backward; with TF_PEER_MODES=train_opt also a fused AdamW step at lr 0) and one inference forward (no grad, logits) of a bf16,
 randomly initialized LlamaForCausalLM / Qwen3ForCausalLM with a few layers, in five variants in one
 process on the same inputs and the same weights (the four model instances share their parameter tensors):
 
@@ -34,7 +34,7 @@ Models (TF_PEER_MODELS, default all three; real dimensions, untied embeddings, s
   qwen3_1B   Qwen3-1.7B:   hidden 2048, intermediate 6144, 16 heads, 8 KV heads, head_dim 128, vocab 151936 (on request)
 TF_PEER_LAYERS decoder layers (default 4: the 8B shapes' fwd + bwd at 8192 tokens then need about 25 GB),
 TF_PEER_TOKENS tokens per step (default 8192), TF_PEER_SEQ the sequence length (default = the tokens: batch 1),
-TF_PEER_WHO variants (default eager,compile,liger,encore,encore_block), TF_PEER_MODES (train,infer), ROUNDS (3),
+TF_PEER_WHO variants (default eager,compile,liger,encore,encore_block), TF_PEER_MODES (train,infer; train_opt: train plus an AdamW step at lr 0), ROUNDS (3),
 TF_PEER_STEPS (5), TF_PEER_WARMUP (3). torch.compile takes one to two minutes per model and mode on a fresh
 machine (cached on disk for later calls on the same warm machine): give a call one or two models.
 
@@ -310,10 +310,13 @@ def run_model(name):
 
 
 def measure(entry, mode, variants, swaps, patched, ids):
-    train = mode == "train"
+    train = mode in ("train", "train_opt")
     for m in variants.values():
         m.train(train)
     params = [p for p in next(iter(variants.values())).parameters()] if variants else []
+    # train_opt: the step ends with a (fused on CUDA) AdamW step at lr 0: the optimizer's kernels, time and state memory
+    # of a real step, the shared weights unchanged (so every variant still sees the same model)
+    opt = torch.optim.AdamW(params, lr=0.0, fused=DEV == "cuda") if mode == "train_opt" and params else None
 
     def clear():
         for p in params:
@@ -330,6 +333,8 @@ def measure(entry, mode, variants, swaps, patched, ids):
                     clear()
                     loss = m(input_ids=ids, labels=ids, use_cache=False).loss
                     loss.backward()
+                    if opt is not None:
+                        opt.step()
                     return loss.detach()
                 with torch.no_grad():
                     return m(input_ids=ids, use_cache=False).logits
@@ -395,7 +400,7 @@ def measure(entry, mode, variants, swaps, patched, ids):
         elif ref is not None:
             r["logits_max_diff_vs_eager"] = (firsts[who] - ref).abs().max().item()
             r["logits_eager_max_abs"] = ref.abs().max().item()
-        print(f"{entry['shape']['class']:18s} L{LAYERS} M{TOKENS} {mode:5s} {who:8s} {med:9.3f} ms  {r['tokens_per_s']:12.0f} tok/s  "
+        print(f"{entry['shape']['class']:18s} L{LAYERS} M{TOKENS} {mode:9s} {who:8s} {med:9.3f} ms  {r['tokens_per_s']:12.0f} tok/s  "
               f"peak {r.get('peak_GB', float('nan')):6.2f} GB  " + (f"loss {r['loss']:.5f}" if train else
                                                                     f"logits diff {r.get('logits_max_diff_vs_eager', 0):.4f}"), flush=True)
     for who in names:

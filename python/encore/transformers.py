@@ -9,8 +9,8 @@ added, removed or changed, so save_pretrained / from_pretrained round-trip bit f
 
 - rms_norm: every RMSNorm of the family -> encore.rms_norm (forward; the backward is a torch composite);
 - swiglu: the MLP's silu(gate_proj(x)) * up_proj(x) -> encore's swiglu GEMM row on an interleaved
-  gate/up weight derived per forward (one copy of 2·F·d weights; its gradient de-interleaved by
-  autograd), down_proj's GEMM in torch;
+  gate/up weight derived in the forward and again in the backward (a copy of 2·F·d weights each, not
+  kept between them), down_proj's GEMM in torch;
 - rope: the attention's q/k/v projections and the rotation -> one fused QKV GEMM with the rope
   epilogue (Q/K rows paired per head, a derived copy; attention and the KV cache see permuted Q/K
   heads, which leaves q·k unchanged); with qk_norm (Qwen3) the QKV GEMM with per-head sums of squares
@@ -44,7 +44,6 @@ from . import _hf_autograd as _hf
 from . import _hf_blocks
 from . import moe as _moe
 from ._ce_autograd import fused_linear_cross_entropy as _flce
-from ._mlp_autograd import SwigluMlpFunction as _SwigluMlp
 
 __all__ = ["apply_encore", "remove_encore", "apply_encore_to_llama", "apply_encore_to_mistral", "apply_encore_to_qwen2",
            "apply_encore_to_qwen3", "apply_encore_to_qwen3_moe", "revert_encore_classes", "EncorePatchError", "EncoreReport",
@@ -148,12 +147,10 @@ def _rms_norm_forward(self, orig, state, hidden_states):
 
 def _mlp_forward(self, orig, state, x):
     x, g, u, dn = _hf.autocast_cast(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-    f, d = g.shape
-    w13 = torch.stack((g, u), 1).reshape(2 * f, d)  # row 2j gate j, 2j+1 up j (the swiglu row's layout)
-    rows = x.reshape(-1, d)
+    rows = x.reshape(-1, g.shape[1])
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    return _SwigluMlp.apply(rows, None, w13, dn, 0.0).reshape(*x.shape[:-1], dn.shape[0])
+    return _hf.swiglu_mlp(rows, g, u, dn).reshape(*x.shape[:-1], dn.shape[0])
 
 
 def _attention_forward(self, orig, state, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
@@ -407,7 +404,7 @@ def _plan(model, fam, causal_lm, flags):
     if flags["moe"] and fam.moe:
         report.notes.append("moe: inference only (no gradient needed); under autograd the original MoE block runs")
     if flags["swiglu"]:
-        report.notes.append("swiglu: gate/up interleaved per forward (a copy of 2·F·d weights; the gradient de-interleaved)")
+        report.notes.append("swiglu: gate/up interleaved in the forward and again in the backward (a copy of 2·F·d weights each, not kept)")
     if flags["rope"]:
         report.notes.append("rope: QKV weight with Q/K rows paired per head built per forward (a copy); the KV cache holds the "
                             "permuted Q/K order")
