@@ -29,6 +29,7 @@
 #                          (default 4), ENCORE_TEST_SECONDS each one's limit (default 300),
 #                          ENCORE_TEST_PARALLEL=1 runs the shards at once (default: one after another)
 #   ENCORE_PYTEST_ARGS     pytest arguments for `pytest` (default tests/python; e.g. test files, -k EXPR)
+#   ENCORE_BUILD_TARGETS   cmake targets for `build` (default all; e.g. "_encore _encore_torch encore_py_files" for pytest and peers only)
 #   ENCORE_SANITIZE_FILTER gtest filter for both tools of `sanitize` (default: tests of each family,
 #                          see memcheck_default and racecheck_default below)
 #   ENCORE_SANITIZE_TOOLS  default "memcheck racecheck"
@@ -143,7 +144,8 @@ pass_build() {
   need "$CUTLASS/include/cutlass/version.h" "CUTLASS headers: carry .deps (scripts/install_deps.sh)" || return
   local py; py=$(command -v python3)
   configure_build "$root" "$BUILD" -DENCORE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$py" || return
-  step 480 cmake --build "$BUILD" -j "$JOBS" || return
+  # shellcheck disable=SC2086
+  step 480 cmake --build "$BUILD" -j "$JOBS" ${ENCORE_BUILD_TARGETS:+--target $ENCORE_BUILD_TARGETS} || return
   local f
   detail="$BUILD at $ENCORE_COMMIT:"
   for f in "$BUILD"/apps/encore/encore "$BUILD"/tests/encore_tests_{gpu,cpu} "$BUILD"/python/encore/_encore*.so; do

@@ -34,7 +34,7 @@ Models (TF_PEER_MODELS, default all three; real dimensions, untied embeddings, s
   qwen3_1B   Qwen3-1.7B:   hidden 2048, intermediate 6144, 16 heads, 8 KV heads, head_dim 128, vocab 151936 (on request)
 TF_PEER_LAYERS decoder layers (default 4: the 8B shapes' fwd + bwd at 8192 tokens then need about 25 GB),
 TF_PEER_TOKENS tokens per step (default 8192), TF_PEER_SEQ the sequence length (default = the tokens: batch 1),
-TF_PEER_WHO variants (default eager,compile,liger,encore,encore_block), TF_PEER_MODES (train,infer; train_opt: train plus an AdamW step at lr 0), ROUNDS (3),
+TF_PEER_WHO variants (default eager,compile,liger,encore,encore_block; encore_ce<rows>: the module patch with its loss in chunks of <rows> rows), TF_PEER_MODES (train,infer; train_opt: train plus an AdamW step at lr 0), ROUNDS (3),
 TF_PEER_STEPS (5), TF_PEER_WARMUP (3). torch.compile takes one to two minutes per model and mode on a fresh
 machine (cached on disk for later calls on the same warm machine): give a call one or two models.
 
@@ -188,6 +188,22 @@ class GlobalSwap:
 _MISSING = object()
 
 
+class ChunkRows:
+    """encore's fused linear cross-entropy with `rows` rows per chunk (its default: encore._ce_autograd's
+    _default_chunk_rows), switched on only inside `with`: the variants encore_ce<rows>."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __enter__(self):
+        import encore._ce_autograd as ce
+        self.saved, ce._default_chunk_rows = ce._default_chunk_rows, lambda m: self.rows
+
+    def __exit__(self, *exc):
+        import encore._ce_autograd as ce
+        ce._default_chunk_rows = self.saved
+
+
 def liger_patch(model, fam):
     import importlib
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -273,6 +289,11 @@ def run_model(name):
             elif who == "encore":
                 m = share(model)
                 patched[who] = encore_patch(m)
+                variants[who] = m
+            elif who.startswith("encore_ce"):  # the module patch with the loss's chunk rows set (the chunk-size study)
+                m = share(model)
+                patched[who] = encore_patch(m)
+                swaps[who] = ChunkRows(int(who[len("encore_ce"):]))
                 variants[who] = m
             elif who == "encore_block":
                 if fam not in ("llama", "mistral"):
