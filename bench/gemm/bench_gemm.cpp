@@ -575,6 +575,14 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
     kernel_vs_cublas(x, Epilogue::kSwiglu, "8B", M, 2 * 14336, 4096, true, orders);
     kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false, orders);
   }
+  if (filter.find("lse_chunk") != std::string::npos) {
+    // The loss in chunks of rows (the fused linear cross-entropy with its gradients in the forward runs gemm_lse on
+    // M / 8 rows at a time): the 8B LM head at M 1024 / 2048 / 4096 on each tile, raster order and swizzle 1 / 8.
+    const std::vector<Schedule> orders = {Schedule{8, GemmRaster::kAuto}, Schedule{8, GemmRaster::kAlongM}, Schedule{8, GemmRaster::kAlongN},
+                                          Schedule{1, GemmRaster::kAlongM}, Schedule{1, GemmRaster::kAlongN}};
+    for (int64_t m : {1024, 2048, 4096})
+      kernel_vs_cublas(x, Epilogue::kLse, "8B lse_chunk M" + std::to_string(m), m, 128256, 4096, /*store_d=*/true, orders);
+  }
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/false);
   kernel_vs_cublas(x, Epilogue::kLse, "8B", M, 128256, 4096, /*store_d=*/true);
   kernel_vs_cublas(x, Epilogue::kLse, "8B", 16384, 128256, 4096, /*store_d=*/false);
