@@ -275,6 +275,29 @@ def test_import_does_not_load_torch():
     subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": ":".join(sys.path)})
 
 
+def test_module_exports_only_its_init():
+    """_encore exports PyInit__encore and none of the static libraries linked into it (hidden visibility,
+    --exclude-libs): exported, cudart_static's entry points (__cudaRegisterFatBinary, cudaLaunchKernel, ...)
+    could be interposed by torch's libcudart, which torch loads RTLD_GLOBAL after an `import encore`, so that
+    encore's later CUDA calls (its fatbinaries' unregistration at exit included) would go to another runtime
+    than the one its kernels were registered with (the segfault at exit of test_torch_imported_after_encore
+    on an H200); encore's GNU unique symbols would bind process-wide."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    lib = ctypes.CDLL(encore._encore.__file__)  # already loaded: the same handle
+    assert hasattr(lib, "PyInit__encore")
+    for name in ("__cudaRegisterFatBinary", "__cudaUnregisterFatBinary", "cudaLaunchKernel", "cudaGetDeviceCount",
+                 "_ZN6encore4gemm3kIoE"):  # encore::gemm::kIo
+        assert not hasattr(lib, name), f"_encore exports {name}"
+    if shutil.which("nm"):  # every exported function (T, W) and unique object (u) beyond PyInit__encore and libstdc++'s digits
+        out = subprocess.run(["nm", "-D", "--defined-only", encore._encore.__file__], capture_output=True, text=True, check=True).stdout
+        extra = [ln.split()[-1] for ln in out.splitlines() if len(ln.split()) == 3 and ln.split()[1] in "TWu"
+                 and ln.split()[-1] != "PyInit__encore" and "to_chars" not in ln]
+        assert not extra, f"_encore exports {len(extra)} symbols of its static libraries, e.g. {extra[:3]}"
+
+
 def test_torch_imported_after_encore():
     """encore imported before torch, the first call on torch tensors one whose output is allocated
     before anything else looks at torch (fused_recurrent_kda): a torch tensor out, not a numpy
