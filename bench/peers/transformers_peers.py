@@ -1,6 +1,8 @@
 """Hugging Face transformers models patched in place (issue 50, docs/transformers.md): one training step
-(forward with labels + backward; with TF_PEER_MODES=train_opt also a fused AdamW step at lr 0) and one inference forward (no grad, logits) of a bf16,
-randomly initialized LlamaForCausalLM / Qwen3ForCausalLM with a few layers, in five variants in one
+(forward with labels + backward; with TF_PEER_MODES=train_opt also a fused AdamW step at lr 0), one inference
+forward (no grad, logits: the prefill) and one decode step (TF_PEER_MODES=decode: TF_PEER_DECODE = BxP, default
+32x1024, B sequences of P tokens in the KV cache, one new token each; the cache cropped back after each step) of a bf16,
+randomly initialized LlamaForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM with a few layers, in five variants in one
 process on the same inputs and the same weights (the four model instances share their parameter tensors):
 
   eager    the unpatched model (attention by SDPA)
@@ -32,13 +34,15 @@ Models (TF_PEER_MODELS, default all three; real dimensions, untied embeddings, s
   llama_8B   Llama-3-8B:   hidden 4096, intermediate 14336, 32 heads, 8 KV heads, head_dim 128, vocab 128256
   qwen3_8B   Qwen3-8B:     hidden 4096, intermediate 12288, 32 heads, 8 KV heads, head_dim 128, vocab 151936
   qwen3_1B   Qwen3-1.7B:   hidden 2048, intermediate 6144, 16 heads, 8 KV heads, head_dim 128, vocab 151936 (on request)
+  qwen3_moe_30B  Qwen3-30B-A3B: hidden 2048, 128 experts of intermediate 768, 8 per token, 32 heads, 4 KV heads,
+             head_dim 128, vocab 151936 (on request; encore's MoE serves inference: infer and decode)
 TF_PEER_LAYERS decoder layers (default 4: the 8B shapes' fwd + bwd at 8192 tokens then need about 25 GB),
 TF_PEER_TOKENS tokens per step (default 8192), TF_PEER_SEQ the sequence length (default = the tokens: batch 1),
-TF_PEER_WHO variants (default eager,compile,liger,encore,encore_block; encore_ce<rows>: the module patch with its loss in chunks of <rows> rows), TF_PEER_MODES (train,infer; train_opt: train plus an AdamW step at lr 0), ROUNDS (3),
+TF_PEER_WHO variants (default eager,compile,liger,encore,encore_block; encore_ce<rows>: the module patch with its loss in chunks of <rows> rows), TF_PEER_MODES (train,infer; also train_opt, decode), ROUNDS (3),
 TF_PEER_STEPS (5), TF_PEER_WARMUP (3). torch.compile takes one to two minutes per model and mode on a fresh
 machine (cached on disk for later calls on the same warm machine): give a call one or two models.
 
---smoke: on the CPU, a tiny Llama and Qwen3 (hidden 64, 2 layers, 64 tokens), eager, encore and encore_block, one
+--smoke: on the CPU, a tiny Llama, Qwen3 and Qwen3-MoE (hidden 64, 2 layers, 64 tokens; decode 2x16), eager, encore and encore_block, one
 step each (Liger's patch is applied to a copy to list what it changes, not run: its kernels are Triton);
 exits 1 when a variant fails or encore's loss / logits leave bf16 noise.
 Usage: python3 bench/peers/transformers_peers.py OUT.json [--smoke]"""
@@ -63,11 +67,15 @@ MODELS = {
     "llama_8B": ("llama", 4096, 14336, 32, 8, 128, 128256, 500000.0),
     "qwen3_8B": ("qwen3", 4096, 12288, 32, 8, 128, 151936, 1000000.0),
     "qwen3_1B": ("qwen3", 2048, 6144, 16, 8, 128, 151936, 1000000.0),
+    "qwen3_moe_30B": ("qwen3_moe", 2048, 768, 32, 4, 128, 151936, 1000000.0),  # intermediate: each expert's
 }
+MOE = {"qwen3_moe_30B": (128, 8), "qwen3_moe_tiny": (8, 2)}  # experts, experts per token (Qwen3-30B-A3B's)
 if SMOKE:
-    MODELS = {"llama_tiny": ("llama", 64, 128, 4, 2, 16, 256, 500000.0), "qwen3_tiny": ("qwen3", 64, 128, 4, 2, 16, 256, 1000000.0)}
+    MODELS = {"llama_tiny": ("llama", 64, 128, 4, 2, 16, 256, 500000.0), "qwen3_tiny": ("qwen3", 64, 128, 4, 2, 16, 256, 1000000.0),
+              "qwen3_moe_tiny": ("qwen3_moe", 64, 32, 4, 2, 16, 256, 1000000.0)}
     NAMES, LAYERS, TOKENS, SEQ = list(MODELS), 2, 64, 32
-    WHO, MODES, ROUNDS, STEPS, WARMUP = ["eager", "encore", "encore_block"], ["train", "infer"], 1, 1, 0
+    WHO, MODES, ROUNDS, STEPS, WARMUP = ["eager", "encore", "encore_block"], ["train", "infer", "decode"], 1, 1, 0
+    DECODE_BATCH, DECODE_PREFIX = 2, 16
 else:
     NAMES = os.environ.get("TF_PEER_MODELS", "llama_1B,llama_8B,qwen3_8B").split(",")
     LAYERS = int(os.environ.get("TF_PEER_LAYERS", "4"))
@@ -75,6 +83,7 @@ else:
     SEQ = int(os.environ.get("TF_PEER_SEQ", str(TOKENS)))
     WHO = os.environ.get("TF_PEER_WHO", "eager,compile,liger,encore,encore_block").split(",")
     MODES = os.environ.get("TF_PEER_MODES", "train,infer").split(",")
+    DECODE_BATCH, DECODE_PREFIX = (int(v) for v in os.environ.get("TF_PEER_DECODE", "32x1024").split("x"))
     ROUNDS = int(os.environ.get("ROUNDS", "3"))
     STEPS = int(os.environ.get("TF_PEER_STEPS", "5"))
     WARMUP = int(os.environ.get("TF_PEER_WARMUP", "3"))
@@ -112,10 +121,15 @@ def build(name):
     import transformers
     fam, d, f, hq, hkv, hd, vocab, theta = MODELS[name]
     common = dict(hidden_size=d, intermediate_size=f, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=hd, vocab_size=vocab,
-                  num_hidden_layers=LAYERS, max_position_embeddings=max(SEQ, 8192), rope_theta=theta, rms_norm_eps=1e-6 if fam == "qwen3" else 1e-5,
+                  num_hidden_layers=LAYERS, max_position_embeddings=max(SEQ, 8192), rope_theta=theta, rms_norm_eps=1e-6 if fam.startswith("qwen3") else 1e-5,
                   tie_word_embeddings=False, attn_implementation="sdpa")
     if fam == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif fam == "qwen3_moe":  # every layer sparse, no shared expert; f is each expert's intermediate size
+        experts, top_k = MOE[name]
+        cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=f, num_experts=experts, num_experts_per_tok=top_k,
+                                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
     torch.manual_seed(0)
@@ -128,6 +142,8 @@ def build(name):
         torch.set_default_dtype(old)
     shape = {"family": fam, "class": cls.__name__, "hidden": d, "intermediate": f, "heads": hq, "kv_heads": hkv, "head_dim": hd,
              "vocab": vocab, "layers": LAYERS, "params": sum(p.numel() for p in model.parameters())}
+    if name in MOE:
+        shape["experts"], shape["experts_per_token"] = MOE[name]
     return model, shape
 
 
@@ -275,6 +291,7 @@ def run_model(name):
     fam = shape["family"]
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, shape["vocab"], (TOKENS // SEQ, SEQ), generator=g).to(DEV)
+    dids = torch.randint(0, shape["vocab"], (DECODE_BATCH, DECODE_PREFIX + 1), generator=g).to(DEV)
     variants, patched, errors, swaps, skipped = {}, {}, {}, {}, {}
     for who in WHO:
         try:
@@ -322,7 +339,9 @@ def run_model(name):
             entry["variants"][who] = {"patched": patched[who], "not_run": True}
         for who, why in skipped.items():
             entry["variants"][who] = {"not_run": True, "reason": why}
-        measure(entry, mode, variants, swaps, patched, ids)
+        if mode == "decode":  # a batch of sequences, each a prefix in the KV cache and one new token
+            entry["decode_batch"], entry["decode_prefix"] = DECODE_BATCH, DECODE_PREFIX
+        measure(entry, mode, variants, swaps, patched, dids if mode == "decode" else ids)
         save()
     del variants, model
     if DEV == "cuda":
@@ -346,10 +365,19 @@ def measure(entry, mode, variants, swaps, patched, ids):
     def step_of(who, m):
         swap = swaps.get(who)
 
+        cache = {}
+
         def step():
             if swap is not None:
                 swap.__enter__()
             try:
+                if mode == "decode":  # the prefix's cache once per variant (a patched model's K heads are permuted), then
+                    with torch.no_grad():  # one token per sequence, the cache cropped back to the prefix after each step
+                        if "kv" not in cache:
+                            cache["kv"] = m(input_ids=ids[:, :DECODE_PREFIX], use_cache=True).past_key_values
+                        logits = m(input_ids=ids[:, DECODE_PREFIX:], past_key_values=cache["kv"], use_cache=True).logits
+                        cache["kv"].crop(-1)  # the new token out again
+                        return logits
                 if train:
                     clear()
                     loss = m(input_ids=ids, labels=ids, use_cache=False).loss
@@ -409,7 +437,7 @@ def measure(entry, mode, variants, swaps, patched, ids):
     for who in list(steps):
         r = entry["variants"][who]
         med = statistics.median(recs[who])
-        r.update({"median_ms": med, "tokens_per_s": TOKENS / (med / 1e3), "rounds_ms": rounds[who], "steps_ms": recs[who]})
+        r.update({"median_ms": med, "tokens_per_s": (DECODE_BATCH if mode == "decode" else TOKENS) / (med / 1e3), "rounds_ms": rounds[who], "steps_ms": recs[who]})
         clear()
         r.update(peak_of(steps[who]))
         clear()

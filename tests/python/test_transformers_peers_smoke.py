@@ -21,12 +21,15 @@ def test_transformers_peers_smoke(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["complete"] and set(res["results"]) == {f"{m}_tiny/{mode}" for m in ("llama", "qwen3") for mode in ("train", "infer")}
+    assert res["complete"] and set(res["results"]) == {f"{m}_tiny/{mode}" for m in ("llama", "qwen3", "qwen3_moe")
+                                                       for mode in ("train", "infer", "decode")}
     for key, entry in res["results"].items():
         enc = entry["variants"]["encore"]
         assert enc["median_ms"] > 0 and enc["patched"]["modules"], key
         if key.endswith("/train"):
             assert enc["loss_close"], key
+        if key.startswith("qwen3_moe") and not key.endswith("/train"):  # inference: the MoE layers through moe_forward
+            assert enc["patched"]["report"]["moe"] == 2, key
         blk = entry["variants"]["encore_block"]
         if key.startswith("llama"):
             assert blk["median_ms"] > 0 and blk["patched"]["report"]["block_schedule"] == 1, key
