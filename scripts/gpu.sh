@@ -5,6 +5,9 @@
 #
 # Passes (run in the order given; each logs to $OUT/<pass>.log and prints a one-line summary):
 #   build      configure and build build-cuda (CUDA sm_90a, Release, tests, bench, CLI, Python module)
+#   unpack     instead of build: what build-cuda/carry holds (scripts/gpu_python_here.sh: the Python modules built
+#              elsewhere for this machine's Python and torch; encore.xz, tests.xz: the CLI and the GPU test binary)
+#              into build-cuda, with the tree's Python files
 #   test       encore_tests_gpu and encore_tests_cpu (ENCORE_TEST_FILTER, default all)
 #   check      `encore check` (every op, GPU against the CPU backend)
 #   sanitize   compute-sanitizer memcheck and racecheck on ENCORE_SANITIZE_FILTER
@@ -190,6 +193,29 @@ pass_test() {
   step 200 "$BUILD/tests/encore_tests_cpu" --gtest_filter="$f" --gtest_brief=1
   detail="gpu: $gp passed, $gf failed$crashed; cpu: $(gtest_line "$m2")"
   grep -E '^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$' "$log" | sort -u | head -8 | sed 's/^/    /'
+}
+
+pass_unpack() {
+  local c=$BUILD/carry pkg=$BUILD/python/encore
+  need "$c" "carry build-cuda/carry (scripts/gpu_python_here.sh, or xz'd binaries)" || return
+  [ "$DRY" = 1 ] && return
+  detail=
+  if [ -f "$c/_encore312.so.xz" ]; then
+    mkdir -p "$pkg" && cp python/encore/*.py "$pkg"/ && xz -dc "$c/_encore312.so.xz" >"$pkg/_encore.cpython-312-x86_64-linux-gnu.so" ||
+      { pass_failed=1; return; }
+    if [ -f "$c/_encore_torch.so.xz" ]; then
+      xz -dc "$c/_encore_torch.so.xz" >"$pkg/_encore_torch.so" && cp "$c/_encore_torch.version" "$pkg"/ || { pass_failed=1; return; }
+    fi
+    detail+="python module (torch kernels for $(cat "$pkg/_encore_torch.version" 2>/dev/null || echo none)); "
+  fi
+  local f bin
+  for f in encore:apps/encore/encore tests:tests/encore_tests_gpu; do
+    bin=$BUILD/${f#*:}
+    [ -f "$c/${f%%:*}.xz" ] || continue
+    mkdir -p "$(dirname "$bin")" && xz -dc "$c/${f%%:*}.xz" >"$bin" && chmod +x "$bin" || { pass_failed=1; return; }
+    detail+="${bin##*/}; "
+  done
+  [ -n "$detail" ] || { detail="nothing to unpack in $c"; pass_failed=1; }
 }
 
 pass_check() {
@@ -407,7 +433,7 @@ passes=()
 for p in "$@"; do
   case $p in
     verify) passes+=(build test check sanitize pytest) ;;
-    build|test|check|sanitize|sass|pytest|bench|peers|ncu|tile_sweep|ab) passes+=("$p") ;;
+    build|unpack|test|check|sanitize|sass|pytest|bench|peers|ncu|tile_sweep|ab) passes+=("$p") ;;
     -h|--help|help) usage ;;
     *) echo "scripts/gpu.sh: unknown pass '$p'" >&2; usage ;;
   esac
