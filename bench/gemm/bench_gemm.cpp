@@ -577,9 +577,10 @@ void run_gemm_epilogue_suite(Report& report, const TimeOptions& topts, cudaStrea
   }
   if (filter.find("lse_chunk") != std::string::npos) {
     // The loss in chunks of rows (the fused linear cross-entropy with its gradients in the forward runs gemm_lse on
-    // M / 8 rows at a time): the 8B LM head at M 1024 / 2048 / 4096 on each tile, raster order and swizzle 1 / 8.
-    const std::vector<Schedule> orders = {Schedule{8, GemmRaster::kAuto}, Schedule{8, GemmRaster::kAlongM}, Schedule{8, GemmRaster::kAlongN},
-                                          Schedule{1, GemmRaster::kAlongM}, Schedule{1, GemmRaster::kAlongN}};
+    // M / 8 rows at a time): the 8B LM head at M 1024 / 2048 / 4096 on each tile, the plan's schedule (auto_swizzle
+    // bounds CUTLASS's padding of the tile grid) and swizzle 1 / 4 / 8 in each raster order.
+    const std::vector<Schedule> orders = {Schedule{}, Schedule{8, GemmRaster::kAuto}, Schedule{4, GemmRaster::kAuto},
+                                          Schedule{8, GemmRaster::kAlongM}, Schedule{8, GemmRaster::kAlongN}, Schedule{1, GemmRaster::kAlongN}};
     for (int64_t m : {1024, 2048, 4096})
       kernel_vs_cublas(x, Epilogue::kLse, "8B lse_chunk M" + std::to_string(m), m, 128256, 4096, /*store_d=*/true, orders);
   }

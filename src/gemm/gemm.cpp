@@ -202,7 +202,7 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   p.target_logit = static_cast<float*>(a.target_logit.data);
   p.lse = static_cast<const float*>(a.lse.data);
   p.ignore_index = o.ignore_index;
-  p.swizzle = o.swizzle > 0 ? o.swizzle : gemm::auto_swizzle(p.M, p.N);
+  p.swizzle = o.swizzle > 0 ? o.swizzle : gemm::auto_swizzle(p.M, p.N, tile);
   const GemmRaster raster = o.raster != GemmRaster::kAuto ? o.raster : gemm::auto_raster(tile);
   p.raster = raster == GemmRaster::kAlongM ? 1 : raster == GemmRaster::kAlongN ? 2 : 0;
   p.device = a.a.device.index;

@@ -44,8 +44,24 @@ GemmTile auto_tile(Epilogue e, int64_t, int64_t N, int64_t K) {
 }
 
 // Groups of 8 tiles keep A and W panels in L2 across the persistent schedule (5-25% on wide
-// problems); small grids stay unswizzled.
-int auto_swizzle(int64_t M, int64_t N) { return M >= 1024 && N >= 1024 ? 8 : 1; }
+// problems); small grids stay unswizzled. CUTLASS's persistent scheduler pads the tile grid in both
+// dimensions to a multiple of swizzle x cluster (tile_scheduler_params.h: round_up(problem_blocks,
+// (1 << log_swizzle) * cluster)) and runs the padding tiles like any other (zero-filled loads, clipped
+// stores), so the swizzle is the largest of 8, 4, 2 whose padding adds at most 1/16 of the tiles in
+// each dimension (2x1 clusters): at M 1024 on a 128-row tile swizzle 8 pads 8 row tiles to 16, twice
+// the work, where 4 pads none. Measured before this rule: the loss's 1024-row chunks ran gemm_lse at
+// ~290 TFLOP/s against ~645 over 8192 rows (H200, docs/transformers.md); the shapes of the
+// measurements above (M 8192, 16384) keep 8.
+int auto_swizzle(int64_t M, int64_t N, GemmTile t) {
+  if (M < 1024 || N < 1024) return 1;
+  const auto [tm, tn] = tile_mn(t);
+  const int64_t mt = ceil_div(M, tm), nt = ceil_div(N, tn);
+  for (int s : {8, 4, 2}) {
+    const int64_t pad_m = ceil_div(mt, 2 * s) * 2 * s - mt, pad_n = ceil_div(nt, s) * s - nt;
+    if (16 * pad_m <= mt && 16 * pad_n <= nt) return s;
+  }
+  return 1;
+}
 
 // Along N (the scheduler walks the W panels while a swizzle group of A row panels stays in L2) on
 // the cooperative and 128x128 ping-pong tiles: against CUTLASS's heuristic (along M when there are

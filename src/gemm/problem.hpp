@@ -84,8 +84,9 @@ struct RopeBwdZdzProblem {
 std::pair<int64_t, int64_t> tile_mn(GemmTile t);
 // The tile for GemmTile::kAuto when the partials do not fix it.
 GemmTile auto_tile(Epilogue e, int64_t M, int64_t N, int64_t K);
-// Scheduler swizzle (tiles per group) and raster order for swizzle = 0 / GemmRaster::kAuto.
-int auto_swizzle(int64_t M, int64_t N);
+// Scheduler swizzle (tiles per group; the padding it adds to the tile grid bounded) and raster order for
+// swizzle = 0 / GemmRaster::kAuto.
+int auto_swizzle(int64_t M, int64_t N, GemmTile t);
 GemmRaster auto_raster(GemmTile t);
 // Consecutive N-slices of whole tiles to launch over for n_slices = 0.
 int auto_slices(int64_t M, int64_t N, GemmTile t, int sm_count);

@@ -9,6 +9,7 @@
 
 #include "blocks/reference/llama_block_bwd.hpp"
 #include "encore/gemm.hpp"
+#include "gemm/problem.hpp"
 #include "tests/common/compare.hpp"
 
 namespace encore::test {
@@ -352,6 +353,21 @@ TEST(GemmBwdPlan, PartialTileByShape) {
   EXPECT_EQ(gemm_partial_tile_n(Epilogue::kSwigluBwd, 8192, 14336, 4096), 128);
   EXPECT_EQ(gemm_partial_tile_n(Epilogue::kSwigluBwd, 8192, 28672, 8192), 256);
   EXPECT_EQ(gemm_partial_tile_n(Epilogue::kRmsnormBwd, 8192, 8192, 57344), 128);
+}
+
+// The scheduler swizzle (src/gemm/plan.cpp): CUTLASS pads the tile grid to a multiple of swizzle x cluster (2x1) and
+// computes the padding, so the swizzle is the largest whose padding stays within 1/16 of the tiles.
+TEST(GemmPlan, SwizzleBoundsThePadding) {
+  using gemm::auto_swizzle;
+  const GemmTile coop = GemmTile::kCooperative128x256, pp = GemmTile::kPingpong128x128;
+  EXPECT_EQ(auto_swizzle(8192, 128256, coop), 8);   // 64 x 501 tiles: 64 x 504
+  EXPECT_EQ(auto_swizzle(16384, 28672, pp), 8);
+  EXPECT_EQ(auto_swizzle(2048, 128256, coop), 8);   // 16 row tiles
+  EXPECT_EQ(auto_swizzle(1024, 128256, coop), 4);   // 8 row tiles: swizzle 8 would run 16
+  EXPECT_EQ(auto_swizzle(1536, 128256, coop), 2);   // 12 row tiles: 8 and 4 pad to 16
+  EXPECT_EQ(auto_swizzle(1152, 4096, pp), 1);       // 9 row tiles: 2 pads to 12
+  EXPECT_EQ(auto_swizzle(512, 128256, coop), 1);    // small grids unswizzled
+  EXPECT_EQ(auto_swizzle(8192, 512, coop), 1);
 }
 
 }  // namespace
