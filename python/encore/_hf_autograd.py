@@ -65,7 +65,7 @@ class _RmsNormFunction(torch.autograd.Function):
             # rstd from one fp32 reduction over x, then torch's fused RMSNorm backward (one pass for dx, one for dw)
             d = x.shape[-1]
             r = torch.linalg.vector_norm(x, 2, -1, keepdim=True, dtype=torch.float32).square_().div_(d).add_(ctx.eps).rsqrt_()
-            dx, dw = _FUSED_RMS_NORM_BWD(dy.contiguous(), x, [d], r, w, [True, ctx.needs_input_grad[1]])
+            dx, dw = _FUSED_RMS_NORM_BWD(dy.contiguous(), x, [d], r, w, [ctx.needs_input_grad[0], ctx.needs_input_grad[1]])
             return dx, dw, None
         xf = x.float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
@@ -138,8 +138,10 @@ def _qkv_grads(dw, heads, needs):
 def _rope_inverse(dy, pos, freq, heads):
     """Rᵀ·dy for the Q and K columns of dy [M, (Hq + 2·Hkv)·D] (pairs (2j, 2j+1) of every head, θ = 2π·pos·f_j); the V
     columns pass through. The angle is formed in fp64 and reduced to [-½, ½] turns, as encore's kernels do, once
-    per position and frequency [M, D/2] (every head shares them); the rotation is one complex product in fp32."""
+    per position and frequency [M, D/2] (every Q and K head shares them: freq_table repeats one head's table, read
+    here from head 0); the rotation is one complex product in fp32."""
     hq, hkv, hd = heads
+    dy = dy.contiguous()  # view_as_complex needs unit stride in the pairs (a transposed or expanded gradient has not)
     m, rotated = dy.shape[0], (hq + hkv) * hd
     f = freq[0:hd:2].double() + freq[1:hd:2].double()
     t = pos.double()[:, None] * f[None, :]

@@ -406,8 +406,8 @@ def _plan(model, fam, causal_lm, flags):
     if flags["swiglu"]:
         report.notes.append("swiglu: gate/up interleaved in the forward and again in the backward (a copy of 2·F·d weights each, not kept)")
     if flags["rope"]:
-        report.notes.append("rope: QKV weight with Q/K rows paired per head built per forward (a copy); the KV cache holds the "
-                            "permuted Q/K order")
+        report.notes.append("rope: QKV weight with Q/K rows paired per head built in the forward and again in the backward (a copy "
+                            "each, not kept); the KV cache holds the permuted Q/K order")
     return plan, report, errors, rotary
 
 

@@ -213,9 +213,10 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
 // Runs the launcher over `slices` consecutive N-slices of whole tiles: W's rows and the
 // column-indexed operands (D, C, aux, gamma: all in p.dtype after validate_cuda; freq; the partials,
 // whose column tile is the tile N or a head that divides it) offset to each slice; the LSE target
-// select takes the slice's first global column.
+// select takes the slice's first global column. An automatic swizzle (auto_swizzle) is chosen again for each
+// slice's width: CUTLASS pads every launch's tile grid to a multiple of it.
 Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, const GemmEpilogueInfo& info, int partial_tile_n, GemmTile t,
-                     int slices, Stream stream) {
+                     int slices, bool swizzle_auto, Stream stream) {
   const int64_t unit = gemm::tile_mn(t).second, units = gemm::ceil_div(p.N, unit);
   slices = int(std::min<int64_t>(std::max(slices, 1), units));
   if (slices == 1) return launch(p, stream);
@@ -238,6 +239,7 @@ Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, cons
     q.partials = part_w > 0 ? reinterpret_cast<float*>(at(p.partials, n0 / part_w, sizeof(float))) : p.partials;
     q.col0 = int(n0);
     q.n_total = p.N;
+    if (swizzle_auto) q.swizzle = gemm::auto_swizzle(q.M, q.N, t);
     ENCORE_RETURN_IF_ERROR(launch(q, stream));
   }
   return Status::ok();
@@ -388,7 +390,7 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
       return Status::internal(std::string("gemm: no CUDA kernel for ") + info.name + " on " + gemm_tile_name(tile) + " in this build");
     const cuda::GemmProblem p = make_problem(a, o, info, tile, dev->sm_count);
     const int slices = (info.operands & kOperandColumnPartials) ? 1 : o.n_slices > 0 ? o.n_slices : gemm::auto_slices(p.M, p.N, tile, dev->sm_count);
-    return launch_sliced(launch, p, info, o.partial_tile_n, tile, slices, stream);
+    return launch_sliced(launch, p, info, o.partial_tile_n, tile, slices, o.swizzle == 0, stream);
 #else
     (void)stream;
     (void)tile;

@@ -368,6 +368,8 @@ TEST(GemmPlan, SwizzleBoundsThePadding) {
   EXPECT_EQ(auto_swizzle(1152, 4096, pp), 1);       // 9 row tiles: 2 pads to 12
   EXPECT_EQ(auto_swizzle(512, 128256, coop), 1);    // small grids unswizzled
   EXPECT_EQ(auto_swizzle(8192, 512, coop), 1);
+  EXPECT_EQ(auto_swizzle(8192, 1280, pp), 2);       // 10 column tiles: 8 and 4 pad to 16 and 12
+  EXPECT_EQ(auto_swizzle(1024, 128256, GemmTile::kPingpong64x256), 8);  // 16 row tiles of 64
 }
 
 }  // namespace
