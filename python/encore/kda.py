@@ -341,7 +341,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     disable_recompute (the saved-h mode), max_num_seqs (ignored),
     chunk_size 64 or 32 (computed in chunks of 64: the same math; other values refused with fla's
     message), use_beta_sigmoid_in_kernel (beta = sigmoid(beta), fp32, before the kernels) with
-    allow_neg_eigval (2 sigmoid(beta)), return_intermediate_states (inference: also h [B, NT, HV, K, V] bf16).
+    allow_neg_eigval (2 sigmoid(beta)), return_intermediate_states (inference: also h [B, NT, HV, K, V] bf16, NT the
+    chunks of chunk_size: with 32 the odd states come from the token recurrence over each 64-token chunk's first half).
     Tensors of any strides, as fla's (the kernels read batch, token and head strides in place; a strided
     last dimension or a non-contiguous initial_state is copied; a state pool never is).
     Refused with a ValueError when set: cp_context, use_graph and any other keyword. encore's own
@@ -380,9 +381,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
-    if return_intermediate_states and chunk_size != 64:
-        raise ValueError("return_intermediate_states: the chunk-start states are per chunk of 64 tokens (encore's chunk); "
-                         "chunk_size 32 cannot return them")
     if cp_context is not None or use_graph or kwargs:
         bad = [name for name, on in (("cp_context", cp_context is not None), ("use_graph", use_graph)) if on]
         raise ValueError(f"chunk_kda: not supported by encore: {', '.join(bad + sorted(kwargs))}")
@@ -422,16 +420,55 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             raise ValueError("return_intermediate_states: only allowed in inference mode (torch.inference_mode()), as fla's")
         if disable_recompute:
             raise ValueError("return_intermediate_states: must be used with disable_recompute=False, as fla's")
+        cu = cu_cpu if cu_cpu is not None else cu_seqlens
         o, fin, res = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                                  use_gate_in_kernel, A_log, dt_bias, lower_bound, cu_cpu if cu_cpu is not None else cu_seqlens,
-                                  return_residuals="h", residual_dtype="bfloat16", state_v_first=state_v_first)
+                                  use_gate_in_kernel, A_log, dt_bias, lower_bound, cu, return_residuals="h",
+                                  residual_dtype="float32" if chunk_size == 32 else "bfloat16", state_v_first=state_v_first)
         h = res["h"]  # [NT, HV, K, V]; fla's state_v_first gives the chunk states as [.., V, K] too
+        if chunk_size == 32:
+            h = _states_every_32(q, k, v, g, beta, h, cu, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                                 lower_bound).to(torch.bfloat16)
         if state_v_first:
             h = h.transpose(-1, -2).contiguous()
         return o, fin, h.reshape(q.shape[0], h.shape[0] // q.shape[0], *h.shape[1:])
     return _chunk_kda_apply()(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                            use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
                            cu_cpu if cu_cpu is not None else cu_seqlens, rematerialize, state_v_first)
+
+
+def _states_every_32(q, k, v, g, beta, h, cu_seqlens, scale, l2, gate, A_log, dt_bias, lower_bound):
+    """fla's chunk_size=32 chunk-start states from encore's 64-token ones, h [NT, HV, K, V] fp32 (sequence-major): the
+    even ones are h, the odd ones h advanced over the first 32 tokens of their chunk by the token recurrence
+    (fused_recurrent_kda over those 32-token segments as varlen sequences). Inference only."""
+    from ._kda_serving import fused_recurrent_kda
+
+    torch = torch_module()
+    b, t = q.shape[0], q.shape[1]
+    if cu_seqlens is None:
+        bounds = [i * t for i in range(b + 1)]
+    else:
+        bounds = [int(x) for x in (cu_seqlens.tolist() if is_torch(cu_seqlens) else cu_seqlens)]
+    rows, tokens, inits, chunk = [], [], [], 0  # rows: per output state, its source (True: h, False: a segment)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        for j in range(-(-length // 64)):
+            rows.append((True, chunk + j))
+            if 64 * j + 32 < length:
+                rows.append((False, len(inits)))
+                inits.append(chunk + j)
+                tokens.append(torch.arange(start + 64 * j, start + 64 * j + 32))
+        chunk += -(-length // 64)
+    if not inits:
+        return h
+    idx = torch.cat(tokens).to(q.device)
+    sel = [x.reshape(1, b * t, *x.shape[2:]).index_select(1, idx) for x in (q, k, v, g, beta)]
+    seg = torch.arange(0, 32 * len(inits) + 1, 32, dtype=torch.int64, device=q.device)
+    _, mid = fused_recurrent_kda(*sel, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=h[torch.tensor(inits, device=h.device)],
+                                 output_final_state=True, use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate, lower_bound=lower_bound,
+                                 cu_seqlens=seg)
+    src = torch.cat((h, mid.to(h.dtype)))
+    pick = torch.tensor([i if from_h else h.shape[0] + i for from_h, i in rows], device=h.device)
+    return src.index_select(0, pick)
 
 
 _APPLY = None

@@ -300,8 +300,33 @@ def test_return_intermediate_states():
         _, s128 = chunk_kda(q[:, :128], k[:, :128], v[:, :128], g[:, :128], beta[:, :128], initial_state=s0, output_final_state=True)
         assert torch.allclose(h[:, 1].double(), s64, rtol=1e-2, atol=1e-2)
         assert torch.allclose(h[:, 2].double(), s128, rtol=1e-2, atol=1e-2)
-        with pytest.raises(ValueError, match="chunk_size 32"):
-            chunk_kda(q, k, v, g, beta, chunk_size=32, return_intermediate_states=True)
+        # chunk_size 32: the states at every 32 tokens (the odd ones from the token recurrence over each 64-token
+        # chunk's first half), against the final states of the prefixes
+        o32, fin32, h32 = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=32,
+                                    return_intermediate_states=True)
+        assert h32.shape == (2, 5, 2, 4, 3) and h32.dtype == torch.bfloat16 and torch.equal(o32, o) and torch.equal(fin32, fin)
+        for c in range(5):
+            p = 32 * c
+            ref = s0 if p == 0 else chunk_kda(q[:, :p], k[:, :p], v[:, :p], g[:, :p], beta[:, :p], initial_state=s0, output_final_state=True)[1]
+            assert torch.allclose(h32[:, c].double(), ref, rtol=1e-2, atol=1e-2), c
+        # varlen, with the in-kernel gate and L2 norm: sequences of 0, 31, 32, 33, 100 tokens
+        lens = [0, 31, 32, 33, 100]
+        cu = torch.tensor([0] + list(__import__("itertools").accumulate(lens)))
+        qv, kv, vv, gv, bv = make(1, int(cu[-1]), 2, 4, 3)
+        A_log, dt_bias = torch.tensor([0.1, -0.3], dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+        s0v = torch.randn(len(lens), 2, 4, 3, dtype=torch.float64)
+        kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
+        _, _, hv = chunk_kda(qv, kv, vv, gv, bv, initial_state=s0v, chunk_size=32, cu_seqlens=cu, return_intermediate_states=True, **kw)
+        assert hv.shape == (1, sum(-(-n // 32) for n in lens), 2, 4, 3)
+        row = 0
+        for i, n in enumerate(lens):
+            a = int(cu[i])
+            for c in range(-(-n // 32)):
+                p = 32 * c
+                ref = s0v[i] if p == 0 else chunk_kda(qv[:, a:a + p], kv[:, a:a + p], vv[:, a:a + p], gv[:, a:a + p], bv[:, a:a + p],
+                                                      initial_state=s0v[i:i + 1], output_final_state=True, **kw)[1][0]
+                assert torch.allclose(hv[0, row].double(), ref, rtol=1e-2, atol=1e-2), (i, c)
+                row += 1
 
 
 @pytest.mark.parametrize("rematerialize", [True, False])
