@@ -291,11 +291,14 @@ def test_module_exports_only_its_init():
     for name in ("__cudaRegisterFatBinary", "__cudaUnregisterFatBinary", "cudaLaunchKernel", "cudaGetDeviceCount",
                  "_ZN6encore4gemm3kIoE"):  # encore::gemm::kIo
         assert not hasattr(lib, name), f"_encore exports {name}"
-    if shutil.which("nm"):  # every exported function (T, W) and unique object (u) beyond PyInit__encore and libstdc++'s digits
-        out = subprocess.run(["nm", "-D", "--defined-only", encore._encore.__file__], capture_output=True, text=True, check=True).stdout
-        extra = [ln.split()[-1] for ln in out.splitlines() if len(ln.split()) == 3 and ln.split()[1] in "TWu"
-                 and ln.split()[-1] != "PyInit__encore" and "to_chars" not in ln]
-        assert not extra, f"_encore exports {len(extra)} symbols of its static libraries, e.g. {extra[:3]}"
+    if not shutil.which("nm"):
+        pytest.skip("nm (binutils) missing: the full scan of the exported symbols is skipped (the named ones were checked)")
+    # every defined dynamic symbol beyond PyInit__encore, weak type information (V: RTTI of the bound enums and of
+    # nanobind's exceptions, shared by design) and libstdc++'s to_chars digits (u)
+    out = subprocess.run(["nm", "-D", "--defined-only", encore._encore.__file__], capture_output=True, text=True, check=True).stdout
+    extra = [ln.split()[-1] for ln in out.splitlines() if len(ln.split()) == 3 and ln.split()[1] not in "VA"
+             and ln.split()[-1] != "PyInit__encore" and not (ln.split()[1] == "u" and "to_chars" in ln)]
+    assert not extra, f"_encore exports {len(extra)} symbols of its static libraries, e.g. {extra[:3]}"
 
 
 def test_torch_imported_after_encore():
