@@ -35,7 +35,7 @@ import torch
 
 from . import gemm as _gemm
 from . import norm as _norm
-from ._mlp_autograd import _epi
+from ._mlp_autograd import _epi, interleave
 
 
 def autocast_cast(*tensors):
@@ -49,6 +49,10 @@ def autocast_cast(*tensors):
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------------
+
+# torch's fused RMSNorm backward (CUDA; torch >= 2.8): the backward of the patched norms on CUDA, a composite elsewhere
+_FUSED_RMS_NORM_BWD = getattr(torch.ops.aten, "_fused_rms_norm_backward", None)
+
 
 class _RmsNormFunction(torch.autograd.Function):
     @staticmethod
@@ -75,10 +79,6 @@ class _RmsNormFunction(torch.autograd.Function):
         dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True))
         dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
         return dx.to(x.dtype), dw.to(w.dtype), None
-
-
-# torch's fused RMSNorm backward (CUDA; torch >= 2.8): the backward of the patched norms on CUDA, a composite elsewhere
-_FUSED_RMS_NORM_BWD = getattr(torch.ops.aten, "_fused_rms_norm_backward", None)
 
 
 def rms_norm(x, weight, eps):
@@ -120,7 +120,7 @@ def unpair_rows(w, heads, head_dim):
     return w.view(heads, head_dim // 2, 2, w.shape[-1]).transpose(1, 2).reshape(heads * head_dim, w.shape[-1])
 
 
-def _qkv_weight(wq, wk, wv, heads):
+def qkv_weight(wq, wk, wv, heads):
     """The fused QKV weight [Wq; Wk; Wv] with Q and K rows paired: derived from the model's weights in the forward and
     again in the backward, never kept between them."""
     hq, hkv, hd = heads
@@ -157,7 +157,7 @@ def _rope_inverse(dy, pos, freq, heads):
 class _RopeQkvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, pos, freq, heads):
-        qkv = _gemm.gemm_epilogue("rope", x, _qkv_weight(wq, wk, wv, heads), pos=pos, freq=freq)["d"]
+        qkv = _gemm.gemm_epilogue("rope", x, qkv_weight(wq, wk, wv, heads), pos=pos, freq=freq)["d"]
         ctx.save_for_backward(x, wq, wk, wv, pos, freq)
         ctx.heads = heads
         return qkv
@@ -166,7 +166,7 @@ class _RopeQkvFunction(torch.autograd.Function):
     def backward(ctx, dqkv):
         x, wq, wk, wv, pos, freq = ctx.saved_tensors
         dz = _rope_inverse(dqkv, pos, freq, ctx.heads)
-        dx = torch.matmul(dz, _qkv_weight(wq, wk, wv, ctx.heads)) if ctx.needs_input_grad[0] else None
+        dx = torch.matmul(dz, qkv_weight(wq, wk, wv, ctx.heads)) if ctx.needs_input_grad[0] else None
         dw = (None, None, None)
         if any(ctx.needs_input_grad[1:4]):
             dw = _qkv_grads(torch.matmul(dz.t(), x), ctx.heads, ctx.needs_input_grad[1:4])
@@ -185,7 +185,7 @@ def _head_sqsum(x, w, head_dim):
 class _QkNormRopeQkvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, q_weight, k_weight, pos, freq, heads, eps):
-        raw, partials = _head_sqsum(x, _qkv_weight(wq, wk, wv, heads), heads[2])
+        raw, partials = _head_sqsum(x, qkv_weight(wq, wk, wv, heads), heads[2])
         qkv = raw.clone()
         _gemm.qk_norm_rope_(qkv, partials, q_weight, k_weight, pos, freq, *heads, eps)
         ctx.save_for_backward(x, wq, wk, wv, q_weight, k_weight, pos, freq, raw, partials)
@@ -197,7 +197,7 @@ class _QkNormRopeQkvFunction(torch.autograd.Function):
         x, wq, wk, wv, qw, kw, pos, freq, raw, partials = ctx.saved_tensors
         heads = ctx.shape[:3]
         dz, dqw, dkw = _gemm.qk_norm_rope_backward(dqkv.contiguous(), raw, partials, qw, kw, pos, freq, *ctx.shape)
-        dx = torch.matmul(dz, _qkv_weight(wq, wk, wv, heads)) if ctx.needs_input_grad[0] else None
+        dx = torch.matmul(dz, qkv_weight(wq, wk, wv, heads)) if ctx.needs_input_grad[0] else None
         dw = (None, None, None)
         if any(ctx.needs_input_grad[1:4]):
             dw = _qkv_grads(torch.matmul(dz.t(), x), heads, ctx.needs_input_grad[1:4])
@@ -220,11 +220,6 @@ def qkv_rope(x, wq, wk, wv, pos, inv_freq, num_q_heads, num_kv_heads, head_dim, 
 
 
 # --- SwiGLU MLP -----------------------------------------------------------------------------------------
-
-def interleave(wg, wu):
-    """w13 [2F, d]: row 2j gate j, row 2j+1 up j (the swiglu row's layout), from gate_proj / up_proj [F, d]."""
-    return torch.stack((wg, wu), 1).reshape(2 * wg.shape[0], wg.shape[1])
-
 
 class _SwigluMlpFunction(torch.autograd.Function):
     """down(silu(x·Wgᵀ) ⊙ (x·Wuᵀ)) on the model's own gate / up / down weights: the swiglu row on w13 derived in the

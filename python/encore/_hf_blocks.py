@@ -54,14 +54,11 @@ class _FirstQkvFunction(torch.autograd.Function):
 
 
 def _w13(mlp):
-    g, u = mlp.gate_proj.weight, mlp.up_proj.weight
-    f, d = g.shape
-    return torch.stack((g, u), 1).reshape(2 * f, d)
+    return _hf.interleave(mlp.gate_proj.weight, mlp.up_proj.weight)
 
 
 def _w3(attn, heads):
-    hq, hkv, hd = heads
-    return torch.cat((_hf.pair_rows(attn.q_proj.weight, hq, hd), _hf.pair_rows(attn.k_proj.weight, hkv, hd), attn.v_proj.weight))
+    return _hf.qkv_weight(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, heads)
 
 
 def _plain(model):

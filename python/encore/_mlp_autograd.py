@@ -20,6 +20,11 @@ import torch
 from ._core import ops as _ops
 
 
+def interleave(wg, wu):
+    """w13 [2F, d]: row 2j gate j, row 2j+1 up j (the swiglu row's layout), from gate_proj / up_proj [F, d]."""
+    return torch.stack((wg, wu), 1).reshape(2 * wg.shape[0], wg.shape[1])
+
+
 def _rstd(x, eps):
     return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
 
@@ -112,7 +117,7 @@ class SwiGLUMLP(torch.nn.Module):
         f, d = g.shape
         m = cls(d, f, norm=norm_weight is not None, eps=eps, device=g.device, dtype=g.dtype)
         with torch.no_grad():
-            m.w13.copy_(torch.stack((g, u), 1).reshape(2 * f, d))
+            m.w13.copy_(interleave(g, u))
             m.w2.copy_(dn)
             if norm_weight is not None:
                 m.weight.copy_(getattr(norm_weight, "weight", norm_weight))

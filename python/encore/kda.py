@@ -448,19 +448,19 @@ def _states_every_32(q, k, v, g, beta, h, cu_seqlens, scale, l2, gate, A_log, dt
         bounds = [i * t for i in range(b + 1)]
     else:
         bounds = [int(x) for x in (cu_seqlens.tolist() if is_torch(cu_seqlens) else cu_seqlens)]
-    rows, tokens, inits, chunk = [], [], [], 0  # rows: per output state, its source (True: h, False: a segment)
+    rows, firsts, inits, chunk = [], [], [], 0  # rows: per output state, its source (True: h, False: a segment)
     for start, end in zip(bounds[:-1], bounds[1:]):
         length = end - start
         for j in range(-(-length // 64)):
             rows.append((True, chunk + j))
-            if 64 * j + 32 < length:
+            if 64 * j + 32 < length:  # the chunk's second half starts inside the sequence: its state from a segment
                 rows.append((False, len(inits)))
                 inits.append(chunk + j)
-                tokens.append(torch.arange(start + 64 * j, start + 64 * j + 32))
+                firsts.append(start + 64 * j)
         chunk += -(-length // 64)
     if not inits:
         return h
-    idx = torch.cat(tokens).to(q.device)
+    idx = (torch.tensor(firsts)[:, None] + torch.arange(32)).reshape(-1).to(q.device)  # each segment's 32 tokens
     sel = [x.reshape(1, b * t, *x.shape[2:]).index_select(1, idx) for x in (q, k, v, g, beta)]
     seg = torch.arange(0, 32 * len(inits) + 1, 32, dtype=torch.int64, device=q.device)
     _, mid = fused_recurrent_kda(*sel, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=h[torch.tensor(inits, device=h.device)],

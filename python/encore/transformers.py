@@ -7,7 +7,8 @@
 What is patched (module forwards replaced on the instance; no parameter, buffer or state_dict entry is
 added, removed or changed, so save_pretrained / from_pretrained round-trip bit for bit):
 
-- rms_norm: every RMSNorm of the family -> encore.rms_norm (forward; the backward is a torch composite);
+- rms_norm: every RMSNorm of the family -> encore.rms_norm (forward; the backward is torch's fused RMSNorm
+  backward on CUDA, a torch composite on the CPU);
 - swiglu: the MLP's silu(gate_proj(x)) * up_proj(x) -> encore's swiglu GEMM row on an interleaved
   gate/up weight derived in the forward and again in the backward (a copy of 2·F·d weights each, not
   kept between them), down_proj's GEMM in torch;
