@@ -202,7 +202,7 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
   p.target_logit = static_cast<float*>(a.target_logit.data);
   p.lse = static_cast<const float*>(a.lse.data);
   p.ignore_index = o.ignore_index;
-  p.swizzle = o.swizzle > 0 ? o.swizzle : gemm::auto_swizzle(p.M, p.N, tile);
+  p.swizzle = o.swizzle;  // 0: auto_swizzle per launch (launch_sliced)
   const GemmRaster raster = o.raster != GemmRaster::kAuto ? o.raster : gemm::auto_raster(tile);
   p.raster = raster == GemmRaster::kAlongM ? 1 : raster == GemmRaster::kAlongN ? 2 : 0;
   p.device = a.a.device.index;
@@ -213,13 +213,17 @@ cuda::GemmProblem make_problem(const GemmEpilogueArgs& a, const GemmEpilogueOpti
 // Runs the launcher over `slices` consecutive N-slices of whole tiles: W's rows and the
 // column-indexed operands (D, C, aux, gamma: all in p.dtype after validate_cuda; freq; the partials,
 // whose column tile is the tile N or a head that divides it) offset to each slice; the LSE target
-// select takes the slice's first global column. An automatic swizzle (auto_swizzle) is chosen again for each
-// slice's width: CUTLASS pads every launch's tile grid to a multiple of it.
+// select takes the slice's first global column. An automatic swizzle (p.swizzle 0) is chosen for each
+// launch's own width (auto_swizzle): CUTLASS pads every launch's tile grid to a multiple of it.
 Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, const GemmEpilogueInfo& info, int partial_tile_n, GemmTile t,
-                     int slices, bool swizzle_auto, Stream stream) {
+                     int slices, Stream stream) {
+  auto go = [&](cuda::GemmProblem q) {
+    if (q.swizzle == 0) q.swizzle = gemm::auto_swizzle(q.M, q.N, t);
+    return launch(q, stream);
+  };
   const int64_t unit = gemm::tile_mn(t).second, units = gemm::ceil_div(p.N, unit);
   slices = int(std::min<int64_t>(std::max(slices, 1), units));
-  if (slices == 1) return launch(p, stream);
+  if (slices == 1) return go(p);
   auto at = [](const void* base, int64_t elems, size_t esize) {
     return base == nullptr ? nullptr : static_cast<char*>(const_cast<void*>(base)) + elems * int64_t(esize);
   };
@@ -239,8 +243,7 @@ Status launch_sliced(cuda::GemmLauncher launch, const cuda::GemmProblem& p, cons
     q.partials = part_w > 0 ? reinterpret_cast<float*>(at(p.partials, n0 / part_w, sizeof(float))) : p.partials;
     q.col0 = int(n0);
     q.n_total = p.N;
-    if (swizzle_auto) q.swizzle = gemm::auto_swizzle(q.M, q.N, t);
-    ENCORE_RETURN_IF_ERROR(launch(q, stream));
+    ENCORE_RETURN_IF_ERROR(go(q));
   }
   return Status::ok();
 }
@@ -390,7 +393,7 @@ Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, St
       return Status::internal(std::string("gemm: no CUDA kernel for ") + info.name + " on " + gemm_tile_name(tile) + " in this build");
     const cuda::GemmProblem p = make_problem(a, o, info, tile, dev->sm_count);
     const int slices = (info.operands & kOperandColumnPartials) ? 1 : o.n_slices > 0 ? o.n_slices : gemm::auto_slices(p.M, p.N, tile, dev->sm_count);
-    return launch_sliced(launch, p, info, o.partial_tile_n, tile, slices, o.swizzle == 0, stream);
+    return launch_sliced(launch, p, info, o.partial_tile_n, tile, slices, stream);
 #else
     (void)stream;
     (void)tile;

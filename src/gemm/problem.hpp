@@ -42,7 +42,7 @@ struct GemmProblem {
   int ignore_index = -100;
   int col0 = 0;     // kLse over an N-slice: global column of the slice's column 0 (target select)
   int n_total = 0;  // kLse over an N-slice: the whole N (0: N)
-  int swizzle = 1;  // persistent tile scheduler: tiles per swizzle group (1, 2, 4, 8)
+  int swizzle = 1;  // persistent tile scheduler: tiles per swizzle group (1, 2, 4, 8; 0 until launch_sliced resolves auto)
   int raster = 0;   // persistent tile scheduler order: 0 heuristic, 1 along M, 2 along N
   int device = 0;
   int sm_count = 0;
