@@ -172,6 +172,20 @@ def test_bad_input():
         encore.kda_backward(q, k, v, g, beta, torch.zeros_like(v), residuals={"x": q})
 
 
+def dA_log_terms(dg, x):
+    """dA_log's terms per token and channel, dg * softplus(x) / sigmoid(x) for the softplus gate with x = g + dt_bias
+    (dg with respect to the raw gate: dA_log[h] is their sum over tokens and channels)."""
+    x = x.double()
+    return dg.detach().double().cpu() * torch.nn.functional.softplus(x) / torch.sigmoid(x)
+
+
+def dA_log_spread(dg, x):
+    """sqrt(sum of squared terms) / sqrt(sum over heads of (sum of a head's terms) ** 2): the factor by which independent
+    per-term errors of relative size d become dA_log's relative error (~d * spread); large where a head's terms cancel."""
+    t = dA_log_terms(dg, x)
+    return float(t.pow(2).sum().sqrt() / t.sum((0, 1, 3)).norm().clamp_min(1e-30))
+
+
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype,groups", [(torch.bfloat16, 1), (torch.float32, 1), (torch.float16, 1), (torch.bfloat16, 2)])
 @pytest.mark.parametrize("rematerialize", [False, True])
@@ -182,6 +196,7 @@ def test_cuda_gradients_match_fp64_cpu(dtype, groups, rematerialize):
     if groups > 1:  # grouped value heads: q, k with h // groups heads
         base = (base[0][:, :, ::groups].contiguous(), base[1][:, :, ::groups].contiguous(), *base[2:])
     A_log = torch.tensor([0.1, -0.5], dtype=torch.float64)
+    torch.manual_seed(6)  # the draw reproduces whatever ran before in this process
     dt_bias = torch.randn(h * kd, dtype=torch.float64)
     h0 = torch.randn(5, h, kd, vd, dtype=torch.float64) * 0.1
     d_o = torch.randn(1, 1000, h, vd, dtype=torch.float64)
@@ -205,6 +220,13 @@ def test_cuda_gradients_match_fp64_cpu(dtype, groups, rematerialize):
         # (rematerialize re-runs the recurrence in fp32).
         second = dtype == torch.bfloat16 or (dtype == torch.float16 and not rematerialize)
         tol = (2e-2 if second else 1e-2) if name in ("g", "beta", "A_log", "dt_bias") else (8e-3 if second else 5e-3)
+        if name == "A_log":  # a sum over every token and channel of a head: bounded per term where they cancel
+            x = base[3].to(dtype).double() + dt_bias.float().double().view(h, kd)
+            spread, consistency = dA_log_spread(runs["cpu"][3], x), rel(a, dA_log_terms(runs["cuda"][3], x).sum((0, 1, 3)))
+            # spread κ > 1: independent per-term errors of relative size δ give ~δ κ, so the bound is on δ:
+            # 2e-2 κ, provided dA_log is the sum of the dg returned (within 3x bf16's ~1.1e-3 rounding, times κ)
+            if spread > 1 and consistency <= (3.3e-3 if dtype != torch.float32 else 1e-5) * spread + 1e-6:
+                tol = max(tol, 2e-2 * spread)
         assert rel(a, ref) < tol, (name, rel(a, ref))
 
 
