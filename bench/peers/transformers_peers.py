@@ -39,7 +39,8 @@ Models (TF_PEER_MODELS, default all three; real dimensions, untied embeddings, s
 TF_PEER_LAYERS decoder layers (default 4: the 8B shapes' fwd + bwd at 8192 tokens then need about 25 GB),
 TF_PEER_TOKENS tokens per step (default 8192), TF_PEER_SEQ the sequence length (default = the tokens: batch 1),
 TF_PEER_WHO variants (default eager,compile,liger,encore,encore_block; encore_ce<rows>: the module patch with its loss in chunks of <rows> rows), TF_PEER_MODES (train,infer; also train_opt, decode), ROUNDS (3),
-TF_PEER_STEPS (5), TF_PEER_WARMUP (3). torch.compile takes one to two minutes per model and mode on a fresh
+TF_PEER_STEPS (5), TF_PEER_WARMUP (3), TF_PEER_PROFILE=1 (one more step per variant under torch.profiler: its CUDA
+time and top kernels in the JSON). torch.compile takes one to two minutes per model and mode on a fresh
 machine (cached on disk for later calls on the same warm machine): give a call one or two models.
 
 --smoke: on the CPU, a tiny Llama, Qwen3 and Qwen3-MoE (hidden 64, 2 layers, 64 tokens; decode 2x16), eager, encore and encore_block, one
@@ -87,6 +88,7 @@ else:
     ROUNDS = int(os.environ.get("ROUNDS", "3"))
     STEPS = int(os.environ.get("TF_PEER_STEPS", "5"))
     WARMUP = int(os.environ.get("TF_PEER_WARMUP", "3"))
+PROFILE = not SMOKE and os.environ.get("TF_PEER_PROFILE", "0") == "1"
 if TOKENS % SEQ:
     sys.exit(f"TF_PEER_TOKENS {TOKENS} is not a multiple of TF_PEER_SEQ {SEQ}")
 LOSS_RTOL = 2e-2  # |loss - eager's| / eager's within this: bf16 noise (the tests bound the error far tighter)
@@ -278,6 +280,19 @@ def peak_of(fn):
     return {"peak_GB": peak / 1e9, "peak_extra_GB": (peak - base) / 1e9, "allocated_before_GB": base / 1e9}
 
 
+def profile_of(fn, top=30):
+    """One step under torch.profiler: its CUDA time and the `top` kernels by total device time (name cut to
+    120 characters, calls, ms)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in rows) / 1e3
+    return {"cuda_ms": total, "kernels": [[e.key[:120], e.count, e.self_device_time_total / 1e3] for e in rows[:top]]}
+
+
 def graph_breaks():
     try:
         from torch._dynamo.utils import counters
@@ -437,10 +452,14 @@ def measure(entry, mode, variants, swaps, patched, ids):
     for who in list(steps):
         r = entry["variants"][who]
         med = statistics.median(recs[who])
-        r.update({"median_ms": med, "tokens_per_s": (DECODE_BATCH if mode == "decode" else TOKENS) / (med / 1e3), "rounds_ms": rounds[who], "steps_ms": recs[who]})
+        r.update({"median_ms": med, "tokens_per_s": (DECODE_BATCH if mode == "decode" else TOKENS) / (med / 1e3),
+                  "rounds_ms_min": min(rounds[who]), "rounds_ms_max": max(rounds[who])})
         clear()
         r.update(peak_of(steps[who]))
         clear()
+        if PROFILE:
+            r["profile"] = profile_of(steps[who])
+            clear()
         if train:
             r["loss"] = firsts[who].item()
             if ref is not None:

@@ -9,8 +9,13 @@ One training forward with labels becomes, for L decoder layers and the rows x [M
                   (x, qkv_l+1) = block(y_l, x; W_o,l, W_gu,l, W_down,l, W_qkv,l+1, γ_post,l, γ_in,l+1)
                                                                       encore.nn.LlamaBlockFunction
     y_L-1 = attention_L-1(qkv_L-1)
-    loss = last(y_L-1, x; W_o, W_gu, W_down, γ_post, γ_final, W_lm, shifted labels)
-                                                                      encore.nn.LlamaLastLayerFunction
+    x1 = y_L-1 @ W_oᵀ + x                                             one cuBLAS GEMM (addmm)
+    x2 = swiglu(rmsnorm(x1)·γ_post @ W_guᵀ) @ W_downᵀ + x1            SwigluMlpFunction (the norm's row scale
+                                                                      in the SwiGLU GEMM's epilogue)
+    loss = cross_entropy(rmsnorm(x2)·γ_final @ W_lmᵀ, shifted labels)  the final norm, then the fused linear
+                                                                      cross-entropy with its gradients in the
+                                                                      forward (three GEMMs over the logits'
+                                                                      shape, as the module patch's loss)
 
 The layouts the ops read are derived per forward from the model's own parameters, differentiably (so
 gradients land on the parameters in their own layout and the state dict never changes): W_gu the gate /
@@ -26,8 +31,9 @@ import torch
 from . import _hf_autograd as _hf
 from . import gemm as _gemm
 from ._block_autograd import LlamaBlockFunction as _Block
+from ._ce_autograd import fused_linear_cross_entropy as _flce
 from ._core import ops as _ops
-from ._last_autograd import LlamaLastLayerFunction as _Last
+from ._mlp_autograd import SwigluMlpFunction as _Mlp
 
 # model-forward arguments under which the original forward runs (what the block path cannot return)
 _FALLBACK_TRUE = ("use_cache", "output_attentions", "output_hidden_states", "output_router_logits")
@@ -171,9 +177,11 @@ def _block_loss(model, state, a):
             nxt = layers[i + 1]
             rows, qkv = _Block.apply(y0, rows, attn.o_proj.weight, _w13(mlp), mlp.down_proj.weight, _w3(nxt.self_attn, heads), post,
                                      nxt.input_layernorm.weight, pos, freq, eps)
-        else:
-            loss = _Last.apply(y0, rows, attn.o_proj.weight, _w13(mlp), mlp.down_proj.weight, post, base.norm.weight,
-                               model.lm_head.weight, target, eps, ignore_index)
+        else:  # the last layer's MLP half and the loss: the logits' GEMM three times (not recomputed in the backward)
+            x1 = torch.addmm(rows, y0, attn.o_proj.weight.t())
+            x2 = x1 + _Mlp.apply(x1, post, _w13(mlp), mlp.down_proj.weight, eps)
+            loss = _flce(model.lm_head.weight, _hf.rms_norm(x2, base.norm.weight, eps), target, ignore_index, "mean",
+                         grad_in_forward=True)
     if num_items is not None:  # ForCausalLMLoss: the sum over counted rows / num_items_in_batch
         if torch.is_tensor(num_items):
             num_items = num_items.to(loss.device)
@@ -227,7 +235,7 @@ def block_errors(model, fam, causal_lm, rotary, static_rope):
         errors.append(f"{where}: hidden_act {cfg.hidden_act!r}; encore's block is SiLU-gated")
     if getattr(cfg, "mlp_bias", False) or getattr(cfg, "attention_bias", False):
         errors.append(f"{where}: mlp_bias / attention_bias; encore's block GEMMs have no bias")
-    errors += loss_head_errors(model, where, "encore's last-layer op")
+    errors += loss_head_errors(model, where, "encore's fused linear cross-entropy")
     errors += rope_errors(rotary, where, static_rope)
     layers = list(base.layers[: cfg.num_hidden_layers])
     dec = fam.cls("DecoderLayer")
