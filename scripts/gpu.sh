@@ -275,6 +275,8 @@ pass_pytest() {
   # shellcheck disable=SC2086
   step 300 env PYTHONPATH="$root/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs ${ENCORE_PYTEST_ARGS:-tests/python}
   detail=$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)
+  # no totals (a crash of the runner, or -q twice, which drops pytest's summary line): not a pass
+  [ "$DRY" = 1 ] || [ -n "$detail" ] || { detail="no pytest totals in the log"; pass_failed=1; }
 }
 
 suites_tag() { local s=${1:-all}; s=${s// /_}; echo "${s:-all}"; }
