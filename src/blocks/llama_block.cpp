@@ -86,17 +86,14 @@ size_t workspace_bytes(const LlamaBlockArgs& a, const LlamaBlockOptions& o) {
 Status run(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, Stream stream) {
   Plan p;
   ENCORE_RETURN_IF_ERROR(checked_plan(a, o, workspace, &p));
-  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(run_step(kBlock, s, stream));
-  return Status::ok();
+  return run_steps(kBlock, p, stream);
 }
 
 Status run_step(const LlamaBlockArgs& a, const LlamaBlockOptions& o, void* workspace, int step, Stream stream) {
   if (step < 0 || step > 3) return Status::invalid("step: must be 0, 1, 2 or 3, got " + std::to_string(step));
   Plan p;
   ENCORE_RETURN_IF_ERROR(checked_plan(a, o, workspace, &p));
-  for (const Step& s : p.steps)
-    if (s.group == step) ENCORE_RETURN_IF_ERROR(run_step(kBlock, s, stream));
-  return Status::ok();
+  return run_steps(kBlock, p, stream, step);
 }
 
 }  // namespace encore

@@ -123,8 +123,7 @@ Status run(const LlamaBlockBwdArgs& a, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a));
   ENCORE_RETURN_IF_ERROR(check_workspace(workspace, "workspace_bytes(args)"));
   const Plan p = plan(a, static_cast<char*>(workspace));
-  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(run_step(kBlock, s, stream));
-  return Status::ok();
+  return run_steps(kBlock, p, stream);
 }
 
 Status validate(const QkvNormBwdArgs& a) {
@@ -164,8 +163,7 @@ Status run(const QkvNormBwdArgs& a, void* workspace, Stream stream) {
   ENCORE_RETURN_IF_ERROR(validate(a));
   ENCORE_RETURN_IF_ERROR(check_workspace(workspace, "workspace_bytes(args)"));
   const Plan p = plan(a, static_cast<char*>(workspace));
-  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(run_step(kQkv, s, stream));
-  return Status::ok();
+  return run_steps(kQkv, p, stream);
 }
 
 }  // namespace encore

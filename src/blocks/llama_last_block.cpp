@@ -178,8 +178,7 @@ Status run_planned(const char* what, const A& a, const O& o, void* workspace, St
   ENCORE_RETURN_IF_ERROR(validate(a, o));
   ENCORE_RETURN_IF_ERROR(check_workspace(workspace, "workspace_bytes(args, opts)"));
   const Plan p = plan(a, o, static_cast<char*>(workspace));
-  for (const Step& s : p.steps) ENCORE_RETURN_IF_ERROR(run_step(what, s, stream));
-  return Status::ok();
+  return run_steps(what, p, stream);
 }
 
 }  // namespace

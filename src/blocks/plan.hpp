@@ -12,6 +12,7 @@
 #include "core/carve.hpp"
 #include "core/checks.hpp"
 #include "encore/gemm.hpp"
+#include "gemm/checks.hpp"
 
 namespace encore::blocks {
 
@@ -188,10 +189,25 @@ inline Status in_step(const char* what, const Step& s, Status st) {
   return Status(st.code(), std::string(what) + " " + s.name + ": " + st.message());
 }
 
-// The GEMM steps' own checks (the others are checked by their runs; the blocks check shapes up front).
+// The GEMM steps' argument checks on a plan over a placeholder workspace (validate: shapes, dtypes,
+// devices; the other steps' arguments are the blocks' own, checked up front).
 inline Status validate_step(const char* what, const Step& s) {
   if (s.kind == Step::kGemm) return in_step(what, s, validate(s.g, s.o));
   return Status::ok();
+}
+
+// Every check a step's run makes before it writes (on CUDA the kernels' own limits and the device memory,
+// the workspace's included), on the plan over the real workspace.
+inline Status check_step(const char* what, const Step& s) {
+  switch (s.kind) {
+    case Step::kGemm: return in_step(what, s, gemm::check_run(s.g, s.o));
+    case Step::kRope: return in_step(what, s, gemm::check_run(s.rope, s.scale));
+    case Step::kSum: return in_step(what, s, gemm::check_run(s.sum, s.axis, s.scale));
+    case Step::kRms: return in_step(what, s, gemm::check_run(s.rms, s.hidden, s.eps));
+    case Step::kLseFinish: return in_step(what, s, gemm::check_run(s.lse));
+    case Step::kCeMean: return in_step(what, s, gemm::check_run(s.mean));
+  }
+  return Status::internal("unknown step");
 }
 
 inline Status run_step(const char* what, const Step& s, Stream stream) {
@@ -204,6 +220,16 @@ inline Status run_step(const char* what, const Step& s, Stream stream) {
     case Step::kCeMean: return in_step(what, s, run(s.mean, s.ignore_index, stream));
   }
   return Status::internal("unknown step");
+}
+
+// The steps of a plan over the real workspace (those of `group`, or all for -1): every step checked before
+// the first runs, so a block refused on any step writes nothing.
+inline Status run_steps(const char* what, const Plan& p, Stream stream, int group = -1) {
+  for (const Step& s : p.steps)
+    if (group < 0 || s.group == group) ENCORE_RETURN_IF_ERROR(check_step(what, s));
+  for (const Step& s : p.steps)
+    if (group < 0 || s.group == group) ENCORE_RETURN_IF_ERROR(run_step(what, s, stream));
+  return Status::ok();
 }
 
 inline Status check_workspace(const void* workspace, const char* query) {

@@ -112,4 +112,16 @@ inline Status qk_norm_rope_operands(const char* name, const TensorView& t, const
   return Status::ok();
 }
 
+// Everything a run of these ops checks before it launches or computes (the arguments, and on CUDA the
+// kernels' own limits and the device memory), without running: a composition (the blocks) checks every
+// step with these before its first step writes anything. check_run(GemmEpilogueArgs) also hands back the
+// options with partial_tile_n resolved and the CUDA tile (either pointer may be null).
+Status check_run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, GemmEpilogueOptions* resolved = nullptr,
+                 GemmTile* tile = nullptr);
+Status check_run(const RmsFinalReduceArgs& a, int64_t hidden, float eps);
+Status check_run(const LseFinishArgs& a);
+Status check_run(const CeMeanArgs& a);
+Status check_run(const PartialsSumArgs& a, PartialsSum axis, float scale);
+Status check_run(const RopeBwdZdzArgs& a, float scale);
+
 }  // namespace encore::gemm

@@ -16,7 +16,9 @@ using gemm::kIo;
 using gemm::matrix;
 using gemm::vector;
 
-Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream stream) {
+namespace gemm {
+
+Status check_run(const RmsFinalReduceArgs& a, int64_t hidden, float eps) {
   ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
   ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[M, tiles]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
@@ -28,6 +30,15 @@ Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream stream
     ENCORE_RETURN_IF_ERROR(contiguous_vector("r", a.r));
     ENCORE_RETURN_IF_ERROR(gemm::cuda_int_dims("partials", a.partials));
     ENCORE_RETURN_IF_ERROR(checks::device_memory({{"partials", &a.partials}, {"r", &a.r}}));
+  }
+  return Status::ok();
+}
+
+}  // namespace gemm
+
+Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(gemm::check_run(a, hidden, eps));
+  if (a.partials.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
     ENCORE_RETURN_IF_ERROR(guard.set(a.partials.device.index));
@@ -42,7 +53,9 @@ Status run(const RmsFinalReduceArgs& a, int64_t hidden, float eps, Stream stream
   return Status::ok();
 }
 
-Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
+namespace gemm {
+
+Status check_run(const LseFinishArgs& a) {
   ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
   ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[M, tiles]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
@@ -63,6 +76,15 @@ Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
     ENCORE_RETURN_IF_ERROR(gemm::cuda_int_dims("partials", a.partials));
     ENCORE_RETURN_IF_ERROR(checks::device_memory({{"partials", &a.partials}, {"lse", &a.lse}, {"target", &a.target},
                                                   {"target_logit", &a.target_logit}, {"loss", &a.loss}}));
+  }
+  return Status::ok();
+}
+
+}  // namespace gemm
+
+Status run(const LseFinishArgs& a, int ignore_index, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(gemm::check_run(a));
+  if (a.partials.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
     ENCORE_RETURN_IF_ERROR(guard.set(a.partials.device.index));
@@ -120,7 +142,9 @@ Status run(const CrossEntropyBwdArgs& a, int ignore_index, Stream stream) {
   return Status::ok();
 }
 
-Status run(const CeMeanArgs& a, int ignore_index, Stream stream) {
+namespace gemm {
+
+Status check_run(const CeMeanArgs& a) {
   ENCORE_RETURN_IF_ERROR(checks::present("target", a.target));
   ENCORE_RETURN_IF_ERROR(checks::ndim("target", a.target, 1, "[M]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("target", a.target, {DType::kInt32}));
@@ -145,6 +169,16 @@ Status run(const CeMeanArgs& a, int ignore_index, Stream stream) {
     if (M >= (int64_t(1) << 31)) return Status::unsupported("target: M must be < 2^31");
     ENCORE_RETURN_IF_ERROR(checks::device_memory({{"target", &a.target}, {"loss_rows", &a.loss_rows}, {"loss", &a.loss}, {"d_loss", &a.d_loss},
                                                   {"alpha", &a.alpha}}));
+  }
+  return Status::ok();
+}
+
+}  // namespace gemm
+
+Status run(const CeMeanArgs& a, int ignore_index, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(gemm::check_run(a));
+  [[maybe_unused]] const int64_t M = a.target.shape[0];
+  if (a.target.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
     ENCORE_RETURN_IF_ERROR(guard.set(a.target.device.index));
@@ -160,7 +194,9 @@ Status run(const CeMeanArgs& a, int ignore_index, Stream stream) {
   return Status::ok();
 }
 
-Status run(const PartialsSumArgs& a, PartialsSum axis, float scale, Stream stream) {
+namespace gemm {
+
+Status check_run(const PartialsSumArgs& a, PartialsSum axis, float scale) {
   ENCORE_RETURN_IF_ERROR(checks::present("partials", a.partials));
   ENCORE_RETURN_IF_ERROR(checks::ndim("partials", a.partials, 2, "[rows, cols]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("partials", a.partials, {DType::kFP32}));
@@ -183,6 +219,16 @@ Status run(const PartialsSumArgs& a, PartialsSum axis, float scale, Stream strea
     ENCORE_RETURN_IF_ERROR(contiguous_vector("out", a.out));
     if (rows >= (int64_t(1) << 31) || cols >= (int64_t(1) << 31)) return Status::unsupported("partials: dimensions must be < 2^31");
     ENCORE_RETURN_IF_ERROR(checks::device_memory({{"partials", &a.partials}, {"out", &a.out}}));
+  }
+  return Status::ok();
+}
+
+}  // namespace gemm
+
+Status run(const PartialsSumArgs& a, PartialsSum axis, float scale, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(gemm::check_run(a, axis, scale));
+  [[maybe_unused]] const int64_t rows = a.partials.shape[0], cols = a.partials.shape[1];
+  if (a.partials.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
     ENCORE_RETURN_IF_ERROR(guard.set(a.partials.device.index));
@@ -233,7 +279,9 @@ Status run(const QkNormRopeArgs& a, const QkNormRopeOptions& o, Stream stream) {
   return Status::ok();
 }
 
-Status run(const RopeBwdZdzArgs& a, float scale, Stream stream) {
+namespace gemm {
+
+Status check_run(const RopeBwdZdzArgs& a, float scale) {
   ENCORE_RETURN_IF_ERROR(checks::present("y", a.y));
   ENCORE_RETURN_IF_ERROR(checks::ndim("y", a.y, 2, "[M, N]"));
   ENCORE_RETURN_IF_ERROR(checks::dtype_in("y", a.y, kIo));
@@ -256,6 +304,16 @@ Status run(const RopeBwdZdzArgs& a, float scale, Stream stream) {
       ENCORE_RETURN_IF_ERROR(checks::unit_last_stride(name, *t));
     if (M >= (int64_t(1) << 31) || N >= (int64_t(1) << 31)) return Status::unsupported("y: M and N must be < 2^31");
     ENCORE_RETURN_IF_ERROR(checks::device_memory({{"y", &a.y}, {"dy", &a.dy}, {"pos", &a.pos}, {"freq", &a.freq}, {"dz", &a.dz}, {"zdz", &a.zdz}}));
+  }
+  return Status::ok();
+}
+
+}  // namespace gemm
+
+Status run(const RopeBwdZdzArgs& a, float scale, Stream stream) {
+  ENCORE_RETURN_IF_ERROR(gemm::check_run(a, scale));
+  [[maybe_unused]] const int64_t M = a.y.shape[0], N = a.y.shape[1];
+  if (a.y.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
     ENCORE_RETURN_IF_ERROR(guard.set(a.y.device.index));

@@ -371,18 +371,34 @@ Status validate(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o) {
 
 size_t workspace_bytes(const GemmEpilogueArgs&, const GemmEpilogueOptions&) { return 0; }
 
-Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, Stream stream) {
+namespace gemm {
+
+Status check_run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, GemmEpilogueOptions* resolved, GemmTile* tile) {
   ENCORE_RETURN_IF_ERROR(validate(a, opts));
   const GemmEpilogueInfo& info = *gemm_epilogue_info(opts.epilogue);
   GemmEpilogueOptions o = opts;  // partial_tile_n resolved: every backend writes the same layout
   if (o.partial_tile_n == 0) o.partial_tile_n = gemm_partial_tile_n(o.epilogue, gemm_m(a, info), gemm_n(a, info), gemm_k(a, info));
+  GemmTile t = GemmTile::kAuto;
   if (a.a.device.is_cuda()) {
-    GemmTile tile = GemmTile::kAuto;
-    ENCORE_RETURN_IF_ERROR(validate_cuda(a, o, info, &tile));
+    ENCORE_RETURN_IF_ERROR(validate_cuda(a, o, info, &t));
     ENCORE_RETURN_IF_ERROR(checks::device_memory({{"a", &a.a}, {"w", &a.w}, {"d", &a.d}, {"aux", &a.aux}, {"c", &a.c}, {"c2", &a.c2},
                                                   {"zdz", &a.zdz}, {"gamma", &a.gamma}, {"row_scale", &a.row_scale}, {"pos", &a.pos},
                                                   {"freq", &a.freq}, {"alpha", &a.alpha}, {"partials", &a.partials}, {"target", &a.target},
                                                   {"target_logit", &a.target_logit}, {"lse", &a.lse}}));
+  }
+  if (resolved) *resolved = o;
+  if (tile) *tile = t;
+  return Status::ok();
+}
+
+}  // namespace gemm
+
+Status run(const GemmEpilogueArgs& a, const GemmEpilogueOptions& opts, void*, Stream stream) {
+  GemmEpilogueOptions o;
+  GemmTile tile = GemmTile::kAuto;
+  ENCORE_RETURN_IF_ERROR(gemm::check_run(a, opts, &o, &tile));
+  const GemmEpilogueInfo& info = *gemm_epilogue_info(o.epilogue);
+  if (a.a.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     const DeviceInfo* dev = nullptr;
     ENCORE_RETURN_IF_ERROR(get_device_info(a.a.device.index, &dev));
