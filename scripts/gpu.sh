@@ -273,8 +273,9 @@ pass_pytest() {
   need "$BUILD/python/encore" "the Python module: run the build pass first" || return
   wheels
   # shellcheck disable=SC2086
-  step 540 env PYTHONPATH="$root/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs ${ENCORE_PYTEST_ARGS:-tests/python}
+  step 540 env PYTHONPATH="$root/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" ENCORE_PYTEST_FAILURES="$OUT/pytest_failures.txt" python3 -m pytest -q -rs ${ENCORE_PYTEST_ARGS:-tests/python}
   detail=$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)
+  [ -s "$OUT/pytest_failures.txt" ] && { echo "failed so far ($OUT/pytest_failures.txt):"; cat "$OUT/pytest_failures.txt"; } >>"$log"
   # no totals (a crash of the runner, or -q twice, which drops pytest's summary line): not a pass
   [ "$DRY" = 1 ] || [ -n "$detail" ] || { detail="no pytest totals in the log"; pass_failed=1; }
 }
