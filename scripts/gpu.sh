@@ -272,6 +272,7 @@ wheels() {  # the carried peer wheels into /tmp/site, once
 pass_pytest() {
   need "$BUILD/python/encore" "the Python module: run the build pass first" || return
   wheels
+  rm -f "$OUT/pytest_failures.txt"  # this pass's failures only
   # shellcheck disable=SC2086
   step 540 env PYTHONPATH="$root/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" ENCORE_PYTEST_FAILURES="$OUT/pytest_failures.txt" python3 -m pytest -q -rs ${ENCORE_PYTEST_ARGS:-tests/python}
   detail=$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)

@@ -177,12 +177,11 @@ Status check_run(const CeMeanArgs& a) {
 
 Status run(const CeMeanArgs& a, int ignore_index, Stream stream) {
   ENCORE_RETURN_IF_ERROR(gemm::check_run(a));
-  [[maybe_unused]] const int64_t M = a.target.shape[0];
   if (a.target.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
     ENCORE_RETURN_IF_ERROR(guard.set(a.target.device.index));
-    return cuda::launch_ce_mean(static_cast<const int32_t*>(a.target.data), int(M), static_cast<const float*>(a.loss_rows.data),
+    return cuda::launch_ce_mean(static_cast<const int32_t*>(a.target.data), int(a.target.shape[0]), static_cast<const float*>(a.loss_rows.data),
                                 static_cast<float*>(a.loss.data), static_cast<const float*>(a.d_loss.data), static_cast<float*>(a.alpha.data),
                                 ignore_index, stream);
 #else
@@ -227,12 +226,11 @@ Status check_run(const PartialsSumArgs& a, PartialsSum axis, float scale) {
 
 Status run(const PartialsSumArgs& a, PartialsSum axis, float scale, Stream stream) {
   ENCORE_RETURN_IF_ERROR(gemm::check_run(a, axis, scale));
-  [[maybe_unused]] const int64_t rows = a.partials.shape[0], cols = a.partials.shape[1];
   if (a.partials.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
     ENCORE_RETURN_IF_ERROR(guard.set(a.partials.device.index));
-    return cuda::launch_partials_sum(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(rows), int(cols),
+    return cuda::launch_partials_sum(static_cast<const float*>(a.partials.data), a.partials.strides[0], int(a.partials.shape[0]), int(a.partials.shape[1]),
                                      static_cast<float*>(a.out.data), int(a.out.shape[0]), axis == PartialsSum::kPerColumn, scale, stream);
 #else
     (void)stream;
@@ -312,7 +310,6 @@ Status check_run(const RopeBwdZdzArgs& a, float scale) {
 
 Status run(const RopeBwdZdzArgs& a, float scale, Stream stream) {
   ENCORE_RETURN_IF_ERROR(gemm::check_run(a, scale));
-  [[maybe_unused]] const int64_t M = a.y.shape[0], N = a.y.shape[1];
   if (a.y.device.is_cuda()) {
 #ifdef ENCORE_WITH_CUDA
     cuda::DeviceGuard guard;
@@ -328,8 +325,8 @@ Status run(const RopeBwdZdzArgs& a, float scale, Stream stream) {
     p.pos = static_cast<const int32_t*>(a.pos.data);
     p.freq = static_cast<const float*>(a.freq.data);
     p.zdz = static_cast<float*>(a.zdz.data);
-    p.M = int(M);
-    p.N = int(N);
+    p.M = int(a.y.shape[0]);
+    p.N = int(a.y.shape[1]);
     p.scale = scale;
     return cuda::launch_rope_bwd_zdz(p, stream);
 #else

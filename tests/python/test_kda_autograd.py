@@ -2,6 +2,8 @@
 the saved-residual backward (saved h and rematerialized) against the token-level one, varlen,
 the gate options, torch.compile, fla's keyword arguments and bad input; on CUDA the gradients
 against the fp64 CPU backend."""
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -333,7 +335,7 @@ def test_return_intermediate_states():
             assert torch.allclose(h32[:, c].double(), ref, rtol=1e-2, atol=1e-2), c
         # varlen, with the in-kernel gate and L2 norm: sequences of 0, 31, 32, 33, 100 tokens
         lens = [0, 31, 32, 33, 100]
-        cu = torch.tensor([0] + list(__import__("itertools").accumulate(lens)))
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)))
         qv, kv, vv, gv, bv = make(1, int(cu[-1]), 2, 4, 3)
         A_log, dt_bias = torch.tensor([0.1, -0.3], dtype=torch.float64), torch.randn(8, dtype=torch.float64)
         s0v = torch.randn(len(lens), 2, 4, 3, dtype=torch.float64)
