@@ -16,12 +16,15 @@ namespace encore {
 // swiglu_bwd (the down projection's dgrad, K = d) on the cooperative tile from K 8192: at 70B
 // (M 8192 / 16384, N 28672, K 8192) 1.101x / 1.060x of cuBLAS against 1.168x / 1.145x ping-pong; at
 // 8B (K 4096) ping-pong 1.022x / 1.119x against 1.118x / 1.103x, at 1B ping-pong ahead too.
-// rmsnorm_bwd has the ping-pong tile only: cooperative measured 1.2-1.47x of cuBLAS at K 3072-6144
-// against 0.97-1.2x, and within 2% of ping-pong at K >= 10240.
+// rmsnorm_bwd on the cooperative tile from K 12288 (the gate/up dgrad, K = 2F): at 8B (M 8192 / 16384,
+// N 4096, K 28672) ping-pong ran 1.70x / 1.83x of cuBLAS on an H100 where the plain dgrad ran 1.02x on
+// the cooperative tile and 1.56x / 1.66x on ping-pong (bench/results/2026-12-07-h100-gemm_epilogue-8B.json);
+// at K 3072-6144 ping-pong stays (cooperative measured 1.2-1.47x of cuBLAS there against 0.97-1.2x).
 int gemm_partial_tile_n(Epilogue e, int64_t, int64_t, int64_t K) {
   const GemmEpilogueInfo* info = gemm_epilogue_info(e);
   if (info == nullptr || !(info->operands & (kOperandTilePartials | kOperandTilePartialsOptional | kOperandColumnPartials))) return 0;
   if (e == Epilogue::kSwigluBwd) return K >= 8192 ? 256 : 128;
+  if (e == Epilogue::kRmsnormBwd) return K >= 12288 ? 256 : 128;
   return e == Epilogue::kResidualSqsumAux && K >= 12288 ? 256 : 128;
 }
 
@@ -35,11 +38,11 @@ std::pair<int64_t, int64_t> tile_mn(GemmTile t) {
 
 // Ping-pong 128x128, whose epilogue overlaps the other warpgroup's mainloop, wins for short K and
 // narrow N; the cooperative 128x256 tile's higher mainloop efficiency wins for long K and wide N.
-// SwiGLU, whose epilogue is the heaviest (two stores and a silu per pair), keeps ping-pong up to
-// K = 4096 at any N: 8B gate/up (8192 x 28672 x 4096) measured 1.037x / 1.065x of cuBLAS on
-// ping-pong against 1.056x / 1.085x cooperative in two runs.
-GemmTile auto_tile(Epilogue e, int64_t, int64_t N, int64_t K) {
-  const bool pingpong = (e == Epilogue::kSwiglu && K <= 4096) || K <= 2048 || (K <= 4096 && N <= 8192) || N <= 2048;
+// SwiGLU included: 8B gate/up (M 8192 / 16384 x 28672 x 4096) ran 1.040x / 1.043x of cuBLAS on the
+// cooperative tile against 1.262x / 1.260x on ping-pong on an H100 (the 8B JSON above); on an H200
+// ping-pong had led by 2% (1.037x against 1.056x).
+GemmTile auto_tile(Epilogue, int64_t, int64_t N, int64_t K) {
+  const bool pingpong = K <= 2048 || (K <= 4096 && N <= 8192) || N <= 2048;
   return pingpong ? GemmTile::kPingpong128x128 : GemmTile::kCooperative128x256;
 }
 

@@ -347,12 +347,13 @@ TEST(GemmBwdCpu, RefusesCudaLimits) {
 }
 
 // The launch plan's partials tile (src/gemm/plan.cpp): swiglu_bwd on 256 columns (the cooperative
-// tile) from K 8192, rmsnorm_bwd on 128 (its one CUDA tile).
+// tile) from K 8192, rmsnorm_bwd from K 12288.
 TEST(GemmBwdPlan, PartialTileByShape) {
   EXPECT_EQ(gemm_partial_tile_n(Epilogue::kSwigluBwd, 8192, 8192, 2048), 128);
   EXPECT_EQ(gemm_partial_tile_n(Epilogue::kSwigluBwd, 8192, 14336, 4096), 128);
   EXPECT_EQ(gemm_partial_tile_n(Epilogue::kSwigluBwd, 8192, 28672, 8192), 256);
-  EXPECT_EQ(gemm_partial_tile_n(Epilogue::kRmsnormBwd, 8192, 8192, 57344), 128);
+  EXPECT_EQ(gemm_partial_tile_n(Epilogue::kRmsnormBwd, 8192, 4096, 6144), 128);
+  EXPECT_EQ(gemm_partial_tile_n(Epilogue::kRmsnormBwd, 8192, 4096, 28672), 256);
 }
 
 // The scheduler swizzle (src/gemm/plan.cpp): CUTLASS pads the tile grid to a multiple of swizzle x cluster (2x1) and

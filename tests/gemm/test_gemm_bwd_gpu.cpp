@@ -218,10 +218,12 @@ TEST_F(GemmBwdGpu, SwigluBwd) {
       for (const Shape& s : kShapes) swiglu_bwd_case(t, s, tn);
 }
 
+// rmsnorm_bwd's partial_tile_n 128: the ping-pong 128x128 kernel; 256: the cooperative 128x256 one.
 TEST_F(GemmBwdGpu, RmsnormBwd) {
-  for (DType t : {DType::kBF16, DType::kFP16})
-    for (const Shape& s : kShapes)
-      for (bool full : {true, false}) rmsnorm_bwd_case(t, s, full, 128);
+  for (int tn : {128, 256})
+    for (DType t : {DType::kBF16, DType::kFP16})
+      for (const Shape& s : kShapes)
+        for (bool full : {true, false}) rmsnorm_bwd_case(t, s, full, tn);
 }
 
 // Shapes the kernels refuse on CUDA, with the reason.

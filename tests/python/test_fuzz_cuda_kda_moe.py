@@ -7,8 +7,8 @@ dispatch's rows). Valid draws: CUDA tensors against the CPU backend on the same 
 empty sequences, T 1-100 (chunk edges 63 / 64 / 65), H 1-2, grouped value heads, K, V 16-192, the
 precomputed / softplus / lower-bound gates, L2 norm, beta sigmoid; the KDA backward within the bounds of
 tests/kda/test_kda_bwd_gpu.cpp against the CPU backend's chunked backward on the CUDA forward's residuals
-(the token-level one on the recurrent path), plus the problem's sensitivity to the L2 norm's rounding
-where 16-bit inputs take it; the MoE layer under the 2x rule (fuzz_cuda_util.within_2x). Invalid draws: an operand on the
+(the token-level one on the recurrent path), plus the problem's sensitivity to bf16 rounding of q, k, v, dO
+for 16-bit inputs, dg against the size of its terms where they cancel; the MoE layer under the 2x rule (fuzz_cuda_util.within_2x). Invalid draws: an operand on the
 CPU, dtypes and sizes the CUDA kernels refuse, missing residuals: ValueError (invalid) or RuntimeError
 (unsupported on CUDA) naming the argument, the guarded out= untouched. moe_permuted_rows takes no array:
 its invalid draws are tests/python/test_fuzz_moe.py's, the same on every machine.
@@ -90,15 +90,23 @@ def _tol(path, dt, name):
     return 1e-3 if fragile else 2e-4
 
 
-def _l2_sensitivity(rng, c, opts, d_o, d_fin):
-    """{gradient: relative change} of the CPU token-level backward (float64) when q and k move by half a bf16
-    unit (2^-9, relative, random signs): the CUDA kernels round the L2-normalized q, k to bf16 for their
-    products, which the CPU backend (normalizing in float64) does not."""
+def _rounding_sensitivity(rng, c, opts, d_o, d_fin):
+    """{gradient: relative change} of the CPU token-level backward (float64) when q, k, v and dO move by half a
+    bf16 unit (2^-9, relative, random signs). The CUDA kernels round what their products read to bf16 (the
+    L2-normalized q, k; Vnew, dVnew, the gated q, k), which the CPU backend does not; where a gradient is a
+    short sum that cancels (T = 1: a row of dq is one dot product over V times k) that rounding is the whole
+    error, beyond the bounds set on long sequences."""
     kw = dict(opts, d_final_state=d_fin, initial_state=c.get("initial_state"), A_log=c.get("A_log"), dt_bias=c.get("dt_bias"))
     base = encore.kda_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], d_o, **kw)
-    moved = {n: c[n] * (1 + torch.from_numpy(rng.uniform(-2.0**-9, 2.0**-9, tuple(c[n].shape)))) for n in ("q", "k")}
-    other = encore.kda_backward(moved["q"], moved["k"], c["v"], c["g"], c["beta"], d_o, **kw)
+    move = lambda x: x * (1 + torch.from_numpy(rng.uniform(-2.0**-9, 2.0**-9, tuple(x.shape))))  # noqa: E731
+    other = encore.kda_backward(move(c["q"]), move(c["k"]), move(c["v"]), c["g"], c["beta"], move(d_o), **kw)
     return {n: rel(other[n], base[n]) for n in base}
+
+
+def _dg_floor(c, ref):
+    """The size of dg's terms (q^ . dq and k^ . dk, before the gate's cumulative sum): dg's denominator where its
+    terms cancel (with one token and no initial state dg is exactly 0, and the CUDA sums leave ~1e-9 of the terms)."""
+    return float((c["q"] * ref["dq"]).norm() + (c["k"] * ref["dk"]).norm())
 
 
 @VALID
@@ -137,7 +145,7 @@ def test_kda_backward_cuda_equals_cpu(seed, dt, b, lens, t, h, group, kv, gate, 
     d_fin = None if dfc is None else dfc.double()
     ref = encore.kda_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], doc.double(), d_final_state=d_fin, residuals=ref_res, **cpu)
     assert sorted(got) == sorted(ref) == sorted(n for n, src in _GRADS.items() if src in x)
-    sens = _l2_sensitivity(rng, c, opts, doc.double(), d_fin) if l2 and dt != "float32" else {}
+    sens = _rounding_sensitivity(rng, c, opts, doc.double(), d_fin) if dt != "float32" else {}
     for name, want in ref.items():
         assert got[name].is_cuda and got[name].dtype == x[_GRADS[name]][0].dtype, name
         tol = _tol(path, dt, name) + 4 * sens.get(name, 0.0)
@@ -147,7 +155,7 @@ def test_kda_backward_cuda_equals_cpu(seed, dt, b, lens, t, h, group, kv, gate, 
             consistent = rel(got[name], dA_log_terms(got["dg"], xs).sum((0, 1, 3))) <= (3.3e-3 if dt != "float32" else 1e-5) * spread + 1e-6
             if spread > 1 and consistent:
                 tol = max(tol, 2e-2 * spread)
-        err = rel(got[name], want)
+        err = rel(got[name], want, _dg_floor(c, ref) if name == "dg" else 1e-30)
         assert err <= tol, (name, path, err, tol)
 
 
