@@ -17,6 +17,13 @@ int64_t column_blocks(int64_t V, int columns) { return (V + columns - 1) / colum
 
 }  // namespace
 
+bool one_launch_fits(const KdaProblem& p, int state_columns, const DeviceInfo& device) {
+  int64_t chunks = 0;
+  for (const Sequence& s : p.seqs) chunks += (s.end - s.begin + kChunk - 1) / kChunk;
+  const int64_t seqs = int64_t(p.seqs.size());
+  return seqs <= cuda::kKdaFewSeqs && chunks * p.H <= device.sm_count && seqs * p.H * column_blocks(p.V, state_columns) <= device.sm_count;
+}
+
 KdaLaunchPlan kda_plan(const KdaProblem& p, const DeviceInfo& device) {
   KdaLaunchPlan plan;
   plan.chunk_blocks = device.sm_count > 0 ? device.sm_count : 1;
@@ -27,6 +34,7 @@ KdaLaunchPlan kda_plan(const KdaProblem& p, const DeviceInfo& device) {
       plan.state_columns = c;
       break;
     }
+  plan.launches = one_launch_fits(p, plan.state_columns, device) ? 1 : 2;
   return plan;
 }
 
@@ -36,6 +44,9 @@ Status check_plan(const KdaLaunchPlan& plan) {
   if (!width_ok)
     return Status::invalid("plan.state_columns: must be 16, 32 or 64 (value columns per state-kernel block), or 0 for the rule; got " +
                            std::to_string(plan.state_columns));
+  if (plan.launches < 0 || plan.launches > 2)
+    return Status::invalid("plan.launches: must be 1 (one kernel), 2 (the chunk then the state kernel) or 0 for the rule; got " +
+                           std::to_string(plan.launches));
   if (plan.chunk_blocks < 0)
     return Status::invalid("plan.chunk_blocks: must be >= 1 (blocks of the chunk kernel), or 0 for one per SM; got " +
                            std::to_string(plan.chunk_blocks));
@@ -47,6 +58,11 @@ Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const D
   const KdaLaunchPlan rule = kda_plan(p, device);
   out->state_columns = requested.state_columns != 0 ? requested.state_columns : rule.state_columns;
   out->chunk_blocks = requested.chunk_blocks != 0 ? requested.chunk_blocks : rule.chunk_blocks;
+  out->launches = requested.launches != 0 ? requested.launches : one_launch_fits(p, out->state_columns, device) ? 1 : 2;
+  if (out->launches == 1 && !one_launch_fits(p, out->state_columns, device))
+    return Status::invalid("plan.launches: 1 needs <= " + std::to_string(cuda::kKdaFewSeqs) +
+                           " sequences and the chunk items and state blocks each within one block an SM (" + std::to_string(device.sm_count) +
+                           ")");
   return Status::ok();
 }
 

@@ -16,11 +16,17 @@ namespace encore::kda {
 struct KdaLaunchPlan {
   int state_columns = 0;  // value columns per state-kernel block: 16, 32 or 64; 0 = the rule (kda_plan)
   int chunk_blocks = 0;   // blocks of the persistent chunk kernel, >= 1; 0 = one per SM
+  int launches = 0;       // 1: the whole forward in one kernel (one_launch_fits), 2: the chunk then the state kernel; 0 = the rule
 };
+
+// Whether the one-launch forward takes `p` with `state_columns` on `device`: <= kKdaFewSeqs sequences and
+// both the chunk items (chunks x H) and the state blocks (N x H x column blocks) within one wave (one block an SM).
+bool one_launch_fits(const KdaProblem& p, int state_columns, const DeviceInfo& device);
 
 // The plan for problem `p` on `device`: the chunk kernel on one block per SM; the state kernel on the
 // narrowest of 16, 32, 64 value columns whose grid (sequences x heads x column blocks) fits one wave,
-// else 64 (narrower blocks finish a serial step sooner, a second wave doubles the path).
+// else 64 (narrower blocks finish a serial step sooner, a second wave doubles the path); one launch
+// where one_launch_fits (a launch's host time and one kernel boundary less on small problems).
 KdaLaunchPlan kda_plan(const KdaProblem& p, const DeviceInfo& device);
 
 // Checks a requested plan's fields (0 = the rule's choice): Status::invalid naming the field and what

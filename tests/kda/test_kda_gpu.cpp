@@ -262,11 +262,15 @@ TEST_F(KdaGpu, StridedInputs) {
 // Every state-kernel width whatever the rule picks (it takes the narrowest width whose grid fits one
 // wave, so the small cases above run on 16): each width's blocks (512 threads, four warpgroups)
 // copy one, two or four of the record's 16-column U slices, and V 96 leaves blocks of padding columns.
+// Each width both in the one-launch kernel (launches 1, the rule's choice for these one-wave cases) and as
+// the separate chunk and state kernels (launches 2).
 TEST_F(KdaGpu, StateKernelOn16And32And64ColumnBlocks) {
+  for (int launches : {1, 2})
   for (int columns : {16, 32, 64}) {
     kda::KdaLaunchPlan plan;
     plan.state_columns = columns;
-    const std::string tag = std::to_string(columns) + "-column state: ";
+    plan.launches = launches;
+    const std::string tag = std::to_string(columns) + "-column state, " + std::to_string(launches) + " launch(es): ";
     for (DType dt : {DType::kFP32, DType::kBF16}) {
       run_case(plan, KdaCase{2, 130, 3, 64, 96, {}, Gate::kPrecomputed, true, true}, dt, (tag + "fixed K64 V96 h0 l2").c_str());
       run_case(plan, KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
@@ -285,6 +289,7 @@ TEST_F(KdaGpu, ChunkKernelWalksManyItemsPerBlock) {
   for (int blocks : {1, 5}) {
     kda::KdaLaunchPlan plan;
     plan.chunk_blocks = blocks;
+    plan.launches = 2;  // (the one-launch kernel gives each chunk item its own block)
     const std::string tag = std::to_string(blocks) + " chunk block(s): ";
     for (DType dt : {DType::kFP32, DType::kBF16}) {
       run_case(plan, KdaCase{1, 1193, 2, 128, 128, {0, 1, 64, 128, 193, 1193}, Gate::kSoftplus, true, true}, dt,
@@ -310,6 +315,11 @@ TEST_F(KdaGpu, LaunchPlanValuesChecked) {
   const Status st = run_on_plan(kda::KdaLaunchPlan{0, -1});
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("plan.chunk_blocks: must be >= 1"), std::string::npos) << st.message();
+  for (int launches : {-1, 3}) {
+    const Status bad = run_on_plan(kda::KdaLaunchPlan{0, 0, launches});
+    EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << launches;
+    EXPECT_NE(bad.message().find("plan.launches: must be 1"), std::string::npos) << bad.message();
+  }
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 // The KDA family's launch rules that need no device (src/kda/plan.cpp): the decode step's plan
-// (kda_decode_plan: which single-token kernel, PDL, the L2 prefetch) at the thresholds it is built on.
+// (kda_decode_plan: which single-token kernel, PDL, the L2 prefetch) at the thresholds it is built on, and
+// the forward's one-launch rule (one_launch_fits, resolve_plan).
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "kda/cuda/kda_decode.hpp"
+#include "kda/cuda/launch.hpp"
 #include "kda/plan.hpp"
 
 namespace encore::test {
@@ -54,6 +57,41 @@ TEST(KdaPlanCpu, DecodeUnalignedStatesTakeColumns32) {
       EXPECT_EQ(p.kernel, KdaDecodeKernel::kColumns32) << nh;
       EXPECT_FALSE(p.prefetch) << nh;
     }
+}
+
+// A forward problem of `lens` tokens per sequence, H value heads, V value columns.
+kda::KdaProblem forward_problem(std::initializer_list<int64_t> lens, int64_t H, int64_t V = 128) {
+  kda::KdaProblem p;
+  p.H = H, p.K = 128, p.V = V, p.B = 1;
+  int64_t t = 0;
+  for (int64_t len : lens) p.seqs.push_back({0, t, t + len}), t += len;
+  p.T = t;
+  return p;
+}
+
+// One launch exactly where the chunk items (chunks x H) and the state blocks (N x H x column blocks) each fit
+// one block an SM and the sequences fit the small launch table; the rule takes it there, else two kernels.
+TEST(KdaPlanCpu, ForwardOneLaunchWithinOneWave) {
+  DeviceInfo dev;
+  dev.sm_count = kSms;
+  EXPECT_TRUE(kda::one_launch_fits(forward_problem({64}, 2), 16, dev));
+  EXPECT_TRUE(kda::one_launch_fits(forward_problem({64 * 66}, 2), 64, dev));    // 132 chunk items
+  EXPECT_FALSE(kda::one_launch_fits(forward_problem({64 * 66 + 1}, 2), 64, dev));  // 134
+  EXPECT_TRUE(kda::one_launch_fits(forward_problem({1, 1, 1}, 11), 32, dev));    // 3 x 11 x 4 = 132 state blocks
+  EXPECT_FALSE(kda::one_launch_fits(forward_problem({1, 1, 1}, 11), 16, dev));   // 264
+  kda::KdaProblem wide = forward_problem({}, 1, 16);
+  for (int64_t i = 0; i <= cuda::kKdaFewSeqs; ++i) wide.seqs.push_back({0, i, i + 1});
+  DeviceInfo big;
+  big.sm_count = 100000;
+  EXPECT_FALSE(kda::one_launch_fits(wide, 16, big));  // past kKdaFewSeqs sequences
+  EXPECT_EQ(kda::kda_plan(forward_problem({64}, 2), dev).launches, 1);
+  EXPECT_EQ(kda::kda_plan(forward_problem({8192}, 16), dev).launches, 2);
+  kda::KdaLaunchPlan out;
+  ASSERT_TRUE(kda::resolve_plan(kda::KdaLaunchPlan{0, 0, 2}, forward_problem({64}, 2), dev, &out));
+  EXPECT_EQ(out.launches, 2);
+  const Status st = kda::resolve_plan(kda::KdaLaunchPlan{0, 0, 1}, forward_problem({8192}, 16), dev, &out);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("plan.launches: 1 needs"), std::string::npos) << st.message();
 }
 
 }  // namespace

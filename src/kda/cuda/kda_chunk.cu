@@ -32,6 +32,7 @@
 #include "core/softplus_log2.hpp"
 #include "kda/cuda/kda_chunk_parts.cuh"
 #include "kda/cuda/kda_device.cuh"
+#include "kda/cuda/kda_state_pass.cuh"
 #include "kda/cuda/launch.hpp"
 
 namespace encore::cuda::kda {
@@ -64,11 +65,12 @@ struct PhaseClock {  // thread 0's view: a phase ends when thread 0 leaves its c
   }
 };
 
+// The chunk items of this block (blockIdx.x, stepping by the grid) on `smem` (the dynamic shared memory,
+// ChunkSmem::kBytes): the body of kda_chunk_kernel and the chunk phase of kda_one_launch_kernel.
 template <class Problem>  // KdaCudaProblem or KdaCudaProblemFew
-__global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ Problem p, void* ws) {
+__device__ __forceinline__ void chunk_phase(const Problem& p, void* ws, unsigned char* smem) {
   const int K = p.K, V = p.V;
   const int items = p.chunk_start[p.N] * p.H;
-  extern __shared__ __align__(1024) unsigned char smem[];
   // bit t: input t arrives raw by TMA (else by load8 from global memory in step 1); only where the
   // shared memory starts 1024-byte aligned, as the raw tiles' swizzle assumes (block-uniform).
   const int fast = (smem_addr(smem) & 1023u) == 0 ? p.raw_fast : 0;
@@ -592,6 +594,61 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   if (threadIdx.x == 0) bulk_store_wait_all();  // the last item's stores complete before the block's shared memory goes
 }
 
+template <class Problem>  // KdaCudaProblem or KdaCudaProblemFew
+__global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_constant__ Problem p, void* ws) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  chunk_phase(p, ws, smem);
+}
+
+__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* at) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(at) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(unsigned long long* at, unsigned long long v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(at), "l"(v) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_inval(void* bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
+}
+
+// The one-launch forward (KdaLaunchPlan::launches 1): a grid of max(chunk items, state blocks) blocks, at
+// most one wave (the plan's condition). Block b runs chunk item b (item = h · slots + slot, as the chunk
+// kernel), then sets its flag, then block b of the state kernel's grid (x = b % (H · column blocks), y =
+// b / that), whose thread 0 acquires the flag of each chunk (slot, h) before the bulk copy of its record.
+// Flags: one uint64 per chunk item after the records (chunk_flags), set to this launch's epoch (a host
+// counter, distinct per launch), so the workspace needs no clearing. The record's W and U arrive by bulk
+// stores (async proxy): thread 0 waits for their completion (chunk_phase's end) and fences the async proxy
+// before the release; the reader fences it after the acquire, before its bulk copy. No block waits on a
+// chunk item that needs its SM: the grid is resident at once (one block an SM, grid <= SMs), or blocks not
+// yet resident get SMs as other work finishes.
+template <int kVs, class P>
+__global__ void __launch_bounds__(kThreads, 1) kda_one_launch_kernel(const __grid_constant__ P p, void* ws, unsigned long long epoch) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int slots = p.chunk_start[p.N], chunk_items = slots * p.H;
+  unsigned long long* const flags = chunk_flags(ws, slots, p.H);
+  if (int(blockIdx.x) < chunk_items) {
+    chunk_phase(p, ws, smem);
+    __threadfence();  // this thread's record stores (Qg, Kg, dC, Aqk) before the flag
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      mbar_inval(smem + ChunkSmem::kInBar);  // the chunk phase's barriers, before the state pass reuses their bytes
+      mbar_inval(smem + ChunkSmem::kInvBar);
+      fence_proxy_async_global();  // the completed bulk stores (W, U) before the flag
+      for (int item = int(blockIdx.x); item < chunk_items; item += int(gridDim.x)) st_release_gpu(flags + item, epoch);
+    }
+    __syncthreads();  // the chunk phase's shared memory is free
+  }
+  const int per_seq = p.H * state_column_blocks(p.V, kVs);
+  if (int(blockIdx.x) >= per_seq * p.N) return;
+  state::state_pass<kVs>(p, ws, int(blockIdx.x) % per_seq, int(blockIdx.x) / per_seq, smem, [&](int slot, int h) {
+    const unsigned long long* f = flags + (int64_t(h) * slots + slot);
+    while (ld_acquire_gpu(f) != epoch) __nanosleep(64);
+    fence_proxy_async_global();  // the record's bytes for the bulk copy that follows
+  });
+}
+
 }  // namespace
 
 }  // namespace encore::cuda::kda
@@ -639,5 +696,20 @@ Status launch_chunk_kernel(const P& p, void* ws, int blocks, cudaStream_t stream
 }
 template Status launch_chunk_kernel(const KdaCudaProblem&, void*, int, cudaStream_t);
 template Status launch_chunk_kernel(const KdaCudaProblemFew&, void*, int, cudaStream_t);
+
+template <int kVs>
+Status launch_one(const KdaCudaProblemFew& p, void* ws, unsigned long long epoch, cudaStream_t stream) {
+  constexpr const char* what = "kda forward: one-launch kernel (kda_one_launch_kernel)";
+  constexpr int kSmem = ChunkSmem::kBytes > state::StateSmem<kVs>::kAlloc ? ChunkSmem::kBytes : state::StateSmem<kVs>::kAlloc;
+  ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_one_launch_kernel<kVs, KdaCudaProblemFew>, kSmem));
+  const int chunk_items = p.chunk_start[p.N] * p.H, state_items = p.H * state_column_blocks(p.V, kVs) * p.N;
+  const int grid = chunk_items > state_items ? chunk_items : state_items;
+  g_last_raw_fast = p.raw_fast;
+  return launch(what, [&] { kda_one_launch_kernel<kVs, KdaCudaProblemFew><<<unsigned(grid > 0 ? grid : 1), kThreads, kSmem, stream>>>(p, ws, epoch); });
+}
+
+Status launch_one_kernel(const KdaCudaProblemFew& p, void* ws, int columns, unsigned long long epoch, cudaStream_t stream) {
+  return columns == 16 ? launch_one<16>(p, ws, epoch, stream) : columns == 32 ? launch_one<32>(p, ws, epoch, stream) : launch_one<64>(p, ws, epoch, stream);
+}
 
 }  // namespace encore::cuda::kda

@@ -69,6 +69,10 @@ __device__ __forceinline__ const unsigned char* ws_record(const void* ws, int sl
 __device__ __forceinline__ unsigned char* ws_record(void* ws, int slot, int H, int h) {
   return const_cast<unsigned char*>(ws_record(static_cast<const void*>(ws), slot, H, h));
 }
+// The one-launch forward's flags after the slots x H records: one uint64 per chunk item (h · slots + slot).
+__device__ __forceinline__ unsigned long long* chunk_flags(void* ws, int slots, int H) {
+  return reinterpret_cast<unsigned long long*>(static_cast<unsigned char*>(ws) + int64_t(slots) * H * WsLayout::kBytes);
+}
 
 __device__ __forceinline__ float load(const KdaTensor& t, int b, int tok, int h, int c) {
   const int64_t off = int64_t(b) * t.sb + int64_t(tok) * t.st + int64_t(h) * t.sh + c;
@@ -360,5 +364,8 @@ Status launch_chunk_kernel(const P& p, void* ws, int blocks, cudaStream_t stream
 // columns: value columns per state-kernel block, 64, 32 or 16.
 template <class P>
 Status launch_state_kernel(const P& p, const void* ws, int columns, cudaStream_t stream);
+// The whole forward in one kernel (kda_one_launch_kernel, kda_chunk.cu): the chunk items, then the state
+// blocks of `columns`, connected by the flags after the records; epoch distinct per launch.
+Status launch_one_kernel(const KdaCudaProblemFew& p, void* ws, int columns, unsigned long long epoch, cudaStream_t stream);
 
 }  // namespace encore::cuda::kda

@@ -3,11 +3,18 @@
 // each (chunk, head)'s operands; the state kernel (kda_state.cu) runs the serial inter-chunk pass per
 // (sequence, head, 64, 32 or 16 value columns), computing each chunk's o on the way, and writes the final
 // state (and the h residual when asked). The chunk kernel's grid and the state kernel's width come
-// from the launch plan (kda/plan.hpp), chosen by the dispatch.
+// from the launch plan (kda/plan.hpp), chosen by the dispatch; a problem of <= kKdaFewSeqs sequences
+// whose chunk items and state blocks each fit one wave runs both in one kernel (plan.launches 1;
+// kda_one_launch_kernel), outside graph capture.
 #include <cuda.h>
 
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda/device_guard.hpp"
 #include "kda/cuda/kda_device.cuh"
@@ -52,10 +59,25 @@ bool encode_input_map(unsigned char (&out)[128], const KdaTensor& t, int B, int 
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The one-launch kernel's flag value for the next launch: distinct per launch of this process, and seeded
+// from the clock and the process so stale flags of another process's launch in reused memory differ too.
+unsigned long long next_epoch() {
+  static std::atomic<unsigned long long> epoch{(static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count()) << 20) ^
+                                               (static_cast<unsigned long long>(::getpid()) << 1)};
+  return epoch.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+// A stream being captured into a graph takes the two kernels: a replay would repeat the epoch, and the flags
+// of the previous replay would already hold it.
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace
 
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H) {
-  return size_t(chunks * H * kda::WsLayout::kBytes);
+  return size_t(chunks * H * (kda::WsLayout::kBytes + 8));  // the records, then the one-launch kernel's flags
 }
 
 template <class P>
@@ -72,6 +94,8 @@ Status launch_kda_forward(P& p, const ::encore::kda::KdaLaunchPlan& plan, void* 
     const KdaTensor* inputs[4] = {&p.q, &p.k, &p.g, &p.v};
     for (int t = 0; t < 4; ++t)
       if (encode_input_map(p.tmap[t], *inputs[t], p.B, p.T, t < 2 ? p.H / p.group : p.H, t == 3 ? p.V : p.K)) p.raw_fast |= 1 << t;
+    if constexpr (std::is_same_v<P, KdaCudaProblemFew>)
+      if (plan.launches == 1 && !capturing(s)) return kda::launch_one_kernel(p, workspace, plan.state_columns, next_epoch(), s);
     ENCORE_RETURN_IF_ERROR(kda::launch_chunk_kernel(p, workspace, plan.chunk_blocks, s));
   }
   return kda::launch_state_kernel(p, workspace, plan.state_columns, s);
