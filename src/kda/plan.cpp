@@ -21,7 +21,8 @@ bool one_launch_fits(const KdaProblem& p, int state_columns, const DeviceInfo& d
   int64_t chunks = 0;
   for (const Sequence& s : p.seqs) chunks += (s.end - s.begin + kChunk - 1) / kChunk;
   const int64_t seqs = int64_t(p.seqs.size());
-  return seqs <= cuda::kKdaFewSeqs && chunks * p.H <= device.sm_count && seqs * p.H * column_blocks(p.V, state_columns) <= device.sm_count;
+  return state_columns <= 32 && seqs <= cuda::kKdaFewSeqs && chunks * p.H <= device.sm_count &&
+         seqs * p.H * column_blocks(p.V, state_columns) <= device.sm_count;
 }
 
 KdaLaunchPlan kda_plan(const KdaProblem& p, const DeviceInfo& device) {

@@ -19,8 +19,9 @@ struct KdaLaunchPlan {
   int launches = 0;       // 1: the whole forward in one kernel (one_launch_fits), 2: the chunk then the state kernel; 0 = the rule
 };
 
-// Whether the one-launch forward takes `p` with `state_columns` on `device`: <= kKdaFewSeqs sequences and
-// both the chunk items (chunks x H) and the state blocks (N x H x column blocks) within one wave (one block an SM).
+// Whether the one-launch forward takes `p` with `state_columns` on `device`: 16 or 32 columns (at 64 the
+// one kernel spills), <= kKdaFewSeqs sequences and both the chunk items (chunks x H) and the state blocks
+// (N x H x column blocks) within one wave (one block an SM).
 bool one_launch_fits(const KdaProblem& p, int state_columns, const DeviceInfo& device);
 
 // The plan for problem `p` on `device`: the chunk kernel on one block per SM; the state kernel on the

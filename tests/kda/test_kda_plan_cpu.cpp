@@ -75,8 +75,9 @@ TEST(KdaPlanCpu, ForwardOneLaunchWithinOneWave) {
   DeviceInfo dev;
   dev.sm_count = kSms;
   EXPECT_TRUE(kda::one_launch_fits(forward_problem({64}, 2), 16, dev));
-  EXPECT_TRUE(kda::one_launch_fits(forward_problem({64 * 66}, 2), 64, dev));    // 132 chunk items
-  EXPECT_FALSE(kda::one_launch_fits(forward_problem({64 * 66 + 1}, 2), 64, dev));  // 134
+  EXPECT_TRUE(kda::one_launch_fits(forward_problem({64 * 66}, 2), 32, dev));    // 132 chunk items
+  EXPECT_FALSE(kda::one_launch_fits(forward_problem({64 * 66 + 1}, 2), 32, dev));  // 134
+  EXPECT_FALSE(kda::one_launch_fits(forward_problem({64}, 2), 64, dev));  // 64 columns: two kernels
   EXPECT_TRUE(kda::one_launch_fits(forward_problem({1, 1, 1}, 11), 32, dev));    // 3 x 11 x 4 = 132 state blocks
   EXPECT_FALSE(kda::one_launch_fits(forward_problem({1, 1, 1}, 11), 16, dev));   // 264
   kda::KdaProblem wide = forward_problem({}, 1, 16);

@@ -626,9 +626,8 @@ __device__ __forceinline__ void mbar_inval(void* bar) {
 template <int kVs, class P>
 __global__ void __launch_bounds__(kThreads, 1) kda_one_launch_kernel(const __grid_constant__ P p, void* ws, unsigned long long epoch) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  const int slots = p.chunk_start[p.N], chunk_items = slots * p.H;
-  unsigned long long* const flags = chunk_flags(ws, slots, p.H);
-  if (int(blockIdx.x) < chunk_items) {
+  // (nothing is held in registers across the chunk phase: it uses all 128)
+  if (int(blockIdx.x) < p.chunk_start[p.N] * p.H) {
     chunk_phase(p, ws, smem);
     __threadfence();  // this thread's record stores (Qg, Kg, dC, Aqk) before the flag
     __syncthreads();
@@ -636,14 +635,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_one_launch_kernel(const __gri
       mbar_inval(smem + ChunkSmem::kInBar);  // the chunk phase's barriers, before the state pass reuses their bytes
       mbar_inval(smem + ChunkSmem::kInvBar);
       fence_proxy_async_global();  // the completed bulk stores (W, U) before the flag
+      const int slots = p.chunk_start[p.N], chunk_items = slots * p.H;
+      unsigned long long* const flags = chunk_flags(ws, slots, p.H);
       for (int item = int(blockIdx.x); item < chunk_items; item += int(gridDim.x)) st_release_gpu(flags + item, epoch);
     }
     __syncthreads();  // the chunk phase's shared memory is free
   }
   const int per_seq = p.H * state_column_blocks(p.V, kVs);
   if (int(blockIdx.x) >= per_seq * p.N) return;
-  state::state_pass<kVs>(p, ws, int(blockIdx.x) % per_seq, int(blockIdx.x) / per_seq, smem, [&](int slot, int h) {
-    const unsigned long long* f = flags + (int64_t(h) * slots + slot);
+  state::state_pass<kVs>(p, ws, int(blockIdx.x) % per_seq, int(blockIdx.x) / per_seq, smem, [&p, ws, epoch](int slot, int h) {
+    const int slots = p.chunk_start[p.N];
+    const unsigned long long* f = chunk_flags(ws, slots, p.H) + (int64_t(h) * slots + slot);
     while (ld_acquire_gpu(f) != epoch) __nanosleep(64);
     fence_proxy_async_global();  // the record's bytes for the bulk copy that follows
   });
@@ -708,8 +710,12 @@ Status launch_one(const KdaCudaProblemFew& p, void* ws, unsigned long long epoch
   return launch(what, [&] { kda_one_launch_kernel<kVs, KdaCudaProblemFew><<<unsigned(grid > 0 ? grid : 1), kThreads, kSmem, stream>>>(p, ws, epoch); });
 }
 
+// 16 or 32 columns (kda::one_launch_fits): at 64 the state pass and the chunk phase in one kernel
+// spilled 72 bytes a thread (ptxas, 128 registers), at 32 16 bytes, at 16 none.
 Status launch_one_kernel(const KdaCudaProblemFew& p, void* ws, int columns, unsigned long long epoch, cudaStream_t stream) {
-  return columns == 16 ? launch_one<16>(p, ws, epoch, stream) : columns == 32 ? launch_one<32>(p, ws, epoch, stream) : launch_one<64>(p, ws, epoch, stream);
+  if (columns != 16 && columns != 32)
+    return Status::internal("kda forward: the one-launch kernel takes 16 or 32 state columns, got " + std::to_string(columns));
+  return columns == 16 ? launch_one<16>(p, ws, epoch, stream) : launch_one<32>(p, ws, epoch, stream);
 }
 
 }  // namespace encore::cuda::kda

@@ -41,7 +41,6 @@
 
 namespace encore::cuda::kda::state {
 
-
 constexpr int kStages = 2;
 constexpr int kThreads = 512;
 
@@ -289,7 +288,6 @@ __device__ __forceinline__ void state_pass(const P& p, const void* ws, int bx, i
       if (c < K && v < V) p.final_state[srow0 * V + (c * cs + v * vs)] = s;
     });
   }
-}
 }
 
 }  // namespace encore::cuda::kda::state
