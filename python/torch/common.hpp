@@ -93,6 +93,22 @@ inline at::Tensor new_empty(const at::Tensor& like, at::IntArrayRef shape, at::S
   return at::empty(shape, like.options().dtype(dtype));
 }
 
+// An uninitialized contiguous tensor of `shape` in like's dtype on like's device whose allocation also holds
+// `tail` bytes after it (16-byte aligned, at *tail_at): one caching-allocator call for an output and a
+// small workspace that lives as long as the output. The tensor is built on the buffer's storage directly
+// (no view op through the dispatcher).
+inline at::Tensor empty_with_tail(const at::Tensor& like, at::IntArrayRef shape, size_t tail, void** tail_at) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  const size_t head = (size_t(n) * like.element_size() + 255) / 256 * 256;
+  const at::Tensor buf = at::empty({int64_t(head + tail + 16)}, like.options().dtype(at::kByte));
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buf.storage()), buf.key_set(), like.dtype());
+  impl->set_sizes_contiguous(shape);
+  const auto addr = reinterpret_cast<uintptr_t>(buf.data_ptr()) + head;
+  *tail_at = reinterpret_cast<void*>(addr + (16 - addr % 16) % 16);
+  return at::Tensor(std::move(impl));
+}
+
 // x, rounded up / divided up (Python's (x + d - 1) // d for x >= 0, d > 0).
 inline int64_t ceil_div(int64_t x, int64_t d) { return (x + d - 1) / d; }
 

@@ -17,6 +17,9 @@ using namespace encore_torch;
 
 constexpr std::array<const char*, 4> kResidualNames = {"G", "Aqk", "Akk", "h"};  // KdaResiduals' fields, in order
 constexpr int64_t kChunk = 64;                                                     // tokens per chunk (kda::kChunk)
+// The CUDA forward's workspace of a small problem (<= 1 MiB: <= 10 chunk records) rides in o's allocation
+// (one caching-allocator call less a call; o then holds it while it lives).
+constexpr size_t kWorkspaceInOutput = size_t(1) << 20;
 
 // kda.py _residual_names over residuals.split(","): indices into kResidualNames in the order given, a
 // repeated name once (the launcher's dict keeps its first place).
@@ -149,7 +152,6 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
   const std::vector<int> names = residual_names(residuals);
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
   const int64_t n = sequences(f);
-  at::Tensor o = new_empty(v, {f.b, f.t, f.h, f.vd});
   const at::ScalarType state = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor fin = !output_final_state ? at::Tensor()
                    : state_v_first     ? new_empty(q, {n, f.h, f.vd, f.kd}, state)
@@ -167,15 +169,22 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
       else res[size_t(i)] = new_empty(q, {f.b, f.t, f.h, kChunk}, kind);
     }
   }
-  const encore::KdaForwardArgs args = forward_args(f, o, fin, res);
+  // The workspace's size reads shapes only: v stands in for o (o has v's shape and dtype) until o exists.
+  encore::KdaForwardArgs args = forward_args(f, v, fin, res);
   const encore::KdaOptions opts = kda_options(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state, state_v_first);
   const size_t nbytes = workspace_need(f, args, opts);
-  at::Tensor ws;
+  at::Tensor o, ws;
   void* wp = nullptr;
-  if (nbytes) {  // _core.workspace: room for the 16-byte alignment
-    ws = new_empty(q, {int64_t(nbytes) + 16}, at::kByte);
-    wp = aligned16(ws);
+  if (nbytes > 0 && nbytes <= kWorkspaceInOutput) {  // one allocation: o, then the workspace
+    o = empty_with_tail(v, {f.b, f.t, f.h, f.vd}, nbytes, &wp);
+  } else {
+    o = new_empty(v, {f.b, f.t, f.h, f.vd});
+    if (nbytes) {  // _core.workspace: room for the 16-byte alignment
+      ws = new_empty(q, {int64_t(nbytes) + 16}, at::kByte);
+      wp = aligned16(ws);
+    }
   }
+  args.o = view(OptTensor(o), "o");
   run_forward(args, opts, wp, q);
   std::vector<at::Tensor> outs{o};
   if (fin.defined()) outs.push_back(fin);
