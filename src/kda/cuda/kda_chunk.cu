@@ -643,7 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_one_launch_kernel(const __gri
   }
   const int per_seq = p.H * state_column_blocks(p.V, kVs);
   if (int(blockIdx.x) >= per_seq * p.N) return;
-  state::state_pass<kVs>(p, ws, int(blockIdx.x) % per_seq, int(blockIdx.x) / per_seq, smem, [&p, ws, epoch](int slot, int h) {
+  state::state_pass<kVs>(p, ws, blockIdx.x % unsigned(per_seq), blockIdx.x / unsigned(per_seq), smem, [&p, ws, epoch](int slot, int h) {
     const int slots = p.chunk_start[p.N];
     const unsigned long long* f = chunk_flags(ws, slots, p.H) + (int64_t(h) * slots + slot);
     while (ld_acquire_gpu(f) != epoch) __nanosleep(64);

@@ -11,7 +11,7 @@ using state::StateSmem;
 template <int kVs, class P>  // P: KdaCudaProblem or KdaCudaProblemFew
 __global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(const __grid_constant__ P p, const void* ws) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  state::state_pass<kVs>(p, ws, int(blockIdx.x), int(blockIdx.y), smem_raw, [](int, int) {});
+  state::state_pass<kVs>(p, ws, blockIdx.x, blockIdx.y, smem_raw, [](int, int) {});
 }
 
 }  // namespace

@@ -112,7 +112,7 @@ __device__ bool pool_slot(const P& p, int n, int h, int v0, int b, int64_t* slot
 }
 
 template <int kVs, class P, class ChunkReady>  // P: KdaCudaProblem or KdaCudaProblemFew
-__device__ __forceinline__ void state_pass(const P& p, const void* ws, int bx, int by, unsigned char* smem_raw, ChunkReady&& chunk_ready) {
+__device__ __forceinline__ void state_pass(const P& p, const void* ws, unsigned bx, unsigned by, unsigned char* smem_raw, ChunkReady&& chunk_ready) {
   using Sm = StateSmem<kVs>;
   constexpr int kNt = kVs / 8;  // 8-column tiles of a fragment
   const int nz = state_column_blocks(p.V, kVs);
