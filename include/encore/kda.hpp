@@ -21,7 +21,7 @@
 // the chunked tensor-core kernels, K or V in (128, 256] on a token-recurrent fp32 path (docs/kda.md
 // "Large head dims"; its forward needs no workspace), > 256 refused; fp32 contiguous
 // initial/final state, A_log, dt_bias; cu_seqlens on the host (<= 1024 sequences), as for the CPU
-// backend; needs workspace_bytes(args, opts) bytes of device workspace (96.5 KB per chunk of 64
+// backend; needs workspace_bytes(args, opts) bytes of device workspace (96.5 KB + 8 bytes per chunk of 64
 // tokens and head).
 // Backward: CPU (the chunked backward reading the forward's residuals when given, else the token-level
 // BPTT) and CUDA (deterministic; K, V <= 128: the chunked backwards on tensor cores, the second

@@ -211,7 +211,7 @@ def kda_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
     out: optional (o, final_state) to write into (final_state None unless output_final_state),
     returned as given. workspace: optional 1-D uint8 array on q's device of at least
     kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens) bytes (the CUDA forward's records, 96.5 KB
-    per chunk of 64 tokens and head); without it each CUDA call allocates one. With both and no
+    + 8 bytes per chunk of 64 tokens and head); without it each CUDA call allocates one. With both and no
     residuals a call allocates nothing (fixed addresses, e.g. for CUDA graph capture). Torch
     tensors go through torch.ops.encore.kda_forward (kda_forward_out with out or workspace), except
     out or workspace together with return_residuals (the direct call: eager only, not traceable).
@@ -280,7 +280,7 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
 
 def kda_forward_workspace_bytes(q, k, v, g, beta, out, cu_seqlens=None, state_v_first=False) -> int:
     """The size in bytes to allocate for kda_forward's `workspace` with these inputs and outputs
-    `out` = (o, final_state or None; final_state [N, H, V, K] with state_v_first): 96.5 KB per chunk of
+    `out` = (o, final_state or None; final_state [N, H, V, K] with state_v_first): 96.5 KB + 8 bytes per chunk of
     64 tokens and head on CUDA plus 16 for alignment, 0 on the CPU backend."""
     o, fin = given_outputs(out, ("o", "final_state"))
     # The size depends on the chunk and head counts only: the default options stand in for any.

@@ -17,8 +17,10 @@ using namespace encore_torch;
 
 constexpr std::array<const char*, 4> kResidualNames = {"G", "Aqk", "Akk", "h"};  // KdaResiduals' fields, in order
 constexpr int64_t kChunk = 64;                                                     // tokens per chunk (kda::kChunk)
-// The CUDA forward's workspace of a small problem (<= 1 MiB: <= 10 chunk records) rides in o's allocation
-// (one caching-allocator call less a call; o then holds it while it lives).
+// In inference (no input requires grad), the CUDA forward's workspace of a small problem (<= 1 MiB: <= 10
+// chunk records) rides in o's allocation: one caching-allocator call less a call. o then holds it while it
+// lives (and its storage, as torch.save writes it, is that much larger); where o may be saved for a
+// backward, the workspace is its own allocation, freed when the call returns.
 constexpr size_t kWorkspaceInOutput = size_t(1) << 20;
 
 // kda.py _residual_names over residuals.split(","): indices into kResidualNames in the order given, a
@@ -175,7 +177,10 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
   const size_t nbytes = workspace_need(f, args, opts);
   at::Tensor o, ws;
   void* wp = nullptr;
-  if (nbytes > 0 && nbytes <= kWorkspaceInOutput) {  // one allocation: o, then the workspace
+  const bool grad = q.requires_grad() || k.requires_grad() || v.requires_grad() || g.requires_grad() || beta.requires_grad() ||
+                    (initial_state && initial_state->requires_grad()) || (A_log && A_log->requires_grad()) ||
+                    (dt_bias && dt_bias->requires_grad());
+  if (nbytes > 0 && nbytes <= kWorkspaceInOutput && !grad) {  // one allocation: o, then the workspace
     o = empty_with_tail(v, {f.b, f.t, f.h, f.vd}, nbytes, &wp);
   } else {
     o = new_empty(v, {f.b, f.t, f.h, f.vd});

@@ -618,11 +618,13 @@ __device__ __forceinline__ void mbar_inval(void* bar) {
 // kernel), then sets its flag, then block b of the state kernel's grid (x = b % (H · column blocks), y =
 // b / that), whose thread 0 acquires the flag of each chunk (slot, h) before the bulk copy of its record.
 // Flags: one uint64 per chunk item after the records (chunk_flags), set to this launch's epoch (a host
-// counter, distinct per launch), so the workspace needs no clearing. The record's W and U arrive by bulk
+// counter, distinct per launch), so the workspace needs no clearing. The record's W and U leave by bulk
 // stores (async proxy): thread 0 waits for their completion (chunk_phase's end) and fences the async proxy
-// before the release; the reader fences it after the acquire, before its bulk copy. No block waits on a
-// chunk item that needs its SM: the grid is resident at once (one block an SM, grid <= SMs), or blocks not
-// yet resident get SMs as other work finishes.
+// before the release; the reader fences it after the acquire, before its bulk copy. The state pass's bulk
+// copies land on shared memory the chunk phase wrote by ordinary stores: every thread fences the async
+// proxy for shared memory before the barrier that ends the phase. The launch is cooperative (all blocks
+// resident at once, or the launch fails and the two kernels run instead), so a block that waits on a chunk
+// item never holds the SM the item's block needs.
 template <int kVs, class P>
 __global__ void __launch_bounds__(kThreads, 1) kda_one_launch_kernel(const __grid_constant__ P p, void* ws, unsigned long long epoch) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -630,9 +632,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_one_launch_kernel(const __gri
   if (int(blockIdx.x) < p.chunk_start[p.N] * p.H) {
     chunk_phase(p, ws, smem);
     __threadfence();  // this thread's record stores (Qg, Kg, dC, Aqk) before the flag
+    fence_proxy_async_shared();  // its shared-memory stores before the state pass's bulk copies over them
     __syncthreads();
     if (threadIdx.x == 0) {
-      mbar_inval(smem + ChunkSmem::kInBar);  // the chunk phase's barriers, before the state pass reuses their bytes
+      mbar_inval(smem + ChunkSmem::kInBar);  // the chunk phase's barriers are done (their bytes lie past the state pass's)
       mbar_inval(smem + ChunkSmem::kInvBar);
       fence_proxy_async_global();  // the completed bulk stores (W, U) before the flag
       const int slots = p.chunk_start[p.N], chunk_items = slots * p.H;
@@ -706,8 +709,20 @@ Status launch_one(const KdaCudaProblemFew& p, void* ws, unsigned long long epoch
   ENCORE_RETURN_IF_ERROR(set_dynamic_smem(what, kda_one_launch_kernel<kVs, KdaCudaProblemFew>, kSmem));
   const int chunk_items = p.chunk_start[p.N] * p.H, state_items = p.H * state_column_blocks(p.V, kVs) * p.N;
   const int grid = chunk_items > state_items ? chunk_items : state_items;
-  g_last_raw_fast = p.raw_fast;
-  return launch(what, [&] { kda_one_launch_kernel<kVs, KdaCudaProblemFew><<<unsigned(grid > 0 ? grid : 1), kThreads, kSmem, stream>>>(p, ws, epoch); });
+  ENCORE_RETURN_IF_ERROR(launch_gate(what));
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(grid > 0 ? grid : 1)), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = kSmem, cfg.stream = stream;
+  cudaLaunchAttribute coop{};
+  coop.id = cudaLaunchAttributeCooperative;
+  coop.val.cooperative = 1;
+  cfg.attrs = &coop, cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kda_one_launch_kernel<kVs, KdaCudaProblemFew>, p, ws, epoch);
+  if (e == cudaErrorCooperativeLaunchTooLarge) {  // not all resident now (other work, an SM limit): two kernels
+    (void)cudaGetLastError();
+    return Status::unsupported("kda forward: the one-launch grid is not resident at once");
+  }
+  if (e == cudaSuccess) g_last_raw_fast = p.raw_fast;
+  return launch_result(what, e);
 }
 
 // 16 or 32 columns (kda::one_launch_fits): at 64 the state pass and the chunk phase in one kernel

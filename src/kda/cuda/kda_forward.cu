@@ -5,7 +5,8 @@
 // state (and the h residual when asked). The chunk kernel's grid and the state kernel's width come
 // from the launch plan (kda/plan.hpp), chosen by the dispatch; a problem of <= kKdaFewSeqs sequences
 // whose chunk items and state blocks each fit one wave runs both in one kernel (plan.launches 1;
-// kda_one_launch_kernel), outside graph capture.
+// kda_one_launch_kernel, a cooperative launch), outside graph capture and where its grid is resident
+// at once (else the two kernels).
 #include <cuda.h>
 
 #include <unistd.h>
@@ -71,7 +72,11 @@ unsigned long long next_epoch() {
 // of the previous replay would already hold it.
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(s, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &st) != cudaSuccess) {
+    (void)cudaGetLastError();  // (not left for the next launch's check)
+    return true;
+  }
+  return st != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace
@@ -95,7 +100,10 @@ Status launch_kda_forward(P& p, const ::encore::kda::KdaLaunchPlan& plan, void* 
     for (int t = 0; t < 4; ++t)
       if (encode_input_map(p.tmap[t], *inputs[t], p.B, p.T, t < 2 ? p.H / p.group : p.H, t == 3 ? p.V : p.K)) p.raw_fast |= 1 << t;
     if constexpr (std::is_same_v<P, KdaCudaProblemFew>)
-      if (plan.launches == 1 && !capturing(s)) return kda::launch_one_kernel(p, workspace, plan.state_columns, next_epoch(), s);
+      if (plan.launches == 1 && !capturing(s)) {
+        const Status one = kda::launch_one_kernel(p, workspace, plan.state_columns, next_epoch(), s);
+        if (one.code() != StatusCode::kUnsupported) return one;  // (unsupported: the grid would not be resident at once)
+      }
     ENCORE_RETURN_IF_ERROR(kda::launch_chunk_kernel(p, workspace, plan.chunk_blocks, s));
   }
   return kda::launch_state_kernel(p, workspace, plan.state_columns, s);

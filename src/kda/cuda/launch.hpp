@@ -87,7 +87,8 @@ using KdaCudaProblem = KdaCudaProblemT<kKdaMaxSeqs>;     // any launch
 using KdaCudaProblemFew = KdaCudaProblemT<kKdaFewSeqs>;  // launches of <= kKdaFewSeqs sequences
 
 // Workspace of the forward: one record per (chunk, head) with the head dims padded to 128
-// (kda_device.cuh's WsLayout, 96.5 KB), so it depends on the chunk and head counts only.
+// (kda_device.cuh's WsLayout, 96.5 KB), then one 8-byte flag per (chunk, head) (the one-launch kernel's),
+// so it depends on the chunk and head counts only.
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H);
 // The chunked forward on `plan` (resolved: state_columns 16, 32 or 64, chunk_blocks >= 1; others are
 // refused). Fills p.tmap, p.raw_fast.
