@@ -96,3 +96,25 @@ def _fla_layouts(tensors, state):
     out = [x if x is None or x.is_contiguous() or x.dim() == 0 or x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
            for x in tensors]
     return out, state if state is None or state.is_contiguous() else state.contiguous()
+
+
+# The options word of torch.ops.encore.kda_forward / kda_forward_out (one int: each bool argument costs the
+# dispatcher ~0.2 us a call, docs/python.md "Host cost").
+KDA_FINAL_STATE, KDA_QK_L2NORM, KDA_GATE_IN_KERNEL, KDA_STATE_V_FIRST, KDA_RESIDUALS_BF16 = 1, 2, 4, 8, 16
+
+
+def _op_flags(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype=None):
+    """The ops' options word; residual_dtype (None, 'float32' or 'bfloat16') where residuals are asked for."""
+    if not (residual_dtype is None or (type(residual_dtype) is str and residual_dtype in ("float32", "bfloat16"))):
+        raise ValueError(f"residual_dtype: expected 'float32' or 'bfloat16', got {residual_dtype!r}")
+    return ((KDA_FINAL_STATE if output_final_state else 0) | (KDA_QK_L2NORM if use_qk_l2norm else 0) |
+            (KDA_GATE_IN_KERNEL if use_gate_in_kernel else 0) | (KDA_STATE_V_FIRST if state_v_first else 0) |
+            (KDA_RESIDUALS_BF16 if residual_dtype == "bfloat16" else 0))
+
+
+def _op_options(flags):
+    """(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype) of an options word."""
+    if type(flags) is not int or not 0 <= flags < 32:
+        raise ValueError(f"flags: expected an options word in [0, 32) (kda._op_flags), got {flags!r}")
+    return (bool(flags & KDA_FINAL_STATE), bool(flags & KDA_QK_L2NORM), bool(flags & KDA_GATE_IN_KERNEL), bool(flags & KDA_STATE_V_FIRST),
+            "bfloat16" if flags & KDA_RESIDUALS_BF16 else "float32")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ._core import ops
+from ._kda_args import _op_flags
 
 
 _NAMES = ("G", "Aqk", "Akk", "h")  # the op's residual order (kda_backward's arguments)
@@ -38,8 +39,8 @@ class ChunkKdaFunction(torch.autograd.Function):
         names, rdt = _residual_request(q, rematerialize)
         scale = None if scale is None else float(scale)
         lower = None if lower_bound is None else float(lower_bound)
-        outs = ops().kda_forward(q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(l2), bool(gate), A_log,
-                                  dt_bias, lower, cu, names, rdt, bool(state_v_first))
+        outs = ops().kda_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, scale, lower,
+                                 _op_flags(output_final_state, l2, gate, state_v_first, rdt if names else None), names)
         o = outs[0]
         fin = outs[1] if output_final_state else None
         res = _residual_list(names, outs[2 if output_final_state else 1:])
@@ -72,9 +73,9 @@ def chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, outp
                                         any(t is not None and t.requires_grad for t in (A_log, dt_bias, initial_state)))
     if not grad:
         # inference: the forward alone, no residuals saved, no autograd node
-        outs = ops().kda_forward(q, k, v, g, beta, None if scale is None else float(scale), initial_state, bool(output_final_state),
-                                 bool(l2), bool(gate), A_log, dt_bias, None if lower_bound is None else float(lower_bound), cu, "", None,
-                                 bool(state_v_first))
+        outs = ops().kda_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, None if scale is None else float(scale),
+                                 None if lower_bound is None else float(lower_bound), _op_flags(output_final_state, l2, gate, state_v_first),
+                                 "")
         return outs[0], (outs[1] if output_final_state else None)
     return ChunkKdaFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate,
                                   lower_bound, cu, bool(rematerialize), bool(state_v_first))

@@ -23,7 +23,7 @@ from . import _core
 from . import _encore as _b
 from ._core import dl, ops, stream_for
 from ._kda_autograd import _residual_list, _residual_request
-from ._kda_args import _forward_args, _opts
+from ._kda_args import _forward_args, _op_flags, _opts
 
 
 class _DistExchange:
@@ -129,8 +129,9 @@ class ChunkKdaCpFunction(torch.autograd.Function):
         if pre > 0:
             h0[0] = _merge(parts, range(r - pre, r), hv, K, V).to(h0.dtype)
         names, rdt = _residual_request(q, False)
-        outs = ops().kda_forward(q, k, v, g, beta, None if scale is None else float(scale), h0, False, bool(l2), bool(gate), A_log,
-                                  dt_bias, None if lower_bound is None else float(lower_bound), cu_local, names, rdt)
+        outs = ops().kda_forward(q, k, v, g, beta, h0, A_log, dt_bias, cu_local, None if scale is None else float(scale),
+                                 None if lower_bound is None else float(lower_bound), _op_flags(False, l2, gate, False, rdt if names else None),
+                                 names)
         res = _residual_list(names, outs[1:])
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_local, *res)
         ctx.meta = (scale, bool(l2), bool(gate), lower_bound, opts, pre, post, ex, r)

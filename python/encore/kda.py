@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import _core
 from . import _encore as _b
-from ._kda_args import _fla_layouts, _forward_args, _gate_params, _opts, _state_layout, _state_shape
+from ._kda_args import _fla_layouts, _forward_args, _gate_params, _op_flags, _op_options, _opts, _state_layout, _state_shape
 from ._kda_serving import fused_recurrent_kda, fused_recurrent_kda_fwd, kda_forward_pool
 from ._core import (as_float, dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, native, ops, present, stream_for,
                     torch_module, torch_op, with_absent)
@@ -135,8 +135,8 @@ def _kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_st
 
 # --- torch.ops.encore: the launchers on torch's current stream ----------------------------------------
 
-def _kda_forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
-                      dt_bias, lower_bound, cu_seqlens, residuals, residual_dtype, state_v_first=False):
+def _kda_forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, lower_bound, flags, residuals):
+    output_final_state, _, _, state_v_first, residual_dtype = _op_options(flags)
     torch = torch_module()
     b, t, _, kd = q.shape
     h, vd = v.shape[2], v.shape[3]
@@ -155,25 +155,26 @@ def _kda_forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state
 
 
 @torch_op("kda_forward", fake=_kda_forward_fake)
-def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, initial_state: Tensor | None,
-                 output_final_state: bool, use_qk_l2norm: bool, use_gate_in_kernel: bool, A_log: Tensor | None,
-                 dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, residuals: str,
-                 residual_dtype: str | None, state_v_first: bool = False) -> list[Tensor]:
-    """[o, final_state if output_final_state, *residuals]; residuals: comma-separated names among G, Aqk,
-    Akk, h ("" for none). (A mutable op may not return a Tensor[]: kda_forward_out takes no residuals.)"""
+def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, A_log: Tensor | None,
+                 dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, lower_bound: float | None, flags: int,
+                 residuals: str) -> list[Tensor]:
+    """[o, final_state if output_final_state, *residuals]; flags: the options word (_op_flags); residuals:
+    comma-separated names among G, Aqk, Akk, h ("" for none). (A mutable op may not return a Tensor[]:
+    kda_forward_out takes no residuals.)"""
+    final, l2, gate, vfirst, rdt = _op_options(flags)
     names = _residual_names(residuals.split(",")) if residuals else ()
-    o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel,
-                                      A_log, dt_bias, lower_bound, cu_seqlens, names, residual_dtype, None, None, None, state_v_first)
+    o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, final, l2, gate, A_log, dt_bias, lower_bound, cu_seqlens,
+                                      names, rdt, None, None, None, vfirst)
     return present([o, fin, *(res or {}).values()])
 
 
 @torch_op("kda_forward_out", fake=lambda *_: None, mutates=("o", "final_state", "workspace"))
-def _kda_forward_out(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, initial_state: Tensor | None,
-                     output_final_state: bool, use_qk_l2norm: bool, use_gate_in_kernel: bool, A_log: Tensor | None,
-                     dt_bias: Tensor | None, lower_bound: float | None, cu_seqlens: Tensor | None, o: Tensor,
-                     final_state: Tensor | None, workspace: Tensor | None, state_v_first: bool = False) -> None:
-    _kda_forward_launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log,
-                        dt_bias, lower_bound, cu_seqlens, (), None, (o, final_state), workspace, None, state_v_first)
+def _kda_forward_out(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, A_log: Tensor | None,
+                     dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, lower_bound: float | None, flags: int,
+                     o: Tensor, final_state: Tensor | None, workspace: Tensor | None) -> None:
+    final, l2, gate, vfirst, _ = _op_options(flags)
+    _kda_forward_launch(q, k, v, g, beta, scale, initial_state, final, l2, gate, A_log, dt_bias, lower_bound, cu_seqlens, (), None,
+                        (o, final_state), workspace, None, vfirst)
 
 
 def _kda_backward_fake(q, k, v, g, beta, d_o, d_final_state, scale, initial_state, use_qk_l2norm, use_gate_in_kernel, A_log,
@@ -256,8 +257,8 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
                 dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, state_v_first):
     """kda_forward through the ops `fwd` (kda_forward) or, with out or workspace, `fwd_out` (kda_forward_out):
     torch.ops.encore's overloads when traced, the C++ kernels' dispatcher entries when eager; kda_forward's return value."""
-    ins = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-           cu_seqlens)
+    flags = _op_flags(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype if names else None)
+    ins = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, lower_bound, flags)
     if out is not None or workspace is not None:
         if out is None:  # (the launcher's checks first: its messages)
             b, t, _, kd = matrix_shape(q, "q", 4, "[B, T, H, K]")
@@ -266,13 +267,13 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
             out = (empty(v, (b, t, h, vd)),
                    empty(q, _state_shape(n, h, kd, vd, state_v_first), _state_kind(q)) if output_final_state else None)
         out = given_outputs(out, ("o", "final_state"))
-        fwd_out(*ins, *out, workspace, state_v_first)
+        fwd_out(*ins, *out, workspace)
         return out
     if not names:
-        outs = fwd(*ins, "", residual_dtype, state_v_first)
+        outs = fwd(*ins, "")
         return outs[0], outs[1] if output_final_state else None
     canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
-    o, fin, *res = with_absent(fwd(*ins, ",".join(canonical), residual_dtype, state_v_first),
+    o, fin, *res = with_absent(fwd(*ins, ",".join(canonical)),
                                (True, output_final_state) + (True,) * len(names))
     res = dict(zip(canonical, res))
     return o, fin, {x: res[x] for x in names}

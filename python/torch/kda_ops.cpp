@@ -1,10 +1,11 @@
 // encore._encore_torch, the KDA forward: C++ CompositeExplicitAutograd kernels of torch.ops.encore.kda_forward
 // (the op chunk_kda's autograd Function runs) and kda_forward_out, as python/encore/kda.py's
 // _kda_forward_launch does them: o and final_state (float32, float64 for float64 inputs) allocated on the
-// inputs' device, the requested residuals (G float32; Aqk, Akk, h in residual_dtype; h's rows from the C++
-// chunk count), cu_seqlens copied to the host when it is a CUDA tensor, the CUDA workspace allocated by
-// ATen (16-byte aligned) or the caller's checked, and the launcher's ValueError messages. state_v_first (the
-// ops' last argument): the states [N, HV, V, K], final_state allocated so.
+// inputs' device, the requested residuals (G float32; Aqk, Akk, h in the residual dtype of the options word;
+// h's rows from the C++ chunk count), cu_seqlens copied to the host when it is a CUDA tensor, the CUDA workspace
+// allocated by ATen (16-byte aligned) or the caller's checked, and the launcher's ValueError messages. The options
+// word `flags` (kda.py _op_flags): final state, q/k L2 norm, in-kernel gate, state_v_first (the states
+// [N, HV, V, K], final_state allocated so), bf16 residuals.
 #include <algorithm>
 #include <array>
 
@@ -45,6 +46,13 @@ std::vector<int> residual_names(c10::string_view residuals) {
   for (int i : found)
     if (std::find(idx.begin(), idx.end(), i) == idx.end()) idx.push_back(i);
   return idx;
+}
+
+// kda.py's options word (_op_flags / _op_options).
+constexpr int64_t kFinalState = 1, kQkL2norm = 2, kGateInKernel = 4, kStateVFirst = 8, kResidualsBf16 = 16;
+int64_t checked_flags(int64_t flags) {
+  TORCH_CHECK_VALUE(flags >= 0 && flags < 32, "flags: expected an options word in [0, 32) (kda._op_flags), got ", flags);
+  return flags;
 }
 
 // _kda_args.py _opts: scale None (0 here) is K^-1/2; a given one must be positive and finite.
@@ -147,10 +155,11 @@ void run_forward(const encore::KdaForwardArgs& args, const encore::KdaOptions& o
 
 // [o, final_state if output_final_state, *residuals in the order named]
 std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                    const at::Tensor& beta, std::optional<double> scale, const OptTensor& initial_state,
-                                    bool output_final_state, bool use_qk_l2norm, bool use_gate_in_kernel, const OptTensor& A_log,
-                                    const OptTensor& dt_bias, std::optional<double> lower_bound, const OptTensor& cu_seqlens,
-                                    c10::string_view residuals, std::optional<c10::string_view> residual_dtype, bool state_v_first) {
+                                    const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias,
+                                    const OptTensor& cu_seqlens, std::optional<double> scale, std::optional<double> lower_bound,
+                                    int64_t flags, c10::string_view residuals) {
+  checked_flags(flags);
+  const bool output_final_state = flags & kFinalState, state_v_first = flags & kStateVFirst;
   const std::vector<int> names = residual_names(residuals);
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
   const int64_t n = sequences(f);
@@ -160,10 +169,7 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
                                        : new_empty(q, {n, f.h, f.kd, f.vd}, state);
   std::array<at::Tensor, 4> res;
   if (!names.empty()) {
-    at::ScalarType kind = at::kFloat;
-    if (residual_dtype && *residual_dtype == "bfloat16") kind = at::kBFloat16;
-    else TORCH_CHECK_VALUE(!residual_dtype || *residual_dtype == "float32", "residual_dtype: expected 'float32' or 'bfloat16', got ",
-                           py_repr(*residual_dtype));
+    const at::ScalarType kind = (flags & kResidualsBf16) ? at::kBFloat16 : at::kFloat;
     const int64_t nt = std::find(names.begin(), names.end(), 3) != names.end() ? chunk_count(f) : 0;
     for (int i : names) {
       if (i == 0) res[0] = new_empty(q, {f.b, f.t, f.h, f.kd}, at::kFloat);
@@ -173,7 +179,8 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
   }
   // The workspace's size reads shapes only: v stands in for o (o has v's shape and dtype) until o exists.
   encore::KdaForwardArgs args = forward_args(f, v, fin, res);
-  const encore::KdaOptions opts = kda_options(scale, use_qk_l2norm, use_gate_in_kernel, lower_bound, output_final_state, state_v_first);
+  const encore::KdaOptions opts =
+      kda_options(scale, flags & kQkL2norm, flags & kGateInKernel, lower_bound, output_final_state, state_v_first);
   const size_t nbytes = workspace_need(f, args, opts);
   at::Tensor o, ws;
   void* wp = nullptr;
@@ -198,10 +205,12 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
 }
 
 void kda_forward_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                     std::optional<double> scale, const OptTensor& initial_state, bool output_final_state, bool use_qk_l2norm,
-                     bool use_gate_in_kernel, const OptTensor& A_log, const OptTensor& dt_bias, std::optional<double> lower_bound,
-                     const OptTensor& cu_seqlens, const at::Tensor& o, const OptTensor& final_state, const OptTensor& workspace,
-                     bool state_v_first) {
+                     const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias, const OptTensor& cu_seqlens,
+                     std::optional<double> scale, std::optional<double> lower_bound, int64_t flags, const at::Tensor& o,
+                     const OptTensor& final_state, const OptTensor& workspace) {
+  checked_flags(flags);
+  const bool output_final_state = flags & kFinalState, state_v_first = flags & kStateVFirst;
+  const bool use_qk_l2norm = flags & kQkL2norm, use_gate_in_kernel = flags & kGateInKernel;
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
   (void)sequences(f);  // (the launcher takes len(cu_seqlens) before looking at out)
   const at::Tensor fin = final_state && final_state->defined() ? *final_state : at::Tensor();

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import encore  # noqa: E402
-from encore import _core, gemm, kda, norm  # noqa: E402
+from encore import _core, _kda_args, gemm, kda, norm  # noqa: E402
 from helpers import dispatch_recorder  # noqa: E402
 
 encore.register_torch_ops()
@@ -189,9 +189,9 @@ def _native_cases():
             ("add_rms_norm_", (x, randn(4, N), nw, 1e-6, 0.0), (0, 1, 2)),
             ("add_rms_norm_out", (x, randn(4, N), nw, 1e-6, 0.0, torch.empty(4, N)), (0, 1, 2, 5)),
             ("qk_norm_", (randn(3, 3 * 64, dt=BF16), randn(64, dt=BF16), randn(64, dt=BF16), 1, 1, 64, 1e-6, 0.0), (0, 1, 2)),
-            ("kda_forward", (q, k, v, g, beta, None, None, True, False, False, None, None, None, None, "G,h", None), (0, 1, 2, 3, 4)),
-            ("kda_forward_out", (q, k, v, g, beta, None, None, False, False, False, None, None, None, None, torch.empty_like(v), None, None),
-             (0, 1, 2, 3, 4, 14))]
+            ("kda_forward", (q, k, v, g, beta, None, None, None, None, None, None, 1, "G,h"), (0, 1, 2, 3, 4)),
+            ("kda_forward_out", (q, k, v, g, beta, None, None, None, None, None, None, 0, torch.empty_like(v), None, None),
+             (0, 1, 2, 3, 4, 12))]
 
 
 def _variants(t):
@@ -260,8 +260,9 @@ def test_kda_forward_matches_python_kernel():
     A_log, dt_bias = randn(2), randn(16, scale=0.1)
 
     def call(final=True, cu_=None, res="", rdt=None, scale=None, h0_=None, l2=False, gate=False, A=None, dtb=None, lb=None, ins=None,
-             vf=None):
-        return (*(ins or (q, k, v, g, beta)), scale, h0_, final, l2, gate, A, dtb, lb, cu_, res, rdt) + ((vf,) if vf is not None else ())
+             vf=False, flags=None):
+        word = _kda_args._op_flags(final, l2, gate, vf, rdt) if flags is None else flags
+        return (*(ins or (q, k, v, g, beta)), h0_, A, dtb, cu_, scale, lb, word, res)
 
     h0t = h0.transpose(2, 3).contiguous()  # state_v_first: [N, HV, V, K]
 
@@ -272,7 +273,7 @@ def test_kda_forward_matches_python_kernel():
              call(cu_=cu, h0_=h0t, vf=True), call(cu_=cu, h0_=h0t, res="G,Aqk,h", vf=True), call(final=False, cu_=cu, h0_=h0t, vf=True),
              # refused
              call(cu_=cu, h0_=h0, vf=True), call(cu_=cu, h0_=h0t, vf=False),
-             call(res="G,x"), call(res=","), call(res="G", rdt="float16"), call(scale=-1.0), call(scale=0.0), call(scale=math.nan),
+             call(res="G,x"), call(res=","), call(res="G", flags=32), call(flags=-1), call(scale=-1.0), call(scale=0.0), call(scale=math.nan),
              call(scale=math.inf), call(scale=-2.5e-7), call(cu_=torch.tensor(3)), call(cu_=cu.float()), call(ins=(q[0], k, v, g, beta)),
              call(ins=(q, k, v[0], g, beta)), call(ins=(q, k[:, :50], v, g, beta)), call(gate=True), call(h0_=h0[:1].double()),
              call(res="h", ins=(q, k[..., :4], v, g, beta))]
@@ -285,15 +286,17 @@ def test_kda_forward_out_matches_python_kernel():
     o, fin = torch.empty_like(v), torch.empty(2, 2, 8, 6)
     ws = torch.zeros(64, dtype=torch.uint8)
 
-    def call(final, cu_, o_, fin_, ws_, scale=None, vf=None):
-        return (q, k, v, g, beta, scale, None, final, False, False, None, None, None, cu_, o_, fin_, ws_) + ((vf,) if vf is not None else ())
+    def call(final, cu_, o_, fin_, ws_, scale=None, vf=False, flags=None):
+        word = _kda_args._op_flags(final, False, False, vf) if flags is None else flags
+        return (q, k, v, g, beta, None, None, None, cu_, scale, None, word, o_, fin_, ws_)
 
     cases = [call(True, cu, o, fin, None), call(False, None, o, None, None), call(True, cu, o, fin, ws), call(False, None, o, None, ws[1:]),
              call(True, cu, o, None, None), call(False, None, o, fin, None), call(False, None, o, None, ws.float()),
              call(False, None, o, None, ws.view(8, 8)), call(False, None, o, None, None, scale=-1.0), call(True, None, o, fin[:1], None),
              call(True, cu, o, fin.transpose(2, 3).contiguous(), None, vf=True), call(True, cu, o, fin, ws, vf=False),
-             call(True, cu, o, fin, None, vf=True), call(True, cu, o, fin.transpose(2, 3).contiguous(), None, vf=False)]
-    check("kda_forward_out", kda._kda_forward_out, cases, mutated=(14, 15))
+             call(True, cu, o, fin, None, vf=True), call(True, cu, o, fin.transpose(2, 3).contiguous(), None, vf=False),
+             call(True, cu, o, fin, None, flags=33)]
+    check("kda_forward_out", kda._kda_forward_out, cases, mutated=(12, 13))
 
 
 def test_public_functions_take_the_native_kernels():
