@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
 #include "kda/testing.hpp"
 #include "encore/kda.hpp"
@@ -265,10 +266,8 @@ TEST_F(KdaGpu, StridedInputs) {
 // Each width as the separate chunk and state kernels (launches 2) and, at 16 and 32 columns, in the
 // one-launch kernel (launches 1, the rule's choice for these one-wave cases).
 TEST_F(KdaGpu, StateKernelOn16And32And64ColumnBlocks) {
-  for (int launches : {1, 2})
-  for (int columns : {16, 32, 64}) {
-    if (launches == 1 && columns == 64) continue;  // (one_launch_fits: 16 or 32 columns)
-    kda::KdaLaunchPlan plan;
+  for (auto [launches, columns] : {std::pair{2, 16}, std::pair{2, 32}, std::pair{2, 64}, std::pair{1, 16}, std::pair{1, 32}}) {
+    kda::KdaLaunchPlan plan;  // (one launch: 16 or 32 columns, one_launch_fits)
     plan.state_columns = columns;
     plan.launches = launches;
     const std::string tag = std::to_string(columns) + "-column state, " + std::to_string(launches) + " launch(es): ";
