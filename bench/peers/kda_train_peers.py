@@ -15,7 +15,7 @@ Two gate configurations (KDA_PEER_GATES=fla,cudnn), drawn from one set of random
 
 Per configuration (shape x H x gate) and implementation, medians over ROUNDS rounds (default 3), the order of the
 implementations rotated each round: device time (the summed CUDA kernel time per call from torch.profiler) of the
-forward alone (grad enabled: the residuals saved), the backward alone (one recorded graph replayed with retain_graph)
+forward alone (grad enabled: the residuals saved), the inference forward (under torch.no_grad: "infer"), the backward alone (one recorded graph replayed with retain_graph)
 and forward + backward; wall time per forward + backward (CUDA events, host dispatch included); the bytes the forward
 keeps for the backward (allocated after the forward minus before: residuals, o and the final state), also per token
 and head; the peak of a forward + backward above the inputs; the last round's per-kernel split; o, the final state
@@ -203,6 +203,13 @@ def measure(who, fn, x, cot, cu, shape, gate):
     sync()
     r, split = {}, {}
     r["fwd_ms"], split["fwd"] = device_ms(fwd)
+
+    def infer():  # the inference forward: no grad, so no residuals where the implementation skips them
+        with torch.no_grad():
+            return fwd()
+
+    infer()
+    r["infer_ms"], split["infer"] = device_ms(infer)
     sync()
     before = allocated()
     outs = fwd()
@@ -266,7 +273,7 @@ def run_config(key, who_fns, x, cot, cu, shape, gate, res):
                 continue
             runs[who].append(r)
             outs.setdefault(who, o)
-            print(f"  [{key} round {rnd + 1}/{ROUNDS}] {who}: fwd {r['fwd_ms']:.3f} bwd {r['bwd_ms']:.3f} "
+            print(f"  [{key} round {rnd + 1}/{ROUNDS}] {who}: fwd {r['fwd_ms']:.3f} infer {r['infer_ms']:.3f} bwd {r['bwd_ms']:.3f} "
                   f"fwd+bwd {r['fwd_bwd_ms']:.3f} ms ({time.perf_counter() - t0:.1f} s)", flush=True)
     B, T, H = shape[:3]
     names = ("o", "final_state") + tuple(f"d{n}" for n in GRADS[gate])
@@ -277,12 +284,16 @@ def run_config(key, who_fns, x, cot, cu, shape, gate, res):
         d = {k_: (statistics.median(r[k_] for r in rs) if rs[0][k_] is not None else None) for k_ in rs[0]}
         d["saved_bytes_per_token_head"] = d["saved_bytes"] / (B * T * H) if d["saved_bytes"] is not None else None
         if "fla" in out:  # fla comes first
-            for k_ in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
+            for k_ in ("fwd_ms", "infer_ms", "bwd_ms", "fwd_bwd_ms"):
                 d[f"{k_[:-3]}_speedup_vs_fla"] = out["fla"][k_] / d[k_]
             d["vs_fla_rel_rms"] = {n: rel(a, b) for n, a, b in zip(names, outs[who], outs["fla"])}
         d["kernels_last_round"] = splits[who]
         d["rounds"] = rs
         out[who] = d
+    for who, d in out.items():  # cuDNN's times over each other implementation's (cuDNN gate only)
+        if "cudnn" in out and who != "cudnn":
+            for k_ in ("fwd_ms", "infer_ms", "bwd_ms", "fwd_bwd_ms"):
+                d[f"{k_[:-3]}_speedup_vs_cudnn"] = out["cudnn"][k_] / d[k_]
     return out
 
 
@@ -343,7 +354,7 @@ def print_table(res):
     print(f"\n==== medians, {unit} per call; f+b wall: CUDA events; saved: bytes / (token, head) kept by the "
           "forward (o and final state included); peak: MiB above the inputs; xfla: fla's fwd+bwd / this; "
           "err: max rel RMS vs fla")
-    print(f"{'config':32s} {'who':18s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'f+b wall':>8s} {'saved':>7s} "
+    print(f"{'config':32s} {'who':18s} {'fwd':>8s} {'infer':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'f+b wall':>8s} {'saved':>7s} "
           f"{'peakMiB':>8s} {'xfla':>6s} {'err':>8s}")
     for key, whos in res["results"].items():
         for who, d in whos.items():
@@ -351,7 +362,7 @@ def print_table(res):
                 continue
             errs = list(d.get("vs_fla_rel_rms", {}).values())
             peak = d["peak_bytes"] / 2**20 if d["peak_bytes"] is not None else None
-            print(f"{key:32s} {who:18s} {_f(d['fwd_ms'], '8.3f')} {_f(d['bwd_ms'], '8.3f')} "
+            print(f"{key:32s} {who:18s} {_f(d['fwd_ms'], '8.3f')} {_f(d['infer_ms'], '8.3f')} {_f(d['bwd_ms'], '8.3f')} "
                   f"{_f(d['fwd_bwd_ms'], '8.3f')} {_f(d['fwd_bwd_wall_ms'], '8.3f')} "
                   f"{_f(d['saved_bytes_per_token_head'], '7.0f')} {_f(peak, '8.1f')} "
                   f"{_f(d.get('fwd_bwd_speedup_vs_fla'), '6.2f')} {_f(max(errs) if errs else None, '8.2e')}")
