@@ -91,7 +91,7 @@ Status resolve_tile(const GemmEpilogueArgs& a, const GemmEpilogueOptions& o, con
                                  " kernel's tile " + gemm_tile_name(fixed) + " (set by partial_tile_n)");
     chosen = fixed;
   } else if (chosen == GemmTile::kAuto) {
-    chosen = gemm::auto_tile(e, gemm_m(a, info), gemm_n(a, info), gemm_k(a, info));
+    chosen = gemm::auto_tile(gemm_n(a, info), gemm_k(a, info));
     if (!(info.tiles & tile_flag(chosen)))
       chosen = chosen == GemmTile::kPingpong128x128 ? GemmTile::kCooperative128x256 : GemmTile::kPingpong128x128;
   }

@@ -24,8 +24,7 @@ int gemm_partial_tile_n(Epilogue e, int64_t, int64_t, int64_t K) {
   const GemmEpilogueInfo* info = gemm_epilogue_info(e);
   if (info == nullptr || !(info->operands & (kOperandTilePartials | kOperandTilePartialsOptional | kOperandColumnPartials))) return 0;
   if (e == Epilogue::kSwigluBwd) return K >= 8192 ? 256 : 128;
-  if (e == Epilogue::kRmsnormBwd) return K >= 12288 ? 256 : 128;
-  return e == Epilogue::kResidualSqsumAux && K >= 12288 ? 256 : 128;
+  return (e == Epilogue::kResidualSqsumAux || e == Epilogue::kRmsnormBwd) && K >= 12288 ? 256 : 128;
 }
 
 namespace gemm {
@@ -41,7 +40,7 @@ std::pair<int64_t, int64_t> tile_mn(GemmTile t) {
 // SwiGLU included: 8B gate/up (M 8192 / 16384 x 28672 x 4096) ran 1.040x / 1.043x of cuBLAS on the
 // cooperative tile against 1.262x / 1.260x on ping-pong on an H100 (the 8B JSON above); on an H200
 // ping-pong had led by 2% (1.037x against 1.056x).
-GemmTile auto_tile(Epilogue, int64_t, int64_t N, int64_t K) {
+GemmTile auto_tile(int64_t N, int64_t K) {
   const bool pingpong = K <= 2048 || (K <= 4096 && N <= 8192) || N <= 2048;
   return pingpong ? GemmTile::kPingpong128x128 : GemmTile::kCooperative128x256;
 }

@@ -82,8 +82,8 @@ struct RopeBwdZdzProblem {
 
 // Tile shape (M, N) of a resolved tile (never kAuto).
 std::pair<int64_t, int64_t> tile_mn(GemmTile t);
-// The tile for GemmTile::kAuto when the partials do not fix it.
-GemmTile auto_tile(Epilogue e, int64_t M, int64_t N, int64_t K);
+// The tile for GemmTile::kAuto when the partials do not fix it (every epilogue by the same rule on N and K).
+GemmTile auto_tile(int64_t N, int64_t K);
 // Scheduler swizzle (tiles per group; the padding it adds to the tile grid bounded) and raster order for
 // swizzle = 0 / GemmRaster::kAuto.
 int auto_swizzle(int64_t M, int64_t N, GemmTile t);
