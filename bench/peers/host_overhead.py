@@ -13,7 +13,8 @@ shapes are tiny, so the host, not the GPU, is the bottleneck ("device_us": the p
 time per call from a CUDA-graph replay, for comparison).
 "<path>_host": the host time alone, calls queued behind a busy GPU (host_us), the number the
 torch.ops gate reads (chunk_kda's device time, ~18 us, exceeds its host time, so the wall time
-cannot show it).
+cannot show it); "torch_op_host_paired" / "torch_rms_norm_host_paired": the torch.ops path and torch's
+F.rms_norm timed in alternation (21 rounds, best of each), for hosts whose speed drifts within the job.
 Gates (issue 46): rms_norm's public path (wall) at or under torch_rms_norm; every op's torch_op
 path <= 10 us of host time.
 Usage: python3 bench/peers/host_overhead.py [OUT.json]  (CUDA build and GPU; falls back to the CPU
@@ -47,7 +48,16 @@ def wall_us(call, sync):
     return best
 
 
-def host_us(call, sync, cuda, m=100):
+def host_pair_us(call, ref, sync, cuda, rounds=3 * REPEATS):
+    """host_us of call and of ref measured in alternation (each round one of each, best over the rounds): the
+    reference beside the op in time, so a host whose speed drifts within the job moves both."""
+    if not cuda:
+        return host_us(call, sync, cuda), host_us(ref, sync, cuda)
+    pairs = [(host_us(call, sync, cuda, repeats=1), host_us(ref, sync, cuda, repeats=1)) for _ in range(rounds)]
+    return min(p[0] for p in pairs), min(p[1] for p in pairs)
+
+
+def host_us(call, sync, cuda, m=100, repeats=REPEATS):
     """Host time per call alone: m calls queued behind a GPU held busy by a 50 ms sleep kernel, timed
     without a sync (the queue holds them all: <= 10 launches a call), best of REPEATS. Where the
     device time of a call exceeds its host time (chunk_kda), this is the host cost that wall_us
@@ -58,7 +68,7 @@ def host_us(call, sync, cuda, m=100):
         call()
     sync()
     best = float("inf")
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         torch.cuda._sleep(int(1e8))
         t0 = time.perf_counter()
         for _ in range(m):
@@ -132,6 +142,9 @@ def main():
         for op, calls in paths.items():
             row = {name: wall_us(call, sync) for name, call in calls.items()}
             row.update({name + "_host": host_us(call, sync, cuda) for name, call in calls.items() if name != "binding"})
+            # the torch.ops path and torch's F.rms_norm alternating: the gate's number beside its reference in time
+            row["torch_op_host_paired"], row["torch_rms_norm_host_paired"] = host_pair_us(calls["torch_op"], refs["torch_rms_norm"],
+                                                                                         sync, cuda)
             if cuda:
                 row["device_us"] = graph_us(lambda i: calls["public"]())
             results["ops"][op] = row
