@@ -294,8 +294,27 @@ pass_bench() {
   detail="$(basename "$json") ($(grep -c '"suite"' "$json" 2>/dev/null || echo 0) records, commit $ENCORE_COMMIT)"
 }
 
+# Triton autotune results (fla's kernels cache theirs on disk: FLA_CACHE_RESULTS, ~170 s of tuning per new shape
+# family on a fresh machine): .whl/triton_autotune_<GPU>.tgz, written by an earlier peers pass on that GPU model
+# ($OUT/triton_autotune_<GPU>.tgz: copy it into .whl/), is unpacked into the Triton cache before the peers run,
+# and what the cache then holds is packed into $OUT after them.
+gpu_model() { nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H[0-9]+' | head -1; }
+autotune_in() {
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+  mkdir -p "$TRITON_CACHE_DIR"
+  local f; f=.whl/triton_autotune_$(gpu_model).tgz
+  [ -f "$f" ] || return 0
+  tar -xzf "$f" -C "$TRITON_CACHE_DIR" && echo "autotune results from $f: $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l) files" >>"$log"
+}
+autotune_out() {
+  local n; n=$(find "$TRITON_CACHE_DIR" -name '*.autotune.json' 2>/dev/null | wc -l)
+  [ "$n" -gt 0 ] || return 0
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune_$(gpu_model).tgz" -T -)
+}
+
 pass_peers() {
   wheels
+  [ "$DRY" = 1 ] || autotune_in
   local pp="$root/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" p
   [ -d "$BUILD/python/encore" ] || echo "no encore Python module: the peers run without encore" | tee -a "$log"
   detail=
@@ -315,6 +334,7 @@ pass_peers() {
     rc=$?
     detail+="$p rc=$rc; "
   done
+  [ "$DRY" = 1 ] || autotune_out
 }
 
 ncu_times() {  # ncu_times BIN LABEL RAWLOG: per-kernel device times of `encore bench` under ncu
