@@ -50,9 +50,8 @@ std::vector<int> residual_names(c10::string_view residuals) {
 
 // kda.py's options word (_op_flags / _op_options).
 constexpr int64_t kFinalState = 1, kQkL2norm = 2, kGateInKernel = 4, kStateVFirst = 8, kResidualsBf16 = 16;
-int64_t checked_flags(int64_t flags) {
+void check_flags(int64_t flags) {
   TORCH_CHECK_VALUE(flags >= 0 && flags < 32, "flags: expected an options word in [0, 32) (kda._op_flags), got ", flags);
-  return flags;
 }
 
 // _kda_args.py _opts: scale None (0 here) is K^-1/2; a given one must be positive and finite.
@@ -158,7 +157,7 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
                                     const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias,
                                     const OptTensor& cu_seqlens, std::optional<double> scale, std::optional<double> lower_bound,
                                     int64_t flags, c10::string_view residuals) {
-  checked_flags(flags);
+  check_flags(flags);
   const bool output_final_state = flags & kFinalState, state_v_first = flags & kStateVFirst;
   const std::vector<int> names = residual_names(residuals);
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
@@ -208,7 +207,7 @@ void kda_forward_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias, const OptTensor& cu_seqlens,
                      std::optional<double> scale, std::optional<double> lower_bound, int64_t flags, const at::Tensor& o,
                      const OptTensor& final_state, const OptTensor& workspace) {
-  checked_flags(flags);
+  check_flags(flags);
   const bool output_final_state = flags & kFinalState, state_v_first = flags & kStateVFirst;
   const bool use_qk_l2norm = flags & kQkL2norm, use_gate_in_kernel = flags & kGateInKernel;
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);

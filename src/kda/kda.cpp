@@ -49,13 +49,8 @@ Status validate_state(const char* name, const TensorView& t, const kda::KdaProbl
   return Status::ok();
 }
 
-int64_t seq_chunks(const kda::Sequence& s) { return (s.end - s.begin + kda::kChunk - 1) / kda::kChunk; }
-
-int64_t chunk_count(const kda::KdaProblem& p) {
-  int64_t c = 0;
-  for (const auto& s : p.seqs) c += seq_chunks(s);
-  return c;
-}
+using kda::chunk_count;
+using kda::seq_chunks;
 
 // The optional residual outputs: shapes, dtypes, devices.
 Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {

@@ -15,26 +15,28 @@ constexpr int kStateColumnWidths[] = {16, 32, 64};  // the state kernel's instan
 // state_column_blocks).
 int64_t column_blocks(int64_t V, int columns) { return (V + columns - 1) / columns; }
 
+// The rule's state columns: the narrowest of 16, 32 whose grid fits one wave, else 64.
+int rule_state_columns(const KdaProblem& p, const DeviceInfo& device) {
+  const int64_t seq_heads = int64_t(p.seqs.size()) * p.H;
+  for (int c : {16, 32})
+    if (seq_heads * column_blocks(p.V, c) <= device.sm_count) return c;
+  return 64;
+}
+
+int rule_chunk_blocks(const DeviceInfo& device) { return device.sm_count > 0 ? device.sm_count : 1; }
+
 }  // namespace
 
 bool one_launch_fits(const KdaProblem& p, int state_columns, const DeviceInfo& device) {
-  int64_t chunks = 0;
-  for (const Sequence& s : p.seqs) chunks += (s.end - s.begin + kChunk - 1) / kChunk;
   const int64_t seqs = int64_t(p.seqs.size());
-  return state_columns <= 32 && seqs <= cuda::kKdaFewSeqs && chunks * p.H <= device.sm_count &&
-         seqs * p.H * column_blocks(p.V, state_columns) <= device.sm_count;
+  return state_columns <= 32 && seqs <= cuda::kKdaFewSeqs && seqs * p.H * column_blocks(p.V, state_columns) <= device.sm_count &&
+         chunk_count(p) * p.H <= device.sm_count;
 }
 
 KdaLaunchPlan kda_plan(const KdaProblem& p, const DeviceInfo& device) {
   KdaLaunchPlan plan;
-  plan.chunk_blocks = device.sm_count > 0 ? device.sm_count : 1;
-  plan.state_columns = 64;
-  const int64_t seq_heads = int64_t(p.seqs.size()) * p.H;
-  for (int c : {16, 32})
-    if (seq_heads * column_blocks(p.V, c) <= device.sm_count) {
-      plan.state_columns = c;
-      break;
-    }
+  plan.chunk_blocks = rule_chunk_blocks(device);
+  plan.state_columns = rule_state_columns(p, device);
   plan.launches = one_launch_fits(p, plan.state_columns, device) ? 1 : 2;
   return plan;
 }
@@ -56,11 +58,11 @@ Status check_plan(const KdaLaunchPlan& plan) {
 
 Status resolve_plan(const KdaLaunchPlan& requested, const KdaProblem& p, const DeviceInfo& device, KdaLaunchPlan* out) {
   ENCORE_RETURN_IF_ERROR(check_plan(requested));
-  const KdaLaunchPlan rule = kda_plan(p, device);
-  out->state_columns = requested.state_columns != 0 ? requested.state_columns : rule.state_columns;
-  out->chunk_blocks = requested.chunk_blocks != 0 ? requested.chunk_blocks : rule.chunk_blocks;
-  out->launches = requested.launches != 0 ? requested.launches : one_launch_fits(p, out->state_columns, device) ? 1 : 2;
-  if (out->launches == 1 && !one_launch_fits(p, out->state_columns, device))
+  out->state_columns = requested.state_columns != 0 ? requested.state_columns : rule_state_columns(p, device);
+  out->chunk_blocks = requested.chunk_blocks != 0 ? requested.chunk_blocks : rule_chunk_blocks(device);
+  const bool fits = one_launch_fits(p, out->state_columns, device);
+  out->launches = requested.launches != 0 ? requested.launches : fits ? 1 : 2;
+  if (out->launches == 1 && !fits)
     return Status::invalid("plan.launches: 1 needs <= " + std::to_string(cuda::kKdaFewSeqs) +
                            " sequences and the chunk items and state blocks each within one block an SM (" + std::to_string(device.sm_count) +
                            ")");

@@ -26,6 +26,14 @@ struct KdaProblem {
   std::vector<Sequence> seqs;  // N sequences, in order
 };
 
+// Chunks of kChunk tokens of one sequence, and of all of p's sequences (NT, the rows of residuals.h).
+inline int64_t seq_chunks(const Sequence& s) { return (s.end - s.begin + kChunk - 1) / kChunk; }
+inline int64_t chunk_count(const KdaProblem& p) {
+  int64_t c = 0;
+  for (const Sequence& s : p.seqs) c += seq_chunks(s);
+  return c;
+}
+
 // Validates the forward's arguments and fills `out`.
 Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* out);
 

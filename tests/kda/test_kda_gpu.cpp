@@ -123,6 +123,8 @@ void run_case(const kda::KdaLaunchPlan& plan, KdaCase c, DType dt, const char* l
   Status st = kda::run(a, c.opts, plan, ws.ptr);
   ASSERT_TRUE(st) << st.to_string();
   ENCORE_ASSERT_CUDA(cudaDeviceSynchronize());
+  if (nt > 0 && plan.launches != 0)  // the requested kernels ran (a one-launch plan did not fall back to two)
+    EXPECT_EQ(cuda::kda_forward_launches(), plan.launches) << "kernels of the forward";
   if (nt > 0) {  // the chunk kernel ran: bf16 inputs with 16-byte aligned token rows arrive by TMA, others by loads
     const bool rows_ok = row_pad % 8 == 0;
     const int want = (dt == DType::kBF16 && rows_ok && K % 8 == 0 ? 1 | 2 : 0) | (gdt == DType::kBF16 && rows_ok && K % 8 == 0 ? 4 : 0) |

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import encore  # noqa: E402
+from encore import _kda_args  # noqa: E402
 from helpers import dispatch_recorder  # noqa: E402
 OPS = encore.register_torch_ops()  # noqa: E402  (torch.ops.encore.<op>.default by name)
 
@@ -167,20 +168,21 @@ def kda_inputs(dev, b=1, t=100, h=2, kd=8, vd=6):
 def kda_cases(dev):
     q, k, v, g, beta = kda_inputs(dev)
     cu = torch.tensor([0, 30, 100], dtype=torch.int64)
-    ins = lambda final, cu_, vfirst=False: (q, k, v, g, beta, None, None, None, cu_, None, None, (1 if final else 0) | (8 if vfirst else 0))  # noqa: E731
+    word = _kda_args._op_flags  # the options word: (final state, l2 norm, gate in kernel, state_v_first, residual dtype)
+    ins = lambda final, cu_, vfirst=False: (q, k, v, g, beta, None, None, None, cu_, None, None, word(final, False, False, vfirst))  # noqa: E731
     o, fin = torch.empty_like(v), torch.empty(2, q.shape[2], q.shape[3], v.shape[3], device=dev)
     nbytes = encore.kda_forward_workspace_bytes(q, k, v, g, beta, (o, fin), cu_seqlens=cu)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
-    bf16_res = 16 if dev == "cuda" else 0  # the options word's bf16-residuals bit (kda._op_flags)
     cases = [("kda_forward", (*ins(False, None), "")),
              ("kda_forward", (*ins(True, None), "G,Aqk,Akk,h")),
-             ("kda_forward", (q, k, v, g, beta, None, None, None, cu, None, None, 1 | bf16_res, "Aqk,h")),
+             ("kda_forward", (q, k, v, g, beta, None, None, None, cu, None, None,
+                              word(True, False, False, False, "bfloat16" if dev == "cuda" else "float32"), "Aqk,h")),
              ("kda_forward_out", (*ins(True, cu), o, fin, ws)),
              ("kda_forward_out", (*ins(False, None), o, None, None))]
     # state_v_first: the states [N, HV, V, K] (the fakes' final_state so)
     vk = lambda x: x.transpose(2, 3).contiguous()  # noqa: E731
     h0n = make(dev, F32)(2, q.shape[2], q.shape[3], v.shape[3], scale=0.1)
-    cases += [("kda_forward", (q, k, v, g, beta, vk(h0n), None, None, cu, None, None, 1 | 8, "G,h")),
+    cases += [("kda_forward", (q, k, v, g, beta, vk(h0n), None, None, cu, None, None, word(True, False, False, True), "G,h")),
               ("kda_forward_out", (*ins(True, cu, True), o, vk(fin), ws))]
     if dev == "cpu":
         d_o = make(dev, F32)(*v.shape)

@@ -79,7 +79,12 @@ bool capturing(cudaStream_t s) {
   return st != cudaStreamCaptureStatusNone;
 }
 
+// The test hook (launch.hpp, kda_forward_launches): the kernels of the last chunked forward with chunks.
+int g_last_launches = 0;
+
 }  // namespace
+
+int kda_forward_launches() { return g_last_launches; }
 
 size_t kda_forward_workspace_bytes(int64_t chunks, int64_t H) {
   return size_t(chunks * H * (kda::WsLayout::kBytes + 8));  // the records, then the one-launch kernel's flags
@@ -102,9 +107,13 @@ Status launch_kda_forward(P& p, const ::encore::kda::KdaLaunchPlan& plan, void* 
     if constexpr (std::is_same_v<P, KdaCudaProblemFew>)
       if (plan.launches == 1 && !capturing(s)) {
         const Status one = kda::launch_one_kernel(p, workspace, plan.state_columns, next_epoch(), s);
-        if (one.code() != StatusCode::kUnsupported) return one;  // (unsupported: the grid would not be resident at once)
+        if (one.code() != StatusCode::kUnsupported) {  // (unsupported: the grid would not be resident at once)
+          if (one.is_ok()) g_last_launches = 1;
+          return one;
+        }
       }
     ENCORE_RETURN_IF_ERROR(kda::launch_chunk_kernel(p, workspace, plan.chunk_blocks, s));
+    g_last_launches = 2;
   }
   return kda::launch_state_kernel(p, workspace, plan.state_columns, s);
 }

@@ -110,5 +110,8 @@ Status kda_chunk_profile_read(unsigned long long cycles[kKdaChunkPhases], unsign
 // block's shared memory was not 1024-byte aligned since the previous call, which resets that).
 // Synchronizes.
 Status kda_chunk_raw_inputs(int* mask);
+// The kernels the last chunked forward with chunks launched: 1 (kda_one_launch_kernel) or 2 (the chunk, then
+// the state kernel); 0 before any.
+int kda_forward_launches();
 
 }  // namespace encore::cuda
