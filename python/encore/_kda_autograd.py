@@ -40,7 +40,7 @@ class ChunkKdaFunction(torch.autograd.Function):
         scale = None if scale is None else float(scale)
         lower = None if lower_bound is None else float(lower_bound)
         outs = ops().kda_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, scale, lower,
-                                 _op_flags(output_final_state, l2, gate, state_v_first, rdt if names else None), names)
+                                 _op_flags(output_final_state, l2, gate, state_v_first, rdt), names)
         o = outs[0]
         fin = outs[1] if output_final_state else None
         res = _residual_list(names, outs[2 if output_final_state else 1:])

@@ -93,6 +93,9 @@ inline at::Tensor new_empty(const at::Tensor& like, at::IntArrayRef shape, at::S
   return at::empty(shape, like.options().dtype(dtype));
 }
 
+// The first 16-byte aligned address at or after p.
+inline void* align16(uintptr_t p) { return reinterpret_cast<void*>(p + (16 - p % 16) % 16); }
+
 // An uninitialized contiguous tensor of `shape` in like's dtype on like's device whose allocation also holds
 // `tail` bytes after it (16-byte aligned, at *tail_at): one caching-allocator call for an output and a
 // small workspace that lives as long as the output. The tensor is built on the buffer's storage directly
@@ -104,8 +107,7 @@ inline at::Tensor empty_with_tail(const at::Tensor& like, at::IntArrayRef shape,
   const at::Tensor buf = at::empty({int64_t(head + tail + 16)}, like.options().dtype(at::kByte));
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buf.storage()), buf.key_set(), like.dtype());
   impl->set_sizes_contiguous(shape);
-  const auto addr = reinterpret_cast<uintptr_t>(buf.data_ptr()) + head;
-  *tail_at = reinterpret_cast<void*>(addr + (16 - addr % 16) % 16);
+  *tail_at = align16(reinterpret_cast<uintptr_t>(buf.data_ptr()) + head);
   return at::Tensor(std::move(impl));
 }
 

@@ -137,11 +137,6 @@ size_t workspace_need(const Forward& f, const encore::KdaForwardArgs& args, cons
   return f.q.is_cuda() ? encore::workspace_bytes(args, opts) : 0;
 }
 
-// The first 16-byte aligned address of a workspace allocated with 16 bytes to spare.
-void* aligned16(const at::Tensor& ws) {
-  const auto addr = reinterpret_cast<uintptr_t>(ws.data_ptr());
-  return reinterpret_cast<void*>(addr + (16 - addr % 16) % 16);
-}
 
 // The run, with the binding's check that a needed workspace is there.
 void run_forward(const encore::KdaForwardArgs& args, const encore::KdaOptions& opts, void* workspace, const at::Tensor& q) {
@@ -192,7 +187,7 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
     o = new_empty(v, {f.b, f.t, f.h, f.vd});
     if (nbytes) {  // _core.workspace: room for the 16-byte alignment
       ws = new_empty(q, {int64_t(nbytes) + 16}, at::kByte);
-      wp = aligned16(ws);
+      wp = align16(reinterpret_cast<uintptr_t>(ws.data_ptr()));
     }
   }
   args.o = view(OptTensor(o), "o");
@@ -223,14 +218,14 @@ void kda_forward_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     const at::Tensor& ws = *workspace;
     TORCH_CHECK_VALUE(ws.dim() == 1 && ws.scalar_type() == at::kByte, "workspace: expected a 1-D uint8 array");
     TORCH_CHECK_VALUE(ws.device() == q.device(), "workspace: expected an array on the inputs' framework and device");
-    const auto addr = reinterpret_cast<uintptr_t>(ws.data_ptr());
-    const int64_t skip = int64_t((16 - addr % 16) % 16);
+    void* const at = align16(reinterpret_cast<uintptr_t>(ws.data_ptr()));
+    const int64_t skip = static_cast<unsigned char*>(at) - static_cast<unsigned char*>(ws.data_ptr());
     TORCH_CHECK_VALUE(ws.size(0) >= int64_t(nbytes) + skip, "workspace: ", ws.size(0), " bytes, this call needs ", nbytes,
                       " from a 16-byte aligned address (allocate kda_forward_workspace_bytes(...) bytes)");
-    if (nbytes) wp = reinterpret_cast<void*>(addr + uintptr_t(skip));
+    if (nbytes) wp = at;
   } else if (nbytes) {
     own = new_empty(q, {int64_t(nbytes) + 16}, at::kByte);
-    wp = aligned16(own);
+    wp = align16(reinterpret_cast<uintptr_t>(own.data_ptr()));
   }
   run_forward(args, opts, wp, q);
 }

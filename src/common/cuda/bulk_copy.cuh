@@ -10,6 +10,10 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned arrivals = 1) 
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
+// Ends the barrier's use (before its shared memory is reused for other data).
+__device__ __forceinline__ void mbar_inval(uint64_t* bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
 // One arrival on the barrier's current phase (release: this thread's earlier shared-memory writes are
 // visible to the threads that see the phase complete through mbar_wait).
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
@@ -31,6 +35,9 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 // Shared memory written by ordinary stores must be fenced for the async proxy
 // (fence_proxy_async_shared, by the writing threads, then a barrier) before a bulk store reads it.
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// The same for global memory: completed bulk stores before a generic release that publishes them, and after the
+// matching acquire, before a bulk copy reads what it published.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared to global.
 __device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");

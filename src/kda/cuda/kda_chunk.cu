@@ -29,6 +29,7 @@
 // Constraints (dispatch): K, V <= 128 (padded to 128 with zeros), bf16 or fp32 inputs.
 #include <type_traits>
 
+#include "common/cuda/grid_barrier.cuh"  // load_acquire_gpu, store_release_gpu
 #include "core/softplus_log2.hpp"
 #include "kda/cuda/kda_chunk_parts.cuh"
 #include "kda/cuda/kda_device.cuh"
@@ -600,19 +601,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunk_kernel(const __grid_con
   chunk_phase(p, ws, smem);
 }
 
-__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* at) {
-  unsigned long long v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(at) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(unsigned long long* at, unsigned long long v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(at), "l"(v) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-__device__ __forceinline__ void mbar_inval(void* bar) {
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
-}
-
 // The one-launch forward (KdaLaunchPlan::launches 1): a grid of max(chunk items, state blocks) blocks, at
 // most one wave (the plan's condition). Block b runs chunk item b (item = h · slots + slot, as the chunk
 // kernel), then sets its flag, then block b of the state kernel's grid (x = b % (H · column blocks), y =
@@ -635,12 +623,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_one_launch_kernel(const __gri
     fence_proxy_async_shared();  // its shared-memory stores before the state pass's bulk copies over them
     __syncthreads();
     if (threadIdx.x == 0) {
-      mbar_inval(smem + ChunkSmem::kInBar);  // the chunk phase's barriers are done (their bytes lie past the state pass's)
-      mbar_inval(smem + ChunkSmem::kInvBar);
+      mbar_inval(reinterpret_cast<uint64_t*>(smem + ChunkSmem::kInBar));  // the chunk phase's barriers are done (their bytes lie past the state pass's)
+      mbar_inval(reinterpret_cast<uint64_t*>(smem + ChunkSmem::kInvBar));
       fence_proxy_async_global();  // the completed bulk stores (W, U) before the flag
       const int slots = p.chunk_start[p.N], chunk_items = slots * p.H;
       unsigned long long* const flags = chunk_flags(ws, slots, p.H);
-      for (int item = int(blockIdx.x); item < chunk_items; item += int(gridDim.x)) st_release_gpu(flags + item, epoch);
+      for (int item = int(blockIdx.x); item < chunk_items; item += int(gridDim.x)) store_release_gpu(flags + item, epoch);
     }
     __syncthreads();  // the chunk phase's shared memory is free
   }
@@ -649,7 +637,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_one_launch_kernel(const __gri
   state::state_pass<kVs>(p, ws, blockIdx.x % unsigned(per_seq), blockIdx.x / unsigned(per_seq), smem, [&p, ws, epoch](int slot, int h) {
     const int slots = p.chunk_start[p.N];
     const unsigned long long* f = chunk_flags(ws, slots, p.H) + (int64_t(h) * slots + slot);
-    while (ld_acquire_gpu(f) != epoch) __nanosleep(64);
+    while (load_acquire_gpu(f) != epoch) __nanosleep(64);
     fence_proxy_async_global();  // the record's bytes for the bulk copy that follows
   });
 }
