@@ -27,15 +27,16 @@
 // BPTT) and CUDA (deterministic; K, V <= 128: the chunked backwards on tensor cores, the second
 // (kda_bwd2*.cu) for bf16 inputs and for fp16 inputs with saved states, the first (kda_backward.cu)
 // otherwise; K or V > 128: the token-level BPTT by windows, kda_recurrent_bwd.cu, reading h at most).
-// The chunked CUDA backwards need the forward's residuals Aqk, Akk; G is recomputed from g when absent,
-// and without h the chunk-start states are rematerialized (bf16 inputs: the forward re-run inside the
-// backward, writing them into the workspace; otherwise the first backward's fp32 recurrence). They
+// The first CUDA backward needs the forward's residuals Aqk, Akk; the second re-runs the forward inside
+// the backward for whichever of Aqk, Akk and h is absent, writing them into the workspace (bf16 inputs
+// with none of them saved: chunk_kda's default, nothing kept but the inputs); G is recomputed from g when
+// absent; without h the first backward rematerializes the chunk-start states by its fp32 recurrence. They
 // take bf16/fp16/fp32 q, k, v, g, beta, d_o and gradients (residuals bf16/fp32), fp32 contiguous
 // states, A_log, dt_bias and their gradients, and workspace_bytes(args, opts) bytes of device
 // workspace (per chunk of 64 tokens and value head at K = V = 128: the second backward 218 KB with
-// saved h, 282 KB rematerializing without G; the first 274 KB saved-h, 338 KB rematerializing; 32 KB more where
-// G is recomputed with saved h or in the first; with HV > H the first also 8 · K bytes per token and
-// value head of dq, dk partials). dq, dk are the sums over each q/k head's value heads, in a fixed
+// saved h, 282 KB rematerializing without G, 298 KB rematerializing Aqk and Akk too; the first 274 KB
+// saved-h, 338 KB rematerializing; 32 KB more where G is recomputed with saved h or in the first; with
+// HV > H the first also 8 · K bytes per token and value head of dq, dk partials). dq, dk are the sums over each q/k head's value heads, in a fixed
 // order (deterministic).
 #pragma once
 #include <cstddef>

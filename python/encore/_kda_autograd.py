@@ -1,7 +1,7 @@
 """chunk_kda's torch.autograd.Function (imported by encore.kda.chunk_kda on its first call, so that
 encore.kda itself needs no torch): the forward runs torch.ops.encore.kda_forward asking for the
-residuals the backward reads, the backward runs torch.ops.encore.kda_backward on them. Both are
-torch.library ops with fake implementations, so the Function traces under torch.compile."""
+residuals the backward needs saved (_residual_request), the backward runs torch.ops.encore.kda_backward
+on them. Both are torch.library ops with fake implementations, so the Function traces under torch.compile."""
 from __future__ import annotations
 
 import torch
@@ -15,11 +15,13 @@ _NAMES = ("G", "Aqk", "Akk", "h")  # the op's residual order (kda_backward's arg
 
 def _residual_request(q, rematerialize):
     """(names, dtype) of the residuals to save: none for float64 on the CPU (the token-level
-    backward, exact), else Aqk, Akk (+ h unless rematerializing) in bf16 for bf16 inputs and fp32
+    backward, exact) and none for bf16 CUDA inputs when rematerializing (the second backward re-runs
+    the forward, which writes Aqk, Akk, h and G into its workspace: nothing kept but the inputs, as
+    cuDNN's backward), else Aqk, Akk (+ h unless rematerializing) in bf16 for bf16 inputs and fp32
     otherwise: bf16 Aqk / Akk under fp16 inputs cost fp16's precision (dA_log 1.6e-3 from fp64 against
     4.7e-4 with fp32 residuals on fla's B2 T1500 D128 case, dv / dbeta / dh0 4x). G (the chunk-local
     cumulative gate, fp32: 4 K bytes a token and head) is not saved: the backward recomputes it from g."""
-    if q.dtype == torch.float64:
+    if q.dtype == torch.float64 or (rematerialize and q.is_cuda and q.dtype == torch.bfloat16):
         return "", None
     names = "Aqk,Akk" if rematerialize else "Aqk,Akk,h"
     return names, "bfloat16" if q.dtype == torch.bfloat16 else "float32"

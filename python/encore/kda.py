@@ -324,12 +324,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     kda_backward, so it also runs under torch.compile). A model that imports fla's chunk_kda trains
     by changing the import.
 
-    The backward reads the forward's saved residuals Aqk and Akk (G, the cumulative gate, is recomputed
-    from g) and, like fla's default, rebuilds the chunk states (the rematerialize mode: far less memory,
-    Aqk + Akk are 256 bytes per token and head in bfloat16; on CUDA with bfloat16 inputs the forward
-    re-runs inside the backward, writing the states into its workspace, with fp16 inputs the recurrence
-    re-runs in fp32). disable_recompute=True (fla's switch) or rematerialize=False saves the chunk-start
-    states h instead (the saved-h mode; h in the residual dtype). Residuals are bfloat16
+    Like fla's default, the backward rebuilds the chunk states (the rematerialize mode: far less memory).
+    On CUDA with bfloat16 inputs the forward keeps nothing but its inputs (as cuDNN's): the forward
+    re-runs inside the backward, writing the states, Aqk, Akk and G into its workspace; otherwise the
+    forward saves Aqk and Akk (256 bytes per token and head in bfloat16; G, the cumulative gate, is
+    recomputed from g) and, with fp16 inputs, the recurrence re-runs in fp32. disable_recompute=True
+    (fla's switch) or rematerialize=False saves the chunk-start states h and Aqk, Akk instead (the
+    saved-h mode; h in the residual dtype). Residuals are bfloat16
     for bfloat16 inputs and float32 otherwise (fp16 inputs included: bfloat16 residuals would cost
     them their precision); the CPU backend with float64 inputs saves none (its
     token-level backward, exact for gradcheck).

@@ -256,12 +256,16 @@ void fill_pool(const TensorView& pool, const TensorView& indices, CudaProblem& c
 Status validate_cuda_backward(const KdaBackwardArgs& b, const kda::KdaProblem& p) {
   const KdaForwardArgs& a = b.fwd;
   const KdaResiduals& r = a.residuals;
-  std::string missing;  // the token-recurrent path (K or V > 128) reads h at most; G absent: recomputed
+  // The first backward (fp32 inputs, fp16 without h) reads the caller's Aqk and Akk; the second (bf16, fp16 with h)
+  // re-runs the forward for whichever of Aqk, Akk, h is absent; the token-recurrent path (K or V > 128) reads h at
+  // most; G absent: recomputed.
+  std::string missing;
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"Aqk", &r.Aqk}, {"Akk", &r.Akk}})
     if (!t->defined()) missing += std::string(missing.empty() ? "" : ", ") + name;
-  if (!missing.empty() && !cuda::kda_use_recurrent(p.K, p.V))
-    return Status::invalid("residuals: the CUDA backward needs the forward's residuals Aqk, Akk (G is recomputed when absent; h for the "
-                           "saved-h mode, without h the states are rematerialized); missing: " + missing);
+  if (!missing.empty() && kda::kda_backward_kernels(p, r.h.defined(), a.q.dtype) == kda::KdaBackwardKernels::kFirst)
+    return Status::invalid("residuals: the CUDA backward needs the forward's residuals Aqk, Akk for fp32 inputs and for fp16 inputs without h "
+                           "(G is recomputed when absent; for bf16 inputs, and fp16 with h, absent Aqk, Akk and h are recomputed by the "
+                           "forward re-run inside the backward); missing: " + missing);
   constexpr int64_t kMaxDim = cuda::kKdaRecurrentMaxHeadDim, kMaxSeqs = cuda::kKdaMaxSeqs;
   if (p.K > kMaxDim || p.V > kMaxDim)
     return Status::unsupported("q: the CUDA KDA backward takes K, V <= " + std::to_string(kMaxDim) + " (above " +
@@ -505,43 +509,55 @@ size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 // What the chunked CUDA backwards (kSecond, kFirst) hold in the workspace beyond their own bytes (the
 // second's layout, or the first's records), at 256-byte aligned offsets:
 //   G without the caller's: the chunk-local cumulative gate, fp32 [B, T, HV, K], after the own bytes;
-//   remat, the second backward without saved chunk states: the forward runs first on the backward's
-//     inputs, writing the chunk-start states h in the residuals' dtype (what the saved-h mode keeps)
-//     after G, and G itself where absent; the forward's o (not read) and its workspace lie at the start
-//     of the second backward's region, which the backward's kernels write before they read and the
-//     stream runs after the forward.
+//   the second backward without the caller's h, Aqk or Akk: the forward runs first on the backward's inputs,
+//     writing the absent ones in the residual dtype (the given residuals' dtype; else bf16 for bf16 inputs,
+//     fp32 otherwise) after G: h [NT, HV, K, V], Aqk and Akk [B, T, HV, 64], and G itself where absent; the
+//     forward's o (not read) and its workspace lie at the start of the second backward's region, which the
+//     backward's kernels write before they read and the stream runs after the forward.
 struct BackwardExtras {
-  bool remat = false, gate = false;  // the forward re-run; G recomputed (by that forward, or the G pass)
-  size_t G = 0, h = 0, fwd = 0;      // offsets (o at 0)
-  size_t bytes = 0;                  // the workspace in all
+  bool remat = false, gate = false;          // the forward re-run; G recomputed (by that forward, or the G pass)
+  bool h = false, Aqk = false, Akk = false;  // written by the re-run
+  DType residual = DType::kBF16;             // their dtype
+  size_t G_at = 0, h_at = 0, Aqk_at = 0, Akk_at = 0, fwd = 0;  // offsets (o at 0)
+  size_t bytes = 0;                                            // the workspace in all
 };
 BackwardExtras backward_extras(const KdaBackwardArgs& a, const kda::KdaProblem& p, kda::KdaBackwardKernels kernels) {
-  const bool second = kernels == kda::KdaBackwardKernels::kSecond, saved_h = a.fwd.residuals.h.defined();
+  const KdaResiduals& r = a.fwd.residuals;
+  const bool second = kernels == kda::KdaBackwardKernels::kSecond;
   const size_t rows = size_t(p.B) * size_t(p.T) * size_t(p.H);
   const size_t own = second ? cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes
-                            : cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !saved_h, p.B * p.T, p.group());
+                            : cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !r.h.defined(), p.B * p.T, p.group());
   BackwardExtras e;
-  e.remat = second && !saved_h;
-  e.gate = !a.fwd.residuals.G.defined();
+  e.h = second && !r.h.defined();
+  e.Aqk = second && !r.Aqk.defined();
+  e.Akk = second && !r.Akk.defined();
+  e.remat = e.h || e.Aqk || e.Akk;
+  e.gate = !r.G.defined();
+  e.residual = r.Aqk.defined() ? r.Aqk.dtype
+               : r.Akk.defined() ? r.Akk.dtype
+               : r.h.defined()   ? r.h.dtype
+               : a.fwd.q.dtype == DType::kBF16 ? DType::kBF16
+                                               : DType::kFP32;
   size_t at = own;
   if (e.remat) {
     e.fwd = align256(rows * size_t(p.V) * dtype_size(a.fwd.v.dtype));
     at = std::max(at, e.fwd + cuda::kda_forward_workspace_bytes(chunk_count(p), p.H));
   }
-  if (e.gate) {
-    e.G = align256(at);
-    at = e.G + rows * size_t(p.K) * sizeof(float);
-  }
-  if (e.remat) {
-    e.h = align256(at);
-    at = e.h + size_t(chunk_count(p)) * size_t(p.H) * size_t(p.K) * size_t(p.V) * dtype_size(a.fwd.residuals.Aqk.dtype);
-  }
+  auto region = [&](bool on, size_t* offset, size_t bytes) {
+    if (!on) return;
+    *offset = align256(at);
+    at = *offset + bytes;
+  };
+  region(e.gate, &e.G_at, rows * size_t(p.K) * sizeof(float));
+  region(e.h, &e.h_at, size_t(chunk_count(p)) * size_t(p.H) * size_t(p.K) * size_t(p.V) * dtype_size(e.residual));
+  region(e.Aqk, &e.Aqk_at, rows * size_t(kda::kChunk) * dtype_size(e.residual));
+  region(e.Akk, &e.Akk_at, rows * size_t(kda::kChunk) * dtype_size(e.residual));
   e.bytes = at;
   return e;
 }
 
-// The rematerializing forward's arguments: the backward's inputs, o in the workspace, no final state,
-// the residuals h (and G) in the workspace.
+// The re-run forward's arguments: the backward's inputs, o in the workspace, no final state, the absent
+// residuals (G, h, Aqk, Akk) in the workspace.
 KdaForwardArgs remat_forward_args(const KdaBackwardArgs& a, const kda::KdaProblem& p, const BackwardExtras& e, void* workspace) {
   auto* base = static_cast<unsigned char*>(workspace);
   const Device dev = a.fwd.q.device;
@@ -549,8 +565,10 @@ KdaForwardArgs remat_forward_args(const KdaBackwardArgs& a, const kda::KdaProble
   f.o = TensorView::contiguous(base, a.fwd.v.dtype, {p.B, p.T, p.H, p.V}, dev);
   f.final_state = TensorView{};
   f.residuals = KdaResiduals{};
-  if (e.gate) f.residuals.G = TensorView::contiguous(base + e.G, DType::kFP32, {p.B, p.T, p.H, p.K}, dev);
-  f.residuals.h = TensorView::contiguous(base + e.h, a.fwd.residuals.Aqk.dtype, {chunk_count(p), p.H, p.K, p.V}, dev);
+  if (e.gate) f.residuals.G = TensorView::contiguous(base + e.G_at, DType::kFP32, {p.B, p.T, p.H, p.K}, dev);
+  if (e.h) f.residuals.h = TensorView::contiguous(base + e.h_at, e.residual, {chunk_count(p), p.H, p.K, p.V}, dev);
+  if (e.Aqk) f.residuals.Aqk = TensorView::contiguous(base + e.Aqk_at, e.residual, {p.B, p.T, p.H, kda::kChunk}, dev);
+  if (e.Akk) f.residuals.Akk = TensorView::contiguous(base + e.Akk_at, e.residual, {p.B, p.T, p.H, kda::kChunk}, dev);
   return f;
 }
 }  // namespace
@@ -591,16 +609,17 @@ Status run(const KdaBackwardArgs& a, const KdaOptions& o, void* workspace, Strea
     if (kernels != kda::KdaBackwardKernels::kRecurrent) {  // what the chunked backwards read beyond the caller's residuals
       const BackwardExtras e = backward_extras(a, p, kernels);
       auto* base = static_cast<unsigned char*>(workspace);
-      if (e.gate) cp.G = reinterpret_cast<const float*>(base + e.G);
-      if (e.remat) {  // the forward first: h, and G where absent
+      if (e.gate) cp.G = reinterpret_cast<const float*>(base + e.G_at);
+      if (e.remat) {  // the forward first: the absent ones of h, Aqk, Akk, G
         KdaOptions fo = o;
         fo.output_final_state = false;
         const KdaForwardArgs f = remat_forward_args(a, p, e, workspace);
         ENCORE_RETURN_IF_ERROR(run(f, fo, base + e.fwd, stream));
-        cp.h = f.residuals.h.data;
-        cp.h_dtype = f.residuals.h.dtype;
+        if (e.h) cp.h = f.residuals.h.data, cp.h_dtype = e.residual;
+        if (e.Aqk) cp.Aqk = f.residuals.Aqk.data, cp.aqk_dtype = e.residual;
+        if (e.Akk) cp.Akk = f.residuals.Akk.data, cp.akk_dtype = e.residual;
       } else if (e.gate) {
-        ENCORE_RETURN_IF_ERROR(cuda::launch_kda_gate_cumsum(cp, reinterpret_cast<float*>(base + e.G), int(chunk_count(p)), stream));
+        ENCORE_RETURN_IF_ERROR(cuda::launch_kda_gate_cumsum(cp, reinterpret_cast<float*>(base + e.G_at), int(chunk_count(p)), stream));
       }
     }
     switch (kernels) {

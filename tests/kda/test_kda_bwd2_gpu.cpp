@@ -279,10 +279,10 @@ TEST(KdaBwd2Gpu, RowLoaderPathsAreBitIdentical) {
 
 // run() without some of the forward's residuals against run() reading all of them (G, Aqk, Akk, h from
 // one forward): the same gradients, bit for bit. Without G the backward recomputes it from g into its
-// workspace's tail; without h (rematerialize, bf16 inputs) the forward re-runs first and writes h (and G)
-// into the workspace, the states the saved-h mode keeps. Both sides take the same kernels: the second
-// backward for 16-bit inputs, the first for fp32 inputs.
-void run_dropping(KdaCase c, DType dt, bool drop_G, bool drop_h, const char* label) {
+// workspace's tail; without h or Aqk and Akk (drop_A; the second backward: bf16 inputs, fp16 with h) the
+// forward re-runs first and writes the absent ones (and G) into the workspace. Both sides take the same
+// kernels: the second backward for 16-bit inputs, the first for fp32 inputs.
+void run_dropping(KdaCase c, DType dt, bool drop_G, bool drop_h, const char* label, bool drop_A = false) {
   SCOPED_TRACE(label);
   c.fill(uint64_t(c.T * 7 + c.K));
   const int64_t B = c.B, T = c.T, H = c.Hv(), Hq = c.H, K = c.K, V = c.V, N = c.N();
@@ -303,6 +303,7 @@ void run_dropping(KdaCase c, DType dt, bool drop_G, bool drop_h, const char* lab
     b.fwd = f.a;
     if (!all && drop_G) b.fwd.residuals.G = TensorView{};
     if (!all && drop_h) b.fwd.residuals.h = TensorView{};
+    if (!all && drop_A) b.fwd.residuals.Aqk = b.fwd.residuals.Akk = TensorView{};
     b.d_o = ddo->view, b.d_final_state = ddfin->view;
     b.dq = dq->view, b.dk = dk->view, b.dv = dv->view, b.dg = dg->view, b.dbeta = dbeta->view;
     if (c.h0) b.dh0 = dh0->view;
@@ -345,6 +346,13 @@ TEST(KdaBwd2Gpu, RecomputedResidualsGiveTheSavedGradients) {
   run_dropping(varlen, DType::kBF16, true, true, "no G, no h: bf16 varlen softplus h0 l2");
   run_dropping(grouped, DType::kBF16, true, true, "no G, no h: bf16 varlen lower bound HV 2H");
   run_dropping(odd, DType::kBF16, true, true, "no G, no h: bf16 B2 T200 K64 V96 precomputed");
+  // Aqk and Akk written by the re-run too: nothing kept but the inputs (chunk_kda's default for bf16), and
+  // with the saved states (the re-run for Aqk, Akk alone; fp16 with h: Aqk, Akk written in h's dtype).
+  run_dropping(varlen, DType::kBF16, true, true, "nothing saved: bf16 varlen softplus h0 l2", true);
+  run_dropping(grouped, DType::kBF16, true, true, "nothing saved: bf16 varlen lower bound HV 2H", true);
+  run_dropping(odd, DType::kBF16, true, true, "nothing saved: bf16 B2 T200 K64 V96 precomputed", true);
+  run_dropping(varlen, DType::kBF16, false, false, "no Aqk, Akk: bf16 varlen softplus h0 l2, saved h and G", true);
+  run_dropping(grouped, DType::kFP16, true, false, "no G, Aqk, Akk: fp16 varlen lower bound HV 2H, saved h", true);
 }
 
 }  // namespace

@@ -302,13 +302,21 @@ TEST_F(KdaBwdGpu, BadInputsRefused) {
   b.d_o = ddo->view, b.dq = dq->view, b.dk = dk->view, b.dv = dv->view, b.dg = dg->view, b.dbeta = dbeta->view;
   KdaOptions o;
   DeviceBuffer ws(1 << 20);
-  Status s = run(b, o, ws.ptr);
+  // fp32 q, k, v take the first backward, which reads the caller's Aqk and Akk (the second, for these bf16
+  // inputs, re-runs the forward for them: KdaBwd2Gpu.RecomputedResidualsGiveTheSavedGradients)
+  auto q32 = dev(c.q, DType::kFP32, {1, T, 1, K}), k32 = dev(c.k, DType::kFP32, {1, T, 1, K}), v32 = dev(c.v, DType::kFP32, {1, T, 1, V});
+  KdaBackwardArgs b32 = b;
+  b32.fwd.q = q32->view, b32.fwd.k = k32->view, b32.fwd.v = v32->view;
+  Status s = run(b32, o, ws.ptr);
   EXPECT_FALSE(s);
-  EXPECT_NE(s.to_string().find("residuals: the CUDA backward needs the forward's residuals Aqk, Akk"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.to_string().find("residuals: the CUDA backward needs the forward's residuals Aqk, Akk for fp32 inputs"), std::string::npos)
+      << s.to_string();
+  b32.fwd.residuals.G = rG->view;
+  b32.fwd.residuals.Aqk = rA->view;
+  s = run(b32, o, ws.ptr);
+  EXPECT_NE(s.to_string().find("missing: Akk"), std::string::npos) << s.to_string();
   b.fwd.residuals.G = rG->view;
   b.fwd.residuals.Aqk = rA->view;
-  s = run(b, o, ws.ptr);
-  EXPECT_NE(s.to_string().find("missing: Akk"), std::string::npos) << s.to_string();
   b.fwd.residuals.Akk = rA->view;
   s = run(b, o, nullptr);
   EXPECT_NE(s.to_string().find("workspace"), std::string::npos) << s.to_string();

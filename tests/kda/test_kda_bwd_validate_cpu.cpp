@@ -32,8 +32,9 @@ struct BwdArgs {
   KdaOptions o;
   int64_t T = 130, H = 2, K = 64, V = 32;
   std::vector<int64_t> cu = {0, 60, 130};
-  explicit BwdArgs(int64_t k = 64, int64_t v = 32) : K(k), V(v) {
-    const DType bf = DType::kBF16;
+  // in: the dtype of q, k, v, beta, d_o and the gradients (bf16: the second backward; fp32: the first)
+  explicit BwdArgs(int64_t k = 64, int64_t v = 32, DType in = DType::kBF16) : K(k), V(v) {
+    const DType bf = in;
     b.fwd.q = mem.t(bf, {1, T, H, K});
     b.fwd.k = mem.t(bf, {1, T, H, K});
     b.fwd.v = mem.t(bf, {1, T, H, V});
@@ -66,13 +67,32 @@ struct BwdArgs {
     EXPECT_NE(r_.find(text), std::string::npos) << r_; \
   } while (0)
 
+// The first backward (fp32 inputs; fp16 without h) reads the caller's Aqk and Akk: their absence is named.
 TEST(KdaBwdValidate, MissingResidualsNamed) {
-  BwdArgs s;
+  BwdArgs s(64, 32, DType::kFP32);
   s.b.fwd.residuals = {};
-  EXPECT_REFUSED(s, "residuals: the CUDA backward needs the forward's residuals Aqk, Akk");
-  BwdArgs s2;
+  EXPECT_REFUSED(s, "residuals: the CUDA backward needs the forward's residuals Aqk, Akk for fp32 inputs");
+  EXPECT_REFUSED(s, "missing: Aqk, Akk");
+  BwdArgs s2(64, 32, DType::kFP32);
   s2.b.fwd.residuals.Aqk = TensorView{};
   EXPECT_REFUSED(s2, "missing: Aqk");
+  BwdArgs s3(64, 32, DType::kFP16);  // fp16 without h: the first backward
+  s3.b.fwd.residuals.h = TensorView{};
+  s3.b.fwd.residuals.Akk = TensorView{};
+  EXPECT_REFUSED(s3, "missing: Akk");
+}
+
+// The second backward (bf16 inputs; fp16 with h) re-runs the forward for absent Aqk, Akk and h: no residual is
+// refused for its absence (these host views are then refused as not device memory, or the build has no CUDA).
+TEST(KdaBwdValidate, SecondBackwardTakesAbsentResiduals) {
+  for (DType in : {DType::kBF16, DType::kFP16}) {
+    BwdArgs s(64, 32, in);
+    const TensorView h = s.b.fwd.residuals.h;
+    s.b.fwd.residuals = {};
+    if (in == DType::kFP16) s.b.fwd.residuals.h = h;
+    const std::string r = s.refusal();
+    EXPECT_EQ(r.find("residuals"), std::string::npos) << r;
+  }
 }
 
 TEST(KdaBwdValidate, ResidualShapesAndDtypes) {
