@@ -42,9 +42,9 @@ struct BwdArgs {
     b.fwd.beta = mem.t(bf, {1, T, H});
     b.fwd.cu_seqlens = TensorView::contiguous(cu.data(), DType::kInt64, {3});
     b.fwd.residuals.G = mem.t(DType::kFP32, {1, T, H, K});
-    b.fwd.residuals.Aqk = mem.t(bf, {1, T, H, 64});
-    b.fwd.residuals.Akk = mem.t(bf, {1, T, H, 64});
-    b.fwd.residuals.h = mem.t(bf, {3, H, K, V});  // chunks: 1 + 2
+    b.fwd.residuals.Aqk = mem.t(DType::kBF16, {1, T, H, 64});
+    b.fwd.residuals.Akk = mem.t(DType::kBF16, {1, T, H, 64});
+    b.fwd.residuals.h = mem.t(DType::kBF16, {3, H, K, V});  // chunks: 1 + 2
     b.d_o = mem.t(bf, {1, T, H, V});
     b.dq = mem.t(bf, {1, T, H, K});
     b.dk = mem.t(bf, {1, T, H, K});
