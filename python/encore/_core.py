@@ -327,7 +327,11 @@ def _load_native(torch):
     for path in glob.glob(os.path.join(here, "_encore_torch*.so")):
         try:
             torch.ops.load_library(path)
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError) as e:  # built for this torch but not loadable: say so, the Python kernels serve
+            import warnings
+
+            warnings.warn(f"encore: {os.path.basename(path)} (C++ op kernels for torch {built_for}) did not load, the Python "
+                          f"kernels serve: {e}", RuntimeWarning, stacklevel=2)
             return
 
 

@@ -147,7 +147,7 @@ void run_forward(const encore::KdaForwardArgs& args, const encore::KdaOptions& o
   check(encore::run(args, opts, workspace, stream_of(q)));
 }
 
-// [o, final_state if output_final_state, *residuals in the order named]
+// [o, final_state if output_final_state, *residuals in the order G, Aqk, Akk, h]
 std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                     const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias,
                                     const OptTensor& cu_seqlens, std::optional<double> scale, std::optional<double> lower_bound,

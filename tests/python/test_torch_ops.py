@@ -496,3 +496,24 @@ def test_moe_ops_compile_fullgraph(dev):
     eager = route_dispatch_combine(logits, x)
     compiled = torch.compile(route_dispatch_combine, fullgraph=True, backend="aot_eager")(logits, x)
     torch.testing.assert_close(compiled, eager)
+
+
+def test_native_kernels_load_where_built():
+    """encore._encore_torch, where the build made it for this torch, loads and serves its ops: a library that
+    does not load (an unresolved symbol, say) leaves every op on its Python kernel, and test_torch_native,
+    which compares the two kernels, then skips."""
+    import glob
+    import os
+
+    from encore import _core
+
+    here = os.path.dirname(_core.__file__)
+    try:
+        with open(os.path.join(here, "_encore_torch.version")) as f:
+            built_for = f.read().strip()
+    except OSError:
+        pytest.skip("encore._encore_torch not built")
+    if built_for != torch.__version__ or not glob.glob(os.path.join(here, "_encore_torch*.so")):
+        pytest.skip(f"encore._encore_torch built for torch {built_for}, not {torch.__version__}")
+    encore.register_torch_ops()
+    assert {"rms_norm", "gemm_row_scale", "kda_forward", "kda_forward_out"} <= set(_core.NATIVE), sorted(_core.NATIVE)
