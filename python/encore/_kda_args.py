@@ -98,23 +98,33 @@ def _fla_layouts(tensors, state):
     return out, state if state is None or state.is_contiguous() else state.contiguous()
 
 
-# The options word of torch.ops.encore.kda_forward / kda_forward_out (one int: each bool argument costs the
-# dispatcher ~0.2 us a call, docs/python.md "Host cost").
+# The options word of torch.ops.encore.kda_forward / kda_forward_out (one int: each argument costs the
+# dispatcher ~0.1-0.2 us a call, docs/python.md "Host cost"): the bool options, the residual dtype and, for
+# kda_forward, the residuals to return (bits 32-256, returned in the order G, Aqk, Akk, h).
 KDA_FINAL_STATE, KDA_QK_L2NORM, KDA_GATE_IN_KERNEL, KDA_STATE_V_FIRST, KDA_RESIDUALS_BF16 = 1, 2, 4, 8, 16
+KDA_RESIDUAL_BITS = {"G": 32, "Aqk": 64, "Akk": 128, "h": 256}
+_WORD_END, _OUT_WORD_END = 512, 32  # kda_forward's words are < 512; kda_forward_out's (no residuals) < 32
 
 
-def _op_flags(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype=None):
-    """The ops' options word; residual_dtype (None, 'float32' or 'bfloat16') where residuals are asked for."""
+def _op_flags(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype=None, residuals=()):
+    """The ops' options word; residual_dtype (None, 'float32' or 'bfloat16') and residuals (names among G, Aqk,
+    Akk, h) where residuals are asked for."""
     if not (residual_dtype is None or (type(residual_dtype) is str and residual_dtype in ("float32", "bfloat16"))):
         raise ValueError(f"residual_dtype: expected 'float32' or 'bfloat16', got {residual_dtype!r}")
-    return ((KDA_FINAL_STATE if output_final_state else 0) | (KDA_QK_L2NORM if use_qk_l2norm else 0) |
+    word = ((KDA_FINAL_STATE if output_final_state else 0) | (KDA_QK_L2NORM if use_qk_l2norm else 0) |
             (KDA_GATE_IN_KERNEL if use_gate_in_kernel else 0) | (KDA_STATE_V_FIRST if state_v_first else 0) |
             (KDA_RESIDUALS_BF16 if residual_dtype == "bfloat16" else 0))
+    for name in residuals:
+        if name not in KDA_RESIDUAL_BITS:
+            raise ValueError(f"return_residuals: expected True or a non-empty subset of {tuple(KDA_RESIDUAL_BITS)}, got {residuals!r}")
+        word |= KDA_RESIDUAL_BITS[name]
+    return word
 
 
-def _op_options(flags):
-    """(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype) of an options word."""
-    if type(flags) is not int or not 0 <= flags < 32:
-        raise ValueError(f"flags: expected an options word in [0, 32) (kda._op_flags), got {flags!r}")
+def _op_options(flags, end=_WORD_END):
+    """(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype, residual names in the
+    order G, Aqk, Akk, h) of an options word; end: 32 for kda_forward_out's (no residuals)."""
+    if type(flags) is not int or not 0 <= flags < end:
+        raise ValueError(f"flags: expected an options word in [0, {end}) (kda._op_flags), got {flags!r}")
     return (bool(flags & KDA_FINAL_STATE), bool(flags & KDA_QK_L2NORM), bool(flags & KDA_GATE_IN_KERNEL), bool(flags & KDA_STATE_V_FIRST),
-            "bfloat16" if flags & KDA_RESIDUALS_BF16 else "float32")
+            "bfloat16" if flags & KDA_RESIDUALS_BF16 else "float32", tuple(n for n, bit in KDA_RESIDUAL_BITS.items() if flags & bit))

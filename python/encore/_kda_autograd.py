@@ -22,15 +22,15 @@ def _residual_request(q, rematerialize):
     4.7e-4 with fp32 residuals on fla's B2 T1500 D128 case, dv / dbeta / dh0 4x). G (the chunk-local
     cumulative gate, fp32: 4 K bytes a token and head) is not saved: the backward recomputes it from g."""
     if q.dtype == torch.float64 or (rematerialize and q.is_cuda and q.dtype == torch.bfloat16):
-        return "", None
-    names = "Aqk,Akk" if rematerialize else "Aqk,Akk,h"
+        return (), None
+    names = ("Aqk", "Akk") if rematerialize else ("Aqk", "Akk", "h")
     return names, "bfloat16" if q.dtype == torch.bfloat16 else "float32"
 
 
 def _residual_list(names, outs):
-    """kda_forward's residual outputs (in the order `names` requested them) as (G, Aqk, Akk, h), None
-    where not saved: kda_backward's residual arguments."""
-    saved = dict(zip(names.split(",") if names else (), outs))
+    """kda_forward's residual outputs (in the order G, Aqk, Akk, h) as (G, Aqk, Akk, h), None where not
+    saved: kda_backward's residual arguments."""
+    saved = dict(zip(names, outs))
     return [saved.get(x) for x in _NAMES]
 
 
@@ -42,7 +42,7 @@ class ChunkKdaFunction(torch.autograd.Function):
         scale = None if scale is None else float(scale)
         lower = None if lower_bound is None else float(lower_bound)
         outs = ops().kda_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, scale, lower,
-                                 _op_flags(output_final_state, l2, gate, state_v_first, rdt), names)
+                                 _op_flags(output_final_state, l2, gate, state_v_first, rdt, names))
         o = outs[0]
         fin = outs[1] if output_final_state else None
         res = _residual_list(names, outs[2 if output_final_state else 1:])
@@ -76,8 +76,7 @@ def chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, outp
     if not grad:
         # inference: the forward alone, no residuals saved, no autograd node
         outs = ops().kda_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, None if scale is None else float(scale),
-                                 None if lower_bound is None else float(lower_bound), _op_flags(output_final_state, l2, gate, state_v_first),
-                                 "")
+                                 None if lower_bound is None else float(lower_bound), _op_flags(output_final_state, l2, gate, state_v_first))
         return outs[0], (outs[1] if output_final_state else None)
     return ChunkKdaFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate,
                                   lower_bound, cu, bool(rematerialize), bool(state_v_first))

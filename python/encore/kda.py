@@ -135,8 +135,8 @@ def _kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_st
 
 # --- torch.ops.encore: the launchers on torch's current stream ----------------------------------------
 
-def _kda_forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, lower_bound, flags, residuals):
-    output_final_state, _, _, state_v_first, residual_dtype = _op_options(flags)
+def _kda_forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, lower_bound, flags):
+    output_final_state, _, _, state_v_first, residual_dtype, residuals = _op_options(flags)
     torch = torch_module()
     b, t, _, kd = q.shape
     h, vd = v.shape[2], v.shape[3]
@@ -151,18 +151,17 @@ def _kda_forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlen
     nt = b * ((t + _CHUNK - 1) // _CHUNK) if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
     shapes = {"G": ((b, t, h, kd), torch.float32), "Aqk": ((b, t, h, _CHUNK), dt), "Akk": ((b, t, h, _CHUNK), dt),
               "h": ((nt, h, kd, vd), dt)}
-    return outs + [q.new_empty(shapes[x][0], dtype=shapes[x][1]) for x in residuals.split(",")]
+    return outs + [q.new_empty(shapes[x][0], dtype=shapes[x][1]) for x in residuals]
 
 
 @torch_op("kda_forward", fake=_kda_forward_fake)
 def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, A_log: Tensor | None,
-                 dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, lower_bound: float | None, flags: int,
-                 residuals: str) -> list[Tensor]:
-    """[o, final_state if output_final_state, *residuals]; flags: the options word (_op_flags); residuals:
-    comma-separated names among G, Aqk, Akk, h ("" for none). (A mutable op may not return a Tensor[]:
-    kda_forward_out takes no residuals.)"""
-    final, l2, gate, vfirst, rdt = _op_options(flags)
-    names = _residual_names(residuals.split(",")) if residuals else ()
+                 dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, lower_bound: float | None,
+                 flags: int) -> list[Tensor]:
+    """[o, final_state if output_final_state, *residuals in the order G, Aqk, Akk, h]; flags: the options word
+    (_op_flags), the residuals included. (A mutable op may not return a Tensor[]: kda_forward_out takes no
+    residuals.)"""
+    final, l2, gate, vfirst, rdt, names = _op_options(flags)
     o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, final, l2, gate, A_log, dt_bias, lower_bound, cu_seqlens,
                                       names, rdt, None, None, None, vfirst)
     return present([o, fin, *(res or {}).values()])
@@ -172,7 +171,7 @@ def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initi
 def _kda_forward_out(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, A_log: Tensor | None,
                      dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, lower_bound: float | None, flags: int,
                      o: Tensor, final_state: Tensor | None, workspace: Tensor | None) -> None:
-    final, l2, gate, vfirst, _ = _op_options(flags)
+    final, l2, gate, vfirst, _, _ = _op_options(flags, 32)
     _kda_forward_launch(q, k, v, g, beta, scale, initial_state, final, l2, gate, A_log, dt_bias, lower_bound, cu_seqlens, (), None,
                         (o, final_state), workspace, None, vfirst)
 
@@ -257,7 +256,8 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
                 dt_bias, lower_bound, cu_seqlens, names, residual_dtype, out, workspace, state_v_first):
     """kda_forward through the ops `fwd` (kda_forward) or, with out or workspace, `fwd_out` (kda_forward_out):
     torch.ops.encore's overloads when traced, the C++ kernels' dispatcher entries when eager; kda_forward's return value."""
-    flags = _op_flags(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype if names else None)
+    canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
+    flags = _op_flags(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype if names else None, canonical)
     ins = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, lower_bound, flags)
     if out is not None or workspace is not None:
         if out is None:  # (the launcher's checks first: its messages)
@@ -270,10 +270,9 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
         fwd_out(*ins, *out, workspace)
         return out
     if not names:
-        outs = fwd(*ins, "")
+        outs = fwd(*ins)
         return outs[0], outs[1] if output_final_state else None
-    canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
-    o, fin, *res = with_absent(fwd(*ins, ",".join(canonical)),
+    o, fin, *res = with_absent(fwd(*ins),
                                (True, output_final_state) + (True,) * len(names))
     res = dict(zip(canonical, res))
     return o, fin, {x: res[x] for x in names}

@@ -4,8 +4,8 @@
 // inputs' device, the requested residuals (G float32; Aqk, Akk, h in the residual dtype of the options word;
 // h's rows from the C++ chunk count), cu_seqlens copied to the host when it is a CUDA tensor, the CUDA workspace
 // allocated by ATen (16-byte aligned) or the caller's checked, and the launcher's ValueError messages. The options
-// word `flags` (kda.py _op_flags): final state, q/k L2 norm, in-kernel gate, state_v_first (the states
-// [N, HV, V, K], final_state allocated so), bf16 residuals.
+// word `flags` (_kda_args.py _op_flags): final state, q/k L2 norm, in-kernel gate, state_v_first (the states
+// [N, HV, V, K], final_state allocated so), bf16 residuals and the residuals to return.
 #include <algorithm>
 #include <array>
 
@@ -16,42 +16,19 @@ namespace {
 
 using namespace encore_torch;
 
-constexpr std::array<const char*, 4> kResidualNames = {"G", "Aqk", "Akk", "h"};  // KdaResiduals' fields, in order
-constexpr int64_t kChunk = 64;                                                     // tokens per chunk (kda::kChunk)
+constexpr int64_t kChunk = 64;  // tokens per chunk (kda::kChunk)
 // In inference (no input requires grad), the CUDA forward's workspace of a small problem (<= 1 MiB: <= 10
 // chunk records) rides in o's allocation: one caching-allocator call less a call. o then holds it while it
 // lives (and its storage, as torch.save writes it, is that much larger); where o may be saved for a
 // backward, the workspace is its own allocation, freed when the call returns.
 constexpr size_t kWorkspaceInOutput = size_t(1) << 20;
 
-// kda.py _residual_names over residuals.split(","): indices into kResidualNames in the order given, a
-// repeated name once (the launcher's dict keeps its first place).
-std::vector<int> residual_names(c10::string_view residuals) {
-  std::vector<int> idx;
-  if (residuals.empty()) return idx;
-  std::vector<std::string> parts;
-  for (size_t at = 0;;) {
-    const size_t comma = residuals.find(',', at);
-    parts.emplace_back(residuals.substr(at, comma == c10::string_view::npos ? c10::string_view::npos : comma - at));
-    if (comma == c10::string_view::npos) break;
-    at = comma + 1;
-  }
-  std::vector<int> found;
-  for (const std::string& p : parts) {
-    int i = 0;
-    while (i < 4 && p != kResidualNames[size_t(i)]) ++i;
-    TORCH_CHECK_VALUE(i < 4, "return_residuals: expected True or a non-empty subset of ('G', 'Aqk', 'Akk', 'h'), got ", py_list(parts));
-    found.push_back(i);
-  }
-  for (int i : found)
-    if (std::find(idx.begin(), idx.end(), i) == idx.end()) idx.push_back(i);
-  return idx;
-}
-
-// kda.py's options word (_op_flags / _op_options).
-constexpr int64_t kFinalState = 1, kQkL2norm = 2, kGateInKernel = 4, kStateVFirst = 8, kResidualsBf16 = 16;
-void check_flags(int64_t flags) {
-  TORCH_CHECK_VALUE(flags >= 0 && flags < 32, "flags: expected an options word in [0, 32) (kda._op_flags), got ", flags);
+// _kda_args.py's options word (_op_flags / _op_options): the options, the residual dtype and, for kda_forward,
+// the residuals to return (bit kResidualG << i for KdaResiduals' field i: G, Aqk, Akk, h, returned in that order).
+constexpr int64_t kFinalState = 1, kQkL2norm = 2, kGateInKernel = 4, kStateVFirst = 8, kResidualsBf16 = 16, kResidualG = 32;
+constexpr int64_t kWordEnd = 512, kOutWordEnd = 32;  // kda_forward's words; kda_forward_out's (no residuals)
+void check_flags(int64_t flags, int64_t end) {
+  TORCH_CHECK_VALUE(flags >= 0 && flags < end, "flags: expected an options word in [0, ", end, ") (kda._op_flags), got ", flags);
 }
 
 // _kda_args.py _opts: scale None (0 here) is K^-1/2; a given one must be positive and finite.
@@ -151,10 +128,12 @@ void run_forward(const encore::KdaForwardArgs& args, const encore::KdaOptions& o
 std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                     const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias,
                                     const OptTensor& cu_seqlens, std::optional<double> scale, std::optional<double> lower_bound,
-                                    int64_t flags, c10::string_view residuals) {
-  check_flags(flags);
+                                    int64_t flags) {
+  check_flags(flags, kWordEnd);
   const bool output_final_state = flags & kFinalState, state_v_first = flags & kStateVFirst;
-  const std::vector<int> names = residual_names(residuals);
+  std::vector<int> names;  // the residuals asked for, indices into KdaResiduals' fields
+  for (int i = 0; i < 4; ++i)
+    if (flags & (kResidualG << i)) names.push_back(i);
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);
   const int64_t n = sequences(f);
   const at::ScalarType state = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -202,7 +181,7 @@ void kda_forward_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias, const OptTensor& cu_seqlens,
                      std::optional<double> scale, std::optional<double> lower_bound, int64_t flags, const at::Tensor& o,
                      const OptTensor& final_state, const OptTensor& workspace) {
-  check_flags(flags);
+  check_flags(flags, kOutWordEnd);
   const bool output_final_state = flags & kFinalState, state_v_first = flags & kStateVFirst;
   const bool use_qk_l2norm = flags & kQkL2norm, use_gate_in_kernel = flags & kGateInKernel;
   const Forward f = inputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens);

@@ -189,7 +189,7 @@ def _native_cases():
             ("add_rms_norm_", (x, randn(4, N), nw, 1e-6, 0.0), (0, 1, 2)),
             ("add_rms_norm_out", (x, randn(4, N), nw, 1e-6, 0.0, torch.empty(4, N)), (0, 1, 2, 5)),
             ("qk_norm_", (randn(3, 3 * 64, dt=BF16), randn(64, dt=BF16), randn(64, dt=BF16), 1, 1, 64, 1e-6, 0.0), (0, 1, 2)),
-            ("kda_forward", (q, k, v, g, beta, None, None, None, None, None, None, 1, "G,h"), (0, 1, 2, 3, 4)),
+            ("kda_forward", (q, k, v, g, beta, None, None, None, None, None, None, 1 | 32 | 256), (0, 1, 2, 3, 4)),
             ("kda_forward_out", (q, k, v, g, beta, None, None, None, None, None, None, 0, torch.empty_like(v), None, None),
              (0, 1, 2, 3, 4, 12))]
 
@@ -259,24 +259,25 @@ def test_kda_forward_matches_python_kernel():
     h0 = randn(2, 2, 8, 6, scale=0.1)
     A_log, dt_bias = randn(2), randn(16, scale=0.1)
 
-    def call(final=True, cu_=None, res="", rdt=None, scale=None, h0_=None, l2=False, gate=False, A=None, dtb=None, lb=None, ins=None,
+    def call(final=True, cu_=None, res=(), rdt=None, scale=None, h0_=None, l2=False, gate=False, A=None, dtb=None, lb=None, ins=None,
              vf=False, flags=None):
-        word = _kda_args._op_flags(final, l2, gate, vf, rdt) if flags is None else flags
-        return (*(ins or (q, k, v, g, beta)), h0_, A, dtb, cu_, scale, lb, word, res)
+        word = _kda_args._op_flags(final, l2, gate, vf, rdt, res) if flags is None else flags
+        return (*(ins or (q, k, v, g, beta)), h0_, A, dtb, cu_, scale, lb, word)
 
     h0t = h0.transpose(2, 3).contiguous()  # state_v_first: [N, HV, V, K]
 
-    cases = [call(), call(final=False), call(res="G,Aqk,Akk,h"), call(res="h,G", rdt="float32"), call(res="G,G"), call(res="Aqk,h", cu_=cu),
-             call(res="Akk", rdt="bfloat16"), call(cu_=cu, h0_=h0), call(scale=0.3, l2=True), call(gate=True, A=A_log, dtb=dt_bias),
-             call(gate=True, lb=-3.0), call(gate=True, A=A_log, lb=-3.0), call(ins=kda_inputs(dt=torch.float64)),
-             call(ins=kda_inputs(dt=torch.float64), res="G,h", rdt="bfloat16"), call(vf=False), call(vf=True),
-             call(cu_=cu, h0_=h0t, vf=True), call(cu_=cu, h0_=h0t, res="G,Aqk,h", vf=True), call(final=False, cu_=cu, h0_=h0t, vf=True),
+    cases = [call(), call(final=False), call(res=("G", "Aqk", "Akk", "h")), call(res=("h", "G"), rdt="float32"), call(res=("G", "G")),
+             call(res=("Aqk", "h"), cu_=cu), call(res=("Akk",), rdt="bfloat16"), call(cu_=cu, h0_=h0), call(scale=0.3, l2=True),
+             call(gate=True, A=A_log, dtb=dt_bias), call(gate=True, lb=-3.0), call(gate=True, A=A_log, lb=-3.0),
+             call(ins=kda_inputs(dt=torch.float64)), call(ins=kda_inputs(dt=torch.float64), res=("G", "h"), rdt="bfloat16"), call(vf=False),
+             call(vf=True), call(cu_=cu, h0_=h0t, vf=True), call(cu_=cu, h0_=h0t, res=("G", "Aqk", "h"), vf=True),
+             call(final=False, cu_=cu, h0_=h0t, vf=True), call(flags=1 | 32 | 64 | 128 | 256),
              # refused
              call(cu_=cu, h0_=h0, vf=True), call(cu_=cu, h0_=h0t, vf=False),
-             call(res="G,x"), call(res=","), call(res="G", flags=32), call(flags=-1), call(scale=-1.0), call(scale=0.0), call(scale=math.nan),
+             call(flags=512), call(flags=-1), call(scale=-1.0), call(scale=0.0), call(scale=math.nan),
              call(scale=math.inf), call(scale=-2.5e-7), call(cu_=torch.tensor(3)), call(cu_=cu.float()), call(ins=(q[0], k, v, g, beta)),
              call(ins=(q, k, v[0], g, beta)), call(ins=(q, k[:, :50], v, g, beta)), call(gate=True), call(h0_=h0[:1].double()),
-             call(res="h", ins=(q, k[..., :4], v, g, beta))]
+             call(res=("h",), ins=(q, k[..., :4], v, g, beta))]
     check("kda_forward", kda._kda_forward, cases)
 
 
