@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <ATen/EmptyTensor.h>
+#include <c10/core/CPUAllocator.h>
 #ifdef ENCORE_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -114,17 +115,30 @@ inline void* align16(uintptr_t p) { return reinterpret_cast<void*>(p + (16 - p %
 
 // An uninitialized contiguous tensor of `shape` in like's dtype on like's device whose allocation also holds
 // `tail` bytes after it (16-byte aligned, at *tail_at): one caching-allocator call for an output and a
-// small workspace that lives as long as the output. The tensor is built on the buffer's storage directly
-// (no view op through the dispatcher).
+// small workspace that lives as long as the output. On CPU and CUDA the tensor is built on a storage of the
+// device's allocator directly (one TensorImpl, no dispatcher); elsewhere on a byte tensor's storage.
 inline at::Tensor empty_with_tail(const at::Tensor& like, at::IntArrayRef shape, size_t tail, void** tail_at) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
-  const size_t head = (size_t(n) * like.element_size() + 255) / 256 * 256;
-  const at::Tensor buf = new_empty(like, {int64_t(head + tail + 16)}, at::kByte);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buf.storage()), buf.key_set(), like.dtype());
-  impl->set_sizes_contiguous(shape);
-  *tail_at = align16(reinterpret_cast<uintptr_t>(buf.data_ptr()) + head);
-  return at::Tensor(std::move(impl));
+  const size_t head = (size_t(n) * like.element_size() + 255) / 256 * 256, bytes = head + tail + 16;
+  auto build = [&](c10::Storage storage, c10::DispatchKeySet keys) {
+    *tail_at = align16(reinterpret_cast<uintptr_t>(storage.mutable_data()) + head);
+    auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), keys, like.dtype());
+    impl->set_sizes_contiguous(shape);
+    return at::Tensor(std::move(impl));
+  };
+#ifdef ENCORE_TORCH_CUDA
+  if (like.is_cuda()) {
+    const c10::cuda::CUDAGuard device(like.device());
+    return build(c10::Storage(c10::Storage::use_byte_size_t(), bytes, c10::cuda::CUDACachingAllocator::get(), /*resizable=*/false),
+                 c10::DispatchKeySet(c10::DispatchKey::CUDA));
+  }
+#endif
+  if (like.is_cpu())
+    return build(c10::Storage(c10::Storage::use_byte_size_t(), bytes, c10::GetCPUAllocator(), /*resizable=*/false),
+                 c10::DispatchKeySet(c10::DispatchKey::CPU));
+  const at::Tensor buf = new_empty(like, {int64_t(bytes)}, at::kByte);
+  return build(c10::Storage(buf.storage()), buf.key_set());
 }
 
 // x, rounded up / divided up (Python's (x + d - 1) // d for x >= 0, d > 0).
