@@ -30,11 +30,10 @@ Status ndim(const char* name, const TensorView& t, int expected, const char* lay
 }
 
 Status dtype_in(const char* name, const TensorView& t, std::initializer_list<DType> allowed) {
-  std::string list;
-  for (DType d : allowed) {
+  for (DType d : allowed)
     if (d == t.dtype) return Status::ok();
-    list += (list.empty() ? "" : ", ") + std::string(dtype_name(d));
-  }
+  std::string list;  // the message only on failure: a passing check allocates nothing
+  for (DType d : allowed) list += (list.empty() ? "" : ", ") + std::string(dtype_name(d));
   return Status::invalid(std::string(name) + ": dtype must be one of {" + list + "}, got " +
                          dtype_name(t.dtype));
 }

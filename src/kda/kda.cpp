@@ -59,10 +59,9 @@ Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {
                    std::initializer_list<DType> dtypes) -> Status {
     if (!t.defined()) return Status::ok();
     ENCORE_RETURN_IF_ERROR(checks::present(name, t));
-    std::vector<int64_t> want(shape);
-    if (t.ndim != int(want.size()) || !std::equal(want.begin(), want.end(), t.shape.begin())) {
+    if (t.ndim != int(shape.size()) || !std::equal(shape.begin(), shape.end(), t.shape.begin())) {
       std::string w = "[";
-      for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
+      for (int64_t s : shape) w += (w.size() > 1 ? ", " : "") + std::to_string(s);
       return Status::invalid(std::string(name) + ": expected " + layout + " = " + w + "], got " + t.shape_string());
     }
     ENCORE_RETURN_IF_ERROR(checks::dtype_in(name, t, dtypes));

@@ -2,6 +2,7 @@
 #include "kda/problem.hpp"
 
 #include <cmath>
+#include <utility>
 
 #include "core/checks.hpp"
 
@@ -145,7 +146,7 @@ Status make_problem(const KdaForwardArgs& a, const KdaOptions& o, KdaProblem* ou
   if (!std::isfinite(o.scale)) return Status::invalid("scale: must be finite");
   p.scale = o.scale > 0.0 ? o.scale : 1.0 / std::sqrt(double(p.K));
   p.opts = o;
-  *out = p;
+  *out = std::move(p);
   return Status::ok();
 }
 
