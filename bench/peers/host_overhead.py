@@ -8,7 +8,8 @@ output preallocated, options and stream cached: the least a launcher can cost). 
 same job: "torch_rms_norm" (torch.nn.functional.rms_norm, eager), "torch_launch" (one empty kernel
 launched by torch: torch.cuda._sleep(0)), "to_dlpack" (one capsule), "torch_empty" (one
 torch.empty_like).
-Each number: the best of 7 repeats of N calls timed between torch.cuda.synchronize() calls; the
+Each number: the best of 7 repeats of N calls timed between torch.cuda.synchronize() calls, Python's garbage
+collector off while timing (as timeit has it: its pauses land on whichever call allocates); the
 shapes are tiny, so the host, not the GPU, is the bottleneck ("device_us": the public call's device
 time per call from a CUDA-graph replay, for comparison).
 "<path>_host": the host time alone, calls queued behind a busy GPU (host_us), the number the
@@ -20,6 +21,7 @@ Gates (issue 46): rms_norm's public path (wall, paired with F.rms_norm) at or un
 torch_op path <= 10 us of host time.
 Usage: python3 bench/peers/host_overhead.py [OUT.json]  (CUDA build and GPU; falls back to the CPU
 backend, whose numbers include the CPU reference's arithmetic, when none is present)."""
+import gc
 import json
 import os
 import sys
@@ -143,6 +145,8 @@ def main():
                "torch": torch.__version__, "encore": getattr(encore, "__version__", "?"),
                "commit": os.environ.get("ENCORE_COMMIT", "?"), "calls_per_repeat": N, "goal_us": GOAL_US, "ops": {},
                "references_us": {}}
+    gc.collect()
+    gc.disable()  # collections would land on whichever timed call allocates
     with torch.inference_mode():
         results["references_us"] = {name: wall_us(call, sync) for name, call in refs.items()}
         results["references_us"]["torch_rms_norm_host"] = host_us(refs["torch_rms_norm"], sync, cuda)
@@ -160,6 +164,7 @@ def main():
             print(op + ": " + ", ".join(f"{k} {v:.2f} us" for k, v in row.items()), flush=True)
         refs_again = {name: wall_us(call, sync) for name, call in refs.items()}  # before and after: the job's drift
         results["references_after_us"] = refs_again
+    gc.enable()
     print("references: " + ", ".join(f"{k} {v:.2f} us" for k, v in results["references_us"].items()))
     rms_row = results["ops"]["rms_norm [1, 4096] bf16"]
     rms_public, torch_rms = rms_row["public_paired"], rms_row["torch_rms_norm_paired"]
