@@ -51,18 +51,10 @@ def wall_us(call, sync, repeats=REPEATS):
     return best
 
 
-def host_pair_us(call, ref, sync, cuda, rounds=3 * REPEATS):
-    """host_us of call and of ref measured in alternation (each round one of each, best over the rounds): the
-    reference beside the op in time, so a host whose speed drifts within the job moves both."""
-    if not cuda:
-        return host_us(call, sync, cuda), host_us(ref, sync, cuda)
-    pairs = [(host_us(call, sync, cuda, repeats=1), host_us(ref, sync, cuda, repeats=1)) for _ in range(rounds)]
-    return min(p[0] for p in pairs), min(p[1] for p in pairs)
-
-
-def wall_pair_us(call, ref, sync, rounds=3 * REPEATS):
-    """wall_us of call and of ref in alternation (one repeat of each a round, best over the rounds)."""
-    pairs = [(wall_us(call, sync, repeats=1), wall_us(ref, sync, repeats=1)) for _ in range(rounds)]
+def paired_us(measure, call, ref, rounds=3 * REPEATS):
+    """measure(call, 1) and measure(ref, 1) in alternation (one repeat of each a round, best over the rounds):
+    the reference beside the op in time, so a host whose speed drifts within the job moves both."""
+    pairs = [(measure(call, 1), measure(ref, 1)) for _ in range(rounds)]
     return min(p[0] for p in pairs), min(p[1] for p in pairs)
 
 
@@ -153,11 +145,14 @@ def main():
         for op, calls in paths.items():
             row = {name: wall_us(call, sync) for name, call in calls.items()}
             row.update({name + "_host": host_us(call, sync, cuda) for name, call in calls.items() if name != "binding"})
-            # the torch.ops path and torch's F.rms_norm alternating: the gate's number beside its reference in time
-            row["torch_op_host_paired"], row["torch_rms_norm_host_paired"] = host_pair_us(calls["torch_op"], refs["torch_rms_norm"],
-                                                                                         sync, cuda)
+            # the torch.ops path and torch's F.rms_norm alternating: the gate's number beside its reference in time (on
+            # the CPU backend host_us is wall_us: the numbers above)
+            row["torch_op_host_paired"], row["torch_rms_norm_host_paired"] = (
+                paired_us(lambda c, r: host_us(c, sync, cuda, repeats=r), calls["torch_op"], refs["torch_rms_norm"]) if cuda
+                else (row["torch_op_host"], results["references_us"]["torch_rms_norm_host"]))
             if op.startswith("rms_norm"):  # the public gate's number beside its reference in time
-                row["public_paired"], row["torch_rms_norm_paired"] = wall_pair_us(calls["public"], refs["torch_rms_norm"], sync)
+                row["public_paired"], row["torch_rms_norm_paired"] = paired_us(lambda c, r: wall_us(c, sync, repeats=r), calls["public"],
+                                                                               refs["torch_rms_norm"])
             if cuda:
                 row["device_us"] = graph_us(lambda i: calls["public"]())
             results["ops"][op] = row

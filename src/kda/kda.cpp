@@ -72,7 +72,7 @@ Status validate_residuals(const KdaForwardArgs& a, const kda::KdaProblem& p) {
   ENCORE_RETURN_IF_ERROR(check("residuals.G", r.G, {p.B, p.T, p.H, p.K}, "[B, T, HV, K]", {DType::kFP32, DType::kFP64}));
   ENCORE_RETURN_IF_ERROR(check("residuals.Aqk", r.Aqk, {p.B, p.T, p.H, kda::kChunk}, "[B, T, HV, 64]", lo));
   ENCORE_RETURN_IF_ERROR(check("residuals.Akk", r.Akk, {p.B, p.T, p.H, kda::kChunk}, "[B, T, HV, 64]", lo));
-  ENCORE_RETURN_IF_ERROR(check("residuals.h", r.h, {chunk_count(p), p.H, p.K, p.V}, "[NT, HV, K, V]", lo));
+  if (r.h.defined()) ENCORE_RETURN_IF_ERROR(check("residuals.h", r.h, {chunk_count(p), p.H, p.K, p.V}, "[NT, HV, K, V]", lo));
   return Status::ok();
 }
 
@@ -524,8 +524,9 @@ BackwardExtras backward_extras(const KdaBackwardArgs& a, const kda::KdaProblem& 
   const KdaResiduals& r = a.fwd.residuals;
   const bool second = kernels == kda::KdaBackwardKernels::kSecond;
   const size_t rows = size_t(p.B) * size_t(p.T) * size_t(p.H);
-  const size_t own = second ? cuda::kda2_layout(p.B * p.T, chunk_count(p), p.H).bytes
-                            : cuda::kda_backward_workspace_bytes(chunk_count(p), p.H, p.K, p.V, !r.h.defined(), p.B * p.T, p.group());
+  const int64_t nt = chunk_count(p);
+  const size_t own = second ? cuda::kda2_layout(p.B * p.T, nt, p.H).bytes
+                            : cuda::kda_backward_workspace_bytes(nt, p.H, p.K, p.V, !r.h.defined(), p.B * p.T, p.group());
   BackwardExtras e;
   e.h = second && !r.h.defined();
   e.Aqk = second && !r.Aqk.defined();
@@ -540,7 +541,7 @@ BackwardExtras backward_extras(const KdaBackwardArgs& a, const kda::KdaProblem& 
   size_t at = own;
   if (e.remat) {
     e.fwd = align256(rows * size_t(p.V) * dtype_size(a.fwd.v.dtype));
-    at = std::max(at, e.fwd + cuda::kda_forward_workspace_bytes(chunk_count(p), p.H));
+    at = std::max(at, e.fwd + cuda::kda_forward_workspace_bytes(nt, p.H));
   }
   auto region = [&](bool on, size_t* offset, size_t bytes) {
     if (!on) return;
@@ -548,7 +549,7 @@ BackwardExtras backward_extras(const KdaBackwardArgs& a, const kda::KdaProblem& 
     at = *offset + bytes;
   };
   region(e.gate, &e.G_at, rows * size_t(p.K) * sizeof(float));
-  region(e.h, &e.h_at, size_t(chunk_count(p)) * size_t(p.H) * size_t(p.K) * size_t(p.V) * dtype_size(e.residual));
+  region(e.h, &e.h_at, size_t(nt) * size_t(p.H) * size_t(p.K) * size_t(p.V) * dtype_size(e.residual));
   region(e.Aqk, &e.Aqk_at, rows * size_t(kda::kChunk) * dtype_size(e.residual));
   region(e.Akk, &e.Akk_at, rows * size_t(kda::kChunk) * dtype_size(e.residual));
   e.bytes = at;
