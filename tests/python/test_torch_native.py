@@ -281,6 +281,27 @@ def test_kda_forward_matches_python_kernel():
     check("kda_forward", kda._kda_forward, cases)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not encore.built_with_cuda(), reason="needs CUDA")
+def test_kda_forward_on_cuda_matches_python_kernel():
+    """CUDA: sizes that change and come back (the op keeps the last fixed-length workspace size per thread),
+    varlen between them, and refusals at remembered sizes: the same outputs and errors as the Python kernel."""
+    def ins(t, kd=8, vd=6, dt=BF16):
+        return [x.cuda() for x in kda_inputs(t=t, kd=kd, vd=vd, dt=dt)]
+
+    a, b, c = ins(100), ins(200), ins(100, kd=16)
+    cu = torch.tensor([0, 30, 100], dtype=torch.int64)
+    g_half = [*a[:3], a[3].half(), a[4]]  # g in float16 at remembered sizes
+    g_int = [*a[:3], a[3].to(torch.int32), a[4]]  # refused at remembered sizes
+    k_short = [a[0], a[1][..., :4], *a[2:]]
+
+    def call(x, final=True, cu_=None, res=()):
+        return (*x, None, None, None, cu_, None, None, _kda_args._op_flags(final, False, False, False, "bfloat16" if res else None, res))
+
+    cases = [call(a), call(b), call(a, cu_=cu), call(a, final=False), call(g_int), call(k_short), call(a), call(c), call(g_half),
+             call(a, res=("Aqk", "Akk")), call(b, final=False)]
+    check("kda_forward", kda._kda_forward, cases)
+
+
 def test_kda_forward_out_matches_python_kernel():
     q, k, v, g, beta = kda_inputs()
     cu = torch.tensor([0, 30, 100], dtype=torch.int64)
