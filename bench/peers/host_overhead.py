@@ -125,7 +125,7 @@ def main():
         },
         f"chunk_kda forward [1, {T}, {H}, {K}] bf16, no grad": {
             "public": lambda: encore.chunk_kda(q, k, v, g, beta),
-            "torch_op": lambda: ops.kda_forward(q, k, v, g, beta, None, None, None, None, None, None, 0),
+            "torch_op": lambda: ops.kda_forward(q, k, v, g, beta),  # the optional arguments left at their defaults
         },
     }
     refs = {"torch_rms_norm": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6), "to_dlpack": lambda: dl(x),

@@ -27,6 +27,15 @@ def _residual_request(q, rematerialize):
     return names, "bfloat16" if q.dtype == torch.bfloat16 else "float32"
 
 
+def _given(*args):
+    """kda_forward's arguments without the trailing ones left at None (their default): each argument the
+    dispatcher converts costs host time."""
+    n = len(args)
+    while args[n - 1] is None:
+        n -= 1
+    return args[:n]
+
+
 def _residual_list(names, outs):
     """kda_forward's residual outputs (in the order G, Aqk, Akk, h) as (G, Aqk, Akk, h), None where not
     saved: kda_backward's residual arguments."""
@@ -41,8 +50,8 @@ class ChunkKdaFunction(torch.autograd.Function):
         names, rdt = _residual_request(q, rematerialize)
         scale = None if scale is None else float(scale)
         lower = None if lower_bound is None else float(lower_bound)
-        outs = ops().kda_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, scale, lower,
-                                 _op_flags(output_final_state, l2, gate, state_v_first, rdt, names))
+        outs = ops().kda_forward(*_given(q, k, v, g, beta, _op_flags(output_final_state, l2, gate, state_v_first, rdt, names),
+                                         initial_state, A_log, dt_bias, cu, scale, lower))
         o = outs[0]
         fin = outs[1] if output_final_state else None
         res = _residual_list(names, outs[2 if output_final_state else 1:])
@@ -75,8 +84,9 @@ def chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, outp
                                         any(t is not None and t.requires_grad for t in (A_log, dt_bias, initial_state)))
     if not grad:
         # inference: the forward alone, no residuals saved, no autograd node
-        outs = ops().kda_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu, None if scale is None else float(scale),
-                                 None if lower_bound is None else float(lower_bound), _op_flags(output_final_state, l2, gate, state_v_first))
+        outs = ops().kda_forward(*_given(q, k, v, g, beta, _op_flags(output_final_state, l2, gate, state_v_first), initial_state, A_log,
+                                         dt_bias, cu, None if scale is None else float(scale),
+                                         None if lower_bound is None else float(lower_bound)))
         return outs[0], (outs[1] if output_final_state else None)
     return ChunkKdaFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate,
                                   lower_bound, cu, bool(rematerialize), bool(state_v_first))

@@ -129,8 +129,8 @@ class ChunkKdaCpFunction(torch.autograd.Function):
         if pre > 0:
             h0[0] = _merge(parts, range(r - pre, r), hv, K, V).to(h0.dtype)
         names, rdt = _residual_request(q, False)
-        outs = ops().kda_forward(q, k, v, g, beta, h0, A_log, dt_bias, cu_local, None if scale is None else float(scale),
-                                 None if lower_bound is None else float(lower_bound), _op_flags(False, l2, gate, False, rdt, names))
+        outs = ops().kda_forward(q, k, v, g, beta, _op_flags(False, l2, gate, False, rdt, names), h0, A_log, dt_bias, cu_local,
+                                 None if scale is None else float(scale), None if lower_bound is None else float(lower_bound))
         res = _residual_list(names, outs[1:])
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_local, *res)
         ctx.meta = (scale, bool(l2), bool(gate), lower_bound, opts, pre, post, ex, r)

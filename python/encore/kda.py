@@ -135,7 +135,8 @@ def _kda_backward_launch(q, k, v, g, beta, d_o, d_final_state, scale, initial_st
 
 # --- torch.ops.encore: the launchers on torch's current stream ----------------------------------------
 
-def _kda_forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, lower_bound, flags):
+def _kda_forward_fake(q, k, v, g, beta, flags=0, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None, scale=None,
+                      lower_bound=None):
     output_final_state, _, _, state_v_first, residual_dtype, residuals = _op_options(flags)
     torch = torch_module()
     b, t, _, kd = q.shape
@@ -155,12 +156,13 @@ def _kda_forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlen
 
 
 @torch_op("kda_forward", fake=_kda_forward_fake)
-def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, A_log: Tensor | None,
-                 dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, lower_bound: float | None,
-                 flags: int) -> list[Tensor]:
+def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, flags: int = 0, initial_state: Tensor | None = None,
+                 A_log: Tensor | None = None, dt_bias: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                 scale: float | None = None, lower_bound: float | None = None) -> list[Tensor]:
     """[o, final_state if output_final_state, *residuals in the order G, Aqk, Akk, h]; flags: the options word
-    (_op_flags), the residuals included. (A mutable op may not return a Tensor[]: kda_forward_out takes no
-    residuals.)"""
+    (_op_flags), the residuals included. The optional arguments come last with their defaults: a call passes
+    the ones it gives (each argument converted costs the dispatcher host time). (A mutable op may not return a
+    Tensor[]: kda_forward_out takes no residuals.)"""
     final, l2, gate, vfirst, rdt, names = _op_options(flags)
     o, fin, res = _kda_forward_launch(q, k, v, g, beta, scale, initial_state, final, l2, gate, A_log, dt_bias, lower_bound, cu_seqlens,
                                       names, rdt, None, None, None, vfirst)
@@ -168,9 +170,9 @@ def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initi
 
 
 @torch_op("kda_forward_out", fake=lambda *_: None, mutates=("o", "final_state", "workspace"))
-def _kda_forward_out(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, A_log: Tensor | None,
-                     dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None, lower_bound: float | None, flags: int,
-                     o: Tensor, final_state: Tensor | None, workspace: Tensor | None) -> None:
+def _kda_forward_out(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, flags: int, initial_state: Tensor | None,
+                     A_log: Tensor | None, dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None,
+                     lower_bound: float | None, o: Tensor, final_state: Tensor | None, workspace: Tensor | None) -> None:
     final, l2, gate, vfirst, _, _ = _op_options(flags, 32)
     _kda_forward_launch(q, k, v, g, beta, scale, initial_state, final, l2, gate, A_log, dt_bias, lower_bound, cu_seqlens, (), None,
                         (o, final_state), workspace, None, vfirst)
@@ -258,7 +260,7 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
     torch.ops.encore's overloads when traced, the C++ kernels' dispatcher entries when eager; kda_forward's return value."""
     canonical = tuple(x for x in _RESIDUAL_NAMES if x in names)
     flags = _op_flags(output_final_state, use_qk_l2norm, use_gate_in_kernel, state_v_first, residual_dtype if names else None, canonical)
-    ins = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, lower_bound, flags)
+    ins = (q, k, v, g, beta, flags, initial_state, A_log, dt_bias, cu_seqlens, scale, lower_bound)
     if out is not None or workspace is not None:
         if out is None:  # (the launcher's checks first: its messages)
             b, t, _, kd = matrix_shape(q, "q", 4, "[B, T, H, K]")

@@ -139,9 +139,9 @@ void run_forward(const encore::KdaForwardArgs& args, const encore::KdaOptions& o
 
 // [o, final_state if output_final_state, *residuals in the order G, Aqk, Akk, h]
 std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                    const at::Tensor& beta, const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias,
-                                    const OptTensor& cu_seqlens, std::optional<double> scale, std::optional<double> lower_bound,
-                                    int64_t flags) {
+                                    const at::Tensor& beta, int64_t flags, const OptTensor& initial_state, const OptTensor& A_log,
+                                    const OptTensor& dt_bias, const OptTensor& cu_seqlens, std::optional<double> scale,
+                                    std::optional<double> lower_bound) {
   check_flags(flags, kWordEnd);
   const bool output_final_state = flags & kFinalState, state_v_first = flags & kStateVFirst;
   std::vector<int> names;  // the residuals asked for, indices into KdaResiduals' fields
@@ -191,8 +191,8 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
 }
 
 void kda_forward_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                     const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias, const OptTensor& cu_seqlens,
-                     std::optional<double> scale, std::optional<double> lower_bound, int64_t flags, const at::Tensor& o,
+                     int64_t flags, const OptTensor& initial_state, const OptTensor& A_log, const OptTensor& dt_bias,
+                     const OptTensor& cu_seqlens, std::optional<double> scale, std::optional<double> lower_bound, const at::Tensor& o,
                      const OptTensor& final_state, const OptTensor& workspace) {
   check_flags(flags, kOutWordEnd);
   const bool output_final_state = flags & kFinalState, state_v_first = flags & kStateVFirst;

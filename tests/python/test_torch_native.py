@@ -189,8 +189,8 @@ def _native_cases():
             ("add_rms_norm_", (x, randn(4, N), nw, 1e-6, 0.0), (0, 1, 2)),
             ("add_rms_norm_out", (x, randn(4, N), nw, 1e-6, 0.0, torch.empty(4, N)), (0, 1, 2, 5)),
             ("qk_norm_", (randn(3, 3 * 64, dt=BF16), randn(64, dt=BF16), randn(64, dt=BF16), 1, 1, 64, 1e-6, 0.0), (0, 1, 2)),
-            ("kda_forward", (q, k, v, g, beta, None, None, None, None, None, None, 1 | 32 | 256), (0, 1, 2, 3, 4)),
-            ("kda_forward_out", (q, k, v, g, beta, None, None, None, None, None, None, 0, torch.empty_like(v), None, None),
+            ("kda_forward", (q, k, v, g, beta, 1 | 32 | 256), (0, 1, 2, 3, 4)),
+            ("kda_forward_out", (q, k, v, g, beta, 0, None, None, None, None, None, None, torch.empty_like(v), None, None),
              (0, 1, 2, 3, 4, 12))]
 
 
@@ -262,7 +262,7 @@ def test_kda_forward_matches_python_kernel():
     def call(final=True, cu_=None, res=(), rdt=None, scale=None, h0_=None, l2=False, gate=False, A=None, dtb=None, lb=None, ins=None,
              vf=False, flags=None):
         word = _kda_args._op_flags(final, l2, gate, vf, rdt, res) if flags is None else flags
-        return (*(ins or (q, k, v, g, beta)), h0_, A, dtb, cu_, scale, lb, word)
+        return (*(ins or (q, k, v, g, beta)), word, h0_, A, dtb, cu_, scale, lb)
 
     h0t = h0.transpose(2, 3).contiguous()  # state_v_first: [N, HV, V, K]
 
@@ -295,7 +295,8 @@ def test_kda_forward_on_cuda_matches_python_kernel():
     k_short = [a[0], a[1][..., :4], *a[2:]]
 
     def call(x, final=True, cu_=None, res=()):
-        return (*x, None, None, None, cu_, None, None, _kda_args._op_flags(final, False, False, False, "bfloat16" if res else None, res))
+        word = _kda_args._op_flags(final, False, False, False, "bfloat16" if res else None, res)
+        return (*x, word) if cu_ is None else (*x, word, None, None, None, cu_)
 
     cases = [call(a), call(b), call(a, cu_=cu), call(a, final=False), call(g_int), call(k_short), call(a), call(c), call(g_half),
              call(a, res=("Aqk", "Akk")), call(b, final=False)]
@@ -310,7 +311,7 @@ def test_kda_forward_out_matches_python_kernel():
 
     def call(final, cu_, o_, fin_, ws_, scale=None, vf=False, flags=None):
         word = _kda_args._op_flags(final, False, False, vf) if flags is None else flags
-        return (q, k, v, g, beta, None, None, None, cu_, scale, None, word, o_, fin_, ws_)
+        return (q, k, v, g, beta, word, None, None, None, cu_, scale, None, o_, fin_, ws_)
 
     cases = [call(True, cu, o, fin, None), call(False, None, o, None, None), call(True, cu, o, fin, ws), call(False, None, o, None, ws[1:]),
              call(True, cu, o, None, None), call(False, None, o, fin, None), call(False, None, o, None, ws.float()),

@@ -169,21 +169,22 @@ def kda_cases(dev):
     q, k, v, g, beta = kda_inputs(dev)
     cu = torch.tensor([0, 30, 100], dtype=torch.int64)
     word = _kda_args._op_flags  # the options word: (final state, l2 norm, gate in kernel, state_v_first, residual dtype, residuals)
-    ins = lambda final, cu_, vfirst=False, res=(): (q, k, v, g, beta, None, None, None, cu_, None, None,  # noqa: E731
-                                                    word(final, False, False, vfirst, "float32" if res else None, res))
+    ins = lambda final, cu_, vfirst=False, res=(): (q, k, v, g, beta,  # noqa: E731
+                                                    word(final, False, False, vfirst, "float32" if res else None, res), None, None,
+                                                    None, cu_, None, None)
     o, fin = torch.empty_like(v), torch.empty(2, q.shape[2], q.shape[3], v.shape[3], device=dev)
     nbytes = encore.kda_forward_workspace_bytes(q, k, v, g, beta, (o, fin), cu_seqlens=cu)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
     cases = [("kda_forward", ins(False, None)),
              ("kda_forward", ins(True, None, res=("G", "Aqk", "Akk", "h"))),
-             ("kda_forward", (q, k, v, g, beta, None, None, None, cu, None, None,
-                              word(True, False, False, False, "bfloat16" if dev == "cuda" else "float32", ("Aqk", "h")))),
+             ("kda_forward", (q, k, v, g, beta, word(True, False, False, False, "bfloat16" if dev == "cuda" else "float32", ("Aqk", "h")),
+                              None, None, None, cu)),
              ("kda_forward_out", (*ins(True, cu), o, fin, ws)),
              ("kda_forward_out", (*ins(False, None), o, None, None))]
     # state_v_first: the states [N, HV, V, K] (the fakes' final_state so)
     vk = lambda x: x.transpose(2, 3).contiguous()  # noqa: E731
     h0n = make(dev, F32)(2, q.shape[2], q.shape[3], v.shape[3], scale=0.1)
-    cases += [("kda_forward", (q, k, v, g, beta, vk(h0n), None, None, cu, None, None, word(True, False, False, True, "float32", ("G", "h")))),
+    cases += [("kda_forward", (q, k, v, g, beta, word(True, False, False, True, "float32", ("G", "h")), vk(h0n), None, None, cu)),
               ("kda_forward_out", (*ins(True, cu, True), o, vk(fin), ws))]
     if dev == "cpu":
         d_o = make(dev, F32)(*v.shape)

@@ -11,9 +11,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -54,10 +56,32 @@ bool encode_input_map(unsigned char (&out)[128], const KdaTensor& t, int B, int 
   if (!fn) return false;
   const cuuint64_t dims[4] = {cuuint64_t(C), cuuint64_t(H), cuuint64_t(T), cuuint64_t(B)};
   const cuuint64_t strides[3] = {cuuint64_t(t.sh) * 2, cuuint64_t(t.st) * 2, cuuint64_t(t.sb) * 2};  // bytes, dims 1..3
+  // The descriptor is a function of the address, dims and strides alone (the rest is fixed here): each thread keeps
+  // the last few it encoded and copies one back when all three repeat, as they do call after call where the
+  // caching allocator hands the same buffers out again (~60 ns an encode saved, four a launch).
+  struct Memo {
+    const void* data = nullptr;
+    cuuint64_t dims[4] = {}, strides[3] = {};
+    alignas(64) unsigned char map[128] = {};
+  };
+  thread_local Memo memo[4];
+  thread_local unsigned next = 0;
+  for (const Memo& m : memo)
+    if (m.data == t.data && std::equal(dims, dims + 4, m.dims) && std::equal(strides, strides + 3, m.strides)) {
+      std::memcpy(out, m.map, 128);
+      return true;
+    }
   const cuuint32_t box[4] = {64, 1, kda::kC, 1}, elem[4] = {1, 1, 1, 1};
-  return fn(reinterpret_cast<CUtensorMap*>(out), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(t.data), dims, strides, box, elem,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  if (fn(reinterpret_cast<CUtensorMap*>(out), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(t.data), dims, strides, box, elem,
+         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return false;
+  Memo& m = memo[next++ % 4];
+  m.data = t.data;
+  std::copy(dims, dims + 4, m.dims);
+  std::copy(strides, strides + 3, m.strides);
+  std::memcpy(m.map, out, 128);
+  return true;
 }
 
 // The one-launch kernel's flag value for the next launch: distinct per launch of this process, and seeded
