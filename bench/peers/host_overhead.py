@@ -121,7 +121,7 @@ def main():
         },
         "gemm_row_scale [8, 256] x [256, 256] bf16": {
             "public": lambda: encore.gemm_row_scale(a, wg, rs),
-            "torch_op": lambda: ops.gemm_row_scale(a, wg, rs, "auto"),
+            "torch_op": lambda: ops.gemm_row_scale(a, wg, rs),  # tile left at its default, "auto"
         },
         f"chunk_kda forward [1, {T}, {H}, {K}] bf16, no grad": {
             "public": lambda: encore.chunk_kda(q, k, v, g, beta),

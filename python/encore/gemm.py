@@ -367,12 +367,12 @@ def _partials_sum_launch(partials, per_column, scale, n, stream):
 # --- torch.ops.encore: the launchers on torch's current stream; fakes allocate as the launchers do ------
 
 @torch_op("gemm_row_scale", fake=lambda a, w, *_: _d(a, w))
-def _gemm_row_scale(a: Tensor, w: Tensor, r: Tensor, tile: str) -> Tensor:
+def _gemm_row_scale(a: Tensor, w: Tensor, r: Tensor, tile: str = "auto") -> Tensor:
     return _gemm_row_scale_launch(a, w, r, tile, None)
 
 
 @torch_op("gemm_scalar_scale", fake=lambda a, w, *_: _d(a, w))
-def _gemm_scalar_scale(a: Tensor, w: Tensor, alpha: Tensor, tile: str) -> Tensor:
+def _gemm_scalar_scale(a: Tensor, w: Tensor, alpha: Tensor, tile: str = "auto") -> Tensor:
     return _gemm_scalar_scale_launch(a, w, alpha, tile, None)
 
 
@@ -387,12 +387,12 @@ def _rms_final_reduce(partials: Tensor, hidden: int, eps: float) -> Tensor:
 
 
 @torch_op("gemm_swiglu", fake=lambda a, w, *_: _swiglu_outputs(a, w))
-def _gemm_swiglu(a: Tensor, w: Tensor, r: Tensor | None, tile: str) -> tuple[Tensor, Tensor]:
+def _gemm_swiglu(a: Tensor, w: Tensor, r: Tensor | None, tile: str = "auto") -> tuple[Tensor, Tensor]:
     return _gemm_swiglu_launch(a, w, r, tile, None)
 
 
 @torch_op("gemm_rope", fake=lambda a, w, *_: _d(a, w))
-def _gemm_rope(a: Tensor, w: Tensor, pos: Tensor, freq: Tensor, r: Tensor | None, tile: str) -> Tensor:
+def _gemm_rope(a: Tensor, w: Tensor, pos: Tensor, freq: Tensor, r: Tensor | None, tile: str = "auto") -> Tensor:
     return _gemm_rope_launch(a, w, pos, freq, r, tile, None)
 
 
