@@ -126,3 +126,12 @@ def _op_options(flags, end=_WORD_END):
         raise ValueError(f"flags: expected an options word in [0, {end}) (kda._op_flags), got {flags!r}")
     return (bool(flags & KDA_FINAL_STATE), bool(flags & KDA_QK_L2NORM), bool(flags & KDA_GATE_IN_KERNEL), bool(flags & KDA_STATE_V_FIRST),
             "bfloat16" if flags & KDA_RESIDUALS_BF16 else "float32", tuple(n for n, bit in KDA_RESIDUAL_BITS.items() if flags & bit))
+
+
+def _given(*args):
+    """kda_forward's arguments without the trailing ones left at None (their default): each argument the
+    dispatcher converts costs host time."""
+    n = len(args)
+    while args[n - 1] is None:
+        n -= 1
+    return args[:n]

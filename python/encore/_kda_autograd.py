@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ._core import ops
-from ._kda_args import _op_flags
+from ._kda_args import _given, _op_flags
 
 
 _NAMES = ("G", "Aqk", "Akk", "h")  # the op's residual order (kda_backward's arguments)
@@ -25,15 +25,6 @@ def _residual_request(q, rematerialize):
         return (), None
     names = ("Aqk", "Akk") if rematerialize else ("Aqk", "Akk", "h")
     return names, "bfloat16" if q.dtype == torch.bfloat16 else "float32"
-
-
-def _given(*args):
-    """kda_forward's arguments without the trailing ones left at None (their default): each argument the
-    dispatcher converts costs host time."""
-    n = len(args)
-    while args[n - 1] is None:
-        n -= 1
-    return args[:n]
 
 
 def _residual_list(names, outs):

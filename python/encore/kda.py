@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from . import _core
 from . import _encore as _b
-from ._kda_args import _fla_layouts, _forward_args, _gate_params, _op_flags, _op_options, _opts, _state_layout, _state_shape
+from ._kda_args import (_OUT_WORD_END, _fla_layouts, _forward_args, _gate_params, _given, _op_flags, _op_options, _opts, _state_layout,
+                        _state_shape)
 from ._kda_serving import fused_recurrent_kda, fused_recurrent_kda_fwd, kda_forward_pool
 from ._core import (as_float, dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, native, ops, present, stream_for,
                     torch_module, torch_op, with_absent)
@@ -173,7 +174,7 @@ def _kda_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, flags
 def _kda_forward_out(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, flags: int, initial_state: Tensor | None,
                      A_log: Tensor | None, dt_bias: Tensor | None, cu_seqlens: Tensor | None, scale: float | None,
                      lower_bound: float | None, o: Tensor, final_state: Tensor | None, workspace: Tensor | None) -> None:
-    final, l2, gate, vfirst, _, _ = _op_options(flags, 32)
+    final, l2, gate, vfirst, _, _ = _op_options(flags, _OUT_WORD_END)
     _kda_forward_launch(q, k, v, g, beta, scale, initial_state, final, l2, gate, A_log, dt_bias, lower_bound, cu_seqlens, (), None,
                         (o, final_state), workspace, None, vfirst)
 
@@ -272,9 +273,9 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
         fwd_out(*ins, *out, workspace)
         return out
     if not names:
-        outs = fwd(*ins)
+        outs = fwd(*_given(*ins))
         return outs[0], outs[1] if output_final_state else None
-    o, fin, *res = with_absent(fwd(*ins),
+    o, fin, *res = with_absent(fwd(*_given(*ins)),
                                (True, output_final_state) + (True,) * len(names))
     res = dict(zip(canonical, res))
     return o, fin, {x: res[x] for x in names}

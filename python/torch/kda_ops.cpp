@@ -127,6 +127,12 @@ size_t workspace_need(const Forward& f, const encore::KdaForwardArgs& args, cons
   return bytes;
 }
 
+// A workspace of `bytes` on q's device with room for the 16-byte alignment (_core.workspace); *aligned: its start.
+at::Tensor new_workspace(const at::Tensor& q, size_t bytes, void** aligned) {
+  at::Tensor ws = new_empty(q, {int64_t(bytes) + 16}, at::kByte);
+  *aligned = align16(reinterpret_cast<uintptr_t>(ws.data_ptr()));
+  return ws;
+}
 
 // The run, with the binding's check that a needed workspace is there.
 void run_forward(const encore::KdaForwardArgs& args, const encore::KdaOptions& opts, void* workspace, const at::Tensor& q) {
@@ -177,10 +183,7 @@ std::vector<at::Tensor> kda_forward(const at::Tensor& q, const at::Tensor& k, co
     o = empty_with_tail(v, {f.b, f.t, f.h, f.vd}, nbytes, &wp);
   } else {
     o = new_empty(v, {f.b, f.t, f.h, f.vd});
-    if (nbytes) {  // _core.workspace: room for the 16-byte alignment
-      ws = new_empty(q, {int64_t(nbytes) + 16}, at::kByte);
-      wp = align16(reinterpret_cast<uintptr_t>(ws.data_ptr()));
-    }
+    if (nbytes) ws = new_workspace(q, nbytes, &wp);
   }
   args.o = view(OptTensor(o), "o");
   run_forward(args, opts, wp, q);
@@ -210,14 +213,13 @@ void kda_forward_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     const at::Tensor& ws = *workspace;
     TORCH_CHECK_VALUE(ws.dim() == 1 && ws.scalar_type() == at::kByte, "workspace: expected a 1-D uint8 array");
     TORCH_CHECK_VALUE(ws.device() == q.device(), "workspace: expected an array on the inputs' framework and device");
-    void* const at = align16(reinterpret_cast<uintptr_t>(ws.data_ptr()));
-    const int64_t skip = static_cast<unsigned char*>(at) - static_cast<unsigned char*>(ws.data_ptr());
+    void* const aligned = align16(reinterpret_cast<uintptr_t>(ws.data_ptr()));
+    const int64_t skip = static_cast<unsigned char*>(aligned) - static_cast<unsigned char*>(ws.data_ptr());
     TORCH_CHECK_VALUE(ws.size(0) >= int64_t(nbytes) + skip, "workspace: ", ws.size(0), " bytes, this call needs ", nbytes,
                       " from a 16-byte aligned address (allocate kda_forward_workspace_bytes(...) bytes)");
-    if (nbytes) wp = at;
+    if (nbytes) wp = aligned;
   } else if (nbytes) {
-    own = new_empty(q, {int64_t(nbytes) + 16}, at::kByte);
-    wp = align16(reinterpret_cast<uintptr_t>(own.data_ptr()));
+    own = new_workspace(q, nbytes, &wp);
   }
   run_forward(args, opts, wp, q);
 }

@@ -303,6 +303,30 @@ def test_kda_forward_on_cuda_matches_python_kernel():
     check("kda_forward", kda._kda_forward, cases)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not encore.built_with_cuda(), reason="needs CUDA")
+def test_kda_forward_views_at_one_address():
+    """Two views of one buffer with the same address and sizes but other token strides, one call after the
+    other (the forward keeps its TMA descriptors per thread, keyed by address, sizes and strides): each gives
+    what its contiguous copy (another address) gives, and the two differ."""
+    K, T, H = 64, 64, 2
+    bufs = [torch.randn(1, 2 * T, H, K, device="cuda", dtype=BF16) * s for s in (1.0, 0.1, 1.0)]  # q, k, v
+
+    def views(wide):  # [1, T, H, K] at each buffer's address: token stride 2 H K (wide) or H K
+        return [b.view(1, T, 2 * H, K)[:, :, :H] if wide else b.view(1, 2 * T, H, K)[:, :T] for b in bufs]
+
+    g = -0.1 * torch.rand(1, T, H, K, device="cuda")
+    beta = torch.rand(1, T, H, device="cuda", dtype=BF16) * 0.8 + 0.1
+    run = torch.ops.encore.kda_forward.default
+    narrow, wide = views(False), views(True)
+    assert narrow[0].data_ptr() == wide[0].data_ptr() and narrow[0].stride() != wide[0].stride()
+    got = [run(*narrow, g, beta, 1), run(*wide, g, beta, 1)]
+    want = [run(*[x.contiguous() for x in ins], g, beta, 1) for ins in (narrow, wide)]
+    for o, ref in zip(got, want):
+        for x, y in zip(o, ref):
+            torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(got[0][0].float(), got[1][0].float(), rtol=1e-2, atol=1e-2)
+
+
 def test_kda_forward_out_matches_python_kernel():
     q, k, v, g, beta = kda_inputs()
     cu = torch.tensor([0, 30, 100], dtype=torch.int64)

@@ -62,7 +62,7 @@ bool encode_input_map(unsigned char (&out)[128], const KdaTensor& t, int B, int 
   struct Memo {
     const void* data = nullptr;
     cuuint64_t dims[4] = {}, strides[3] = {};
-    alignas(64) unsigned char map[128] = {};
+    unsigned char map[128] = {};
   };
   thread_local Memo memo[4];
   thread_local unsigned next = 0;
