@@ -7,7 +7,9 @@ traces) and, for the norm ops, "binding" (the raw encore._encore <op>_run call o
 output preallocated, options and stream cached: the least a launcher can cost). References in the
 same job: "torch_rms_norm" (torch.nn.functional.rms_norm, eager), "torch_launch" (one empty kernel
 launched by torch: torch.cuda._sleep(0)), "to_dlpack" (one capsule), "torch_empty" (one
-torch.empty_like).
+torch.empty_like), and torch's own ops through the entry path the gate reads, "aten_add_torch_op_host"
+(torch.ops.aten.add.Tensor: one output, one kernel) and "aten_rms_norm_torch_op_host"
+(torch.ops.aten.rms_norm.default): the floor a torch.ops call has on the host of the job.
 Each number: the best of 7 repeats of N calls timed between torch.cuda.synchronize() calls, Python's garbage
 collector off while timing (as timeit has it: its pauses land on whichever call allocates); the
 shapes are tiny, so the host, not the GPU, is the bottleneck ("device_us": the public call's device
@@ -16,7 +18,8 @@ time per call from a CUDA-graph replay, for comparison).
 torch.ops gate reads (chunk_kda's device time, ~18 us, exceeds its host time, so the wall time
 cannot show it); "torch_op_host_paired" / "torch_rms_norm_host_paired": the torch.ops path and torch's
 F.rms_norm timed in alternation (21 rounds, best of each), for hosts whose speed drifts within the job;
-"public_paired" / "torch_rms_norm_paired" the same for the public path's wall time (rms_norm).
+"public_paired" / "torch_rms_norm_paired" the same for the public path's wall time (rms_norm);
+"torch_op_host_paired_aten" / "aten_add_torch_op_host_paired": the torch.ops path beside torch.ops.aten.add.
 Gates (issue 46): rms_norm's public path (wall, paired with F.rms_norm) at or under torch's; every op's
 torch_op path <= 10 us of host time.
 Usage: python3 bench/peers/host_overhead.py [OUT.json]  (CUDA build and GPU; falls back to the CPU
@@ -132,6 +135,10 @@ def main():
             "torch_empty": lambda: torch.empty_like(x)}
     if cuda:
         refs["torch_launch"] = lambda: torch.cuda._sleep(0)
+    # torch's own ops through the path the gate reads (OpOverload, the boxed dispatcher call): the platform's
+    # floor for a torch.ops call that allocates an output and launches one kernel
+    aten_refs = {"aten_add_torch_op": lambda: torch.ops.aten.add.Tensor(x, x),
+                 "aten_rms_norm_torch_op": lambda: torch.ops.aten.rms_norm.default(x, [4096], w, 1e-6)}
 
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu (CPU backend; includes its arithmetic)",
                "torch": torch.__version__, "encore": getattr(encore, "__version__", "?"),
@@ -142,6 +149,7 @@ def main():
     with torch.inference_mode():
         results["references_us"] = {name: wall_us(call, sync) for name, call in refs.items()}
         results["references_us"]["torch_rms_norm_host"] = host_us(refs["torch_rms_norm"], sync, cuda)
+        results["references_us"].update({name + "_host": host_us(call, sync, cuda) for name, call in aten_refs.items()})
         for op, calls in paths.items():
             row = {name: wall_us(call, sync) for name, call in calls.items()}
             row.update({name + "_host": host_us(call, sync, cuda) for name, call in calls.items() if name != "binding"})
@@ -150,6 +158,9 @@ def main():
             row["torch_op_host_paired"], row["torch_rms_norm_host_paired"] = (
                 paired_us(lambda c, r: host_us(c, sync, cuda, repeats=r), calls["torch_op"], refs["torch_rms_norm"]) if cuda
                 else (row["torch_op_host"], results["references_us"]["torch_rms_norm_host"]))
+            if cuda:  # beside torch's own add through torch.ops.aten: the same entry path, torch's kernel
+                row["torch_op_host_paired_aten"], row["aten_add_torch_op_host_paired"] = paired_us(
+                    lambda c, r: host_us(c, sync, cuda, repeats=r), calls["torch_op"], aten_refs["aten_add_torch_op"])
             if op.startswith("rms_norm"):  # the public gate's number beside its reference in time
                 row["public_paired"], row["torch_rms_norm_paired"] = paired_us(lambda c, r: wall_us(c, sync, repeats=r), calls["public"],
                                                                                refs["torch_rms_norm"])
@@ -166,7 +177,8 @@ def main():
     worst_op = max(row["torch_op_host"] for row in results["ops"].values())
     results["gates"] = {"rms_norm_public_us": rms_public, "torch_rms_norm_us": torch_rms,
                         "rms_norm_at_or_under_torch": rms_public <= torch_rms,
-                        "torch_op_worst_us": worst_op, "torch_op_all_within_goal": worst_op <= GOAL_US}
+                        "torch_op_worst_us": worst_op, "torch_op_all_within_goal": worst_op <= GOAL_US,
+                        "aten_add_torch_op_host_us": results["references_us"]["aten_add_torch_op_host"]}
     print(f"gates: rms_norm public {rms_public:.2f} us vs torch {torch_rms:.2f} us; torch.ops worst host {worst_op:.2f} us "
           f"(goal <= {GOAL_US:.0f})")
     with open(out_path, "w") as f:

@@ -259,6 +259,8 @@ _KDA_BAD = ["no_residuals", "d_o_cpu", "residual_cpu", "G_bf16", "h0_bf16", "dfi
 @given(seed=SEEDS, dt=st.sampled_from(["bf16", "f16", "f32"]), case=st.sampled_from(_KDA_BAD))
 def test_kda_backward_cuda_refusals(seed, dt, case):
     dt = DT[dt]
+    if case == "no_residuals" and dt == torch.bfloat16:  # bf16: the backward re-runs the forward for absent residuals
+        dt = torch.float16
     rng = np.random.default_rng(seed)
     kd = 300 if case == "K_300" else 16
     x, opts = _kda_case(rng, dt, 1, int(rng.integers(2, 20)), 2, 1, kd, 8, "softplus" if case == "A_log_f16" else "log", False,
