@@ -128,6 +128,11 @@ def _op_options(flags, end=_WORD_END):
             "bfloat16" if flags & KDA_RESIDUALS_BF16 else "float32", tuple(n for n, bit in KDA_RESIDUAL_BITS.items() if flags & bit))
 
 
+def _opt_float(x):
+    """An optional float argument of the ops (scale, lower_bound) as the schema's float? takes it."""
+    return None if x is None else float(x)
+
+
 def _given(*args):
     """kda_forward's arguments without the trailing ones left at None (their default): each argument the
     dispatcher converts costs host time."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ._core import ops
-from ._kda_args import _given, _op_flags
+from ._kda_args import _given, _op_flags, _opt_float
 
 
 _NAMES = ("G", "Aqk", "Akk", "h")  # the op's residual order (kda_backward's arguments)
@@ -39,8 +39,7 @@ class ChunkKdaFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate, lower_bound, cu,
                 rematerialize, state_v_first):
         names, rdt = _residual_request(q, rematerialize)
-        scale = None if scale is None else float(scale)
-        lower = None if lower_bound is None else float(lower_bound)
+        scale, lower = _opt_float(scale), _opt_float(lower_bound)
         outs = ops().kda_forward(*_given(q, k, v, g, beta, _op_flags(output_final_state, l2, gate, state_v_first, rdt, names),
                                          initial_state, A_log, dt_bias, cu, scale, lower))
         o = outs[0]
@@ -76,8 +75,7 @@ def chunk_kda_apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, outp
     if not grad:
         # inference: the forward alone, no residuals saved, no autograd node
         outs = ops().kda_forward(*_given(q, k, v, g, beta, _op_flags(output_final_state, l2, gate, state_v_first), initial_state, A_log,
-                                         dt_bias, cu, None if scale is None else float(scale),
-                                         None if lower_bound is None else float(lower_bound)))
+                                         dt_bias, cu, _opt_float(scale), _opt_float(lower_bound)))
         return outs[0], (outs[1] if output_final_state else None)
     return ChunkKdaFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, l2, gate,
                                   lower_bound, cu, bool(rematerialize), bool(state_v_first))

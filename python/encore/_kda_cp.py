@@ -23,7 +23,7 @@ from . import _core
 from . import _encore as _b
 from ._core import dl, ops, stream_for
 from ._kda_autograd import _residual_list, _residual_request
-from ._kda_args import _forward_args, _op_flags, _opts
+from ._kda_args import _forward_args, _given, _op_flags, _opt_float, _opts
 
 
 class _DistExchange:
@@ -129,8 +129,8 @@ class ChunkKdaCpFunction(torch.autograd.Function):
         if pre > 0:
             h0[0] = _merge(parts, range(r - pre, r), hv, K, V).to(h0.dtype)
         names, rdt = _residual_request(q, False)
-        outs = ops().kda_forward(q, k, v, g, beta, _op_flags(False, l2, gate, False, rdt, names), h0, A_log, dt_bias, cu_local,
-                                 None if scale is None else float(scale), None if lower_bound is None else float(lower_bound))
+        outs = ops().kda_forward(*_given(q, k, v, g, beta, _op_flags(False, l2, gate, False, rdt, names), h0, A_log, dt_bias, cu_local,
+                                         _opt_float(scale), _opt_float(lower_bound)))
         res = _residual_list(names, outs[1:])
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_local, *res)
         ctx.meta = (scale, bool(l2), bool(gate), lower_bound, opts, pre, post, ex, r)
@@ -146,7 +146,7 @@ class ChunkKdaCpFunction(torch.autograd.Function):
         d_fin = torch.zeros_like(h0)
         if post > 0:
             d_fin[-1] = _merge(parts, range(r + post, r, -1), hv, K, V).to(h0.dtype)
-        grads = ops().kda_backward(q, k, v, g, beta, d_o, d_fin, None if scale is None else float(scale), h0, l2, gate, A_log, dt_bias,
+        grads = ops().kda_backward(q, k, v, g, beta, d_o, d_fin, _opt_float(scale), h0, l2, gate, A_log, dt_bias,
                                     None if lower is None else float(lower), cu, *res)
         dq, dk, dv, dg, dbeta, *extra = grads
         extra = iter(extra[1:])  # extra[0]: dh0 of the merged initial state (carried upstream by the merge instead)

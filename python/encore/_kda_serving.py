@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from . import _encore as _b
 from ._core import as_float, dl, eager, empty, is_torch, matrix_shape, ops, stream_for, torch_module, torch_op, workspace
-from ._kda_args import _fla_layouts, _forward_args, _gate_params, _opts, _state_layout, _state_shape
+from ._kda_args import _fla_layouts, _forward_args, _gate_params, _opt_float, _opts, _state_layout, _state_shape
 
 if TYPE_CHECKING:  # the ops' string annotations (torch.library.infer_schema reads them)
     from torch import Tensor
@@ -245,9 +245,9 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
         final_state = returned = None
     flags = (bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel))
     if stream is None and not eager(q, k, v, g, beta, A_log, dt_bias, initial_state, out, final_state):
-        ops().kda_recurrent(q, k, v, g, beta, A_log, dt_bias, None if scale is None else float(scale), initial_state,
+        ops().kda_recurrent(q, k, v, g, beta, A_log, dt_bias, _opt_float(scale), initial_state,
                             bool(inplace_final_state), _torch_arg(ssm_state_indices), _torch_arg(num_accepted_tokens),
-                            _torch_arg(cu_seqlens), *flags, None if lower_bound is None else float(lower_bound),
+                            _torch_arg(cu_seqlens), *flags, _opt_float(lower_bound),
                             bool(use_beta_sigmoid_in_kernel), allow_neg_eigval, out, final_state, bool(check_indices),
                             state_v_first)
     else:
@@ -272,9 +272,9 @@ def kda_forward_pool(q, k, v, g, beta, pool, state_indices, scale=None, use_qk_l
     if out is None:
         out = empty(v, (b, t, hv, vd))
     if stream is None and not eager(q, k, v, g, beta, A_log, dt_bias, pool, out):
-        ops().kda_forward_pool(q, k, v, g, beta, None if scale is None else float(scale), pool, _torch_arg(state_indices),
+        ops().kda_forward_pool(q, k, v, g, beta, _opt_float(scale), pool, _torch_arg(state_indices),
                                bool(use_qk_l2norm), bool(use_gate_in_kernel), A_log, dt_bias,
-                               None if lower_bound is None else float(lower_bound), _torch_arg(cu_seqlens), out,
+                               _opt_float(lower_bound), _torch_arg(cu_seqlens), out,
                                bool(check_indices), bool(state_v_first))
     else:
         _kda_forward_pool_launch(q, k, v, g, beta, scale, pool, state_indices, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias,

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from . import _core
 from . import _encore as _b
-from ._kda_args import (_OUT_WORD_END, _fla_layouts, _forward_args, _gate_params, _given, _op_flags, _op_options, _opts, _state_layout,
-                        _state_shape)
+from ._kda_args import (_OUT_WORD_END, _fla_layouts, _forward_args, _gate_params, _given, _op_flags, _op_options, _opt_float, _opts,
+                        _state_layout, _state_shape)
 from ._kda_serving import fused_recurrent_kda, fused_recurrent_kda_fwd, kda_forward_pool
 from ._core import (as_float, dl, empty, empty_like, eager, given_outputs, is_torch, matrix_shape, native, ops, present, stream_for,
                     torch_module, torch_op, with_absent)
@@ -75,10 +75,6 @@ def _state_kind(q):
 
 def _on_cuda(a):
     return is_torch(a) and a.is_cuda
-
-
-def _opt_float(x):
-    return None if x is None else float(x)
 
 
 # --- launchers: one workspace query (CUDA) and one run each; stream None is torch's current stream -----
@@ -272,11 +268,10 @@ def _forward_op(fwd, fwd_out, q, k, v, g, beta, scale, initial_state, output_fin
         out = given_outputs(out, ("o", "final_state"))
         fwd_out(*ins, *out, workspace)
         return out
+    outs = fwd(*_given(*ins))
     if not names:
-        outs = fwd(*_given(*ins))
         return outs[0], outs[1] if output_final_state else None
-    o, fin, *res = with_absent(fwd(*_given(*ins)),
-                               (True, output_final_state) + (True,) * len(names))
+    o, fin, *res = with_absent(outs, (True, output_final_state) + (True,) * len(names))
     res = dict(zip(canonical, res))
     return o, fin, {x: res[x] for x in names}
 
